@@ -1,0 +1,1 @@
+"""Engine integrations (vLLM, SGLang). Importing this package never imports vllm or sglang."""

@@ -1,0 +1,11 @@
+"""prefixattn: horizontally-fused prefix-shared paged attention (Triton) and a global prefix scheduler.
+
+Set ``TRITON_INTERPRET=1`` *before* importing this package to run the kernels on CPU tensors.
+"""
+
+from prefixattn.merge import merge_states, merge_states_n
+from prefixattn.reference import reference_attention
+
+__version__ = "0.1.0"
+
+__all__ = ["merge_states", "merge_states_n", "reference_attention", "__version__"]

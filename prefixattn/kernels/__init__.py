@@ -1,0 +1,1 @@
+"""Triton kernels (``@triton.jit`` only). Launch them through the checked wrappers in :mod:`prefixattn`."""

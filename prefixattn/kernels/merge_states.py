@@ -1,0 +1,110 @@
+"""Merge partial attention states ``(v, lse)`` by log-sum-exp (BatchLLM Eq. 1, natural log).
+
+A state with LSE ``-inf`` is empty and carries no weight; a ``+inf`` LSE dominates every finite one. All arithmetic is
+fp32 right after the loads (also keeps bf16 right under the Triton interpreter, which computes on raw bf16 bits).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _weight(s, m):
+    # exp(s - m), defined where the subtraction is not: an empty state (-inf) weighs 0, the maximum itself weighs 1
+    # (so +inf - +inf never turns into NaN).
+    w = tl.exp(tl.where(s == m, 0.0, s - m))
+    return tl.where(s == float("-inf"), 0.0, w)
+
+
+@triton.jit
+def _store_merged(v_out_ptr, s_out_ptr, acc, w_sum, m, offs_h, offs_d, mask_h, mask_hd,
+                  stride_vo_h, stride_vo_d, stride_so_h):
+    nonempty = w_sum > 0.0
+    out = tl.where(nonempty[:, None], acc / tl.where(nonempty, w_sum, 1.0)[:, None], 0.0)
+    lse = tl.where(nonempty, m + tl.log(tl.where(nonempty, w_sum, 1.0)), float("-inf"))
+    tl.store(v_out_ptr + offs_h[:, None] * stride_vo_h + offs_d[None, :] * stride_vo_d,
+             out.to(v_out_ptr.dtype.element_ty), mask=mask_hd)
+    tl.store(s_out_ptr + offs_h * stride_so_h, lse, mask=mask_h)
+
+
+@triton.jit
+def merge_states_kernel(
+    v_out_ptr,  # [num_tokens, num_heads, head_dim]
+    s_out_ptr,  # [num_tokens, num_heads] fp32
+    v_ptr,  # [num_tokens, num_states, num_heads, head_dim]
+    s_ptr,  # [num_tokens, num_states, num_heads] fp32
+    num_states,
+    num_heads,
+    head_dim,
+    stride_vo_t, stride_vo_h, stride_vo_d,
+    stride_so_t, stride_so_h,
+    stride_v_t, stride_v_n, stride_v_h, stride_v_d,
+    stride_s_t, stride_s_n, stride_s_h,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """n-way merge; one program per (token, head tile), one online pass over the states."""
+    token = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_h = offs_h < num_heads
+    mask_hd = mask_h[:, None] & (offs_d[None, :] < head_dim)
+
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    w_sum = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for n in range(num_states):
+        s = tl.load(s_ptr + token * stride_s_t + n * stride_s_n + offs_h * stride_s_h, mask=mask_h,
+                    other=float("-inf")).to(tl.float32)
+        v = tl.load(v_ptr + token * stride_v_t + n * stride_v_n + offs_h[:, None] * stride_v_h
+                    + offs_d[None, :] * stride_v_d, mask=mask_hd, other=0.0).to(tl.float32)
+        m_new = tl.maximum(m, s)
+        rescale = _weight(m, m_new)
+        w = _weight(s, m_new)
+        acc = acc * rescale[:, None] + w[:, None] * v
+        w_sum = w_sum * rescale + w
+        m = m_new
+    _store_merged(v_out_ptr + token * stride_vo_t, s_out_ptr + token * stride_so_t, acc, w_sum, m,
+                  offs_h, offs_d, mask_h, mask_hd, stride_vo_h, stride_vo_d, stride_so_h)
+
+
+@triton.jit
+def merge_state_pair_kernel(
+    v_out_ptr,  # [num_tokens, num_heads, head_dim]
+    s_out_ptr,  # [num_tokens, num_heads] fp32
+    v_a_ptr,  # [num_tokens, num_heads, head_dim]
+    s_a_ptr,  # [num_tokens, num_heads] fp32
+    v_b_ptr,  # [num_tokens, num_heads, head_dim]
+    s_b_ptr,  # [num_tokens, num_heads] fp32
+    num_heads,
+    head_dim,
+    stride_vo_t, stride_vo_h, stride_vo_d,
+    stride_so_t, stride_so_h,
+    stride_va_t, stride_va_h, stride_va_d,
+    stride_sa_t, stride_sa_h,
+    stride_vb_t, stride_vb_h, stride_vb_d,
+    stride_sb_t, stride_sb_h,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Two-way merge (the cascade/split-k epilogue); one program per (token, head tile)."""
+    token = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_h = offs_h < num_heads
+    mask_hd = mask_h[:, None] & (offs_d[None, :] < head_dim)
+
+    s_a = tl.load(s_a_ptr + token * stride_sa_t + offs_h * stride_sa_h, mask=mask_h, other=float("-inf"))
+    s_b = tl.load(s_b_ptr + token * stride_sb_t + offs_h * stride_sb_h, mask=mask_h, other=float("-inf"))
+    v_a = tl.load(v_a_ptr + token * stride_va_t + offs_h[:, None] * stride_va_h + offs_d[None, :] * stride_va_d,
+                  mask=mask_hd, other=0.0).to(tl.float32)
+    v_b = tl.load(v_b_ptr + token * stride_vb_t + offs_h[:, None] * stride_vb_h + offs_d[None, :] * stride_vb_d,
+                  mask=mask_hd, other=0.0).to(tl.float32)
+    s_a = s_a.to(tl.float32)
+    s_b = s_b.to(tl.float32)
+    m = tl.maximum(s_a, s_b)
+    w_a = _weight(s_a, m)
+    w_b = _weight(s_b, m)
+    _store_merged(v_out_ptr + token * stride_vo_t, s_out_ptr + token * stride_so_t,
+                  w_a[:, None] * v_a + w_b[:, None] * v_b, w_a + w_b, m,
+                  offs_h, offs_d, mask_h, mask_hd, stride_vo_h, stride_vo_d, stride_so_h)

@@ -1,0 +1,1 @@
+"""Global prefix scheduler (numpy only): prefix tree, grouping, ordering, token batching."""

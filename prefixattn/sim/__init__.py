@@ -1,0 +1,1 @@
+"""Throughput simulator: hardware/model presets, cost model, iteration-level engine, workloads."""

@@ -1,0 +1,168 @@
+"""Input checks shared by every public entry point.
+
+Every check raises ``ValueError`` whose message names the argument, what was expected and what arrived. Messages
+never print tensor contents (they can be huge and may be sensitive): only shapes, dtypes, devices and the first
+offending index/value.
+
+Checks on *metadata values* (``qo_indptr``, ``kv_lens``, ``block_table``) read those tensors on the host; they are
+meant for ``plan()`` and the reference, which run on the host anyway. ``attention()`` only checks shapes, dtypes and
+devices so it never synchronizes with the device.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+#: Dtypes the attention kernels accept for q / k_cache / v_cache (accumulation is always fp32).
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+#: Head sizes the fused kernels are tuned and tested for (the head sizes of the models users run).
+SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 256)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _dtype_names(dtypes: Iterable[torch.dtype]) -> str:
+    return "/".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def check_tensor(name: str, t, *, ndim: int | None = None, dtypes=None) -> None:
+    """Check that ``t`` is a tensor of rank ``ndim`` with a dtype in ``dtypes``."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name}: expected a {ndim}-D tensor, got {t.dim()}-D with shape {tuple(t.shape)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise ValueError(f"{name}: expected dtype {_dtype_names(dtypes)}, got {str(t.dtype).replace('torch.', '')}")
+
+
+def check_same_device(**tensors: torch.Tensor) -> torch.device:
+    """Check that all tensors live on one device and return it."""
+    items = list(tensors.items())
+    first_name, first = items[0]
+    for name, t in items[1:]:
+        if t.device != first.device:
+            raise ValueError(f"{name}: expected device {first.device} (the device of {first_name}), got {t.device}")
+    return first.device
+
+
+def check_kernel_device(name: str, t: torch.Tensor) -> None:
+    """Triton kernels run on CUDA/ROCm devices, or on CPU tensors only under the interpreter."""
+    from prefixattn.runtime import interpreter_enabled
+
+    if t.device.type == "cpu" and not interpreter_enabled():
+        raise ValueError(
+            f"{name}: expected a CUDA/ROCm tensor, got a CPU tensor; CPU tensors run only under the Triton "
+            "interpreter (set TRITON_INTERPRET=1 before importing prefixattn)"
+        )
+
+
+def check_head_dim(name: str, head_dim: int) -> None:
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"{name}: expected a head_dim in {SUPPORTED_HEAD_DIMS}, got {head_dim}")
+
+
+def check_heads(num_qo_heads: int, num_kv_heads: int) -> None:
+    if num_kv_heads <= 0:
+        raise ValueError(f"num_kv_heads: expected a positive head count, got {num_kv_heads}")
+    if num_qo_heads <= 0 or num_qo_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"num_qo_heads: expected a positive multiple of num_kv_heads={num_kv_heads} (GQA/MQA), got {num_qo_heads}"
+        )
+
+
+def check_qkv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int, int]:
+    """Shapes/dtypes of q and the paged caches. Returns (num_qo_heads, num_kv_heads, head_dim, block_size)."""
+    check_tensor("q", q, ndim=3, dtypes=SUPPORTED_DTYPES)
+    check_tensor("k_cache", k_cache, ndim=4, dtypes=SUPPORTED_DTYPES)
+    check_tensor("v_cache", v_cache, ndim=4, dtypes=SUPPORTED_DTYPES)
+    check_same_device(q=q, k_cache=k_cache, v_cache=v_cache)
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"v_cache: expected the shape of k_cache {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != q.dtype:
+            raise ValueError(
+                f"{name}: expected the dtype of q ({str(q.dtype).replace('torch.', '')}), "
+                f"got {str(t.dtype).replace('torch.', '')}"
+            )
+    _, num_qo_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, kv_head_dim = k_cache.shape
+    if kv_head_dim != head_dim:
+        raise ValueError(f"k_cache: expected head_dim {head_dim} (from q) in dim 3, got {kv_head_dim}")
+    if block_size <= 0:
+        raise ValueError(f"k_cache: expected block_size >= 1 in dim 1, got {block_size}")
+    check_heads(num_qo_heads, num_kv_heads)
+    return num_qo_heads, num_kv_heads, head_dim, block_size
+
+
+def check_metadata(
+    qo_indptr: torch.Tensor,
+    kv_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    *,
+    block_size: int,
+    num_blocks: int | None = None,
+    num_tokens: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Check ragged/paged metadata values on the host.
+
+    Returns CPU int64 copies ``(qo_indptr, kv_lens, block_table)``. ``num_blocks``/``num_tokens``, when given, bound
+    the block ids and the last ``qo_indptr`` entry.
+    """
+    check_tensor("qo_indptr", qo_indptr, ndim=1, dtypes=_INDEX_DTYPES)
+    check_tensor("kv_lens", kv_lens, ndim=1, dtypes=_INDEX_DTYPES)
+    check_tensor("block_table", block_table, ndim=2, dtypes=_INDEX_DTYPES)
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
+        raise ValueError(f"block_size: expected a positive int, got {block_size!r}")
+    num_reqs = kv_lens.shape[0]
+    if qo_indptr.shape[0] != num_reqs + 1:
+        raise ValueError(
+            f"qo_indptr: expected length num_requests + 1 = {num_reqs + 1} (num_requests from kv_lens), "
+            f"got {qo_indptr.shape[0]}"
+        )
+    if block_table.shape[0] != num_reqs:
+        raise ValueError(
+            f"block_table: expected {num_reqs} rows (one per request, from kv_lens), got {block_table.shape[0]}"
+        )
+    indptr = qo_indptr.detach().to("cpu", torch.int64)
+    lens = kv_lens.detach().to("cpu", torch.int64)
+    table = block_table.detach().to("cpu", torch.int64)
+    if indptr[0].item() != 0:
+        raise ValueError(f"qo_indptr: expected qo_indptr[0] == 0, got {indptr[0].item()}")
+    q_lens = indptr[1:] - indptr[:-1]
+    if num_reqs and (q_lens < 0).any():
+        r = int(torch.nonzero(q_lens < 0)[0])
+        raise ValueError(
+            f"qo_indptr: expected a non-decreasing sequence, got qo_indptr[{r + 1}]={indptr[r + 1].item()} < "
+            f"qo_indptr[{r}]={indptr[r].item()}"
+        )
+    if num_tokens is not None and indptr[-1].item() != num_tokens:
+        raise ValueError(
+            f"qo_indptr: expected qo_indptr[-1] == number of query tokens ({num_tokens}), got {indptr[-1].item()}"
+        )
+    if num_reqs and (lens < q_lens).any():
+        r = int(torch.nonzero(lens < q_lens)[0])
+        raise ValueError(
+            f"kv_lens: expected kv_lens[r] >= q_len[r] (the KV includes the new query tokens), got "
+            f"kv_lens[{r}]={lens[r].item()} < q_len[{r}]={q_lens[r].item()}"
+        )
+    blocks_needed = (lens + block_size - 1) // block_size
+    max_blocks = int(blocks_needed.max()) if num_reqs else 0
+    if max_blocks > table.shape[1]:
+        r = int(torch.argmax(blocks_needed))
+        raise ValueError(
+            f"block_table: expected at least {max_blocks} columns (kv_lens[{r}]={lens[r].item()} with "
+            f"block_size={block_size}), got {table.shape[1]}"
+        )
+    if num_reqs and max_blocks:
+        used = torch.arange(table.shape[1]).unsqueeze(0) < blocks_needed.unsqueeze(1)
+        upper = num_blocks if num_blocks is not None else torch.iinfo(torch.int64).max
+        bad = used & ((table < 0) | (table >= upper))
+        if bad.any():
+            r, j = (int(x) for x in torch.nonzero(bad)[0])
+            expected = f"[0, {num_blocks})" if num_blocks is not None else ">= 0"
+            raise ValueError(
+                f"block_table: expected block ids in {expected} for the used entries, got "
+                f"block_table[{r}, {j}]={table[r, j].item()}"
+            )
+    return indptr, lens, table

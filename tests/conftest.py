@@ -1,0 +1,26 @@
+import os
+
+# Must be set before any kernel module is imported: Triton decides at import/decoration time whether a kernel runs
+# compiled or in the interpreter. Tests run on CPU tensors, so the interpreter is the only option here.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+def _has_gpu() -> bool:
+    return torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
+
+
+def pytest_collection_modifyitems(config, items):
+    if _has_gpu():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA/ROCm GPU (none here, or TRITON_INTERPRET=1)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def device() -> str:
+    return "cuda" if _has_gpu() else "cpu"
