@@ -11,8 +11,9 @@ import triton.language as tl
 @triton.jit
 def _weight(s, m):
     # exp(s - m), defined where the subtraction is not: an empty state (-inf) weighs 0, the maximum itself weighs 1
-    # (so +inf - +inf never turns into NaN).
-    w = tl.exp(tl.where(s == m, 0.0, s - m))
+    # (both operands are zeroed there, so +inf - +inf is never even computed).
+    is_max = s == m
+    w = tl.exp(tl.where(is_max, 0.0, s) - tl.where(is_max, 0.0, m))
     return tl.where(s == float("-inf"), 0.0, w)
 
 
