@@ -1,0 +1,60 @@
+"""``prefixattn bench``: run the benchmark suite (``pytest bench/``) and summarize ``bench/results/latest.csv``."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+HELP = "run the benchmark suite (pytest bench/) and print a summary of bench/results/latest.csv"
+
+
+def _bench_dir() -> Path:
+    # The suite is not part of the wheel: it runs from a source checkout (an editable install points here).
+    return Path(__file__).resolve().parent.parent / "bench"
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("-k", dest="keyword", default=None, help="only benchmarks matching this pytest -k expression")
+    parser.add_argument("--gpu", action="store_true",
+                        help="time compiled kernels on the GPU instead of running the CPU interpreter")
+    parser.add_argument("pytest_args", nargs="*", help="extra arguments passed to pytest")
+
+
+def summarize(csv_path: Path) -> str:
+    """A markdown table of every row, grouped as the CSV lists them."""
+    with csv_path.open() as f:
+        rows = list(csv.DictReader(f))
+    lines = ["| benchmark | provider | shape | metric | value | unit |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        value = float(r["value"])
+        shown = f"{value:.3g}" if abs(value) < 1e4 else f"{value:,.0f}"
+        lines.append(f"| {r['benchmark']} | {r['provider']} | {r['shape']} | {r['metric']} | {shown} | {r['unit']} |")
+    device = rows[0]["device"] if rows else "?"
+    return f"device: {device}\n\n" + "\n".join(lines)
+
+
+def run(args) -> int:
+    bench = _bench_dir()
+    if not bench.is_dir():
+        print("prefixattn bench: the benchmark suite runs from a source checkout (pip install -e .); "
+              f"no bench/ found at {bench}", file=sys.stderr)
+        return 2
+    env = dict(os.environ)
+    env["TRITON_INTERPRET"] = "0" if args.gpu else "1"
+    if args.gpu:
+        env["PREFIXATTN_BENCH_GPU"] = "1"
+    cmd = [sys.executable, "-m", "pytest", str(bench), "-q", "-p", "no:cacheprovider"]
+    if args.keyword:
+        cmd += ["-k", args.keyword]
+    cmd += list(args.pytest_args)
+    code = subprocess.call(cmd, cwd=bench.parent, env=env)
+    latest = bench / "results" / "latest.csv"
+    if latest.exists():
+        summary = summarize(latest)
+        (bench / "results" / "summary.md").write_text(summary + "\n")
+        print(summary)
+        print(f"\nfull results: {latest}\nsummary: {bench / 'results' / 'summary.md'}")
+    return code
