@@ -1,0 +1,143 @@
+"""attention(): run a :class:`~prefixattn.plan.Plan` - one launch of the fused prefix-shared attention kernel."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from prefixattn.kernels.prefix_attention import prefix_attention_kernel
+from prefixattn.plan import Plan, plan
+from prefixattn.validation import check_kernel_device, check_qkv, check_tensor
+
+_LOG2E = 1.0 / math.log(2.0)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _check_against_plan(q, k_cache, v_cache, p: Plan, out, return_lse) -> None:
+    """Shapes, dtypes and devices only: no value of any tensor is read (no host synchronization)."""
+    if not isinstance(p, Plan):
+        raise ValueError(f"plan: expected a prefixattn Plan (from prefixattn.plan), got {type(p).__name__}")
+    num_qo_heads, num_kv_heads, head_dim, block_size = check_qkv(q, k_cache, v_cache)
+    check_kernel_device("q", q)
+    for name, got, want in (("num_qo_heads (q dim 1)", num_qo_heads, p.num_qo_heads),
+                            ("num_kv_heads (k_cache dim 2)", num_kv_heads, p.num_kv_heads),
+                            ("head_dim (q dim 2)", head_dim, p.head_dim),
+                            ("block_size (k_cache dim 1)", block_size, p.block_size)):
+        if got != want:
+            raise ValueError(f"{name}: expected {want} (from the plan), got {got}")
+    if q.dtype != p.q_dtype:
+        raise ValueError(f"q: expected dtype {_dtype_name(p.q_dtype)} (the plan's q_dtype), got {_dtype_name(q.dtype)}")
+    if q.shape[0] < p.num_tokens:
+        raise ValueError(f"q: expected at least {p.num_tokens} rows (qo_indptr[-1] of the plan), got {q.shape[0]}")
+    if q.device != p.device:
+        raise ValueError(f"q: expected device {p.device} (the plan's device), got {q.device}")
+    if out is not None:
+        check_tensor("out", out, ndim=3, dtypes=(q.dtype,))
+        if tuple(out.shape) != tuple(q.shape):
+            raise ValueError(f"out: expected shape {tuple(q.shape)} (the shape of q), got {tuple(out.shape)}")
+        if out.device != q.device:
+            raise ValueError(f"out: expected device {q.device}, got {out.device}")
+    if not isinstance(return_lse, bool):
+        raise ValueError(f"return_lse: expected a bool, got {type(return_lse).__name__}")
+
+
+def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: Plan, *,
+              out: torch.Tensor | None = None, return_lse: bool = False):
+    """Prefix-shared paged attention for one layer: exactly one kernel launch, no host synchronization.
+
+    Same conventions as :func:`prefixattn.reference_attention`; the metadata (``qo_indptr``, ``kv_lens``,
+    ``block_table``, ``causal``, ``sm_scale``) come from ``plan``.
+
+    Parameters
+    ----------
+    q : Tensor, ``[num_tokens, num_qo_heads, head_dim]``, fp16/bf16/fp32, any strides
+        ``num_tokens >= qo_indptr[-1]``; rows past ``qo_indptr[-1]`` (CUDA-graph padding) are neither read nor
+        written.
+    k_cache, v_cache : Tensor, ``[num_blocks, block_size, num_kv_heads, head_dim]``, dtype of q, any strides
+    plan : Plan
+        From :func:`prefixattn.plan` for this step; one plan serves every layer, one launch at a time (the plan owns
+        the workspace and merge counters).
+    out : Tensor, optional, shape and dtype of q, any strides
+        Written in place (only its valid rows are touched; its old contents are never read).
+    return_lse : bool
+        Also return the fp32 natural-log LSE ``[num_tokens, num_qo_heads]``.
+
+    Returns
+    -------
+    out : Tensor, ``[num_tokens, num_qo_heads, head_dim]`` in q's dtype (and ``lse`` with ``return_lse``).
+
+    Examples
+    --------
+    >>> p = prefixattn.plan(qo_indptr, kv_lens, block_table, block_size=16, num_qo_heads=32, num_kv_heads=8,
+    ...                     head_dim=128, q_dtype=torch.bfloat16)
+    >>> for layer in layers:
+    ...     o = prefixattn.attention(q[layer], k_caches[layer], v_caches[layer], p)
+    """
+    _check_against_plan(q, k_cache, v_cache, plan, out, return_lse)
+    if out is None:
+        out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else plan.ws_lse
+    p, t = plan, plan.tiles
+    if p.num_items:
+        prefix_attention_kernel[(p.num_items * p.num_kv_heads,)](
+            out_ptr=out, lse_ptr=lse, ws_o_ptr=p.ws_o, ws_lse_ptr=p.ws_lse, counters_ptr=p.counters,
+            q_ptr=q, k_cache_ptr=k_cache, v_cache_ptr=v_cache,
+            items_ptr=p.items, gather_ptr=p.gather, item_units_ptr=p.item_units, units_ptr=p.units,
+            block_table_ptr=p.block_table,
+            num_kv_heads=p.num_kv_heads, group=p.num_qo_heads // p.num_kv_heads, head_dim=p.head_dim,
+            block_size=p.block_size, qk_scale=p.sm_scale * _LOG2E,
+            stride_o_t=out.stride(0), stride_o_h=out.stride(1), stride_o_d=out.stride(2),
+            stride_lse_t=lse.stride(0), stride_lse_h=lse.stride(1),
+            stride_ws_t=p.ws_o.stride(0), stride_ws_h=p.ws_o.stride(1), stride_ws_d=p.ws_o.stride(2),
+            stride_wl_t=p.ws_lse.stride(0), stride_wl_h=p.ws_lse.stride(1),
+            stride_q_t=q.stride(0), stride_q_h=q.stride(1), stride_q_d=q.stride(2),
+            stride_k_blk=k_cache.stride(0), stride_k_tok=k_cache.stride(1), stride_k_head=k_cache.stride(2),
+            stride_k_d=k_cache.stride(3),
+            stride_v_blk=v_cache.stride(0), stride_v_tok=v_cache.stride(1), stride_v_head=v_cache.stride(2),
+            stride_v_d=v_cache.stride(3),
+            stride_bt_r=p.block_table.stride(0),
+            HAS_LSE=return_lse, USE_FP32_DOT=p.use_fp32_dot,
+            BLOCK_M_SHARED=t.block_m_shared, BLOCK_N_SHARED=t.block_n_shared,
+            BLOCK_M_SUFFIX=t.block_m_suffix, BLOCK_N_SUFFIX=t.block_n_suffix, BLOCK_D=t.block_d,
+        )
+    return (out, lse) if return_lse else out
+
+
+class PrefixSharedAttention:
+    """FlashInfer-style wrapper: ``plan()`` once per engine step, ``run()`` once per layer.
+
+    Examples
+    --------
+    >>> attn = PrefixSharedAttention(num_qo_heads=32, num_kv_heads=8, head_dim=128, block_size=16,
+    ...                              q_dtype=torch.float16)
+    >>> attn.plan(qo_indptr, kv_lens, block_table)
+    >>> out = attn.run(q, k_cache, v_cache)
+    """
+
+    def __init__(self, *, num_qo_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                 q_dtype: torch.dtype = torch.float16, causal: bool = True, sm_scale: float | None = None,
+                 **plan_options) -> None:
+        self._config = dict(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                            block_size=block_size, q_dtype=q_dtype, causal=causal, sm_scale=sm_scale,
+                            **plan_options)
+        self._plan: Plan | None = None
+
+    @property
+    def current_plan(self) -> Plan | None:
+        return self._plan
+
+    def plan(self, qo_indptr: torch.Tensor, kv_lens: torch.Tensor, block_table: torch.Tensor, **overrides) -> Plan:
+        """Plan this step (see :func:`prefixattn.plan`); keyword overrides replace the constructor's options."""
+        self._plan = plan(qo_indptr, kv_lens, block_table, **{**self._config, **overrides})
+        return self._plan
+
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, out=None,
+            return_lse: bool = False):
+        """Attention for one layer with the current plan (see :func:`prefixattn.attention`)."""
+        if self._plan is None:
+            raise ValueError("plan: expected plan() to be called before run() (no plan for this step yet)")
+        return attention(q, k_cache, v_cache, self._plan, out=out, return_lse=return_lse)

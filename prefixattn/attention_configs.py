@@ -1,0 +1,80 @@
+"""Default tile sizes of the fused prefix-shared attention kernel, in one place.
+
+The autotune issue replaces the body of :func:`choose_tiles` with a lookup; every caller goes through it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import triton
+
+#: tl.dot needs M, N and K >= 16 on NVIDIA tensor cores (mma m16n8k16), so no tile dimension goes below this.
+MIN_DOT_DIM = 16
+#: Shared tiles pack (query row x GQA head) of many requests into M: 128 rows per program is the FlashAttention-2
+#: forward tile on A100/H100, large enough that each KV tile loaded from HBM feeds a full tensor-core matmul.
+BLOCK_M_SHARED = 128
+#: KV tile of shared programs: 64 keys keeps the 128 x 64 fp32 score tile plus a 128 x head_dim accumulator within the
+#: register file for head_dim <= 128 (the FA2 forward choice).
+BLOCK_N_SHARED = 64
+#: For head_dim 256 the accumulator doubles; halving the KV tile keeps the register budget (and avoids spills).
+BLOCK_N_SHARED_LARGE_HEAD = 32
+#: Suffix (decode-shaped) tiles pack the GQA group of a few query rows into M, as vLLM's unified attention does: 16
+#: is the smallest M tensor cores accept, and decode rarely has more rows to fill it.
+BLOCK_M_SUFFIX_DECODE = 16
+#: Chunked-prefill suffixes have many rows per request: 64 (row x head) lanes per program balances reuse of each KV
+#: tile against the number of programs (a 512-token chunk of a GQA-4 model is 32 programs per KV head).
+BLOCK_M_SUFFIX_PREFILL = 64
+#: Decode programs are memory-bound on KV: 64 keys per step gives 16-byte vector loads over head_dim and a short
+#: serial loop; 32 for head_dim 256 for the same register reason as above.
+BLOCK_N_SUFFIX = 64
+BLOCK_N_SUFFIX_LARGE_HEAD = 32
+#: Head sizes above this use the *_LARGE_HEAD KV tiles.
+LARGE_HEAD_DIM = 128
+
+
+@dataclass(frozen=True)
+class AttentionTiles:
+    """Compile-time tile sizes of one launch (constexprs of the kernel)."""
+
+    block_m_shared: int
+    block_n_shared: int
+    block_m_suffix: int
+    block_n_suffix: int
+    block_d: int
+
+    def rows_per_shared_tile(self, group: int) -> int:
+        """Query rows one shared program packs: M holds (row x GQA head) pairs."""
+        return self.block_m_shared // group
+
+    def rows_per_suffix_tile(self, group: int) -> int:
+        return self.block_m_suffix // group
+
+
+def choose_tiles(*, head_dim: int, group: int, max_q_len: int, dtype=None) -> AttentionTiles:
+    """Tile sizes for one plan: every tile choice goes through here (autotune will replace the body).
+
+    Parameters
+    ----------
+    head_dim : int
+    group : int
+        GQA group size (``num_qo_heads // num_kv_heads``), 1..16.
+    max_q_len : int
+        Longest query chunk of any request in the step (1 for pure decode).
+    dtype : torch.dtype, optional
+        Input dtype (reserved for the tuned lookup; the defaults do not depend on it).
+
+    Returns
+    -------
+    AttentionTiles, with every M tile at least ``group`` (one query row with all its heads).
+    """
+    group_p2 = triton.next_power_of_2(group)
+    large = head_dim > LARGE_HEAD_DIM
+    wanted_suffix = BLOCK_M_SUFFIX_DECODE if group * max_q_len <= BLOCK_M_SUFFIX_DECODE else BLOCK_M_SUFFIX_PREFILL
+    return AttentionTiles(
+        block_m_shared=max(BLOCK_M_SHARED, group_p2),
+        block_n_shared=BLOCK_N_SHARED_LARGE_HEAD if large else BLOCK_N_SHARED,
+        block_m_suffix=max(wanted_suffix, group_p2, MIN_DOT_DIM),
+        block_n_suffix=BLOCK_N_SUFFIX_LARGE_HEAD if large else BLOCK_N_SUFFIX,
+        block_d=max(triton.next_power_of_2(head_dim), MIN_DOT_DIM),
+    )

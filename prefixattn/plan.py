@@ -1,0 +1,331 @@
+"""plan(): find the KV prefixes a batch shares and turn them into one launch's work list (host, once per step).
+
+Steps (numpy, vectorized over requests; Python loops only over tree change points and shared nodes):
+1. Each request with queries has a *shareable* KV length: ``kv_len - q_len`` when causal (positions every one of
+   its query rows sees), ``kv_len`` otherwise.
+2. A block-level prefix tree over the requests' block-id rows (:mod:`prefixattn.block_tree`): a node with >= 2
+   requests shares KV ``[parent_end, end)``, ``end = min(depth * block_size, min shareable length of its requests)``
+   (the cap at the first query position, as vLLM's cascade attention did).
+3. A cost rule (:func:`sharing_pays_off`) keeps a node only when the KV traffic it saves beats the partial-state
+   traffic it adds; a dropped node gives its tokens back to its children, or to the requests' suffixes.
+4. :func:`prefixattn.work_list.build_work_list` emits the work items, split-k chunks and merge units.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from prefixattn.attention_configs import AttentionTiles, choose_tiles
+from prefixattn.block_tree import LcpTree, block_prefix_tree
+from prefixattn.runtime import interpreter_enabled
+from prefixattn.validation import SUPPORTED_DTYPES, check_head_dim, check_heads, check_metadata
+from prefixattn.work_list import K, SharedNode, WorkList, build_work_list
+
+#: Bytes of one fp32 number: partial states (o, lse) are kept in fp32 whatever the input dtype.
+FP32_BYTES = 4
+#: A partial state costs one write by its producer and one read by the merge.
+STATE_PASSES = 2
+#: Sharing a node gives each of its rows one more state AND may push a row that had a single state (written straight
+#: to ``out``) through the workspace: we charge two states per row, an upper bound that keeps marginal nodes unshared.
+STATES_CHARGED_PER_ROW = 2
+#: SMs assumed when no GPU is visible (plan() on a CPU host, or the interpreter): an H100 SXM, the tuning target.
+DEFAULT_NUM_SMS = 132
+#: Shortest split-k chunk (KV tokens). A chunk costs a program start (~a few us) and a partial-state write + read;
+#: below ~256 tokens per chunk that overhead is comparable to the chunk's own KV read at head_dim 128.
+MIN_SPLIT_TOKENS = 256
+_SHARING_MODES = ("auto", "always", "never")
+
+
+def sharing_pays_off(*, num_requests, num_rows, num_m_tiles, num_tokens, group, head_dim, elt_bytes):
+    """The cost rule: share a node when the KV bytes it saves exceed the partial-state bytes it adds (per KV head).
+
+    * saved: without sharing every request reads the node's KV once; shared, each M tile of packed rows reads it
+      once: ``(num_requests - num_m_tiles) * num_tokens * 2 (K and V) * head_dim * elt_bytes``.
+    * added: ``STATES_CHARGED_PER_ROW`` fp32 states ``(o, lse)`` per (row x GQA head), each written and read once:
+      ``num_rows * group * (head_dim + 1) * FP32_BYTES * STATE_PASSES * STATES_CHARGED_PER_ROW``. The merge itself
+      reads exactly those states and writes ``out``, which is written anyway.
+
+    Works on scalars or numpy arrays. Example: fp16, head_dim 128, GQA 8, decode: 2 requests share from 65 tokens on,
+    64 requests from 35 tokens on.
+    """
+    saved = (num_requests - num_m_tiles) * num_tokens * 2 * head_dim * elt_bytes
+    added = num_rows * group * (head_dim + 1) * FP32_BYTES * STATE_PASSES * STATES_CHARGED_PER_ROW
+    return saved > added
+
+
+@dataclass
+class Plan:
+    """One step's work list on the device, reusable by every layer (:func:`prefixattn.attention`).
+
+    Host copies (numpy) of the tables are kept for inspection and tests: ``work`` (:class:`WorkList`), ``tree``
+    (:class:`LcpTree` over the requests' shareable blocks) and ``shared_nodes`` (the nodes the cost rule kept,
+    top-down).
+    """
+
+    num_tokens: int
+    num_requests: int
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    causal: bool
+    sm_scale: float
+    q_dtype: torch.dtype
+    device: torch.device
+    tiles: AttentionTiles
+    use_fp32_dot: bool
+    work: WorkList
+    tree: LcpTree
+    shared_nodes: list[SharedNode]
+    # device tensors
+    items: torch.Tensor
+    gather: torch.Tensor
+    item_units: torch.Tensor
+    units: torch.Tensor
+    block_table: torch.Tensor
+    counters: torch.Tensor
+    ws_o: torch.Tensor
+    ws_lse: torch.Tensor
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def num_items(self) -> int:
+        return self.work.num_items
+
+    @property
+    def num_launches(self) -> int:
+        """Kernel launches one :func:`prefixattn.attention` call makes: 1, or 0 for a batch with no query rows."""
+        return 1 if self.work.num_items else 0
+
+    def kv_bytes_read(self, elt_bytes: int | None = None) -> int:
+        """KV bytes the work items load (K and V, all KV heads), counting a range once per item that reads it."""
+        elt = elt_bytes or torch.empty(0, dtype=self.q_dtype).element_size()
+        items = self.work.items
+        tokens = int((items[:, K.ITEM_KV_END].astype(np.int64) - items[:, K.ITEM_KV_START]).sum())
+        return tokens * self.num_kv_heads * self.head_dim * 2 * elt
+
+
+def _check_options(*, causal, sm_scale, logits_soft_cap, window_left, alibi_slopes, sharing, q_dtype) -> None:
+    if logits_soft_cap not in (None, 0, 0.0):
+        raise ValueError(f"logits_soft_cap: not supported yet (expected None or 0), got {logits_soft_cap!r}")
+    if window_left not in (None, -1):
+        raise ValueError(f"window_left: sliding-window attention is not supported yet (expected None or -1), "
+                         f"got {window_left!r}")
+    if alibi_slopes is not None:
+        raise ValueError("alibi_slopes: ALiBi is not supported yet (expected None), got a value")
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal: expected a bool, got {type(causal).__name__}")
+    if sm_scale is not None and (not isinstance(sm_scale, (int, float)) or not math.isfinite(sm_scale)):
+        raise ValueError(f"sm_scale: expected a finite float or None, got {sm_scale!r}")
+    if sharing not in _SHARING_MODES:
+        raise ValueError(f"sharing: expected one of {_SHARING_MODES}, got {sharing!r}")
+    if q_dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"q_dtype: expected one of {[str(d) for d in SUPPORTED_DTYPES]}, got {q_dtype}")
+
+
+def _positive_int(name: str, value) -> int:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    return int(value)
+
+
+def _default_num_sms(device: torch.device) -> int:
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return DEFAULT_NUM_SMS
+
+
+def select_shared_nodes(tree: LcpTree, *, shareable: np.ndarray, q_len: np.ndarray, block_size: int,
+                        rows_per_shared: int, group: int, head_dim: int, elt_bytes: int,
+                        sharing: str = "auto") -> tuple[list[SharedNode], np.ndarray]:
+    """Walk the tree top-down and keep the nodes the cost rule accepts (``sharing="auto"``), every node with KV
+    (``"always"``, for tests and benchmarks) or none (``"never"``: plain paged attention).
+
+    Returns the kept nodes (top-down, each with its requests ascending) and ``suffix_start[r]``: the end of the
+    deepest kept node holding request ``r`` (0 if none).
+    """
+    num_nodes = tree.num_nodes
+    suffix_start = np.zeros(q_len.shape[0], dtype=np.int64)
+    if num_nodes == 0 or sharing == "never":
+        return [], suffix_start
+    # Nodes are intervals [lb, rb] of the sorted order: one reduceat over (lb, rb + 1) pairs gives every node's
+    # minimum shareable length (the +inf sentinel makes rb + 1 == n a valid index).
+    sorted_shareable = np.r_[shareable[tree.order], np.iinfo(np.int64).max]
+    bounds = np.stack([tree.lb, tree.rb + 1], axis=1).ravel()
+    min_shareable = np.minimum.reduceat(sorted_shareable, bounds)[::2]
+    ends = np.minimum(tree.depth * block_size, min_shareable)
+    cum_rows = np.r_[0, np.cumsum(q_len[tree.order])]
+    rows = cum_rows[tree.rb + 1] - cum_rows[tree.lb]
+    sizes = tree.rb - tree.lb + 1
+    m_tiles = -(-rows // rows_per_shared)
+    # effective_end[k]: where KV after node k starts for its descendants (its end if kept, else its own start).
+    effective_end = np.zeros(num_nodes, dtype=np.int64)
+    kept: list[SharedNode] = []
+    for k in range(num_nodes - 1, -1, -1):  # reversed post-order: every parent before its children
+        parent = int(tree.parent[k])
+        start = int(effective_end[parent]) if parent >= 0 else 0
+        tokens = int(ends[k]) - start
+        effective_end[k] = start
+        if tokens <= 0:
+            continue
+        if sharing == "auto" and not sharing_pays_off(
+                num_requests=int(sizes[k]), num_rows=int(rows[k]), num_m_tiles=int(m_tiles[k]), num_tokens=tokens,
+                group=group, head_dim=head_dim, elt_bytes=elt_bytes):
+            continue  # dropped: its tokens go back to its children or to the requests' suffixes
+        effective_end[k] = ends[k]
+        members = np.sort(tree.members(k))
+        kept.append(SharedNode(kv_start=start, kv_end=int(ends[k]), requests=members, depth_blocks=int(tree.depth[k])))
+        suffix_start[members] = ends[k]  # top-down, so the deepest kept node writes last
+    return kept, suffix_start
+
+
+def plan(
+    qo_indptr: torch.Tensor,
+    kv_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    *,
+    block_size: int,
+    num_qo_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    causal: bool = True,
+    sm_scale: float | None = None,
+    q_dtype: torch.dtype = torch.float16,
+    logits_soft_cap: float | None = None,
+    window_left: int | None = None,
+    alibi_slopes=None,
+    device=None,
+    num_sms: int | None = None,
+    min_split_tokens: int = MIN_SPLIT_TOKENS,
+    sharing: str = "auto",
+    num_blocks: int | None = None,
+) -> Plan:
+    """Plan one engine step of prefix-shared paged attention (host; reuse the plan for every layer).
+
+    Finds the KV prefixes requests share (identical leading block ids in ``block_table``, as a paged engine's prefix
+    cache produces), keeps the ones worth sharing, and builds one launch's work list: shared-node tiles (all query
+    rows of a node's requests against one copy of its KV), per-request suffix tiles, split-k chunks when the grid
+    would not fill the device, and in-kernel merges. With nothing shared it is plain paged attention: one item per
+    request tile, written straight to the output, no workspace.
+
+    Parameters
+    ----------
+    qo_indptr : Tensor, ``[num_requests + 1]``, int32/int64
+        Query-row offsets per request (same conventions as :func:`prefixattn.reference_attention`).
+    kv_lens : Tensor, ``[num_requests]``, int32/int64
+        KV length per request, including its new query tokens.
+    block_table : Tensor, ``[num_requests, max_blocks]``, int32/int64
+        Physical block of each request's KV positions ``j * block_size ...``.
+    block_size, num_qo_heads, num_kv_heads, head_dim : int
+        Shapes of the paged caches and of q that :func:`prefixattn.attention` will get.
+    causal : bool
+        Query row ``i`` of request ``r`` sees KV positions ``<= kv_len - q_len + i`` (else all of them).
+    sm_scale : float, optional
+        Logit scale, default ``1 / sqrt(head_dim)``.
+    q_dtype : torch.dtype
+        dtype of q and the caches (fp16/bf16/fp32): prices the cost rule and picks the dot precision.
+    logits_soft_cap, window_left, alibi_slopes
+        Not supported yet: anything but the default raises ``ValueError``.
+    device : torch.device or str, optional
+        Where the work list lives; default the device of ``block_table``.
+    num_sms : int, optional
+        SMs to fill (split-k threshold); default from the CUDA device, else ``DEFAULT_NUM_SMS``.
+    min_split_tokens : int
+        Shortest split-k chunk in KV tokens (``MIN_SPLIT_TOKENS``).
+    sharing : {"auto", "always", "never"}
+        ``"auto"`` applies the cost rule (:func:`sharing_pays_off`); the others force every/no candidate node.
+    num_blocks : int, optional
+        Number of blocks in the cache, to bound-check ``block_table`` here rather than in the kernel.
+
+    Returns
+    -------
+    Plan
+
+    Examples
+    --------
+    >>> p = plan(torch.tensor([0, 1, 2]), torch.tensor([40, 40]), torch.tensor([[0, 1, 2], [0, 1, 3]]),
+    ...          block_size=16, num_qo_heads=8, num_kv_heads=2, head_dim=128, q_dtype=torch.float32)
+    >>> [(n.kv_start, n.kv_end, n.requests.tolist()) for n in p.shared_nodes]
+    [(0, 32, [0, 1])]
+    >>> out = attention(q, k_cache, v_cache, p)  # q: [2, 8, 128]
+    """
+    _check_options(causal=causal, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap, window_left=window_left,
+                   alibi_slopes=alibi_slopes, sharing=sharing, q_dtype=q_dtype)
+    block_size = _positive_int("block_size", block_size)
+    num_qo_heads = _positive_int("num_qo_heads", num_qo_heads)
+    num_kv_heads = _positive_int("num_kv_heads", num_kv_heads)
+    check_heads(num_qo_heads, num_kv_heads)
+    check_head_dim("head_dim", head_dim)
+    min_split_tokens = _positive_int("min_split_tokens", min_split_tokens)
+    indptr, lens, table = check_metadata(qo_indptr, kv_lens, block_table, block_size=block_size,
+                                         num_blocks=num_blocks)
+    device = torch.device(device) if device is not None else block_table.device
+    num_sms = _positive_int("num_sms", num_sms) if num_sms is not None else _default_num_sms(device)
+    indptr, lens, table = indptr.numpy(), lens.numpy(), table.numpy()
+
+    group = num_qo_heads // num_kv_heads
+    q_start = indptr[:-1]
+    q_len = indptr[1:] - indptr[:-1]
+    shareable = np.where(q_len > 0, lens - q_len if causal else lens, 0)
+    max_q_len = int(q_len.max()) if q_len.shape[0] else 1
+    tiles = choose_tiles(head_dim=head_dim, group=group, max_q_len=max(max_q_len, 1), dtype=q_dtype)
+    elt_bytes = torch.empty(0, dtype=q_dtype).element_size()
+
+    tree = block_prefix_tree(table, shareable, block_size)
+    nodes, suffix_start = select_shared_nodes(
+        tree, shareable=shareable, q_len=q_len, block_size=block_size,
+        rows_per_shared=tiles.rows_per_shared_tile(group), group=group, head_dim=head_dim, elt_bytes=elt_bytes,
+        sharing=sharing)
+    work = build_work_list(
+        q_start=q_start, q_len=q_len, kv_len=lens, causal=causal, nodes=nodes, suffix_start=suffix_start,
+        rows_per_shared=tiles.rows_per_shared_tile(group), rows_per_suffix=tiles.rows_per_suffix_tile(group),
+        block_n_shared=tiles.block_n_shared, block_n_suffix=tiles.block_n_suffix, num_kv_heads=num_kv_heads,
+        num_sms=num_sms, min_split_tokens=min_split_tokens)
+
+    # One host->device copy of all int32 metadata (the block table joins it when its ids fit in int32).
+    width = max(int(((lens + block_size - 1) // block_size).max()) if lens.shape[0] else 0, 1)
+    table_used = np.zeros((table.shape[0], width), dtype=np.int64)  # columns past every kv_len are never read
+    table_used[:, :min(width, table.shape[1])] = table[:, :width]
+    table_fits = table_used.size == 0 or int(table_used.max()) <= np.iinfo(np.int32).max
+    parts = [work.items.ravel(), work.gather.ravel(), work.item_units, work.units.ravel()]
+    if table_fits:
+        parts.append(table_used.astype(np.int32).ravel())
+    sizes = [p.size for p in parts]
+    flat = torch.from_numpy(np.concatenate(parts).astype(np.int32) if sum(sizes) else np.zeros(1, np.int32))
+    flat = flat.to(device)
+    views = torch.split(flat[:sum(sizes)], sizes) if sum(sizes) else [flat[:0]] * len(parts)
+    items = views[0].view(-1, K.ITEM_FIELDS)
+    gather = views[1].view(-1, K.GATHER_FIELDS)
+    item_units = views[2]
+    units = views[3].view(-1, K.UNIT_FIELDS)
+    if table_fits:
+        table_dev = views[4].view(table_used.shape)
+    else:
+        table_dev = torch.from_numpy(np.ascontiguousarray(table_used)).to(device)
+
+    # Workspace only where some rows merge; a 1-element placeholder keeps the kernel's pointers valid otherwise.
+    num_units = work.units.shape[0]
+    counters = torch.zeros((max(num_units, 1), num_kv_heads), dtype=torch.int32, device=device)
+    ws_rows = work.num_ws_rows
+    ws_o = torch.empty((ws_rows, num_qo_heads, head_dim) if ws_rows else (1, 1, 1), dtype=torch.float32,
+                       device=device)
+    ws_lse = torch.empty((ws_rows, num_qo_heads) if ws_rows else (1, 1), dtype=torch.float32, device=device)
+
+    return Plan(
+        num_tokens=int(indptr[-1]), num_requests=int(lens.shape[0]), num_qo_heads=num_qo_heads,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size, causal=causal,
+        sm_scale=1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale), q_dtype=q_dtype,
+        device=device, tiles=tiles,
+        # The interpreter's dot on fp16/bf16 is numpy's (bf16 on raw bits); fp32 inputs need IEEE fp32 (tf32 would
+        # miss the 1e-4 tolerance).
+        use_fp32_dot=interpreter_enabled() or q_dtype == torch.float32,
+        work=work, tree=tree, shared_nodes=nodes,
+        items=items, gather=gather, item_units=item_units, units=units, block_table=table_dev,
+        counters=counters, ws_o=ws_o, ws_lse=ws_lse,
+        stats=dict(num_shared_nodes=len(nodes), num_units=num_units, num_ws_rows=work.num_ws_rows,
+                   num_sms=num_sms),
+    )
