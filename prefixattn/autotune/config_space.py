@@ -1,0 +1,304 @@
+"""Tile configurations, the spaces they come from, and the prune that keeps only what a target can run.
+
+The fused kernel runs two kinds of programs in one launch (BatchLLM section 4.4): shared-node tiles (all query rows
+under a shared prefix node x GQA group in M, GEMM-like) and suffix/decode tiles (one request's rows x GQA group,
+GEMV-like). Each kind has its own ``(BLOCK_M, BLOCK_N)``; ``num_warps``, ``num_stages`` and the HIP knobs belong to
+the launch and so are shared by both kinds. The merge kernels have their own small space.
+
+Resource estimates here are deliberately simple (element counts per thread, buffers per stage) and only prune what
+cannot fit; ``prefixattn compile-check`` measures the real registers, spills and shared memory.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import asdict, dataclass
+
+from prefixattn.autotune.targets import Target
+
+#: Input dtypes the kernels take, and their element size in bytes.
+DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
+#: Head sizes the fused kernel is tuned for (prefixattn.validation.SUPPORTED_HEAD_DIMS; kept literal so this module
+#: stays free of torch).
+HEAD_DIMS = (64, 80, 96, 128, 256)
+#: tl.dot needs M, N and K >= 16 (NVIDIA mma m16n8k16; the 16x16 MFMA on CDNA).
+MIN_DOT_DIM = 16
+
+#: Candidate values per knob (comprehension inputs). Shared tiles are GEMM-shaped (rows of many requests); suffix
+#: tiles are decode-shaped (a GQA group of one or a few rows) up to a prefill chunk's 128 rows.
+SHARED_BLOCK_M = (16, 32, 64, 128)
+SHARED_BLOCK_N = (16, 32, 64, 128)
+SUFFIX_BLOCK_M = (16, 32, 64, 128)
+SUFFIX_BLOCK_N = (16, 32, 64, 128)
+NUM_WARPS = (2, 4, 8)
+NUM_STAGES_CUDA = (1, 2, 3, 4)
+#: HIP's stream pipeliner: 1 = off, 2 = prefetch through registers into one LDS buffer; more rarely helps attention.
+NUM_STAGES_HIP = (1, 2)
+MERGE_BLOCK_H = (1, 2, 4, 8, 16, 32, 64)
+MERGE_NUM_WARPS = (1, 2, 4, 8)
+
+#: Registers a program needs beyond its tiles (addresses, loop counters, row statistics m_i/l_i, masks): measured
+#: kernels sit 30-60 above their tile footprint.
+_REG_OVERHEAD = 48
+#: Fraction of the register limit the estimate may fill: the estimate ignores transient copies (layout conversions,
+#: the P tile in both accumulator and operand layouts), so leave headroom instead of meeting spills at the limit.
+_REG_HEADROOM = 0.9
+#: Score elements each thread should own at least: fewer and warps only add synchronization, no throughput.
+_MIN_ELEMS_PER_THREAD = 4
+#: The merge kernels hold an fp32 accumulator and one loaded tile per (head, dim) element.
+_MERGE_TILES_LIVE = 2
+
+
+def block_d(head_dim: int) -> int:
+    """The padded head dimension the kernels tile with (power of two, at least the minimum dot size)."""
+    return max(MIN_DOT_DIM, 1 << (max(1, head_dim) - 1).bit_length())
+
+
+def _pow2_at_least(x: int) -> int:
+    return 1 << (max(1, int(x)) - 1).bit_length()
+
+
+@dataclass(frozen=True, order=True)
+class Tiles:
+    """``(BLOCK_M, BLOCK_N)`` of one kind of program: M packs (query row x GQA head), N is keys per step."""
+
+    block_m: int
+    block_n: int
+
+
+@dataclass(frozen=True, order=True)
+class LaunchOptions:
+    """Per-launch compile options. HIP-only knobs (``waves_per_eu``, ``matrix_instr_nonkdim``, ``kpack``) keep their
+    Triton defaults (0, 0 = let the compiler pick, 1) on CUDA and are never passed there."""
+
+    num_warps: int = 4
+    num_stages: int = 2
+    waves_per_eu: int = 0
+    matrix_instr_nonkdim: int = 0
+    kpack: int = 1
+
+    def compile_options(self, target: Target) -> dict:
+        """Keyword options for ``triton.compile`` / a kernel launch on ``target``."""
+        opts = {"num_warps": self.num_warps, "num_stages": self.num_stages}
+        if target.is_hip:
+            opts.update(waves_per_eu=self.waves_per_eu, matrix_instr_nonkdim=self.matrix_instr_nonkdim,
+                        kpack=self.kpack)
+        return opts
+
+
+@dataclass(frozen=True, order=True)
+class AttentionConfig:
+    """One configuration of the fused kernel: tiles per kind of program plus the launch options they share."""
+
+    shared: Tiles
+    suffix: Tiles
+    launch: LaunchOptions = LaunchOptions()
+
+    def constexprs(self) -> dict:
+        """The kernel's tile constexprs (``BLOCK_D`` depends on the head size, not on the config)."""
+        return {"BLOCK_M_SHARED": self.shared.block_m, "BLOCK_N_SHARED": self.shared.block_n,
+                "BLOCK_M_SUFFIX": self.suffix.block_m, "BLOCK_N_SUFFIX": self.suffix.block_n}
+
+    def to_dict(self) -> dict:
+        return {"shared": asdict(self.shared), "suffix": asdict(self.suffix), "launch": asdict(self.launch)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "AttentionConfig":
+        """Inverse of :meth:`to_dict`; ValueError naming the field on anything malformed."""
+        try:
+            cfg = cls(shared=Tiles(**d["shared"]), suffix=Tiles(**d["suffix"]),
+                      launch=LaunchOptions(**d.get("launch", {})))
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"config: expected {{'shared': {{block_m, block_n}}, 'suffix': {{...}}, "
+                             f"'launch': {{num_warps, num_stages, ...}}}}, got {d!r} ({e})") from None
+        check_config(cfg)
+        return cfg
+
+    def short(self) -> str:
+        """Compact name for tables and logs: ``sh128x64_sf16x64_w4_s2`` (+ HIP knobs when set)."""
+        s = (f"sh{self.shared.block_m}x{self.shared.block_n}_sf{self.suffix.block_m}x{self.suffix.block_n}"
+             f"_w{self.launch.num_warps}_s{self.launch.num_stages}")
+        lo = self.launch
+        if lo.waves_per_eu or lo.matrix_instr_nonkdim or lo.kpack != 1:
+            s += f"_wpe{lo.waves_per_eu}_nk{lo.matrix_instr_nonkdim}_kp{lo.kpack}"
+        return s
+
+
+@dataclass(frozen=True, order=True)
+class MergeConfig:
+    """Tiles of the merge kernels: ``BLOCK_H`` heads per program (``BLOCK_D`` follows the head size)."""
+
+    block_h: int
+    num_warps: int = 4
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _is_pow2(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x > 0 and (x & (x - 1)) == 0
+
+
+def check_config(cfg: AttentionConfig) -> None:
+    """Structural checks every config must pass (powers of two, dot minimums); ValueError names the field."""
+    for part in ("shared", "suffix"):
+        tiles = getattr(cfg, part)
+        for name in ("block_m", "block_n"):
+            v = getattr(tiles, name)
+            if not _is_pow2(v) or v < MIN_DOT_DIM:
+                raise ValueError(f"config.{part}.{name}: expected a power of two >= {MIN_DOT_DIM}, got {v!r}")
+    lo = cfg.launch
+    if not _is_pow2(lo.num_warps) or lo.num_warps > 16:
+        raise ValueError(f"config.launch.num_warps: expected a power of two <= 16, got {lo.num_warps!r}")
+    if not isinstance(lo.num_stages, int) or lo.num_stages < 1:
+        raise ValueError(f"config.launch.num_stages: expected an int >= 1, got {lo.num_stages!r}")
+    if lo.matrix_instr_nonkdim not in (0, 16, 32):
+        raise ValueError(f"config.launch.matrix_instr_nonkdim: expected 0, 16 or 32, got {lo.matrix_instr_nonkdim!r}")
+    if lo.kpack not in (1, 2):
+        raise ValueError(f"config.launch.kpack: expected 1 or 2, got {lo.kpack!r}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Resource estimates
+# ---------------------------------------------------------------------------------------------------------------
+
+def part_registers(tiles: Tiles, head_dim: int, dtype: str, num_warps: int, target: Target) -> int:
+    """Estimated 32-bit registers per thread of one kind of program.
+
+    Live across the KV loop: the fp32 accumulator ``BLOCK_M x BLOCK_D``, the query tile (input dtype), the fp32
+    score tile ``BLOCK_M x BLOCK_N`` and its probabilities in the dot dtype, and the K/V tiles being loaded.
+    """
+    bd = block_d(head_dim)
+    b = DTYPE_BYTES[dtype]
+    bm, bn = tiles.block_m, tiles.block_n
+    words = (bm * bd                  # accumulator, fp32
+             + bm * bd * b / 4        # query tile
+             + bm * bn                # scores, fp32
+             + bm * bn * b / 4        # probabilities fed to the second dot
+             + 2 * bn * bd * b / 4)   # K and V tiles in flight
+    threads = num_warps * target.warp_size
+    return int(words / threads + _REG_OVERHEAD)
+
+
+def part_shared_bytes(tiles: Tiles, head_dim: int, dtype: str, num_stages: int, target: Target) -> int:
+    """Estimated shared memory (LDS) of one kind of program: pipelined K and V tiles plus one operand staging
+    buffer (the query tile, or P on its way from the accumulator layout to the operand layout)."""
+    bd = block_d(head_dim)
+    b = DTYPE_BYTES[dtype]
+    kv = 2 * tiles.block_n * bd * b * target.smem_buffers(num_stages)
+    staging = tiles.block_m * max(bd, tiles.block_n) * b
+    return kv + staging
+
+
+def config_registers(cfg: AttentionConfig, head_dim: int, dtype: str, target: Target) -> int:
+    """Registers of the fused kernel: the compiler allocates for the hungrier of its two program kinds."""
+    return max(part_registers(cfg.shared, head_dim, dtype, cfg.launch.num_warps, target),
+               part_registers(cfg.suffix, head_dim, dtype, cfg.launch.num_warps, target))
+
+
+def config_shared_bytes(cfg: AttentionConfig, head_dim: int, dtype: str, target: Target) -> int:
+    """Shared memory of the fused kernel: both kinds' buffers are live in disjoint branches, so the allocator can
+    overlap them; the larger one bounds the launch."""
+    return max(part_shared_bytes(cfg.shared, head_dim, dtype, cfg.launch.num_stages, target),
+               part_shared_bytes(cfg.suffix, head_dim, dtype, cfg.launch.num_stages, target))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Spaces and prune
+# ---------------------------------------------------------------------------------------------------------------
+
+def launch_space(target: Target) -> list[LaunchOptions]:
+    """Every launch option combination ``target`` takes (HIP knobs only on HIP, gfx950 only kpack=1)."""
+    if not target.is_hip:
+        return [LaunchOptions(num_warps=w, num_stages=s) for w in NUM_WARPS for s in NUM_STAGES_CUDA]
+    k = target.hip_knobs
+    return [LaunchOptions(num_warps=w, num_stages=s, waves_per_eu=wpe, matrix_instr_nonkdim=nk, kpack=kp)
+            for w in NUM_WARPS for s in NUM_STAGES_HIP for wpe in k["waves_per_eu"]
+            for nk in k["matrix_instr_nonkdim"] for kp in k["kpack"]]
+
+
+def attention_space(target: Target) -> list[AttentionConfig]:
+    """The unpruned space: every tile of each kind crossed with every launch option of ``target``."""
+    shared = [Tiles(m, n) for m in SHARED_BLOCK_M for n in SHARED_BLOCK_N]
+    suffix = [Tiles(m, n) for m in SUFFIX_BLOCK_M for n in SUFFIX_BLOCK_N]
+    return [AttentionConfig(s, f, lo) for s, f, lo in itertools.product(shared, suffix, launch_space(target))]
+
+
+def prune_reason(cfg: AttentionConfig, target: Target, *, head_dim: int, dtype: str, group: int = 1,
+                 q_rows: int | None = None, max_q_len: int | None = None, kv_len: int | None = None,
+                 resources: bool = True) -> str | None:
+    """Why ``cfg`` cannot (or should not) run on ``target`` for this shape, or None when it survives.
+
+    Shape arguments bound the tiles: an M tile holds at least one query row with all of its GQA heads
+    (``block_m >= group``) and need not exceed the rows there are (``q_rows`` tokens per shared node,
+    ``max_q_len`` tokens per request, times ``group``); a KV tile need not exceed ``kv_len``.
+    ``resources=False`` skips the register/shared-memory estimates: for configs whose resources were measured
+    (shipped tables are compile-checked, user caches were timed on the device).
+    """
+    if dtype not in DTYPE_BYTES:
+        return f"dtype {dtype!r} not in {tuple(DTYPE_BYTES)}"
+    lo = cfg.launch
+    if target.is_hip:
+        if lo.num_stages not in NUM_STAGES_HIP:
+            return f"num_stages {lo.num_stages} not used on HIP"
+        if lo.kpack not in target.hip_knobs["kpack"]:
+            return f"kpack {lo.kpack} not accepted by {target.name}"
+        if lo.matrix_instr_nonkdim == 32 and min(cfg.shared.block_m, cfg.shared.block_n,
+                                                 cfg.suffix.block_m, cfg.suffix.block_n) < 32:
+            return "matrix_instr_nonkdim 32 needs every M and N tile >= 32"
+        if lo.kpack == 2 and min(cfg.shared.block_n, cfg.suffix.block_n) < 32:
+            return "kpack 2 needs every KV tile >= 32 (K of the P @ V dot)"
+    elif lo.waves_per_eu or lo.matrix_instr_nonkdim or lo.kpack != 1:
+        return "HIP knobs set on a CUDA target"
+    g = _pow2_at_least(group)
+    for part, tiles, rows in (("shared", cfg.shared, q_rows), ("suffix", cfg.suffix, max_q_len)):
+        if tiles.block_m < g:
+            return f"{part} block_m {tiles.block_m} < GQA group {group}"
+        if rows is not None and tiles.block_m > max(MIN_DOT_DIM, g, _pow2_at_least(rows * group)):
+            return f"{part} block_m {tiles.block_m} exceeds {rows} rows x group {group}"
+        if kv_len is not None and tiles.block_n > max(MIN_DOT_DIM, _pow2_at_least(kv_len)):
+            return f"{part} block_n {tiles.block_n} exceeds kv_len {kv_len}"
+        threads = lo.num_warps * target.warp_size
+        if tiles.block_m * tiles.block_n < threads * _MIN_ELEMS_PER_THREAD:
+            return f"{part} tile {tiles.block_m}x{tiles.block_n} too small for {lo.num_warps} warps"
+    if not resources:
+        return None
+    regs = config_registers(cfg, head_dim, dtype, target)
+    if regs > _REG_HEADROOM * target.max_regs_per_thread:
+        return f"~{regs} registers/thread > {_REG_HEADROOM:.0%} of {target.max_regs_per_thread}"
+    if target.is_hip and lo.waves_per_eu and regs > target.max_regs_per_thread // lo.waves_per_eu:
+        return f"waves_per_eu {lo.waves_per_eu} caps registers below the ~{regs} needed (would spill)"
+    smem = config_shared_bytes(cfg, head_dim, dtype, target)
+    if smem > target.max_shared_bytes:
+        return f"~{smem} B shared memory > {target.max_shared_bytes}"
+    return None
+
+
+def prune(configs, target: Target, **shape) -> list[AttentionConfig]:
+    """The configs of ``configs`` that survive :func:`prune_reason` for this target and shape."""
+    return [c for c in configs if prune_reason(c, target, **shape) is None]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Merge kernels
+# ---------------------------------------------------------------------------------------------------------------
+
+def merge_space() -> list[MergeConfig]:
+    return [MergeConfig(h, w) for h in MERGE_BLOCK_H for w in MERGE_NUM_WARPS]
+
+
+def merge_registers(cfg: MergeConfig, head_dim: int, target: Target) -> int:
+    threads = cfg.num_warps * target.warp_size
+    return int(_MERGE_TILES_LIVE * cfg.block_h * block_d(head_dim) / threads + _REG_OVERHEAD)
+
+
+def prune_merge(configs, target: Target, *, head_dim: int, num_heads: int) -> list[MergeConfig]:
+    """Merge configs whose head tile does not exceed the heads there are and whose registers fit."""
+    keep = []
+    for c in configs:
+        if c.block_h > _pow2_at_least(num_heads):
+            continue
+        if merge_registers(c, head_dim, target) > _REG_HEADROOM * target.max_regs_per_thread:
+            continue
+        keep.append(c)
+    return keep

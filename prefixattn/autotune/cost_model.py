@@ -1,0 +1,139 @@
+"""Analytic cost of a fused-kernel config on a target: the stand-in for timings until a GPU measures them.
+
+Everything that turns a config into a number lives here, behind one function (:func:`estimate_seconds`), so a table
+of measured timings (``prefixattn tune``) replaces it without touching the lookup.
+
+The model, per kind of program (shared-node tiles, suffix tiles) of one representative step:
+
+* work per program: FLOPs of the two dots over the padded tile (``4 * BLOCK_M * kv_padded * BLOCK_D``; an M tile
+  larger than the rows it holds still pays for every lane) and bytes moved (K and V of its KV range read once per
+  program, query tile in, output tile out);
+* occupancy: resident programs per SM/CU from registers, shared memory, threads and the program limit;
+* one wave of resident programs takes the longest of its compute time, its memory time and its latency chain (one
+  KV step per iteration, with global-memory latency divided by the pipeline depth ``num_stages`` buys);
+* the kernel takes ``ceil(programs / (SMs x occupancy))`` waves (the tail effect).
+
+Bigger shared M tiles re-read the node's KV fewer times (the reason to share a prefix); bigger tiles cost
+occupancy and padding. The numbers are datasheet peaks: only the ranking of configs is meant, never the seconds.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from prefixattn.autotune.buckets import Bucket
+from prefixattn.autotune.config_space import (DTYPE_BYTES, AttentionConfig, Tiles, block_d, config_registers,
+                                              config_shared_bytes)
+from prefixattn.autotune.targets import Target
+
+#: Global-memory round trip (~600-800 ns on HBM GPUs): the latency one KV step exposes without pipelining.
+MEM_LATENCY_S = 700e-9
+#: Dependent chain of one KV step after its loads land (dot, row max, exp, dot): a few hundred cycles at ~1.5 GHz.
+STEP_CHAIN_S = 150e-9
+#: Per-step work that overlaps with nothing (loop control, barriers around the shared-memory ring, row-statistics
+#: updates): a few dozen cycles. It is what makes fewer, larger KV steps cheaper when memory time dominates.
+STEP_OVERHEAD_S = 30e-9
+#: What one SM/CU can pull from L2/HBM on its own (~64 B/cycle at 1.4-2.1 GHz): with few busy SMs, each gets more
+#: than its 1/num_sms share of HBM bandwidth, up to this.
+SM_MAX_BW_GBS = 100.0
+#: Fixed cost of starting a program (argument loads, work-item decode, epilogue stores): ~1 microsecond.
+PROGRAM_OVERHEAD_S = 1e-6
+#: Representative step: KV heads of the 7-8B models BatchLLM evaluates (Llama-3-8B, Mistral-7B), tokens per step
+#: (BatchLLM's 2048-token chunk with prefill, 256 decoding requests without), and the distinct (suffix) KV length
+#: per request (BatchLLM's microbenchmarks use 200-2000 distinct tokens).
+NUM_KV_HEADS = 8
+PREFILL_STEP_TOKENS = 2048
+DECODE_STEP_TOKENS = 256
+SUFFIX_KV_LEN = 512
+
+
+@dataclass(frozen=True)
+class PartWork:
+    """The programs of one kind in the representative step."""
+
+    programs: int
+    rows: int  # valid (query row x head) lanes per program
+    kv_len: int  # keys each program attends to
+
+
+def step_work(bucket: Bucket, cfg: AttentionConfig) -> tuple[PartWork, PartWork]:
+    """(shared, suffix) work of the representative step of ``bucket`` under ``cfg``'s M tiles."""
+    step_tokens = PREFILL_STEP_TOKENS if bucket.max_q_len > 1 else DECODE_STEP_TOKENS
+    nodes = max(1, step_tokens // bucket.q_rows)
+    shared_rows = bucket.q_rows * bucket.group
+    shared_programs = nodes * math.ceil(shared_rows / cfg.shared.block_m) * NUM_KV_HEADS
+    requests = max(1, step_tokens // bucket.max_q_len)
+    suffix_rows = bucket.max_q_len * bucket.group
+    suffix_programs = requests * math.ceil(suffix_rows / cfg.suffix.block_m) * NUM_KV_HEADS
+    return (PartWork(shared_programs, min(shared_rows, cfg.shared.block_m), bucket.kv_len),
+            PartWork(suffix_programs, min(suffix_rows, cfg.suffix.block_m), max(bucket.max_q_len, SUFFIX_KV_LEN)))
+
+
+def occupancy(cfg: AttentionConfig, bucket: Bucket, target: Target, registers: int | None = None,
+              shared_bytes: int | None = None) -> int:
+    """Resident programs per SM/CU. ``registers``/``shared_bytes`` override the estimates (measured values)."""
+    regs = registers if registers is not None else config_registers(cfg, bucket.head_dim, bucket.dtype, target)
+    smem = shared_bytes if shared_bytes is not None else config_shared_bytes(cfg, bucket.head_dim, bucket.dtype,
+                                                                            target)
+    threads = cfg.launch.num_warps * target.warp_size
+    limits = [target.max_programs_per_sm, target.max_threads_per_sm // threads,
+              target.regs_per_sm // max(1, regs * threads)]
+    if smem > 0:
+        limits.append(target.shared_per_sm // smem)
+    if target.is_hip and cfg.launch.waves_per_eu:
+        # The hint caps registers so that this many waves fit per SIMD; occupancy is at least that.
+        limits = [max(min(limits), cfg.launch.waves_per_eu * 4 // cfg.launch.num_warps)]
+    return max(0, min(limits))
+
+
+def _part_seconds(tiles: Tiles, work: PartWork, bucket: Bucket, cfg: AttentionConfig, target: Target,
+                  occ: int) -> float:
+    if work.programs == 0:
+        return 0.0
+    bd = block_d(bucket.head_dim)
+    b = DTYPE_BYTES[bucket.dtype]
+    steps = math.ceil(work.kv_len / tiles.block_n)
+    flops = 4.0 * tiles.block_m * steps * tiles.block_n * bd
+    bytes_moved = 2.0 * work.kv_len * bd * b + 2.0 * work.rows * bd * b
+    peak = (target.fp32_tflops if bucket.dtype == "fp32" else target.matmul_tflops) * 1e12 / target.num_sms
+    # A partial wave leaves SMs with fewer resident programs than the occupancy allows, and idle SMs leave their
+    # share of HBM bandwidth to the busy ones (up to what one SM can pull).
+    resident = min(occ, math.ceil(work.programs / target.num_sms))
+    active_sms = min(target.num_sms, work.programs)
+    bw = min(target.mem_bw_gbs * 1e9 / active_sms, SM_MAX_BW_GBS * 1e9)
+    depth = cfg.launch.num_stages if not target.is_hip else min(cfg.launch.num_stages, 2)
+    latency = steps * (MEM_LATENCY_S / depth + STEP_CHAIN_S)
+    wave = (max(resident * flops / peak, resident * bytes_moved / bw, latency) + steps * STEP_OVERHEAD_S
+            + PROGRAM_OVERHEAD_S)
+    waves = math.ceil(work.programs / (target.num_sms * resident))
+    return waves * wave
+
+
+def estimate_seconds(cfg: AttentionConfig, bucket: Bucket, target: Target, *, registers: int | None = None,
+                     shared_bytes: int | None = None) -> float:
+    """Modelled time of the representative step of ``bucket``; ``inf`` when ``cfg`` cannot be resident at all.
+
+    Both kinds of programs share the SMs of one launch; the model adds their times (the fused launch removes the
+    second launch's tail and overhead, not the work).
+    """
+    occ = occupancy(cfg, bucket, target, registers, shared_bytes)
+    if occ < 1:
+        return math.inf
+    shared, suffix = step_work(bucket, cfg)
+    return (_part_seconds(cfg.shared, shared, bucket, cfg, target, occ)
+            + _part_seconds(cfg.suffix, suffix, bucket, cfg, target, occ))
+
+
+def _knob_distance(cfg: AttentionConfig) -> tuple:
+    """Tie-break toward Triton's defaults: configs the model cannot tell apart should change as little as possible."""
+    lo = cfg.launch
+    return (lo.waves_per_eu != 0, lo.matrix_instr_nonkdim != 0, lo.kpack != 1, abs(lo.num_warps - 4),
+            abs(lo.num_stages - 2))
+
+
+def rank(configs, bucket: Bucket, target: Target) -> list[tuple[float, AttentionConfig]]:
+    """``(seconds, config)`` best first; ties broken toward default knobs, then by config order (deterministic)."""
+    scored = [(estimate_seconds(c, bucket, target), c) for c in configs]
+    scored.sort(key=lambda sc: (sc[0], _knob_distance(sc[1]), sc[1]))
+    return scored

@@ -1,0 +1,345 @@
+"""Run-time choice of the fused kernel's config: fixed -> tuned on this GPU -> shipped -> cost model -> heuristic.
+
+:func:`select_config` is called by ``plan()`` (on the host, once per step) and memoizes per (target, bucket): no
+tuning, no file access and no device query happens after the first call for a bucket, so nothing here sits in a
+timed hot path. The chain, first match wins:
+
+1. **fixed**: :func:`fixed_config` / :func:`set_fixed_config`, or ``PREFIXATTN_TILE_CONFIG`` (a config as JSON, or
+   a path to one). For deterministic tests and for reproducing a report.
+2. no known GPU (CPU interpreter, no device, a device missing from :mod:`~prefixattn.autotune.targets`):
+   the **heuristic** (:func:`heuristic_config`), with a one-time warning for an unknown GPU.
+3. **user-cache**, exact bucket: measured on this very device by ``prefixattn tune`` (beats anything shipped).
+4. **shipped**: the package's ``configs/<target>.json``, nearest bucket (same head size and dtype, or another head
+   size with the same padded ``BLOCK_D``; bf16 and fp16 stand in for each other).
+5. **user-cache** nearest bucket (a device family without a shipped table).
+6. **cost-model**: the analytic model's best survivor of the pruned space (:mod:`~prefixattn.autotune.cost_model`).
+7. **heuristic**, if nothing survives.
+
+A config from a table or the cache is used only if it fits the shape (``block_m`` at least the GQA group, and so
+on); otherwise the next candidate is tried.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.resources
+import json
+import os
+import threading
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+from prefixattn.autotune import cost_model
+from prefixattn.autotune.buckets import Bucket, distance, make_bucket
+from prefixattn.autotune.config_space import (HEAD_DIMS, MIN_DOT_DIM, AttentionConfig, LaunchOptions, MergeConfig, Tiles,
+                                              attention_space, block_d, prune, prune_reason)
+from prefixattn.autotune.targets import Target, detect_target, get_target
+from prefixattn.autotune.tuning_cache import TuningCache, cache_path
+
+#: Format of the shipped tables (configs/<target>.json).
+SHIPPED_FORMAT = 1
+#: Environment variable holding a fixed config (JSON text or a path to a JSON file).
+FIXED_ENV = "PREFIXATTN_TILE_CONFIG"
+
+# Heuristic tiles (the documented default when no table applies). Shared tiles: 128 (row x head) lanes per program,
+# the FlashAttention-2 forward M tile, so each KV tile read from HBM feeds a full tensor-core matmul; 64 keys per
+# step keeps the 128 x 64 fp32 score tile and the 128 x head_dim accumulator in registers for head_dim <= 128.
+HEURISTIC_BLOCK_M_SHARED = 128
+HEURISTIC_BLOCK_N = 64
+#: head_dim above this doubles the accumulator: halve the KV tile to keep the register budget.
+HEURISTIC_LARGE_HEAD_DIM = 128
+HEURISTIC_BLOCK_N_LARGE_HEAD = 32
+#: Suffix tiles: 16 lanes (the smallest tensor-core M) for decode, where a request rarely has more rows than its
+#: GQA group; 64 lanes for prefill chunks (reuse of each KV tile vs. number of programs).
+HEURISTIC_BLOCK_M_DECODE = 16
+HEURISTIC_BLOCK_M_PREFILL = 64
+#: Triton's own launch defaults.
+HEURISTIC_LAUNCH = LaunchOptions(num_warps=4, num_stages=2)
+#: Merge kernels: fp32 accumulator elements per program (BLOCK_H x BLOCK_D); 4096 over 4 warps is 32 per thread.
+MERGE_TILE_ELEMS = 4096
+
+SOURCES = ("fixed", "user-cache", "shipped", "user-cache-nearest", "cost-model", "heuristic")
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The chosen config, where it came from, the bucket asked for and the bucket whose entry was used."""
+
+    config: AttentionConfig
+    source: str
+    bucket: Bucket
+    matched: Bucket | None = None
+    target: str | None = None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Fixed-config mode
+# ---------------------------------------------------------------------------------------------------------------
+
+_state = threading.local()
+
+
+def _fixed_stack() -> list:
+    if not hasattr(_state, "stack"):
+        _state.stack = []
+    return _state.stack
+
+
+def set_fixed_config(config: AttentionConfig | dict | None) -> None:
+    """Use ``config`` for every selection in this thread from now on (``None`` returns to the chain)."""
+    stack = _fixed_stack()
+    stack.clear()
+    if config is not None:
+        stack.append(config if isinstance(config, AttentionConfig) else AttentionConfig.from_dict(config))
+
+
+@contextlib.contextmanager
+def fixed_config(config: AttentionConfig | dict):
+    """Context manager: every selection inside returns ``config`` (source ``"fixed"``); nests."""
+    stack = _fixed_stack()
+    stack.append(config if isinstance(config, AttentionConfig) else AttentionConfig.from_dict(config))
+    try:
+        yield stack[-1]
+    finally:
+        stack.pop()
+
+
+@functools.lru_cache(maxsize=8)
+def _parse_fixed_env(value: str) -> AttentionConfig:
+    text = value
+    if not value.lstrip().startswith("{"):
+        try:
+            text = Path(value).expanduser().read_text()
+        except OSError as e:
+            raise ValueError(f"{FIXED_ENV}: expected a config as JSON or a path to a JSON file, got {value!r} "
+                             f"({e})") from None
+    try:
+        return AttentionConfig.from_dict(json.loads(text))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{FIXED_ENV}: expected a config as JSON, got unparsable text ({e})") from None
+
+
+def _current_fixed() -> AttentionConfig | None:
+    stack = _fixed_stack()
+    if stack:
+        return stack[-1]
+    env = os.environ.get(FIXED_ENV)
+    return _parse_fixed_env(env) if env else None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Heuristic and tables
+# ---------------------------------------------------------------------------------------------------------------
+
+def _pow2_at_least(x: int) -> int:
+    return 1 << (max(1, int(x)) - 1).bit_length()
+
+
+def heuristic_config(bucket: Bucket) -> AttentionConfig:
+    """The documented default: FlashAttention-2-like shared tiles, decode- or prefill-shaped suffix tiles.
+
+    Every M tile holds at least one query row with all of its GQA heads.
+    """
+    g = _pow2_at_least(bucket.group)
+    block_n = HEURISTIC_BLOCK_N_LARGE_HEAD if bucket.head_dim > HEURISTIC_LARGE_HEAD_DIM else HEURISTIC_BLOCK_N
+    decode = bucket.group * bucket.max_q_len <= HEURISTIC_BLOCK_M_DECODE
+    suffix_m = HEURISTIC_BLOCK_M_DECODE if decode else HEURISTIC_BLOCK_M_PREFILL
+    return AttentionConfig(shared=Tiles(max(HEURISTIC_BLOCK_M_SHARED, g), block_n),
+                           suffix=Tiles(max(suffix_m, g, MIN_DOT_DIM), block_n), launch=HEURISTIC_LAUNCH)
+
+
+def heuristic_merge_config(head_dim: int, num_heads: int) -> MergeConfig:
+    """Tiles of the merge kernels: all heads of a token in one program while the tile stays within 4096 elements."""
+    return MergeConfig(block_h=max(1, min(_pow2_at_least(num_heads), MERGE_TILE_ELEMS // block_d(head_dim))),
+                       num_warps=4)
+
+
+def shipped_path(target_name: str):
+    return importlib.resources.files("prefixattn.autotune").joinpath("configs", f"{target_name}.json")
+
+
+@functools.lru_cache(maxsize=None)
+def load_shipped(target_name: str) -> dict[Bucket, AttentionConfig]:
+    """The shipped table of ``target_name`` (empty when the package has none). A broken shipped file is a packaging
+    bug, so it raises instead of warning."""
+    path = shipped_path(target_name)
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text())
+    if data.get("format") != SHIPPED_FORMAT:
+        raise ValueError(f"{path}: expected format {SHIPPED_FORMAT}, got {data.get('format')!r}")
+    configs = {name: AttentionConfig.from_dict(c) for name, c in data["configs"].items()}
+    return {Bucket.from_key(key): configs[name] for key, name in data["buckets"].items()}
+
+
+@functools.lru_cache(maxsize=None)
+def _user_cache(path: str) -> TuningCache:
+    return TuningCache(Path(path))
+
+
+def _fits(cfg: AttentionConfig, bucket: Bucket, target: Target | None) -> bool:
+    """Shape checks only: table and cache configs had their resources measured."""
+    if target is None:
+        return True
+    return prune_reason(cfg, target, head_dim=bucket.head_dim, dtype=bucket.dtype, group=bucket.group,
+                        resources=False) is None
+
+
+def _stand_ins(bucket: Bucket) -> list[tuple[int, str]]:
+    """(head_dim, dtype) pairs whose entries may serve ``bucket``, best first: itself, then the other 16-bit dtype,
+    then other head sizes with the same padded BLOCK_D (same registers and shared memory)."""
+    dtypes = [bucket.dtype] + ([{"fp16": "bf16", "bf16": "fp16"}[bucket.dtype]] if bucket.dtype != "fp32" else [])
+    pairs = [(bucket.head_dim, dt) for dt in dtypes]
+    same_bd = sorted((h for h in HEAD_DIMS if h != bucket.head_dim and block_d(h) == block_d(bucket.head_dim)),
+                     key=lambda h: (abs(h - bucket.head_dim), h))
+    pairs += [(h, dt) for h in same_bd for dt in dtypes]
+    return pairs
+
+
+def nearest_entry(bucket: Bucket, table: dict, target: Target | None) -> tuple[Bucket, object] | None:
+    """The entry of ``table`` (Bucket -> config or cache entry) nearest to ``bucket`` that fits its shape."""
+    for head_dim, dtype in _stand_ins(bucket):
+        probe = Bucket(head_dim=head_dim, dtype=dtype, group=bucket.group, q_rows=bucket.q_rows,
+                       max_q_len=bucket.max_q_len, kv_len=bucket.kv_len)
+        ranked = sorted((distance(probe, b), b) for b in table if b.head_dim == head_dim and b.dtype == dtype)
+        for _, b in ranked:
+            value = table[b]
+            cfg = value if isinstance(value, AttentionConfig) else value.config
+            if _fits(cfg, bucket, target):
+                return b, value
+    return None
+
+
+def cost_model_config(bucket: Bucket, target: Target) -> AttentionConfig | None:
+    """The analytic model's best config among the survivors of the pruned space, or None if nothing survives."""
+    survivors = prune(attention_space(target), target, head_dim=bucket.head_dim, dtype=bucket.dtype,
+                      group=bucket.group, q_rows=bucket.q_rows, max_q_len=bucket.max_q_len, kv_len=bucket.kv_len)
+    ranked = cost_model.rank(survivors, bucket, target)
+    return ranked[0][1] if ranked and ranked[0][0] != float("inf") else None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The chain
+# ---------------------------------------------------------------------------------------------------------------
+
+_memo: dict = {}
+_memo_lock = threading.Lock()
+_warned_devices: set = set()
+
+
+def clear_caches() -> None:
+    """Forget memoized selections and loaded tables (after ``prefixattn tune`` wrote new entries, or in tests)."""
+    with _memo_lock:
+        _memo.clear()
+    load_shipped.cache_clear()
+    _user_cache.cache_clear()
+    _detect.cache_clear()
+
+
+@functools.lru_cache(maxsize=None)
+def _detect() -> Target | None:
+    target = detect_target()
+    if target is None:
+        _warn_unknown_device()
+    return target
+
+
+def _warn_unknown_device() -> None:
+    from prefixattn.runtime import interpreter_enabled
+
+    if interpreter_enabled():
+        return
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return
+        name = torch.cuda.get_device_name()
+    except Exception:  # noqa: BLE001 - a failing device query only means there is no device to warn about
+        return
+    if name not in _warned_devices:
+        _warned_devices.add(name)
+        warnings.warn(f"prefixattn: no tile table for device {name!r}; using the heuristic configs "
+                      "(see prefixattn/autotune/targets.py to add its target)", stacklevel=4)
+
+
+def _resolve_target(target) -> Target | None:
+    if target == "auto":
+        return _detect()
+    if target is None or isinstance(target, Target):
+        return target
+    return get_target(target)
+
+
+def select_config(*, head_dim: int, dtype, group: int = 1, q_rows: int = 1, max_q_len: int = 1,
+                  kv_len: int = 1024, target="auto", cache_dir: Path | None = None) -> Selection:
+    """Choose the fused kernel's config for one step (see the module docstring for the chain).
+
+    Parameters
+    ----------
+    head_dim : int
+    dtype : torch.dtype or str (``fp16``/``bf16``/``fp32``)
+    group : int
+        GQA group size ``num_qo_heads // num_kv_heads``.
+    q_rows : int
+        Query tokens under one shared prefix node (typical of the step).
+    max_q_len : int
+        Longest query chunk of any request in the step (1 for pure decode).
+    kv_len : int
+        KV length of a shared node (typical of the step).
+    target : ``"auto"`` (the current device), a target name, a :class:`Target`, or None (no device: heuristic).
+    cache_dir : Path, optional
+        Directory of the user tuning cache (default: :func:`~prefixattn.autotune.tuning_cache.default_cache_dir`).
+
+    Returns
+    -------
+    Selection
+
+    Examples
+    --------
+    >>> sel = select_config(head_dim=128, dtype="fp16", group=4, q_rows=256, max_q_len=1, kv_len=2048,
+    ...                     target="sm90")
+    >>> sel.config.constexprs()["BLOCK_M_SHARED"], sel.source
+    """
+    bucket = make_bucket(head_dim=head_dim, dtype=dtype, group=group, q_rows=q_rows, max_q_len=max_q_len,
+                         kv_len=kv_len)
+    fixed = _current_fixed()
+    if fixed is not None:
+        return Selection(fixed, "fixed", bucket)
+    tgt = _resolve_target(target)
+    key = (tgt.name if tgt else None, bucket, str(cache_dir) if cache_dir else None)
+    with _memo_lock:
+        hit = _memo.get(key)
+    if hit is not None:
+        return hit
+    sel = _select(bucket, tgt, cache_dir)
+    with _memo_lock:
+        _memo[key] = sel
+    return sel
+
+
+def _select(bucket: Bucket, target: Target | None, cache_dir: Path | None) -> Selection:
+    if target is None:
+        return Selection(heuristic_config(bucket), "heuristic", bucket)
+    name = target.name
+    user = _user_cache(str(cache_path(name, cache_dir)))
+    exact = user.get(bucket)
+    if exact is not None and _fits(exact.config, bucket, target):
+        return Selection(exact.config, "user-cache", bucket, bucket, name)
+    found = nearest_entry(bucket, load_shipped(name), target)
+    if found is not None:
+        return Selection(found[1], "shipped", bucket, found[0], name)
+    found = nearest_entry(bucket, user.entries, target)
+    if found is not None:
+        return Selection(found[1].config, "user-cache-nearest", bucket, found[0], name)
+    cfg = cost_model_config(bucket, target)
+    if cfg is not None:
+        return Selection(cfg, "cost-model", bucket, None, name)
+    return Selection(heuristic_config(bucket), "heuristic", bucket, None, name)
+
+
+def choose_config(**kwargs) -> AttentionConfig:
+    """:func:`select_config` without the provenance: just the config."""
+    return select_config(**kwargs).config
