@@ -1,0 +1,276 @@
+"""prefixattn as a vLLM attention backend (``PREFIXATTN``): backend declaration, metadata builder, impl.
+
+Per engine step, the metadata builder turns vLLM's ``CommonAttentionMetadata`` (``query_start_loc``, ``seq_lens``,
+``block_table_tensor``) into one :func:`prefixattn.plan`: the plan finds the KV prefixes requests share from
+identical leading block ids, which vLLM's prefix caching produces. Per layer, the impl writes the new K/V into the
+paged cache at ``slot_mapping`` and runs :func:`prefixattn.attention` on views of vLLM's cache (no copies).
+
+vLLM hands each layer its cache as the logical view ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` (K in
+the first half of the last dim, V in the second; the physical order is whatever ``KVCacheLayout`` vLLM resolved).
+``kv_cache[..., :D].transpose(1, 2)`` is then prefixattn's ``[num_blocks, block_size, num_kv_heads, head_dim]``
+with some strides, which the kernel takes as they are, so every layout works.
+
+Configurations the kernel does not run (ALiBi, sliding window, logits soft-cap, attention sinks, encoder/cross
+attention, fp8/quantized KV, MLA, non-causal decoders) are refused when vLLM configures the model: by vLLM's
+selector through the ``supports_*`` declarations below (on CUDA/ROCm), and by the impl's constructor with the same
+wording on platforms whose selector does not validate (CPU) - never at the first forward.
+"""
+
+from __future__ import annotations
+
+from integrations.vllm.version import check_vllm_version
+
+check_vllm_version()  # before touching vLLM's classes: a clear ImportError instead of an AttributeError
+
+from dataclasses import dataclass  # noqa: E402
+from typing import Callable, ClassVar  # noqa: E402
+
+import torch  # noqa: E402
+from vllm.v1.attention.backend import (  # noqa: E402
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+    MultipleOf,
+)
+from vllm.v1.kv_cache_interface import KVCacheLayout  # noqa: E402
+
+import prefixattn  # noqa: E402
+from integrations.vllm.plugin import BACKEND_NAME  # noqa: E402
+
+#: Head sizes prefixattn's kernels are tuned and tested for (prefixattn's validation accepts exactly these).
+SUPPORTED_HEAD_SIZES = (64, 80, 96, 128, 256)
+#: Every physical order of vLLM's ``[L, B, H, N, C]`` cache: the kernel reads any strides. Token-major inside a block
+#: (``B, N, H, C``, i.e. NHD) first: it is prefixattn's own ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+SUPPORTED_KV_CACHE_LAYOUTS = tuple(
+    KVCacheLayout[name] for name in ("LBNHC", "LBHNC", "BLNHC", "BLHNC", "BHLNC", "LHBNC")
+    if name in KVCacheLayout.__members__
+)
+
+_plan_observers: list[Callable[["prefixattn.Plan"], None]] = []
+
+
+def add_plan_observer(fn: Callable[["prefixattn.Plan"], None]) -> Callable[[], None]:
+    """Call ``fn(plan)`` after every step's plan is built in this process; returns a function that removes it.
+
+    For tests and diagnostics (e.g. which shared groups a real engine's batches produced): the engine must run in
+    this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) for an observer here to see its plans.
+    """
+    _plan_observers.append(fn)
+    return lambda: _plan_observers.remove(fn)
+
+
+@dataclass
+class PrefixAttnMetadata:
+    """What every layer of one step needs: the plan, the rows it covers, and where new K/V go."""
+
+    plan: "prefixattn.Plan"
+    #: Query rows of real requests (``qo_indptr[-1]``); rows past it are padding and are neither read nor written.
+    num_query_tokens: int
+    #: ``[num_query_tokens]`` flat slot ``block * block_size + offset`` of each new token's K/V.
+    slot_mapping: torch.Tensor
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """Host-side ``prefixattn.plan`` inputs derived from one ``CommonAttentionMetadata``."""
+
+    qo_indptr: torch.Tensor  # [num_reqs + 1] CPU
+    kv_lens: torch.Tensor  # [num_reqs] CPU
+    block_table: torch.Tensor  # [num_reqs, max_blocks], on vLLM's device (plan() copies it to the host once)
+
+
+def plan_inputs(common: CommonAttentionMetadata, *, exact_seq_lens_on_host: bool = True) -> PlanInputs:
+    """Convert vLLM's per-step metadata to ``prefixattn.plan``'s ``(qo_indptr, kv_lens, block_table)``.
+
+    vLLM's ``seq_lens`` already count the new tokens (prefixattn's ``kv_lens`` convention) and its block table rows
+    are in request order, so this is slicing to the ``num_reqs`` real requests plus picking host copies:
+    ``query_start_loc_cpu`` always; ``seq_lens_cpu_upper_bound`` when it is exact (no speculative decoding:
+    ``exact_seq_lens_on_host``), else one device-to-host copy of ``seq_lens``.
+    """
+    n = int(common.num_reqs)
+    qo_indptr = common.query_start_loc_cpu[: n + 1]
+    host_lens = getattr(common, "seq_lens_cpu_upper_bound", None) if exact_seq_lens_on_host else None
+    kv_lens = host_lens[:n] if host_lens is not None else common.seq_lens[:n].to("cpu")
+    return PlanInputs(qo_indptr=qo_indptr, kv_lens=kv_lens, block_table=common.block_table_tensor[:n])
+
+
+def _refusal(reasons: list[str]) -> ValueError:
+    # vLLM's own wording (its selector raises exactly this for a selected backend that fails validation).
+    return ValueError(f"Selected backend {BACKEND_NAME} is not valid for this configuration. Reason: {reasons}")
+
+
+class PrefixAttnBackend(AttentionBackend):
+    """prefixattn's fused prefix-shared paged attention behind vLLM's attention-backend interface."""
+
+    # The impl writes new K/V itself, inside forward(), where it has the step's metadata.
+    forward_includes_kv_cache_update: bool = True
+
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    # No fp8/quantized KV: the kernel loads K/V in the dtype of q.
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "float16", "bfloat16"]
+
+    @staticmethod
+    def get_name() -> str:
+        return BACKEND_NAME
+
+    @staticmethod
+    def get_impl_cls() -> type["PrefixAttnImpl"]:
+        return PrefixAttnImpl
+
+    @staticmethod
+    def get_builder_cls() -> type["PrefixAttnMetadataBuilder"]:
+        return PrefixAttnMetadataBuilder
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
+        return [MultipleOf(1)]  # any block size: the kernel walks blocks with masked tails
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return list(SUPPORTED_HEAD_SIZES)
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        return SUPPORTED_KV_CACHE_LAYOUTS
+
+    # Everything below keeps vLLM's default "not supported" (sliding window, sinks, ALiBi-sqrt, MLA, sparse,
+    # multimodal prefix, non-causal, batch invariance, PCP/DCP) or "decoder only" (attention types): the kernel
+    # implements causal decoder self-attention over a paged cache, nothing else yet.
+
+
+class PrefixAttnMetadataBuilder(AttentionMetadataBuilder[PrefixAttnMetadata]):
+    """Builds one :func:`prefixattn.plan` per step and KV cache group, shared by all its layers."""
+
+    # plan() runs on the host every step, so a captured graph would replay a stale work list.
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    reorder_batch_threshold: int | None = None  # the plan takes decodes and prefills mixed, in any order
+
+    def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config, device: torch.device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.block_size = int(kv_cache_spec.block_size)
+        self.num_kv_heads = int(kv_cache_spec.num_kv_heads)
+        self.head_dim = int(kv_cache_spec.head_size)
+        if int(getattr(kv_cache_spec, "head_size_v", self.head_dim)) != self.head_dim:
+            raise _refusal(["different K and V head sizes not supported"])
+        model_config = vllm_config.model_config
+        self.num_qo_heads = int(model_config.get_num_attention_heads(vllm_config.parallel_config))
+        self.q_dtype = model_config.dtype
+        self.sm_scale = _group_scale(vllm_config, layer_names)
+        spec = getattr(vllm_config, "speculative_config", None)
+        self.exact_seq_lens_on_host = spec is None or not getattr(spec, "num_speculative_tokens", None)
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> PrefixAttnMetadata:
+        if isinstance(common_attn_metadata.causal, torch.Tensor) or not common_attn_metadata.causal:
+            raise _refusal(["non-causal attention not supported"])
+        inputs = plan_inputs(common_attn_metadata, exact_seq_lens_on_host=self.exact_seq_lens_on_host)
+        step_plan = prefixattn.plan(
+            inputs.qo_indptr, inputs.kv_lens, inputs.block_table, block_size=self.block_size,
+            num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, causal=True,
+            sm_scale=self.sm_scale, q_dtype=self.q_dtype, device=self.device)
+        for observe in _plan_observers:
+            observe(step_plan)
+        return PrefixAttnMetadata(plan=step_plan, num_query_tokens=step_plan.num_tokens,
+                                  slot_mapping=common_attn_metadata.slot_mapping[: step_plan.num_tokens])
+
+
+def _group_scale(vllm_config, layer_names: list[str]) -> float | None:
+    """The softmax scale of the group's layers (one plan serves them all); None = prefixattn's 1/sqrt(head_dim)."""
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention import Attention
+
+    layers = get_layers_from_vllm_config(vllm_config, Attention, layer_names)
+    scales = {float(layer.impl.scale) for layer in layers.values()}
+    if len(scales) > 1:
+        raise _refusal([f"layers sharing a KV cache group use different softmax scales {sorted(scales)}"])
+    return scales.pop() if scales else None
+
+
+class PrefixAttnImpl(AttentionImpl[PrefixAttnMetadata]):
+    """Per-layer work: write new K/V into vLLM's paged cache, then one :func:`prefixattn.attention` launch."""
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
+                 alibi_slopes: list[float] | None = None, sliding_window: int | None = None,
+                 kv_cache_dtype: str = "auto", logits_soft_cap: float | None = None,
+                 attn_type: str = AttentionType.DECODER, kv_sharing_target_layer_name: str | None = None,
+                 **extra_impl_args) -> None:
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        reasons = refusal_reasons(head_size=head_size, kv_cache_dtype=kv_cache_dtype, alibi_slopes=alibi_slopes,
+                                  sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                                  attn_type=attn_type, extra_impl_args=extra_impl_args)
+        if reasons:
+            raise _refusal(reasons)
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.attn_type = attn_type
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+
+    def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                attn_metadata: PrefixAttnMetadata | None, output: torch.Tensor,
+                output_scale: torch.Tensor | None = None,
+                output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """``query`` ``[T, H, D]``, ``key``/``value`` ``[T, Hkv, D]``, ``kv_cache`` ``[B, Hkv, N, 2D]`` (logical),
+        ``output`` ``[T, H, D]``, written in place for the ``num_query_tokens`` real rows."""
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError(f"{BACKEND_NAME} does not fuse output quantization into attention")
+        if attn_metadata is None:  # vLLM's profiling / warm-up run: no cache, nothing to attend to
+            return output
+        k_cache, v_cache = split_kv_cache(kv_cache, self.head_size)
+        n = attn_metadata.num_query_tokens
+        if self.kv_sharing_target_layer_name is None and key is not None and value is not None:
+            write_kv_cache(key[:n], value[:n], k_cache, v_cache, attn_metadata.slot_mapping)
+        prefixattn.attention(query[:n], k_cache, v_cache, attn_metadata.plan, out=output[:n])
+        return output
+
+
+def refusal_reasons(*, head_size: int, kv_cache_dtype: str, alibi_slopes=None, sliding_window=None,
+                    logits_soft_cap=None, attn_type: str = AttentionType.DECODER,
+                    extra_impl_args: dict | None = None) -> list[str]:
+    """Why a layer configuration cannot run on prefixattn (empty list: it can), in vLLM's validation wording."""
+    reasons = []
+    if head_size not in SUPPORTED_HEAD_SIZES:
+        reasons.append("head_size not supported")
+    if kv_cache_dtype not in PrefixAttnBackend.supported_kv_cache_dtypes:
+        reasons.append("kv_cache_dtype not supported")
+    if attn_type != AttentionType.DECODER:
+        reasons.append(f"attention type {attn_type} not supported")
+    if sliding_window is not None:
+        reasons.append("sliding window not supported")
+    if alibi_slopes is not None:
+        reasons.append("ALiBi not supported")
+    if logits_soft_cap not in (None, 0, 0.0):
+        reasons.append("logits soft-cap not supported")
+    extra = extra_impl_args or {}
+    if extra.get("sinks") is not None:
+        reasons.append("attention sinks not supported")
+    for name, value in extra.items():
+        if name != "sinks" and value not in (None, False, -1):
+            reasons.append(f"{name}={value!r} not supported")
+    return reasons
+
+
+def split_kv_cache(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's logical ``[B, Hkv, N, 2D]`` layer cache -> prefixattn's ``[B, N, Hkv, D]`` K and V views (no copy)."""
+    if kv_cache.dim() != 4 or kv_cache.shape[-1] != 2 * head_size:
+        raise ValueError(
+            f"kv_cache: expected vLLM's logical [num_blocks, num_kv_heads, block_size, 2 * head_size={2 * head_size}] "
+            f"layer view, got shape {tuple(kv_cache.shape)}")
+    by_token = kv_cache.transpose(1, 2)
+    return by_token[..., :head_size], by_token[..., head_size:]
+
+
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """Store ``key``/``value`` ``[n, Hkv, D]`` at flat slots ``slot_mapping`` ``[n]`` of the ``[B, N, Hkv, D]``
+    views, in place (device ops only, no host synchronization)."""
+    block_size = k_cache.shape[1]
+    slots = slot_mapping.to(torch.long)
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache.index_put_((blocks, offsets), key.to(k_cache.dtype))
+    v_cache.index_put_((blocks, offsets), value.to(v_cache.dtype))
