@@ -1,0 +1,414 @@
+"""Per-step GPU cost model: the time of one engine iteration from what it computes and reads.
+
+One step runs every decoder layer over the step's batched tokens, then the LM head and the sampler on the sequences
+that produce a token. Each operator costs ``max(FLOPs / (peak x efficiency), bytes / (bandwidth x efficiency))`` plus
+a launch overhead; GEMMs pay wave quantization over 128x128 output tiles; attention kernels are costed from their
+CTAs (work units), so a kernel with one long CTA pays its tail. Attention comes in three kernel kinds:
+
+``paged``
+    every sequence reads its whole KV (prefix included); one launch for the prefill part and one for the decode
+    part (FlashAttention-2 varlen + paged decode, as vLLM 0.5 runs them);
+``cascade``
+    FlashInfer-style: one launch per shared level (all queries of a node against its KV once), one for the unique
+    suffixes, one merge per level;
+``fused``
+    prefixattn/BatchLLM: shared-node tiles and suffix tiles in one launch with one merge; with ``split_k`` long KV
+    runs are split into ``split_k_tokens`` pieces so no single CTA holds the step.
+
+Every constant comes from :class:`prefixattn.sim.calibration.Calibration`; the only literals below are unit facts
+(2 FLOPs per multiply-add, K and V, 4-byte fp32).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from prefixattn.sim.calibration import Calibration
+from prefixattn.sim.presets import HardwarePreset, ModelPreset, get_hardware, get_model
+
+KERNEL_KINDS = ("paged", "cascade", "fused")
+BACKENDS = ("sequential", "overlap")
+
+_FLOPS_PER_MAC = 2
+#: QK^T and PV are each one multiply-add per (query, key, head-dim element).
+_ATTN_MACS_PER_PAIR_DIM = 2
+_K_AND_V = 2
+_FP32_BYTES = 4
+#: Row granularity of a tensor-core MMA (m16nXkY): fewer rows still occupy a whole instruction.
+_MMA_ROWS = 16
+
+
+@dataclass
+class SharedNode:
+    """A KV run read once for several queries in one step (a prefix-tree node with >= 2 members present).
+
+    Attributes
+    ----------
+    kv_len : int
+        Tokens of KV in the node.
+    num_queries : int
+        New tokens (over all member sequences) attending to it this step.
+    level : int
+        Depth of the node (1 = first-level prefix); cascade launches one kernel per level.
+    """
+
+    kv_len: int
+    num_queries: int
+    level: int = 1
+
+
+@dataclass
+class StepShape:
+    """What one iteration computes.
+
+    Attributes
+    ----------
+    q_lens : np.ndarray
+        ``[num_seqs]`` new tokens per sequence this step (1 for a decode).
+    kv_lens : np.ndarray
+        ``[num_seqs]`` context length after the step (cached + new tokens).
+    num_sampled : int
+        Sequences that produce a token this step (decodes + prefills that finish their prompt).
+    shared_lens : np.ndarray, optional
+        ``[num_seqs]`` tokens of each sequence's KV read through ``shared_nodes`` (0 where none).
+    shared_nodes : list of SharedNode
+        Nodes read once for their members (cascade / fused kernels only).
+    """
+
+    q_lens: np.ndarray
+    kv_lens: np.ndarray
+    num_sampled: int
+    shared_lens: np.ndarray | None = None
+    shared_nodes: list = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.q_lens.sum())
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.q_lens.shape[0])
+
+
+@dataclass
+class StepCost:
+    """Modeled time of one step, seconds, by part. ``total`` is what the simulated clock advances by."""
+
+    total: float
+    gpu: float
+    linear: float
+    attention: float
+    other: float
+    host: float
+    launches: int
+    compute_s: float
+    memory_s: float
+
+
+@dataclass
+class _Units:
+    """Attention work units (CTAs) in count-weighted form: ``count[i]`` CTAs each doing ``flops[i]``/``bytes[i]``."""
+
+    count: list = field(default_factory=list)
+    flops: list = field(default_factory=list)
+    bytes: list = field(default_factory=list)
+
+    def add(self, count, flops, nbytes) -> None:
+        self.count.append(np.asarray(count, dtype=np.float64).ravel())
+        self.flops.append(np.asarray(flops, dtype=np.float64).ravel())
+        self.bytes.append(np.asarray(nbytes, dtype=np.float64).ravel())
+
+    def extend(self, other: "_Units") -> None:
+        self.count += other.count
+        self.flops += other.flops
+        self.bytes += other.bytes
+
+    def empty(self) -> bool:
+        return not self.count or all(c.size == 0 for c in self.count)
+
+
+class CostModel:
+    """Per-step time and memory model for one (hardware, model) pair.
+
+    Parameters
+    ----------
+    hardware : str or HardwarePreset
+        e.g. ``"a100"``.
+    model : str or ModelPreset
+        e.g. ``"mistral-7b"``.
+    calibration : Calibration, optional
+        The constants table (defaults to :data:`prefixattn.sim.calibration.TABLE`).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> cm = CostModel("a100", "mistral-7b")
+    >>> decode = StepShape(q_lens=np.ones(64, dtype=np.int64), kv_lens=np.full(64, 1500), num_sampled=64)
+    >>> 0 < cm.step_cost(decode, kernel="paged").total < 1.0
+    True
+    """
+
+    def __init__(self, hardware, model, calibration: Calibration | None = None) -> None:
+        self.hw: HardwarePreset = get_hardware(hardware)
+        self.model: ModelPreset = get_model(model)
+        self.calib = calibration or Calibration()
+        c, hw = self.calib, self.hw
+        self._gemm_flops = hw.peak_flops * c.gemm_efficiency
+        self._bw = hw.hbm_bandwidth * c.hbm_efficiency
+        self._attn_flops = hw.peak_flops * c.attn_prefill_efficiency
+        self._attn_bw = hw.hbm_bandwidth * c.attn_decode_bw_efficiency
+        self._slots = hw.num_sms * c.attn_ctas_per_sm
+        m = self.model
+        self._group = m.num_heads // m.num_kv_heads
+        #: bytes of one KV head of one token in one layer (K and V)
+        self._kv_head_bytes = _K_AND_V * m.head_dim * m.dtype_bytes
+        self._attn_flops_per_pair = _ATTN_MACS_PER_PAIR_DIM * _FLOPS_PER_MAC * m.head_dim * m.num_heads
+        # elementwise traffic per token per layer: 2x(add+RMSNorm: read x and residual, write both), rotary on q and
+        # k (read+write), KV-cache write, SiLU-and-mul (read 2I, write I)
+        h, inter = m.hidden_size, m.intermediate_size
+        self._elementwise_bytes_per_token = m.dtype_bytes * (
+            2 * (4 * h) + 2 * (m.q_size + m.kv_size) + _K_AND_V * m.kv_size + 3 * inter)
+
+    # ------------------------------------------------------------------ memory
+    @property
+    def weight_bytes(self) -> int:
+        return self.model.weight_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.model.kv_bytes_per_token
+
+    def activation_bytes(self, max_batched_tokens: int) -> int:
+        """Peak activation memory of a forward pass over ``max_batched_tokens`` tokens."""
+        m = self.model
+        widest = max(m.q_size + 2 * m.kv_size, 2 * m.intermediate_size, m.hidden_size)
+        return int(self.calib.activation_copies * max_batched_tokens * widest * m.dtype_bytes)
+
+    def sampler_bytes(self, max_sampled: int) -> int:
+        """Peak sampler memory: fp32 logits (and copies) for ``max_sampled`` sequences over the vocabulary."""
+        return int(self.calib.sampler_logit_copies * max_sampled * self.model.vocab_size * _FP32_BYTES)
+
+    def kv_pool_tokens(self, memory_fraction: float, max_batched_tokens: int, max_sampled: int,
+                       reserved_bytes: int | None = None) -> int:
+        """KV-cache capacity in tokens once weights, activations and sampler buffers are placed.
+
+        ``memory_fraction`` of device memory is the engine's budget (vLLM ``gpu_memory_utilization``, SGLang
+        ``mem_fraction_static``). ``reserved_bytes`` replaces weights+activations+sampler where a paper states its
+        own reservation (BlendServe: 20 GB).
+        """
+        budget = self.hw.memory_bytes * memory_fraction
+        if reserved_bytes is None:
+            reserved_bytes = self.weight_bytes + self.activation_bytes(max_batched_tokens) + \
+                self.sampler_bytes(max_sampled)
+        free = budget - reserved_bytes
+        if free <= 0:
+            raise ValueError(f"model: {self.model.name} does not fit {self.hw.name} with memory_fraction "
+                             f"{memory_fraction}: {reserved_bytes / 2 ** 30:.1f} GiB needed before any KV cache")
+        return int(free // self.kv_bytes_per_token)
+
+    # ------------------------------------------------------------------ linear layers
+    def _gemm(self, m_rows: int, k: int, n: int) -> tuple[float, float]:
+        """(compute_s, memory_s) of one [m, k] x [k, n] GEMM.
+
+        Rows are padded to the MMA granularity; when the output has at least one tile per SM the compute pays wave
+        quantization over ``gemm_tile_m x gemm_tile_n`` tiles (a partial last wave costs a full one). With fewer tiles
+        than SMs the libraries switch to split-K / smaller tiles, so no quantization is charged there.
+        """
+        if m_rows <= 0:
+            return 0.0, 0.0
+        c, hw = self.calib, self.hw
+        padded = math.ceil(m_rows / _MMA_ROWS) * _MMA_ROWS
+        compute = _FLOPS_PER_MAC * padded * k * n / self._gemm_flops
+        tiles = math.ceil(m_rows / c.gemm_tile_m) * math.ceil(n / c.gemm_tile_n)
+        if tiles >= hw.num_sms:
+            compute *= math.ceil(tiles / hw.num_sms) * hw.num_sms / tiles
+        memory = (k * n + m_rows * k + m_rows * n) * self.model.dtype_bytes / self._bw
+        return compute, memory
+
+    def linear_time(self, num_tokens: int, num_sampled: int) -> tuple[float, float, float, int]:
+        """Decoder GEMMs over all layers + LM head: (time, compute_s, memory_s, launches)."""
+        m = self.model
+        t = comp = mem = 0.0
+        for _, k, n in m.layer_linear_shapes():
+            cpt, mm = self._gemm(num_tokens, k, n)
+            t += max(cpt, mm)
+            comp += cpt
+            mem += mm
+        t, comp, mem = t * m.num_layers, comp * m.num_layers, mem * m.num_layers
+        launches = len(m.layer_linear_shapes()) * m.num_layers
+        if num_sampled > 0:
+            cpt, mm = self._gemm(num_sampled, m.hidden_size, m.vocab_size)
+            t, comp, mem, launches = t + max(cpt, mm), comp + cpt, mem + mm, launches + 1
+        return t, comp, mem, launches
+
+    def other_time(self, num_tokens: int, num_sampled: int) -> tuple[float, int]:
+        """Elementwise kernels of every layer, embedding gather and sampler: (time, launches)."""
+        m, c = self.model, self.calib
+        per_layer = num_tokens * self._elementwise_bytes_per_token / self._bw
+        embed = num_tokens * m.hidden_size * m.dtype_bytes / self._bw
+        sampler = c.sampler_passes * num_sampled * m.vocab_size * _FP32_BYTES / self._bw
+        launches = int(c.elementwise_kernels_per_layer) * m.num_layers + (1 if num_sampled else 0) + 1
+        return per_layer * m.num_layers + embed + sampler, launches
+
+    # ------------------------------------------------------------------ attention
+    def _seq_units(self, q: np.ndarray, kv: np.ndarray, skip: np.ndarray, split: int | None) -> _Units:
+        """CTAs of per-sequence attention: query rows ``q`` against KV positions ``[skip, kv)`` (causal in-chunk)."""
+        units = _Units()
+        if q.size == 0:
+            return units
+        q = q.astype(np.float64)
+        kv = kv.astype(np.float64)
+        own = kv - skip
+        keep = own > 0
+        q, kv, own = q[keep], kv[keep], own[keep]
+        if q.size == 0:
+            return units
+        # (query, key) pairs: earlier context fully, the chunk itself causally
+        before = np.maximum(own - q, 0.0)
+        pairs = q * before + q * (q + 1) / 2
+        m_tiles = np.ceil(q * self._group / self.calib.attn_block_m)
+        k_parts = np.ceil(own / split) if split else np.ones_like(own)
+        count = self.model.num_kv_heads * m_tiles * k_parts
+        flops = pairs * self._attn_flops_per_pair / count
+        # DRAM traffic: each KV head is streamed once; further query tiles of the same head re-read it from L2
+        nbytes = (own / k_parts) * self._kv_head_bytes / m_tiles
+        units.add(count, flops, nbytes)
+        return units
+
+    def _node_units(self, nodes: list, split: int | None) -> _Units:
+        """CTAs of shared nodes: all member queries against the node's KV, read once per query tile."""
+        units = _Units()
+        if not nodes:
+            return units
+        p = np.array([n.kv_len for n in nodes], dtype=np.float64)
+        nq = np.array([n.num_queries for n in nodes], dtype=np.float64)
+        m_tiles = np.ceil(nq * self._group / self.calib.attn_block_m)
+        k_parts = np.ceil(p / split) if split else np.ones_like(p)
+        count = self.model.num_kv_heads * m_tiles * k_parts
+        flops = nq * p * self._attn_flops_per_pair / count
+        units.add(count, flops, (p / k_parts) * self._kv_head_bytes / m_tiles)
+        return units
+
+    def _kernel_time(self, units: _Units, flop_factor: float) -> tuple[float, float, float]:
+        """(time, compute_s, memory_s) of one launch over ``units``: max of the busy waves and the longest CTA.
+
+        ``flop_factor`` scales the attainable FLOP rate only (Triton's attention gap is in the tensor-core pipeline,
+        BatchLLM sec. 6.3.3; streaming KV is bandwidth-bound either way).
+        """
+        if units.empty():
+            return 0.0, 0.0, 0.0
+        count = np.concatenate(units.count)
+        flops = np.concatenate(units.flops)
+        nbytes = np.concatenate(units.bytes)
+        f_rate, b_rate = self._attn_flops * flop_factor, self._attn_bw
+        # one CTA's time when every slot is busy (it gets 1/slots of the machine)
+        slot_t = np.maximum(flops / (f_rate / self._slots), nbytes / (b_rate / self._slots))
+        n_units = float(count.sum())
+        busy = float((slot_t * count).sum()) / self._slots
+        if n_units >= self._slots:
+            # a partial last wave costs as long as a full one (units treated as equal-sized for quantization)
+            busy *= math.ceil(n_units / self._slots) * self._slots / n_units
+        # the longest CTA alone: one SM's compute, a boosted share of bandwidth
+        sms = self.hw.num_sms
+        alone = np.maximum(flops / (f_rate / sms), nbytes / (b_rate * self.calib.sm_bandwidth_boost / sms))
+        total = max(busy, float(alone.max()))
+        return total, float((flops * count).sum()) / f_rate, float((nbytes * count).sum()) / b_rate
+
+    def _merge_time(self, partial_rows: float, out_rows: float) -> float:
+        """Merge kernel: read fp32 partial states, write the output (memory-bound)."""
+        m = self.model
+        nbytes = partial_rows * m.num_heads * (m.head_dim + 1) * _FP32_BYTES + \
+            out_rows * m.num_heads * m.head_dim * m.dtype_bytes
+        return nbytes / self._bw
+
+    def attention_time(self, step: StepShape, kernel: str, split_k: bool = False) -> tuple[float, float, float, int]:
+        """Attention over all layers: (time, compute_s, memory_s, launches)."""
+        if kernel not in KERNEL_KINDS:
+            raise ValueError(f"kernel: expected one of {KERNEL_KINDS}, got {kernel!r}")
+        q, kv = step.q_lens, step.kv_lens
+        if q.size == 0:
+            return 0.0, 0.0, 0.0, 0
+        n_layers = self.model.num_layers
+        is_decode = q == 1
+        zeros = np.zeros_like(kv)
+        c = self.calib
+        split = int(c.split_k_tokens) if split_k else None
+        if kernel == "fused" and not step.shared_nodes:
+            # one launch over prefill and decode tiles; a merge only where split-k actually split a KV run
+            t, cpt, mem = self._kernel_time(self._seq_units(q, kv, zeros, split), c.triton_attention_factor)
+            launches = 1
+            if split and bool((kv > split).any()):
+                t += self._merge_time(float(q[kv > split].sum()) * 2, float(q.sum()))
+                launches += 1
+            return t * n_layers, cpt * n_layers, mem * n_layers, launches * n_layers
+        if kernel == "paged" or not step.shared_nodes:
+            t = cpt = mem = 0.0
+            launches = 0
+            for mask in (~is_decode, is_decode):
+                if mask.any():
+                    tt, cc, mm = self._kernel_time(self._seq_units(q[mask], kv[mask], zeros[mask], None), 1.0)
+                    t, cpt, mem, launches = t + tt, cpt + cc, mem + mm, launches + 1
+            return t * n_layers, cpt * n_layers, mem * n_layers, launches * n_layers
+        shared = step.shared_lens if step.shared_lens is not None else zeros
+        suffix = self._seq_units(q, kv, shared, split)
+        rows_shared = float(q[shared > 0].sum())
+        if kernel == "cascade":
+            levels = sorted({n.level for n in step.shared_nodes})
+            t = cpt = mem = 0.0
+            for lvl in levels:
+                tt, cc, mm = self._kernel_time(self._node_units([n for n in step.shared_nodes if n.level == lvl],
+                                                                None), 1.0)
+                t, cpt, mem = t + tt + self._merge_time(2 * rows_shared, rows_shared), cpt + cc, mem + mm
+            for mask in (~is_decode, is_decode):
+                if mask.any():
+                    tt, cc, mm = self._kernel_time(self._seq_units(q[mask], kv[mask], shared[mask], None), 1.0)
+                    t, cpt, mem = t + tt, cpt + cc, mem + mm
+            launches = 2 * len(levels) + int((~is_decode).any()) + int(is_decode.any())
+            return t * n_layers, cpt * n_layers, mem * n_layers, launches * n_layers
+        # fused: every tile kind in one launch, one merge
+        units = self._node_units(step.shared_nodes, split)
+        units.extend(suffix)
+        t, cpt, mem = self._kernel_time(units, c.triton_attention_factor)
+        partials = rows_shared * (1 + max(n.level for n in step.shared_nodes))
+        t += self._merge_time(partials, float(q.sum()))
+        return t * n_layers, cpt * n_layers, mem * n_layers, 2 * n_layers
+
+    # ------------------------------------------------------------------ whole step
+    def step_cost(self, step: StepShape, kernel: str = "paged", split_k: bool = False,
+                  backend: str = "sequential") -> StepCost:
+        """Modeled time of one iteration.
+
+        Parameters
+        ----------
+        step : StepShape
+            The step's sequences, their new tokens and KV lengths, and the shared nodes.
+        kernel : {"paged", "cascade", "fused"}
+            Attention kernel kind.
+        split_k : bool
+            Split long KV runs (fused/cascade kernels).
+        backend : {"sequential", "overlap"}
+            ``overlap`` is a NanoFlow-style engine that runs compute- and memory-bound operators concurrently.
+
+        Returns
+        -------
+        StepCost
+        """
+        if backend not in BACKENDS:
+            raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+        n_tok, n_samp, n_seqs = step.num_tokens, step.num_sampled, step.num_seqs
+        lin, lin_c, lin_m, lin_launch = self.linear_time(n_tok, n_samp)
+        att, att_c, att_m, att_launch = self.attention_time(step, kernel, split_k)
+        oth, oth_launch = self.other_time(n_tok, n_samp)
+        launches = lin_launch + att_launch + oth_launch
+        launch_t = launches * self.hw.launch_overhead_s
+        gpu = lin + att + oth + launch_t
+        compute_s = lin_c + att_c
+        memory_s = lin_m + att_m + oth
+        if backend == "overlap":
+            gpu = min(gpu, max(compute_s, memory_s) / self.calib.overlap_efficiency + launch_t)
+        host = self.calib.host_step_overhead_s + self.calib.host_per_seq_overhead_s * n_seqs
+        return StepCost(total=gpu + host, gpu=gpu, linear=lin, attention=att, other=oth, host=host,
+                        launches=launches, compute_s=compute_s, memory_s=memory_s)

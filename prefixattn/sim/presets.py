@@ -1,0 +1,223 @@
+"""Hardware and model presets for the simulator, each with the public source of its numbers.
+
+Hardware numbers are the vendors' spec-sheet peaks (dense, no sparsity). Model numbers are the published
+``config.json`` of each checkpoint. The one value here that is not on a spec sheet, the kernel launch overhead, is
+labelled as an assumption in its ``sources`` entry; efficiency factors live in :mod:`prefixattn.sim.calibration`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+GIB = 1024 ** 3
+_TERA = 1e12
+
+
+@dataclass(frozen=True)
+class HardwarePreset:
+    """Peak numbers of one accelerator as a single process sees it.
+
+    Attributes
+    ----------
+    name : str
+        Canonical preset name (``a100-80gb``...).
+    peak_flops : float
+        Dense fp16/bf16 tensor FLOP/s (no sparsity).
+    hbm_bandwidth : float
+        Peak HBM bandwidth, bytes/s.
+    memory_bytes : int
+        Device memory, bytes.
+    num_sms : int
+        Streaming multiprocessors (NVIDIA) or compute units (AMD).
+    launch_overhead_s : float
+        Device-side gap per kernel launch (assumption, see ``sources``).
+    vendor : str
+        ``"nvidia"`` or ``"amd"``.
+    sources : dict
+        Field -> where the number comes from.
+    """
+
+    name: str
+    peak_flops: float
+    hbm_bandwidth: float
+    memory_bytes: int
+    num_sms: int
+    launch_overhead_s: float
+    vendor: str
+    sources: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def memory_gib(self) -> float:
+        return self.memory_bytes / GIB
+
+
+_NV_LAUNCH = ("assumption: ~4 us device-side gap between back-to-back eager kernel launches, the order of magnitude "
+              "commonly measured for CUDA launch latency; not a spec-sheet number")
+_AMD_LAUNCH = ("assumption: ~8 us, ROCm/HIP launches are commonly measured at about twice CUDA's latency; BatchLLM "
+               "sec. 5 uses AOTriton on AMD precisely to cut launch cost; not a spec-sheet number")
+
+HARDWARE: dict[str, HardwarePreset] = {
+    "a100-80gb": HardwarePreset(
+        name="a100-80gb", peak_flops=312 * _TERA, hbm_bandwidth=2039e9, memory_bytes=80 * 10 ** 9, num_sms=108,
+        launch_overhead_s=4e-6, vendor="nvidia",
+        sources={"peak_flops": "NVIDIA A100 datasheet: 312 TFLOPS BF16/FP16 tensor (dense)",
+                 "hbm_bandwidth": "NVIDIA A100 80GB SXM datasheet: 2,039 GB/s HBM2e",
+                 "memory_bytes": "NVIDIA A100 datasheet: 80 GB", "num_sms": "NVIDIA Ampere GA100 whitepaper: 108 SMs",
+                 "launch_overhead_s": _NV_LAUNCH}),
+    "h100-sxm": HardwarePreset(
+        name="h100-sxm", peak_flops=989.4 * _TERA, hbm_bandwidth=3.35e12, memory_bytes=80 * 10 ** 9, num_sms=132,
+        launch_overhead_s=4e-6, vendor="nvidia",
+        sources={"peak_flops": "NVIDIA H100 SXM datasheet: 1,979 TFLOPS BF16 with sparsity = 989.4 dense",
+                 "hbm_bandwidth": "NVIDIA H100 SXM datasheet: 3.35 TB/s HBM3", "memory_bytes": "datasheet: 80 GB",
+                 "num_sms": "NVIDIA Hopper whitepaper: 132 SMs (SXM5)", "launch_overhead_s": _NV_LAUNCH}),
+    "h200": HardwarePreset(
+        name="h200", peak_flops=989.4 * _TERA, hbm_bandwidth=4.8e12, memory_bytes=141 * 10 ** 9, num_sms=132,
+        launch_overhead_s=4e-6, vendor="nvidia",
+        sources={"peak_flops": "NVIDIA H200 SXM datasheet: 1,979 TFLOPS BF16 with sparsity = 989.4 dense",
+                 "hbm_bandwidth": "NVIDIA H200 datasheet: 4.8 TB/s HBM3e", "memory_bytes": "datasheet: 141 GB",
+                 "num_sms": "same GH100 die as H100 SXM: 132 SMs", "launch_overhead_s": _NV_LAUNCH}),
+    # MI250X is two GCDs in one package; each GCD is a separate device to the runtime. The package numbers are the
+    # spec sheet's; `mi250x-gcd` is what one process (one GPU in vLLM) actually drives.
+    "mi250x": HardwarePreset(
+        name="mi250x", peak_flops=383 * _TERA, hbm_bandwidth=3.2768e12, memory_bytes=128 * GIB, num_sms=220,
+        launch_overhead_s=8e-6, vendor="amd",
+        sources={"peak_flops": "AMD Instinct MI250X datasheet: 383 TFLOPS peak FP16/BF16 (package, 2 GCDs)",
+                 "hbm_bandwidth": "AMD MI250X datasheet: 3.2768 TB/s HBM2e", "memory_bytes": "datasheet: 128 GB",
+                 "num_sms": "datasheet: 220 compute units", "launch_overhead_s": _AMD_LAUNCH}),
+    "mi250x-gcd": HardwarePreset(
+        name="mi250x-gcd", peak_flops=191.5 * _TERA, hbm_bandwidth=1.6384e12, memory_bytes=64 * GIB, num_sms=110,
+        launch_overhead_s=8e-6, vendor="amd",
+        sources={"peak_flops": "half of the MI250X package (one of its two GCDs): 191.5 TFLOPS",
+                 "hbm_bandwidth": "half of 3.2768 TB/s", "memory_bytes": "64 GB per GCD",
+                 "num_sms": "110 CUs per GCD", "launch_overhead_s": _AMD_LAUNCH}),
+    "mi300x": HardwarePreset(
+        name="mi300x", peak_flops=1307.4 * _TERA, hbm_bandwidth=5.3e12, memory_bytes=192 * 10 ** 9, num_sms=304,
+        launch_overhead_s=8e-6, vendor="amd",
+        sources={"peak_flops": "AMD Instinct MI300X datasheet: 1,307.4 TFLOPS peak FP16/BF16 dense",
+                 "hbm_bandwidth": "AMD MI300X datasheet: 5.3 TB/s HBM3", "memory_bytes": "datasheet: 192 GB",
+                 "num_sms": "datasheet: 304 compute units", "launch_overhead_s": _AMD_LAUNCH}),
+}
+
+#: Short names users type. "mi200" is what the BatchLLM paper calls its AMD GPU; one GCD is one vLLM device.
+HARDWARE_ALIASES = {"a100": "a100-80gb", "a100-80g": "a100-80gb", "h100": "h100-sxm", "h200-sxm": "h200",
+                    "mi200": "mi250x-gcd", "mi250": "mi250x-gcd", "mi300": "mi300x"}
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    """A decoder-only transformer from its public ``config.json``.
+
+    Attributes
+    ----------
+    num_layers, hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size, vocab_size : int
+        The config fields of the same meaning (``head_dim`` = hidden / heads where the config has none).
+    max_model_len : int
+        ``max_position_embeddings`` (vLLM's default max_model_len; sets its unchunked prefill budget).
+    dtype_bytes : int
+        Bytes per weight / KV element (2 for the published bf16 checkpoints).
+    tied_embeddings : bool
+        Whether the LM head reuses the embedding matrix (no extra weight bytes).
+    source : str
+        Where the numbers come from.
+    """
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    max_model_len: int
+    dtype_bytes: int = 2
+    tied_embeddings: bool = False
+    source: str = ""
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def layer_linear_shapes(self) -> list[tuple[str, int, int]]:
+        """(name, K, N) of the four GEMMs of one decoder layer (QKV, O, gate+up, down)."""
+        h = self.hidden_size
+        return [("qkv", h, self.q_size + 2 * self.kv_size), ("o", self.q_size, h),
+                ("gate_up", h, 2 * self.intermediate_size), ("down", self.intermediate_size, h)]
+
+    @property
+    def layer_params(self) -> int:
+        return sum(k * n for _, k, n in self.layer_linear_shapes())
+
+    @property
+    def num_params(self) -> int:
+        """Weights: the decoder layers, the embedding and (untied) LM head; norms are negligible."""
+        embed = self.vocab_size * self.hidden_size
+        return self.num_layers * self.layer_params + embed * (1 if self.tied_embeddings else 2)
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.num_params * self.dtype_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of one token over all layers (BatchLLM sec. 2.2: 2 x n_bytes x n_layers x n_kvhead x d_head)."""
+        return 2 * self.dtype_bytes * self.num_layers * self.kv_size
+
+
+MODELS: dict[str, ModelPreset] = {
+    "llama-3-8b": ModelPreset(
+        name="llama-3-8b", num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128,
+        intermediate_size=14336, vocab_size=128256, max_model_len=8192,
+        source="meta-llama/Meta-Llama-3-8B config.json"),
+    "llama-3.1-8b": ModelPreset(
+        name="llama-3.1-8b", num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128,
+        intermediate_size=14336, vocab_size=128256, max_model_len=131072,
+        source="meta-llama/Llama-3.1-8B config.json (same shapes as Llama-3-8B; only rope scaling differs)"),
+    "mistral-7b": ModelPreset(
+        name="mistral-7b", num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128,
+        intermediate_size=14336, vocab_size=32000, max_model_len=32768,
+        source="mistralai/Mistral-7B-v0.1 config.json (sliding window 4096 not modelled: seed prompts are shorter)"),
+    "qwen2-7b": ModelPreset(
+        name="qwen2-7b", num_layers=28, hidden_size=3584, num_heads=28, num_kv_heads=4, head_dim=128,
+        intermediate_size=18944, vocab_size=152064, max_model_len=32768,
+        source="Qwen/Qwen2-7B config.json"),
+}
+
+MODEL_ALIASES = {"llama3-8b": "llama-3-8b", "llama-3.1-8b-instruct": "llama-3.1-8b", "llama3.1-8b": "llama-3.1-8b",
+                 "mistral": "mistral-7b", "qwen2": "qwen2-7b"}
+
+
+def get_hardware(name: str | HardwarePreset) -> HardwarePreset:
+    """Look up a hardware preset by name or alias (case-insensitive).
+
+    Examples
+    --------
+    >>> get_hardware("a100").hbm_bandwidth
+    2039000000000.0
+    """
+    if isinstance(name, HardwarePreset):
+        return name
+    key = HARDWARE_ALIASES.get(str(name).lower(), str(name).lower())
+    if key not in HARDWARE:
+        raise ValueError(f"gpu: expected one of {sorted(HARDWARE) + sorted(HARDWARE_ALIASES)}, got {name!r}")
+    return HARDWARE[key]
+
+
+def get_model(name: str | ModelPreset) -> ModelPreset:
+    """Look up a model preset by name or alias (case-insensitive).
+
+    Examples
+    --------
+    >>> get_model("mistral-7b").kv_bytes_per_token  # 0.125 MiB, as BatchLLM sec. 2.2 says
+    131072
+    """
+    if isinstance(name, ModelPreset):
+        return name
+    key = MODEL_ALIASES.get(str(name).lower(), str(name).lower())
+    if key not in MODELS:
+        raise ValueError(f"model: expected one of {sorted(MODELS) + sorted(MODEL_ALIASES)}, got {name!r}")
+    return MODELS[key]
