@@ -1,0 +1,172 @@
+"""Packing integer sequences (token ids, block ids) into one flat array with offsets, with input checks.
+
+Everything in :mod:`prefixattn.scheduling` works on the packed form: one 1-D integer array holding all rows back to
+back and an ``offsets`` array of ``N + 1`` row boundaries. Packing once avoids a Python object per token and lets
+the prefix tree compare rows with vectorized slices.
+"""
+
+from __future__ import annotations
+
+import array
+import itertools
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+#: Ids are stored in the sort keys as ``id + 1`` in an unsigned 32-bit word (0 marks "past the end of the row"),
+#: so the largest id the prefix tree accepts is 2**32 - 2. Vocabularies and KV block pools are far smaller.
+MAX_ID = 2**32 - 2
+
+
+@dataclass(frozen=True)
+class PackedSequences:
+    """Rows of integer ids stored back to back.
+
+    Attributes
+    ----------
+    values : np.ndarray
+        ``[total]`` integer ids of all rows, concatenated.
+    offsets : np.ndarray
+        ``[N + 1]`` int64; row ``i`` is ``values[offsets[i]:offsets[i + 1]]``.
+    """
+
+    values: np.ndarray
+    offsets: np.ndarray
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """``[N]`` int64 row lengths."""
+        return np.diff(self.offsets)
+
+    @property
+    def starts(self) -> np.ndarray:
+        """``[N]`` int64 offset of each row's first id."""
+        return self.offsets[:-1]
+
+    def row(self, i: int) -> np.ndarray:
+        return self.values[self.offsets[i]:self.offsets[i + 1]]
+
+
+def _row_from_array(name: str, i: int, row: np.ndarray) -> np.ndarray:
+    if row.ndim != 1:
+        raise ValueError(f"{name}[{i}]: expected a 1-D sequence of integer ids, got a {row.ndim}-D array")
+    if row.size and row.dtype.kind not in "iu":
+        raise ValueError(f"{name}[{i}]: expected integer ids, got dtype {row.dtype}")
+    return row
+
+
+def _row_from_sequence(name: str, i: int, row) -> np.ndarray:
+    if isinstance(row, (str, bytes)):
+        raise ValueError(f"{name}[{i}]: expected a sequence of integer ids, got {type(row).__name__}")
+    try:
+        return np.frombuffer(array.array("q", row), dtype=np.int64)
+    except (TypeError, OverflowError) as exc:
+        raise ValueError(f"{name}[{i}]: expected a sequence of integer ids in [0, {MAX_ID}], got an element that "
+                         f"is not one ({exc})") from None
+
+
+def pack_sequences(seqs, *, name: str = "prompts", min_len: int = 1) -> PackedSequences:
+    """Check and pack a batch of integer sequences.
+
+    Parameters
+    ----------
+    seqs : Sequence[Sequence[int]] | Sequence[np.ndarray] | np.ndarray | PackedSequences
+        ``N >= 1`` rows of integer ids in ``[0, 2**32 - 2]``: lists/tuples of ints, 1-D integer arrays, or a 2-D
+        integer array (one row each). A :class:`PackedSequences` is checked and returned as is.
+    name : str
+        Argument name used in error messages.
+    min_len : int
+        Shortest accepted row.
+
+    Returns
+    -------
+    PackedSequences
+        ``values`` keeps the input's integer dtype when all rows are arrays of one dtype, else int64.
+
+    Raises
+    ------
+    ValueError
+        Empty batch, a row shorter than ``min_len``, a non-integer element, or an id outside ``[0, 2**32 - 2]``.
+
+    Examples
+    --------
+    >>> p = pack_sequences([[5, 6, 7], [5, 6]])
+    >>> p.offsets.tolist(), p.values.tolist()
+    ([0, 3, 5], [5, 6, 7, 5, 6])
+    """
+    if isinstance(seqs, PackedSequences):
+        packed = seqs
+        values, offsets = packed.values, packed.offsets
+        if values.ndim != 1 or (values.size and values.dtype.kind not in "iu"):
+            raise ValueError(f"{name}: expected PackedSequences.values to be a 1-D integer array, got "
+                             f"{values.ndim}-D {values.dtype}")
+        if offsets.ndim != 1 or offsets.size < 1 or offsets[0] != 0 or offsets[-1] != values.size \
+                or (np.diff(offsets) < 0).any():
+            raise ValueError(f"{name}: expected PackedSequences.offsets to rise from 0 to len(values)="
+                             f"{values.size}")
+    elif isinstance(seqs, np.ndarray):
+        if seqs.ndim != 2:
+            raise ValueError(f"{name}: expected a sequence of rows or a 2-D integer array, got a {seqs.ndim}-D "
+                             "array")
+        if seqs.size and seqs.dtype.kind not in "iu":
+            raise ValueError(f"{name}: expected integer ids, got dtype {seqs.dtype}")
+        n, width = seqs.shape
+        values = np.ascontiguousarray(seqs).reshape(-1)
+        offsets = np.arange(n + 1, dtype=np.int64) * width
+    else:
+        try:
+            n = len(seqs)
+        except TypeError:
+            raise ValueError(f"{name}: expected a sequence of integer sequences, got {type(seqs).__name__}") \
+                from None
+        if n == 0:
+            raise ValueError(f"{name}: expected at least one sequence, got an empty batch")
+        try:
+            lengths = np.fromiter((len(r) for r in seqs), dtype=np.int64, count=n)
+        except TypeError:
+            bad = next(i for i, r in enumerate(seqs) if not hasattr(r, "__len__"))
+            raise ValueError(f"{name}[{bad}]: expected a sequence of integer ids, got {type(seqs[bad]).__name__}") \
+                from None
+        offsets = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        is_array = [isinstance(r, np.ndarray) for r in seqs]
+        if all(is_array):
+            kinds = {(r.ndim, r.dtype.kind) for r in seqs}
+            if any(ndim != 1 or kind not in "iu" for ndim, kind in kinds):  # slow path only to name the row
+                for i, r in enumerate(seqs):
+                    if r.size or r.ndim != 1:
+                        _row_from_array(name, i, r)
+            values = np.concatenate(seqs)
+            if values.dtype.kind not in "iu":  # only empty rows of a float dtype: keep an integer array
+                values = values.astype(np.int64)
+        elif not any(is_array):
+            try:
+                values = np.frombuffer(array.array("q", itertools.chain.from_iterable(seqs)), dtype=np.int64)
+            except (TypeError, OverflowError):
+                for i, r in enumerate(seqs):  # slow path only to name the offending row
+                    _row_from_sequence(name, i, r)
+                raise
+        else:
+            rows = [_row_from_array(name, i, r) if a else _row_from_sequence(name, i, r)
+                    for i, (r, a) in enumerate(zip(seqs, is_array))]
+            values = np.concatenate(rows)
+        packed = None
+    if offsets.size - 1 == 0:
+        raise ValueError(f"{name}: expected at least one sequence, got an empty batch")
+    lengths = np.diff(offsets)
+    if (lengths < min_len).any():
+        i = int(np.argmax(lengths < min_len))
+        raise ValueError(f"{name}[{i}]: expected at least {min_len} id(s), got {int(lengths[i])}")
+    if values.size:
+        lo, hi = int(values.min()), int(values.max())
+        if lo < 0 or hi > MAX_ID:
+            pos = int(np.argmax((values < 0) | (values > MAX_ID)))
+            i = int(np.searchsorted(offsets, pos, side="right") - 1)
+            raise ValueError(f"{name}[{i}]: expected ids in [0, {MAX_ID}], got {int(values[pos])} at position "
+                             f"{pos - int(offsets[i])}")
+    return packed if packed is not None else PackedSequences(values=values, offsets=offsets)
