@@ -1,0 +1,68 @@
+"""One end-to-end run of the real vLLM engine in a fresh process: ``python -m tests.vllm.engine_run IN.json OUT.json``.
+
+A fresh process per run because vLLM resolves and caches its attention backend per process, and the CPU platform
+always resolves ``CPU_ATTN``: the prefixattn run sets ``PREFIXATTN_VLLM_OVERRIDE=CPU_ATTN`` so that prefixattn's
+plugin (loaded by vLLM through the ``vllm.general_plugins`` entry point) registers prefixattn's backend over
+``CPU_ATTN``; the reference run leaves vLLM's own CPU attention in place.
+
+IN.json: ``{"model", "prompts": [[token ids]], "max_tokens", "backend": "vllm"|"prefixattn", "llm": {LLM kwargs},
+"offline_generate": bool}``. OUT.json: the greedy token ids per prompt (caller's order), the min top-2 logprob gap,
+every plan the backend built (requests, query rows, shared nodes), the backend class that ran, and timings.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def main(in_path: str, out_path: str) -> None:
+    cfg = json.load(open(in_path))
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process: observers see its plans
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # CPU tensors: prefixattn's kernels run in the interpreter
+    if cfg["backend"] == "prefixattn":
+        os.environ["PREFIXATTN_VLLM_OVERRIDE"] = "CPU_ATTN"
+    else:
+        os.environ.pop("PREFIXATTN_VLLM_OVERRIDE", None)
+    t0 = time.perf_counter()
+    from vllm import LLM, SamplingParams
+
+    plans = []
+    if cfg["backend"] == "prefixattn":
+        from integrations.vllm.backend import add_plan_observer
+
+        add_plan_observer(lambda p: plans.append(dict(
+            num_requests=p.num_requests, num_tokens=p.num_tokens,
+            shared=[dict(kv_start=n.kv_start, kv_end=n.kv_end, requests=n.requests.tolist())
+                    for n in p.shared_nodes])))
+    llm = LLM(model=cfg["model"], skip_tokenizer_init=True, seed=0, enforce_eager=True, **cfg["llm"])
+    t_init = time.perf_counter()
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    backend_class = AttentionBackendEnum.CPU_ATTN.get_path()
+    params = SamplingParams(temperature=0.0, max_tokens=cfg["max_tokens"], detokenize=False, logprobs=2)
+    prompts = [{"prompt_token_ids": ids} for ids in cfg["prompts"]]
+    if cfg.get("offline_generate"):
+        from integrations.vllm.offline import generate
+
+        outs = generate(llm, prompts, params, **cfg.get("generate_kwargs", {}))
+    else:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    t_gen = time.perf_counter()
+    gaps = []
+    for o in outs:
+        for step in o.outputs[0].logprobs:
+            top = sorted((lp.logprob for lp in step.values()), reverse=True)
+            gaps.append(top[0] - top[1])
+    json.dump(dict(
+        tokens=[list(o.outputs[0].token_ids) for o in outs],
+        prompts_back=[list(o.prompt_token_ids) for o in outs],
+        min_top2_gap=min(gaps), plans=plans, backend_class=backend_class,
+        seconds=dict(init=t_init - t0, generate=t_gen - t_init),
+    ), open(out_path, "w"))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
