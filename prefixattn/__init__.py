@@ -3,9 +3,12 @@
 Set ``TRITON_INTERPRET=1`` *before* importing this package to run the kernels on CPU tensors.
 """
 
+from prefixattn.attention import PrefixSharedAttention, attention
 from prefixattn.merge import merge_states, merge_states_n
+from prefixattn.plan import Plan, plan
 from prefixattn.reference import reference_attention
 
 __version__ = "0.1.0"
 
-__all__ = ["merge_states", "merge_states_n", "reference_attention", "__version__"]
+__all__ = ["Plan", "PrefixSharedAttention", "attention", "merge_states", "merge_states_n", "plan",
+           "reference_attention", "__version__"]
