@@ -73,16 +73,22 @@ def _ragged_arange(lengths: np.ndarray) -> np.ndarray:
     return np.arange(total, dtype=np.int64) - np.repeat(_exclusive_cumsum(lengths), lengths)
 
 
-def _split(lengths: np.ndarray, chunk: float, block_n: int) -> tuple[np.ndarray, np.ndarray]:
-    """Pieces and piece length per range: at most ``chunk`` tokens each, rounded up to whole KV tiles."""
+def _num_pieces(lengths: np.ndarray, chunk: float, block_n: int) -> np.ndarray:
+    """Split-k pieces per KV range: enough that none exceeds ``chunk`` tokens, at most one per KV tile (so no piece
+    is empty), 0 for an empty range."""
     lengths = lengths.astype(np.int64)
     if not np.isfinite(chunk):
-        return (lengths > 0).astype(np.int64), np.maximum(lengths, 1)
-    wanted = np.maximum(-(-lengths // int(chunk)), 1)
-    piece = -(-lengths // wanted)
-    piece = np.maximum(-(-piece // block_n) * block_n, 1)
-    pieces = np.where(lengths > 0, -(-lengths // piece), 0)
-    return pieces, piece
+        return (lengths > 0).astype(np.int64)
+    return np.minimum(-(-lengths // int(chunk)), -(-lengths // block_n))
+
+
+def _piece_bounds(lo, hi, piece, pieces, block_n: int):
+    """[start, end) of piece ``piece`` of ``pieces`` over [lo, hi): whole KV tiles dealt out evenly (the last piece
+    takes the partial tile), so pieces differ by at most one tile."""
+    tiles = -(-(hi - lo) // block_n)
+    start = lo + (piece * tiles // pieces) * block_n
+    end = np.minimum(lo + ((piece + 1) * tiles // pieces) * block_n, hi)
+    return start, end
 
 
 def split_chunk_tokens(item_lengths: np.ndarray, *, num_kv_heads: int, num_sms: int, min_split_tokens: int) -> float:
@@ -146,9 +152,8 @@ def build_work_list(
     unsplit = np.concatenate([np.repeat([n.num_tokens for n in nodes], node_mtiles).astype(np.int64), t_len])
     chunk = split_chunk_tokens(unsplit, num_kv_heads=num_kv_heads, num_sms=num_sms,
                                min_split_tokens=min_split_tokens)
-    t_pieces, t_piece_len = _split(t_len, chunk, block_n_suffix)
-    node_lens = np.array([n.num_tokens for n in nodes], dtype=np.int64)
-    n_pieces, n_piece_len = _split(node_lens, chunk, block_n_shared)
+    t_pieces = _num_pieces(t_len, chunk, block_n_suffix)
+    n_pieces = _num_pieces(np.array([n.num_tokens for n in nodes], dtype=np.int64), chunk, block_n_shared)
 
     # ---- states per request and merge units ----------------------------------------------------------------
     shared_states = np.zeros(num_reqs, dtype=np.int64)
@@ -193,15 +198,15 @@ def build_work_list(
         np.add.at(unit_expected, pair_unit, n_pieces[k])  # unit ids are 0..num_units-1 in tile order
         mt_count = node_mtiles[k]
         mt_ptr = np.searchsorted(pair_tile, np.arange(mt_count + 1))
-        pieces, plen = int(n_pieces[k]), int(n_piece_len[k])
+        pieces = int(n_pieces[k])
         c = np.repeat(np.arange(pieces, dtype=np.int64), mt_count)
         mt = np.tile(np.arange(mt_count, dtype=np.int64), pieces)
-        kv_lo = node.kv_start + c * plen
+        kv_lo, kv_hi = _piece_bounds(node.kv_start, node.kv_end, c, pieces, block_n_shared)
         it = np.zeros((pieces * mt_count, K.ITEM_FIELDS), dtype=np.int64)
         it[:, K.ITEM_KIND] = K.KIND_SHARED
         it[:, K.ITEM_REQ] = members[0]
         it[:, K.ITEM_KV_START] = kv_lo
-        it[:, K.ITEM_KV_END] = np.minimum(kv_lo + plen, node.kv_end)
+        it[:, K.ITEM_KV_END] = kv_hi
         it[:, K.ITEM_ROW_START] = num_gather + c * rows + mt * rows_per_shared
         it[:, K.ITEM_NUM_ROWS] = np.minimum(rows_per_shared, rows - mt * rows_per_shared)
         it[:, K.ITEM_Q_POS] = node.kv_end
@@ -220,14 +225,14 @@ def build_work_list(
     # ---- suffix items: (suffix tile, split chunk) ------------------------------------------------------------
     s_tile = np.repeat(np.arange(num_tiles, dtype=np.int64), t_pieces)
     s_c = _ragged_arange(t_pieces)
-    s_lo = t_lo[s_tile] + s_c * t_piece_len[s_tile]
+    s_lo, s_hi = _piece_bounds(t_lo[s_tile], t_hi[s_tile], s_c, t_pieces[s_tile], block_n_suffix)
     s_unit = t_unit[s_tile]
     has_unit = s_unit >= 0
     it = np.zeros((s_tile.shape[0], K.ITEM_FIELDS), dtype=np.int64)
     it[:, K.ITEM_KIND] = K.KIND_SUFFIX
     it[:, K.ITEM_REQ] = t_req[s_tile]
     it[:, K.ITEM_KV_START] = s_lo
-    it[:, K.ITEM_KV_END] = np.minimum(s_lo + t_piece_len[s_tile], t_hi[s_tile])
+    it[:, K.ITEM_KV_END] = s_hi
     it[:, K.ITEM_ROW_START] = t_tok0[s_tile]
     it[:, K.ITEM_NUM_ROWS] = t_rows[s_tile]
     it[:, K.ITEM_Q_POS] = t_qpos[s_tile]

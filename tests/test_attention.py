@@ -1,0 +1,267 @@
+"""attention(): the fused prefix-shared kernel against reference_attention (interpreter on CPU, or a GPU)."""
+
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import prefixattn
+from prefixattn import PrefixSharedAttention, attention, plan, reference_attention
+from prefixattn.work_list import K
+from tests.prefix_batches import make_batch, random_batch
+from tests.tolerances import ATTENTION_TOL, LSE_TOL
+
+attention_module = importlib.import_module("prefixattn.attention")  # the module (the package attribute is the function)
+
+
+def _to(batch, device):
+    for name in ("q", "k_cache", "v_cache", "qo_indptr", "kv_lens", "block_table"):
+        setattr(batch, name, getattr(batch, name).to(device))
+    return batch
+
+
+def _check(batch, p, *, out=None, causal=True, check_lse=True):
+    got = attention(batch.q, batch.k_cache, batch.v_cache, p, out=out, return_lse=check_lse)
+    want = reference_attention(batch.q[:p.num_tokens], batch.k_cache, batch.v_cache, *batch.metadata,
+                               causal=causal, sm_scale=p.sm_scale, return_lse=check_lse)
+    got_out, want_out = (got[0], want[0]) if check_lse else (got, want)
+    atol, rtol = ATTENTION_TOL[batch.q.dtype]
+    n = p.num_tokens
+    assert got_out.dtype == batch.q.dtype
+    torch.testing.assert_close(got_out[:n].float(), want_out[:n], atol=atol, rtol=rtol)
+    if check_lse:
+        torch.testing.assert_close(got[1][:n], want[1][:n], atol=LSE_TOL[0], rtol=LSE_TOL[1])
+    return got
+
+
+class CountingKernel:
+    """Stands in for the @triton.jit kernel and counts launches (``kernel[grid](...)``)."""
+
+    def __init__(self, kernel, run=True):
+        self.kernel, self.run, self.launches, self.grids = kernel, run, 0, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches += 1
+            self.grids.append(grid)
+            if self.run:
+                return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+@pytest.fixture
+def count_launches(monkeypatch):
+    counter = CountingKernel(attention_module.prefix_attention_kernel)
+    monkeypatch.setattr(attention_module, "prefix_attention_kernel", counter)
+    return counter
+
+
+# (seed, requests, sharing levels, block_size, qo heads, kv heads, head_dim, dtype, causal, sharing)
+RANDOM_CASES = [
+    (0, 1, 0, 16, 4, 4, 64, torch.float32, True, "auto"),
+    (1, 5, 1, 16, 8, 2, 64, torch.float16, True, "always"),
+    (2, 9, 2, 5, 4, 1, 64, torch.bfloat16, True, "always"),
+    (3, 16, 3, 1, 8, 1, 64, torch.float32, True, "always"),
+    (4, 12, 1, 5, 8, 8, 64, torch.float16, False, "always"),
+    (5, 20, 2, 16, 8, 1, 128, torch.float16, True, "auto"),
+    (6, 7, 3, 16, 2, 2, 128, torch.float32, False, "always"),
+    (7, 33, 1, 1, 4, 1, 64, torch.bfloat16, True, "auto"),
+    (8, 10, 2, 16, 8, 2, 80, torch.float16, True, "always"),
+    (9, 64, 2, 16, 4, 1, 64, torch.float32, True, "always"),
+    (10, 6, 1, 5, 16, 1, 64, torch.bfloat16, True, "always"),
+    (11, 8, 3, 5, 4, 4, 64, torch.float32, True, "auto"),
+    (12, 4, 1, 16, 8, 2, 256, torch.float16, True, "always"),
+    (13, 24, 2, 1, 8, 2, 128, torch.bfloat16, False, "auto"),
+]
+
+
+@pytest.mark.parametrize("seed, n, levels, bs, hq, hk, d, dtype, causal, sharing", RANDOM_CASES,
+                         ids=[f"case{c[0]}" for c in RANDOM_CASES])
+def test_random_batches(device, seed, n, levels, bs, hq, hk, d, dtype, causal, sharing):
+    # Large batches are decode-heavy (as in practice), which also keeps the interpreter's grid small.
+    b = _to(random_batch(seed, num_requests=n, levels=levels, block_size=bs, num_qo_heads=hq, num_kv_heads=hk,
+                         head_dim=d, dtype=dtype, decode_fraction=0.9 if n >= 32 else 0.5), device)
+    p = plan(*b.metadata, **b.heads, causal=causal, q_dtype=dtype, sharing=sharing)
+    if sharing == "always" and levels and n > 1:
+        assert p.shared_nodes, "the batch was built with shared prefixes"
+    _check(b, p, causal=causal)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_split_k_long_shared_prefix_and_long_suffix_one_launch(device, dtype, count_launches):
+    # 3 decode requests under a 12-block shared prefix (few rows, long KV), plus one long lone request: with 32 SMs
+    # and 16-token chunks both get split-k; merges of shared levels and chunks happen in the same launch.
+    b = _to(make_batch(0, q_lens=[1, 1, 3, 1], extra_lens=[1, 6, 5, 150], paths=[("a", "b"), ("a", "b"), ("a",), ()],
+                       level_blocks={"a": 8, "b": 4}, block_size=16, num_qo_heads=8, num_kv_heads=2, head_dim=64,
+                       dtype=dtype), device)
+    p = plan(*b.metadata, **b.heads, q_dtype=dtype, sharing="always", num_sms=32, min_split_tokens=16)
+    kinds = p.work.items[:, K.ITEM_KIND]
+    assert len(p.shared_nodes) == 2 and (kinds == K.KIND_SHARED).sum() > 2 and (kinds == K.KIND_SUFFIX).sum() > 4
+    _check(b, p)
+    assert count_launches.launches == 1 and count_launches.grids == [(p.num_items * 2,)]
+    # Counters are back at zero: the next layer reuses the plan with no memset, and gets the same answer.
+    assert int(p.counters.abs().sum()) == 0
+    _check(b, p)
+    assert count_launches.launches == 2
+
+
+def test_mixed_chunked_prefill_and_decode_with_split(device):
+    # A 40-row prefill chunk (several suffix tiles, causal inside) next to decodes, sharing a document.
+    b = _to(make_batch(3, q_lens=[40, 1, 1, 17], extra_lens=[45, 9, 1, 17], paths=[("d",)] * 4,
+                       level_blocks={"d": 6}, block_size=16, num_qo_heads=4, num_kv_heads=2, head_dim=64,
+                       dtype=torch.float16), device)
+    for num_sms in (132, 8):
+        p = plan(*b.metadata, **b.heads, q_dtype=torch.float16, sharing="always", num_sms=num_sms,
+                 min_split_tokens=16)
+        assert p.shared_nodes
+        _check(b, p)
+
+
+def test_nan_prefilled_output_does_not_leak(device):
+    b = _to(random_batch(21, num_requests=6, levels=2, block_size=5, num_qo_heads=4, num_kv_heads=2, head_dim=64,
+                         dtype=torch.float16), device)
+    p = plan(*b.metadata, **b.heads, q_dtype=torch.float16, sharing="always", num_sms=8, min_split_tokens=8)
+    # CUDA-graph padding: q and out have 3 rows past qo_indptr[-1], which attention() must neither read nor write.
+    pad = torch.full((3, *b.q.shape[1:]), float("nan"), dtype=b.q.dtype, device=device)
+    b.q = torch.cat([b.q, pad])
+    out = torch.full_like(b.q, float("nan"))
+    got, lse = _check(b, p, out=out)
+    assert got is out and torch.isfinite(out[:p.num_tokens]).all() and torch.isfinite(lse[:p.num_tokens]).all()
+    assert torch.isnan(out[p.num_tokens:]).all(), "padding rows are left alone"
+
+
+def test_non_contiguous_q_caches_and_out(device):
+    b = _to(random_batch(5, num_requests=7, levels=2, block_size=16, num_qo_heads=8, num_kv_heads=2, head_dim=64,
+                         dtype=torch.float32), device)
+    num_tokens, hq, d = b.q.shape
+    # q as a slice of a fused qkv projection; caches in an engine layout [2, num_blocks, num_kv_heads, block, d]
+    # seen through a permuted view; out a strided slice.
+    qkv = torch.randn(num_tokens, hq + 4, d, device=device)
+    qkv[:, :hq] = b.q
+    b.q = qkv[:, :hq]
+    kv = torch.stack([b.k_cache, b.v_cache]).permute(0, 1, 3, 2, 4).contiguous().permute(0, 1, 3, 2, 4)
+    b.k_cache, b.v_cache = kv[0], kv[1]
+    assert not (b.q.is_contiguous() or b.k_cache.is_contiguous())
+    out = torch.empty(num_tokens, hq, 2 * d, device=device)[:, :, ::2]
+    p = plan(*b.metadata, **b.heads, q_dtype=torch.float32, sharing="always")
+    got = _check(b, p, out=out, check_lse=False)
+    assert got is out
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_all_requests_identical(device, causal):
+    n = 6
+    b = _to(make_batch(7, q_lens=[2] * n, extra_lens=[5] * n, paths=[("p",)] * n, level_blocks={"p": 3},
+                       block_size=16, num_qo_heads=8, num_kv_heads=2, head_dim=64, dtype=torch.float32), device)
+    # Identical requests: one table row, one KV, different queries.
+    b.block_table[:] = b.block_table[0]
+    p = plan(*b.metadata, **b.heads, causal=causal, q_dtype=torch.float32, sharing="always")
+    shared_end = 3 * 16 + 5 - (2 if causal else 0)
+    assert [(s.kv_start, s.kv_end, s.requests.tolist()) for s in p.shared_nodes] == [(0, shared_end, list(range(n)))]
+    if not causal:
+        assert (p.work.items[:, K.ITEM_KIND] == K.KIND_SHARED).all(), "nothing is left for suffixes"
+    _check(b, p, causal=causal)
+
+
+def test_one_request(device):
+    b = _to(make_batch(8, q_lens=[13], extra_lens=[29], paths=[()], level_blocks={}, block_size=5, num_qo_heads=4,
+                       num_kv_heads=2, head_dim=128, dtype=torch.bfloat16), device)
+    _check(b, plan(*b.metadata, **b.heads, q_dtype=torch.bfloat16))
+
+
+def test_empty_segments(device):
+    # kv_len == q_len (pure prefill, no history), shared length 0 for some, suffix exactly the queries, requests with
+    # no queries between others, and a shared node that reaches the first query position exactly.
+    b = _to(make_batch(9, q_lens=[4, 0, 1, 3, 0, 1], extra_lens=[4, 0, 1, 3, 2, 1],
+                       paths=[(), ("s",), ("s",), ("s",), (), ()], level_blocks={"s": 2}, block_size=5,
+                       num_qo_heads=4, num_kv_heads=1, head_dim=64, dtype=torch.float16), device)
+    p = plan(*b.metadata, **b.heads, q_dtype=torch.float16, sharing="always", num_sms=64, min_split_tokens=2)
+    assert [(s.kv_start, s.kv_end, s.requests.tolist()) for s in p.shared_nodes] == [(0, 10, [2, 3])]
+    out, lse = _check(b, p)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+
+
+def test_no_query_rows_is_no_launch(device, count_launches):
+    b = _to(make_batch(10, q_lens=[0, 0], extra_lens=[3, 4], paths=[(), ()], level_blocks={}, block_size=4,
+                       num_qo_heads=2, num_kv_heads=1, head_dim=64), device)
+    p = plan(*b.metadata, **b.heads, q_dtype=torch.float32)
+    out = attention(b.q, b.k_cache, b.v_cache, p)
+    assert out.shape == (0, 2, 64) and count_launches.launches == p.num_launches == 0
+
+
+def test_thousand_tiny_requests(device):
+    # 1,000 decode requests, tiny heads: 4 groups of 10 share a prefix (merges), the rest are plain paged attention.
+    # Kept cheap for the interpreter (~1,000 programs); the plan's scale is covered in test_plan.py.
+    n = 1000
+    paths = [(f"g{r % 4}",) if r < 40 else () for r in range(n)]
+    rng = np.random.default_rng(1)
+    b = _to(make_batch(11, q_lens=[1] * n, extra_lens=rng.integers(1, 3, n).tolist(), paths=paths,
+                       level_blocks={f"g{g}": 1 for g in range(4)}, block_size=16, num_qo_heads=1, num_kv_heads=1,
+                       head_dim=64, dtype=torch.float16), device)
+    p = plan(*b.metadata, **b.heads, q_dtype=torch.float16, sharing="always")
+    assert len(p.shared_nodes) == 4 and p.work.units.shape[0] == 40
+    _check(b, p)
+
+
+def test_attention_does_no_other_device_work(device, monkeypatch):
+    """Between the checks and the launch, attention() allocates out (and lse) and nothing else: no copies, no
+    memsets, no syncs (the plan owns every other buffer)."""
+    b = _to(random_batch(12, num_requests=5, levels=1, block_size=16, num_qo_heads=4, num_kv_heads=2, head_dim=64),
+            device)
+    p = plan(*b.metadata, **b.heads, q_dtype=torch.float32, sharing="always", num_sms=64, min_split_tokens=8)
+    stub = CountingKernel(None, run=False)
+    monkeypatch.setattr(attention_module, "prefix_attention_kernel", stub)
+
+    class RecordOps(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with RecordOps() as rec:
+        attention(b.q, b.k_cache, b.v_cache, p, return_lse=True)
+    assert stub.launches == 1
+    assert set(rec.ops) <= {"empty", "empty_like", "empty_strided"}, rec.ops
+
+
+def test_wrapper_plan_run(device):
+    b = _to(random_batch(13, num_requests=4, levels=1, block_size=16, num_qo_heads=4, num_kv_heads=2, head_dim=64,
+                         dtype=torch.float16), device)
+    attn = PrefixSharedAttention(**b.heads, q_dtype=torch.float16)
+    with pytest.raises(ValueError, match="plan: expected plan\\(\\) to be called before run\\(\\)"):
+        attn.run(b.q, b.k_cache, b.v_cache)
+    p = attn.plan(*b.metadata, sharing="always")
+    assert attn.current_plan is p
+    want = attention(b.q, b.k_cache, b.v_cache, p)
+    torch.testing.assert_close(attn.run(b.q, b.k_cache, b.v_cache), want, atol=0, rtol=0)
+
+
+def test_attention_rejects_mismatches(device):
+    b = _to(random_batch(14, num_requests=3, levels=1, block_size=16, num_qo_heads=4, num_kv_heads=2, head_dim=64,
+                         dtype=torch.float16), device)
+    p = plan(*b.metadata, **b.heads, q_dtype=torch.float16)
+    cases = [
+        (dict(q=b.q.float(), k_cache=b.k_cache.float(), v_cache=b.v_cache.float()),
+         "q: expected dtype float16 \\(the plan's q_dtype\\), got float32"),
+        (dict(q=b.q[:, :2]), "num_qo_heads \\(q dim 1\\): expected 4 \\(from the plan\\), got 2"),
+        (dict(q=b.q[:-1]), "q: expected at least"),
+        (dict(k_cache=b.k_cache[:, :8], v_cache=b.v_cache[:, :8]), "block_size \\(k_cache dim 1\\): expected 16"),
+        (dict(out=torch.empty(1, 4, 64, dtype=torch.float16, device=device)), "out: expected shape"),
+        (dict(p="plan"), "plan: expected a prefixattn Plan"),
+    ]
+    for overrides, match in cases:
+        args = dict(q=b.q, k_cache=b.k_cache, v_cache=b.v_cache, p=p, out=None) | overrides
+        with pytest.raises(ValueError, match=match):
+            attention(args["q"], args["k_cache"], args["v_cache"], args["p"], out=args["out"])
+
+
+def test_public_exports():
+    assert prefixattn.plan is plan and prefixattn.attention is attention
+    assert {"plan", "attention", "Plan", "PrefixSharedAttention"} <= set(prefixattn.__all__)

@@ -1,0 +1,287 @@
+"""plan(): the block prefix tree, the cost rule and the work list, checked on the host (no kernel runs here)."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from prefixattn import plan
+from prefixattn.block_tree import lcp_interval_tree
+from prefixattn.plan import MIN_SPLIT_TOKENS, sharing_pays_off
+from prefixattn.work_list import K
+from tests.prefix_batches import make_batch, random_batch
+
+HEADS = dict(num_qo_heads=4, num_kv_heads=2, head_dim=64)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The tree
+# ---------------------------------------------------------------------------------------------------------------
+def _brute_force_nodes(rows, lengths):
+    """lcp-intervals by definition: for each depth, group rows by their prefix; keep groups of >= 2 rows whose
+    depth is maximal for that exact set of rows."""
+    found = {}
+    for d in range(1, max(lengths, default=0) + 1):
+        groups = {}
+        for i, (row, n) in enumerate(zip(rows, lengths)):
+            if n >= d:
+                groups.setdefault(tuple(row[:d]), []).append(i)
+        for members in groups.values():
+            if len(members) >= 2:
+                found[frozenset(members)] = d  # deeper depth for the same set overwrites
+    return {(d, m) for m, d in found.items()}
+
+
+def _tree_nodes(tree):
+    return {(int(tree.depth[k]), frozenset(tree.members(k).tolist())) for k in range(tree.num_nodes)}
+
+
+def test_tree_of_known_rows():
+    rows = np.array([[7, 8, 9, 1], [7, 8, 9, 2], [7, 8, 5, 0], [3, 4, 0, 0], [7, 8, 9, 1], [3, 4, 0, 0]])
+    lengths = np.array([4, 4, 3, 2, 4, 1])
+    tree = lcp_interval_tree(rows, lengths)
+    # {0,1,2,4} share [7, 8]; {0,1,4} share [7, 8, 9]; {0,4} are identical; {3,5} share [3].
+    assert _tree_nodes(tree) == {(2, frozenset({0, 1, 2, 4})), (3, frozenset({0, 1, 4})), (4, frozenset({0, 4})),
+                                 (1, frozenset({3, 5}))}
+    by_members = {frozenset(tree.members(k).tolist()): k for k in range(tree.num_nodes)}
+    parent = lambda s: tree.parent[by_members[frozenset(s)]]  # noqa: E731
+    assert parent({0, 4}) == by_members[frozenset({0, 1, 4})]
+    assert parent({0, 1, 4}) == by_members[frozenset({0, 1, 2, 4})]
+    assert parent({0, 1, 2, 4}) == -1 and parent({3, 5}) == -1
+    # Post-order: every child before its parent.
+    assert all(tree.parent[k] == -1 or tree.parent[k] > k for k in range(tree.num_nodes))
+
+
+def test_tree_without_sharing_and_degenerate_inputs():
+    assert lcp_interval_tree(np.array([[1, 2], [3, 4], [5, 6]]), np.array([2, 2, 2])).num_nodes == 0
+    assert lcp_interval_tree(np.zeros((0, 3), dtype=np.int64), np.zeros(0, dtype=np.int64)).num_nodes == 0
+    assert lcp_interval_tree(np.array([[1, 2]]), np.array([2])).num_nodes == 0
+    # Rows that share ids only past their lengths share nothing.
+    assert lcp_interval_tree(np.array([[1, 2], [1, 3]]), np.array([0, 2])).num_nodes == 0
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_tree_matches_brute_force(seed):
+    rng = np.random.default_rng(seed)
+    n, width = int(rng.integers(2, 40)), int(rng.integers(1, 7))
+    rows = rng.integers(0, 3, (n, width))  # tiny alphabet: lots of shared prefixes at every depth
+    lengths = rng.integers(0, width + 1, n)
+    tree = lcp_interval_tree(rows, lengths)
+    assert _tree_nodes(tree) == _brute_force_nodes(rows.tolist(), lengths.tolist())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Shared nodes chosen by plan()
+# ---------------------------------------------------------------------------------------------------------------
+def _nodes(p):
+    return [(n.kv_start, n.kv_end, n.requests.tolist()) for n in p.shared_nodes]
+
+
+def _plan(qo, kv, table, **kw):
+    kw = {**dict(block_size=4, q_dtype=torch.float32, **HEADS), **kw}
+    return plan(torch.tensor(qo), torch.tensor(kv), torch.tensor(table), **kw)
+
+
+def test_plan_finds_multi_level_sharing():
+    # Requests 0-3 share a 2-block system prompt; 0 and 1 also share a 2-block document; 4 shares nothing.
+    table = [[0, 1, 2, 3, 10, 11], [0, 1, 2, 3, 12, 13], [0, 1, 4, 14, 15, 0], [0, 1, 5, 16, 0, 0],
+             [6, 7, 8, 9, 0, 0]]
+    p = _plan([0, 1, 2, 3, 4, 5], [21, 22, 12, 10, 16], table, sharing="always")
+    assert _nodes(p) == [(0, 8, [0, 1, 2, 3]), (8, 16, [0, 1])]
+
+
+def test_plan_caps_a_node_at_the_first_query_position():
+    # Both requests list blocks [0, 1, 2], but request 1's 6 query rows start at position 9: rows before position 9
+    # are visible to all query rows, the rest of block 2 is not.
+    p = _plan([0, 1, 7], [12, 15], [[0, 1, 2, 3], [0, 1, 2, 4]], sharing="always")
+    assert _nodes(p) == [(0, 9, [0, 1])]
+    # Not causal: every row sees every position, the whole common prefix is shared.
+    p = _plan([0, 1, 7], [12, 15], [[0, 1, 2, 3], [0, 1, 2, 4]], sharing="always", causal=False)
+    assert _nodes(p) == [(0, 12, [0, 1])]
+
+
+def test_plan_ignores_requests_without_queries():
+    p = _plan([0, 1, 1, 2], [9, 9, 9], [[0, 1, 2], [0, 1, 2], [0, 1, 3]], sharing="always")
+    assert _nodes(p) == [(0, 8, [0, 2])]
+
+
+def test_cost_rule_examples_from_its_docstring():
+    kw = dict(group=8, head_dim=128, elt_bytes=2)
+    assert not sharing_pays_off(num_requests=2, num_rows=2, num_m_tiles=1, num_tokens=64, **kw)
+    assert sharing_pays_off(num_requests=2, num_rows=2, num_m_tiles=1, num_tokens=65, **kw)
+    assert not sharing_pays_off(num_requests=64, num_rows=64, num_m_tiles=4, num_tokens=34, **kw)
+    assert sharing_pays_off(num_requests=64, num_rows=64, num_m_tiles=4, num_tokens=35, **kw)
+
+
+def test_cost_rule_drops_a_short_level_and_gives_its_tokens_to_the_next():
+    # fp16, head_dim 128, GQA 8: a 1-block (4-token) prefix of 3 decode requests does not pay off, but with the
+    # 16-block document below it two requests share 68 tokens from position 0.
+    kw = dict(block_size=4, num_qo_heads=16, num_kv_heads=2, head_dim=128, q_dtype=torch.float16)
+    doc = list(range(1, 18))
+    table = [[0] + doc + [40], [0] + doc + [41], [0, 30, 31]]
+    p = _plan([0, 1, 2, 3], [73, 73, 12], [r + [0] * (19 - len(r)) for r in table], **kw)
+    assert _nodes(p) == [(0, 72, [0, 1])]
+    assert _nodes(_plan([0, 1, 2, 3], [73, 73, 12], [r + [0] * (19 - len(r)) for r in table], sharing="never",
+                        **kw)) == []
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The work list covers every (query row, visible KV position) exactly once, with consistent merge bookkeeping
+# ---------------------------------------------------------------------------------------------------------------
+def check_work_list(p, qo_indptr, kv_lens, block_table, *, causal=True):
+    """Simulate the kernel's bookkeeping on the host; KV heads are the grid's second factor, so every item runs
+    for every head and checking (row, position) pairs per item suffices."""
+    w = p.work
+    indptr, lens, table = (np.asarray(x.numpy(), dtype=np.int64) for x in (qo_indptr, kv_lens, block_table))
+    num_tokens = int(indptr[-1])
+    req_of_tok = np.repeat(np.arange(len(lens)), np.diff(indptr))
+    bs = p.block_size
+    covered, ws_written, direct = [], [], []
+    reports = np.zeros(w.units.shape[0], dtype=np.int64)
+    ws_owner = {}
+    for item in w.items.astype(np.int64):
+        n, lo, hi, rep = item[K.ITEM_NUM_ROWS], item[K.ITEM_KV_START], item[K.ITEM_KV_END], item[K.ITEM_REQ]
+        assert 0 < n and lo < hi, "no empty item"
+        j = np.arange(n)
+        if item[K.ITEM_KIND] == K.KIND_SHARED:
+            toks = w.gather[item[K.ITEM_ROW_START] + j, K.GATHER_TOKEN].astype(np.int64)
+            ws_rows = w.gather[item[K.ITEM_ROW_START] + j, K.GATHER_WS_ROW].astype(np.int64)
+            assert n <= p.tiles.rows_per_shared_tile(p.num_qo_heads // p.num_kv_heads)
+        else:
+            assert item[K.ITEM_KIND] == K.KIND_SUFFIX
+            toks = item[K.ITEM_ROW_START] + j
+            ws_rows = item[K.ITEM_DEST] + j if item[K.ITEM_DEST] >= 0 else None
+            assert (req_of_tok[toks] == rep).all(), "a suffix tile holds one request's rows"
+            assert n <= p.tiles.rows_per_suffix_tile(p.num_qo_heads // p.num_kv_heads)
+        pos = np.arange(lo, hi)
+        visible = pos[None, :] <= (item[K.ITEM_Q_POS] + j)[:, None]
+        if item[K.ITEM_KIND] == K.KIND_SHARED:
+            assert visible.all(), "a shared node ends before its rows' first query position"
+        t_idx, p_idx = np.nonzero(visible)
+        t, ps = toks[t_idx], pos[p_idx]
+        # The representative's blocks ARE the row's blocks for every position the item reads for it.
+        assert (table[rep, ps // bs] == table[req_of_tok[t], ps // bs]).all()
+        covered.append(t * (1 << 32) + ps)
+        units = w.item_units[item[K.ITEM_UNITS_START]:item[K.ITEM_UNITS_END]].astype(np.int64)
+        if ws_rows is None:
+            assert units.size == 0
+            direct.append(toks)
+        else:
+            ws_written.append(ws_rows)
+            for tok, row in zip(toks, ws_rows):
+                ws_owner[int(row)] = int(tok)
+            reports[units] += 1
+            assert units.size == np.unique(units).size
+    # Every visible (row, position) exactly once, nothing else.
+    got = np.sort(np.concatenate(covered)) if covered else np.zeros(0, np.int64)
+    want = []
+    for r in range(len(lens)):
+        for i in range(indptr[r + 1] - indptr[r]):
+            last = lens[r] - (indptr[r + 1] - indptr[r]) + i if causal else lens[r] - 1
+            want.append((indptr[r] + i) * (1 << 32) + np.arange(last + 1))
+    want = np.sort(np.concatenate(want)) if want else np.zeros(0, np.int64)
+    np.testing.assert_array_equal(got, want)
+    # Workspace: every slot of every unit written exactly once, by the unit's own rows; reports as expected.
+    units = w.units.astype(np.int64)
+    ws_all = np.concatenate(ws_written) if ws_written else np.zeros(0, np.int64)
+    assert ws_all.size == np.unique(ws_all).size == w.num_ws_rows
+    unit_toks = set()
+    for u in range(units.shape[0]):
+        tok0, rows, base, states, expected = units[u, [K.UNIT_TOKEN_START, K.UNIT_NUM_ROWS, K.UNIT_WS_BASE,
+                                                        K.UNIT_NUM_STATES, K.UNIT_EXPECTED]]
+        assert rows >= 1 and states >= 1 and reports[u] == expected
+        for s, i in itertools.product(range(states), range(rows)):
+            assert ws_owner[int(base + s * rows + i)] == tok0 + i
+        unit_toks.update(range(tok0, tok0 + rows))
+    direct_toks = np.concatenate(direct) if direct else np.zeros(0, np.int64)
+    assert direct_toks.size == np.unique(direct_toks).size
+    assert not unit_toks & set(direct_toks.tolist())
+    assert unit_toks | set(direct_toks.tolist()) == set(range(num_tokens))
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("causal", [True, False])
+def test_work_list_coverage_random_batches(seed, causal):
+    b = random_batch(seed, num_requests=[1, 5, 17, 40, 64, 9][seed], levels=seed % 4, block_size=[1, 5, 16][seed % 3],
+                     num_qo_heads=8, num_kv_heads=2, head_dim=64)
+    for sharing, num_sms in (("auto", 132), ("always", 132), ("always", 4), ("never", 2)):
+        p = plan(*b.metadata, **b.heads, causal=causal, sharing=sharing, num_sms=num_sms, min_split_tokens=8,
+                 q_dtype=torch.float32)
+        check_work_list(p, *b.metadata, causal=causal)
+
+
+def test_work_list_split_k_and_long_prefill_tiles():
+    # Two requests share 64 tokens; one is a 40-row prefill (several suffix tiles), one decodes. Few SMs: splits.
+    b = make_batch(0, q_lens=[40, 1], extra_lens=[45, 30], paths=[("a",), ("a",)], level_blocks={"a": 4},
+                   block_size=16, num_qo_heads=8, num_kv_heads=2, head_dim=64)
+    p = plan(*b.metadata, **b.heads, sharing="always", num_sms=16, min_split_tokens=16, q_dtype=torch.float32)
+    check_work_list(p, *b.metadata)
+    kinds = p.work.items[:, K.ITEM_KIND]
+    assert (kinds == K.KIND_SHARED).sum() > 1, "the 64-token shared node is split"
+    assert p.work.units.shape[0] == -(-40 // p.tiles.rows_per_suffix_tile(4)) + 1
+    lengths = p.work.items[:, K.ITEM_KV_END] - p.work.items[:, K.ITEM_KV_START]
+    assert (np.diff(lengths) <= 0).all(), "longest first"
+
+
+def test_no_sharing_is_plain_paged_attention():
+    b = random_batch(3, num_requests=12, levels=0, block_size=16, num_qo_heads=8, num_kv_heads=2, head_dim=64)
+    p = plan(*b.metadata, **b.heads, q_dtype=torch.float32, num_sms=1)
+    q_lens = np.diff(b.qo_indptr.numpy())
+    rows = p.tiles.rows_per_suffix_tile(4)
+    assert p.shared_nodes == [] and p.work.units.shape[0] == 0 and p.work.num_ws_rows == 0
+    assert p.num_items == int((-(-q_lens // rows)).sum())
+    assert (p.work.items[:, K.ITEM_DEST] == -1).all() and (p.work.items[:, K.ITEM_KIND] == K.KIND_SUFFIX).all()
+    assert p.ws_o.numel() == 1 and p.num_launches == 1
+
+
+def test_split_k_only_when_the_grid_does_not_fill_the_device():
+    b = make_batch(1, q_lens=[1, 1], extra_lens=[600, 700], paths=[(), ()], level_blocks={}, block_size=16,
+                   num_qo_heads=8, num_kv_heads=2, head_dim=64)
+    full = plan(*b.metadata, **b.heads, q_dtype=torch.float32, num_sms=4)
+    assert full.num_items == 2 and full.work.units.shape[0] == 0
+    split = plan(*b.metadata, **b.heads, q_dtype=torch.float32, num_sms=64)
+    lengths = split.work.items[:, K.ITEM_KV_END] - split.work.items[:, K.ITEM_KV_START]
+    # 1300 tokens over 64 SMs: chunks of MIN_SPLIT_TOKENS dealt out in whole 64-token tiles.
+    assert split.num_items == 3 + 3 and lengths.max() <= MIN_SPLIT_TOKENS and lengths.min() >= MIN_SPLIT_TOKENS // 2
+    check_work_list(split, *b.metadata)
+
+
+def test_thousand_tiny_requests_plan():
+    rng = np.random.default_rng(0)
+    n = 1000
+    q_lens = rng.integers(1, 3, n).tolist()
+    paths = [(f"g{int(g)}",) for g in rng.integers(0, 10, n)]
+    b = make_batch(0, q_lens=q_lens, extra_lens=[q + 1 for q in q_lens], paths=paths,
+                   level_blocks={f"g{g}": 2 for g in range(10)}, block_size=4, num_qo_heads=2, num_kv_heads=1,
+                   head_dim=64)
+    p = plan(*b.metadata, **b.heads, q_dtype=torch.float32)
+    assert len(p.shared_nodes) == 10
+    check_work_list(p, *b.metadata)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Input checks
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kw, match", [
+    (dict(logits_soft_cap=30.0), "logits_soft_cap: not supported yet"),
+    (dict(window_left=128), "window_left: sliding-window attention is not supported yet"),
+    (dict(alibi_slopes=torch.ones(4)), "alibi_slopes: ALiBi is not supported yet"),
+    (dict(sharing="sometimes"), "sharing: expected one of"),
+    (dict(head_dim=72), "head_dim: expected a head_dim in"),
+    (dict(num_qo_heads=3), "num_qo_heads: expected a positive multiple of num_kv_heads=2"),
+    (dict(num_sms=0), "num_sms: expected a positive int"),
+    (dict(q_dtype=torch.int8), "q_dtype: expected one of"),
+])
+def test_plan_rejects_bad_options(kw, match):
+    with pytest.raises(ValueError, match=match):
+        _plan([0, 1], [5], [[0, 1]], **kw)
+
+
+def test_plan_checks_metadata_values():
+    with pytest.raises(ValueError, match="kv_lens: expected kv_lens"):
+        _plan([0, 3], [2], [[0]])
+    with pytest.raises(ValueError, match=r"block_table: expected block ids in \[0, 4\)"):
+        _plan([0, 1], [5], [[0, 9]], num_blocks=4)
