@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from prefixattn.sim.calibration import Calibration
-from prefixattn.sim.presets import HardwarePreset, ModelPreset, get_hardware, get_model
+from prefixattn.sim.presets import GIB, HardwarePreset, ModelPreset, get_hardware, get_model
 
 KERNEL_KINDS = ("paged", "cascade", "fused")
 BACKENDS = ("sequential", "overlap")
@@ -206,7 +206,7 @@ class CostModel:
         free = budget - reserved_bytes
         if free <= 0:
             raise ValueError(f"model: {self.model.name} does not fit {self.hw.name} with memory_fraction "
-                             f"{memory_fraction}: {reserved_bytes / 2 ** 30:.1f} GiB needed before any KV cache")
+                             f"{memory_fraction}: {reserved_bytes / GIB:.1f} GiB needed before any KV cache")
         return int(free // self.kv_bytes_per_token)
 
     # ------------------------------------------------------------------ linear layers

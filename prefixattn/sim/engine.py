@@ -132,6 +132,7 @@ class Engine:
         self.preemptions = 0
         self.prefill_executed = 0
         self.decode_executed = 0
+        self.prefill_samples = 0
         self.attempt_work = 0
         self.finished = 0
         self.last_prefill_clock = 0.0
@@ -296,6 +297,7 @@ class Engine:
                     seq.decoding = True
                     if not seq.is_holder:
                         seq.generated += 1
+                        self.prefill_samples += 1
                 # prompt blocks fill up only while prefilling
                 if share and seq.computed >= (len(seq.blocks) + 1) * bs and len(seq.blocks) * bs < seq.prompt_len:
                     self._promote(seq)

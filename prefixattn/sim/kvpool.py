@@ -37,7 +37,7 @@ _HASH_BASE = np.uint64(0x9E3779B97F4A7C15)
 _POWERS = np.ones(1, dtype=np.uint64)
 #: Heap depth key of a bundle of generated blocks: deeper than any prompt block, so among blocks released at the same
 #: time it goes first (vLLM evicts the deepest block among equally old ones).
-_BUNDLE_DEPTH = 1 << 40
+_BUNDLE_DEPTH = 2 ** 62
 
 
 def _powers(n: int) -> np.ndarray:

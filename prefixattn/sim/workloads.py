@@ -114,6 +114,12 @@ def _finish(name: str, requests: list, info: dict, shuffle: bool, rng) -> Worklo
 
 
 # ---------------------------------------------------------------------------------------------------- BatchLLM
+#: FIT. Case 1's arrival order is not published. Each document's queries arrive at ``t_doc + spread * N(0, 1)`` with
+#: ``t_doc ~ U(0, 1)`` over the job: ``spread`` -> 0 puts a document's queries together, large spread is a random
+#: order. The value is fitted once so that the vLLM emulation (+pc +cp) reproduces the paper's *measured* saving ratio,
+#: 44.2% (BatchLLM sec. 6.3.1); a random order gives ~30%. It is a workload property, shared by every policy; no
+#: throughput number was used to pick it.
+CASE1_ARRIVAL_SPREAD = 0.165
 def batchllm_microbenchmark(prefix_len: int, distinct_len: int, share_degree: int, num_requests: int = 2048,
                             output_len: int = 128, seed: int = 0) -> Workload:
     """BatchLLM sec. 6.1 microbenchmark: groups of ``share_degree`` prompts = one shared prefix + a distinct part.
@@ -136,7 +142,7 @@ def batchllm_microbenchmark(prefix_len: int, distinct_len: int, share_degree: in
     return _finish(f"batchllm-micro-{prefix_len}-{distinct_len}-sd{share_degree}", requests, info, True, rng)
 
 
-def batchllm_case1(num_requests: int = 3000, seed: int = 0) -> Workload:
+def batchllm_case1(num_requests: int = 3000, seed: int = 0, arrival_spread: float = CASE1_ARRIVAL_SPREAD) -> Workload:
     """BatchLLM case 1 (snippet generation; Mistral-7B on A100 in the paper): two-level prefixes.
 
     Published: 3000 requests, share degree ~7, prefix ~1100, distinct ~400, output lengths concentrated, optimal
@@ -150,8 +156,10 @@ def batchllm_case1(num_requests: int = 3000, seed: int = 0) -> Workload:
     src = _TokenSource(rng)
     instruction = src.run(16)
     requests = []
+    arrival = []
     while len(requests) < num_requests:
         size = int(rng.geometric(1 / 4.0))
+        center = rng.random()
         doc = src.run(int(_lengths(rng, 1084, 0.25, 1, low=64)[0]))
         for _ in range(size):
             if len(requests) == num_requests:
@@ -159,10 +167,14 @@ def batchllm_case1(num_requests: int = 3000, seed: int = 0) -> Workload:
             distinct = src.run(int(_lengths(rng, 400, 0.25, 1, low=16)[0]))
             out = int(max(1, round(rng.normal(200, 20))))
             requests.append(Request(0, np.concatenate([instruction, doc, distinct]), out))
+            arrival.append(center + arrival_spread * rng.standard_normal())
+    requests = [requests[i] for i in np.argsort(arrival, kind="stable")]
     info = dict(source="BatchLLM sec. 6.2.2 case 1", paper_model="mistral-7b", paper_gpu="a100",
+                arrival_spread=arrival_spread,
                 assumptions="instruction 16 tok; doc ~1084; geometric group sizes mean 4 (request-weighted 7); "
-                            "distinct ~400; output N(200, 20); random arrival order")
-    return _finish("batchllm-case1", requests, info, True, rng)
+                            "distinct ~400; output N(200, 20); arrival: each document's queries spread around a "
+                            "random time (arrival_spread, fitted, see CASE1_ARRIVAL_SPREAD)")
+    return _finish("batchllm-case1", requests, info, False, rng)
 
 
 def batchllm_case2(num_requests: int = 1000, seed: int = 0) -> Workload:

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 
+#: ``steady_steps`` answer meaning "as many as the engine finds safe" (it still stops at the first finish and at the
+#: memory limit).
+UNBOUNDED_STEPS = 2 ** 62
+
+
 class Policy:
     """Decisions of one serving system; :class:`prefixattn.sim.engine.Engine` does the mechanics.
 

@@ -19,7 +19,8 @@ default).
 
 from __future__ import annotations
 
-from prefixattn.sim.policies.base import Policy
+from prefixattn.sim.policies.base import UNBOUNDED_STEPS, Policy
+from prefixattn.sim.policies.ordering import require_scheduling
 
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs")
 
@@ -38,6 +39,8 @@ class SGLangPolicy(Policy):
     def __init__(self, schedule_policy: str = "lpm", name: str | None = None) -> None:
         if schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(f"schedule_policy: expected one of {SCHEDULE_POLICIES}, got {schedule_policy!r}")
+        if schedule_policy == "dfs-weight":
+            require_scheduling("schedule_policy")
         self.schedule_policy = schedule_policy
         self.name = name or ("sglang" if schedule_policy == "lpm" else f"sglang-{schedule_policy}")
         self.waiting: list = []
@@ -165,7 +168,7 @@ class SGLangPolicy(Policy):
     def steady_steps(self, engine, plan) -> int:
         # the reservation ratio decays every decode step, so admission may open without a finish: only promise
         # steadiness when nothing waits
-        return 1 << 30 if not self.waiting and self.chunked is None else 1
+        return UNBOUNDED_STEPS if not self.waiting and self.chunked is None else 1
 
     def on_step_done(self, engine, finished: list) -> None:
         if finished:

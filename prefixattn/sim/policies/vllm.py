@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from collections import deque
 
-from prefixattn.sim.policies.base import Policy
+from prefixattn.sim.policies.base import UNBOUNDED_STEPS, Policy
+from prefixattn.sim.policies.ordering import require_scheduling
 
 
 class VLLMPolicy(Policy):
@@ -36,6 +37,8 @@ class VLLMPolicy(Policy):
                  name: str | None = None) -> None:
         if order not in ("arrival", "dfs"):
             raise ValueError(f"order: expected 'arrival' or 'dfs', got {order!r}")
+        if order == "dfs":
+            require_scheduling("order")
         self.prefix_sharing = prefix_caching
         self.cache_mode = "lru" if prefix_caching else None
         self.chunked = chunked_prefill
@@ -86,7 +89,8 @@ class VLLMPolicy(Policy):
         new_tokens = seq.target - cached
         if whole and new_tokens > budget_left:
             return None
-        need = -(-seq.target // engine.block_size) - cached // engine.block_size
+        # v0.5's can_allocate counts every block of the prompt, cached or not
+        need = -(-seq.target // engine.block_size)
         if engine.pool.available() - need < self.watermark:
             self._admission_blocked = True
             return None
@@ -149,7 +153,7 @@ class VLLMPolicy(Policy):
 
     def steady_steps(self, engine, plan) -> int:
         if not self.waiting or self._admission_blocked:
-            return 1 << 30
+            return UNBOUNDED_STEPS
         return 1
 
     def on_step_done(self, engine, finished: list) -> None:
