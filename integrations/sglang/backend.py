@@ -1,0 +1,242 @@
+"""SGLang attention backend running prefixattn's fused prefix-shared attention over SGLang's own KV pool.
+
+SGLang's radix cache gives requests that share a prompt prefix the *same* KV slot ids, so the leading entries of
+their ``req_to_token`` rows are identical. Those rows are exactly a block table: with ``page_size`` 1 every slot is
+a block of one token, with a paged pool the first slot of each page divided by ``page_size`` is the page id. Once
+per forward batch (:meth:`PrefixAttnBackend.init_forward_metadata`) the backend copies those rows to the host and
+builds one :func:`prefixattn.plan`, which finds the shared prefixes; every layer then runs
+:func:`prefixattn.attention` with that plan against the pool's buffers viewed as
+``[num_blocks, page_size, num_kv_heads, head_dim]`` (no copy), after writing the layer's new K/V with the pool's
+own ``set_kv_buffer``.
+
+This module imports sglang at import time (it subclasses SGLang's ``AttentionBackend``); the plugin imports it only
+when SGLang asks for the ``prefixattn`` backend.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from integrations.sglang.version import check_sglang_version
+
+check_sglang_version()  # before touching SGLang's classes: a clear error instead of an AttributeError
+
+import torch  # noqa: E402
+from sglang.srt.layers.attention.base_attn_backend import AttentionBackend  # noqa: E402
+from sglang.srt.layers.radix_attention import AttentionType  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import KVWriteLoc, MHATokenToKVPool  # noqa: E402
+
+import prefixattn  # noqa: E402
+
+#: Environment variable that forces the planner's sharing mode ("auto" applies prefixattn's cost rule, "always"
+#: shares every prefix two requests have in common, "never" runs plain paged attention); for experiments.
+SHARING_ENV = "PREFIXATTN_SGLANG_SHARING"
+
+_NO_GRAPHS = (
+    "the prefixattn attention backend does not run under CUDA graphs: its plan (which prefixes the batch shares, "
+    "and the work list built from them) is rebuilt on the host every step from the block tables, so a captured graph "
+    "would replay a stale plan. Start SGLang with --disable-decode-cuda-graph --disable-prefill-cuda-graph"
+)
+
+
+@dataclass
+class StepMetadata:
+    """Host-side metadata of one forward batch, and the plans built from it (one per layer geometry).
+
+    Attributes
+    ----------
+    qo_indptr : Tensor, ``[batch_size + 1]``, int64, CPU
+    kv_lens : Tensor, ``[batch_size]``, int64, CPU
+        SGLang's ``seq_lens``: cached prefix + this step's new tokens.
+    block_table : Tensor, ``[batch_size, max_blocks]``, int64, CPU
+        Block (page) ids from ``req_to_token``; identical leading ids = a prefix shared through the radix cache.
+    plans : dict
+        ``(num_qo_heads, num_kv_heads, head_dim, dtype, sm_scale, causal) -> prefixattn.Plan``. A model whose layers
+        all have one geometry (every dense model) plans once per step.
+    """
+
+    qo_indptr: torch.Tensor
+    kv_lens: torch.Tensor
+    block_table: torch.Tensor
+    plans: dict = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.qo_indptr[-1])
+
+
+class PrefixAttnBackend(AttentionBackend):
+    """``--attention-backend prefixattn``: decode, extend (chunked prefill) and mixed batches on SGLang's MHA pool.
+
+    Parameters
+    ----------
+    model_runner : sglang ModelRunner (or any object with ``device``, ``req_to_token_pool``, ``token_to_kv_pool``)
+    sharing : {"auto", "always", "never"}, optional
+        Passed to :func:`prefixattn.plan`; default from ``$PREFIXATTN_SGLANG_SHARING``, else "auto".
+
+    Not supported (each raises ``ValueError`` or ``NotImplementedError`` naming the feature): CUDA graphs,
+    speculative decoding (target verify / draft extend), encoder-decoder and cross attention, sliding windows,
+    logit soft-capping, MLA and hybrid/SWA pools, quantized (fp8) KV caches, ``qk_head_dim != v_head_dim``.
+
+    Examples
+    --------
+    >>> backend = PrefixAttnBackend(model_runner)
+    >>> backend.init_forward_metadata(forward_batch)            # once per step: one prefixattn.plan
+    >>> o = backend.forward(q, k, v, layer, forward_batch)       # per layer: one fused kernel launch
+    """
+
+    def __init__(self, model_runner, *, sharing: str | None = None):
+        super().__init__()
+        pool = model_runner.token_to_kv_pool
+        if not isinstance(pool, MHATokenToKVPool):
+            raise ValueError(
+                f"token_to_kv_pool: expected SGLang's MHATokenToKVPool (standard multi-head KV cache), got "
+                f"{type(pool).__name__}; MLA, hybrid and sliding-window pools are not supported by prefixattn"
+            )
+        layout = getattr(pool, "kv_cache_layout", "nhd")
+        if layout != "nhd":
+            raise ValueError(f"token_to_kv_pool: expected the token-major 'nhd' KV layout, got {layout!r} "
+                             "(unset SGLANG_USE_HND_KVCACHE)")
+        window = getattr(model_runner, "sliding_window_size", None)
+        if window is not None and window > -1:
+            raise ValueError(f"sliding_window_size: expected None or -1 (prefixattn has no sliding-window attention), "
+                             f"got {window}")
+        self.device = model_runner.device
+        self.req_to_token_pool = model_runner.req_to_token_pool
+        self.token_to_kv_pool = pool
+        self.page_size = int(pool.page_size)
+        self.sharing = sharing if sharing is not None else os.environ.get(SHARING_ENV, "auto")
+        self.forward_metadata: StepMetadata | None = None
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Per step (host)
+    # ------------------------------------------------------------------------------------------------------------
+    def init_forward_metadata(self, forward_batch) -> None:
+        """Build this batch's host metadata (qo_indptr, kv_lens, block table); plans are made from it per geometry.
+
+        The only device->host copies are ``seq_lens``/``extend_seq_lens`` when SGLang has no CPU mirror of them,
+        and the batch's ``req_to_token`` rows (the planner must see the block ids to find shared prefixes).
+        """
+        mode = forward_batch.forward_mode
+        if mode.is_idle():
+            self.forward_metadata = None
+            return
+        if mode.is_target_verify() or mode.is_draft_extend_v2() or mode.is_dllm_extend() \
+                or forward_batch.spec_info is not None:
+            raise NotImplementedError(
+                f"forward_mode: the prefixattn backend supports DECODE, EXTEND and MIXED batches, got {mode.name} "
+                "(speculative decoding and dLLM are not supported)"
+            )
+        if forward_batch.encoder_lens is not None:
+            raise NotImplementedError("encoder_lens: encoder-decoder models are not supported by the prefixattn backend")
+        bs = int(forward_batch.batch_size)
+        kv_lens = _host_int64(forward_batch.seq_lens_cpu, forward_batch.seq_lens)[:bs]
+        if mode.is_decode():
+            q_lens = torch.ones(bs, dtype=torch.int64)
+        elif mode.is_extend():
+            q_lens = _host_int64(forward_batch.extend_seq_lens_cpu, forward_batch.extend_seq_lens)[:bs]
+        else:
+            raise NotImplementedError(f"forward_mode: {mode.name} is not supported by the prefixattn backend")
+        qo_indptr = torch.zeros(bs + 1, dtype=torch.int64)
+        torch.cumsum(q_lens, dim=0, out=qo_indptr[1:])
+        max_len = int(kv_lens.max()) if bs else 0
+        # Slot ids of the first token of each page; page id = slot // page_size (page_size 1: the slot itself).
+        rows = self.req_to_token_pool.req_to_token[forward_batch.req_pool_indices[:bs], :max(max_len, 1)]
+        block_table = rows[:, :: self.page_size].to("cpu", torch.int64)
+        if self.page_size > 1:
+            block_table = torch.div(block_table, self.page_size, rounding_mode="floor")
+        self.forward_metadata = StepMetadata(qo_indptr=qo_indptr, kv_lens=kv_lens, block_table=block_table)
+
+    def _plan_for(self, layer, q: torch.Tensor, causal: bool, num_blocks: int):
+        meta = self.forward_metadata
+        if meta is None:
+            raise ValueError("forward_batch: expected init_forward_metadata() to run before the layers of this batch, "
+                             "got no metadata (or an IDLE batch)")
+        key = (layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim, q.dtype, float(layer.scaling), causal)
+        p = meta.plans.get(key)
+        if p is None:
+            p = prefixattn.plan(
+                meta.qo_indptr, meta.kv_lens, meta.block_table, block_size=self.page_size,
+                num_qo_heads=layer.tp_q_head_num, num_kv_heads=layer.tp_k_head_num, head_dim=layer.qk_head_dim,
+                # q's own device: the runner's "cuda" has no index, the plan must match q's "cuda:N".
+                causal=causal, sm_scale=float(layer.scaling), q_dtype=q.dtype, device=q.device,
+                sharing=self.sharing, num_blocks=num_blocks,
+            )
+            meta.plans[key] = p
+        return p
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Per layer (device, no host synchronization)
+    # ------------------------------------------------------------------------------------------------------------
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
+        return self._forward(q, k, v, layer, forward_batch, save_kv_cache)
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
+        return self._forward(q, k, v, layer, forward_batch, save_kv_cache)
+
+    def _forward(self, q, k, v, layer, forward_batch, save_kv_cache):
+        causal = _check_layer(layer)
+        if save_kv_cache and k is not None and v is not None:
+            self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc.for_batch(forward_batch), k, v)
+        num_heads, head_dim = layer.tp_q_head_num, layer.qk_head_dim
+        q3 = q.reshape(-1, num_heads, head_dim)
+        o = q.new_empty((q3.shape[0], num_heads * layer.v_head_dim))
+        k_cache = self._paged(self.token_to_kv_pool.get_key_buffer(layer.layer_id), "key")
+        v_cache = self._paged(self.token_to_kv_pool.get_value_buffer(layer.layer_id), "value")
+        p = self._plan_for(layer, q3, causal, num_blocks=k_cache.shape[0])
+        prefixattn.attention(q3, k_cache, v_cache, p, out=o.view(-1, num_heads, head_dim))
+        return o
+
+    def _paged(self, buf: torch.Tensor, name: str) -> torch.Tensor:
+        """``[num_slots, num_kv_heads, head_dim]`` pool buffer -> ``[num_pages, page_size, ...]`` view (no copy)."""
+        if buf.dim() != 3 or buf.shape[0] % self.page_size:
+            raise ValueError(
+                f"token_to_kv_pool {name} buffer: expected [num_slots, num_kv_heads, head_dim] with num_slots a "
+                f"multiple of page_size={self.page_size}, got shape {tuple(buf.shape)}"
+            )
+        return buf.unflatten(0, (-1, self.page_size))
+
+    # ------------------------------------------------------------------------------------------------------------
+    # CUDA graphs: refused, clearly (see _NO_GRAPHS)
+    # ------------------------------------------------------------------------------------------------------------
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
+        if in_capture:
+            raise NotImplementedError(_NO_GRAPHS)
+        self.init_forward_metadata(forward_batch)
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
+        raise NotImplementedError(_NO_GRAPHS)
+
+    def init_forward_metadata_for_breakable_cuda_graph_capture(self, forward_batch):
+        raise NotImplementedError(_NO_GRAPHS)
+
+    def prepare_forward_metadata_for_breakable_cuda_graph_replay(self, capture_metadata, forward_batch, *,
+                                                                 static_forward_batch=None):
+        raise NotImplementedError(_NO_GRAPHS)
+
+    def get_cuda_graph_seq_len_fill_value(self):
+        raise NotImplementedError(_NO_GRAPHS)
+
+
+def _host_int64(cpu_mirror, device_tensor) -> torch.Tensor:
+    """SGLang's CPU mirror of a length tensor when it has one (no device sync), else a copy of the device tensor."""
+    src = cpu_mirror if cpu_mirror is not None else device_tensor
+    return torch.as_tensor(src).to("cpu", torch.int64)
+
+
+def _check_layer(layer) -> bool:
+    """Refuse layer features prefixattn does not implement; returns ``causal`` for the layer."""
+    if layer.is_cross_attention:
+        raise NotImplementedError(f"layer {layer.layer_id}: cross attention is not supported by the prefixattn backend")
+    window = layer.sliding_window_size
+    if window is not None and window > -1:
+        raise ValueError(f"layer {layer.layer_id} sliding_window_size: expected -1 or None (prefixattn has no "
+                         f"sliding-window attention), got {window}")
+    if layer.logit_cap and layer.logit_cap > 0:
+        raise ValueError(f"layer {layer.layer_id} logit_cap: expected 0 (prefixattn has no logit soft-capping), "
+                         f"got {layer.logit_cap}")
+    if layer.qk_head_dim != layer.v_head_dim:
+        raise ValueError(f"layer {layer.layer_id} v_head_dim: expected qk_head_dim={layer.qk_head_dim}, "
+                         f"got {layer.v_head_dim}")
+    return layer.attn_type != AttentionType.ENCODER_ONLY

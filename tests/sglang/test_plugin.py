@@ -1,0 +1,55 @@
+"""Plugin registration: the entry point, the attention-backend registry, the CLI choice, the version gate."""
+
+from __future__ import annotations
+
+import argparse
+from importlib.metadata import entry_points
+
+import pytest
+
+from integrations.sglang import plugin
+from integrations.sglang.version import SUPPORTED_SGLANG_VERSION, UnsupportedSGLangVersion, check_sglang_version
+
+pytestmark = pytest.mark.sglang
+
+
+def test_entry_point_is_declared_in_sglangs_plugin_group():
+    (ep,) = [ep for ep in entry_points(group="sglang.srt.plugins") if ep.name == "prefixattn"]
+    assert ep.load() is plugin.load
+
+
+def test_load_registers_backend_and_cli_choice_once():
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+    from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES
+
+    plugin.load()
+    plugin.load()  # idempotent
+    assert ATTENTION_BACKENDS["prefixattn"] is plugin.create_prefixattn_backend
+    assert ATTENTION_BACKEND_CHOICES.count("prefixattn") == 1
+
+
+def test_cli_accepts_the_backend_and_policy_after_the_hooks_applied():
+    from sglang.srt.server_args import ServerArgs
+
+    plugin.enable()
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    args = parser.parse_args(["--model-path", "m", "--attention-backend", "prefixattn",
+                              "--schedule-policy", "prefixattn"])
+    assert args.attention_backend == "prefixattn" and args.schedule_policy == "prefixattn"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model-path", "m", "--schedule-policy", "no-such-policy"])
+
+
+def test_factory_refuses_mla_models():
+    class Runner:
+        use_mla_backend = True
+
+    with pytest.raises(ValueError, match="got an MLA model"):
+        plugin.create_prefixattn_backend(Runner())
+
+
+def test_version_gate():
+    assert check_sglang_version() == SUPPORTED_SGLANG_VERSION
+    with pytest.raises(UnsupportedSGLangVersion, match=r"expected version 0\.5\.23 .* got 0\.5\.24"):
+        check_sglang_version("0.5.24")
