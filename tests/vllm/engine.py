@@ -22,5 +22,9 @@ def run_engine(tmp_path, name: str, **cfg) -> dict:
     proc = subprocess.run([sys.executable, "-m", "tests.vllm.engine_run", str(in_path), str(out_path)], cwd=REPO,
                           capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     if proc.returncode != 0:
-        raise AssertionError(f"engine run {name} failed (rc={proc.returncode}):\n{proc.stderr[-6000:]}")
+        from tests.vllm.engine_run import STAGE_MARK
+
+        stages = [line[len(STAGE_MARK):] for line in proc.stderr.splitlines() if line.startswith(STAGE_MARK)]
+        raise AssertionError(f"engine run {name} failed at stage {stages[-1] if stages else 'import'!r} "
+                             f"(rc={proc.returncode}):\n{proc.stderr[-6000:]}")
     return json.loads(out_path.read_text())

@@ -18,6 +18,14 @@ import sys
 import time
 
 
+STAGE_MARK = "engine_run stage: "
+
+
+def stage(name: str) -> None:
+    """Mark progress on stderr, so a failed run says whether it failed constructing the engine or generating."""
+    print(STAGE_MARK + name, file=sys.stderr, flush=True)
+
+
 def main(in_path: str, out_path: str) -> None:
     cfg = json.load(open(in_path))
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process: observers see its plans
@@ -37,6 +45,7 @@ def main(in_path: str, out_path: str) -> None:
             num_requests=p.num_requests, num_tokens=p.num_tokens,
             shared=[dict(kv_start=n.kv_start, kv_end=n.kv_end, requests=n.requests.tolist())
                     for n in p.shared_nodes])))
+    stage("construct LLM")
     llm = LLM(model=cfg["model"], skip_tokenizer_init=True, seed=0, enforce_eager=True, **cfg["llm"])
     t_init = time.perf_counter()
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
@@ -44,6 +53,7 @@ def main(in_path: str, out_path: str) -> None:
     backend_class = AttentionBackendEnum.CPU_ATTN.get_path()
     params = SamplingParams(temperature=0.0, max_tokens=cfg["max_tokens"], detokenize=False, logprobs=2)
     prompts = [{"prompt_token_ids": ids} for ids in cfg["prompts"]]
+    stage("generate")
     if cfg.get("offline_generate"):
         from integrations.vllm.offline import generate
 

@@ -1,0 +1,99 @@
+"""Configuration-time declarations and refusals, in vLLM's own validation wording."""
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.vllm
+
+
+def _validate(**overrides) -> list[str]:
+    """What vLLM's CUDA/ROCm selector does for a selected backend: validate_configuration(selector config)."""
+    from vllm.platforms.interface import DeviceCapability
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+    from integrations.vllm.backend import PrefixAttnBackend
+
+    cfg = dict(head_size=128, dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=16)
+    cfg.update(overrides)
+    return PrefixAttnBackend.validate_configuration(device_capability=DeviceCapability(9, 0),
+                                                    **AttentionSelectorConfig(**cfg)._asdict())
+
+
+@pytest.mark.parametrize("head_size", [64, 80, 96, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_supported_configurations_validate(head_size, dtype):
+    assert _validate(head_size=head_size, dtype=dtype) == []
+
+
+@pytest.mark.parametrize("block_size", [1, 5, 16, 32, None])
+def test_any_block_size(block_size):
+    assert _validate(block_size=block_size) == []
+
+
+@pytest.mark.parametrize("overrides, reason", [
+    (dict(head_size=72), "head_size not supported"),
+    (dict(kv_cache_dtype="fp8"), "kv_cache_dtype not supported"),
+    (dict(kv_cache_dtype="fp8_e5m2"), "kv_cache_dtype not supported"),
+    (dict(has_sliding_window=True), "sliding window not supported"),
+    (dict(attn_type="encoder_only"), "attention type encoder_only not supported"),
+    (dict(attn_type="encoder_decoder"), "attention type encoder_decoder not supported"),
+    (dict(has_sink=True), "attention sinks not supported"),
+    (dict(use_mla=True), "MLA not supported"),
+    (dict(use_non_causal=True), "non-causal attention not supported"),
+    (dict(use_dcp=True), "DCP not supported"),
+])
+def test_unsupported_configurations_are_refused_by_vllms_selector(overrides, reason):
+    assert reason in _validate(**overrides)
+
+
+def test_head_sizes_match_prefixattn():
+    from prefixattn.validation import SUPPORTED_HEAD_DIMS
+
+    from integrations.vllm.backend import PrefixAttnBackend
+
+    assert tuple(PrefixAttnBackend.get_supported_head_sizes()) == tuple(SUPPORTED_HEAD_DIMS)
+
+
+def test_every_kv_cache_layout_is_declared_token_major_first():
+    from vllm.v1.kv_cache_interface import KVCacheLayout
+
+    from integrations.vllm.backend import PrefixAttnBackend
+
+    layouts = PrefixAttnBackend.supported_kv_cache_layouts()
+    assert set(layouts) == set(KVCacheLayout) and layouts[0] is KVCacheLayout.LBNHC
+
+
+@pytest.mark.parametrize("kwargs, reason", [
+    (dict(alibi_slopes=[0.5, 0.25]), "ALiBi not supported"),
+    (dict(sliding_window=128), "sliding window not supported"),
+    (dict(logits_soft_cap=30.0), "logits soft-cap not supported"),
+    (dict(kv_cache_dtype="fp8"), "kv_cache_dtype not supported"),
+    (dict(attn_type="encoder"), "attention type encoder not supported"),
+    (dict(sinks=torch.zeros(4)), "attention sinks not supported"),
+    (dict(head_size=72), "head_size not supported"),
+])
+def test_impl_refuses_at_construction(kwargs, reason):
+    # The impl is built while vLLM constructs the model (before any forward): platforms whose selector does not
+    # validate (CPU) are refused here, in the same words.
+    from integrations.vllm.backend import PrefixAttnImpl
+
+    args = dict(num_heads=4, head_size=64, scale=0.125, num_kv_heads=2)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match="Selected backend PREFIXATTN is not valid for this configuration") as info:
+        PrefixAttnImpl(**args)
+    assert reason in str(info.value)
+
+
+def test_engine_refuses_a_sliding_window_model_before_running(tmp_path):
+    # Real engine, CPU platform (prefixattn over CPU_ATTN): a model with a sliding-window layer fails while the LLM
+    # is constructed, never at the first forward.
+    from tests.vllm.engine import run_engine
+    from tests.vllm.tiny_model import save_tiny_llama
+
+    model = save_tiny_llama(str(tmp_path / "swa"), layer_types=["sliding_attention", "full_attention"],
+                            sliding_window=64)
+    with pytest.raises(AssertionError, match="sliding window not supported") as info:
+        run_engine(tmp_path, "swa", backend="prefixattn", model=model, prompts=[[1, 2, 3]], max_tokens=1,
+                   llm=dict(dtype="float32", block_size=32, max_model_len=256))
+    assert "Selected backend PREFIXATTN is not valid" in str(info.value)
+    assert "failed at stage 'construct LLM'" in str(info.value)

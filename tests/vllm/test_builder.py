@@ -1,0 +1,166 @@
+"""Metadata builder and impl on real vLLM objects: CommonAttentionMetadata -> plan, cache views, K/V writes."""
+
+import pytest
+import torch
+
+from tests.tolerances import ATTENTION_TOL
+
+pytestmark = pytest.mark.vllm
+
+BLOCK = 16
+NUM_BLOCKS = 24
+HQ, HKV, D = 4, 2, 64
+# Requests 0-2 share blocks 10, 11 (32 tokens of a common prefix); 3 has its own. Request 2 is a chunked prefill
+# (5 new tokens after 40 cached ones), the others decode one token.
+BLOCK_TABLE = [[10, 11, 2, 0], [10, 11, 3, 0], [10, 11, 4, 0], [7, 8, 0, 0]]
+Q_LENS = [1, 1, 5, 1]
+SEQ_LENS = [40, 37, 45, 20]
+PAD_TOKENS = 3  # vLLM may pad the token dimension past the real rows
+
+
+@pytest.fixture(scope="module")
+def vllm_config(tiny_llama):
+    from vllm.config import CacheConfig, ModelConfig, VllmConfig
+
+    model = ModelConfig(model=tiny_llama, dtype="float32", skip_tokenizer_init=True, max_model_len=256)
+    return VllmConfig(model_config=model, cache_config=CacheConfig(block_size=BLOCK))
+
+
+@pytest.fixture
+def builder(vllm_config):
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from integrations.vllm.backend import PrefixAttnMetadataBuilder
+
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HKV, head_size=D, dtype=torch.float32)
+    return PrefixAttnMetadataBuilder(spec, [], vllm_config, torch.device("cpu"))
+
+
+def common_metadata(*, upper_bound=True, seq_lens_upper=None):
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    q_lens = torch.tensor(Q_LENS)
+    qsl = torch.zeros(len(Q_LENS) + 1, dtype=torch.int32)
+    qsl[1:] = torch.cumsum(q_lens, 0)
+    seq_lens = torch.tensor(SEQ_LENS, dtype=torch.int32)
+    table = torch.tensor(BLOCK_TABLE, dtype=torch.int32)
+    slots = []
+    for r, (q, s) in enumerate(zip(Q_LENS, SEQ_LENS)):
+        slots += [BLOCK_TABLE[r][p // BLOCK] * BLOCK + p % BLOCK for p in range(s - q, s)]
+    slot_mapping = torch.tensor(slots + [-1] * PAD_TOKENS, dtype=torch.int64)
+    bound = seq_lens_upper if seq_lens_upper is not None else seq_lens.clone()
+    return CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl.clone(), seq_lens=seq_lens, num_reqs=len(Q_LENS),
+        num_actual_tokens=int(qsl[-1]) + PAD_TOKENS, max_query_len=max(Q_LENS), max_seq_len=max(SEQ_LENS),
+        block_table_tensor=table, slot_mapping=slot_mapping,
+        seq_lens_cpu_upper_bound=bound if upper_bound else None)
+
+
+def test_plan_inputs_from_common_metadata():
+    from integrations.vllm.backend import plan_inputs
+
+    inputs = plan_inputs(common_metadata())
+    assert inputs.qo_indptr.tolist() == [0, 1, 2, 7, 8]
+    assert inputs.kv_lens.tolist() == SEQ_LENS
+    assert inputs.block_table.tolist() == BLOCK_TABLE
+    # Without a host copy of seq_lens the device tensor is read; with speculative decoding the upper bound is not
+    # exact, so it is not used.
+    assert plan_inputs(common_metadata(upper_bound=False)).kv_lens.tolist() == SEQ_LENS
+    inflated = torch.tensor(SEQ_LENS) + 2
+    assert plan_inputs(common_metadata(seq_lens_upper=inflated)).kv_lens.tolist() == inflated.tolist()
+    assert plan_inputs(common_metadata(seq_lens_upper=inflated),
+                       exact_seq_lens_on_host=False).kv_lens.tolist() == SEQ_LENS
+
+
+def test_build_finds_the_shared_prefix(builder):
+    meta = builder.build(0, common_metadata())
+    assert meta.num_query_tokens == sum(Q_LENS)
+    assert meta.slot_mapping.shape[0] == sum(Q_LENS) and (meta.slot_mapping >= 0).all()
+    p = meta.plan
+    assert (p.num_requests, p.num_qo_heads, p.num_kv_heads, p.head_dim, p.block_size) == (4, HQ, HKV, D, BLOCK)
+    assert [(n.kv_start, n.kv_end, n.requests.tolist()) for n in p.shared_nodes] == [(0, 2 * BLOCK, [0, 1, 2])]
+    assert p.q_dtype == torch.float32 and p.causal
+
+
+def test_build_refuses_non_causal(builder):
+    meta = common_metadata()
+    meta.causal = False
+    with pytest.raises(ValueError, match="non-causal attention not supported"):
+        builder.build(0, meta)
+
+
+def _cache_in_layout(layout_name: str, g: torch.Generator) -> torch.Tensor:
+    """A layer cache as vLLM hands it over: logical [B, Hkv, N, 2D] view over memory in ``layout``'s order."""
+    from vllm.v1.kv_cache_interface import KVCacheLayout
+
+    order = KVCacheLayout[layout_name].layer_view_order  # physical order of the logical axes
+    logical_shape = (NUM_BLOCKS, HKV, BLOCK, 2 * D)
+    physical = torch.randn([logical_shape[i] for i in order], generator=g)
+    inverse = sorted(range(4), key=lambda i: order[i])
+    view = physical.permute(*inverse)
+    assert tuple(view.shape) == logical_shape
+    return view
+
+
+@pytest.mark.parametrize("layout", ["LBNHC", "LBHNC", "BLNHC", "BHLNC"])
+def test_impl_forward_on_vllm_cache_views(builder, layout):
+    import prefixattn
+
+    from integrations.vllm.backend import PrefixAttnImpl, split_kv_cache
+
+    g = torch.Generator().manual_seed(0)
+    kv_cache = _cache_in_layout(layout, g)
+    storage_before = kv_cache.untyped_storage().data_ptr()
+    meta = builder.build(0, common_metadata())
+    n, t = sum(Q_LENS), sum(Q_LENS) + PAD_TOKENS
+    query = torch.randn(t, HQ, D, generator=g)
+    key = torch.randn(t, HKV, D, generator=g)
+    value = torch.randn(t, HKV, D, generator=g)
+    output = torch.full((t, HQ, D), float("nan"))
+    impl = PrefixAttnImpl(num_heads=HQ, head_size=D, scale=D ** -0.5, num_kv_heads=HKV)
+    impl.forward(None, query, key, value, kv_cache, meta, output)
+
+    k_cache, v_cache = split_kv_cache(kv_cache, D)
+    assert k_cache.untyped_storage().data_ptr() == storage_before  # views of vLLM's cache, not copies
+    slots = meta.slot_mapping
+    torch.testing.assert_close(k_cache[slots // BLOCK, slots % BLOCK], key[:n], atol=0, rtol=0)
+    torch.testing.assert_close(v_cache[slots // BLOCK, slots % BLOCK], value[:n], atol=0, rtol=0)
+    qo = torch.tensor([0, 1, 2, 7, 8])
+    ref = prefixattn.reference_attention(query[:n], k_cache, v_cache, qo, torch.tensor(SEQ_LENS),
+                                         torch.tensor(BLOCK_TABLE))
+    atol, rtol = ATTENTION_TOL[torch.float32]
+    torch.testing.assert_close(output[:n], ref, atol=atol, rtol=rtol)
+    assert torch.isnan(output[n:]).all()  # padding rows are neither read nor written
+
+
+def test_profiling_run_without_metadata_is_a_no_op():
+    from integrations.vllm.backend import PrefixAttnImpl
+
+    impl = PrefixAttnImpl(num_heads=HQ, head_size=D, scale=0.125, num_kv_heads=HKV)
+    out = torch.zeros(3, HQ, D)
+    assert impl.forward(None, torch.ones(3, HQ, D), None, None, torch.empty(0), None, out) is out
+    assert (out == 0).all()
+
+
+def test_kv_sharing_layer_does_not_write_the_cache(builder):
+    from integrations.vllm.backend import PrefixAttnImpl
+
+    g = torch.Generator().manual_seed(1)
+    kv_cache = _cache_in_layout("LBNHC", g)
+    before = kv_cache.clone()
+    meta = builder.build(0, common_metadata())
+    t = sum(Q_LENS) + PAD_TOKENS
+    impl = PrefixAttnImpl(num_heads=HQ, head_size=D, scale=0.125, num_kv_heads=HKV,
+                          kv_sharing_target_layer_name="model.layers.0.self_attn.attn")
+    impl.forward(None, torch.randn(t, HQ, D, generator=g), torch.randn(t, HKV, D, generator=g),
+                 torch.randn(t, HKV, D, generator=g), kv_cache, meta, torch.empty(t, HQ, D))
+    assert torch.equal(kv_cache, before)
+
+
+def test_fused_output_quantization_is_refused(builder):
+    from integrations.vllm.backend import PrefixAttnImpl
+
+    impl = PrefixAttnImpl(num_heads=HQ, head_size=D, scale=0.125, num_kv_heads=HKV)
+    with pytest.raises(NotImplementedError, match="output quantization"):
+        impl.forward(None, torch.empty(1, HQ, D), None, None, torch.empty(0), None, torch.empty(1, HQ, D),
+                     output_scale=torch.ones(1))

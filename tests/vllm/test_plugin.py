@@ -1,0 +1,97 @@
+"""Plugin registration: idempotent, lazy, cheap, reachable through vLLM's entry point, selectable by name."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.vllm.engine import REPO
+
+pytestmark = pytest.mark.vllm
+
+
+def _in_fresh_process(code: str, env: dict | None = None) -> dict:
+    """Run ``code`` (which prints one JSON line last) in a new interpreter; vLLM's registry is per process."""
+    import os
+
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **(env or {})})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_register_is_idempotent_and_get_name_matches():
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from integrations.vllm.plugin import BACKEND_CLASS_PATH, BACKEND_NAME, register
+
+    register()
+    members_before = list(AttentionBackendEnum.__members__)
+    register()
+    register()
+    assert list(AttentionBackendEnum.__members__) == members_before
+    member = AttentionBackendEnum[BACKEND_NAME]
+    assert member.get_path() == BACKEND_CLASS_PATH
+    backend = member.get_class()
+    assert backend.get_name() == BACKEND_NAME == "PREFIXATTN"
+    assert AttentionBackendEnum[backend.get_name()] is member  # vLLM's Attention layer does exactly this lookup
+
+
+def test_register_imports_nothing_heavy():
+    # vLLM calls register() in every process it starts: it must not import prefixattn, its kernels or the backend.
+    out = _in_fresh_process(
+        "import json, sys, time; import vllm.v1.attention.backends.registry\n"
+        "before = set(sys.modules); t = time.perf_counter()\n"
+        "from integrations.vllm.plugin import register; register()\n"
+        "new = sorted(set(sys.modules) - before)\n"
+        "print(json.dumps(dict(new=new, seconds=time.perf_counter() - t)))")
+    heavy = [m for m in out["new"] if m.startswith(("prefixattn", "integrations.vllm.backend", "triton"))]
+    assert heavy == []
+    assert set(out["new"]) <= {"integrations", "integrations.vllm", "integrations.vllm.plugin"}
+
+
+def test_vllm_loads_the_plugin_from_the_entry_point():
+    out = _in_fresh_process(
+        "import json\n"
+        "from importlib.metadata import entry_points\n"
+        "from vllm.plugins import load_general_plugins\n"
+        "from vllm.v1.attention.backends.registry import AttentionBackendEnum as E\n"
+        "load_general_plugins()\n"
+        "eps = [e.value for e in entry_points(group='vllm.general_plugins') if e.name == 'prefixattn']\n"
+        "print(json.dumps(dict(eps=eps, registered='PREFIXATTN' in E.__members__,\n"
+        "                      cpu=E.CPU_ATTN.get_path())))")
+    assert out["eps"] == ["integrations.vllm.plugin:register"]
+    assert out["registered"]
+    assert out["cpu"] == "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend"  # no override unless asked
+
+
+def test_override_env_makes_cpu_attn_resolve_to_prefixattn():
+    out = _in_fresh_process(
+        "import json\n"
+        "from vllm.plugins import load_general_plugins\n"
+        "from vllm.v1.attention.backends.registry import AttentionBackendEnum as E\n"
+        "load_general_plugins(); load_general_plugins()\n"
+        "over = E.CPU_ATTN.get_path()\n"
+        "from integrations.vllm.plugin import clear_override; clear_override('CPU_ATTN')\n"
+        "print(json.dumps(dict(over=over, after=E.CPU_ATTN.get_path())))",
+        env={"PREFIXATTN_VLLM_OVERRIDE": "CPU_ATTN"})
+    assert out["over"] == "integrations.vllm.backend.PrefixAttnBackend"
+    assert out["after"] == "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend"
+
+
+def test_override_of_unknown_backend_names_valid_ones():
+    from integrations.vllm.plugin import override_backend
+
+    with pytest.raises(ValueError, match="Unknown attention backend: 'NO_SUCH'.*PREFIXATTN"):
+        override_backend("NO_SUCH")
+
+
+def test_users_select_it_by_name():
+    from vllm.config import AttentionConfig
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from integrations.vllm.plugin import register
+
+    register()
+    assert AttentionConfig(backend="PREFIXATTN").backend is AttentionBackendEnum.PREFIXATTN
