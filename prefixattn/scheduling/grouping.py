@@ -321,7 +321,7 @@ def optimal_saving_ratio(prompts) -> float:
 def _check_groups(groups, lengths: np.ndarray) -> list[tuple[PrefixGroup, int, int]]:
     """Check ``groups`` against the batch; return ``(group, parent prefix_len, depth)`` for every group."""
     n = lengths.shape[0]
-    if isinstance(groups, PrefixGroup) or not isinstance(groups, Sequence):
+    if isinstance(groups, (PrefixGroup, str, bytes)) or not isinstance(groups, Sequence):
         raise ValueError(f"groups: expected a list of PrefixGroup, got {type(groups).__name__}")
     seen = np.zeros(n, dtype=np.int64)
     out = []

@@ -110,6 +110,7 @@ def pack_sequences(seqs, *, name: str = "prompts", min_len: int = 1) -> PackedSe
             raise ValueError(f"{name}: expected PackedSequences.offsets to rise from 0 to len(values)="
                              f"{values.size}")
     elif isinstance(seqs, np.ndarray):
+        packed = None
         if seqs.ndim != 2:
             raise ValueError(f"{name}: expected a sequence of rows or a 2-D integer array, got a {seqs.ndim}-D "
                              "array")

@@ -1,0 +1,133 @@
+"""Sort + LCP + compact tree, against a brute-force sort and direct pairwise LCPs."""
+
+import importlib
+
+import numpy as np
+import pytest
+
+from prefixattn.scheduling import PackedSequences, pack_sequences, prefix_tree, sort_and_lcp
+from tests.scheduling.synthetic import nested_random
+
+# The package re-exports the function prefix_tree under the module's name: fetch the module itself.
+prefix_tree_module = importlib.import_module("prefixattn.scheduling.prefix_tree")
+
+
+def _lcp(a, b) -> int:
+    k = 0
+    while k < min(len(a), len(b)) and a[k] == b[k]:
+        k += 1
+    return k
+
+
+def _brute(rows):
+    order = sorted(range(len(rows)), key=lambda i: (list(rows[i]), i))
+    return order, [0] + [_lcp(rows[a], rows[b]) for a, b in zip(order, order[1:])]
+
+
+def test_hand_built():
+    rows = [[5, 6, 7], [5, 6], [1], [5, 6, 7], [5, 9, 0, 0], []]
+    packed = pack_sequences(rows, min_len=0)
+    order, lcp = sort_and_lcp(packed.values, packed.offsets)
+    assert order.tolist() == [5, 2, 1, 0, 3, 4]
+    assert lcp.tolist() == [0, 0, 0, 2, 3, 1]
+
+
+def test_truncated_rows():
+    packed = pack_sequences([[1, 2, 3], [1, 2, 4], [1, 9]])
+    order, lcp = sort_and_lcp(packed.values, packed.offsets, packed.lengths - 1)
+    assert order.tolist() == [2, 0, 1]  # [1] < [1, 2] == [1, 2]; ties keep row order
+    assert lcp.tolist() == [0, 1, 2]
+
+
+@pytest.mark.parametrize("window", [1, 2, 16])
+def test_random_against_brute_force(monkeypatch, window):
+    # Tiny windows force many refinement rounds, window edges inside shared prefixes and rows ending on edges.
+    monkeypatch.setattr(prefix_tree_module, "_FIRST_WINDOW", window)
+    monkeypatch.setattr(prefix_tree_module, "_MAX_WINDOW", max(window, 4))
+    rng = np.random.default_rng(window)
+    for _ in range(150):
+        rows = nested_random(rng, int(rng.integers(1, 30)), max_len=int(rng.integers(1, 20)))
+        packed = pack_sequences(rows)
+        for drop in (0, 1):
+            order, lcp = sort_and_lcp(packed.values, packed.offsets, packed.lengths - drop)
+            want_order, want_lcp = _brute([r[:len(r) - drop] for r in rows])
+            assert order.tolist() == want_order
+            assert lcp.tolist() == want_lcp
+
+
+def test_tree_structure_matches_lcas():
+    rng = np.random.default_rng(3)
+    for _ in range(60):
+        rows = nested_random(rng, int(rng.integers(1, 25)))
+        tree = prefix_tree(rows)
+        n = len(rows)
+        leaf_node = {int(tree.leaf[v]): v for v in range(tree.num_nodes) if tree.leaf[v] >= 0}
+        assert sorted(leaf_node) == list(range(n))
+        # every row's leaf sits at its own length; internal nodes have >= 2 children, except possibly the root
+        for pos, v in leaf_node.items():
+            assert tree.depth[v] == len(rows[tree.order[pos]])
+        indptr, kids = tree.children()
+        for v in range(tree.num_nodes):
+            if tree.leaf[v] < 0 and v != 0:
+                assert indptr[v + 1] - indptr[v] >= 2
+                assert tree.depth[v] > tree.depth[tree.parent[v]]
+            assert tree.hi[v] - tree.lo[v] == sum(1 for p, u in leaf_node.items() if _is_ancestor(tree, v, u))
+        # depth of the lowest common ancestor of two leaves == their LCP
+        for a in range(n):
+            for b in range(a + 1, n):
+                lca = _lca(tree, leaf_node[a], leaf_node[b])
+                assert tree.depth[lca] == _lcp(rows[tree.order[a]], rows[tree.order[b]])
+        assert tree.shared_tokens() == sum(len(r) for r in rows) - int(tree.lcp.sum())
+        post = tree.post_order.tolist()
+        assert sorted(post) == list(range(tree.num_nodes))
+        assert all(post.index(v) < post.index(tree.parent[v]) for v in range(1, tree.num_nodes))
+
+
+def _is_ancestor(tree, a, v):
+    while v >= 0:
+        if v == a:
+            return True
+        v = tree.parent[v]
+    return False
+
+
+def _lca(tree, u, v):
+    anc = set()
+    while u >= 0:
+        anc.add(int(u))
+        u = tree.parent[u]
+    while v not in anc:
+        v = tree.parent[v]
+    return v
+
+
+def test_block_ids_and_packed_input():
+    # The planner's use: rows of KV block ids; a 2-D array and PackedSequences are accepted as they are.
+    tables = np.array([[4, 8, 15], [4, 8, 16], [23, 42, 42]], dtype=np.int32)
+    tree = prefix_tree(tables)
+    assert tree.order.tolist() == [0, 1, 2] and tree.lcp.tolist() == [0, 2, 0]
+    packed = PackedSequences(values=tables.ravel(), offsets=np.array([0, 3, 6, 9]))
+    assert prefix_tree(packed).lcp.tolist() == [0, 2, 0]
+
+
+def test_identical_rows_keep_row_order():
+    order, lcp = sort_and_lcp(np.array([7, 7, 7, 7, 7, 7]), np.array([0, 2, 4, 6]))
+    assert order.tolist() == [0, 1, 2] and lcp.tolist() == [0, 2, 2]
+
+
+@pytest.mark.parametrize("bad, match", [
+    ([], r"prompts: expected at least one sequence"),
+    ([[1, 2], []], r"prompts\[1\]: expected at least 1 id"),
+    ([[1, 2], [1.5, 2]], r"prompts\[1\]: expected a sequence of integer ids"),
+    ([[1, 2], "ab"], r"prompts\[1\]: expected a sequence of integer ids, got str"),
+    ([[1, -2]], r"prompts\[0\]: expected ids in \[0, 4294967294\], got -2"),
+    ([np.array([1.0, 2.0])], r"prompts\[0\]: expected integer ids, got dtype float64"),
+    ([np.zeros((2, 2), np.int64)], r"prompts\[0\]: expected a 1-D sequence"),
+    ([[1], 5], r"prompts\[1\]: expected a sequence of integer ids, got int"),
+    (np.zeros((0, 3), np.int64), r"prompts: expected at least one sequence"),
+    (np.zeros(3, np.int64), r"prompts: expected a sequence of rows or a 2-D integer array"),
+    ([[2**32]], r"prompts\[0\]: expected ids in"),
+])
+def test_bad_input(bad, match):
+    with pytest.raises(ValueError, match=match):
+        pack_sequences(bad)
