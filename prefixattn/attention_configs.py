@@ -31,6 +31,10 @@ BLOCK_N_SUFFIX = 64
 BLOCK_N_SUFFIX_LARGE_HEAD = 32
 #: Head sizes above this use the *_LARGE_HEAD KV tiles.
 LARGE_HEAD_DIM = 128
+#: fp32 inputs take IEEE fp32 dots (tf32 would miss the 1e-4 tolerance): no tensor cores, each product is FMAs held in
+#: registers, so the tiles halve (a 128 x 128 fp32 shared tile also took ~75 s to compile for sm_90 here).
+BLOCK_M_SHARED_FP32 = 64
+BLOCK_N_FP32 = 32
 
 
 @dataclass(frozen=True)
@@ -62,7 +66,7 @@ def choose_tiles(*, head_dim: int, group: int, max_q_len: int, dtype=None) -> At
     max_q_len : int
         Longest query chunk of any request in the step (1 for pure decode).
     dtype : torch.dtype, optional
-        Input dtype (reserved for the tuned lookup; the defaults do not depend on it).
+        Input dtype; fp32 gets the smaller ``*_FP32`` tiles.
 
     Returns
     -------
@@ -70,11 +74,14 @@ def choose_tiles(*, head_dim: int, group: int, max_q_len: int, dtype=None) -> At
     """
     group_p2 = triton.next_power_of_2(group)
     large = head_dim > LARGE_HEAD_DIM
+    fp32 = str(dtype) == "torch.float32"
     wanted_suffix = BLOCK_M_SUFFIX_DECODE if group * max_q_len <= BLOCK_M_SUFFIX_DECODE else BLOCK_M_SUFFIX_PREFILL
+    block_n_shared = BLOCK_N_SHARED_LARGE_HEAD if large else BLOCK_N_SHARED
+    block_n_suffix = BLOCK_N_SUFFIX_LARGE_HEAD if large else BLOCK_N_SUFFIX
     return AttentionTiles(
-        block_m_shared=max(BLOCK_M_SHARED, group_p2),
-        block_n_shared=BLOCK_N_SHARED_LARGE_HEAD if large else BLOCK_N_SHARED,
+        block_m_shared=max(BLOCK_M_SHARED_FP32 if fp32 else BLOCK_M_SHARED, group_p2),
+        block_n_shared=min(block_n_shared, BLOCK_N_FP32) if fp32 else block_n_shared,
         block_m_suffix=max(wanted_suffix, group_p2, MIN_DOT_DIM),
-        block_n_suffix=BLOCK_N_SUFFIX_LARGE_HEAD if large else BLOCK_N_SUFFIX,
+        block_n_suffix=min(block_n_suffix, BLOCK_N_FP32) if fp32 else block_n_suffix,
         block_d=max(triton.next_power_of_2(head_dim), MIN_DOT_DIM),
     )
