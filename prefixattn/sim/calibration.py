@@ -109,6 +109,9 @@ TABLE: tuple[Constant, ...] = (
              "BatchLLM sec. 4.3.3: S_chunk aligned with vLLM's 2048"),
     Constant("batchllm_memory_threshold", 0.95, "fraction of KV pool", "assumption",
              "BatchLLM Algorithm 2's M_threshold is not given in the paper; 5% headroom for decode growth"),
+    Constant("output_sample_rate", 0.01, "fraction of requests", "paper",
+             "BlendServe sec. 3.2: output lengths estimated by running 1% of the requests first (used by the "
+             "policies that sample: blendserve, nanoflow-dfs, prefixattn)"),
     Constant("blendserve_batch_multiple", 128, "requests", "paper",
              "BlendServe sec. 4: batch sizes in multiples of 128"),
     Constant("blendserve_reserved_bytes", 20 * 10 ** 9, "bytes", "paper",

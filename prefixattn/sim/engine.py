@@ -45,11 +45,14 @@ class Seq:
         Keyed (shareable) prompt blocks held, in order; ``n_private`` more blocks are private.
     path : list
         ``(node_key, start, end)`` token ranges read as shared prefix nodes (fused/cascade kernels only).
+    base : int
+        Leading context tokens whose KV another sequence holds (an explicit group prefix); this sequence's own
+        blocks cover the tokens after them.
     """
 
     __slots__ = ("rid", "prompt", "prompt_len", "output_len", "target", "computed", "generated", "decoding",
                  "blocks", "n_private", "keys", "state", "attempts", "first_hit", "hit_total", "path", "tag",
-                 "is_holder", "admitted_step", "finished_step")
+                 "is_holder", "admitted_step", "finished_step", "base")
 
     def __init__(self, rid: int, prompt: np.ndarray, output_len: int, is_holder: bool = False) -> None:
         self.rid = rid
@@ -72,6 +75,7 @@ class Seq:
         self.is_holder = is_holder
         self.admitted_step = -1
         self.finished_step = -1
+        self.base = 0
 
     @property
     def remaining_prefill(self) -> int:
@@ -139,9 +143,12 @@ class Engine:
         self.peak_seqs = 0
 
     # ------------------------------------------------------------------ sequences
-    def new_holder(self, prompt: np.ndarray, tag=None) -> Seq:
-        """A sequence that computes a group prefix and holds its KV for the members (never samples)."""
+    def new_holder(self, prompt: np.ndarray, base: int = 0, path=(), tag=None) -> Seq:
+        """A sequence that computes a group prefix ``prompt[base:]`` and holds its KV for the members (never
+        samples); ``prompt[:base]`` is an enclosing prefix held by another holder."""
         seq = Seq(-1 - len(self.holders), prompt, 0, is_holder=True)
+        seq.base = base
+        seq.path = list(path)
         seq.tag = tag
         self.holders.append(seq)
         return seq
@@ -183,13 +190,24 @@ class Engine:
         self.attempt_work += seq.target - hit
         return hit
 
+    def admit_with_base(self, seq: Seq) -> None:
+        """Start ``seq`` on top of its explicit prefix: the first ``seq.base`` tokens are held elsewhere."""
+        seq.computed = seq.base
+        seq.state = RUNNING
+        seq.admitted_step = self.step
+        if seq.first_hit < 0:
+            seq.first_hit = seq.base
+        seq.hit_total += seq.base
+        seq.attempts += 1
+        self.attempt_work += seq.target - seq.base
+
     def blocks_needed(self, seq: Seq, n_tokens: int) -> int:
         """New blocks ``seq`` needs to hold ``n_tokens`` more tokens of KV."""
-        return -(-(seq.computed + n_tokens) // self.block_size) - len(seq.blocks) - seq.n_private
+        return -(-(seq.computed - seq.base + n_tokens) // self.block_size) - len(seq.blocks) - seq.n_private
 
     def grow(self, seq: Seq, n_tokens: int) -> bool:
         """Allocate the blocks for ``n_tokens`` more tokens; False (nothing taken) when memory is short."""
-        if n_tokens == 1 and (len(seq.blocks) + seq.n_private) * self.block_size > seq.computed:
+        if n_tokens == 1 and (len(seq.blocks) + seq.n_private) * self.block_size > seq.computed - seq.base:
             return True  # the next token lands in a block already held (the common decode case)
         need = self.blocks_needed(seq, n_tokens)
         if need <= 0:
@@ -210,14 +228,29 @@ class Engine:
         seq.blocks = []
         seq.n_private = 0
 
-    def preempt(self, seq: Seq) -> None:
-        """Preempt by recompute: free all of ``seq``'s KV; it restarts with prompt + generated tokens as context."""
+    def preempt(self, seq: Seq, keep_pending: bool = False) -> None:
+        """Preempt by recompute: free all of ``seq``'s KV; it restarts with prompt + generated tokens as context.
+
+        With ``keep_pending`` the recompute stops one token short (the last sampled token is then decoded, as
+        :class:`prefixattn.scheduling.TokenBatcher` does) instead of recomputing it and sampling again (vLLM).
+        """
+        if not seq.decoding:
+            self.attempt_work -= seq.target - seq.computed  # the rest of this attempt is never executed
         self._release(seq)
-        seq.target = seq.prompt_len + seq.generated
+        seq.target = seq.prompt_len + seq.generated - (1 if keep_pending and seq.generated else 0)
         seq.computed = 0
         seq.decoding = False
         seq.state = WAITING
         self.preemptions += 1
+
+    def drop_holder(self, seq: Seq) -> None:
+        """Free a holder's prefix KV (its group ended, or the scheduler dropped it to recompute later)."""
+        if not seq.decoding:
+            self.attempt_work -= seq.target - seq.computed
+        self._release(seq)
+        seq.computed = 0
+        seq.decoding = False
+        seq.state = WAITING
 
     def release_holder(self, seq: Seq) -> None:
         """A group completed: drop the holder's references to the prefix KV."""
@@ -226,41 +259,48 @@ class Engine:
         seq.finished_step = self.step
 
     # ------------------------------------------------------------------ steps
-    def _shape(self, plan: list, offset: int = 0) -> StepShape:
-        n = len(plan)
-        q = np.empty(n, dtype=np.int64)
-        kv = np.empty(n, dtype=np.int64)
+    def _shape(self, plan: list, offset: float = 0) -> StepShape:
+        qs = []
+        kvs = []
         sampled = 0
-        for i, (seq, k) in enumerate(plan):
-            q[i] = k
-            kv[i] = seq.computed + k + offset
-            if seq.decoding or (seq.computed + k == seq.target and not seq.is_holder):
+        shared_kernel = self.policy.kernel != "paged"
+        nodes: dict = {}
+        reads = []  # per sequence: the (key, end) of the prefix nodes its KV reads, outermost first
+        for seq, k in plan:
+            c = seq.computed
+            qs.append(k)
+            kvs.append(c + k)
+            # a token is sampled when the step computes the newest token of the sequence
+            if not seq.is_holder and c + k == seq.prompt_len + seq.generated:
                 sampled += 1
-        shape = StepShape(q_lens=q, kv_lens=kv, num_sampled=sampled)
-        if self.policy.kernel != "paged":
-            nodes: dict = {}
-            for seq, k in plan:
-                for level, (key, start, end) in enumerate(seq.path, 1):
-                    if seq.computed < end:
+            if shared_kernel:
+                mine = []
+                for key, start, end in seq.path:
+                    if c < end:
                         break
                     node = nodes.get(key)
                     if node is None:
-                        nodes[key] = [end - start, k, 1, level]
+                        nodes[key] = [end - start, k, 1, len(mine) + 1]
                     else:
                         node[1] += k
                         node[2] += 1
+                    mine.append((key, end))
+                reads.append(mine)
+        kv = np.array(kvs, dtype=np.int64)
+        shape = StepShape(q_lens=np.array(qs, dtype=np.int64), kv_lens=kv + offset if offset else kv,
+                          num_sampled=sampled)
+        if nodes:
             shared = {key: v for key, v in nodes.items() if v[2] >= 2}
             if shared:
-                lens = np.zeros(n, dtype=np.int64)
-                for i, (seq, _) in enumerate(plan):
+                lens = []
+                for mine in reads:
                     total = 0
-                    for key, start, end in seq.path:
-                        if key in shared and seq.computed >= end:
-                            total = end
-                        else:
+                    for key, end in mine:
+                        if key not in shared:
                             break
-                    lens[i] = total
-                shape.shared_lens = lens
+                        total = end
+                    lens.append(total)
+                shape.shared_lens = np.array(lens, dtype=np.int64)
                 shape.shared_nodes = [SharedNode(v[0], v[1], v[3]) for v in shared.values()]
         return shape
 
@@ -295,7 +335,7 @@ class Engine:
                 seq.computed += k
                 if seq.computed == seq.target:
                     seq.decoding = True
-                    if not seq.is_holder:
+                    if not seq.is_holder and seq.computed == seq.prompt_len + seq.generated:
                         seq.generated += 1
                         self.prefill_samples += 1
                 # prompt blocks fill up only while prefilling
@@ -348,7 +388,7 @@ class Engine:
     # ------------------------------------------------------------------ fast-forward
     def decode_horizon(self, plan: list, limit: int) -> int:
         """Steps the pure-decode batch ``plan`` can run unchanged: until the first finish, within free memory."""
-        comp = np.fromiter((s.computed for s, _ in plan), dtype=np.int64, count=len(plan))
+        comp = np.fromiter((s.computed - s.base for s, _ in plan), dtype=np.int64, count=len(plan))
         left = np.fromiter((s.output_len - s.generated for s, _ in plan), dtype=np.int64, count=len(plan))
         k_max = int(min(left.min(), limit))
         if k_max <= 1:
@@ -402,7 +442,8 @@ class Engine:
             if all(s.decoding for s, _ in plan):
                 limit = policy.steady_steps(self, plan)
                 if limit > 1:
-                    k = self.decode_horizon(plan, limit)
+                    # a policy that already committed to `limit` identical steps gets exactly that many
+                    k = limit if policy.commits_steady_steps else self.decode_horizon(plan, limit)
             if k > 1:
                 done = self.execute_decode_stretch(plan, k)
             else:

@@ -44,8 +44,10 @@ def assert_invariants(eng, res, workload):
     # every request finished with exactly its output
     assert all(s.state == FINISHED for s in eng.seqs)
     assert [s.generated for s in eng.seqs] == [r.output_len for r in workload.requests]
-    # token conservation: every prefill token executed belongs to some attempt's uncached context
+    # token conservation: every prefill token executed belongs to some attempt's uncached context, and every
+    # request ends with the KV of its prompt and all but its last output token
     assert eng.prefill_executed == eng.attempt_work
+    assert [s.computed for s in eng.seqs] == [r.prompt_len + r.output_len - 1 for r in workload.requests]
     # every output token came from exactly one decode or one completed prefill (recompute prefills sample too)
     assert eng.decode_executed + eng.prefill_samples == sum(r.output_len for r in workload.requests)
     assert eng.prefill_samples >= len(workload.requests)

@@ -22,6 +22,8 @@ class Policy:
     backend = "sequential"
     cache_mode: str | None = "lru"
     prefix_sharing = True
+    #: True when ``steady_steps`` returns steps the policy has already planned (the engine must run exactly those)
+    commits_steady_steps = False
 
     def block_size(self, calib) -> int:
         return int(calib.block_size)
