@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import triton
-
 #: tl.dot needs M, N and K >= 16 on NVIDIA tensor cores (mma m16n8k16), so no tile dimension goes below this.
 MIN_DOT_DIM = 16
 #: Shared tiles pack (query row x GQA head) of many requests into M: 128 rows per program is the FlashAttention-2
@@ -35,6 +33,11 @@ LARGE_HEAD_DIM = 128
 #: registers, so the tiles halve (a 128 x 128 fp32 shared tile also took ~75 s to compile for sm_90 here).
 BLOCK_M_SHARED_FP32 = 64
 BLOCK_N_FP32 = 32
+
+
+def _next_power_of_2(n: int) -> int:
+    # Plain Python: triton.next_power_of_2 is a jit-dispatched call, ~20 us of plan() time each.
+    return 1 << max(int(n) - 1, 0).bit_length()
 
 
 @dataclass(frozen=True)
@@ -72,7 +75,7 @@ def choose_tiles(*, head_dim: int, group: int, max_q_len: int, dtype=None) -> At
     -------
     AttentionTiles, with every M tile at least ``group`` (one query row with all its heads).
     """
-    group_p2 = triton.next_power_of_2(group)
+    group_p2 = _next_power_of_2(group)
     large = head_dim > LARGE_HEAD_DIM
     fp32 = str(dtype) == "torch.float32"
     wanted_suffix = BLOCK_M_SUFFIX_DECODE if group * max_q_len <= BLOCK_M_SUFFIX_DECODE else BLOCK_M_SUFFIX_PREFILL
@@ -83,5 +86,5 @@ def choose_tiles(*, head_dim: int, group: int, max_q_len: int, dtype=None) -> At
         block_n_shared=min(block_n_shared, BLOCK_N_FP32) if fp32 else block_n_shared,
         block_m_suffix=max(wanted_suffix, group_p2, MIN_DOT_DIM),
         block_n_suffix=min(block_n_suffix, BLOCK_N_FP32) if fp32 else block_n_suffix,
-        block_d=max(triton.next_power_of_2(head_dim), MIN_DOT_DIM),
+        block_d=max(_next_power_of_2(head_dim), MIN_DOT_DIM),
     )

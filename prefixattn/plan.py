@@ -103,7 +103,7 @@ class Plan:
 
     def kv_bytes_read(self, elt_bytes: int | None = None) -> int:
         """KV bytes the work items load (K and V, all KV heads), counting a range once per item that reads it."""
-        elt = elt_bytes or torch.empty(0, dtype=self.q_dtype).element_size()
+        elt = elt_bytes or self.q_dtype.itemsize
         items = self.work.items
         tokens = int((items[:, K.ITEM_KV_END].astype(np.int64) - items[:, K.ITEM_KV_START]).sum())
         return tokens * self.num_kv_heads * self.head_dim * 2 * elt
@@ -273,7 +273,7 @@ def plan(
     shareable = np.where(q_len > 0, lens - q_len if causal else lens, 0)
     max_q_len = int(q_len.max()) if q_len.shape[0] else 1
     tiles = choose_tiles(head_dim=head_dim, group=group, max_q_len=max(max_q_len, 1), dtype=q_dtype)
-    elt_bytes = torch.empty(0, dtype=q_dtype).element_size()
+    elt_bytes = q_dtype.itemsize
 
     tree = block_prefix_tree(table, shareable, block_size)
     nodes, suffix_start = select_shared_nodes(

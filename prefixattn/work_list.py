@@ -146,21 +146,35 @@ def build_work_list(
     t_len = np.maximum(t_hi - t_lo, 0)
     num_tiles = t_req.shape[0]
 
+    # ---- shared nodes as flat arrays: one entry per (node, member request), nodes in top-down order ----------
+    num_nodes = len(nodes)
+    node_start = np.array([n.kv_start for n in nodes], dtype=np.int64)
+    node_end = np.array([n.kv_end for n in nodes], dtype=np.int64)
+    node_size = np.array([n.requests.shape[0] for n in nodes], dtype=np.int64)
+    mem_req = (np.concatenate([n.requests for n in nodes]) if num_nodes else np.zeros(0)).astype(np.int64)
+    mem_node = np.repeat(np.arange(num_nodes, dtype=np.int64), node_size)
+    mem_first = _exclusive_cumsum(node_size)
+    mem_ql = q_len[mem_req]
+    node_rows = np.bincount(mem_node, weights=mem_ql, minlength=num_nodes).astype(np.int64)
+    node_mtiles = -(-node_rows // rows_per_shared)
+
     # ---- split-k decision over the unsplit work ------------------------------------------------------------
-    node_rows = [int(q_len[n.requests].sum()) for n in nodes]
-    node_mtiles = [-(-r // rows_per_shared) for r in node_rows]
-    unsplit = np.concatenate([np.repeat([n.num_tokens for n in nodes], node_mtiles).astype(np.int64), t_len])
+    unsplit = np.concatenate([np.repeat(node_end - node_start, node_mtiles), t_len])
     chunk = split_chunk_tokens(unsplit, num_kv_heads=num_kv_heads, num_sms=num_sms,
                                min_split_tokens=min_split_tokens)
     t_pieces = _num_pieces(t_len, chunk, block_n_suffix)
-    n_pieces = _num_pieces(np.array([n.num_tokens for n in nodes], dtype=np.int64), chunk, block_n_shared)
+    n_pieces = _num_pieces(node_end - node_start, chunk, block_n_shared)
 
     # ---- states per request and merge units ----------------------------------------------------------------
-    shared_states = np.zeros(num_reqs, dtype=np.int64)
-    node_slot_base = []
-    for k, node in enumerate(nodes):
-        node_slot_base.append(shared_states[node.requests].copy())
-        shared_states[node.requests] += n_pieces[k]
+    # A request's shared states are numbered node by node (top-down): its slot base in node k is the number of
+    # pieces of the earlier nodes that hold it, an exclusive cumsum within each request's entries.
+    mem_pieces = n_pieces[mem_node]
+    by_req = np.argsort(mem_req, kind="stable")
+    csum = np.cumsum(mem_pieces[by_req]) - mem_pieces[by_req]
+    run_start = np.r_[True, np.diff(mem_req[by_req]) != 0] if mem_req.shape[0] else np.zeros(0, dtype=bool)
+    mem_slot_base = np.empty_like(mem_req)
+    mem_slot_base[by_req] = csum - csum[run_start][np.cumsum(run_start) - 1]
+    shared_states = np.bincount(mem_req, weights=mem_pieces, minlength=num_reqs).astype(np.int64)
     t_shared = shared_states[t_req]
     t_states = t_shared + t_pieces
     needs_unit = (t_shared > 0) | (t_pieces > 1)
@@ -173,54 +187,56 @@ def build_work_list(
     tile_ws_base[unit_tiles] = unit_ws_base
     unit_expected = t_pieces[unit_tiles].astype(np.int64)
 
-    item_blocks: list[np.ndarray] = []
-    gather_blocks: list[np.ndarray] = []
-    report_blocks: list[np.ndarray] = []
-    num_gather = 0
-    num_reports = 0
-
     # ---- shared items: (node, split chunk, M tile of packed rows) ------------------------------------------
-    for k, node in enumerate(nodes):
-        members = node.requests
-        ql = q_len[members]
-        rows = node_rows[k]
-        row_req = np.repeat(members, ql)
-        row_i = _ragged_arange(ql)
-        tok = q_start[row_req] + row_i
-        tile = first_tile[row_req] + row_i // rows_per_suffix
-        unit = t_unit[tile]
-        slot0 = np.repeat(node_slot_base[k], ql)
-        ws0 = tile_ws_base[tile] + slot0 * t_rows[tile] + row_i % rows_per_suffix
-        mtile = np.arange(rows, dtype=np.int64) // rows_per_shared
-        # Units each M tile reports to: runs of equal (M tile, unit) along the packed rows (both non-decreasing).
-        starts = np.flatnonzero(np.r_[True, (np.diff(mtile) != 0) | (np.diff(unit) != 0)])
-        pair_tile, pair_unit = mtile[starts], unit[starts]
-        np.add.at(unit_expected, pair_unit, n_pieces[k])  # unit ids are 0..num_units-1 in tile order
-        mt_count = node_mtiles[k]
-        mt_ptr = np.searchsorted(pair_tile, np.arange(mt_count + 1))
-        pieces = int(n_pieces[k])
-        c = np.repeat(np.arange(pieces, dtype=np.int64), mt_count)
-        mt = np.tile(np.arange(mt_count, dtype=np.int64), pieces)
-        kv_lo, kv_hi = _piece_bounds(node.kv_start, node.kv_end, c, pieces, block_n_shared)
-        it = np.zeros((pieces * mt_count, K.ITEM_FIELDS), dtype=np.int64)
-        it[:, K.ITEM_KIND] = K.KIND_SHARED
-        it[:, K.ITEM_REQ] = members[0]
-        it[:, K.ITEM_KV_START] = kv_lo
-        it[:, K.ITEM_KV_END] = kv_hi
-        it[:, K.ITEM_ROW_START] = num_gather + c * rows + mt * rows_per_shared
-        it[:, K.ITEM_NUM_ROWS] = np.minimum(rows_per_shared, rows - mt * rows_per_shared)
-        it[:, K.ITEM_Q_POS] = node.kv_end
-        it[:, K.ITEM_DEST] = -1
-        it[:, K.ITEM_UNITS_START] = num_reports + c * pair_unit.shape[0] + mt_ptr[mt]
-        it[:, K.ITEM_UNITS_END] = num_reports + c * pair_unit.shape[0] + mt_ptr[mt + 1]
-        item_blocks.append(it)
-        g = np.empty((pieces * rows, K.GATHER_FIELDS), dtype=np.int64)
-        g[:, K.GATHER_TOKEN] = np.tile(tok, pieces)
-        g[:, K.GATHER_WS_ROW] = np.tile(ws0, pieces) + np.repeat(np.arange(pieces), rows) * t_rows[np.tile(tile, pieces)]
-        gather_blocks.append(g)
-        report_blocks.append(np.tile(pair_unit, pieces))
-        num_gather += pieces * rows
-        num_reports += pieces * pair_unit.shape[0]
+    # Packed rows of each node: its members' query rows, request by request.
+    row_mem = np.repeat(np.arange(mem_req.shape[0], dtype=np.int64), mem_ql)
+    row_i = _ragged_arange(mem_ql)
+    row_req, row_node = mem_req[row_mem], mem_node[row_mem]
+    node_row_off = _exclusive_cumsum(node_rows)
+    row_in_node = np.arange(row_mem.shape[0], dtype=np.int64) - node_row_off[row_node]
+    tok = q_start[row_req] + row_i
+    tile = first_tile[row_req] + row_i // rows_per_suffix
+    unit = t_unit[tile]
+    ws0 = tile_ws_base[tile] + mem_slot_base[row_mem] * t_rows[tile] + row_i % rows_per_suffix
+    node_mt_off = _exclusive_cumsum(node_mtiles)
+    mt_global = node_mt_off[row_node] + row_in_node // rows_per_shared
+    # Units each M tile reports to: runs of equal (M tile, unit) along the packed rows (both non-decreasing).
+    starts = np.flatnonzero(np.r_[True, (np.diff(mt_global) != 0) | (np.diff(unit) != 0)]) if row_mem.size else \
+        np.zeros(0, dtype=np.int64)
+    pair_mt, pair_unit = mt_global[starts], unit[starts]
+    np.add.at(unit_expected, pair_unit, n_pieces[row_node[starts]])  # unit ids are 0..num_units-1 in tile order
+    mt_ptr = np.searchsorted(pair_mt, np.arange(int(node_mtiles.sum()) + 1))
+    node_pair_off = mt_ptr[node_mt_off]
+    node_pairs = mt_ptr[node_mt_off + node_mtiles] - node_pair_off
+    # One segment per (node, split piece): it repeats the node's packed rows and its reports.
+    seg_node = np.repeat(np.arange(num_nodes, dtype=np.int64), n_pieces)
+    seg_c = _ragged_arange(n_pieces)
+    seg_rows, seg_pairs = node_rows[seg_node], node_pairs[seg_node]
+    seg_gather_off, seg_report_off = _exclusive_cumsum(seg_rows), _exclusive_cumsum(seg_pairs)
+    g_seg = np.repeat(np.arange(seg_node.shape[0], dtype=np.int64), seg_rows)
+    g_row = node_row_off[seg_node][g_seg] + _ragged_arange(seg_rows)
+    gather = np.empty((g_row.shape[0], K.GATHER_FIELDS), dtype=np.int64)
+    gather[:, K.GATHER_TOKEN] = tok[g_row]
+    gather[:, K.GATHER_WS_ROW] = ws0[g_row] + seg_c[g_seg] * t_rows[tile[g_row]]
+    r_seg = np.repeat(np.arange(seg_node.shape[0], dtype=np.int64), seg_pairs)
+    shared_reports = pair_unit[node_pair_off[seg_node][r_seg] + _ragged_arange(seg_pairs)]
+    num_reports = shared_reports.shape[0]
+    i_seg = np.repeat(np.arange(seg_node.shape[0], dtype=np.int64), node_mtiles[seg_node])
+    i_mt = _ragged_arange(node_mtiles[seg_node])
+    i_node, i_c = seg_node[i_seg], seg_c[i_seg]
+    kv_lo, kv_hi = _piece_bounds(node_start[i_node], node_end[i_node], i_c, n_pieces[i_node], block_n_shared)
+    gm = node_mt_off[i_node] + i_mt
+    shared_items = np.zeros((i_seg.shape[0], K.ITEM_FIELDS), dtype=np.int64)
+    shared_items[:, K.ITEM_KIND] = K.KIND_SHARED
+    shared_items[:, K.ITEM_REQ] = mem_req[mem_first[i_node]] if num_nodes else 0  # any member: same blocks
+    shared_items[:, K.ITEM_KV_START] = kv_lo
+    shared_items[:, K.ITEM_KV_END] = kv_hi
+    shared_items[:, K.ITEM_ROW_START] = seg_gather_off[i_seg] + i_mt * rows_per_shared
+    shared_items[:, K.ITEM_NUM_ROWS] = np.minimum(rows_per_shared, node_rows[i_node] - i_mt * rows_per_shared)
+    shared_items[:, K.ITEM_Q_POS] = node_end[i_node]
+    shared_items[:, K.ITEM_DEST] = -1
+    shared_items[:, K.ITEM_UNITS_START] = seg_report_off[i_seg] + mt_ptr[gm] - node_pair_off[i_node]
+    shared_items[:, K.ITEM_UNITS_END] = seg_report_off[i_seg] + mt_ptr[gm + 1] - node_pair_off[i_node]
 
     # ---- suffix items: (suffix tile, split chunk) ------------------------------------------------------------
     s_tile = np.repeat(np.arange(num_tiles, dtype=np.int64), t_pieces)
@@ -240,10 +256,7 @@ def build_work_list(
     report_pos = num_reports + np.cumsum(has_unit) - has_unit
     it[:, K.ITEM_UNITS_START] = report_pos
     it[:, K.ITEM_UNITS_END] = report_pos + has_unit
-    item_blocks.append(it)
-    report_blocks.append(s_unit[has_unit])
-
-    items = np.concatenate(item_blocks) if item_blocks else np.zeros((0, K.ITEM_FIELDS), dtype=np.int64)
+    items = np.concatenate([shared_items, it])
     # Longest KV range first (LPT): the long programs start in the first wave, short ones fill the tail.
     order = np.argsort(-(items[:, K.ITEM_KV_END] - items[:, K.ITEM_KV_START]), kind="stable")
     items = items[order]
@@ -254,7 +267,6 @@ def build_work_list(
     units[:, K.UNIT_WS_BASE] = unit_ws_base
     units[:, K.UNIT_NUM_STATES] = t_states[unit_tiles]
     units[:, K.UNIT_EXPECTED] = unit_expected
-    gather = np.concatenate(gather_blocks) if gather_blocks else np.zeros((0, K.GATHER_FIELDS), dtype=np.int64)
-    reports = np.concatenate(report_blocks) if report_blocks else np.zeros(0, dtype=np.int64)
+    reports = np.concatenate([shared_reports, s_unit[has_unit]])
     return WorkList(items=items.astype(_I32), gather=gather.astype(_I32), item_units=reports.astype(_I32),
                     units=units.astype(_I32), num_ws_rows=num_ws_rows)
