@@ -168,13 +168,15 @@ def build_work_list(
     # ---- states per request and merge units ----------------------------------------------------------------
     # A request's shared states are numbered node by node (top-down): its slot base in node k is the number of
     # pieces of the earlier nodes that hold it, an exclusive cumsum within each request's entries.
-    mem_pieces = n_pieces[mem_node]
-    by_req = np.argsort(mem_req, kind="stable")
-    csum = np.cumsum(mem_pieces[by_req]) - mem_pieces[by_req]
-    run_start = np.r_[True, np.diff(mem_req[by_req]) != 0] if mem_req.shape[0] else np.zeros(0, dtype=bool)
-    mem_slot_base = np.empty_like(mem_req)
-    mem_slot_base[by_req] = csum - csum[run_start][np.cumsum(run_start) - 1]
-    shared_states = np.bincount(mem_req, weights=mem_pieces, minlength=num_reqs).astype(np.int64)
+    shared_states = np.zeros(num_reqs, dtype=np.int64)
+    if num_nodes:
+        mem_pieces = n_pieces[mem_node]
+        by_req = np.argsort(mem_req, kind="stable")
+        csum = np.cumsum(mem_pieces[by_req]) - mem_pieces[by_req]
+        run_start = np.r_[True, np.diff(mem_req[by_req]) != 0]
+        mem_slot_base = np.empty_like(mem_req)
+        mem_slot_base[by_req] = csum - csum[run_start][np.cumsum(run_start) - 1]
+        shared_states = np.bincount(mem_req, weights=mem_pieces, minlength=num_reqs).astype(np.int64)
     t_shared = shared_states[t_req]
     t_states = t_shared + t_pieces
     needs_unit = (t_shared > 0) | (t_pieces > 1)
@@ -188,55 +190,61 @@ def build_work_list(
     unit_expected = t_pieces[unit_tiles].astype(np.int64)
 
     # ---- shared items: (node, split chunk, M tile of packed rows) ------------------------------------------
-    # Packed rows of each node: its members' query rows, request by request.
-    row_mem = np.repeat(np.arange(mem_req.shape[0], dtype=np.int64), mem_ql)
-    row_i = _ragged_arange(mem_ql)
-    row_req, row_node = mem_req[row_mem], mem_node[row_mem]
-    node_row_off = _exclusive_cumsum(node_rows)
-    row_in_node = np.arange(row_mem.shape[0], dtype=np.int64) - node_row_off[row_node]
-    tok = q_start[row_req] + row_i
-    tile = first_tile[row_req] + row_i // rows_per_suffix
-    unit = t_unit[tile]
-    ws0 = tile_ws_base[tile] + mem_slot_base[row_mem] * t_rows[tile] + row_i % rows_per_suffix
-    node_mt_off = _exclusive_cumsum(node_mtiles)
-    mt_global = node_mt_off[row_node] + row_in_node // rows_per_shared
-    # Units each M tile reports to: runs of equal (M tile, unit) along the packed rows (both non-decreasing).
-    starts = np.flatnonzero(np.r_[True, (np.diff(mt_global) != 0) | (np.diff(unit) != 0)]) if row_mem.size else \
-        np.zeros(0, dtype=np.int64)
-    pair_mt, pair_unit = mt_global[starts], unit[starts]
-    np.add.at(unit_expected, pair_unit, n_pieces[row_node[starts]])  # unit ids are 0..num_units-1 in tile order
-    mt_ptr = np.searchsorted(pair_mt, np.arange(int(node_mtiles.sum()) + 1))
-    node_pair_off = mt_ptr[node_mt_off]
-    node_pairs = mt_ptr[node_mt_off + node_mtiles] - node_pair_off
-    # One segment per (node, split piece): it repeats the node's packed rows and its reports.
-    seg_node = np.repeat(np.arange(num_nodes, dtype=np.int64), n_pieces)
-    seg_c = _ragged_arange(n_pieces)
-    seg_rows, seg_pairs = node_rows[seg_node], node_pairs[seg_node]
-    seg_gather_off, seg_report_off = _exclusive_cumsum(seg_rows), _exclusive_cumsum(seg_pairs)
-    g_seg = np.repeat(np.arange(seg_node.shape[0], dtype=np.int64), seg_rows)
-    g_row = node_row_off[seg_node][g_seg] + _ragged_arange(seg_rows)
-    gather = np.empty((g_row.shape[0], K.GATHER_FIELDS), dtype=np.int64)
-    gather[:, K.GATHER_TOKEN] = tok[g_row]
-    gather[:, K.GATHER_WS_ROW] = ws0[g_row] + seg_c[g_seg] * t_rows[tile[g_row]]
-    r_seg = np.repeat(np.arange(seg_node.shape[0], dtype=np.int64), seg_pairs)
-    shared_reports = pair_unit[node_pair_off[seg_node][r_seg] + _ragged_arange(seg_pairs)]
-    num_reports = shared_reports.shape[0]
-    i_seg = np.repeat(np.arange(seg_node.shape[0], dtype=np.int64), node_mtiles[seg_node])
-    i_mt = _ragged_arange(node_mtiles[seg_node])
-    i_node, i_c = seg_node[i_seg], seg_c[i_seg]
-    kv_lo, kv_hi = _piece_bounds(node_start[i_node], node_end[i_node], i_c, n_pieces[i_node], block_n_shared)
-    gm = node_mt_off[i_node] + i_mt
-    shared_items = np.zeros((i_seg.shape[0], K.ITEM_FIELDS), dtype=np.int64)
-    shared_items[:, K.ITEM_KIND] = K.KIND_SHARED
-    shared_items[:, K.ITEM_REQ] = mem_req[mem_first[i_node]] if num_nodes else 0  # any member: same blocks
-    shared_items[:, K.ITEM_KV_START] = kv_lo
-    shared_items[:, K.ITEM_KV_END] = kv_hi
-    shared_items[:, K.ITEM_ROW_START] = seg_gather_off[i_seg] + i_mt * rows_per_shared
-    shared_items[:, K.ITEM_NUM_ROWS] = np.minimum(rows_per_shared, node_rows[i_node] - i_mt * rows_per_shared)
-    shared_items[:, K.ITEM_Q_POS] = node_end[i_node]
-    shared_items[:, K.ITEM_DEST] = -1
-    shared_items[:, K.ITEM_UNITS_START] = seg_report_off[i_seg] + mt_ptr[gm] - node_pair_off[i_node]
-    shared_items[:, K.ITEM_UNITS_END] = seg_report_off[i_seg] + mt_ptr[gm + 1] - node_pair_off[i_node]
+    if num_nodes:
+        # Packed rows of each node: its members' query rows, request by request.
+        row_mem = np.repeat(np.arange(mem_req.shape[0], dtype=np.int64), mem_ql)
+        row_i = _ragged_arange(mem_ql)
+        row_req, row_node = mem_req[row_mem], mem_node[row_mem]
+        node_row_off = _exclusive_cumsum(node_rows)
+        row_in_node = np.arange(row_mem.shape[0], dtype=np.int64) - node_row_off[row_node]
+        tok = q_start[row_req] + row_i
+        tile = first_tile[row_req] + row_i // rows_per_suffix
+        unit = t_unit[tile]
+        ws0 = tile_ws_base[tile] + mem_slot_base[row_mem] * t_rows[tile] + row_i % rows_per_suffix
+        node_mt_off = _exclusive_cumsum(node_mtiles)
+        mt_global = node_mt_off[row_node] + row_in_node // rows_per_shared
+        # Units each M tile reports to: runs of equal (M tile, unit) along the packed rows (both non-decreasing).
+        starts = np.flatnonzero(np.r_[True, (np.diff(mt_global) != 0) | (np.diff(unit) != 0)]) if row_mem.size else \
+            np.zeros(0, dtype=np.int64)
+        pair_mt, pair_unit = mt_global[starts], unit[starts]
+        np.add.at(unit_expected, pair_unit, n_pieces[row_node[starts]])  # unit ids are 0..num_units-1 in tile order
+        mt_ptr = np.searchsorted(pair_mt, np.arange(int(node_mtiles.sum()) + 1))
+        node_pair_off = mt_ptr[node_mt_off]
+        node_pairs = mt_ptr[node_mt_off + node_mtiles] - node_pair_off
+        # One segment per (node, split piece): it repeats the node's packed rows and its reports.
+        seg_node = np.repeat(np.arange(num_nodes, dtype=np.int64), n_pieces)
+        seg_c = _ragged_arange(n_pieces)
+        seg_rows, seg_pairs = node_rows[seg_node], node_pairs[seg_node]
+        seg_gather_off, seg_report_off = _exclusive_cumsum(seg_rows), _exclusive_cumsum(seg_pairs)
+        g_seg = np.repeat(np.arange(seg_node.shape[0], dtype=np.int64), seg_rows)
+        g_row = node_row_off[seg_node][g_seg] + _ragged_arange(seg_rows)
+        gather = np.empty((g_row.shape[0], K.GATHER_FIELDS), dtype=np.int64)
+        gather[:, K.GATHER_TOKEN] = tok[g_row]
+        gather[:, K.GATHER_WS_ROW] = ws0[g_row] + seg_c[g_seg] * t_rows[tile[g_row]]
+        r_seg = np.repeat(np.arange(seg_node.shape[0], dtype=np.int64), seg_pairs)
+        shared_reports = pair_unit[node_pair_off[seg_node][r_seg] + _ragged_arange(seg_pairs)]
+        num_reports = shared_reports.shape[0]
+        i_seg = np.repeat(np.arange(seg_node.shape[0], dtype=np.int64), node_mtiles[seg_node])
+        i_mt = _ragged_arange(node_mtiles[seg_node])
+        i_node, i_c = seg_node[i_seg], seg_c[i_seg]
+        kv_lo, kv_hi = _piece_bounds(node_start[i_node], node_end[i_node], i_c, n_pieces[i_node], block_n_shared)
+        gm = node_mt_off[i_node] + i_mt
+        shared_items = np.zeros((i_seg.shape[0], K.ITEM_FIELDS), dtype=np.int64)
+        shared_items[:, K.ITEM_KIND] = K.KIND_SHARED
+        shared_items[:, K.ITEM_REQ] = mem_req[mem_first[i_node]] if num_nodes else 0  # any member: same blocks
+        shared_items[:, K.ITEM_KV_START] = kv_lo
+        shared_items[:, K.ITEM_KV_END] = kv_hi
+        shared_items[:, K.ITEM_ROW_START] = seg_gather_off[i_seg] + i_mt * rows_per_shared
+        shared_items[:, K.ITEM_NUM_ROWS] = np.minimum(rows_per_shared, node_rows[i_node] - i_mt * rows_per_shared)
+        shared_items[:, K.ITEM_Q_POS] = node_end[i_node]
+        shared_items[:, K.ITEM_DEST] = -1
+        shared_items[:, K.ITEM_UNITS_START] = seg_report_off[i_seg] + mt_ptr[gm] - node_pair_off[i_node]
+        shared_items[:, K.ITEM_UNITS_END] = seg_report_off[i_seg] + mt_ptr[gm + 1] - node_pair_off[i_node]
+    else:  # plain paged attention: skip ~50 numpy calls on empty arrays
+        shared_items = np.zeros((0, K.ITEM_FIELDS), dtype=np.int64)
+        gather = np.zeros((0, K.GATHER_FIELDS), dtype=np.int64)
+        shared_reports = np.zeros(0, dtype=np.int64)
+        num_reports = 0
 
     # ---- suffix items: (suffix tile, split chunk) ------------------------------------------------------------
     s_tile = np.repeat(np.arange(num_tiles, dtype=np.int64), t_pieces)
