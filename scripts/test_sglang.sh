@@ -18,7 +18,7 @@ SGLANG_DEPS=(orjson psutil pybase64 requests packaging pillow starlette msgspec 
              openai==2.8.0 partial_json_parser einops triton==3.9.0 numpy)
 
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
-installed=$("$VENV/bin/python" -m pip show sglang 2>/dev/null | sed -n 's/^Version: //p')
+installed=$("$VENV/bin/python" -m pip show sglang 2>/dev/null | sed -n 's/^Version: //p' || true)  # pip show fails when absent
 if [ "$installed" != "${SGLANG_PIN#*==}" ]; then
   "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null
   "$VENV/bin/python" -m pip install -q torch==2.13.0

@@ -28,10 +28,11 @@ def test_load_registers_backend_and_cli_choice_once():
     assert ATTENTION_BACKEND_CHOICES.count("prefixattn") == 1
 
 
-def test_cli_accepts_the_backend_and_policy_after_the_hooks_applied():
+def test_sglangs_plugin_loader_makes_the_cli_accept_the_backend_and_policy():
+    from sglang.srt.plugins import load_plugins
     from sglang.srt.server_args import ServerArgs
 
-    plugin.enable()
+    load_plugins()  # what launch_server / the scheduler processes run first: discovers our entry point
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
     args = parser.parse_args(["--model-path", "m", "--attention-backend", "prefixattn",
