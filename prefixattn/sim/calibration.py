@@ -59,9 +59,9 @@ TABLE: tuple[Constant, ...] = (
     Constant("sm_bandwidth_boost", 4.0, "multiplier", "assumption",
              "one SM streaming alone draws several times its 1/num_sms share of HBM bandwidth; bounds the tail of a "
              "kernel whose last CTA reads a long KV run"),
-    Constant("split_k_tokens", 1024, "KV tokens", "assumption",
-             "prefixattn's split-k partition size: shared-node tiles longer than this are split and merged (the "
-             "BatchLLM sec. 6.3.3 bad case: long prefix, short distinct part, many requests)"),
+    Constant("split_k_min_tokens", 256, "KV tokens", "engine-default",
+             "prefixattn.plan.MIN_SPLIT_TOKENS: shortest split-k chunk of this library's fused kernel (split only "
+             "when the unsplit grid leaves SMs idle; BatchLLM sec. 6.3.3 names the bad case split-k fixes)"),
     # ----------------------------------------------------------------- cost model: per-step fixed costs
     Constant("elementwise_kernels_per_layer", 5, "launches", "assumption",
              "vLLM-style layer: 2 fused add+RMSNorm, rotary, KV-cache write, SiLU-and-mul (GEMMs counted apart)"),
@@ -109,6 +109,10 @@ TABLE: tuple[Constant, ...] = (
              "BatchLLM sec. 4.3.3: S_chunk aligned with vLLM's 2048"),
     Constant("batchllm_memory_threshold", 0.95, "fraction of KV pool", "assumption",
              "BatchLLM Algorithm 2's M_threshold is not given in the paper; 5% headroom for decode growth"),
+    Constant("prefixattn_token_budget", 8192, "tokens", "assumption",
+             "the prefixattn policy's tokens per step: SGLang's default chunk for 35-160 GB GPUs; a larger dense "
+             "batch amortizes the weight reads and GEMM wave tails. A design choice of this library's policy, made "
+             "once for every workload (the 2048-token variant is reported beside it)"),
     Constant("output_sample_rate", 0.01, "fraction of requests", "paper",
              "BlendServe sec. 3.2: output lengths estimated by running 1% of the requests first (used by the "
              "policies that sample: blendserve, nanoflow-dfs, prefixattn)"),

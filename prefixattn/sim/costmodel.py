@@ -12,8 +12,10 @@ CTAs (work units), so a kernel with one long CTA pays its tail. Attention comes 
     FlashInfer-style: one launch per shared level (all queries of a node against its KV once), one for the unique
     suffixes, one merge per level;
 ``fused``
-    prefixattn/BatchLLM: shared-node tiles and suffix tiles in one launch with one merge; with ``split_k`` long KV
-    runs are split into ``split_k_tokens`` pieces so no single CTA holds the step.
+    prefixattn/BatchLLM: shared-node tiles and suffix tiles in one launch, merged in-kernel; with ``split_k`` the KV
+    runs are split when the grid would leave SMs idle (prefixattn's rule, ``split_k_min_tokens`` at least), so no
+    single CTA holds the step. Nodes are shared only where prefixattn's cost rule says it pays
+    (:meth:`CostModel.sharing_pays_off`).
 
 Every constant comes from :class:`prefixattn.sim.calibration.Calibration`; the only literals below are unit facts
 (2 FLOPs per multiply-add, K and V, 4-byte fp32).
@@ -37,6 +39,13 @@ _FLOPS_PER_MAC = 2
 _ATTN_MACS_PER_PAIR_DIM = 2
 _K_AND_V = 2
 _FP32_BYTES = 4
+#: prefixattn.plan's accounting of partial states: each written once and read once by the merge ...
+_STATE_PASSES = 2
+#: ... and two states charged per row (an upper bound that keeps marginal nodes unshared), as plan.py does.
+_STATES_CHARGED_PER_ROW = 2
+#: GEMM tile shapes considered, as multiples of (gemm_tile_m, gemm_tile_n): the square base tile, its two
+#: rectangular doublings and a half-height tile, the usual CUTLASS/cuBLAS candidates for bf16.
+_TILE_SHAPES = ((1, 1), (2, 1), (1, 2), (0.5, 1))
 #: Row granularity of a tensor-core MMA (m16nXkY): fewer rows still occupy a whole instruction.
 _MMA_ROWS = 16
 
@@ -213,18 +222,26 @@ class CostModel:
     def _gemm(self, m_rows: int, k: int, n: int) -> tuple[float, float]:
         """(compute_s, memory_s) of one [m, k] x [k, n] GEMM.
 
-        Rows are padded to the MMA granularity; when the output has at least one tile per SM the compute pays wave
-        quantization over ``gemm_tile_m x gemm_tile_n`` tiles (a partial last wave costs a full one). With fewer tiles
-        than SMs the libraries switch to split-K / smaller tiles, so no quantization is charged there.
+        Rows are padded to the MMA granularity. When the output has at least one tile per SM the compute pays wave
+        quantization (a partial last wave costs a full one), over the best of the tile shapes in
+        :data:`_TILE_SHAPES` (scaled from ``gemm_tile_m x gemm_tile_n``), as a GEMM library's heuristic would pick.
+        With fewer tiles than SMs the libraries switch to split-K / smaller tiles: no quantization is charged.
         """
         if m_rows <= 0:
             return 0.0, 0.0
         c, hw = self.calib, self.hw
         padded = math.ceil(m_rows / _MMA_ROWS) * _MMA_ROWS
         compute = _FLOPS_PER_MAC * padded * k * n / self._gemm_flops
-        tiles = math.ceil(m_rows / c.gemm_tile_m) * math.ceil(n / c.gemm_tile_n)
-        if tiles >= hw.num_sms:
-            compute *= math.ceil(tiles / hw.num_sms) * hw.num_sms / tiles
+        best = math.inf
+        for fm, fn in _TILE_SHAPES:
+            tm, tn = c.gemm_tile_m * fm, c.gemm_tile_n * fn
+            tiles = math.ceil(m_rows / tm) * math.ceil(n / tn)
+            if tiles < hw.num_sms:
+                best = min(best, 1.0)
+            else:
+                # padded work of the full waves relative to the useful work
+                best = min(best, math.ceil(tiles / hw.num_sms) * hw.num_sms * tm * tn / (padded * n))
+        compute *= max(best, 1.0)
         memory = (k * n + m_rows * k + m_rows * n) * self.model.dtype_bytes / self._bw
         return compute, memory
 
@@ -254,6 +271,25 @@ class CostModel:
         return per_layer * m.num_layers + embed + sampler, launches
 
     # ------------------------------------------------------------------ attention
+    def sharing_pays_off(self, num_requests, num_rows, kv_tokens) -> bool:
+        """The fused kernel's cost rule (:func:`prefixattn.plan.sharing_pays_off`, restated for the simulator,
+        which may not import torch): share a node when the KV bytes it saves beat the partial-state bytes it adds.
+        A test checks the two agree."""
+        m = self.model
+        m_tiles = math.ceil(num_rows * self._group / self.calib.attn_block_m)
+        saved = (num_requests - m_tiles) * kv_tokens * _K_AND_V * m.head_dim * m.dtype_bytes
+        added = num_rows * self._group * (m.head_dim + 1) * _FP32_BYTES * _STATE_PASSES * _STATES_CHARGED_PER_ROW
+        return saved > added
+
+    def _split_chunk(self, lengths: np.ndarray, counts: np.ndarray) -> int | None:
+        """prefixattn's split-k rule (:func:`prefixattn.work_list.split_chunk_tokens`): split only when the unsplit
+        programs leave SMs idle, into chunks of equal KV work per SM, never below ``split_k_min_tokens``."""
+        n_units = float(counts.sum())
+        if n_units == 0 or n_units >= self.hw.num_sms:
+            return None
+        total = float((lengths * counts).sum())
+        return int(max(self.calib.split_k_min_tokens, math.ceil(total / self.hw.num_sms)))
+
     def _seq_units(self, q: np.ndarray, kv: np.ndarray, skip: np.ndarray, split: int | None) -> _Units:
         """CTAs of per-sequence attention: query rows ``q`` against KV positions ``[skip, kv)`` (causal in-chunk)."""
         units = _Units()
@@ -335,16 +371,7 @@ class CostModel:
         is_decode = q == 1
         zeros = np.zeros_like(kv)
         c = self.calib
-        split = int(c.split_k_tokens) if split_k else None
-        if kernel == "fused" and not step.shared_nodes:
-            # one launch over prefill and decode tiles; a merge only where split-k actually split a KV run
-            t, cpt, mem = self._kernel_time(self._seq_units(q, kv, zeros, split), c.triton_attention_factor)
-            launches = 1
-            if split and bool((kv > split).any()):
-                t += self._merge_time(float(q[kv > split].sum()) * 2, float(q.sum()))
-                launches += 1
-            return t * n_layers, cpt * n_layers, mem * n_layers, launches * n_layers
-        if kernel == "paged" or not step.shared_nodes:
+        if kernel == "paged" or (kernel == "cascade" and not step.shared_nodes):
             t = cpt = mem = 0.0
             launches = 0
             for mask in (~is_decode, is_decode):
@@ -352,15 +379,19 @@ class CostModel:
                     tt, cc, mm = self._kernel_time(self._seq_units(q[mask], kv[mask], zeros[mask], None), 1.0)
                     t, cpt, mem, launches = t + tt, cpt + cc, mem + mm, launches + 1
             return t * n_layers, cpt * n_layers, mem * n_layers, launches * n_layers
-        shared = step.shared_lens if step.shared_lens is not None else zeros
-        suffix = self._seq_units(q, kv, shared, split)
+        shared = step.shared_lens if step.shared_lens is not None and step.shared_nodes else zeros
         rows_shared = float(q[shared > 0].sum())
+        nodes = step.shared_nodes
         if kernel == "cascade":
-            levels = sorted({n.level for n in step.shared_nodes})
+            # FlashInfer: one launch + one merge per level, the suffixes as paged attention; its kernels split KV
+            # when the grid is small, like prefixattn's (same rule)
+            levels = sorted({n.level for n in nodes})
             t = cpt = mem = 0.0
             for lvl in levels:
-                tt, cc, mm = self._kernel_time(self._node_units([n for n in step.shared_nodes if n.level == lvl],
-                                                                None), 1.0)
+                units = self._node_units([n for n in nodes if n.level == lvl], None)
+                units = self._maybe_split(units, lambda sp, lv=lvl: self._node_units(
+                    [n for n in nodes if n.level == lv], sp))
+                tt, cc, mm = self._kernel_time(units, 1.0)
                 t, cpt, mem = t + tt + self._merge_time(2 * rows_shared, rows_shared), cpt + cc, mem + mm
             for mask in (~is_decode, is_decode):
                 if mask.any():
@@ -368,13 +399,37 @@ class CostModel:
                     t, cpt, mem = t + tt, cpt + cc, mem + mm
             launches = 2 * len(levels) + int((~is_decode).any()) + int(is_decode.any())
             return t * n_layers, cpt * n_layers, mem * n_layers, launches * n_layers
-        # fused: every tile kind in one launch, one merge
-        units = self._node_units(step.shared_nodes, split)
-        units.extend(suffix)
+        # fused: shared-node tiles and suffix tiles (prefill and decode) in one launch, merged in-kernel by the last
+        # arriving program (no merge launch); the partial states cost traffic
+        def build(sp):
+            units = self._node_units(nodes, sp)
+            units.extend(self._seq_units(q, kv, shared, sp))
+            return units
+
+        units = build(None)
+        split = None
+        if split_k:
+            units, split = self._maybe_split(units, build, with_chunk=True)
         t, cpt, mem = self._kernel_time(units, c.triton_attention_factor)
-        partials = rows_shared * (1 + max(n.level for n in step.shared_nodes))
-        t += self._merge_time(partials, float(q.sum()))
-        return t * n_layers, cpt * n_layers, mem * n_layers, 2 * n_layers
+        partial_rows = rows_shared * (1 + max((n.level for n in nodes), default=0))
+        if split is not None:
+            partial_rows += float(q[kv - shared > split].sum())
+        if partial_rows:
+            t += self._merge_time(partial_rows, 0.0)
+        return t * n_layers, cpt * n_layers, mem * n_layers, n_layers
+
+    def _maybe_split(self, units: _Units, build, with_chunk: bool = False):
+        """Rebuild ``units`` with split-k chunks when the split rule fires."""
+        if units.empty():
+            return (units, None) if with_chunk else units
+        counts = np.concatenate(units.count)
+        # KV tokens of each unit (bytes / per-token bytes, undoing the per-M-tile share of DRAM traffic)
+        lengths = np.concatenate([b for b in units.bytes]) / self._kv_head_bytes
+        chunk = self._split_chunk(lengths, counts)
+        if chunk is None:
+            return (units, None) if with_chunk else units
+        out = build(chunk)
+        return (out, chunk) if with_chunk else out
 
     # ------------------------------------------------------------------ whole step
     def step_cost(self, step: StepShape, kernel: str = "paged", split_k: bool = False,

@@ -141,6 +141,8 @@ class Engine:
         self.finished = 0
         self.last_prefill_clock = 0.0
         self.peak_seqs = 0
+        #: modeled seconds by part (linear / attention / other / launch / host), for explaining results
+        self.breakdown = dict(linear=0.0, attention=0.0, other=0.0, launch=0.0, host=0.0)
 
     # ------------------------------------------------------------------ sequences
     def new_holder(self, prompt: np.ndarray, base: int = 0, path=(), tag=None) -> Seq:
@@ -290,18 +292,23 @@ class Engine:
         shape = StepShape(q_lens=np.array(qs, dtype=np.int64), kv_lens=kv + offset if offset else kv,
                           num_sampled=sampled)
         if nodes:
-            shared = {key: v for key, v in nodes.items() if v[2] >= 2}
+            fused = self.policy.kernel == "fused"
+            pays = self.cost.sharing_pays_off
+            # v = [kv_len, queries, members, level]; the fused kernel shares a node only where its cost rule pays
+            shared = {key for key, v in nodes.items() if v[2] >= 2 and (not fused or pays(v[2], v[1], v[0]))}
             if shared:
                 lens = []
+                grown: dict = {}
                 for mine in reads:
                     total = 0
                     for key, end in mine:
-                        if key not in shared:
-                            break
-                        total = end
+                        if key in shared:
+                            # a dropped outer node's tokens go to the next shared node inside it
+                            grown[key] = end - total
+                            total = end
                     lens.append(total)
                 shape.shared_lens = np.array(lens, dtype=np.int64)
-                shape.shared_nodes = [SharedNode(v[0], v[1], v[3]) for v in shared.values()]
+                shape.shared_nodes = [SharedNode(grown[key], nodes[key][1], nodes[key][3]) for key in shared]
         return shape
 
     def _cost(self, shape: StepShape):
@@ -356,6 +363,14 @@ class Engine:
         tl.used_blocks.append(self.pool.used)
         tl.compute_s.append(cost.compute_s * count)
         tl.memory_s.append(cost.memory_s * count)
+        # parts scaled so they add up to the elapsed time (a stretch's parts are its first step's, rescaled)
+        scale = elapsed / cost.total if cost.total else 0.0
+        bd = self.breakdown
+        bd["linear"] += cost.linear * scale
+        bd["attention"] += cost.attention * scale
+        bd["other"] += cost.other * scale
+        bd["host"] += cost.host * scale
+        bd["launch"] += (cost.total - cost.host - cost.linear - cost.attention - cost.other) * scale
         if prefill_tokens:
             self.last_prefill_clock = self.clock
         self.step += count

@@ -65,12 +65,29 @@ def test_shared_kernels_read_prefix_once(cm):
 
 
 def test_split_k_removes_the_long_prefix_tail(cm):
-    # BatchLLM's bad case: one group of 256 over an 8000-token prefix with short distinct parts
-    shape = dict(q_lens=np.ones(256, dtype=np.int64), kv_lens=np.full(256, 8050), num_sampled=256,
-                 shared_lens=np.full(256, 8000), shared_nodes=[SharedNode(8000, 256)])
+    # few requests over a long shared prefix (BatchLLM sec. 6.3.3's bad case): the unsplit grid leaves SMs idle
+    shape = dict(q_lens=np.ones(4, dtype=np.int64), kv_lens=np.full(4, 8050), num_sampled=4,
+                 shared_lens=np.full(4, 8000), shared_nodes=[SharedNode(8000, 4)])
     no_split = cm.step_cost(StepShape(**shape), "fused", split_k=False).attention
     split = cm.step_cost(StepShape(**shape), "fused", split_k=True).attention
-    assert split < no_split
+    assert split < 0.5 * no_split
+    # a full grid is not split (prefixattn's rule), so split-k changes nothing there
+    full = dict(q_lens=np.ones(256, dtype=np.int64), kv_lens=np.full(256, 8050), num_sampled=256,
+                shared_lens=np.full(256, 8000), shared_nodes=[SharedNode(8000, 256)])
+    assert cm.step_cost(StepShape(**full), "fused", split_k=True).attention == \
+        cm.step_cost(StepShape(**full), "fused", split_k=False).attention
+
+
+def test_cost_rule_matches_the_planner(cm):
+    plan = pytest.importorskip("prefixattn.plan")
+    m = cm.model
+    for requests, rows, tokens in [(2, 2, 16), (2, 2, 80), (64, 64, 16), (64, 64, 48), (8, 300, 1100), (400, 400, 16)]:
+        ours = cm.sharing_pays_off(requests, rows, tokens)
+        m_tiles = -(-rows * (m.num_heads // m.num_kv_heads) // cm.calib.attn_block_m)
+        theirs = plan.sharing_pays_off(num_requests=requests, num_rows=rows, num_m_tiles=m_tiles, num_tokens=tokens,
+                                       group=m.num_heads // m.num_kv_heads, head_dim=m.head_dim, elt_bytes=2)
+        assert ours == bool(theirs), (requests, rows, tokens)
+    assert cm.calib.split_k_min_tokens == plan.MIN_SPLIT_TOKENS
 
 
 def test_overlap_backend_never_slower(cm):

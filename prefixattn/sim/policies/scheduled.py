@@ -44,6 +44,8 @@ class ScheduledPolicy(Policy):
         Attention kernel kind, split-k, engine backend (see :mod:`prefixattn.sim.costmodel`).
     min_shared_blocks : int
         Prefix levels adding fewer than this many KV blocks are not shared (passed to :func:`group_prompts`).
+    budget_constant : str
+        Calibration-table name of the token budget per step.
     """
 
     cache_mode = None
@@ -51,7 +53,7 @@ class ScheduledPolicy(Policy):
     commits_steady_steps = True
 
     def __init__(self, name: str, ordering: str, levels, outputs: str, kernel: str, split_k: bool, backend: str,
-                 min_shared_blocks: int = 1) -> None:
+                 min_shared_blocks: int = 1, budget_constant: str = "batchllm_chunk_tokens") -> None:
         if outputs not in ("constant", "sampled"):
             raise ValueError(f"outputs: expected 'constant' or 'sampled', got {outputs!r}")
         self.name = name
@@ -62,6 +64,7 @@ class ScheduledPolicy(Policy):
         self.split_k = split_k
         self.backend = backend
         self.min_shared_blocks = min_shared_blocks
+        self.budget_constant = budget_constant
         self._pending = None
 
     def describe(self) -> dict:
@@ -69,7 +72,7 @@ class ScheduledPolicy(Policy):
 
     def kv_capacity_tokens(self, cost) -> int:
         c = cost.calib
-        self.token_budget = int(c.batchllm_chunk_tokens)
+        self.token_budget = int(getattr(c, self.budget_constant))
         self.threshold = c.batchllm_memory_threshold
         self.sample_rate = c.output_sample_rate
         # BatchLLM runs inside vLLM: same memory rule; with no request cap the sampler may see a full budget of
@@ -226,6 +229,9 @@ register("nanoflow-dfs", lambda **kw: ScheduledPolicy("nanoflow-dfs", "dfs", 1, 
                                                       "overlap", **kw),
          "NanoFlow-DFS (BlendServe's baseline): prefix-tree DFS order, same batching and overlapped backend")
 register("prefixattn", lambda **kw: ScheduledPolicy("prefixattn", "batchllm", 2, "sampled", "fused", True,
-                                                    "sequential", **kw),
+                                                    "sequential", budget_constant="prefixattn_token_budget", **kw),
          "prefixattn: two-level groups, Eq. 3 order with sampled output lengths, memory-centric batching with "
          "reservations, fused prefix attention with split-k")
+register("prefixattn-2k", lambda **kw: ScheduledPolicy("prefixattn-2k", "batchllm", 2, "sampled", "fused", True,
+                                                       "sequential", **kw),
+         "prefixattn with BatchLLM's 2048-token budget (sensitivity of the token-budget choice)")
