@@ -285,3 +285,15 @@ def test_plan_checks_metadata_values():
         _plan([0, 3], [2], [[0]])
     with pytest.raises(ValueError, match=r"block_table: expected block ids in \[0, 4\)"):
         _plan([0, 1], [5], [[0, 9]], num_blocks=4)
+
+
+def test_shared_prefix_is_read_once():
+    # 8 decode requests under one 64-token prefix, 1 M tile of packed rows: the plan reads exactly the unique KV.
+    n = 8
+    b = make_batch(4, q_lens=[1] * n, extra_lens=[9] * n, paths=[("p",)] * n, level_blocks={"p": 4},
+                   block_size=16, num_qo_heads=8, num_kv_heads=2, head_dim=64)
+    p = plan(*b.metadata, **b.heads, q_dtype=torch.float16, sharing="always")
+    per_token = 2 * 64 * 2 * 2  # kv heads x head_dim x (K, V) x fp16
+    assert p.kv_bytes_read() == (64 + n * 9) * per_token
+    never = plan(*b.metadata, **b.heads, q_dtype=torch.float16, sharing="never")
+    assert never.kv_bytes_read() == n * (64 + 9) * per_token
