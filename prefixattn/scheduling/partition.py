@@ -1,0 +1,512 @@
+"""Prefix-affinity data parallelism: whole prefix groups to N engine replicas, balancing their cost.
+
+Sharding an offline batch by row (round-robin) or at random splits every prefix group across the replicas, so every
+replica recomputes every shared prefix: with share degree ~7 and 8 replicas most of BatchLLM's saving is gone.
+:func:`partition_groups` assigns whole groups (from :func:`prefixattn.scheduling.group_prompts`) instead:
+
+1. **Split only what must be split.** The fair share of a replica is ``total cost / N``. A group whose cost alone
+   exceeds it cannot fit any assignment that meets the fair share; only such groups are split. Every piece is a
+   contiguous run of the group's requests (prefix-tree order, so nested groups stay together as far as possible)
+   that keeps the shared prefix and computes it once more: those tokens are counted in
+   :attr:`Partition.recomputed_tokens`. Nothing else is ever split.
+2. **LPT** for the whole groups: in decreasing cost, each to the least-loaded replica (Graham's bound: makespan
+   <= 4/3 of the optimum).
+3. **Water-filling** for the split groups: their requests top the least-loaded replicas up to one common level, so
+   a replica gets one piece (equal pieces would leave the small groups nowhere to go but on top of a piece).
+4. **Refinement.** While it lowers the most-loaded replica: move one of its groups to another replica, or swap one
+   of its groups with a cheaper group of another replica (the pair that lowers the pair's maximum most). Pieces of
+   one split group that end on the same replica are merged back (no recomputation there).
+
+The cost of a group is the caller's: a callable ``cost(group) -> float``. :func:`token_cost` is a dependency-free
+proxy (prefill tokens after sharing plus weighted decode tokens); :class:`prefixattn.sim.group_cost.GroupCostModel`
+turns the simulator's per-step cost model into one (modeled seconds). Everything here is deterministic: ties go to
+the lower group index and the lower replica index.
+
+Baselines: :func:`shard_requests` (round-robin, random) and :func:`sharded_saving_ratio`, the saving ratio N
+independent engines reach when each groups only its own share of the batch.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from prefixattn.scheduling.grouping import PrefixGroup, group_prompts, saving_ratio
+from prefixattn.scheduling.sequences import pack_sequences
+
+GroupCost = Callable[[PrefixGroup], float]
+
+#: A group counts as over the fair share only past this relative margin: float noise must not split a group whose
+#: cost equals the fair share (N = 1, or one group per replica).
+_SPLIT_MARGIN = 1e-9
+#: Refinement steps at most per replica: each accepted step lowers the makespan or the number of replicas at the
+#: makespan, so this only bounds pathological inputs.
+_REFINE_STEPS_PER_REPLICA = 64
+#: A move or swap must lower the most-loaded replica by more than this fraction of the mean load to be taken
+#: (no churn on float noise).
+_REFINE_MIN_GAIN = 1e-12
+
+SHARDINGS = ("round-robin", "random")
+
+
+def token_cost(output_lens=None, *, decode_weight: float = 1.0) -> GroupCost:
+    """A cost proxy without a model: prefill tokens after sharing + ``decode_weight`` x output tokens.
+
+    Parameters
+    ----------
+    output_lens : array-like of int, optional
+        ``[num_requests]`` (expected) output tokens per request id; None counts prefill only.
+    decode_weight : float
+        Cost of one decode token relative to one prefill token (decode is memory-bound: a token costs more).
+
+    Returns
+    -------
+    callable
+        ``cost(group) -> float``.
+
+    Examples
+    --------
+    >>> g = PrefixGroup(prefix_len=4, request_ids=[0, 1], prompt_lens=[6, 9])
+    >>> token_cost()(g), token_cost([10, 20], decode_weight=2.0)(g)
+    (11.0, 71.0)
+    """
+    if not isinstance(decode_weight, (int, float)) or not math.isfinite(decode_weight) or decode_weight < 0:
+        raise ValueError(f"decode_weight: expected a finite number >= 0, got {decode_weight!r}")
+    outs = None
+    if output_lens is not None:
+        outs = np.asarray(output_lens, dtype=np.float64)
+        if outs.ndim != 1 or (outs < 0).any() or not np.isfinite(outs).all():
+            raise ValueError(f"output_lens: expected a 1-D array of token counts >= 0, got shape {outs.shape}")
+
+    def cost(group: PrefixGroup) -> float:
+        c = float(group.processed_tokens)
+        if outs is not None:
+            c += decode_weight * float(outs[np.asarray(group.request_ids, dtype=np.int64)].sum())
+        return c
+
+    return cost
+
+
+@dataclass
+class Partition:
+    """Groups (whole, or pieces of split ones) assigned to replicas.
+
+    Attributes
+    ----------
+    num_replicas : int
+    groups : list[PrefixGroup]
+        Every request in exactly one; pieces of a split group keep its ``prefix_len`` (a one-request piece has 0).
+    replicas : np.ndarray
+        ``[len(groups)]`` int64 replica of each group.
+    costs : np.ndarray
+        ``[len(groups)]`` float64 cost of each group.
+    source : np.ndarray
+        ``[len(groups)]`` int64 index, into the groups given to :func:`partition_groups`, of what each came from.
+    split : list[int]
+        Indices of the given groups that were split (their pieces share ``source``).
+    recomputed_tokens : int
+        Prompt tokens computed more than once because of splits (each extra piece's copy of the prefix).
+    """
+
+    num_replicas: int
+    groups: list
+    replicas: np.ndarray
+    costs: np.ndarray
+    source: np.ndarray
+    split: list = field(default_factory=list)
+    recomputed_tokens: int = 0
+
+    @property
+    def loads(self) -> np.ndarray:
+        """``[num_replicas]`` summed cost per replica."""
+        return np.bincount(self.replicas, weights=self.costs, minlength=self.num_replicas)
+
+    @property
+    def total_cost(self) -> float:
+        return float(self.costs.sum())
+
+    @property
+    def makespan(self) -> float:
+        """Cost of the most-loaded replica."""
+        return float(self.loads.max())
+
+    @property
+    def balance(self) -> float:
+        """``makespan / (total cost / N)``: 1.0 is a perfect balance."""
+        mean = self.total_cost / self.num_replicas
+        return self.makespan / mean if mean > 0 else 1.0
+
+    @property
+    def num_requests(self) -> int:
+        return sum(g.num_requests for g in self.groups)
+
+    @property
+    def processed_tokens(self) -> int:
+        """Prompt tokens the replicas compute with this assignment's sharing (recomputation included)."""
+        return sum(g.processed_tokens for g in self.groups)
+
+    @property
+    def logical_tokens(self) -> int:
+        return sum(g.logical_tokens for g in self.groups)
+
+    def saving_ratio(self) -> float:
+        """BatchLLM Eq. 2 over all replicas: ``1 - processed / logical`` prompt tokens."""
+        logical = self.logical_tokens
+        return 1.0 - self.processed_tokens / logical if logical else 0.0
+
+    def replica_groups(self, replica: int) -> list:
+        """The groups of one replica, in prefix-tree order of the batch."""
+        idx = np.flatnonzero(self.replicas == replica)
+        return [self.groups[i] for i in idx.tolist()]
+
+    def request_replicas(self, num_requests: int | None = None) -> np.ndarray:
+        """``[num_requests]`` int64 replica of each request id (-1 where a request is in no group)."""
+        n = self.num_requests if num_requests is None else int(num_requests)
+        out = np.full(n, -1, dtype=np.int64)
+        for g, r in zip(self.groups, self.replicas.tolist()):
+            out[np.asarray(g.request_ids, dtype=np.int64)] = r
+        return out
+
+    def summary(self) -> dict:
+        """Plain numbers: loads, balance, split groups, recomputation, saving ratio."""
+        return dict(num_replicas=self.num_replicas, num_groups=len(self.groups), loads=self.loads.tolist(),
+                    total_cost=self.total_cost, makespan=self.makespan, balance=self.balance,
+                    split_groups=list(self.split), recomputed_tokens=self.recomputed_tokens,
+                    saving_ratio=self.saving_ratio(),
+                    requests_per_replica=np.bincount(
+                        self.replicas, weights=[g.num_requests for g in self.groups],
+                        minlength=self.num_replicas).astype(np.int64).tolist())
+
+
+# ---------------------------------------------------------------------------------------------------- splitting
+def _restrict(group: PrefixGroup, keep: set, top: bool) -> PrefixGroup | list | None:
+    """``group`` limited to the requests in ``keep`` (order kept). A nested group left with one request dissolves
+    into its parent (returned as ``[request_id]``); a top-level one becomes a singleton with ``prefix_len`` 0."""
+    ids = [r for r in group.request_ids if r in keep]
+    if not ids:
+        return None
+    if len(ids) == 1 and not top:
+        return ids
+    lens = dict(zip(group.request_ids, group.prompt_lens))
+    children = []
+    for c in group.children:
+        sub = _restrict(c, keep, top=False)
+        if isinstance(sub, PrefixGroup):
+            children.append(sub)
+    single = len(ids) == 1
+    return PrefixGroup(prefix_len=0 if single else group.prefix_len, request_ids=ids,
+                       prompt_lens=[lens[r] for r in ids], children=[] if single else children,
+                       parent_prefix_len=group.parent_prefix_len, dfs_rank=group.dfs_rank)
+
+
+def _piece(group: PrefixGroup, lo: int, hi: int) -> PrefixGroup:
+    return _restrict(group, set(group.request_ids[lo:hi]), top=True)
+
+
+def _cut(group: PrefixGroup, lo: int, budget: float, cost: GroupCost) -> tuple[PrefixGroup, int]:
+    """The longest run ``request_ids[lo:hi]`` of ``group`` (as a piece keeping its prefix) costing at most
+    ``budget``, one request at least; returns ``(piece, hi)``. Bisection: ``cost`` must not decrease when requests
+    are added."""
+    n = group.num_requests
+    best_hi = lo + 1
+    a, b = lo + 1, n
+    while a <= b:
+        mid = (a + b) // 2
+        if cost(_piece(group, lo, mid)) <= budget:
+            best_hi, a = mid, mid + 1
+        else:
+            b = mid - 1
+    return _piece(group, lo, best_hi), best_hi
+
+
+def _water_level(loads: np.ndarray, extra: float) -> float:
+    """Level ``T`` with ``sum(max(0, T - loads)) == extra``: filling the least-loaded replicas up to it."""
+    srt = np.sort(loads)
+    level = srt[0] + extra
+    for m in range(1, srt.shape[0] + 1):
+        level = (extra + float(srt[:m].sum())) / m
+        if m == srt.shape[0] or level <= srt[m]:
+            break
+    return level
+
+
+def _check_groups(groups) -> list:
+    if isinstance(groups, (PrefixGroup, str, bytes)) or not isinstance(groups, Sequence) or not groups:
+        raise ValueError(f"groups: expected a non-empty list of PrefixGroup, got "
+                         f"{type(groups).__name__ if not isinstance(groups, Sequence) else 'an empty list'}")
+    seen = set()
+    for i, g in enumerate(groups):
+        if not isinstance(g, PrefixGroup):
+            raise ValueError(f"groups[{i}]: expected a PrefixGroup, got {type(g).__name__}")
+        if not g.request_ids:
+            raise ValueError(f"groups[{i}]: expected at least one request id, got none")
+        dup = seen.intersection(g.request_ids)
+        if dup:
+            raise ValueError(f"groups[{i}]: expected every request in one group, got request {min(dup)} twice")
+        seen.update(g.request_ids)
+    return list(groups)
+
+
+def _costs(groups: list, cost: GroupCost, where: str = "cost") -> np.ndarray:
+    out = np.empty(len(groups), dtype=np.float64)
+    for i, g in enumerate(groups):
+        c = cost(g)
+        try:
+            c = float(c)
+        except (TypeError, ValueError):
+            raise ValueError(f"{where}: expected a number for every group, got {type(c).__name__}") from None
+        if not math.isfinite(c) or c < 0:
+            raise ValueError(f"{where}: expected a finite cost >= 0 for every group, got {c} for group {i}")
+        out[i] = c
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- assignment
+def _lpt(costs: np.ndarray, n: int) -> np.ndarray:
+    order = sorted(range(costs.shape[0]), key=lambda i: (-costs[i], i))
+    heap = [(0.0, r) for r in range(n)]
+    out = np.empty(costs.shape[0], dtype=np.int64)
+    for i in order:
+        load, r = heapq.heappop(heap)
+        out[i] = r
+        heapq.heappush(heap, (load + float(costs[i]), r))
+    return out
+
+
+def _refine(costs: np.ndarray, rep: np.ndarray, n: int) -> np.ndarray:
+    """Moves and swaps out of the most-loaded replica while they lower it (see the module notes)."""
+    rep = rep.copy()
+    loads = np.bincount(rep, weights=costs, minlength=n)
+    min_gain = _REFINE_MIN_GAIN * max(float(loads.mean()), 1e-300)
+    for _ in range(_REFINE_STEPS_PER_REPLICA * n):
+        a = int(np.argmax(loads))
+        mine = np.flatnonzero(rep == a)
+        best = None  # (new max of the two replicas, kind, i, j, b)
+        for b in np.argsort(loads, kind="stable").tolist():
+            if b == a:
+                continue
+            gap = loads[a] - loads[b]
+            if gap <= min_gain:
+                break
+            ca = costs[mine]
+            # move: one group of a with 0 < c < gap
+            ok = (ca > 0) & (ca < gap)
+            if ok.any():
+                new = np.maximum(loads[a] - ca, loads[b] + ca)
+                new[~ok] = np.inf
+                i = int(np.argmin(new))
+                if best is None or new[i] < best[0] - min_gain:
+                    best = (float(new[i]), "move", int(mine[i]), -1, b)
+            theirs = np.flatnonzero(rep == b)
+            if theirs.size:
+                d = ca[:, None] - costs[theirs][None, :]
+                ok = (d > 0) & (d < gap)
+                if ok.any():
+                    new = np.maximum(loads[a] - d, loads[b] + d)
+                    new[~ok] = np.inf
+                    i, j = np.unravel_index(int(np.argmin(new)), new.shape)
+                    if best is None or new[i, j] < best[0] - min_gain:
+                        best = (float(new[i, j]), "swap", int(mine[i]), int(theirs[j]), b)
+        if best is None or best[0] >= loads[a] - min_gain:
+            break
+        _, kind, i, j, b = best
+        rep[i] = b
+        loads[a] -= costs[i]
+        loads[b] += costs[i]
+        if kind == "swap":
+            rep[j] = a
+            loads[b] -= costs[j]
+            loads[a] += costs[j]
+    return rep
+
+
+def _merge_pieces(groups: list, source: np.ndarray, rep: np.ndarray, originals: list, cost: GroupCost):
+    """Pieces of one split group that landed on one replica become one piece again."""
+    keyed: dict = {}
+    for i, (s, r) in enumerate(zip(source.tolist(), rep.tolist())):
+        keyed.setdefault((s, r), []).append(i)
+    if all(len(v) == 1 for v in keyed.values()):
+        return groups, source, rep, None
+    out_g, out_s, out_r = [], [], []
+    for (s, r), idx in sorted(keyed.items(), key=lambda kv: kv[1][0]):
+        if len(idx) == 1:
+            out_g.append(groups[idx[0]])
+        else:
+            members = {m for i in idx for m in groups[i].request_ids}
+            out_g.append(_restrict(originals[s], members, top=True))
+        out_s.append(s)
+        out_r.append(r)
+    return out_g, np.asarray(out_s, dtype=np.int64), np.asarray(out_r, dtype=np.int64), _costs(out_g, cost)
+
+
+def partition_groups(groups: Sequence[PrefixGroup], num_replicas: int, cost: GroupCost | None = None, *,
+                     allow_split: bool = True, refine: bool = True) -> Partition:
+    """Assign prefix groups to ``num_replicas`` engine replicas, minimizing the most-loaded replica's cost.
+
+    Parameters
+    ----------
+    groups : Sequence[PrefixGroup]
+        Top-level groups, e.g. from :func:`prefixattn.scheduling.group_prompts` (any nesting depth); every request in
+        exactly one.
+    num_replicas : int
+        ``N >= 1``.
+    cost : callable, optional
+        ``cost(group) -> float`` (finite, >= 0, not decreasing when requests are added). Default:
+        :func:`token_cost` (prefill tokens after sharing).
+    allow_split : bool
+        Split groups that alone exceed the fair share ``total / N`` (default). With False groups are never split and
+        the makespan is at least the largest group's cost.
+    refine : bool
+        Improve the LPT assignment by moves and swaps (default).
+
+    Returns
+    -------
+    Partition
+        Deterministic for the same inputs.
+
+    Raises
+    ------
+    ValueError
+        ``groups`` empty or not PrefixGroups (or a request in two), ``num_replicas`` not a positive int, a cost that
+        is not a finite number >= 0.
+
+    Examples
+    --------
+    >>> from prefixattn.scheduling import group_prompts
+    >>> doc_a, doc_b = [1] * 8, [2] * 8
+    >>> groups = group_prompts([doc_a + [3], doc_b + [4], doc_a + [5], doc_b + [6]])
+    >>> p = partition_groups(groups, 2)
+    >>> p.request_replicas().tolist(), p.split
+    ([0, 1, 0, 1], [])
+    """
+    originals = _check_groups(groups)
+    if isinstance(num_replicas, bool) or not isinstance(num_replicas, (int, np.integer)) or num_replicas < 1:
+        raise ValueError(f"num_replicas: expected a positive int, got {num_replicas!r}")
+    n = int(num_replicas)
+    if cost is None:
+        cost = token_cost()
+    elif not callable(cost):
+        raise ValueError(f"cost: expected a callable cost(group) -> float, got {type(cost).__name__}")
+    base_costs = _costs(originals, cost)
+    fair = float(base_costs.sum()) / n
+    to_split = [s for s, g in enumerate(originals)
+                if allow_split and n > 1 and base_costs[s] > fair * (1 + _SPLIT_MARGIN) and g.num_requests > 1]
+    whole = [s for s in range(len(originals)) if s not in set(to_split)]
+    work = [originals[s] for s in whole]
+    source = list(whole)
+    costs = [float(base_costs[s]) for s in whole]
+    rep = _lpt(np.asarray(costs, dtype=np.float64), n).tolist()
+    if to_split:
+        # Water-filling: the split groups' requests, as one stream, top the least-loaded replicas up to one level;
+        # each piece keeps its group's prefix (the recomputation makes the last pieces overshoot a little, which
+        # the refinement below evens out).
+        loads = np.bincount(np.asarray(rep, dtype=np.int64), weights=costs, minlength=n) if work else np.zeros(n)
+        level = _water_level(loads, float(base_costs[to_split].sum()))
+        stream = [(s, 0) for s in to_split]  # (group, next request) still to place
+        for r in np.argsort(loads, kind="stable").tolist():
+            while stream and loads[r] < level * (1 - _SPLIT_MARGIN):
+                s, lo = stream[0]
+                piece, hi = _cut(originals[s], lo, level - loads[r], cost)
+                c = float(cost(piece))
+                work.append(piece)
+                source.append(s)
+                costs.append(c)
+                rep.append(r)
+                loads[r] += c
+                if hi == originals[s].num_requests:
+                    stream.pop(0)
+                else:
+                    stream[0] = (s, hi)
+        for s, lo in stream:  # what the overshoot left: one piece per group to the least-loaded replica
+            piece = _piece(originals[s], lo, originals[s].num_requests)
+            r = int(np.argmin(loads))
+            c = float(cost(piece))
+            work.append(piece)
+            source.append(s)
+            costs.append(c)
+            rep.append(r)
+            loads[r] += c
+    source = np.asarray(source, dtype=np.int64)
+    costs = np.asarray(costs, dtype=np.float64)
+    rep = np.asarray(rep, dtype=np.int64)
+    if refine and n > 1:
+        rep = _refine(costs, rep, n)
+    work, source, rep, merged_costs = _merge_pieces(work, source, rep, originals, cost)
+    if merged_costs is not None:
+        costs = merged_costs
+    # groups in the batch's prefix-tree order (the order group_prompts gave), pieces in their cut order
+    order = sorted(range(len(work)), key=lambda i: (int(source[i]), min(work[i].request_ids)))
+    work = [work[i] for i in order]
+    source, rep, costs = source[order], rep[order], costs[order]
+    really_split = sorted(int(s) for s in set(source.tolist()) if int((source == s).sum()) > 1)
+    recomputed = sum(work[i].processed_tokens for i in range(len(work)) if int(source[i]) in really_split) - \
+        sum(originals[s].processed_tokens for s in really_split)
+    return Partition(num_replicas=n, groups=work, replicas=rep, costs=costs, source=source, split=really_split,
+                     recomputed_tokens=int(recomputed))
+
+
+# ---------------------------------------------------------------------------------------------------- baselines
+def shard_requests(num_requests: int, num_replicas: int, how: str = "round-robin", seed: int = 0) -> np.ndarray:
+    """Naive sharding by row: ``[num_requests]`` int64 replica per request id.
+
+    ``round-robin``: request ``i`` to replica ``i % N``; ``random``: a seeded random permutation dealt round-robin
+    (equal shard sizes, what a shuffled ``Dataset.split`` gives).
+
+    Examples
+    --------
+    >>> shard_requests(5, 2).tolist()
+    [0, 1, 0, 1, 0]
+    """
+    for name, v, lo in (("num_requests", num_requests, 1), ("num_replicas", num_replicas, 1)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
+            raise ValueError(f"{name}: expected a positive int, got {v!r}")
+    if how == "round-robin":
+        return np.arange(num_requests, dtype=np.int64) % num_replicas
+    if how == "random":
+        out = np.empty(num_requests, dtype=np.int64)
+        out[np.random.default_rng(seed).permutation(num_requests)] = np.arange(num_requests) % num_replicas
+        return out
+    raise ValueError(f"how: expected one of {SHARDINGS}, got {how!r}")
+
+
+def sharded_saving_ratio(prompts, request_replicas, *, levels: int | None = 1, min_shared_tokens: int = 1) -> float:
+    """Saving ratio (BatchLLM Eq. 2) of N replicas that each group only their own share of the batch.
+
+    Parameters
+    ----------
+    prompts : Sequence[Sequence[int]] | PackedSequences
+        The whole batch.
+    request_replicas : array-like of int
+        ``[num_requests]`` replica of each request (e.g. :meth:`Partition.request_replicas`, :func:`shard_requests`).
+    levels, min_shared_tokens
+        Passed to :func:`group_prompts` on each shard.
+
+    Returns
+    -------
+    float
+        ``1 - sum(processed tokens of each shard) / logical tokens``.
+
+    Examples
+    --------
+    >>> prompts = [[1, 1, 1, 2], [1, 1, 1, 3]]
+    >>> sharded_saving_ratio(prompts, [0, 0]), sharded_saving_ratio(prompts, [0, 1])
+    (0.375, 0.0)
+    """
+    packed = pack_sequences(prompts, name="prompts", min_len=1)
+    reps = np.asarray(request_replicas)
+    n = packed.lengths.shape[0]
+    if reps.shape != (n,) or not np.issubdtype(reps.dtype, np.integer) or (reps < 0).any():
+        raise ValueError(f"request_replicas: expected {n} replica ids >= 0 (one per prompt), got shape {reps.shape} "
+                         f"dtype {reps.dtype}")
+    logical = int(packed.lengths.sum())
+    saved = 0.0
+    for r in np.unique(reps).tolist():
+        ids = np.flatnonzero(reps == r)
+        shard = [packed.values[packed.offsets[i]:packed.offsets[i] + packed.lengths[i]] for i in ids.tolist()]
+        groups = group_prompts(shard, levels=levels, min_shared_tokens=min_shared_tokens)
+        saved += saving_ratio(shard, groups) * float(packed.lengths[ids].sum())
+    return saved / logical
