@@ -1,0 +1,38 @@
+"""What every provider hands back, and which engine (venv) each provider needs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+#: Provider -> the package it needs (None: only prefixattn/triton). Measured in the CPU interpreter, in this order.
+ENGINE_OF = {
+    "prefixattn": None,
+    "prefixattn-nosharing": None,
+    "sglang-triton": "sglang",
+    "cascade-sglang": "sglang",
+    "vllm-triton": "vllm",
+}
+CPU_PROVIDERS = list(ENGINE_OF)
+#: Module implementing each provider (imported lazily: it may import the engine).
+MODULE_OF = {
+    "prefixattn": "peers.ours",
+    "prefixattn-nosharing": "peers.ours",
+    "sglang-triton": "peers.sglang_triton",
+    "cascade-sglang": "peers.sglang_triton",
+    "vllm-triton": "peers.vllm_triton",
+}
+
+
+@dataclass
+class Prepared:
+    """A provider ready to run one batch: ``run()`` returns ``out [num_tokens, num_qo_heads, head_dim]``.
+
+    ``labels`` names extra memory the kernels read or write (``k_new``: a copy of the new tokens' KV an engine keeps
+    beside its cache, ``out``, scratch), so bytes are attributed by meaning rather than by parameter name.
+    """
+
+    run: Callable
+    labels: dict = field(default_factory=dict)
+    notes: str = ""
+    extra: dict = field(default_factory=dict)  # provider-specific numbers reported as rows (e.g. planned bytes)

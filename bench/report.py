@@ -1,0 +1,250 @@
+"""Turn ``bench/results/latest.csv`` into a short markdown summary and PNG plots (``prefixattn bench`` calls
+:func:`write`; ``python bench/report.py [CSV]`` does it by hand).
+
+The summary leads with the memory-traffic headline - KV bytes per provider over the unique-KV lower bound, and the
+issue's targets (reported, never asserted) - then one compact table per other benchmark. Every number comes from the
+CSV; modeled rows say "modeled".
+"""
+
+from __future__ import annotations
+
+import csv
+import re
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+TRAFFIC = "attention_traffic"
+MODELED = "attention_modeled"
+#: The issue's targets for prefixattn (reported in the summary, not asserted anywhere).
+TARGET_SHARED_OVER_UNIQUE = 1.05
+TARGET_NO_SHARING_OVER_BEST_PEER = 1.02
+#: Rows per benchmark shown in the generic tables (the CSV has them all).
+MAX_GENERIC_ROWS = 40
+OURS = "prefixattn"
+
+
+def load(csv_path: Path) -> list[dict]:
+    with Path(csv_path).open() as f:
+        return list(csv.DictReader(f))
+
+
+def _shared_tokens(shape_label: str) -> int | None:
+    """Shared-prefix length from a traffic shape label ``"<scenario><n>:<shared>/<distinct>/<group> [...]"``."""
+    m = re.match(r"\w+?\d+:(\d+)/", shape_label)
+    return int(m.group(1)) if m else None
+
+
+def _fmt(v: float) -> str:
+    if v == int(v) and abs(v) < 1e15:
+        return f"{int(v):,}"
+    return f"{v:.3g}"
+
+
+def _pivot(rows, benchmark, metric):
+    """{shape: {provider: value}} and the provider order of first appearance."""
+    table: dict = defaultdict(dict)
+    providers: list = []
+    for r in rows:
+        if r["benchmark"] == benchmark and r["metric"] == metric:
+            table[r["shape"]][r["provider"]] = float(r["value"])
+            if r["provider"] not in providers:
+                providers.append(r["provider"])
+    return table, providers
+
+
+def traffic_targets(rows) -> list[dict]:
+    """Per traffic shape: prefixattn's KV/unique, the best peer's KV, and whether each target is met."""
+    kv, _ = _pivot(rows, TRAFFIC, "kv_bytes")
+    unique, _ = _pivot(rows, TRAFFIC, "unique_kv_bytes")
+    launches, _ = _pivot(rows, TRAFFIC, "launches")
+    out = []
+    for shape, by_provider in kv.items():
+        if OURS not in by_provider:
+            continue
+        ours = by_provider[OURS]
+        lower = unique[shape][OURS]
+        peers = {p: v for p, v in by_provider.items() if not p.startswith(OURS)}
+        shared = (_shared_tokens(shape) or 0) > 0
+        best_peer = min(peers.values()) if peers else None
+        row = dict(shape=shape, shared=shared, over_unique=ours / lower, launches=launches[shape][OURS],
+                   best_peer=min(peers, key=peers.get) if peers else None,
+                   over_best_peer=ours / best_peer if best_peer else None, num_peers=len(peers))
+        if shared:
+            row["met"] = ours <= TARGET_SHARED_OVER_UNIQUE * lower and all(ours < v for v in peers.values())
+        else:
+            row["met"] = best_peer is None or ours <= TARGET_NO_SHARING_OVER_BEST_PEER * best_peer
+        row["one_launch"] = row["launches"] == 1
+        out.append(row)
+    return out
+
+
+def _traffic_section(rows) -> list[str]:
+    ratio, providers = _pivot(rows, TRAFFIC, "kv_over_unique")
+    launches, _ = _pivot(rows, TRAFFIC, "launches")
+    if not ratio:
+        return []
+    lines = ["## Memory traffic (measured in the Triton interpreter)", "",
+             "KV bytes read / unique-KV lower bound (each distinct KV position read once), and launches per call. "
+             "Same batch, same interpreter, every kernel unmodified; scaled-down BatchLLM Fig. 8 shapes "
+             "(paper setting, then the batch run).", "",
+             "| shape | " + " | ".join(providers) + " |", "|---|" + "---|" * len(providers)]
+    for shape, by_provider in ratio.items():
+        cells = []
+        for p in providers:
+            if p in by_provider:
+                cells.append(f"{by_provider[p]:.2f}x / {int(launches[shape].get(p, 0))}L")
+            else:
+                cells.append("skipped")
+        lines.append(f"| {shape} | " + " | ".join(cells) + " |")
+    targets = traffic_targets(rows)
+    shared = [t for t in targets if t["shared"]]
+    plain = [t for t in targets if not t["shared"]]
+    lines += ["", "### Targets (reported, not asserted)", ""]
+    if shared:
+        met = sum(t["met"] for t in shared)
+        lines.append(f"- shared-prefix batches, prefixattn <= {TARGET_SHARED_OVER_UNIQUE}x unique KV and fewer KV "
+                     f"bytes than every peer: {met}/{len(shared)}")
+        for t in shared:
+            if not t["met"]:
+                peer = (f"; best peer {t['best_peer']} at {1 / t['over_best_peer']:.2f}x of ours"
+                        if t["best_peer"] else "")
+                lines.append(f"  - missed: {t['shape']}: {t['over_unique']:.2f}x unique{peer}")
+    if plain:
+        met = sum(t["met"] for t in plain)
+        lines.append(f"- batches without sharing, prefixattn <= {TARGET_NO_SHARING_OVER_BEST_PEER}x the best peer's "
+                     f"KV bytes: {met}/{len(plain)}")
+        for t in plain:
+            if not t["met"]:
+                lines.append(f"  - missed: {t['shape']}: {t['over_best_peer']:.3f}x {t['best_peer']}")
+    one = sum(t["one_launch"] for t in targets)
+    lines.append(f"- one launch per call: {one}/{len(targets)}")
+    if any(t["num_peers"] == 0 for t in targets):
+        lines.append("- some shapes have no peer column (engine not installed: see the skip reasons in the pytest "
+                     "output)")
+    return lines + [""]
+
+
+def _modeled_section(rows) -> list[str]:
+    modeled = [r for r in rows if r["benchmark"] == MODELED]
+    if not modeled:
+        return []
+    table: dict = defaultdict(dict)
+    providers: list = []
+    for r in modeled:
+        key = (r["shape"], r["device"])
+        table[key][r["provider"]] = float(r["value"])
+        if r["provider"] not in providers:
+            providers.append(r["provider"])
+    lines = ["## Modeled time (NOT measured): prefixattn.sim cost model applied to the measured traffic", "",
+             f"unit: {modeled[0]['unit']}", "",
+             "| shape | device | " + " | ".join(providers) + " |", "|---|---|" + "---|" * len(providers)]
+    for (shape, device), by_provider in table.items():
+        lines.append(f"| {shape} | {device} | " + " | ".join(_fmt(by_provider[p]) if p in by_provider else "-"
+                                                             for p in providers) + " |")
+    return lines + [""]
+
+
+def _generic_section(rows, benchmark) -> list[str]:
+    sel = [r for r in rows if r["benchmark"] == benchmark]
+    lines = [f"## {benchmark}", "", "| provider | shape | device | metric | value | unit |", "|---|---|---|---|---|---|"]
+    for r in sel[:MAX_GENERIC_ROWS]:
+        lines.append(f"| {r['provider']} | {r['shape']} | {r['device']} | {r['metric']} | {_fmt(float(r['value']))} "
+                     f"| {r['unit']} |")
+    if len(sel) > MAX_GENERIC_ROWS:
+        lines.append(f"| ... | {len(sel) - MAX_GENERIC_ROWS} more rows in latest.csv | | | | |")
+    return lines + [""]
+
+
+def summary(rows) -> str:
+    """The markdown summary of a results file's rows."""
+    if not rows:
+        return "# prefixattn bench\n\nno rows: nothing ran (see the pytest output)\n"
+    devices = sorted({r["device"] for r in rows})
+    head = ["# prefixattn bench", "", f"commit {rows[0]['commit']}; {rows[0]['versions']}; devices: "
+            + ", ".join(devices), ""]
+    body = _traffic_section(rows) + _modeled_section(rows)
+    for benchmark in dict.fromkeys(r["benchmark"] for r in rows):
+        if benchmark not in (TRAFFIC, MODELED):
+            body += _generic_section(rows, benchmark)
+    return "\n".join(head + body)
+
+
+def plot(rows, out_dir: Path) -> list[Path]:
+    """PNG plots of the traffic ratios (one per head layout) and of modeled times; returns the files written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    ratio, providers = _pivot(rows, TRAFFIC, "kv_over_unique")
+    layouts = defaultdict(list)
+    for shape in ratio:
+        m = re.search(r"/(h\d+:\d+)/", shape)
+        layouts[m.group(1) if m else "all"].append(shape)
+    for layout, shapes in layouts.items():
+        fig, ax = plt.subplots(figsize=(max(8, len(shapes) * 0.9), 4.5))
+        width = 0.8 / max(len(providers), 1)
+        for i, p in enumerate(providers):
+            xs = [k + i * width for k, s in enumerate(shapes) if p in ratio[s]]
+            ys = [ratio[s][p] for s in shapes if p in ratio[s]]
+            ax.bar(xs, ys, width=width, label=p)
+        ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+        ax.set_yscale("log")
+        ax.set_ylabel("KV bytes read / unique KV bytes (log)")
+        ax.set_xticks([k + 0.4 - width / 2 for k in range(len(shapes))])
+        ax.set_xticklabels([s.split(" [")[0] for s in shapes], rotation=45, ha="right", fontsize=7)
+        ax.set_title(f"Measured KV traffic, heads {layout} (CPU interpreter, scaled Fig. 8 shapes)")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = out_dir / f"traffic_{layout.replace(':', 'to')}.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(path)
+    modeled = [r for r in rows if r["benchmark"] == MODELED]
+    if modeled:
+        table: dict = defaultdict(dict)
+        for r in modeled:
+            table[(r["device"], r["shape"].split(" [")[0])][r["provider"]] = float(r["value"])
+        keys = list(table)
+        mproviders = list(dict.fromkeys(r["provider"] for r in modeled))
+        fig, ax = plt.subplots(figsize=(max(8, len(keys) * 0.6), 4.5))
+        width = 0.8 / len(mproviders)
+        for i, p in enumerate(mproviders):
+            ax.bar([k + i * width for k in range(len(keys)) if p in table[keys[k]]],
+                   [table[key][p] for key in keys if p in table[key]], width=width, label=p)
+        ax.set_yscale("log")
+        ax.set_ylabel(f"MODELED time ({modeled[0]['unit']})")
+        ax.set_xticks([k + 0.4 - width / 2 for k in range(len(keys))])
+        ax.set_xticklabels([f"{d} {s}" for d, s in keys], rotation=60, ha="right", fontsize=6)
+        ax.set_title("Modeled (not measured): sim cost model on measured traffic")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = out_dir / "modeled_time.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def write(csv_path: Path, out_dir: Path | None = None) -> tuple[Path, list[Path]]:
+    """Write ``summary.md`` and the PNGs next to the CSV (or in ``out_dir``); returns their paths."""
+    csv_path = Path(csv_path)
+    out_dir = Path(out_dir or csv_path.parent)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = load(csv_path)
+    md = out_dir / "summary.md"
+    md.write_text(summary(rows) + "\n")
+    try:
+        pngs = plot(rows, out_dir)
+    except ImportError:  # matplotlib is optional: the summary is still written
+        pngs = []
+    return md, pngs
+
+
+if __name__ == "__main__":
+    path = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).parent / "results" / "latest.csv"
+    md, pngs = write(path)
+    print(md.read_text())
+    print("plots:", ", ".join(str(p) for p in pngs) or "none")
