@@ -8,7 +8,8 @@ replica recomputes every shared prefix: with share degree ~7 and 8 replicas most
    exceeds it cannot fit any assignment that meets the fair share; only such groups are split. Every piece is a
    contiguous run of the group's requests (prefix-tree order, so nested groups stay together as far as possible)
    that keeps the shared prefix and computes it once more: those tokens are counted in
-   :attr:`Partition.recomputed_tokens`. Nothing else is ever split.
+   :attr:`Partition.recomputed_tokens`. Nothing else is ever split, and a split is kept only when it lowers the
+   makespan below that of the best whole-group assignment (a split of a small group can cost more than it evens).
 2. **LPT** for the whole groups: in decreasing cost, each to the least-loaded replica (Graham's bound: makespan
    <= 4/3 of the optimum).
 3. **Water-filling** for the split groups: their requests top the least-loaded replicas up to one common level, so
@@ -395,6 +396,18 @@ def partition_groups(groups: Sequence[PrefixGroup], num_replicas: int, cost: Gro
     fair = float(base_costs.sum()) / n
     to_split = [s for s, g in enumerate(originals)
                 if allow_split and n > 1 and base_costs[s] > fair * (1 + _SPLIT_MARGIN) and g.num_requests > 1]
+    best = _assign(originals, base_costs, [], n, cost, refine)
+    if to_split:
+        # a split pays its recomputation; keep it only where it actually lowers the makespan
+        with_split = _assign(originals, base_costs, to_split, n, cost, refine)
+        if with_split.makespan < best.makespan * (1 - _SPLIT_MARGIN):
+            best = with_split
+    return best
+
+
+def _assign(originals: list, base_costs: np.ndarray, to_split: list, n: int, cost: GroupCost,
+            refine: bool) -> Partition:
+    """LPT for the whole groups, water-filling for the groups in ``to_split``, refinement, merged pieces."""
     whole = [s for s in range(len(originals)) if s not in set(to_split)]
     work = [originals[s] for s in whole]
     source = list(whole)

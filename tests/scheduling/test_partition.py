@@ -1,6 +1,7 @@
 """partition_groups: whole groups to replicas (split only when forced), balance, determinism, baselines."""
 
 import itertools
+import json
 
 import numpy as np
 import pytest
@@ -149,6 +150,49 @@ def test_nested_groups_split_into_valid_pieces(seed):
         for sub, _ in g.walk():
             assert sub.num_requests >= 1
             assert all(c.num_requests >= 2 for c in sub.children)
+
+
+def test_split_kept_only_when_it_lowers_the_makespan():
+    # the document group exceeds total / 2, but splitting 2 requests recomputes its 1100-token prefix: worse
+    rng = np.random.default_rng(0)
+    d1, d2 = rng.integers(0, 30000, 1100).tolist(), rng.integers(0, 30000, 600).tolist()
+    prompts = [d1 + rng.integers(0, 30000, 400).tolist(), d1 + rng.integers(0, 30000, 300).tolist(),
+               d2 + rng.integers(0, 30000, 300).tolist(), d2 + rng.integers(0, 30000, 350).tolist(), [1, 2, 3]]
+    groups = _groups_of(prompts)
+    cost = token_cost()
+    big = max(groups, key=cost)
+    assert cost(big) > sum(cost(g) for g in groups) / 2
+    p = partition_groups(groups, 2)
+    assert p.split == [] and p.recomputed_tokens == 0
+    assert p.makespan == cost(big)
+
+
+def test_cli_prints_the_summary(tmp_path, capsys):
+    from prefixattn.cli import main
+
+    path = tmp_path / "prompts.jsonl"
+    lines = [{"prompt_len": 300, "prefix_id": f"doc{i % 5}", "prefix_len": 200, "output_len": 20} for i in range(40)]
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    out_json = tmp_path / "out.json"
+    assert main(["partition", "--replicas", "4", str(path), "--cost", "tokens", "--json", str(out_json)]) == 0
+    text = capsys.readouterr().out
+    assert "40 requests, 5 groups" in text and "load balance" in text
+    # 5 documents x 8 requests, 7 x 200 tokens saved per document, of 40 x 300: 7000 / 12000 kept whole
+    assert "prefix-affinity  0.5833  kept 100.00%" in text
+    data = json.loads(out_json.read_text())
+    reps = {}
+    for g in data["partition"]["groups"]:
+        for r in g["request_ids"]:
+            reps[r] = g["replica"]
+    assert sorted(reps) == list(range(40))
+    assert all(len({reps[i] for i in range(k, 40, 5)}) == 1 for k in range(5))  # each document on one replica
+    assert data["kept"]["round-robin"] < 1.0 and data["num_replicas"] == 4
+    # modeled cost from the simulator, and errors as exit code 2 with a message naming the argument
+    assert main(["partition", "--replicas", "2", str(path)]) == 0
+    assert "sim (mistral-7b on a100" in capsys.readouterr().out
+    assert main(["partition", "--replicas", "0", str(path)]) == 2
+    assert "--replicas: expected a positive int, got 0" in capsys.readouterr().err
+    assert main(["partition", "--replicas", "2", str(tmp_path / "missing.jsonl")]) == 2
 
 
 def test_deterministic():

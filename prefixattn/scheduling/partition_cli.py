@@ -1,0 +1,146 @@
+"""``prefixattn partition``: assign an offline batch's prefix groups to N engine replicas and print the summary.
+
+Example::
+
+    prefixattn partition --replicas 8 prompts.jsonl
+    prefixattn partition --replicas 8 batchllm-case1 --cost tokens --json partition.json
+
+The partitioner (:mod:`prefixattn.scheduling.partition`) is numpy-only. This command is glue, like
+``prefixattn simulate``: it reads prompts with the simulator's JSONL loader / seed workloads and, with ``--cost sim``
+(the default), prices groups with the simulator's cost model (:class:`prefixattn.sim.group_cost.GroupCostModel`).
+Both are imported inside :func:`run` only, so importing this module (or the scheduling package) never pulls in the
+simulator.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+HELP = "assign prefix groups of an offline batch to N engine replicas (load balance, saving ratio kept vs round-robin)"
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("prompts", help="a .jsonl file (one request per line, see prefixattn.sim.workloads.load_jsonl) "
+                                        "or a seed workload name (prefixattn simulate --list)")
+    parser.add_argument("--replicas", type=int, required=True, help="number of engine replicas N")
+    parser.add_argument("--levels", type=int, default=1, help="group nesting depth for group_prompts (default 1)")
+    parser.add_argument("--cost", choices=["sim", "tokens"], default="sim",
+                        help="group cost: the simulator's cost model (modeled seconds) or prefill + decode tokens")
+    parser.add_argument("--model", default=None, help="model preset for --cost sim (default: the workload's paper "
+                                                      "setting, else mistral-7b)")
+    parser.add_argument("--gpu", default=None, help="hardware preset for --cost sim (default: a100)")
+    parser.add_argument("--decode-weight", type=float, default=1.0,
+                        help="--cost tokens: cost of a decode token relative to a prefill token")
+    parser.add_argument("--num-requests", type=int, default=None, help="size / truncate the workload")
+    parser.add_argument("--seed", type=int, default=0, help="workload generator seed (and random sharding's)")
+    parser.add_argument("--no-split", action="store_true", help="never split a group, even one above the fair share")
+    parser.add_argument("--json", default=None, metavar="FILE", help="also write the summary and the assignment")
+
+
+def _rows(partition, prompts) -> list[dict]:
+    import numpy as np
+
+    rows = []
+    for r in range(partition.num_replicas):
+        idx = np.flatnonzero(partition.replicas == r)
+        groups = [partition.groups[i] for i in idx.tolist()]
+        rows.append(dict(replica=r, groups=len(groups), requests=sum(g.num_requests for g in groups),
+                         prompt_tokens=sum(g.logical_tokens for g in groups),
+                         computed_tokens=sum(g.processed_tokens for g in groups),
+                         cost=float(partition.costs[idx].sum())))
+    return rows
+
+
+def summarize(workload, num_replicas: int, *, levels: int = 1, cost: str = "sim", model=None, gpu=None,
+              decode_weight: float = 1.0, allow_split: bool = True, seed: int = 0) -> dict:
+    """Partition ``workload`` (a :class:`prefixattn.sim.workloads.Workload`) and measure it against the baselines.
+
+    Returns a dict: ``partition`` (the :class:`Partition`), ``replicas`` (per-replica rows), ``saving`` (ratio per
+    strategy, single replica and optimal included), ``kept`` (fraction of the single-replica ratio per strategy),
+    ``balance``, ``split_groups``, ``recomputed_tokens``, ``cost`` (what priced the groups).
+    """
+    from prefixattn.scheduling import group_prompts, optimal_saving_ratio, saving_ratio
+    from prefixattn.scheduling.partition import partition_groups, shard_requests, sharded_saving_ratio, token_cost
+
+    prompts = [r.prompt for r in workload.requests]
+    outs = [r.output_len for r in workload.requests]
+    groups = group_prompts(prompts, levels=levels)
+    if cost == "sim":
+        from prefixattn.sim.costmodel import CostModel
+        from prefixattn.sim.group_cost import GroupCostModel
+        from prefixattn.sim.workloads import PAPER_SETTINGS
+
+        paper_model, paper_gpu = PAPER_SETTINGS.get(workload.name, ("mistral-7b", "a100"))
+        model, gpu = model or paper_model, gpu or paper_gpu
+        fn = GroupCostModel(CostModel(gpu, model), output_lens=outs)
+        cost_label = f"sim ({model} on {gpu}, modeled s)"
+    elif cost == "tokens":
+        fn = token_cost(outs, decode_weight=decode_weight)
+        cost_label = f"tokens (prefill after sharing + {decode_weight:g} x decode)"
+    else:
+        raise ValueError(f"cost: expected 'sim' or 'tokens', got {cost!r}")
+    part = partition_groups(groups, num_replicas, fn, allow_split=allow_split)
+    single = saving_ratio(prompts, groups)
+    saving = {"single replica": single, "optimal": optimal_saving_ratio(prompts),
+              "prefix-affinity": sharded_saving_ratio(prompts, part.request_replicas(len(prompts)), levels=levels),
+              "round-robin": sharded_saving_ratio(prompts, shard_requests(len(prompts), num_replicas),
+                                                  levels=levels),
+              "random": sharded_saving_ratio(prompts, shard_requests(len(prompts), num_replicas, "random", seed),
+                                             levels=levels)}
+    kept = {k: (v / single if single else 1.0) for k, v in saving.items()
+            if k in ("prefix-affinity", "round-robin", "random")}
+    return dict(workload=workload.name, num_requests=len(prompts), num_groups=len(groups), levels=levels,
+                num_replicas=num_replicas, cost=cost_label, partition=part, replicas=_rows(part, prompts),
+                balance=part.balance, split_groups=part.split, recomputed_tokens=part.recomputed_tokens,
+                saving=saving, kept=kept)
+
+
+def format_summary(s: dict) -> str:
+    lines = [f"prefix-affinity partition of {s['workload']}: {s['num_requests']} requests, {s['num_groups']} groups "
+             f"(levels={s['levels']}) over {s['num_replicas']} replicas; group cost: {s['cost']}",
+             "",
+             f"{'replica':>7} {'groups':>7} {'requests':>9} {'prompt tok':>11} {'computed tok':>13} {'cost':>12} "
+             f"{'load/mean':>9}"]
+    mean = sum(r["cost"] for r in s["replicas"]) / max(len(s["replicas"]), 1)
+    for r in s["replicas"]:
+        lines.append(f"{r['replica']:>7} {r['groups']:>7} {r['requests']:>9} {r['prompt_tokens']:>11} "
+                     f"{r['computed_tokens']:>13} {r['cost']:>12.4g} {r['cost'] / mean if mean else 1.0:>9.4f}")
+    lines += ["",
+              f"load balance: makespan / (total cost / N) = {s['balance']:.4f}",
+              f"split groups: {len(s['split_groups'])} (above the fair share), recomputed prompt tokens: "
+              f"{s['recomputed_tokens']}",
+              f"saving ratio (BatchLLM Eq. 2): single replica {s['saving']['single replica']:.4f}, optimal "
+              f"{s['saving']['optimal']:.4f}"]
+    for k in ("prefix-affinity", "round-robin", "random"):
+        lines.append(f"  {k:16s} {s['saving'][k]:.4f}  kept {100 * s['kept'][k]:6.2f}% of the single replica's")
+    return "\n".join(lines)
+
+
+def _json_ready(s: dict) -> dict:
+    out = {k: v for k, v in s.items() if k != "partition"}
+    part = s["partition"]
+    out["partition"] = dict(part.summary(), groups=[
+        dict(replica=int(r), source=int(src), prefix_len=g.prefix_len, request_ids=[int(x) for x in g.request_ids],
+             cost=float(c)) for g, r, src, c in zip(part.groups, part.replicas, part.source, part.costs)])
+    return out
+
+
+def run(args) -> int:
+    try:
+        from prefixattn.sim.workloads import get_workload
+
+        if args.replicas is None or args.replicas < 1:
+            raise ValueError(f"--replicas: expected a positive int, got {args.replicas}")
+        workload = get_workload(args.prompts, num_requests=args.num_requests, seed=args.seed)
+        s = summarize(workload, args.replicas, levels=args.levels, cost=args.cost, model=args.model, gpu=args.gpu,
+                      decode_weight=args.decode_weight, allow_split=not args.no_split, seed=args.seed)
+    except (ValueError, OSError) as e:
+        print(f"prefixattn partition: error: {e}", file=sys.stderr)
+        return 2
+    print(format_summary(s))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(_json_ready(s), f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
