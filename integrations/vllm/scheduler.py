@@ -10,8 +10,8 @@ admitted together: the first member computes the prefix and the rest hit its blo
 same step, or the next one under chunked prefill), and prefixattn's attention backend then runs their shared KV
 once per step.
 
-Select it with ``LLM(..., scheduler_cls="integrations.vllm.scheduler.PrefixGroupScheduler")`` (it is vLLM's
-async scheduler: async scheduling on) or ``...PrefixGroupSyncScheduler``. Options come from
+Select it with ``LLM(..., scheduler_cls="integrations.vllm.scheduler.PrefixGroupScheduler")``: vLLM's async
+scheduler, or its synchronous one where async scheduling is off. Options come from
 ``additional_config={"prefixattn": {"ordering": "batchllm", "levels": 1}}`` or the environment
 (``PREFIXATTN_ORDERING``, ``PREFIXATTN_GROUP_LEVELS``).
 
@@ -184,7 +184,18 @@ def _install_queue(scheduler: Scheduler) -> None:
 
 
 class PrefixGroupScheduler(AsyncScheduler):
-    """vLLM's async scheduler admitting waiting requests by prefix group in BatchLLM (or another) order."""
+    """vLLM's async scheduler admitting waiting requests by prefix group in BatchLLM (or another) order.
+
+    The one name to pass as ``scheduler_cls``: where async scheduling ends up off (``async_scheduling=False``, or a
+    platform that turns it off, such as vLLM's CPU platform) it builds a :class:`PrefixGroupSyncScheduler`.
+    """
+
+    def __new__(cls, *args, **kwargs):
+        vllm_config = kwargs.get("vllm_config", args[0] if args else None)
+        if cls is PrefixGroupScheduler and vllm_config is not None \
+                and not vllm_config.scheduler_config.async_scheduling:
+            return PrefixGroupSyncScheduler(*args, **kwargs)
+        return super().__new__(cls)
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -199,7 +210,7 @@ class PrefixGroupSyncScheduler(Scheduler):
         _install_queue(self)
 
 
-def memory_bound_engine_kwargs(*, async_scheduling: bool = True, **overrides) -> dict[str, Any]:
+def memory_bound_engine_kwargs(**overrides) -> dict[str, Any]:
     """``LLM(**kwargs)`` for offline prefix-shared batches: prefixattn's backend and scheduler, prefix caching on,
     and enough request slots that KV memory, not ``max_num_seqs``, limits each step.
 
@@ -209,7 +220,6 @@ def memory_bound_engine_kwargs(*, async_scheduling: bool = True, **overrides) ->
     """
     kwargs = dict(
         attention_backend="PREFIXATTN", enable_prefix_caching=True, max_num_seqs=MEMORY_BOUND_MAX_NUM_SEQS,
-        scheduler_cls=f"{__name__}.{'PrefixGroupScheduler' if async_scheduling else 'PrefixGroupSyncScheduler'}",
-        async_scheduling=async_scheduling)
+        scheduler_cls=f"{__name__}.PrefixGroupScheduler")
     kwargs.update(overrides)
     return kwargs

@@ -54,9 +54,17 @@ def main(in_path: str, out_path: str) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=cfg["max_tokens"], detokenize=False, logprobs=2)
     prompts = [{"prompt_token_ids": ids} for ids in cfg["prompts"]]
     stage("generate")
+    submitted = []
     if cfg.get("offline_generate"):
         from integrations.vllm.offline import generate
 
+        engine_generate = llm.generate
+
+        def recording_generate(batch, *args, **kwargs):  # what the helper hands to LLM.generate, in order
+            submitted.extend(list(p["prompt_token_ids"]) for p in batch)
+            return engine_generate(batch, *args, **kwargs)
+
+        llm.generate = recording_generate
         outs = generate(llm, prompts, params, **cfg.get("generate_kwargs", {}))
     else:
         outs = llm.generate(prompts, params, use_tqdm=False)
@@ -69,7 +77,8 @@ def main(in_path: str, out_path: str) -> None:
     json.dump(dict(
         tokens=[list(o.outputs[0].token_ids) for o in outs],
         prompts_back=[list(o.prompt_token_ids) for o in outs],
-        min_top2_gap=min(gaps), plans=plans, backend_class=backend_class,
+        min_top2_gap=min(gaps), plans=plans, backend_class=backend_class, submitted=submitted,
+        scheduler_class=type(llm.llm_engine.engine_core.engine_core.scheduler).__name__,
         seconds=dict(init=t_init - t0, generate=t_gen - t_init),
     ), open(out_path, "w"))
 

@@ -41,9 +41,15 @@ def runs(tiny_llama, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("e2e")
     prompts = shared_prefix_prompts()
     common = dict(model=tiny_llama, prompts=prompts, max_tokens=MAX_TOKENS, llm=engine_kwargs())
+    # vLLM's CPU platform turns async scheduling off: PrefixGroupScheduler then builds its synchronous variant.
+    scheduled = dict(common, llm=dict(engine_kwargs(),
+                                      scheduler_cls="integrations.vllm.scheduler.PrefixGroupScheduler"))
     return dict(prompts=prompts,
                 vllm=run_engine(tmp, "vllm_cpu_attn", backend="vllm", **common),
-                prefixattn=run_engine(tmp, "prefixattn", backend="prefixattn", **common))
+                prefixattn=run_engine(tmp, "prefixattn", backend="prefixattn", **common),
+                # The whole offline path: prefixattn's backend, its scheduler, and the generate() helper.
+                offline=run_engine(tmp, "prefixattn_offline", backend="prefixattn", offline_generate=True,
+                                   **scheduled))
 
 
 def test_backends_are_the_intended_ones(runs):
@@ -74,3 +80,17 @@ def test_plans_found_both_shared_groups(runs):
         assert members == list(range(p["num_requests"]))  # each request in exactly one group
     # Steps that prefill chunks (more query rows than requests) ran too: the mixed path was exercised.
     assert any(p["num_tokens"] > p["num_requests"] for p in plans)
+
+
+def test_offline_path_matches_and_groups_the_batch(runs):
+    from integrations.vllm.scheduler import group_order
+
+    got, prompts = runs["offline"], runs["prompts"]
+    assert got["scheduler_class"] == "PrefixGroupSyncScheduler"
+    assert got["prompts_back"] == prompts  # outputs back in the caller's order
+    assert got["tokens"] == runs["vllm"]["tokens"]
+    # generate() handed LLM.generate the batch grouped (the interleaved groups made contiguous), in policy order.
+    assert got["submitted"] == [prompts[i] for i in group_order(prompts, min_shared_tokens=BLOCK)]
+    assert [p[:PREFIX_LEN] for p in got["submitted"]].count(got["submitted"][0][:PREFIX_LEN]) == MEMBERS
+    assert len({tuple(p[:PREFIX_LEN]) for p in got["submitted"][:MEMBERS]}) == 1
+    assert any(len(p["shared"]) == 2 for p in got["plans"])

@@ -205,6 +205,16 @@ def test_priority_stays_the_primary_key():
     assert [r.name for r in q] == ["b1", "b2", "a1", "a2"]
 
 
+def test_one_name_builds_the_variant_matching_async_mode(model_config):
+    from integrations.vllm.scheduler import PrefixGroupScheduler, PrefixGroupSyncScheduler
+
+    sched = make_scheduler(model_config, PrefixGroupSyncScheduler, num_blocks=64)
+    built = PrefixGroupScheduler(vllm_config=sched.vllm_config, kv_cache_config=sched.kv_cache_config,
+                                 structured_output_manager=sched.structured_output_manager, block_size=BLOCK)
+    assert type(built) is PrefixGroupSyncScheduler
+    assert type(make_scheduler(model_config, PrefixGroupScheduler, num_blocks=64)) is PrefixGroupScheduler
+
+
 def test_mismatched_async_mode_is_refused(model_config):
     from integrations.vllm.scheduler import PrefixGroupScheduler
 
