@@ -19,8 +19,10 @@ from prefixattn.scheduling.partition import (Partition, partition_groups, shard_
                                              token_cost)
 from prefixattn.scheduling.prefix_tree import PrefixTree, prefix_tree, sort_and_lcp
 from prefixattn.scheduling.sequences import PackedSequences, pack_sequences
+from prefixattn.scheduling.token_batching import Chunk, ChunkKind, PrefixNode, StepPlan, TokenBatcher
 
 __all__ = [
+    "Chunk", "ChunkKind", "PrefixNode", "StepPlan", "TokenBatcher",
     "CostModel", "DEFAULT_ORDERING", "ORDERINGS", "OrderingPolicy", "PackedSequences", "PrefixGroup", "PrefixTree",
     "blendserve_order", "estimate_output_lens", "group_prompts", "optimal_saving_ratio", "order_groups",
     "pack_sequences", "prefix_tree", "register_ordering", "sample_requests", "saving_ratio", "sort_and_lcp",

@@ -84,6 +84,9 @@ class StepPlan:
         Requests whose KV was dropped this step; they are recomputed later (free their engine-side state).
     truncated : tuple[int, ...]
         Requests stopped because their output alone outgrew the KV budget: treat them as finished (length).
+    freed_nodes : tuple[int, ...]
+        Prefix levels whose KV was dropped since the previous plan (all their requests ended, or the level was
+        released under memory pressure and will be recomputed): free their blocks.
     kv_blocks_used : int
         Blocks held after this step's allocations.
     """
@@ -96,6 +99,7 @@ class StepPlan:
     num_tokens: np.ndarray
     preempted: tuple[int, ...]
     truncated: tuple[int, ...]
+    freed_nodes: tuple[int, ...]
     kv_blocks_used: int
 
     @property
@@ -115,6 +119,15 @@ class StepPlan:
             if k != ChunkKind.PREFIX:
                 out[r] = out.get(r, 0) + t
         return out
+
+
+class PrefixNode(NamedTuple):
+    """A shared prefix level: tokens ``[start, start + size)`` of every request below it."""
+
+    start: int
+    size: int
+    representative: int  #: a member request id whose prompt holds the tokens
+    parent: int  #: enclosing level, -1 at the top
 
 
 class _State(IntEnum):
@@ -221,14 +234,18 @@ class TokenBatcher:
         self._ready_nodes: list[tuple[int, int]] = []  # heap (rank, node): parent complete, not started
         self._partial_nodes: dict[int, None] = {}
         self._active_nodes: dict[int, None] = {}  # started prefix levels (holding or computing KV)
-        self._active_full_blocks = 0  # blocks of the active levels once complete (for reservations)
+        self._active_full_blocks = 0
+        self._freed_nodes: list[int] = []  # levels whose KV was dropped since the last plan  # blocks of the active levels once complete (for reservations)
         self._open = 0  # requests neither finished nor aborted
-        self._stats = dict(preemptions=0, recomputed_tokens=0, truncated=0, steps=0, finished=0, aborted=0)
+        self._stats = dict(preemptions=0, recomputed_tokens=0, released_prefix_tokens=0, truncated=0, steps=0,
+                           finished=0, aborted=0)
 
     # ----------------------------------------------------------------------------------------------- public API
     @property
     def stats(self) -> dict[str, int]:
-        """Counters: ``steps, preemptions, recomputed_tokens, truncated, finished, aborted``."""
+        """Counters: ``steps``, ``preemptions`` and the KV tokens they dropped (``recomputed_tokens``), prefix
+        tokens dropped by releasing idle prefix levels (``released_prefix_tokens``), ``truncated``, ``finished``,
+        ``aborted``."""
         return dict(self._stats)
 
     @property
@@ -240,9 +257,11 @@ class TokenBatcher:
         """Every added request finished or aborted."""
         return self._open == 0
 
-    def prefix_node(self, node: int) -> tuple[int, int, int]:
-        """``(first token, number of tokens, representative request id)`` of a prefix level."""
-        return self._n_start[node], self._n_size[node], self._n_rep[node]
+    def prefix_node(self, node: int) -> PrefixNode:
+        """The prefix level ``node`` (an id from :attr:`StepPlan.nodes`)."""
+        if isinstance(node, bool) or not isinstance(node, (int, np.integer)) or not 0 <= node < len(self._n_start):
+            raise ValueError(f"node: expected a prefix level id in [0, {len(self._n_start)}), got {node!r}")
+        return PrefixNode(self._n_start[node], self._n_size[node], self._n_rep[node], self._n_parent[node])
 
     def request_state(self, request_id: int) -> str:
         """``waiting``, ``prefill``, ``decode``, ``finished`` or ``aborted``."""
@@ -315,13 +334,14 @@ class TokenBatcher:
                 break
             self._node_chunk(plan, v, step)
         self._start_ready(plan, step)
-        while not plan.size and not self._decoding and not self._prefilling and self._open:
-            # Nothing could run and nothing runs: prefixes without running members hold the memory. Free them,
-            # latest first, until something starts (the earliest waiting request fits alone: checked when added).
-            idle = self._idle_nodes()
-            if not idle:
-                break
-            self._release_node(idle[0])
+        while not plan.size and self._open and self._relieve():
+            # Nothing could run: memory is held by work that cannot finish without more of it (greedy
+            # Algorithm 2 admission can fill memory with partial prefills and idle prefixes). Drop the latest
+            # admitted such work and retry; the earliest waiting request fits alone (checked when added).
+            for s in list(self._prefilling):
+                self._prefill_chunk(plan, s, step)
+            for v in list(self._partial_nodes):
+                self._node_chunk(plan, v, step)
             self._start_ready(plan, step)
         for s in self._completed_prefill:
             if self._state[s] == _State.PREFILL:
@@ -332,7 +352,8 @@ class TokenBatcher:
                 self._decoding[s] = None
         self._step += 1
         self._stats["steps"] += 1
-        return plan.build(step, self._preempted, self._truncated, self._used)
+        freed, self._freed_nodes = self._freed_nodes, []
+        return plan.build(step, self._preempted, self._truncated, freed, self._used)
 
     def finish(self, request_id: int) -> None:
         """Mark a decoding request finished (end of sequence or length limit) and free its KV.
@@ -526,11 +547,13 @@ class TokenBatcher:
         self._active_nodes[v] = None
         self._active_full_blocks += self._blocks(self._n_size[v])
 
-    def _free_node(self, v: int) -> None:
+    def _free_node(self, v: int, report: bool = True) -> None:
         if self._n_active[v]:
             self._used -= self._blocks(self._n_done[v])
             self._active_full_blocks -= self._blocks(self._n_size[v])
             del self._active_nodes[v]
+            if report:
+                self._freed_nodes.append(v)
         self._n_done[v] = 0
         self._n_active[v] = False
         self._partial_nodes.pop(v, None)
@@ -561,9 +584,26 @@ class TokenBatcher:
                 and not any(self._n_active[k] for k in self._n_kids[v])]
         return sorted(idle, key=lambda v: -self._n_rank[v])
 
+    def _relieve(self) -> bool:
+        """Preempt the latest-admitted partial prefill or release the latest idle prefix level; False if none."""
+        best, is_node = None, False
+        for s in self._prefilling:
+            if best is None or self._rank[s] > best[0]:
+                best = (int(self._rank[s]), s)
+        idle = self._idle_nodes()
+        if idle and (best is None or self._n_rank[idle[0]] > best[0]):
+            best, is_node = (self._n_rank[idle[0]], idle[0]), True
+        if best is None:
+            return False
+        if is_node:
+            self._release_node(best[1])
+        else:
+            self._preempt(best[1])
+        return True
+
     def _release_node(self, v: int) -> None:
         """Free an idle prefix level; it is recomputed before its members start."""
-        self._stats["recomputed_tokens"] += self._n_done[v]
+        self._stats["released_prefix_tokens"] += self._n_done[v]
         self._free_node(v)
         self._n_done_step[v] = -1
         heapq.heappush(self._ready_nodes, (self._n_rank[v], v))
@@ -688,7 +728,7 @@ class TokenBatcher:
                 return False
         self._activate_node(v)
         if not self._node_chunk(plan, v, step):
-            self._free_node(v)
+            self._free_node(v, report=False)
             return False
         if self._est is not None:
             reserved[0] += self._blocks(self._n_size[v])
@@ -697,37 +737,39 @@ class TokenBatcher:
     def _start_ready(self, plan: _PlanBuilder, step: int) -> None:
         reserved = [self._reserved() if self._est is not None else 0]
         blocked = False  # an earlier request or level could not start: nothing later may overtake it
-        # Distinct prompts of admitted groups whose prefixes are complete, in admission order.
-        while self._ready and self._budget > 0:
+        # Admitted work in admission (rank) order: distinct prompts whose prefixes are complete and nested prefix
+        # levels whose parent is complete. Rank order keeps a preempted request from overtaking earlier work.
+        while (self._ready or self._ready_nodes) and self._budget > 0:
+            take_node = bool(self._ready_nodes) and (not self._ready or self._ready_nodes[0][0] <= self._ready[0][0])
+            if take_node:
+                rank, v = self._ready_nodes[0]
+                if self._n_active[v] or self._n_refs[v] == 0:
+                    heapq.heappop(self._ready_nodes)
+                    continue
+                parent = self._n_parent[v]
+                if parent >= 0 and self._n_done_step[parent] < 0:
+                    heapq.heappop(self._ready_nodes)  # parent released: re-queued when it completes again
+                    continue
+                if parent >= 0 and self._n_done_step[parent] >= step:
+                    break  # its parent completed in this very step: it starts next step (later work waits too)
+                if not self._start_node(plan, v, step, reserved):
+                    blocked = True
+                    break
+                heapq.heappop(self._ready_nodes)
+                continue
             rank, s = self._ready[0]
             if self._state[s] != _State.WAITING:
                 heapq.heappop(self._ready)
                 continue
             if not self._chain_ready(s, step):
                 if all(self._n_done_step[u] >= 0 for u in self._chain(int(self._node[s]))):
-                    break  # its prefix completed in this very step: it starts next step (later ones wait too)
+                    break  # its prefix completed in this very step: it starts next step (later work waits too)
                 heapq.heappop(self._ready)  # its prefix was released: re-queued when recomputed
                 continue
             if not self._start_request(plan, s, step, reserved):
                 blocked = True
                 break
             heapq.heappop(self._ready)
-        # Prefixes of nested levels whose parent is complete.
-        while self._ready_nodes and self._budget > 0 and not blocked:
-            rank, v = self._ready_nodes[0]
-            if self._n_active[v] or self._n_refs[v] == 0:
-                heapq.heappop(self._ready_nodes)
-                continue
-            parent = self._n_parent[v]
-            if parent >= 0 and (self._n_done_step[parent] < 0 or self._n_done_step[parent] >= step):
-                if self._n_done_step[parent] < 0:
-                    heapq.heappop(self._ready_nodes)  # parent released: re-queued when it completes again
-                    continue
-                break
-            if not self._start_node(plan, v, step, reserved):
-                blocked = True
-                break
-            heapq.heappop(self._ready_nodes)
         # New groups, in order, while the budgets allow and no partial prefix is pending.
         while not blocked and self._budget > 0 and self._next_group < len(self._groups) and not self._partial_nodes:
             top_nodes, top_slots = self._groups[self._next_group]
@@ -779,7 +821,8 @@ class _PlanBuilder:
                            starts.astype(np.int64), np.ones(m, np.int64)))
         self.size += m
 
-    def build(self, step: int, preempted: list[int], truncated: list[int], used: int) -> StepPlan:
+    def build(self, step: int, preempted: list[int], truncated: list[int], freed: list[int], used: int
+              ) -> StepPlan:
         parts = list(self.parts)
         if self.kinds:
             parts.append((np.array(self.kinds, np.int8), np.array(self.rids, np.int64), np.array(self.nodes, np.int64),
@@ -793,4 +836,4 @@ class _PlanBuilder:
             cols = tuple(np.concatenate(c) for c in zip(*parts))
         return StepPlan(step=step, kinds=cols[0], request_ids=cols[1], nodes=cols[2], starts=cols[3],
                         num_tokens=cols[4], preempted=tuple(preempted), truncated=tuple(truncated),
-                        kv_blocks_used=used)
+                        freed_nodes=tuple(freed), kv_blocks_used=used)
