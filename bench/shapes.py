@@ -108,6 +108,12 @@ def fig8_shapes(*, scaled: bool = True, gqa: bool = False, head_dim: int | None 
     return shapes
 
 
+#: The interpreter traffic suite: Fig. 8 at MHA (2:2 heads) in full, and the GQA 8:1 variant on the 256-request
+#: decode and mixed batches with sharing.
+def _traffic_shapes() -> list[Shape]:
+    return fig8_shapes() + [s for s in fig8_shapes(gqa=True) if s.num_decode > MIN_SCALED_REQUESTS and s.shared]
+
+
 def flashinfer_cascade_grid() -> list[Shape]:
     """FlashInfer's old cascade benchmark: batch 1..256 x shared 1024..32768 x unique 128..2048, 32 heads, d=128,
     one group (GPU only: far too large for the interpreter)."""
@@ -138,13 +144,13 @@ class Batch:
 
     @property
     def q_lens(self) -> np.ndarray:
-        return np.diff(self.qo_indptr.numpy())
+        return np.diff(self.qo_indptr.cpu().numpy())
 
     def kv_slots(self, r: int) -> np.ndarray:
         """Flat token slots (``block * block_size + offset``) of request ``r``'s KV positions, in order."""
         bs = self.shape.block_size
         pos = np.arange(int(self.kv_lens[r]))
-        return self.block_table[r].numpy()[pos // bs].astype(np.int64) * bs + pos % bs
+        return self.block_table[r].cpu().numpy()[pos // bs].astype(np.int64) * bs + pos % bs
 
     def unique_kv_bytes(self) -> int:
         """Lower bound: every distinct KV position of the batch read once, K and V, all KV heads.
@@ -153,9 +159,9 @@ class Batch:
         over the requests listing it.
         """
         s = self.shape
-        table = self.block_table.numpy().astype(np.int64)
+        table = self.block_table.cpu().numpy().astype(np.int64)
         width = table.shape[1]
-        used = np.clip(self.kv_lens.numpy()[:, None].astype(np.int64) - np.arange(width) * s.block_size, 0,
+        used = np.clip(self.kv_lens.cpu().numpy()[:, None].astype(np.int64) - np.arange(width) * s.block_size, 0,
                        s.block_size)
         per_block = np.zeros(self.num_blocks, dtype=np.int64)
         np.maximum.at(per_block, table.ravel(), used.ravel())
@@ -200,3 +206,6 @@ def build_batch(shape: Shape, device: str = "cpu", *, metadata_only: bool = Fals
     k_cache = torch.randn(num_blocks, bs, shape.num_kv_heads, shape.head_dim, generator=g).to(dtype)
     v_cache = torch.randn(num_blocks, bs, shape.num_kv_heads, shape.head_dim, generator=g).to(dtype)
     return Batch(q=q.to(device), k_cache=k_cache.to(device), v_cache=v_cache.to(device), **meta)
+
+
+TRAFFIC_SHAPES = _traffic_shapes()

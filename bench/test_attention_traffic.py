@@ -13,18 +13,17 @@ reported in the summary, not asserted.
 
 from __future__ import annotations
 
-import sys
-
+import os
 import pytest
 
-from peers.base import CPU_PROVIDERS, ENGINE_OF
-from peers.measure import measure
-from peers.remote import engine_python, run_worker
-from shapes import build_batch, fig8_shapes
+from peers.base import CPU_PROVIDERS
+from peers.cache import measurements
+from shapes import TRAFFIC_SHAPES as SHAPES
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="measures traffic in the Triton interpreter (TRITON_INTERPRET=1, no --gpu)")
 
 BENCHMARK = "attention_traffic"
-#: Fig. 8 at MHA (2:2 heads) in full, and the GQA 8:1 variant on the 256-request decode and mixed batches.
-SHAPES = fig8_shapes() + [s for s in fig8_shapes(gqa=True) if s.num_decode > 4 and s.shared]
 METRIC_UNITS = {"kv_bytes": "bytes", "unique_kv_bytes": "bytes", "launches": "count", "programs": "count",
                 "q_bytes": "bytes", "other_loaded_bytes": "bytes", "stored_bytes": "bytes", "atomic_bytes": "bytes",
                 "max_abs_err": "abs"}
@@ -35,48 +34,10 @@ def shape_label(shape) -> str:
     return f"{shape.paper} [{shape.name}]"
 
 
-class _Measurements:
-    """Measures lazily and once: each engine's providers over all SHAPES in one subprocess at first use."""
-
-    def __init__(self, shapes) -> None:
-        self.shapes = shapes
-        self.records: dict = {}
-        self.unavailable: dict = {}
-        self.engines_done: set = set()
-
-    def get(self, provider: str, shape) -> dict:
-        engine = ENGINE_OF[provider]
-        key = (provider, shape.to_json())
-        if key in self.records:
-            return self.records[key]
-        if engine is not None and engine not in self.engines_done:
-            self.engines_done.add(engine)
-            python, why = engine_python(engine)
-            if python is None:
-                self.unavailable[engine] = why
-            elif python != sys.executable:
-                providers = [p for p in CPU_PROVIDERS if ENGINE_OF[p] == engine]
-                self.records.update(run_worker(python, providers, self.shapes))
-                return self.records[key]
-        if engine in self.unavailable:
-            pytest.skip(self.unavailable[engine])
-        try:
-            record = dict(metrics=measure(provider, build_batch(shape)))
-        except Exception as exc:  # recorded like a worker's failure, raised below
-            record = dict(error=f"{type(exc).__name__}: {exc}")
-        self.records[key] = record
-        return record
-
-
-@pytest.fixture(scope="session")
-def measurements():
-    return _Measurements(SHAPES)
-
-
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
 @pytest.mark.parametrize("provider", CPU_PROVIDERS)
-def test_attention_traffic(results, measurements, provider, shape):
-    record = measurements.get(provider, shape)
+def test_attention_traffic(results, provider, shape):
+    record = measurements().get(provider, shape)
     assert "error" not in record, f"{provider} failed on {shape.name}: {record.get('error')}"
     m = record["metrics"]
     label = shape_label(shape)

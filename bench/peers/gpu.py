@@ -1,0 +1,202 @@
+"""GPU-only peers (CUDA kernels that cannot run in the interpreter): FlashInfer cascade (2 and 3 levels) and its
+non-cascade batch decode/prefill, the flash-attn cascade vLLM used to run (prefix pass + suffix pass + merge), and
+torch SDPA. Each one imports its package lazily; a missing package raises :class:`Unavailable` (the test skips that
+column with the reason).
+
+Every adapter takes the same :class:`shapes.Batch` (paged caches ``[num_blocks, block_size, num_kv_heads, head_dim]``,
+FlashInfer's "NHD" layout) and does its host-side planning in ``prepare``; ``run()`` is what is timed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from peers.base import Prepared
+
+#: FlashInfer's float workspace: the size its own examples allocate (128 MiB).
+FLASHINFER_WORKSPACE_BYTES = 128 * 1024 * 1024
+
+
+class Unavailable(Exception):
+    """The peer's package (or a feature it needs) is missing: skip, with this message as the reason."""
+
+
+def _import(module: str, why: str):
+    try:
+        return __import__(module, fromlist=["_"])
+    except ImportError as exc:
+        raise Unavailable(f"{why}: {module} not importable ({exc})") from exc
+
+
+def _i32(values, device) -> torch.Tensor:
+    return torch.tensor(np.asarray(values, dtype=np.int64), dtype=torch.int32, device=device)
+
+
+def _paged_level(batch, ranges, device):
+    """FlashInfer paged metadata for per-row-run KV ranges ``[(first_block, last_block_exclusive, tokens_in_last)]``
+    taken from a representative request's block-table row: (indptr, indices, last_page_len)."""
+    table = batch.block_table.cpu().numpy()
+    indices, indptr, last = [], [0], []
+    for req, lo, hi, tail in ranges:
+        indices.extend(table[req, lo:hi].tolist())
+        indptr.append(len(indices))
+        last.append(tail)
+    return _i32(indptr, device), _i32(indices, device), _i32(last, device)
+
+
+def _group_bounds(batch):
+    """Row boundaries of each prefix group (groups are runs of consecutive requests) and a member of each."""
+    indptr = batch.qo_indptr.cpu().numpy()
+    members = [m for m, _ in batch.groups]
+    return [int(indptr[m[0]]) for m in members] + [int(indptr[members[-1][-1] + 1])], [m[0] for m in members]
+
+
+def _suffix_level(batch, first_block):
+    """Each request's KV from block ``first_block`` on: (req, lo, hi, tokens in the last block)."""
+    bs = batch.shape.block_size
+    kv_lens = batch.kv_lens.cpu().numpy()
+    out = []
+    for r, kv_len in enumerate(kv_lens):
+        hi = -(-int(kv_len) // bs)
+        out.append((r, first_block, hi, int(kv_len) - (hi - 1) * bs))
+    return out
+
+
+def prepare_flashinfer_cascade(batch, num_levels: int) -> Prepared:
+    flashinfer = _import("flashinfer", "FlashInfer cascade")
+    s, device = batch.shape, batch.q.device
+    bs = s.block_size
+    shared_blocks = s.shared // bs
+    if num_levels == 3 and shared_blocks < 2:
+        raise Unavailable("3-level cascade needs a shared prefix of >= 2 blocks to split into two levels")
+    bounds, reps = _group_bounds(batch)
+    group_indptr = _i32(bounds, device)
+    # Shared levels: the group's prefix blocks (split in two halves for 3 levels: an outer and an inner prefix).
+    cuts = [0, shared_blocks] if num_levels == 2 else [0, shared_blocks // 2, shared_blocks]
+    qo, kv_indptr, kv_indices, last = [], [], [], []
+    if shared_blocks:
+        for lo, hi in zip(cuts[:-1], cuts[1:]):
+            a, b, c = _paged_level(batch, [(r, lo, hi, bs) for r in reps], device)
+            qo.append(group_indptr), kv_indptr.append(a), kv_indices.append(b), last.append(c)
+    a, b, c = _paged_level(batch, _suffix_level(batch, shared_blocks), device)
+    qo.append(batch.qo_indptr), kv_indptr.append(a), kv_indices.append(b), last.append(c)
+    workspace = torch.empty(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+    wrapper = flashinfer.MultiLevelCascadeAttentionWrapper(len(qo), workspace, "NHD")
+    wrapper.plan(qo, kv_indptr, kv_indices, last, s.num_qo_heads, s.num_kv_heads, s.head_dim, bs, causal=True,
+                 sm_scale=1.0 / math.sqrt(s.head_dim), q_data_type=batch.q.dtype)
+
+    def run():
+        return wrapper.run(batch.q, (batch.k_cache, batch.v_cache))
+
+    return Prepared(run=run, notes=f"levels={len(qo)}")
+
+
+def prepare_flashinfer_batch(batch) -> Prepared:
+    """No cascade: FlashInfer's batch decode wrapper for pure decode, its batch prefill wrapper otherwise."""
+    flashinfer = _import("flashinfer", "FlashInfer batch attention")
+    s, device = batch.shape, batch.q.device
+    workspace = torch.empty(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+    indptr, indices, last = _paged_level(batch, _suffix_level(batch, 0), device)
+    scale = 1.0 / math.sqrt(s.head_dim)
+    if (batch.q_lens == 1).all():
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+        wrapper.plan(indptr, indices, last, s.num_qo_heads, s.num_kv_heads, s.head_dim, s.block_size,
+                     sm_scale=scale, q_data_type=batch.q.dtype, kv_data_type=batch.k_cache.dtype)
+        kind = "decode"
+    else:
+        wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+        wrapper.plan(batch.qo_indptr, indptr, indices, last, s.num_qo_heads, s.num_kv_heads, s.head_dim,
+                     s.block_size, causal=True, sm_scale=scale, q_data_type=batch.q.dtype,
+                     kv_data_type=batch.k_cache.dtype)
+        kind = "prefill"
+
+    def run():
+        return wrapper.run(batch.q, (batch.k_cache, batch.v_cache))
+
+    return Prepared(run=run, notes=kind)
+
+
+def prepare_flash_attn_cascade(batch) -> Prepared:
+    """vLLM's former cascade: one varlen flash-attn pass of each group's rows over its shared prefix (non-causal), one
+    over each request's suffix (causal), and a merge of the two states. Uses vLLM's flash-attn build (paged KV with
+    16-token blocks; upstream flash-attn's paged KV needs blocks of 256)."""
+    fa = _import("vllm.vllm_flash_attn", "flash-attn cascade (vLLM's build)")
+    from prefixattn import merge_states
+
+    s, device = batch.shape, batch.q.device
+    bs, shared = s.block_size, s.shared
+    scale = 1.0 / math.sqrt(s.head_dim)
+    table = batch.block_table
+    kv_lens = batch.kv_lens.cpu().numpy()
+    q_lens = batch.q_lens
+    bounds, reps = _group_bounds(batch)
+    suffix_table = table[:, shared // bs:].contiguous()
+    suffix_lens = torch.tensor(kv_lens - shared, dtype=torch.int32, device=device)
+    prefix_table = table[reps, :shared // bs].contiguous() if shared else None
+    prefix_lens = torch.full((len(reps),), shared, dtype=torch.int32, device=device)
+    group_indptr = _i32(bounds, device)
+    max_group_rows = int(np.diff(bounds).max())
+
+    def run():
+        out_s, lse_s = fa.flash_attn_varlen_func(
+            q=batch.q, k=batch.k_cache, v=batch.v_cache, cu_seqlens_q=batch.qo_indptr, max_seqlen_q=int(q_lens.max()),
+            seqused_k=suffix_lens, max_seqlen_k=int(suffix_lens.max()), softmax_scale=scale, causal=True,
+            block_table=suffix_table, return_softmax_lse=True)
+        if not shared:
+            return out_s
+        out_p, lse_p = fa.flash_attn_varlen_func(
+            q=batch.q, k=batch.k_cache, v=batch.v_cache, cu_seqlens_q=group_indptr, max_seqlen_q=max_group_rows,
+            seqused_k=prefix_lens, max_seqlen_k=shared, softmax_scale=scale, causal=False, block_table=prefix_table,
+            return_softmax_lse=True)
+        # flash-attn returns LSE as [num_heads, num_tokens]
+        out, _ = merge_states(out_p, lse_p.transpose(0, 1), out_s, lse_s.transpose(0, 1))
+        return out
+
+    return Prepared(run=run, notes="levels=2" if shared else "levels=1")
+
+
+def prepare_sdpa(batch) -> Prepared:
+    """torch SDPA has no paged KV: each request's KV is gathered into contiguous tensors beforehand (not timed) and
+    requests with equal (q_len, kv_len) run as one batched call with a bottom-right causal mask."""
+    s, device = batch.shape, batch.q.device
+    F = torch.nn.functional
+    kv_lens = batch.kv_lens.cpu().numpy()
+    q_lens = batch.q_lens
+    indptr = batch.qo_indptr.cpu().numpy()
+    groups: dict = {}
+    for r in range(len(q_lens)):
+        groups.setdefault((int(q_lens[r]), int(kv_lens[r])), []).append(r)
+    calls = []
+    for (q_len, kv_len), reqs in groups.items():
+        slots = torch.from_numpy(np.stack([batch.kv_slots(r) for r in reqs])).to(device)
+        k = batch.k_cache.view(-1, s.num_kv_heads, s.head_dim)[slots].transpose(1, 2)  # [B, Hkv, L, D]
+        v = batch.v_cache.view(-1, s.num_kv_heads, s.head_dim)[slots].transpose(1, 2)
+        rows = torch.from_numpy(np.stack([np.arange(indptr[r], indptr[r + 1]) for r in reqs])).to(device)
+        q = batch.q[rows].transpose(1, 2)  # [B, Hq, q_len, D]
+        mask = None
+        if q_len > 1:
+            mask = (torch.arange(kv_len, device=device)[None, :]
+                    <= (kv_len - q_len + torch.arange(q_len, device=device))[:, None])
+        calls.append((rows, q, k, v, mask))
+    out = torch.empty_like(batch.q)
+
+    def run():
+        for rows, q, k, v, mask in calls:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=s.num_qo_heads != s.num_kv_heads)
+            out[rows] = o.transpose(1, 2)
+        return out
+
+    return Prepared(run=run, notes=f"calls={len(calls)}")
+
+
+#: GPU-only provider -> how to prepare it.
+GPU_ONLY = {
+    "flashinfer-cascade2": lambda b: prepare_flashinfer_cascade(b, 2),
+    "flashinfer-cascade3": lambda b: prepare_flashinfer_cascade(b, 3),
+    "flashinfer-batch": prepare_flashinfer_batch,
+    "flash-attn-cascade": prepare_flash_attn_cascade,
+    "torch-sdpa": prepare_sdpa,
+}
