@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import importlib.util
 import os
 import subprocess
 import sys
@@ -46,13 +47,24 @@ def run(args) -> int:
     env["TRITON_INTERPRET"] = "0" if args.gpu else "1"
     if args.gpu:
         env["PREFIXATTN_BENCH_GPU"] = "1"
-    cmd = [sys.executable, "-m", "pytest", str(bench), "-q", "-p", "no:cacheprovider"]
+    # bench/ on the path for the progress-bar plugin (bench/progress.py); pytest puts it there for the tests anyway.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(bench), env.get("PYTHONPATH", "")) if p)
+    cmd = [sys.executable, "-m", "pytest", str(bench), "-q", "-p", "no:cacheprovider", "-p", "progress"]
     if args.keyword:
         cmd += ["-k", args.keyword]
     cmd += list(args.pytest_args)
     code = subprocess.call(cmd, cwd=bench.parent, env=env)
     latest = bench / "results" / "latest.csv"
-    if latest.exists():
+    report = bench / "report.py"
+    if latest.exists() and report.exists():
+        # The suite's own report (bench/report.py): traffic headline, targets, per-benchmark tables, PNG plots.
+        spec = importlib.util.spec_from_file_location("prefixattn_bench_report", report)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        md, pngs = module.write(latest)
+        print(md.read_text())
+        print(f"\nfull results: {latest}\nsummary: {md}\nplots: {', '.join(str(p) for p in pngs) or 'none'}")
+    elif latest.exists():
         summary = summarize(latest)
         (bench / "results" / "summary.md").write_text(summary + "\n")
         print(summary)
