@@ -95,3 +95,16 @@ def test_users_select_it_by_name():
 
     register()
     assert AttentionConfig(backend="PREFIXATTN").backend is AttentionBackendEnum.PREFIXATTN
+
+
+def test_engine_args_select_it_by_name_in_a_fresh_process(tiny_llama):
+    # What `LLM(..., attention_backend="PREFIXATTN")` and `--attention-backend PREFIXATTN` go through: vLLM loads
+    # the plugin from the entry point itself, nothing registered by hand.
+    out = _in_fresh_process(
+        "import json\n"
+        "from vllm.engine.arg_utils import EngineArgs\n"
+        f"args = EngineArgs(model={tiny_llama!r}, attention_backend='PREFIXATTN', skip_tokenizer_init=True,\n"
+        "                  max_model_len=256, kv_cache_memory_bytes=1 << 24)\n"
+        "cfg = args.create_engine_config()\n"
+        "print(json.dumps(dict(backend=cfg.attention_config.backend.name)))")
+    assert out["backend"] == "PREFIXATTN"
