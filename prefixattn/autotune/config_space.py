@@ -38,11 +38,11 @@ MERGE_BLOCK_H = (1, 2, 4, 8, 16, 32, 64)
 MERGE_NUM_WARPS = (1, 2, 4, 8)
 
 #: Registers a program needs beyond its tiles (addresses, loop counters, row statistics m_i/l_i, masks): measured
-#: kernels sit 30-60 above their tile footprint.
-_REG_OVERHEAD = 48
+#: kernels (compile-check on sm80) sit 20-70 above their tile footprint.
+_REG_OVERHEAD = 64
 #: Fraction of the register limit the estimate may fill: the estimate ignores transient copies (layout conversions,
 #: the P tile in both accumulator and operand layouts), so leave headroom instead of meeting spills at the limit.
-_REG_HEADROOM = 0.9
+_REG_HEADROOM = 0.8
 #: Score elements each thread should own at least: fewer and warps only add synchronization, no throughput.
 _MIN_ELEMS_PER_THREAD = 4
 #: The merge kernels hold an fp32 accumulator and one loaded tile per (head, dim) element.
@@ -88,11 +88,22 @@ class LaunchOptions:
 
 @dataclass(frozen=True, order=True)
 class AttentionConfig:
-    """One configuration of the fused kernel: tiles per kind of program plus the launch options they share."""
+    """One configuration of the fused kernel: tiles per kind of program plus the launch options they share.
+
+    ``launch`` applies to launches holding shared-node items (``HAS_SHARED=True``: both kinds of programs share one
+    warp count and pipeline depth); ``suffix_launch`` to launches of suffix items only (``HAS_SHARED=False``, the
+    shared branch compiled out: plain paged decode, split-k), whose small tiles want fewer warps. ``None`` means
+    the same as ``launch``.
+    """
 
     shared: Tiles
     suffix: Tiles
     launch: LaunchOptions = LaunchOptions()
+    suffix_launch: LaunchOptions | None = None
+
+    def launch_for(self, has_shared: bool) -> LaunchOptions:
+        """Launch options of a launch with (or without) shared-node items."""
+        return self.launch if has_shared or self.suffix_launch is None else self.suffix_launch
 
     def constexprs(self) -> dict:
         """The kernel's tile constexprs (``BLOCK_D`` depends on the head size, not on the config)."""
@@ -100,14 +111,19 @@ class AttentionConfig:
                 "BLOCK_M_SUFFIX": self.suffix.block_m, "BLOCK_N_SUFFIX": self.suffix.block_n}
 
     def to_dict(self) -> dict:
-        return {"shared": asdict(self.shared), "suffix": asdict(self.suffix), "launch": asdict(self.launch)}
+        d = {"shared": asdict(self.shared), "suffix": asdict(self.suffix), "launch": asdict(self.launch)}
+        if self.suffix_launch is not None:
+            d["suffix_launch"] = asdict(self.suffix_launch)
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "AttentionConfig":
         """Inverse of :meth:`to_dict`; ValueError naming the field on anything malformed."""
         try:
+            sl = d.get("suffix_launch")
             cfg = cls(shared=Tiles(**d["shared"]), suffix=Tiles(**d["suffix"]),
-                      launch=LaunchOptions(**d.get("launch", {})))
+                      launch=LaunchOptions(**d.get("launch", {})),
+                      suffix_launch=LaunchOptions(**sl) if sl is not None else None)
         except (KeyError, TypeError) as e:
             raise ValueError(f"config: expected {{'shared': {{block_m, block_n}}, 'suffix': {{...}}, "
                              f"'launch': {{num_warps, num_stages, ...}}}}, got {d!r} ({e})") from None
@@ -121,6 +137,11 @@ class AttentionConfig:
         lo = self.launch
         if lo.waves_per_eu or lo.matrix_instr_nonkdim or lo.kpack != 1:
             s += f"_wpe{lo.waves_per_eu}_nk{lo.matrix_instr_nonkdim}_kp{lo.kpack}"
+        sl = self.suffix_launch
+        if sl is not None and sl != lo:
+            s += f"_sfw{sl.num_warps}_s{sl.num_stages}"
+            if sl.waves_per_eu or sl.matrix_instr_nonkdim or sl.kpack != 1:
+                s += f"_wpe{sl.waves_per_eu}_nk{sl.matrix_instr_nonkdim}_kp{sl.kpack}"
         return s
 
 
@@ -147,15 +168,18 @@ def check_config(cfg: AttentionConfig) -> None:
             v = getattr(tiles, name)
             if not _is_pow2(v) or v < MIN_DOT_DIM:
                 raise ValueError(f"config.{part}.{name}: expected a power of two >= {MIN_DOT_DIM}, got {v!r}")
-    lo = cfg.launch
-    if not _is_pow2(lo.num_warps) or lo.num_warps > 16:
-        raise ValueError(f"config.launch.num_warps: expected a power of two <= 16, got {lo.num_warps!r}")
-    if not isinstance(lo.num_stages, int) or lo.num_stages < 1:
-        raise ValueError(f"config.launch.num_stages: expected an int >= 1, got {lo.num_stages!r}")
-    if lo.matrix_instr_nonkdim not in (0, 16, 32):
-        raise ValueError(f"config.launch.matrix_instr_nonkdim: expected 0, 16 or 32, got {lo.matrix_instr_nonkdim!r}")
-    if lo.kpack not in (1, 2):
-        raise ValueError(f"config.launch.kpack: expected 1 or 2, got {lo.kpack!r}")
+    for name, lo in (("launch", cfg.launch), ("suffix_launch", cfg.suffix_launch)):
+        if lo is None:
+            continue
+        if not _is_pow2(lo.num_warps) or lo.num_warps > 16:
+            raise ValueError(f"config.{name}.num_warps: expected a power of two <= 16, got {lo.num_warps!r}")
+        if not isinstance(lo.num_stages, int) or lo.num_stages < 1:
+            raise ValueError(f"config.{name}.num_stages: expected an int >= 1, got {lo.num_stages!r}")
+        if lo.matrix_instr_nonkdim not in (0, 16, 32):
+            raise ValueError(f"config.{name}.matrix_instr_nonkdim: expected 0, 16 or 32, "
+                             f"got {lo.matrix_instr_nonkdim!r}")
+        if lo.kpack not in (1, 2):
+            raise ValueError(f"config.{name}.kpack: expected 1 or 2, got {lo.kpack!r}")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -224,6 +248,36 @@ def attention_space(target: Target) -> list[AttentionConfig]:
     return [AttentionConfig(s, f, lo) for s, f, lo in itertools.product(shared, suffix, launch_space(target))]
 
 
+def _knob_reason(lo: LaunchOptions, target: Target, tiles: list[Tiles]) -> str | None:
+    """Launch options ``target`` does not take, or that do not suit ``tiles``."""
+    if target.is_hip:
+        if lo.num_stages not in NUM_STAGES_HIP:
+            return f"num_stages {lo.num_stages} not used on HIP"
+        if lo.kpack not in target.hip_knobs["kpack"]:
+            return f"kpack {lo.kpack} not accepted by {target.name}"
+        if lo.matrix_instr_nonkdim == 32 and min(min(t.block_m, t.block_n) for t in tiles) < 32:
+            return "matrix_instr_nonkdim 32 needs every M and N tile >= 32"
+        if lo.kpack == 2 and min(t.block_n for t in tiles) < 32:
+            return "kpack 2 needs every KV tile >= 32 (K of the P @ V dot)"
+    elif lo.waves_per_eu or lo.matrix_instr_nonkdim or lo.kpack != 1:
+        return "HIP knobs set on a CUDA target"
+    threads = lo.num_warps * target.warp_size
+    for t in tiles:
+        if t.block_m * t.block_n < threads * _MIN_ELEMS_PER_THREAD:
+            return f"tile {t.block_m}x{t.block_n} too small for {lo.num_warps} warps"
+    return None
+
+
+def _resource_reason(regs: int, smem: int, lo: LaunchOptions, target: Target) -> str | None:
+    if regs > _REG_HEADROOM * target.max_regs_per_thread:
+        return f"~{regs} registers/thread > {_REG_HEADROOM:.0%} of {target.max_regs_per_thread}"
+    if target.is_hip and lo.waves_per_eu and regs > target.max_regs_per_thread // lo.waves_per_eu:
+        return f"waves_per_eu {lo.waves_per_eu} caps registers below the ~{regs} needed (would spill)"
+    if smem > target.max_shared_bytes:
+        return f"~{smem} B shared memory > {target.max_shared_bytes}"
+    return None
+
+
 def prune_reason(cfg: AttentionConfig, target: Target, *, head_dim: int, dtype: str, group: int = 1,
                  q_rows: int | None = None, max_q_len: int | None = None, kv_len: int | None = None,
                  resources: bool = True) -> str | None:
@@ -233,23 +287,18 @@ def prune_reason(cfg: AttentionConfig, target: Target, *, head_dim: int, dtype: 
     (``block_m >= group``) and need not exceed the rows there are (``q_rows`` tokens per shared node,
     ``max_q_len`` tokens per request, times ``group``); a KV tile need not exceed ``kv_len``.
     ``resources=False`` skips the register/shared-memory estimates: for configs whose resources were measured
-    (shipped tables are compile-checked, user caches were timed on the device).
+    (shipped tables are compile-checked, user caches were timed on the device). ``cfg.suffix_launch`` is checked
+    against the suffix tiles alone (the shared branch is compiled out of those launches).
     """
     if dtype not in DTYPE_BYTES:
         return f"dtype {dtype!r} not in {tuple(DTYPE_BYTES)}"
-    lo = cfg.launch
-    if target.is_hip:
-        if lo.num_stages not in NUM_STAGES_HIP:
-            return f"num_stages {lo.num_stages} not used on HIP"
-        if lo.kpack not in target.hip_knobs["kpack"]:
-            return f"kpack {lo.kpack} not accepted by {target.name}"
-        if lo.matrix_instr_nonkdim == 32 and min(cfg.shared.block_m, cfg.shared.block_n,
-                                                 cfg.suffix.block_m, cfg.suffix.block_n) < 32:
-            return "matrix_instr_nonkdim 32 needs every M and N tile >= 32"
-        if lo.kpack == 2 and min(cfg.shared.block_n, cfg.suffix.block_n) < 32:
-            return "kpack 2 needs every KV tile >= 32 (K of the P @ V dot)"
-    elif lo.waves_per_eu or lo.matrix_instr_nonkdim or lo.kpack != 1:
-        return "HIP knobs set on a CUDA target"
+    why = _knob_reason(cfg.launch, target, [cfg.shared, cfg.suffix])
+    if why:
+        return why
+    if cfg.suffix_launch is not None:
+        why = _knob_reason(cfg.suffix_launch, target, [cfg.suffix])
+        if why:
+            return f"suffix_launch: {why}"
     g = _pow2_at_least(group)
     for part, tiles, rows in (("shared", cfg.shared, q_rows), ("suffix", cfg.suffix, max_q_len)):
         if tiles.block_m < g:
@@ -258,19 +307,18 @@ def prune_reason(cfg: AttentionConfig, target: Target, *, head_dim: int, dtype: 
             return f"{part} block_m {tiles.block_m} exceeds {rows} rows x group {group}"
         if kv_len is not None and tiles.block_n > max(MIN_DOT_DIM, _pow2_at_least(kv_len)):
             return f"{part} block_n {tiles.block_n} exceeds kv_len {kv_len}"
-        threads = lo.num_warps * target.warp_size
-        if tiles.block_m * tiles.block_n < threads * _MIN_ELEMS_PER_THREAD:
-            return f"{part} tile {tiles.block_m}x{tiles.block_n} too small for {lo.num_warps} warps"
     if not resources:
         return None
-    regs = config_registers(cfg, head_dim, dtype, target)
-    if regs > _REG_HEADROOM * target.max_regs_per_thread:
-        return f"~{regs} registers/thread > {_REG_HEADROOM:.0%} of {target.max_regs_per_thread}"
-    if target.is_hip and lo.waves_per_eu and regs > target.max_regs_per_thread // lo.waves_per_eu:
-        return f"waves_per_eu {lo.waves_per_eu} caps registers below the ~{regs} needed (would spill)"
-    smem = config_shared_bytes(cfg, head_dim, dtype, target)
-    if smem > target.max_shared_bytes:
-        return f"~{smem} B shared memory > {target.max_shared_bytes}"
+    why = _resource_reason(config_registers(cfg, head_dim, dtype, target),
+                           config_shared_bytes(cfg, head_dim, dtype, target), cfg.launch, target)
+    if why:
+        return why
+    if cfg.suffix_launch is not None:
+        sl = cfg.suffix_launch
+        why = _resource_reason(part_registers(cfg.suffix, head_dim, dtype, sl.num_warps, target),
+                               part_shared_bytes(cfg.suffix, head_dim, dtype, sl.num_stages, target), sl, target)
+        if why:
+            return f"suffix_launch: {why}"
     return None
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from prefixattn.autotune.buckets import Bucket
 from prefixattn.autotune.config_space import (DTYPE_BYTES, AttentionConfig, Tiles, block_d, config_registers,
-                                              config_shared_bytes)
+                                              config_shared_bytes, part_registers, part_shared_bytes)
 from prefixattn.autotune.targets import Target
 
 #: Global-memory round trip (~600-800 ns on HBM GPUs): the latency one KV step exposes without pipelining.
@@ -71,24 +71,30 @@ def step_work(bucket: Bucket, cfg: AttentionConfig) -> tuple[PartWork, PartWork]
 
 
 def occupancy(cfg: AttentionConfig, bucket: Bucket, target: Target, registers: int | None = None,
-              shared_bytes: int | None = None) -> int:
-    """Resident programs per SM/CU. ``registers``/``shared_bytes`` override the estimates (measured values)."""
-    regs = registers if registers is not None else config_registers(cfg, bucket.head_dim, bucket.dtype, target)
-    smem = shared_bytes if shared_bytes is not None else config_shared_bytes(cfg, bucket.head_dim, bucket.dtype,
-                                                                            target)
-    threads = cfg.launch.num_warps * target.warp_size
+              shared_bytes: int | None = None, has_shared: bool = True) -> int:
+    """Resident programs per SM/CU. ``registers``/``shared_bytes`` override the estimates (measured values);
+    ``has_shared=False``: a launch of suffix items only (the shared branch compiled out)."""
+    lo = cfg.launch_for(has_shared)
+    if has_shared:
+        est_regs = config_registers(cfg, bucket.head_dim, bucket.dtype, target)
+        est_smem = config_shared_bytes(cfg, bucket.head_dim, bucket.dtype, target)
+    else:
+        est_regs = part_registers(cfg.suffix, bucket.head_dim, bucket.dtype, lo.num_warps, target)
+        est_smem = part_shared_bytes(cfg.suffix, bucket.head_dim, bucket.dtype, lo.num_stages, target)
+    regs = registers if registers is not None else est_regs
+    smem = shared_bytes if shared_bytes is not None else est_smem
+    threads = lo.num_warps * target.warp_size
     limits = [target.max_programs_per_sm, target.max_threads_per_sm // threads,
               target.regs_per_sm // max(1, regs * threads)]
     if smem > 0:
         limits.append(target.shared_per_sm // smem)
-    if target.is_hip and cfg.launch.waves_per_eu:
+    if target.is_hip and lo.waves_per_eu:
         # The hint caps registers so that this many waves fit per SIMD; occupancy is at least that.
-        limits = [max(min(limits), cfg.launch.waves_per_eu * 4 // cfg.launch.num_warps)]
+        limits = [max(min(limits), lo.waves_per_eu * 4 // lo.num_warps)]
     return max(0, min(limits))
 
 
-def _part_seconds(tiles: Tiles, work: PartWork, bucket: Bucket, cfg: AttentionConfig, target: Target,
-                  occ: int) -> float:
+def _part_seconds(tiles: Tiles, work: PartWork, bucket: Bucket, launch, target: Target, occ: int) -> float:
     if work.programs == 0:
         return 0.0
     bd = block_d(bucket.head_dim)
@@ -102,7 +108,7 @@ def _part_seconds(tiles: Tiles, work: PartWork, bucket: Bucket, cfg: AttentionCo
     resident = min(occ, math.ceil(work.programs / target.num_sms))
     active_sms = min(target.num_sms, work.programs)
     bw = min(target.mem_bw_gbs * 1e9 / active_sms, SM_MAX_BW_GBS * 1e9)
-    depth = cfg.launch.num_stages if not target.is_hip else min(cfg.launch.num_stages, 2)
+    depth = launch.num_stages if not target.is_hip else min(launch.num_stages, 2)
     latency = steps * (MEM_LATENCY_S / depth + STEP_CHAIN_S)
     wave = (max(resident * flops / peak, resident * bytes_moved / bw, latency) + steps * STEP_OVERHEAD_S
             + PROGRAM_OVERHEAD_S)
@@ -111,18 +117,24 @@ def _part_seconds(tiles: Tiles, work: PartWork, bucket: Bucket, cfg: AttentionCo
 
 
 def estimate_seconds(cfg: AttentionConfig, bucket: Bucket, target: Target, *, registers: int | None = None,
-                     shared_bytes: int | None = None) -> float:
+                     shared_bytes: int | None = None, has_shared: bool = True) -> float:
     """Modelled time of the representative step of ``bucket``; ``inf`` when ``cfg`` cannot be resident at all.
 
     Both kinds of programs share the SMs of one launch; the model adds their times (the fused launch removes the
-    second launch's tail and overhead, not the work).
+    second launch's tail and overhead, not the work). ``has_shared=False`` models a step without shared nodes: every
+    query row is suffix work, under ``cfg.suffix_launch``.
     """
-    occ = occupancy(cfg, bucket, target, registers, shared_bytes)
+    occ = occupancy(cfg, bucket, target, registers, shared_bytes, has_shared)
     if occ < 1:
         return math.inf
+    lo = cfg.launch_for(has_shared)
     shared, suffix = step_work(bucket, cfg)
-    return (_part_seconds(cfg.shared, shared, bucket, cfg, target, occ)
-            + _part_seconds(cfg.suffix, suffix, bucket, cfg, target, occ))
+    if not has_shared:
+        # Every request already has its suffix programs; unshared, each also reads the prefix KV itself.
+        suffix = PartWork(suffix.programs, suffix.rows, suffix.kv_len + bucket.kv_len)
+        return _part_seconds(cfg.suffix, suffix, bucket, lo, target, occ)
+    return (_part_seconds(cfg.shared, shared, bucket, lo, target, occ)
+            + _part_seconds(cfg.suffix, suffix, bucket, lo, target, occ))
 
 
 def _knob_distance(cfg: AttentionConfig) -> tuple:

@@ -33,19 +33,19 @@ from pathlib import Path
 
 from prefixattn.autotune import cost_model
 from prefixattn.autotune.buckets import Bucket, distance, make_bucket
+from prefixattn.autotune.shipped_tables import SHIPPED_FORMAT
 from prefixattn.autotune.config_space import (HEAD_DIMS, MIN_DOT_DIM, AttentionConfig, LaunchOptions, MergeConfig, Tiles,
                                               attention_space, block_d, prune, prune_reason)
 from prefixattn.autotune.targets import Target, detect_target, get_target
 from prefixattn.autotune.tuning_cache import TuningCache, cache_path
 
-#: Format of the shipped tables (configs/<target>.json).
-SHIPPED_FORMAT = 1
 #: Environment variable holding a fixed config (JSON text or a path to a JSON file).
 FIXED_ENV = "PREFIXATTN_TILE_CONFIG"
 
-# Heuristic tiles (the documented default when no table applies). Shared tiles: 128 (row x head) lanes per program,
-# the FlashAttention-2 forward M tile, so each KV tile read from HBM feeds a full tensor-core matmul; 64 keys per
-# step keeps the 128 x 64 fp32 score tile and the 128 x head_dim accumulator in registers for head_dim <= 128.
+# Heuristic tiles (the documented default when no table applies; the values prefixattn.attention_configs shipped
+# before the lookup). Shared tiles: 128 (row x head) lanes per program, the FlashAttention-2 forward M tile, so each
+# KV tile read from HBM feeds a full tensor-core matmul; 64 keys per step keeps the 128 x 64 fp32 score tile and the
+# 128 x head_dim accumulator in registers for head_dim <= 128.
 HEURISTIC_BLOCK_M_SHARED = 128
 HEURISTIC_BLOCK_N = 64
 #: head_dim above this doubles the accumulator: halve the KV tile to keep the register budget.
@@ -55,8 +55,13 @@ HEURISTIC_BLOCK_N_LARGE_HEAD = 32
 #: GQA group; 64 lanes for prefill chunks (reuse of each KV tile vs. number of programs).
 HEURISTIC_BLOCK_M_DECODE = 16
 HEURISTIC_BLOCK_M_PREFILL = 64
-#: Triton's own launch defaults.
-HEURISTIC_LAUNCH = LaunchOptions(num_warps=4, num_stages=2)
+#: fp32 inputs take IEEE fp32 dots (no tensor cores; each product is FMAs in registers): halve the tiles.
+HEURISTIC_BLOCK_M_SHARED_FP32 = 64
+HEURISTIC_BLOCK_N_FP32 = 32
+#: Launches with shared items need 8 warps for the 128 x head_dim accumulator and the gathered KV pointer tiles
+#: (sm_90, head_dim 128, fp16: spills at 4 warps); suffix-only launches take 4 (several programs per SM).
+HEURISTIC_LAUNCH = LaunchOptions(num_warps=8, num_stages=3)
+HEURISTIC_SUFFIX_LAUNCH = LaunchOptions(num_warps=4, num_stages=3)
 #: Merge kernels: fp32 accumulator elements per program (BLOCK_H x BLOCK_D); 4096 over 4 warps is 32 per thread.
 MERGE_TILE_ELEMS = 4096
 
@@ -137,17 +142,24 @@ def _pow2_at_least(x: int) -> int:
     return 1 << (max(1, int(x)) - 1).bit_length()
 
 
-def heuristic_config(bucket: Bucket) -> AttentionConfig:
+def heuristic_config(bucket: Bucket, group: int | None = None) -> AttentionConfig:
     """The documented default: FlashAttention-2-like shared tiles, decode- or prefill-shaped suffix tiles.
 
-    Every M tile holds at least one query row with all of its GQA heads.
+    Every M tile holds at least one query row with all of its GQA heads (``group``: the real GQA group when it
+    exceeds the bucket's clamp).
     """
-    g = _pow2_at_least(bucket.group)
+    group = group if group is not None else bucket.group
+    g = _pow2_at_least(group)
+    fp32 = bucket.dtype == "fp32"
     block_n = HEURISTIC_BLOCK_N_LARGE_HEAD if bucket.head_dim > HEURISTIC_LARGE_HEAD_DIM else HEURISTIC_BLOCK_N
-    decode = bucket.group * bucket.max_q_len <= HEURISTIC_BLOCK_M_DECODE
+    if fp32:
+        block_n = min(block_n, HEURISTIC_BLOCK_N_FP32)
+    decode = group * bucket.max_q_len <= HEURISTIC_BLOCK_M_DECODE
     suffix_m = HEURISTIC_BLOCK_M_DECODE if decode else HEURISTIC_BLOCK_M_PREFILL
-    return AttentionConfig(shared=Tiles(max(HEURISTIC_BLOCK_M_SHARED, g), block_n),
-                           suffix=Tiles(max(suffix_m, g, MIN_DOT_DIM), block_n), launch=HEURISTIC_LAUNCH)
+    shared_m = HEURISTIC_BLOCK_M_SHARED_FP32 if fp32 else HEURISTIC_BLOCK_M_SHARED
+    return AttentionConfig(shared=Tiles(max(shared_m, g), block_n),
+                           suffix=Tiles(max(suffix_m, g, MIN_DOT_DIM), block_n), launch=HEURISTIC_LAUNCH,
+                           suffix_launch=HEURISTIC_SUFFIX_LAUNCH)
 
 
 def heuristic_merge_config(head_dim: int, num_heads: int) -> MergeConfig:
@@ -160,10 +172,14 @@ def shipped_path(target_name: str):
     return importlib.resources.files("prefixattn.autotune").joinpath("configs", f"{target_name}.json")
 
 
-@functools.lru_cache(maxsize=None)
 def load_shipped(target_name: str) -> dict[Bucket, AttentionConfig]:
     """The shipped table of ``target_name`` (empty when the package has none). A broken shipped file is a packaging
     bug, so it raises instead of warning."""
+    return _load_shipped(target_name)
+
+
+@functools.lru_cache(maxsize=None)
+def _load_shipped(target_name: str) -> dict[Bucket, AttentionConfig]:
     path = shipped_path(target_name)
     if not path.is_file():
         return {}
@@ -179,12 +195,13 @@ def _user_cache(path: str) -> TuningCache:
     return TuningCache(Path(path))
 
 
-def _fits(cfg: AttentionConfig, bucket: Bucket, target: Target | None) -> bool:
-    """Shape checks only: table and cache configs had their resources measured."""
+def _fits(cfg: AttentionConfig, bucket: Bucket, target: Target | None, group: int | None = None) -> bool:
+    """Shape checks only (table and cache configs had their resources measured). ``group``: the real GQA group
+    (the bucket clamps it)."""
     if target is None:
         return True
-    return prune_reason(cfg, target, head_dim=bucket.head_dim, dtype=bucket.dtype, group=bucket.group,
-                        resources=False) is None
+    return prune_reason(cfg, target, head_dim=bucket.head_dim, dtype=bucket.dtype,
+                        group=group if group is not None else bucket.group, resources=False) is None
 
 
 def _stand_ins(bucket: Bucket) -> list[tuple[int, str]]:
@@ -198,7 +215,8 @@ def _stand_ins(bucket: Bucket) -> list[tuple[int, str]]:
     return pairs
 
 
-def nearest_entry(bucket: Bucket, table: dict, target: Target | None) -> tuple[Bucket, object] | None:
+def nearest_entry(bucket: Bucket, table: dict, target: Target | None,
+                  group: int | None = None) -> tuple[Bucket, object] | None:
     """The entry of ``table`` (Bucket -> config or cache entry) nearest to ``bucket`` that fits its shape."""
     for head_dim, dtype in _stand_ins(bucket):
         probe = Bucket(head_dim=head_dim, dtype=dtype, group=bucket.group, q_rows=bucket.q_rows,
@@ -207,15 +225,15 @@ def nearest_entry(bucket: Bucket, table: dict, target: Target | None) -> tuple[B
         for _, b in ranked:
             value = table[b]
             cfg = value if isinstance(value, AttentionConfig) else value.config
-            if _fits(cfg, bucket, target):
+            if _fits(cfg, bucket, target, group):
                 return b, value
     return None
 
 
-def cost_model_config(bucket: Bucket, target: Target) -> AttentionConfig | None:
+def cost_model_config(bucket: Bucket, target: Target, group: int | None = None) -> AttentionConfig | None:
     """The analytic model's best config among the survivors of the pruned space, or None if nothing survives."""
     survivors = prune(attention_space(target), target, head_dim=bucket.head_dim, dtype=bucket.dtype,
-                      group=bucket.group, q_rows=bucket.q_rows, max_q_len=bucket.max_q_len, kv_len=bucket.kv_len)
+                      group=group if group is not None else bucket.group, q_rows=bucket.q_rows, max_q_len=bucket.max_q_len, kv_len=bucket.kv_len)
     ranked = cost_model.rank(survivors, bucket, target)
     return ranked[0][1] if ranked and ranked[0][0] != float("inf") else None
 
@@ -233,7 +251,7 @@ def clear_caches() -> None:
     """Forget memoized selections and loaded tables (after ``prefixattn tune`` wrote new entries, or in tests)."""
     with _memo_lock:
         _memo.clear()
-    load_shipped.cache_clear()
+    _load_shipped.cache_clear()
     _user_cache.cache_clear()
     _detect.cache_clear()
 
@@ -309,35 +327,35 @@ def select_config(*, head_dim: int, dtype, group: int = 1, q_rows: int = 1, max_
     if fixed is not None:
         return Selection(fixed, "fixed", bucket)
     tgt = _resolve_target(target)
-    key = (tgt.name if tgt else None, bucket, str(cache_dir) if cache_dir else None)
+    key = (tgt.name if tgt else None, bucket, group, str(cache_dir) if cache_dir else None)
     with _memo_lock:
         hit = _memo.get(key)
     if hit is not None:
         return hit
-    sel = _select(bucket, tgt, cache_dir)
+    sel = _select(bucket, tgt, cache_dir, group)
     with _memo_lock:
         _memo[key] = sel
     return sel
 
 
-def _select(bucket: Bucket, target: Target | None, cache_dir: Path | None) -> Selection:
+def _select(bucket: Bucket, target: Target | None, cache_dir: Path | None, group: int) -> Selection:
     if target is None:
-        return Selection(heuristic_config(bucket), "heuristic", bucket)
+        return Selection(heuristic_config(bucket, group), "heuristic", bucket)
     name = target.name
     user = _user_cache(str(cache_path(name, cache_dir)))
     exact = user.get(bucket)
-    if exact is not None and _fits(exact.config, bucket, target):
+    if exact is not None and _fits(exact.config, bucket, target, group):
         return Selection(exact.config, "user-cache", bucket, bucket, name)
-    found = nearest_entry(bucket, load_shipped(name), target)
+    found = nearest_entry(bucket, load_shipped(name), target, group)
     if found is not None:
         return Selection(found[1], "shipped", bucket, found[0], name)
-    found = nearest_entry(bucket, user.entries, target)
+    found = nearest_entry(bucket, user.entries, target, group)
     if found is not None:
         return Selection(found[1].config, "user-cache-nearest", bucket, found[0], name)
-    cfg = cost_model_config(bucket, target)
+    cfg = cost_model_config(bucket, target, group)
     if cfg is not None:
         return Selection(cfg, "cost-model", bucket, None, name)
-    return Selection(heuristic_config(bucket), "heuristic", bucket, None, name)
+    return Selection(heuristic_config(bucket, group), "heuristic", bucket, None, name)
 
 
 def choose_config(**kwargs) -> AttentionConfig:

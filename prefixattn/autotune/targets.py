@@ -75,6 +75,11 @@ class Target:
     def is_hip(self) -> bool:
         return self.backend == "hip"
 
+    @property
+    def default_num_stages(self) -> int:
+        """Triton's ``num_stages`` when a launch passes none (CUDAOptions: 3, HIPOptions: 2)."""
+        return 2 if self.is_hip else 3
+
     def smem_buffers(self, num_stages: int) -> int:
         """Copies of each pipelined K/V tile kept in shared memory for ``num_stages``.
 

@@ -1,0 +1,403 @@
+"""``prefixattn compile-check``: compile every kernel variant for GPU targets on this machine (no GPU needed).
+
+For each target, kernel variant, dtype, head size and default config it runs ``triton.compile`` for the target and
+reports: compile ok, registers (ptxas ``-v`` on NVIDIA; ``.vgpr_count`` (+ AGPRs) on AMD), spills (ptxas spill
+store + load bytes; ``.vgpr_spill_count`` and scratch on AMD), shared memory / LDS, and whether the shared-node part
+of the fused kernel issues matrix instructions: its ``tt.dot`` ops got a tensor-core layout in the TTGIR
+(``nvidia_mma`` v2 = ``mma.sync``, v3 = ``wgmma``; ``amd_mfma``) and the assembly contains them. Dots are attributed
+to the shared part by their shapes, ``[BLOCK_M_SHARED, BLOCK_D] x [BLOCK_D, BLOCK_N_SHARED]`` and
+``[BLOCK_M_SHARED, BLOCK_N_SHARED] x [BLOCK_N_SHARED, BLOCK_D]`` (a suffix dot of the same shapes gets the same
+layout, so sharing a shape cannot hide a fallback).
+
+Exit status 1 when any compile fails, any default config spills, uses more shared memory than the target has, or
+(fp16/bf16, and fp32 on AMD) its shared-node part has no matrix instructions. Compiles run in worker processes with
+``TRITON_INTERPRET=0`` (a kernel defined under the interpreter cannot be compiled), ``--jobs`` at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict
+from multiprocessing import get_context
+from pathlib import Path
+
+from prefixattn.autotune.config_space import DTYPE_BYTES, HEAD_DIMS
+from prefixattn.autotune.targets import DEFAULT_CHECK_TARGETS, TARGETS, get_target, parse_targets
+
+HELP = ("compile every kernel variant for sm80/sm90/gfx90a/gfx942 without a GPU; report registers, spills, "
+        "shared memory and matrix instructions")
+
+KERNELS = ("prefix_attention", "merge")
+
+_DOT_RE = re.compile(r"=\s*(tt\.dot|ttng\.warp_group_dot)\s(.*)$")
+_OPERAND_RE = re.compile(r"(?:tensor|!ttg\.memdesc)<(\d+)x(\d+)x(\w+)")
+_RESULT_RE = re.compile(r"->\s*tensor<(\d+)x(\d+)x\w+,\s*(#[\w.]+)")
+_ALIAS_RE = re.compile(r"^(#[\w.]+)\s*=\s*(.*)$", re.MULTILINE)
+_PTXAS_REGS = re.compile(r"Used (\d+) registers")
+_PTXAS_SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+_PTXAS_STACK = re.compile(r"(\d+) bytes stack frame")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Analysis of compiled artifacts (pure functions of the text, unit-testable)
+# ---------------------------------------------------------------------------------------------------------------
+
+def parse_dots(ttgir: str) -> list[dict]:
+    """Every dot of a TTGIR module: ``{"m", "k", "n", "dtype", "layout"}`` with layout ``mma_v2``, ``wgmma``,
+    ``mfma``, ``wmma`` or ``fma`` (no matrix unit)."""
+    aliases = dict(_ALIAS_RE.findall(ttgir))
+    dots = []
+    for line in ttgir.splitlines():
+        m = _DOT_RE.search(line)
+        if not m:
+            continue
+        ops = _OPERAND_RE.findall(m.group(2))
+        res = _RESULT_RE.search(m.group(2))
+        if len(ops) < 2 or res is None:
+            continue
+        (am, ak, adt), (_, bn_k, _) = ops[0], ops[1]
+        bn = ops[1][1]
+        enc = res.group(3)
+        definition = aliases.get(enc, enc)
+        if "nvidia_mma" in definition:
+            v = re.search(r"versionMajor\s*=\s*(\d+)", definition)
+            layout = "wgmma" if (m.group(1) == "ttng.warp_group_dot" or (v and int(v.group(1)) >= 3)) else "mma_v2"
+        elif "amd_mfma" in definition:
+            layout = "mfma"
+        elif "amd_wmma" in definition:
+            layout = "wmma"
+        else:
+            layout = "fma"
+        dots.append({"m": int(am), "k": int(ak), "n": int(bn), "dtype": adt, "layout": layout})
+    return dots
+
+
+def count_matrix_instrs(asm: str, backend: str) -> dict:
+    """Matrix instructions in PTX (``mma.sync``, ``wgmma.mma_async``) or AMDGCN (``v_mfma*``), by mnemonic."""
+    pattern = r"\b(mma\.sync|wgmma\.mma_async)\b" if backend == "cuda" else r"\b(v_mfma\w*)"
+    counts: dict[str, int] = {}
+    for name in re.findall(pattern, asm):
+        counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def parse_ptxas(log: str) -> dict:
+    regs = _PTXAS_REGS.search(log)
+    spill = _PTXAS_SPILL.search(log)
+    stack = _PTXAS_STACK.search(log)
+    return {"registers": int(regs.group(1)) if regs else None,
+            "spill_bytes": (int(spill.group(1)) + int(spill.group(2))) if spill else None,
+            "stack_bytes": int(stack.group(1)) if stack else None}
+
+
+def parse_amdgcn(asm: str) -> dict:
+    def field(name):
+        m = re.search(rf"^[\s-]*\.{name}:\s*(\d+)", asm, re.MULTILINE)
+        return int(m.group(1)) if m else None
+
+    vgpr, agpr = field("vgpr_count"), field("agpr_count")
+    return {"registers": vgpr, "agprs": agpr, "sgprs": field("sgpr_count"),
+            "vgpr_spills": field("vgpr_spill_count"), "sgpr_spills": field("sgpr_spill_count"),
+            "scratch_bytes": field("private_segment_fixed_size"), "lds_bytes": field("group_segment_fixed_size")}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Worker
+# ---------------------------------------------------------------------------------------------------------------
+
+def _worker_init() -> None:
+    # Must precede any kernel import in this process: @triton.jit decides at decoration time.
+    os.environ["TRITON_INTERPRET"] = "0"
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, without its warning
+
+
+def _ptxas_log(ptx: str, arch: int) -> str:
+    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+
+    with tempfile.TemporaryDirectory() as d:
+        src = Path(d) / "k.ptx"
+        src.write_text(ptx)
+        # The flags Triton's make_cubin passes (ptxas 13 needs --regAllocOptLevel=2 there too).
+        cmd = [get_ptxas(arch).path, "-v", "--regAllocOptLevel=2", f"--gpu-name={sm_arch_from_capability(arch)}",
+               str(src), "-o", str(Path(d) / "k.o")]
+        return subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
+
+
+def compile_one(job) -> dict:
+    """Compile one job (in a worker process) and measure it. Never raises: failures become ``ok: False``."""
+    import importlib
+
+    record = {k: v for k, v in asdict(job).items() if k not in ("signature", "constexprs", "attrs", "fn")}
+    record["serves"] = list(job.serves)
+    record["shared_dots"] = [list(d) for d in job.shared_dots]
+    target = TARGETS[job.target]
+    t0 = time.perf_counter()
+    try:
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+
+        module, attr = job.fn.split(":")
+        fn = getattr(importlib.import_module(module), attr)
+        gpu = GPUTarget(target.backend, target.arch, target.warp_size)
+        src = ASTSource(fn=fn, signature=dict(job.signature), constexprs=dict(job.constexprs),
+                        attrs={tuple(k): v for k, v in job.attrs.items()})
+        log = io.StringIO()
+        if target.backend == "cuda":
+            triton.knobs.nvidia.dump_ptxas_log = True  # Triton prints ptxas -v output; captured below
+        with contextlib.redirect_stdout(log):
+            ck = triton.compile(src, target=gpu, options=dict(job.options))
+    except Exception as e:  # noqa: BLE001 - any compiler error is a result to report, not a crash
+        record.update(ok=False, error=f"{type(e).__name__}: {str(e).strip()[:2000]}",
+                      compile_s=round(time.perf_counter() - t0, 2))
+        return record
+    record["compile_s"] = round(time.perf_counter() - t0, 2)
+    record["ok"] = True
+    record["shared_bytes"] = int(ck.metadata.shared)
+    record["shared_limit"] = target.max_shared_bytes
+    if target.backend == "cuda":
+        text = log.getvalue()
+        if _PTXAS_REGS.search(text) is None:  # cache hit: Triton did not run ptxas this time
+            text = _ptxas_log(ck.asm["ptx"], target.arch)
+        stats = parse_ptxas(text)
+        record.update(stats)
+        record["spills"] = stats["spill_bytes"]
+        asm = ck.asm["ptx"]
+    else:
+        asm = ck.asm["amdgcn"]
+        stats = parse_amdgcn(asm)
+        record.update(stats)
+        # A VGPR spill goes to scratch memory; SGPR spills land in VGPR lanes (reported, not counted).
+        record["spills"] = (stats["vgpr_spills"] or 0) + (stats["scratch_bytes"] or 0)
+    record["register_limit"] = target.max_regs_per_thread
+    record["matrix_instrs"] = count_matrix_instrs(asm, target.backend)
+    dots = parse_dots(ck.asm["ttgir"])
+    record["dots"] = dots
+    if job.shared_dots:
+        wanted = {tuple(d) for d in job.shared_dots}
+        shared = [d for d in dots if (d["m"], d["k"], d["n"]) in wanted]
+        record["shared_part_layouts"] = sorted({d["layout"] for d in shared})
+        record["shared_part_matrix"] = bool(shared) and all(d["layout"] != "fma" for d in shared) \
+            and bool(record["matrix_instrs"])
+    else:
+        record["shared_part_layouts"] = []
+        record["shared_part_matrix"] = None
+    return record
+
+
+def failures(record: dict) -> list[str]:
+    """Why ``record`` fails the check (empty when it passes)."""
+    if not record.get("ok"):
+        return [f"compile failed: {record.get('error', '?')[:300]}"]
+    why = []
+    if record.get("default", True):
+        if record.get("spills"):
+            why.append(f"spills ({record['spills']})")
+        if record.get("registers") is None:
+            why.append("no register count reported")
+    if record.get("shared_bytes", 0) > record.get("shared_limit", float("inf")):
+        why.append(f"shared memory {record['shared_bytes']} B > limit {record['shared_limit']} B")
+    if record.get("require_matrix") and record.get("shared_part_matrix") is False:
+        why.append(f"shared-node part without matrix instructions (layouts {record.get('shared_part_layouts')})")
+    return why
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Job lists
+# ---------------------------------------------------------------------------------------------------------------
+
+def _kernel_param_names() -> dict:
+    """Argument names of the kernels (read from their source, no import: the parent may run the interpreter)."""
+    import ast
+    import importlib.util
+
+    from prefixattn.autotune import compile_specs as cs
+
+    names = {}
+    for fn in (cs.FUSED_KERNEL, cs.MERGE_PAIR_KERNEL, cs.MERGE_N_KERNEL):
+        module, attr = fn.split(":")
+        spec = importlib.util.find_spec(module)
+        if spec is None or spec.origin is None:
+            continue
+        tree = ast.parse(Path(spec.origin).read_text())
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef) and node.name == attr:
+                names[fn] = [a.arg for a in node.args.args]
+    return names
+
+
+def default_attention_configs(target, head_dim: int, dtype: str) -> list[tuple[str, object]]:
+    """``(mode, config)`` pairs the lookup hands out for this target, head size and dtype, deduplicated.
+
+    From the shipped table when the target has one (every config it maps a bucket of this head size and dtype
+    to), else the cost model's and the heuristic's choice for a decode and a chunked-prefill bucket.
+    """
+    from prefixattn.autotune import lookup
+    from prefixattn.autotune.buckets import make_bucket
+
+    table = lookup.load_shipped(target.name)
+    pairs: dict = {}
+    for bucket, cfg in sorted(table.items()):
+        if bucket.head_dim == head_dim and bucket.dtype == dtype:
+            mode = "decode" if bucket.max_q_len == 1 else "chunked_prefill"
+            pairs.setdefault((mode, cfg), None)
+    if not pairs:
+        for mode, max_q_len in (("decode", 1), ("chunked_prefill", 512)):
+            bucket = make_bucket(head_dim=head_dim, dtype=dtype, group=4, q_rows=256, max_q_len=max_q_len,
+                                 kv_len=4096)
+            cfg = lookup.cost_model_config(bucket, target) or lookup.heuristic_config(bucket)
+            pairs.setdefault((mode, cfg), None)
+    return list(pairs)
+
+
+def build_jobs(*, targets, kernels, dtypes, head_dims, lse=(False, True), max_configs: int | None = None,
+               configs: list | None = None) -> list:
+    """Every job of the check. ``configs`` (a list of AttentionConfig) replaces the defaults (marked non-default)."""
+    from prefixattn.autotune import compile_specs as cs
+    from prefixattn.autotune.lookup import heuristic_merge_config
+
+    names = _kernel_param_names()
+    jobs = []
+    for target in targets:
+        for dtype in dtypes:
+            for head_dim in head_dims:
+                if "prefix_attention" in kernels and cs.FUSED_KERNEL in names:
+                    if configs is not None:
+                        pairs = [("custom", c) for c in configs]
+                    else:
+                        pairs = default_attention_configs(target, head_dim, dtype)
+                    if max_configs is not None:
+                        pairs = pairs[:max_configs]
+                    fused_names = names[cs.FUSED_KERNEL]
+                    shared_switch = (True, False) if "HAS_SHARED" in fused_names else (True,)
+                    for mode, cfg in pairs:
+                        for has_shared in shared_switch:
+                            for has_lse in lse:
+                                jobs.append(cs.fused_job(target=target, dtype=dtype, head_dim=head_dim, config=cfg,
+                                                         variant=mode, has_lse=has_lse, has_shared=has_shared,
+                                                         default=configs is None, param_names=fused_names))
+                if "merge" in kernels:
+                    jobs += cs.merge_jobs(target=target, dtype=dtype, head_dim=head_dim,
+                                          config=heuristic_merge_config(head_dim, cs.NUM_QO_HEADS),
+                                          param_names=names)
+    return jobs
+
+
+def run_jobs(jobs, *, workers: int, progress=None) -> list[dict]:
+    """Compile ``jobs`` in ``workers`` spawned processes (results in job order)."""
+    if not jobs:
+        return []
+    results: list = [None] * len(jobs)
+    with ProcessPoolExecutor(max_workers=max(1, workers), mp_context=get_context("spawn"),
+                             initializer=_worker_init) as pool:
+        futures = {pool.submit(compile_one, job): i for i, job in enumerate(jobs)}
+        from concurrent.futures import as_completed
+
+        for done, fut in enumerate(as_completed(futures), 1):
+            results[futures[fut]] = fut.result()
+            if progress:
+                progress(done, len(jobs), results[futures[fut]])
+    return results
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------------------------------
+
+def _csv(kind, cast=str):
+    def parse(s):
+        return [cast(x.strip()) for x in s.split(",") if x.strip()]
+    parse.__name__ = kind
+    return parse
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--targets", default=",".join(DEFAULT_CHECK_TARGETS),
+                        help=f"comma-separated targets (known: {', '.join(TARGETS)}; default %(default)s)")
+    parser.add_argument("--json", dest="json_path", default=None, help="write every record to this JSON file")
+    parser.add_argument("--kernels", type=_csv("kernels"), default=list(KERNELS),
+                        help=f"comma-separated subset of {','.join(KERNELS)}")
+    parser.add_argument("--dtypes", type=_csv("dtypes"), default=list(DTYPE_BYTES),
+                        help="comma-separated subset of fp16,bf16,fp32")
+    parser.add_argument("--head-dims", type=_csv("head_dims", int), default=list(HEAD_DIMS),
+                        help="comma-separated head sizes (default: every supported one)")
+    parser.add_argument("--head-dim-per-target", type=_csv("head_dim_per_target"), default=None,
+                        help="TARGET=HEAD_DIM pairs: check only that head size on that target (CI's quick run)")
+    parser.add_argument("--lse", choices=("both", "on", "off"), default="both",
+                        help="compile the fused kernel with HAS_LSE on, off or both (default both)")
+    parser.add_argument("--max-configs", type=int, default=None,
+                        help="at most this many default configs per (target, dtype, head_dim)")
+    parser.add_argument("--jobs", type=int, default=max(1, min(4, os.cpu_count() or 1)),
+                        help="parallel compiler processes (default: CPU count, at most 4)")
+    parser.add_argument("--quiet", action="store_true", help="print only failures and the summary")
+
+
+def _row(r: dict) -> str:
+    regs = r.get("registers")
+    if r.get("agprs"):
+        regs = f"{regs}+{r['agprs']}a"
+    mma = "-" if r.get("shared_part_matrix") is None else ("yes" if r["shared_part_matrix"] else "NO")
+    instrs = ",".join(f"{k}x{v}" for k, v in sorted(r.get("matrix_instrs", {}).items())) or "-"
+    status = "ok" if not failures(r) else "FAIL"
+    return (f"{status:4s} {r['target']:7s} {r['kernel']:17s} {r['variant']:21s} {r['dtype']:5s} d{r['head_dim']:<4d}"
+            f" {r['config_name']:38s} regs={regs!s:>8s} spills={r.get('spills')!s:>5s} "
+            f"smem={r.get('shared_bytes')!s:>6s} shared_mma={mma:3s} [{instrs}] {r.get('compile_s')}s")
+
+
+def run(args) -> int:
+    try:
+        targets = parse_targets(args.targets)
+        for d in args.dtypes:
+            if d not in DTYPE_BYTES:
+                raise ValueError(f"dtypes: expected a subset of {','.join(DTYPE_BYTES)}, got {d!r}")
+        for k in args.kernels:
+            if k not in KERNELS:
+                raise ValueError(f"kernels: expected a subset of {','.join(KERNELS)}, got {k!r}")
+        per_target = {}
+        for pair in args.head_dim_per_target or []:
+            name, _, hd = pair.partition("=")
+            if not hd.isdigit():
+                raise ValueError(f"head-dim-per-target: expected TARGET=HEAD_DIM, got {pair!r}")
+            per_target[get_target(name).name] = int(hd)
+    except ValueError as e:
+        print(f"prefixattn compile-check: {e}", file=sys.stderr)
+        return 2
+    lse = {"both": (False, True), "on": (True,), "off": (False,)}[args.lse]
+    jobs = []
+    for t in targets:
+        head_dims = [per_target[t.name]] if t.name in per_target else args.head_dims
+        jobs += build_jobs(targets=[t], kernels=args.kernels, dtypes=args.dtypes, head_dims=head_dims, lse=lse,
+                           max_configs=args.max_configs)
+    print(f"prefixattn compile-check: {len(jobs)} compiles for {', '.join(t.name for t in targets)} "
+          f"({args.jobs} processes)", flush=True)
+    t0 = time.perf_counter()
+
+    def progress(done, total, record):
+        if not args.quiet or failures(record):
+            print(f"[{done:>{len(str(total))}}/{total}] {_row(record)}", flush=True)
+
+    records = run_jobs(jobs, workers=args.jobs, progress=progress)
+    wall = time.perf_counter() - t0
+    failed = [(r, failures(r)) for r in records if failures(r)]
+    summary = {"compiles": len(records), "failed": len(failed), "wall_s": round(wall, 1),
+               "targets": [t.name for t in targets]}
+    if args.json_path:
+        import triton
+
+        Path(args.json_path).write_text(json.dumps({"summary": summary, "triton": triton.__version__,
+                                                    "records": records}, indent=1))
+    for r, why in failed:
+        print(f"FAILED {r['target']} {r['kernel']} {r['variant']} {r['dtype']} d{r['head_dim']} {r['config_name']}: "
+              f"{'; '.join(why)}", file=sys.stderr)
+    print(f"prefixattn compile-check: {len(records) - len(failed)}/{len(records)} passed in {wall:.0f} s"
+          + (f"; JSON: {args.json_path}" if args.json_path else ""))
+    return 1 if failed else 0

@@ -1,0 +1,204 @@
+"""What ``prefixattn compile-check`` compiles: one :class:`CompileJob` per (kernel, variant, dtype, head size, target,
+config), with the signature a real launch would specialize to.
+
+Triton specializes a launch on its arguments: an int equal to 1 becomes the constant 1, an int divisible by 16 and
+a 16-byte aligned pointer carry a divisibility hint, and on HIP a pointer into a buffer under 2 GiB may use buffer
+instructions. The jobs here reproduce that from a representative launch (Llama-3-8B-like heads, 16-token blocks,
+contiguous tensors), so the checked binaries are the ones users run.
+
+Variants of the fused kernel: its constexpr switches are ``HAS_LSE`` and ``USE_FP32_DOT`` (tied to the fp32 dtype
+on GPUs) plus the tile sizes; decode and chunked prefill differ in the config the lookup picks for them (suffix
+tiles shaped for one row per request or for a prefill chunk). Split-k and shared/suffix merging are run-time paths
+of every binary (work items and the in-kernel last-arriver merge), so each record lists them under ``serves``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prefixattn.autotune.config_space import AttentionConfig, MergeConfig, block_d
+from prefixattn.autotune.targets import Target
+
+FUSED_KERNEL = "prefixattn.kernels.prefix_attention:prefix_attention_kernel"
+MERGE_PAIR_KERNEL = "prefixattn.kernels.merge_states:merge_state_pair_kernel"
+MERGE_N_KERNEL = "prefixattn.kernels.merge_states:merge_states_kernel"
+
+#: Representative launch: 32 query heads over 8 KV heads (GQA 4, Llama-3-8B / Mistral-7B), 16-token KV blocks.
+#: GQA 4 keeps ``group`` an ordinary int (an MHA launch with group 1 compiles a second binary with group = 1).
+NUM_QO_HEADS = 32
+NUM_KV_HEADS = 8
+BLOCK_SIZE = 16
+#: A block-table row length that is not a multiple of 16, so no divisibility hint is assumed for it.
+MAX_BLOCKS = 129
+#: Merge states per token in the n-way merge (its loop bound; any value above 1 gives the same code).
+NUM_STATES = 3
+#: Tensors that can exceed 2 GiB (the paged KV caches): no 32-bit buffer-offset hint for them on HIP.
+_LARGE_TENSORS = ("k_cache_ptr", "v_cache_ptr")
+#: Alignment Triton checks for its divisibility hint.
+_ALIGN = 16
+
+
+@dataclass(frozen=True)
+class CompileJob:
+    """Everything a worker process needs to compile one binary (plain data, so it pickles)."""
+
+    kernel: str  # short name: "prefix_attention", "merge_state_pair", "merge_states"
+    variant: str  # "decode", "chunked_prefill" (+ "+lse"), "pair", "n_way"
+    dtype: str
+    head_dim: int
+    target: str
+    config_name: str
+    config: dict
+    fn: str  # "module:attribute"
+    signature: dict
+    constexprs: dict
+    attrs: dict
+    options: dict
+    default: bool = True
+    #: (M, K, N) of the dots that belong to the shared-node part (empty: no shared part)
+    shared_dots: tuple = ()
+    serves: tuple = field(default_factory=tuple)
+    #: whether the shared part must issue matrix instructions for the check to pass
+    require_matrix: bool = False
+
+
+def _specialize(name: str, value, dtype: str | None, target: Target):
+    """(signature type, constexpr value or None, attrs) of one argument, as a launch would specialize it."""
+    if dtype is not None:  # pointer
+        attrs = [["tt.divisibility", _ALIGN]]
+        if target.is_hip and name not in _LARGE_TENSORS:
+            attrs.append(["tt.pointer_range", 32])
+        return f"*{dtype}", None, attrs
+    if isinstance(value, float):
+        return "fp32", None, []
+    if value == 1:
+        return "constexpr", 1, []
+    return "i32", None, ([["tt.divisibility", _ALIGN]] if value % _ALIGN == 0 else [])
+
+
+def build_signature(param_names, pointer_dtypes: dict, values: dict, constexprs: dict, target: Target):
+    """Signature, constexprs and attrs for ``triton.compile(ASTSource(...))`` from a representative launch."""
+    signature, consts, attrs = {}, {}, {}
+    for i, name in enumerate(param_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+            consts[name] = constexprs[name]
+            continue
+        if name.endswith("_ptr"):
+            if name not in pointer_dtypes:
+                raise ValueError(f"compile spec: no element type for pointer argument {name!r}")
+            ty, const, a = _specialize(name, None, pointer_dtypes[name], target)
+        else:
+            if name not in values:
+                raise ValueError(f"compile spec: no representative value for argument {name!r}")
+            ty, const, a = _specialize(name, values[name], None, target)
+        signature[name] = ty
+        if const is not None:
+            consts[name] = const
+        if a:
+            attrs[(i,)] = a
+    return signature, consts, attrs
+
+
+def _contiguous_strides(shape) -> list[int]:
+    strides, acc = [], 1
+    for s in reversed(shape):
+        strides.append(acc)
+        acc *= s
+    return list(reversed(strides))
+
+
+def fused_launch_values(head_dim: int) -> dict:
+    """Run-time scalar arguments of a representative fused launch (contiguous tensors)."""
+    h, hkv, d = NUM_QO_HEADS, NUM_KV_HEADS, head_dim
+    o = _contiguous_strides([64, h, d])
+    lse = _contiguous_strides([64, h])
+    kv = _contiguous_strides([1000, BLOCK_SIZE, hkv, d])
+    return dict(
+        num_kv_heads=hkv, group=h // hkv, head_dim=d, block_size=BLOCK_SIZE, qk_scale=0.125,
+        stride_o_t=o[0], stride_o_h=o[1], stride_o_d=o[2], stride_lse_t=lse[0], stride_lse_h=lse[1],
+        stride_ws_t=o[0], stride_ws_h=o[1], stride_ws_d=o[2], stride_wl_t=lse[0], stride_wl_h=lse[1],
+        stride_q_t=o[0], stride_q_h=o[1], stride_q_d=o[2],
+        stride_k_blk=kv[0], stride_k_tok=kv[1], stride_k_head=kv[2], stride_k_d=kv[3],
+        stride_v_blk=kv[0], stride_v_tok=kv[1], stride_v_head=kv[2], stride_v_d=kv[3],
+        stride_bt_r=MAX_BLOCKS,
+    )
+
+
+def fused_pointer_dtypes(dtype: str) -> dict:
+    return {"out_ptr": dtype, "q_ptr": dtype, "k_cache_ptr": dtype, "v_cache_ptr": dtype,
+            "lse_ptr": "fp32", "ws_o_ptr": "fp32", "ws_lse_ptr": "fp32",
+            "counters_ptr": "i32", "items_ptr": "i32", "gather_ptr": "i32", "item_units_ptr": "i32",
+            "units_ptr": "i32", "block_table_ptr": "i32"}
+
+
+def _param_names(fn_path: str) -> list[str]:
+    import importlib
+
+    module, attr = fn_path.split(":")
+    return list(getattr(importlib.import_module(module), attr).arg_names)
+
+
+def fused_job(*, target: Target, dtype: str, head_dim: int, config: AttentionConfig, variant: str,
+              has_lse: bool, has_shared: bool = True, default: bool = True, param_names=None) -> CompileJob:
+    """The fused kernel with ``config`` (``param_names``: the kernel's arguments; imported when not given).
+
+    ``has_shared=False`` is a launch of suffix items only (kernels with a ``HAS_SHARED`` switch compile the shared
+    branch out; they run under ``config.suffix_launch``).
+    """
+    bd = block_d(head_dim)
+    names = param_names if param_names is not None else _param_names(FUSED_KERNEL)
+    use_fp32_dot = dtype == "fp32"  # what plan() sets on a GPU: fp32 inputs keep IEEE fp32 dots
+    constexprs = dict(HAS_LSE=has_lse, USE_FP32_DOT=use_fp32_dot, BLOCK_D=bd, **config.constexprs())
+    switchable = "HAS_SHARED" in names
+    if switchable:
+        constexprs["HAS_SHARED"] = has_shared
+    elif not has_shared:
+        raise ValueError("fused_job: has_shared=False needs a kernel with a HAS_SHARED switch")
+    sig, consts, attrs = build_signature(names, fused_pointer_dtypes(dtype), fused_launch_values(head_dim),
+                                         constexprs, target)
+    bm, bn = config.shared.block_m, config.shared.block_n
+    launch = config.launch_for(has_shared)
+    name = variant + ("" if has_shared else "/suffix-only") + ("+lse" if has_lse else "")
+    serves = (variant, "split_k", "in-kernel merge") if has_shared else (variant + " without shared nodes", "split_k")
+    return CompileJob(
+        kernel="prefix_attention", variant=name, dtype=dtype, head_dim=head_dim,
+        target=target.name, config_name=config.short(), config=config.to_dict(), fn=FUSED_KERNEL, signature=sig,
+        constexprs=consts, attrs=attrs, options=launch.compile_options(target), default=default,
+        shared_dots=((bm, bd, bn), (bm, bn, bd)) if has_shared else (), serves=serves,
+        # IEEE fp32 dots have no tensor-core path on NVIDIA (tf32 would break the fp32 tolerance): CUDA cores there.
+        require_matrix=has_shared and (dtype != "fp32" or target.is_hip),
+    )
+
+
+def merge_jobs(*, target: Target, dtype: str, head_dim: int, config: MergeConfig, default: bool = True,
+               param_names: dict | None = None) -> list[CompileJob]:
+    """Both merge kernels with ``config`` (states ``[tokens, (states,) heads, head_dim]``, fp32 LSEs)."""
+    bd = block_d(head_dim)
+    h = NUM_QO_HEADS
+    v3, s2 = _contiguous_strides([64, h, head_dim]), _contiguous_strides([64, h])
+    v4, s3 = _contiguous_strides([64, NUM_STATES, h, head_dim]), _contiguous_strides([64, NUM_STATES, h])
+    constexprs = {"BLOCK_H": config.block_h, "BLOCK_D": bd}
+    options = {"num_warps": config.num_warps}
+    jobs = []
+    pair_values = dict(num_heads=h, head_dim=head_dim,
+                       stride_vo_t=v3[0], stride_vo_h=v3[1], stride_vo_d=v3[2], stride_so_t=s2[0], stride_so_h=s2[1],
+                       stride_va_t=v3[0], stride_va_h=v3[1], stride_va_d=v3[2], stride_sa_t=s2[0], stride_sa_h=s2[1],
+                       stride_vb_t=v3[0], stride_vb_h=v3[1], stride_vb_d=v3[2], stride_sb_t=s2[0], stride_sb_h=s2[1])
+    pair_ptrs = {"v_out_ptr": dtype, "s_out_ptr": "fp32", "v_a_ptr": dtype, "s_a_ptr": "fp32",
+                 "v_b_ptr": dtype, "s_b_ptr": "fp32"}
+    n_values = dict(num_states=NUM_STATES, num_heads=h, head_dim=head_dim,
+                    stride_vo_t=v3[0], stride_vo_h=v3[1], stride_vo_d=v3[2], stride_so_t=s2[0], stride_so_h=s2[1],
+                    stride_v_t=v4[0], stride_v_n=v4[1], stride_v_h=v4[2], stride_v_d=v4[3],
+                    stride_s_t=s3[0], stride_s_n=s3[1], stride_s_h=s3[2])
+    n_ptrs = {"v_out_ptr": dtype, "s_out_ptr": "fp32", "v_ptr": dtype, "s_ptr": "fp32"}
+    for kernel, fn, variant, values, ptrs in (
+            ("merge_state_pair", MERGE_PAIR_KERNEL, "pair", pair_values, pair_ptrs),
+            ("merge_states", MERGE_N_KERNEL, "n_way", n_values, n_ptrs)):
+        names = (param_names or {}).get(fn) or _param_names(fn)
+        sig, consts, attrs = build_signature(names, ptrs, values, constexprs, target)
+        jobs.append(CompileJob(kernel=kernel, variant=variant, dtype=dtype, head_dim=head_dim, target=target.name,
+                               config_name=f"h{config.block_h}_w{config.num_warps}", config=config.to_dict(), fn=fn,
+                               signature=sig, constexprs=consts, attrs=attrs, options=options, default=default,
+                               serves=("split_k merge", "cascade merge")))
+    return jobs

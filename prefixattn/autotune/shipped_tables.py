@@ -1,0 +1,149 @@
+"""Building the shipped tables (``configs/<target>.json``) without a GPU: analytic choice, compile-verified.
+
+For each target, head size, dtype and mode (decode: one query token per request; chunked prefill) the builder picks
+ONE config for all the mode's buckets: the survivor of the pruned space with the least total relative slowdown
+``sum over buckets of estimate(config, bucket) / estimate(best config for that bucket, bucket)`` under the analytic
+cost model. One config per mode keeps the set of binaries small enough to compile-check every one of them for every
+target (``prefixattn compile-check``); configs a compile report shows spilling or over the shared-memory limit are
+excluded and the next best is taken. Tables measured on GPUs (``prefixattn tune``) can replace these files with
+per-bucket winners: the format maps every bucket to a config by name.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+from prefixattn.autotune import cost_model
+from prefixattn.autotune.buckets import Bucket, make_bucket
+from prefixattn.autotune.config_space import (DTYPE_BYTES, HEAD_DIMS, LaunchOptions, attention_space, block_d,
+                                              launch_space, prune)
+from prefixattn.autotune.targets import Target
+
+SHIPPED_FORMAT = 1
+#: The bucket grid of a shipped table: GQA groups of common models (MHA, Llama-3-8B's 4, up to 16), query tokens per
+#: shared node from a small group to a big one, decode vs a prefill chunk, shared KV from a short system prompt to a
+#: long document.
+GRID_GROUPS = (1, 4, 16)
+GRID_Q_ROWS = (16, 1024)
+GRID_MAX_Q_LEN = {"decode": (1,), "chunked_prefill": (512,)}
+GRID_KV_LEN = (1024, 16384)
+#: prefixattn.attention() passes num_warps but not (yet) num_stages: until it does, tables keep Triton's default.
+LAUNCHER_PASSES_NUM_STAGES = False
+#: Group the mode's config must also serve (every M tile must hold one query row with all its GQA heads).
+MAX_GROUP = 16
+
+
+def grid(head_dim: int, dtype: str, mode: str) -> list[Bucket]:
+    return [make_bucket(head_dim=head_dim, dtype=dtype, group=g, q_rows=q, max_q_len=l, kv_len=kv)
+            for g in GRID_GROUPS for q in GRID_Q_ROWS for l in GRID_MAX_Q_LEN[mode] for kv in GRID_KV_LEN]
+
+
+def _analytic_launch(lo: LaunchOptions, target: Target) -> bool:
+    """Launch options the analytic tables may use.
+
+    HIP knobs stay at Triton's defaults: the model cannot tell them apart (only timings can, ``prefixattn tune``),
+    and a waves_per_eu cap the register estimate gets wrong turns into spills. ``num_stages`` stays at Triton's
+    default while the launcher passes only ``num_warps`` (so the compile-checked binary is the launched one).
+    """
+    stages_ok = LAUNCHER_PASSES_NUM_STAGES or lo.num_stages == target.default_num_stages
+    return stages_ok and lo.waves_per_eu == 0 and lo.matrix_instr_nonkdim == 0 and lo.kpack == 1
+
+
+def _least_regret(candidates, buckets, target, has_shared):
+    costs = [[cost_model.estimate_seconds(c, b, target, has_shared=has_shared) for b in buckets]
+             for c in candidates]
+    if not costs:
+        return None
+    best = [min(col) for col in zip(*costs)]
+    scored = []
+    for c, row in zip(candidates, costs):
+        finite = all(math.isfinite(x) for x in row) and all(math.isfinite(b) for b in best)
+        regret = sum(x / b for x, b in zip(row, best)) if finite else math.inf
+        scored.append((regret, cost_model._knob_distance(c), c))
+    scored.sort(key=lambda s: (s[0], s[1], s[2]))
+    return scored[0][2] if math.isfinite(scored[0][0]) else None
+
+
+def best_cover(target: Target, head_dim: int, dtype: str, mode: str, exclude=frozenset()):
+    """The config with the least total relative slowdown over the mode's grid (None if nothing survives), with
+    the suffix-only launch options chosen the same way for steps without shared nodes."""
+    buckets = grid(head_dim, dtype, mode)
+    pool = [c for c in prune(attention_space(target), target, head_dim=head_dim, dtype=dtype, group=MAX_GROUP)
+            if c.short() not in exclude and _analytic_launch(c.launch, target)]
+    # Rank with suffix-only launches set to the shared ones; then pick the suffix-only launch for the winner.
+    for cfg in _ranked(pool, buckets, target):
+        options = [replace(cfg, suffix_launch=lo) for lo in launch_space(target) if _analytic_launch(lo, target)]
+        options = [c for c in prune(options, target, head_dim=head_dim, dtype=dtype, group=MAX_GROUP)
+                   if c.short() not in exclude]
+        chosen = _least_regret(options, buckets, target, has_shared=False)
+        if chosen is not None:
+            return chosen
+    return None
+
+
+def _ranked(pool, buckets, target):
+    remaining = list(pool)
+    while remaining:
+        best = _least_regret(remaining, buckets, target, has_shared=True)
+        if best is None:
+            return
+        yield best
+        remaining.remove(best)
+
+
+def build_table(target: Target, *, head_dims=HEAD_DIMS, dtypes=tuple(DTYPE_BYTES), exclude: dict | None = None,
+                source: str = "analytic cost model (prefixattn.autotune.cost_model), compile-checked") -> dict:
+    """The shipped table of ``target``. ``exclude`` maps (head_dim, dtype) to config names to skip."""
+    exclude = exclude or {}
+    configs, buckets = {}, {}
+    for head_dim in head_dims:
+        for dtype in dtypes:
+            for mode in GRID_MAX_Q_LEN:
+                cfg = best_cover(target, head_dim, dtype, mode, frozenset(exclude.get((head_dim, dtype), ())))
+                if cfg is None:
+                    continue
+                configs[cfg.short()] = cfg.to_dict()
+                for b in grid(head_dim, dtype, mode):
+                    buckets[b.key()] = cfg.short()
+    excluded = {f"d{hd}-{dt}": sorted(names) for (hd, dt), names in sorted(exclude.items()) if names}
+    return {"format": SHIPPED_FORMAT, "target": target.name, "source": source, "configs": configs,
+            "buckets": buckets, "excluded_after_compile_check": excluded}
+
+
+def exclusions_from_table(path: Path) -> dict:
+    """The exclusions an existing table recorded (so rebuilding never re-picks a config that failed before)."""
+    if not Path(path).is_file():
+        return {}
+    out: dict = {}
+    for key, names in json.loads(Path(path).read_text()).get("excluded_after_compile_check", {}).items():
+        hd, dt = key[1:].split("-")
+        out[(int(hd), dt)] = set(names)
+    return out
+
+
+def exclusions_from_report(report_path: Path, target_name: str) -> dict:
+    """(head_dim, dtype) -> names of default configs that failed a compile-check report for ``target_name``."""
+    from prefixattn.autotune.compile_check import failures
+
+    data = json.loads(Path(report_path).read_text())
+    out: dict = {}
+    for r in data["records"]:
+        if r["target"] == target_name and r["kernel"] == "prefix_attention" and failures(r):
+            # Head sizes with the same padded BLOCK_D compile to the same binary, and fp16/bf16 use the same
+            # registers and shared memory: a failure with one excludes the config for its twins too.
+            dtypes = {"fp16", "bf16"} if r["dtype"] in ("fp16", "bf16") else {r["dtype"]}
+            for head_dim in HEAD_DIMS:
+                if block_d(head_dim) == block_d(r["head_dim"]):
+                    for dt in dtypes:
+                        out.setdefault((head_dim, dt), set()).add(r["config_name"])
+    return out
+
+
+def write_table(table: dict, directory: Path) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{table['target']}.json"
+    path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    return path

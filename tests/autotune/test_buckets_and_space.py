@@ -1,0 +1,117 @@
+"""Shape buckets and config spaces: rounding, keys, distance, the prune's reasons."""
+
+import math
+
+import pytest
+
+from prefixattn.autotune.buckets import Bucket, distance, dtype_name, make_bucket, nearest
+from prefixattn.autotune.config_space import (AttentionConfig, LaunchOptions, Tiles, attention_space, launch_space,
+                                              prune, prune_reason)
+from prefixattn.autotune.targets import TARGETS, get_target, parse_targets, target_for
+
+
+def test_make_bucket_rounds_counts_up_to_powers_of_two_and_clamps():
+    b = make_bucket(head_dim=128, dtype="float16", group=6, q_rows=700, max_q_len=1, kv_len=100000)
+    assert (b.group, b.q_rows, b.max_q_len, b.kv_len, b.dtype) == (8, 1024, 1, 65536, "fp16")
+    assert make_bucket(head_dim=64, dtype="bf16", q_rows=0, kv_len=3).q_rows == 1
+    assert make_bucket(head_dim=64, dtype="bf16", kv_len=3).kv_len == 16
+
+
+def test_bucket_key_roundtrip():
+    b = make_bucket(head_dim=96, dtype="fp32", group=4, q_rows=300, max_q_len=512, kv_len=4000)
+    assert b.key() == "d96-fp32-g4-q512-l512-kv4096"
+    assert Bucket.from_key(b.key()) == b
+    assert Bucket.from_dict(b.to_dict()) == b
+    with pytest.raises(ValueError, match="bucket key"):
+        Bucket.from_key("d96-fp8-g4")
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(head_dim=0, dtype="fp16"), "head_dim"),
+    (dict(head_dim=128, dtype="int8"), "dtype"),
+    (dict(head_dim=128, dtype="fp16", group=0), "group"),
+    (dict(head_dim=128, dtype="fp16", kv_len=-1), "kv_len"),
+])
+def test_make_bucket_rejects_bad_input(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        make_bucket(**kwargs)
+
+
+def test_dtype_name_accepts_torch_dtypes():
+    torch = pytest.importorskip("torch")
+    assert [dtype_name(d) for d in (torch.float16, torch.bfloat16, torch.float32)] == ["fp16", "bf16", "fp32"]
+
+
+def test_distance_is_log2_l1_and_infinite_across_head_dims_or_dtypes():
+    a = make_bucket(head_dim=128, dtype="fp16", group=4, q_rows=256, kv_len=1024)
+    b = make_bucket(head_dim=128, dtype="fp16", group=4, q_rows=1024, kv_len=2048)
+    assert distance(a, b) == 3.0
+    assert distance(a, make_bucket(head_dim=64, dtype="fp16", group=4, q_rows=256, kv_len=1024)) == math.inf
+    assert distance(a, make_bucket(head_dim=128, dtype="bf16", group=4, q_rows=256, kv_len=1024)) == math.inf
+    # decode vs prefill weighs double: a decode bucket prefers a decode entry with another KV length
+    decode_far_kv = make_bucket(head_dim=128, dtype="fp16", group=4, q_rows=256, kv_len=8192)
+    prefill = make_bucket(head_dim=128, dtype="fp16", group=4, q_rows=256, max_q_len=4, kv_len=1024)
+    assert nearest(a, [prefill, decode_far_kv]) == decode_far_kv
+
+
+def test_target_table_has_the_six_targets_and_their_knobs():
+    assert set(TARGETS) == {"sm80", "sm89", "sm90", "gfx90a", "gfx942", "gfx950"}
+    assert TARGETS["gfx950"].hip_knobs["kpack"] == (1,)
+    assert TARGETS["gfx942"].warp_size == 64 and TARGETS["sm90"].warp_size == 32
+    assert TARGETS["sm80"].max_shared_bytes == 166912 and TARGETS["gfx90a"].max_shared_bytes == 65536
+    assert target_for(capability=(9, 0)).name == "sm90"
+    assert target_for(gcn_arch="gfx942:sramecc+:xnack-").name == "gfx942"
+    assert target_for(capability=(7, 5)) is None and target_for(gcn_arch="gfx1100") is None
+    assert [t.name for t in parse_targets("sm80, gfx942,sm80")] == ["sm80", "gfx942"]
+    with pytest.raises(ValueError, match="target: expected one of"):
+        get_target("sm70")
+
+
+def test_launch_space_has_hip_knobs_only_on_hip():
+    assert all(lo.kpack == 1 and lo.waves_per_eu == 0 for lo in launch_space(TARGETS["sm90"]))
+    hip = launch_space(TARGETS["gfx942"])
+    assert {lo.kpack for lo in hip} == {1, 2} and {lo.num_stages for lo in hip} == {1, 2}
+    assert {lo.kpack for lo in launch_space(TARGETS["gfx950"])} == {1}
+    assert LaunchOptions(num_warps=8).compile_options(TARGETS["sm80"]) == {"num_warps": 8, "num_stages": 2}
+    assert "kpack" in LaunchOptions().compile_options(TARGETS["gfx90a"])
+
+
+def _cfg(sm=64, sn=64, fm=16, fn=64, **launch):
+    return AttentionConfig(Tiles(sm, sn), Tiles(fm, fn), LaunchOptions(**launch))
+
+
+@pytest.mark.parametrize("cfg, target, shape, match", [
+    (_cfg(fm=16), "sm90", dict(group=32), "block_m 16 < GQA group 32"),
+    (_cfg(kpack=2), "sm90", {}, "HIP knobs set on a CUDA target"),
+    (_cfg(kpack=2), "gfx950", {}, "kpack 2 not accepted"),
+    (_cfg(matrix_instr_nonkdim=32), "gfx942", {}, "nonkdim 32"),
+    (_cfg(num_stages=3), "gfx90a", {}, "num_stages 3 not used on HIP"),
+    (_cfg(sm=128), "sm80", dict(q_rows=2, group=1), "exceeds 2 rows"),
+    (_cfg(sm=16, sn=128, fn=64, num_stages=4, num_warps=8), "sm89", {}, "shared memory"),
+    (_cfg(sm=128, sn=128, num_warps=2), "sm80", {}, "registers"),
+])
+def test_prune_reasons(cfg, target, shape, match):
+    reason = prune_reason(cfg, TARGETS[target], head_dim=128, dtype="fp16", **shape)
+    assert reason is not None and match in reason
+
+
+def test_prune_keeps_feasible_configs_and_every_survivor_fits():
+    target = TARGETS["sm90"]
+    space = attention_space(target)
+    kept = prune(space, target, head_dim=128, dtype="fp16", group=4, q_rows=256, max_q_len=1, kv_len=4096)
+    assert 0 < len(kept) < len(space)
+    assert all(c.shared.block_m >= 4 and c.suffix.block_m >= 4 for c in kept)
+    assert _cfg(num_warps=8) in kept
+
+
+def test_config_dict_roundtrip_and_validation():
+    c = _cfg(sm=128, sn=32, num_warps=8, num_stages=3)
+    assert AttentionConfig.from_dict(c.to_dict()) == c
+    assert c.constexprs() == {"BLOCK_M_SHARED": 128, "BLOCK_N_SHARED": 32, "BLOCK_M_SUFFIX": 16,
+                              "BLOCK_N_SUFFIX": 64}
+    bad = c.to_dict()
+    bad["shared"]["block_m"] = 48
+    with pytest.raises(ValueError, match="config.shared.block_m"):
+        AttentionConfig.from_dict(bad)
+    with pytest.raises(ValueError, match="config: expected"):
+        AttentionConfig.from_dict({"shared": {}})

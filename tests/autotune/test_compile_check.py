@@ -1,0 +1,103 @@
+"""compile-check: parsing of compiler output (unit) and one real AOT compile per target (``compile`` marker)."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from prefixattn.autotune.compile_check import count_matrix_instrs, failures, parse_amdgcn, parse_dots, parse_ptxas
+from prefixattn.autotune.compile_specs import build_signature
+from prefixattn.autotune.targets import TARGETS
+
+TTGIR = """
+#blocked2 = #ttg.blocked<{sizePerThread = [1, 4], threadsPerWarp = [8, 4], warpsPerCTA = [4, 1], order = [1, 0]}>
+#mma = #ttg.nvidia_mma<{versionMajor = 3, versionMinor = 0, warpsPerCTA = [4, 1], instrShape = [16, 64, 16]}>
+#mma1 = #ttg.nvidia_mma<{versionMajor = 2, versionMinor = 0, warpsPerCTA = [1, 4], instrShape = [16, 8]}>
+    %c = ttng.warp_group_dot %a_16, %b_25, %cst_4 {inputPrecision = 0 : i32} : !ttg.memdesc<128x64xf16, #shared, #smem> * !ttg.memdesc<64x32xf16, #shared, #smem> -> tensor<128x32xf32, #mma> loc(#loc42)
+    %d = tt.dot %a_30, %b_31, %cst_5, inputPrecision = tf32 : tensor<16x64xf16, #ttg.dot_op<{opIdx = 0, parent = #mma1, kWidth = 2}>> * tensor<64x32xf16, #ttg.dot_op<{opIdx = 1, parent = #mma1, kWidth = 2}>> -> tensor<16x32xf32, #mma1> loc(#loc51)
+    %e = tt.dot %a_26, %b_27, %cst_4 : tensor<32x64xf32, #ttg.dot_op<{opIdx = 0, parent = #blocked2}>> * tensor<64x16xf32, #ttg.dot_op<{opIdx = 1, parent = #blocked2}>> -> tensor<32x16xf32, #blocked2> loc(#loc42)
+"""
+
+
+def test_parse_dots_classifies_layouts_and_shapes():
+    dots = parse_dots(TTGIR)
+    assert [(d["m"], d["k"], d["n"], d["layout"]) for d in dots] == [
+        (128, 64, 32, "wgmma"), (16, 64, 32, "mma_v2"), (32, 64, 16, "fma")]
+    mfma = parse_dots("#mma = #ttg.amd_mfma<{version = 3}>\n %c = tt.dot %a, %b, %c : tensor<64x128xbf16, #x> * "
+                      "tensor<128x64xbf16, #y> -> tensor<64x64xf32, #mma>")
+    assert mfma == [{"m": 64, "k": 128, "n": 64, "dtype": "bf16", "layout": "mfma"}]
+
+
+def test_matrix_instruction_counts():
+    assert count_matrix_instrs("mma.sync.aligned.m16n8k16 x\nwgmma.mma_async.sync y\nmma.sync.aligned", "cuda") == \
+        {"mma.sync": 2, "wgmma.mma_async": 1}
+    assert count_matrix_instrs("v_mfma_f32_32x32x8_f16 a\n v_mfma_f32_32x32x8_f16 b\n v_add", "hip") == \
+        {"v_mfma_f32_32x32x8_f16": 2}
+    assert count_matrix_instrs("fma.rn.f32", "cuda") == {}
+
+
+def test_parse_ptxas_and_amdgcn():
+    log = ("ptxas info    : Function properties for k\n    8 bytes stack frame, 16 bytes spill stores, 24 bytes spill "
+           "loads\nptxas info    : Used 255 registers, used 1 barriers")
+    assert parse_ptxas(log) == {"registers": 255, "spill_bytes": 40, "stack_bytes": 8}
+    asm = ("    .agpr_count:     4\n    .group_segment_fixed_size: 32768\n    .private_segment_fixed_size: 0\n"
+           "    .sgpr_count:     100\n    .sgpr_spill_count: 9\n    .vgpr_count:     44\n    .vgpr_spill_count: 0\n")
+    got = parse_amdgcn(asm)
+    assert (got["registers"], got["agprs"], got["vgpr_spills"], got["sgpr_spills"], got["lds_bytes"]) == \
+        (44, 4, 0, 9, 32768)
+
+
+def test_failures_flag_spills_smem_and_missing_matrix_units():
+    ok = dict(ok=True, default=True, spills=0, registers=100, shared_bytes=1000, shared_limit=65536,
+              require_matrix=True, shared_part_matrix=True)
+    assert failures(ok) == []
+    assert "spills (8)" in failures({**ok, "spills": 8})
+    assert any("shared memory" in w for w in failures({**ok, "shared_bytes": 70000}))
+    assert any("matrix" in w for w in failures({**ok, "shared_part_matrix": False}))
+    assert failures({**ok, "shared_part_matrix": False, "require_matrix": False}) == []
+    assert failures({"ok": False, "error": "boom"}) == ["compile failed: boom"]
+
+
+def test_signature_follows_launch_specialization():
+    sig, consts, attrs = build_signature(
+        ["o_ptr", "n", "stride_t", "stride_d", "scale", "BLOCK"], {"o_ptr": "fp16"},
+        {"n": 7, "stride_t": 4096, "stride_d": 1, "scale": 0.5}, {"BLOCK": 64}, TARGETS["gfx942"])
+    assert sig == {"o_ptr": "*fp16", "n": "i32", "stride_t": "i32", "stride_d": "constexpr", "scale": "fp32",
+                   "BLOCK": "constexpr"}
+    assert consts == {"stride_d": 1, "BLOCK": 64}
+    assert attrs[(0,)] == [["tt.divisibility", 16], ["tt.pointer_range", 32]]
+    assert attrs[(2,)] == [["tt.divisibility", 16]] and (1,) not in attrs
+
+
+#: One head size per target (every supported size gets a turn across targets), the first default config, fp16.
+CI_HEAD_DIMS = {"sm80": 128, "sm90": 64, "gfx90a": 256, "gfx942": 96}
+
+
+@pytest.mark.compile
+def test_compile_check_one_head_dim_per_target(tmp_path):
+    out = tmp_path / "report.json"
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
+    cmd = [sys.executable, "-m", "prefixattn.cli", "compile-check", "--targets", ",".join(CI_HEAD_DIMS),
+           "--head-dim-per-target", ",".join(f"{t}={d}" for t, d in CI_HEAD_DIMS.items()),
+           "--dtypes", "fp16", "--lse", "on", "--max-configs", "1", "--quiet", "--json", str(out)]
+    t0 = time.perf_counter()
+    run = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parents[2],
+                         timeout=1200)
+    elapsed = time.perf_counter() - t0
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    records = json.loads(out.read_text())["records"]
+    fused = [r for r in records if r["kernel"] == "prefix_attention"]
+    merges = [r for r in records if r["kernel"] != "prefix_attention"]
+    assert sorted((r["target"], r["head_dim"]) for r in fused) == sorted(CI_HEAD_DIMS.items())
+    assert len(merges) == 2 * len(CI_HEAD_DIMS)
+    for r in records:
+        assert r["ok"] and r["spills"] == 0 and r["registers"] > 0
+        assert r["shared_bytes"] <= TARGETS[r["target"]].max_shared_bytes
+    for r in fused:
+        assert r["shared_part_matrix"] is True, r
+        assert r["matrix_instrs"]
+    print(f"compile-check CI subset: {len(records)} compiles in {elapsed:.0f} s")

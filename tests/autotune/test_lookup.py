@@ -1,0 +1,205 @@
+"""The selection chain: fixed -> user cache -> shipped (nearest bucket) -> cost model -> heuristic."""
+
+import json
+import warnings
+
+import pytest
+
+from prefixattn.autotune import lookup
+from prefixattn.autotune.buckets import make_bucket
+from prefixattn.autotune.config_space import AttentionConfig, LaunchOptions, Tiles, prune_reason
+from prefixattn.autotune.targets import TARGETS
+from prefixattn.autotune.tuning_cache import TuningCache, TuningCacheWarning, cache_path
+
+A = AttentionConfig(Tiles(64, 64), Tiles(16, 64), LaunchOptions(num_warps=8, num_stages=2))
+B = AttentionConfig(Tiles(128, 32), Tiles(64, 32), LaunchOptions(num_warps=4, num_stages=3))
+C = AttentionConfig(Tiles(32, 32), Tiles(32, 32), LaunchOptions(num_warps=4, num_stages=2))
+SHAPE = dict(head_dim=128, dtype="fp16", group=4, q_rows=256, max_q_len=1, kv_len=2048)
+
+
+@pytest.fixture(autouse=True)
+def _fresh(monkeypatch, tmp_path):
+    """No memoized selections, no fixed config, and a private (empty) tuning cache directory per test."""
+    monkeypatch.delenv(lookup.FIXED_ENV, raising=False)
+    monkeypatch.setenv("PREFIXATTN_TUNING_DIR", str(tmp_path / "tuning"))
+    lookup.set_fixed_config(None)
+    lookup.clear_caches()
+    yield
+    lookup.set_fixed_config(None)
+    lookup.clear_caches()
+
+
+def _shipped(monkeypatch, table):
+    monkeypatch.setattr(lookup, "load_shipped", lambda name: table)
+
+
+def test_no_device_uses_the_heuristic():
+    sel = lookup.select_config(**SHAPE, target=None)
+    assert sel.source == "heuristic"
+    assert sel.config == lookup.heuristic_config(sel.bucket)
+
+
+def test_auto_target_without_gpu_is_heuristic(monkeypatch):
+    monkeypatch.setattr(lookup, "detect_target", lambda: None)
+    assert lookup.select_config(**SHAPE).source == "heuristic"
+
+
+def test_unknown_gpu_warns_once_and_falls_back_to_heuristic(monkeypatch):
+    torch = pytest.importorskip("torch")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(lookup, "detect_target", lambda: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Imaginary GPU 9000")
+    lookup._warned_devices.discard("Imaginary GPU 9000")
+    with pytest.warns(UserWarning, match="Imaginary GPU 9000"):
+        sel = lookup.select_config(**SHAPE)
+    assert sel.source == "heuristic"
+    lookup.clear_caches()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lookup.select_config(**SHAPE)  # the second detection does not warn again
+
+
+def test_heuristic_tiles_hold_a_whole_gqa_group_and_follow_the_mode():
+    decode = lookup.heuristic_config(make_bucket(head_dim=128, dtype="fp16", group=4, max_q_len=1))
+    prefill = lookup.heuristic_config(make_bucket(head_dim=128, dtype="fp16", group=4, max_q_len=512))
+    big_group = lookup.heuristic_config(make_bucket(head_dim=256, dtype="fp16", group=16, max_q_len=1))
+    assert decode.suffix.block_m == 16 and prefill.suffix.block_m == 64
+    assert big_group.suffix.block_m >= 16 and big_group.shared.block_n == 32
+    for cfg in (decode, prefill, big_group):
+        assert cfg.shared.block_m >= 16
+
+
+def test_shipped_table_nearest_bucket(monkeypatch):
+    near = make_bucket(head_dim=128, dtype="fp16", group=4, q_rows=512, max_q_len=1, kv_len=2048)
+    far = make_bucket(head_dim=128, dtype="fp16", group=4, q_rows=16, max_q_len=1, kv_len=65536)
+    _shipped(monkeypatch, {near: A, far: B})
+    sel = lookup.select_config(**SHAPE, target="sm90")
+    assert (sel.source, sel.config, sel.matched) == ("shipped", A, near)
+    sel = lookup.select_config(**{**SHAPE, "q_rows": 16, "kv_len": 40000}, target="sm90")
+    assert (sel.config, sel.matched) == (B, far)
+
+
+def test_shipped_lookup_skips_entries_that_do_not_fit_the_group(monkeypatch):
+    small_m = AttentionConfig(Tiles(16, 64), Tiles(16, 64), LaunchOptions())
+    near = make_bucket(head_dim=128, dtype="fp16", group=16, q_rows=256, max_q_len=1, kv_len=2048)
+    far = make_bucket(head_dim=128, dtype="fp16", group=16, q_rows=256, max_q_len=1, kv_len=65536)
+    _shipped(monkeypatch, {near: small_m, far: A})
+    sel = lookup.select_config(**{**SHAPE, "group": 32}, target="sm90")
+    assert prune_reason(small_m, TARGETS["sm90"], head_dim=128, dtype="fp16", group=32) is not None
+    assert sel.config != small_m
+
+
+def test_shipped_lookup_uses_stand_ins_for_dtype_and_head_dim(monkeypatch):
+    b = make_bucket(head_dim=128, dtype="fp16", group=4, q_rows=256, max_q_len=1, kv_len=2048)
+    _shipped(monkeypatch, {b: A})
+    assert lookup.select_config(**{**SHAPE, "dtype": "bf16"}, target="sm80").config == A
+    assert lookup.select_config(**{**SHAPE, "head_dim": 96}, target="sm80").config == A  # same BLOCK_D 128
+    assert lookup.select_config(**{**SHAPE, "head_dim": 64}, target="sm80").source == "cost-model"
+    assert lookup.select_config(**{**SHAPE, "dtype": "fp32"}, target="sm80").source == "cost-model"
+
+
+def _write_cache(target, bucket, cfg, seconds=1e-5):
+    cache = TuningCache(cache_path(target))
+    cache.put(bucket, cfg, seconds)
+    cache.save(target_name=target, device_name="test device")
+    return cache.path
+
+
+def test_user_cache_hit_beats_shipped_and_miss_falls_through(monkeypatch):
+    bucket = make_bucket(**SHAPE)
+    _shipped(monkeypatch, {bucket: A})
+    _write_cache("sm90", bucket, B)
+    sel = lookup.select_config(**SHAPE, target="sm90")
+    assert (sel.source, sel.config) == ("user-cache", B)
+    miss = lookup.select_config(**{**SHAPE, "kv_len": 65536}, target="sm90")
+    assert (miss.source, miss.config) == ("shipped", A)
+
+
+def test_user_cache_nearest_when_no_shipped_table(monkeypatch):
+    _shipped(monkeypatch, {})
+    _write_cache("gfx950", make_bucket(**SHAPE), C)
+    sel = lookup.select_config(**{**SHAPE, "kv_len": 8192}, target="gfx950")
+    assert (sel.source, sel.config) == ("user-cache-nearest", C)
+
+
+def test_no_table_and_no_cache_uses_the_cost_model(monkeypatch):
+    _shipped(monkeypatch, {})
+    sel = lookup.select_config(**SHAPE, target="gfx942")
+    assert sel.source == "cost-model"
+    assert prune_reason(sel.config, TARGETS["gfx942"], head_dim=128, dtype="fp16", group=4) is None
+
+
+@pytest.mark.parametrize("content", ["{not json", json.dumps({"format": 99, "entries": {}}),
+                                     json.dumps({"format": 1, "entries": {"x": {"bucket": {}}}}), "\x00\xff"])
+def test_corrupt_cache_file_warns_and_falls_back(monkeypatch, content):
+    _shipped(monkeypatch, {make_bucket(**SHAPE): A})
+    path = cache_path("sm90")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(content) if isinstance(content, str) and not content.startswith("\x00") else \
+        path.write_bytes(b"\x00\xff\xfe")
+    with pytest.warns(TuningCacheWarning, match="ignoring tuning cache"):
+        sel = lookup.select_config(**SHAPE, target="sm90")
+    assert (sel.source, sel.config) == ("shipped", A)
+
+
+def test_cache_entries_of_another_kernel_source_are_ignored(monkeypatch, tmp_path):
+    _shipped(monkeypatch, {make_bucket(**SHAPE): A})
+    path = cache_path("sm90")
+    cache = TuningCache(path, fingerprint="0123456789abcdef")
+    cache.put(make_bucket(**SHAPE), B, 1e-5)
+    cache.save(target_name="sm90")
+    with pytest.warns(TuningCacheWarning, match="another version of the kernel"):
+        sel = lookup.select_config(**SHAPE, target="sm90")
+    assert sel.source == "shipped"
+
+
+def test_cache_save_roundtrip(tmp_path):
+    path = tmp_path / "c" / "sm80.json"
+    cache = TuningCache(path)
+    b = make_bucket(**SHAPE)
+    cache.put(b, B, 2.5e-5)
+    cache.save(target_name="sm80", device_name="NVIDIA A100", triton_version="3.9.0")
+    again = TuningCache(path)
+    assert again.get(b).config == B and again.get(b).seconds == 2.5e-5
+    assert again.device_name == "NVIDIA A100"
+    assert not list(path.parent.glob("*.tmp"))
+
+
+def test_fixed_config_mode(monkeypatch):
+    with lookup.fixed_config(A):
+        assert lookup.select_config(**SHAPE, target="sm90").config == A
+        with lookup.fixed_config(B.to_dict()):
+            sel = lookup.select_config(**SHAPE, target=None)
+            assert (sel.source, sel.config) == ("fixed", B)
+        assert lookup.select_config(**SHAPE, target=None).config == A
+    assert lookup.select_config(**SHAPE, target=None).source == "heuristic"
+    monkeypatch.setenv(lookup.FIXED_ENV, json.dumps(C.to_dict()))
+    assert lookup.select_config(**SHAPE, target="gfx942").config == C
+    monkeypatch.setenv(lookup.FIXED_ENV, "/nonexistent/config.json")
+    with pytest.raises(ValueError, match=lookup.FIXED_ENV):
+        lookup.select_config(**SHAPE, target=None)
+
+
+def test_selection_is_memoized_no_table_reread(monkeypatch):
+    calls = []
+
+    def counting(name):
+        calls.append(name)
+        return {make_bucket(**SHAPE): A}
+
+    monkeypatch.setattr(lookup, "load_shipped", counting)
+    first = lookup.select_config(**SHAPE, target="sm90")
+    for _ in range(5):
+        assert lookup.select_config(**SHAPE, target="sm90") is first
+    assert calls == ["sm90"]
+
+
+def test_merge_heuristic_matches_the_merge_launcher():
+    from prefixattn.merge import _merge_tiles
+
+    for head_dim in (64, 80, 96, 128, 256):
+        for heads in (1, 7, 32, 64):
+            cfg = lookup.heuristic_merge_config(head_dim, heads)
+            assert (cfg.block_h, cfg.block_d if hasattr(cfg, "block_d") else None) is not None
+            assert cfg.block_h == _merge_tiles(heads, head_dim)[0]

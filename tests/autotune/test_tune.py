@@ -1,0 +1,90 @@
+"""`prefixattn tune` plumbing with a fake timing function (no GPU here), and the shipped-table builder."""
+
+import argparse
+import json
+
+import pytest
+
+from prefixattn.autotune import lookup, shipped_tables, tune_cli
+from prefixattn.autotune.buckets import make_bucket
+from prefixattn.autotune.targets import TARGETS
+from prefixattn.autotune.tuning_cache import TuningCache, cache_path
+
+
+@pytest.fixture(autouse=True)
+def _fresh(monkeypatch, tmp_path):
+    monkeypatch.setenv("PREFIXATTN_TUNING_DIR", str(tmp_path / "tuning"))
+    monkeypatch.delenv(lookup.FIXED_ENV, raising=False)
+    lookup.clear_caches()
+    yield
+    lookup.clear_caches()
+
+
+def test_tune_times_top_k_candidates_and_caches_the_fastest():
+    target = TARGETS["sm90"]
+    buckets = [make_bucket(head_dim=128, dtype="fp16", group=4, q_rows=256, max_q_len=1, kv_len=2048),
+               make_bucket(head_dim=64, dtype="bf16", group=1, q_rows=16, max_q_len=512, kv_len=8192)]
+    timed = []
+    # The fake clock makes the LAST candidate of each bucket the fastest (the cost model's favourite is not).
+    def fake_time(bucket, cfg):
+        cands = tune_cli.candidates(bucket, target, 3)
+        timed.append((bucket, cfg))
+        if cfg == cands[1]:
+            raise RuntimeError("out of resources")  # a config the device cannot run is skipped
+        return 10.0 - cands.index(cfg)
+
+    ticks = []
+    cache = TuningCache(cache_path("sm90"))
+    won = tune_cli.tune(buckets, target, fake_time, cache, top_k=3, progress=ticks.append)
+    assert len(timed) == 6 and len(ticks) == 6
+    for b in buckets:
+        assert won[b][0] == tune_cli.candidates(b, target, 3)[2] and won[b][1] == 8.0
+    reloaded = TuningCache(cache_path("sm90"))
+    assert {b: e.config for b, e in reloaded.entries.items()} == {b: w[0] for b, w in won.items()}
+    sel = lookup.select_config(head_dim=128, dtype="fp16", group=4, q_rows=256, max_q_len=1, kv_len=2048,
+                               target="sm90")
+    assert (sel.source, sel.config) == ("user-cache", won[buckets[0]][0])
+
+
+def test_tune_cli_dry_run_and_no_gpu(capsys):
+    parser = argparse.ArgumentParser()
+    tune_cli.add_arguments(parser)
+    assert tune_cli.run(parser.parse_args(["--dry-run", "--target", "gfx942", "--groups", "4", "--q-rows", "64",
+                                           "--max-q-lens", "1", "--kv-lens", "1024", "--top-k", "2"])) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 2 and all(line.startswith("d128-") and len(line.split()) == 3 for line in lines)
+    assert tune_cli.run(parser.parse_args([])) == 2  # no GPU under the interpreter
+    assert "no GPU" in capsys.readouterr().err
+    assert tune_cli.run(parser.parse_args(["--dtypes", "fp8"])) == 2
+
+
+def test_progress_bar_reaches_the_total(capsys):
+    import io
+
+    stream = io.StringIO()
+    bar = tune_cli.ProgressBar(3, stream=stream)
+    for _ in range(3):
+        bar.update("x")
+    assert "3/3" in stream.getvalue() and stream.getvalue().endswith("\n")
+
+
+def test_best_cover_skips_excluded_configs():
+    target = TARGETS["gfx950"]
+    first = shipped_tables.best_cover(target, 128, "fp16", "decode")
+    second = shipped_tables.best_cover(target, 128, "fp16", "decode", frozenset({first.short()}))
+    assert first is not None and second is not None and second != first
+
+
+@pytest.mark.parametrize("target", ["sm80", "sm90", "gfx90a", "gfx942", "sm89", "gfx950"])
+def test_shipped_tables_cover_every_head_dim_and_dtype(target):
+    table = lookup.load_shipped(target)
+    path = lookup.shipped_path(target)
+    raw = json.loads(path.read_text())
+    assert raw["target"] == target and set(raw["buckets"].values()) <= set(raw["configs"])
+    for head_dim in (64, 80, 96, 128, 256):
+        for dtype in ("fp16", "bf16", "fp32"):
+            for max_q_len in (1, 300):
+                sel = lookup.select_config(head_dim=head_dim, dtype=dtype, group=8, q_rows=100,
+                                           max_q_len=max_q_len, kv_len=3000, target=target)
+                assert sel.source == "shipped", (head_dim, dtype, sel)
+                assert sel.config in table.values()
