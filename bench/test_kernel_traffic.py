@@ -41,7 +41,8 @@ def _batch(num_requests, shared, distinct, per_group, *, q_len=1, seed=0):
     for r in range(num_requests):
         g = r // per_group
         own_base = num_groups * shared_blocks + r * own_blocks
-        rows.append(list(range(g * shared_blocks, (g + 1) * shared_blocks)) + list(range(own_base, own_base + own_blocks)))
+        shared_ids = list(range(g * shared_blocks, (g + 1) * shared_blocks))
+        rows.append(shared_ids + list(range(own_base, own_base + own_blocks)))
     num_blocks = num_groups * shared_blocks + num_requests * own_blocks
     perm = np.random.default_rng(seed).permutation(num_blocks)
     table = torch.tensor(perm[np.array(rows)], dtype=torch.int32)

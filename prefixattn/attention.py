@@ -82,6 +82,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pla
         out = torch.empty_like(q)
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else plan.ws_lse
     p, t = plan, plan.tiles
+    has_shared = p.has_shared
     if p.num_items:
         prefix_attention_kernel[(p.num_items * p.num_kv_heads,)](
             out_ptr=out, lse_ptr=lse, ws_o_ptr=p.ws_o, ws_lse_ptr=p.ws_lse, counters_ptr=p.counters,
@@ -100,9 +101,10 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pla
             stride_v_blk=v_cache.stride(0), stride_v_tok=v_cache.stride(1), stride_v_head=v_cache.stride(2),
             stride_v_d=v_cache.stride(3),
             stride_bt_r=p.block_table.stride(0),
-            HAS_LSE=return_lse, USE_FP32_DOT=p.use_fp32_dot,
+            HAS_LSE=return_lse, HAS_SHARED=has_shared, USE_FP32_DOT=p.use_fp32_dot,
             BLOCK_M_SHARED=t.block_m_shared, BLOCK_N_SHARED=t.block_n_shared,
             BLOCK_M_SUFFIX=t.block_m_suffix, BLOCK_N_SUFFIX=t.block_n_suffix, BLOCK_D=t.block_d,
+            num_warps=t.num_warps(has_shared),
         )
     return (out, lse) if return_lse else out
 

@@ -35,6 +35,14 @@ BLOCK_M_SHARED_FP32 = 64
 BLOCK_N_FP32 = 32
 
 
+#: Warps of a launch that holds shared items: the 128 x head_dim fp32 accumulator plus gathered 64-bit KV pointer
+#: tiles need 8 warps (sm_90, head_dim 128, fp16: 255 registers and spills at 4 warps, 247 and no spill at 8).
+NUM_WARPS_SHARED = 8
+#: Warps of a launch with suffix items only (HAS_SHARED=False): decode-shaped tiles are small, and 4 warps leave room
+#: for several programs per SM to hide KV load latency (vLLM's unified attention uses 4 as well).
+NUM_WARPS_SUFFIX = 4
+
+
 def _next_power_of_2(n: int) -> int:
     # Plain Python: triton.next_power_of_2 is a jit-dispatched call, ~20 us of plan() time each.
     return 1 << max(int(n) - 1, 0).bit_length()
@@ -49,6 +57,12 @@ class AttentionTiles:
     block_m_suffix: int
     block_n_suffix: int
     block_d: int
+    num_warps_shared: int = NUM_WARPS_SHARED
+    num_warps_suffix: int = NUM_WARPS_SUFFIX
+
+    def num_warps(self, has_shared: bool) -> int:
+        """One launch, one warp count: the shared branch's needs win when the launch has shared items."""
+        return self.num_warps_shared if has_shared else self.num_warps_suffix
 
     def rows_per_shared_tile(self, group: int) -> int:
         """Query rows one shared program packs: M holds (row x GQA head) pairs."""

@@ -78,6 +78,7 @@ class Plan:
     device: torch.device
     tiles: AttentionTiles
     use_fp32_dot: bool
+    has_shared: bool  # any shared-node item (else the kernel is compiled without that branch)
     work: WorkList
     tree: LcpTree
     shared_nodes: list[SharedNode]
@@ -323,6 +324,7 @@ def plan(
         # The interpreter's dot on fp16/bf16 is numpy's (bf16 on raw bits); fp32 inputs need IEEE fp32 (tf32 would
         # miss the 1e-4 tolerance).
         use_fp32_dot=interpreter_enabled() or q_dtype == torch.float32,
+        has_shared=bool(nodes),
         work=work, tree=tree, shared_nodes=nodes,
         items=items, gather=gather, item_units=item_units, units=units, block_table=table_dev,
         counters=counters, ws_o=ws_o, ws_lse=ws_lse,

@@ -42,12 +42,13 @@ class CountingKernel:
     """Stands in for the @triton.jit kernel and counts launches (``kernel[grid](...)``)."""
 
     def __init__(self, kernel, run=True):
-        self.kernel, self.run, self.launches, self.grids = kernel, run, 0, []
+        self.kernel, self.run, self.launches, self.grids, self.kwargs = kernel, run, 0, [], []
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
             self.launches += 1
             self.grids.append(grid)
+            self.kwargs.append(kwargs)
             if self.run:
                 return self.kernel[grid](*args, **kwargs)
         return launch
@@ -229,6 +230,21 @@ def test_attention_does_no_other_device_work(device, monkeypatch):
         attention(b.q, b.k_cache, b.v_cache, p, return_lse=True)
     assert stub.launches == 1
     assert set(rec.ops) <= {"empty", "empty_like", "empty_strided"}, rec.ops
+
+
+def test_shared_branch_compiled_only_when_needed(device, monkeypatch):
+    """A plan without shared items launches the kernel with HAS_SHARED=False (the shared tiles then do not set the
+    register budget of decode programs) and the suffix warp count."""
+    from prefixattn.attention_configs import NUM_WARPS_SHARED, NUM_WARPS_SUFFIX
+
+    b = _to(random_batch(15, num_requests=4, levels=1, block_size=16, num_qo_heads=4, num_kv_heads=2, head_dim=64),
+            device)
+    stub = CountingKernel(None, run=False)
+    monkeypatch.setattr(attention_module, "prefix_attention_kernel", stub)
+    for sharing, has_shared, warps in (("never", False, NUM_WARPS_SUFFIX), ("always", True, NUM_WARPS_SHARED)):
+        p = plan(*b.metadata, **b.heads, q_dtype=torch.float32, sharing=sharing)
+        attention(b.q, b.k_cache, b.v_cache, p)
+        assert stub.kwargs[-1]["HAS_SHARED"] is has_shared and stub.kwargs[-1]["num_warps"] == warps
 
 
 def test_wrapper_plan_run(device):

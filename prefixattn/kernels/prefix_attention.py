@@ -52,7 +52,6 @@ UNIT_NUM_STATES: tl.constexpr = tl.constexpr(3)
 UNIT_EXPECTED: tl.constexpr = tl.constexpr(4)  # reports (items x units) that must arrive before the merge
 UNIT_FIELDS: tl.constexpr = tl.constexpr(5)
 
-LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
 
@@ -371,6 +370,7 @@ def prefix_attention_kernel(
     stride_v_blk, stride_v_tok, stride_v_head, stride_v_d,
     stride_bt_r,
     HAS_LSE: tl.constexpr,
+    HAS_SHARED: tl.constexpr,
     USE_FP32_DOT: tl.constexpr,
     BLOCK_M_SHARED: tl.constexpr,
     BLOCK_N_SHARED: tl.constexpr,
@@ -383,8 +383,12 @@ def prefix_attention_kernel(
     pid = tl.program_id(0)
     item = pid // num_kv_heads
     kv_head = pid % num_kv_heads
-    kind = tl.load(items_ptr + item * ITEM_FIELDS + ITEM_KIND)
-    if kind == KIND_SHARED:
+    # Without shared items (HAS_SHARED=False: plain paged attention, or suffixes + split-k only) the shared branch is
+    # compiled out, so its large tiles do not set the register budget and occupancy of decode-shaped programs.
+    is_shared = False
+    if HAS_SHARED:
+        is_shared = tl.load(items_ptr + item * ITEM_FIELDS + ITEM_KIND) == KIND_SHARED
+    if is_shared:
         _run_item(
             out_ptr=out_ptr, lse_ptr=lse_ptr, ws_o_ptr=ws_o_ptr, ws_lse_ptr=ws_lse_ptr, counters_ptr=counters_ptr,
             q_ptr=q_ptr, k_cache_ptr=k_cache_ptr, v_cache_ptr=v_cache_ptr,
