@@ -42,3 +42,23 @@ def test_unsupported_version_message_names_range_and_found(version):
     assert "0.32.x - 0.33.x" in str(info.value) and f"found vLLM {version}" in str(info.value)
     assert isinstance(info.value, ImportError)  # vLLM reports an unimportable backend as invalid, not a crash
 
+
+
+@pytest.mark.parametrize("module", ["integrations.vllm.backend", "integrations.vllm.scheduler"])
+def test_entry_modules_refuse_an_unsupported_vllm(module):
+    # What a user of vLLM 0.34 would see when selecting PREFIXATTN or the scheduler: a clear ImportError, which
+    # vLLM's selector reports as "Selected backend PREFIXATTN is not valid ... Reason: [...]".
+    import subprocess
+    import sys
+
+    from tests.vllm.engine import REPO
+
+    code = ("import integrations.vllm.version as v\n"
+            "v.installed_vllm_version = lambda: '0.34.0'\n"
+            "try:\n"
+            f"    import {module}\n"
+            "except v.UnsupportedVLLMVersion as e:\n"
+            "    print('REFUSED', e)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "REFUSED prefixattn's vLLM integration supports vLLM 0.32.x - 0.33.x, found vLLM 0.34.0" in proc.stdout
