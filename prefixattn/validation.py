@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
+import numpy as np
 import torch
 
 #: Dtypes the attention kernels accept for q / k_cache / v_cache (accumulation is always fp32).
@@ -124,45 +125,52 @@ def check_metadata(
         raise ValueError(
             f"block_table: expected {num_reqs} rows (one per request, from kv_lens), got {block_table.shape[0]}"
         )
-    indptr = qo_indptr.detach().to("cpu", torch.int64)
-    lens = kv_lens.detach().to("cpu", torch.int64)
-    table = block_table.detach().to("cpu", torch.int64)
-    if indptr[0].item() != 0:
-        raise ValueError(f"qo_indptr: expected qo_indptr[0] == 0, got {indptr[0].item()}")
+    # The value checks run in numpy: plan() calls this once per engine step, and numpy's per-call overhead is a few
+    # times lower than torch's on small CPU arrays (~20 us instead of ~60 us for 256 requests).
+    indptr = _host_int64(qo_indptr)
+    lens = _host_int64(kv_lens)
+    table = _host_int64(block_table)
+    if indptr[0] != 0:
+        raise ValueError(f"qo_indptr: expected qo_indptr[0] == 0, got {indptr[0]}")
     q_lens = indptr[1:] - indptr[:-1]
     if num_reqs and (q_lens < 0).any():
-        r = int(torch.nonzero(q_lens < 0)[0])
+        r = int(np.flatnonzero(q_lens < 0)[0])
         raise ValueError(
-            f"qo_indptr: expected a non-decreasing sequence, got qo_indptr[{r + 1}]={indptr[r + 1].item()} < "
-            f"qo_indptr[{r}]={indptr[r].item()}"
+            f"qo_indptr: expected a non-decreasing sequence, got qo_indptr[{r + 1}]={indptr[r + 1]} < "
+            f"qo_indptr[{r}]={indptr[r]}"
         )
-    if num_tokens is not None and indptr[-1].item() != num_tokens:
+    if num_tokens is not None and indptr[-1] != num_tokens:
         raise ValueError(
-            f"qo_indptr: expected qo_indptr[-1] == number of query tokens ({num_tokens}), got {indptr[-1].item()}"
+            f"qo_indptr: expected qo_indptr[-1] == number of query tokens ({num_tokens}), got {indptr[-1]}"
         )
     if num_reqs and (lens < q_lens).any():
-        r = int(torch.nonzero(lens < q_lens)[0])
+        r = int(np.flatnonzero(lens < q_lens)[0])
         raise ValueError(
             f"kv_lens: expected kv_lens[r] >= q_len[r] (the KV includes the new query tokens), got "
-            f"kv_lens[{r}]={lens[r].item()} < q_len[{r}]={q_lens[r].item()}"
+            f"kv_lens[{r}]={lens[r]} < q_len[{r}]={q_lens[r]}"
         )
     blocks_needed = (lens + block_size - 1) // block_size
     max_blocks = int(blocks_needed.max()) if num_reqs else 0
     if max_blocks > table.shape[1]:
-        r = int(torch.argmax(blocks_needed))
+        r = int(np.argmax(blocks_needed))
         raise ValueError(
-            f"block_table: expected at least {max_blocks} columns (kv_lens[{r}]={lens[r].item()} with "
+            f"block_table: expected at least {max_blocks} columns (kv_lens[{r}]={lens[r]} with "
             f"block_size={block_size}), got {table.shape[1]}"
         )
     if num_reqs and max_blocks:
-        used = torch.arange(table.shape[1]).unsqueeze(0) < blocks_needed.unsqueeze(1)
-        upper = num_blocks if num_blocks is not None else torch.iinfo(torch.int64).max
+        used = np.arange(table.shape[1])[None, :] < blocks_needed[:, None]
+        upper = num_blocks if num_blocks is not None else np.iinfo(np.int64).max
         bad = used & ((table < 0) | (table >= upper))
         if bad.any():
-            r, j = (int(x) for x in torch.nonzero(bad)[0])
+            r, j = (int(x) for x in np.argwhere(bad)[0])
             expected = f"[0, {num_blocks})" if num_blocks is not None else ">= 0"
             raise ValueError(
                 f"block_table: expected block ids in {expected} for the used entries, got "
-                f"block_table[{r}, {j}]={table[r, j].item()}"
+                f"block_table[{r}, {j}]={table[r, j]}"
             )
-    return indptr, lens, table
+    return torch.from_numpy(indptr), torch.from_numpy(lens), torch.from_numpy(table)
+
+
+def _host_int64(t: torch.Tensor) -> np.ndarray:
+    """A host int64 numpy copy of an index tensor (one device->host copy for device tensors)."""
+    return t.detach().to("cpu").numpy().astype(np.int64)
