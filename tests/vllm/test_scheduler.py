@@ -237,3 +237,16 @@ def test_bad_options_are_refused():
     with pytest.raises(ValueError, match=r"\['levels'\]: expected a positive int, got 0"):
         scheduling_options(SimpleNamespace(additional_config={"prefixattn": {"levels": 0}}))
     assert scheduling_options(None) == dict(ordering="batchllm", levels=1)
+
+
+def test_memory_bound_engine_kwargs_are_accepted_by_vllm(tiny_llama):
+    from vllm.engine.arg_utils import EngineArgs
+
+    from integrations.vllm.scheduler import MEMORY_BOUND_MAX_NUM_SEQS, PrefixGroupScheduler, memory_bound_engine_kwargs
+
+    cfg = EngineArgs(model=tiny_llama, skip_tokenizer_init=True, max_model_len=256, kv_cache_memory_bytes=1 << 24,
+                     **memory_bound_engine_kwargs()).create_engine_config()
+    assert cfg.attention_config.backend.name == "PREFIXATTN"
+    assert cfg.cache_config.enable_prefix_caching
+    assert cfg.scheduler_config.max_num_seqs == MEMORY_BOUND_MAX_NUM_SEQS
+    assert cfg.scheduler_config.get_scheduler_cls() is PrefixGroupScheduler
