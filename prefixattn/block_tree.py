@@ -66,17 +66,19 @@ def sort_rows(rows: np.ndarray) -> np.ndarray:
 
 
 def neighbour_lcp(rows: np.ndarray, lengths: np.ndarray, order: np.ndarray) -> np.ndarray:
-    """LCP (in entries) of each sorted row with the previous one; ``lcp[0] = 0``."""
-    n, width = rows.shape
+    """LCP (in entries) of each sorted row with the previous one; ``lcp[0] = 0``.
+
+    ``rows`` must end with a column that differs between any two rows (see :func:`lcp_interval_tree`): the first
+    mismatch then always exists, and capping it at the shorter length discards matches between paddings.
+    """
+    n = rows.shape[0]
     lcp = np.zeros(n, dtype=np.int64)
-    if n <= 1 or width == 0:
+    if n <= 1:
         return lcp
-    a, b = rows[order[:-1]], rows[order[1:]]
-    limit = np.minimum(lengths[order[:-1]], lengths[order[1:]])
-    same = (a == b) & (np.arange(width)[None, :] < limit[:, None])
-    # First mismatch = the LCP; a sentinel False column handles rows equal to their end.
-    same = np.concatenate([same, np.zeros((n - 1, 1), dtype=bool)], axis=1)
-    lcp[1:] = np.argmin(same, axis=1)
+    ordered = rows[order]
+    first_mismatch = np.argmin(ordered[1:] == ordered[:-1], axis=1)
+    sorted_lengths = lengths[order]
+    lcp[1:] = np.minimum(first_mismatch, np.minimum(sorted_lengths[1:], sorted_lengths[:-1]))
     return lcp
 
 
@@ -122,8 +124,12 @@ def lcp_interval_tree(rows: np.ndarray, lengths: np.ndarray) -> LcpTree:
     """Prefix tree of integer rows: ``rows[i, :lengths[i]]`` is row ``i`` (entries >= 0; the rest is ignored)."""
     rows = np.asarray(rows, dtype=np.int64)
     lengths = np.asarray(lengths, dtype=np.int64)
-    width = rows.shape[1]
-    padded = np.where(np.arange(width)[None, :] < lengths[:, None], rows, _PAD)
+    n, width = rows.shape
+    # Padded rows plus one tie-break column holding the row index: it makes every pair of rows differ somewhere
+    # (so no sentinel is needed in the LCP search) and sorts identical rows by index.
+    padded = np.empty((n, width + 1), dtype=np.int64)
+    padded[:, :width] = np.where(np.arange(width)[None, :] < lengths[:, None], rows, _PAD)
+    padded[:, width] = np.arange(n)
     order = sort_rows(padded)
     lcp = neighbour_lcp(padded, lengths, order)
     depth, lb, rb, parent = tree_from_lcp(lcp)

@@ -70,7 +70,20 @@ def _exclusive_cumsum(x: np.ndarray) -> np.ndarray:
 def _ragged_arange(lengths: np.ndarray) -> np.ndarray:
     """``concat(arange(n) for n in lengths)`` without a Python loop."""
     total = int(lengths.sum())
+    if total == 0 or lengths.max() <= 1:  # decode batches and unsplit ranges: all zeros, skip the repeat
+        return np.zeros(total, dtype=np.int64)
     return np.arange(total, dtype=np.int64) - np.repeat(_exclusive_cumsum(lengths), lengths)
+
+
+def _run_starts(*keys: np.ndarray) -> np.ndarray:
+    """Mask of the positions where any key differs from the previous position (position 0 always starts a run)."""
+    n = keys[0].shape[0]
+    change = np.zeros(n, dtype=bool)
+    if n:
+        change[0] = True
+        for key in keys:
+            change[1:] |= key[1:] != key[:-1]
+    return change
 
 
 def _num_pieces(lengths: np.ndarray, chunk: float, block_n: int) -> np.ndarray:
@@ -82,9 +95,11 @@ def _num_pieces(lengths: np.ndarray, chunk: float, block_n: int) -> np.ndarray:
     return np.minimum(-(-lengths // int(chunk)), -(-lengths // block_n))
 
 
-def _piece_bounds(lo, hi, piece, pieces, block_n: int):
+def _piece_bounds(lo, hi, piece, pieces, block_n: int, split: bool = True):
     """[start, end) of piece ``piece`` of ``pieces`` over [lo, hi): whole KV tiles dealt out evenly (the last piece
-    takes the partial tile), so pieces differ by at most one tile."""
+    takes the partial tile), so pieces differ by at most one tile. ``split=False``: one piece per range."""
+    if not split:
+        return lo, hi
     tiles = -(-(hi - lo) // block_n)
     start = lo + (piece * tiles // pieces) * block_n
     end = np.minimum(lo + ((piece + 1) * tiles // pieces) * block_n, hi)
@@ -173,7 +188,7 @@ def build_work_list(
         mem_pieces = n_pieces[mem_node]
         by_req = np.argsort(mem_req, kind="stable")
         csum = np.cumsum(mem_pieces[by_req]) - mem_pieces[by_req]
-        run_start = np.r_[True, np.diff(mem_req[by_req]) != 0]
+        run_start = _run_starts(mem_req[by_req])
         mem_slot_base = np.empty_like(mem_req)
         mem_slot_base[by_req] = csum - csum[run_start][np.cumsum(run_start) - 1]
         shared_states = np.bincount(mem_req, weights=mem_pieces, minlength=num_reqs).astype(np.int64)
@@ -204,8 +219,7 @@ def build_work_list(
         node_mt_off = _exclusive_cumsum(node_mtiles)
         mt_global = node_mt_off[row_node] + row_in_node // rows_per_shared
         # Units each M tile reports to: runs of equal (M tile, unit) along the packed rows (both non-decreasing).
-        starts = np.flatnonzero(np.r_[True, (np.diff(mt_global) != 0) | (np.diff(unit) != 0)]) if row_mem.size else \
-            np.zeros(0, dtype=np.int64)
+        starts = np.flatnonzero(_run_starts(mt_global, unit))
         pair_mt, pair_unit = mt_global[starts], unit[starts]
         np.add.at(unit_expected, pair_unit, n_pieces[row_node[starts]])  # unit ids are 0..num_units-1 in tile order
         mt_ptr = np.searchsorted(pair_mt, np.arange(int(node_mtiles.sum()) + 1))
@@ -227,7 +241,8 @@ def build_work_list(
         i_seg = np.repeat(np.arange(seg_node.shape[0], dtype=np.int64), node_mtiles[seg_node])
         i_mt = _ragged_arange(node_mtiles[seg_node])
         i_node, i_c = seg_node[i_seg], seg_c[i_seg]
-        kv_lo, kv_hi = _piece_bounds(node_start[i_node], node_end[i_node], i_c, n_pieces[i_node], block_n_shared)
+        kv_lo, kv_hi = _piece_bounds(node_start[i_node], node_end[i_node], i_c, n_pieces[i_node], block_n_shared,
+                                     split=np.isfinite(chunk))
         gm = node_mt_off[i_node] + i_mt
         shared_items = np.zeros((i_seg.shape[0], K.ITEM_FIELDS), dtype=np.int64)
         shared_items[:, K.ITEM_KIND] = K.KIND_SHARED
@@ -249,7 +264,8 @@ def build_work_list(
     # ---- suffix items: (suffix tile, split chunk) ------------------------------------------------------------
     s_tile = np.repeat(np.arange(num_tiles, dtype=np.int64), t_pieces)
     s_c = _ragged_arange(t_pieces)
-    s_lo, s_hi = _piece_bounds(t_lo[s_tile], t_hi[s_tile], s_c, t_pieces[s_tile], block_n_suffix)
+    s_lo, s_hi = _piece_bounds(t_lo[s_tile], t_hi[s_tile], s_c, t_pieces[s_tile], block_n_suffix,
+                               split=np.isfinite(chunk))
     s_unit = t_unit[s_tile]
     has_unit = s_unit >= 0
     it = np.zeros((s_tile.shape[0], K.ITEM_FIELDS), dtype=np.int64)
