@@ -9,10 +9,10 @@ cd "$(dirname "$0")/.."
 source scripts/venv.sh
 
 setup_venv .venv test
-.venv/bin/python -m pytest tests/ -m "not slow and not vllm and not sglang" "$@"
+.venv/bin/python -m pytest tests/ -m "not slow and not vllm and not sglang and not ray" "$@"
 
 if [ -z "${PREFIXATTN_SKIP_ENGINES:-}" ]; then
-  for suite in scripts/test_vllm.sh scripts/test_sglang.sh; do
+  for suite in scripts/test_vllm.sh scripts/test_sglang.sh scripts/test_ray.sh; do
     if [ -f "$suite" ]; then bash "$suite"; fi
   done
 fi
