@@ -79,18 +79,18 @@ class Plan:
     tiles: AttentionTiles
     use_fp32_dot: bool
     has_shared: bool  # any shared-node item (else the kernel is compiled without that branch)
-    work: WorkList
-    tree: LcpTree
-    shared_nodes: list[SharedNode]
+    work: WorkList = field(repr=False)
+    tree: LcpTree = field(repr=False)
+    shared_nodes: list[SharedNode] = field(repr=False)
     # device tensors
-    items: torch.Tensor
-    gather: torch.Tensor
-    item_units: torch.Tensor
-    units: torch.Tensor
-    block_table: torch.Tensor
-    counters: torch.Tensor
-    ws_o: torch.Tensor
-    ws_lse: torch.Tensor
+    items: torch.Tensor = field(repr=False)
+    gather: torch.Tensor = field(repr=False)
+    item_units: torch.Tensor = field(repr=False)
+    units: torch.Tensor = field(repr=False)
+    block_table: torch.Tensor = field(repr=False)
+    counters: torch.Tensor = field(repr=False)
+    ws_o: torch.Tensor = field(repr=False)
+    ws_lse: torch.Tensor = field(repr=False)
     stats: dict = field(default_factory=dict)
 
     @property
