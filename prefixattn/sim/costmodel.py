@@ -104,7 +104,8 @@ class StepShape:
 
 @dataclass
 class StepCost:
-    """Modeled time of one step, seconds, by part. ``total`` is what the simulated clock advances by."""
+    """Modeled time of one step, seconds, by part. ``total`` is what the simulated clock advances by;
+    ``overlap`` (<= 0) is the time the overlapped backend hides, so the parts add up to ``total``."""
 
     total: float
     gpu: float
@@ -113,6 +114,8 @@ class StepCost:
     other: float
     host: float
     launches: int
+    launch: float
+    overlap: float
     compute_s: float
     memory_s: float
 
@@ -462,8 +465,10 @@ class CostModel:
         gpu = lin + att + oth + launch_t
         compute_s = lin_c + att_c
         memory_s = lin_m + att_m + oth
+        overlap = 0.0
         if backend == "overlap":
-            gpu = min(gpu, max(compute_s, memory_s) / self.calib.overlap_efficiency + launch_t)
+            overlapped = min(gpu, max(compute_s, memory_s) / self.calib.overlap_efficiency + launch_t)
+            overlap, gpu = overlapped - gpu, overlapped
         host = self.calib.host_step_overhead_s + self.calib.host_per_seq_overhead_s * n_seqs
         return StepCost(total=gpu + host, gpu=gpu, linear=lin, attention=att, other=oth, host=host,
-                        launches=launches, compute_s=compute_s, memory_s=memory_s)
+                        launches=launches, launch=launch_t, overlap=overlap, compute_s=compute_s, memory_s=memory_s)

@@ -142,7 +142,7 @@ class Engine:
         self.last_prefill_clock = 0.0
         self.peak_seqs = 0
         #: modeled seconds by part (linear / attention / other / launch / host), for explaining results
-        self.breakdown = dict(linear=0.0, attention=0.0, other=0.0, launch=0.0, host=0.0)
+        self.breakdown = dict(linear=0.0, attention=0.0, other=0.0, launch=0.0, host=0.0, overlap=0.0)
 
     # ------------------------------------------------------------------ sequences
     def new_holder(self, prompt: np.ndarray, base: int = 0, path=(), tag=None) -> Seq:
@@ -370,7 +370,8 @@ class Engine:
         bd["attention"] += cost.attention * scale
         bd["other"] += cost.other * scale
         bd["host"] += cost.host * scale
-        bd["launch"] += (cost.total - cost.host - cost.linear - cost.attention - cost.other) * scale
+        bd["launch"] += cost.launch * scale
+        bd["overlap"] += cost.overlap * scale
         if prefill_tokens:
             self.last_prefill_clock = self.clock
         self.step += count

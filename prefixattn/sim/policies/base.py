@@ -58,7 +58,8 @@ class Policy:
 
 _REGISTRY: dict = {}
 #: Policies built on prefixattn.scheduling; listed even when that API is missing, so the error can say why.
-SCHEDULED_POLICIES = ("batchllm", "blendserve", "nanoflow-dfs", "prefixattn", "prefixattn-2k")
+SCHEDULED_POLICIES = ("batchllm", "blendserve", "nanoflow-dfs", "prefixattn", "prefixattn-2k",
+                      "prefixattn-overlap")
 _missing: dict = {}
 
 

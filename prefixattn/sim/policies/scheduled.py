@@ -206,7 +206,7 @@ class ScheduledPolicy(Policy):
         ids = sp.request_ids
         while count < k_max:
             nxt = self.batcher.step()
-            if nxt.preempted or nxt.truncated or nxt.request_ids.shape != ids.shape or \
+            if nxt.preempted or nxt.truncated or nxt.freed_nodes or nxt.request_ids.shape != ids.shape or \
                     not (nxt.kinds == _DECODE).all() or not np.array_equal(nxt.request_ids, ids):
                 self._pending = nxt
                 break
@@ -235,3 +235,8 @@ register("prefixattn", lambda **kw: ScheduledPolicy("prefixattn", "batchllm", 2,
 register("prefixattn-2k", lambda **kw: ScheduledPolicy("prefixattn-2k", "batchllm", 2, "sampled", "fused", True,
                                                        "sequential", **kw),
          "prefixattn with BatchLLM's 2048-token budget (sensitivity of the token-budget choice)")
+register("prefixattn-overlap", lambda **kw: ScheduledPolicy("prefixattn-overlap", "batchllm", 2, "sampled", "fused",
+                                                            True, "overlap", budget_constant="prefixattn_token_budget",
+                                                            **kw),
+         "prefixattn's scheduling and kernel on a NanoFlow-style overlapped backend (same-backend comparison with "
+         "BlendServe; operator overlap is not part of this library)")
