@@ -23,7 +23,7 @@ from prefixattn.attention_configs import AttentionTiles, choose_tiles
 from prefixattn.block_tree import LcpTree, block_prefix_tree
 from prefixattn.runtime import interpreter_enabled
 from prefixattn.validation import SUPPORTED_DTYPES, check_head_dim, check_heads, check_metadata
-from prefixattn.work_list import K, SharedNode, WorkList, build_work_list
+from prefixattn.work_list import K, SharedNode, SharedNodes, WorkList, ragged_arange, build_work_list
 
 #: Bytes of one fp32 number: partial states (o, lse) are kept in fp32 whatever the input dtype.
 FP32_BYTES = 4
@@ -62,8 +62,8 @@ class Plan:
     """One step's work list on the device, reusable by every layer (:func:`prefixattn.attention`).
 
     Host copies (numpy) of the tables are kept for inspection and tests: ``work`` (:class:`WorkList`), ``tree``
-    (:class:`LcpTree` over the requests' shareable blocks) and ``shared_nodes`` (the nodes the cost rule kept,
-    top-down).
+    (:class:`LcpTree` over the requests' shareable blocks) and ``nodes`` (:class:`SharedNodes`, the nodes the cost
+    rule kept, top-down; ``shared_nodes`` lists them as :class:`SharedNode` objects).
     """
 
     num_tokens: int
@@ -81,7 +81,7 @@ class Plan:
     has_shared: bool  # any shared-node item (else the kernel is compiled without that branch)
     work: WorkList = field(repr=False)
     tree: LcpTree = field(repr=False)
-    shared_nodes: list[SharedNode] = field(repr=False)
+    nodes: SharedNodes = field(repr=False)
     # device tensors
     items: torch.Tensor = field(repr=False)
     gather: torch.Tensor = field(repr=False)
@@ -92,6 +92,11 @@ class Plan:
     ws_o: torch.Tensor = field(repr=False)
     ws_lse: torch.Tensor = field(repr=False)
     stats: dict = field(default_factory=dict)
+
+    @property
+    def shared_nodes(self) -> list[SharedNode]:
+        """The kept shared nodes, top-down, as objects (built on access; the planner works on ``nodes``)."""
+        return self.nodes.to_list()
 
     @property
     def num_items(self) -> int:
@@ -140,19 +145,30 @@ def _default_num_sms(device: torch.device) -> int:
     return DEFAULT_NUM_SMS
 
 
+def _node_levels(parent: np.ndarray) -> np.ndarray:
+    """Ancestors per node (0 under the root), one vectorized step per tree level."""
+    level = np.zeros(parent.shape[0], dtype=np.int64)
+    ancestor = parent.copy()
+    while (ancestor >= 0).any():
+        has = ancestor >= 0
+        level += has
+        ancestor = np.where(has, parent[np.maximum(ancestor, 0)], -1)
+    return level
+
+
 def select_shared_nodes(tree: LcpTree, *, shareable: np.ndarray, q_len: np.ndarray, block_size: int,
                         rows_per_shared: int, group: int, head_dim: int, elt_bytes: int,
-                        sharing: str = "auto") -> tuple[list[SharedNode], np.ndarray]:
-    """Walk the tree top-down and keep the nodes the cost rule accepts (``sharing="auto"``), every node with KV
-    (``"always"``, for tests and benchmarks) or none (``"never"``: plain paged attention).
+                        sharing: str = "auto") -> tuple[SharedNodes, np.ndarray]:
+    """Walk the tree top-down, one level at a time, and keep the nodes the cost rule accepts (``sharing="auto"``),
+    every node with KV (``"always"``, for tests and benchmarks) or none (``"never"``: plain paged attention).
 
-    Returns the kept nodes (top-down, each with its requests ascending) and ``suffix_start[r]``: the end of the
-    deepest kept node holding request ``r`` (0 if none).
+    Returns the kept nodes (top-down, requests ascending within each) and ``suffix_start[r]``: the end of the deepest
+    kept node holding request ``r`` (0 if none).
     """
     num_nodes = tree.num_nodes
     suffix_start = np.zeros(q_len.shape[0], dtype=np.int64)
     if num_nodes == 0 or sharing == "never":
-        return [], suffix_start
+        return SharedNodes.empty(), suffix_start
     # Nodes are intervals [lb, rb] of the sorted order: one reduceat over (lb, rb + 1) pairs gives every node's
     # minimum shareable length (the +inf sentinel makes rb + 1 == n a valid index).
     sorted_shareable = np.r_[shareable[tree.order], np.iinfo(np.int64).max]
@@ -162,26 +178,35 @@ def select_shared_nodes(tree: LcpTree, *, shareable: np.ndarray, q_len: np.ndarr
     cum_rows = np.r_[0, np.cumsum(q_len[tree.order])]
     rows = cum_rows[tree.rb + 1] - cum_rows[tree.lb]
     sizes = tree.rb - tree.lb + 1
-    m_tiles = -(-rows // rows_per_shared)
-    # effective_end[k]: where KV after node k starts for its descendants (its end if kept, else its own start).
+    level = _node_levels(tree.parent)
+    # A node starts where its nearest kept ancestor ends; a dropped node passes its own start down, so its tokens
+    # go back to its children or to the requests' suffixes.
+    start = np.zeros(num_nodes, dtype=np.int64)
     effective_end = np.zeros(num_nodes, dtype=np.int64)
-    kept: list[SharedNode] = []
-    for k in range(num_nodes - 1, -1, -1):  # reversed post-order: every parent before its children
-        parent = int(tree.parent[k])
-        start = int(effective_end[parent]) if parent >= 0 else 0
-        tokens = int(ends[k]) - start
-        effective_end[k] = start
-        if tokens <= 0:
-            continue
-        if sharing == "auto" and not sharing_pays_off(
-                num_requests=int(sizes[k]), num_rows=int(rows[k]), num_m_tiles=int(m_tiles[k]), num_tokens=tokens,
-                group=group, head_dim=head_dim, elt_bytes=elt_bytes):
-            continue  # dropped: its tokens go back to its children or to the requests' suffixes
-        effective_end[k] = ends[k]
-        members = np.sort(tree.members(k))
-        kept.append(SharedNode(kv_start=start, kv_end=int(ends[k]), requests=members, depth_blocks=int(tree.depth[k])))
-        suffix_start[members] = ends[k]  # top-down, so the deepest kept node writes last
-    return kept, suffix_start
+    keep = np.zeros(num_nodes, dtype=bool)
+    for depth in range(int(level.max()) + 1):
+        idx = np.flatnonzero(level == depth)
+        parent = tree.parent[idx]
+        start[idx] = np.where(parent >= 0, effective_end[np.maximum(parent, 0)], 0)
+        tokens = ends[idx] - start[idx]
+        ok = tokens > 0
+        if sharing == "auto":
+            ok &= sharing_pays_off(num_requests=sizes[idx], num_rows=rows[idx],
+                                   num_m_tiles=-(-rows[idx] // rows_per_shared), num_tokens=tokens, group=group,
+                                   head_dim=head_dim, elt_bytes=elt_bytes)
+        keep[idx] = ok
+        effective_end[idx] = np.where(ok, ends[idx], start[idx])
+    kept = np.flatnonzero(keep)
+    kept = kept[np.argsort(level[kept], kind="stable")]  # top-down
+    counts = sizes[kept]
+    node_of = np.repeat(np.arange(kept.shape[0], dtype=np.int64), counts)
+    members = tree.order[np.repeat(tree.lb[kept], counts) + ragged_arange(counts)]
+    # Requests ascending within each node: one sort of (node, request) keys.
+    members = np.sort(node_of * q_len.shape[0] + members) - node_of * q_len.shape[0]
+    np.maximum.at(suffix_start, members, np.repeat(ends[kept], counts))  # deeper kept nodes end later
+    nodes = SharedNodes(kv_start=start[kept], kv_end=ends[kept], depth_blocks=tree.depth[kept],
+                        offsets=np.r_[0, np.cumsum(counts)], members=members)
+    return nodes, suffix_start
 
 
 def plan(
@@ -276,7 +301,8 @@ def plan(
     tiles = choose_tiles(head_dim=head_dim, group=group, max_q_len=max(max_q_len, 1), dtype=q_dtype)
     elt_bytes = q_dtype.itemsize
 
-    tree = block_prefix_tree(table, shareable, block_size)
+    # sharing="never" needs no tree (an empty one keeps Plan.tree well-formed).
+    tree = block_prefix_tree(table, shareable if sharing != "never" else np.zeros_like(shareable), block_size)
     nodes, suffix_start = select_shared_nodes(
         tree, shareable=shareable, q_len=q_len, block_size=block_size,
         rows_per_shared=tiles.rows_per_shared_tile(group), group=group, head_dim=head_dim, elt_bytes=elt_bytes,
@@ -325,7 +351,7 @@ def plan(
         # miss the 1e-4 tolerance).
         use_fp32_dot=interpreter_enabled() or q_dtype == torch.float32,
         has_shared=bool(nodes),
-        work=work, tree=tree, shared_nodes=nodes,
+        work=work, tree=tree, nodes=nodes,
         items=items, gather=gather, item_units=item_units, units=units, block_table=table_dev,
         counters=counters, ws_o=ws_o, ws_lse=ws_lse,
         stats=dict(num_shared_nodes=len(nodes), num_units=num_units, num_ws_rows=work.num_ws_rows,

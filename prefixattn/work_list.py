@@ -1,8 +1,7 @@
 """The flat work list of one step: shared-node tiles, per-request suffix tiles, split-k chunks and merge units.
 
 Numpy only, built on the host by :func:`prefixattn.plan`; the layout (column indices) is the kernel's, see
-:mod:`prefixattn.kernels.prefix_attention`. Vectorized over requests and tiles; the only Python loop runs over the
-shared nodes (a few per sharing group).
+:mod:`prefixattn.kernels.prefix_attention`. Vectorized over requests, shared nodes and tiles: no Python loop.
 
 Vocabulary
 ----------
@@ -46,6 +45,34 @@ class SharedNode:
 
 
 @dataclass(frozen=True)
+class SharedNodes:
+    """The kept shared nodes as flat arrays, top-down (a node before its descendants).
+
+    Node ``k`` covers KV ``[kv_start[k], kv_end[k])`` of requests ``members[offsets[k]:offsets[k + 1]]``
+    (ascending).
+    """
+
+    kv_start: np.ndarray  # [num_nodes] int64
+    kv_end: np.ndarray  # [num_nodes] int64
+    depth_blocks: np.ndarray  # [num_nodes] int64
+    offsets: np.ndarray  # [num_nodes + 1] int64
+    members: np.ndarray  # [num_memberships] int64
+
+    def __len__(self) -> int:
+        return int(self.kv_start.shape[0])
+
+    @staticmethod
+    def empty() -> "SharedNodes":
+        z = np.zeros(0, dtype=np.int64)
+        return SharedNodes(kv_start=z, kv_end=z, depth_blocks=z, offsets=np.zeros(1, dtype=np.int64), members=z)
+
+    def to_list(self) -> list[SharedNode]:
+        return [SharedNode(kv_start=int(self.kv_start[k]), kv_end=int(self.kv_end[k]),
+                           requests=self.members[self.offsets[k]:self.offsets[k + 1]],
+                           depth_blocks=int(self.depth_blocks[k])) for k in range(len(self))]
+
+
+@dataclass(frozen=True)
 class WorkList:
     """Host arrays of one step's work (int32, kernel column layout)."""
 
@@ -67,7 +94,7 @@ def _exclusive_cumsum(x: np.ndarray) -> np.ndarray:
     return out
 
 
-def _ragged_arange(lengths: np.ndarray) -> np.ndarray:
+def ragged_arange(lengths: np.ndarray) -> np.ndarray:
     """``concat(arange(n) for n in lengths)`` without a Python loop."""
     total = int(lengths.sum())
     if total == 0 or lengths.max() <= 1:  # decode batches and unsplit ranges: all zeros, skip the repeat
@@ -125,7 +152,7 @@ def build_work_list(
     q_len: np.ndarray,
     kv_len: np.ndarray,
     causal: bool,
-    nodes: list[SharedNode],
+    nodes: SharedNodes,
     suffix_start: np.ndarray,
     rows_per_shared: int,
     rows_per_suffix: int,
@@ -148,7 +175,7 @@ def build_work_list(
     tiles_per_req[active] = -(-q_len[active] // rows_per_suffix)
     first_tile = _exclusive_cumsum(tiles_per_req)
     t_req = np.repeat(np.arange(num_reqs, dtype=np.int64), tiles_per_req)
-    t_row0 = _ragged_arange(tiles_per_req) * rows_per_suffix
+    t_row0 = ragged_arange(tiles_per_req) * rows_per_suffix
     t_rows = np.minimum(rows_per_suffix, q_len[t_req] - t_row0)
     t_tok0 = q_start[t_req] + t_row0
     t_lo = suffix_start[t_req]
@@ -163,10 +190,8 @@ def build_work_list(
 
     # ---- shared nodes as flat arrays: one entry per (node, member request), nodes in top-down order ----------
     num_nodes = len(nodes)
-    node_start = np.array([n.kv_start for n in nodes], dtype=np.int64)
-    node_end = np.array([n.kv_end for n in nodes], dtype=np.int64)
-    node_size = np.array([n.requests.shape[0] for n in nodes], dtype=np.int64)
-    mem_req = (np.concatenate([n.requests for n in nodes]) if num_nodes else np.zeros(0)).astype(np.int64)
+    node_start, node_end, mem_req = nodes.kv_start, nodes.kv_end, nodes.members
+    node_size = np.diff(nodes.offsets)
     mem_node = np.repeat(np.arange(num_nodes, dtype=np.int64), node_size)
     mem_first = _exclusive_cumsum(node_size)
     mem_ql = q_len[mem_req]
@@ -208,7 +233,7 @@ def build_work_list(
     if num_nodes:
         # Packed rows of each node: its members' query rows, request by request.
         row_mem = np.repeat(np.arange(mem_req.shape[0], dtype=np.int64), mem_ql)
-        row_i = _ragged_arange(mem_ql)
+        row_i = ragged_arange(mem_ql)
         row_req, row_node = mem_req[row_mem], mem_node[row_mem]
         node_row_off = _exclusive_cumsum(node_rows)
         row_in_node = np.arange(row_mem.shape[0], dtype=np.int64) - node_row_off[row_node]
@@ -227,19 +252,19 @@ def build_work_list(
         node_pairs = mt_ptr[node_mt_off + node_mtiles] - node_pair_off
         # One segment per (node, split piece): it repeats the node's packed rows and its reports.
         seg_node = np.repeat(np.arange(num_nodes, dtype=np.int64), n_pieces)
-        seg_c = _ragged_arange(n_pieces)
+        seg_c = ragged_arange(n_pieces)
         seg_rows, seg_pairs = node_rows[seg_node], node_pairs[seg_node]
         seg_gather_off, seg_report_off = _exclusive_cumsum(seg_rows), _exclusive_cumsum(seg_pairs)
         g_seg = np.repeat(np.arange(seg_node.shape[0], dtype=np.int64), seg_rows)
-        g_row = node_row_off[seg_node][g_seg] + _ragged_arange(seg_rows)
+        g_row = node_row_off[seg_node][g_seg] + ragged_arange(seg_rows)
         gather = np.empty((g_row.shape[0], K.GATHER_FIELDS), dtype=np.int64)
         gather[:, K.GATHER_TOKEN] = tok[g_row]
         gather[:, K.GATHER_WS_ROW] = ws0[g_row] + seg_c[g_seg] * t_rows[tile[g_row]]
         r_seg = np.repeat(np.arange(seg_node.shape[0], dtype=np.int64), seg_pairs)
-        shared_reports = pair_unit[node_pair_off[seg_node][r_seg] + _ragged_arange(seg_pairs)]
+        shared_reports = pair_unit[node_pair_off[seg_node][r_seg] + ragged_arange(seg_pairs)]
         num_reports = shared_reports.shape[0]
         i_seg = np.repeat(np.arange(seg_node.shape[0], dtype=np.int64), node_mtiles[seg_node])
-        i_mt = _ragged_arange(node_mtiles[seg_node])
+        i_mt = ragged_arange(node_mtiles[seg_node])
         i_node, i_c = seg_node[i_seg], seg_c[i_seg]
         kv_lo, kv_hi = _piece_bounds(node_start[i_node], node_end[i_node], i_c, n_pieces[i_node], block_n_shared,
                                      split=np.isfinite(chunk))
@@ -263,7 +288,7 @@ def build_work_list(
 
     # ---- suffix items: (suffix tile, split chunk) ------------------------------------------------------------
     s_tile = np.repeat(np.arange(num_tiles, dtype=np.int64), t_pieces)
-    s_c = _ragged_arange(t_pieces)
+    s_c = ragged_arange(t_pieces)
     s_lo, s_hi = _piece_bounds(t_lo[s_tile], t_hi[s_tile], s_c, t_pieces[s_tile], block_n_suffix,
                                split=np.isfinite(chunk))
     s_unit = t_unit[s_tile]
