@@ -144,8 +144,8 @@ def _merge_unit(
         v = tl.load(ws_o_ptr + ws_row[:, None] * stride_ws_t + head[:, None] * stride_ws_h
                     + offs_d[None, :] * stride_ws_d, mask=mask_md, other=0.0, volatile=True)
         m_new = tl.maximum(m, s)
-        rescale = _weight(m, m_new)
-        w = _weight(s, m_new)
+        rescale = _weight(s=m, m=m_new)
+        w = _weight(s=s, m=m_new)
         acc = acc * rescale[:, None] + w[:, None] * v
         w_sum = w_sum * rescale + w
         m = m_new
