@@ -1,4 +1,5 @@
-"""Ray Data suite (marker ``ray``): runs in ``.venv-ray`` via ``scripts/test_ray.sh``.
+"""Ray Data suite (marker ``ray``): runs in ``.venv-ray`` via ``scripts/test_ray.sh``; ``test_vllm_engine.py``
+(marker ``vllm``, no ray needed) runs in ``.venv-vllm`` via ``scripts/test_vllm.sh``.
 
 Without ray installed (the main venv) the modules that import it are not collected (the main suite also deselects
 ``-m "not ray"``); ``test_ray_installed.py`` is always collected, so ``pytest -m ray`` in a venv without ray fails
@@ -12,8 +13,9 @@ import os
 import pytest
 
 HAS_RAY = importlib.util.find_spec("ray") is not None
-if not HAS_RAY:
-    collect_ignore_glob = ["test_[!r]*.py"]
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+# test_vllm_engine.py needs vllm (not ray): it runs in the vLLM venv; everything else needs ray
+collect_ignore_glob = ([] if HAS_RAY else ["test_pipeline.py"]) + ([] if HAS_VLLM else ["test_vllm_engine.py"])
 
 #: CPUs of the local cluster, and of each replica actor (fractional: 2-4 actors share the 2 CPUs).
 CLUSTER_CPUS = 2
@@ -23,7 +25,7 @@ ACTOR_CPUS = 0.5
 def pytest_collection_modifyitems(config, items):
     here = os.path.dirname(__file__)
     for item in items:
-        if str(item.fspath).startswith(here):
+        if str(item.fspath).startswith(here) and "vllm" not in item.keywords:
             item.add_marker(pytest.mark.ray)
 
 
