@@ -60,7 +60,8 @@ def _simulate(workload, ids: np.ndarray, cost) -> float:
     from prefixattn.sim.workloads import Request, Workload
 
     # the engine indexes sequences by rid: number the shard's requests from 0
-    reqs = [Request(j, workload.requests[i].prompt, workload.requests[i].output_len) for j, i in enumerate(ids.tolist())]
+    reqs = [Request(j, workload.requests[i].prompt, workload.requests[i].output_len)
+            for j, i in enumerate(ids.tolist())]
     return Engine(Workload(f"{workload.name}-shard", reqs), cost, make_policy(POLICY)).run().time_s
 
 
