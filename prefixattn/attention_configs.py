@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from prefixattn.autotune.lookup import select_config
+
 #: tl.dot needs M, N and K >= 16 on NVIDIA tensor cores (mma m16n8k16), so no tile dimension goes below this.
 MIN_DOT_DIM = 16
 #: Shared tiles pack (query row x GQA head) of many requests into M: 128 rows per program is the FlashAttention-2
@@ -73,7 +75,11 @@ class AttentionTiles:
 
 
 def choose_tiles(*, head_dim: int, group: int, max_q_len: int, dtype=None) -> AttentionTiles:
-    """Tile sizes for one plan: every tile choice goes through here (autotune will replace the body).
+    """Tile sizes for one plan: every tile choice goes through here.
+
+    The config comes from :func:`prefixattn.autotune.lookup.select_config` (fixed config, the user's tuning cache,
+    the shipped table of the current GPU, the cost model, or the heuristic built from the constants above on the CPU
+    interpreter and unknown GPUs); it is memoized per shape bucket.
 
     Parameters
     ----------
@@ -83,22 +89,20 @@ def choose_tiles(*, head_dim: int, group: int, max_q_len: int, dtype=None) -> At
     max_q_len : int
         Longest query chunk of any request in the step (1 for pure decode).
     dtype : torch.dtype, optional
-        Input dtype; fp32 gets the smaller ``*_FP32`` tiles.
+        Input dtype (fp16 when not given); fp32 gets smaller tiles.
 
     Returns
     -------
     AttentionTiles, with every M tile at least ``group`` (one query row with all its heads).
     """
-    group_p2 = _next_power_of_2(group)
-    large = head_dim > LARGE_HEAD_DIM
-    fp32 = str(dtype) == "torch.float32"
-    wanted_suffix = BLOCK_M_SUFFIX_DECODE if group * max_q_len <= BLOCK_M_SUFFIX_DECODE else BLOCK_M_SUFFIX_PREFILL
-    block_n_shared = BLOCK_N_SHARED_LARGE_HEAD if large else BLOCK_N_SHARED
-    block_n_suffix = BLOCK_N_SUFFIX_LARGE_HEAD if large else BLOCK_N_SUFFIX
+    cfg = select_config(head_dim=head_dim, dtype=dtype if dtype is not None else "fp16", group=group,
+                        max_q_len=max_q_len).config
     return AttentionTiles(
-        block_m_shared=max(BLOCK_M_SHARED_FP32 if fp32 else BLOCK_M_SHARED, group_p2),
-        block_n_shared=min(block_n_shared, BLOCK_N_FP32) if fp32 else block_n_shared,
-        block_m_suffix=max(wanted_suffix, group_p2, MIN_DOT_DIM),
-        block_n_suffix=min(block_n_suffix, BLOCK_N_FP32) if fp32 else block_n_suffix,
+        block_m_shared=cfg.shared.block_m,
+        block_n_shared=cfg.shared.block_n,
+        block_m_suffix=cfg.suffix.block_m,
+        block_n_suffix=cfg.suffix.block_n,
         block_d=max(_next_power_of_2(head_dim), MIN_DOT_DIM),
+        num_warps_shared=cfg.launch_for(True).num_warps,
+        num_warps_suffix=cfg.launch_for(False).num_warps,
     )
