@@ -37,16 +37,20 @@ NUM_STAGES_HIP = (1, 2)
 MERGE_BLOCK_H = (1, 2, 4, 8, 16, 32, 64)
 MERGE_NUM_WARPS = (1, 2, 4, 8)
 
-#: Registers a program needs beyond its tiles (addresses, loop counters, row statistics m_i/l_i, masks): measured
-#: kernels (compile-check on sm80) sit 20-70 above their tile footprint.
-_REG_OVERHEAD = 64
-#: Fraction of the register limit the estimate may fill: the estimate ignores transient copies (layout conversions,
-#: the P tile in both accumulator and operand layouts), so leave headroom instead of meeting spills at the limit.
-_REG_HEADROOM = 0.8
+#: Registers per thread as a function of the tile words per thread ``w`` (fp32 accumulator, query tile, scores,
+#: probabilities and K/V tiles in flight, in 32-bit words): ``max(w + 32, scale * w + base)``, fitted to
+#: compile-check measurements of the fused kernel (fp16, every head size). NVIDIA: 112 words -> ~185 registers,
+#: 136 -> 247-255 (spills on sm80); the gathered 64-bit KV pointer tiles and layout conversions roughly double the
+#: tile footprint. CDNA: 100-176 words -> 270-410 VGPRs, a ~200 register base (addresses, many kernel arguments).
+_REG_FIT = {"cuda": (2.0, -30.0), "hip": (1.0, 200.0)}
+#: Fraction of the register limit the estimate may fill: the fit scatters by ~10%.
+_REG_HEADROOM = 0.9
 #: Score elements each thread should own at least: fewer and warps only add synchronization, no throughput.
 _MIN_ELEMS_PER_THREAD = 4
-#: The merge kernels hold an fp32 accumulator and one loaded tile per (head, dim) element.
+#: The merge kernels hold an fp32 accumulator and one loaded tile per (head, dim) element, plus a few dozen registers
+#: of addresses and row statistics.
 _MERGE_TILES_LIVE = 2
+_MERGE_REG_OVERHEAD = 48
 
 
 def block_d(head_dim: int) -> int:
@@ -200,8 +204,9 @@ def part_registers(tiles: Tiles, head_dim: int, dtype: str, num_warps: int, targ
              + bm * bn                # scores, fp32
              + bm * bn * b / 4        # probabilities fed to the second dot
              + 2 * bn * bd * b / 4)   # K and V tiles in flight
-    threads = num_warps * target.warp_size
-    return int(words / threads + _REG_OVERHEAD)
+    w = words / (num_warps * target.warp_size)
+    scale, base = _REG_FIT[target.backend]
+    return int(max(w + 32, scale * w + base))
 
 
 def part_shared_bytes(tiles: Tiles, head_dim: int, dtype: str, num_stages: int, target: Target) -> int:
@@ -268,9 +273,16 @@ def _knob_reason(lo: LaunchOptions, target: Target, tiles: list[Tiles]) -> str |
     return None
 
 
+def register_limit(num_warps: int, target: Target) -> int:
+    """Registers one thread may use with ``num_warps`` warps per program: the per-thread maximum, or less when the
+    program's threads together would exceed the register file (CDNA: 8 waves share 4 SIMDs, so 256 VGPRs each)."""
+    return min(target.max_regs_per_thread, target.regs_per_sm // (num_warps * target.warp_size))
+
+
 def _resource_reason(regs: int, smem: int, lo: LaunchOptions, target: Target) -> str | None:
-    if regs > _REG_HEADROOM * target.max_regs_per_thread:
-        return f"~{regs} registers/thread > {_REG_HEADROOM:.0%} of {target.max_regs_per_thread}"
+    limit = register_limit(lo.num_warps, target)
+    if regs > _REG_HEADROOM * limit:
+        return f"~{regs} registers/thread > {_REG_HEADROOM:.0%} of {limit}"
     if target.is_hip and lo.waves_per_eu and regs > target.max_regs_per_thread // lo.waves_per_eu:
         return f"waves_per_eu {lo.waves_per_eu} caps registers below the ~{regs} needed (would spill)"
     if smem > target.max_shared_bytes:
@@ -337,7 +349,7 @@ def merge_space() -> list[MergeConfig]:
 
 def merge_registers(cfg: MergeConfig, head_dim: int, target: Target) -> int:
     threads = cfg.num_warps * target.warp_size
-    return int(_MERGE_TILES_LIVE * cfg.block_h * block_d(head_dim) / threads + _REG_OVERHEAD)
+    return int(_MERGE_TILES_LIVE * cfg.block_h * block_d(head_dim) / threads + _MERGE_REG_OVERHEAD)
 
 
 def prune_merge(configs, target: Target, *, head_dim: int, num_heads: int) -> list[MergeConfig]:

@@ -8,7 +8,10 @@ timed hot path. The chain, first match wins:
    a path to one). For deterministic tests and for reproducing a report.
 2. no known GPU (CPU interpreter, no device, a device missing from :mod:`~prefixattn.autotune.targets`):
    the **heuristic** (:func:`heuristic_config`), with a one-time warning for an unknown GPU.
-3. **user-cache**, exact bucket: measured on this very device by ``prefixattn tune`` (beats anything shipped).
+3. **user-cache**: measured on this very device by ``prefixattn tune`` (beats anything shipped), nearest bucket
+   among entries of the same head size, dtype, GQA group and mode (decode: one query token per request, or not).
+   ``plan()`` knows neither the rows per shared node nor the shared KV length before it builds its tree, so exact
+   buckets would rarely match.
 4. **shipped**: the package's ``configs/<target>.json``, nearest bucket (same head size and dtype, or another head
    size with the same padded ``BLOCK_D``; bf16 and fp16 stand in for each other).
 5. **user-cache** nearest bucket (a device family without a shipped table).
@@ -142,19 +145,20 @@ def _pow2_at_least(x: int) -> int:
     return 1 << (max(1, int(x)) - 1).bit_length()
 
 
-def heuristic_config(bucket: Bucket, group: int | None = None) -> AttentionConfig:
+def heuristic_config(bucket: Bucket, group: int | None = None, max_q_len: int | None = None) -> AttentionConfig:
     """The documented default: FlashAttention-2-like shared tiles, decode- or prefill-shaped suffix tiles.
 
-    Every M tile holds at least one query row with all of its GQA heads (``group``: the real GQA group when it
-    exceeds the bucket's clamp).
+    Every M tile holds at least one query row with all of its GQA heads. ``group``/``max_q_len``: the real values
+    (the bucket rounds them), so decode vs prefill tiles switch exactly where ``group * max_q_len`` passes 16.
     """
     group = group if group is not None else bucket.group
+    max_q_len = max_q_len if max_q_len is not None else bucket.max_q_len
     g = _pow2_at_least(group)
     fp32 = bucket.dtype == "fp32"
     block_n = HEURISTIC_BLOCK_N_LARGE_HEAD if bucket.head_dim > HEURISTIC_LARGE_HEAD_DIM else HEURISTIC_BLOCK_N
     if fp32:
         block_n = min(block_n, HEURISTIC_BLOCK_N_FP32)
-    decode = group * bucket.max_q_len <= HEURISTIC_BLOCK_M_DECODE
+    decode = group * max_q_len <= HEURISTIC_BLOCK_M_DECODE
     suffix_m = HEURISTIC_BLOCK_M_DECODE if decode else HEURISTIC_BLOCK_M_PREFILL
     shared_m = HEURISTIC_BLOCK_M_SHARED_FP32 if fp32 else HEURISTIC_BLOCK_M_SHARED
     return AttentionConfig(shared=Tiles(max(shared_m, g), block_n),
@@ -215,10 +219,11 @@ def _stand_ins(bucket: Bucket) -> list[tuple[int, str]]:
     return pairs
 
 
-def nearest_entry(bucket: Bucket, table: dict, target: Target | None,
-                  group: int | None = None) -> tuple[Bucket, object] | None:
-    """The entry of ``table`` (Bucket -> config or cache entry) nearest to ``bucket`` that fits its shape."""
-    for head_dim, dtype in _stand_ins(bucket):
+def nearest_entry(bucket: Bucket, table: dict, target: Target | None, group: int | None = None,
+                  stand_ins: bool = True) -> tuple[Bucket, object] | None:
+    """The entry of ``table`` (Bucket -> config or cache entry) nearest to ``bucket`` that fits its shape
+    (``stand_ins=False``: only entries of the same head size and dtype)."""
+    for head_dim, dtype in (_stand_ins(bucket) if stand_ins else [(bucket.head_dim, bucket.dtype)]):
         probe = Bucket(head_dim=head_dim, dtype=dtype, group=bucket.group, q_rows=bucket.q_rows,
                        max_q_len=bucket.max_q_len, kv_len=bucket.kv_len)
         ranked = sorted((distance(probe, b), b) for b in table if b.head_dim == head_dim and b.dtype == dtype)
@@ -327,25 +332,28 @@ def select_config(*, head_dim: int, dtype, group: int = 1, q_rows: int = 1, max_
     if fixed is not None:
         return Selection(fixed, "fixed", bucket)
     tgt = _resolve_target(target)
-    key = (tgt.name if tgt else None, bucket, group, str(cache_dir) if cache_dir else None)
+    key = (tgt.name if tgt else None, bucket, group, max_q_len, str(cache_dir) if cache_dir else None)
     with _memo_lock:
         hit = _memo.get(key)
     if hit is not None:
         return hit
-    sel = _select(bucket, tgt, cache_dir, group)
+    sel = _select(bucket, tgt, cache_dir, group, max_q_len)
     with _memo_lock:
         _memo[key] = sel
     return sel
 
 
-def _select(bucket: Bucket, target: Target | None, cache_dir: Path | None, group: int) -> Selection:
+def _select(bucket: Bucket, target: Target | None, cache_dir: Path | None, group: int,
+            max_q_len: int) -> Selection:
     if target is None:
-        return Selection(heuristic_config(bucket, group), "heuristic", bucket)
+        return Selection(heuristic_config(bucket, group, max_q_len), "heuristic", bucket)
     name = target.name
     user = _user_cache(str(cache_path(name, cache_dir)))
-    exact = user.get(bucket)
-    if exact is not None and _fits(exact.config, bucket, target, group):
-        return Selection(exact.config, "user-cache", bucket, bucket, name)
+    same_kind = {b: e for b, e in user.entries.items()
+                 if (b.group, b.max_q_len == 1) == (bucket.group, bucket.max_q_len == 1)}
+    found = nearest_entry(bucket, same_kind, target, group, stand_ins=False)
+    if found is not None:
+        return Selection(found[1].config, "user-cache", bucket, found[0], name)
     found = nearest_entry(bucket, load_shipped(name), target, group)
     if found is not None:
         return Selection(found[1], "shipped", bucket, found[0], name)
@@ -355,7 +363,7 @@ def _select(bucket: Bucket, target: Target | None, cache_dir: Path | None, group
     cfg = cost_model_config(bucket, target, group)
     if cfg is not None:
         return Selection(cfg, "cost-model", bucket, None, name)
-    return Selection(heuristic_config(bucket, group), "heuristic", bucket, None, name)
+    return Selection(heuristic_config(bucket, group, max_q_len), "heuristic", bucket, None, name)
 
 
 def choose_config(**kwargs) -> AttentionConfig:

@@ -112,14 +112,17 @@ def test_user_cache_hit_beats_shipped_and_miss_falls_through(monkeypatch):
     _write_cache("sm90", bucket, B)
     sel = lookup.select_config(**SHAPE, target="sm90")
     assert (sel.source, sel.config) == ("user-cache", B)
-    miss = lookup.select_config(**{**SHAPE, "kv_len": 65536}, target="sm90")
-    assert (miss.source, miss.config) == ("shipped", A)
+    near = lookup.select_config(**{**SHAPE, "kv_len": 65536, "q_rows": 16}, target="sm90")
+    assert (near.source, near.config) == ("user-cache", B)  # same head size, dtype, group and mode
+    for miss in ({"group": 8}, {"max_q_len": 64}, {"dtype": "bf16"}):
+        sel = lookup.select_config(**{**SHAPE, **miss}, target="sm90")
+        assert (sel.source, sel.config) == ("shipped", A), miss
 
 
 def test_user_cache_nearest_when_no_shipped_table(monkeypatch):
     _shipped(monkeypatch, {})
     _write_cache("gfx950", make_bucket(**SHAPE), C)
-    sel = lookup.select_config(**{**SHAPE, "kv_len": 8192}, target="gfx950")
+    sel = lookup.select_config(**{**SHAPE, "group": 8}, target="gfx950")
     assert (sel.source, sel.config) == ("user-cache-nearest", C)
 
 
