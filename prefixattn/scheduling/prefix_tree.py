@@ -10,8 +10,9 @@ run it over block-table rows (block ids) to find which requests share KV blocks 
 
 Sorting is an MSD refinement: rows that still tie are compared a window of ids at a time; each round sorts only the
 still-tied rows by (segment, window) with one byte-string argsort and compares neighbouring windows with a
-vectorized first-mismatch search, which also yields the LCP. The window widens round by round (long shared prefixes
-need few rounds) but stays within a fixed element budget so memory is bounded.
+vectorized first-mismatch search, which also yields the LCP. Ids are compared by their native bytes: any fixed
+order of the ids gives a valid tree order, and skipping a byte swap saves a pass over the windows. After a narrow first round the window is as wide as a
+fixed element budget allows (long shared prefixes need few rounds, and memory stays bounded).
 """
 
 from __future__ import annotations
@@ -22,59 +23,70 @@ import numpy as np
 
 from prefixattn.scheduling.sequences import PackedSequences, pack_sequences
 
-#: First comparison window (ids). Most rows diverge within a few dozen ids, so start small and widen.
+#: First comparison window (ids): a cheap first round separates rows that diverge early; later rounds use the
+#: widest window the element budget allows, so long shared prefixes are crossed in a few rounds.
 _FIRST_WINDOW = 16
-#: Widest comparison window (ids): long shared prefixes (documents of ~1k tokens) are crossed in a few rounds.
+#: Widest comparison window (ids): long shared prefixes (documents of ~1k tokens) take one or two rounds.
 _MAX_WINDOW = 1024
-#: Ids gathered per refinement round (rows x window): ~16M int64 keeps one round's temporaries near 300 MB.
-_ROUND_ELEMENTS = 1 << 24
+#: Ids in the sort key of a segment that must be split: short keys keep the byte-string comparisons cheap (rows
+#: sharing a long document would otherwise be compared over the whole window); ties go on in the next round.
+_SORT_KEY = 8
+#: End-of-row marker in the comparison windows: above every id (ids are at most 2**32 - 2).
+_END = np.uint32(0xFFFFFFFF)
+#: Ids gathered per refinement round (rows x window): 8M keeps each round's uint32 window array at 32 MB, where
+#: the allocator still reuses freed memory instead of page-faulting fresh pages every round.
+_ROUND_ELEMENTS = 1 << 23
 
 
 def _gather_windows(values: np.ndarray, pos: np.ndarray, width: int) -> np.ndarray:
-    """``[m, width]`` copies of ``values[pos[i]:pos[i] + width]``; ids past the end of ``values`` read as 0."""
+    """``[m, width]`` uint32 copies of ``values[pos[i]:pos[i] + width]``; ids past the end of ``values`` read as
+    :data:`_END`."""
     total = values.shape[0]
     if total >= width:
         inside = pos <= total - width
-        windows = np.lib.stride_tricks.sliding_window_view(values, width)
+        windows = np.lib.stride_tricks.as_strided(values, shape=(total - width + 1, width),
+                                                  strides=(values.strides[0], values.strides[0]), writeable=False)
         if inside.all():
-            return windows[pos]  # one contiguous row copy per window: much faster than element-wise fancy indexing
-        out = np.zeros((pos.shape[0], width), dtype=values.dtype)
+            # One contiguous row copy per window: much faster than element-wise fancy indexing.
+            return windows[pos].astype(np.uint32, copy=False)
+        out = np.full((pos.shape[0], width), _END, dtype=np.uint32)
         out[inside] = windows[pos[inside]]
         outside = ~inside
     else:
-        out = np.zeros((pos.shape[0], width), dtype=values.dtype)
+        out = np.full((pos.shape[0], width), _END, dtype=np.uint32)
         outside = np.ones(pos.shape[0], dtype=bool)
     idx = pos[outside, None] + np.arange(width, dtype=np.int64)[None, :]
-    out[outside] = np.where(idx < total, values[np.minimum(idx, max(total - 1, 0))] if total else 0, 0)
+    if total:
+        out[outside] = np.where(idx < total, values[np.minimum(idx, total - 1)], _END)
     return out
 
 
-def _window_keys(values: np.ndarray, pos: np.ndarray, remaining: np.ndarray, seg: np.ndarray,
-                 width: int) -> np.ndarray:
-    """Sort keys ``[m, width + 2]`` uint32 holding big-endian bytes: segment id (2 words), then ``id + 1`` per id
-    of the window and 0 past the row's end.
-
-    Big-endian unsigned words compare bytewise in numeric order, so a key row viewed as one byte string sorts by
-    (segment, window) lexicographically, and the 0 after a row's end sorts it before its extensions.
-    """
-    m = pos.shape[0]
-    keys = np.empty((m, width + 2), dtype=np.uint32)
-    keys[:, 0] = seg >> 32
-    keys[:, 1] = seg & 0xFFFFFFFF
-    body = keys[:, 2:]
-    np.add(_gather_windows(values, pos, width), 1, out=body, casting="unsafe")
-    body *= np.arange(width, dtype=np.int64)[None, :] < remaining[:, None]
-    keys.byteswap(inplace=True)
-    return keys
+def _windows(values: np.ndarray, starts: np.ndarray, lengths: np.ndarray, rows: np.ndarray, depth: np.ndarray,
+             width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Windows ``[m, width]`` of ``rows`` from ``depth`` on, :data:`_END` past each row's end; and the ids each
+    row has left from ``depth``."""
+    remaining = lengths[rows] - depth
+    win = _gather_windows(values, starts[rows] + depth, width)
+    ending = remaining < width
+    if ending.any():  # past a row's end: the end marker (the gather read the next row's ids there)
+        cols = np.arange(width, dtype=np.int64)[None, :]
+        if ending.sum() * 4 > rows.shape[0]:
+            np.putmask(win, cols >= remaining[:, None], _END)
+        else:
+            idx = np.flatnonzero(ending)
+            win[idx] = np.where(cols < remaining[idx, None], win[idx], _END)
+    return win, remaining
 
 
 def sort_and_lcp(values: np.ndarray, offsets: np.ndarray, lengths: np.ndarray | None = None
                  ) -> tuple[np.ndarray, np.ndarray]:
-    """Sort rows lexicographically and return the LCP of each row with its predecessor.
+    """Sort rows into a prefix-tree (trie) order and return the LCP of each row with its predecessor.
 
     Row ``i`` is ``values[offsets[i]:offsets[i] + lengths[i]]`` (rows stored back to back, optionally truncated).
-    A row sorts before every longer row it prefixes. Ties (identical rows) keep ascending row index, so the result
-    never depends on hashing or memory layout.
+    The order is lexicographic over a fixed order of the ids (their native uint32 bytes, compared as bytes; a row
+    comes after the longer rows it prefixes): what matters is that rows sharing any prefix are contiguous, so the
+    LCP of two rows is the minimum of the neighbour LCPs between them. Identical rows keep ascending row index, so
+    the result never depends on hashing or memory layout.
 
     Parameters
     ----------
@@ -95,9 +107,9 @@ def sort_and_lcp(values: np.ndarray, offsets: np.ndarray, lengths: np.ndarray | 
 
     Examples
     --------
-    >>> order, lcp = sort_and_lcp(np.array([3, 1, 3, 0, 3]), np.array([0, 2, 4, 5]))
-    >>> order.tolist(), lcp.tolist()
-    ([2, 1, 0], [0, 1, 1])
+    >>> order, lcp = sort_and_lcp(np.array([3, 1, 3, 1, 3]), np.array([0, 2, 4, 5]))
+    >>> order.tolist(), lcp.tolist()    # [3, 1] twice, then [3], which prefixes them
+    ([0, 1, 2], [0, 2, 1])
     """
     offsets = np.asarray(offsets, dtype=np.int64)
     lengths = np.diff(offsets) if lengths is None else np.asarray(lengths, dtype=np.int64)
@@ -108,57 +120,75 @@ def sort_and_lcp(values: np.ndarray, offsets: np.ndarray, lengths: np.ndarray | 
     lcp = np.zeros(n, dtype=np.int64)
     if n < 2:
         return order, lcp
-    # Rows still tied, by sorted position, and the segment (tie group) of each: the position where the segment
-    # starts. A segment's positions are contiguous, so sorting by (segment, window) keeps each row in its range.
+    # Rows still tied, by sorted position; the segment (tie group) of each, named by the position where it starts;
+    # and the depth the segment's rows are known to share. A segment's positions are contiguous and stay so: rows
+    # are only reordered within their segment.
     active_pos = np.arange(n, dtype=np.int64)
     active_seg = np.zeros(n, dtype=np.int64)
-    depth = 0
+    active_depth = np.zeros(n, dtype=np.int64)
     window = _FIRST_WINDOW
     while active_pos.size:
         m = active_pos.size
         width = int(min(window, max(_FIRST_WINDOW, _ROUND_ELEMENTS // m)))
+        window = _MAX_WINDOW  # after a cheap first round, take the widest window the element budget allows
         rows = order[active_pos]
-        keys = _window_keys(values, starts[rows] + depth, lengths[rows] - depth, active_seg, width)
-        # Segments whose rows all agree on this window need no sort (common while crossing a long shared prefix).
-        same_seg = active_seg[1:] == active_seg[:-1]
-        differ = (keys[1:, 2:] != keys[:-1, 2:]).any(axis=1)
-        dirty_seg = np.zeros(m, dtype=bool)
-        dirty_seg[1:] = same_seg & differ
-        if dirty_seg.any():
-            seg_id = np.cumsum(~np.concatenate(([False], same_seg)))  # 1-based dense segment index per row
-            dirty_rows = np.isin(seg_id, seg_id[dirty_seg])
-            sub = np.flatnonzero(dirty_rows)
-            perm = np.argsort(keys[sub].view(f"S{4 * (width + 2)}").ravel(), kind="stable")
-            sub_sorted = sub[perm]
-            rows[sub] = rows[sub_sorted]
-            keys[sub] = keys[sub_sorted]
+        depth = active_depth
+        win, remaining = _windows(values, starts, lengths, rows, depth, width)
+        # Dense segment index of each row and the index of its segment's first row.
+        new_seg = np.ones(m, dtype=bool)
+        new_seg[1:] = active_seg[1:] != active_seg[:-1]
+        seg_id = np.cumsum(new_seg) - 1
+        seg_first = np.flatnonzero(new_seg)
+        # Compare neighbouring rows of each segment. Segments that agree on the whole window need no sort
+        # (common while crossing a long shared prefix) and move on by the window. The others skip what all their
+        # rows share and are sorted by a short key from there: rows that still tie go on from after the key.
+        # (The ids all rows of a segment share = the minimum over its neighbour pairs of their common ids.)
+        mismatch = win[1:] != win[:-1]
+        first = mismatch.argmax(axis=1)
+        differs = mismatch[np.arange(m - 1), first] & ~new_seg[1:]
+        del mismatch, win
+        common = np.full(seg_first.shape[0], width, dtype=np.int64)
+        np.minimum.at(common, seg_id[1:][differs], first[differs])
+        next_depth = depth + width
+        ended = remaining < width
+        pair_differ = np.zeros(m, dtype=bool)  # [i]: row i differs from row i - 1 (same segment)
+        pair_lcp = np.zeros(m, dtype=np.int64)
+        sub = np.flatnonzero((common < width)[seg_id])
+        if sub.size:
+            key_depth = depth[sub] + common[seg_id[sub]]
+            key, key_left = _windows(values, starts, lengths, rows[sub], key_depth, _SORT_KEY)
+            # Byte-string sort of the keys, then a stable sort by segment keeps each row in its segment.
+            by_key = np.argsort(key.view(f"S{4 * _SORT_KEY}").ravel(), kind="stable")
+            by_segment = by_key[np.argsort(seg_id[sub][by_key], kind="stable")]
+            rows[sub] = rows[sub][by_segment]
+            key, key_left, key_depth = key[by_segment], key_left[by_segment], key_depth[by_segment]
             order[active_pos] = rows
-            mismatch = keys[1:, 2:] != keys[:-1, 2:]
-            differ = mismatch.any(axis=1)
-            first = mismatch.argmax(axis=1)
-            del mismatch
-        else:
-            first = np.zeros(m - 1, dtype=np.int64)
-        del keys
-        # A row ending strictly inside the window has a 0 there, so rows tying with it are duplicates. A row
-        # ending exactly at the window edge still ties with its longer extensions and goes one more round.
-        ended = lengths[rows] < depth + width
+            kmis = key[1:] != key[:-1]
+            kfirst = kmis.argmax(axis=1)
+            kdiff = kmis[np.arange(sub.size - 1), kfirst]
+            inner = seg_id[sub][1:] == seg_id[sub][:-1]
+            pair_differ[sub[1:][inner]] = kdiff[inner]
+            pair_lcp[sub[1:][inner]] = key_depth[1:][inner] + kfirst[inner]
+            next_depth[sub] = key_depth + _SORT_KEY
+            ended[sub] = key_left < _SORT_KEY
+        same_seg = ~new_seg[1:]
+        differ = pair_differ[1:]
+        # A row ending strictly inside its window or key has an end marker there, so rows tying with it are
+        # duplicates. A row ending exactly at the edge still ties with its longer extensions and goes on.
         split = same_seg & differ
         dup = same_seg & ~differ & ended[1:]
-        lcp[active_pos[1:][split]] = depth + first[split]
+        lcp[active_pos[1:][split]] = pair_lcp[1:][split]
         lcp[active_pos[1:][dup]] = lengths[rows[1:][dup]]
-        # New segments start where the old segment or the window changes; keep those that still tie and continue.
-        new_start = np.ones(m, dtype=bool)
-        new_start[1:] = ~(same_seg & ~differ)
-        start_idx = np.flatnonzero(new_start)
+        # New segments start where the old segment or the key changes; keep those that still tie and continue.
+        starts_here = np.ones(m, dtype=bool)
+        starts_here[1:] = ~(same_seg & ~differ)
+        start_idx = np.flatnonzero(starts_here)
         sizes = np.diff(np.append(start_idx, m))
         keep_seg = (sizes >= 2) & ~ended[start_idx]
         keep = np.repeat(keep_seg, sizes)
-        new_seg = np.repeat(active_pos[start_idx], sizes)
+        active_seg = np.repeat(active_pos[start_idx], sizes)[keep]
+        active_depth = next_depth[keep]
         active_pos = active_pos[keep]
-        active_seg = new_seg[keep]
-        depth += width
-        window = min(window * 2, _MAX_WINDOW)
     return order, lcp
 
 
@@ -225,9 +255,7 @@ class PrefixTree:
             ``[num_nodes - 1]`` child node ids.
         """
         kids = np.flatnonzero(self.parent >= 0)
-        # A leaf with an empty edge and its sibling internal node can share ``lo``; leaves sort first (they are the
-        # shorter rows).
-        kids = kids[np.lexsort((self.leaf[kids] < 0, self.lo[kids], self.parent[kids]))]
+        kids = kids[np.lexsort((self.lo[kids], self.parent[kids]))]
         counts = np.bincount(self.parent[kids], minlength=self.num_nodes)
         indptr = np.zeros(self.num_nodes + 1, dtype=np.int64)
         np.cumsum(counts, out=indptr[1:])

@@ -164,8 +164,11 @@ def pack_sequences(seqs, *, name: str = "prompts", min_len: int = 1) -> PackedSe
         i = int(np.argmax(lengths < min_len))
         raise ValueError(f"{name}[{i}]: expected at least {min_len} id(s), got {int(lengths[i])}")
     if values.size:
-        lo, hi = int(values.min()), int(values.max())
-        if lo < 0 or hi > MAX_ID:
+        # One pass: viewed unsigned, negative ids become huge, so a single max catches both ends of the range.
+        limit = MAX_ID if values.dtype.itemsize >= 4 else (1 << (8 * values.dtype.itemsize)) - 1
+        if values.dtype.kind == "i" and values.dtype.itemsize <= 4:
+            limit = min(limit, int(np.iinfo(values.dtype).max))
+        if int(values.view(values.dtype.str.replace("i", "u")).max()) > limit:
             pos = int(np.argmax((values < 0) | (values > MAX_ID)))
             i = int(np.searchsorted(offsets, pos, side="right") - 1)
             raise ValueError(f"{name}[{i}]: expected ids in [0, {MAX_ID}], got {int(values[pos])} at position "

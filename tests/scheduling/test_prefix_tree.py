@@ -19,8 +19,13 @@ def _lcp(a, b) -> int:
     return k
 
 
+def _trie_key(row) -> bytes:
+    """The documented order: ids compared by their native uint32 bytes, a row after the rows it prefixes."""
+    return np.asarray(row, dtype=np.uint32).tobytes() + b"\xff\xff\xff\xff"
+
+
 def _brute(rows):
-    order = sorted(range(len(rows)), key=lambda i: (list(rows[i]), i))
+    order = sorted(range(len(rows)), key=lambda i: (_trie_key(rows[i]), i))
     return order, [0] + [_lcp(rows[a], rows[b]) for a, b in zip(order, order[1:])]
 
 
@@ -28,22 +33,25 @@ def test_hand_built():
     rows = [[5, 6, 7], [5, 6], [1], [5, 6, 7], [5, 9, 0, 0], []]
     packed = pack_sequences(rows, min_len=0)
     order, lcp = sort_and_lcp(packed.values, packed.offsets)
-    assert order.tolist() == [5, 2, 1, 0, 3, 4]
-    assert lcp.tolist() == [0, 0, 0, 2, 3, 1]
+    # small ids sort like numbers; a row comes after the rows it prefixes; identical rows keep their row order
+    assert order.tolist() == [2, 0, 3, 1, 4, 5]
+    assert lcp.tolist() == [0, 0, 3, 2, 1, 0]
 
 
 def test_truncated_rows():
     packed = pack_sequences([[1, 2, 3], [1, 2, 4], [1, 9]])
     order, lcp = sort_and_lcp(packed.values, packed.offsets, packed.lengths - 1)
-    assert order.tolist() == [2, 0, 1]  # [1] < [1, 2] == [1, 2]; ties keep row order
-    assert lcp.tolist() == [0, 1, 2]
+    assert order.tolist() == [0, 1, 2]  # [1, 2] == [1, 2] (row order kept), then [1]
+    assert lcp.tolist() == [0, 2, 1]
 
 
-@pytest.mark.parametrize("window", [1, 2, 16])
-def test_random_against_brute_force(monkeypatch, window):
-    # Tiny windows force many refinement rounds, window edges inside shared prefixes and rows ending on edges.
+@pytest.mark.parametrize("window, key", [(1, 1), (2, 3), (16, 8)])
+def test_random_against_brute_force(monkeypatch, window, key):
+    # Tiny windows and sort keys force many refinement rounds, window edges inside shared prefixes and rows
+    # ending on edges.
     monkeypatch.setattr(prefix_tree_module, "_FIRST_WINDOW", window)
     monkeypatch.setattr(prefix_tree_module, "_MAX_WINDOW", max(window, 4))
+    monkeypatch.setattr(prefix_tree_module, "_SORT_KEY", key)
     rng = np.random.default_rng(window)
     for _ in range(150):
         rows = nested_random(rng, int(rng.integers(1, 30)), max_len=int(rng.integers(1, 20)))
@@ -113,6 +121,13 @@ def test_block_ids_and_packed_input():
 def test_identical_rows_keep_row_order():
     order, lcp = sort_and_lcp(np.array([7, 7, 7, 7, 7, 7]), np.array([0, 2, 4, 6]))
     assert order.tolist() == [0, 1, 2] and lcp.tolist() == [0, 2, 2]
+
+
+def test_large_ids_use_a_fixed_byte_order():
+    # 256 = bytes 00 01 00 00 and 1 = 01 00 00 00: compared bytewise, 256 comes first. Any fixed order is a valid
+    # tree order; this pins down that the order is the same every time.
+    order, lcp = sort_and_lcp(np.array([1, 256, 2**32 - 2]), np.array([0, 1, 2, 3]))
+    assert order.tolist() == [1, 0, 2] and lcp.tolist() == [0, 0, 0]
 
 
 @pytest.mark.parametrize("bad, match", [
