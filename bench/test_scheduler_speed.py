@@ -4,8 +4,8 @@ BlendServe-scale batch grouped and ordered, and one token-batching step with 1,0
 * ``scheduler_grouping``: ``group_prompts`` on BatchLLM case-1-shaped batches (3,000 and 30,000 requests of ~1,560
   tokens: a 64-token system prompt, ~1,100-token documents shared by ~7 queries of ~400 tokens) against inserting
   the same prompts one by one into SGLang's ``RadixCache`` (page size 1), measured in the same process; the ratio
-  rows are SGLang time / ours, in wall and in CPU time. Without sglang importable (run the bench with ``/work/main/.venv-sglang/bin/python``
-  to have it), our rows are recorded and the peer is skipped with the reason.
+  rows are SGLang time / ours, in wall and in CPU time. Without sglang importable (run the bench with
+  ``/work/main/.venv-sglang/bin/python`` to have it), our rows are recorded and the peer is skipped with the reason.
 * ``scheduler_scale``: 400,000 requests (BlendServe's scale) in a fresh process: grouping, then ordering with
   ``batchllm`` and ``blendserve``; peak memory beyond the prompts. Prompts are BlendServe-like (chat / MMLU /
   video, mean ~600 tokens, ~240M tokens) rather than 1-2k tokens each: that keeps the prompts themselves at ~1 GB

@@ -8,11 +8,14 @@ of any two rows is the minimum of the neighbour LCPs between them, so the neighb
 The code is generic over integer sequences: the scheduler runs it over prompt token ids, and the kernel planner can
 run it over block-table rows (block ids) to find which requests share KV blocks right now.
 
-Sorting is an MSD refinement: rows that still tie are compared a window of ids at a time; each round sorts only the
-still-tied rows by (segment, window) with one byte-string argsort and compares neighbouring windows with a
-vectorized first-mismatch search, which also yields the LCP. Ids are compared by their native bytes: any fixed
-order of the ids gives a valid tree order, and skipping a byte swap saves a pass over the windows. After a narrow first round the window is as wide as a
-fixed element budget allows (long shared prefixes need few rounds, and memory stays bounded).
+Sorting is an MSD refinement over rows that still tie (segments), one window of ids per round, all vectorized:
+neighbouring rows of each segment are compared over the window (a first-mismatch search). A segment whose rows
+agree on the whole window moves on by the window, with no sort (crossing a long shared document costs one
+comparison pass). A segment that disagrees skips the ids all its rows share, is sorted by a short key from there
+(one byte-string argsort for all such segments at once), and the first mismatch of the sorted neighbours gives the
+LCP; rows still tied on the key go on from after it. After a narrow first round the window is as wide as a fixed
+element budget allows, so memory per round is bounded. Ids are compared by their native bytes: any fixed order of
+the ids gives a valid tree order, and skipping a byte swap saves a pass.
 """
 
 from __future__ import annotations

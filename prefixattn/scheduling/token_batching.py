@@ -234,8 +234,8 @@ class TokenBatcher:
         self._ready_nodes: list[tuple[int, int]] = []  # heap (rank, node): parent complete, not started
         self._partial_nodes: dict[int, None] = {}
         self._active_nodes: dict[int, None] = {}  # started prefix levels (holding or computing KV)
-        self._active_full_blocks = 0
-        self._freed_nodes: list[int] = []  # levels whose KV was dropped since the last plan  # blocks of the active levels once complete (for reservations)
+        self._active_full_blocks = 0  # blocks of the active levels once complete (for reservations)
+        self._freed_nodes: list[int] = []  # levels whose KV was dropped since the last plan
         self._open = 0  # requests neither finished nor aborted
         self._stats = dict(preemptions=0, recomputed_tokens=0, released_prefix_tokens=0, truncated=0, steps=0,
                            finished=0, aborted=0)

@@ -20,7 +20,8 @@ def case1_like(num_requests: int = 700, *, share: int = 7, prefix: int = 1100, d
     return [rows[i] for i in rng.permutation(num_requests)]
 
 
-def nested_random(rng: np.random.Generator, num_requests: int, *, alphabet: int = 3, max_len: int = 12) -> list[list[int]]:
+def nested_random(rng: np.random.Generator, num_requests: int, *, alphabet: int = 3,
+                  max_len: int = 12) -> list[list[int]]:
     """Prompts over a tiny alphabet built by extending earlier prompts' prefixes: deep, irregular sharing,
     duplicates and prompts that prefix other prompts."""
     rows: list[list[int]] = []
