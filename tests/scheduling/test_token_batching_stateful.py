@@ -230,6 +230,6 @@ class BatcherMachine(RuleBasedStateMachine):
                 assert self.step_no - m["last"] <= STARVATION_STEPS, f"request {rid} starved"
 
 
-BatcherMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
+BatcherMachine.TestCase.settings = settings(max_examples=120, stateful_step_count=50, deadline=None,
                                             suppress_health_check=[HealthCheck.too_slow])
 TestTokenBatcherStateful = BatcherMachine.TestCase
