@@ -36,7 +36,7 @@ from prefixattn.scheduling import (PrefixGroup, TokenBatcher, group_prompts, opt
 
 HERE = Path(__file__).parent
 #: Repetitions of our grouping per batch (median reported); SGLang's insertion is slower, so fewer there.
-OUR_REPEATS = 3
+OUR_REPEATS = 5
 PEER_REPEATS = {3000: 3, 30000: 1}
 #: Steps timed per token-batching case (median and p90 reported).
 STEP_REPEATS = 300

@@ -26,9 +26,11 @@ import numpy as np
 
 from prefixattn.scheduling.sequences import PackedSequences, pack_sequences
 
-#: First comparison window (ids): a cheap first round separates rows that diverge early; later rounds use the
-#: widest window the element budget allows, so long shared prefixes are crossed in a few rounds.
-_FIRST_WINDOW = 16
+#: First comparison window (ids), when the element budget allows it: wide enough to cross a system prompt, small
+#: enough that rows diverging early cost little; later rounds use the widest window the budget allows.
+_FIRST_WINDOW = 256
+#: Narrowest window: keeps the per-round overhead small when there are very many rows.
+_MIN_WINDOW = 16
 #: Widest comparison window (ids): long shared prefixes (documents of ~1k tokens) take one or two rounds.
 _MAX_WINDOW = 1024
 #: Ids in the sort key of a segment that must be split: short keys keep the byte-string comparisons cheap (rows
@@ -132,7 +134,7 @@ def sort_and_lcp(values: np.ndarray, offsets: np.ndarray, lengths: np.ndarray | 
     window = _FIRST_WINDOW
     while active_pos.size:
         m = active_pos.size
-        width = int(min(window, max(_FIRST_WINDOW, _ROUND_ELEMENTS // m)))
+        width = int(max(_MIN_WINDOW, min(window, _ROUND_ELEMENTS // m)))
         window = _MAX_WINDOW  # after a cheap first round, take the widest window the element budget allows
         rows = order[active_pos]
         depth = active_depth

@@ -50,6 +50,7 @@ def test_random_against_brute_force(monkeypatch, window, key):
     # Tiny windows and sort keys force many refinement rounds, window edges inside shared prefixes and rows
     # ending on edges.
     monkeypatch.setattr(prefix_tree_module, "_FIRST_WINDOW", window)
+    monkeypatch.setattr(prefix_tree_module, "_MIN_WINDOW", 1)
     monkeypatch.setattr(prefix_tree_module, "_MAX_WINDOW", max(window, 4))
     monkeypatch.setattr(prefix_tree_module, "_SORT_KEY", key)
     rng = np.random.default_rng(window)
