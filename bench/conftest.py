@@ -3,7 +3,8 @@
 Every benchmark records rows through the ``results`` fixture; the session writes them to
 ``bench/results/latest.csv`` (kept out of git) with columns
 ``benchmark, provider, shape, device, metric, value, unit, commit, versions``.
-Benchmarks report; they never assert timings.
+Benchmarks report; they never assert timings. ``PREFIXATTN_BENCH_RESULTS=path.csv`` writes elsewhere (two runs in one
+checkout would otherwise overwrite each other's file).
 """
 
 from __future__ import annotations
@@ -71,6 +72,6 @@ class Results:
 def results(request):
     collected = Results()
     yield collected
-    out = RESULTS_DIR / "latest.csv"
+    out = Path(os.environ.get("PREFIXATTN_BENCH_RESULTS") or RESULTS_DIR / "latest.csv")
     collected.write(out)
     print(f"\nprefixattn bench: wrote {len(collected.rows)} rows to {out}")

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from peers.base import CPU_PROVIDERS
-from peers.cache import measurements
+from peers.cache import measurements, start_selected
 from shapes import TRAFFIC_SHAPES as SHAPES
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -46,6 +46,12 @@ def attention_flops(shape) -> float:
     kv = b.kv_lens.cpu().numpy().astype(np.float64)
     pairs = float((q * (kv - q) + q * (q + 1) / 2).sum())
     return pairs * shape.head_dim * shape.num_qo_heads * _FLOPS_PER_MAC * _MATMULS
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _start_engine_workers(request):
+    # Engines' subprocesses start before the first test, so they overlap with prefixattn's in-process runs.
+    start_selected(request.session)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)

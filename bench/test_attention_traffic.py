@@ -17,7 +17,7 @@ import os
 import pytest
 
 from peers.base import CPU_PROVIDERS
-from peers.cache import measurements
+from peers.cache import measurements, start_selected
 from shapes import TRAFFIC_SHAPES as SHAPES
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -32,6 +32,12 @@ METRIC_UNITS = {"kv_bytes": "bytes", "unique_kv_bytes": "bytes", "launches": "co
 def shape_label(shape) -> str:
     """The CSV ``shape`` column: the paper's setting, then the scaled batch actually run."""
     return f"{shape.paper} [{shape.name}]"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _start_engine_workers(request):
+    # Engines' subprocesses start before the first test, so they overlap with prefixattn's in-process runs.
+    start_selected(request.session)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)

@@ -7,46 +7,76 @@ import sys
 
 import pytest
 
-from peers.base import CPU_PROVIDERS, ENGINE_OF
+from peers.base import ENGINE_OF
 from peers.measure import measure
-from peers.remote import engine_python, run_worker
-from shapes import TRAFFIC_SHAPES, build_batch
+from peers.remote import Worker, engine_python
+from shapes import build_batch
 
 _SINGLETON = None
 
 
 class _Measurements:
-    """Measures lazily and once: each engine's providers over all shapes in one subprocess at first use (its
-    import costs ~10 s), prefixattn in this process. ``get`` skips the calling test when the engine is missing."""
+    """Measures lazily and once per session. :meth:`start` launches, for the selected (provider, shape) pairs, one
+    subprocess per engine (an engine import costs ~10 s), which runs while this process measures prefixattn.
+    ``get`` skips the calling test when the provider's engine is missing."""
 
-    def __init__(self, shapes=TRAFFIC_SHAPES) -> None:
-        self.shapes = shapes
+    def __init__(self) -> None:
         self.records: dict = {}
-        self.unavailable: dict = {}
-        self.engines_done: set = set()
+        self.engines: dict = {}  # engine -> (python, why); python None when missing
+        self.workers: list = []  # (Worker, keys it measures)
+
+    def _engine(self, engine):
+        if engine not in self.engines:
+            self.engines[engine] = engine_python(engine)
+        return self.engines[engine]
+
+    def start(self, pairs) -> None:
+        """Start workers for the ``(provider, shape)`` pairs the session selected that no worker covers yet."""
+        todo: dict = {}
+        covered = {k for _, keys in self.workers for k in keys}
+        for provider, shape in pairs:
+            engine = ENGINE_OF[provider]
+            key = (provider, shape.to_json())
+            if engine is None or key in covered or key in self.records:
+                continue
+            python, _ = self._engine(engine)
+            if python is not None and python != sys.executable:
+                todo.setdefault(engine, {}).setdefault(provider, {})[shape.to_json()] = shape
+        for engine, by_provider in todo.items():
+            providers = sorted(by_provider)
+            shapes = list({k: v for d in by_provider.values() for k, v in d.items()}.values())
+            keys = {(p, sh.to_json()) for p in providers for sh in shapes}
+            self.workers.append((Worker(self._engine(engine)[0], providers, shapes), keys))
 
     def get(self, provider: str, shape) -> dict:
         engine = ENGINE_OF[provider]
         key = (provider, shape.to_json())
-        if key in self.records:
-            return self.records[key]
-        if engine is not None and engine not in self.engines_done:
-            self.engines_done.add(engine)
-            python, why = engine_python(engine)
+        if engine is not None:
+            python, why = self._engine(engine)
             if python is None:
-                self.unavailable[engine] = why
-            elif python != sys.executable:
-                providers = [p for p in CPU_PROVIDERS if ENGINE_OF[p] == engine]
-                self.records.update(run_worker(python, providers, self.shapes))
-                return self.records[key]
-        if engine in self.unavailable:
-            pytest.skip(self.unavailable[engine])
-        try:
-            record = dict(metrics=measure(provider, build_batch(shape)))
-        except Exception as exc:  # recorded like a worker's failure, raised below
-            record = dict(error=f"{type(exc).__name__}: {exc}")
-        self.records[key] = record
-        return record
+                pytest.skip(why)
+            if python != sys.executable:
+                self.start([(provider, shape)])
+                for worker, keys in self.workers:
+                    if key in keys:
+                        return worker.records()[key]
+        if key not in self.records:
+            try:
+                self.records[key] = dict(metrics=measure(provider, build_batch(shape)))
+            except Exception as exc:  # reported like a worker's failure: the test fails with it
+                self.records[key] = dict(error=f"{type(exc).__name__}: {exc}")
+        return self.records[key]
+
+
+def start_selected(session, modules=("test_attention_traffic", "test_attention_modeled")) -> None:
+    """Start the engine workers for the selected tests of ``modules`` (their ``provider``/``shape`` parameters)."""
+    pairs = []
+    for item in session.items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        module = getattr(getattr(item, "module", None), "__name__", "")
+        if module.rsplit(".", 1)[-1] in modules and params.get("provider") in ENGINE_OF and "shape" in params:
+            pairs.append((params["provider"], params["shape"]))
+    measurements().start(pairs)
 
 
 def measurements() -> _Measurements:

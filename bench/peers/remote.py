@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parents[1]
@@ -37,23 +38,47 @@ def engine_python(engine: str) -> tuple[str | None, str]:
                   f"{engine.upper()}_PYTHON or create .venv-{engine}, see scripts/test_{engine}.sh)")
 
 
-def run_worker(python: str, providers: list[str], shapes: list) -> dict:
-    """Measure ``providers`` x ``shapes`` in a subprocess; ``{(provider, shape_json): record}`` where a record has
-    ``metrics`` or ``error``."""
-    env = dict(os.environ)
-    env["TRITON_INTERPRET"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join([str(BENCH_DIR), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    stdin = "".join(s.to_json() + "\n" for s in shapes)
-    proc = subprocess.run([python, "-W", "ignore::RuntimeWarning", "-m", "peers.worker", *providers], input=stdin,
-                          capture_output=True, text=True, env=env, cwd=BENCH_DIR, timeout=SUBPROCESS_TIMEOUT_S)
-    records = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith('{"provider"'):  # engines log to stdout too
-            record = json.loads(line)
-            records[(record["provider"], record["shape"])] = record
-    missing = [(p, s.to_json()) for p in providers for s in shapes if (p, s.to_json()) not in records]
-    for key in missing:
-        records[key] = dict(provider=key[0], shape=key[1],
-                            error=f"worker exited with {proc.returncode} before this shape:\n{proc.stderr[-3000:]}")
-    return records
+class Worker:
+    """``providers`` x ``shapes`` measured in a subprocess started now; :meth:`records` waits for it.
+
+    Started early, engine workers run while this process measures prefixattn: on the 2-core machine the engines'
+    subprocesses and the main process overlap instead of queueing.
+    """
+
+    def __init__(self, python: str, providers: list[str], shapes: list) -> None:
+        self.providers, self.shapes = providers, shapes
+        env = dict(os.environ)
+        env["TRITON_INTERPRET"] = "1"
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(BENCH_DIR), env.get("PYTHONPATH", "")) if p)
+        env.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+        self._proc = subprocess.Popen([python, "-W", "ignore::RuntimeWarning", "-m", "peers.worker", *providers],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True, env=env, cwd=BENCH_DIR)
+        self._out: list = []
+        stdin = "".join(s.to_json() + "\n" for s in shapes)
+        # communicate() in a thread: it writes stdin and drains both pipes (an engine's logs could fill a pipe).
+        self._thread = threading.Thread(target=lambda: self._out.extend(self._proc.communicate(stdin)), daemon=True)
+        self._thread.start()
+        self._records: dict | None = None
+
+    def records(self) -> dict:
+        """``{(provider, shape_json): record}``, a record holding ``metrics`` or ``error``."""
+        if self._records is not None:
+            return self._records
+        self._thread.join(SUBPROCESS_TIMEOUT_S)
+        if self._thread.is_alive():
+            self._proc.kill()
+            self._thread.join()
+        stdout, stderr = self._out if len(self._out) == 2 else ("", "")
+        records = {}
+        for line in stdout.splitlines():
+            if line.startswith('{"provider"'):  # engines log to stdout too
+                record = json.loads(line)
+                records[(record["provider"], record["shape"])] = record
+        for p in self.providers:
+            for s in self.shapes:
+                records.setdefault((p, s.to_json()), dict(
+                    provider=p, shape=s.to_json(),
+                    error=f"worker exited with {self._proc.returncode} before this shape:\n{stderr[-3000:]}"))
+        self._records = records
+        return records
