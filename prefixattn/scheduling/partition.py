@@ -12,8 +12,10 @@ replica recomputes every shared prefix: with share degree ~7 and 8 replicas most
    makespan below that of the best whole-group assignment (a split of a small group can cost more than it evens).
 2. **LPT** for the whole groups: in decreasing cost, each to the least-loaded replica (Graham's bound: makespan
    <= 4/3 of the optimum).
-3. **Water-filling** for the split groups: their requests top the least-loaded replicas up to one common level, so
-   a replica gets one piece (equal pieces would leave the small groups nowhere to go but on top of a piece).
+3. **Spread** the split groups: N pieces of equal cost, one per replica, so each replica keeps the batch's mix of
+   compute- and memory-heavy work (BlendServe sec. 6.1); the whole groups go on top by LPT. (``split="fill"``
+   instead water-fills: the fewest pieces topping the least-loaded replicas up to one level, least recomputation,
+   but a replica may end up with one kind of work only.)
 4. **Refinement.** While it lowers the most-loaded replica: move one of its groups to another replica, or swap one
    of its groups with a cheaper group of another replica (the pair that lowers the pair's maximum most). Pieces of
    one split group that end on the same replica are merged back (no recomputation there).
@@ -52,6 +54,7 @@ _REFINE_STEPS_PER_REPLICA = 64
 _REFINE_MIN_GAIN = 1e-12
 
 SHARDINGS = ("round-robin", "random")
+SPLIT_MODES = ("spread", "fill")
 
 
 def token_cost(output_lens=None, *, decode_weight: float = 1.0) -> GroupCost:
@@ -224,6 +227,25 @@ def _cut(group: PrefixGroup, lo: int, budget: float, cost: GroupCost) -> tuple[P
     return _piece(group, lo, best_hi), best_hi
 
 
+def _split_even(group: PrefixGroup, k: int, cost: GroupCost) -> list:
+    """``group`` cut into ``k`` contiguous runs of about equal cost (bisection on the leading run's cost)."""
+    n = group.num_requests
+    k = max(1, min(int(k), n))
+    whole = cost(group)
+    cuts = [0]
+    for q in range(1, k):
+        lo, hi = cuts[-1] + 1, n - (k - q)  # every piece keeps at least one request
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if cost(_piece(group, 0, mid)) >= whole * q / k:
+                hi = mid
+            else:
+                lo = mid + 1
+        cuts.append(lo)
+    cuts.append(n)
+    return [_piece(group, a, b) for a, b in zip(cuts[:-1], cuts[1:])]
+
+
 def _water_level(loads: np.ndarray, extra: float) -> float:
     """Level ``T`` with ``sum(max(0, T - loads)) == extra``: filling the least-loaded replicas up to it."""
     srt = np.sort(loads)
@@ -267,9 +289,10 @@ def _costs(groups: list, cost: GroupCost, where: str = "cost") -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------------------------------- assignment
-def _lpt(costs: np.ndarray, n: int) -> np.ndarray:
+def _lpt(costs: np.ndarray, n: int, loads=None) -> np.ndarray:
     order = sorted(range(costs.shape[0]), key=lambda i: (-costs[i], i))
-    heap = [(0.0, r) for r in range(n)]
+    heap = [(0.0 if loads is None else float(loads[r]), r) for r in range(n)]
+    heapq.heapify(heap)
     out = np.empty(costs.shape[0], dtype=np.int64)
     for i in order:
         load, r = heapq.heappop(heap)
@@ -345,7 +368,7 @@ def _merge_pieces(groups: list, source: np.ndarray, rep: np.ndarray, originals: 
 
 
 def partition_groups(groups: Sequence[PrefixGroup], num_replicas: int, cost: GroupCost | None = None, *,
-                     allow_split: bool = True, refine: bool = True) -> Partition:
+                     allow_split: bool = True, split: str = "spread", refine: bool = True) -> Partition:
     """Assign prefix groups to ``num_replicas`` engine replicas, minimizing the most-loaded replica's cost.
 
     Parameters
@@ -361,6 +384,11 @@ def partition_groups(groups: Sequence[PrefixGroup], num_replicas: int, cost: Gro
     allow_split : bool
         Split groups that alone exceed the fair share ``total / N`` (default). With False groups are never split and
         the makespan is at least the largest group's cost.
+    split : {"spread", "fill"}
+        How a forced split is cut. ``spread`` (default): into N pieces of equal cost, one per replica, so every
+        replica gets the same share of the group and the batch's mix of compute- and memory-heavy work (BlendServe
+        sec. 6.1: each data-parallel block keeps the root's compute density). ``fill``: the fewest pieces, topping
+        the least-loaded replicas up to one level (least recomputation; a replica may get only one kind of work).
     refine : bool
         Improve the LPT assignment by moves and swaps (default).
 
@@ -388,6 +416,8 @@ def partition_groups(groups: Sequence[PrefixGroup], num_replicas: int, cost: Gro
     if isinstance(num_replicas, bool) or not isinstance(num_replicas, (int, np.integer)) or num_replicas < 1:
         raise ValueError(f"num_replicas: expected a positive int, got {num_replicas!r}")
     n = int(num_replicas)
+    if split not in SPLIT_MODES:
+        raise ValueError(f"split: expected one of {SPLIT_MODES}, got {split!r}")
     if cost is None:
         cost = token_cost()
     elif not callable(cost):
@@ -396,23 +426,43 @@ def partition_groups(groups: Sequence[PrefixGroup], num_replicas: int, cost: Gro
     fair = float(base_costs.sum()) / n
     to_split = [s for s, g in enumerate(originals)
                 if allow_split and n > 1 and base_costs[s] > fair * (1 + _SPLIT_MARGIN) and g.num_requests > 1]
-    best = _assign(originals, base_costs, [], n, cost, refine)
+    best = _assign(originals, base_costs, [], n, cost, refine, split)
     if to_split:
         # a split pays its recomputation; keep it only where it actually lowers the makespan
-        with_split = _assign(originals, base_costs, to_split, n, cost, refine)
+        with_split = _assign(originals, base_costs, to_split, n, cost, refine, split)
         if with_split.makespan < best.makespan * (1 - _SPLIT_MARGIN):
             best = with_split
     return best
 
 
 def _assign(originals: list, base_costs: np.ndarray, to_split: list, n: int, cost: GroupCost,
-            refine: bool) -> Partition:
-    """LPT for the whole groups, water-filling for the groups in ``to_split``, refinement, merged pieces."""
+            refine: bool, split: str) -> Partition:
+    """The groups in ``to_split`` spread (or water-filled), LPT for the whole groups, refinement, merged pieces."""
     whole = [s for s in range(len(originals)) if s not in set(to_split)]
     work = [originals[s] for s in whole]
     source = list(whole)
     costs = [float(base_costs[s]) for s in whole]
-    rep = _lpt(np.asarray(costs, dtype=np.float64), n).tolist()
+    if to_split and split == "spread":
+        # one equal piece per replica first (alternating direction, so uneven cuts of two groups compensate),
+        # then the whole groups by LPT on top
+        loads = np.zeros(n)
+        pieces, piece_src, piece_rep, piece_costs = [], [], [], []
+        for t, s in enumerate(to_split):
+            for j, p in enumerate(_split_even(originals[s], n, cost)):
+                r = j if t % 2 == 0 else n - 1 - j
+                c = float(cost(p))
+                pieces.append(p)
+                piece_src.append(s)
+                piece_rep.append(r)
+                piece_costs.append(c)
+                loads[r] += c
+        rep = _lpt(np.asarray(costs, dtype=np.float64), n, loads).tolist() + piece_rep
+        work += pieces
+        source += piece_src
+        costs += piece_costs
+        to_split = []
+    else:
+        rep = _lpt(np.asarray(costs, dtype=np.float64), n).tolist()
     if to_split:
         # Water-filling: the split groups' requests, as one stream, top the least-loaded replicas up to one level;
         # each piece keeps its group's prefix (the recomputation makes the last pieces overshoot a little, which

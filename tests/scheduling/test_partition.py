@@ -97,8 +97,9 @@ def test_within_lpt_bound_of_the_optimum(seed):
         assert p.makespan >= opt - 1e-9
 
 
+@pytest.mark.parametrize("split", ["spread", "fill"])
 @pytest.mark.parametrize("num_replicas", [2, 3, 4])
-def test_only_the_oversized_group_is_split(num_replicas):
+def test_only_the_oversized_group_is_split(num_replicas, split):
     prompts = _big_group_batch(seed=num_replicas)
     groups = _groups_of(prompts)
     cost = token_cost()
@@ -106,7 +107,7 @@ def test_only_the_oversized_group_is_split(num_replicas):
     over = [i for i, g in enumerate(groups) if cost(g) > total / num_replicas]
     assert len(over) == 1
     big = groups[over[0]]
-    p = partition_groups(groups, num_replicas)
+    p = partition_groups(groups, num_replicas, split=split)
     _check_cover(p, len(prompts))
     assert p.split == over
     reps = p.request_replicas()
@@ -114,7 +115,8 @@ def test_only_the_oversized_group_is_split(num_replicas):
         if i != over[0]:
             assert len(set(reps[g.request_ids].tolist())) == 1
     pieces = [g for g, s in zip(p.groups, p.source.tolist()) if s == over[0]]
-    assert 2 <= len(pieces) <= num_replicas
+    # spread: one equal piece per replica (each keeps the batch's mix); fill: as few as the level needs
+    assert len(pieces) == num_replicas if split == "spread" else 2 <= len(pieces) <= num_replicas
     assert len({int(r) for r, s in zip(p.replicas, p.source) if s == over[0]}) == len(pieces)  # one per replica
     # every piece keeps the prefix; the recomputation is one prefix per extra piece, and it is what was lost
     assert all(q.prefix_len == big.prefix_len for q in pieces if q.num_requests > 1)
@@ -124,6 +126,23 @@ def test_only_the_oversized_group_is_split(num_replicas):
     logical = sum(len(x) for x in prompts)
     assert saving_ratio(prompts, groups) - p.saving_ratio() == pytest.approx(p.recomputed_tokens / logical)
     assert p.balance <= 1.05
+
+
+def test_spread_gives_every_replica_a_share_of_each_split_group():
+    # a prefill-heavy and a decode-heavy group, both above the fair share: with "spread" every replica gets a piece
+    # of each (the mix that keeps a replica neither only compute- nor only memory-bound)
+    rng = np.random.default_rng(4)
+    a, b = rng.integers(0, 30000, 16).tolist(), rng.integers(0, 30000, 16).tolist()
+    prompts = [a + rng.integers(0, 30000, 600).tolist() for _ in range(40)] + \
+        [b + rng.integers(0, 30000, 40).tolist() for _ in range(40)]
+    outs = np.array([2] * 40 + [600] * 40)
+    groups = _groups_of(prompts)
+    assert len(groups) == 2
+    p = partition_groups(groups, 4, token_cost(outs))
+    reps = p.request_replicas()
+    for r in range(4):
+        assert (reps[:40] == r).any() and (reps[40:] == r).any()
+    assert p.recomputed_tokens == 2 * 3 * 16 and p.balance <= 1.05
 
 
 def test_no_split_when_disallowed():
@@ -269,6 +288,7 @@ def test_summary_numbers():
     (dict(groups=[PrefixGroup(0, [0], [3])], num_replicas=0), "num_replicas: expected a positive int, got 0"),
     (dict(groups=[PrefixGroup(0, [0], [3])], num_replicas=2.0), "num_replicas: expected a positive int"),
     (dict(groups=[PrefixGroup(0, [0], [3])], num_replicas=2, cost=[1.0]), "cost: expected a callable"),
+    (dict(groups=[PrefixGroup(0, [0], [3])], num_replicas=2, split="even"), "split: expected one of"),
     (dict(groups=[PrefixGroup(0, [0], [3])], num_replicas=2, cost=lambda g: float("nan")), "finite cost"),
     (dict(groups=[PrefixGroup(0, [0], [3])], num_replicas=2, cost=lambda g: -1.0), "finite cost >= 0"),
 ])
