@@ -35,6 +35,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--num-requests", type=int, default=None, help="size / truncate the workload")
     parser.add_argument("--seed", type=int, default=0, help="workload generator seed (and random sharding's)")
     parser.add_argument("--no-split", action="store_true", help="never split a group, even one above the fair share")
+    parser.add_argument("--split", choices=["spread", "fill"], default="spread",
+                        help="how a group above the fair share is cut: one equal piece per replica (spread, keeps "
+                             "each replica's work mix) or the fewest pieces (fill)")
     parser.add_argument("--json", default=None, metavar="FILE", help="also write the summary and the assignment")
 
 
@@ -53,7 +56,7 @@ def _rows(partition, prompts) -> list[dict]:
 
 
 def summarize(workload, num_replicas: int, *, levels: int = 1, cost: str = "sim", model=None, gpu=None,
-              decode_weight: float = 1.0, allow_split: bool = True, seed: int = 0) -> dict:
+              decode_weight: float = 1.0, allow_split: bool = True, split: str = "spread", seed: int = 0) -> dict:
     """Partition ``workload`` (a :class:`prefixattn.sim.workloads.Workload`) and measure it against the baselines.
 
     Returns a dict: ``partition`` (the :class:`Partition`), ``replicas`` (per-replica rows), ``saving`` (ratio per
@@ -80,7 +83,7 @@ def summarize(workload, num_replicas: int, *, levels: int = 1, cost: str = "sim"
         cost_label = f"tokens (prefill after sharing + {decode_weight:g} x decode)"
     else:
         raise ValueError(f"cost: expected 'sim' or 'tokens', got {cost!r}")
-    part = partition_groups(groups, num_replicas, fn, allow_split=allow_split)
+    part = partition_groups(groups, num_replicas, fn, allow_split=allow_split, split=split)
     single = saving_ratio(prompts, groups)
     saving = {"single replica": single, "optimal": optimal_saving_ratio(prompts),
               "prefix-affinity": sharded_saving_ratio(prompts, part.request_replicas(len(prompts)), levels=levels),
@@ -134,7 +137,8 @@ def run(args) -> int:
             raise ValueError(f"--replicas: expected a positive int, got {args.replicas}")
         workload = get_workload(args.prompts, num_requests=args.num_requests, seed=args.seed)
         s = summarize(workload, args.replicas, levels=args.levels, cost=args.cost, model=args.model, gpu=args.gpu,
-                      decode_weight=args.decode_weight, allow_split=not args.no_split, seed=args.seed)
+                      decode_weight=args.decode_weight, allow_split=not args.no_split, split=args.split,
+                      seed=args.seed)
     except (ValueError, OSError) as e:
         print(f"prefixattn partition: error: {e}", file=sys.stderr)
         return 2
