@@ -8,11 +8,20 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/venv.sh
 
+# Every suite runs even when an earlier one fails (one CI run shows all failures); the exit code is non-zero if any
+# suite failed.
+failed=()
 setup_venv .venv test
-.venv/bin/python -m pytest tests/ -m "not slow and not vllm and not sglang and not ray" "$@"
+.venv/bin/python -m pytest tests/ -m "not slow and not vllm and not sglang and not ray" "$@" || failed+=(main)
 
 if [ -z "${PREFIXATTN_SKIP_ENGINES:-}" ]; then
-  for suite in scripts/test_vllm.sh scripts/test_sglang.sh scripts/test_ray.sh; do
-    if [ -f "$suite" ]; then bash "$suite"; fi
+  for suite in vllm sglang ray; do
+    if [ -f "scripts/test_$suite.sh" ]; then bash "scripts/test_$suite.sh" || failed+=("$suite"); fi
   done
 fi
+
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "prefixattn tests: FAILED suites: ${failed[*]}" >&2
+  exit 1
+fi
+echo "prefixattn tests: all suites passed"
