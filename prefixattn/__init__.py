@@ -7,8 +7,9 @@ from prefixattn.attention import PrefixSharedAttention, attention
 from prefixattn.merge import merge_states, merge_states_n
 from prefixattn.plan import Plan, plan
 from prefixattn.reference import reference_attention
+from prefixattn.validation import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS
 
 __version__ = "0.1.0"
 
-__all__ = ["Plan", "PrefixSharedAttention", "attention", "merge_states", "merge_states_n", "plan",
-           "reference_attention", "__version__"]
+__all__ = ["Plan", "PrefixSharedAttention", "SUPPORTED_DTYPES", "SUPPORTED_HEAD_DIMS", "attention", "merge_states",
+           "merge_states_n", "plan", "reference_attention", "__version__"]

@@ -41,7 +41,7 @@ import prefixattn  # noqa: E402
 from integrations.vllm.plugin import BACKEND_NAME  # noqa: E402
 
 #: Head sizes prefixattn's kernels are tuned and tested for (prefixattn's validation accepts exactly these).
-SUPPORTED_HEAD_SIZES = (64, 80, 96, 128, 256)
+SUPPORTED_HEAD_SIZES = prefixattn.SUPPORTED_HEAD_DIMS
 #: Every physical order of vLLM's ``[L, B, H, N, C]`` cache: the kernel reads any strides. Token-major inside a block
 #: (``B, N, H, C``, i.e. NHD) first: it is prefixattn's own ``[num_blocks, block_size, num_kv_heads, head_dim]``.
 SUPPORTED_KV_CACHE_LAYOUTS = tuple(
