@@ -46,7 +46,7 @@ _REG_FIT = {"cuda": (2.0, -30.0), "hip": (1.0, 200.0)}
 #: Fraction of the register limit the estimate may fill: the fit scatters by ~10%.
 _REG_HEADROOM = 0.9
 #: Score elements each thread should own at least: fewer and warps only add synchronization, no throughput.
-_MIN_ELEMS_PER_THREAD = 4
+_MIN_ELEMS_PER_THREAD = 2
 #: The merge kernels hold an fp32 accumulator and one loaded tile per (head, dim) element, plus a few dozen registers
 #: of addresses and row statistics.
 _MERGE_TILES_LIVE = 2

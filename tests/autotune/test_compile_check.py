@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from prefixattn.autotune.compile_check import count_matrix_instrs, failures, parse_amdgcn, parse_dots, parse_ptxas
+from prefixattn.autotune.compile_check import (count_matrix_instrs, count_private_memory_ops, failures, parse_amdgcn,
+                                              parse_dots, parse_ptxas)
 from prefixattn.autotune.compile_specs import build_signature
 from prefixattn.autotune.targets import TARGETS
 
@@ -49,6 +50,18 @@ def test_parse_ptxas_and_amdgcn():
     got = parse_amdgcn(asm)
     assert (got["registers"], got["agprs"], got["vgpr_spills"], got["sgpr_spills"], got["lds_bytes"]) == \
         (44, 4, 0, 9, 32768)
+
+
+def test_private_memory_ops_tell_a_reserved_scratch_slot_from_a_spill():
+    reserved = ("\t\t.amdhsa_user_sgpr_private_segment_buffer 1\n\ts_mov_b64 s[96:97], s[0:1]\n"
+                "\ts_mov_b64 s[98:99], s[2:3]\n"
+                "\tbuffer_load_dwordx4 v[18:21], v15, s[8:11], 0 offen\n")
+    assert count_private_memory_ops(reserved) == 0
+    assert count_private_memory_ops(reserved + "\tbuffer_store_dword v3, off, s[96:99], 0 offset:8\n") == 1
+    assert count_private_memory_ops(reserved + "\tbuffer_load_dword v40, v2, s[0:3], 0 offen\n") == 0
+    assert count_private_memory_ops("\tscratch_store_dwordx4 off, v[0:3], s33\n\tscratch_load_dword v1, off, s33\n") == 2
+    # without a private-segment buffer (flat scratch), s[0:3] is an ordinary resource
+    assert count_private_memory_ops("\tbuffer_load_dword v1, v2, s[0:3], 0 offen\n") == 0
 
 
 def test_failures_flag_spills_smem_and_missing_matrix_units():
