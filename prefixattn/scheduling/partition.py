@@ -12,8 +12,9 @@ replica recomputes every shared prefix: with share degree ~7 and 8 replicas most
    makespan below that of the best whole-group assignment (a split of a small group can cost more than it evens).
 2. **LPT** for the whole groups: in decreasing cost, each to the least-loaded replica (Graham's bound: makespan
    <= 4/3 of the optimum).
-3. **Spread** the split groups: N pieces of equal cost, one per replica, so each replica keeps the batch's mix of
-   compute- and memory-heavy work (BlendServe sec. 6.1); the whole groups go on top by LPT. (``split="fill"``
+3. **Spread** the split groups over every replica, one piece each, sized to the replica's room below a common
+   level (equal pieces when the whole groups are balanced), so each replica keeps the batch's mix of compute- and
+   memory-heavy work (BlendServe sec. 6.1). (``split="fill"``
    instead water-fills: the fewest pieces topping the least-loaded replicas up to one level, least recomputation,
    but a replica may end up with one kind of work only.)
 4. **Refinement.** While it lowers the most-loaded replica: move one of its groups to another replica, or swap one
@@ -227,23 +228,30 @@ def _cut(group: PrefixGroup, lo: int, budget: float, cost: GroupCost) -> tuple[P
     return _piece(group, lo, best_hi), best_hi
 
 
-def _split_even(group: PrefixGroup, k: int, cost: GroupCost) -> list:
-    """``group`` cut into ``k`` contiguous runs of about equal cost (bisection on the leading run's cost)."""
+def _split_weighted(group: PrefixGroup, weights: Sequence[float], cost: GroupCost) -> list:
+    """``group`` cut into ``len(weights)`` contiguous runs whose costs are about proportional to ``weights``
+    (bisection on the leading run's cost; every run keeps one request at least, so a run may be None when the
+    group has fewer requests than weights)."""
     n = group.num_requests
-    k = max(1, min(int(k), n))
+    w = np.asarray(weights, dtype=np.float64)
+    k = w.shape[0]
     whole = cost(group)
+    frac = np.cumsum(w) / w.sum()
     cuts = [0]
     for q in range(1, k):
-        lo, hi = cuts[-1] + 1, n - (k - q)  # every piece keeps at least one request
+        if cuts[-1] >= n:
+            cuts.append(n)
+            continue
+        lo, hi = cuts[-1] + 1, n
         while lo < hi:
             mid = (lo + hi) // 2
-            if cost(_piece(group, 0, mid)) >= whole * q / k:
+            if cost(_piece(group, 0, mid)) >= whole * frac[q - 1]:
                 hi = mid
             else:
                 lo = mid + 1
-        cuts.append(lo)
+        cuts.append(min(lo, n))
     cuts.append(n)
-    return [_piece(group, a, b) for a, b in zip(cuts[:-1], cuts[1:])]
+    return [_piece(group, a, b) if b > a else None for a, b in zip(cuts[:-1], cuts[1:])]
 
 
 def _water_level(loads: np.ndarray, extra: float) -> float:
@@ -385,9 +393,10 @@ def partition_groups(groups: Sequence[PrefixGroup], num_replicas: int, cost: Gro
         Split groups that alone exceed the fair share ``total / N`` (default). With False groups are never split and
         the makespan is at least the largest group's cost.
     split : {"spread", "fill"}
-        How a forced split is cut. ``spread`` (default): into N pieces of equal cost, one per replica, so every
-        replica gets the same share of the group and the batch's mix of compute- and memory-heavy work (BlendServe
-        sec. 6.1: each data-parallel block keeps the root's compute density). ``fill``: the fewest pieces, topping
+        How a forced split is cut. ``spread`` (default): one piece per replica, sized to the replica's room below
+        a common level once the whole groups are placed, so every replica gets a share of the group and keeps the
+        batch's mix of compute- and memory-heavy work (BlendServe sec. 6.1: each data-parallel block keeps the
+        root's compute density). ``fill``: the fewest pieces, topping
         the least-loaded replicas up to one level (least recomputation; a replica may get only one kind of work).
     refine : bool
         Improve the LPT assignment by moves and swaps (default).
@@ -443,23 +452,20 @@ def _assign(originals: list, base_costs: np.ndarray, to_split: list, n: int, cos
     source = list(whole)
     costs = [float(base_costs[s]) for s in whole]
     if to_split and split == "spread":
-        # one equal piece per replica first (alternating direction, so uneven cuts of two groups compensate),
-        # then the whole groups by LPT on top
-        loads = np.zeros(n)
-        pieces, piece_src, piece_rep, piece_costs = [], [], [], []
-        for t, s in enumerate(to_split):
-            for j, p in enumerate(_split_even(originals[s], n, cost)):
-                r = j if t % 2 == 0 else n - 1 - j
-                c = float(cost(p))
-                pieces.append(p)
-                piece_src.append(s)
-                piece_rep.append(r)
-                piece_costs.append(c)
-                loads[r] += c
-        rep = _lpt(np.asarray(costs, dtype=np.float64), n, loads).tolist() + piece_rep
-        work += pieces
-        source += piece_src
-        costs += piece_costs
+        # whole groups by LPT first; then every split group is cut into one piece per replica, sized to the
+        # replica's room below the common water level (equal pieces when the whole groups are balanced)
+        rep = _lpt(np.asarray(costs, dtype=np.float64), n).tolist()
+        loads = np.bincount(np.asarray(rep, dtype=np.int64), weights=costs, minlength=n) if work else np.zeros(n)
+        level = _water_level(loads, float(base_costs[to_split].sum()))
+        room = np.maximum(level - loads, 0.0)
+        targets = [r for r in range(n) if room[r] > 0]
+        for s in to_split:
+            for r, p in zip(targets, _split_weighted(originals[s], room[targets], cost)):
+                if p is not None:
+                    work.append(p)
+                    source.append(s)
+                    costs.append(float(cost(p)))
+                    rep.append(r)
         to_split = []
     else:
         rep = _lpt(np.asarray(costs, dtype=np.float64), n).tolist()
