@@ -113,6 +113,10 @@ TABLE: tuple[Constant, ...] = (
              "the prefixattn policy's tokens per step: SGLang's default chunk for 35-160 GB GPUs; a larger dense "
              "batch amortizes the weight reads and GEMM wave tails. A design choice of this library's policy, made "
              "once for every workload (the 2048-token variant is reported beside it)"),
+    Constant("prefixattn_reservation_clip", 4096, "tokens", "assumption",
+             "the prefixattn policy reserves KV for at most this many estimated output tokens per request (SGLang "
+             "clips its reservation at the same 4096), so a few 16K-token outputs cannot reserve the whole pool; "
+             "chosen once for every workload"),
     Constant("output_sample_rate", 0.01, "fraction of requests", "paper",
              "BlendServe sec. 3.2: output lengths estimated by running 1% of the requests first (used by the "
              "policies that sample: blendserve, nanoflow-dfs, prefixattn)"),

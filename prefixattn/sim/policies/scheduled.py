@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from prefixattn.scheduling import CostModel as DensityModel, estimate_output_lens, order_groups, sample_requests
-from prefixattn.scheduling.token_batching import ChunkKind, TokenBatcher
+from prefixattn.scheduling import (ChunkKind, CostModel as DensityModel, TokenBatcher, estimate_output_lens,
+                                   order_groups, sample_requests)
 from prefixattn.sim.engine import RUNNING, WAITING
 from prefixattn.sim.policies.base import Policy, register
 from prefixattn.sim.policies.ordering import groups_of
@@ -46,6 +46,10 @@ class ScheduledPolicy(Policy):
         Prefix levels adding fewer than this many KV blocks are not shared (passed to :func:`group_prompts`).
     budget_constant : str
         Calibration-table name of the token budget per step.
+    clip_constant : str, optional
+        Calibration-table name of a cap on each request's output estimate *as a memory reservation* (ordering still
+        sees the full estimate), SGLang's reservation clip: a few very long outputs then cannot reserve the whole
+        KV pool.
     """
 
     cache_mode = None
@@ -53,7 +57,8 @@ class ScheduledPolicy(Policy):
     commits_steady_steps = True
 
     def __init__(self, name: str, ordering: str, levels, outputs: str, kernel: str, split_k: bool, backend: str,
-                 min_shared_blocks: int = 1, budget_constant: str = "batchllm_chunk_tokens") -> None:
+                 min_shared_blocks: int = 1, budget_constant: str = "batchllm_chunk_tokens",
+                 clip_constant: str | None = None) -> None:
         if outputs not in ("constant", "sampled"):
             raise ValueError(f"outputs: expected 'constant' or 'sampled', got {outputs!r}")
         self.name = name
@@ -65,6 +70,7 @@ class ScheduledPolicy(Policy):
         self.backend = backend
         self.min_shared_blocks = min_shared_blocks
         self.budget_constant = budget_constant
+        self.clip_constant = clip_constant
         self._pending = None
 
     def describe(self) -> dict:
@@ -95,9 +101,12 @@ class ScheduledPolicy(Policy):
             est = estimate_output_lens(groups, ids, [w.requests[i].output_len for i in ids])
         options = dict(cost_model=self._density_model(engine.cost)) if self.ordering == "blendserve" else {}
         ordered = order_groups(groups, self.ordering, output_lens=est, **options)
+        reserve = est
+        if est is not None and self.clip_constant:
+            reserve = np.minimum(est, getattr(engine.calib, self.clip_constant))
         self.batcher = TokenBatcher(token_budget=self.token_budget,
                                     kv_blocks=int(engine.pool.num_blocks * self.threshold), block_size=bs,
-                                    output_lens=est)
+                                    output_lens=reserve)
         self.batcher.add_groups(ordered)
         # prefix levels per request: (key, start, end), outermost first, as the batcher builds its nodes
         self.paths: dict = {}
@@ -229,14 +238,16 @@ register("nanoflow-dfs", lambda **kw: ScheduledPolicy("nanoflow-dfs", "dfs", 1, 
                                                       "overlap", **kw),
          "NanoFlow-DFS (BlendServe's baseline): prefix-tree DFS order, same batching and overlapped backend")
 register("prefixattn", lambda **kw: ScheduledPolicy("prefixattn", "batchllm", 2, "sampled", "fused", True,
-                                                    "sequential", budget_constant="prefixattn_token_budget", **kw),
+                                                    "sequential", budget_constant="prefixattn_token_budget",
+                                                    clip_constant="prefixattn_reservation_clip", **kw),
          "prefixattn: two-level groups, Eq. 3 order with sampled output lengths, memory-centric batching with "
          "reservations, fused prefix attention with split-k")
 register("prefixattn-2k", lambda **kw: ScheduledPolicy("prefixattn-2k", "batchllm", 2, "sampled", "fused", True,
-                                                       "sequential", **kw),
+                                                       "sequential", clip_constant="prefixattn_reservation_clip",
+                                                       **kw),
          "prefixattn with BatchLLM's 2048-token budget (sensitivity of the token-budget choice)")
 register("prefixattn-overlap", lambda **kw: ScheduledPolicy("prefixattn-overlap", "batchllm", 2, "sampled", "fused",
                                                             True, "overlap", budget_constant="prefixattn_token_budget",
-                                                            **kw),
+                                                            clip_constant="prefixattn_reservation_clip", **kw),
          "prefixattn's scheduling and kernel on a NanoFlow-style overlapped backend (same-backend comparison with "
          "BlendServe; operator overlap is not part of this library)")
