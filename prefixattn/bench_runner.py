@@ -54,7 +54,7 @@ def run(args) -> int:
         cmd += ["-k", args.keyword]
     cmd += list(args.pytest_args)
     code = subprocess.call(cmd, cwd=bench.parent, env=env)
-    latest = bench / "results" / "latest.csv"
+    latest = Path(env.get("PREFIXATTN_BENCH_RESULTS") or bench / "results" / "latest.csv")  # see bench/conftest.py
     report = bench / "report.py"
     if latest.exists() and report.exists():
         # The suite's own report (bench/report.py): traffic headline, targets, per-benchmark tables, PNG plots.
