@@ -105,12 +105,17 @@ def test_compile_check_one_head_dim_per_target(tmp_path):
     records = json.loads(out.read_text())["records"]
     fused = [r for r in records if r["kernel"] == "prefix_attention"]
     merges = [r for r in records if r["kernel"] != "prefix_attention"]
-    assert sorted((r["target"], r["head_dim"]) for r in fused) == sorted(CI_HEAD_DIMS.items())
+    # The kernel compiles two launch kinds per config: with shared items, and suffix-only (HAS_SHARED=False, the
+    # shared branch compiled out). Each target gets one of each; only the first has a shared part to check.
+    with_shared = [r for r in fused if "/suffix-only" not in r["variant"]]
+    suffix_only = [r for r in fused if "/suffix-only" in r["variant"]]
+    assert sorted((r["target"], r["head_dim"]) for r in with_shared) == sorted(CI_HEAD_DIMS.items())
+    assert sorted((r["target"], r["head_dim"]) for r in suffix_only) == sorted(CI_HEAD_DIMS.items())
     assert len(merges) == 2 * len(CI_HEAD_DIMS)
     for r in records:
         assert r["ok"] and r["spills"] == 0 and r["registers"] > 0
         assert r["shared_bytes"] <= TARGETS[r["target"]].max_shared_bytes
-    for r in fused:
+    for r in with_shared:
         assert r["shared_part_matrix"] is True, r
         assert r["matrix_instrs"]
     print(f"compile-check CI subset: {len(records)} compiles in {elapsed:.0f} s")
