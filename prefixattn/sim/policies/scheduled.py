@@ -81,9 +81,10 @@ class ScheduledPolicy(Policy):
         self.token_budget = int(getattr(c, self.budget_constant))
         self.threshold = c.batchllm_memory_threshold
         self.sample_rate = c.output_sample_rate
-        # BatchLLM runs inside vLLM: same memory rule; with no request cap the sampler may see a full budget of
-        # sequences in one step
-        return cost.kv_pool_tokens(c.vllm_gpu_memory_utilization, self.token_budget, self.token_budget)
+        # BatchLLM (and prefixattn's integration) run inside vLLM: its memory profile (a forward pass of the token
+        # budget, the sampler at max_num_seqs rows); steps sampling more rows than that live in the 10% of device
+        # memory gpu_memory_utilization leaves out
+        return cost.kv_pool_tokens(c.vllm_gpu_memory_utilization, self.token_budget, int(c.vllm_max_num_seqs))
 
     # ------------------------------------------------------------------ offline preparation
     def _density_model(self, cost) -> DensityModel:
