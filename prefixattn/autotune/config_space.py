@@ -41,12 +41,16 @@ MERGE_NUM_WARPS = (1, 2, 4, 8)
 #: probabilities and K/V tiles in flight, in 32-bit words): ``max(w + 32, scale * w + base)``, fitted to
 #: compile-check measurements of the fused kernel (fp16, every head size). NVIDIA: 112 words -> ~185 registers,
 #: 136 -> 247-255 (spills on sm80); the gathered 64-bit KV pointer tiles and layout conversions roughly double the
-#: tile footprint. CDNA: 100-176 words -> 270-410 VGPRs, a ~200 register base (addresses, many kernel arguments).
-_REG_FIT = {"cuda": (2.0, -30.0), "hip": (1.0, 200.0)}
+#: tile footprint. CDNA: 100-176 words -> 270-410 VGPRs, a ~200 register base (addresses, many kernel arguments);
+#: 236 words (d256, 64-row suffix tile, 2 warps) already spills at 512.
+_REG_FIT = {"cuda": (2.0, -30.0), "hip": (1.2, 200.0)}
+#: IEEE fp32 dots on NVIDIA run on FMA units, each thread holding its own slices of both operands: the register
+#: footprint of the tiles grows by half (sm80/sm90: 32x64 tiles spill at head_dim 64, 16x16 fit at 256).
+_FMA_DOT_FACTOR = 1.5
 #: Fraction of the register limit the estimate may fill: the fit scatters by ~10%.
 _REG_HEADROOM = 0.9
-#: Score elements each thread should own at least: fewer and warps only add synchronization, no throughput.
-_MIN_ELEMS_PER_THREAD = 2
+#: Score elements each thread should own at least: a tile smaller than the program leaves threads idle.
+_MIN_ELEMS_PER_THREAD = 1
 #: The merge kernels hold an fp32 accumulator and one loaded tile per (head, dim) element, plus a few dozen registers
 #: of addresses and row statistics.
 _MERGE_TILES_LIVE = 2
@@ -205,6 +209,8 @@ def part_registers(tiles: Tiles, head_dim: int, dtype: str, num_warps: int, targ
              + bm * bn * b / 4        # probabilities fed to the second dot
              + 2 * bn * bd * b / 4)   # K and V tiles in flight
     w = words / (num_warps * target.warp_size)
+    if dtype == "fp32" and not target.is_hip:
+        w *= _FMA_DOT_FACTOR
     scale, base = _REG_FIT[target.backend]
     return int(max(w + 32, scale * w + base))
 
@@ -244,6 +250,22 @@ def launch_space(target: Target) -> list[LaunchOptions]:
     return [LaunchOptions(num_warps=w, num_stages=s, waves_per_eu=wpe, matrix_instr_nonkdim=nk, kpack=kp)
             for w in NUM_WARPS for s in NUM_STAGES_HIP for wpe in k["waves_per_eu"]
             for nk in k["matrix_instr_nonkdim"] for kp in k["kpack"]]
+
+
+#: What ``prefixattn.attention()`` passes to the kernel launch besides the constexprs: ``num_warps`` only. Until it
+#: also passes ``num_stages`` and the HIP knobs, configs keep Triton's defaults for them, so that the binary that
+#: compile-check verified (and that ``prefixattn tune`` timed) is the one that runs.
+LAUNCHER_PASSES_NUM_STAGES = False
+LAUNCHER_PASSES_HIP_KNOBS = False
+
+
+def launchable(lo: LaunchOptions, target: Target) -> bool:
+    """Whether the launcher would actually apply ``lo`` (see ``LAUNCHER_PASSES_*``)."""
+    if not LAUNCHER_PASSES_NUM_STAGES and lo.num_stages != target.default_num_stages:
+        return False
+    if not LAUNCHER_PASSES_HIP_KNOBS and (lo.waves_per_eu or lo.matrix_instr_nonkdim or lo.kpack != 1):
+        return False
+    return True
 
 
 def attention_space(target: Target) -> list[AttentionConfig]:

@@ -19,7 +19,7 @@ from pathlib import Path
 from prefixattn.autotune import cost_model
 from prefixattn.autotune.buckets import Bucket, make_bucket
 from prefixattn.autotune.config_space import (DTYPE_BYTES, HEAD_DIMS, LaunchOptions, attention_space, block_d,
-                                              launch_space, prune)
+                                              launch_space, launchable, prune)
 from prefixattn.autotune.targets import Target
 
 SHIPPED_FORMAT = 1
@@ -30,8 +30,6 @@ GRID_GROUPS = (1, 4, 16)
 GRID_Q_ROWS = (16, 1024)
 GRID_MAX_Q_LEN = {"decode": (1,), "chunked_prefill": (512,)}
 GRID_KV_LEN = (1024, 16384)
-#: prefixattn.attention() passes num_warps but not (yet) num_stages: until it does, tables keep Triton's default.
-LAUNCHER_PASSES_NUM_STAGES = False
 #: Group the mode's config must also serve (every M tile must hold one query row with all its GQA heads).
 MAX_GROUP = 16
 
@@ -42,14 +40,9 @@ def grid(head_dim: int, dtype: str, mode: str) -> list[Bucket]:
 
 
 def _analytic_launch(lo: LaunchOptions, target: Target) -> bool:
-    """Launch options the analytic tables may use.
-
-    HIP knobs stay at Triton's defaults: the model cannot tell them apart (only timings can, ``prefixattn tune``),
-    and a waves_per_eu cap the register estimate gets wrong turns into spills. ``num_stages`` stays at Triton's
-    default while the launcher passes only ``num_warps`` (so the compile-checked binary is the launched one).
-    """
-    stages_ok = LAUNCHER_PASSES_NUM_STAGES or lo.num_stages == target.default_num_stages
-    return stages_ok and lo.waves_per_eu == 0 and lo.matrix_instr_nonkdim == 0 and lo.kpack == 1
+    """Launch options the analytic tables may use: what the launcher passes (:func:`launchable`), with HIP knobs at
+    Triton's defaults even once it passes them (the model cannot tell them apart; only timings can)."""
+    return launchable(lo, target) and lo.waves_per_eu == 0 and lo.matrix_instr_nonkdim == 0 and lo.kpack == 1
 
 
 def _least_regret(candidates, buckets, target, has_shared):
