@@ -301,20 +301,20 @@ def register_limit(num_warps: int, target: Target) -> int:
     return min(target.max_regs_per_thread, target.regs_per_sm // (num_warps * target.warp_size))
 
 
-def _resource_reason(regs: int, smem: int, lo: LaunchOptions, target: Target) -> str | None:
+def _resource_reason(regs: int, smem: float, lo: LaunchOptions, target: Target) -> str | None:
     limit = register_limit(lo.num_warps, target)
     if regs > _REG_HEADROOM * limit:
         return f"~{regs} registers/thread > {_REG_HEADROOM:.0%} of {limit}"
     if target.is_hip and lo.waves_per_eu and regs > target.max_regs_per_thread // lo.waves_per_eu:
         return f"waves_per_eu {lo.waves_per_eu} caps registers below the ~{regs} needed (would spill)"
     if smem > target.max_shared_bytes:
-        return f"~{smem} B shared memory > {target.max_shared_bytes}"
+        return f"~{int(smem)} B shared memory > {target.max_shared_bytes}"
     return None
 
 
 def prune_reason(cfg: AttentionConfig, target: Target, *, head_dim: int, dtype: str, group: int = 1,
                  q_rows: int | None = None, max_q_len: int | None = None, kv_len: int | None = None,
-                 resources: bool = True) -> str | None:
+                 resources: bool = True, smem_factor: float = 1.0) -> str | None:
     """Why ``cfg`` cannot (or should not) run on ``target`` for this shape, or None when it survives.
 
     Shape arguments bound the tiles: an M tile holds at least one query row with all of its GQA heads
@@ -322,7 +322,8 @@ def prune_reason(cfg: AttentionConfig, target: Target, *, head_dim: int, dtype: 
     ``max_q_len`` tokens per request, times ``group``); a KV tile need not exceed ``kv_len``.
     ``resources=False`` skips the register/shared-memory estimates: for configs whose resources were measured
     (shipped tables are compile-checked, user caches were timed on the device). ``cfg.suffix_launch`` is checked
-    against the suffix tiles alone (the shared branch is compiled out of those launches).
+    against the suffix tiles alone (the shared branch is compiled out of those launches). ``smem_factor`` scales
+    the shared-memory estimate (compiled kernels use 0.4-1.1x of it).
     """
     if dtype not in DTYPE_BYTES:
         return f"dtype {dtype!r} not in {tuple(DTYPE_BYTES)}"
@@ -344,13 +345,14 @@ def prune_reason(cfg: AttentionConfig, target: Target, *, head_dim: int, dtype: 
     if not resources:
         return None
     why = _resource_reason(config_registers(cfg, head_dim, dtype, target),
-                           config_shared_bytes(cfg, head_dim, dtype, target), cfg.launch, target)
+                           smem_factor * config_shared_bytes(cfg, head_dim, dtype, target), cfg.launch, target)
     if why:
         return why
     if cfg.suffix_launch is not None:
         sl = cfg.suffix_launch
         why = _resource_reason(part_registers(cfg.suffix, head_dim, dtype, sl.num_warps, target),
-                               part_shared_bytes(cfg.suffix, head_dim, dtype, sl.num_stages, target), sl, target)
+                               smem_factor * part_shared_bytes(cfg.suffix, head_dim, dtype, sl.num_stages, target),
+                               sl, target)
         if why:
             return f"suffix_launch: {why}"
     return None

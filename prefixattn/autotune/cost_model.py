@@ -87,7 +87,8 @@ def occupancy(cfg: AttentionConfig, bucket: Bucket, target: Target, registers: i
     limits = [target.max_programs_per_sm, target.max_threads_per_sm // threads,
               target.regs_per_sm // max(1, regs * threads)]
     if smem > 0:
-        limits.append(target.shared_per_sm // smem)
+        # The prune already admitted this program's shared memory (its estimate is loose): at least one fits.
+        limits.append(max(1, target.shared_per_sm // smem))
     if target.is_hip and lo.waves_per_eu:
         # The hint caps registers so that this many waves fit per SIMD; occupancy is at least that.
         limits = [max(min(limits), lo.waves_per_eu * 4 // lo.num_warps)]
