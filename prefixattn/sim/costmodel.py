@@ -472,3 +472,44 @@ class CostModel:
         host = self.calib.host_step_overhead_s + self.calib.host_per_seq_overhead_s * n_seqs
         return StepCost(total=gpu + host, gpu=gpu, linear=lin, attention=att, other=oth, host=host,
                         launches=launches, launch=launch_t, overlap=overlap, compute_s=compute_s, memory_s=memory_s)
+
+
+def measured_kernel_time(hardware, *, bytes_moved: float, flops: float, launches: int,
+                         calibration: Calibration | None = None) -> float:
+    """Modeled time of attention kernels from their measured traffic: the simulator's attention roofline.
+
+    ``max(flops / (peak x attn_prefill_efficiency), bytes_moved / (HBM bandwidth x attn_decode_bw_efficiency))``
+    plus ``launches`` x the hardware's launch overhead: the rates :class:`CostModel` uses for attention, applied to
+    bytes and FLOPs counted elsewhere (the bench's Triton-interpreter traffic counter). No tail or wave term: those
+    need the CTA shapes, which a traffic count does not have.
+
+    Parameters
+    ----------
+    hardware : str or HardwarePreset
+        e.g. ``"a100"``.
+    bytes_moved : float
+        Bytes loaded and stored by the kernels (>= 0).
+    flops : float
+        FLOPs they perform (>= 0).
+    launches : int
+        Kernel launches (>= 0).
+    calibration : Calibration, optional
+
+    Returns
+    -------
+    float
+        Seconds (modeled).
+
+    Examples
+    --------
+    >>> round(measured_kernel_time("a100", bytes_moved=1.427e9, flops=0.0, launches=1) * 1e3, 3)  # 1 GB/ms at 70%
+    1.004
+    """
+    for name, value in (("bytes_moved", bytes_moved), ("flops", flops), ("launches", launches)):
+        if not isinstance(value, (int, float, np.integer, np.floating)) or value < 0:
+            raise ValueError(f"{name}: expected a number >= 0, got {value!r}")
+    hw = get_hardware(hardware)
+    c = calibration or Calibration()
+    compute = flops / (hw.peak_flops * c.attn_prefill_efficiency)
+    memory = bytes_moved / (hw.hbm_bandwidth * c.attn_decode_bw_efficiency)
+    return max(compute, memory) + launches * hw.launch_overhead_s

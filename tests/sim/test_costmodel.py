@@ -112,3 +112,14 @@ def test_bad_arguments(cm):
         cm.step_cost(decode(1, 10), backend="async")
     with pytest.raises(ValueError, match="gpu"):
         CostModel("tpu", "mistral-7b")
+
+
+def test_measured_kernel_time():
+    from prefixattn.sim.costmodel import measured_kernel_time
+
+    base = measured_kernel_time("a100", bytes_moved=1e9, flops=1e12, launches=1)
+    assert measured_kernel_time("a100", bytes_moved=2e9, flops=1e12, launches=1) >= base
+    assert measured_kernel_time("a100", bytes_moved=1e9, flops=1e12, launches=3) > base
+    assert measured_kernel_time("h100", bytes_moved=1e9, flops=1e12, launches=1) < base
+    with pytest.raises(ValueError, match="bytes_moved"):
+        measured_kernel_time("a100", bytes_moved=-1, flops=0, launches=0)
