@@ -17,7 +17,6 @@ the context length except for a tail term). This is what makes 16K-token video d
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
