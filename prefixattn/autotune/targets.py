@@ -70,6 +70,7 @@ class Target:
     matrix_instrs: tuple[str, ...]
     hip_knobs: dict = field(default_factory=dict)
     stage_semantics: str = ""
+    async_copy: bool = False
 
     @property
     def is_hip(self) -> bool:
@@ -85,9 +86,10 @@ class Target:
 
         CUDA's software pipeliner keeps one buffer per stage (cp.async / TMA ring). HIP's stream pipeliner issues the
         next iteration's global loads into registers and writes them to LDS one iteration later, so ``num_stages=2``
-        needs a single LDS buffer and each further stage adds one.
+        needs a single LDS buffer and each further stage adds one; gfx950 copies global -> LDS asynchronously
+        (Triton enables it there), which needs a buffer per stage like CUDA.
         """
-        if self.is_hip:
+        if self.is_hip and not self.async_copy:
             return max(1, num_stages - 1)
         return max(1, num_stages)
 
@@ -108,13 +110,13 @@ def _nv(name, cc, sms, smem, smem_sm, threads, programs, bw, tflops, fp32, produ
                   stage_semantics=_NV_STAGES)
 
 
-def _cdna(name, cus, lds, bw, tflops, fp32, products, knobs):
+def _cdna(name, cus, lds, bw, tflops, fp32, products, knobs, async_copy=False):
     return Target(name=name, backend="hip", arch=name, warp_size=64, num_sms=cus, max_shared_bytes=lds,
                   max_regs_per_thread=_CDNA_VGPRS_PER_LANE,
                   regs_per_sm=_CDNA_VGPRS_PER_LANE * 64 * _CDNA_SIMDS_PER_CU,
                   max_threads_per_sm=_CDNA_MAX_WAVES_PER_SIMD * _CDNA_SIMDS_PER_CU * 64, max_programs_per_sm=32,
                   mem_bw_gbs=bw, matmul_tflops=tflops, fp32_tflops=fp32, shared_per_sm=lds, products=products,
-                  matrix_instrs=("v_mfma",), hip_knobs=knobs, stage_semantics=_HIP_STAGES)
+                  matrix_instrs=("v_mfma",), hip_knobs=knobs, stage_semantics=_HIP_STAGES, async_copy=async_copy)
 
 
 #: Every target, by name. Shared memory per program (per SM): A100 163 KiB (164), L40S 99 KiB (100), H100/H200
@@ -126,7 +128,8 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
     _nv("sm90", 90, 132, 232448, 233472, 2048, 32, 3350.0, 989.0, 67.0, ("H100", "H200", "H800", "H20")),
     _cdna("gfx90a", 110, 65536, 1638.0, 191.5, 47.9, ("MI250", "MI210"), _CDNA_KNOBS),
     _cdna("gfx942", 304, 65536, 5300.0, 1307.0, 163.4, ("MI300X", "MI300A", "MI325X"), _CDNA_KNOBS),
-    _cdna("gfx950", 256, 163840, 8000.0, 2516.0, 157.3, ("MI355X", "MI350X"), {**_CDNA_KNOBS, "kpack": (1,)}),
+    _cdna("gfx950", 256, 163840, 8000.0, 2516.0, 157.3, ("MI355X", "MI350X"), {**_CDNA_KNOBS, "kpack": (1,)},
+          async_copy=True),
 )}
 
 #: The targets CI compile-checks by default (the ones users run: A100, H100/H200, MI250, MI300X).
