@@ -3,9 +3,9 @@
 Set ``TRITON_INTERPRET=1`` *before* importing this package to run the kernels on CPU tensors.
 """
 
-from prefixattn.attention import PrefixSharedAttention, attention
 from prefixattn.merge import merge_states, merge_states_n
-from prefixattn.plan import Plan, plan
+from prefixattn.planner import Plan, plan
+from prefixattn.prefix_attention import PrefixSharedAttention, attention
 from prefixattn.reference import reference_attention
 from prefixattn.validation import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
-
 import numpy as np
 import pytest
 import torch
@@ -11,11 +9,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import prefixattn
 from prefixattn import PrefixSharedAttention, attention, plan, reference_attention
+from prefixattn import prefix_attention as attention_module  # the module; `prefixattn.attention` is the function
 from prefixattn.work_list import K
 from tests.prefix_batches import make_batch, random_batch
 from tests.tolerances import ATTENTION_TOL, LSE_TOL
-
-attention_module = importlib.import_module("prefixattn.attention")  # the module (the package attribute is the function)
 
 
 def _to(batch, device):

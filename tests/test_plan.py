@@ -10,7 +10,7 @@ import torch
 
 from prefixattn import plan
 from prefixattn.block_tree import lcp_interval_tree
-from prefixattn.plan import MIN_SPLIT_TOKENS, sharing_pays_off
+from prefixattn.planner import MIN_SPLIT_TOKENS, sharing_pays_off
 from prefixattn.work_list import K
 from tests.prefix_batches import make_batch, random_batch
 

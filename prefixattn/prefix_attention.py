@@ -1,4 +1,4 @@
-"""attention(): run a :class:`~prefixattn.plan.Plan` - one launch of the fused prefix-shared attention kernel."""
+"""attention(): run a :class:`~prefixattn.planner.Plan` - one launch of the fused prefix-shared attention kernel."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import torch
 
 from prefixattn.kernels.prefix_attention import prefix_attention_kernel
-from prefixattn.plan import Plan, plan
+from prefixattn.planner import Plan, plan
 from prefixattn.validation import check_kernel_device, check_qkv, check_tensor
 
 _LOG2E = 1.0 / math.log(2.0)
