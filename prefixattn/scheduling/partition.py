@@ -26,6 +26,26 @@ proxy (prefill tokens after sharing plus weighted decode tokens); :class:`prefix
 turns the simulator's per-step cost model into one (modeled seconds). Everything here is deterministic: ties go to
 the lower group index and the lower replica index.
 
+**Two resources.** One number per group cannot balance a batch that mixes compute-heavy groups (long prompts,
+short outputs) with memory-heavy ones (long outputs whose decode reads a large KV cache): two replicas with equal
+summed cost can differ by 20% in simulated time when one holds the memory-heavy groups (BlendServe Trace #1). A cost
+that returns a :class:`ResourceCost` (``compute``, ``memory`` seconds and ``critical``, the serial time of the
+group's longest request; :meth:`prefixattn.sim.group_cost.GroupCostModel.resources`) switches to the vector model:
+with fair shares ``C = sum compute / N``, ``M = sum memory / N`` and ``F = C + M`` (the fair replica time), the
+pressure of a replica is
+
+    ``max(compute_r / C, memory_r / M, (compute_r + memory_r + critical_r) / F)``
+
+(each resource against its own fair share; ``critical_r``, the serial floor of the longest decode among its
+requests, cannot be spread: that request advances one token per step whatever the batch, and once the rest of the
+replica's work is done its steps still pay the weight read each). The modeled
+makespan is ``F x`` the largest pressure, so a pressure of 1.0 everywhere is a perfect balance of both resources.
+Groups above the fair share of either resource are cut into pieces of at most :data:`PIECE_SHARE` of a fair share
+(at nested-group boundaries where possible); everything is placed greedily on the dominant resource (each item to
+the replica whose pressure it raises least, largest first), then refined by moves and swaps between any two
+replicas that lower the larger of the two pressures. Pieces of one group that end on one replica are merged back,
+so a split group recomputes its prefix at most once per replica that holds a piece of it.
+
 Baselines: :func:`shard_requests` (round-robin, random) and :func:`sharded_saving_ratio`, the saving ratio N
 independent engines reach when each groups only its own share of the batch.
 """
@@ -35,14 +55,34 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
 from prefixattn.scheduling.grouping import PrefixGroup, group_prompts, saving_ratio
 from prefixattn.scheduling.sequences import pack_sequences
 
-GroupCost = Callable[[PrefixGroup], float]
+class ResourceCost(NamedTuple):
+    """A group's cost on two resources plus its serial lower bound, seconds (see the module notes).
+
+    Attributes
+    ----------
+    compute : float
+        Throughput-bound time: prefill and decode tokens through the GEMMs at a full batch.
+    memory : float
+        Memory-bound time: KV read by decode attention.
+    critical : float
+        Serial floor of the group's longest decode: its output tokens x the time of a one-sequence decode step (the
+        weights read once per token), its KV reads apart (they are in ``memory``). Not additive: a replica's is the
+        largest of its groups'.
+    """
+
+    compute: float
+    memory: float
+    critical: float = 0.0
+
+
+GroupCost = Callable[[PrefixGroup], "float | ResourceCost"]
 
 #: A group counts as over the fair share only past this relative margin: float noise must not split a group whose
 #: cost equals the fair share (N = 1, or one group per replica).
@@ -53,6 +93,10 @@ _REFINE_STEPS_PER_REPLICA = 64
 #: A move or swap must lower the most-loaded replica by more than this fraction of the mean load to be taken
 #: (no churn on float noise).
 _REFINE_MIN_GAIN = 1e-12
+
+#: Vector costs: a group above a fair share is cut into pieces of at most this fraction of a fair share (of each
+#: resource), fine enough for the moves and swaps to even out both resources to within a few percent.
+PIECE_SHARE = 0.125
 
 SHARDINGS = ("round-robin", "random")
 SPLIT_MODES = ("spread", "fill")
@@ -115,6 +159,13 @@ class Partition:
         Indices of the given groups that were split (their pieces share ``source``).
     recomputed_tokens : int
         Prompt tokens computed more than once because of splits (each extra piece's copy of the prefix).
+    resources : np.ndarray, optional
+        Vector costs only: ``[len(groups), 2]`` float64 compute and memory seconds of each group (``costs`` is
+        their sum).
+    critical : np.ndarray, optional
+        Vector costs only: ``[len(groups)]`` float64 serial time of each group's longest request.
+    fair : np.ndarray, optional
+        Vector costs only: ``[2]`` fair share (``total / N``) of compute and memory of the batch's unsplit groups.
     """
 
     num_replicas: int
@@ -124,6 +175,9 @@ class Partition:
     source: np.ndarray
     split: list = field(default_factory=list)
     recomputed_tokens: int = 0
+    resources: np.ndarray | None = None
+    critical: np.ndarray | None = None
+    fair: np.ndarray | None = None
 
     @property
     def loads(self) -> np.ndarray:
@@ -131,17 +185,40 @@ class Partition:
         return np.bincount(self.replicas, weights=self.costs, minlength=self.num_replicas)
 
     @property
+    def resource_loads(self) -> np.ndarray | None:
+        """Vector costs only: ``[num_replicas, 2]`` summed compute and memory seconds per replica."""
+        if self.resources is None:
+            return None
+        return np.stack([np.bincount(self.replicas, weights=self.resources[:, k], minlength=self.num_replicas)
+                         for k in range(self.resources.shape[1])], axis=1)
+
+    @property
+    def pressure(self) -> np.ndarray:
+        """``[num_replicas]`` each replica's modeled time over the fair time ``total / N`` (the vector model of the
+        module notes for vector costs; ``load / mean load`` otherwise)."""
+        if self.resources is None:
+            mean = self.total_cost / self.num_replicas
+            return self.loads / mean if mean > 0 else np.ones(self.num_replicas)
+        crit = np.zeros(self.num_replicas)
+        np.maximum.at(crit, self.replicas, self.critical)
+        return _pressure(self.resource_loads, crit, self.fair)
+
+    @property
     def total_cost(self) -> float:
         return float(self.costs.sum())
 
     @property
     def makespan(self) -> float:
-        """Cost of the most-loaded replica."""
-        return float(self.loads.max())
+        """Cost of the most-loaded replica (vector costs: fair time x the largest pressure, modeled seconds)."""
+        if self.resources is None:
+            return float(self.loads.max())
+        return float(self.fair.sum() * self.pressure.max())
 
     @property
     def balance(self) -> float:
-        """``makespan / (total cost / N)``: 1.0 is a perfect balance."""
+        """``makespan / (total cost / N)``: 1.0 is a perfect balance (vector costs: the largest pressure)."""
+        if self.resources is not None:
+            return float(self.pressure.max())
         mean = self.total_cost / self.num_replicas
         return self.makespan / mean if mean > 0 else 1.0
 
@@ -181,7 +258,8 @@ class Partition:
         return dict(num_replicas=self.num_replicas, num_groups=len(self.groups), loads=self.loads.tolist(),
                     total_cost=self.total_cost, makespan=self.makespan, balance=self.balance,
                     split_groups=list(self.split), recomputed_tokens=self.recomputed_tokens,
-                    saving_ratio=self.saving_ratio(),
+                    saving_ratio=self.saving_ratio(), pressure=self.pressure.tolist(),
+                    resource_loads=None if self.resources is None else self.resource_loads.tolist(),
                     requests_per_replica=np.bincount(
                         self.replicas, weights=[g.num_requests for g in self.groups],
                         minlength=self.num_replicas).astype(np.int64).tolist())
@@ -372,7 +450,8 @@ def _merge_pieces(groups: list, source: np.ndarray, rep: np.ndarray, originals: 
             out_g.append(_restrict(originals[s], members, top=True))
         out_s.append(s)
         out_r.append(r)
-    return out_g, np.asarray(out_s, dtype=np.int64), np.asarray(out_r, dtype=np.int64), _costs(out_g, cost)
+    return (out_g, np.asarray(out_s, dtype=np.int64), np.asarray(out_r, dtype=np.int64),
+            None if cost is None else _costs(out_g, cost))
 
 
 def partition_groups(groups: Sequence[PrefixGroup], num_replicas: int, cost: GroupCost | None = None, *,
@@ -431,6 +510,11 @@ def partition_groups(groups: Sequence[PrefixGroup], num_replicas: int, cost: Gro
         cost = token_cost()
     elif not callable(cost):
         raise ValueError(f"cost: expected a callable cost(group) -> float, got {type(cost).__name__}")
+    if isinstance(cost(originals[0]), ResourceCost):
+        if split != "spread":
+            raise ValueError(f"split: a ResourceCost cost cuts groups its own way (fine pieces); expected 'spread', "
+                             f"got {split!r}")
+        return _partition_vector(originals, n, cost, allow_split, refine)
     base_costs = _costs(originals, cost)
     fair = float(base_costs.sum()) / n
     to_split = [s for s, g in enumerate(originals)
@@ -516,6 +600,227 @@ def _assign(originals: list, base_costs: np.ndarray, to_split: list, n: int, cos
         sum(originals[s].processed_tokens for s in really_split)
     return Partition(num_replicas=n, groups=work, replicas=rep, costs=costs, source=source, split=really_split,
                      recomputed_tokens=int(recomputed))
+
+
+# ---------------------------------------------------------------------------------------------------- vector costs
+def _pressure(res: np.ndarray, crit: np.ndarray, fair: np.ndarray) -> np.ndarray:
+    """Pressure of replicas (or candidate replicas) with resource loads ``res`` ``[..., 2]`` and critical times
+    ``crit`` ``[...]``: ``max(compute / C, memory / M, (compute + memory + critical) / (C + M))`` (module notes). A
+    resource with no load in the whole batch (fair share 0) does not count."""
+    f_time = float(fair.sum())
+    out = (res[..., 0] + res[..., 1] + crit) / f_time if f_time > 0 else np.zeros(res.shape[:-1])
+    for k in range(2):
+        if fair[k] > 0:
+            out = np.maximum(out, res[..., k] / fair[k])
+    return out
+
+
+def _resource_costs(groups: list, cost: GroupCost, where: str = "cost") -> tuple[np.ndarray, np.ndarray]:
+    """``([len(groups), 2] compute/memory, [len(groups)] critical)`` of vector costs, checked."""
+    res = np.empty((len(groups), 2), dtype=np.float64)
+    crit = np.empty(len(groups), dtype=np.float64)
+    for i, g in enumerate(groups):
+        c = cost(g)
+        if not isinstance(c, ResourceCost):
+            raise ValueError(f"{where}: expected a ResourceCost for every group (the first group got one), got "
+                             f"{type(c).__name__} for group {i}")
+        v = (float(c.compute), float(c.memory), float(c.critical))
+        if not all(math.isfinite(x) and x >= 0 for x in v):
+            raise ValueError(f"{where}: expected finite costs >= 0 for every group, got {tuple(c)} for group {i}")
+        res[i], crit[i] = v[:2], v[2]
+    return res, crit
+
+
+def _atoms(group: PrefixGroup, too_big: Callable[[PrefixGroup], bool]) -> list:
+    """Runs of ``group``'s request ids (prefix-tree order) that a split may not cut: every nested group that is not
+    ``too_big`` whole, every other request alone; a nested group that is too big is cut into its own atoms."""
+    pos = {r: i for i, r in enumerate(group.request_ids)}
+    spans = sorted((pos[c.request_ids[0]], c) for c in group.children if c.request_ids)
+    out, i, k = [], 0, 0
+    n = group.num_requests
+    while i < n:
+        if k < len(spans) and spans[k][0] == i:
+            child = spans[k][1]
+            k += 1
+            if too_big(child):
+                out += _atoms(child, too_big)
+            else:
+                out.append(list(child.request_ids))
+            i += child.num_requests
+        else:
+            out.append([group.request_ids[i]])
+            i += 1
+    return out
+
+
+def _split_fine(group: PrefixGroup, cost: GroupCost, fair: np.ndarray) -> list:
+    """``group`` cut into contiguous pieces (each keeping the shared prefix) of at most :data:`PIECE_SHARE` of a fair
+    share of either resource, at nested-group boundaries where possible (one request at least per piece)."""
+    limit = PIECE_SHARE * fair
+    lens = dict(zip(group.request_ids, group.prompt_lens))
+
+    def share(g: PrefixGroup) -> float:
+        c = cost(g)
+        return max((c[k] / limit[k] if limit[k] > 0 else 0.0) for k in range(2))
+
+    def whole(sub: PrefixGroup) -> PrefixGroup:  # a nested group as a top-level piece (its whole prefix shared)
+        return _restrict(sub, set(sub.request_ids), top=True)
+
+    atoms = _atoms(group, lambda child: share(whole(child)) > 1.0)
+    # each atom's own share (a request alone pays its whole prompt: a slight overestimate, for sizing only)
+    sizes = [share(PrefixGroup(prefix_len=0, request_ids=a, prompt_lens=[lens[a[0]]])) if len(a) == 1 else
+             share(_restrict(group, set(a), top=True)) for a in atoms]
+    pieces, run, acc = [], [], 0.0
+    for a, sz in zip(atoms, sizes):
+        if run and acc + sz > 1.0:
+            pieces.append(run)
+            run, acc = [], 0.0
+        run = run + a
+        acc += sz
+    if run:
+        pieces.append(run)
+    return [_restrict(group, set(ids), top=True) for ids in pieces]
+
+
+def _greedy(res: np.ndarray, crit: np.ndarray, fair: np.ndarray, n: int) -> np.ndarray:
+    """Largest item first (by its own pressure, the dominant resource) to the replica whose pressure it raises
+    least; ties to the replica with the lower pressure now, then the lower index."""
+    own = _pressure(res, crit, fair)
+    order = sorted(range(res.shape[0]), key=lambda i: (-own[i], i))
+    loads = np.zeros((n, 2))
+    rcrit = np.zeros(n)
+    now = np.zeros(n)
+    out = np.empty(res.shape[0], dtype=np.int64)
+    for i in order:
+        new = _pressure(loads + res[i], np.maximum(rcrit, crit[i]), fair)
+        r = min(range(n), key=lambda b: (new[b], now[b], b))
+        out[i] = r
+        loads[r] += res[i]
+        rcrit[r] = max(rcrit[r], crit[i])
+        now[r] = new[r]
+    return out
+
+
+def _without(crit_items: np.ndarray) -> np.ndarray:
+    """For each item of one replica, the replica's critical time once that item left (max of the others)."""
+    if crit_items.size == 0:
+        return crit_items
+    top = int(np.argmax(crit_items))
+    first = float(crit_items[top])
+    second = float(np.delete(crit_items, top).max()) if crit_items.size > 1 else 0.0
+    out = np.full(crit_items.shape, first)
+    out[top] = second
+    return out
+
+
+def _refine_vector(res: np.ndarray, crit: np.ndarray, fair: np.ndarray, rep: np.ndarray, n: int) -> np.ndarray:
+    """Moves and swaps between two replicas that lower the larger of their two pressures, taken from the replica
+    with the highest pressure that has one (so the max pressure, then the next ones, go down); the best such step
+    of that replica each time."""
+    rep = rep.copy()
+    loads = np.zeros((n, 2))
+    np.add.at(loads, rep, res)
+    rcrit = np.zeros(n)
+    np.maximum.at(rcrit, rep, crit)
+    for _ in range(_REFINE_STEPS_PER_REPLICA * n):
+        p = _pressure(loads, rcrit, fair)
+        min_gain = _REFINE_MIN_GAIN * max(float(p.mean()), 1e-300)
+        step = None
+        for a in sorted(range(n), key=lambda r: (-p[r], r)):
+            mine = np.flatnonzero(rep == a)
+            if mine.size == 0:
+                continue
+            ra, ca = res[mine], crit[mine]
+            crit_a_wo = _without(ca)
+            best = None  # (new pair max, kind, i, j, b)
+            for b in range(n):
+                if b == a or p[b] >= p[a] - min_gain:
+                    continue
+                # move one item of a to b
+                new_a = _pressure(loads[a] - ra, crit_a_wo, fair)
+                new_b = _pressure(loads[b] + ra, np.maximum(rcrit[b], ca), fair)
+                pair = np.maximum(new_a, new_b)
+                i = int(np.argmin(pair))
+                if best is None or pair[i] < best[0] - min_gain:
+                    best = (float(pair[i]), "move", int(mine[i]), -1, b)
+                theirs = np.flatnonzero(rep == b)
+                if theirs.size:
+                    rb, cb = res[theirs], crit[theirs]
+                    crit_b_wo = _without(cb)
+                    la = loads[a] - ra[:, None, :] + rb[None, :, :]
+                    lb = loads[b] - rb[None, :, :] + ra[:, None, :]
+                    new_a = _pressure(la, np.maximum(crit_a_wo[:, None], cb[None, :]), fair)
+                    new_b = _pressure(lb, np.maximum(crit_b_wo[None, :], ca[:, None]), fair)
+                    pair = np.maximum(new_a, new_b)
+                    i, j = np.unravel_index(int(np.argmin(pair)), pair.shape)
+                    if pair[i, j] < best[0] - min_gain:
+                        best = (float(pair[i, j]), "swap", int(mine[i]), int(theirs[j]), b)
+            if best is not None and best[0] < p[a] - min_gain:
+                step = (a,) + best[1:]
+                break
+        if step is None:
+            break
+        a, kind, i, j, b = step
+        rep[i] = b
+        if kind == "swap":
+            rep[j] = a
+        for r in (a, b):
+            mine = rep == r
+            loads[r] = res[mine].sum(axis=0)
+            rcrit[r] = crit[mine].max() if mine.any() else 0.0
+    return rep
+
+
+def _assign_vector(originals: list, res0: np.ndarray, crit0: np.ndarray, fair: np.ndarray, to_split: list, n: int,
+                   cost: GroupCost, refine: bool) -> Partition:
+    """Vector costs: the groups in ``to_split`` cut fine, everything placed greedily, refined, pieces merged."""
+    split_set = set(to_split)
+    work, source = [], []
+    res, crit = [], []
+    for s, g in enumerate(originals):
+        if s in split_set:
+            for piece in _split_fine(g, cost, fair):
+                work.append(piece)
+                source.append(s)
+        else:
+            work.append(g)
+            source.append(s)
+            res.append(res0[s])
+            crit.append(crit0[s])
+    if split_set:
+        res, crit = _resource_costs(work, cost)
+    else:
+        res, crit = np.asarray(res, dtype=np.float64).reshape(-1, 2), np.asarray(crit, dtype=np.float64)
+    source = np.asarray(source, dtype=np.int64)
+    rep = _greedy(res, crit, fair, n)
+    if refine and n > 1:
+        rep = _refine_vector(res, crit, fair, rep, n)
+    work, source, rep, _ = _merge_pieces(work, source, rep, originals, None)
+    order = sorted(range(len(work)), key=lambda i: (int(source[i]), min(work[i].request_ids)))
+    work = [work[i] for i in order]
+    source, rep = source[order], rep[order]
+    res, crit = _resource_costs(work, cost)
+    really_split = sorted(int(s) for s in set(source.tolist()) if int((source == s).sum()) > 1)
+    recomputed = sum(work[i].processed_tokens for i in range(len(work)) if int(source[i]) in really_split) - \
+        sum(originals[s].processed_tokens for s in really_split)
+    return Partition(num_replicas=n, groups=work, replicas=rep, costs=res.sum(axis=1), source=source,
+                     split=really_split, recomputed_tokens=int(recomputed), resources=res, critical=crit,
+                     fair=fair.copy())
+
+
+def _partition_vector(originals: list, n: int, cost: GroupCost, allow_split: bool, refine: bool) -> Partition:
+    res0, crit0 = _resource_costs(originals, cost)
+    fair = res0.sum(axis=0) / n
+    own = np.max(np.where(fair > 0, res0 / np.where(fair > 0, fair, 1.0), 0.0), axis=1)
+    to_split = [s for s, g in enumerate(originals)
+                if allow_split and n > 1 and own[s] > 1 + _SPLIT_MARGIN and g.num_requests > 1]
+    best = _assign_vector(originals, res0, crit0, fair, [], n, cost, refine)
+    if to_split:
+        # a split pays its recomputation; keep it only where it actually lowers the modeled makespan
+        with_split = _assign_vector(originals, res0, crit0, fair, to_split, n, cost, refine)
+        if with_split.makespan < best.makespan * (1 - _SPLIT_MARGIN):
+            best = with_split
+    return best
 
 
 # ---------------------------------------------------------------------------------------------------- baselines

@@ -12,6 +12,13 @@ running at steady state, from three terms, each priced by :class:`prefixattn.sim
 
 It ignores what the engine does across groups (batch composition, preemption), which is why the benchmark also runs
 the engine per replica; it is monotone in the requests, which is what splitting needs.
+
+:meth:`GroupCostModel.resources` gives the same terms as a :class:`prefixattn.scheduling.partition.ResourceCost`
+for the partitioner's two-resource model: ``compute`` (prefill and decode tokens through the GEMMs), ``memory``
+(the decode attention's KV reads) and ``critical``, the serial floor of the group's longest decode (one token per
+step, every step paying at least a one-sequence step's weight read: no batch makes it shorter). Replicas balanced on the sum can
+still differ in their mix, and the simulator charges a memory-heavy replica more than its sum (long decode tails at
+small batches); pass ``model.resources`` as the cost to balance both.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from prefixattn.scheduling.grouping import PrefixGroup
+from prefixattn.scheduling.partition import ResourceCost
 from prefixattn.sim.costmodel import KERNEL_KINDS, CostModel, StepShape
 
 #: Context length of the probe decode steps whose difference prices one KV token read (a typical prompt; the
@@ -80,6 +88,9 @@ class GroupCostModel:
         self.prefill_s = prefill.total / chunk
         self.decode_s = short.total / batch
         self.kv_read_s = (long.total - short.total) / (batch * (_PROBE_KV_LEN - 1))
+        one = np.ones(1, dtype=np.int64)
+        #: seconds of a decode step of one sequence (weights read for one token), its KV reads apart
+        self.solo_step_s = cost.step_cost(StepShape(q_lens=one, kv_lens=one, num_sampled=1), kernel="paged").total
 
     def _outputs(self, ids: np.ndarray) -> np.ndarray:
         if self.outs is None:
@@ -104,3 +115,23 @@ class GroupCostModel:
         t = self.terms(group)
         return (t["prefill_tokens"] * self.prefill_s + t["decode_tokens"] * self.decode_s +
                 t["kv_read_tokens"] * self.kv_read_s)
+
+    def resources(self, group: PrefixGroup) -> ResourceCost:
+        """The group's cost on the partitioner's two resources, plus its serial lower bound (modeled seconds).
+
+        ``compute``: prefill tokens and decode tokens at the per-token GEMM time of full steps; ``memory``: the
+        decode KV reads; ``critical``: the longest member's output tokens x a one-sequence decode step (its KV
+        reads are in ``memory``). ``compute + memory`` is :meth:`__call__`.
+
+        Examples
+        --------
+        >>> from prefixattn.scheduling import PrefixGroup
+        >>> model = GroupCostModel(CostModel("a100", "mistral-7b"), output_lens=[10, 2000])
+        >>> r = model.resources(PrefixGroup(prefix_len=100, request_ids=[0, 1], prompt_lens=[300, 300]))
+        >>> r.critical > r.compute > 0
+        True
+        """
+        t = self.terms(group)
+        outs = self._outputs(np.asarray(group.request_ids, dtype=np.int64))
+        return ResourceCost(compute=t["prefill_tokens"] * self.prefill_s + t["decode_tokens"] * self.decode_s,
+                            memory=t["kv_read_tokens"] * self.kv_read_s, critical=float(outs.max()) * self.solo_step_s)
