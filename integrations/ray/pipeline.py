@@ -20,8 +20,11 @@ a function of its rows only, so a retry recomputes the same outputs: the join ke
 id (a duplicate is dropped and counted, a missing one is an error), and every replica whose work started more than
 once is listed in :attr:`BatchResult.retried` with its prefix groups.
 
-The grouping pre-pass runs on the driver: a list or JSONL input is read there, and a Dataset input is collected
-there in order (``take_all``). A distributed pre-pass for inputs that do not fit the driver is not built.
+The grouping pre-pass runs on the driver by default. ``grouping="distributed"`` runs it on Ray workers instead
+(:mod:`integrations.ray.prepass`: bucket by a hash of the first ``bucket_tokens`` tokens, ``group_prompts`` per
+bucket in parallel, merge on the driver); it is exact for sharing of at least ``bucket_tokens`` tokens and loses
+shallower sharing (see there). Either way the rows themselves pass through the driver: a list or JSONL input is read
+there, a Dataset input is collected there in order (``take_all``), and the results are joined there.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from prefixattn.scheduling.partition import Partition, partition_groups, token_c
 ROW_COLUMN = "__row__"
 REPLICA_COLUMN = "__replica__"
 _OWN_COLUMNS = (ROW_COLUMN, REPLICA_COLUMN)
+GROUPINGS = ("driver", "distributed")
 
 
 @dataclass
@@ -230,7 +234,8 @@ def _plain(v):
 def run_batch(data, engine, num_replicas: int, *, prompt_column: str = "prompt_token_ids",
               output_len_column: str | None = None, levels: int | None = 1, cost=None, allow_split: bool = True,
               num_cpus: float = 1.0, num_gpus: float = 0.0, max_retries: int = 3, retry_exceptions: bool = True,
-              ray_remote_args: dict | None = None) -> BatchResult:
+              ray_remote_args: dict | None = None, grouping: str = "driver", bucket_tokens: int | None = None,
+              num_buckets: int = 16) -> BatchResult:
     """Run an offline batch over ``num_replicas`` engine actors on Ray Data, prefix groups kept whole.
 
     Parameters
@@ -263,6 +268,14 @@ def run_batch(data, engine, num_replicas: int, *, prompt_column: str = "prompt_t
         Retry exceptions raised by the engine too (not only actor deaths).
     ray_remote_args : dict, optional
         More ``map_batches`` Ray arguments (e.g. ``runtime_env``, ``accelerator_type``).
+    grouping : {"driver", "distributed"}
+        Where the groups are computed: one ``group_prompts`` call on the driver, or the distributed pre-pass
+        (:func:`integrations.ray.prepass.group_prompts_distributed`; sharing shorter than ``bucket_tokens`` is lost).
+    bucket_tokens : int, optional
+        ``grouping="distributed"``: key length of the buckets (default
+        :data:`integrations.ray.prepass.DEFAULT_BUCKET_TOKENS`).
+    num_buckets : int
+        ``grouping="distributed"``: buckets grouped in parallel.
 
     Returns
     -------
@@ -272,7 +285,8 @@ def run_batch(data, engine, num_replicas: int, *, prompt_column: str = "prompt_t
     Raises
     ------
     ValueError
-        Bad ``data`` (no rows, a row without token ids, a reserved column), ``num_replicas``, ``max_retries``.
+        Bad ``data`` (no rows, a row without token ids, a reserved column), ``num_replicas``, ``max_retries``,
+        ``grouping``.
     RuntimeError
         A request got no output (lost after the retries were spent).
 
@@ -294,10 +308,20 @@ def run_batch(data, engine, num_replicas: int, *, prompt_column: str = "prompt_t
         raise ValueError(f"max_retries: expected an int >= 0, got {max_retries!r}")
     if not callable(engine):
         raise ValueError(f"engine: expected a zero-argument factory of the engine, got {type(engine).__name__}")
+    if grouping not in GROUPINGS:
+        raise ValueError(f"grouping: expected one of {GROUPINGS}, got {grouping!r}")
     rows = _load_rows(data, prompt_column)
     prompts = _prompts(rows, prompt_column)
     n = len(prompts)
-    groups = group_prompts(prompts, levels=levels)
+    if grouping == "distributed":
+        from integrations.ray.prepass import DEFAULT_BUCKET_TOKENS, group_prompts_distributed
+
+        pre = ray.data.from_items([{ROW_COLUMN: i, prompt_column: p} for i, p in enumerate(prompts)])
+        groups = group_prompts_distributed(pre, prompt_column=prompt_column,
+                                           bucket_tokens=bucket_tokens or DEFAULT_BUCKET_TOKENS,
+                                           num_buckets=num_buckets, levels=levels, num_cpus=num_cpus)
+    else:
+        groups = group_prompts(prompts, levels=levels)
     part = partition_groups(groups, int(num_replicas), cost or token_cost(_output_lens(rows, output_len_column)),
                             allow_split=allow_split)
 

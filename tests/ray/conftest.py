@@ -15,7 +15,7 @@ import pytest
 HAS_RAY = importlib.util.find_spec("ray") is not None
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 # test_vllm_engine.py needs vllm (not ray): it runs in the vLLM venv; everything else needs ray
-collect_ignore_glob = ([] if HAS_RAY else ["test_pipeline.py"]) + ([] if HAS_VLLM else ["test_vllm_engine.py"])
+collect_ignore_glob = ([] if HAS_RAY else ["test_pipeline.py", "test_prepass.py"]) + ([] if HAS_VLLM else ["test_vllm_engine.py"])
 
 #: CPUs of the local cluster, and of each replica actor (fractional: 2-4 actors share the 2 CPUs).
 CLUSTER_CPUS = 2
