@@ -34,6 +34,9 @@ DEFAULT_OUTPUT_LEN = 256
 DEFAULT_SPLIT_REQUESTS = 256
 #: Densities are capped here: a request with no output has no memory-bound time (infinite density).
 _MAX_DENSITY = 1e9
+#: Below this density a request is memory-intensive: its KV reads take longer than its compute (BlendServe sec. 2.3,
+#: Fig. 3: outputs beyond ~4K tokens on an 8B model).
+MEMORY_INTENSIVE_DENSITY = 1.0
 
 
 @dataclass(frozen=True)
@@ -191,3 +194,56 @@ def blendserve_order(groups: Sequence[PrefixGroup], output_lens: np.ndarray | No
     memory = processed_tokens(units) + np.bincount(owner, weights=output_lens[ids], minlength=len(units))
     picks = dual_scan(rho[order], memory[order], root_rho)
     return [units[order[i]] for i in picks]
+
+
+def memory_classes(groups: Sequence[PrefixGroup], output_lens: np.ndarray, cost_model: CostModel | None = None, *,
+                   threshold: float = MEMORY_INTENSIVE_DENSITY) -> tuple[np.ndarray, np.ndarray]:
+    """Split requests into compute-intensive (class 0) and memory-intensive (class 1) and share the KV memory.
+
+    The share is the dual scanner's partition (sec. 3.4) with the two classes' aggregate densities as ``rho_L`` and
+    ``rho_R``: solving ``M_L + M_R = M`` and ``M_L rho_L + M_R rho_R = M rho_root`` gives
+    ``M_R / M = Mem_R / (Mem_L + Mem_R)``, each class's share of the memory-bound time (of the KV it keeps resident
+    over the run), so both classes drain at the same pace. Pass the result to :class:`TokenBatcher`
+    (``memory_classes``, ``class_shares``).
+
+    Parameters
+    ----------
+    groups : Sequence[PrefixGroup]
+        The requests (any grouping).
+    output_lens : np.ndarray
+        Estimated output length per request id.
+    cost_model : CostModel, optional
+        Model/GPU constants (default Llama-3.1-8B on A100).
+    threshold : float
+        Requests with density ``Comp(r) / Mem(r)`` below this are memory-intensive.
+
+    Returns
+    -------
+    tuple[np.ndarray, np.ndarray]
+        ``[num_requests]`` int64 class per request id, and ``[2]`` float64 shares (summing to 1; ``[1, 0]`` when
+        nothing is memory-intensive).
+
+    Examples
+    --------
+    >>> from prefixattn.scheduling import group_prompts
+    >>> groups = group_prompts([[1, 2, 3], [4, 5, 6], [7, 8, 9]])
+    >>> classes, shares = memory_classes(groups, np.array([200.0, 200.0, 16384.0]))
+    >>> classes.tolist(), bool(shares[1] > 0.9)
+    ([0, 0, 1], True)
+    """
+    cost_model = cost_model or CostModel()
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not threshold > 0:
+        raise ValueError(f"threshold: expected a density > 0, got {threshold!r}")
+    _, ids, lens = group_arrays(groups)
+    n = 1 + int(ids.max())
+    if output_lens.shape[0] < n:
+        raise ValueError(f"output_lens: expected one length per request ({n}), got {output_lens.shape[0]}")
+    d = output_lens[ids]
+    comp = cost_model.comp_time(lens + d, lens.astype(np.float64) ** 2)
+    mem = cost_model.mem_time(lens, d)
+    heavy = comp < threshold * mem
+    classes = np.zeros(n, np.int64)
+    classes[ids[heavy]] = 1
+    total = float(mem.sum())
+    share = float(mem[heavy].sum()) / total if total > 0 else 0.0
+    return classes, np.array([1.0 - share, share])

@@ -4,9 +4,16 @@ BlendServe (sec. 3.2) samples a small fraction of the requests (1%), runs them, 
 output length as the mean over the sampled requests of its prefix subtree: requests sharing a prefix share
 semantics and tend to produce similar lengths. A subtree without samples takes its enclosing subtree's mean (the
 pooled mean of its siblings), and the batch-wide mean at the top.
+
+At 1% a group of a few dozen requests is often missed entirely (80 video requests: 45% chance of no sample), and
+its estimate is then the batch mean: 16K-token video outputs estimated at ~300 tokens. So by default every shared
+group (at every nesting level) without a sample gets one, largest groups first, with at most ``ceil(rate * N)``
+such extra samples (the sample stays below twice the rate).
 """
 
 from __future__ import annotations
+
+import math
 
 from typing import Sequence
 
@@ -48,8 +55,10 @@ def output_lens_array(output_lens, num_requests: int, *, name: str = "output_len
     return arr
 
 
-def sample_requests(groups: Sequence[PrefixGroup], *, rate: float = DEFAULT_SAMPLE_RATE, seed: int = 0) -> np.ndarray:
-    """Pick the requests to run first to measure output lengths: each with probability ``rate``, reproducibly.
+def sample_requests(groups: Sequence[PrefixGroup], *, rate: float = DEFAULT_SAMPLE_RATE, seed: int = 0,
+                    cover_groups: bool = True) -> np.ndarray:
+    """Pick the requests to run first to measure output lengths: each with probability ``rate``, reproducibly,
+    plus one in every shared group the draw missed (``cover_groups``).
 
     Parameters
     ----------
@@ -59,6 +68,10 @@ def sample_requests(groups: Sequence[PrefixGroup], *, rate: float = DEFAULT_SAMP
         Sampling probability in ``(0, 1]``.
     seed : int
         Seed of the generator (the same seed gives the same sample).
+    cover_groups : bool
+        Add one random member of every group with more than one request (nested groups included) that has no
+        sampled member, largest groups first, at most ``ceil(rate * num_requests)`` of them. Singletons are left to
+        the draw: covering them would mean measuring every request.
 
     Returns
     -------
@@ -71,15 +84,38 @@ def sample_requests(groups: Sequence[PrefixGroup], *, rate: float = DEFAULT_SAMP
     >>> ids = sample_requests(group_prompts([[1, 2, i] for i in range(300)]), rate=0.05, seed=1)
     >>> 5 <= len(ids) <= 30
     True
+    >>> groups = group_prompts([[1, 2, i] for i in range(300)] + [[7, 8, i] for i in range(5)])
+    >>> bool(set(sample_requests(groups, rate=0.01, seed=0).tolist()) & set(range(300, 305)))
+    True
     """
     if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate <= 1:
         raise ValueError(f"rate: expected a probability in (0, 1], got {rate!r}")
     n = _num_requests(groups)
     rng = np.random.default_rng(seed)
-    picked = np.flatnonzero(rng.random(n) < rate)
-    if picked.size == 0:
-        picked = np.array([int(rng.integers(n))], dtype=np.int64)
-    return picked.astype(np.int64)
+    mask = rng.random(n) < rate
+    if not mask.any():
+        mask[int(rng.integers(n))] = True
+    if cover_groups:
+        _cover_groups(groups, mask, rng, extra=math.ceil(rate * n))
+    return np.flatnonzero(mask).astype(np.int64)
+
+
+def _cover_groups(groups: Sequence[PrefixGroup], mask: np.ndarray, rng: np.random.Generator, extra: int) -> None:
+    """Sample one member of each multi-request group without a sample, largest first, ``extra`` at most."""
+    shared = []
+    stack = list(groups)
+    while stack:
+        g = stack.pop()
+        if len(g.request_ids) > 1:
+            shared.append(np.asarray(g.request_ids, dtype=np.int64))
+        stack.extend(g.children)
+    shared.sort(key=lambda ids: (-ids.size, int(ids.min())))
+    for ids in shared:
+        if extra == 0:
+            return
+        if not mask[ids].any():
+            mask[int(ids[int(rng.integers(ids.size))])] = True
+            extra -= 1
 
 
 def estimate_output_lens(groups: Sequence[PrefixGroup], sampled_ids, sampled_lens, *,

@@ -18,6 +18,14 @@ estimated and a decode needs a block that is not free, the latest-admitted reque
 recomputed (vLLM's recompute preemption; counted in :attr:`TokenBatcher.stats`). A request that cannot fit even
 alone is rejected when added; one whose output outgrows the whole budget is stopped and reported as truncated.
 
+Memory classes (optional; BlendServe's dual scanner, sec. 3.4: ``M_L + M_R = M``): each request has a class (e.g.
+compute-intensive 0, memory-intensive 1) and each class a share of the KV blocks. While requests of another class
+wait to start, a request starts only if its class's *projected peak* (the started requests of the class plus this
+one, each growing by one token per step until the output it reserves is done, then freeing its blocks) stays within
+the class's share; the first request of a class always may start. Each class keeps its own admission order, so a
+class at its share does not hold back the others: long-output requests cannot fill the pool and leave the steps a
+few dozen decode tokens wide, and compute-heavy prefills keep running beside them.
+
 Block accounting: a prefix level holds ``ceil(tokens / block_size)`` blocks and each request holds
 ``ceil(own tokens / block_size)`` for the tokens after its deepest shared prefix (its distinct prompt and its
 output), which is what a paged cache with per-request copies of partially filled shared blocks needs at most.
@@ -161,6 +169,12 @@ class TokenBatcher:
     max_output_len : int, optional
         Hard cap on output tokens per request; requests whose prompt plus this cap cannot fit are rejected when
         added (otherwise prompt plus one token must fit).
+    memory_classes : array-like of int, optional
+        Class of each request id (``0 .. K-1``; ids beyond the array are class 0); needs ``class_shares``. The class
+        projections use ``output_lens`` (without them, current holdings only).
+    class_shares : sequence of float, optional
+        ``[K]`` fraction of ``kv_blocks`` each class may fill (projected peak) while another class has requests
+        waiting to start, each in ``[0, 1]`` (BlendServe: ``M_L + M_R = M``, so they sum to 1).
 
     Examples
     --------
@@ -178,7 +192,7 @@ class TokenBatcher:
     """
 
     def __init__(self, *, token_budget: int, kv_blocks: int, block_size: int = 16, output_lens=None,
-                 max_output_len: int | None = None) -> None:
+                 max_output_len: int | None = None, memory_classes=None, class_shares=None) -> None:
         self.token_budget = _check_int("token_budget", token_budget, 1, MAX_TOKEN_BUDGET)
         self.kv_blocks = _check_int("kv_blocks", kv_blocks, 1, MAX_KV_BLOCKS)
         self.block_size = _check_int("block_size", block_size, 1, MAX_BLOCK_SIZE)
@@ -196,6 +210,10 @@ class TokenBatcher:
             if est.ndim != 1 or not np.isfinite(est).all() or (est < 0).any():
                 raise ValueError("output_lens: expected a 1-D array of finite lengths >= 0 (one per request id)")
             self._est = est
+        self._classes, self._shares = self._check_classes(memory_classes, class_shares)
+        k = 1 if self._shares is None else self._shares.shape[0]
+        self._class_waiting = np.zeros(k, np.int64)  # requests of each class not started (waiting or preempted)
+        self._class_started: list[dict[int, None]] = [{} for _ in range(k)]  # started slots of each class
         self._step = 0
         self._used = 0  # blocks held by nodes and requests
         self._slot: dict[int, int] = {}  # request id -> slot
@@ -208,6 +226,7 @@ class TokenBatcher:
         self._computed = np.zeros(cap, np.int64)  # own tokens whose KV is held
         self._generated = np.zeros(cap, np.int64)
         self._est_out = np.zeros(cap, np.int64)
+        self._cls = np.zeros(cap, np.int64)  # memory class
         self._rank = np.zeros(cap, np.int64)
         self._last = np.zeros(cap, np.int64)  # last step the request computed anything
         self._state = np.zeros(cap, np.int8)
@@ -230,7 +249,8 @@ class TokenBatcher:
         self._next_group = 0
         self._decoding: dict[int, None] = {}  # slots in decode, insertion ordered
         self._prefilling: dict[int, None] = {}  # slots with a partial prefill
-        self._ready: list[tuple[int, int]] = []  # heap (rank, slot): chain complete, not started
+        self._ready: list[list[tuple[int, int]]] = [[] for _ in range(k)]  # per class, heap (rank, slot): chain
+        # complete, not started
         self._ready_nodes: list[tuple[int, int]] = []  # heap (rank, node): parent complete, not started
         self._partial_nodes: dict[int, None] = {}
         self._active_nodes: dict[int, None] = {}  # started prefix levels (holding or computing KV)
@@ -409,7 +429,8 @@ class TokenBatcher:
         if self._n + need <= cap:
             return
         new = max(cap * 2, self._n + need)
-        for name in ("_rid", "_node", "_base", "_own", "_target", "_computed", "_generated", "_est_out", "_rank",
+        for name in ("_rid", "_node", "_base", "_own", "_target", "_computed", "_generated", "_est_out", "_cls",
+                     "_rank",
                      "_last", "_state"):
             old = getattr(self, name)
             arr = np.full(new, -1 if name == "_node" else 0, dtype=old.dtype)
@@ -475,6 +496,9 @@ class TokenBatcher:
                     est = self._est if isinstance(self._est, float) else \
                         (self._est[r] if r < self._est.shape[0] else 0.0)
                     self._est_out[s] = int(np.ceil(est))
+                if self._classes is not None and r < self._classes.shape[0]:
+                    self._cls[s] = self._classes[r]
+                self._class_waiting[self._cls[s]] += 1
                 if here >= 0:
                     self._n_members[here].append(s)
                     v = here
@@ -531,6 +555,9 @@ class TokenBatcher:
             del self._prefilling[s]
         if self._state[s] in (_State.PREFILL, _State.DECODE):
             self._mark_started(s, -1)
+            self._class_started[self._cls[s]].pop(s, None)
+        elif self._state[s] == _State.WAITING:
+            self._class_waiting[self._cls[s]] -= 1
         self._free_request_blocks(s)
         self._state[s] = state
         self._open -= 1
@@ -575,7 +602,9 @@ class TokenBatcher:
             self._target[s] = self._own[s] + self._generated[s] - 1  # all KV but the pending output token
         self._free_request_blocks(s)
         self._state[s] = _State.WAITING
-        heapq.heappush(self._ready, (int(self._rank[s]), s))
+        self._push_ready(s)
+        self._class_waiting[self._cls[s]] += 1
+        self._class_started[self._cls[s]].pop(s, None)
         self._preempted.append(int(self._rid[s]))
 
     def _idle_nodes(self) -> list[int]:
@@ -698,7 +727,7 @@ class TokenBatcher:
             for k in self._n_kids[v]:
                 heapq.heappush(self._ready_nodes, (self._n_rank[k], k))
             for m in self._n_members[v]:
-                heapq.heappush(self._ready, (int(self._rank[m]), m))
+                self._push_ready(m)
         else:
             self._partial_nodes[v] = None
         return True
@@ -720,6 +749,8 @@ class TokenBatcher:
         if self._est is not None:
             reserved[0] += self._blocks(int(self._target[s]) + max(int(self._est_out[s]) - int(self._generated[s]),
                                                                    0))
+        self._class_waiting[self._cls[s]] -= 1
+        self._class_started[self._cls[s]][s] = None
         return True
 
     def _start_node(self, plan: _PlanBuilder, v: int, step: int, reserved: list[int]) -> bool:
@@ -739,8 +770,12 @@ class TokenBatcher:
         blocked = False  # an earlier request or level could not start: nothing later may overtake it
         # Admitted work in admission (rank) order: distinct prompts whose prefixes are complete and nested prefix
         # levels whose parent is complete. Rank order keeps a preempted request from overtaking earlier work.
-        while (self._ready or self._ready_nodes) and self._budget > 0:
-            take_node = bool(self._ready_nodes) and (not self._ready or self._ready_nodes[0][0] <= self._ready[0][0])
+        held: set[int] = set()  # classes at their share this step: their requests wait, other classes go on
+        while self._budget > 0:
+            c = self._next_class(held)
+            if c < 0 and not self._ready_nodes:
+                break
+            take_node = bool(self._ready_nodes) and (c < 0 or self._ready_nodes[0][0] <= self._ready[c][0][0])
             if take_node:
                 rank, v = self._ready_nodes[0]
                 if self._n_active[v] or self._n_refs[v] == 0:
@@ -757,19 +792,23 @@ class TokenBatcher:
                     break
                 heapq.heappop(self._ready_nodes)
                 continue
-            rank, s = self._ready[0]
+            heap = self._ready[c]
+            rank, s = heap[0]
             if self._state[s] != _State.WAITING:
-                heapq.heappop(self._ready)
+                heapq.heappop(heap)
                 continue
             if not self._chain_ready(s, step):
                 if all(self._n_done_step[u] >= 0 for u in self._chain(int(self._node[s]))):
                     break  # its prefix completed in this very step: it starts next step (later work waits too)
-                heapq.heappop(self._ready)  # its prefix was released: re-queued when recomputed
+                heapq.heappop(heap)  # its prefix was released: re-queued when recomputed
+                continue
+            if not self._class_admits(s):
+                held.add(c)
                 continue
             if not self._start_request(plan, s, step, reserved):
                 blocked = True
                 break
-            heapq.heappop(self._ready)
+            heapq.heappop(heap)
         # New groups, in order, while the budgets allow and no partial prefix is pending.
         while not blocked and self._budget > 0 and self._next_group < len(self._groups) and not self._partial_nodes:
             top_nodes, top_slots = self._groups[self._next_group]
@@ -782,17 +821,83 @@ class TokenBatcher:
             for i, s in enumerate(top_slots):
                 if self._state[s] != _State.WAITING:
                     continue
-                if blocked or not self._start_request(plan, s, step, reserved):
-                    heapq.heappush(self._ready, (int(self._rank[s]), s))
+                c = int(self._cls[s])
+                if blocked or c in held:
+                    self._push_ready(s)
+                elif not self._class_admits(s):
+                    held.add(c)
+                    self._push_ready(s)
+                elif not self._start_request(plan, s, step, reserved):
+                    self._push_ready(s)
                     blocked = True
             self._next_group += 1
 
+    def _next_class(self, held: set[int]) -> int:
+        """The class whose ready heap holds the earliest-ranked request, skipping ``held``; -1 when none."""
+        best, best_rank = -1, None
+        for c, heap in enumerate(self._ready):
+            if heap and c not in held and (best_rank is None or heap[0][0] < best_rank):
+                best, best_rank = c, heap[0][0]
+        return best
+
+    def _push_ready(self, s: int) -> None:
+        heapq.heappush(self._ready[self._cls[s]], (int(self._rank[s]), s))
+
+    # ------------------------------------------------------------------------------------------- memory classes
+    @staticmethod
+    def _check_classes(memory_classes, class_shares):
+        if memory_classes is None and class_shares is None:
+            return None, None
+        if memory_classes is None or class_shares is None:
+            raise ValueError("memory_classes: expected memory_classes and class_shares together, got only "
+                             f"{'class_shares' if memory_classes is None else 'memory_classes'}")
+        shares = np.asarray(class_shares, dtype=np.float64)
+        if shares.ndim != 1 or shares.size == 0 or not np.isfinite(shares).all() or (shares < 0).any() \
+                or (shares > 1).any():
+            raise ValueError(f"class_shares: expected a 1-D sequence of fractions in [0, 1], got {class_shares!r}")
+        classes = np.asarray(memory_classes)
+        if classes.ndim != 1 or not np.issubdtype(classes.dtype, np.integer) and classes.size:
+            raise ValueError("memory_classes: expected a 1-D array of int classes (one per request id)")
+        classes = classes.astype(np.int64)
+        if classes.size and (classes.min() < 0 or classes.max() >= shares.size):
+            raise ValueError(f"memory_classes: expected classes in [0, {shares.size}) (one share per class), got "
+                             f"{int(classes[(classes < 0) | (classes >= shares.size)][0])}")
+        return classes, shares
+
+    def _class_admits(self, s: int) -> bool:
+        """Whether waiting request ``s`` may start under its class's share (always, without classes)."""
+        if self._shares is None:
+            return True
+        c = int(self._cls[s])
+        started = self._class_started[c]
+        if not started:
+            return True  # every class may run one request: none starves behind another class's work
+        if not any(n > 0 for k, n in enumerate(self._class_waiting.tolist()) if k != c):
+            return True  # nothing of another class waits: the share would only leave memory idle
+        cap = self._shares[c] * self.kv_blocks
+        idx = np.array([*started, s], dtype=np.int64)
+        cur = np.maximum(self._computed[idx], self._target[idx])  # a partial prefill counts as complete
+        rem = np.maximum(np.maximum(self._est_out[idx] - self._generated[idx], 0), 1)
+        bound = ((cur + rem - 1) // self.block_size + 1).sum()  # everyone at its end at once: an upper bound
+        if bound <= cap:
+            return True
+        return _projected_peak_blocks(cur, rem, self.block_size) <= cap
     def _chain(self, v: int) -> list[int]:
         out = []
         while v >= 0:
             out.append(v)
             v = self._n_parent[v]
         return out
+
+
+def _projected_peak_blocks(cur: np.ndarray, rem: np.ndarray, block_size: int) -> int:
+    """Peak blocks of requests holding ``cur`` tokens that each grow one token per step for ``rem`` (>= 1) more
+    steps and then free everything: the peak is just before one of them ends, ``t = rem_j - 1``."""
+    order = np.argsort(rem, kind="stable")
+    r, c = rem[order], cur[order]
+    alive = np.arange(r.shape[0], 0, -1)  # requests still holding at t = r_j - 1 (rem >= r_j)
+    tokens = np.cumsum(c[::-1])[::-1] + alive * (r - 1)
+    return int(((tokens + alive * (block_size - 1)) // block_size).max())
 
 
 class _PlanBuilder:

@@ -5,7 +5,8 @@ Checked at every step: token budget and KV budget (the model's own block count, 
 once, equals the batcher's and stays within the budget); chunks are contiguous in each sequence; a request's
 distinct tokens start only after every prefix level above it completed in an earlier step; decodes only after the
 prompt is done; a twin batcher fed the same operations plans the same steps. At the end every request is drained
-to completion within a bounded number of steps (no starvation, no deadlock) and finished exactly once.
+to completion within a bounded number of steps (no starvation, no deadlock) and finished exactly once. Runs with
+two memory classes (shares per class) check the same invariants.
 """
 
 from __future__ import annotations
@@ -36,9 +37,12 @@ prompt_batches = st.lists(
 
 class BatcherMachine(RuleBasedStateMachine):
     @initialize(token_budget=st.integers(1, 24), kv_blocks=st.integers(2, 24), block_size=st.sampled_from([1, 2, 4]),
-                estimate=st.sampled_from([None, 0, 3]))
-    def setup(self, token_budget, kv_blocks, block_size, estimate):
+                estimate=st.sampled_from([None, 0, 3]), shares=st.sampled_from([None, (0.5, 0.5), (0.8, 0.2), (1.0, 0.0)]))
+    def setup(self, token_budget, kv_blocks, block_size, estimate, shares):
         kw = dict(token_budget=token_budget, kv_blocks=kv_blocks, block_size=block_size, output_lens=estimate)
+        if shares is not None:
+            # odd request ids in the second memory class (ids past the array: class 0)
+            kw.update(memory_classes=np.arange(200) % 2, class_shares=shares)
         self.a, self.b = TokenBatcher(**kw), TokenBatcher(**kw)
         self.budget, self.kv, self.bs = token_budget, kv_blocks, block_size
         self.next_id = 0
