@@ -20,6 +20,7 @@ import numpy as np
 
 from prefixattn.scheduling import (ChunkKind, CostModel as DensityModel, TokenBatcher, estimate_output_lens,
                                    order_groups, sample_requests)
+from prefixattn.scheduling.blendserve import memory_classes
 from prefixattn.sim.engine import RUNNING, WAITING
 from prefixattn.sim.policies.base import Policy, register
 from prefixattn.sim.policies.ordering import groups_of
@@ -50,6 +51,10 @@ class ScheduledPolicy(Policy):
         Calibration-table name of a cap on each request's output estimate *as a memory reservation* (ordering still
         sees the full estimate), SGLang's reservation clip: a few very long outputs then cannot reserve the whole
         KV pool.
+    memory_split : bool
+        Split the KV memory between compute- and memory-intensive requests (BlendServe's dual-scanner partition,
+        :func:`prefixattn.scheduling.blendserve.memory_classes`, enforced by the :class:`TokenBatcher`); needs
+        sampled outputs.
     """
 
     cache_mode = None
@@ -58,7 +63,7 @@ class ScheduledPolicy(Policy):
 
     def __init__(self, name: str, ordering: str, levels, outputs: str, kernel: str, split_k: bool, backend: str,
                  min_shared_blocks: int = 1, budget_constant: str = "batchllm_chunk_tokens",
-                 clip_constant: str | None = None) -> None:
+                 clip_constant: str | None = None, memory_split: bool = False) -> None:
         if outputs not in ("constant", "sampled"):
             raise ValueError(f"outputs: expected 'constant' or 'sampled', got {outputs!r}")
         self.name = name
@@ -71,10 +76,14 @@ class ScheduledPolicy(Policy):
         self.min_shared_blocks = min_shared_blocks
         self.budget_constant = budget_constant
         self.clip_constant = clip_constant
+        if memory_split and outputs != "sampled":
+            raise ValueError("memory_split: needs outputs='sampled' (the split follows estimated output lengths)")
+        self.memory_split = memory_split
         self._pending = None
 
     def describe(self) -> dict:
-        return dict(super().describe(), ordering=self.ordering, levels=self.levels, outputs=self.outputs)
+        return dict(super().describe(), ordering=self.ordering, levels=self.levels, outputs=self.outputs,
+                    memory_split=self.memory_split)
 
     def kv_capacity_tokens(self, cost) -> int:
         c = cost.calib
@@ -105,9 +114,13 @@ class ScheduledPolicy(Policy):
         reserve = est
         if est is not None and self.clip_constant:
             reserve = np.minimum(est, getattr(engine.calib, self.clip_constant))
+        classes = shares = None
+        if self.memory_split:
+            classes, shares = memory_classes(groups, est, self._density_model(engine.cost))
+            self.class_shares = shares.tolist()
         self.batcher = TokenBatcher(token_budget=self.token_budget,
                                     kv_blocks=int(engine.pool.num_blocks * self.threshold), block_size=bs,
-                                    output_lens=reserve)
+                                    output_lens=reserve, memory_classes=classes, class_shares=shares)
         self.batcher.add_groups(ordered)
         # prefix levels per request: (key, start, end), outermost first, as the batcher builds its nodes
         self.paths: dict = {}
@@ -232,23 +245,25 @@ register("batchllm", lambda **kw: ScheduledPolicy("batchllm", "batchllm", 1, "co
          "BatchLLM: single-level global groups (Algorithm 1), Eq. 4 order, three queues, memory-centric batching, "
          "fused prefix attention (no split-k)")
 register("blendserve", lambda **kw: ScheduledPolicy("blendserve", "blendserve", 1, "sampled", "paged", False,
-                                                    "overlap", **kw),
-         "BlendServe: density-sorted groups + dual scanner (1% output sampling), memory-based batching, paged "
-         "attention, NanoFlow-style overlapped backend")
+                                                    "overlap", memory_split=True, **kw),
+         "BlendServe: density-sorted groups + dual scanner (1% output sampling; memory split between compute- and "
+         "memory-intensive requests), memory-based batching, paged attention, NanoFlow-style overlapped backend")
 register("nanoflow-dfs", lambda **kw: ScheduledPolicy("nanoflow-dfs", "dfs", 1, "sampled", "paged", False,
                                                       "overlap", **kw),
          "NanoFlow-DFS (BlendServe's baseline): prefix-tree DFS order, same batching and overlapped backend")
 register("prefixattn", lambda **kw: ScheduledPolicy("prefixattn", "batchllm", 2, "sampled", "fused", True,
                                                     "sequential", budget_constant="prefixattn_token_budget",
-                                                    clip_constant="prefixattn_reservation_clip", **kw),
+                                                    clip_constant="prefixattn_reservation_clip", memory_split=True,
+                                                    **kw),
          "prefixattn: two-level groups, Eq. 3 order with sampled output lengths, memory-centric batching with "
-         "reservations, fused prefix attention with split-k")
+         "reservations and a memory split for long-output requests, fused prefix attention with split-k")
 register("prefixattn-2k", lambda **kw: ScheduledPolicy("prefixattn-2k", "batchllm", 2, "sampled", "fused", True,
                                                        "sequential", clip_constant="prefixattn_reservation_clip",
-                                                       **kw),
+                                                       memory_split=True, **kw),
          "prefixattn with BatchLLM's 2048-token budget (sensitivity of the token-budget choice)")
 register("prefixattn-overlap", lambda **kw: ScheduledPolicy("prefixattn-overlap", "batchllm", 2, "sampled", "fused",
                                                             True, "overlap", budget_constant="prefixattn_token_budget",
-                                                            clip_constant="prefixattn_reservation_clip", **kw),
+                                                            clip_constant="prefixattn_reservation_clip",
+                                                            memory_split=True, **kw),
          "prefixattn's scheduling and kernel on a NanoFlow-style overlapped backend (same-backend comparison with "
          "BlendServe; operator overlap is not part of this library)")
