@@ -114,6 +114,26 @@ def _traffic_shapes() -> list[Shape]:
     return fig8_shapes() + [s for s in fig8_shapes(gqa=True) if s.num_decode > MIN_SCALED_REQUESTS and s.shared]
 
 
+#: The part of the traffic grid a default ``pytest bench/`` runs, as (paper setting, GQA): every scenario, every
+#: Fig. 8 setting, both no-sharing batches and both GQA scenarios at least once - all of decode256 and mixed at MHA,
+#: two settings of decode32 and of each GQA scenario. The other 6 shapes carry the ``slow`` marker (``pytest -m slow``
+#: or ``prefixattn bench --slow``): they repeat a pattern the default shapes show (decode32 = decode256 with fewer
+#: requests) and hold ~30% of the grid's interpreter time (the two GQA 32768-token prefixes alone ~15%).
+TRAFFIC_DEFAULT = {
+    ("decode32:2048/256/16", False), ("decode32:8192/128/64", False),
+    *((f"{scenario}256:{shared}/{distinct}/{group}", False) for scenario in ("decode", "mixed")
+      for shared, distinct, group in FIG8_SETTINGS),
+    *((f"decode{decodes}:0/{distinct}/1", False) for distinct, decodes in NO_SHARING_SETTINGS),
+    ("decode256:256/2048/all", True), ("decode256:8192/128/64", True),
+    ("mixed256:2048/256/16", True), ("mixed256:8192/128/64", True),
+}
+
+
+def in_default_traffic_grid(shape: Shape) -> bool:
+    """Whether a default (not ``-m slow``) run measures ``shape``'s traffic."""
+    return (shape.paper, shape.num_qo_heads != shape.num_kv_heads) in TRAFFIC_DEFAULT
+
+
 def flashinfer_cascade_grid() -> list[Shape]:
     """FlashInfer's old cascade benchmark: batch 1..256 x shared 1024..32768 x unique 128..2048, 32 heads, d=128,
     one group (GPU only: far too large for the interpreter)."""
@@ -202,9 +222,14 @@ def build_batch(shape: Shape, device: str = "cpu", *, metadata_only: bool = Fals
                 block_table=table.to(device), groups=groups, num_blocks=num_blocks, dtype=dtype)
     if metadata_only:
         return Batch(**meta)
-    q = torch.randn(sum(q_lens), shape.num_qo_heads, shape.head_dim, generator=g).to(dtype)
-    k_cache = torch.randn(num_blocks, bs, shape.num_kv_heads, shape.head_dim, generator=g).to(dtype)
-    v_cache = torch.randn(num_blocks, bs, shape.num_kv_heads, shape.head_dim, generator=g).to(dtype)
+    if torch.device(device).type != "cpu":
+        # Full-size GPU batches hold gigabytes of KV: draw them on the device (deterministic there, not equal to the
+        # CPU draw; every provider of a run sees the same tensors either way).
+        g = torch.Generator(device=device).manual_seed(shape.seed)
+    draw = lambda *size: torch.randn(*size, generator=g, device=g.device).to(dtype)  # noqa: E731
+    q = draw(sum(q_lens), shape.num_qo_heads, shape.head_dim)
+    k_cache = draw(num_blocks, bs, shape.num_kv_heads, shape.head_dim)
+    v_cache = draw(num_blocks, bs, shape.num_kv_heads, shape.head_dim)
     return Batch(q=q.to(device), k_cache=k_cache.to(device), v_cache=v_cache.to(device), **meta)
 
 

@@ -17,27 +17,40 @@ import os
 import pytest
 import torch
 
+from peers.base import ENGINE_OF, MODULE_OF
 from peers.gpu import GPU_ONLY, Unavailable
 from peers.measure import TOLERANCE
 from shapes import build_batch, fig8_shapes, flashinfer_cascade_grid
 
 _ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
 pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not _ON_GPU, reason="needs a CUDA/ROCm GPU and TRITON_INTERPRET unset "
-                                                     "(prefixattn bench --gpu)")]
+              pytest.mark.skipif(not _ON_GPU, reason="needs a CUDA/ROCm GPU and compiled Triton: run "
+                                                     "`prefixattn bench --gpu` (or PREFIXATTN_BENCH_GPU=1 pytest bench/)")]
 
 BENCHMARK = "attention_gpu_time"
-#: Triton/engine providers shared with the interpreter suite (same adapters), then the CUDA-only ones.
-TRITON_PROVIDERS = {"prefixattn": "peers.ours", "prefixattn-nosharing": "peers.ours",
-                    "sglang-triton": "peers.sglang_triton", "cascade-sglang": "peers.sglang_triton",
-                    "vllm-triton": "peers.vllm_triton"}
-ENGINE_PACKAGE = {"sglang-triton": "sglang", "cascade-sglang": "sglang", "vllm-triton": "vllm"}
-PROVIDERS = list(TRITON_PROVIDERS) + list(GPU_ONLY)
+#: The interpreter suite's providers (same adapters, same engines), then the CUDA-only ones.
+PROVIDERS = list(MODULE_OF) + list(GPU_ONLY)
 SHAPES = fig8_shapes(scaled=False) + fig8_shapes(scaled=False, gqa=True) + flashinfer_cascade_grid()
 #: do_bench quantiles reported: median, p20, p80.
 QUANTILES = (0.5, 0.2, 0.8)
 
-_references: dict = {}
+#: The current shape's batch and fp32 reference, shared by its providers (tests run shape by shape: the provider
+#: parameter varies fastest). One shape at a time: full-size batches and references take gigabytes.
+_current: dict = {}
+
+
+def _batch_and_reference(shape):
+    from prefixattn import reference_attention
+
+    key = shape.to_json()
+    if _current.get("key") != key:
+        _current.clear()
+        torch.cuda.empty_cache()
+        batch = build_batch(shape, device="cuda")
+        reference = reference_attention(batch.q, batch.k_cache, batch.v_cache, batch.qo_indptr, batch.kv_lens,
+                                        batch.block_table)
+        _current.update(key=key, batch=batch, reference=reference)
+    return _current["batch"], _current["reference"]
 
 
 def _prepare(provider, batch):
@@ -46,21 +59,10 @@ def _prepare(provider, batch):
             return GPU_ONLY[provider](batch)
         except Unavailable as exc:
             pytest.skip(str(exc))
-    package = ENGINE_PACKAGE.get(provider)
+    package = ENGINE_OF[provider]
     if package and importlib.util.find_spec(package) is None:
-        pytest.skip(f"{package} is not installed in this environment")
-    return importlib.import_module(TRITON_PROVIDERS[provider]).prepare(batch, provider)
-
-
-def _reference(shape, batch):
-    from prefixattn import reference_attention
-
-    key = shape.to_json()
-    if key not in _references:
-        _references.clear()  # one shape at a time: full-size references are large
-        _references[key] = reference_attention(batch.q, batch.k_cache, batch.v_cache, batch.qo_indptr,
-                                               batch.kv_lens, batch.block_table)
-    return _references[key]
+        pytest.skip(f"{package} is not installed in this environment (on a GPU, engines' kernels run in-process)")
+    return importlib.import_module(MODULE_OF[provider]).prepare(batch, provider)
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
@@ -68,18 +70,21 @@ def _reference(shape, batch):
 def test_attention_gpu_time(results, shape, provider):
     import triton.testing
 
-    batch = build_batch(shape, device="cuda")
+    batch, want = _batch_and_reference(shape)
     prepared = _prepare(provider, batch)
     out = prepared.run()
     torch.cuda.synchronize()
-    want = _reference(shape, batch)
+    # Correctness before timing: a provider that computes something else is a failure, not a number.
     atol, rtol = TOLERANCE[batch.q.dtype]
-    torch.testing.assert_close(out.float(), want, atol=atol, rtol=rtol)
+    torch.testing.assert_close(out.float(), want, atol=atol, rtol=rtol,
+                               msg=lambda m: f"{provider} differs from the fp32 reference on {shape.name}: {m}")
     median, p20, p80 = triton.testing.do_bench(prepared.run, quantiles=list(QUANTILES))
     label = f"{shape.paper} [{shape.name}]"
     device = torch.cuda.get_device_name()
     for metric, value in (("time_us_median", median), ("time_us_p20", p20), ("time_us_p80", p80)):
-        results.add(BENCHMARK, provider, label, metric, value * 1e3, "us", device=device)
+        results.add(BENCHMARK, provider, label, metric, value * 1e3, "us", device=device)  # do_bench gives ms
+    results.add(BENCHMARK, provider, label, "max_abs_err", float((out.float() - want).abs().max()), "abs",
+                device=device)
     # Effective bandwidth against the unique-KV lower bound: what a kernel that reads every KV byte once would need.
     results.add(BENCHMARK, provider, label, "unique_kv_gbps", batch.unique_kv_bytes() / (median * 1e-3) / 1e9,
                 "GB/s", device=device)

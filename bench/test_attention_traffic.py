@@ -18,11 +18,14 @@ import pytest
 
 from peers.base import CPU_PROVIDERS
 from peers.cache import measurements, start_selected
-from shapes import TRAFFIC_SHAPES as SHAPES
+from shapes import TRAFFIC_SHAPES, in_default_traffic_grid
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="measures traffic in the Triton interpreter (TRITON_INTERPRET=1, no --gpu)")
 
+#: The whole grid; the shapes outside the default part are marked slow (shapes.TRAFFIC_DEFAULT says which and why).
+SHAPES = [pytest.param(s, id=s.name, marks=() if in_default_traffic_grid(s) else pytest.mark.slow)
+          for s in TRAFFIC_SHAPES]
 BENCHMARK = "attention_traffic"
 METRIC_UNITS = {"kv_bytes": "bytes", "unique_kv_bytes": "bytes", "launches": "count", "programs": "count",
                 "q_bytes": "bytes", "other_loaded_bytes": "bytes", "stored_bytes": "bytes", "atomic_bytes": "bytes",
@@ -40,7 +43,7 @@ def _start_engine_workers(request):
     start_selected(request.session)
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
+@pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("provider", CPU_PROVIDERS)
 def test_attention_traffic(results, provider, shape):
     record = measurements().get(provider, shape)

@@ -18,6 +18,10 @@ from peers.base import Prepared
 
 #: FlashInfer's float workspace: the size its own examples allocate (128 MiB).
 FLASHINFER_WORKSPACE_BYTES = 128 * 1024 * 1024
+#: torch SDPA runs on pre-gathered KV (a copy per request: 256 requests x a 32k prefix is ~130 GiB at full size);
+#: beyond this share of the free memory the column is skipped rather than OOM the run (the rest of the step's
+#: tensors and SDPA's own workspace need the remainder).
+SDPA_MAX_FREE_FRACTION = 0.5
 
 
 class Unavailable(Exception):
@@ -165,6 +169,12 @@ def prepare_sdpa(batch) -> Prepared:
     F = torch.nn.functional
     kv_lens = batch.kv_lens.cpu().numpy()
     q_lens = batch.q_lens
+    gathered = int(kv_lens.sum()) * s.num_kv_heads * s.head_dim * 2 * batch.k_cache.element_size()
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        if gathered > SDPA_MAX_FREE_FRACTION * free:
+            raise Unavailable(f"torch SDPA needs every request's KV gathered ({gathered / 2**30:.1f} GiB), more than "
+                              f"{SDPA_MAX_FREE_FRACTION:.0%} of the free GPU memory ({free / 2**30:.1f} GiB)")
     indptr = batch.qo_indptr.cpu().numpy()
     groups: dict = {}
     for r in range(len(q_lens)):
