@@ -21,6 +21,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("-k", dest="keyword", default=None, help="only benchmarks matching this pytest -k expression")
     parser.add_argument("--gpu", action="store_true",
                         help="time compiled kernels on the GPU instead of running the CPU interpreter")
+    parser.add_argument("--slow", action="store_true",
+                        help="also run the benchmarks marked slow (the whole traffic grid, every compile-check "
+                             "variant); the default run takes ~10 minutes on 2 CPU cores")
     parser.add_argument("pytest_args", nargs="*", help="extra arguments passed to pytest")
 
 
@@ -52,6 +55,8 @@ def run(args) -> int:
     cmd = [sys.executable, "-m", "pytest", str(bench), "-q", "-p", "no:cacheprovider", "-p", "progress"]
     if args.keyword:
         cmd += ["-k", args.keyword]
+    if args.slow:
+        cmd += ["-m", ""]  # overrides bench/pytest.ini's -m "not slow" (the last -m wins); gpu tests still skip
     cmd += list(args.pytest_args)
     code = subprocess.call(cmd, cwd=bench.parent, env=env)
     latest = Path(env.get("PREFIXATTN_BENCH_RESULTS") or bench / "results" / "latest.csv")  # see bench/conftest.py

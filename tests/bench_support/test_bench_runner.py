@@ -1,0 +1,61 @@
+"""``prefixattn bench`` (prefixattn/bench_runner.py): the pytest command it builds, and one real run end to end on a
+single quick benchmark (CSV, summary, exit code)."""
+
+import argparse
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from prefixattn import bench_runner
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _args(*argv):
+    parser = argparse.ArgumentParser()
+    bench_runner.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def _command(monkeypatch, tmp_path, *argv):
+    seen = {}
+
+    def fake_call(cmd, cwd, env):
+        seen.update(cmd=cmd, env=env)
+        return 0
+
+    monkeypatch.setenv("PREFIXATTN_BENCH_RESULTS", str(tmp_path / "none.csv"))  # no CSV: nothing to summarize
+    monkeypatch.setattr(bench_runner.subprocess, "call", fake_call)
+    assert bench_runner.run(_args(*argv)) == 0
+    return seen["cmd"], seen["env"]
+
+
+def test_default_command_runs_the_cpu_suite_with_a_progress_bar(monkeypatch, tmp_path):
+    cmd, env = _command(monkeypatch, tmp_path)
+    assert cmd[1:4] == ["-m", "pytest", str(REPO / "bench")]
+    assert ["-p", "progress"] == cmd[cmd.index("progress") - 1:cmd.index("progress") + 1]
+    assert env["TRITON_INTERPRET"] == "1" and "PREFIXATTN_BENCH_GPU" not in env
+    assert "-m" not in cmd[2:]  # bench/pytest.ini's -m "not slow" applies
+
+
+def test_slow_gpu_and_keyword(monkeypatch, tmp_path):
+    cmd, env = _command(monkeypatch, tmp_path, "--slow", "--gpu", "-k", "traffic", "--", "-x")
+    assert cmd[-5:] == ["-k", "traffic", "-m", "", "-x"]
+    assert env["TRITON_INTERPRET"] == "0" and env["PREFIXATTN_BENCH_GPU"] == "1"
+
+
+def test_end_to_end_on_one_benchmark(tmp_path):
+    out = tmp_path / "latest.csv"
+    env = {**os.environ, "PREFIXATTN_BENCH_RESULTS": str(out)}
+    run = subprocess.run([sys.executable, "-m", "prefixattn.cli", "bench", "-k", "merge_states_n"], cwd=REPO,
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    with out.open() as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == ["benchmark", "provider", "shape", "device", "metric", "value", "unit", "commit",
+                             "versions"]
+    assert {r["benchmark"] for r in rows} == {"merge_states_n"} and len(rows) == 2
+    summary = (tmp_path / "summary.md").read_text()
+    assert summary.startswith("# prefixattn bench") and "merge_states_n" in summary
