@@ -16,6 +16,7 @@ from pathlib import Path
 
 TRAFFIC = "attention_traffic"
 MODELED = "attention_modeled"
+PLAN = "plan_time"
 #: The issue's targets for prefixattn (reported in the summary, not asserted anywhere).
 TARGET_SHARED_OVER_UNIQUE = 1.05
 TARGET_NO_SHARING_OVER_BEST_PEER = 1.02
@@ -161,6 +162,37 @@ def _modeled_section(rows) -> list[str]:
     return lines + [""]
 
 
+def _plan_section(rows) -> list[str]:
+    """Full-size Fig. 8 plans (host only): the KV bytes prefixattn's work items will read over the unique bound.
+
+    The traffic rows come from scaled batches whose decode rows fit one query tile; at full size a shared node with
+    more rows than a tile is read once per row tile, which only this table shows (planned bytes equal measured bytes:
+    test_attention_traffic asserts it on every scaled batch)."""
+    table: dict = defaultdict(dict)
+    for r in rows:
+        if r["benchmark"] == PLAN:
+            table[(r["shape"], r["provider"])][r["metric"]] = float(r["value"])
+    shapes = list(dict.fromkeys(shape for shape, _ in table))
+    if not shapes:
+        return []
+    lines = ["## prefixattn at full size: planned KV bytes (plan() only, host; the kernel is not run)", "",
+             "Planned KV bytes / unique KV bytes of the full-size batch (the bytes the work items load; equal to the "
+             "measured bytes on every scaled batch above). Row tiles: a shared prefix whose query rows "
+             "(requests x query heads per KV head) exceed one tile is read once per tile.", "",
+             "| shape | prefixattn planned / unique | work items | shared nodes | plan time (us, median) "
+             "| sharing=never planned / unique |", "|---|---|---|---|---|---|"]
+    for shape in shapes:
+        ours, never = table.get((shape, OURS), {}), table.get((shape, OURS + "-nosharing"), {})
+
+        def ratio(m):
+            return f"{m['planned_kv_bytes'] / m['unique_kv_bytes']:.2f}x" if "planned_kv_bytes" in m else "-"
+
+        lines.append(f"| {shape} | {ratio(ours)} | {_fmt(ours.get('work_items', 0))} | "
+                     f"{_fmt(ours.get('shared_nodes', 0))} | {_fmt(round(ours.get('plan_us_median', 0)))} | "
+                     f"{ratio(never)} |")
+    return lines + [""]
+
+
 def _generic_section(rows, benchmark) -> list[str]:
     sel = [r for r in rows if r["benchmark"] == benchmark]
     lines = [f"## {benchmark}", "", "| provider | shape | device | metric | value | unit |", "|---|---|---|---|---|---|"]
@@ -179,9 +211,9 @@ def summary(rows) -> str:
     devices = sorted({r["device"] for r in rows})
     head = ["# prefixattn bench", "", f"commit {rows[0]['commit']}; {rows[0]['versions']}; devices: "
             + ", ".join(devices), ""]
-    body = _traffic_section(rows) + _modeled_section(rows)
+    body = _traffic_section(rows) + _plan_section(rows) + _modeled_section(rows)
     for benchmark in dict.fromkeys(r["benchmark"] for r in rows):
-        if benchmark not in (TRAFFIC, MODELED):
+        if benchmark not in (TRAFFIC, MODELED, PLAN):
             body += _generic_section(rows, benchmark)
     return "\n".join(head + body)
 

@@ -72,3 +72,14 @@ def test_summary_states_each_target_with_its_shapes(tmp_path):
     md, pngs = report.write(path)
     assert md.read_text().startswith("# prefixattn bench")
     assert all(p.exists() and p.suffix == ".png" for p in pngs)
+
+
+def test_full_size_plan_section():
+    shape = "decode256:32768/128/256 [decode/256d/32768-128-all/h32:4/d128]"
+    rows = [dict(benchmark=report.PLAN, provider=provider, shape=shape, device="host-cpu", metric=metric,
+                 value=str(value), unit="", commit="abc", versions="v")
+            for provider, planned in (("prefixattn", 8500), ("prefixattn-nosharing", 128500))
+            for metric, value in (("planned_kv_bytes", planned), ("unique_kv_bytes", UNIQUE), ("work_items", 272),
+                                  ("shared_nodes", 1), ("plan_us_median", 4213.4))]
+    line = next(line for line in report.summary(rows).splitlines() if line.startswith(f"| {shape}"))
+    assert line == f"| {shape} | 8.50x | 272 | 1 | 4,213 | 128.50x |"
