@@ -7,7 +7,8 @@ Example::
 
 The partitioner (:mod:`prefixattn.scheduling.partition`) is numpy-only. This command is glue, like
 ``prefixattn simulate``: it reads prompts with the simulator's JSONL loader / seed workloads and, with ``--cost sim``
-(the default), prices groups with the simulator's cost model (:class:`prefixattn.sim.group_cost.GroupCostModel`).
+(the default), prices groups with the simulator's cost model (:class:`prefixattn.sim.group_cost.GroupCostModel`) on
+two resources (compute, memory, plus the serial floor of long decodes); ``--cost sim-scalar`` balances their sum.
 Both are imported inside :func:`run` only, so importing this module (or the scheduling package) never pulls in the
 simulator.
 """
@@ -25,8 +26,9 @@ def add_arguments(parser) -> None:
                                         "or a seed workload name (prefixattn simulate --list)")
     parser.add_argument("--replicas", type=int, required=True, help="number of engine replicas N")
     parser.add_argument("--levels", type=int, default=1, help="group nesting depth for group_prompts (default 1)")
-    parser.add_argument("--cost", choices=["sim", "tokens"], default="sim",
-                        help="group cost: the simulator's cost model (modeled seconds) or prefill + decode tokens")
+    parser.add_argument("--cost", choices=["sim", "sim-scalar", "tokens"], default="sim",
+                        help="group cost: the simulator's cost model on two resources (compute and memory seconds, "
+                             "default), its sum as one number, or prefill + decode tokens")
     parser.add_argument("--model", default=None, help="model preset for --cost sim (default: the workload's paper "
                                                       "setting, else mistral-7b)")
     parser.add_argument("--gpu", default=None, help="hardware preset for --cost sim (default: a100)")
@@ -45,13 +47,18 @@ def _rows(partition, prompts) -> list[dict]:
     import numpy as np
 
     rows = []
+    pressure = partition.pressure
+    res = partition.resource_loads
     for r in range(partition.num_replicas):
         idx = np.flatnonzero(partition.replicas == r)
         groups = [partition.groups[i] for i in idx.tolist()]
-        rows.append(dict(replica=r, groups=len(groups), requests=sum(g.num_requests for g in groups),
-                         prompt_tokens=sum(g.logical_tokens for g in groups),
-                         computed_tokens=sum(g.processed_tokens for g in groups),
-                         cost=float(partition.costs[idx].sum())))
+        row = dict(replica=r, groups=len(groups), requests=sum(g.num_requests for g in groups),
+                   prompt_tokens=sum(g.logical_tokens for g in groups),
+                   computed_tokens=sum(g.processed_tokens for g in groups),
+                   cost=float(partition.costs[idx].sum()), pressure=float(pressure[r]))
+        if res is not None:
+            row.update(compute=float(res[r, 0]), memory=float(res[r, 1]))
+        rows.append(row)
     return rows
 
 
@@ -69,20 +76,22 @@ def summarize(workload, num_replicas: int, *, levels: int = 1, cost: str = "sim"
     prompts = [r.prompt for r in workload.requests]
     outs = [r.output_len for r in workload.requests]
     groups = group_prompts(prompts, levels=levels)
-    if cost == "sim":
+    if cost in ("sim", "sim-scalar"):
         from prefixattn.sim.costmodel import CostModel
         from prefixattn.sim.group_cost import GroupCostModel
         from prefixattn.sim.workloads import PAPER_SETTINGS
 
         paper_model, paper_gpu = PAPER_SETTINGS.get(workload.name, ("mistral-7b", "a100"))
         model, gpu = model or paper_model, gpu or paper_gpu
-        fn = GroupCostModel(CostModel(gpu, model), output_lens=outs)
-        cost_label = f"sim ({model} on {gpu}, modeled s)"
+        model_fn = GroupCostModel(CostModel(gpu, model), output_lens=outs)
+        fn = model_fn.resources if cost == "sim" else model_fn
+        cost_label = f"sim ({model} on {gpu}, modeled s; " + (
+            "two resources: compute, memory, serial floor)" if cost == "sim" else "one number: compute + memory)")
     elif cost == "tokens":
         fn = token_cost(outs, decode_weight=decode_weight)
         cost_label = f"tokens (prefill after sharing + {decode_weight:g} x decode)"
     else:
-        raise ValueError(f"cost: expected 'sim' or 'tokens', got {cost!r}")
+        raise ValueError(f"cost: expected 'sim', 'sim-scalar' or 'tokens', got {cost!r}")
     part = partition_groups(groups, num_replicas, fn, allow_split=allow_split, split=split)
     single = saving_ratio(prompts, groups)
     saving = {"single replica": single, "optimal": optimal_saving_ratio(prompts),
@@ -104,13 +113,16 @@ def format_summary(s: dict) -> str:
              f"(levels={s['levels']}) over {s['num_replicas']} replicas; group cost: {s['cost']}",
              "",
              f"{'replica':>7} {'groups':>7} {'requests':>9} {'prompt tok':>11} {'computed tok':>13} {'cost':>12} "
-             f"{'load/mean':>9}"]
-    mean = sum(r["cost"] for r in s["replicas"]) / max(len(s["replicas"]), 1)
+             + (f"{'compute':>10} {'memory':>10} " if "compute" in s["replicas"][0] else "") + f"{'pressure':>9}"]
     for r in s["replicas"]:
         lines.append(f"{r['replica']:>7} {r['groups']:>7} {r['requests']:>9} {r['prompt_tokens']:>11} "
-                     f"{r['computed_tokens']:>13} {r['cost']:>12.4g} {r['cost'] / mean if mean else 1.0:>9.4f}")
+                     f"{r['computed_tokens']:>13} {r['cost']:>12.4g} "
+                     + (f"{r['compute']:>10.4g} {r['memory']:>10.4g} " if "compute" in r else "")
+                     + f"{r['pressure']:>9.4f}")
     lines += ["",
-              f"load balance: makespan / (total cost / N) = {s['balance']:.4f}",
+              f"load balance: makespan / (total cost / N) = {s['balance']:.4f}"
+              + (" (pressure: the most loaded resource against its fair share, or compute + memory + serial "
+                 "floor against the fair time)" if "compute" in s["replicas"][0] else ""),
               f"split groups: {len(s['split_groups'])} (above the fair share), recomputed prompt tokens: "
               f"{s['recomputed_tokens']}",
               f"saving ratio (BatchLLM Eq. 2): single replica {s['saving']['single replica']:.4f}, optimal "
