@@ -12,11 +12,14 @@ each replica runs the simulator's engine (policy ``prefixattn``) on its own shar
 * ``saving_ratio`` / ``saving_kept``: BatchLLM Eq. 2 over all replicas (each groups its shard), and its fraction of
   the single-replica ratio. ``target_saving_met``: 1 when ``saving_kept >= 0.99`` (the issue's target);
 * ``sim_makespan_s``: the slowest replica's simulated time; ``sim_balance``: it over (sum of replica times / N).
-  ``target_makespan_met``: 1 when ``sim_balance <= 1.05`` (the issue's "makespan within 5% of total cost / N", the
-  total being what the N replicas together spend);
+  ``target_balance_met``: 1 when ``sim_balance <= 1.05``, the issue's "makespan within 5% of total cost / N" read
+  literally (the total being what the N replicas together spend);
+* ``makespan_over_lower_bound``: the makespan over ``max(sum of replica times / N, the longest request alone)``,
+  Graham's lower bound (no assignment finishes before its longest job: BlendServe's 24K-token video decodes take
+  longer than a 16th of the batch); ``target_makespan_met``: 1 when it is <= 1.05, the target where the literal one
+  cannot be met by any assignment;
 * ``makespan_over_t1_per_n``: the makespan over (single-replica time / N), which also charges the lost sharing and
-  the smaller batches of each replica; ``makespan_over_bound``: over ``max(t1 / N, the longest request alone)``
-  (no sharding can beat the serial decode of the longest request: BlendServe's 24K-token video decodes);
+  the smaller batches of each replica;
 * ``est_balance``: the partitioner's own modeled makespan over the fair time (its objective; prefix-affinity only),
   ``split_groups`` / ``recomputed_tokens``.
 
@@ -96,7 +99,6 @@ def test_partition_vs_naive_sharding(results, workload, num_requests, num_replic
     assignments = {"prefix-affinity": part.request_replicas(len(s["prompts"])),
                    "round-robin": shard_requests(len(s["prompts"]), n),
                    "random": shard_requests(len(s["prompts"]), n, "random", seed=SEED)}
-    bound = max(s["t1"] / n, s["longest_alone"])
     for strategy in STRATEGIES if n > 1 else STRATEGIES[:1]:
         reps = assignments[strategy]
         saving = sharded_saving_ratio(s["prompts"], reps)
@@ -104,6 +106,7 @@ def test_partition_vs_naive_sharding(results, workload, num_requests, num_replic
                           if (reps == r).any()])
         makespan = float(times.max())
         sim_balance = makespan / (times.sum() / n)
+        over_bound = makespan / max(times.sum() / n, s["longest_alone"])
         kept = saving / s["single_saving"]
         add = lambda metric, value, unit: results.add(BENCHMARK, strategy, shape, metric, value, unit,  # noqa: E731
                                                       device=device)
@@ -112,13 +115,15 @@ def test_partition_vs_naive_sharding(results, workload, num_requests, num_replic
         add("target_saving_met", int(kept >= SAVING_KEPT_TARGET), f"1 if kept >= {SAVING_KEPT_TARGET}")
         add("sim_makespan_s", makespan, "s (modeled)")
         add("sim_balance", sim_balance, "max/mean")
-        add("target_makespan_met", int(sim_balance <= MAKESPAN_BALANCE_TARGET),
+        add("target_balance_met", int(sim_balance <= MAKESPAN_BALANCE_TARGET),
             f"1 if sim_balance <= {MAKESPAN_BALANCE_TARGET}")
+        add("makespan_over_lower_bound", over_bound, "x max(sum/N, longest alone)")
+        add("target_makespan_met", int(over_bound <= MAKESPAN_BALANCE_TARGET),
+            f"1 if makespan_over_lower_bound <= {MAKESPAN_BALANCE_TARGET}")
         add("makespan_over_t1_per_n", makespan / (s["t1"] / n), "x")
-        add("makespan_over_bound", makespan / bound, "x max(t1/N, longest alone)")
         if strategy == "prefix-affinity":
             add("est_balance", part.balance, "modeled max/fair")
             add("split_groups", len(part.split), "groups")
             add("recomputed_tokens", part.recomputed_tokens, "tokens")
-        print(f"  {shape} {strategy}: makespan {makespan:.1f} s, sim_balance {sim_balance:.3f}, kept {kept:.4f}, "
-              f"over bound {makespan / bound:.3f}")
+        print(f"  {shape} {strategy}: makespan {makespan:.1f} s, sim_balance {sim_balance:.3f}, over lower bound "
+              f"{over_bound:.3f}, over t1/N {makespan / (s['t1'] / n):.3f}, kept {kept:.4f}")
