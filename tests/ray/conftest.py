@@ -1,5 +1,6 @@
 """Ray Data suite (marker ``ray``): runs in ``.venv-ray`` via ``scripts/test_ray.sh``; ``test_vllm_engine.py``
-(marker ``vllm``, no ray needed) runs in ``.venv-vllm`` via ``scripts/test_vllm.sh``.
+(marker ``vllm``, no ray needed) runs in ``.venv-vllm`` via ``scripts/test_vllm.sh``; ``test_vllm_ray.py`` (markers
+``ray`` and ``vllm``) needs both and runs in ``.venv-vllm`` once ``scripts/test_ray.sh`` has put ray[data] there.
 
 Without ray installed (the main venv) the modules that import it are not collected (the main suite also deselects
 ``-m "not ray"``); ``test_ray_installed.py`` is always collected, so ``pytest -m ray`` in a venv without ray fails
@@ -15,7 +16,9 @@ import pytest
 HAS_RAY = importlib.util.find_spec("ray") is not None
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 # test_vllm_engine.py needs vllm (not ray): it runs in the vLLM venv; everything else needs ray
-collect_ignore_glob = ([] if HAS_RAY else ["test_pipeline.py", "test_prepass.py"]) + ([] if HAS_VLLM else ["test_vllm_engine.py"])
+collect_ignore_glob = (([] if HAS_RAY else ["test_pipeline.py", "test_prepass.py"]) +
+                       ([] if HAS_VLLM else ["test_vllm_engine.py"]) +
+                       ([] if HAS_RAY and HAS_VLLM else ["test_vllm_ray.py"]))
 
 #: CPUs of the local cluster, and of each replica actor (fractional: 2-4 actors share the 2 CPUs).
 CLUSTER_CPUS = 2
