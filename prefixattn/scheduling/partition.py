@@ -93,6 +93,10 @@ _REFINE_STEPS_PER_REPLICA = 64
 #: A move or swap must lower the most-loaded replica by more than this fraction of the mean load to be taken
 #: (no churn on float noise).
 _REFINE_MIN_GAIN = 1e-12
+#: Vector costs: a move or swap must lower the pair's pressure by more than this (a fraction of the fair time):
+#: the pairwise search touches every replica, and steps of a few ppm only churn (many replicas pinned by their
+#: serial floor can otherwise trade thousands of such steps at N = 64).
+_REFINE_MIN_GAIN_VECTOR = 1e-4
 
 #: Vector costs: a group above a fair share is cut into pieces of at most this fraction of a fair share (of each
 #: resource), fine enough for the moves and swaps to even out both resources to within a few percent.
@@ -724,7 +728,7 @@ def _refine_vector(res: np.ndarray, crit: np.ndarray, fair: np.ndarray, rep: np.
     np.maximum.at(rcrit, rep, crit)
     for _ in range(_REFINE_STEPS_PER_REPLICA * n):
         p = _pressure(loads, rcrit, fair)
-        min_gain = _REFINE_MIN_GAIN * max(float(p.mean()), 1e-300)
+        min_gain = _REFINE_MIN_GAIN_VECTOR
         step = None
         for a in sorted(range(n), key=lambda r: (-p[r], r)):
             mine = np.flatnonzero(rep == a)
