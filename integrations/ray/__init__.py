@@ -8,5 +8,8 @@ Importing this package imports neither ray nor vLLM; each submodule imports what
 - :mod:`integrations.ray.engines`: what an actor runs: ``VLLMEngine`` (vLLM with prefixattn's attention backend
   and prefix-group scheduler), ``SimulatedEngine`` (prefixattn's simulator: modeled times, no tokens), or any
   callable ``fn(prompts) -> outputs``.
+- :mod:`integrations.ray.prepass`: ``group_prompts_distributed``, the grouping pre-pass on Ray workers (buckets by
+  a hash of the first k tokens, ``group_prompts`` per bucket, merged on the driver; ``run_batch(grouping=
+  "distributed")``).
 - :mod:`integrations.ray.faults`: ``FailOnce``, fault injection for testing the retry path.
 """
