@@ -470,13 +470,16 @@ def partition_groups(groups: Sequence[PrefixGroup], num_replicas: int, cost: Gro
     num_replicas : int
         ``N >= 1``.
     cost : callable, optional
-        ``cost(group) -> float`` (finite, >= 0, not decreasing when requests are added). Default:
+        ``cost(group) -> float`` (finite, >= 0, not decreasing when requests are added), or
+        ``cost(group) -> ResourceCost`` for the two-resource model of the module notes (e.g.
+        ``GroupCostModel(...).resources``): compute and memory balanced each against its fair share, the serial
+        floor of long decodes respected, and the ``Partition`` reports ``resources``/``pressure``. Default:
         :func:`token_cost` (prefill tokens after sharing).
     allow_split : bool
         Split groups that alone exceed the fair share ``total / N`` (default). With False groups are never split and
         the makespan is at least the largest group's cost.
     split : {"spread", "fill"}
-        How a forced split is cut. ``spread`` (default): one piece per replica, sized to the replica's room below
+        How a forced split is cut (scalar costs; a ``ResourceCost`` cost always cuts fine pieces, see the notes). ``spread`` (default): one piece per replica, sized to the replica's room below
         a common level once the whole groups are placed, so every replica gets a share of the group and keeps the
         batch's mix of compute- and memory-heavy work (BlendServe sec. 6.1: each data-parallel block keeps the
         root's compute density). ``fill``: the fewest pieces, topping
