@@ -100,3 +100,42 @@ def blendserve_markdown(rows: list, policies: list) -> str:
         cells += [f"{r[f'tok_s:{p}']:,.0f} ({r[f'of_bound:{p}']:.0%})" for p in policies]
         out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)
+
+
+#: The same-backend comparisons the issue's target asks for: (our policy, backend it runs on).
+VERDICT_POLICIES = (("prefixattn", "sequential"), ("prefixattn-overlap", "overlap"))
+VERDICT_HEADS = ("prefixattn vs best other sequential (margin, of T_o)",
+                 "prefixattn-overlap vs best other overlapped (margin, of T_o)")
+
+
+def verdicts(results: list) -> list:
+    """Per ``VERDICT_POLICIES`` entry present in ``results``: the best other policy on the same backend (policies
+    named ``prefixattn*`` are ours and excluded) and our margin over it; ``best`` None when there is no other."""
+    by = {r.policy: r for r in results}
+    out = []
+    for name, backend in VERDICT_POLICIES:
+        if name not in by:
+            continue
+        ours = by[name]
+        pool = {p: r for p, r in by.items() if not p.startswith("prefixattn") and r.backend == backend}
+        best = max(pool, key=lambda p: pool[p].throughput_tok_s) if pool else None
+        margin = ours.throughput_tok_s / pool[best].throughput_tok_s - 1 if best else 0.0
+        out.append(dict(policy=name, backend=backend, best=best, margin=margin, ours_of_bound=ours.fraction_of_bound,
+                        best_of_bound=pool[best].fraction_of_bound if best else None))
+    return out
+
+
+def verdict_cell(v: dict) -> str:
+    if v["best"] is None:
+        return f"no other ({v['ours_of_bound']:.0%} of T_o)"
+    mark = "at or above" if v["margin"] >= 0 else "BELOW"
+    return (f"{mark}: {v['margin']:+.1%} vs {v['best']} ({v['ours_of_bound']:.0%} vs {v['best_of_bound']:.0%} "
+            "of T_o)")
+
+
+def verdict_markdown(results_by_trace: dict) -> str:
+    """The same-backend verdicts per trace as a Markdown table."""
+    out = ["| trace | " + " | ".join(VERDICT_HEADS) + " |", "|---|" + "---|" * len(VERDICT_HEADS)]
+    for trace, results in results_by_trace.items():
+        out.append(f"| {trace} | " + " | ".join(verdict_cell(v) for v in verdicts(results)) + " |")
+    return "\n".join(out)
