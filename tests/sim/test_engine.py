@@ -119,3 +119,28 @@ def test_lru_evicts_oldest_and_radix_only_leaves():
         assert set(pool.table) == {20}
         assert not pool.allocate(2)
         pool.check()
+
+
+def long_output_workload(n_short=200, n_long=12, seed=7):
+    """Short chat-like requests and a few memory-intensive ones (short prompt, ~3K-token output) sharing a system
+    prompt per kind: the policies with a memory split put the long ones in their own class."""
+    rng = np.random.default_rng(seed)
+    systems = [rng.integers(0, 30000, size=32, dtype=np.int32) for _ in range(2)]
+    reqs = []
+    for i in range(n_short + n_long):
+        long = i % ((n_short + n_long) // n_long) == 0
+        own = rng.integers(0, 30000, size=int(rng.integers(20, 60 if long else 400)), dtype=np.int32)
+        out = int(rng.integers(2500, 3500)) if long else int(rng.integers(4, 200))
+        reqs.append(Request(i, np.concatenate([systems[int(long)], own]), out))
+    return Workload("long-output", reqs)
+
+
+@pytest.mark.parametrize("policy", [p for p in ("prefixattn", "blendserve") if p in ALL_POLICIES])
+def test_memory_split_keeps_invariants_under_pressure(policy, tight_cost):
+    w = long_output_workload()
+    pol = make_policy(policy)
+    eng = Engine(w, tight_cost, pol, check=True)
+    res = eng.run()
+    assert_invariants(eng, res, w)
+    assert 0.0 < pol.class_shares[1] < 1.0  # both classes present: the split was in force
+    assert pol.batcher.stats["finished"] == len(w)
