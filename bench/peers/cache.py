@@ -17,7 +17,7 @@ _SINGLETON = None
 
 class _Measurements:
     """Measures lazily and once per session. :meth:`start` launches, for the selected (provider, shape) pairs, one
-    subprocess per engine (an engine import costs ~10 s), which runs while this process measures prefixattn.
+    subprocess per engine provider (an engine import costs ~10 s), which runs while this process measures prefixattn.
     ``get`` skips the calling test when the provider's engine is missing."""
 
     def __init__(self) -> None:
@@ -42,11 +42,13 @@ class _Measurements:
             python, _ = self._engine(engine)
             if python is not None and python != sys.executable:
                 todo.setdefault(engine, {}).setdefault(provider, {})[shape.to_json()] = shape
+        # One subprocess per provider, not per engine: on the 2-core machine the engines' providers then finish
+        # together with prefixattn's in-process runs instead of one engine's two providers queueing behind each
+        # other while a core idles (an extra engine import costs ~10 s of CPU; the slowest provider took ~2 min).
         for engine, by_provider in todo.items():
-            providers = sorted(by_provider)
-            shapes = list({k: v for d in by_provider.values() for k, v in d.items()}.values())
-            keys = {(p, sh.to_json()) for p in providers for sh in shapes}
-            self.workers.append((Worker(self._engine(engine)[0], providers, shapes), keys))
+            for provider, shapes in sorted(by_provider.items()):
+                keys = {(provider, key) for key in shapes}
+                self.workers.append((Worker(self._engine(engine)[0], [provider], list(shapes.values())), keys))
 
     def get(self, provider: str, shape) -> dict:
         engine = ENGINE_OF[provider]
