@@ -24,7 +24,7 @@ each replica runs the simulator's engine (policy ``prefixattn``) on its own shar
   ``split_groups`` / ``recomputed_tokens``.
 
 Default run: BlendServe Trace #1 at :data:`QUICK_REQUESTS` requests (a quarter of the 40K trace, the same source
-mix; ~2.5 minutes with case 1 on the shared 2-core machine); ``-m slow`` runs the full 40K trace (~8 minutes). Every
+mix; ~2.5 minutes with case 1 on the shared 2-core machine); ``-m slow`` runs the full 40K trace (~5 minutes). Every
 number is modeled (the simulator's cost model, A100 presets), labelled ``device=a100 (modeled)``.
 """
 
