@@ -479,11 +479,12 @@ def partition_groups(groups: Sequence[PrefixGroup], num_replicas: int, cost: Gro
         Split groups that alone exceed the fair share ``total / N`` (default). With False groups are never split and
         the makespan is at least the largest group's cost.
     split : {"spread", "fill"}
-        How a forced split is cut (scalar costs; a ``ResourceCost`` cost always cuts fine pieces, see the notes). ``spread`` (default): one piece per replica, sized to the replica's room below
-        a common level once the whole groups are placed, so every replica gets a share of the group and keeps the
-        batch's mix of compute- and memory-heavy work (BlendServe sec. 6.1: each data-parallel block keeps the
-        root's compute density). ``fill``: the fewest pieces, topping
-        the least-loaded replicas up to one level (least recomputation; a replica may get only one kind of work).
+        How a forced split is cut (scalar costs; a ``ResourceCost`` cost always cuts fine pieces, see the notes).
+        ``spread`` (default): one piece per replica, sized to the replica's room below a common level once the whole
+        groups are placed, so every replica gets a share of the group and keeps the batch's mix of compute- and
+        memory-heavy work (BlendServe sec. 6.1: each data-parallel block keeps the root's compute density).
+        ``fill``: the fewest pieces, topping the least-loaded replicas up to one level (least recomputation; a
+        replica may get only one kind of work).
     refine : bool
         Improve the LPT assignment by moves and swaps (default).
 

@@ -16,9 +16,9 @@ the engine per replica; it is monotone in the requests, which is what splitting 
 :meth:`GroupCostModel.resources` gives the same terms as a :class:`prefixattn.scheduling.partition.ResourceCost`
 for the partitioner's two-resource model: ``compute`` (prefill and decode tokens through the GEMMs), ``memory``
 (the decode attention's KV reads) and ``critical``, the serial floor of the group's longest decode (one token per
-step, every step paying at least a one-sequence step's weight read: no batch makes it shorter). Replicas balanced on the sum can
-still differ in their mix, and the simulator charges a memory-heavy replica more than its sum (long decode tails at
-small batches); pass ``model.resources`` as the cost to balance both.
+step, every step paying at least a one-sequence step's weight read: no batch makes it shorter). Replicas balanced on
+the sum can still differ in their mix, and the simulator charges a memory-heavy replica more than its sum (long
+decode tails at small batches); pass ``model.resources`` as the cost to balance both.
 """
 
 from __future__ import annotations
