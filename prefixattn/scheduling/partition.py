@@ -26,25 +26,34 @@ proxy (prefill tokens after sharing plus weighted decode tokens); :class:`prefix
 turns the simulator's per-step cost model into one (modeled seconds). Everything here is deterministic: ties go to
 the lower group index and the lower replica index.
 
-**Two resources.** One number per group cannot balance a batch that mixes compute-heavy groups (long prompts,
-short outputs) with memory-heavy ones (long outputs whose decode reads a large KV cache): two replicas with equal
-summed cost can differ by 20% in simulated time when one holds the memory-heavy groups (BlendServe Trace #1). A cost
-that returns a :class:`ResourceCost` (``compute``, ``memory`` seconds and ``critical``, the serial time of the
-group's longest request; :meth:`prefixattn.sim.group_cost.GroupCostModel.resources`) switches to the vector model:
-with fair shares ``C = sum compute / N``, ``M = sum memory / N`` and ``F = C + M`` (the fair replica time), the
-pressure of a replica is
+**Two resources and a floor.** One number per group cannot balance a batch that mixes compute-heavy groups (long
+prompts, short outputs) with memory-heavy ones (long outputs whose decode reads a large KV cache): on BlendServe
+Trace #1 two replicas with equal summed cost differ by 25% in simulated time when one holds the long-output (video)
+groups. A cost that returns a :class:`ResourceCost` (:meth:`prefixattn.sim.group_cost.GroupCostModel.resources`:
+``compute`` and ``memory`` seconds and ``critical``, the serial floor of the group's longest decode) switches to
+the vector model. A replica's modeled time is
 
-    ``max(compute_r / C, memory_r / M, (compute_r + memory_r + critical_r) / F)``
+    ``compute_r + memory_r + critical_r``
 
-(each resource against its own fair share; ``critical_r``, the serial floor of the longest decode among its
-requests, cannot be spread: that request advances one token per step whatever the batch, and once the rest of the
-replica's work is done its steps still pay the weight read each). The modeled
-makespan is ``F x`` the largest pressure, so a pressure of 1.0 everywhere is a perfect balance of both resources.
-Groups above the fair share of either resource are cut into pieces of at most :data:`PIECE_SHARE` of a fair share
-(at nested-group boundaries where possible); everything is placed greedily on the dominant resource (each item to
-the replica whose pressure it raises least, largest first), then refined by moves and swaps between any two
-replicas that lower the larger of the two pressures. Pieces of one group that end on one replica are merged back,
-so a split group recomputes its prefix at most once per replica that holds a piece of it.
+with ``critical_r`` the largest floor among its groups (not a sum): that request advances one token per step
+whatever the batch, and once the rest of the replica's work is done each of its steps still pays a weight read. The
+terms add up because the engine runs a step's operators one after the other (GEMMs compute-bound, decode attention
+memory-bound). The simulator agrees within ~5% per replica (Trace #1, N = 2 to 16), where ``max(compute, memory)``
+does not: the replica holding every video decode at N = 2 has the *smaller* max (827 s vs 1133 s) and is the slower
+one (1763 s vs 1403 s; the floor adds 294 s to it). Balancing each resource against its own fair share on top
+(``max(compute_r / C, memory_r / M, time_r / F)``) was tried and gave higher simulated makespans at N = 8 and 16
+(529 s vs 498 s, 358 s vs 345 s): a replica holding only compute-heavy work is not slower than its sum. The pressure
+of a replica is its modeled time over the fair time ``F = (sum compute + sum memory) / N``; the modeled makespan is
+``F x`` the largest pressure (above 1.0 when a floor exceeds the fair time: no assignment can do better than the
+longest decode).
+
+The two resources decide what is split: a group above the fair share of either (``compute > sum compute / N`` or
+``memory > sum memory / N``) is cut into pieces of at most :data:`PIECE_SHARE` of a fair share of each (at
+nested-group boundaries where possible), so the memory-heavy groups are spread. Everything is placed greedily
+(largest modeled time first, each item to the replica whose pressure it raises least), from two starts (see
+:func:`_assign_vector`), then refined by moves and swaps between any two replicas that lower the larger of the two
+pressures; the better result is kept. Pieces of one group that end on one replica are merged back, so a split group
+recomputes its prefix at most once per replica that holds a piece of it.
 
 Baselines: :func:`shard_requests` (round-robin, random) and :func:`sharded_saving_ratio`, the saving ratio N
 independent engines reach when each groups only its own share of the batch.
@@ -611,16 +620,13 @@ def _assign(originals: list, base_costs: np.ndarray, to_split: list, n: int, cos
 
 
 # ---------------------------------------------------------------------------------------------------- vector costs
-def _pressure(res: np.ndarray, crit: np.ndarray, fair: np.ndarray) -> np.ndarray:
+def _pressure(res: np.ndarray, crit: np.ndarray, fair: np.ndarray, with_memory: bool = True) -> np.ndarray:
     """Pressure of replicas (or candidate replicas) with resource loads ``res`` ``[..., 2]`` and critical times
-    ``crit`` ``[...]``: ``max(compute / C, memory / M, (compute + memory + critical) / (C + M))`` (module notes). A
-    resource with no load in the whole batch (fair share 0) does not count."""
+    ``crit`` ``[...]``: ``(compute + memory + critical) / (C + M)`` (module notes; 0 for an all-zero batch).
+    ``with_memory=False`` leaves memory out: only the second start of the search uses it (:func:`_assign_vector`)."""
     f_time = float(fair.sum())
-    out = (res[..., 0] + res[..., 1] + crit) / f_time if f_time > 0 else np.zeros(res.shape[:-1])
-    for k in range(2):
-        if fair[k] > 0:
-            out = np.maximum(out, res[..., k] / fair[k])
-    return out
+    time = res[..., 0] + (res[..., 1] if with_memory else 0.0) + crit
+    return time / f_time if f_time > 0 else np.zeros(res.shape[:-1])
 
 
 def _resource_costs(groups: list, cost: GroupCost, where: str = "cost") -> tuple[np.ndarray, np.ndarray]:
@@ -690,17 +696,17 @@ def _split_fine(group: PrefixGroup, cost: GroupCost, fair: np.ndarray) -> list:
     return [_restrict(group, set(ids), top=True) for ids in pieces]
 
 
-def _greedy(res: np.ndarray, crit: np.ndarray, fair: np.ndarray, n: int) -> np.ndarray:
-    """Largest item first (by its own pressure, the dominant resource) to the replica whose pressure it raises
-    least; ties to the replica with the lower pressure now, then the lower index."""
-    own = _pressure(res, crit, fair)
+def _greedy(res: np.ndarray, crit: np.ndarray, fair: np.ndarray, n: int, with_memory: bool = True) -> np.ndarray:
+    """Largest item first (by its own pressure) to the replica whose pressure it raises least; ties to the replica
+    with the lower pressure now, then the lower index."""
+    own = _pressure(res, crit, fair, with_memory)
     order = sorted(range(res.shape[0]), key=lambda i: (-own[i], i))
     loads = np.zeros((n, 2))
     rcrit = np.zeros(n)
     now = np.zeros(n)
     out = np.empty(res.shape[0], dtype=np.int64)
     for i in order:
-        new = _pressure(loads + res[i], np.maximum(rcrit, crit[i]), fair)
+        new = _pressure(loads + res[i], np.maximum(rcrit, crit[i]), fair, with_memory)
         r = min(range(n), key=lambda b: (new[b], now[b], b))
         out[i] = r
         loads[r] += res[i]
@@ -800,9 +806,23 @@ def _assign_vector(originals: list, res0: np.ndarray, crit0: np.ndarray, fair: n
     else:
         res, crit = np.asarray(res, dtype=np.float64).reshape(-1, 2), np.asarray(crit, dtype=np.float64)
     source = np.asarray(source, dtype=np.int64)
-    rep = _greedy(res, crit, fair, n)
-    if refine and n > 1:
-        rep = _refine_vector(res, crit, fair, rep, n)
+    # Two starts, the better kept: the greedy on the pressure itself, and one that leaves memory out of it. Pairwise
+    # steps cannot leave a plateau where every replica sits at the same pressure: when many replicas hold a long
+    # decode each, the first start may spread the decodes one per replica and even the rest out around them, while
+    # the second stacks decodes of similar length (a replica's floor is its longest one only) and fills the others.
+    best_rep, best_key = None, None
+    for with_memory in ((True, False) if n > 1 else (True,)):
+        rep = _greedy(res, crit, fair, n, with_memory)
+        if refine and n > 1:
+            rep = _refine_vector(res, crit, fair, rep, n)
+        loads = np.zeros((n, 2))
+        np.add.at(loads, rep, res)
+        rcrit = np.zeros(n)
+        np.maximum.at(rcrit, rep, crit)
+        key = tuple(np.sort(_pressure(loads, rcrit, fair))[::-1].tolist())
+        if best_key is None or key < best_key:
+            best_rep, best_key = rep, key
+    rep = best_rep
     work, source, rep, _ = _merge_pieces(work, source, rep, originals, None)
     order = sorted(range(len(work)), key=lambda i: (int(source[i]), min(work[i].request_ids)))
     work = [work[i] for i in order]

@@ -8,7 +8,8 @@ Example::
 The partitioner (:mod:`prefixattn.scheduling.partition`) is numpy-only. This command is glue, like
 ``prefixattn simulate``: it reads prompts with the simulator's JSONL loader / seed workloads and, with ``--cost sim``
 (the default), prices groups with the simulator's cost model (:class:`prefixattn.sim.group_cost.GroupCostModel`) on
-two resources (compute, memory, plus the serial floor of long decodes); ``--cost sim-scalar`` balances their sum.
+two resources (compute, memory, plus the serial floor of long decodes: the modeled replica time is their sum, the
+largest floor only); ``--cost sim-scalar`` balances compute + memory without the floor.
 Both are imported inside :func:`run` only, so importing this module (or the scheduling package) never pulls in the
 simulator.
 """
@@ -27,8 +28,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--replicas", type=int, required=True, help="number of engine replicas N")
     parser.add_argument("--levels", type=int, default=1, help="group nesting depth for group_prompts (default 1)")
     parser.add_argument("--cost", choices=["sim", "sim-scalar", "tokens"], default="sim",
-                        help="group cost: the simulator's cost model on two resources (compute and memory seconds, "
-                             "default), its sum as one number, or prefill + decode tokens")
+                        help="group cost: the simulator's cost model on two resources (compute and memory seconds "
+                             "plus the serial floor of long decodes, default), compute + memory as one number, or "
+                             "prefill + decode tokens")
     parser.add_argument("--model", default=None, help="model preset for --cost sim (default: the workload's paper "
                                                       "setting, else mistral-7b)")
     parser.add_argument("--gpu", default=None, help="hardware preset for --cost sim (default: a100)")
@@ -121,8 +123,8 @@ def format_summary(s: dict) -> str:
                      + f"{r['pressure']:>9.4f}")
     lines += ["",
               f"load balance: makespan / (total cost / N) = {s['balance']:.4f}"
-              + (" (pressure: the most loaded resource against its fair share, or compute + memory + serial "
-                 "floor against the fair time)" if "compute" in s["replicas"][0] else ""),
+              + (" (pressure: modeled replica time, compute + memory + the longest decode's serial floor, over "
+                 "the fair time)" if "compute" in s["replicas"][0] else ""),
               f"split groups: {len(s['split_groups'])} (above the fair share), recomputed prompt tokens: "
               f"{s['recomputed_tokens']}",
               f"saving ratio (BatchLLM Eq. 2): single replica {s['saving']['single replica']:.4f}, optimal "

@@ -17,8 +17,9 @@ the engine per replica; it is monotone in the requests, which is what splitting 
 for the partitioner's two-resource model: ``compute`` (prefill and decode tokens through the GEMMs), ``memory``
 (the decode attention's KV reads) and ``critical``, the serial floor of the group's longest decode (one token per
 step, every step paying at least a one-sequence step's weight read: no batch makes it shorter). Replicas balanced on
-the sum can still differ in their mix, and the simulator charges a memory-heavy replica more than its sum (long
-decode tails at small batches); pass ``model.resources`` as the cost to balance both.
+the sum alone can still differ by 25% in simulated time: the one holding the long decodes pays their floor on top
+(long decode tails at small batches). Pass ``model.resources`` as the cost: the partitioner then balances
+``compute + memory + the largest floor`` per replica and spreads the groups above a fair share of either resource.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""partition_groups with a two-resource cost (ResourceCost): both resources balanced, forced splits only, the serial
-floor of long decodes respected, deterministic; GroupCostModel.resources."""
+"""partition_groups with a two-resource cost (ResourceCost): modeled replica times (compute + memory + serial floor)
+balanced, splits only of groups over a fair share, the floor of long decodes respected, deterministic;
+GroupCostModel.resources."""
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ _KV_PRICE = 1e-3
 _STEP_PRICE = 0.5
 
 
-def toy_cost(output_lens, critical=True, kv_price=_KV_PRICE):
+def toy_cost(output_lens, critical=True, kv_price=_KV_PRICE, step_price=_STEP_PRICE):
     """compute = tokens through the GEMMs, memory = KV token reads of the decodes, critical = longest decode."""
     outs = np.asarray(output_lens, dtype=np.float64)
 
@@ -22,12 +23,12 @@ def toy_cost(output_lens, critical=True, kv_price=_KV_PRICE):
         p = np.asarray(g.prompt_lens, dtype=np.float64)
         return ResourceCost(compute=float(g.processed_tokens + d.sum()),
                             memory=float((p * d + d * d / 2).sum()) * kv_price,
-                            critical=float(d.max()) * _STEP_PRICE if critical else 0.0)
+                            critical=float(d.max()) * step_price if critical else 0.0)
 
     return cost
 
 
-def _mixed_batch(seed=0, docs=60, long_groups=24):
+def _mixed_batch(seed=0, docs=60, long_groups=24, long_size=(2, 5)):
     """Compute-heavy groups (long shared documents, short outputs) and memory-heavy ones (short prompts, long
     outputs), shuffled: BlendServe's mix in miniature."""
     rng = np.random.default_rng(seed)
@@ -39,50 +40,70 @@ def _mixed_batch(seed=0, docs=60, long_groups=24):
             outs.append(int(rng.integers(2, 20)))
     for _ in range(long_groups):
         head = rng.integers(0, 30000, 16).tolist()
-        for _ in range(int(rng.integers(2, 5))):
+        for _ in range(int(rng.integers(*long_size))):
             prompts.append(head + rng.integers(0, 30000, int(rng.integers(50, 150))).tolist())
             outs.append(int(rng.integers(700, 2000)))
     order = rng.permutation(len(prompts))
     return [prompts[i] for i in order], [outs[i] for i in order]
 
 
-def _per_replica(p, cost, n):
-    loads = np.zeros((n, 2))
-    for g, r in zip(p.groups, p.replicas.tolist()):
-        c = cost(g)
-        loads[r] += (c.compute, c.memory)
-    return loads
-
-
 def _check_cover(p, num_requests):
     assert sorted(r for g in p.groups for r in g.request_ids) == list(range(num_requests))
 
 
+def _modeled_times(p, cost, n):
+    """Compute + memory + the largest floor per replica, from the cost itself."""
+    times = np.zeros(n)
+    floors = np.zeros(n)
+    for g, r in zip(p.groups, p.replicas.tolist()):
+        c = cost(g)
+        times[r] += c.compute + c.memory
+        floors[r] = max(floors[r], c.critical)
+    return times + floors
+
+
 @pytest.mark.parametrize("num_replicas", [2, 3, 4])
-def test_both_resources_balanced(num_replicas):
+def test_modeled_times_balanced(num_replicas):
     prompts, outs = _mixed_batch(seed=num_replicas)
     groups = group_prompts(prompts)
-    cost = toy_cost(outs, critical=False)
+    cost = toy_cost(outs)
     mix = np.array([cost(g).memory / cost(g).compute for g in groups])
     assert mix.max() / mix.min() > 20  # precondition: compute-heavy and memory-heavy groups
-    vec = partition_groups(groups, num_replicas, cost)
-    _check_cover(vec, len(prompts))
-    fair = np.array([sum(cost(g)[k] for g in groups) for k in range(2)]) / num_replicas
-    share = _per_replica(vec, cost, num_replicas) / fair
-    # every replica near its fair share of both resources
-    assert share.max() <= 1.08
-    assert vec.balance == pytest.approx(vec.pressure.max()) and vec.balance <= 1.08
-    assert vec.resource_loads / fair == pytest.approx(share)
+    p = partition_groups(groups, num_replicas, cost)
+    _check_cover(p, len(prompts))
+    fair_time = sum(cost(g).compute + cost(g).memory for g in groups) / num_replicas
+    times = _modeled_times(p, cost, num_replicas)
+    assert p.pressure == pytest.approx(times / fair_time)
+    assert p.makespan == pytest.approx(times.max()) and p.balance == pytest.approx(times.max() / fair_time)
+    assert p.balance <= 1.05
+    assert p.resource_loads.sum(axis=0) == pytest.approx(
+        [sum(cost(g)[k] for g in p.groups) for k in range(2)])
+
+
+def test_the_floor_changes_the_assignment_for_the_better():
+    # balanced on compute + memory alone, the replicas holding the long decodes also get their share of the rest;
+    # with the floor, the modeled makespan (floor included) is lower
+    prompts, outs = _mixed_batch(seed=8, docs=30, long_groups=6, long_size=(1, 2))
+    groups = group_prompts(prompts)
+    cost = toy_cost(outs, step_price=4.0)
+    fair_time = sum(cost(g).compute + cost(g).memory for g in groups) / 4
+    assert max(cost(g).critical for g in groups) > fair_time / 3  # precondition: floors that matter
+    n = 4
+    with_floor = partition_groups(groups, n, cost)
+    scalar = partition_groups(groups, n, lambda g: cost(g).compute + cost(g).memory)
+    assert _modeled_times(scalar, cost, n).max() > 1.02 * with_floor.makespan
 
 
 def test_only_groups_over_a_fair_share_are_split_and_the_prefix_is_counted():
-    prompts, outs = _mixed_batch(seed=5, long_groups=1)
+    # one memory-heavy group: many long decodes behind a short shared prefix, more than a replica's fair time
+    prompts, outs = _mixed_batch(seed=5, long_groups=1, long_size=(14, 15))
     groups = group_prompts(prompts)
     cost = toy_cost(outs, critical=False)
     n = 3
     fair = np.array([sum(cost(g)[k] for g in groups) for k in range(2)]) / n
     over = [i for i, g in enumerate(groups) if cost(g).memory > fair[1] or cost(g).compute > fair[0]]
-    assert len(over) == 1  # the one memory-heavy group holds more than a replica's share of the KV reads
+    big = cost(groups[over[0]])
+    assert len(over) == 1 and big.memory > fair[1] and big.compute + big.memory > fair.sum()  # precondition
     p = partition_groups(groups, n, cost)
     _check_cover(p, len(prompts))
     assert p.split == over
@@ -91,13 +112,14 @@ def test_only_groups_over_a_fair_share_are_split_and_the_prefix_is_counted():
         if i not in over:
             assert len(set(reps[g.request_ids].tolist())) == 1, "a group was split without being forced"
     holders = {int(r) for r, s in zip(p.replicas, p.source) if s == over[0]}
-    assert len(holders) >= 2
+    assert len(holders) == n
     # one piece per holding replica (pieces on one replica merged), each recomputing the shared prefix once
     assert sum(1 for s in p.source if s == over[0]) == len(holders)
     assert p.recomputed_tokens == (len(holders) - 1) * groups[over[0]].prefix_len
     # the saving lost is exactly the recomputation
     single = saving_ratio(prompts, groups)
     assert p.saving_ratio() == pytest.approx(single - p.recomputed_tokens / sum(map(len, prompts)), abs=1e-12)
+    assert p.balance <= 1.05
 
 
 def test_no_split_when_disallowed_or_single_replica():
