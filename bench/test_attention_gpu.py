@@ -24,8 +24,8 @@ from shapes import build_batch, fig8_shapes, flashinfer_cascade_grid
 
 _ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
 pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not _ON_GPU, reason="needs a CUDA/ROCm GPU and compiled Triton: run "
-                                                     "`prefixattn bench --gpu` (or PREFIXATTN_BENCH_GPU=1 pytest bench/)")]
+              pytest.mark.skipif(not _ON_GPU, reason="needs a CUDA/ROCm GPU and compiled Triton: run `prefixattn "
+                                                     "bench --gpu` (or PREFIXATTN_BENCH_GPU=1 pytest bench/)")]
 
 BENCHMARK = "attention_gpu_time"
 #: The interpreter suite's providers (same adapters, same engines), then the CUDA-only ones.
