@@ -166,8 +166,8 @@ def _plan_section(rows) -> list[str]:
     """Full-size Fig. 8 plans (host only): the KV bytes prefixattn's work items will read over the unique bound.
 
     The traffic rows come from scaled batches whose decode rows fit one query tile; at full size a shared node with
-    more rows than a tile is read once per row tile, which only this table shows (planned bytes equal measured bytes:
-    test_attention_traffic asserts it on every scaled batch)."""
+    more rows than a tile is read once per row tile, and prefill chunks span many tiles, which only this table
+    shows (planned bytes equal measured bytes: test_attention_traffic asserts it on every scaled batch)."""
     table: dict = defaultdict(dict)
     for r in rows:
         if r["benchmark"] == PLAN:
@@ -177,8 +177,9 @@ def _plan_section(rows) -> list[str]:
         return []
     lines = ["## prefixattn at full size: planned KV bytes (plan() only, host; the kernel is not run)", "",
              "Planned KV bytes / unique KV bytes of the full-size batch (the bytes the work items load; equal to the "
-             "measured bytes on every scaled batch above). Row tiles: a shared prefix whose query rows "
-             "(requests x query heads per KV head) exceed one tile is read once per tile.", "",
+             "measured bytes on every scaled batch above). Query tiles: a shared prefix whose query rows "
+             "(requests x query heads per KV head) exceed one tile is read once per tile, and a prefill chunk's KV "
+             "once per tile of its rows, so on mixed batches no tiled kernel reaches the bound.", "",
              "| shape | prefixattn planned / unique | work items | shared nodes | plan time (us, median) "
              "| sharing=never planned / unique |", "|---|---|---|---|---|---|"]
     for shape in shapes:
