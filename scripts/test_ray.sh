@@ -22,7 +22,7 @@ if ! "$VENV/bin/python" -c "import ray.data" 2>/dev/null; then
 fi
 "$VENV/bin/python" -m pip install -q -e ".[test,ray]"
 status=0
-"$VENV/bin/python" -m pytest tests/ -m ray "$@" || status=$?
+"$VENV/bin/python" -m pytest tests/ -m "ray and not vllm" "$@" || status=$?
 
 if [ -x "$VLLM_VENV/bin/python" ] && "$VLLM_VENV/bin/python" -c "import vllm" 2>/dev/null; then
   "$VLLM_VENV/bin/python" -m pip install -q -e ".[test,ray]"
