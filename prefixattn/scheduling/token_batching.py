@@ -249,8 +249,8 @@ class TokenBatcher:
         self._next_group = 0
         self._decoding: dict[int, None] = {}  # slots in decode, insertion ordered
         self._prefilling: dict[int, None] = {}  # slots with a partial prefill
-        self._ready: list[list[tuple[int, int]]] = [[] for _ in range(k)]  # per class, heap (rank, slot): chain
-        # complete, not started
+        # per memory class, a heap (rank, slot): chain complete, not started
+        self._ready: list[list[tuple[int, int]]] = [[] for _ in range(k)]
         self._ready_nodes: list[tuple[int, int]] = []  # heap (rank, node): parent complete, not started
         self._partial_nodes: dict[int, None] = {}
         self._active_nodes: dict[int, None] = {}  # started prefix levels (holding or computing KV)
@@ -430,8 +430,7 @@ class TokenBatcher:
             return
         new = max(cap * 2, self._n + need)
         for name in ("_rid", "_node", "_base", "_own", "_target", "_computed", "_generated", "_est_out", "_cls",
-                     "_rank",
-                     "_last", "_state"):
+                     "_rank", "_last", "_state"):
             old = getattr(self, name)
             arr = np.full(new, -1 if name == "_node" else 0, dtype=old.dtype)
             arr[:cap] = old
@@ -882,6 +881,7 @@ class TokenBatcher:
         if bound <= cap:
             return True
         return _projected_peak_blocks(cur, rem, self.block_size) <= cap
+
     def _chain(self, v: int) -> list[int]:
         out = []
         while v >= 0:

@@ -37,7 +37,8 @@ prompt_batches = st.lists(
 
 class BatcherMachine(RuleBasedStateMachine):
     @initialize(token_budget=st.integers(1, 24), kv_blocks=st.integers(2, 24), block_size=st.sampled_from([1, 2, 4]),
-                estimate=st.sampled_from([None, 0, 3]), shares=st.sampled_from([None, (0.5, 0.5), (0.8, 0.2), (1.0, 0.0)]))
+                estimate=st.sampled_from([None, 0, 3]),
+                shares=st.sampled_from([None, (0.5, 0.5), (0.8, 0.2), (1.0, 0.0)]))
     def setup(self, token_budget, kv_blocks, block_size, estimate, shares):
         kw = dict(token_budget=token_budget, kv_blocks=kv_blocks, block_size=block_size, output_lens=estimate)
         if shares is not None:
