@@ -41,7 +41,7 @@ _K_AND_V = 2
 _FP32_BYTES = 4
 #: prefixattn.plan's accounting of partial states: each written once and read once by the merge ...
 _STATE_PASSES = 2
-#: ... and two states charged per row (an upper bound that keeps marginal nodes unshared), as plan.py does.
+#: ... and two states charged per row (an upper bound that keeps marginal nodes unshared), as planner.py does.
 _STATES_CHARGED_PER_ROW = 2
 #: GEMM tile shapes considered, as multiples of (gemm_tile_m, gemm_tile_n): the square base tile, its two
 #: rectangular doublings and a half-height tile, the usual CUTLASS/cuBLAS candidates for bf16.
@@ -275,7 +275,7 @@ class CostModel:
 
     # ------------------------------------------------------------------ attention
     def sharing_pays_off(self, num_requests, num_rows, kv_tokens) -> bool:
-        """The fused kernel's cost rule (:func:`prefixattn.plan.sharing_pays_off`, restated for the simulator,
+        """The fused kernel's cost rule (:func:`prefixattn.planner.sharing_pays_off`, restated for the simulator,
         which may not import torch): share a node when the KV bytes it saves beat the partial-state bytes it adds.
         A test checks the two agree."""
         m = self.model
