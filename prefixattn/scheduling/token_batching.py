@@ -21,8 +21,10 @@ alone is rejected when added; one whose output outgrows the whole budget is stop
 Memory classes (optional; BlendServe's dual scanner, sec. 3.4: ``M_L + M_R = M``): each request has a class (e.g.
 compute-intensive 0, memory-intensive 1) and each class a share of the KV blocks. While requests of another class
 wait to start, a request starts only if its class's *projected peak* (the started requests of the class plus this
-one, each growing by one token per step until the output it reserves is done, then freeing its blocks) stays within
-the class's share; the first request of a class always may start. Each class keeps its own admission order, so a
+one, each growing by one token per step until its estimated output is done, then freeing its blocks) stays within
+the class's share; the first request of a class always may start. With a reservation clip the projection is a
+rolling horizon: each request grows for at most ``clip`` more steps from now, so a long output that has used up its
+clipped reservation still counts as growing, not as about to end. Each class keeps its own admission order, so a
 class at its share does not hold back the others: long-output requests cannot fill the pool and leave the steps a
 few dozen decode tokens wide, and compute-heavy prefills keep running beside them.
 
@@ -169,6 +171,10 @@ class TokenBatcher:
     max_output_len : int, optional
         Hard cap on output tokens per request; requests whose prompt plus this cap cannot fit are rejected when
         added (otherwise prompt plus one token must fit).
+    reservation_clip : int, optional
+        Cap on each request's output estimate *as a memory reservation* (SGLang's clip: a few very long outputs
+        cannot reserve the whole pool); the memory-class projections look at most this many steps ahead of the
+        current step (a rolling horizon over the full estimates).
     memory_classes : array-like of int, optional
         Class of each request id (``0 .. K-1``; ids beyond the array are class 0); needs ``class_shares``. The class
         projections use ``output_lens`` (without them, current holdings only).
@@ -192,7 +198,8 @@ class TokenBatcher:
     """
 
     def __init__(self, *, token_budget: int, kv_blocks: int, block_size: int = 16, output_lens=None,
-                 max_output_len: int | None = None, memory_classes=None, class_shares=None) -> None:
+                 max_output_len: int | None = None, reservation_clip: int | None = None, memory_classes=None,
+                 class_shares=None) -> None:
         self.token_budget = _check_int("token_budget", token_budget, 1, MAX_TOKEN_BUDGET)
         self.kv_blocks = _check_int("kv_blocks", kv_blocks, 1, MAX_KV_BLOCKS)
         self.block_size = _check_int("block_size", block_size, 1, MAX_BLOCK_SIZE)
@@ -210,6 +217,8 @@ class TokenBatcher:
             if est.ndim != 1 or not np.isfinite(est).all() or (est < 0).any():
                 raise ValueError("output_lens: expected a 1-D array of finite lengths >= 0 (one per request id)")
             self._est = est
+        self.reservation_clip = None if reservation_clip is None else \
+            _check_int("reservation_clip", reservation_clip, 1, 1 << 40)
         self._classes, self._shares = self._check_classes(memory_classes, class_shares)
         k = 1 if self._shares is None else self._shares.shape[0]
         self._class_waiting = np.zeros(k, np.int64)  # requests of each class not started (waiting or preempted)
@@ -225,7 +234,8 @@ class TokenBatcher:
         self._target = np.zeros(cap, np.int64)  # own tokens to prefill now (own, or more when recomputing)
         self._computed = np.zeros(cap, np.int64)  # own tokens whose KV is held
         self._generated = np.zeros(cap, np.int64)
-        self._est_out = np.zeros(cap, np.int64)
+        self._est_out = np.zeros(cap, np.int64)  # output tokens reserved (the estimate, clipped)
+        self._est_full = np.zeros(cap, np.int64)  # the estimate, unclipped (class projections)
         self._cls = np.zeros(cap, np.int64)  # memory class
         self._rank = np.zeros(cap, np.int64)
         self._last = np.zeros(cap, np.int64)  # last step the request computed anything
@@ -429,8 +439,8 @@ class TokenBatcher:
         if self._n + need <= cap:
             return
         new = max(cap * 2, self._n + need)
-        for name in ("_rid", "_node", "_base", "_own", "_target", "_computed", "_generated", "_est_out", "_cls",
-                     "_rank", "_last", "_state"):
+        for name in ("_rid", "_node", "_base", "_own", "_target", "_computed", "_generated", "_est_out", "_est_full",
+                     "_cls", "_rank", "_last", "_state"):
             old = getattr(self, name)
             arr = np.full(new, -1 if name == "_node" else 0, dtype=old.dtype)
             arr[:cap] = old
@@ -494,7 +504,9 @@ class TokenBatcher:
                 if self._est is not None:
                     est = self._est if isinstance(self._est, float) else \
                         (self._est[r] if r < self._est.shape[0] else 0.0)
-                    self._est_out[s] = int(np.ceil(est))
+                    self._est_full[s] = int(np.ceil(est))
+                    self._est_out[s] = self._est_full[s] if self.reservation_clip is None else \
+                        min(self._est_full[s], self.reservation_clip)
                 if self._classes is not None and r < self._classes.shape[0]:
                     self._cls[s] = self._classes[r]
                 self._class_waiting[self._cls[s]] += 1
@@ -876,7 +888,11 @@ class TokenBatcher:
         cap = self._shares[c] * self.kv_blocks
         idx = np.array([*started, s], dtype=np.int64)
         cur = np.maximum(self._computed[idx], self._target[idx])  # a partial prefill counts as complete
-        rem = np.maximum(np.maximum(self._est_out[idx] - self._generated[idx], 0), 1)
+        # a rolling horizon: a long output past its clipped reservation still grows for up to `clip` more steps
+        rem = self._est_full[idx] - self._generated[idx]
+        if self.reservation_clip is not None:
+            rem = np.minimum(rem, self.reservation_clip)
+        rem = np.maximum(rem, 1)
         bound = ((cur + rem - 1) // self.block_size + 1).sum()  # everyone at its end at once: an upper bound
         if bound <= cap:
             return True

@@ -86,6 +86,45 @@ def test_classes_keep_their_own_admission_order():
     assert first == [0, 3]
 
 
+
+def test_clipped_reservation_projects_a_rolling_horizon():
+    """A long output past its clipped reservation still counts as growing (for up to ``clip`` more steps), not as
+    about to end: the class does not start a second long request on the strength of the first's clipped estimate."""
+    clip, long_out, num_short = 8, 60, 300
+    # request 0: long, prompt 4; request 1: long, prompt 10; then short requests (class 0) that keep waiting
+    groups = [PrefixGroup(0, [0], [4]), PrefixGroup(0, [1], [10])] + \
+        [PrefixGroup(0, [i], [4]) for i in range(2, 2 + num_short)]
+    outputs = {0: long_out, 1: long_out, **{i: 4 for i in range(2, 2 + num_short)}}
+    est = np.array([outputs[i] for i in range(len(outputs))], dtype=float)
+    classes = np.array([1, 1] + [0] * num_short)
+    # class 1's share: 25 tokens (block size 1). Both long requests growing `clip` steps need 11 + 17 = 28 > 25:
+    # request 1 waits at step 0. A projection that ends request 0 at its clipped estimate admits request 1 a step
+    # later (5 + 5 + 10 + 5 = 25 tokens at the peak); the rolling horizon keeps request 0 growing and does not.
+    b = TokenBatcher(token_budget=16, kv_blocks=250, block_size=1, output_lens=est, reservation_clip=clip,
+                     memory_classes=classes, class_shares=[0.9, 0.1])
+    per_step = _drive(b, groups, outputs)
+    shorts = set(range(2, 2 + num_short))
+    both = [i for i, (started, waiting) in enumerate(per_step) if {0, 1} <= started and waiting & shorts]
+    assert 0 in per_step[0][0] and 1 not in per_step[0][0]
+    assert len([1 for started, waiting in per_step if 0 in started and waiting & shorts]) > 2 * clip  # non-vacuous
+    assert both == []
+    assert b.stats["finished"] == len(outputs)
+
+
+def test_reservation_clip_caps_reservations_only():
+    """The clip limits what a request reserves (more requests start than full estimates allow), as the policy's
+    reservations before it; requests whose estimate is within the clip are unaffected."""
+    groups = [PrefixGroup(0, [i], [4]) for i in range(6)]
+    full = TokenBatcher(token_budget=64, kv_blocks=40, block_size=4, output_lens=60.0)
+    clipped = TokenBatcher(token_budget=64, kv_blocks=40, block_size=4, output_lens=60.0, reservation_clip=8)
+    for b in (full, clipped):
+        b.add_groups(groups)
+    # full: 4 + 60 tokens = 16 blocks each, two fit in 40; clipped: 4 + 8 = 3 blocks each, all six
+    assert len(full.step().request_ids) == 2
+    assert len(clipped.step().request_ids) == 6
+    with pytest.raises(ValueError, match=r"reservation_clip: expected an int in \[1, "):
+        TokenBatcher(token_budget=8, kv_blocks=8, reservation_clip=0)
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 50), st.integers(1, 40)), min_size=1, max_size=12),
        st.sampled_from([1, 4, 16]))

@@ -50,7 +50,8 @@ class ScheduledPolicy(Policy):
     clip_constant : str, optional
         Calibration-table name of a cap on each request's output estimate *as a memory reservation* (ordering still
         sees the full estimate), SGLang's reservation clip: a few very long outputs then cannot reserve the whole
-        KV pool.
+        KV pool (:class:`TokenBatcher`'s ``reservation_clip``; its memory-class projection then looks that many
+        steps ahead of now).
     memory_split : bool
         Split the KV memory between compute- and memory-intensive requests (BlendServe's dual-scanner partition,
         :func:`prefixattn.scheduling.blendserve.memory_classes`, enforced by the :class:`TokenBatcher`); needs
@@ -111,16 +112,15 @@ class ScheduledPolicy(Policy):
             est = estimate_output_lens(groups, ids, [w.requests[i].output_len for i in ids])
         options = dict(cost_model=self._density_model(engine.cost)) if self.ordering == "blendserve" else {}
         ordered = order_groups(groups, self.ordering, output_lens=est, **options)
-        reserve = est
-        if est is not None and self.clip_constant:
-            reserve = np.minimum(est, getattr(engine.calib, self.clip_constant))
+        clip = int(getattr(engine.calib, self.clip_constant)) if est is not None and self.clip_constant else None
         classes = shares = None
         if self.memory_split:
             classes, shares = memory_classes(groups, est, self._density_model(engine.cost))
             self.class_shares = shares.tolist()
         self.batcher = TokenBatcher(token_budget=self.token_budget,
                                     kv_blocks=int(engine.pool.num_blocks * self.threshold), block_size=bs,
-                                    output_lens=reserve, memory_classes=classes, class_shares=shares)
+                                    output_lens=est, reservation_clip=clip, memory_classes=classes,
+                                    class_shares=shares)
         self.batcher.add_groups(ordered)
         # prefix levels per request: (key, start, end), outermost first, as the batcher builds its nodes
         self.paths: dict = {}
