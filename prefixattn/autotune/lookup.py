@@ -289,9 +289,32 @@ def _warn_unknown_device() -> None:
                       "(see prefixattn/autotune/targets.py to add its target)", stacklevel=4)
 
 
+def _target_stack() -> list:
+    if not hasattr(_state, "targets"):
+        _state.targets = []
+    return _state.targets
+
+
+@contextlib.contextmanager
+def planning_target(target):
+    """Context manager: selections with ``target="auto"`` inside (every ``plan()``) use ``target``, a target name
+    or :class:`Target`, instead of the device found here; nests, per thread.
+
+    For planning on a host without that GPU: the full-size benchmark reports the work lists an H100 would run
+    (``planning_target("sm90")``), where on a CPU host ``"auto"`` finds no device and uses the heuristic.
+    """
+    stack = _target_stack()
+    stack.append(_resolve_target(target))
+    try:
+        yield stack[-1]
+    finally:
+        stack.pop()
+
+
 def _resolve_target(target) -> Target | None:
     if target == "auto":
-        return _detect()
+        stack = _target_stack()
+        return stack[-1] if stack else _detect()
     if target is None or isinstance(target, Target):
         return target
     return get_target(target)

@@ -44,6 +44,19 @@ def test_auto_target_without_gpu_is_heuristic(monkeypatch):
     assert lookup.select_config(**SHAPE).source == "heuristic"
 
 
+def test_planning_target_replaces_the_detected_device_inside_the_context(monkeypatch):
+    monkeypatch.setattr(lookup, "detect_target", lambda: None)
+    with lookup.planning_target("sm90") as target:
+        assert target is TARGETS["sm90"]
+        inner = lookup.select_config(**SHAPE)
+        with lookup.planning_target("gfx942"):
+            assert lookup.select_config(**SHAPE).target == "gfx942"
+        assert lookup.select_config(**SHAPE).target == "sm90"
+        assert lookup.select_config(**SHAPE, target=None).source == "heuristic"  # an explicit target still wins
+    assert (inner.source, inner.target) == ("shipped", "sm90")
+    assert lookup.select_config(**SHAPE).source == "heuristic"
+
+
 def test_unknown_gpu_warns_once_and_falls_back_to_heuristic(monkeypatch):
     torch = pytest.importorskip("torch")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
