@@ -18,6 +18,25 @@ def _weight(s, m):
 
 
 @triton.jit
+def _head_tile(num_heads, head_dim, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    # Program (token, head tile): the head and dim offsets with their masks.
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_h = offs_h < num_heads
+    mask_hd = mask_h[:, None] & (offs_d[None, :] < head_dim)
+    return offs_h, offs_d, mask_h, mask_hd
+
+
+@triton.jit
+def _load_state(v_ptr, s_ptr, offs_h, offs_d, mask_h, mask_hd, stride_v_h, stride_v_d, stride_s_h):
+    # One state of one token (pointers already at it), upcast to fp32; masked heads load as empty states.
+    s = tl.load(s_ptr + offs_h * stride_s_h, mask=mask_h, other=float("-inf")).to(tl.float32)
+    v = tl.load(v_ptr + offs_h[:, None] * stride_v_h + offs_d[None, :] * stride_v_d, mask=mask_hd,
+                other=0.0).to(tl.float32)
+    return v, s
+
+
+@triton.jit
 def _store_merged(v_out_ptr, s_out_ptr, acc, w_sum, m, offs_h, offs_d, mask_h, mask_hd,
                   stride_vo_h, stride_vo_d, stride_so_h):
     nonempty = w_sum > 0.0
@@ -46,27 +65,26 @@ def merge_states_kernel(
 ):
     """n-way merge; one program per (token, head tile), one online pass over the states."""
     token = tl.program_id(0).to(tl.int64)
-    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_h = offs_h < num_heads
-    mask_hd = mask_h[:, None] & (offs_d[None, :] < head_dim)
+    offs_h, offs_d, mask_h, mask_hd = _head_tile(num_heads=num_heads, head_dim=head_dim, BLOCK_H=BLOCK_H,
+                                                 BLOCK_D=BLOCK_D)
 
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     w_sum = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     for n in range(num_states):
-        s = tl.load(s_ptr + token * stride_s_t + n * stride_s_n + offs_h * stride_s_h, mask=mask_h,
-                    other=float("-inf")).to(tl.float32)
-        v = tl.load(v_ptr + token * stride_v_t + n * stride_v_n + offs_h[:, None] * stride_v_h
-                    + offs_d[None, :] * stride_v_d, mask=mask_hd, other=0.0).to(tl.float32)
+        v, s = _load_state(v_ptr=v_ptr + token * stride_v_t + n * stride_v_n,
+                           s_ptr=s_ptr + token * stride_s_t + n * stride_s_n, offs_h=offs_h, offs_d=offs_d,
+                           mask_h=mask_h, mask_hd=mask_hd, stride_v_h=stride_v_h, stride_v_d=stride_v_d,
+                           stride_s_h=stride_s_h)
         m_new = tl.maximum(m, s)
         rescale = _weight(m, m_new)
         w = _weight(s, m_new)
         acc = acc * rescale[:, None] + w[:, None] * v
         w_sum = w_sum * rescale + w
         m = m_new
-    _store_merged(v_out_ptr + token * stride_vo_t, s_out_ptr + token * stride_so_t, acc, w_sum, m,
-                  offs_h, offs_d, mask_h, mask_hd, stride_vo_h, stride_vo_d, stride_so_h)
+    _store_merged(v_out_ptr=v_out_ptr + token * stride_vo_t, s_out_ptr=s_out_ptr + token * stride_so_t, acc=acc,
+                  w_sum=w_sum, m=m, offs_h=offs_h, offs_d=offs_d, mask_h=mask_h, mask_hd=mask_hd,
+                  stride_vo_h=stride_vo_h, stride_vo_d=stride_vo_d, stride_so_h=stride_so_h)
 
 
 @triton.jit
@@ -90,22 +108,19 @@ def merge_state_pair_kernel(
 ):
     """Two-way merge (the cascade/split-k epilogue); one program per (token, head tile)."""
     token = tl.program_id(0).to(tl.int64)
-    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_h = offs_h < num_heads
-    mask_hd = mask_h[:, None] & (offs_d[None, :] < head_dim)
+    offs_h, offs_d, mask_h, mask_hd = _head_tile(num_heads=num_heads, head_dim=head_dim, BLOCK_H=BLOCK_H,
+                                                 BLOCK_D=BLOCK_D)
 
-    s_a = tl.load(s_a_ptr + token * stride_sa_t + offs_h * stride_sa_h, mask=mask_h, other=float("-inf"))
-    s_b = tl.load(s_b_ptr + token * stride_sb_t + offs_h * stride_sb_h, mask=mask_h, other=float("-inf"))
-    v_a = tl.load(v_a_ptr + token * stride_va_t + offs_h[:, None] * stride_va_h + offs_d[None, :] * stride_va_d,
-                  mask=mask_hd, other=0.0).to(tl.float32)
-    v_b = tl.load(v_b_ptr + token * stride_vb_t + offs_h[:, None] * stride_vb_h + offs_d[None, :] * stride_vb_d,
-                  mask=mask_hd, other=0.0).to(tl.float32)
-    s_a = s_a.to(tl.float32)
-    s_b = s_b.to(tl.float32)
+    v_a, s_a = _load_state(v_ptr=v_a_ptr + token * stride_va_t, s_ptr=s_a_ptr + token * stride_sa_t, offs_h=offs_h,
+                           offs_d=offs_d, mask_h=mask_h, mask_hd=mask_hd, stride_v_h=stride_va_h,
+                           stride_v_d=stride_va_d, stride_s_h=stride_sa_h)
+    v_b, s_b = _load_state(v_ptr=v_b_ptr + token * stride_vb_t, s_ptr=s_b_ptr + token * stride_sb_t, offs_h=offs_h,
+                           offs_d=offs_d, mask_h=mask_h, mask_hd=mask_hd, stride_v_h=stride_vb_h,
+                           stride_v_d=stride_vb_d, stride_s_h=stride_sb_h)
     m = tl.maximum(s_a, s_b)
     w_a = _weight(s_a, m)
     w_b = _weight(s_b, m)
-    _store_merged(v_out_ptr + token * stride_vo_t, s_out_ptr + token * stride_so_t,
-                  w_a[:, None] * v_a + w_b[:, None] * v_b, w_a + w_b, m,
-                  offs_h, offs_d, mask_h, mask_hd, stride_vo_h, stride_vo_d, stride_so_h)
+    _store_merged(v_out_ptr=v_out_ptr + token * stride_vo_t, s_out_ptr=s_out_ptr + token * stride_so_t,
+                  acc=w_a[:, None] * v_a + w_b[:, None] * v_b, w_sum=w_a + w_b, m=m, offs_h=offs_h, offs_d=offs_d,
+                  mask_h=mask_h, mask_hd=mask_hd, stride_vo_h=stride_vo_h, stride_vo_d=stride_vo_d,
+                  stride_so_h=stride_so_h)
