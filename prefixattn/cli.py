@@ -16,7 +16,7 @@ SUBCOMMANDS = {
     "simulate": "prefixattn.sim.cli",
     "tune": "prefixattn.autotune.tune_cli",
     "compile-check": "prefixattn.autotune.compile_check",
-    "partition": "prefixattn.scheduling.partition_cli",
+    "partition": "prefixattn.sim.partition_cli",
 }
 
 

@@ -6,12 +6,11 @@ Example::
     prefixattn partition --replicas 8 batchllm-case1 --cost tokens --json partition.json
 
 The partitioner (:mod:`prefixattn.scheduling.partition`) is numpy-only. This command is glue, like
-``prefixattn simulate``: it reads prompts with the simulator's JSONL loader / seed workloads and, with ``--cost sim``
-(the default), prices groups with the simulator's cost model (:class:`prefixattn.sim.group_cost.GroupCostModel`) on
-two resources (compute, memory, plus the serial floor of long decodes: the modeled replica time is their sum, the
-largest floor only); ``--cost sim-scalar`` balances compute + memory without the floor.
-Both are imported inside :func:`run` only, so importing this module (or the scheduling package) never pulls in the
-simulator.
+``prefixattn simulate``, and lives with the simulator for that reason (sim may import scheduling, never the other way
+round): it reads prompts with the simulator's JSONL loader / seed workloads and, with ``--cost sim`` (the default),
+prices groups with the simulator's cost model (:class:`prefixattn.sim.group_cost.GroupCostModel`) on two resources
+(compute, memory, plus the serial floor of long decodes: the modeled replica time is their sum, the largest floor
+only); ``--cost sim-scalar`` balances compute + memory without the floor.
 """
 
 from __future__ import annotations
