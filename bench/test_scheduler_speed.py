@@ -31,8 +31,7 @@ import pytest
 
 from prefix_workloads import batchllm_case1
 
-from prefixattn.scheduling import (PrefixGroup, TokenBatcher, group_prompts, optimal_saving_ratio, order_groups,
-                                   saving_ratio)
+from prefixattn.scheduling import PrefixGroup, TokenBatcher, group_prompts, optimal_saving_ratio, saving_ratio
 
 HERE = Path(__file__).parent
 #: Repetitions of our grouping per batch (median reported); SGLang's insertion is slower, so fewer there.

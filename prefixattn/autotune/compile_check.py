@@ -30,7 +30,7 @@ from dataclasses import asdict
 from multiprocessing import get_context
 from pathlib import Path
 
-from prefixattn.autotune.config_space import DTYPE_BYTES, HEAD_DIMS
+from prefixattn.autotune.config_space import DTYPE_BYTES, HEAD_DIMS, block_d
 from prefixattn.autotune.targets import DEFAULT_CHECK_TARGETS, TARGETS, get_target, parse_targets
 
 HELP = ("compile every kernel variant for sm80/sm90/gfx90a/gfx942 without a GPU; report registers, spills, "
@@ -64,8 +64,7 @@ def parse_dots(ttgir: str) -> list[dict]:
         res = _RESULT_RE.search(m.group(2))
         if len(ops) < 2 or res is None:
             continue
-        (am, ak, adt), (_, bn_k, _) = ops[0], ops[1]
-        bn = ops[1][1]
+        (am, ak, adt), bn = ops[0], ops[1][1]
         enc = res.group(3)
         definition = aliases.get(enc, enc)
         if "nvidia_mma" in definition:
@@ -264,6 +263,22 @@ def _kernel_param_names() -> dict:
             if isinstance(node, ast.FunctionDef) and node.name == attr:
                 names[fn] = [a.arg for a in node.args.args]
     return names
+
+
+def exclusions_from_report(report_path: Path, target_name: str) -> dict:
+    """(head_dim, dtype) -> names of default configs that failed a compile-check report for ``target_name``."""
+    data = json.loads(Path(report_path).read_text())
+    out: dict = {}
+    for r in data["records"]:
+        if r["target"] == target_name and r["kernel"] == "prefix_attention" and failures(r):
+            # Head sizes with the same padded BLOCK_D compile to the same binary, and fp16/bf16 use the same
+            # registers and shared memory: a failure with one excludes the config for its twins too.
+            dtypes = {"fp16", "bf16"} if r["dtype"] in ("fp16", "bf16") else {r["dtype"]}
+            for head_dim in HEAD_DIMS:
+                if block_d(head_dim) == block_d(r["head_dim"]):
+                    for dt in dtypes:
+                        out.setdefault((head_dim, dt), set()).add(r["config_name"])
+    return out
 
 
 def default_attention_configs(target, head_dim: int, dtype: str) -> list[tuple[str, object]]:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from prefixattn.autotune import cost_model
 from prefixattn.autotune.buckets import Bucket, make_bucket
-from prefixattn.autotune.config_space import (DTYPE_BYTES, HEAD_DIMS, LaunchOptions, attention_space, block_d,
+from prefixattn.autotune.config_space import (DTYPE_BYTES, HEAD_DIMS, LaunchOptions, attention_space,
                                               launch_space, launchable, prune)
 from prefixattn.autotune.targets import Target
 
@@ -119,24 +119,6 @@ def exclusions_from_table(path: Path) -> dict:
     for key, names in json.loads(Path(path).read_text()).get("excluded_after_compile_check", {}).items():
         hd, dt = key[1:].split("-")
         out[(int(hd), dt)] = set(names)
-    return out
-
-
-def exclusions_from_report(report_path: Path, target_name: str) -> dict:
-    """(head_dim, dtype) -> names of default configs that failed a compile-check report for ``target_name``."""
-    from prefixattn.autotune.compile_check import failures
-
-    data = json.loads(Path(report_path).read_text())
-    out: dict = {}
-    for r in data["records"]:
-        if r["target"] == target_name and r["kernel"] == "prefix_attention" and failures(r):
-            # Head sizes with the same padded BLOCK_D compile to the same binary, and fp16/bf16 use the same
-            # registers and shared memory: a failure with one excludes the config for its twins too.
-            dtypes = {"fp16", "bf16"} if r["dtype"] in ("fp16", "bf16") else {r["dtype"]}
-            for head_dim in HEAD_DIMS:
-                if block_d(head_dim) == block_d(r["head_dim"]):
-                    for dt in dtypes:
-                        out.setdefault((head_dim, dt), set()).add(r["config_name"])
     return out
 
 

@@ -184,7 +184,7 @@ def add_arguments(parser) -> None:
 
 
 def _write_shipped(args) -> int:
-    from prefixattn.autotune import shipped_tables
+    from prefixattn.autotune import compile_check, shipped_tables
 
     names = list(TARGETS) if args.write_shipped == "all" else [t.name for t in parse_targets(args.write_shipped)]
     for name in names:
@@ -192,7 +192,7 @@ def _write_shipped(args) -> int:
         path = args.shipped_dir / f"{name}.json"
         exclude = shipped_tables.exclusions_from_table(path)
         if args.exclude_report:
-            for key, bad in shipped_tables.exclusions_from_report(args.exclude_report, name).items():
+            for key, bad in compile_check.exclusions_from_report(args.exclude_report, name).items():
                 exclude.setdefault(key, set()).update(bad)
         table = shipped_tables.build_table(target, exclude=exclude)
         out = shipped_tables.write_table(table, args.shipped_dir)
