@@ -241,6 +241,22 @@ def failures(record: dict) -> list[str]:
     return why
 
 
+
+def exclusions_from_report(report_path: Path, target_name: str) -> dict:
+    """(head_dim, dtype) -> names of default configs that failed a compile-check report for ``target_name``."""
+    data = json.loads(Path(report_path).read_text())
+    out: dict = {}
+    for r in data["records"]:
+        if r["target"] == target_name and r["kernel"] == "prefix_attention" and failures(r):
+            # Head sizes with the same padded BLOCK_D compile to the same binary, and fp16/bf16 use the same
+            # registers and shared memory: a failure with one excludes the config for its twins too.
+            dtypes = {"fp16", "bf16"} if r["dtype"] in ("fp16", "bf16") else {r["dtype"]}
+            for head_dim in HEAD_DIMS:
+                if block_d(head_dim) == block_d(r["head_dim"]):
+                    for dt in dtypes:
+                        out.setdefault((head_dim, dt), set()).add(r["config_name"])
+    return out
+
 # ---------------------------------------------------------------------------------------------------------------
 # Job lists
 # ---------------------------------------------------------------------------------------------------------------
@@ -263,22 +279,6 @@ def _kernel_param_names() -> dict:
             if isinstance(node, ast.FunctionDef) and node.name == attr:
                 names[fn] = [a.arg for a in node.args.args]
     return names
-
-
-def exclusions_from_report(report_path: Path, target_name: str) -> dict:
-    """(head_dim, dtype) -> names of default configs that failed a compile-check report for ``target_name``."""
-    data = json.loads(Path(report_path).read_text())
-    out: dict = {}
-    for r in data["records"]:
-        if r["target"] == target_name and r["kernel"] == "prefix_attention" and failures(r):
-            # Head sizes with the same padded BLOCK_D compile to the same binary, and fp16/bf16 use the same
-            # registers and shared memory: a failure with one excludes the config for its twins too.
-            dtypes = {"fp16", "bf16"} if r["dtype"] in ("fp16", "bf16") else {r["dtype"]}
-            for head_dim in HEAD_DIMS:
-                if block_d(head_dim) == block_d(r["head_dim"]):
-                    for dt in dtypes:
-                        out.setdefault((head_dim, dt), set()).add(r["config_name"])
-    return out
 
 
 def default_attention_configs(target, head_dim: int, dtype: str) -> list[tuple[str, object]]:

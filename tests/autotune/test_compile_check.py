@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from prefixattn.autotune.compile_check import (count_matrix_instrs, count_private_memory_ops, failures, parse_amdgcn,
-                                              parse_dots, parse_ptxas)
+from prefixattn.autotune.compile_check import (count_matrix_instrs, count_private_memory_ops, exclusions_from_report,
+                                              failures, parse_amdgcn, parse_dots, parse_ptxas)
 from prefixattn.autotune.compile_specs import build_signature
 from prefixattn.autotune.targets import TARGETS
 
@@ -73,6 +73,20 @@ def test_failures_flag_spills_smem_and_missing_matrix_units():
     assert any("matrix" in w for w in failures({**ok, "shared_part_matrix": False}))
     assert failures({**ok, "shared_part_matrix": False, "require_matrix": False}) == []
     assert failures({"ok": False, "error": "boom"}) == ["compile failed: boom"]
+
+
+def test_exclusions_from_a_report_cover_the_twins_of_a_failed_config(tmp_path):
+    base = dict(kernel="prefix_attention", ok=True, registers=200, spills=0, default=True)
+    records = [dict(base, target="sm90", dtype="fp16", head_dim=128, config_name="bad", spills=64),
+               dict(base, target="sm90", dtype="fp16", head_dim=128, config_name="good"),
+               dict(base, target="sm80", dtype="fp16", head_dim=128, config_name="other-target", ok=False),
+               dict(base, target="sm90", dtype="fp32", head_dim=64, config_name="fp32-fail", ok=False, error="x")]
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps({"records": records}))
+    out = exclusions_from_report(report, "sm90")
+    # head sizes padded to the same BLOCK_D (80, 96, 128) and the other 16-bit dtype share the binary's resources
+    assert out == {**{(hd, dt): {"bad"} for hd in (80, 96, 128) for dt in ("fp16", "bf16")},
+                   (64, "fp32"): {"fp32-fail"}}
 
 
 def test_signature_follows_launch_specialization():
