@@ -25,7 +25,7 @@ from typing import Sequence
 import numpy as np
 
 from prefixattn.scheduling.grouping import PrefixGroup
-from prefixattn.scheduling.ordering import first_request, group_arrays, processed_tokens
+from prefixattn.scheduling.group_arrays import first_request, group_arrays, processed_tokens
 
 #: Output length assumed when none is given (BlendServe normalizes chat outputs to a few hundred tokens).
 DEFAULT_OUTPUT_LEN = 256

@@ -19,6 +19,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from prefixattn.scheduling.blendserve import blendserve_order
+from prefixattn.scheduling.group_arrays import first_request, group_arrays, processed_tokens
 from prefixattn.scheduling.grouping import PrefixGroup
 from prefixattn.scheduling.output_lengths import output_lens_array
 
@@ -26,28 +28,6 @@ from prefixattn.scheduling.output_lengths import output_lens_array
 #: indexed by request id. A policy may split a group into pieces (same prefix, disjoint members) but must return
 #: every request exactly once.
 OrderingPolicy = Callable[..., list[PrefixGroup]]
-
-
-def group_arrays(groups: Sequence[PrefixGroup]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Flatten groups: ``(group_of_each_entry, request_ids, prompt_lens)``, all int64 of length ``sum(sizes)``."""
-    sizes = np.fromiter((len(g.request_ids) for g in groups), dtype=np.int64, count=len(groups))
-    owner = np.repeat(np.arange(len(groups), dtype=np.int64), sizes)
-    ids = np.fromiter((r for g in groups for r in g.request_ids), dtype=np.int64, count=int(sizes.sum()))
-    lens = np.fromiter((p for g in groups for p in g.prompt_lens), dtype=np.int64, count=int(sizes.sum()))
-    return owner, ids, lens
-
-
-def processed_tokens(groups: Sequence[PrefixGroup]) -> np.ndarray:
-    """``[G]`` prompt tokens each group computes with its sharing (``L_prefix + sum L_distinct``)."""
-    out = np.empty(len(groups), dtype=np.int64)
-    for i, g in enumerate(groups):
-        out[i] = g.processed_tokens if g.children else sum(g.prompt_lens) - (len(g.request_ids) - 1) * g.prefix_len
-    return out
-
-
-def first_request(groups: Sequence[PrefixGroup]) -> np.ndarray:
-    """``[G]`` smallest request id of each group: the tie-breaker of every policy."""
-    return np.fromiter((min(g.request_ids) for g in groups), dtype=np.int64, count=len(groups))
 
 
 def fcfs_order(groups: Sequence[PrefixGroup], output_lens=None) -> list[PrefixGroup]:
@@ -76,18 +56,12 @@ def batchllm_order(groups: Sequence[PrefixGroup], output_lens=None) -> list[Pref
     return [groups[i] for i in np.lexsort((first_request(groups), -ratio))]
 
 
-def _blendserve(groups, output_lens=None, **options):
-    from prefixattn.scheduling.blendserve import blendserve_order
-
-    return blendserve_order(groups, output_lens, **options)
-
-
 #: Policies by name; :func:`register_ordering` adds more.
 ORDERINGS: dict[str, OrderingPolicy] = {
     "fcfs": fcfs_order,
     "dfs": dfs_order,
     "batchllm": batchllm_order,
-    "blendserve": _blendserve,
+    "blendserve": blendserve_order,
 }
 #: The policy :func:`order_groups` uses when none is named.
 DEFAULT_ORDERING = "batchllm"
