@@ -1,4 +1,4 @@
-"""The policy interface: what an emulated system decides each iteration, and the registry of named policies."""
+"""The policy interface: what an emulated system decides each iteration."""
 
 from __future__ import annotations
 
@@ -54,56 +54,3 @@ class Policy:
     def describe(self) -> dict:
         return dict(name=self.name, kernel=self.kernel, split_k=self.split_k, backend=self.backend,
                     cache=self.cache_mode, prefix_sharing=self.prefix_sharing)
-
-
-_REGISTRY: dict = {}
-#: Policies built on prefixattn.scheduling; listed even when that API is missing, so the error can say why.
-SCHEDULED_POLICIES = ("batchllm", "blendserve", "nanoflow-dfs", "prefixattn", "prefixattn-2k",
-                      "prefixattn-overlap")
-_missing: dict = {}
-
-
-def register(name: str, factory, help_text: str) -> None:
-    """Register a policy factory ``factory(**options) -> Policy`` under ``name``."""
-    _REGISTRY[name] = (factory, help_text)
-
-
-def policy_names() -> list:
-    _load_builtin()
-    return sorted(set(_REGISTRY) | set(SCHEDULED_POLICIES))
-
-
-def policy_help() -> dict:
-    _load_builtin()
-    out = {name: text for name, (_, text) in _REGISTRY.items()}
-    for name in SCHEDULED_POLICIES:
-        out.setdefault(name, f"unavailable: {_missing.get('error', 'not registered')}")
-    return dict(sorted(out.items()))
-
-
-def make_policy(name: str, **options) -> Policy:
-    """Build a registered policy by name.
-
-    Examples
-    --------
-    >>> make_policy("vllm").name
-    'vllm'
-    """
-    _load_builtin()
-    if name not in _REGISTRY:
-        if name in SCHEDULED_POLICIES:
-            raise ValueError(f"policy: {name!r} needs prefixattn.scheduling, which failed to import: "
-                             f"{_missing.get('error')}")
-        raise ValueError(f"policy: expected one of {policy_names()}, got {name!r}")
-    return _REGISTRY[name][0](**options)
-
-
-def _load_builtin() -> None:
-    # imported for their register() side effects; lazy so that base has no import cycle
-    from prefixattn.sim.policies import engines  # noqa: F401
-    if "error" in _missing or all(n in _REGISTRY for n in SCHEDULED_POLICIES):
-        return
-    try:
-        from prefixattn.sim.policies import scheduled  # noqa: F401
-    except ImportError as e:
-        _missing["error"] = f"{type(e).__name__}: {e}"

@@ -3,7 +3,7 @@ papers compare against."""
 
 from __future__ import annotations
 
-from prefixattn.sim.policies.base import register
+from prefixattn.sim.policies.registry import register
 from prefixattn.sim.policies.sglang import SGLangPolicy
 from prefixattn.sim.policies.vllm import VLLMPolicy
 

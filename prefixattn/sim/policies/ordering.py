@@ -2,19 +2,11 @@
 
 from __future__ import annotations
 
-
-def require_scheduling(what: str) -> None:
-    """Raise ValueError naming ``what`` when :mod:`prefixattn.scheduling` lacks the grouping/ordering API."""
-    try:
-        from prefixattn.scheduling import group_prompts, order_groups  # noqa: F401
-    except ImportError as e:
-        raise ValueError(f"{what}: needs prefixattn.scheduling.group_prompts/order_groups ({e})") from None
+from prefixattn.scheduling import group_prompts, order_groups
 
 
 def groups_of(workload, levels: int | None = 1, min_shared_tokens: int = 1) -> list:
     """Prefix groups of the workload's prompts (cached on the workload per (levels, min_shared_tokens))."""
-    from prefixattn.scheduling import group_prompts
-
     cache = workload.info.setdefault("_groups", {})
     key = (levels, min_shared_tokens)
     if key not in cache:
@@ -26,7 +18,5 @@ def groups_of(workload, levels: int | None = 1, min_shared_tokens: int = 1) -> l
 def dfs_order(workload) -> list:
     """Request indices in the prompts' prefix-tree (DFS) order: :func:`prefixattn.scheduling.order_groups` "dfs"
     over the whole tree, flattened (each group lists its requests in tree order)."""
-    from prefixattn.scheduling import order_groups
-
     groups = order_groups(groups_of(workload, levels=None), "dfs")
     return [rid for g in groups for rid in g.request_ids]

@@ -22,7 +22,8 @@ from prefixattn.scheduling import (ChunkKind, CostModel as DensityModel, TokenBa
                                    order_groups, sample_requests)
 from prefixattn.scheduling.blendserve import memory_classes
 from prefixattn.sim.engine import RUNNING, WAITING
-from prefixattn.sim.policies.base import Policy, register
+from prefixattn.sim.policies.base import Policy
+from prefixattn.sim.policies.registry import register
 from prefixattn.sim.policies.ordering import groups_of
 
 _DECODE, _DISTINCT, _PREFIX = int(ChunkKind.DECODE), int(ChunkKind.DISTINCT), int(ChunkKind.PREFIX)

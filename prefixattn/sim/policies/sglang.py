@@ -20,7 +20,6 @@ default).
 from __future__ import annotations
 
 from prefixattn.sim.policies.base import UNBOUNDED_STEPS, Policy
-from prefixattn.sim.policies.ordering import require_scheduling
 
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs")
 
@@ -39,8 +38,6 @@ class SGLangPolicy(Policy):
     def __init__(self, schedule_policy: str = "lpm", name: str | None = None) -> None:
         if schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(f"schedule_policy: expected one of {SCHEDULE_POLICIES}, got {schedule_policy!r}")
-        if schedule_policy == "dfs-weight":
-            require_scheduling("schedule_policy")
         self.schedule_policy = schedule_policy
         self.name = name or ("sglang" if schedule_policy == "lpm" else f"sglang-{schedule_policy}")
         self.waiting: list = []

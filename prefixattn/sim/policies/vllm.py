@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections import deque
 
 from prefixattn.sim.policies.base import UNBOUNDED_STEPS, Policy
-from prefixattn.sim.policies.ordering import require_scheduling
 
 
 class VLLMPolicy(Policy):
@@ -37,8 +36,6 @@ class VLLMPolicy(Policy):
                  name: str | None = None) -> None:
         if order not in ("arrival", "dfs"):
             raise ValueError(f"order: expected 'arrival' or 'dfs', got {order!r}")
-        if order == "dfs":
-            require_scheduling("order")
         self.prefix_sharing = prefix_caching
         self.cache_mode = "lru" if prefix_caching else None
         self.chunked = chunked_prefill
