@@ -23,8 +23,8 @@ from prefixattn.scheduling import (ChunkKind, CostModel as DensityModel, TokenBa
 from prefixattn.scheduling.blendserve import memory_classes
 from prefixattn.sim.engine import RUNNING, WAITING
 from prefixattn.sim.policies.base import Policy
-from prefixattn.sim.policies.registry import register
 from prefixattn.sim.policies.ordering import groups_of
+from prefixattn.sim.policies.registry import register
 
 _DECODE, _DISTINCT, _PREFIX = int(ChunkKind.DECODE), int(ChunkKind.DISTINCT), int(ChunkKind.PREFIX)
 
