@@ -120,11 +120,26 @@ def tree_from_lcp(lcp: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, 
     return as_array(depth), as_array(lbs), as_array(rbs), as_array(parent)
 
 
+def _tree_without_nodes(order: np.ndarray) -> LcpTree:
+    empty = np.zeros(0, dtype=np.int64)
+    return LcpTree(order=order, lcp=np.zeros(order.shape[0], dtype=np.int64), depth=empty, lb=empty, rb=empty,
+                   parent=empty)
+
+
 def lcp_interval_tree(rows: np.ndarray, lengths: np.ndarray) -> LcpTree:
     """Prefix tree of integer rows: ``rows[i, :lengths[i]]`` is row ``i`` (entries >= 0; the rest is ignored)."""
     rows = np.asarray(rows, dtype=np.int64)
     lengths = np.asarray(lengths, dtype=np.int64)
     n, width = rows.shape
+    if n <= 1 or width == 0:
+        return _tree_without_nodes(np.arange(n, dtype=np.int64))
+    first = np.where(lengths > 0, rows[:, 0], _PAD)
+    used = np.sort(first[lengths > 0])
+    if not (used[1:] == used[:-1]).any():
+        # No two rows share their first entry (a batch without sharing): the first column alone orders the rows
+        # (empty rows first, by index, as the tie-break column below would) and every LCP is 0, so the full sort
+        # is skipped (~50 us of a 256-request plan).
+        return _tree_without_nodes(np.argsort(first, kind="stable").astype(np.int64))
     # Padded rows plus one tie-break column holding the row index: it makes every pair of rows differ somewhere
     # (so no sentinel is needed in the LCP search) and sorts identical rows by index.
     padded = np.empty((n, width + 1), dtype=np.int64)

@@ -63,6 +63,19 @@ def test_tree_without_sharing_and_degenerate_inputs():
     assert lcp_interval_tree(np.array([[1, 2], [1, 3]]), np.array([0, 2])).num_nodes == 0
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_tree_without_shared_first_entries_is_the_lexicographic_order(seed):
+    rng = np.random.default_rng(seed)
+    n, width = int(rng.integers(2, 40)), int(rng.integers(1, 7))
+    rows = rng.integers(0, 1000, (n, width))
+    rows[:, 0] = rng.permutation(1000)[:n]  # distinct first entries (plan()'s shortcut for batches without sharing)
+    lengths = rng.integers(0, width + 1, n)  # empty rows too: they sort first, by index
+    tree = lcp_interval_tree(rows, lengths)
+    expected = sorted(range(n), key=lambda i: (rows[i, :lengths[i]].tolist(), i))
+    assert tree.num_nodes == 0
+    assert tree.order.tolist() == expected and not tree.lcp.any()
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_tree_matches_brute_force(seed):
     rng = np.random.default_rng(seed)
