@@ -71,6 +71,7 @@ import numpy as np
 from prefixattn.scheduling.grouping import PrefixGroup, group_prompts, saving_ratio
 from prefixattn.scheduling.sequences import pack_sequences
 
+
 class ResourceCost(NamedTuple):
     """A group's cost on two resources plus its serial lower bound, seconds (see the module notes).
 
