@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 
 HELP = "run the benchmark suite (pytest bench/) and print a summary of bench/results/latest.csv"
+#: Options ``prefixattn bench`` does not know go to pytest (``prefixattn bench -x --durations=20``).
+PASSTHROUGH = "pytest_args"
 
 
 def _bench_dir() -> Path:

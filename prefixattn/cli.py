@@ -1,6 +1,8 @@
 """The ``prefixattn`` command. Each subcommand lives in its own module and is imported only when used.
 
-A subcommand module exposes ``HELP`` (one line), ``add_arguments(parser)`` and ``run(args) -> int``.
+A subcommand module exposes ``HELP`` (one line), ``add_arguments(parser)`` and ``run(args) -> int``. One that sets
+``PASSTHROUGH = "<dest>"`` also receives the options it does not know in ``args.<dest>`` (``prefixattn bench -x``
+hands ``-x`` to pytest).
 """
 
 from __future__ import annotations
@@ -38,12 +40,17 @@ def build_parser() -> argparse.ArgumentParser:
         module = importlib.import_module(module_name)
         cmd = sub.add_parser(name, help=module.HELP, description=module.HELP)
         module.add_arguments(cmd)
-        cmd.set_defaults(_run=module.run)
+        cmd.set_defaults(_run=module.run, _passthrough=getattr(module, "PASSTHROUGH", None))
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        if args._passthrough is None:
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        setattr(args, args._passthrough, list(getattr(args, args._passthrough)) + unknown)
     return int(args._run(args) or 0)
 
 

@@ -46,6 +46,15 @@ def test_slow_gpu_and_keyword(monkeypatch, tmp_path):
     assert env["TRITON_INTERPRET"] == "0" and env["PREFIXATTN_BENCH_GPU"] == "1"
 
 
+def test_unknown_options_go_to_pytest(monkeypatch):
+    from prefixattn import cli
+
+    seen = {}
+    monkeypatch.setattr(bench_runner, "run", lambda args: seen.setdefault("args", args.pytest_args) and 0)
+    assert cli.main(["bench", "-x", "--durations=5", "-k", "merge"]) == 0
+    assert seen["args"] == ["-x", "--durations=5"]
+
+
 def test_end_to_end_on_one_benchmark(tmp_path):
     out = tmp_path / "latest.csv"
     env = {**os.environ, "PREFIXATTN_BENCH_RESULTS": str(out)}
