@@ -203,8 +203,7 @@ class Partition:
         """Vector costs only: ``[num_replicas, 2]`` summed compute and memory seconds per replica."""
         if self.resources is None:
             return None
-        return np.stack([np.bincount(self.replicas, weights=self.resources[:, k], minlength=self.num_replicas)
-                         for k in range(self.resources.shape[1])], axis=1)
+        return _replica_loads(self.resources, self.critical, self.replicas, self.num_replicas)[0]
 
     @property
     def pressure(self) -> np.ndarray:
@@ -213,9 +212,7 @@ class Partition:
         if self.resources is None:
             mean = self.total_cost / self.num_replicas
             return self.loads / mean if mean > 0 else np.ones(self.num_replicas)
-        crit = np.zeros(self.num_replicas)
-        np.maximum.at(crit, self.replicas, self.critical)
-        return _pressure(self.resource_loads, crit, self.fair)
+        return _pressure(*_replica_loads(self.resources, self.critical, self.replicas, self.num_replicas), self.fair)
 
     @property
     def total_cost(self) -> float:
@@ -609,15 +606,23 @@ def _assign(originals: list, base_costs: np.ndarray, to_split: list, n: int, cos
     work, source, rep, merged_costs = _merge_pieces(work, source, rep, originals, cost)
     if merged_costs is not None:
         costs = merged_costs
-    # groups in the batch's prefix-tree order (the order group_prompts gave), pieces in their cut order
+    work, source, rep, order, really_split, recomputed = _in_tree_order(work, source, rep, originals)
+    return Partition(num_replicas=n, groups=work, replicas=rep, costs=costs[order], source=source,
+                     split=really_split, recomputed_tokens=recomputed)
+
+
+def _in_tree_order(work: list, source: np.ndarray, rep: np.ndarray, originals: list):
+    """The final pieces in the batch's prefix-tree order (the order group_prompts gave), pieces of a group in their
+    cut order; returns ``(work, source, rep, order, split, recomputed)``: ``order`` is the permutation applied,
+    ``split`` the groups really cut (more than one piece left after merging) and ``recomputed`` the prompt tokens
+    their extra pieces compute again."""
     order = sorted(range(len(work)), key=lambda i: (int(source[i]), min(work[i].request_ids)))
     work = [work[i] for i in order]
-    source, rep, costs = source[order], rep[order], costs[order]
+    source, rep = source[order], rep[order]
     really_split = sorted(int(s) for s in set(source.tolist()) if int((source == s).sum()) > 1)
     recomputed = sum(work[i].processed_tokens for i in range(len(work)) if int(source[i]) in really_split) - \
         sum(originals[s].processed_tokens for s in really_split)
-    return Partition(num_replicas=n, groups=work, replicas=rep, costs=costs, source=source, split=really_split,
-                     recomputed_tokens=int(recomputed))
+    return work, source, rep, order, really_split, int(recomputed)
 
 
 # ---------------------------------------------------------------------------------------------------- vector costs
@@ -716,6 +721,15 @@ def _greedy(res: np.ndarray, crit: np.ndarray, fair: np.ndarray, n: int, with_me
     return out
 
 
+def _replica_loads(res: np.ndarray, crit: np.ndarray, rep: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """``([n, 2] summed compute/memory, [n] critical time)`` of the replicas under assignment ``rep``."""
+    loads = np.zeros((n, 2))
+    np.add.at(loads, rep, res)
+    rcrit = np.zeros(n)
+    np.maximum.at(rcrit, rep, crit)
+    return loads, rcrit
+
+
 def _without(crit_items: np.ndarray) -> np.ndarray:
     """For each item of one replica, the replica's critical time once that item left (max of the others)."""
     if crit_items.size == 0:
@@ -733,10 +747,7 @@ def _refine_vector(res: np.ndarray, crit: np.ndarray, fair: np.ndarray, rep: np.
     with the highest pressure that has one (so the max pressure, then the next ones, go down); the best such step
     of that replica each time."""
     rep = rep.copy()
-    loads = np.zeros((n, 2))
-    np.add.at(loads, rep, res)
-    rcrit = np.zeros(n)
-    np.maximum.at(rcrit, rep, crit)
+    loads, rcrit = _replica_loads(res, crit, rep, n)
     for _ in range(_REFINE_STEPS_PER_REPLICA * n):
         p = _pressure(loads, rcrit, fair)
         min_gain = _REFINE_MIN_GAIN_VECTOR
@@ -791,21 +802,18 @@ def _assign_vector(originals: list, res0: np.ndarray, crit0: np.ndarray, fair: n
     """Vector costs: the groups in ``to_split`` cut fine, everything placed greedily, refined, pieces merged."""
     split_set = set(to_split)
     work, source = [], []
-    res, crit = [], []
+    res_parts, crit_parts = [], []  # whole groups keep their known costs; only pieces are priced
     for s, g in enumerate(originals):
         if s in split_set:
-            for piece in _split_fine(g, cost, fair):
-                work.append(piece)
-                source.append(s)
+            pieces = _split_fine(g, cost, fair)
+            piece_res, piece_crit = _resource_costs(pieces, cost)
         else:
-            work.append(g)
-            source.append(s)
-            res.append(res0[s])
-            crit.append(crit0[s])
-    if split_set:
-        res, crit = _resource_costs(work, cost)
-    else:
-        res, crit = np.asarray(res, dtype=np.float64).reshape(-1, 2), np.asarray(crit, dtype=np.float64)
+            pieces, piece_res, piece_crit = [g], res0[s:s + 1], crit0[s:s + 1]
+        work += pieces
+        source += [s] * len(pieces)
+        res_parts.append(piece_res)
+        crit_parts.append(piece_crit)
+    res, crit = np.concatenate(res_parts), np.concatenate(crit_parts)
     source = np.asarray(source, dtype=np.int64)
     # Two starts, the better kept: the greedy on the pressure itself, and one that leaves memory out of it. Pairwise
     # steps cannot leave a plateau where every replica sits at the same pressure: when many replicas hold a long
@@ -816,24 +824,15 @@ def _assign_vector(originals: list, res0: np.ndarray, crit0: np.ndarray, fair: n
         rep = _greedy(res, crit, fair, n, with_memory)
         if refine and n > 1:
             rep = _refine_vector(res, crit, fair, rep, n)
-        loads = np.zeros((n, 2))
-        np.add.at(loads, rep, res)
-        rcrit = np.zeros(n)
-        np.maximum.at(rcrit, rep, crit)
-        key = tuple(np.sort(_pressure(loads, rcrit, fair))[::-1].tolist())
+        key = tuple(np.sort(_pressure(*_replica_loads(res, crit, rep, n), fair))[::-1].tolist())
         if best_key is None or key < best_key:
             best_rep, best_key = rep, key
     rep = best_rep
     work, source, rep, _ = _merge_pieces(work, source, rep, originals, None)
-    order = sorted(range(len(work)), key=lambda i: (int(source[i]), min(work[i].request_ids)))
-    work = [work[i] for i in order]
-    source, rep = source[order], rep[order]
-    res, crit = _resource_costs(work, cost)
-    really_split = sorted(int(s) for s in set(source.tolist()) if int((source == s).sum()) > 1)
-    recomputed = sum(work[i].processed_tokens for i in range(len(work)) if int(source[i]) in really_split) - \
-        sum(originals[s].processed_tokens for s in really_split)
+    work, source, rep, _, really_split, recomputed = _in_tree_order(work, source, rep, originals)
+    res, crit = _resource_costs(work, cost)  # merged pieces are new groups: priced again
     return Partition(num_replicas=n, groups=work, replicas=rep, costs=res.sum(axis=1), source=source,
-                     split=really_split, recomputed_tokens=int(recomputed), resources=res, critical=crit,
+                     split=really_split, recomputed_tokens=recomputed, resources=res, critical=crit,
                      fair=fair.copy())
 
 
