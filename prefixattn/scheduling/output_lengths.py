@@ -102,13 +102,8 @@ def sample_requests(groups: Sequence[PrefixGroup], *, rate: float = DEFAULT_SAMP
 
 def _cover_groups(groups: Sequence[PrefixGroup], mask: np.ndarray, rng: np.random.Generator, extra: int) -> None:
     """Sample one member of each multi-request group without a sample, largest first, ``extra`` at most."""
-    shared = []
-    stack = list(groups)
-    while stack:
-        g = stack.pop()
-        if len(g.request_ids) > 1:
-            shared.append(np.asarray(g.request_ids, dtype=np.int64))
-        stack.extend(g.children)
+    shared = [np.asarray(g.request_ids, dtype=np.int64) for top in groups for g, _ in top.walk()
+              if len(g.request_ids) > 1]
     shared.sort(key=lambda ids: (-ids.size, int(ids.min())))
     for ids in shared:
         if extra == 0:

@@ -113,9 +113,12 @@ class GroupCostModel:
         return dict(prefill_tokens=float(group.processed_tokens), decode_tokens=float(outs.sum()), kv_read_tokens=kv)
 
     def __call__(self, group: PrefixGroup) -> float:
-        t = self.terms(group)
-        return (t["prefill_tokens"] * self.prefill_s + t["decode_tokens"] * self.decode_s +
-                t["kv_read_tokens"] * self.kv_read_s)
+        compute, memory = self._compute_memory(self.terms(group))
+        return compute + memory
+
+    def _compute_memory(self, terms: dict) -> tuple[float, float]:
+        return (terms["prefill_tokens"] * self.prefill_s + terms["decode_tokens"] * self.decode_s,
+                terms["kv_read_tokens"] * self.kv_read_s)
 
     def resources(self, group: PrefixGroup) -> ResourceCost:
         """The group's cost on the partitioner's two resources, plus its serial lower bound (modeled seconds).
@@ -132,7 +135,6 @@ class GroupCostModel:
         >>> r.critical > r.compute > 0
         True
         """
-        t = self.terms(group)
+        compute, memory = self._compute_memory(self.terms(group))
         outs = self._outputs(np.asarray(group.request_ids, dtype=np.int64))
-        return ResourceCost(compute=t["prefill_tokens"] * self.prefill_s + t["decode_tokens"] * self.decode_s,
-                            memory=t["kv_read_tokens"] * self.kv_read_s, critical=float(outs.max()) * self.solo_step_s)
+        return ResourceCost(compute=compute, memory=memory, critical=float(outs.max()) * self.solo_step_s)
