@@ -103,8 +103,9 @@ def _targets_lines(targets) -> list[str]:
              f"3. batches without sharing: <= {TARGET_NO_SHARING_OVER_BEST_PEER}x the KV bytes of the best peer: met "
              f"on {_count(targets, 'within_best_peer')}",
              f"4. one launch per call: met on {sum(t['one_launch'] for t in targets)}/{len(targets)}", "",
-             "| shape | prefixattn / unique | best peer / unique | 1. <= 1.05x unique | 2. below every peer "
-             "| 3. <= 1.02x best peer | 4. launches |", "|---|---|---|---|---|---|---|"]
+             f"| shape | prefixattn / unique | best peer / unique | 1. <= {TARGET_SHARED_OVER_UNIQUE}x unique "
+             f"| 2. below every peer | 3. <= {TARGET_NO_SHARING_OVER_BEST_PEER}x best peer | 4. launches |",
+             "|---|---|---|---|---|---|---|"]
     for t in targets:
         if t["best_peer"]:
             peer = f"{t['over_unique'] / t['over_best_peer']:.2f}x ({t['best_peer']})"
