@@ -51,6 +51,8 @@ MAX_TOKEN_BUDGET = 1 << 24
 MAX_KV_BLOCKS = 1 << 32
 #: Largest accepted block size in tokens.
 MAX_BLOCK_SIZE = 1 << 16
+#: Largest accepted output length or reservation clip in tokens: a sanity bound (2**40 tokens), not a model limit.
+MAX_OUTPUT_TOKENS = 1 << 40
 
 
 class ChunkKind(IntEnum):
@@ -204,7 +206,7 @@ class TokenBatcher:
         self.kv_blocks = _check_int("kv_blocks", kv_blocks, 1, MAX_KV_BLOCKS)
         self.block_size = _check_int("block_size", block_size, 1, MAX_BLOCK_SIZE)
         self.max_output_len = None if max_output_len is None else \
-            _check_int("max_output_len", max_output_len, 1, 1 << 40)
+            _check_int("max_output_len", max_output_len, 1, MAX_OUTPUT_TOKENS)
         if output_lens is None:
             self._est = None
         elif np.isscalar(output_lens):
@@ -218,7 +220,7 @@ class TokenBatcher:
                 raise ValueError("output_lens: expected a 1-D array of finite lengths >= 0 (one per request id)")
             self._est = est
         self.reservation_clip = None if reservation_clip is None else \
-            _check_int("reservation_clip", reservation_clip, 1, 1 << 40)
+            _check_int("reservation_clip", reservation_clip, 1, MAX_OUTPUT_TOKENS)
         self._classes, self._shares = self._check_classes(memory_classes, class_shares)
         k = 1 if self._shares is None else self._shares.shape[0]
         self._class_waiting = np.zeros(k, np.int64)  # requests of each class not started (waiting or preempted)
