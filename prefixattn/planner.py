@@ -23,7 +23,8 @@ from prefixattn.attention_configs import AttentionTiles, choose_tiles
 from prefixattn.block_tree import LcpTree, block_prefix_tree
 from prefixattn.runtime import interpreter_enabled
 from prefixattn.validation import SUPPORTED_DTYPES, check_head_dim, check_heads, check_metadata
-from prefixattn.work_list import K, SharedNode, SharedNodes, WorkList, ragged_arange, build_work_list
+from prefixattn.kernels import layout as K
+from prefixattn.work_list import SharedNode, SharedNodes, WorkList, ragged_arange, build_work_list
 
 #: Bytes of one fp32 number: partial states (o, lse) are kept in fp32 whatever the input dtype.
 FP32_BYTES = 4
@@ -83,12 +84,12 @@ class Plan:
     tree: LcpTree = field(repr=False)
     nodes: SharedNodes = field(repr=False)
     # device tensors
+    num_items_dev: torch.Tensor = field(repr=False)  # [1] int32: live work items (programs past them exit)
     items: torch.Tensor = field(repr=False)
     gather: torch.Tensor = field(repr=False)
-    item_units: torch.Tensor = field(repr=False)
-    units: torch.Tensor = field(repr=False)
+    mrows: torch.Tensor = field(repr=False)
     block_table: torch.Tensor = field(repr=False)
-    counters: torch.Tensor = field(repr=False)
+    counters: torch.Tensor = field(repr=False)  # [num_mrows, num_qo_heads] int32, zeroed by every launch
     ws_o: torch.Tensor = field(repr=False)
     ws_lse: torch.Tensor = field(repr=False)
     stats: dict = field(default_factory=dict)
@@ -101,6 +102,10 @@ class Plan:
     @property
     def num_items(self) -> int:
         return self.work.num_items
+
+    @property
+    def num_merge_rows(self) -> int:
+        return int(self.work.mrows.shape[0])
 
     @property
     def num_launches(self) -> int:
@@ -318,25 +323,25 @@ def plan(
     table_used = np.zeros((table.shape[0], width), dtype=np.int64)  # columns past every kv_len are never read
     table_used[:, :min(width, table.shape[1])] = table[:, :width]
     table_fits = table_used.size == 0 or int(table_used.max()) <= np.iinfo(np.int32).max
-    parts = [work.items.ravel(), work.gather.ravel(), work.item_units, work.units.ravel()]
+    parts = [np.array([work.num_items], dtype=np.int32), work.items.ravel(), work.gather.ravel(), work.mrows.ravel()]
     if table_fits:
         parts.append(table_used.astype(np.int32).ravel())
     sizes = [p.size for p in parts]
     flat = torch.from_numpy(np.concatenate(parts).astype(np.int32) if sum(sizes) else np.zeros(1, np.int32))
     flat = flat.to(device)
     views = torch.split(flat[:sum(sizes)], sizes) if sum(sizes) else [flat[:0]] * len(parts)
-    items = views[0].view(-1, K.ITEM_FIELDS)
-    gather = views[1].view(-1, K.GATHER_FIELDS)
-    item_units = views[2]
-    units = views[3].view(-1, K.UNIT_FIELDS)
+    num_items_dev = views[0]
+    items = views[1].view(-1, K.ITEM_FIELDS)
+    gather = views[2].view(-1, K.GATHER_FIELDS)
+    mrows = views[3].view(-1, K.MROW_FIELDS)
     if table_fits:
         table_dev = views[4].view(table_used.shape)
     else:
         table_dev = torch.from_numpy(np.ascontiguousarray(table_used)).to(device)
 
     # Workspace only where some rows merge; a 1-element placeholder keeps the kernel's pointers valid otherwise.
-    num_units = work.units.shape[0]
-    counters = torch.zeros((max(num_units, 1), num_kv_heads), dtype=torch.int32, device=device)
+    num_mrows = work.mrows.shape[0]
+    counters = torch.zeros((max(num_mrows, 1), num_qo_heads), dtype=torch.int32, device=device)
     ws_rows = work.num_ws_rows
     ws_o = torch.empty((ws_rows, num_qo_heads, head_dim) if ws_rows else (1, 1, 1), dtype=torch.float32,
                        device=device)
@@ -352,8 +357,9 @@ def plan(
         use_fp32_dot=interpreter_enabled() or q_dtype == torch.float32,
         has_shared=bool(nodes),
         work=work, tree=tree, nodes=nodes,
-        items=items, gather=gather, item_units=item_units, units=units, block_table=table_dev,
+        num_items_dev=num_items_dev, items=items, gather=gather, mrows=mrows, block_table=table_dev,
         counters=counters, ws_o=ws_o, ws_lse=ws_lse,
-        stats=dict(num_shared_nodes=len(nodes), num_units=num_units, num_ws_rows=work.num_ws_rows,
+        stats=dict(num_shared_nodes=len(nodes), num_units=work.num_units, num_merge_rows=num_mrows,
+                   num_ws_rows=work.num_ws_rows,
                    num_sms=num_sms),
     )

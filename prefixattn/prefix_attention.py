@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from prefixattn.kernels.layout import page_size_constexpr
 from prefixattn.kernels.prefix_attention import prefix_attention_kernel
 from prefixattn.planner import Plan, plan
 from prefixattn.validation import check_kernel_device, check_qkv, check_tensor
@@ -84,10 +85,14 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pla
     p, t = plan, plan.tiles
     has_shared = p.has_shared
     if p.num_items:
+        # Merge counters start at 0 in every launch (a memset of num_merge_rows x num_qo_heads int32, stream
+        # ordered and CUDA-graph capturable): an interrupted launch cannot leak arrivals into the next one.
+        if p.num_merge_rows:
+            p.counters.zero_()
         prefix_attention_kernel[(p.num_items * p.num_kv_heads,)](
             out_ptr=out, lse_ptr=lse, ws_o_ptr=p.ws_o, ws_lse_ptr=p.ws_lse, counters_ptr=p.counters,
             q_ptr=q, k_cache_ptr=k_cache, v_cache_ptr=v_cache,
-            items_ptr=p.items, gather_ptr=p.gather, item_units_ptr=p.item_units, units_ptr=p.units,
+            num_items_ptr=p.num_items_dev, items_ptr=p.items, gather_ptr=p.gather, mrows_ptr=p.mrows,
             block_table_ptr=p.block_table,
             num_kv_heads=p.num_kv_heads, group=p.num_qo_heads // p.num_kv_heads, head_dim=p.head_dim,
             block_size=p.block_size, qk_scale=p.sm_scale * _LOG2E,
@@ -102,9 +107,10 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pla
             stride_v_d=v_cache.stride(3),
             stride_bt_r=p.block_table.stride(0),
             HAS_LSE=return_lse, HAS_SHARED=has_shared, USE_FP32_DOT=p.use_fp32_dot,
+            PAGE_SIZE=page_size_constexpr(p.block_size),
             BLOCK_M_SHARED=t.block_m_shared, BLOCK_N_SHARED=t.block_n_shared,
             BLOCK_M_SUFFIX=t.block_m_suffix, BLOCK_N_SUFFIX=t.block_n_suffix, BLOCK_D=t.block_d,
-            num_warps=t.num_warps(has_shared),
+            **t.launch_options(has_shared),
         )
     return (out, lse) if return_lse else out
 

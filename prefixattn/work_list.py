@@ -1,7 +1,8 @@
 """The flat work list of one step: shared-node tiles, per-request suffix tiles, split-k chunks and merge units.
 
-Numpy only, built on the host by :func:`prefixattn.plan`; the layout (column indices) is the kernel's, see
-:mod:`prefixattn.kernels.prefix_attention`. Vectorized over requests, shared nodes and tiles: no Python loop.
+Numpy only, built on the host by :func:`prefixattn.plan`; the table layout (column indices) is
+:mod:`prefixattn.kernels.layout`, shared with the kernel. Vectorized over requests, shared nodes and tiles: no Python
+loop.
 
 Vocabulary
 ----------
@@ -10,22 +11,19 @@ Vocabulary
 * merge unit: the rows of one suffix tile when they get more than one partial state (shared levels, split chunks);
   state ``s`` of the unit lives at workspace rows ``ws_base + s * num_rows + row``. Rows with a single state (no
   sharing, no split) have no unit: their item writes straight to ``out``, as plain paged attention does.
-* report: an (item, unit) pair; a unit's ``expected`` count is its number of reports (a shared M tile can cover part of
-  a unit's rows, so reports and states differ).
+* merge row: one row of a merge unit, as the kernel sees it (``mrows`` table): where its states live and how many
+  there are. Every state of a merge row is written by exactly one program per query head, so the kernel counts
+  arrivals per (merge row, query head) and the arrival that completes the count merges that row and head.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import numpy as np
 
-from prefixattn.kernels import prefix_attention as _kernel
+from prefixattn.kernels import layout as K
 
-#: The kernel's table layout (column indices, kinds) as plain ints for numpy.
-K = SimpleNamespace(**{name: int(value) for name, value in vars(_kernel).items()
-                       if name.isupper() and isinstance(getattr(value, "value", None), int)})
 _I32 = np.int32
 
 
@@ -78,9 +76,9 @@ class WorkList:
 
     items: np.ndarray  # [num_items, ITEM_FIELDS], longest KV range first
     gather: np.ndarray  # [num_gather, GATHER_FIELDS]
-    item_units: np.ndarray  # [num_reports]
-    units: np.ndarray  # [num_units, UNIT_FIELDS]
+    mrows: np.ndarray  # [num_mrows, MROW_FIELDS]
     num_ws_rows: int
+    num_units: int  # merge units (suffix tiles whose rows merge); their rows are the merge rows
 
     @property
     def num_items(self) -> int:
@@ -227,7 +225,15 @@ def build_work_list(
     num_ws_rows = int((t_states[unit_tiles] * t_rows[unit_tiles]).sum())
     tile_ws_base = np.full(num_tiles, -1, dtype=np.int64)
     tile_ws_base[unit_tiles] = unit_ws_base
-    unit_expected = t_pieces[unit_tiles].astype(np.int64)
+    # Merge rows: the rows of the units, unit by unit; a unit's row i is merge row tile_mrow_base[tile] + i.
+    unit_rows = t_rows[unit_tiles]
+    tile_mrow_base = np.full(num_tiles, -1, dtype=np.int64)
+    tile_mrow_base[unit_tiles] = _exclusive_cumsum(unit_rows)
+    m_unit = np.repeat(np.arange(num_units, dtype=np.int64), unit_rows)
+    mrows = np.empty((m_unit.shape[0], K.MROW_FIELDS), dtype=np.int64)
+    mrows[:, K.MROW_WS_FIRST] = unit_ws_base[m_unit] + ragged_arange(unit_rows)
+    mrows[:, K.MROW_WS_STRIDE] = unit_rows[m_unit]
+    mrows[:, K.MROW_NUM_STATES] = t_states[unit_tiles][m_unit]
 
     # ---- shared items: (node, split chunk, M tile of packed rows) ------------------------------------------
     if num_nodes:
@@ -236,63 +242,46 @@ def build_work_list(
         row_i = ragged_arange(mem_ql)
         row_req, row_node = mem_req[row_mem], mem_node[row_mem]
         node_row_off = _exclusive_cumsum(node_rows)
-        row_in_node = np.arange(row_mem.shape[0], dtype=np.int64) - node_row_off[row_node]
         tok = q_start[row_req] + row_i
         tile = first_tile[row_req] + row_i // rows_per_suffix
-        unit = t_unit[tile]
         ws0 = tile_ws_base[tile] + mem_slot_base[row_mem] * t_rows[tile] + row_i % rows_per_suffix
-        node_mt_off = _exclusive_cumsum(node_mtiles)
-        mt_global = node_mt_off[row_node] + row_in_node // rows_per_shared
-        # Units each M tile reports to: runs of equal (M tile, unit) along the packed rows (both non-decreasing).
-        starts = np.flatnonzero(_run_starts(mt_global, unit))
-        pair_mt, pair_unit = mt_global[starts], unit[starts]
-        np.add.at(unit_expected, pair_unit, n_pieces[row_node[starts]])  # unit ids are 0..num_units-1 in tile order
-        mt_ptr = np.searchsorted(pair_mt, np.arange(int(node_mtiles.sum()) + 1))
-        node_pair_off = mt_ptr[node_mt_off]
-        node_pairs = mt_ptr[node_mt_off + node_mtiles] - node_pair_off
-        # One segment per (node, split piece): it repeats the node's packed rows and its reports.
+        mrow = tile_mrow_base[tile] + row_i % rows_per_suffix
+        # One segment per (node, split piece): it repeats the node's packed rows.
         seg_node = np.repeat(np.arange(num_nodes, dtype=np.int64), n_pieces)
         seg_c = ragged_arange(n_pieces)
-        seg_rows, seg_pairs = node_rows[seg_node], node_pairs[seg_node]
-        seg_gather_off, seg_report_off = _exclusive_cumsum(seg_rows), _exclusive_cumsum(seg_pairs)
+        seg_rows = node_rows[seg_node]
+        seg_gather_off = _exclusive_cumsum(seg_rows)
         g_seg = np.repeat(np.arange(seg_node.shape[0], dtype=np.int64), seg_rows)
         g_row = node_row_off[seg_node][g_seg] + ragged_arange(seg_rows)
         gather = np.empty((g_row.shape[0], K.GATHER_FIELDS), dtype=np.int64)
         gather[:, K.GATHER_TOKEN] = tok[g_row]
         gather[:, K.GATHER_WS_ROW] = ws0[g_row] + seg_c[g_seg] * t_rows[tile[g_row]]
-        r_seg = np.repeat(np.arange(seg_node.shape[0], dtype=np.int64), seg_pairs)
-        shared_reports = pair_unit[node_pair_off[seg_node][r_seg] + ragged_arange(seg_pairs)]
-        num_reports = shared_reports.shape[0]
+        gather[:, K.GATHER_MROW] = mrow[g_row]
         i_seg = np.repeat(np.arange(seg_node.shape[0], dtype=np.int64), node_mtiles[seg_node])
         i_mt = ragged_arange(node_mtiles[seg_node])
         i_node, i_c = seg_node[i_seg], seg_c[i_seg]
         kv_lo, kv_hi = _piece_bounds(node_start[i_node], node_end[i_node], i_c, n_pieces[i_node], block_n_shared,
                                      split=np.isfinite(chunk))
-        gm = node_mt_off[i_node] + i_mt
         shared_items = np.zeros((i_seg.shape[0], K.ITEM_FIELDS), dtype=np.int64)
         shared_items[:, K.ITEM_KIND] = K.KIND_SHARED
-        shared_items[:, K.ITEM_REQ] = mem_req[mem_first[i_node]] if num_nodes else 0  # any member: same blocks
+        shared_items[:, K.ITEM_REQ] = mem_req[mem_first[i_node]]  # any member: same blocks
         shared_items[:, K.ITEM_KV_START] = kv_lo
         shared_items[:, K.ITEM_KV_END] = kv_hi
         shared_items[:, K.ITEM_ROW_START] = seg_gather_off[i_seg] + i_mt * rows_per_shared
         shared_items[:, K.ITEM_NUM_ROWS] = np.minimum(rows_per_shared, node_rows[i_node] - i_mt * rows_per_shared)
         shared_items[:, K.ITEM_Q_POS] = node_end[i_node]
         shared_items[:, K.ITEM_DEST] = -1
-        shared_items[:, K.ITEM_UNITS_START] = seg_report_off[i_seg] + mt_ptr[gm] - node_pair_off[i_node]
-        shared_items[:, K.ITEM_UNITS_END] = seg_report_off[i_seg] + mt_ptr[gm + 1] - node_pair_off[i_node]
-    else:  # plain paged attention: skip ~50 numpy calls on empty arrays
+        shared_items[:, K.ITEM_MROW] = -1
+    else:  # plain paged attention: skip ~30 numpy calls on empty arrays
         shared_items = np.zeros((0, K.ITEM_FIELDS), dtype=np.int64)
         gather = np.zeros((0, K.GATHER_FIELDS), dtype=np.int64)
-        shared_reports = np.zeros(0, dtype=np.int64)
-        num_reports = 0
 
     # ---- suffix items: (suffix tile, split chunk) ------------------------------------------------------------
     s_tile = np.repeat(np.arange(num_tiles, dtype=np.int64), t_pieces)
     s_c = ragged_arange(t_pieces)
     s_lo, s_hi = _piece_bounds(t_lo[s_tile], t_hi[s_tile], s_c, t_pieces[s_tile], block_n_suffix,
                                split=np.isfinite(chunk))
-    s_unit = t_unit[s_tile]
-    has_unit = s_unit >= 0
+    has_unit = t_unit[s_tile] >= 0
     it = np.zeros((s_tile.shape[0], K.ITEM_FIELDS), dtype=np.int64)
     it[:, K.ITEM_KIND] = K.KIND_SUFFIX
     it[:, K.ITEM_REQ] = t_req[s_tile]
@@ -302,20 +291,10 @@ def build_work_list(
     it[:, K.ITEM_NUM_ROWS] = t_rows[s_tile]
     it[:, K.ITEM_Q_POS] = t_qpos[s_tile]
     it[:, K.ITEM_DEST] = np.where(has_unit, tile_ws_base[s_tile] + (t_shared[s_tile] + s_c) * t_rows[s_tile], -1)
-    report_pos = num_reports + np.cumsum(has_unit) - has_unit
-    it[:, K.ITEM_UNITS_START] = report_pos
-    it[:, K.ITEM_UNITS_END] = report_pos + has_unit
+    it[:, K.ITEM_MROW] = np.where(has_unit, tile_mrow_base[s_tile], -1)
     items = np.concatenate([shared_items, it])
     # Longest KV range first (LPT): the long programs start in the first wave, short ones fill the tail.
     order = np.argsort(-(items[:, K.ITEM_KV_END] - items[:, K.ITEM_KV_START]), kind="stable")
     items = items[order]
-
-    units = np.zeros((num_units, K.UNIT_FIELDS), dtype=np.int64)
-    units[:, K.UNIT_TOKEN_START] = t_tok0[unit_tiles]
-    units[:, K.UNIT_NUM_ROWS] = t_rows[unit_tiles]
-    units[:, K.UNIT_WS_BASE] = unit_ws_base
-    units[:, K.UNIT_NUM_STATES] = t_states[unit_tiles]
-    units[:, K.UNIT_EXPECTED] = unit_expected
-    reports = np.concatenate([shared_reports, s_unit[has_unit]])
-    return WorkList(items=items.astype(_I32), gather=gather.astype(_I32), item_units=reports.astype(_I32),
-                    units=units.astype(_I32), num_ws_rows=num_ws_rows)
+    return WorkList(items=items.astype(_I32), gather=gather.astype(_I32), mrows=mrows.astype(_I32),
+                    num_ws_rows=num_ws_rows, num_units=num_units)

@@ -28,10 +28,10 @@ from prefixattn.kernels.prefix_attention import prefix_attention_kernel as kerne
 dtype = sys.argv[1]
 tiles = choose_tiles(head_dim=128, group=4, max_q_len=1, dtype={"*fp16": torch.float16, "*bf16": torch.bfloat16}[dtype])
 pointers = {"out_ptr": dtype, "lse_ptr": "*fp32", "ws_o_ptr": "*fp32", "ws_lse_ptr": "*fp32", "counters_ptr": "*i32",
-            "q_ptr": dtype, "k_cache_ptr": dtype, "v_cache_ptr": dtype, "items_ptr": "*i32", "gather_ptr": "*i32",
-            "item_units_ptr": "*i32", "units_ptr": "*i32", "block_table_ptr": "*i32"}
+            "q_ptr": dtype, "k_cache_ptr": dtype, "v_cache_ptr": dtype, "num_items_ptr": "*i32", "items_ptr": "*i32",
+            "gather_ptr": "*i32", "mrows_ptr": "*i32", "block_table_ptr": "*i32"}
 # The tiles a plan would pick for a Llama-like decode step; tensor-core dots as on a real GPU.
-constexprs = dict(HAS_LSE=True, HAS_SHARED=True, USE_FP32_DOT=False, BLOCK_M_SHARED=tiles.block_m_shared,
+constexprs = dict(HAS_LSE=True, HAS_SHARED=True, USE_FP32_DOT=False, PAGE_SIZE=16, BLOCK_M_SHARED=tiles.block_m_shared,
                   BLOCK_N_SHARED=tiles.block_n_shared, BLOCK_M_SUFFIX=tiles.block_m_suffix,
                   BLOCK_N_SUFFIX=tiles.block_n_suffix, BLOCK_D=tiles.block_d)
 # Every integer scalar, strides included, as i32: the worst case, where only an explicit cast gives 64 bits.

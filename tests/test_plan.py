@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 
 import numpy as np
 import pytest
@@ -11,7 +10,7 @@ import torch
 from prefixattn import plan
 from prefixattn.block_tree import lcp_interval_tree
 from prefixattn.planner import MIN_SPLIT_TOKENS, sharing_pays_off
-from prefixattn.work_list import K
+from prefixattn.kernels import layout as K
 from tests.prefix_batches import make_batch, random_batch
 
 HEADS = dict(num_qo_heads=4, num_kv_heads=2, head_dim=64)
@@ -153,8 +152,8 @@ def check_work_list(p, qo_indptr, kv_lens, block_table, *, causal=True):
     req_of_tok = np.repeat(np.arange(len(lens)), np.diff(indptr))
     bs = p.block_size
     covered, ws_written, direct = [], [], []
-    reports = np.zeros(w.units.shape[0], dtype=np.int64)
-    ws_owner = {}
+    reports = np.zeros(w.mrows.shape[0], dtype=np.int64)
+    ws_owner, mrow_tok = {}, {}
     for item in w.items.astype(np.int64):
         n, lo, hi, rep = item[K.ITEM_NUM_ROWS], item[K.ITEM_KV_START], item[K.ITEM_KV_END], item[K.ITEM_REQ]
         assert 0 < n and lo < hi, "no empty item"
@@ -162,11 +161,14 @@ def check_work_list(p, qo_indptr, kv_lens, block_table, *, causal=True):
         if item[K.ITEM_KIND] == K.KIND_SHARED:
             toks = w.gather[item[K.ITEM_ROW_START] + j, K.GATHER_TOKEN].astype(np.int64)
             ws_rows = w.gather[item[K.ITEM_ROW_START] + j, K.GATHER_WS_ROW].astype(np.int64)
+            mrows = w.gather[item[K.ITEM_ROW_START] + j, K.GATHER_MROW].astype(np.int64)
             assert n <= p.tiles.rows_per_shared_tile(p.num_qo_heads // p.num_kv_heads)
         else:
             assert item[K.ITEM_KIND] == K.KIND_SUFFIX
             toks = item[K.ITEM_ROW_START] + j
             ws_rows = item[K.ITEM_DEST] + j if item[K.ITEM_DEST] >= 0 else None
+            mrows = item[K.ITEM_MROW] + j if item[K.ITEM_DEST] >= 0 else None
+            assert (item[K.ITEM_MROW] >= 0) == (item[K.ITEM_DEST] >= 0)
             assert (req_of_tok[toks] == rep).all(), "a suffix tile holds one request's rows"
             assert n <= p.tiles.rows_per_suffix_tile(p.num_qo_heads // p.num_kv_heads)
         pos = np.arange(lo, hi)
@@ -178,16 +180,15 @@ def check_work_list(p, qo_indptr, kv_lens, block_table, *, causal=True):
         # The representative's blocks ARE the row's blocks for every position the item reads for it.
         assert (table[rep, ps // bs] == table[req_of_tok[t], ps // bs]).all()
         covered.append(t * (1 << 32) + ps)
-        units = w.item_units[item[K.ITEM_UNITS_START]:item[K.ITEM_UNITS_END]].astype(np.int64)
         if ws_rows is None:
-            assert units.size == 0
             direct.append(toks)
         else:
             ws_written.append(ws_rows)
-            for tok, row in zip(toks, ws_rows):
+            for tok, row, mrow in zip(toks, ws_rows, mrows):
                 ws_owner[int(row)] = int(tok)
-            reports[units] += 1
-            assert units.size == np.unique(units).size
+                assert mrow_tok.setdefault(int(mrow), int(tok)) == tok, "a merge row is one token"
+            assert mrows.size == np.unique(mrows).size, "one report per merge row per item"
+            reports[mrows] += 1
     # Every visible (row, position) exactly once, nothing else.
     got = np.sort(np.concatenate(covered)) if covered else np.zeros(0, np.int64)
     want = []
@@ -197,18 +198,19 @@ def check_work_list(p, qo_indptr, kv_lens, block_table, *, causal=True):
             want.append((indptr[r] + i) * (1 << 32) + np.arange(last + 1))
     want = np.sort(np.concatenate(want)) if want else np.zeros(0, np.int64)
     np.testing.assert_array_equal(got, want)
-    # Workspace: every slot of every unit written exactly once, by the unit's own rows; reports as expected.
-    units = w.units.astype(np.int64)
+    # Workspace: every state of every merge row written exactly once, by the row's own token; one report per state
+    # (the kernel's merge condition: the report that completes NUM_STATES merges).
+    mrows = w.mrows.astype(np.int64)
     ws_all = np.concatenate(ws_written) if ws_written else np.zeros(0, np.int64)
     assert ws_all.size == np.unique(ws_all).size == w.num_ws_rows
     unit_toks = set()
-    for u in range(units.shape[0]):
-        tok0, rows, base, states, expected = units[u, [K.UNIT_TOKEN_START, K.UNIT_NUM_ROWS, K.UNIT_WS_BASE,
-                                                        K.UNIT_NUM_STATES, K.UNIT_EXPECTED]]
-        assert rows >= 1 and states >= 1 and reports[u] == expected
-        for s, i in itertools.product(range(states), range(rows)):
-            assert ws_owner[int(base + s * rows + i)] == tok0 + i
-        unit_toks.update(range(tok0, tok0 + rows))
+    for r in range(mrows.shape[0]):
+        first, stride, states = mrows[r, [K.MROW_WS_FIRST, K.MROW_WS_STRIDE, K.MROW_NUM_STATES]]
+        assert stride >= 1 and states >= 1 and reports[r] == states
+        for s in range(states):
+            assert ws_owner[int(first + s * stride)] == mrow_tok[r]
+        unit_toks.add(mrow_tok[r])
+    assert len(unit_toks) == mrows.shape[0], "one merge row per token"
     direct_toks = np.concatenate(direct) if direct else np.zeros(0, np.int64)
     assert direct_toks.size == np.unique(direct_toks).size
     assert not unit_toks & set(direct_toks.tolist())
@@ -234,7 +236,7 @@ def test_work_list_split_k_and_long_prefill_tiles():
     check_work_list(p, *b.metadata)
     kinds = p.work.items[:, K.ITEM_KIND]
     assert (kinds == K.KIND_SHARED).sum() > 1, "the 64-token shared node is split"
-    assert p.work.units.shape[0] == -(-40 // p.tiles.rows_per_suffix_tile(4)) + 1
+    assert p.work.num_units == -(-40 // p.tiles.rows_per_suffix_tile(4)) + 1
     lengths = p.work.items[:, K.ITEM_KV_END] - p.work.items[:, K.ITEM_KV_START]
     assert (np.diff(lengths) <= 0).all(), "longest first"
 
@@ -244,7 +246,7 @@ def test_no_sharing_is_plain_paged_attention():
     p = plan(*b.metadata, **b.heads, q_dtype=torch.float32, num_sms=1)
     q_lens = np.diff(b.qo_indptr.numpy())
     rows = p.tiles.rows_per_suffix_tile(4)
-    assert p.shared_nodes == [] and p.work.units.shape[0] == 0 and p.work.num_ws_rows == 0
+    assert p.shared_nodes == [] and p.work.num_units == 0 and p.work.num_ws_rows == 0
     assert p.num_items == int((-(-q_lens // rows)).sum())
     assert (p.work.items[:, K.ITEM_DEST] == -1).all() and (p.work.items[:, K.ITEM_KIND] == K.KIND_SUFFIX).all()
     assert p.ws_o.numel() == 1 and p.num_launches == 1
@@ -254,7 +256,7 @@ def test_split_k_only_when_the_grid_does_not_fill_the_device():
     b = make_batch(1, q_lens=[1, 1], extra_lens=[600, 700], paths=[(), ()], level_blocks={}, block_size=16,
                    num_qo_heads=8, num_kv_heads=2, head_dim=64)
     full = plan(*b.metadata, **b.heads, q_dtype=torch.float32, num_sms=4)
-    assert full.num_items == 2 and full.work.units.shape[0] == 0
+    assert full.num_items == 2 and full.work.num_units == 0
     split = plan(*b.metadata, **b.heads, q_dtype=torch.float32, num_sms=64)
     lengths = split.work.items[:, K.ITEM_KV_END] - split.work.items[:, K.ITEM_KV_START]
     # 1300 tokens over 64 SMs: chunks of MIN_SPLIT_TOKENS dealt out in whole 64-token tiles.

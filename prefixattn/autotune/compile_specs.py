@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from prefixattn.autotune.config_space import AttentionConfig, MergeConfig, block_d
 from prefixattn.autotune.targets import Target
+from prefixattn.kernels.layout import page_size_constexpr
 
 FUSED_KERNEL = "prefixattn.kernels.prefix_attention:prefix_attention_kernel"
 MERGE_PAIR_KERNEL = "prefixattn.kernels.merge_states:merge_state_pair_kernel"
@@ -128,8 +129,8 @@ def fused_launch_values(head_dim: int) -> dict:
 def fused_pointer_dtypes(dtype: str) -> dict:
     return {"out_ptr": dtype, "q_ptr": dtype, "k_cache_ptr": dtype, "v_cache_ptr": dtype,
             "lse_ptr": "fp32", "ws_o_ptr": "fp32", "ws_lse_ptr": "fp32",
-            "counters_ptr": "i32", "items_ptr": "i32", "gather_ptr": "i32", "item_units_ptr": "i32",
-            "units_ptr": "i32", "block_table_ptr": "i32"}
+            "counters_ptr": "i32", "num_items_ptr": "i32", "items_ptr": "i32", "gather_ptr": "i32",
+            "mrows_ptr": "i32", "block_table_ptr": "i32"}
 
 
 def _param_names(fn_path: str) -> list[str]:
@@ -149,7 +150,8 @@ def fused_job(*, target: Target, dtype: str, head_dim: int, config: AttentionCon
     bd = block_d(head_dim)
     names = param_names if param_names is not None else _param_names(FUSED_KERNEL)
     use_fp32_dot = dtype == "fp32"  # what plan() sets on a GPU: fp32 inputs keep IEEE fp32 dots
-    constexprs = dict(HAS_LSE=has_lse, USE_FP32_DOT=use_fp32_dot, BLOCK_D=bd, **config.constexprs())
+    constexprs = dict(HAS_LSE=has_lse, USE_FP32_DOT=use_fp32_dot, PAGE_SIZE=page_size_constexpr(BLOCK_SIZE), BLOCK_D=bd,
+                      **config.constexprs())
     switchable = "HAS_SHARED" in names
     if switchable:
         constexprs["HAS_SHARED"] = has_shared

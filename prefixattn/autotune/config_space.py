@@ -255,8 +255,8 @@ def launch_space(target: Target) -> list[LaunchOptions]:
 #: What ``prefixattn.attention()`` passes to the kernel launch besides the constexprs: ``num_warps`` only. Until it
 #: also passes ``num_stages`` and the HIP knobs, configs keep Triton's defaults for them, so that the binary that
 #: compile-check verified (and that ``prefixattn tune`` timed) is the one that runs.
-LAUNCHER_PASSES_NUM_STAGES = False
-LAUNCHER_PASSES_HIP_KNOBS = False
+LAUNCHER_PASSES_NUM_STAGES = True
+LAUNCHER_PASSES_HIP_KNOBS = True
 
 
 def launchable(lo: LaunchOptions, target: Target) -> bool:

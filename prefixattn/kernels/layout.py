@@ -1,0 +1,53 @@
+"""Layout of the fused kernel's int32 work tables: the one definition that the host (:mod:`prefixattn.work_list`,
+numpy) and the kernel (:mod:`prefixattn.kernels.prefix_attention`, Triton) both read. No triton import here, so host
+code and tests can use the layout without loading the compiler.
+
+Tables of one launch (row-major int32, built once per step by :func:`prefixattn.plan`):
+
+* ``items[num_items, ITEM_FIELDS]``: one work item per row, longest KV range first. A program is (item, KV head).
+* ``gather[num_gather, GATHER_FIELDS]``: the packed query rows of SHARED items (rows of many requests).
+* ``mrows[num_mrows, MROW_FIELDS]``: merge rows, one per query row that gets more than one partial state (shared
+  levels, split-k chunks). State ``s`` of merge row ``r`` lives at workspace row
+  ``mrows[r, MROW_WS_FIRST] + s * mrows[r, MROW_WS_STRIDE]``. Every program that produces a state of a merge row
+  reports it on the row's counter (one per merge row and query head); the report that completes
+  ``MROW_NUM_STATES`` merges that (row, head) in the same launch. Rows with one state write straight to ``out``.
+"""
+
+# Work-item kinds.
+KIND_SHARED = 0  # every packed row of a shared prefix node against ONE copy of the node's KV range
+KIND_SUFFIX = 1  # a tile of one request's consecutive query rows against its own KV range (causal near the end)
+
+# Columns of ``items``.
+ITEM_KIND = 0
+ITEM_REQ = 1  # block-table row whose blocks hold the item's KV range (any member of a shared node)
+ITEM_KV_START = 2
+ITEM_KV_END = 3
+ITEM_ROW_START = 4  # SHARED: first packed row in ``gather``; SUFFIX: token index of its first row
+ITEM_NUM_ROWS = 5
+ITEM_Q_POS = 6  # row j of the item sees KV positions <= q_pos + j
+ITEM_DEST = 7  # SUFFIX: workspace row of its first row's state (row j: dest + j), or -1 = straight to ``out``
+ITEM_MROW = 8  # SUFFIX with a workspace state: merge row of its first row (row j: mrow + j); else -1
+ITEM_FIELDS = 9
+
+# Columns of ``gather``.
+GATHER_TOKEN = 0  # token index (row of q and out)
+GATHER_WS_ROW = 1  # workspace row of this item's state of the row
+GATHER_MROW = 2  # merge row of the row (shared rows always merge: they have a suffix or a deeper state too)
+GATHER_FIELDS = 3
+
+# Columns of ``mrows``.
+MROW_WS_FIRST = 0
+MROW_WS_STRIDE = 1
+MROW_NUM_STATES = 2
+MROW_FIELDS = 3
+
+# Block sizes the kernel is compiled for as a constant (its ``PAGE_SIZE``): page and slot of a KV position become a
+# shift and a mask instead of an integer divide and remainder per element. These are the sizes engines use: 1
+# (SGLang's token pool), 16 (vLLM's default on GPUs), 32 (vLLM on CPU, FlashInfer), 64. Any other block size runs the
+# generic binary (``PAGE_SIZE=0``: run-time ``block_size``); each specialized size is one more compile.
+SPECIALIZED_PAGE_SIZES = (1, 16, 32, 64)
+
+
+def page_size_constexpr(block_size: int) -> int:
+    """The kernel's ``PAGE_SIZE`` for a cache with ``block_size`` tokens per block (0 = the generic binary)."""
+    return block_size if block_size in SPECIALIZED_PAGE_SIZES else 0
