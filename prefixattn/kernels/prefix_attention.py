@@ -28,18 +28,20 @@ LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
-def _kv_token_offsets(block_row_ptr, pos, in_range, block_size, stride_blk, stride_tok, PAGE_SIZE: tl.constexpr):
-    """Element offsets of KV positions ``pos`` in a paged cache (int64: block id x block stride passes 2^31 elements
-    on large caches, vllm#47671, sglang#20389). ``PAGE_SIZE`` > 0 is the block size as a compile-time constant (the
-    page and slot become shifts and masks for the sizes engines use); 0 reads the run-time ``block_size``."""
+def _page_and_slot(pos, block_size, PAGE_SIZE: tl.constexpr):
+    """Block-table column and slot of KV positions ``pos``. ``PAGE_SIZE`` > 0 is the block size as a compile-time
+    constant (a shift and a mask for the sizes engines use); 0 reads the run-time ``block_size``."""
     if PAGE_SIZE > 0:
-        page = pos // PAGE_SIZE
-        slot = pos % PAGE_SIZE
+        return pos // PAGE_SIZE, pos % PAGE_SIZE
     else:
-        page = pos // block_size
-        slot = pos % block_size
-    blk = tl.load(block_row_ptr + page, mask=in_range, other=0).to(tl.int64)
-    return blk * stride_blk + slot.to(tl.int64) * stride_tok
+        return pos // block_size, pos % block_size
+
+
+@triton.jit
+def _load_block_ids(block_row_ptr, pos, kv_hi, block_size, PAGE_SIZE: tl.constexpr):
+    """Physical block ids of KV positions ``pos`` (0 past ``kv_hi``: never dereferenced unmasked)."""
+    page, _ = _page_and_slot(pos=pos, block_size=block_size, PAGE_SIZE=PAGE_SIZE)
+    return tl.load(block_row_ptr + page, mask=pos < kv_hi, other=0)
 
 
 @triton.jit
@@ -62,16 +64,26 @@ def _attend_range(
     mask_d = offs_d < head_dim
     k_head = kv_head.to(tl.int64) * stride_k_head
     v_head = kv_head.to(tl.int64) * stride_v_head
+    # Block ids are loaded one tile ahead and carried by the loop: the K/V addresses of a tile never wait on a load
+    # issued in the same iteration, so the software pipeliner keeps two K/V tiles in flight at num_stages=3
+    # (sm_90, bf16, head_dim 128: async_wait num=2 in the loop; with the ids loaded in-loop it kept one tile and
+    # waited with num=0 at the top of every iteration, a full memory round trip per tile).
+    blk_next = _load_block_ids(block_row_ptr=block_row_ptr, pos=kv_lo + offs_n, kv_hi=kv_hi, block_size=block_size,
+                               PAGE_SIZE=PAGE_SIZE)
     for start in range(kv_lo, kv_hi, BLOCK_N):
         pos = start + offs_n
         in_range = pos < kv_hi
-        k_tok = _kv_token_offsets(block_row_ptr=block_row_ptr, pos=pos, in_range=in_range, block_size=block_size,
-                                  stride_blk=stride_k_blk, stride_tok=stride_k_tok, PAGE_SIZE=PAGE_SIZE)
-        v_tok = _kv_token_offsets(block_row_ptr=block_row_ptr, pos=pos, in_range=in_range, block_size=block_size,
-                                  stride_blk=stride_v_blk, stride_tok=stride_v_tok, PAGE_SIZE=PAGE_SIZE)
-        k = tl.load(k_cache_ptr + (k_tok + k_head)[None, :] + offs_d[:, None] * stride_k_d,
+        # 64-bit: block id x block stride passes 2^31 elements on large caches (vllm#47671, sglang#20389).
+        blk = blk_next.to(tl.int64)
+        blk_next = _load_block_ids(block_row_ptr=block_row_ptr, pos=pos + BLOCK_N, kv_hi=kv_hi,
+                                   block_size=block_size, PAGE_SIZE=PAGE_SIZE)
+        _, slot = _page_and_slot(pos=pos, block_size=block_size, PAGE_SIZE=PAGE_SIZE)
+        slot = slot.to(tl.int64)
+        k_off = blk * stride_k_blk + slot * stride_k_tok + k_head
+        v_off = blk * stride_v_blk + slot * stride_v_tok + v_head
+        k = tl.load(k_cache_ptr + k_off[None, :] + offs_d[:, None] * stride_k_d,
                     mask=in_range[None, :] & mask_d[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
-        v = tl.load(v_cache_ptr + (v_tok + v_head)[:, None] + offs_d[None, :] * stride_v_d,
+        v = tl.load(v_cache_ptr + v_off[:, None] + offs_d[None, :] * stride_v_d,
                     mask=in_range[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
         if USE_FP32_DOT:
             s = tl.dot(q, k.to(tl.float32), input_precision="ieee")
