@@ -106,7 +106,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pla
             stride_v_blk=v_cache.stride(0), stride_v_tok=v_cache.stride(1), stride_v_head=v_cache.stride(2),
             stride_v_d=v_cache.stride(3),
             stride_bt_r=p.block_table.stride(0),
-            HAS_LSE=return_lse, HAS_SHARED=has_shared, USE_FP32_DOT=p.use_fp32_dot,
+            HAS_LSE=return_lse, HAS_SHARED=has_shared, USE_FP32_DOT=p.use_fp32_dot, IS_HIP=t.is_hip,
             PAGE_SIZE=page_size_constexpr(p.block_size),
             BLOCK_M_SHARED=t.block_m_shared, BLOCK_N_SHARED=t.block_n_shared,
             BLOCK_M_SUFFIX=t.block_m_suffix, BLOCK_N_SUFFIX=t.block_n_suffix, BLOCK_D=t.block_d,

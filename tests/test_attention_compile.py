@@ -1,4 +1,4 @@
-"""The fused kernel compiles for a GPU target and computes block_id x block_stride in 64 bits.
+"""The fused kernel compiles for GPU targets: block_id x block_stride in 64 bits; the merge's memory ordering on AMD.
 
 The interpreter does not overflow like a GPU does, so 64-bit offsets (vllm#47671, sglang#20389) are proven on the
 compiled IR. A kernel defined under TRITON_INTERPRET=1 cannot be compiled: this runs in a separate process.
@@ -31,7 +31,7 @@ pointers = {"out_ptr": dtype, "lse_ptr": "*fp32", "ws_o_ptr": "*fp32", "ws_lse_p
             "q_ptr": dtype, "k_cache_ptr": dtype, "v_cache_ptr": dtype, "num_items_ptr": "*i32", "items_ptr": "*i32",
             "gather_ptr": "*i32", "mrows_ptr": "*i32", "block_table_ptr": "*i32"}
 # The tiles a plan would pick for a Llama-like decode step; tensor-core dots as on a real GPU.
-constexprs = dict(HAS_LSE=True, HAS_SHARED=True, USE_FP32_DOT=False, PAGE_SIZE=16, BLOCK_M_SHARED=tiles.block_m_shared,
+constexprs = dict(HAS_LSE=True, HAS_SHARED=True, USE_FP32_DOT=False, IS_HIP=False, PAGE_SIZE=16, BLOCK_M_SHARED=tiles.block_m_shared,
                   BLOCK_N_SHARED=tiles.block_n_shared, BLOCK_M_SUFFIX=tiles.block_m_suffix,
                   BLOCK_N_SUFFIX=tiles.block_n_suffix, BLOCK_D=tiles.block_d)
 # Every integer scalar, strides included, as i32: the worst case, where only an explicit cast gives 64 bits.
@@ -60,3 +60,61 @@ def test_block_offsets_are_64_bit_in_compiled_kernel(dtype):
     assert re.search(r"%blk\w* = arith\.extsi %blk\w* : tensor<\d+xi32[^>]*> to tensor<\d+xi64", ttgir)
     # The machine code multiplies in 64 bits.
     assert "mul.lo.s64" in ptx or "mul.wide.s32" in ptx
+
+
+_AMD_SCRIPT = r"""
+import os, sys
+os.environ["TRITON_INTERPRET"] = "0"
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from prefixattn.autotune.compile_specs import fused_job
+from prefixattn.autotune.lookup import select_config
+from prefixattn.autotune.targets import get_target
+from prefixattn.kernels.prefix_attention import prefix_attention_kernel as fn
+
+t = get_target(sys.argv[1])
+cfg = select_config(head_dim=128, dtype="bf16", group=4, max_q_len=1, target=t).config
+job = fused_job(target=t, dtype="bf16", head_dim=128, config=cfg, variant="decode", has_lse=False)
+src = ASTSource(fn=fn, signature=dict(job.signature), constexprs=dict(job.constexprs),
+                attrs={tuple(k): v for k, v in job.attrs.items()})
+ck = triton.compile(src, target=GPUTarget(t.backend, t.arch, t.warp_size), options=dict(job.options))
+sys.stdout.write(ck.asm["amdgcn"])
+"""
+
+#: What each CDNA target emits for an agent-scope release before an atomic and for an acquire after one (the
+#: AMDGPU memory model): gfx942's L2 is per XCD, so release writes it back and acquire invalidates it; gfx90a's L2 is
+#: device-coherent, so only the per-CU L1 is invalidated on acquire.
+_AMD_ORDERING = {"gfx942": {"release": "buffer_wbl2", "acquire": "buffer_inv sc1", "returns": " sc0"},
+                 "gfx90a": {"release": None, "acquire": "buffer_wbinvl1_vol", "returns": " glc"}}
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("arch", sorted(_AMD_ORDERING))
+def test_merge_reports_are_ordered_on_amd(arch):
+    """The in-launch merge on CDNA: every wave waits for its own workspace stores before the CTA barrier (a barrier
+    orders LDS only; ``s_waitcnt vmcnt(0)`` counts stores on CDNA), the report is a release atomic, and only the
+    merging path pays an acquire (cache invalidate) - none after the reports themselves."""
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, "-c", _AMD_SCRIPT, arch], capture_output=True, text=True, env=env,
+                         cwd=root, timeout=300)
+    assert run.returncode == 0, run.stderr[-4000:]
+    lines = [ln.strip() for ln in run.stdout.splitlines() if ln.strip() and not ln.strip().startswith((";", "."))]
+    rule = _AMD_ORDERING[arch]
+    reports = [i for i, ln in enumerate(lines) if "atomic_add" in ln and rule["returns"] in ln]
+    acquires = [i for i, ln in enumerate(lines) if "atomic_add" in ln and rule["returns"] not in ln]
+    # The inline-asm waits keep their ;;#ASMSTART markers in the raw text: count them there.
+    assert run.stdout.count(";;#ASMSTART\n\ts_waitcnt vmcnt(0)\n\t;;#ASMEND") == len(reports) == 2, "one per branch"
+    for i in reports:
+        before = lines[max(0, i - 8):i]
+        assert any(ln == "s_barrier" for ln in before), "the report follows the CTA barrier"
+        if rule["release"]:
+            assert any(ln.startswith(rule["release"]) for ln in before), "release writes L2 back"
+        assert not any(rule["acquire"] in ln for ln in lines[i:i + 12]), "reports pay no acquire"
+    assert len(acquires) == 2
+    for i in acquires:
+        # The invalidate follows the acquire atomic before the CTA barrier that lets the other waves read states.
+        inv = next(j for j in range(i, len(lines)) if rule["acquire"] in lines[j])
+        barrier = next(j for j in range(i, len(lines)) if lines[j] == "s_barrier")
+        assert inv < barrier, "the merging path invalidates before any wave reads the states"

@@ -150,7 +150,7 @@ def fused_job(*, target: Target, dtype: str, head_dim: int, config: AttentionCon
     bd = block_d(head_dim)
     names = param_names if param_names is not None else _param_names(FUSED_KERNEL)
     use_fp32_dot = dtype == "fp32"  # what plan() sets on a GPU: fp32 inputs keep IEEE fp32 dots
-    constexprs = dict(HAS_LSE=has_lse, USE_FP32_DOT=use_fp32_dot, PAGE_SIZE=page_size_constexpr(BLOCK_SIZE), BLOCK_D=bd,
+    constexprs = dict(HAS_LSE=has_lse, USE_FP32_DOT=use_fp32_dot, IS_HIP=target.is_hip, PAGE_SIZE=page_size_constexpr(BLOCK_SIZE), BLOCK_D=bd,
                       **config.constexprs())
     switchable = "HAS_SHARED" in names
     if switchable:

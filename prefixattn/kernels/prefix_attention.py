@@ -125,7 +125,7 @@ def _report_and_merge(
     stride_lse_t, stride_lse_h,
     stride_ws_t, stride_ws_h, stride_ws_d,
     stride_wl_t, stride_wl_h,
-    HAS_LSE: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_LSE: tl.constexpr, IS_HIP: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Report this program's states (already stored) on their (merge row, head) counters, all lanes at once, and
     merge every (row, head) whose count this report completes, in one masked pass.
@@ -138,12 +138,20 @@ def _report_and_merge(
     the threads that load the states, with volatile (L1-bypassing) loads. Programs that merge nothing never pay the
     acquire (on AMD an L2 invalidate). No program ever waits on another, so the order in which the hardware
     schedules programs cannot deadlock it, and the sequential interpreter takes the same path deterministically.
+    On AMD a CTA barrier orders LDS only and a release atomic waits for the issuing wave's own stores only, so every
+    wave first waits for its own workspace stores (``IS_HIP``: ``s_waitcnt vmcnt(0)``, which on CDNA counts stores
+    too); the releasing wave's L2 write-back then publishes all of them, and the acquire's L2 invalidate makes the
+    merging program read them.
     The counters are zeroed by the launcher before every launch, so a launch that was interrupted (or counters
     overwritten by anyone) cannot make a later one merge early.
     """
     mrow = mrow.to(tl.int64)
     num_states = tl.load(mrows_ptr + mrow * L.MROW_FIELDS + L.MROW_NUM_STATES, mask=mask_m, other=0)
     counter = counters_ptr + mrow * num_qo_heads + head
+    if IS_HIP:
+        # Executed by every thread (the mask tensor is replicated over the whole CTA): each wave's stores complete.
+        tl.inline_asm_elementwise("s_waitcnt vmcnt(0)", "=v,v", [mask_m.to(tl.int32)], dtype=tl.int32,
+                                  is_pure=False, pack=1)
     tl.debug_barrier()
     arrived = tl.atomic_add(counter, 1, mask=mask_m, sem="release", scope="gpu")
     done = mask_m & (arrived == num_states - 1)
@@ -198,8 +206,8 @@ def _run_item(
     stride_k_blk, stride_k_tok, stride_k_head, stride_k_d,
     stride_v_blk, stride_v_tok, stride_v_head, stride_v_d,
     stride_bt_r,
-    IS_SHARED: tl.constexpr, HAS_LSE: tl.constexpr, USE_FP32_DOT: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    IS_SHARED: tl.constexpr, HAS_LSE: tl.constexpr, USE_FP32_DOT: tl.constexpr, IS_HIP: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     it = items_ptr + item * L.ITEM_FIELDS
     req = tl.load(it + L.ITEM_REQ).to(tl.int64)
@@ -285,7 +293,7 @@ def _run_item(
             stride_lse_t=stride_lse_t, stride_lse_h=stride_lse_h,
             stride_ws_t=stride_ws_t, stride_ws_h=stride_ws_h, stride_ws_d=stride_ws_d,
             stride_wl_t=stride_wl_t, stride_wl_h=stride_wl_h,
-            HAS_LSE=HAS_LSE, BLOCK_D=BLOCK_D,
+            HAS_LSE=HAS_LSE, IS_HIP=IS_HIP, BLOCK_D=BLOCK_D,
         )
     else:
         # The request's rows have this single state: plain paged attention, straight to the output.
@@ -326,6 +334,7 @@ def prefix_attention_kernel(
     HAS_LSE: tl.constexpr,
     HAS_SHARED: tl.constexpr,
     USE_FP32_DOT: tl.constexpr,
+    IS_HIP: tl.constexpr,  # AMD: every wave waits for its own workspace stores before reporting
     PAGE_SIZE: tl.constexpr,
     BLOCK_M_SHARED: tl.constexpr,
     BLOCK_N_SHARED: tl.constexpr,
@@ -363,8 +372,8 @@ def prefix_attention_kernel(
             stride_v_blk=stride_v_blk, stride_v_tok=stride_v_tok, stride_v_head=stride_v_head,
             stride_v_d=stride_v_d,
             stride_bt_r=stride_bt_r,
-            IS_SHARED=True, HAS_LSE=HAS_LSE, USE_FP32_DOT=USE_FP32_DOT, PAGE_SIZE=PAGE_SIZE,
-            BLOCK_M=BLOCK_M_SHARED, BLOCK_N=BLOCK_N_SHARED, BLOCK_D=BLOCK_D,
+            IS_SHARED=True, HAS_LSE=HAS_LSE, USE_FP32_DOT=USE_FP32_DOT, IS_HIP=IS_HIP,
+            PAGE_SIZE=PAGE_SIZE, BLOCK_M=BLOCK_M_SHARED, BLOCK_N=BLOCK_N_SHARED, BLOCK_D=BLOCK_D,
         )
     else:
         _run_item(
@@ -383,6 +392,6 @@ def prefix_attention_kernel(
             stride_v_blk=stride_v_blk, stride_v_tok=stride_v_tok, stride_v_head=stride_v_head,
             stride_v_d=stride_v_d,
             stride_bt_r=stride_bt_r,
-            IS_SHARED=False, HAS_LSE=HAS_LSE, USE_FP32_DOT=USE_FP32_DOT, PAGE_SIZE=PAGE_SIZE,
-            BLOCK_M=BLOCK_M_SUFFIX, BLOCK_N=BLOCK_N_SUFFIX, BLOCK_D=BLOCK_D,
+            IS_SHARED=False, HAS_LSE=HAS_LSE, USE_FP32_DOT=USE_FP32_DOT, IS_HIP=IS_HIP,
+            PAGE_SIZE=PAGE_SIZE, BLOCK_M=BLOCK_M_SUFFIX, BLOCK_N=BLOCK_N_SUFFIX, BLOCK_D=BLOCK_D,
         )
