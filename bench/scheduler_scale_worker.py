@@ -1,4 +1,7 @@
-"""Run in a fresh process by ``test_scheduler_speed.py``: group and order a BlendServe-scale batch, print JSON.
+"""Run in a fresh process by ``test_scheduler_speed.py``: group and order an offline batch at BlendServe's scale
+(400,000 requests), print JSON. ``argv``: number of requests, then the workload: ``case1`` (BatchLLM case-1-shaped
+prompts of ~1,560 tokens, share degree ~7: ~620M tokens, 2.5 GB as int32) or ``blendserve`` (chat/MMLU/video mix,
+~600 tokens each).
 
 A separate process so its peak memory (``VmHWM``) measures only this work: the peak is reset after the prompts are
 generated, so ``peak_extra_bytes`` is the memory grouping and ordering needed beyond the prompts themselves.
@@ -13,7 +16,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from prefix_workloads import blendserve_mix  # noqa: E402
+import numpy as np  # noqa: E402
+
+from prefix_workloads import batchllm_case1, blendserve_mix  # noqa: E402
 
 from prefixattn.scheduling import group_prompts, order_groups  # noqa: E402
 
@@ -27,11 +32,19 @@ def _status_kb(field: str) -> int:
 
 def main() -> None:
     num_requests = int(sys.argv[1]) if len(sys.argv) > 1 else 400_000
-    prompts, output_lens = blendserve_mix(num_requests)
+    workload = sys.argv[2] if len(sys.argv) > 2 else "case1"
+    if workload == "case1":
+        prompts = batchllm_case1(num_requests)
+        # Snippet generation: outputs of a few hundred tokens (BatchLLM case 1); the blendserve order needs some.
+        output_lens = np.random.default_rng(1).integers(100, 400, num_requests)
+    elif workload == "blendserve":
+        prompts, output_lens = blendserve_mix(num_requests)
+    else:
+        raise ValueError(f"workload: expected 'case1' or 'blendserve', got {workload!r}")
     tokens = sum(len(p) for p in prompts)
     Path("/proc/self/clear_refs").write_text("5")  # reset the peak RSS to the current RSS
     base_kb = _status_kb("VmRSS")
-    out = dict(num_requests=num_requests, tokens=tokens, prompt_bytes=tokens * 4)
+    out = dict(workload=workload, num_requests=num_requests, tokens=tokens, prompt_bytes=tokens * 4)
     wall, cpu = time.perf_counter(), time.process_time()
     groups = group_prompts(prompts)
     out["group_wall_s"], out["group_cpu_s"] = time.perf_counter() - wall, time.process_time() - cpu

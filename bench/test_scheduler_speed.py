@@ -2,14 +2,15 @@
 BlendServe-scale batch grouped and ordered, and one token-batching step with 1,024 running requests.
 
 * ``scheduler_grouping``: ``group_prompts`` on BatchLLM case-1-shaped batches (3,000 and 30,000 requests of ~1,560
-  tokens: a 64-token system prompt, ~1,100-token documents shared by ~7 queries of ~400 tokens) against inserting
-  the same prompts one by one into SGLang's ``RadixCache`` (page size 1), measured in the same process; the ratio
-  rows are SGLang time / ours, in wall and in CPU time. Without sglang importable (run the bench with
-  ``/work/main/.venv-sglang/bin/python`` to have it), our rows are recorded and the peer is skipped with the reason.
+  tokens: a 64-token system prompt, ~1,100-token documents shared by ~7 queries of ~400 tokens), from numpy int32
+  rows and from Python lists, against SGLang building its keys from the lists and inserting the prompts one by one
+  into its ``RadixCache`` (page size 1), all measured in one process (``sglang_radix.compare``): in this
+  interpreter when sglang imports here, else in the SGLang venv (``.venv-sglang`` at the repository root or
+  ``PREFIXATTN_BENCH_SGLANG_PYTHON``, as the traffic peers find theirs). Without either, our rows are recorded here
+  and the peer is skipped with the reason. Ratio rows are SGLang time / ours.
 * ``scheduler_scale``: 400,000 requests (BlendServe's scale) in a fresh process: grouping, then ordering with
-  ``batchllm`` and ``blendserve``; peak memory beyond the prompts. Prompts are BlendServe-like (chat / MMLU /
-  video, mean ~600 tokens, ~240M tokens) rather than 1-2k tokens each: that keeps the prompts themselves at ~1 GB
-  and the data generation at seconds; the shape string says so.
+  ``batchllm`` and ``blendserve``; peak memory beyond the prompts. Two batches: BatchLLM case-1-shaped prompts
+  (~1,560 tokens each, ~620M tokens, 2.5 GB as int32) and a BlendServe-like chat / MMLU / video mix (~600 tokens).
 * ``scheduler_step``: ``TokenBatcher.step()`` with 1,024 running requests (pure decode, and decode plus a waiting
   queue that keeps prefill chunks in every step).
 
@@ -20,6 +21,7 @@ work. Benchmarks report; nothing here asserts a speed.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -47,6 +49,25 @@ def _timed(fn):
     return result, time.perf_counter() - wall, time.process_time() - cpu
 
 
+def _sglang_compare(num_requests: int) -> tuple[dict | None, str]:
+    """``sglang_radix.compare`` here if sglang imports, else in the SGLang venv; (result or None, why)."""
+    import sglang_radix
+    from peers.remote import REPO_ROOT, engine_python
+
+    repeats = PEER_REPEATS[num_requests]
+    if sglang_radix.unavailable_reason() is None:
+        return sglang_radix.compare(num_requests, repeats), "in process"
+    python, why = engine_python("sglang")
+    if python is None:
+        return None, why
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO_ROOT), str(HERE)]))
+    proc = subprocess.run([python, str(HERE / "sglang_radix.py"), str(num_requests), str(repeats)],
+                          capture_output=True, text=True, timeout=1800, env=env, cwd=HERE)
+    if proc.returncode != 0:
+        return None, f"sglang_radix.py failed in {python}: {proc.stderr[-2000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1]), why
+
+
 @pytest.mark.parametrize("num_requests", [3000, 30000])
 def test_grouping_vs_sglang_radix_cache(results, num_requests):
     prompts = batchllm_case1(num_requests)
@@ -67,31 +88,36 @@ def test_grouping_vs_sglang_radix_cache(results, num_requests):
     print(f"\n{shape}: prefixattn group_prompts {ours:.3f} s (cpu {statistics.median(r[2] for r in runs):.3f}), "
           f"{len(groups)} groups")
 
-    import sglang_radix
+    out, where = _sglang_compare(num_requests)
+    if out is None:
+        pytest.skip(f"sglang-radix peer skipped: {where}")
+    for form in ("arrays", "lists"):
+        for clock in ("wall", "cpu"):
+            results.add("scheduler_grouping", f"prefixattn-{form}-same-process", shape, f"{clock}_s",
+                        out[f"ours_{form}_{clock}_s"], "s")
+    for clock in ("wall", "cpu"):
+        results.add("scheduler_grouping", "sglang-radix-keys+insert", shape, f"{clock}_s",
+                    out[f"sglang_keys_insert_{clock}_s"], "s")
+        results.add("scheduler_grouping", "sglang-radix-keys", shape, f"{clock}_s", out[f"sglang_keys_{clock}_s"], "s")
+        for form in ("arrays", "lists"):
+            results.add("scheduler_grouping", f"prefixattn-{form}-vs-sglang-radix", shape, f"speedup_{clock}",
+                        out[f"sglang_keys_insert_{clock}_s"] / out[f"ours_{form}_{clock}_s"], "x")
+    print(f"{shape} ({where}): sglang keys+insert {out['sglang_keys_insert_cpu_s']:.3f} s cpu; ours from arrays "
+          f"{out['ours_arrays_cpu_s']:.3f} s cpu ({out['sglang_keys_insert_cpu_s'] / out['ours_arrays_cpu_s']:.1f}x), "
+          f"from lists {out['ours_lists_cpu_s']:.3f} s cpu "
+          f"({out['sglang_keys_insert_cpu_s'] / out['ours_lists_cpu_s']:.1f}x)")
 
-    reason = sglang_radix.unavailable_reason()
-    if reason is not None:
-        pytest.skip(f"sglang-radix peer skipped: {reason}")
-    peer_runs = [sglang_radix.insertion_seconds(prompts) for _ in range(PEER_REPEATS[num_requests])]
-    peer_wall = statistics.median(r[0] for r in peer_runs)
-    peer_cpu = statistics.median(r[1] for r in peer_runs)
-    ours_cpu = statistics.median(r[2] for r in runs)
-    results.add("scheduler_grouping", "sglang-radix", shape, "wall_s", peer_wall, "s")
-    results.add("scheduler_grouping", "sglang-radix", shape, "cpu_s", peer_cpu, "s")
-    results.add("scheduler_grouping", "prefixattn-vs-sglang-radix", shape, "speedup_wall", peer_wall / ours, "x")
-    results.add("scheduler_grouping", "prefixattn-vs-sglang-radix", shape, "speedup_cpu", peer_cpu / ours_cpu, "x")
-    print(f"{shape}: sglang RadixCache insertion {peer_wall:.3f} s (cpu {peer_cpu:.3f}) -> prefixattn is "
-          f"{peer_wall / ours:.1f}x faster wall, {peer_cpu / ours_cpu:.1f}x cpu")
 
-
-def test_blendserve_scale_group_and_order(results):
-    proc = subprocess.run([sys.executable, str(HERE / "scheduler_scale_worker.py"), "400000"], capture_output=True,
-                          text=True, timeout=900)
+@pytest.mark.parametrize("workload", ["case1", "blendserve"])
+def test_blendserve_scale_group_and_order(results, workload):
+    proc = subprocess.run([sys.executable, str(HERE / "scheduler_scale_worker.py"), "400000", workload],
+                          capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
         raise RuntimeError(f"scheduler_scale_worker failed:\n{proc.stderr[-4000:]}")
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    shape = (f"blendserve-like N={out['num_requests']} mean={out['tokens'] / out['num_requests']:.0f}tok "
-             f"({out['tokens'] / 1e6:.0f}M tokens; chat/MMLU/video mix, not 1-2k tok each)")
+    mean = out["tokens"] / out["num_requests"]
+    what = "case-1-shaped, share~7" if workload == "case1" else "chat/MMLU/video mix"
+    shape = f"{workload} N={out['num_requests']} mean={mean:.0f}tok ({out['tokens'] / 1e6:.0f}M tokens; {what})"
     total_wall = out["group_wall_s"] + out["order_batchllm_wall_s"]
     total_cpu = out["group_cpu_s"] + out["order_batchllm_cpu_s"]
     for metric in ("group_wall_s", "group_cpu_s", "order_batchllm_wall_s", "order_batchllm_cpu_s",

@@ -15,6 +15,15 @@ scheduler, or its synchronous one where async scheduling is off. Options come fr
 ``additional_config={"prefixattn": {"ordering": "batchllm", "levels": 1}}`` or the environment
 (``PREFIXATTN_ORDERING``, ``PREFIXATTN_GROUP_LEVELS``).
 
+Memory-centric admission (BatchLLM Algorithm 2; ``additional_config={"prefixattn": {"memory_admission": True}}``):
+vLLM allocates a request's prompt blocks and reserves nothing for its decode growth, so a memory-bound offline batch
+admits too much, then preempts and recomputes. With this option a waiting request starts only while the started
+requests plus it, each projected to its prompt plus its reserved output (``SamplingParams.max_tokens``, or the
+estimate in ``SamplingParams.extra_args["prefixattn_output_len"]`` when smaller, clipped at ``reservation_clip``),
+fit ``kv_threshold`` of the KV cache; a group's shared prefix blocks count once. The test is
+:mod:`prefixattn.scheduling.admission`, the one :class:`prefixattn.scheduling.TokenBatcher` and the simulator use.
+vLLM's loop still schedules running requests (decodes and partial prefills) before new ones.
+
 Memory, not a request count, is what limits a step: vLLM's own admission stops at the first request whose KV
 blocks do not fit. vLLM's model runner still has ``max_num_seqs`` request slots (its persistent buffers are sized by
 it, a scheduler cannot change that); :func:`memory_bound_engine_kwargs` sets it high enough that the KV cache binds
@@ -33,6 +42,7 @@ from integrations.vllm.version import check_vllm_version
 check_vllm_version()
 
 from prefixattn.scheduling import ORDERINGS, group_prompts, order_groups  # noqa: E402
+from prefixattn.scheduling.admission import admits, blocks, projected_blocks, reserved_output  # noqa: E402
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.core.sched.request_queue import RequestQueue, SchedulingPolicy  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
@@ -46,10 +56,16 @@ DEFAULT_LEVELS = 1
 #: KB each, and BatchLLM-scale offline batches run several hundred requests per step.
 MEMORY_BOUND_MAX_NUM_SEQS = 1024
 CONFIG_KEY = "prefixattn"
+#: Fraction of the KV cache memory-centric admission may plan to fill (BatchLLM's ``M_threshold``): a little
+#: headroom for outputs that outrun their reservation (an estimate smaller than ``max_tokens``).
+DEFAULT_KV_THRESHOLD = 0.95
+#: ``SamplingParams.extra_args`` key of a per-request output-length estimate (tokens) for the reservation.
+OUTPUT_LEN_KEY = "prefixattn_output_len"
 
 
 def scheduling_options(vllm_config=None) -> dict[str, Any]:
-    """``{"ordering": str, "levels": int}`` from ``additional_config["prefixattn"]``, else the environment."""
+    """``{"ordering", "levels", "memory_admission", "kv_threshold", "reservation_clip"}`` from
+    ``additional_config["prefixattn"]`` (ordering and levels also from the environment)."""
     extra = getattr(vllm_config, "additional_config", None) or {}
     own = extra.get(CONFIG_KEY, {}) if isinstance(extra, dict) else {}
     ordering = own.get("ordering", os.environ.get("PREFIXATTN_ORDERING", DEFAULT_ORDERING))
@@ -64,7 +80,19 @@ def scheduling_options(vllm_config=None) -> dict[str, Any]:
     if levels < 1:
         raise ValueError(f"additional_config['{CONFIG_KEY}']['levels']: expected a positive int, got "
                          f"{own.get('levels', os.environ.get('PREFIXATTN_GROUP_LEVELS'))!r}")
-    return dict(ordering=ordering, levels=levels)
+    memory = own.get("memory_admission", False)
+    threshold = own.get("kv_threshold", DEFAULT_KV_THRESHOLD)
+    clip = own.get("reservation_clip")
+    if not isinstance(memory, bool):
+        raise ValueError(f"additional_config['{CONFIG_KEY}']['memory_admission']: expected a bool, got {memory!r}")
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 < threshold <= 1:
+        raise ValueError(f"additional_config['{CONFIG_KEY}']['kv_threshold']: expected a fraction in (0, 1], got "
+                         f"{threshold!r}")
+    if clip is not None and (isinstance(clip, bool) or not isinstance(clip, int) or clip < 1):
+        raise ValueError(f"additional_config['{CONFIG_KEY}']['reservation_clip']: expected a positive int or None, "
+                         f"got {clip!r}")
+    return dict(ordering=ordering, levels=levels, memory_admission=memory, kv_threshold=float(threshold),
+                reservation_clip=clip)
 
 
 def group_order(prompts: list[list[int]], *, ordering: str = DEFAULT_ORDERING, levels: int = DEFAULT_LEVELS,
@@ -76,10 +104,67 @@ def group_order(prompts: list[list[int]], *, ordering: str = DEFAULT_ORDERING, l
     >>> group_order([[1] * 50 + [2], [4, 5, 6], [1] * 50 + [3]])
     [1, 0, 2]
     """
+    return _grouped(prompts, ordering=ordering, levels=levels, min_shared_tokens=min_shared_tokens)[0]
+
+
+def _grouped(prompts, *, ordering, levels, min_shared_tokens) -> tuple[list[int], list[int]]:
+    """Admission order and, per prompt, ``(group index, top-level prefix_len)`` of its group."""
     if not prompts:
-        return []
-    groups = group_prompts(prompts, levels=levels, min_shared_tokens=min_shared_tokens)
-    return [i for g in order_groups(groups, ordering) for i in g.request_ids]
+        return [], []
+    groups = order_groups(group_prompts(prompts, levels=levels, min_shared_tokens=min_shared_tokens), ordering)
+    order, group_of = [], [None] * len(prompts)
+    for k, g in enumerate(groups):
+        order.extend(g.request_ids)
+        for i in g.request_ids:
+            group_of[i] = (k, g.prefix_len)
+    return order, group_of
+
+
+class MemoryAdmission:
+    """BatchLLM Algorithm 2 over vLLM's running set (see the module notes): whether a waiting request may start."""
+
+    def __init__(self, scheduler, *, kv_threshold: float, reservation_clip: int | None) -> None:
+        self.scheduler = scheduler
+        self.block_size = int(scheduler.block_size)
+        # vLLM's block pool keeps one null block that no request can hold
+        self.capacity = kv_threshold * (int(scheduler.kv_cache_config.num_blocks) - 1)
+        self.clip = reservation_clip
+        self.group_of: dict[str, tuple] = {}  # request id -> (group key, shared prefix tokens)
+        self.refused = 0  # times a request was held back (reported by the benchmark)
+
+    def _reserved(self, request) -> int:
+        limit = int(request.max_tokens)
+        extra = getattr(request.sampling_params, "extra_args", None) or {}
+        estimate = min(limit, int(extra.get(OUTPUT_LEN_KEY, limit)))
+        return reserved_output(estimate, self.clip)[1]
+
+    def _own_and_prefix(self, request) -> tuple[int, tuple | None]:
+        """Tokens the request holds alone and its group's shared full-block prefix (counted once per group)."""
+        group = self.group_of.get(request.request_id)
+        shared = 0 if group is None else (group[1] // self.block_size) * self.block_size
+        return int(request.num_prompt_tokens) - shared, (group[0], shared) if shared else None
+
+    def admits(self, request) -> bool:
+        running = self.scheduler.running
+        held, own, reserved, generated, prefixes = [], [], [], [], {}
+        for r in running:
+            o, prefix = self._own_and_prefix(r)
+            shared = prefix[1] if prefix else 0
+            held.append(max(0, int(r.num_computed_tokens) - shared))
+            own.append(o)
+            reserved.append(self._reserved(r))
+            generated.append(int(r.num_output_tokens))
+            if prefix:
+                prefixes[prefix[0]] = prefix[1]
+        projected = projected_blocks(held, own, reserved, generated, self.block_size) + \
+            sum(blocks(t, self.block_size) for t in prefixes.values())
+        o, prefix = self._own_and_prefix(request)
+        candidate = blocks(o + self._reserved(request), self.block_size)
+        if prefix and prefix[0] not in prefixes:
+            candidate += blocks(prefix[1], self.block_size)
+        ok = admits(projected, candidate, self.capacity, bool(running))
+        self.refused += not ok
+        return ok
 
 
 class PrefixGroupRequestQueue(RequestQueue):
@@ -93,7 +178,9 @@ class PrefixGroupRequestQueue(RequestQueue):
     """
 
     def __init__(self, *, ordering: str = DEFAULT_ORDERING, levels: int = DEFAULT_LEVELS,
-                 min_shared_tokens: int = 1, by_priority: bool = False) -> None:
+                 min_shared_tokens: int = 1, by_priority: bool = False,
+                 admission: MemoryAdmission | None = None) -> None:
+        self.admission = admission
         self.ordering = ordering
         self.levels = levels
         self.min_shared_tokens = min_shared_tokens
@@ -110,8 +197,12 @@ class PrefixGroupRequestQueue(RequestQueue):
         waiting = list(self._ordered) + self._pending
         with_ids = [r for r in waiting if r.prompt_token_ids]
         without = [r for r in waiting if not r.prompt_token_ids]
-        order = group_order([list(r.prompt_token_ids) for r in with_ids], ordering=self.ordering,
-                            levels=self.levels, min_shared_tokens=self.min_shared_tokens)
+        order, group_of = _grouped([list(r.prompt_token_ids) for r in with_ids], ordering=self.ordering,
+                                   levels=self.levels, min_shared_tokens=self.min_shared_tokens)
+        if self.admission is not None:
+            # group keys are unique per regrouping; a member regrouped later counts its prefix again (conservative)
+            self.admission.group_of.update((r.request_id, ((self.regroupings, g[0]), g[1]))
+                                           for r, g in zip(with_ids, group_of) if g is not None)
         ranked = [with_ids[i] for i in order] + without
         if self.by_priority:
             ranked.sort(key=lambda r: r.priority)  # stable: grouping order within a priority
@@ -155,7 +246,11 @@ class PrefixGroupRequestQueue(RequestQueue):
         self._pending = [r for r in self._pending if r not in drop]
 
     def __bool__(self) -> bool:
-        return bool(self._front or self._ordered or self._pending)
+        """Whether a request may be admitted now: vLLM's admission loop stops at False. With memory-centric
+        admission, False also while the next request's projected KV does not fit (``len`` still counts it)."""
+        if not (self._front or self._ordered or self._pending):
+            return False
+        return self.admission is None or self.admission.admits(self.peek_request())
 
     def __len__(self) -> int:
         return len(self._front) + len(self._ordered) + len(self._pending)
@@ -180,7 +275,10 @@ def _install_queue(scheduler: Scheduler) -> None:
         ordering=options["ordering"], levels=options["levels"],
         # Sharing shorter than a block saves no KV block and no attention work: not worth keeping together.
         min_shared_tokens=max(1, int(scheduler.block_size)),
-        by_priority=scheduler.policy == SchedulingPolicy.PRIORITY)
+        by_priority=scheduler.policy == SchedulingPolicy.PRIORITY,
+        admission=MemoryAdmission(scheduler, kv_threshold=options["kv_threshold"],
+                                  reservation_clip=options["reservation_clip"])
+        if options["memory_admission"] else None)
 
 
 class PrefixGroupScheduler(AsyncScheduler):

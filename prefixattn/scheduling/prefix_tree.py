@@ -8,14 +8,16 @@ of any two rows is the minimum of the neighbour LCPs between them, so the neighb
 The code is generic over integer sequences: the scheduler runs it over prompt token ids, and the kernel planner can
 run it over block-table rows (block ids) to find which requests share KV blocks right now.
 
-Sorting is an MSD refinement over rows that still tie (segments), one window of ids per round, all vectorized:
-neighbouring rows of each segment are compared over the window (a first-mismatch search). A segment whose rows
-agree on the whole window moves on by the window, with no sort (crossing a long shared document costs one
-comparison pass). A segment that disagrees skips the ids all its rows share, is sorted by a short key from there
-(one byte-string argsort for all such segments at once), and the first mismatch of the sorted neighbours gives the
-LCP; rows still tied on the key go on from after it. After a narrow first round the window is as wide as a fixed
-element budget allows, so memory per round is bounded. Ids are compared by their native bytes: any fixed order of
-the ids gives a valid tree order, and skipping a byte swap saves a pass.
+Sorting is an MSD refinement over rows that still tie (segments), one fixed-size chunk of ids per round, all
+vectorized, driven by chunk hashes (:mod:`prefixattn.chunk_hash`, computed once in one streaming pass). A segment
+whose rows all hash alike on the round's chunk moves on by a chunk with no sort and no id read: crossing a shared
+document costs one hash comparison per row and chunk, so the work grows with the distinct chunks, not the ids. A
+segment whose hashes differ is sorted by the chunk's ids (one byte-string argsort for all such segments at once),
+and the first mismatch of the sorted neighbours inside that chunk gives the exact LCP; rows still tied on the whole
+chunk go on from after it. Ids are compared by their native bytes: any fixed order of the ids gives a valid tree
+order, and skipping a byte swap saves a pass. The order and the LCPs are those of a plain lexicographic sort (they
+do not depend on the hashes) unless two different chunks at the same depth of tied rows had equal hashes, which
+:mod:`prefixattn.chunk_hash` bounds at about 2**-64 per compared pair of token chunks.
 """
 
 from __future__ import annotations
@@ -24,23 +26,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from prefixattn.chunk_hash import CHUNK, as_uint32, chunk_hashes
 from prefixattn.scheduling.sequences import PackedSequences, pack_sequences
 
-#: First comparison window (ids), when the element budget allows it: wide enough to cross a system prompt, small
-#: enough that rows diverging early cost little; later rounds use the widest window the budget allows.
-_FIRST_WINDOW = 256
-#: Narrowest window: keeps the per-round overhead small when there are very many rows.
-_MIN_WINDOW = 16
-#: Widest comparison window (ids): long shared prefixes (documents of ~1k tokens) take one or two rounds.
-_MAX_WINDOW = 1024
-#: Ids in the sort key of a segment that must be split: short keys keep the byte-string comparisons cheap (rows
-#: sharing a long document would otherwise be compared over the whole window); ties go on in the next round.
-_SORT_KEY = 8
 #: End-of-row marker in the comparison windows: above every id (ids are at most 2**32 - 2).
 _END = np.uint32(0xFFFFFFFF)
-#: Ids gathered per refinement round (rows x window): 8M keeps each round's uint32 window array at 32 MB, where
-#: the allocator still reuses freed memory instead of page-faulting fresh pages every round.
-_ROUND_ELEMENTS = 1 << 23
 
 
 def _gather_windows(values: np.ndarray, pos: np.ndarray, width: int) -> np.ndarray:
@@ -91,7 +81,7 @@ def sort_and_lcp(values: np.ndarray, offsets: np.ndarray, lengths: np.ndarray | 
     The order is lexicographic over a fixed order of the ids (their native uint32 bytes, compared as bytes; a row
     comes after the longer rows it prefixes): what matters is that rows sharing any prefix are contiguous, so the
     LCP of two rows is the minimum of the neighbour LCPs between them. Identical rows keep ascending row index, so
-    the result never depends on hashing or memory layout.
+    the result does not depend on memory layout (nor on the chunk hashes, barring a collision: see the module notes).
 
     Parameters
     ----------
@@ -118,73 +108,67 @@ def sort_and_lcp(values: np.ndarray, offsets: np.ndarray, lengths: np.ndarray | 
     """
     offsets = np.asarray(offsets, dtype=np.int64)
     lengths = np.diff(offsets) if lengths is None else np.asarray(lengths, dtype=np.int64)
-    values = values.view(np.uint32) if values.dtype == np.int32 else values  # ids are >= 0: same bits
     starts = offsets[:-1]
     n = lengths.shape[0]
     order = np.arange(n, dtype=np.int64)
     lcp = np.zeros(n, dtype=np.int64)
     if n < 2:
         return order, lcp
-    # Rows still tied, by sorted position; the segment (tie group) of each, named by the position where it starts;
-    # and the depth the segment's rows are known to share. A segment's positions are contiguous and stay so: rows
-    # are only reordered within their segment.
+    values = as_uint32(values)
+    num_chunks = lengths // CHUNK
+    first_chunk, h0, h1 = chunk_hashes(values, starts, num_chunks, chunk=CHUNK)
+    # Rows still tied, by sorted position, and the segment (tie group) of each, named by the position where it
+    # starts. Round ``level`` looks at chunk ``level`` of every active row: all of them share their first
+    # ``level * CHUNK`` ids with their segment. A segment's positions are contiguous and stay so: rows are only
+    # reordered within their segment.
     active_pos = np.arange(n, dtype=np.int64)
     active_seg = np.zeros(n, dtype=np.int64)
-    active_depth = np.zeros(n, dtype=np.int64)
-    window = _FIRST_WINDOW
+    level = 0
     while active_pos.size:
         m = active_pos.size
-        width = int(max(_MIN_WINDOW, min(window, _ROUND_ELEMENTS // m)))
-        window = _MAX_WINDOW  # after a cheap first round, take the widest window the element budget allows
         rows = order[active_pos]
-        depth = active_depth
-        win, remaining = _windows(values, starts, lengths, rows, depth, width)
-        # Dense segment index of each row and the index of its segment's first row.
+        depth = level * CHUNK
         new_seg = np.ones(m, dtype=bool)
         new_seg[1:] = active_seg[1:] != active_seg[:-1]
         seg_id = np.cumsum(new_seg) - 1
-        seg_first = np.flatnonzero(new_seg)
-        # Compare neighbouring rows of each segment. Segments that agree on the whole window need no sort
-        # (common while crossing a long shared prefix) and move on by the window. The others skip what all their
-        # rows share and are sorted by a short key from there: rows that still tie go on from after the key.
-        # (The ids all rows of a segment share = the minimum over its neighbour pairs of their common ids.)
-        mismatch = win[1:] != win[:-1]
-        first = mismatch.argmax(axis=1)
-        differs = mismatch[np.arange(m - 1), first] & ~new_seg[1:]
-        del mismatch, win
-        common = np.full(seg_first.shape[0], width, dtype=np.int64)
-        np.minimum.at(common, seg_id[1:][differs], first[differs])
-        next_depth = depth + width
-        ended = remaining < width
+        # Segments whose rows all have this whole chunk with equal hashes stay tied, unsorted. The others (a pair
+        # hashing apart, or a row ending inside the chunk) are sorted by the chunk's ids.
+        whole = num_chunks[rows] > level
+        idx = np.where(whole, first_chunk[rows] + level, 0)
+        alike = whole[1:] & whole[:-1]
+        if h0.size:
+            alike &= (h0[idx[1:]] == h0[idx[:-1]]) & (h1[idx[1:]] == h1[idx[:-1]])
+        to_sort = np.zeros(int(seg_id[-1]) + 1, dtype=bool)
+        to_sort[seg_id[1:][~alike & ~new_seg[1:]]] = True
+        to_sort[seg_id[~whole]] = True
         pair_differ = np.zeros(m, dtype=bool)  # [i]: row i differs from row i - 1 (same segment)
         pair_lcp = np.zeros(m, dtype=np.int64)
-        sub = np.flatnonzero((common < width)[seg_id])
+        ended = np.zeros(m, dtype=bool)
+        sub = np.flatnonzero(to_sort[seg_id])
         if sub.size:
-            key_depth = depth[sub] + common[seg_id[sub]]
-            key, key_left = _windows(values, starts, lengths, rows[sub], key_depth, _SORT_KEY)
+            key, key_left = _windows(values, starts, lengths, rows[sub], np.full(sub.size, depth, np.int64), CHUNK)
             # Byte-string sort of the keys, then a stable sort by segment keeps each row in its segment.
-            by_key = np.argsort(key.view(f"S{4 * _SORT_KEY}").ravel(), kind="stable")
+            by_key = np.argsort(key.view(f"S{4 * CHUNK}").ravel(), kind="stable")
             by_segment = by_key[np.argsort(seg_id[sub][by_key], kind="stable")]
             rows[sub] = rows[sub][by_segment]
-            key, key_left, key_depth = key[by_segment], key_left[by_segment], key_depth[by_segment]
+            key, key_left = key[by_segment], key_left[by_segment]
             order[active_pos] = rows
             kmis = key[1:] != key[:-1]
             kfirst = kmis.argmax(axis=1)
             kdiff = kmis[np.arange(sub.size - 1), kfirst]
             inner = seg_id[sub][1:] == seg_id[sub][:-1]
             pair_differ[sub[1:][inner]] = kdiff[inner]
-            pair_lcp[sub[1:][inner]] = key_depth[1:][inner] + kfirst[inner]
-            next_depth[sub] = key_depth + _SORT_KEY
-            ended[sub] = key_left < _SORT_KEY
+            pair_lcp[sub[1:][inner]] = depth + kfirst[inner]
+            ended[sub] = key_left < CHUNK
         same_seg = ~new_seg[1:]
         differ = pair_differ[1:]
-        # A row ending strictly inside its window or key has an end marker there, so rows tying with it are
-        # duplicates. A row ending exactly at the edge still ties with its longer extensions and goes on.
+        # A row ending strictly inside the chunk has an end marker there, so rows tying with it are duplicates. A
+        # row ending exactly at the chunk's end still ties with its longer extensions and goes on.
         split = same_seg & differ
         dup = same_seg & ~differ & ended[1:]
         lcp[active_pos[1:][split]] = pair_lcp[1:][split]
         lcp[active_pos[1:][dup]] = lengths[rows[1:][dup]]
-        # New segments start where the old segment or the key changes; keep those that still tie and continue.
+        # New segments start where the old segment or the chunk changes; keep those that still tie and continue.
         starts_here = np.ones(m, dtype=bool)
         starts_here[1:] = ~(same_seg & ~differ)
         start_idx = np.flatnonzero(starts_here)
@@ -192,8 +176,8 @@ def sort_and_lcp(values: np.ndarray, offsets: np.ndarray, lengths: np.ndarray | 
         keep_seg = (sizes >= 2) & ~ended[start_idx]
         keep = np.repeat(keep_seg, sizes)
         active_seg = np.repeat(active_pos[start_idx], sizes)[keep]
-        active_depth = next_depth[keep]
         active_pos = active_pos[keep]
+        level += 1
     return order, lcp
 
 

@@ -42,6 +42,7 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
+from prefixattn.scheduling.admission import admits, blocks, projected_blocks, projected_peak_blocks, reserved_output
 from prefixattn.scheduling.grouping import PrefixGroup
 
 #: Largest accepted token budget per step: far above any GPU's useful batch (a few thousand tokens); larger values
@@ -506,9 +507,7 @@ class TokenBatcher:
                 if self._est is not None:
                     est = self._est if isinstance(self._est, float) else \
                         (self._est[r] if r < self._est.shape[0] else 0.0)
-                    self._est_full[s] = int(np.ceil(est))
-                    self._est_out[s] = self._est_full[s] if self.reservation_clip is None else \
-                        min(self._est_full[s], self.reservation_clip)
+                    self._est_full[s], self._est_out[s] = reserved_output(est, self.reservation_clip)
                 if self._classes is not None and r < self._classes.shape[0]:
                     self._cls[s] = self._classes[r]
                 self._class_waiting[self._cls[s]] += 1
@@ -530,7 +529,7 @@ class TokenBatcher:
 
     # ---------------------------------------------------------------------------------------------- accounting
     def _blocks(self, tokens: int) -> int:
-        return -(-tokens // self.block_size)
+        return blocks(tokens, self.block_size)
 
     def _chain_ready(self, s: int, step: int) -> bool:
         v = int(self._node[s])
@@ -547,9 +546,8 @@ class TokenBatcher:
         if not started:
             return total
         idx = np.fromiter(started, dtype=np.int64, count=len(started))
-        end_tokens = np.maximum(self._computed[idx],
-                                self._own[idx] + np.maximum(self._est_out[idx], self._generated[idx]))
-        return total + int(((end_tokens + self.block_size - 1) // self.block_size).sum())
+        return total + projected_blocks(self._computed[idx], self._own[idx], self._est_out[idx],
+                                        self._generated[idx], self.block_size)
 
     def _mark_started(self, s: int, delta: int) -> None:
         v = int(self._node[s])
@@ -748,8 +746,8 @@ class TokenBatcher:
     def _start_request(self, plan: _PlanBuilder, s: int, step: int, reserved: list[int]) -> bool:
         """Start a waiting request if its reservation and first chunk fit."""
         if self._est is not None:
-            end_tokens = int(self._target[s]) + max(int(self._est_out[s]) - int(self._generated[s]), 0)
-            if reserved[0] + self._blocks(end_tokens) > self.kv_blocks and (self._decoding or self._prefilling):
+            end = int(self._target[s]) + max(int(self._est_out[s]) - int(self._generated[s]), 0)
+            if not admits(reserved[0], self._blocks(end), self.kv_blocks, bool(self._decoding or self._prefilling)):
                 return False
         self._state[s] = _State.PREFILL
         self._prefilling[s] = None
@@ -768,7 +766,8 @@ class TokenBatcher:
 
     def _start_node(self, plan: _PlanBuilder, v: int, step: int, reserved: list[int]) -> bool:
         if self._est is not None:
-            if reserved[0] + self._blocks(self._n_size[v]) > self.kv_blocks and (self._decoding or self._prefilling):
+            if not admits(reserved[0], self._blocks(self._n_size[v]), self.kv_blocks,
+                          bool(self._decoding or self._prefilling)):
                 return False
         self._activate_node(v)
         if not self._node_chunk(plan, v, step):
@@ -898,7 +897,7 @@ class TokenBatcher:
         bound = ((cur + rem - 1) // self.block_size + 1).sum()  # everyone at its end at once: an upper bound
         if bound <= cap:
             return True
-        return _projected_peak_blocks(cur, rem, self.block_size) <= cap
+        return projected_peak_blocks(cur, rem, self.block_size) <= cap
 
     def _chain(self, v: int) -> list[int]:
         out = []
@@ -906,16 +905,6 @@ class TokenBatcher:
             out.append(v)
             v = self._n_parent[v]
         return out
-
-
-def _projected_peak_blocks(cur: np.ndarray, rem: np.ndarray, block_size: int) -> int:
-    """Peak blocks of requests holding ``cur`` tokens that each grow one token per step for ``rem`` (>= 1) more
-    steps and then free everything: the peak is just before one of them ends, ``t = rem_j - 1``."""
-    order = np.argsort(rem, kind="stable")
-    r, c = rem[order], cur[order]
-    alive = np.arange(r.shape[0], 0, -1)  # requests still holding at t = r_j - 1 (rem >= r_j)
-    tokens = np.cumsum(c[::-1])[::-1] + alive * (r - 1)
-    return int(((tokens + alive * (block_size - 1)) // block_size).max())
 
 
 class _PlanBuilder:

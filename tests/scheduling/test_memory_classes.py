@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from prefixattn.scheduling import ChunkKind, CostModel, PrefixGroup, TokenBatcher, group_prompts, sample_requests
 from prefixattn.scheduling.blendserve import densities, memory_classes
-from prefixattn.scheduling.token_batching import _projected_peak_blocks
+from prefixattn.scheduling.admission import projected_peak_blocks as _projected_peak_blocks
 
 
 def _drive(batcher, groups, outputs: dict[int, int], max_steps=5000):

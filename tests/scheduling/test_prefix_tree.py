@@ -45,15 +45,11 @@ def test_truncated_rows():
     assert lcp.tolist() == [0, 2, 1]
 
 
-@pytest.mark.parametrize("window, key", [(1, 1), (2, 3), (16, 8)])
-def test_random_against_brute_force(monkeypatch, window, key):
-    # Tiny windows and sort keys force many refinement rounds, window edges inside shared prefixes and rows
-    # ending on edges.
-    monkeypatch.setattr(prefix_tree_module, "_FIRST_WINDOW", window)
-    monkeypatch.setattr(prefix_tree_module, "_MIN_WINDOW", 1)
-    monkeypatch.setattr(prefix_tree_module, "_MAX_WINDOW", max(window, 4))
-    monkeypatch.setattr(prefix_tree_module, "_SORT_KEY", key)
-    rng = np.random.default_rng(window)
+@pytest.mark.parametrize("chunk", [2, 4, 64])
+def test_random_against_brute_force(monkeypatch, chunk):
+    # Tiny chunks force many refinement rounds, chunk edges inside shared prefixes and rows ending on edges.
+    monkeypatch.setattr(prefix_tree_module, "CHUNK", chunk)
+    rng = np.random.default_rng(chunk)
     for _ in range(150):
         rows = nested_random(rng, int(rng.integers(1, 30)), max_len=int(rng.integers(1, 20)))
         packed = pack_sequences(rows)
@@ -62,6 +58,27 @@ def test_random_against_brute_force(monkeypatch, window, key):
             want_order, want_lcp = _brute([r[:len(r) - drop] for r in rows])
             assert order.tolist() == want_order
             assert lcp.tolist() == want_lcp
+
+
+def test_hashes_only_skip_work(monkeypatch):
+    # Chunks whose hashes differ are compared by their ids, so hashes that differ even for equal chunks (here:
+    # every chunk hashes to its own index) change nothing: the hashes decide only what may be skipped.
+    real = prefix_tree_module.chunk_hashes
+
+    def all_distinct(values, starts, num_chunks, chunk):
+        first, h0, h1 = real(values, starts, num_chunks, chunk)
+        return first, np.arange(h0.size, dtype=np.uint64), h1
+
+    monkeypatch.setattr(prefix_tree_module, "CHUNK", 4)
+    rng = np.random.default_rng(5)
+    for _ in range(40):
+        rows = nested_random(rng, int(rng.integers(2, 30)), max_len=int(rng.integers(4, 30)))
+        packed = pack_sequences(rows)
+        want = sort_and_lcp(packed.values, packed.offsets)
+        monkeypatch.setattr(prefix_tree_module, "chunk_hashes", all_distinct)
+        got = sort_and_lcp(packed.values, packed.offsets)
+        monkeypatch.setattr(prefix_tree_module, "chunk_hashes", real)
+        assert got[0].tolist() == want[0].tolist() and got[1].tolist() == want[1].tolist()
 
 
 def test_tree_structure_matches_lcas():

@@ -21,7 +21,8 @@ def model_config(tiny_llama):
     return ModelConfig(model=tiny_llama, dtype="float32", skip_tokenizer_init=True, max_model_len=512)
 
 
-def make_scheduler(model_config, cls, *, num_blocks, max_num_batched_tokens=256, max_num_seqs=64, ordering=None):
+def make_scheduler(model_config, cls, *, num_blocks, max_num_batched_tokens=256, max_num_seqs=64, ordering=None,
+                   options=None):
     from vllm.config import CacheConfig, SchedulerConfig, VllmConfig
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -33,7 +34,8 @@ def make_scheduler(model_config, cls, *, num_blocks, max_num_batched_tokens=256,
                                    is_encoder_decoder=False)
     cache_config = CacheConfig(block_size=BLOCK, enable_prefix_caching=True)
     vllm_config = VllmConfig(model_config=model_config, cache_config=cache_config, scheduler_config=sched_config,
-                             additional_config={"prefixattn": {"ordering": ordering}} if ordering else {})
+                             additional_config={"prefixattn": dict(options or {}, **({"ordering": ordering}
+                                                                                      if ordering else {}))})
     vllm_config.scheduler_config.async_scheduling = is_async
     cache_config.num_gpu_blocks = num_blocks
     kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
@@ -236,7 +238,8 @@ def test_bad_options_are_refused():
         scheduling_options(SimpleNamespace(additional_config={"prefixattn": {"ordering": "random"}}))
     with pytest.raises(ValueError, match=r"\['levels'\]: expected a positive int, got 0"):
         scheduling_options(SimpleNamespace(additional_config={"prefixattn": {"levels": 0}}))
-    assert scheduling_options(None) == dict(ordering="batchllm", levels=1)
+    assert scheduling_options(None) == dict(ordering="batchllm", levels=1, memory_admission=False, kv_threshold=0.95,
+                                            reservation_clip=None)
 
 
 def test_memory_bound_engine_kwargs_are_accepted_by_vllm(tiny_llama):
