@@ -24,6 +24,7 @@ from prefixattn.block_tree import LcpTree, block_prefix_tree
 from prefixattn.runtime import interpreter_enabled
 from prefixattn.validation import SUPPORTED_DTYPES, check_head_dim, check_heads, check_metadata
 from prefixattn.kernels import layout as K
+from prefixattn.split_rule import critical_path
 from prefixattn.work_list import SharedNode, SharedNodes, WorkList, ragged_arange, build_work_list
 
 #: Bytes of one fp32 number: partial states (o, lse) are kept in fp32 whatever the input dtype.
@@ -361,5 +362,7 @@ def plan(
         counters=counters, ws_o=ws_o, ws_lse=ws_lse,
         stats=dict(num_shared_nodes=len(nodes), num_units=work.num_units, num_merge_rows=num_mrows,
                    num_ws_rows=work.num_ws_rows,
-                   num_sms=num_sms),
+                   num_sms=num_sms, critical_path=critical_path(
+                       work.items[:, K.ITEM_KV_END].astype(np.int64) - work.items[:, K.ITEM_KV_START],
+                       num_kv_heads=num_kv_heads, num_sms=num_sms)),
     )

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from prefixattn.kernels import layout as K
+from prefixattn.split_rule import split_ranges
 
 _I32 = np.int32
 
@@ -111,37 +112,16 @@ def _run_starts(*keys: np.ndarray) -> np.ndarray:
     return change
 
 
-def _num_pieces(lengths: np.ndarray, chunk: float, block_n: int) -> np.ndarray:
-    """Split-k pieces per KV range: enough that none exceeds ``chunk`` tokens, at most one per KV tile (so no piece
-    is empty), 0 for an empty range."""
-    lengths = lengths.astype(np.int64)
-    if not np.isfinite(chunk):
-        return (lengths > 0).astype(np.int64)
-    return np.minimum(-(-lengths // int(chunk)), -(-lengths // block_n))
-
-
 def _piece_bounds(lo, hi, piece, pieces, block_n: int, split: bool = True):
     """[start, end) of piece ``piece`` of ``pieces`` over [lo, hi): whole KV tiles dealt out evenly (the last piece
-    takes the partial tile), so pieces differ by at most one tile. ``split=False``: one piece per range."""
+    takes the partial tile), so pieces differ by at most one tile. ``split=False``: one piece per range. ``block_n``
+    is the split grain (:func:`prefixattn.split_rule.split_grain`): the KV tile, or a fraction of it."""
     if not split:
         return lo, hi
     tiles = -(-(hi - lo) // block_n)
     start = lo + (piece * tiles // pieces) * block_n
     end = np.minimum(lo + ((piece + 1) * tiles // pieces) * block_n, hi)
     return start, end
-
-
-def split_chunk_tokens(item_lengths: np.ndarray, *, num_kv_heads: int, num_sms: int, min_split_tokens: int) -> float:
-    """KV tokens per split-k chunk, or ``inf`` when the unsplit grid already fills the device.
-
-    Split only when ``items x kv_heads`` programs leave SMs idle; then aim for one program per SM with equal KV work,
-    but never below ``min_split_tokens`` (a chunk must amortize its partial-state write and its program start).
-    """
-    num_items = int(np.count_nonzero(item_lengths))
-    if num_items == 0 or num_items * num_kv_heads >= num_sms:
-        return float("inf")
-    total = int(item_lengths.sum()) * num_kv_heads
-    return float(max(min_split_tokens, -(-total // num_sms)))
 
 
 def build_work_list(
@@ -196,12 +176,11 @@ def build_work_list(
     node_rows = np.bincount(mem_node, weights=mem_ql, minlength=num_nodes).astype(np.int64)
     node_mtiles = -(-node_rows // rows_per_shared)
 
-    # ---- split-k decision over the unsplit work ------------------------------------------------------------
-    unsplit = np.concatenate([np.repeat(node_end - node_start, node_mtiles), t_len])
-    chunk = split_chunk_tokens(unsplit, num_kv_heads=num_kv_heads, num_sms=num_sms,
-                               min_split_tokens=min_split_tokens)
-    t_pieces = _num_pieces(t_len, chunk, block_n_suffix)
-    n_pieces = _num_pieces(node_end - node_start, chunk, block_n_shared)
+    # ---- split-k decision over the unsplit work (prefixattn.split_rule: the critical path) -------------------
+    n_pieces, grain_shared, t_pieces, grain_suffix = split_ranges(
+        node_lengths=node_end - node_start, node_m_tiles=node_mtiles, tile_lengths=t_len,
+        block_n_shared=block_n_shared, block_n_suffix=block_n_suffix, num_kv_heads=num_kv_heads, num_sms=num_sms,
+        min_split_tokens=min_split_tokens)
 
     # ---- states per request and merge units ----------------------------------------------------------------
     # A request's shared states are numbered node by node (top-down): its slot base in node k is the number of
@@ -260,8 +239,8 @@ def build_work_list(
         i_seg = np.repeat(np.arange(seg_node.shape[0], dtype=np.int64), node_mtiles[seg_node])
         i_mt = ragged_arange(node_mtiles[seg_node])
         i_node, i_c = seg_node[i_seg], seg_c[i_seg]
-        kv_lo, kv_hi = _piece_bounds(node_start[i_node], node_end[i_node], i_c, n_pieces[i_node], block_n_shared,
-                                     split=np.isfinite(chunk))
+        kv_lo, kv_hi = _piece_bounds(node_start[i_node], node_end[i_node], i_c, n_pieces[i_node], grain_shared,
+                                     split=bool((n_pieces > 1).any()))
         shared_items = np.zeros((i_seg.shape[0], K.ITEM_FIELDS), dtype=np.int64)
         shared_items[:, K.ITEM_KIND] = K.KIND_SHARED
         shared_items[:, K.ITEM_REQ] = mem_req[mem_first[i_node]]  # any member: same blocks
@@ -279,8 +258,8 @@ def build_work_list(
     # ---- suffix items: (suffix tile, split chunk) ------------------------------------------------------------
     s_tile = np.repeat(np.arange(num_tiles, dtype=np.int64), t_pieces)
     s_c = ragged_arange(t_pieces)
-    s_lo, s_hi = _piece_bounds(t_lo[s_tile], t_hi[s_tile], s_c, t_pieces[s_tile], block_n_suffix,
-                               split=np.isfinite(chunk))
+    s_lo, s_hi = _piece_bounds(t_lo[s_tile], t_hi[s_tile], s_c, t_pieces[s_tile], grain_suffix,
+                               split=bool((t_pieces > 1).any()))
     has_unit = t_unit[s_tile] >= 0
     it = np.zeros((s_tile.shape[0], K.ITEM_FIELDS), dtype=np.int64)
     it[:, K.ITEM_KIND] = K.KIND_SUFFIX

@@ -10,6 +10,7 @@ import torch
 from prefixattn import plan
 from prefixattn.block_tree import lcp_interval_tree
 from prefixattn.planner import MIN_SPLIT_TOKENS, sharing_pays_off
+from prefixattn.split_rule import MIN_PIECE_OVERHEADS, PROGRAM_OVERHEAD_TOKENS
 from prefixattn.kernels import layout as K
 from tests.prefix_batches import make_batch, random_batch
 
@@ -252,15 +253,22 @@ def test_no_sharing_is_plain_paged_attention():
     assert p.ws_o.numel() == 1 and p.num_launches == 1
 
 
-def test_split_k_only_when_the_grid_does_not_fill_the_device():
+def test_split_k_only_above_the_fair_share():
     b = make_batch(1, q_lens=[1, 1], extra_lens=[600, 700], paths=[(), ()], level_blocks={}, block_size=16,
                    num_qo_heads=8, num_kv_heads=2, head_dim=64)
+    # 4 SMs: fair share (600 + 700) x 2 heads / 4 = 650 tokens; both ranges are within SPLIT_TOLERANCE of it.
     full = plan(*b.metadata, **b.heads, q_dtype=torch.float32, num_sms=4)
     assert full.num_items == 2 and full.work.num_units == 0
+    # 64 SMs: fair share ~41 tokens, below the shortest piece worth its program (MIN_PIECE_OVERHEADS x
+    # PROGRAM_OVERHEAD_TOKENS = 64 tokens, under MIN_SPLIT_TOKENS): 64-token pieces of whole tiles, the target
+    # (1.25 x 41 tokens) yields.
     split = plan(*b.metadata, **b.heads, q_dtype=torch.float32, num_sms=64)
     lengths = split.work.items[:, K.ITEM_KV_END] - split.work.items[:, K.ITEM_KV_START]
-    # 1300 tokens over 64 SMs: chunks of MIN_SPLIT_TOKENS dealt out in whole 64-token tiles.
-    assert split.num_items == 3 + 3 and lengths.max() <= MIN_SPLIT_TOKENS and lengths.min() >= MIN_SPLIT_TOKENS // 2
+    floor = MIN_PIECE_OVERHEADS * PROGRAM_OVERHEAD_TOKENS
+    kv = b.kv_lens.numpy()
+    assert floor < MIN_SPLIT_TOKENS and floor % split.tiles.block_n_suffix == 0
+    assert split.num_items == int((-(-kv // floor)).sum()) and lengths.max() == floor
+    assert split.stats["critical_path"] == pytest.approx(floor * 64 / (kv.sum() * 2))
     check_work_list(split, *b.metadata)
 
 

@@ -1,0 +1,123 @@
+"""The split-k rule: split a KV range when its program would read more than the launch's fair share per SM.
+
+Numpy only. A launch runs every work item once per KV head; a program's cost is the KV tokens it reads (a SHARED
+item reads its node's KV once for all its packed rows). The *fair share* is the launch's total KV work over the SMs,
+``sum(tokens x programs) / num_sms``; it does not change with splitting (pieces read the same tokens). The
+*critical path* is the longest program's tokens over the fair share: no schedule of the launch finishes before
+``critical_path x fair share``, and with every program at most the fair share the LPT order (longest first) fills the
+SMs evenly. Counting programs instead (split only while ``items x kv_heads < num_sms``) left one program at 13.2x the
+fair share for 32 decodes under an 8,192-token prefix (GQA 32:4, sm90 tiles, 132 SMs).
+
+Rule (:func:`piece_budget`, :func:`split_pieces`): every range longer than the budget ``SPLIT_TOLERANCE x fair
+share`` is cut into the fewest pieces of whole KV tiles that keep each piece within the budget; pieces of one range
+are merged in the same launch. Shared nodes and suffix tiles have their own tile widths, hence their own piece counts.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+#: The bound the issue sets on the critical path (sm90, 132 SMs, Fig. 8 shapes and FlashInfer's cascade grid).
+CRITICAL_PATH_TARGET = 1.25
+#: A program may read up to this multiple of the fair share before its range is split. Above 1: a range a little over
+#: the fair share is left whole (a split adds a program start, a partial state and a merge read to save a few
+#: percent; with LPT order the other SMs absorb the excess). Below CRITICAL_PATH_TARGET: pieces are cut to at most
+#: this budget, so the target holds with 4% to spare for the fixed cost below, which the KV-only ratio ignores.
+SPLIT_TOLERANCE = 1.2
+#: Fixed cost of one program in KV tokens of one head (estimate, not measured: no GPU run yet). H100: one SM's share
+#: of DRAM bandwidth is ~25 GB/s, ~50 tokens/us at head_dim 128 bf16 (512 B per token, K and V). A program start with
+#: its first dependent loads (item row, block ids, then K) is ~0.5 us when two programs share an SM, ~25 tokens; a
+#: decode piece's partial state (GQA 4: 4 x 129 fp32, written then read by the merge) is ~8 tokens.
+PROGRAM_OVERHEAD_TOKENS = 32
+#: A piece reads at least this many times the fixed cost: below it a split mostly buys program starts and merges.
+MIN_PIECE_OVERHEADS = 2
+
+
+def fair_share(lengths: np.ndarray, programs: np.ndarray, *, num_kv_heads: int, num_sms: int) -> float:
+    """KV tokens per SM when the launch's KV work is spread evenly.
+
+    Parameters
+    ----------
+    lengths : ndarray, ``[num_ranges]`` int
+        KV tokens of each range (a shared node, a suffix tile).
+    programs : ndarray, ``[num_ranges]`` int
+        Items reading the whole range (M tiles of a node's packed rows; 1 for a suffix tile), each run per KV head.
+    """
+    total = float((lengths.astype(np.float64) * programs).sum()) * num_kv_heads
+    return total / num_sms
+
+
+def piece_budget(fair: float, *, min_split_tokens: int) -> float:
+    """Most KV tokens one piece may read: ``SPLIT_TOLERANCE x fair``, raised toward ``min_split_tokens`` only as far as
+    ``CRITICAL_PATH_TARGET x fair`` (that floor never breaks the target), and never below ``MIN_PIECE_OVERHEADS x
+    PROGRAM_OVERHEAD_TOKENS`` (64 tokens; or ``min_split_tokens`` if smaller, as tests ask for tiny pieces): in a
+    launch whose fair share is below ~51 tokens the target yields to the programs' fixed cost. ``inf`` for an empty
+    launch."""
+    if fair <= 0:
+        return float("inf")
+    budget = max(SPLIT_TOLERANCE * fair, min(min_split_tokens, CRITICAL_PATH_TARGET * fair))
+    return max(budget, min(min_split_tokens, MIN_PIECE_OVERHEADS * PROGRAM_OVERHEAD_TOKENS))
+
+
+def split_grain(block_n: int, budget: float) -> int:
+    """Piece boundaries fall on multiples of this (from a range's start): the kernel's KV tile, halved while one tile
+    alone exceeds the budget (a 128-token suffix tile under a ~100-token budget). A piece shorter than a tile costs
+    the kernel a masked tile (no extra bytes: masked lanes are not loaded)."""
+    grain = block_n
+    while grain > budget and grain % 2 == 0:
+        grain //= 2
+    return grain
+
+
+def split_pieces(lengths: np.ndarray, *, budget: float, grain: int) -> np.ndarray:
+    """Pieces per range: the fewest that keep every piece within ``budget`` tokens when whole grains are dealt out
+    evenly (:func:`prefixattn.work_list._piece_bounds`: pieces differ by at most one grain, so ``ceil(grains /
+    pieces) <= grains_per_piece``); 1 for a range within the budget, 0 for an empty one.
+
+    Parameters
+    ----------
+    lengths : ndarray, ``[num_ranges]`` int
+    budget : float
+        Most KV tokens per piece (:func:`piece_budget`).
+    grain : int
+        Piece boundaries are whole grains from the range's start (:func:`split_grain`).
+
+    Returns
+    -------
+    ndarray, ``[num_ranges]`` int64
+    """
+    lengths = lengths.astype(np.int64)
+    if not np.isfinite(budget):
+        return (lengths > 0).astype(np.int64)
+    per_piece = max(1, int(budget // grain))
+    grains = -(-lengths // grain)
+    # A range within the budget stays whole even when its last grain is partial (97 tokens under a 100-token
+    # budget is 7 grains of 16, one more than fit).
+    return np.where(lengths <= budget, (lengths > 0).astype(np.int64), -(-grains // per_piece))
+
+
+def critical_path(kv_lengths: np.ndarray, *, num_kv_heads: int, num_sms: int) -> float:
+    """The longest program's KV tokens over the fair share, from the items' KV lengths (0.0 for no items)."""
+    if kv_lengths.size == 0:
+        return 0.0
+    fair = fair_share(kv_lengths, np.ones_like(kv_lengths), num_kv_heads=num_kv_heads, num_sms=num_sms)
+    return float(kv_lengths.max()) / fair if fair > 0 else 0.0
+
+
+def split_ranges(*, node_lengths: np.ndarray, node_m_tiles: np.ndarray, tile_lengths: np.ndarray,
+                 block_n_shared: int, block_n_suffix: int, num_kv_heads: int, num_sms: int,
+                 min_split_tokens: int) -> tuple[np.ndarray, int, np.ndarray, int]:
+    """The rule for one launch: ``(node_pieces, shared_grain, tile_pieces, suffix_grain)``.
+
+    ``node_lengths``/``node_m_tiles`` ``[num_nodes]``: KV tokens of each shared node and the M tiles of packed rows
+    that read it; ``tile_lengths`` ``[num_tiles]``: KV tokens of each suffix tile. Pieces are per range, against one
+    budget; the grains are the tile widths of each kind (:func:`split_grain`).
+    """
+    fair = fair_share(np.concatenate([node_lengths, tile_lengths]),
+                      np.concatenate([node_m_tiles, np.ones_like(tile_lengths)]),
+                      num_kv_heads=num_kv_heads, num_sms=num_sms)
+    budget = piece_budget(fair, min_split_tokens=min_split_tokens)
+    shared_grain = split_grain(block_n_shared, budget)
+    suffix_grain = split_grain(block_n_suffix, budget)
+    return (split_pieces(node_lengths, budget=budget, grain=shared_grain), shared_grain,
+            split_pieces(tile_lengths, budget=budget, grain=suffix_grain), suffix_grain)
