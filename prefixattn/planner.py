@@ -265,7 +265,7 @@ def plan(
     device : torch.device or str, optional
         Where the work list lives; default the device of ``block_table``.
     num_sms : int, optional
-        SMs to fill (split-k threshold); default from the CUDA device, else ``DEFAULT_NUM_SMS``.
+        SMs the launch spreads over (the split rule's fair share, :mod:`prefixattn.split_rule`); default from the CUDA device, else ``DEFAULT_NUM_SMS``.
     min_split_tokens : int
         Shortest split-k chunk in KV tokens (``MIN_SPLIT_TOKENS``).
     sharing : {"auto", "always", "never"}

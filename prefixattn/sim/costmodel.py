@@ -285,8 +285,10 @@ class CostModel:
         return saved > added
 
     def _split_chunk(self, lengths: np.ndarray, counts: np.ndarray) -> int | None:
-        """prefixattn's split-k rule (:func:`prefixattn.work_list.split_chunk_tokens`): split only when the unsplit
-        programs leave SMs idle, into chunks of equal KV work per SM, never below ``split_k_min_tokens``."""
+        """A program-count split-k rule: split only when the unsplit programs leave SMs idle, into chunks of equal KV
+        work per SM, never below ``split_k_min_tokens``. This was prefixattn's rule before the critical-path rule of
+        :mod:`prefixattn.split_rule`; the simulator keeps it so its calibrated tables stay reproducible (a known
+        difference from the library, listed in the README's status)."""
         n_units = float(counts.sum())
         if n_units == 0 or n_units >= self.hw.num_sms:
             return None
