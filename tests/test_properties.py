@@ -14,13 +14,12 @@ import numpy as np
 import pytest
 import torch
 
-hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, event, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from hypothesis import HealthCheck, event, given, settings  # a test dependency (pyproject's [test] extra)
+from hypothesis import strategies as st
 
-from prefixattn import attention, plan, reference_attention  # noqa: E402
-from prefixattn import prefix_attention as attention_module  # noqa: E402
-from tests.tolerances import ATTENTION_TOL, LSE_TOL  # noqa: E402
+from prefixattn import attention, plan, reference_attention
+from prefixattn import prefix_attention as attention_module
+from tests.tolerances import ATTENTION_TOL, LSE_TOL
 
 #: Guard blocks on each side of the cache: ids in [-GUARD, num_blocks + GUARD) stay inside the allocation.
 GUARD = 2
