@@ -26,6 +26,8 @@ def _check_state(v_name: str, v: torch.Tensor, s_name: str, s: torch.Tensor, v_n
     if tuple(s.shape) != tuple(v.shape[:-1]):
         raise ValueError(f"{s_name}: expected shape {tuple(v.shape[:-1])} (the shape of {v_name} without head_dim), "
                          f"got {tuple(s.shape)}")
+    if v.shape[-1] < 1:
+        raise ValueError(f"{v_name}: expected head_dim >= 1 in the last dim, got {v.shape[-1]}")
     check_kernel_device(v_name, v)
 
 
@@ -80,7 +82,7 @@ def merge_states(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor, s_b: t
     check_same_device(v_a=v_a, s_a=s_a, v_b=v_b, s_b=s_b)
     v_out, s_out = _prepare_out(out, v_a)
     num_tokens, num_heads, head_dim = v_a.shape
-    if num_tokens == 0:
+    if num_tokens == 0 or num_heads == 0:
         return v_out, s_out
     block_h, block_d = _merge_tiles(num_heads, head_dim)
     merge_state_pair_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
@@ -121,7 +123,7 @@ def merge_states_n(v: torch.Tensor, s: torch.Tensor, *, out=None):
     num_tokens, num_states, num_heads, head_dim = v.shape
     like = v.select(1, 0) if num_states else v.new_empty((num_tokens, num_heads, head_dim))
     v_out, s_out = _prepare_out(out, like)
-    if num_tokens == 0:
+    if num_tokens == 0 or num_heads == 0:
         return v_out, s_out
     block_h, block_d = _merge_tiles(num_heads, head_dim)
     merge_states_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](

@@ -22,9 +22,10 @@ import torch
 from prefixattn.attention_configs import AttentionTiles, choose_tiles
 from prefixattn.block_tree import LcpTree, block_prefix_tree
 from prefixattn.runtime import interpreter_enabled
-from prefixattn.validation import SUPPORTED_DTYPES, check_head_dim, check_heads, check_metadata
 from prefixattn.kernels import layout as K
 from prefixattn.split_rule import critical_path
+from prefixattn.validation import (SUPPORTED_DTYPES, canonical_device, check_head_dim, check_heads,
+                                   check_host_metadata)
 from prefixattn.work_list import SharedNode, SharedNodes, WorkList, ragged_arange, build_work_list
 
 #: Bytes of one fp32 number: partial states (o, lse) are kept in fp32 whatever the input dtype.
@@ -81,6 +82,9 @@ class Plan:
     tiles: AttentionTiles
     use_fp32_dot: bool
     has_shared: bool  # any shared-node item (else the kernel is compiled without that branch)
+    #: Largest block id the work list reads (-1: none). attention() refuses a cache with ``shape[0] <= max_block_id``
+    #: on the host, so a plan can never make the kernel read outside the cache it is given.
+    max_block_id: int
     work: WorkList = field(repr=False)
     tree: LcpTree = field(repr=False)
     nodes: SharedNodes = field(repr=False)
@@ -263,7 +267,8 @@ def plan(
     logits_soft_cap, window_left, alibi_slopes
         Not supported yet: anything but the default raises ``ValueError``.
     device : torch.device or str, optional
-        Where the work list lives; default the device of ``block_table``.
+        Where the work list lives; default the device of ``block_table``. Stored canonically (``cpu:0`` is
+        ``cpu``, ``cuda`` is the current CUDA device), so any spelling of the tensors' device matches.
     num_sms : int, optional
         SMs the launch spreads over (the split rule's fair share, :mod:`prefixattn.split_rule`); default from the CUDA device, else ``DEFAULT_NUM_SMS``.
     min_split_tokens : int
@@ -271,7 +276,9 @@ def plan(
     sharing : {"auto", "always", "never"}
         ``"auto"`` applies the cost rule (:func:`sharing_pays_off`); the others force every/no candidate node.
     num_blocks : int, optional
-        Number of blocks in the cache, to bound-check ``block_table`` here rather than in the kernel.
+        Number of blocks in the cache, to refuse an out-of-range id here, at plan time. Without it the plan still
+        records the largest id it reads (``Plan.max_block_id``) and :func:`prefixattn.attention` checks it against
+        the cache it gets.
 
     Returns
     -------
@@ -293,11 +300,10 @@ def plan(
     check_heads(num_qo_heads, num_kv_heads)
     check_head_dim("head_dim", head_dim)
     min_split_tokens = _positive_int("min_split_tokens", min_split_tokens)
-    indptr, lens, table = check_metadata(qo_indptr, kv_lens, block_table, block_size=block_size,
-                                         num_blocks=num_blocks)
-    device = torch.device(device) if device is not None else block_table.device
+    indptr, lens, table, max_block_id = check_host_metadata(qo_indptr, kv_lens, block_table, block_size=block_size,
+                                                            num_blocks=num_blocks)
+    device = canonical_device("device", device if device is not None else block_table.device)
     num_sms = _positive_int("num_sms", num_sms) if num_sms is not None else _default_num_sms(device)
-    indptr, lens, table = indptr.numpy(), lens.numpy(), table.numpy()
 
     group = num_qo_heads // num_kv_heads
     q_start = indptr[:-1]
@@ -356,7 +362,7 @@ def plan(
         # The interpreter's dot on fp16/bf16 is numpy's (bf16 on raw bits); fp32 inputs need IEEE fp32 (tf32 would
         # miss the 1e-4 tolerance).
         use_fp32_dot=interpreter_enabled() or q_dtype == torch.float32,
-        has_shared=bool(nodes),
+        has_shared=bool(nodes), max_block_id=max_block_id,
         work=work, tree=tree, nodes=nodes,
         num_items_dev=num_items_dev, items=items, gather=gather, mrows=mrows, block_table=table_dev,
         counters=counters, ws_o=ws_o, ws_lse=ws_lse,

@@ -9,7 +9,7 @@ import torch
 from prefixattn.kernels.layout import page_size_constexpr
 from prefixattn.kernels.prefix_attention import prefix_attention_kernel
 from prefixattn.planner import Plan, plan
-from prefixattn.validation import check_kernel_device, check_qkv, check_tensor
+from prefixattn.validation import check_kernel_device, check_qkv, check_tensor, same_device
 
 _LOG2E = 1.0 / math.log(2.0)
 
@@ -19,7 +19,12 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _check_against_plan(q, k_cache, v_cache, p: Plan, out, return_lse) -> None:
-    """Shapes, dtypes and devices only: no value of any tensor is read (no host synchronization)."""
+    """Shapes, dtypes and devices only: no value of any tensor is read (no host synchronization).
+
+    The block ids were checked by plan() on the host; here the largest one the plan reads (an int the plan keeps)
+    is compared with the cache's ``shape[0]``: a cache too small for the plan is refused before the launch instead
+    of being read out of bounds. Cost: two int comparisons per call (v_cache's shape equals k_cache's).
+    """
     if not isinstance(p, Plan):
         raise ValueError(f"plan: expected a prefixattn Plan (from prefixattn.plan), got {type(p).__name__}")
     num_qo_heads, num_kv_heads, head_dim, block_size = check_qkv(q, k_cache, v_cache)
@@ -34,13 +39,17 @@ def _check_against_plan(q, k_cache, v_cache, p: Plan, out, return_lse) -> None:
         raise ValueError(f"q: expected dtype {_dtype_name(p.q_dtype)} (the plan's q_dtype), got {_dtype_name(q.dtype)}")
     if q.shape[0] < p.num_tokens:
         raise ValueError(f"q: expected at least {p.num_tokens} rows (qo_indptr[-1] of the plan), got {q.shape[0]}")
-    if q.device != p.device:
+    if not same_device(q.device, p.device):
         raise ValueError(f"q: expected device {p.device} (the plan's device), got {q.device}")
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if cache.shape[0] <= p.max_block_id:
+            raise ValueError(f"{name}: expected more than {p.max_block_id} blocks in dim 0 (the plan reads block id "
+                             f"{p.max_block_id}), got {cache.shape[0]}")
     if out is not None:
         check_tensor("out", out, ndim=3, dtypes=(q.dtype,))
         if tuple(out.shape) != tuple(q.shape):
             raise ValueError(f"out: expected shape {tuple(q.shape)} (the shape of q), got {tuple(out.shape)}")
-        if out.device != q.device:
+        if not same_device(out.device, q.device):
             raise ValueError(f"out: expected device {q.device}, got {out.device}")
     if not isinstance(return_lse, bool):
         raise ValueError(f"return_lse: expected a bool, got {type(return_lse).__name__}")

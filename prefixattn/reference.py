@@ -46,9 +46,10 @@ def reference_attention(
     Returns
     -------
     out : Tensor, ``[num_tokens, num_qo_heads, head_dim]``, fp32
-        A row with no visible KV is 0.
+        A row with no visible KV is 0. NaN in, NaN out: NaN in a query row, or in a K/V row it sees, gives NaN
+        (a causally hidden position never reaches a row, NaN or not).
     lse : Tensor, ``[num_tokens, num_qo_heads]``, fp32 (only with ``return_lse``)
-        ``-inf`` for a row with no visible KV.
+        ``-inf`` for a row with no visible KV; NaN where a query or visible K row holds NaN.
 
     Examples
     --------
@@ -62,6 +63,9 @@ def reference_attention(
     indptr, lens, table = check_metadata(
         qo_indptr, kv_lens, block_table, block_size=block_size, num_blocks=k_cache.shape[0], num_tokens=q.shape[0]
     )
+    if sm_scale is not None and (isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float))
+                                 or not math.isfinite(sm_scale)):
+        raise ValueError(f"sm_scale: expected a finite float or None, got {sm_scale!r}")
     scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
     group = num_qo_heads // num_kv_heads
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -80,9 +84,34 @@ def reference_attention(
             last_visible = kv_len - q_len + torch.arange(q_len, device=q.device)  # [q_len]
             hidden = pos.unsqueeze(0) > last_visible.unsqueeze(1)
             logits = logits.masked_fill(hidden.unsqueeze(0), -math.inf)
-        row_lse = torch.logsumexp(logits, dim=-1)  # [h, q]
-        visible = torch.isfinite(row_lse)
-        probs = torch.where(visible.unsqueeze(-1), torch.exp(logits - row_lse.unsqueeze(-1)), 0.0)
-        out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, v)
+        probs, row_lse = _softmax(logits)
+        out[q_start:q_end] = _weighted_values(probs, v)
         lse[q_start:q_end] = row_lse.transpose(0, 1)
     return (out, lse) if return_lse else out
+
+
+def _softmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax and natural-log LSE over the last dim of ``[h, q, k]`` logits (-inf = hidden).
+
+    A row is empty iff its weights sum to 0 (every logit -inf): probabilities 0, LSE -inf. NaN is not -inf: a NaN
+    logit makes the row's maximum, weights and sum NaN, so NaN in q or in a visible K row reaches out and LSE.
+    """
+    row_max = logits.amax(dim=-1, keepdim=True)  # amax propagates NaN
+    weights = torch.exp(logits - torch.where(row_max == -math.inf, 0.0, row_max))
+    weight_sum = weights.sum(dim=-1)  # [h, q]
+    empty = weight_sum == 0
+    probs = weights / torch.where(empty, 1.0, weight_sum).unsqueeze(-1)
+    lse = torch.where(empty, -math.inf, row_max.squeeze(-1) + torch.log(torch.where(empty, 1.0, weight_sum)))
+    return probs, lse
+
+
+def _weighted_values(probs: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``sum_k probs[h, q, k] * v[k, h, :]`` -> ``[q, h, d]``, where a hidden position (weight 0) contributes
+    nothing even when its V is NaN/inf (a matmul would give 0 * NaN = NaN), while a visible one propagates it."""
+    bad = ~torch.isfinite(v)
+    if not bad.any():
+        return torch.einsum("hqk,khd->qhd", probs, v)
+    # Rare (non-finite V only): the product per position, hidden ones dropped before the sum.
+    terms = probs.unsqueeze(-1) * v.permute(1, 0, 2).unsqueeze(1)  # [h, q, k, d]
+    terms = torch.where((probs != 0).unsqueeze(-1), terms, 0.0)  # NaN != 0: NaN weights stay
+    return terms.sum(dim=2).transpose(0, 1)

@@ -21,6 +21,9 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 #: Head sizes the fused kernels are tuned and tested for (the head sizes of the models users run).
 SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 256)
 _INDEX_DTYPES = (torch.int32, torch.int64)
+#: Largest query row / KV length the planner accepts: the work items the kernel reads are int32
+#: (:mod:`prefixattn.kernels.layout`), so a larger value would wrap silently instead of failing.
+INT32_MAX = int(np.iinfo(np.int32).max)
 
 
 def _dtype_names(dtypes: Iterable[torch.dtype]) -> str:
@@ -37,12 +40,54 @@ def check_tensor(name: str, t, *, ndim: int | None = None, dtypes=None) -> None:
         raise ValueError(f"{name}: expected dtype {_dtype_names(dtypes)}, got {str(t.dtype).replace('torch.', '')}")
 
 
+def canonical_device(name: str, device) -> torch.device:
+    """The device ``device`` names, spelled one way: ``cpu:0`` is ``cpu``, ``cuda`` is ``cuda:<current device>``.
+
+    Tensors report ``cpu`` and ``cuda:N``; users write ``cpu:0``, ``cuda`` or ``torch.device("cuda")``. Comparing
+    canonical devices compares what they are, not how they were spelled. Raises ``ValueError`` for a string that
+    is no device, a meta device (no data to attend over) and a CUDA device on a host without one.
+    """
+    if isinstance(device, torch.device):
+        dev = device
+    elif isinstance(device, str):
+        try:
+            dev = torch.device(device)
+        except RuntimeError:
+            raise ValueError(f"{name}: expected a device such as 'cuda', 'cuda:0' or 'cpu', got {device!r}") from None
+    else:
+        raise ValueError(f"{name}: expected a torch.device or a device string, got {type(device).__name__}")
+    if dev.type == "cpu":
+        return torch.device("cpu")
+    if dev.type == "meta":
+        raise ValueError(f"{name}: expected a device that holds data (cuda or cpu), got {str(dev)!r}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{name}: expected an available device, got {str(dev)!r} (torch.cuda.is_available() is "
+                             "False on this host)")
+        if dev.index is None:
+            return torch.device("cuda", torch.cuda.current_device())
+        if dev.index >= torch.cuda.device_count():
+            raise ValueError(f"{name}: expected an available device, got {str(dev)!r} "
+                             f"({torch.cuda.device_count()} CUDA devices on this host)")
+    return dev
+
+
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """Whether two devices are the same device, whatever their spelling (see :func:`canonical_device`)."""
+    if a == b:  # the per-call fast path: a tensor's device against a plan's canonical one
+        return True
+    try:
+        return canonical_device("device", a) == canonical_device("device", b)
+    except ValueError:
+        return False
+
+
 def check_same_device(**tensors: torch.Tensor) -> torch.device:
     """Check that all tensors live on one device and return it."""
     items = list(tensors.items())
     first_name, first = items[0]
     for name, t in items[1:]:
-        if t.device != first.device:
+        if not same_device(t.device, first.device):
             raise ValueError(f"{name}: expected device {first.device} (the device of {first_name}), got {t.device}")
     return first.device
 
@@ -51,6 +96,9 @@ def check_kernel_device(name: str, t: torch.Tensor) -> None:
     """Triton kernels run on CUDA/ROCm devices, or on CPU tensors only under the interpreter."""
     from prefixattn.runtime import interpreter_enabled
 
+    if t.device.type == "meta":
+        raise ValueError(f"{name}: expected a tensor with data (CUDA/ROCm, or CPU under the interpreter), got a meta "
+                         "tensor")
     if t.device.type == "cpu" and not interpreter_enabled():
         raise ValueError(
             f"{name}: expected a CUDA/ROCm tensor, got a CPU tensor; CPU tensors run only under the Triton "
@@ -110,11 +158,34 @@ def check_metadata(
     Returns CPU int64 copies ``(qo_indptr, kv_lens, block_table)``. ``num_blocks``/``num_tokens``, when given, bound
     the block ids and the last ``qo_indptr`` entry.
     """
+    indptr, lens, table, _ = check_host_metadata(qo_indptr, kv_lens, block_table, block_size=block_size,
+                                                 num_blocks=num_blocks, num_tokens=num_tokens)
+    return torch.from_numpy(indptr), torch.from_numpy(lens), torch.from_numpy(table)
+
+
+def check_host_metadata(
+    qo_indptr: torch.Tensor,
+    kv_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    *,
+    block_size: int,
+    num_blocks: int | None = None,
+    num_tokens: int | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """:func:`check_metadata` for the planner: numpy int64 copies and the largest block id the batch reads.
+
+    Returns ``(qo_indptr, kv_lens, block_table, max_block_id)``; ``max_block_id`` is the largest id among the used
+    entries (``block_table[r, j]`` with ``j * block_size < kv_lens[r]``), ``-1`` when no entry is used. A cache
+    with more than ``max_block_id`` blocks holds every block the batch reads, whatever ``num_blocks`` said.
+    """
     check_tensor("qo_indptr", qo_indptr, ndim=1, dtypes=_INDEX_DTYPES)
     check_tensor("kv_lens", kv_lens, ndim=1, dtypes=_INDEX_DTYPES)
     check_tensor("block_table", block_table, ndim=2, dtypes=_INDEX_DTYPES)
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
         raise ValueError(f"block_size: expected a positive int, got {block_size!r}")
+    if num_blocks is not None and (not isinstance(num_blocks, (int, np.integer)) or isinstance(num_blocks, bool)
+                                   or num_blocks < 0):
+        raise ValueError(f"num_blocks: expected a non-negative int or None, got {num_blocks!r}")
     num_reqs = kv_lens.shape[0]
     if qo_indptr.shape[0] != num_reqs + 1:
         raise ValueError(
@@ -127,9 +198,38 @@ def check_metadata(
         )
     # The value checks run in numpy: plan() calls this once per engine step, and numpy's per-call overhead is a few
     # times lower than torch's on small CPU arrays (~20 us instead of ~60 us for 256 requests).
-    indptr = _host_int64(qo_indptr)
-    lens = _host_int64(kv_lens)
-    table = _host_int64(block_table)
+    indptr = _host_int64("qo_indptr", qo_indptr)
+    lens = _host_int64("kv_lens", kv_lens)
+    table = _host_int64("block_table", block_table)
+    _check_ranges(indptr, lens, num_tokens)
+    blocks_needed = (lens + block_size - 1) // block_size
+    max_blocks = int(blocks_needed.max()) if num_reqs else 0
+    if max_blocks > table.shape[1]:
+        r = int(np.argmax(blocks_needed))
+        raise ValueError(
+            f"block_table: expected at least {max_blocks} columns (kv_lens[{r}]={lens[r]} with "
+            f"block_size={block_size}), got {table.shape[1]}"
+        )
+    max_block_id = -1
+    if num_reqs and max_blocks:
+        used = np.arange(max_blocks)[None, :] < blocks_needed[:, None]
+        table_used = table[:, :max_blocks]
+        upper = num_blocks if num_blocks is not None else np.iinfo(np.int64).max
+        bad = used & ((table_used < 0) | (table_used >= upper))
+        if bad.any():
+            r, j = (int(x) for x in np.argwhere(bad)[0])
+            expected = f"[0, {num_blocks})" if num_blocks is not None else ">= 0"
+            raise ValueError(
+                f"block_table: expected block ids in {expected} for the used entries, got "
+                f"block_table[{r}, {j}]={table[r, j]}"
+            )
+        max_block_id = int(np.where(used, table_used, -1).max())
+    return indptr, lens, table, max_block_id
+
+
+def _check_ranges(indptr: np.ndarray, lens: np.ndarray, num_tokens: int | None) -> None:
+    """qo_indptr and kv_lens values: monotone, consistent, and inside the int32 work items."""
+    num_reqs = lens.shape[0]
     if indptr[0] != 0:
         raise ValueError(f"qo_indptr: expected qo_indptr[0] == 0, got {indptr[0]}")
     q_lens = indptr[1:] - indptr[:-1]
@@ -139,38 +239,29 @@ def check_metadata(
             f"qo_indptr: expected a non-decreasing sequence, got qo_indptr[{r + 1}]={indptr[r + 1]} < "
             f"qo_indptr[{r}]={indptr[r]}"
         )
+    if indptr[-1] > INT32_MAX:
+        raise ValueError(f"qo_indptr: expected values <= {INT32_MAX} (int32 work items), got "
+                         f"qo_indptr[-1]={indptr[-1]}")
     if num_tokens is not None and indptr[-1] != num_tokens:
         raise ValueError(
             f"qo_indptr: expected qo_indptr[-1] == number of query tokens ({num_tokens}), got {indptr[-1]}"
         )
+    if num_reqs and (lens < 0).any():
+        r = int(np.flatnonzero(lens < 0)[0])
+        raise ValueError(f"kv_lens: expected values >= 0, got kv_lens[{r}]={lens[r]}")
+    if num_reqs and (lens > INT32_MAX).any():
+        r = int(np.flatnonzero(lens > INT32_MAX)[0])
+        raise ValueError(f"kv_lens: expected values <= {INT32_MAX} (int32 work items), got kv_lens[{r}]={lens[r]}")
     if num_reqs and (lens < q_lens).any():
         r = int(np.flatnonzero(lens < q_lens)[0])
         raise ValueError(
             f"kv_lens: expected kv_lens[r] >= q_len[r] (the KV includes the new query tokens), got "
             f"kv_lens[{r}]={lens[r]} < q_len[{r}]={q_lens[r]}"
         )
-    blocks_needed = (lens + block_size - 1) // block_size
-    max_blocks = int(blocks_needed.max()) if num_reqs else 0
-    if max_blocks > table.shape[1]:
-        r = int(np.argmax(blocks_needed))
-        raise ValueError(
-            f"block_table: expected at least {max_blocks} columns (kv_lens[{r}]={lens[r]} with "
-            f"block_size={block_size}), got {table.shape[1]}"
-        )
-    if num_reqs and max_blocks:
-        used = np.arange(table.shape[1])[None, :] < blocks_needed[:, None]
-        upper = num_blocks if num_blocks is not None else np.iinfo(np.int64).max
-        bad = used & ((table < 0) | (table >= upper))
-        if bad.any():
-            r, j = (int(x) for x in np.argwhere(bad)[0])
-            expected = f"[0, {num_blocks})" if num_blocks is not None else ">= 0"
-            raise ValueError(
-                f"block_table: expected block ids in {expected} for the used entries, got "
-                f"block_table[{r}, {j}]={table[r, j]}"
-            )
-    return torch.from_numpy(indptr), torch.from_numpy(lens), torch.from_numpy(table)
 
 
-def _host_int64(t: torch.Tensor) -> np.ndarray:
+def _host_int64(name: str, t: torch.Tensor) -> np.ndarray:
     """A host int64 numpy copy of an index tensor (one device->host copy for device tensors)."""
+    if t.device.type == "meta":
+        raise ValueError(f"{name}: expected a tensor with data (cpu or cuda), got a meta tensor")
     return t.detach().to("cpu").numpy().astype(np.int64)

@@ -31,6 +31,7 @@ from multiprocessing import get_context
 from pathlib import Path
 
 from prefixattn.autotune.config_space import DTYPE_BYTES, HEAD_DIMS, block_d
+from prefixattn.cli import int_list, positive_int
 from prefixattn.autotune.targets import DEFAULT_CHECK_TARGETS, TARGETS, get_target, parse_targets
 
 HELP = ("compile every kernel variant for sm80/sm90/gfx90a/gfx942 without a GPU; report registers, spills, "
@@ -375,15 +376,15 @@ def add_arguments(parser) -> None:
                         help=f"comma-separated subset of {','.join(KERNELS)}")
     parser.add_argument("--dtypes", type=_csv("dtypes"), default=list(DTYPE_BYTES),
                         help="comma-separated subset of fp16,bf16,fp32")
-    parser.add_argument("--head-dims", type=_csv("head_dims", int), default=list(HEAD_DIMS),
+    parser.add_argument("--head-dims", type=int_list(HEAD_DIMS), default=list(HEAD_DIMS),
                         help="comma-separated head sizes (default: every supported one)")
     parser.add_argument("--head-dim-per-target", type=_csv("head_dim_per_target"), default=None,
                         help="TARGET=HEAD_DIM pairs: check only that head size on that target (CI's quick run)")
     parser.add_argument("--lse", choices=("both", "on", "off"), default="both",
                         help="compile the fused kernel with HAS_LSE on, off or both (default both)")
-    parser.add_argument("--max-configs", type=int, default=None,
+    parser.add_argument("--max-configs", type=positive_int, default=None,
                         help="at most this many default configs per (target, dtype, head_dim)")
-    parser.add_argument("--jobs", type=int, default=max(1, min(4, os.cpu_count() or 1)),
+    parser.add_argument("--jobs", type=positive_int, default=max(1, min(4, os.cpu_count() or 1)),
                         help="parallel compiler processes (default: CPU count, at most 4)")
     parser.add_argument("--quiet", action="store_true", help="print only failures and the summary")
 
@@ -401,6 +402,13 @@ def _row(r: dict) -> str:
 
 
 def run(args) -> int:
+    from prefixattn.runtime import interpreter_enabled
+
+    if interpreter_enabled():
+        # The kernels this process and its workers import would be the interpreter's, which cannot be compiled.
+        print("prefixattn compile-check: TRITON_INTERPRET=1 is set; compile-check compiles real kernels: unset "
+              "TRITON_INTERPRET (or set TRITON_INTERPRET=0) and run it again", file=sys.stderr)
+        return 2
     try:
         targets = parse_targets(args.targets)
         for d in args.dtypes:
@@ -414,6 +422,8 @@ def run(args) -> int:
             name, _, hd = pair.partition("=")
             if not hd.isdigit():
                 raise ValueError(f"head-dim-per-target: expected TARGET=HEAD_DIM, got {pair!r}")
+            if int(hd) not in HEAD_DIMS:
+                raise ValueError(f"head-dim-per-target: expected a head_dim in {HEAD_DIMS}, got {hd} in {pair!r}")
             per_target[get_target(name).name] = int(hd)
     except ValueError as e:
         print(f"prefixattn compile-check: {e}", file=sys.stderr)

@@ -24,6 +24,7 @@ from prefixattn.autotune.buckets import Bucket, make_bucket
 from prefixattn.autotune.config_space import DTYPE_BYTES, HEAD_DIMS, attention_space, launchable, prune
 from prefixattn.autotune.targets import TARGETS, Target, detect_target, get_target, parse_targets
 from prefixattn.autotune.tuning_cache import TuningCache, cache_path
+from prefixattn.cli import int_list, positive_int
 
 HELP = "time tile configs on this GPU and cache the fastest per shape bucket (or rebuild the shipped tables)"
 
@@ -159,15 +160,17 @@ def _csv(cast):
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--head-dims", type=_csv(int), default=[128], help="head sizes to tune (default 128)")
+    parser.add_argument("--head-dims", type=int_list(HEAD_DIMS), default=[128], help="head sizes to tune (default 128)")
     parser.add_argument("--dtypes", type=_csv(str), default=["fp16", "bf16"], help="default fp16,bf16")
-    parser.add_argument("--groups", type=_csv(int), default=list(DEFAULT_GROUPS), help="GQA group sizes")
-    parser.add_argument("--q-rows", type=_csv(int), default=list(DEFAULT_Q_ROWS),
+    parser.add_argument("--groups", type=int_list(positive=True), default=list(DEFAULT_GROUPS),
+                        help="GQA group sizes")
+    parser.add_argument("--q-rows", type=int_list(positive=True), default=list(DEFAULT_Q_ROWS),
                         help="query tokens per shared prefix node")
-    parser.add_argument("--max-q-lens", type=_csv(int), default=list(DEFAULT_MAX_Q_LENS),
+    parser.add_argument("--max-q-lens", type=int_list(positive=True), default=list(DEFAULT_MAX_Q_LENS),
                         help="query tokens per request (1 = decode)")
-    parser.add_argument("--kv-lens", type=_csv(int), default=list(DEFAULT_KV_LENS), help="shared prefix lengths")
-    parser.add_argument("--top-k", type=int, default=DEFAULT_TOP_K,
+    parser.add_argument("--kv-lens", type=int_list(positive=True), default=list(DEFAULT_KV_LENS),
+                        help="shared prefix lengths")
+    parser.add_argument("--top-k", type=positive_int, default=DEFAULT_TOP_K,
                         help="candidates timed per bucket: the cost model's best survivors (default %(default)s)")
     parser.add_argument("--cache-dir", type=Path, default=None,
                         help="tuning cache directory (default $PREFIXATTN_TUNING_DIR or ~/.cache/prefixattn/tuning)")

@@ -111,6 +111,9 @@ def order_groups(groups: Sequence[PrefixGroup], ordering: str = DEFAULT_ORDERING
     >>> [g.request_ids for g in order_groups(groups, "fcfs")]
     [[0, 1], [2]]
     """
+    if not isinstance(ordering, str):
+        raise ValueError(f"ordering: expected a policy name (str) from {sorted(ORDERINGS)}, got "
+                         f"{type(ordering).__name__}")
     if ordering not in ORDERINGS:
         raise ValueError(f"ordering: expected one of {sorted(ORDERINGS)}, got {ordering!r}")
     groups = list(groups)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import sys
 
+from prefixattn.cli import non_negative_int, output_file, positive_int
+
 HELP = "simulate offline batch inference throughput of vLLM/SGLang/BatchLLM/BlendServe/prefixattn policies (modeled)"
 
 DEFAULT_POLICIES = "vllm,sglang,batchllm,blendserve,prefixattn"
@@ -18,8 +20,8 @@ DEFAULT_POLICIES = "vllm,sglang,batchllm,blendserve,prefixattn"
 def add_arguments(parser) -> None:
     parser.add_argument("--workload", default="batchllm-case1",
                         help="a seed workload name (see --list) or a .jsonl file (jsonl:PATH also works)")
-    parser.add_argument("--num-requests", type=int, default=None, help="size / truncate the workload")
-    parser.add_argument("--seed", type=int, default=0, help="workload generator seed")
+    parser.add_argument("--num-requests", type=positive_int, default=None, help="size / truncate the workload")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="workload generator seed")
     parser.add_argument("--model", default=None, help="model preset (default: the paper's for the workload)")
     parser.add_argument("--gpu", default=None, help="hardware preset (default: the paper's for the workload)")
     parser.add_argument("--policies", default=DEFAULT_POLICIES, help="comma-separated policy names (see --list)")
@@ -27,8 +29,10 @@ def add_arguments(parser) -> None:
                         help="force one engine backend for every policy (default: each system's own)")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                         help="override a calibration constant for a what-if run (applies to every policy)")
-    parser.add_argument("--plot", default=None, metavar="PNG", help="write the tokens-per-step plot (matplotlib)")
-    parser.add_argument("--json", default=None, metavar="FILE", help="write the table as a JSON list of objects")
+    parser.add_argument("--plot", type=output_file, default=None, metavar="PNG",
+                        help="write the tokens-per-step plot (matplotlib)")
+    parser.add_argument("--json", type=output_file, default=None, metavar="FILE",
+                        help="write the table as a JSON list of objects")
     parser.add_argument("--progress", dest="progress", action="store_true", default=None,
                         help="show a progress bar (tqdm; default: on when stderr is a terminal)")
     parser.add_argument("--no-progress", dest="progress", action="store_false")

@@ -18,14 +18,17 @@ from __future__ import annotations
 import json
 import sys
 
+from prefixattn.cli import non_negative_float, non_negative_int, output_file, positive_int
+
 HELP = "assign prefix groups of an offline batch to N engine replicas (load balance, saving ratio kept vs round-robin)"
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("prompts", help="a .jsonl file (one request per line, see prefixattn.sim.workloads.load_jsonl) "
                                         "or a seed workload name (prefixattn simulate --list)")
-    parser.add_argument("--replicas", type=int, required=True, help="number of engine replicas N")
-    parser.add_argument("--levels", type=int, default=1, help="group nesting depth for group_prompts (default 1)")
+    parser.add_argument("--replicas", type=positive_int, required=True, help="number of engine replicas N")
+    parser.add_argument("--levels", type=positive_int, default=1,
+                        help="group nesting depth for group_prompts (default 1)")
     parser.add_argument("--cost", choices=["sim", "sim-scalar", "tokens"], default="sim",
                         help="group cost: the simulator's cost model on two resources (compute and memory seconds "
                              "plus the serial floor of long decodes, default), compute + memory as one number, or "
@@ -33,15 +36,17 @@ def add_arguments(parser) -> None:
     parser.add_argument("--model", default=None, help="model preset for --cost sim (default: the workload's paper "
                                                       "setting, else mistral-7b)")
     parser.add_argument("--gpu", default=None, help="hardware preset for --cost sim (default: a100)")
-    parser.add_argument("--decode-weight", type=float, default=1.0,
+    parser.add_argument("--decode-weight", type=non_negative_float, default=1.0,
                         help="--cost tokens: cost of a decode token relative to a prefill token")
-    parser.add_argument("--num-requests", type=int, default=None, help="size / truncate the workload")
-    parser.add_argument("--seed", type=int, default=0, help="workload generator seed (and random sharding's)")
+    parser.add_argument("--num-requests", type=positive_int, default=None, help="size / truncate the workload")
+    parser.add_argument("--seed", type=non_negative_int, default=0,
+                        help="workload generator seed (and random sharding's)")
     parser.add_argument("--no-split", action="store_true", help="never split a group, even one above the fair share")
     parser.add_argument("--split", choices=["spread", "fill"], default="spread",
                         help="how a group above the fair share is cut: one equal piece per replica (spread, keeps "
                              "each replica's work mix) or the fewest pieces (fill)")
-    parser.add_argument("--json", default=None, metavar="FILE", help="also write the summary and the assignment")
+    parser.add_argument("--json", type=output_file, default=None, metavar="FILE",
+                        help="also write the summary and the assignment")
 
 
 def _rows(partition, prompts) -> list[dict]:

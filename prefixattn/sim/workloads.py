@@ -78,6 +78,9 @@ class Workload:
         return [r.prompt.tolist() for r in self.requests]
 
     def head(self, n: int) -> "Workload":
+        """The first ``n`` requests (``n >= 1``: a negative ``n`` would slice from the end)."""
+        if not _is_int(n) or n < 1:
+            raise ValueError(f"num_requests: expected a positive int, got {n!r}")
         return Workload(f"{self.name}[:{n}]", self.requests[:n], dict(self.info, truncated_to=n))
 
 
@@ -337,6 +340,8 @@ def load_jsonl(path, seed: int = 0, default_output_len: int | None = None) -> Wo
     ``{"prompt_len": 1500, "prefix_id": "doc-7", "prefix_len": 1100, "output_len": 200}``
     """
     path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"workload: expected an existing .jsonl file, got {str(path)!r} (no such file)")
     rng = np.random.default_rng(seed)
     src = _TokenSource(rng)
     prefixes: dict = {}
@@ -350,19 +355,18 @@ def load_jsonl(path, seed: int = 0, default_output_len: int | None = None) -> Wo
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"path: line {lineno} of {path} is not JSON ({e.msg})") from None
+            if not isinstance(obj, dict):
+                raise ValueError(f"path: line {lineno}: expected a JSON object, got {type(obj).__name__}")
             out = obj.get("output_len", obj.get("max_tokens", default_output_len))
-            if not isinstance(out, int) or out < 1:
+            if not _is_int(out) or out < 1:
                 raise ValueError(f"path: line {lineno}: expected output_len (or max_tokens) as a positive int, "
                                  f"got {out!r}")
             if "prompt_token_ids" in obj:
-                ids = obj["prompt_token_ids"]
-                if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
-                    raise ValueError(f"path: line {lineno}: expected prompt_token_ids as a non-empty list of ints")
-                prompt = np.asarray(ids, dtype=np.int32)
+                prompt = _token_ids(obj["prompt_token_ids"], lineno)
             elif "prompt_len" in obj:
                 n = obj["prompt_len"]
                 plen = obj.get("prefix_len", 0)
-                if not isinstance(n, int) or n < 1 or not isinstance(plen, int) or not 0 <= plen <= n:
+                if not _is_int(n) or n < 1 or not _is_int(plen) or not 0 <= plen <= n:
                     raise ValueError(f"path: line {lineno}: expected 1 <= prompt_len and 0 <= prefix_len <= "
                                      f"prompt_len, got prompt_len={n!r}, prefix_len={plen!r}")
                 key = obj.get("prefix_id")
@@ -379,6 +383,24 @@ def load_jsonl(path, seed: int = 0, default_output_len: int | None = None) -> Wo
     if not requests:
         raise ValueError(f"path: {path} holds no requests")
     return Workload(path.stem, requests, dict(source=str(path)))
+
+
+def _is_int(x) -> bool:
+    # JSON true/false load as Python bools, which are ints: "output_len": true must not read as 1.
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+#: Token ids are stored as int32 (the prompts' numpy dtype).
+_MAX_TOKEN_ID = int(np.iinfo(np.int32).max)
+
+
+def _token_ids(ids, lineno: int) -> np.ndarray:
+    if not isinstance(ids, list) or not ids or not all(_is_int(t) for t in ids):
+        raise ValueError(f"path: line {lineno}: expected prompt_token_ids as a non-empty list of ints")
+    bad = next((t for t in ids if not 0 <= t <= _MAX_TOKEN_ID), None)
+    if bad is not None:
+        raise ValueError(f"path: line {lineno}: expected token ids in [0, {_MAX_TOKEN_ID}], got {bad}")
+    return np.asarray(ids, dtype=np.int32)
 
 
 # ---------------------------------------------------------------------------------------------------- registry
@@ -411,6 +433,8 @@ def get_workload(name: str, num_requests: int | None = None, seed: int = 0) -> W
     >>> len(get_workload("batchllm-case1", num_requests=50))
     50
     """
+    if num_requests is not None and (not _is_int(num_requests) or num_requests < 1):
+        raise ValueError(f"num_requests: expected a positive int or None, got {num_requests!r}")
     if name.startswith("jsonl:") or name.endswith(".jsonl"):
         w = load_jsonl(name[len("jsonl:"):] if name.startswith("jsonl:") else name, seed=seed)
         return w.head(num_requests) if num_requests else w

@@ -1,0 +1,137 @@
+"""NaN in, NaN out through the kernels, and merge counters that survive a failed launch (issue 17, items 2 and 3).
+
+The reference's side of these rules is tested in tests/test_bad_input.py; here the fused kernel and the merge
+kernels must agree with it: NaN in q or in a K/V row a query sees gives NaN (not the ``(0, -inf)`` of a row that saw
+nothing), a NaN LSE in a merge gives NaN (it must not erase the other state), a row with no visible KV stays
+``(0, -inf)``, and a plan whose counters an interrupted launch left non-zero still gives the right answer.
+"""
+
+import math
+
+import pytest
+import torch
+
+from prefixattn import attention, merge_states, merge_states_n, plan, reference_attention
+from tests.prefix_batches import make_batch
+
+
+def _batch(device, **kw):
+    # Two requests sharing two blocks (a shared-node item plus suffixes and a merge), then one alone.
+    args = dict(q_lens=[1, 3, 2], extra_lens=[3, 5, 2], paths=[("a",), ("a",), ()], level_blocks={"a": 2},
+                block_size=4, num_qo_heads=2, num_kv_heads=1, head_dim=64, dtype=torch.float32)
+    args.update(kw)
+    b = make_batch(0, **args)
+    for name in ("q", "k_cache", "v_cache", "qo_indptr", "kv_lens", "block_table"):
+        setattr(b, name, getattr(b, name).to(device))
+    return b
+
+
+#: One long request that the planner splits into split-k chunks and merges (with num_sms=8, min_split_tokens=8).
+_SPLIT = dict(q_lens=[1], extra_lens=[40], paths=[()], level_blocks={})
+
+
+def _run(b, **plan_kw):
+    p = plan(*b.metadata, **b.heads, q_dtype=b.q.dtype, **plan_kw)
+    got = attention(b.q, b.k_cache, b.v_cache, p, return_lse=True)
+    want = reference_attention(b.q, b.k_cache, b.v_cache, *b.metadata, return_lse=True)
+    return p, got, want
+
+
+def _same_nan_pattern_and_values(got, want):
+    (o, lse), (o_ref, lse_ref) = got, want
+    assert torch.equal(torch.isnan(o), torch.isnan(o_ref)), "NaN where the reference has NaN, nowhere else"
+    assert torch.equal(torch.isnan(lse), torch.isnan(lse_ref))
+    torch.testing.assert_close(o.float(), o_ref, atol=1e-4, rtol=1e-4, equal_nan=True)
+    torch.testing.assert_close(lse, lse_ref, atol=1e-4, rtol=1e-4, equal_nan=True)
+
+
+@pytest.mark.parametrize("sharing", ["always", "never"])
+def test_nan_in_q_gives_nan(device, sharing):
+    b = _batch(device)
+    b.q[2, 1, 3] = math.nan  # request 1, its second query row, head 1
+    p, got, want = _run(b, sharing=sharing)
+    assert torch.isnan(want[0][2, 1]).all()
+    _same_nan_pattern_and_values(got, want)
+
+
+@pytest.mark.parametrize("sharing", ["always", "never"])
+def test_nan_in_a_visible_shared_k_row_gives_nan(device, sharing):
+    b = _batch(device)
+    shared_block = int(b.block_table[0, 0])
+    b.k_cache[shared_block, 1, 0, 0] = math.nan  # position 1: seen by every row of requests 0 and 1
+    p, got, want = _run(b, sharing=sharing)
+    if sharing == "always":
+        assert p.shared_nodes, "the NaN sits in a shared node's KV"
+    assert torch.isnan(want[0][:4]).all() and not torch.isnan(want[0][4:]).any()
+    _same_nan_pattern_and_values(got, want)
+
+
+def test_nan_in_a_visible_v_row_gives_nan(device):
+    b = _batch(device)
+    own_block = int(b.block_table[2, 0])
+    b.v_cache[own_block, 0, 0, 5] = math.nan  # request 2's position 0
+    _, got, want = _run(b, sharing="always")
+    assert torch.isnan(want[0][4:, :, 5]).all()
+    _same_nan_pattern_and_values(got, want)
+
+
+def test_split_k_merge_keeps_nan(device):
+    # One long request split into chunks: the NaN chunk's state must not be erased by the finite ones.
+    b = _batch(device, **_SPLIT)
+    b.k_cache[int(b.block_table[0, 2]), 0, 0, 0] = math.nan
+    p, got, want = _run(b, num_sms=8, min_split_tokens=8)
+    assert p.stats["num_units"] >= 1 and p.work.num_ws_rows > 0, "the request is split and merged"
+    _same_nan_pattern_and_values(got, want)
+
+
+def test_chunks_a_row_does_not_see_stay_empty(device):
+    # A causal prefill split into chunks: the early rows see nothing of the later chunks, whose partial states
+    # must be (0, -inf) and weigh nothing in the merge (never NaN, which "empty iff l == 0" must keep true).
+    b = _batch(device, q_lens=[40], extra_lens=[40], paths=[()], level_blocks={})
+    p, got, want = _run(b, num_sms=8, min_split_tokens=8)
+    assert p.work.num_ws_rows > 0, "the prefill is split and merged"
+    assert torch.isfinite(got[0]).all() and torch.isfinite(got[1]).all()
+    _same_nan_pattern_and_values(got, want)
+
+
+def test_merge_states_nan_lse_is_not_erased(device):
+    v = torch.randn(2, 2, 64, device=device)
+    s_a = torch.tensor([[math.nan, 0.5], [1.0, -math.inf]], device=device)
+    s_b = torch.tensor([[2.0, math.nan], [-math.inf, -math.inf]], device=device)
+    out, lse = merge_states(v, s_a, v + 1, s_b)
+    assert torch.isnan(lse[0]).all() and torch.isnan(out[0]).all()
+    torch.testing.assert_close(out[1, 0], v[1, 0])  # one empty state: the other unchanged
+    assert lse[1, 1] == -math.inf and (out[1, 1] == 0).all()  # both empty: (0, -inf)
+
+
+def test_merge_states_nan_value_is_not_erased(device):
+    v = torch.randn(1, 1, 64, device=device)
+    v_nan = v.clone()
+    v_nan[0, 0, 3] = math.nan
+    out, _ = merge_states(v, torch.zeros(1, 1, device=device), v_nan, torch.zeros(1, 1, device=device))
+    assert torch.isnan(out[0, 0, 3]) and torch.isfinite(out[0, 0, :3]).all()
+
+
+def test_merge_states_n_nan_lse(device):
+    v = torch.randn(1, 3, 2, 64, device=device)
+    s = torch.tensor([[[0.0, 1.0], [math.nan, 2.0], [3.0, -math.inf]]], device=device)
+    out, lse = merge_states_n(v, s)
+    assert torch.isnan(lse[0, 0]) and torch.isnan(out[0, 0]).all()
+    assert torch.isfinite(lse[0, 1]) and torch.isfinite(out[0, 1]).all()
+
+
+@pytest.mark.parametrize("batch_kw, plan_kw", [(dict(), dict(sharing="always")),
+                                               (_SPLIT, dict(num_sms=8, min_split_tokens=8))],
+                         ids=["shared", "split-k"])
+def test_counters_left_by_an_interrupted_launch_do_not_poison_the_next(device, batch_kw, plan_kw):
+    # An interrupted launch (a kill, a timeout, an exception between programs) can leave merge counters non-zero;
+    # every later layer on that plan must still be right.
+    b = _batch(device, **batch_kw)
+    p = plan(*b.metadata, **b.heads, q_dtype=b.q.dtype, **plan_kw)
+    assert p.work.num_ws_rows > 0, "the plan merges states"
+    want = reference_attention(b.q, b.k_cache, b.v_cache, *b.metadata, return_lse=True)
+    p.counters.fill_(1)
+    for _ in range(2):  # this layer and the next
+        out, lse = attention(b.q, b.k_cache, b.v_cache, p, return_lse=True)
+        torch.testing.assert_close(out, want[0], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(lse, want[1], atol=1e-4, rtol=1e-4)
