@@ -1,6 +1,7 @@
 """Merge partial attention states ``(v, lse)`` by log-sum-exp (BatchLLM Eq. 1, natural log).
 
-A state with LSE ``-inf`` is empty and carries no weight; a ``+inf`` LSE dominates every finite one. All arithmetic is
+A state with LSE ``-inf`` is empty and carries no weight; a ``+inf`` LSE dominates every finite one; a NaN LSE makes
+the merged state NaN (it is never mistaken for an empty one). All arithmetic is
 fp32 right after the loads (also keeps bf16 right under the Triton interpreter, which computes on raw bf16 bits).
 """
 
@@ -39,9 +40,10 @@ def _load_state(v_ptr, s_ptr, offs_h, offs_d, mask_h, mask_hd, stride_v_h, strid
 @triton.jit
 def _store_merged(v_out_ptr, s_out_ptr, acc, w_sum, m, offs_h, offs_d, mask_h, mask_hd,
                   stride_vo_h, stride_vo_d, stride_so_h):
-    nonempty = w_sum > 0.0
-    out = tl.where(nonempty[:, None], acc / tl.where(nonempty, w_sum, 1.0)[:, None], 0.0)
-    lse = tl.where(nonempty, m + tl.log(tl.where(nonempty, w_sum, 1.0)), float("-inf"))
+    # Empty only when no state carried weight (w_sum exactly 0): a NaN LSE makes w_sum NaN, and NaN stays NaN.
+    empty = w_sum == 0.0
+    out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, w_sum)[:, None])
+    lse = tl.where(empty, float("-inf"), m + tl.log(tl.where(empty, 1.0, w_sum)))
     tl.store(v_out_ptr + offs_h[:, None] * stride_vo_h + offs_d[None, :] * stride_vo_d,
              out.to(v_out_ptr.dtype.element_ty), mask=mask_hd)
     tl.store(s_out_ptr + offs_h * stride_so_h, lse, mask=mask_h)
