@@ -45,5 +45,6 @@ if [ "${1:-}" = "--verify" ]; then
   "$PYTHON" -m pip download -q --no-deps --only-binary=:all: -d "$tmp/whl" "${WHEELS[@]}"
   "$PYTHON" -m pip install -q --no-index --no-deps --target "$tmp/site" "$tmp"/whl/*.whl
   PYTHONPATH="$tmp/site" "$PYTHON" -c "import flashinfer
-print('gpu wheels: flashinfer', flashinfer.__version__, 'imports', flashinfer.MultiLevelCascadeAttentionWrapper.__name__)"
+name = flashinfer.MultiLevelCascadeAttentionWrapper.__name__
+print('gpu wheels: flashinfer', flashinfer.__version__, 'imports', name)"
 fi
