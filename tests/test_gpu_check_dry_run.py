@@ -40,4 +40,4 @@ def test_gpu_check_dry_run_runs_every_step(tmp_path):
     assert "flashinfer-cascade2 column: dry run: FlashInfer's kernels are CUDA-only" in out
     md = csv_path.with_suffix(".md").read_text()
     assert f"{len(passed)}/{len(passed)} cases passed" in md and "DRY RUN" in md
-    assert out.rstrip().endswith("gpu check: all checks passed")
+    assert proc.stdout.rstrip().endswith("gpu check: all checks passed")
