@@ -1,4 +1,4 @@
-"""Exact fp32 torch reference for ragged paged attention: the ground truth every kernel is tested against."""
+"""Exact fp32 (or fp64) torch reference for ragged paged attention: the ground truth every kernel is tested against."""
 
 from __future__ import annotations
 
@@ -20,8 +20,10 @@ def reference_attention(
     causal: bool = True,
     sm_scale: float | None = None,
     return_lse: bool = False,
+    compute_dtype: torch.dtype = torch.float32,
 ):
-    """Ragged paged attention computed exactly in fp32 with plain torch ops (slow; for tests and checks).
+    """Ragged paged attention computed exactly in ``compute_dtype`` (fp32 by default) with plain torch ops (slow;
+    for tests and checks).
 
     Parameters
     ----------
@@ -42,13 +44,15 @@ def reference_attention(
         Logit scale; defaults to ``1 / sqrt(head_dim)``.
     return_lse : bool
         Also return the natural-log log-sum-exp of the scaled logits.
+    compute_dtype : torch.float32 or torch.float64
+        Arithmetic and output dtype; fp64 is the ground truth the GPU check compares every dtype against.
 
     Returns
     -------
-    out : Tensor, ``[num_tokens, num_qo_heads, head_dim]``, fp32
+    out : Tensor, ``[num_tokens, num_qo_heads, head_dim]``, ``compute_dtype``
         A row with no visible KV is 0. NaN in, NaN out: NaN in a query row, or in a K/V row it sees, gives NaN
         (a causally hidden position never reaches a row, NaN or not).
-    lse : Tensor, ``[num_tokens, num_qo_heads]``, fp32 (only with ``return_lse``)
+    lse : Tensor, ``[num_tokens, num_qo_heads]``, ``compute_dtype`` (only with ``return_lse``)
         ``-inf`` for a row with no visible KV; NaN where a query or visible K row holds NaN.
 
     Examples
@@ -68,8 +72,11 @@ def reference_attention(
         raise ValueError(f"sm_scale: expected a finite float or None, got {sm_scale!r}")
     scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
     group = num_qo_heads // num_kv_heads
-    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    lse = torch.full(q.shape[:2], -math.inf, dtype=torch.float32, device=q.device)
+    if compute_dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"compute_dtype: expected torch.float32 or torch.float64, got {compute_dtype}")
+    acc = compute_dtype
+    out = torch.zeros(q.shape, dtype=acc, device=q.device)
+    lse = torch.full(q.shape[:2], -math.inf, dtype=acc, device=q.device)
     for r in range(lens.shape[0]):
         q_start, q_end, kv_len = int(indptr[r]), int(indptr[r + 1]), int(lens[r])
         q_len = q_end - q_start
@@ -77,9 +84,9 @@ def reference_attention(
             continue
         pos = torch.arange(kv_len, device=q.device)
         block_ids = table[r].to(q.device)[pos // block_size]
-        k = k_cache[block_ids, pos % block_size].float().repeat_interleave(group, dim=1)  # [kv_len, qo_heads, d]
-        v = v_cache[block_ids, pos % block_size].float().repeat_interleave(group, dim=1)
-        logits = torch.einsum("qhd,khd->hqk", q[q_start:q_end].float(), k) * scale
+        k = k_cache[block_ids, pos % block_size].to(acc).repeat_interleave(group, dim=1)  # [kv_len, qo_heads, d]
+        v = v_cache[block_ids, pos % block_size].to(acc).repeat_interleave(group, dim=1)
+        logits = torch.einsum("qhd,khd->hqk", q[q_start:q_end].to(acc), k) * scale
         if causal:
             last_visible = kv_len - q_len + torch.arange(q_len, device=q.device)  # [q_len]
             hidden = pos.unsqueeze(0) > last_visible.unsqueeze(1)

@@ -94,12 +94,14 @@ def check_same_device(**tensors: torch.Tensor) -> torch.device:
 
 def check_kernel_device(name: str, t: torch.Tensor) -> None:
     """Triton kernels run on CUDA/ROCm devices, or on CPU tensors only under the interpreter."""
-    from prefixattn.runtime import interpreter_enabled
+    from prefixattn.runtime import check_interpreter_runtime, interpreter_enabled
 
     if t.device.type == "meta":
         raise ValueError(f"{name}: expected a tensor with data (CUDA/ROCm, or CPU under the interpreter), got a meta "
                          "tensor")
-    if t.device.type == "cpu" and not interpreter_enabled():
+    if interpreter_enabled():
+        check_interpreter_runtime()
+    elif t.device.type == "cpu":
         raise ValueError(
             f"{name}: expected a CUDA/ROCm tensor, got a CPU tensor; CPU tensors run only under the Triton "
             "interpreter (set TRITON_INTERPRET=1 before importing prefixattn)"

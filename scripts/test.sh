@@ -13,6 +13,7 @@ source scripts/venv.sh
 failed=()
 setup_venv .venv test
 .venv/bin/python -m pytest tests/ -m "not slow and not vllm and not sglang and not ray" "$@" || failed+=(main)
+bash scripts/test_triton36.sh || failed+=(triton36)  # the oldest supported Triton: kernel tests, sm90 compile-check
 
 if [ -z "${PREFIXATTN_SKIP_ENGINES:-}" ]; then
   for suite in vllm sglang ray; do

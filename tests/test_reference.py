@@ -90,3 +90,21 @@ def test_reference_lse_shape_and_empty_request():
                                                  num_qo_heads=2, num_kv_heads=1, head_dim=64)
     out, lse = reference_attention(q, k, v, indptr, lens, table, return_lse=True)
     assert out.shape == (2, 2, 64) and lse.shape == (2, 2) and lse.dtype == torch.float32
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_reference_float64_matches_naive_to_fp64_rounding(causal):
+    # compute_dtype=float64: the GPU check's ground truth (scripts/gpu_check.sh); same math, fp64 arithmetic.
+    batch = _random_batch(3, q_lens=[3, 1, 0, 5, 1], kv_lens=[7, 20, 0, 5, 33], block_size=16, num_qo_heads=8,
+                          num_kv_heads=2, head_dim=64)
+    out, lse = reference_attention(*batch, causal=causal, return_lse=True, compute_dtype=torch.float64)
+    want_out, want_lse = _naive(*batch, causal, 1 / math.sqrt(64))
+    assert out.dtype == lse.dtype == torch.float64
+    torch.testing.assert_close(out, want_out, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(lse, want_lse, atol=1e-12, rtol=1e-12)
+
+
+def test_reference_rejects_other_compute_dtypes():
+    batch = _random_batch(4, q_lens=[1], kv_lens=[3], block_size=16, num_qo_heads=2, num_kv_heads=2, head_dim=64)
+    with pytest.raises(ValueError, match="compute_dtype: expected torch.float32 or torch.float64, got torch.float16"):
+        reference_attention(*batch, compute_dtype=torch.float16)

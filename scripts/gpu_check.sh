@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# GPU evidence in one call, from the repository root of the GPU machine (no network needed):
+#   bash scripts/gpu_wheels.sh       # first, on a machine with the package index: FlashInfer & co. into .whl/
+#   bash scripts/gpu_check.sh        # on the GPU machine: <= 9 minutes; writes bench/results/gpu/<gpu>-<commit>.csv/.md
+#   bash scripts/gpu_check.sh --dry-run [--out DIR]   # any CPU machine: every step at tiny sizes, interpreter
+# Needs the image's python3 (torch, triton, numpy, pytest), nvcc + compute-sanitizer on PATH or in /usr/local/cuda/bin,
+# and the wheels of .whl/, installed here with --no-index --no-deps into a throwaway folder on PYTHONPATH (nothing is
+# installed into the image's site-packages). Steps, budgets and outputs: bench/gpu_check.py.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+SITE=${PREFIXATTN_GPU_SITE:-/tmp/prefixattn-gpu-site}
+LIMIT_S=540  # 9 minutes for the whole call; the driver plans for ~505 s of it (bench/gpu_check_steps.py)
+
+extra_path=""
+if [ "${1:-}" != "--dry-run" ]; then
+  if compgen -G ".whl/*.whl" >/dev/null; then
+    "$PYTHON" -m pip install -q --no-index --no-deps --upgrade --target "$SITE" .whl/*.whl
+    extra_path="$SITE"
+    export PATH="$SITE/bin:$PATH"  # FlashInfer's JIT runs the `ninja` of the ninja wheel
+  else
+    echo "gpu check: no wheels in .whl/ (bash scripts/gpu_wheels.sh on a networked machine); FlashInfer will be skipped"
+  fi
+  [ -d /usr/local/cuda/bin ] && export PATH="$PATH:/usr/local/cuda/bin"
+fi
+export PYTHONPATH="$PWD${extra_path:+:$extra_path}${PYTHONPATH:+:$PYTHONPATH}"
+exec timeout --kill-after=5 $((LIMIT_S - SECONDS)) "$PYTHON" bench/gpu_check.py "$@"

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Download, on a machine with the package index, the wheels the GPU check (scripts/gpu_check.sh) needs that the GPU
+# image lacks, into .whl/ (git-ignored), for CPython 3.12 on x86_64 Linux; fails if they pass 50 MiB in all.
+#   bash scripts/gpu_wheels.sh            # download into .whl/
+#   bash scripts/gpu_wheels.sh --verify   # also import flashinfer's cascade API from the same pins for THIS python
+# The GPU image has Python 3.12, torch 2.11.0+cu130, triton 3.6.0, numpy, pytest, matplotlib, nvcc 13, ncu,
+# compute-sanitizer, and no network. On it:
+#   pip install --no-index --no-deps --target /tmp/site .whl/*.whl   (scripts/gpu_check.sh does this)
+#
+# The set: FlashInfer 0.6.0 (7.5 MB; its newest, 0.7.2.post1, is 62 MB before dependencies) has the same
+# MultiLevelCascadeAttentionWrapper and ships its CUDA sources for JIT. Of its declared dependencies only these are
+# needed, found by importing `flashinfer` in a venv of the image's packages (torch 2.13 CPU, triton 3.6.0, numpy,
+# pytest, matplotlib) and adding one wheel per ModuleNotFoundError until `flashinfer.MultiLevelCascadeAttentionWrapper`
+# imported: apache-tvm-ffi (the JIT modules' FFI: headers, libtvm_ffi), nvidia-ml-py (pynvml), requests with urllib3,
+# idna, certifi. ninja is not imported but FlashInfer's JIT runs the `ninja` binary. The rest (nvidia-cutlass-dsl,
+# nvidia-cudnn-frontend, einops, click, tabulate, tqdm) is imported only by other FlashInfer features (CuTe DSL
+# kernels, cuDNN backends, the CLI), not by the cascade path.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+DEST=.whl
+LIMIT_MIB=50  # the GPU machine takes 64 MiB of files per command; the rest is the tree
+WHEELS=(flashinfer-python==0.6.0 apache-tvm-ffi==0.1.15.post2 nvidia-ml-py==13.615.71 requests==2.34.2
+        urllib3==2.8.0 idna==3.20 certifi==2026.10.18 ninja==1.13.2)
+# Every tag a cp312 x86_64 manylinux wheel may carry (pure-Python wheels match "any").
+TAGS=(--only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi none
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64
+      --platform manylinux2014_x86_64 --platform any)
+
+rm -rf "$DEST"
+mkdir -p "$DEST"
+"$PYTHON" -m pip download -q --no-deps "${TAGS[@]}" -d "$DEST" "${WHEELS[@]}"
+total=$(du -cb "$DEST"/*.whl | tail -1 | cut -f1)
+ls -l "$DEST"
+echo "gpu wheels: ${#WHEELS[@]} wheels, $((total / 1024)) KiB in $DEST (limit ${LIMIT_MIB} MiB)"
+if [ "$total" -gt $((LIMIT_MIB * 1024 * 1024)) ]; then
+  echo "gpu wheels: FAILED: $((total / 1024 / 1024)) MiB is over the ${LIMIT_MIB} MiB limit" >&2
+  exit 1
+fi
+
+if [ "${1:-}" = "--verify" ]; then
+  # Same pins for this machine's python (apache-tvm-ffi is the only binary wheel), into a throwaway target.
+  tmp=$(mktemp -d)
+  trap 'rm -rf "$tmp"' EXIT
+  "$PYTHON" -m pip download -q --no-deps --only-binary=:all: -d "$tmp/whl" "${WHEELS[@]}"
+  "$PYTHON" -m pip install -q --no-index --no-deps --target "$tmp/site" "$tmp"/whl/*.whl
+  PYTHONPATH="$tmp/site" "$PYTHON" -c "import flashinfer
+name = flashinfer.MultiLevelCascadeAttentionWrapper.__name__
+print('gpu wheels: flashinfer', flashinfer.__version__, 'imports', name)"
+fi

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The oldest supported Triton (3.6.0: the GPU image's) in its own venv .venv-triton36 (~60 s to create, ~2 min to run):
+#   - the fused kernel and merge kernel tests in Triton 3.6's interpreter (tests/test_attention.py,
+#     tests/test_merge_states.py, tests/test_runtime.py) and the GPU check's dry run (tests/test_gpu_check_dry_run.py);
+#   - `prefixattn compile-check` for sm90 (bf16, head_dim 64 and 128: decode, chunked prefill, suffix-only, merges),
+#     i.e. Triton 3.6's own compiler and ptxas on the kernels the GPU machine will run.
+# numpy<2.4: Triton 3.6's interpreter calls int() on 1-element arrays, a TypeError from NumPy 2.4 on (see
+# prefixattn/runtime.py; Triton >= 3.7 is fine with any NumPy). The main suite (scripts/test.sh) runs the newest Triton.
+# Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+VENV=.venv-triton36
+TRITON_PIN=triton==3.6.0
+
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+installed=$("$VENV/bin/python" -m pip show triton 2>/dev/null | sed -n 's/^Version: //p' || true)  # fails when absent
+if [ "$installed" != "${TRITON_PIN#*==}" ]; then
+  "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null
+  "$VENV/bin/python" -m pip install -q torch==2.13.0  # first and pinned: a bare "torch" pulls a multi-GB CUDA build
+fi
+"$VENV/bin/python" -m pip install -q torch==2.13.0 "$TRITON_PIN" "numpy<2.4" -e ".[test]"
+
+failed=()
+# Triton 3.6's interpreter warns (NumPy DeprecationWarning) at every scalar loop bound: thousands of lines, no news.
+"$VENV/bin/python" -m pytest tests/test_attention.py tests/test_merge_states.py tests/test_runtime.py \
+  tests/test_gpu_check_dry_run.py -q \
+  -m "not slow" -W "ignore:Conversion of an array with ndim:DeprecationWarning" "$@" || failed+=(kernel-tests)
+"$VENV/bin/prefixattn" compile-check --targets sm90 --dtypes bf16 --head-dims 64,128 --jobs 2 --quiet \
+  || failed+=(compile-check)
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "triton 3.6 suite: FAILED: ${failed[*]}" >&2
+  exit 1
+fi
+echo "triton 3.6 suite: passed"

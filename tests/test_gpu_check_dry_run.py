@@ -1,0 +1,43 @@
+"""scripts/gpu_check.sh --dry-run: every step of the GPU check at tiny sizes in the interpreter (~25 s), so the script
+that runs on the short-lived GPU machine cannot rot between GPU sessions."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_gpu_check_dry_run_runs_every_step(tmp_path):
+    env = dict(os.environ, PYTHON=sys.executable)
+    proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--dry-run", "--out", str(tmp_path)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    [csv_path] = tmp_path.glob("cpu-interpreter-*.csv")
+    rows = list(csv.DictReader(csv_path.open()))
+    assert list(rows[0]) == ["benchmark", "provider", "shape", "device", "metric", "value", "unit", "commit",
+                             "versions"], "the bench CSV schema (bench/conftest.py)"
+    by = lambda bench, metric: [r for r in rows if r["benchmark"] == bench and r["metric"] == metric]  # noqa: E731
+    passed = by("gpu_check_correctness", "passed")
+    # Every scenario, dtype, head size, GQA group and page size of the matrix ran, and passed.
+    names = " ".join(r["shape"] for r in passed)
+    for part in ("decode/", "chunked_prefill/", "mixed/", "split_k/", "multi_level/", "float16", "bfloat16",
+                 "float32", "/d64/", "/d128/", "/d256/", "gqa1", "gqa4", "gqa8", "page1", "page16"):
+        assert part in names, part
+    assert all(float(r["value"]) == 1.0 for r in passed + by("gpu_check_correctness", "bit_identical"))
+    assert {r["shape"].split()[0] for r in by("gpu_ceiling", "copy_gbps") + by("gpu_ceiling", "matmul_tflops")} == {
+        "copy", "bf16"}
+    timed = {(r["provider"], r["shape"]) for r in by("attention_gpu_time", "time_us_median")}
+    assert {p for p, _ in timed} == {"prefixattn", "prefixattn-nosharing", "torch-sdpa"}
+    assert len({s for _, s in timed}) == 2 and len(by("attention_gpu_time", "floor_us")) == 2
+    # The CUDA-only steps are skipped with their reasons, not silently.
+    assert "[sanitizer] SKIPPED: dry run: compute-sanitizer" in out
+    assert "flashinfer-cascade2 column: dry run: FlashInfer's kernels are CUDA-only" in out
+    md = csv_path.with_suffix(".md").read_text()
+    assert f"{len(passed)}/{len(passed)} cases passed" in md and "DRY RUN" in md
+    assert proc.stdout.rstrip().endswith("gpu check: all checks passed")
