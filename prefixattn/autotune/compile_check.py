@@ -2,14 +2,17 @@
 
 For each target, kernel variant, dtype, head size and default config it runs ``triton.compile`` for the target and
 reports: compile ok, registers (ptxas ``-v`` on NVIDIA; ``.vgpr_count`` (+ AGPRs) on AMD), spills (ptxas spill
-store + load bytes; ``.vgpr_spill_count`` plus scratch-memory instructions on AMD), shared memory / LDS, and whether the shared-node part
+store + load bytes; ``.vgpr_spill_count`` plus scratch-memory instructions on AMD), shared memory / LDS, the pipeline
+depth of the KV loops in the TTGIR (:func:`parse_pipeline`: K/V tiles in flight, from the K/V buffer copies and the
+in-loop ``async_wait`` nums on NVIDIA, LDS buffers plus the stream pipeliner's prefetch on AMD), and whether the shared-node part
 of the fused kernel issues matrix instructions: its ``tt.dot`` ops got a tensor-core layout in the TTGIR
 (``nvidia_mma`` v2 = ``mma.sync``, v3 = ``wgmma``; ``amd_mfma``) and the assembly contains them. Dots are attributed
 to the shared part by their shapes, ``[BLOCK_M_SHARED, BLOCK_D] x [BLOCK_D, BLOCK_N_SHARED]`` and
 ``[BLOCK_M_SHARED, BLOCK_N_SHARED] x [BLOCK_N_SHARED, BLOCK_D]`` (a suffix dot of the same shapes gets the same
 layout, so sharing a shape cannot hide a fallback).
 
-Exit status 1 when any compile fails, any default config spills, uses more shared memory than the target has, or
+Exit status 1 when any compile fails, any default config spills, uses more shared memory than the target has, keeps
+fewer than ``MIN_PIPELINE_DEPTH`` K/V tiles in flight on NVIDIA (the fused kernel), or
 (fp16/bf16, and fp32 on AMD) its shared-node part has no matrix instructions. Compiles run in worker processes with
 ``TRITON_INTERPRET=0`` (a kernel defined under the interpreter cannot be compiled), ``--jobs`` at a time.
 """
@@ -35,7 +38,7 @@ from prefixattn.cli import int_list, positive_int
 from prefixattn.autotune.targets import DEFAULT_CHECK_TARGETS, TARGETS, get_target, parse_targets
 
 HELP = ("compile every kernel variant for sm80/sm90/gfx90a/gfx942 without a GPU; report registers, spills, "
-        "shared memory and matrix instructions")
+        "shared memory, pipeline depth and matrix instructions")
 
 KERNELS = ("prefix_attention", "merge")
 
@@ -139,6 +142,100 @@ def parse_amdgcn(asm: str) -> dict:
             "scratch_bytes": field("private_segment_fixed_size"), "lds_bytes": field("group_segment_fixed_size")}
 
 
+#: K/V tiles a fused-kernel KV loop must keep in flight on targets with asynchronous global->shared copies (sm80+:
+#: ``cp.async``; sm90 also TMA): with one, every iteration waits a full memory round trip (~0.6-1 us) before its dot.
+MIN_PIPELINE_DEPTH = 2
+_FOR_RE = re.compile(r"\bscf\.for\b")
+_WAIT_RE = re.compile(r"ttg\.async_wait\b.*\{num = (\d+)")
+_BUFFER_RE = re.compile(r"ttg\.local_alloc\s*:\s*\(\)\s*->\s*!ttg\.memdesc<(\d+)x(\d+)x(\d+)x\w+[^>]*mutable")
+_DEF_RE = re.compile(r"^(%[\w.#:]+?)(?::\d+)?\s*=\s*([\w.]+)\s+(%[\w.#]+)")
+_TILE_LOAD_RE = re.compile(r"^(%[\w.]+)\s*=\s*(?:tt\.load|amdgpu\.buffer_load|amdg\.buffer_load)\b.*:\s*"
+                           r"(?:tensor<\d+x\d+x|!tt\.ptr<)")
+_LOCAL_STORE_RE = re.compile(r"ttg\.local_store\s+(%[\w.]+),")
+
+
+def _loop_bodies(ttgir: str) -> list[list[str]]:
+    """The op lines of every ``scf.for`` body (nested loops' lines belong to the innermost loop only)."""
+    stack: list = []  # one entry per open region: the list collecting a loop body's lines, or None
+    bodies = []
+    for raw in ttgir.splitlines():
+        line = raw.strip()
+        if line.startswith("}"):
+            if stack:
+                stack.pop()
+            if line.endswith("{"):  # "} else {"
+                stack.append(None)
+            continue
+        loop = next((b for b in reversed(stack) if b is not None), None)
+        if loop is not None:
+            loop.append(line)
+        if line.endswith("{") and not line.startswith("#"):
+            if _FOR_RE.search(line):
+                bodies.append([])
+                stack.append(bodies[-1])
+            else:
+                stack.append(None)
+    return bodies
+
+
+def _stored_from_load(body: list[str]) -> bool:
+    """Whether a ``ttg.local_store`` of this loop writes a tile the same loop loaded from global memory (through
+    at most a few single-operand conversions): the stream pipeliner's register prefetch on AMD."""
+    defs = {}
+    loads = set()
+    for line in body:
+        m = _TILE_LOAD_RE.match(line)
+        if m:
+            loads.add(m.group(1))
+            continue
+        d = _DEF_RE.match(line)
+        if d:
+            defs[d.group(1)] = d.group(3)
+    for line in body:
+        m = _LOCAL_STORE_RE.search(line)
+        value = m.group(1) if m else None
+        for _ in range(4):
+            if value is None or value in loads:
+                break
+            value = defs.get(value)
+        if value in loads:
+            return True
+    return False
+
+
+def parse_pipeline(ttgir: str) -> dict:
+    """Pipeline depth of the KV loops of a TTGIR module: K/V tiles in flight per program.
+
+    * ``kv_buffers``: leading dimension of every multi-buffered shared-memory tile (``local_alloc`` of rank 3,
+      mutable): the copies of each K/V tile the loop rotates through.
+    * ``waits``: the ``num`` of every ``ttg.async_wait`` inside a loop (commit groups left in flight);
+      ``groups_per_iter``: ``ttg.async_commit_group`` per iteration of those loops (K and V: 2).
+    * ``prefetch``: a loop stores to shared memory (LDS) a tile it loaded from global memory in the same iteration
+      (AMD's stream pipeliner: the next tile's loads are issued before this tile's dots).
+    * ``depth``: tiles in flight when a KV loop waits, the smallest over its loops: ``1 + num // groups_per_iter``
+      with asynchronous copies (the tile waited for plus those left in flight), capped by ``kv_buffers``; with a
+      register prefetch, ``kv_buffers + 1``; 1 for a loop that loads K/V and waits for each tile; None when no loop
+      stages tiles in shared memory (nothing to pipeline, e.g. the merge kernels).
+    """
+    buffers = [int(m.group(1)) for m in _BUFFER_RE.finditer(ttgir)]
+    waits, groups, depths, prefetch = [], [], [], False
+    for body in _loop_bodies(ttgir):
+        nums = [int(m.group(1)) for line in body for m in [_WAIT_RE.search(line)] if m]
+        commits = sum("ttg.async_commit_group" in line for line in body)
+        if nums and commits:
+            waits += nums
+            groups.append(commits)
+            depth = 1 + min(nums) // commits
+            depths.append(min(depth, min(buffers)) if buffers else depth)
+        elif _stored_from_load(body):
+            prefetch = True
+            depths.append(min(buffers) + 1 if buffers else 1)
+        elif any("ttg.local_store" in line or "ttg.async_copy_global_to_local" in line for line in body):
+            depths.append(1)
+    return {"kv_buffers": buffers, "waits": waits, "groups_per_iter": groups, "prefetch": prefetch,
+            "depth": min(depths) if depths else None}
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Worker
 # ---------------------------------------------------------------------------------------------------------------
@@ -213,6 +310,7 @@ def compile_one(job) -> dict:
     record["matrix_instrs"] = count_matrix_instrs(asm, target.backend)
     dots = parse_dots(ck.asm["ttgir"])
     record["dots"] = dots
+    record["pipeline"] = parse_pipeline(ck.asm["ttgir"])
     if job.shared_dots:
         wanted = {tuple(d) for d in job.shared_dots}
         shared = [d for d in dots if (d["m"], d["k"], d["n"]) in wanted]
@@ -237,6 +335,10 @@ def failures(record: dict) -> list[str]:
             why.append("no register count reported")
     if record.get("shared_bytes", 0) > record.get("shared_limit", float("inf")):
         why.append(f"shared memory {record['shared_bytes']} B > limit {record['shared_limit']} B")
+    wanted = record.get("min_pipeline_depth", 0)
+    depth = (record.get("pipeline") or {}).get("depth")
+    if wanted and (depth is None or depth < wanted):
+        why.append(f"pipeline depth {depth} < {wanted} K/V tiles in flight")
     if record.get("require_matrix") and record.get("shared_part_matrix") is False:
         why.append(f"shared-node part without matrix instructions (layouts {record.get('shared_part_layouts')})")
     return why
@@ -397,8 +499,22 @@ def _row(r: dict) -> str:
     instrs = ",".join(f"{k}x{v}" for k, v in sorted(r.get("matrix_instrs", {}).items())) or "-"
     status = "ok" if not failures(r) else "FAIL"
     return (f"{status:4s} {r['target']:7s} {r['kernel']:17s} {r['variant']:21s} {r['dtype']:5s} d{r['head_dim']:<4d}"
-            f" {r['config_name']:38s} regs={regs!s:>8s} spills={r.get('spills')!s:>5s} "
+            f" {r['config_name']:38s} regs={regs!s:>8s} spills={r.get('spills')!s:>5s} {_pipeline_cell(r):24s} "
             f"smem={r.get('shared_bytes')!s:>6s} shared_mma={mma:3s} [{instrs}] {r.get('compile_s')}s")
+
+
+def _pipeline_cell(r: dict) -> str:
+    """``depth=2 bufs=3 wait=2/2`` (tiles in flight, K/V buffer copies, in-loop async_wait num / commit groups per
+    iteration) on NVIDIA; ``depth=2 lds=1+pf`` (LDS buffers plus the stream pipeliner's register prefetch) on AMD."""
+    p = r.get("pipeline")
+    if not p:
+        return "depth=-"
+    bufs = min(p["kv_buffers"]) if p["kv_buffers"] else 0
+    if p["waits"]:
+        return f"depth={p['depth']} bufs={bufs} wait={min(p['waits'])}/{min(p['groups_per_iter'])}"
+    if p["prefetch"]:
+        return f"depth={p['depth']} lds={bufs}+pf"
+    return f"depth={p['depth']} bufs={bufs}"
 
 
 def run(args) -> int:

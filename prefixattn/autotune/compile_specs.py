@@ -61,6 +61,8 @@ class CompileJob:
     serves: tuple = field(default_factory=tuple)
     #: whether the shared part must issue matrix instructions for the check to pass
     require_matrix: bool = False
+    #: K/V tiles in flight the compiled KV loops must keep (0: reported, not required)
+    min_pipeline_depth: int = 0
 
 
 def _specialize(name: str, value, dtype: str | None, target: Target):
@@ -170,7 +172,17 @@ def fused_job(*, target: Target, dtype: str, head_dim: int, config: AttentionCon
         shared_dots=((bm, bd, bn), (bm, bn, bd)) if has_shared else (), serves=serves,
         # IEEE fp32 dots have no tensor-core path on NVIDIA (tf32 would break the fp32 tolerance): CUDA cores there.
         require_matrix=has_shared and (dtype != "fp32" or target.is_hip),
+        min_pipeline_depth=required_pipeline_depth(target),
     )
+
+
+def required_pipeline_depth(target: Target) -> int:
+    """K/V tiles in flight the fused kernel must reach on ``target``: ``MIN_PIPELINE_DEPTH`` on NVIDIA (``cp.async``
+    since sm80: the block ids are loaded a tile ahead, so the pipeliner can issue the next tile's copies before this
+    tile's dots), 0 (reported only) on AMD, where the stream pipeliner's register prefetch is the compiler's choice."""
+    from prefixattn.autotune.compile_check import MIN_PIPELINE_DEPTH
+
+    return 0 if target.is_hip else MIN_PIPELINE_DEPTH
 
 
 def merge_jobs(*, target: Target, dtype: str, head_dim: int, config: MergeConfig, default: bool = True,

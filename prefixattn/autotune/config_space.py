@@ -38,17 +38,21 @@ MERGE_BLOCK_H = (1, 2, 4, 8, 16, 32, 64)
 MERGE_NUM_WARPS = (1, 2, 4, 8)
 
 #: Registers per thread as a function of the tile words per thread ``w`` (fp32 accumulator, query tile, scores,
-#: probabilities and K/V tiles in flight, in 32-bit words): ``max(w + 32, scale * w + base)``, fitted to
-#: compile-check measurements of the fused kernel (fp16, every head size). NVIDIA: 112 words -> ~185 registers,
-#: 136 -> 247-255 (spills on sm80); the gathered 64-bit KV pointer tiles and layout conversions roughly double the
-#: tile footprint. CDNA: 100-176 words -> 270-410 VGPRs, a ~200 register base (addresses, many kernel arguments);
-#: 236 words (d256, 64-row suffix tile, 2 warps) already spills at 512.
-_REG_FIT = {"cuda": (2.0, -30.0), "hip": (1.2, 200.0)}
+#: probabilities and K/V tiles in flight, in 32-bit words): ``max(w + 32, min(scale * w + base, *cap))`` with
+#: ``cap = (slope, intercept)`` (no cap on CDNA), fitted to compile-check measurements of the fused kernel.
+#: NVIDIA (bf16, head_dim 128, block ids loaded a tile ahead, ptxas of Triton 3.9 for sm_90): small tiles grow ~2
+#: registers per word (suffix 16x32 at 4 warps: 62 words -> 126 registers, 16x64: 100 -> 194, 16x64 at 8 warps:
+#: 50 -> 80), large ones less (the K/V operands of the shared part's dots stay in shared memory: 128x32 at 8 warps:
+#: 136 -> 205, 128x64: 176 -> 232; sm_80, mma.sync: 255, no spills). CDNA: 100-176 words -> 270-410 VGPRs, a ~200
+#: register base (addresses, many kernel arguments); 236 words (d256, 64-row suffix tile, 2 warps) spills at 512.
+_REG_FIT = {"cuda": (2.0, -10.0), "hip": (1.2, 200.0)}
+_REG_CAP = {"cuda": (0.7, 110.0)}
 #: IEEE fp32 dots on NVIDIA run on FMA units, each thread holding its own slices of both operands: the register
 #: footprint of the tiles grows by half (sm80/sm90: 32x64 tiles spill at head_dim 64, 16x16 fit at 256).
 _FMA_DOT_FACTOR = 1.5
-#: Fraction of the register limit the estimate may fill: the fit scatters by ~10%.
-_REG_HEADROOM = 0.9
+#: Fraction of the register limit the estimate may fill: the fit scatters by ~5-10% (measured 126-232 vs estimated
+#: 114-233 on sm_90); compile-check measures the real count, and spilling defaults are excluded from the tables.
+_REG_HEADROOM = 0.95
 #: Score elements each thread should own at least: a tile smaller than the program leaves threads idle.
 _MIN_ELEMS_PER_THREAD = 1
 #: The merge kernels hold an fp32 accumulator and one loaded tile per (head, dim) element, plus a few dozen registers
@@ -212,7 +216,11 @@ def part_registers(tiles: Tiles, head_dim: int, dtype: str, num_warps: int, targ
     if dtype == "fp32" and not target.is_hip:
         w *= _FMA_DOT_FACTOR
     scale, base = _REG_FIT[target.backend]
-    return int(max(w + 32, scale * w + base))
+    fit = scale * w + base
+    if target.backend in _REG_CAP:
+        slope, intercept = _REG_CAP[target.backend]
+        fit = min(fit, slope * w + intercept)
+    return int(max(w + 32, fit))
 
 
 def part_shared_bytes(tiles: Tiles, head_dim: int, dtype: str, num_stages: int, target: Target) -> int:

@@ -9,8 +9,9 @@ The model, per kind of program (shared-node tiles, suffix tiles) of one represen
   larger than the rows it holds still pays for every lane) and bytes moved (K and V of its KV range read once per
   program, query tile in, output tile out);
 * occupancy: resident programs per SM/CU from registers, shared memory, threads and the program limit;
-* one wave of resident programs takes the longest of its compute time, its memory time and its latency chain (one
-  KV step per iteration, with global-memory latency divided by the pipeline depth ``num_stages`` buys);
+* one wave of resident programs takes the longest of its compute time, its memory time and its latency chain: the
+  dependent memory round trips of one program (``ceil(KV tiles / tiles in flight)``, :func:`tiles_in_flight`, times
+  the target's :data:`MEM_LATENCY_S`) plus the per-tile compute chain;
 * the kernel takes ``ceil(programs / (SMs x occupancy))`` waves (the tail effect).
 
 Bigger shared M tiles re-read the node's KV fewer times (the reason to share a prefix); bigger tiles cost
@@ -27,8 +28,14 @@ from prefixattn.autotune.config_space import (DTYPE_BYTES, AttentionConfig, Tile
                                               config_shared_bytes, part_registers, part_shared_bytes)
 from prefixattn.autotune.targets import Target
 
-#: Global-memory round trip (~600-800 ns on HBM GPUs): the latency one KV step exposes without pipelining.
-MEM_LATENCY_S = 700e-9
+#: Dependent global-memory round trip per target (issue a load whose address depends on the previous one, use the
+#: data: an HBM miss through L2). Assumed, not measured here: the order of published pointer-chase microbenchmarks
+#: (several hundred ns on A100/H100, more on CDNA's larger fabric); one named constant per target, to be replaced by a
+#: measurement on the device. The latency a KV loop exposes once per ``tiles_in_flight`` tiles.
+MEM_LATENCY_S = {"sm80": 700e-9, "sm89": 700e-9, "sm90": 700e-9, "gfx90a": 900e-9, "gfx942": 900e-9,
+                 "gfx950": 900e-9}
+#: Any other target (a Target built by hand).
+DEFAULT_MEM_LATENCY_S = 700e-9
 #: Dependent chain of one KV step after its loads land (dot, row max, exp, dot): a few hundred cycles at ~1.5 GHz.
 STEP_CHAIN_S = 150e-9
 #: Per-step work that overlaps with nothing (loop control, barriers around the shared-memory ring, row-statistics
@@ -95,6 +102,27 @@ def occupancy(cfg: AttentionConfig, bucket: Bucket, target: Target, registers: i
     return max(0, min(limits))
 
 
+def mem_latency_s(target: Target) -> float:
+    """The dependent global-memory round trip of ``target`` (:data:`MEM_LATENCY_S`)."""
+    return MEM_LATENCY_S.get(target.name, DEFAULT_MEM_LATENCY_S)
+
+
+def tiles_in_flight(num_stages: int, target: Target) -> int:
+    """K/V tiles one program keeps in flight at ``num_stages`` (what ``prefixattn compile-check`` reads from the
+    compiled loops): with asynchronous copies (NVIDIA, gfx950) one stage is the tile being consumed, so
+    ``num_stages - 1`` (sm_90, num_stages 3: ``async_wait {num = 2}`` with K and V one commit group each: 2);
+    AMD's stream pipeliner loads the next tile into registers during this one (gfx90a/gfx942, num_stages 2: one
+    LDS buffer + the prefetch: 2)."""
+    if target.is_hip and not target.async_copy:
+        return max(1, num_stages)
+    return max(1, num_stages - 1)
+
+
+def round_trips(kv_tiles: int, depth: int) -> int:
+    """Dependent memory round trips of a loop over ``kv_tiles`` tiles with ``depth`` of them in flight."""
+    return math.ceil(kv_tiles / max(1, depth)) if kv_tiles > 0 else 0
+
+
 def _part_seconds(tiles: Tiles, work: PartWork, bucket: Bucket, launch, target: Target, occ: int) -> float:
     if work.programs == 0:
         return 0.0
@@ -109,8 +137,8 @@ def _part_seconds(tiles: Tiles, work: PartWork, bucket: Bucket, launch, target: 
     resident = min(occ, math.ceil(work.programs / target.num_sms))
     active_sms = min(target.num_sms, work.programs)
     bw = min(target.mem_bw_gbs * 1e9 / active_sms, SM_MAX_BW_GBS * 1e9)
-    depth = launch.num_stages if not target.is_hip else min(launch.num_stages, 2)
-    latency = steps * (MEM_LATENCY_S / depth + STEP_CHAIN_S)
+    latency = (round_trips(steps, tiles_in_flight(launch.num_stages, target)) * mem_latency_s(target)
+               + steps * STEP_CHAIN_S)
     wave = (max(resident * flops / peak, resident * bytes_moved / bw, latency) + steps * STEP_OVERHEAD_S
             + PROGRAM_OVERHEAD_S)
     waves = math.ceil(work.programs / (target.num_sms * resident))

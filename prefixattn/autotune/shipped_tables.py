@@ -18,8 +18,9 @@ from pathlib import Path
 
 from prefixattn.autotune import cost_model
 from prefixattn.autotune.buckets import Bucket, make_bucket
+from prefixattn.autotune.compile_specs import required_pipeline_depth
 from prefixattn.autotune.config_space import (DTYPE_BYTES, HEAD_DIMS, LaunchOptions, attention_space,
-                                              launch_space, launchable, prune)
+                                              launch_space, launchable, part_registers, prune)
 from prefixattn.autotune.targets import Target
 
 SHIPPED_FORMAT = 1
@@ -43,13 +44,18 @@ def grid(head_dim: int, dtype: str, mode: str) -> list[Bucket]:
 
 def _analytic_launch(lo: LaunchOptions, target: Target) -> bool:
     """Launch options the analytic tables may use: what the launcher passes (:func:`launchable`), with HIP knobs at
-    Triton's defaults even once it passes them (the model cannot tell them apart; only timings can)."""
+    Triton's defaults even once it passes them (the model cannot tell them apart; only timings can), and enough
+    stages for the K/V tiles in flight compile-check requires."""
+    if cost_model.tiles_in_flight(lo.num_stages, target) < required_pipeline_depth(target):
+        return False  # compile-check fails a default below the depth (NVIDIA: num_stages >= 3)
     return launchable(lo, target) and lo.waves_per_eu == 0 and lo.matrix_instr_nonkdim == 0 and lo.kpack == 1
 
 
-def _least_regret(candidates, buckets, target, has_shared):
+def _least_regret(candidates, buckets, target, has_shared, extra_row=None):
+    """The candidate with the least total relative slowdown over ``buckets`` (None if none is finite).
+    ``extra_row(candidate)``: more costs appended to the candidate's row (scored against their own column bests)."""
     costs = [[cost_model.estimate_seconds(c, b, target, has_shared=has_shared) for b in buckets]
-             for c in candidates]
+             + (extra_row(c) if extra_row else []) for c in candidates]
     if not costs:
         return None
     best = [min(col) for col in zip(*costs)]
@@ -62,9 +68,35 @@ def _least_regret(candidates, buckets, target, has_shared):
     return scored[0][2] if math.isfinite(scored[0][0]) else None
 
 
+#: Registers per thread a decode-shaped suffix-only launch may use on NVIDIA (issue 14): at most 128 leaves room for
+#: 4 programs of 4 warps (or 2 of 8) in the 64K-register file, 16 resident warps to hide the per-tile instruction
+#: chains (max, exp, row sums, barriers) the analytic model prices per program only. Without it the model picks
+#: 16x64 tiles at 4 warps (~194 registers measured on sm_90, 2 programs per SM): the same bytes in flight per SM,
+#: so the model sees them as equal and the bigger tile's fewer round trips win on small batches.
+DECODE_SUFFIX_MAX_REGS = 128
+
+
+def _suffix_options(cfg, target, shape, exclude, mode="chunked_prefill"):
+    options = [replace(cfg, suffix_launch=lo) for lo in launch_space(target) if _analytic_launch(lo, target)]
+    options = [c for c in prune(options, target, **shape) if c.short() not in exclude]
+    if mode == "decode" and not target.is_hip:
+        # Where nothing fits the budget (fp32 at head_dim 256: FMA dots hold both operands), the lightest ones.
+        small = [c for c in options if part_registers(c.suffix, shape["head_dim"], shape["dtype"],
+                                                      c.suffix_launch.num_warps, target) <= DECODE_SUFFIX_MAX_REGS]
+        options = small or options
+    return options
+
+
 def best_cover(target: Target, head_dim: int, dtype: str, mode: str, exclude=frozenset()):
     """The config with the least total relative slowdown over the mode's grid (None if nothing survives), with
-    the suffix-only launch options chosen the same way for steps without shared nodes."""
+    the suffix-only launch options chosen the same way for steps without shared nodes.
+
+    The suffix tiles are one constexpr pair for both kinds of launches, so the ranking scores every candidate on
+    both: its launch with shared items over the grid, plus its suffix tiles' best suffix-only launch over the grid
+    (steps without shared nodes count as much as steps with them). Ranking on the shared launch alone picks the
+    suffix tiles that suit 8 warps and 1 program per SM (16x128 on sm90), which a suffix-only decode launch then
+    runs at ~230 registers, 1-2 programs per SM instead of 4 with 16x32 tiles.
+    """
     buckets = grid(head_dim, dtype, mode)
     # The shared-memory estimate is loose (compiled kernels use 0.4-1.1x of it); when it leaves nothing, retry at
     # half of it and let compile-check judge (fp32 at head_dim 256 with the default 3 stages on a 99 KiB L40S).
@@ -72,20 +104,26 @@ def best_cover(target: Target, head_dim: int, dtype: str, mode: str, exclude=fro
         shape = dict(head_dim=head_dim, dtype=dtype, group=MAX_GROUP, smem_factor=smem_factor)
         pool = [c for c in prune(attention_space(target), target, **shape)
                 if c.short() not in exclude and _analytic_launch(c.launch, target)]
-        # Rank with suffix-only launches set to the shared ones; then pick the suffix-only launch for the winner.
-        for cfg in _ranked(pool, buckets, target):
-            options = [replace(cfg, suffix_launch=lo) for lo in launch_space(target) if _analytic_launch(lo, target)]
-            options = [c for c in prune(options, target, **shape) if c.short() not in exclude]
-            chosen = _least_regret(options, buckets, target, has_shared=False)
+        suffix_rows: dict = {}
+
+        def suffix_only_row(cfg):
+            if cfg.suffix not in suffix_rows:
+                rows = [[cost_model.estimate_seconds(c, b, target, has_shared=False) for b in buckets]
+                        for c in _suffix_options(cfg, target, shape, exclude, mode)]
+                suffix_rows[cfg.suffix] = min(rows, key=sum) if rows else [math.inf] * len(buckets)
+            return suffix_rows[cfg.suffix]
+
+        for cfg in _ranked(pool, buckets, target, suffix_only_row):
+            chosen = _least_regret(_suffix_options(cfg, target, shape, exclude, mode), buckets, target, has_shared=False)
             if chosen is not None:
                 return chosen
     return None
 
 
-def _ranked(pool, buckets, target):
+def _ranked(pool, buckets, target, extra_row=None):
     remaining = list(pool)
     while remaining:
-        best = _least_regret(remaining, buckets, target, has_shared=True)
+        best = _least_regret(remaining, buckets, target, has_shared=True, extra_row=extra_row)
         if best is None:
             return
         yield best

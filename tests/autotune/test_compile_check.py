@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from prefixattn.autotune.compile_check import (count_matrix_instrs, count_private_memory_ops, exclusions_from_report,
-                                              failures, parse_amdgcn, parse_dots, parse_ptxas)
+                                              failures, parse_amdgcn, parse_dots, parse_pipeline, parse_ptxas)
 from prefixattn.autotune.compile_specs import build_signature
 from prefixattn.autotune.targets import TARGETS
 
@@ -31,6 +31,73 @@ def test_parse_dots_classifies_layouts_and_shapes():
     mfma = parse_dots("#mma = #ttg.amd_mfma<{version = 3}>\n %c = tt.dot %a, %b, %c : tensor<64x128xbf16, #x> * "
                       "tensor<128x64xbf16, #y> -> tensor<64x64xf32, #mma>")
     assert mfma == [{"m": 64, "k": 128, "n": 64, "dtype": "bf16", "layout": "mfma"}]
+
+
+#: The KV loop of the sm_90 TTGIR (Triton 3.9), trimmed: K and V each one commit group per iteration, three buffer
+#: copies, and the in-loop wait leaves the next tile's two groups in flight; a drain wait after the loop and a merge
+#: loop without copies around it.
+NV_LOOP = """
+      %k_187 = ttg.local_alloc : () -> !ttg.memdesc<{bufs}x128x64xbf16, #shared1, #smem, mutable> loc(#loc481)
+      %v_188 = ttg.local_alloc : () -> !ttg.memdesc<{bufs}x64x128xbf16, #shared, #smem, mutable> loc(#loc482)
+      %q_1 = ttg.local_alloc %q_0 : (tensor<128x128xbf16, #blocked>) -> !ttg.memdesc<128x128xbf16, #shared, #smem>
+      %r:11 = scf.for %i = %kv_start to %kv_end step %c64_i32 iter_args(%a = %cst_5, %k_330 = %k_225) -> (tensor<128x128xf32, #mma1>, !ttg.async.token)  : i32 {{
+        %k_344 = ttg.async_wait %k_330, %v_332 {{num = {num} : i32}} loc(#loc481)
+        %s = scf.if %c -> (tensor<128x64xf32, #mma2>) {{
+          scf.yield %s_300 : tensor<128x64xf32, #mma2>
+        }} else {{
+          scf.yield %cst : tensor<128x64xf32, #mma2>
+        }} loc(#loc494)
+        %k_410 = ttg.async_copy_global_to_local %k_406, %k_407 mask %m other %cst_31 {{contiguity = 8 : i32}} : tensor<128x64x!tt.ptr<bf16>, #blocked2> -> <128x64xbf16, #shared1, #smem, mutable>
+        %k_411 = ttg.async_commit_group tokens %k_410 loc(#loc481)
+        %v_422 = ttg.async_copy_global_to_local %v_418, %v_419 mask %m other %cst_30 : tensor<64x128x!tt.ptr<bf16>, #blocked> -> <64x128xbf16, #shared, #smem, mutable>
+        %v_423 = ttg.async_commit_group tokens %v_422 loc(#loc482)
+        scf.yield %acc_363, %k_331 : tensor<128x128xf32, #mma1>, !ttg.async.token loc(#loc862)
+      }} loc(#loc862)
+      %blk_next_296 = ttg.async_wait {{num = 0 : i32}} loc(#loc862)
+      %acc:3 = scf.for %state = %c0_i32 to %max_states step %c1_i32 iter_args(%m = %cst_22) -> (tensor<128xf32, #blocked1>)  : i32 {{
+        %s_326 = tt.load %s_325, %live_318, %cst_36 {{isVolatile = true}} : tensor<128x!tt.ptr<f32>, #blocked4>
+        scf.yield %m_new : tensor<128xf32, #blocked1> loc(#loc565)
+      }} loc(#loc850)
+"""
+
+#: gfx942's KV loop (stream pipeliner, num_stages=2): one LDS copy per tile; the next tile's K and V are loaded at the
+#: top of the iteration and stored to LDS at its end (V through a layout change).
+AMD_LOOP = """
+      %k_188 = ttg.local_alloc : () -> !ttg.memdesc<1x128x64xbf16, #shared1, #smem, mutable> loc(#loc482)
+      %v_189 = ttg.local_alloc : () -> !ttg.memdesc<1x64x128xbf16, #shared2, #smem, mutable> loc(#loc483)
+      %k_224 = tt.load %k_221, %m, %cst_43 {amd.pipeliner_part = "prologue"} : tensor<128x64x!tt.ptr<bf16>, #blocked>
+      %r:8 = scf.for %i = %kv_start to %kv_end step %c64_i32 iter_args(%k_303 = %k_235) -> (!ttg.memdesc<128x64xbf16, #shared1, #smem, mutable>)  : i32 {
+        %k_347 = tt.load %k_346, %k_342, %cst_43 : tensor<128x64x!tt.ptr<bf16>, #blocked> loc(#loc482)
+        %k_348 = ttg.local_load %k_303 : !ttg.memdesc<128x64xbf16, #shared1, #smem, mutable> -> tensor<128x64xbf16, #dot>
+        %v_356 = tt.load %v_355, %v_351, %cst_12 : tensor<64x128x!tt.ptr<bf16>, #blocked3> loc(#loc483)
+        %v_385 = amdg.in_thread_transpose %v_356 : tensor<64x128xbf16, #blocked3> -> tensor<64x128xbf16, #linear>
+        ttg.local_store %k_347, %k_383 : tensor<128x64xbf16, #blocked> -> !ttg.memdesc<128x64xbf16, #shared1, #smem, mutable>
+        ttg.local_store %v_385, %v_384 : tensor<64x128xbf16, #linear> -> !ttg.memdesc<64x128xbf16, #shared2, #smem, mutable>
+        scf.yield %k_383 : !ttg.memdesc<128x64xbf16, #shared1, #smem, mutable> loc(#loc485)
+      } loc(#loc486)
+"""
+
+
+def test_parse_pipeline_counts_tiles_in_flight_on_nvidia():
+    two = parse_pipeline(NV_LOOP.format(bufs=3, num=2))
+    assert two == {"kv_buffers": [3, 3], "waits": [2], "groups_per_iter": [2], "prefetch": False, "depth": 2}
+    # The loop before block ids were loaded ahead: one buffer, every iteration waits for all of its copies.
+    one = parse_pipeline(NV_LOOP.format(bufs=1, num=0))
+    assert (one["kv_buffers"], one["waits"], one["depth"]) == ([1, 1], [0], 1)
+    # num_stages=4: two tiles left in flight at the wait; buffer copies cap the count.
+    assert parse_pipeline(NV_LOOP.format(bufs=3, num=4))["depth"] == 3
+    assert parse_pipeline(NV_LOOP.format(bufs=2, num=4))["depth"] == 2
+
+
+def test_parse_pipeline_sees_amd_register_prefetch():
+    got = parse_pipeline(AMD_LOOP)
+    assert got == {"kv_buffers": [1, 1], "waits": [], "groups_per_iter": [], "prefetch": True, "depth": 2}
+    # The same loop storing a tile it did not load in this iteration: no prefetch, one tile at a time.
+    unpiped = AMD_LOOP.replace("ttg.local_store %k_347", "ttg.local_store %k_999").replace(
+        "ttg.local_store %v_385", "ttg.local_store %v_998")
+    assert parse_pipeline(unpiped)["depth"] == 1 and not parse_pipeline(unpiped)["prefetch"]
+    # No loop staging tiles (the merge kernels): nothing to pipeline.
+    assert parse_pipeline("%a = tt.load %p : tensor<64x!tt.ptr<f32>, #b>\n")["depth"] is None
 
 
 def test_matrix_instruction_counts():
@@ -73,6 +140,10 @@ def test_failures_flag_spills_smem_and_missing_matrix_units():
     assert any("matrix" in w for w in failures({**ok, "shared_part_matrix": False}))
     assert failures({**ok, "shared_part_matrix": False, "require_matrix": False}) == []
     assert failures({"ok": False, "error": "boom"}) == ["compile failed: boom"]
+    shallow = {**ok, "min_pipeline_depth": 2, "pipeline": {"depth": 1}}
+    assert any("pipeline depth 1 < 2" in w for w in failures(shallow))
+    assert failures({**shallow, "pipeline": {"depth": 2}}) == []
+    assert failures({**shallow, "min_pipeline_depth": 0}) == []  # AMD: reported, not required
 
 
 def test_exclusions_from_a_report_cover_the_twins_of_a_failed_config(tmp_path):
@@ -129,6 +200,10 @@ def test_compile_check_one_head_dim_per_target(tmp_path):
     for r in records:
         assert r["ok"] and r["spills"] == 0 and r["registers"] > 0
         assert r["shared_bytes"] <= TARGETS[r["target"]].max_shared_bytes
+        if r["kernel"] == "prefix_attention":
+            assert r["pipeline"]["depth"] is not None, r["pipeline"]
+            if not TARGETS[r["target"]].is_hip:
+                assert r["pipeline"]["depth"] >= 2, r["pipeline"]
     for r in with_shared:
         assert r["shared_part_matrix"] is True, r
         assert r["matrix_instrs"]

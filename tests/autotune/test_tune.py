@@ -88,3 +88,27 @@ def test_shipped_tables_cover_every_head_dim_and_dtype(target):
                                            max_q_len=max_q_len, kv_len=3000, target=target)
                 assert sel.source == "shipped", (head_dim, dtype, sel)
                 assert sel.config in table.values()
+
+
+def test_cost_model_counts_dependent_round_trips():
+    from prefixattn.autotune import cost_model
+
+    sm90, mi300 = TARGETS["sm90"], TARGETS["gfx942"]
+    # What compile-check reads from the compiled loops: sm_90 num_stages 3 -> 2 tiles in flight; gfx942's stream
+    # pipeliner at num_stages 2 -> one LDS tile + one prefetched through registers.
+    assert cost_model.tiles_in_flight(3, sm90) == 2 and cost_model.tiles_in_flight(1, sm90) == 1
+    assert cost_model.tiles_in_flight(2, mi300) == 2
+    # A 2,048-token prefix: 128 round trips with 16-key tiles one at a time, 16 with 64-key tiles two at a time.
+    assert cost_model.round_trips(2048 // 16, 1) == 128 and cost_model.round_trips(2048 // 64, 2) == 16
+    assert cost_model.round_trips(0, 2) == 0
+
+
+def test_shipped_builder_prefers_wide_shared_tiles_and_light_decode_launches():
+    from prefixattn.autotune.config_space import part_registers
+
+    cfg = shipped_tables.best_cover(TARGETS["sm90"], 128, "bf16", "decode")
+    assert cfg.shared.block_n >= 64 and cfg.launch.num_stages >= 3
+    sl = cfg.launch_for(False)
+    assert sl.num_stages >= 3
+    assert part_registers(cfg.suffix, 128, "bf16", sl.num_warps, TARGETS["sm90"]) <= \
+        shipped_tables.DECODE_SUFFIX_MAX_REGS
