@@ -39,9 +39,6 @@ class AttentionTiles:
             opts.update(waves_per_eu=lo.waves_per_eu, matrix_instr_nonkdim=lo.matrix_instr_nonkdim, kpack=lo.kpack)
         return opts
 
-    def num_warps(self, has_shared: bool) -> int:
-        return self.launch_options(has_shared)["num_warps"]
-
     def rows_per_shared_tile(self, group: int) -> int:
         """Query rows one shared program packs: M holds (row x GQA head) pairs."""
         return self.block_m_shared // group

@@ -219,7 +219,7 @@ def build_work_list(
         # Packed rows of each node: its members' query rows, request by request.
         row_mem = np.repeat(np.arange(mem_req.shape[0], dtype=np.int64), mem_ql)
         row_i = ragged_arange(mem_ql)
-        row_req, row_node = mem_req[row_mem], mem_node[row_mem]
+        row_req = mem_req[row_mem]
         node_row_off = _exclusive_cumsum(node_rows)
         tok = q_start[row_req] + row_i
         tile = first_tile[row_req] + row_i // rows_per_suffix

@@ -260,22 +260,6 @@ def launch_space(target: Target) -> list[LaunchOptions]:
             for nk in k["matrix_instr_nonkdim"] for kp in k["kpack"]]
 
 
-#: What ``prefixattn.attention()`` passes to the kernel launch besides the constexprs: ``num_warps`` only. Until it
-#: also passes ``num_stages`` and the HIP knobs, configs keep Triton's defaults for them, so that the binary that
-#: compile-check verified (and that ``prefixattn tune`` timed) is the one that runs.
-LAUNCHER_PASSES_NUM_STAGES = True
-LAUNCHER_PASSES_HIP_KNOBS = True
-
-
-def launchable(lo: LaunchOptions, target: Target) -> bool:
-    """Whether the launcher would actually apply ``lo`` (see ``LAUNCHER_PASSES_*``)."""
-    if not LAUNCHER_PASSES_NUM_STAGES and lo.num_stages != target.default_num_stages:
-        return False
-    if not LAUNCHER_PASSES_HIP_KNOBS and (lo.waves_per_eu or lo.matrix_instr_nonkdim or lo.kpack != 1):
-        return False
-    return True
-
-
 def attention_space(target: Target) -> list[AttentionConfig]:
     """The unpruned space: every tile of each kind crossed with every launch option of ``target``."""
     shared = [Tiles(m, n) for m in SHARED_BLOCK_M for n in SHARED_BLOCK_N]

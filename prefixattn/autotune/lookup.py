@@ -38,7 +38,7 @@ from prefixattn.autotune import cost_model
 from prefixattn.autotune.buckets import Bucket, distance, make_bucket
 from prefixattn.autotune.shipped_tables import SHIPPED_FORMAT
 from prefixattn.autotune.config_space import (HEAD_DIMS, MIN_DOT_DIM, AttentionConfig, LaunchOptions, MergeConfig, Tiles,
-                                              attention_space, block_d, launchable, prune, prune_reason)
+                                              attention_space, block_d, prune, prune_reason)
 from prefixattn.autotune.targets import Target, detect_target, get_target
 from prefixattn.autotune.tuning_cache import TuningCache, cache_path
 
@@ -237,7 +237,7 @@ def nearest_entry(bucket: Bucket, table: dict, target: Target | None, group: int
 
 def cost_model_config(bucket: Bucket, target: Target, group: int | None = None) -> AttentionConfig | None:
     """The analytic model's best config among the survivors of the pruned space, or None if nothing survives."""
-    space = [c for c in attention_space(target) if launchable(c.launch, target)]
+    space = attention_space(target)
     survivors = prune(space, target, head_dim=bucket.head_dim, dtype=bucket.dtype,
                       group=group if group is not None else bucket.group, q_rows=bucket.q_rows, max_q_len=bucket.max_q_len, kv_len=bucket.kv_len)
     ranked = cost_model.rank(survivors, bucket, target)

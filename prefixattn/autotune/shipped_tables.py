@@ -20,7 +20,7 @@ from prefixattn.autotune import cost_model
 from prefixattn.autotune.buckets import Bucket, make_bucket
 from prefixattn.autotune.compile_specs import required_pipeline_depth
 from prefixattn.autotune.config_space import (DTYPE_BYTES, HEAD_DIMS, LaunchOptions, attention_space,
-                                              launch_space, launchable, part_registers, prune)
+                                              launch_space, part_registers, prune)
 from prefixattn.autotune.targets import Target
 
 SHIPPED_FORMAT = 1
@@ -43,12 +43,12 @@ def grid(head_dim: int, dtype: str, mode: str) -> list[Bucket]:
 
 
 def _analytic_launch(lo: LaunchOptions, target: Target) -> bool:
-    """Launch options the analytic tables may use: what the launcher passes (:func:`launchable`), with HIP knobs at
-    Triton's defaults even once it passes them (the model cannot tell them apart; only timings can), and enough
+    """Launch options the analytic tables may use: HIP knobs at Triton's defaults (the model cannot tell them apart;
+    only timings can), and enough
     stages for the K/V tiles in flight compile-check requires."""
     if cost_model.tiles_in_flight(lo.num_stages, target) < required_pipeline_depth(target):
         return False  # compile-check fails a default below the depth (NVIDIA: num_stages >= 3)
-    return launchable(lo, target) and lo.waves_per_eu == 0 and lo.matrix_instr_nonkdim == 0 and lo.kpack == 1
+    return lo.waves_per_eu == 0 and lo.matrix_instr_nonkdim == 0 and lo.kpack == 1
 
 
 def _least_regret(candidates, buckets, target, has_shared, extra_row=None):

@@ -2,8 +2,8 @@
 
 For every bucket of the requested grid it builds a synthetic step of that shape (one shared prefix node of
 ``kv_len`` tokens under ``q_rows`` query tokens, requests of ``max_q_len`` query tokens each with their own suffix),
-asks the cost model for its ``--top-k`` best survivors of the pruned space (launch options limited to what
-``prefixattn.attention()`` passes: ``num_warps``; see ``config_space.LAUNCHER_PASSES_*``), times each with
+asks the cost model for its ``--top-k`` best survivors of the pruned space (every launch option reaches the launch:
+``num_warps``, ``num_stages`` and on ROCm the HIP knobs), times each with
 ``triton.testing.do_bench`` through the public ``plan()``/``attention()`` under :func:`~prefixattn.autotune.lookup.
 fixed_config`, and writes the fastest to the cache (after every bucket, so an interrupted run keeps its results).
 The lookup then prefers these entries over the shipped table (``source == "user-cache"``).
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from prefixattn.autotune import cost_model, lookup
 from prefixattn.autotune.buckets import Bucket, make_bucket
-from prefixattn.autotune.config_space import DTYPE_BYTES, HEAD_DIMS, attention_space, launchable, prune
+from prefixattn.autotune.config_space import DTYPE_BYTES, HEAD_DIMS, attention_space, prune
 from prefixattn.autotune.targets import TARGETS, Target, detect_target, get_target, parse_targets
 from prefixattn.autotune.tuning_cache import TuningCache, cache_path
 from prefixattn.cli import int_list, positive_int
@@ -62,7 +62,7 @@ class ProgressBar:
 
 def candidates(bucket: Bucket, target: Target, top_k: int) -> list:
     """The cost model's ``top_k`` best survivors of the pruned space for ``bucket``."""
-    space = [c for c in attention_space(target) if launchable(c.launch, target)]
+    space = attention_space(target)
     survivors = prune(space, target, head_dim=bucket.head_dim, dtype=bucket.dtype, group=bucket.group,
                       q_rows=bucket.q_rows, max_q_len=bucket.max_q_len, kv_len=bucket.kv_len)
     ranked = [c for s, c in cost_model.rank(survivors, bucket, target) if math.isfinite(s)]
