@@ -228,3 +228,9 @@ def test_order_groups_with_a_list_is_a_value_error():
     with pytest.raises(ValueError, match=r"ordering: expected a policy name \(str\) from .*, got list"):
         order_groups(groups, ["dfs"])
 
+
+
+@pytest.mark.parametrize("bad", [True, math.inf, "0.1"])
+def test_plan_sm_scale(bad):
+    with pytest.raises(ValueError, match="sm_scale: expected a finite float or None"):
+        _one_request([[0, 1, 2]], sm_scale=bad)
