@@ -49,7 +49,7 @@ def test_plan_for_a_bigger_cache_then_a_smaller_one_is_refused(device):
         attention(q.to(device), k.to(device), v.to(device), p)
 
 
-def test_v_cache_is_checked_too(device):
+def test_v_cache_smaller_than_k_cache_is_refused(device):
     p, q = _one_request([[0, 1, 3]])
     k, _ = _cache(4)
     # Same shape rule as k_cache (check_qkv): a smaller v_cache is caught there, before the block-id check.
