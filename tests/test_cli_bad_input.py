@@ -119,3 +119,15 @@ def test_compile_check_under_the_interpreter_says_what_to_unset(capsys, monkeypa
 ])
 def test_tune_arguments(capsys, argv, fragments):
     _fails_with(capsys, ["tune", "--dry-run", "--target", "sm90", *argv], *fragments)
+
+
+@pytest.mark.parametrize("n", [0, -2, True])
+def test_python_api_num_requests(n):
+    from prefixattn.sim.simulate import simulate
+    from prefixattn.sim.workloads import get_workload
+
+    with pytest.raises(ValueError, match="num_requests: expected a positive int"):
+        get_workload("batchllm-case1", num_requests=n)
+    w = get_workload("batchllm-case1", num_requests=6)
+    with pytest.raises(ValueError, match="num_requests: expected a positive int"):
+        simulate(w, ["vllm"], num_requests=n)
