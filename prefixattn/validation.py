@@ -5,8 +5,9 @@ never print tensor contents (they can be huge and may be sensitive): only shapes
 offending index/value.
 
 Checks on *metadata values* (``qo_indptr``, ``kv_lens``, ``block_table``) read those tensors on the host; they are
-meant for ``plan()`` and the reference, which run on the host anyway. ``attention()`` only checks shapes, dtypes and
-devices so it never synchronizes with the device.
+meant for ``plan()`` and the reference, which run on the host anyway. ``attention()`` only checks shapes, dtypes,
+devices and the plan's largest block id (a host int) against the cache's ``shape[0]``, so it never synchronizes with
+the device.
 """
 
 from __future__ import annotations
