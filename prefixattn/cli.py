@@ -42,9 +42,9 @@ def _int_at_least(text: str, low: int, what: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text}") from None
     if value < low:
-        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text}")
     return value
 
 
@@ -55,7 +55,7 @@ def non_negative_float(text: str) -> float:
     except ValueError:
         value = math.nan
     if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text}")
     return value
 
 
@@ -67,9 +67,9 @@ def int_list(allowed=None, *, positive: bool = False):
         try:
             values = [int(x) for x in parts]
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text}") from None
         if not values or (positive and min(values) < 1):
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text}")
         if allowed is not None and not set(values) <= set(allowed):
             bad = [v for v in values if v not in allowed]
             raise argparse.ArgumentTypeError(f"expected values in {tuple(allowed)}, got {bad[0]}")
@@ -111,12 +111,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run ``prefixattn ARGV``; returns the exit code (2 for a bad argument, as argparse exits with)."""
     parser = build_parser()
-    args, unknown = parser.parse_known_args(argv)
-    if unknown:
-        if args._passthrough is None:
-            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-        setattr(args, args._passthrough, list(getattr(args, args._passthrough)) + unknown)
+    try:
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:
+            if args._passthrough is None:
+                parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+            setattr(args, args._passthrough, list(getattr(args, args._passthrough)) + unknown)
+    except SystemExit as e:  # argparse already printed the usage and the error (or --help)
+        return e.code if isinstance(e.code, int) else 2
     return int(args._run(args) or 0)
 
 

@@ -135,7 +135,8 @@ def _check_options(*, causal, sm_scale, logits_soft_cap, window_left, alibi_slop
         raise ValueError("alibi_slopes: ALiBi is not supported yet (expected None), got a value")
     if not isinstance(causal, bool):
         raise ValueError(f"causal: expected a bool, got {type(causal).__name__}")
-    if sm_scale is not None and (not isinstance(sm_scale, (int, float)) or not math.isfinite(sm_scale)):
+    if sm_scale is not None and (isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float, np.floating))
+                                 or not math.isfinite(sm_scale)):
         raise ValueError(f"sm_scale: expected a finite float or None, got {sm_scale!r}")
     if sharing not in _SHARING_MODES:
         raise ValueError(f"sharing: expected one of {_SHARING_MODES}, got {sharing!r}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from prefixattn.validation import check_metadata, check_qkv
@@ -67,7 +68,7 @@ def reference_attention(
     indptr, lens, table = check_metadata(
         qo_indptr, kv_lens, block_table, block_size=block_size, num_blocks=k_cache.shape[0], num_tokens=q.shape[0]
     )
-    if sm_scale is not None and (isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float))
+    if sm_scale is not None and (isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float, np.floating))
                                  or not math.isfinite(sm_scale)):
         raise ValueError(f"sm_scale: expected a finite float or None, got {sm_scale!r}")
     scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)

@@ -49,7 +49,7 @@ def test_plan_for_a_bigger_cache_then_a_smaller_one_is_refused(device):
         attention(q.to(device), k.to(device), v.to(device), p)
 
 
-def test_v_cache_is_checked_too(device):
+def test_v_cache_smaller_than_k_cache_is_refused(device):
     p, q = _one_request([[0, 1, 3]])
     k, _ = _cache(4)
     # Same shape rule as k_cache (check_qkv): a smaller v_cache is caught there, before the block-id check.
@@ -228,3 +228,9 @@ def test_order_groups_with_a_list_is_a_value_error():
     with pytest.raises(ValueError, match=r"ordering: expected a policy name \(str\) from .*, got list"):
         order_groups(groups, ["dfs"])
 
+
+
+@pytest.mark.parametrize("bad", [True, math.inf, "0.1"])
+def test_plan_sm_scale(bad):
+    with pytest.raises(ValueError, match="sm_scale: expected a finite float or None"):
+        _one_request([[0, 1, 2]], sm_scale=bad)

@@ -11,11 +11,8 @@ SIM = ["simulate", "--policies", "vllm", "--no-progress"]
 
 
 def _fails_with(capsys, argv, *fragments):
-    """``main(argv)`` exits with 2 (argparse's SystemExit or run()'s return) and stderr names every fragment."""
-    try:
-        rc = main(argv)
-    except SystemExit as e:
-        rc = e.code
+    """``main(argv)`` returns 2 and stderr names every fragment."""
+    rc = main(argv)
     err = capsys.readouterr().err
     assert rc == 2, err
     assert "Traceback" not in err
@@ -31,12 +28,11 @@ def _fails_with(capsys, argv, *fragments):
 @pytest.mark.parametrize("command", [SIM, ["partition", "batchllm-case1", "--replicas", "2"]])
 def test_num_requests_must_be_positive(capsys, command, value):
     # -2 used to run 4 of 6 requests (Python slicing), 0 the whole workload.
-    _fails_with(capsys, [*command, "--num-requests", value], "--num-requests", "expected a positive int",
-                repr(value))
+    _fails_with(capsys, [*command, "--num-requests", value], "--num-requests", f"expected a positive int, got {value}")
 
 
 def test_negative_seed(capsys):
-    _fails_with(capsys, [*SIM, "--seed", "-1"], "--seed", "expected a non-negative int", "'-1'")
+    _fails_with(capsys, [*SIM, "--seed", "-1"], "--seed", "expected a non-negative int, got -1")
 
 
 def test_missing_workload_file(capsys, tmp_path):
@@ -79,8 +75,8 @@ def test_plot_into_a_missing_folder(capsys, tmp_path):
 
 
 @pytest.mark.parametrize("argv, fragments", [
-    (["--replicas", "0"], ("--replicas", "expected a positive int", "'0'")),
-    (["--replicas", "2", "--levels", "0"], ("--levels", "expected a positive int", "'0'")),
+    (["--replicas", "0"], ("--replicas: expected a positive int, got 0",)),
+    (["--replicas", "2", "--levels", "0"], ("--levels: expected a positive int, got 0",)),
     (["--replicas", "2", "--decode-weight", "nan"], ("--decode-weight", "expected a finite number >= 0")),
     (["--replicas", "2", "--decode-weight", "-1"], ("--decode-weight", "expected a finite number >= 0")),
 ])
@@ -93,9 +89,9 @@ def test_partition_arguments(capsys, argv, fragments):
 # ---------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("argv, fragments", [
     (["--head-dims", "33"], ("--head-dims", "expected values in (64, 80, 96, 128, 256)", "33")),
-    (["--head-dims", "x"], ("--head-dims", "expected comma-separated ints", "'x'")),
-    (["--jobs", "0"], ("--jobs", "expected a positive int", "'0'")),
-    (["--max-configs", "0"], ("--max-configs", "expected a positive int", "'0'")),
+    (["--head-dims", "x"], ("--head-dims: expected comma-separated ints, got x",)),
+    (["--jobs", "0"], ("--jobs: expected a positive int, got 0",)),
+    (["--max-configs", "0"], ("--max-configs: expected a positive int, got 0",)),
     (["--head-dim-per-target", "sm90=33"], ("head-dim-per-target", "expected a head_dim in", "33")),
 ])
 def test_compile_check_arguments(capsys, monkeypatch, argv, fragments):
@@ -113,9 +109,21 @@ def test_compile_check_under_the_interpreter_says_what_to_unset(capsys, monkeypa
 @pytest.mark.parametrize("argv, fragments", [
     (["--groups", "0"], ("--groups", "expected comma-separated positive ints", "0")),
     (["--q-rows", "-4"], ("--q-rows", "expected comma-separated positive ints", "-4")),
-    (["--kv-lens", "1k"], ("--kv-lens", "expected comma-separated positive ints", "'1k'")),
-    (["--top-k", "0"], ("--top-k", "expected a positive int", "'0'")),
+    (["--kv-lens", "1k"], ("--kv-lens: expected comma-separated positive ints, got 1k",)),
+    (["--top-k", "0"], ("--top-k: expected a positive int, got 0",)),
     (["--head-dims", "33"], ("--head-dims", "expected values in", "33")),
 ])
 def test_tune_arguments(capsys, argv, fragments):
     _fails_with(capsys, ["tune", "--dry-run", "--target", "sm90", *argv], *fragments)
+
+
+@pytest.mark.parametrize("n", [0, -2, True])
+def test_python_api_num_requests(n):
+    from prefixattn.sim.simulate import simulate
+    from prefixattn.sim.workloads import get_workload
+
+    with pytest.raises(ValueError, match="num_requests: expected a positive int"):
+        get_workload("batchllm-case1", num_requests=n)
+    w = get_workload("batchllm-case1", num_requests=6)
+    with pytest.raises(ValueError, match="num_requests: expected a positive int"):
+        simulate(w, ["vllm"], num_requests=n)

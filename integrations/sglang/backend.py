@@ -9,6 +9,12 @@ builds one :func:`prefixattn.plan`, which finds the shared prefixes; every layer
 ``[num_blocks, page_size, num_kv_heads, head_dim]`` (no copy), after writing the layer's new K/V with the pool's
 own ``set_kv_buffer``.
 
+Bad metadata: each plan is built with ``num_blocks`` = the pool's page count, so an id outside the pool is a
+``ValueError`` at plan time (part of the planner's numpy pass over the block table, once per step and geometry), and
+every layer's :func:`prefixattn.attention` compares the plan's largest block id with the pool view's page count
+again (two int comparisons per layer, no device work). A quantized KV pool or one whose dtype is not the model's is
+refused when the backend is built.
+
 This module imports sglang at import time (it subclasses SGLang's ``AttentionBackend``); the plugin imports it only
 when SGLang asks for the ``prefixattn`` backend.
 """
@@ -94,6 +100,7 @@ class PrefixAttnBackend(AttentionBackend):
                 f"token_to_kv_pool: expected SGLang's MHATokenToKVPool (standard multi-head KV cache), got "
                 f"{type(pool).__name__}; MLA, hybrid and sliding-window pools are not supported by prefixattn"
             )
+        _check_pool_dtype(pool.dtype, getattr(model_runner, "dtype", None))
         layout = getattr(pool, "kv_cache_layout", "nhd")
         if layout != "nhd":
             raise ValueError(f"token_to_kv_pool: expected the token-major 'nhd' KV layout, got {layout!r} "
@@ -217,6 +224,20 @@ class PrefixAttnBackend(AttentionBackend):
 
     def get_cuda_graph_seq_len_fill_value(self):
         raise NotImplementedError(_NO_GRAPHS)
+
+
+def _check_pool_dtype(pool_dtype: torch.dtype, model_dtype: torch.dtype | None) -> None:
+    """Refuse, when the backend is built, a KV pool the kernel cannot read: it loads K/V in the dtype of q."""
+    if pool_dtype not in prefixattn.SUPPORTED_DTYPES:
+        raise ValueError(f"token_to_kv_pool: expected a float16/bfloat16/float32 KV cache (prefixattn reads K/V in "
+                         f"the dtype of q; no quantized KV), got {_dtype_name(pool_dtype)}")
+    if model_dtype is not None and pool_dtype != model_dtype:
+        raise ValueError(f"kv_cache_dtype: expected the model dtype {_dtype_name(model_dtype)} (prefixattn reads K/V "
+                         f"in the dtype of q; use --kv-cache-dtype auto), got {_dtype_name(pool_dtype)}")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
 
 
 def _host_int64(cpu_mirror, device_tensor) -> torch.Tensor:

@@ -13,7 +13,14 @@ with some strides, which the kernel takes as they are, so every layout works.
 Configurations the kernel does not run (ALiBi, sliding window, logits soft-cap, attention sinks, encoder/cross
 attention, fp8/quantized KV, MLA, non-causal decoders) are refused when vLLM configures the model: by vLLM's
 selector through the ``supports_*`` declarations below (on CUDA/ROCm), and by the impl's constructor with the same
-wording on platforms whose selector does not validate (CPU) - never at the first forward.
+wording on platforms whose selector does not validate (CPU) - never at the first forward. That includes an explicit
+``--kv-cache-dtype`` other than the model's dtype (the kernel reads K/V in the dtype of q).
+
+Bad metadata: ``plan()`` checks vLLM's metadata values on the host once per step (part of the plan's own numpy pass
+over the block table, no extra device sync: the table is copied to the host for the planner anyway), and records the
+largest block id it reads; every layer's :func:`prefixattn.attention` compares that id with the layer cache's
+``num_blocks`` (two int comparisons per layer, no device work), so a block id outside vLLM's cache is a
+``ValueError``, never a read outside it.
 """
 
 from __future__ import annotations
@@ -109,7 +116,8 @@ class PrefixAttnBackend(AttentionBackend):
     forward_includes_kv_cache_update: bool = True
 
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
-    # No fp8/quantized KV: the kernel loads K/V in the dtype of q.
+    # No fp8/quantized KV: the kernel loads K/V in the dtype of q. An explicit float16/bfloat16 cache must also be
+    # the model's dtype (supports_combination below), else the first forward would fail on the dtype check.
     supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "float16", "bfloat16"]
 
     @staticmethod
@@ -135,6 +143,12 @@ class PrefixAttnBackend(AttentionBackend):
     @classmethod
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
         return SUPPORTED_KV_CACHE_LAYOUTS
+
+    @classmethod
+    def supports_combination(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink, use_sparse,
+                             use_mm_prefix, device_capability) -> str | None:
+        # vLLM's selector appends this reason to validate_configuration's list.
+        return kv_cache_dtype_mismatch(kv_cache_dtype, dtype)
 
     # Everything below keeps vLLM's default "not supported" (sliding window, sinks, ALiBi-sqrt, MLA, sparse,
     # multimodal prefix, non-causal, batch invariance, PCP/DCP) or "decoder only" (attention types): the kernel
@@ -198,7 +212,9 @@ class PrefixAttnImpl(AttentionImpl[PrefixAttnMetadata]):
                  attn_type: str = AttentionType.DECODER, kv_sharing_target_layer_name: str | None = None,
                  **extra_impl_args) -> None:
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        reasons = refusal_reasons(head_size=head_size, kv_cache_dtype=kv_cache_dtype, alibi_slopes=alibi_slopes,
+        # vLLM builds the impl (and calls its own selector) while the default dtype is the model's dtype.
+        reasons = refusal_reasons(head_size=head_size, kv_cache_dtype=kv_cache_dtype,
+                                  model_dtype=torch.get_default_dtype(), alibi_slopes=alibi_slopes,
                                   sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
                                   attn_type=attn_type, extra_impl_args=extra_impl_args)
         if reasons:
@@ -229,15 +245,31 @@ class PrefixAttnImpl(AttentionImpl[PrefixAttnMetadata]):
         return output
 
 
-def refusal_reasons(*, head_size: int, kv_cache_dtype: str, alibi_slopes=None, sliding_window=None,
-                    logits_soft_cap=None, attn_type: str = AttentionType.DECODER,
-                    extra_impl_args: dict | None = None) -> list[str]:
+#: The explicit cache dtypes the backend accepts, as torch dtypes ("auto" is the model's dtype by definition).
+_KV_CACHE_TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def kv_cache_dtype_mismatch(kv_cache_dtype: str | None, model_dtype: torch.dtype | None) -> str | None:
+    """The refusal reason for an explicit KV cache dtype that is not the model's (the kernel reads K/V in q's
+    dtype), or None."""
+    cache_dtype = _KV_CACHE_TORCH_DTYPES.get(kv_cache_dtype or "auto")
+    if cache_dtype is None or model_dtype is None or cache_dtype == model_dtype:
+        return None
+    return (f"kv_cache_dtype {kv_cache_dtype} differs from the model dtype {str(model_dtype).replace('torch.', '')} "
+            "(prefixattn reads K/V in the dtype of q; use --kv-cache-dtype auto)")
+
+
+def refusal_reasons(*, head_size: int, kv_cache_dtype: str, model_dtype: torch.dtype | None = None,
+                    alibi_slopes=None, sliding_window=None, logits_soft_cap=None,
+                    attn_type: str = AttentionType.DECODER, extra_impl_args: dict | None = None) -> list[str]:
     """Why a layer configuration cannot run on prefixattn (empty list: it can), in vLLM's validation wording."""
     reasons = []
     if head_size not in SUPPORTED_HEAD_SIZES:
         reasons.append("head_size not supported")
     if kv_cache_dtype not in PrefixAttnBackend.supported_kv_cache_dtypes:
         reasons.append("kv_cache_dtype not supported")
+    elif (mismatch := kv_cache_dtype_mismatch(kv_cache_dtype, model_dtype)) is not None:
+        reasons.append(mismatch)
     if attn_type != AttentionType.DECODER:
         reasons.append(f"attention type {attn_type} not supported")
     if sliding_window is not None:

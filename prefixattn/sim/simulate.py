@@ -44,7 +44,7 @@ def simulate(workload, policies, model: str = "mistral-7b", gpu: str = "a100", *
     built = [make_policy(name) for name in policies]  # fail on a bad name before any work
     if not isinstance(workload, Workload):
         workload = get_workload(workload, num_requests=num_requests, seed=seed)
-    elif num_requests:
+    elif num_requests is not None:  # head() refuses n < 1 (0 must not mean "all", -2 must not slice)
         workload = workload.head(num_requests)
     cost = CostModel(gpu, model, calibration)
     results = []

@@ -437,7 +437,7 @@ def get_workload(name: str, num_requests: int | None = None, seed: int = 0) -> W
         raise ValueError(f"num_requests: expected a positive int or None, got {num_requests!r}")
     if name.startswith("jsonl:") or name.endswith(".jsonl"):
         w = load_jsonl(name[len("jsonl:"):] if name.startswith("jsonl:") else name, seed=seed)
-        return w.head(num_requests) if num_requests else w
+        return w.head(num_requests) if num_requests is not None else w
     if name not in WORKLOADS:
         raise ValueError(f"workload: expected one of {sorted(WORKLOADS)} or a .jsonl path, got {name!r}")
     kwargs = dict(seed=seed)
