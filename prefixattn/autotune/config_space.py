@@ -47,6 +47,10 @@ MERGE_NUM_WARPS = (1, 2, 4, 8)
 #: register base (addresses, many kernel arguments); 236 words (d256, 64-row suffix tile, 2 warps) spills at 512.
 _REG_FIT = {"cuda": (2.0, -10.0), "hip": (1.2, 200.0)}
 _REG_CAP = {"cuda": (0.7, 110.0)}
+#: The cap holds where the dots read K/V from shared memory (wgmma, sm_90+) with 16-bit inputs only: on sm_80
+#: (mma.sync operands in registers) 128x64 tiles at 8 warps spill 168-288 bytes, and IEEE fp32 FMA dots on sm_90
+#: spill thousands of bytes at the sizes the cap would admit (compile-check, Triton 3.9).
+_REG_CAP_MIN_ARCH = 90
 #: IEEE fp32 dots on NVIDIA run on FMA units, each thread holding its own slices of both operands: the register
 #: footprint of the tiles grows by half (sm80/sm90: 32x64 tiles spill at head_dim 64, 16x16 fit at 256).
 _FMA_DOT_FACTOR = 1.5
@@ -217,7 +221,7 @@ def part_registers(tiles: Tiles, head_dim: int, dtype: str, num_warps: int, targ
         w *= _FMA_DOT_FACTOR
     scale, base = _REG_FIT[target.backend]
     fit = scale * w + base
-    if target.backend in _REG_CAP:
+    if target.backend in _REG_CAP and dtype != "fp32" and target.arch >= _REG_CAP_MIN_ARCH:
         slope, intercept = _REG_CAP[target.backend]
         fit = min(fit, slope * w + intercept)
     return int(max(w + 32, fit))
