@@ -1,0 +1,77 @@
+"""Count what a code region launches on the device: Triton kernel launches and torch ops that run a kernel.
+
+Torch ops are seen through a ``TorchDispatchMode``; views (slicing, transpose, reshape of a view) and allocations
+(``empty``, ``new_empty``) launch nothing on a GPU and are not counted. Triton launches are counted by wrapping
+``run`` of Triton's JIT and interpreter functions; the torch ops a launch performs itself (the interpreter copies
+tensors to numpy) are not counted as ops of the region. ``pause(obj, name)`` does the same for an engine method:
+its calls are counted as one op and its inside is not (the engine's own cache-write op).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+from torch.utils._python_dispatch import TorchDispatchMode
+
+#: Allocation ops: no kernel runs (the caching allocator hands out memory).
+_ALLOCATIONS = {"empty", "empty_strided", "new_empty", "new_empty_strided", "empty_like"}
+
+
+class LaunchCounter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.torch_ops: list[str] = []
+        self.triton: list[str] = []
+        self.engine_ops: list[str] = []
+        self._paused = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if not self._paused and not func.is_view and name not in _ALLOCATIONS:
+            self.torch_ops.append(name)
+        return func(*args, **(kwargs or {}))
+
+    @contextlib.contextmanager
+    def paused(self):
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
+    def wrap(self, fn, record: list, name: str):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            record.append(name)
+            with self.paused():
+                return fn(*args, **kwargs)
+        return wrapper
+
+
+@contextlib.contextmanager
+def count_launches(monkeypatch):
+    """``with count_launches(monkeypatch) as c: ...`` then ``c.triton``, ``c.torch_ops``, ``c.engine_ops``."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    counter = LaunchCounter()
+    for cls in (InterpretedFunction, JITFunction):
+        original = cls.run
+
+        def run(self, *args, _original=original, **kwargs):
+            counter.triton.append(self.fn.__name__ if hasattr(self, "fn") else self.__name__)
+            with counter.paused():
+                return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, "run", run)
+    with counter:
+        yield counter
+
+
+def count_engine_op(monkeypatch, counter: LaunchCounter, obj, name: str) -> None:
+    """Count calls of ``obj.name`` as one engine op each, without counting what it does inside."""
+    monkeypatch.setattr(obj, name, counter.wrap(getattr(obj, name), counter.engine_ops, name))
+
+
+__all__ = ["LaunchCounter", "count_engine_op", "count_launches"]
