@@ -25,6 +25,7 @@ SUBCOMMANDS = {
     "tune": "prefixattn.autotune.tune_cli",
     "compile-check": "prefixattn.autotune.compile_check",
     "partition": "prefixattn.sim.partition_cli",
+    "warmup": "prefixattn.warmup_cli",
 }
 
 

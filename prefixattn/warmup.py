@@ -1,0 +1,347 @@
+"""Compile, before the first request, every kernel binary an engine configuration will launch.
+
+Triton compiles a kernel the first time it is launched with a new set of compile-time values, 12-26 s per variant
+for the fused attention kernel (one request would wait that long). For one model on one engine those values are
+few and known at start-up:
+
+* the fused attention kernel: the tile config :func:`prefixattn.plan` picks (it depends on the dtype, head size,
+  GQA group and the step's longest query chunk, bucketed by powers of two: :func:`attention_variants` walks every
+  bucket up to the engine's longest chunk and keeps the distinct configs), each with and without shared-prefix items
+  (``HAS_SHARED``: two binaries, two launch options), with or without the LSE output, and the block size
+  (``PAGE_SIZE``);
+* the K/V write kernel (:func:`prefixattn.write_kv`), one binary per dtype and head geometry, when the engine uses it.
+
+:func:`warmup_kernels` launches each variant once through the public path (:func:`prefixattn.plan` with the config pinned,
+then :func:`prefixattn.attention`) on tiny inputs (2 requests, 3 KV blocks), so the binaries it compiles are the ones
+real steps look up. Under the Triton interpreter nothing is compiled: it reports the variants and returns at once
+(``run_in_interpreter=True`` launches them in the interpreter anyway, to test the path). Engines call it from their
+start-up (vLLM: the metadata builder; SGLang: the backend's constructor); ``PREFIXATTN_WARMUP=0`` turns that off.
+
+What a launch specializes on beyond these constexprs (an int argument equal to 1, divisibility of strides by 16) is
+taken from the engine's real head counts and head size; strides that differ from a contiguous layout in that
+respect (rare: head sizes are multiples of 16) compile one more binary at their first real launch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from prefixattn.attention_configs import AttentionTiles, choose_tiles
+from prefixattn.autotune.buckets import MAX_Q_LEN_RANGE
+from prefixattn.autotune.config_space import AttentionConfig
+from prefixattn.autotune.lookup import fixed_config, planning_target, select_config
+from prefixattn.kernels.layout import page_size_constexpr
+from prefixattn.runtime import interpreter_enabled
+from prefixattn.validation import SUPPORTED_DTYPES, check_head_dim, check_heads
+
+#: Environment variable: "0" (or "false", "off", "no") skips the engines' start-up warm-up.
+WARMUP_ENV = "PREFIXATTN_WARMUP"
+#: Longest query chunk the tile lookup distinguishes: every longer chunk selects the same config.
+MAX_DISTINCT_Q_LEN = MAX_Q_LEN_RANGE[1]
+#: KV blocks of the warm-up caches: block 0 shared by both requests, one own block each.
+_WARMUP_BLOCKS = 3
+
+ATTENTION = "prefix_attention"
+KV_WRITE = "kv_write"
+
+
+@dataclass(frozen=True)
+class KernelVariant:
+    """One kernel binary: the compile-time values a launch specializes on.
+
+    ``config`` pins the fused kernel's tiles for the warm-up launch; ``max_q_lens`` are the query-chunk buckets
+    whose steps select this binary (for the report).
+    """
+
+    kernel: str
+    dtype: torch.dtype
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    has_shared: bool = False
+    has_lse: bool = False
+    tiles: AttentionTiles | None = None
+    config: AttentionConfig | None = None
+    max_q_lens: tuple[int, ...] = ()
+    slot_dtype: torch.dtype = torch.int64
+
+    def describe(self) -> str:
+        dt = str(self.dtype).replace("torch.", "")
+        geometry = f"{dt} h{self.num_qo_heads}/{self.num_kv_heads} d{self.head_dim}"
+        if self.kernel == KV_WRITE:
+            return f"{KV_WRITE} {geometry} slots {str(self.slot_dtype).replace('torch.', '')}"
+        t = self.tiles
+        parts = [ATTENTION, geometry, f"page {page_size_constexpr(self.block_size) or 'any'}",
+                 "shared+suffix" if self.has_shared else "suffix-only", "+lse" if self.has_lse else "no-lse",
+                 f"shared {t.block_m_shared}x{t.block_n_shared} suffix {t.block_m_suffix}x{t.block_n_suffix}",
+                 "w{num_warps}/s{num_stages}".format(**t.launch_options(self.has_shared)),
+                 f"q_len {_ranges(self.max_q_lens)}"]
+        return " ".join(parts)
+
+
+@dataclass
+class VariantResult:
+    variant: KernelVariant
+    status: str  # "compiled", "cached" (already in this process), "launched" (interpreter), "skipped", "failed"
+    seconds: float = 0.0
+    error: str | None = None
+
+
+@dataclass
+class WarmupReport:
+    """What :func:`warmup_kernels` did, variant by variant."""
+
+    results: list[VariantResult] = field(default_factory=list)
+    mode: str = "gpu"  # "gpu", "interpreter" (launched there), "skipped" (interpreter, nothing to compile)
+
+    @property
+    def failed(self) -> list[VariantResult]:
+        return [r for r in self.results if r.status == "failed"]
+
+    @property
+    def seconds(self) -> float:
+        return sum(r.seconds for r in self.results)
+
+    def summary(self) -> str:
+        counts = {}
+        for r in self.results:
+            counts[r.status] = counts.get(r.status, 0) + 1
+        shown = ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) or "nothing"
+        return f"prefixattn warm-up ({self.mode}): {len(self.results)} kernel variants: {shown} in {self.seconds:.1f} s"
+
+    def lines(self) -> list[str]:
+        out = [self.summary()]
+        for r in self.results:
+            extra = f" ({r.error})" if r.error else ""
+            out.append(f"  {r.status:9s} {r.seconds:7.2f} s  {r.variant.describe()}{extra}")
+        return out
+
+
+def warmup_enabled() -> bool:
+    """False when ``$PREFIXATTN_WARMUP`` says off (engines then compile lazily, at the first launch)."""
+    return os.environ.get(WARMUP_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def _ranges(values: tuple[int, ...]) -> str:
+    if not values:
+        return "-"
+    return str(values[0]) if len(values) == 1 else f"{values[0]}..{values[-1]}"
+
+
+def query_len_buckets(max_q_len: int) -> list[int]:
+    """The query-chunk lengths that can select different tiles: powers of two up to ``max_q_len`` (the lookup
+    buckets by powers of two; its decode/prefill switch is monotone in the length), plus ``max_q_len`` itself."""
+    if not isinstance(max_q_len, int) or max_q_len < 1:
+        raise ValueError(f"max_q_len: expected a positive int (the longest query chunk of a step), got {max_q_len!r}")
+    top = min(max_q_len, MAX_DISTINCT_Q_LEN)
+    lens = [1 << i for i in range(top.bit_length()) if 1 << i <= top]
+    return sorted(set(lens) | {top})
+
+
+def _check_config(num_qo_heads, num_kv_heads, head_dim, block_size, dtypes) -> tuple[torch.dtype, ...]:
+    for name, v in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads), ("block_size", block_size)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}: expected a positive int, got {v!r}")
+    check_heads(num_qo_heads, num_kv_heads)
+    check_head_dim("head_dim", head_dim)
+    dtypes = tuple(dtypes) if isinstance(dtypes, (list, tuple)) else (dtypes,)
+    bad = [d for d in dtypes if d not in SUPPORTED_DTYPES]
+    if not dtypes or bad:
+        raise ValueError(f"dtypes: expected torch.float16/bfloat16/float32, got {bad or 'nothing'}")
+    return dtypes
+
+
+def attention_variants(*, num_qo_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtypes,
+                       max_q_len: int = 1, with_lse: bool = False, target="auto") -> list[KernelVariant]:
+    """The fused-kernel binaries steps of this configuration can launch (see the module docstring).
+
+    Parameters
+    ----------
+    num_qo_heads, num_kv_heads, head_dim, block_size : int
+        Per-rank heads of the model and the cache's block size.
+    dtypes : torch.dtype or sequence of them
+        Model dtypes (q and the caches).
+    max_q_len : int
+        Longest query chunk of one request in a step (the engine's chunked-prefill size; 1 = decode only).
+    with_lse : bool
+        Also the variants that return the LSE (library users of ``return_lse=True``; engines do not).
+    target : ``"auto"`` (this device), a target name (``"sm90"``: what that GPU's tables select) or None.
+
+    Returns
+    -------
+    list of KernelVariant, in dtype, query-length and has_shared order, without duplicates.
+    """
+    dtypes = _check_config(num_qo_heads, num_kv_heads, head_dim, block_size, dtypes)
+    group = num_qo_heads // num_kv_heads
+    found: dict = {}
+    with planning_target(target):
+        for dtype in dtypes:
+            for q_len in query_len_buckets(max_q_len):
+                # The same two calls plan() makes (choose_tiles memoizes select_config's answer per bucket).
+                tiles = choose_tiles(head_dim=head_dim, group=group, max_q_len=q_len, dtype=dtype)
+                config = select_config(head_dim=head_dim, dtype=dtype, group=group, max_q_len=q_len).config
+                for has_lse in ((False, True) if with_lse else (False,)):
+                    for has_shared in (True, False):
+                        key = (dtype, tiles, has_shared, has_lse)
+                        if key in found:
+                            v = found[key]
+                            found[key] = dataclasses.replace(v, max_q_lens=v.max_q_lens + (q_len,))
+                            continue
+                        found[key] = KernelVariant(
+                            kernel=ATTENTION, dtype=dtype, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+                            head_dim=head_dim, block_size=block_size, has_shared=has_shared, has_lse=has_lse,
+                            tiles=tiles, config=config, max_q_lens=(q_len,))
+    return list(found.values())
+
+
+def kv_write_variants(*, num_qo_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtypes,
+                      slot_dtype: torch.dtype = torch.int64) -> list[KernelVariant]:
+    """The :func:`prefixattn.write_kv` binaries (K/V in the cache's dtype; ``slot_dtype``: vLLM's int64)."""
+    dtypes = _check_config(num_qo_heads, num_kv_heads, head_dim, block_size, dtypes)
+    if slot_dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"slot_dtype: expected torch.int32 or torch.int64, got {slot_dtype!r}")
+    return [KernelVariant(kernel=KV_WRITE, dtype=d, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+                          head_dim=head_dim, block_size=block_size, slot_dtype=slot_dtype) for d in dtypes]
+
+
+def kernel_variants(*, num_qo_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtypes,
+                    max_q_len: int = 1, with_lse: bool = False, kv_write: bool = False,
+                    slot_dtype: torch.dtype = torch.int64, target="auto") -> list[KernelVariant]:
+    """Every binary :func:`warmup_kernels` would compile: :func:`attention_variants`, plus :func:`kv_write_variants` when
+    the engine writes K/V with :func:`prefixattn.write_kv` (``kv_write``)."""
+    geometry = dict(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
+                    dtypes=dtypes)
+    variants = attention_variants(**geometry, max_q_len=max_q_len, with_lse=with_lse, target=target)
+    if kv_write:
+        variants += kv_write_variants(**geometry, slot_dtype=slot_dtype)
+    return variants
+
+
+def _launch_attention(v: KernelVariant, device: torch.device) -> None:
+    """One launch of ``v`` through plan() + attention(): 2 decode requests sharing block 0 (has_shared), or one."""
+    import prefixattn
+
+    bs = v.block_size
+    if v.has_shared:
+        qo_indptr, kv_lens, table = [0, 1, 2], [bs + 1, bs + 1], [[0, 1], [0, 2]]
+    else:
+        qo_indptr, kv_lens, table = [0, 1], [bs + 1], [[0, 1]]
+    with fixed_config(v.config):
+        p = prefixattn.plan(torch.tensor(qo_indptr), torch.tensor(kv_lens), torch.tensor(table), block_size=bs,
+                            num_qo_heads=v.num_qo_heads, num_kv_heads=v.num_kv_heads, head_dim=v.head_dim,
+                            q_dtype=v.dtype, device=device, sharing="always" if v.has_shared else "never")
+    if p.has_shared != v.has_shared or p.tiles != v.tiles:
+        raise RuntimeError(f"the warm-up plan did not reproduce the variant (has_shared {p.has_shared}, tiles "
+                           f"{p.tiles}); nothing launched")
+    cache = torch.zeros((_WARMUP_BLOCKS, bs, v.num_kv_heads, v.head_dim), dtype=v.dtype, device=device)
+    q = torch.zeros((p.num_tokens, v.num_qo_heads, v.head_dim), dtype=v.dtype, device=device)
+    prefixattn.attention(q, cache, cache, p, return_lse=v.has_lse)
+
+
+def _launch_kv_write(v: KernelVariant, device: torch.device) -> None:
+    from prefixattn.kv_write import write_kv
+
+    kv = torch.zeros((2, v.num_kv_heads, v.head_dim), dtype=v.dtype, device=device)
+    cache = torch.zeros((_WARMUP_BLOCKS, v.block_size, v.num_kv_heads, v.head_dim), dtype=v.dtype, device=device)
+    write_kv(kv, kv, cache, cache, torch.tensor([0, -1], dtype=v.slot_dtype, device=device))
+
+
+def _binaries_in_process(kernel) -> int | None:
+    """Binaries ``kernel`` holds in this process (Triton's per-device cache), or None where this Triton has no such
+    cache (the interpreter)."""
+    caches = getattr(kernel, "device_caches", None)
+    if caches is None:
+        return None
+    try:
+        return sum(len(entry[0]) for entry in caches.values())
+    except (TypeError, IndexError):  # another Triton's layout of the cache: report times only
+        return None
+
+
+def _kernel_of(v: KernelVariant):
+    if v.kernel == KV_WRITE:
+        from prefixattn.kernels.kv_write import kv_write_kernel
+
+        return kv_write_kernel
+    from prefixattn.kernels.prefix_attention import prefix_attention_kernel
+
+    return prefix_attention_kernel
+
+
+def _run_one(v: KernelVariant, device: torch.device, interpreted: bool) -> VariantResult:
+    kernel = _kernel_of(v)
+    before = _binaries_in_process(kernel)
+    start = time.perf_counter()
+    try:
+        (_launch_kv_write if v.kernel == KV_WRITE else _launch_attention)(v, device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    except Exception as e:  # noqa: BLE001 - reported per variant; the caller decides whether a failure is fatal
+        return VariantResult(v, "failed", time.perf_counter() - start, f"{type(e).__name__}: {e}")
+    seconds = time.perf_counter() - start
+    after = _binaries_in_process(kernel)
+    if interpreted:
+        status = "launched"
+    elif before is not None and after is not None:
+        status = "compiled" if after > before else "cached"
+    else:
+        status = "compiled"
+    return VariantResult(v, status, seconds)
+
+
+def _skipped(variants: list[KernelVariant], why: str) -> WarmupReport:
+    return WarmupReport([VariantResult(v, "skipped", error=why) for v in variants], mode="skipped")
+
+
+def warmup_kernels(*, num_qo_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtypes=torch.float16,
+           max_q_len: int = 1, with_lse: bool = False, kv_write: bool = False,
+           slot_dtype: torch.dtype = torch.int64, device=None, run_in_interpreter: bool = False) -> WarmupReport:
+    """Compile every kernel variant this configuration uses (see :func:`kernel_variants`) by launching each once.
+
+    Parameters
+    ----------
+    num_qo_heads, num_kv_heads, head_dim, block_size, dtypes, max_q_len, with_lse, kv_write, slot_dtype
+        As in :func:`kernel_variants`.
+    device : torch.device or str, optional
+        Where to launch; default the current CUDA device (CPU under the interpreter). Without a GPU (and no
+        ``device``) nothing is compiled and every variant is reported "skipped".
+    run_in_interpreter : bool
+        Under ``TRITON_INTERPRET=1`` there is nothing to compile and the default is to only list the variants
+        (status "skipped"); True launches each of them in the interpreter (tests of this path).
+
+    Returns
+    -------
+    WarmupReport
+        One result per variant: "compiled" (a new binary), "cached" (already compiled in this process),
+        "launched" (interpreter), "skipped" or "failed" (with the error; the other variants still run).
+
+    Examples
+    --------
+    >>> report = prefixattn.warmup_kernels(num_qo_heads=32, num_kv_heads=8, head_dim=128, block_size=16,
+    ...                            dtypes=torch.bfloat16, max_q_len=8192)
+    >>> print("\\n".join(report.lines()))
+    """
+    variants = kernel_variants(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                               block_size=block_size, dtypes=dtypes, max_q_len=max_q_len, with_lse=with_lse,
+                               kv_write=kv_write, slot_dtype=slot_dtype)
+    interpreted = interpreter_enabled()
+    if interpreted and not run_in_interpreter:
+        return _skipped(variants, "interpreter: nothing to compile")
+    if not interpreted and device is None and not torch.cuda.is_available():
+        return _skipped(variants, "no GPU: nothing to compile")
+    if device is None:
+        device = "cpu" if interpreted else "cuda"
+    device = torch.device(device)
+    if not interpreted and device.type != "cuda":  # ROCm tensors are "cuda" too
+        raise ValueError(f"device: expected a CUDA/ROCm device (kernels compile for a GPU), got {device}; under "
+                         "the Triton interpreter there is nothing to compile")
+    report = WarmupReport(mode="interpreter" if interpreted else "gpu")
+    for v in variants:
+        report.results.append(_run_one(v, device, interpreted))
+    return report

@@ -1,0 +1,87 @@
+"""``prefixattn warmup``: compile every kernel variant a model configuration will launch, before serving.
+
+Prints one line per variant (status, seconds, what it is) after a summary line; ``--json`` prints the same as JSON.
+``--dry-run`` (or ``--target NAME``, the tables of another GPU) only lists what would be compiled. Without a GPU, or
+under ``TRITON_INTERPRET=1``, there is nothing to compile: the variants are listed as skipped. Exit code 0 when
+every variant compiled (or was listed), 1 when a variant failed, 2 for a bad argument or configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from prefixattn.cli import positive_int
+from prefixattn.validation import SUPPORTED_HEAD_DIMS
+
+HELP = "compile every kernel variant a model configuration uses (heads, head size, dtype, block size) before serving"
+
+#: ``--dtype`` names.
+_DTYPES = ("fp16", "bf16", "fp32")
+
+
+def dtype_list(text: str):
+    """argparse type: comma-separated dtype names (fp16, bf16, fp32) -> torch dtypes."""
+    import torch
+
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [n for n in names if n not in _DTYPES]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"expected comma-separated dtypes from {_DTYPES}, got {text}")
+    by_name = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+    return [by_name[n] for n in dict.fromkeys(names)]
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--num-qo-heads", type=positive_int, required=True, help="query heads per GPU (after TP)")
+    parser.add_argument("--num-kv-heads", type=positive_int, required=True, help="KV heads per GPU (after TP)")
+    parser.add_argument("--head-dim", type=int, required=True, choices=SUPPORTED_HEAD_DIMS)
+    parser.add_argument("--block-size", type=positive_int, default=16, help="KV cache block (page) size")
+    parser.add_argument("--dtype", type=dtype_list, default=None, help="model dtypes, e.g. bf16 or fp16,bf16 "
+                        "(default bf16)")
+    parser.add_argument("--max-q-len", type=positive_int, default=None,
+                        help="longest query chunk of a request in one step (the engine's chunked-prefill size; "
+                             "default: every length the tile tables distinguish)")
+    parser.add_argument("--lse", action="store_true", help="also the variants that return the LSE")
+    parser.add_argument("--kv-write", action="store_true", help="also the K/V write kernel (prefixattn.write_kv)")
+    parser.add_argument("--target", default=None,
+                        help="list what this GPU target's tables select (e.g. sm90) instead of compiling here")
+    parser.add_argument("--dry-run", action="store_true", help="list the variants, compile nothing")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def _as_json(results, mode: str) -> str:
+    rows = []
+    for r in results:
+        v = r.variant
+        row = {"kernel": v.kernel, "dtype": str(v.dtype).replace("torch.", ""), "num_qo_heads": v.num_qo_heads,
+               "num_kv_heads": v.num_kv_heads, "head_dim": v.head_dim, "block_size": v.block_size,
+               "has_shared": v.has_shared, "has_lse": v.has_lse, "max_q_lens": list(v.max_q_lens),
+               "description": v.describe(), "status": r.status, "seconds": round(r.seconds, 3), "error": r.error}
+        if v.config is not None:
+            row["config"] = v.config.to_dict()
+        rows.append(row)
+    return json.dumps({"mode": mode, "variants": rows}, indent=1)
+
+
+def run(args) -> int:
+    import torch
+
+    from prefixattn import warmup as w
+
+    config = dict(num_qo_heads=args.num_qo_heads, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
+                  block_size=args.block_size, dtypes=args.dtype or [torch.bfloat16],
+                  max_q_len=args.max_q_len or w.MAX_DISTINCT_Q_LEN, with_lse=args.lse, kv_write=args.kv_write)
+    try:
+        if args.dry_run or args.target is not None:
+            variants = w.kernel_variants(**config, target=args.target if args.target is not None else "auto")
+            why = f"listed for {args.target}" if args.target is not None else "dry run"
+            report = w.WarmupReport([w.VariantResult(v, "listed", error=why) for v in variants], mode="listed")
+        else:
+            report = w.warmup_kernels(**config)
+    except ValueError as e:
+        print(f"prefixattn warmup: {e}", file=sys.stderr)
+        return 2
+    print(_as_json(report.results, report.mode) if args.json else "\n".join(report.lines()))
+    return 1 if report.failed else 0

@@ -1,0 +1,166 @@
+"""Warm-up: which kernel variants a configuration compiles (the ones plan() will launch), the launches, the CLI."""
+
+import json
+
+import pytest
+import torch
+
+import prefixattn
+from prefixattn import warmup as w
+from prefixattn.autotune.lookup import planning_target
+from prefixattn.cli import main
+from tests.launch_count import count_launches
+
+LLAMA8B = dict(num_qo_heads=32, num_kv_heads=8, head_dim=128, block_size=16)
+
+
+def test_query_len_buckets():
+    assert w.query_len_buckets(1) == [1]
+    assert w.query_len_buckets(100) == [1, 2, 4, 8, 16, 32, 64, 100]
+    assert w.query_len_buckets(10 ** 6)[-2:] == [2048, w.MAX_DISTINCT_Q_LEN]  # longer chunks: the same tiles
+    with pytest.raises(ValueError, match="max_q_len: expected a positive int"):
+        w.query_len_buckets(0)
+
+
+def test_heuristic_variants_of_a_gqa4_model():
+    # No GPU table (target None): decode tiles while group * q_len <= 16 (q_len <= 4), prefill tiles above; each
+    # with and without shared items (their own launch options), no LSE.
+    vs = w.attention_variants(**LLAMA8B, dtypes=torch.bfloat16, max_q_len=8192, target=None)
+    got = [(v.has_shared, v.tiles.block_m_suffix, v.tiles.launch_options(v.has_shared)["num_warps"], v.max_q_lens)
+           for v in vs]
+    decode, prefill = (1, 2, 4), (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+    assert got == [(True, 16, 8, decode), (False, 16, 4, decode), (True, 64, 8, prefill), (False, 64, 4, prefill)]
+    assert all(not v.has_lse and v.kernel == w.ATTENTION and v.dtype == torch.bfloat16 for v in vs)
+
+
+def test_lse_dtypes_and_kv_write_multiply_the_variants():
+    base = w.kernel_variants(**LLAMA8B, dtypes=torch.float16, max_q_len=1, target=None)
+    assert len(base) == 2  # decode only: shared + suffix-only
+    full = w.kernel_variants(**LLAMA8B, dtypes=[torch.float16, torch.float32], max_q_len=1, with_lse=True,
+                             kv_write=True, target=None)
+    assert len(full) == 2 * 2 * 2 + 2
+    assert [v.dtype for v in full if v.kernel == w.KV_WRITE] == [torch.float16, torch.float32]
+
+
+@pytest.mark.parametrize("target", [None, "sm90", "gfx942"])
+def test_every_plan_launches_a_listed_variant(target):
+    # The property warm-up rests on: whatever step plan() builds for this configuration, its (tiles, has_shared)
+    # is one of the listed variants.
+    g = torch.Generator().manual_seed(0)
+    cfg = dict(num_qo_heads=8, num_kv_heads=2, head_dim=64, block_size=16)
+    vs = w.attention_variants(**cfg, dtypes=torch.float16, max_q_len=300, target=target)
+    listed = {(v.tiles, v.has_shared) for v in vs}
+    with planning_target(target):
+        for q_len in (1, 3, 5, 17, 64, 300):
+            for sharing in ("always", "never"):
+                n = 3
+                q = torch.tensor([1, q_len, int(torch.randint(1, q_len + 1, (1,), generator=g))])
+                kv = q + 40
+                table = torch.tensor([[0, 1, 2 + r] + [9] * 20 for r in range(n)])  # blocks 0, 1 shared
+                p = prefixattn.plan(torch.cat([torch.zeros(1, dtype=torch.long), q.cumsum(0)]), kv, table,
+                                    q_dtype=torch.float16, sharing=sharing, **cfg)
+                assert (p.tiles, p.has_shared) in listed, (q_len, sharing)
+
+
+def test_under_the_interpreter_nothing_is_compiled_or_launched(monkeypatch):
+    with count_launches(monkeypatch) as c:
+        report = prefixattn.warmup_kernels(**LLAMA8B, dtypes=torch.float16, max_q_len=64, kv_write=True)
+    assert c.triton == [] and report.mode == "skipped"
+    assert len(report.results) == 5 and {r.status for r in report.results} == {"skipped"}
+    assert "5 skipped" in report.summary()
+
+
+def test_run_in_interpreter_launches_each_variant_once(monkeypatch):
+    cfg = dict(num_qo_heads=2, num_kv_heads=1, head_dim=64, block_size=5)  # the generic PAGE_SIZE binary
+    with count_launches(monkeypatch) as c:
+        report = prefixattn.warmup_kernels(**cfg, dtypes=torch.float32, max_q_len=32, with_lse=True, kv_write=True,
+                                           run_in_interpreter=True)
+    variants = w.kernel_variants(**cfg, dtypes=torch.float32, max_q_len=32, with_lse=True, kv_write=True)
+    assert [r.variant for r in report.results] == variants and len(variants) == 9
+    assert {r.status for r in report.results} == {"launched"} and not report.failed
+    assert c.triton == ["prefix_attention_kernel"] * 8 + ["kv_write_kernel"]
+    text = "\n".join(report.lines())
+    assert "page any shared+suffix +lse" in text and "kv_write float32 h2/1 d64 slots int64" in text
+
+
+def test_a_failing_variant_is_reported_and_the_others_still_run(monkeypatch):
+    def boom(v, device):
+        if v.has_shared:
+            raise RuntimeError("ptxas fatal")
+    monkeypatch.setattr(w, "_launch_attention", boom)
+    report = prefixattn.warmup_kernels(num_qo_heads=2, num_kv_heads=1, head_dim=64, block_size=16,
+                                       dtypes=torch.float32, run_in_interpreter=True)
+    assert [r.status for r in report.results] == ["failed", "launched"]
+    assert report.failed[0].error == "RuntimeError: ptxas fatal"
+
+
+@pytest.mark.parametrize("value, enabled", [(None, True), ("1", True), ("0", False), ("off", False), ("no", False)])
+def test_environment_switch(monkeypatch, value, enabled):
+    if value is None:
+        monkeypatch.delenv(w.WARMUP_ENV, raising=False)
+    else:
+        monkeypatch.setenv(w.WARMUP_ENV, value)
+    assert w.warmup_enabled() is enabled
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(num_qo_heads=6, num_kv_heads=4), "num_qo_heads"),
+    (dict(head_dim=72), "head_dim"),
+    (dict(block_size=0), "block_size: expected a positive int, got 0"),
+    (dict(dtypes=torch.int8), "dtypes: expected torch.float16/bfloat16/float32"),
+])
+def test_bad_configuration(change, message):
+    with pytest.raises(ValueError, match=message):
+        w.kernel_variants(**{**LLAMA8B, "dtypes": torch.float16, **change})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# prefixattn warmup
+# ---------------------------------------------------------------------------------------------------------------
+CLI = ["warmup", "--num-qo-heads", "32", "--num-kv-heads", "8", "--head-dim", "128"]
+
+
+def test_cli_under_the_interpreter_lists_the_variants_as_skipped(capsys):
+    assert main([*CLI, "--dtype", "bf16,fp16", "--max-q-len", "1", "--kv-write"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("prefixattn warm-up (skipped): 6 kernel variants: 6 skipped")
+    assert sum("kv_write" in line for line in out) == 2 and len(out) == 7
+
+
+def test_cli_target_json_lists_what_that_gpu_would_compile(capsys):
+    assert main([*CLI, "--target", "sm90", "--max-q-len", "8192", "--lse", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["mode"] == "listed"
+    rows = report["variants"]
+    expected = w.attention_variants(**LLAMA8B, dtypes=torch.bfloat16, max_q_len=8192, with_lse=True, target="sm90")
+    assert [r["description"] for r in rows] == [v.describe() for v in expected]
+    assert {r["status"] for r in rows} == {"listed"} and all("config" in r for r in rows)
+
+
+def test_cli_dry_run(capsys):
+    assert main([*CLI, "--dry-run", "--max-q-len", "1"]) == 0
+    assert capsys.readouterr().out.startswith("prefixattn warm-up (listed): 2 kernel variants: 2 listed")
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    ([*CLI[:-1], "72"], "--head-dim"),
+    ([*CLI, "--dtype", "fp8"], "expected comma-separated dtypes"),
+    ([*CLI, "--max-q-len", "0"], "expected a positive int, got 0"),
+    (["warmup", "--num-kv-heads", "8", "--head-dim", "128"], "--num-qo-heads"),
+    ([*CLI, "--target", "sm99"], "target: expected one of"),
+    (["warmup", "--num-qo-heads", "6", "--num-kv-heads", "4", "--head-dim", "128"], "num_qo_heads"),
+])
+def test_cli_bad_arguments_exit_2(capsys, argv, fragment):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert fragment in err and "Traceback" not in err
+
+
+def test_cli_exits_1_when_a_variant_fails(capsys, monkeypatch):
+    def failing(**config):
+        v = w.kernel_variants(**config)[0]
+        return w.WarmupReport([w.VariantResult(v, "failed", 1.5, "CompilationError: out of resources")])
+    monkeypatch.setattr(w, "warmup_kernels", failing)
+    assert main([*CLI, "--max-q-len", "1"]) == 1
+    out = capsys.readouterr().out
+    assert "1 failed" in out and "CompilationError: out of resources" in out
