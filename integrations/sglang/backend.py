@@ -21,6 +21,7 @@ when SGLang asks for the ``prefixattn`` backend.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 
@@ -34,6 +35,9 @@ from sglang.srt.layers.radix_attention import AttentionType  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc, MHATokenToKVPool  # noqa: E402
 
 import prefixattn  # noqa: E402
+from prefixattn.warmup import MAX_DISTINCT_Q_LEN, WarmupReport, warmup_enabled  # noqa: E402
+
+logger = logging.getLogger(__name__)
 
 #: Environment variable that forces the planner's sharing mode ("auto" applies prefixattn's cost rule, "always"
 #: shares every prefix two requests have in common, "never" runs plain paged attention); for experiments.
@@ -115,6 +119,7 @@ class PrefixAttnBackend(AttentionBackend):
         self.page_size = int(pool.page_size)
         self.sharing = sharing if sharing is not None else os.environ.get(SHARING_ENV, "auto")
         self.forward_metadata: StepMetadata | None = None
+        self.warmup_report = warm_up_kernels(model_runner, pool)
 
     # ------------------------------------------------------------------------------------------------------------
     # Per step (host)
@@ -261,3 +266,43 @@ def _check_layer(layer) -> bool:
         raise ValueError(f"layer {layer.layer_id} v_head_dim: expected qk_head_dim={layer.qk_head_dim}, "
                          f"got {layer.v_head_dim}")
     return layer.attn_type != AttentionType.ENCODER_ONLY
+
+
+def _layer_geometries(model_runner) -> list[tuple[int, int, int]]:
+    """``(tp_q_head_num, tp_k_head_num, qk_head_dim)`` of the model's RadixAttention layers (the geometry each
+    layer plans with); empty when the runner has no model (tests that build the backend on a bare pool)."""
+    model = getattr(model_runner, "model", None)
+    if model is None or not hasattr(model, "modules"):
+        return []
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    return sorted({(m.tp_q_head_num, m.tp_k_head_num, m.qk_head_dim) for m in model.modules()
+                   if isinstance(m, RadixAttention)})
+
+
+def warm_up_kernels(model_runner, pool) -> list[WarmupReport]:
+    """Compile every kernel variant the model's layers will launch (:func:`prefixattn.warmup_kernels`).
+
+    The hook: SGLang builds the attention backend after loading the model and allocating the KV pool, before CUDA
+    graph capture and the server's warm-up request, so no request waits for a Triton compile. The longest query
+    chunk is ``--chunked-prefill-size`` (every length the tile tables tell apart when chunking is off). K/V are
+    written by the pool's ``set_kv_buffer`` (SGLang's kernel), so only the attention kernel is warmed. Skipped when
+    ``$PREFIXATTN_WARMUP`` is 0; nothing is compiled without a GPU. A variant that fails to compile is a
+    RuntimeError here, at start-up.
+    """
+    if not warmup_enabled():
+        return []
+    server_args = getattr(model_runner, "server_args", None)
+    chunk = getattr(server_args, "chunked_prefill_size", None)
+    max_q_len = int(chunk) if chunk is not None and chunk > 0 else MAX_DISTINCT_Q_LEN
+    device = torch.device(model_runner.device)
+    reports = []
+    for num_qo_heads, num_kv_heads, head_dim in _layer_geometries(model_runner):
+        report = prefixattn.warmup_kernels(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                           block_size=int(pool.page_size), dtypes=pool.dtype, max_q_len=max_q_len,
+                                           device=device if device.type == "cuda" else None)
+        if report.failed:
+            raise RuntimeError("\n".join(["prefixattn: kernel warm-up failed"] + report.lines()))
+        logger.info("%s", "\n".join(report.lines()))
+        reports.append(report)
+    return reports
