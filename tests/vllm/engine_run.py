@@ -69,6 +69,12 @@ def main(in_path: str, out_path: str) -> None:
     else:
         outs = llm.generate(prompts, params, use_tqdm=False)
     t_gen = time.perf_counter()
+    warmups = []
+    if cfg["backend"] == "prefixattn":  # what the metadata builders' start-up warm-up reported
+        from integrations.vllm import backend as prefixattn_backend
+
+        warmups = [dict(mode=r.mode, variants=[x.variant.describe() for x in r.results])
+                   for r in prefixattn_backend._warmed_up.values()]
     gaps = []
     for o in outs:
         for step in o.outputs[0].logprobs:
@@ -77,7 +83,7 @@ def main(in_path: str, out_path: str) -> None:
     json.dump(dict(
         tokens=[list(o.outputs[0].token_ids) for o in outs],
         prompts_back=[list(o.prompt_token_ids) for o in outs],
-        min_top2_gap=min(gaps), plans=plans, backend_class=backend_class, submitted=submitted,
+        min_top2_gap=min(gaps), plans=plans, backend_class=backend_class, submitted=submitted, warmups=warmups,
         scheduler_class=type(llm.llm_engine.engine_core.engine_core.scheduler).__name__,
         seconds=dict(init=t_init - t0, generate=t_gen - t_init),
     ), open(out_path, "w"))

