@@ -17,9 +17,10 @@ real steps look up. Under the Triton interpreter nothing is compiled: it reports
 (``run_in_interpreter=True`` launches them in the interpreter anyway, to test the path). Engines call it from their
 start-up (vLLM: the metadata builder; SGLang: the backend's constructor); ``PREFIXATTN_WARMUP=0`` turns that off.
 
-What a launch specializes on beyond these constexprs (an int argument equal to 1, divisibility of strides by 16) is
-taken from the engine's real head counts and head size; strides that differ from a contiguous layout in that
-respect (rare: head sizes are multiples of 16) compile one more binary at their first real launch.
+What a launch specializes on beyond these constexprs (an int argument equal to 1, divisibility of an int or a
+pointer by 16) comes from the engine's real head counts and head size, and from its tensor layout
+(:class:`WarmupLayout`: q/k/v slices of a fused projection, K and V halves of one cache): the warm-up tensors are
+laid out the same way.
 """
 
 from __future__ import annotations
@@ -223,7 +224,45 @@ def kernel_variants(*, num_qo_heads: int, num_kv_heads: int, head_dim: int, bloc
     return variants
 
 
-def _launch_attention(v: KernelVariant, device: torch.device) -> None:
+@dataclass(frozen=True)
+class WarmupLayout:
+    """How the engine lays out the tensors it launches with, as far as Triton specializes on it (an int argument
+    equal to 1, or divisible by 16): the warm-up launches with the same layout, so it compiles the same binaries.
+
+    ``fused_qkv``: q, k and v are column slices of one ``[tokens, (H + 2 Hkv) * D]`` projection (vLLM, SGLang), not
+    contiguous tensors. ``kv_interleaved``: K and V are the two halves of one cache's ``[..., 2 * D]`` last dim (vLLM),
+    not separate caches (SGLang's pool).
+    """
+
+    fused_qkv: bool = False
+    kv_interleaved: bool = False
+
+
+#: The engines' layouts.
+VLLM_LAYOUT = WarmupLayout(fused_qkv=True, kv_interleaved=True)
+SGLANG_LAYOUT = WarmupLayout(fused_qkv=True, kv_interleaved=False)
+
+
+def _rows(v: KernelVariant, num_tokens: int, layout: WarmupLayout, device) -> tuple[torch.Tensor, ...]:
+    """Zero q ``[T, H, D]``, k and v ``[T, Hkv, D]`` in ``layout``."""
+    h, hkv, d = v.num_qo_heads, v.num_kv_heads, v.head_dim
+    if not layout.fused_qkv:
+        return tuple(torch.zeros((num_tokens, n, d), dtype=v.dtype, device=device) for n in (h, hkv, hkv))
+    qkv = torch.zeros((num_tokens, (h + 2 * hkv) * d), dtype=v.dtype, device=device)
+    return (qkv[:, :h * d].view(num_tokens, h, d), qkv[:, h * d:(h + hkv) * d].view(num_tokens, hkv, d),
+            qkv[:, (h + hkv) * d:].view(num_tokens, hkv, d))
+
+
+def _caches(v: KernelVariant, layout: WarmupLayout, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero K and V caches ``[blocks, block_size, Hkv, D]`` in ``layout``."""
+    shape = (_WARMUP_BLOCKS, v.block_size, v.num_kv_heads, v.head_dim)
+    if layout.kv_interleaved:
+        kv = torch.zeros(shape[:-1] + (2 * v.head_dim,), dtype=v.dtype, device=device)
+        return kv[..., :v.head_dim], kv[..., v.head_dim:]
+    return torch.zeros(shape, dtype=v.dtype, device=device), torch.zeros(shape, dtype=v.dtype, device=device)
+
+
+def _launch_attention(v: KernelVariant, layout: WarmupLayout, device: torch.device) -> None:
     """One launch of ``v`` through plan() + attention(): 2 decode requests sharing block 0 (has_shared), or one."""
     import prefixattn
 
@@ -239,17 +278,17 @@ def _launch_attention(v: KernelVariant, device: torch.device) -> None:
     if p.has_shared != v.has_shared or p.tiles != v.tiles:
         raise RuntimeError(f"the warm-up plan did not reproduce the variant (has_shared {p.has_shared}, tiles "
                            f"{p.tiles}); nothing launched")
-    cache = torch.zeros((_WARMUP_BLOCKS, bs, v.num_kv_heads, v.head_dim), dtype=v.dtype, device=device)
-    q = torch.zeros((p.num_tokens, v.num_qo_heads, v.head_dim), dtype=v.dtype, device=device)
-    prefixattn.attention(q, cache, cache, p, return_lse=v.has_lse)
+    q, _, _ = _rows(v, p.num_tokens, layout, device)
+    k_cache, v_cache = _caches(v, layout, device)
+    prefixattn.attention(q, k_cache, v_cache, p, return_lse=v.has_lse)
 
 
-def _launch_kv_write(v: KernelVariant, device: torch.device) -> None:
+def _launch_kv_write(v: KernelVariant, layout: WarmupLayout, device: torch.device) -> None:
     from prefixattn.kv_write import write_kv
 
-    kv = torch.zeros((2, v.num_kv_heads, v.head_dim), dtype=v.dtype, device=device)
-    cache = torch.zeros((_WARMUP_BLOCKS, v.block_size, v.num_kv_heads, v.head_dim), dtype=v.dtype, device=device)
-    write_kv(kv, kv, cache, cache, torch.tensor([0, -1], dtype=v.slot_dtype, device=device))
+    _, key, value = _rows(v, 2, layout, device)
+    k_cache, v_cache = _caches(v, layout, device)
+    write_kv(key, value, k_cache, v_cache, torch.tensor([0, -1], dtype=v.slot_dtype, device=device))
 
 
 def _binaries_in_process(kernel) -> int | None:
@@ -274,12 +313,12 @@ def _kernel_of(v: KernelVariant):
     return prefix_attention_kernel
 
 
-def _run_one(v: KernelVariant, device: torch.device, interpreted: bool) -> VariantResult:
+def _run_one(v: KernelVariant, layout: WarmupLayout, device: torch.device, interpreted: bool) -> VariantResult:
     kernel = _kernel_of(v)
     before = _binaries_in_process(kernel)
     start = time.perf_counter()
     try:
-        (_launch_kv_write if v.kernel == KV_WRITE else _launch_attention)(v, device)
+        (_launch_kv_write if v.kernel == KV_WRITE else _launch_attention)(v, layout, device)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     except Exception as e:  # noqa: BLE001 - reported per variant; the caller decides whether a failure is fatal
@@ -301,13 +340,17 @@ def _skipped(variants: list[KernelVariant], why: str) -> WarmupReport:
 
 def warmup_kernels(*, num_qo_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtypes=torch.float16,
            max_q_len: int = 1, with_lse: bool = False, kv_write: bool = False,
-           slot_dtype: torch.dtype = torch.int64, device=None, run_in_interpreter: bool = False) -> WarmupReport:
+           slot_dtype: torch.dtype = torch.int64, layout: WarmupLayout = WarmupLayout(), device=None,
+           run_in_interpreter: bool = False) -> WarmupReport:
     """Compile every kernel variant this configuration uses (see :func:`kernel_variants`) by launching each once.
 
     Parameters
     ----------
     num_qo_heads, num_kv_heads, head_dim, block_size, dtypes, max_q_len, with_lse, kv_write, slot_dtype
         As in :func:`kernel_variants`.
+    layout : WarmupLayout
+        How the engine lays out q/k/v and the caches (default: contiguous tensors, separate caches;
+        ``VLLM_LAYOUT``, ``SGLANG_LAYOUT``).
     device : torch.device or str, optional
         Where to launch; default the current CUDA device (CPU under the interpreter). Without a GPU (and no
         ``device``) nothing is compiled and every variant is reported "skipped".
@@ -343,5 +386,5 @@ def warmup_kernels(*, num_qo_heads: int, num_kv_heads: int, head_dim: int, block
                          "the Triton interpreter there is nothing to compile")
     report = WarmupReport(mode="interpreter" if interpreted else "gpu")
     for v in variants:
-        report.results.append(_run_one(v, device, interpreted))
+        report.results.append(_run_one(v, layout, device, interpreted))
     return report

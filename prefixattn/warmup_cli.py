@@ -45,6 +45,9 @@ def add_arguments(parser) -> None:
                              "default: every length the tile tables distinguish)")
     parser.add_argument("--lse", action="store_true", help="also the variants that return the LSE")
     parser.add_argument("--kv-write", action="store_true", help="also the K/V write kernel (prefixattn.write_kv)")
+    parser.add_argument("--layout", choices=("contiguous", "vllm", "sglang"), default="contiguous",
+                        help="tensor layout to compile for: contiguous tensors (library use), or an engine's "
+                             "(q/k/v slices of a fused projection; vllm: K and V halves of one cache)")
     parser.add_argument("--target", default=None,
                         help="list what this GPU target's tables select (e.g. sm90) instead of compiling here")
     parser.add_argument("--dry-run", action="store_true", help="list the variants, compile nothing")
@@ -79,7 +82,8 @@ def run(args) -> int:
             why = f"listed for {args.target}" if args.target is not None else "dry run"
             report = w.WarmupReport([w.VariantResult(v, "listed", error=why) for v in variants], mode="listed")
         else:
-            report = w.warmup_kernels(**config)
+            layout = {"contiguous": w.WarmupLayout(), "vllm": w.VLLM_LAYOUT, "sglang": w.SGLANG_LAYOUT}[args.layout]
+            report = w.warmup_kernels(**config, layout=layout)
     except ValueError as e:
         print(f"prefixattn warmup: {e}", file=sys.stderr)
         return 2

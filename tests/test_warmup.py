@@ -83,8 +83,27 @@ def test_run_in_interpreter_launches_each_variant_once(monkeypatch):
     assert "page any shared+suffix +lse" in text and "kv_write float32 h2/1 d64 slots int64" in text
 
 
+def test_engine_layouts():
+    v = w.kv_write_variants(num_qo_heads=4, num_kv_heads=2, head_dim=64, block_size=16, dtypes=torch.float16)[0]
+    q, k, _ = w._rows(v, 3, w.VLLM_LAYOUT, "cpu")
+    assert q.stride() == (8 * 64, 64, 1) and k.stride() == (8 * 64, 64, 1)  # slices of a [T, (4 + 2 * 2) * 64] row
+    k_cache, v_cache = w._caches(v, w.VLLM_LAYOUT, "cpu")
+    assert k_cache.stride() == v_cache.stride() == (16 * 2 * 128, 2 * 128, 128, 1)  # K | V halves of the last dim
+    assert v_cache.data_ptr() - k_cache.data_ptr() == 64 * 2
+    k_cache, v_cache = w._caches(v, w.SGLANG_LAYOUT, "cpu")
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.data_ptr() != v_cache.data_ptr()
+    assert w._rows(v, 3, w.WarmupLayout(), "cpu")[0].is_contiguous()
+
+
+def test_engine_layouts_launch_in_the_interpreter():
+    report = prefixattn.warmup_kernels(num_qo_heads=2, num_kv_heads=1, head_dim=64, block_size=16,
+                                       dtypes=torch.float16, kv_write=True, layout=w.VLLM_LAYOUT,
+                                       run_in_interpreter=True)
+    assert [r.status for r in report.results] == ["launched"] * 3
+
+
 def test_a_failing_variant_is_reported_and_the_others_still_run(monkeypatch):
-    def boom(v, device):
+    def boom(v, layout, device):
         if v.has_shared:
             raise RuntimeError("ptxas fatal")
     monkeypatch.setattr(w, "_launch_attention", boom)
@@ -137,6 +156,14 @@ def test_cli_target_json_lists_what_that_gpu_would_compile(capsys):
     assert {r["status"] for r in rows} == {"listed"} and all("config" in r for r in rows)
 
 
+def test_cli_layout_reaches_the_warm_up(capsys, monkeypatch):
+    seen = []
+    monkeypatch.setattr(w, "warmup_kernels", lambda **config: seen.append(config["layout"]) or w.WarmupReport([]))
+    assert main([*CLI, "--layout", "vllm"]) == 0 and main([*CLI]) == 0
+    assert seen == [w.VLLM_LAYOUT, w.WarmupLayout()]
+    assert main([*CLI, "--layout", "nhd"]) == 2
+
+
 def test_cli_dry_run(capsys):
     assert main([*CLI, "--dry-run", "--max-q-len", "1"]) == 0
     assert capsys.readouterr().out.startswith("prefixattn warm-up (listed): 2 kernel variants: 2 listed")
@@ -157,7 +184,7 @@ def test_cli_bad_arguments_exit_2(capsys, argv, fragment):
 
 
 def test_cli_exits_1_when_a_variant_fails(capsys, monkeypatch):
-    def failing(**config):
+    def failing(*, layout, **config):
         v = w.kernel_variants(**config)[0]
         return w.WarmupReport([w.VariantResult(v, "failed", 1.5, "CompilationError: out of resources")])
     monkeypatch.setattr(w, "warmup_kernels", failing)

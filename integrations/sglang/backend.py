@@ -35,7 +35,7 @@ from sglang.srt.layers.radix_attention import AttentionType  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc, MHATokenToKVPool  # noqa: E402
 
 import prefixattn  # noqa: E402
-from prefixattn.warmup import MAX_DISTINCT_Q_LEN, WarmupReport, warmup_enabled  # noqa: E402
+from prefixattn.warmup import MAX_DISTINCT_Q_LEN, SGLANG_LAYOUT, WarmupReport, warmup_enabled  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -286,7 +286,8 @@ def warm_up_kernels(model_runner, pool) -> list[WarmupReport]:
     The hook: SGLang builds the attention backend after loading the model and allocating the KV pool, before CUDA
     graph capture and the server's warm-up request, so no request waits for a Triton compile. The longest query
     chunk is ``--chunked-prefill-size`` (every length the tile tables tell apart when chunking is off). K/V are
-    written by the pool's ``set_kv_buffer`` (SGLang's kernel), so only the attention kernel is warmed. Skipped when
+    written by the pool's ``set_kv_buffer`` (SGLang's kernel), so only the attention kernel is warmed; q is a slice of
+    the fused qkv projection, K and V separate pool buffers (``SGLANG_LAYOUT``). Skipped when
     ``$PREFIXATTN_WARMUP`` is 0; nothing is compiled without a GPU. A variant that fails to compile is a
     RuntimeError here, at start-up.
     """
@@ -300,7 +301,7 @@ def warm_up_kernels(model_runner, pool) -> list[WarmupReport]:
     for num_qo_heads, num_kv_heads, head_dim in _layer_geometries(model_runner):
         report = prefixattn.warmup_kernels(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                                            block_size=int(pool.page_size), dtypes=pool.dtype, max_q_len=max_q_len,
-                                           device=device if device.type == "cuda" else None)
+                                           layout=SGLANG_LAYOUT, device=device if device.type == "cuda" else None)
         if report.failed:
             raise RuntimeError("\n".join(["prefixattn: kernel warm-up failed"] + report.lines()))
         logger.info("%s", "\n".join(report.lines()))

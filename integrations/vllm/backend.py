@@ -49,7 +49,7 @@ from vllm.v1.kv_cache_interface import KVCacheLayout  # noqa: E402
 
 import prefixattn  # noqa: E402
 from integrations.vllm.plugin import BACKEND_NAME  # noqa: E402
-from prefixattn.warmup import MAX_DISTINCT_Q_LEN, WarmupReport, warmup_enabled  # noqa: E402
+from prefixattn.warmup import MAX_DISTINCT_Q_LEN, VLLM_LAYOUT, WarmupReport, warmup_enabled  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -357,7 +357,8 @@ def warm_up_kernels(builder: "PrefixAttnMetadataBuilder", vllm_config) -> Warmup
 
     The hook: vLLM builds a group's metadata builder in ``initialize_kv_cache``, after loading the model and before
     ``compile_or_warm_up_model`` (its dummy runs and CUDA graph capture), so no request waits for a Triton
-    compile. Steps are at most ``max_num_batched_tokens`` query tokens long. Skipped when ``$PREFIXATTN_WARMUP`` is
+    compile. Steps are at most ``max_num_batched_tokens`` query tokens long; q/k/v are slices of the fused qkv
+    projection and K/V halves of one cache (``VLLM_LAYOUT``), as in :meth:`PrefixAttnImpl.forward`. Skipped when ``$PREFIXATTN_WARMUP`` is
     0; nothing is compiled without a GPU. A variant that fails to compile here is a RuntimeError at start-up
     (it would fail the first step that needs it).
     """
@@ -368,7 +369,7 @@ def warm_up_kernels(builder: "PrefixAttnMetadataBuilder", vllm_config) -> Warmup
     device = builder.device if torch.device(builder.device).type == "cuda" else None
     config = dict(num_qo_heads=builder.num_qo_heads, num_kv_heads=builder.num_kv_heads, head_dim=builder.head_dim,
                   block_size=builder.block_size, dtypes=builder.q_dtype, max_q_len=max_q_len,
-                  kv_write=engine_cache_write_op() is None, device=device)
+                  kv_write=engine_cache_write_op() is None, layout=VLLM_LAYOUT, device=device)
     key = tuple(sorted((k, str(v)) for k, v in config.items()))
     if key not in _warmed_up:
         report = prefixattn.warmup_kernels(**config)

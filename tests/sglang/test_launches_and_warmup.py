@@ -87,7 +87,9 @@ def test_backend_warms_up_every_layer_geometry(recorded):
     eng = MiniEngine(page_size=4, dtype=torch.float16)
     pool = eng.make_pool()
     backend = PrefixAttnBackend(_runner(eng, pool, layers=((4, 2, 64), (4, 2, 64), (8, 2, 128))))
-    common = dict(block_size=4, dtypes=torch.float16, max_q_len=512, device=None)
+    from prefixattn.warmup import SGLANG_LAYOUT
+
+    common = dict(block_size=4, dtypes=torch.float16, max_q_len=512, layout=SGLANG_LAYOUT, device=None)
     assert recorded == [dict(num_qo_heads=4, num_kv_heads=2, head_dim=64, **common),
                         dict(num_qo_heads=8, num_kv_heads=2, head_dim=128, **common)]
     assert len(backend.warmup_report) == 2
@@ -114,7 +116,7 @@ def test_a_failed_variant_stops_the_start_up(monkeypatch):
     from prefixattn import warmup as w
 
     def failing(**config):
-        v = w.kernel_variants(**{k: config[k] for k in config if k != "device"})[0]
+        v = w.kernel_variants(**{k: config[k] for k in config if k not in ("device", "layout")})[0]
         return w.WarmupReport([w.VariantResult(v, "failed", 0.1, "CompilationError: out of resources")])
 
     monkeypatch.setattr(prefixattn, "warmup_kernels", failing)

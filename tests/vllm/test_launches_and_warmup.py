@@ -191,11 +191,14 @@ def recorded_warmups(monkeypatch):
 
 
 def test_builder_warms_up_its_configuration_once(vllm_config, recorded_warmups):
+    from prefixattn.warmup import VLLM_LAYOUT
+
     first = make_builder(vllm_config)
     make_builder(vllm_config)  # vLLM builds one per KV cache group and micro-batch: one warm-up per configuration
     assert recorded_warmups == [dict(
         num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D, block_size=BLOCK, dtypes=torch.float32,
-        max_q_len=vllm_config.scheduler_config.max_num_batched_tokens, kv_write=True, device=None)]
+        max_q_len=vllm_config.scheduler_config.max_num_batched_tokens, kv_write=True, layout=VLLM_LAYOUT,
+        device=None)]
     assert first.warmup_report is not None
 
 
@@ -210,7 +213,7 @@ def test_a_failed_variant_stops_the_start_up(vllm_config, monkeypatch):
     from prefixattn import warmup as w
 
     def failing(**config):
-        v = w.kernel_variants(**{k: config[k] for k in config if k != "device"})[0]
+        v = w.kernel_variants(**{k: config[k] for k in config if k not in ("device", "layout")})[0]
         return w.WarmupReport([w.VariantResult(v, "failed", 0.1, "CompilationError: out of resources")])
 
     monkeypatch.setattr(backend, "_warmed_up", {})
