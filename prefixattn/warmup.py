@@ -11,9 +11,9 @@ few and known at start-up:
   (``PAGE_SIZE``);
 * the K/V write kernel (:func:`prefixattn.write_kv`), one binary per dtype and head geometry, when the engine uses it.
 
-:func:`warmup_kernels` launches each variant once through the public path (:func:`prefixattn.plan` with the config pinned,
-then :func:`prefixattn.attention`) on tiny inputs (2 requests, 3 KV blocks), so the binaries it compiles are the ones
-real steps look up. Under the Triton interpreter nothing is compiled: it reports the variants and returns at once
+:func:`warmup_kernels` launches each variant once through the public path (:func:`prefixattn.plan` with the config
+pinned, then :func:`prefixattn.attention`) on tiny inputs (2 requests, 3 KV blocks), so the binaries it compiles are
+the ones real steps look up. Under the Triton interpreter nothing is compiled: it reports the variants and returns at once
 (``run_in_interpreter=True`` launches them in the interpreter anyway, to test the path). Engines call it from their
 start-up (vLLM: the metadata builder; SGLang: the backend's constructor); ``PREFIXATTN_WARMUP=0`` turns that off.
 
@@ -214,8 +214,8 @@ def kv_write_variants(*, num_qo_heads: int, num_kv_heads: int, head_dim: int, bl
 def kernel_variants(*, num_qo_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtypes,
                     max_q_len: int = 1, with_lse: bool = False, kv_write: bool = False,
                     slot_dtype: torch.dtype = torch.int64, target="auto") -> list[KernelVariant]:
-    """Every binary :func:`warmup_kernels` would compile: :func:`attention_variants`, plus :func:`kv_write_variants` when
-    the engine writes K/V with :func:`prefixattn.write_kv` (``kv_write``)."""
+    """Every binary :func:`warmup_kernels` would compile: :func:`attention_variants`, plus
+    :func:`kv_write_variants` when the engine writes K/V with :func:`prefixattn.write_kv` (``kv_write``)."""
     geometry = dict(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
                     dtypes=dtypes)
     variants = attention_variants(**geometry, max_q_len=max_q_len, with_lse=with_lse, target=target)

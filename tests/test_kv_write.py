@@ -90,7 +90,8 @@ def test_no_tokens_is_a_no_op():
 
 @pytest.mark.parametrize("change, message", [
     (dict(value=torch.zeros(3, 2, 64)), "value: expected the shape of key"),
-    (dict(k_cache=torch.zeros(2, 4, 1, 32), v_cache=torch.zeros(2, 4, 1, 32)), r"k_cache: expected \[num_blocks, block_size, num_kv_heads, head_dim\]"),
+    (dict(k_cache=torch.zeros(2, 4, 1, 32), v_cache=torch.zeros(2, 4, 1, 32)),
+     r"k_cache: expected \[num_blocks, block_size, num_kv_heads, head_dim\]"),
     (dict(v_cache=torch.zeros(3, 4, 1, 64)), "v_cache: expected the shape of k_cache"),
     (dict(slot_mapping=torch.zeros(2, dtype=torch.int64)), "slot_mapping: expected at least 3 entries"),
     (dict(slot_mapping=torch.zeros(3)), "slot_mapping: expected dtype int32/int64"),

