@@ -191,3 +191,35 @@ def test_cli_exits_1_when_a_variant_fails(capsys, monkeypatch):
     assert main([*CLI, "--max-q-len", "1"]) == 1
     out = capsys.readouterr().out
     assert "1 failed" in out and "CompilationError: out of resources" in out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# On a GPU: after the warm-up, real steps of the configuration compile nothing
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_after_the_warm_up_real_steps_compile_nothing():
+    from prefixattn.kernels.kv_write import kv_write_kernel
+    from prefixattn.kernels.prefix_attention import prefix_attention_kernel
+
+    cfg = dict(num_qo_heads=8, num_kv_heads=2, head_dim=128, block_size=16)
+    report = prefixattn.warmup_kernels(**cfg, dtypes=torch.float16, max_q_len=64, kv_write=True)
+    assert not report.failed and report.mode == "gpu", "\n".join(report.lines())
+    binaries = (w._binaries_in_process(prefix_attention_kernel), w._binaries_in_process(kv_write_kernel))
+    assert None not in binaries  # this Triton exposes its per-device cache: the check below means something
+    g = torch.Generator(device="cuda").manual_seed(0)
+    k_cache = torch.randn(64, 16, 2, 128, generator=g, device="cuda", dtype=torch.float16)
+    v_cache = torch.randn_like(k_cache)
+    # A decode step under a shared prefix, a chunked prefill (64 rows) next to decodes, a step sharing nothing.
+    for q_lens, sharing in (([1] * 6, "always"), ([64, 1, 1], "auto"), ([3, 17], "never")):
+        n = len(q_lens)
+        qo = torch.tensor([0] + q_lens).cumsum(0)
+        kv_lens = torch.tensor(q_lens) + 40
+        table = torch.tensor([[0, 1] + [2 + 5 * r + j for j in range(5)] for r in range(n)])
+        p = prefixattn.plan(qo, kv_lens, table, q_dtype=torch.float16, sharing=sharing, device="cuda", **cfg)
+        q = torch.randn(int(qo[-1]), 8, 128, generator=g, device="cuda", dtype=torch.float16)
+        new_kv = torch.randn(int(qo[-1]), 2, 128, generator=g, device="cuda", dtype=torch.float16)
+        slots = torch.arange(int(qo[-1]), device="cuda") + 16 * 40
+        prefixattn.write_kv(new_kv, new_kv, k_cache, v_cache, slots)
+        prefixattn.attention(q, k_cache, v_cache, p)
+    torch.cuda.synchronize()
+    assert (w._binaries_in_process(prefix_attention_kernel), w._binaries_in_process(kv_write_kernel)) == binaries
