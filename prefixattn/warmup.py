@@ -89,7 +89,9 @@ class KernelVariant:
 @dataclass
 class VariantResult:
     variant: KernelVariant
-    status: str  # "compiled", "cached" (already in this process), "launched" (interpreter), "skipped", "failed"
+    #: "compiled" (a new binary), "cached" (already compiled in this process), "launched" (ran; under the
+    #: interpreter, or a Triton whose binary cache cannot be inspected), "skipped", "listed" (dry run), "failed"
+    status: str
     seconds: float = 0.0
     error: str | None = None
 
@@ -99,7 +101,8 @@ class WarmupReport:
     """What :func:`warmup_kernels` did, variant by variant."""
 
     results: list[VariantResult] = field(default_factory=list)
-    mode: str = "gpu"  # "gpu", "interpreter" (launched there), "skipped" (interpreter, nothing to compile)
+    #: "gpu", "interpreter" (launched there), "skipped" (interpreter or no GPU: nothing to compile), "listed"
+    mode: str = "gpu"
 
     @property
     def failed(self) -> list[VariantResult]:
@@ -325,13 +328,9 @@ def _run_one(v: KernelVariant, layout: WarmupLayout, device: torch.device, inter
         return VariantResult(v, "failed", time.perf_counter() - start, f"{type(e).__name__}: {e}")
     seconds = time.perf_counter() - start
     after = _binaries_in_process(kernel)
-    if interpreted:
-        status = "launched"
-    elif before is not None and after is not None:
-        status = "compiled" if after > before else "cached"
-    else:
-        status = "compiled"
-    return VariantResult(v, status, seconds)
+    if interpreted or before is None or after is None:
+        return VariantResult(v, "launched", seconds)
+    return VariantResult(v, "compiled" if after > before else "cached", seconds)
 
 
 def _skipped(variants: list[KernelVariant], why: str) -> WarmupReport:
@@ -361,8 +360,8 @@ def warmup_kernels(*, num_qo_heads: int, num_kv_heads: int, head_dim: int, block
     Returns
     -------
     WarmupReport
-        One result per variant: "compiled" (a new binary), "cached" (already compiled in this process),
-        "launched" (interpreter), "skipped" or "failed" (with the error; the other variants still run).
+        One result per variant (see :class:`VariantResult`); a failed variant carries its error and the others
+        still run.
 
     Examples
     --------
