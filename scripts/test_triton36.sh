@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The oldest supported Triton (3.6.0: the GPU image's) in its own venv .venv-triton36 (~60 s to create, ~2 min to run):
-#   - the fused kernel and merge kernel tests in Triton 3.6's interpreter (tests/test_attention.py,
-#     tests/test_merge_states.py, tests/test_runtime.py, the K/V write and warm-up tests) and the GPU check's dry run (tests/test_gpu_check_dry_run.py);
+#   - the fused kernel, merge kernel, K/V write and warm-up tests in Triton 3.6's interpreter (tests/test_attention.py,
+#     tests/test_merge_states.py, tests/test_runtime.py, tests/test_kv_write.py, tests/test_warmup.py) and the GPU
+#     check's dry run (tests/test_gpu_check_dry_run.py);
 #   - `prefixattn compile-check` for sm90 (bf16, head_dim 64 and 128: decode, chunked prefill, suffix-only, merges),
 #     i.e. Triton 3.6's own compiler and ptxas on the kernels the GPU machine will run.
 # numpy<2.4: Triton 3.6's interpreter calls int() on 1-element arrays, a TypeError from NumPy 2.4 on (see
@@ -23,8 +24,8 @@ fi
 
 failed=()
 # Triton 3.6's interpreter warns (NumPy DeprecationWarning) at every scalar loop bound: thousands of lines, no news.
-"$VENV/bin/python" -m pytest tests/test_attention.py tests/test_merge_states.py tests/test_runtime.py tests/test_kv_write.py tests/test_warmup.py \
-  tests/test_gpu_check_dry_run.py -q \
+"$VENV/bin/python" -m pytest tests/test_attention.py tests/test_merge_states.py tests/test_runtime.py \
+  tests/test_kv_write.py tests/test_warmup.py tests/test_gpu_check_dry_run.py -q \
   -m "not slow" -W "ignore:Conversion of an array with ndim:DeprecationWarning" "$@" || failed+=(kernel-tests)
 "$VENV/bin/prefixattn" compile-check --targets sm90 --dtypes bf16 --head-dims 64,128 --jobs 2 --quiet \
   || failed+=(compile-check)
