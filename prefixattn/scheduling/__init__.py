@@ -19,7 +19,8 @@ from prefixattn.scheduling.partition import (Partition, ResourceCost, partition_
                                              sharded_saving_ratio, token_cost)
 from prefixattn.scheduling.prefix_tree import PrefixTree, prefix_tree, sort_and_lcp
 from prefixattn.scheduling.sequences import PackedSequences, pack_sequences
-from prefixattn.scheduling.token_batching import Chunk, ChunkKind, PrefixNode, StepPlan, TokenBatcher
+from prefixattn.scheduling.step_plan import Chunk, ChunkKind, PrefixNode, StepPlan
+from prefixattn.scheduling.token_batching import TokenBatcher
 
 __all__ = [
     "Chunk", "ChunkKind", "PrefixNode", "StepPlan", "TokenBatcher",
