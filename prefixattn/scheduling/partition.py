@@ -180,12 +180,18 @@ def _priced(originals: list, n: int, cost: GroupCost, vector: bool, split: str, 
         res0, crit0 = resource_costs(originals, cost)
         fair = res0.sum(axis=0) / n
         own = np.max(np.where(fair > 0, res0 / np.where(fair > 0, fair, 1.0), 0.0), axis=1)
-        return own > 1 + SPLIT_MARGIN, lambda to_split: assign_vector(originals, res0, crit0, fair, to_split, n, cost,
-                                                                      refine)
+
+        def assign_two_resources(to_split: list) -> Partition:
+            return assign_vector(originals, res0, crit0, fair, to_split, n, cost, refine)
+
+        return own > 1 + SPLIT_MARGIN, assign_two_resources
     base_costs = scalar_costs(originals, cost)
     fair = float(base_costs.sum()) / n
-    return base_costs > fair * (1 + SPLIT_MARGIN), lambda to_split: assign_scalar(originals, base_costs, to_split, n,
-                                                                                  cost, refine, split)
+
+    def assign_one_cost(to_split: list) -> Partition:
+        return assign_scalar(originals, base_costs, to_split, n, cost, refine, split)
+
+    return base_costs > fair * (1 + SPLIT_MARGIN), assign_one_cost
 
 
 # ---------------------------------------------------------------------------------------------------- baselines

@@ -12,6 +12,7 @@ import heapq
 
 import numpy as np
 
+from prefixattn.scheduling.grouping import PrefixGroup
 from prefixattn.scheduling.partition_pieces import (cut_to_budget, in_tree_order, merge_pieces, split_fine,
                                                     split_weighted, take_run, water_level)
 from prefixattn.scheduling.partition_result import (SPLIT_MARGIN, GroupCost, Partition, replica_loads,
@@ -90,60 +91,29 @@ def _refine(costs: np.ndarray, rep: np.ndarray, n: int) -> np.ndarray:
 
 
 def assign_scalar(originals: list, base_costs: np.ndarray, to_split: list, n: int, cost: GroupCost,
-            refine: bool, split: str) -> Partition:
+                  refine: bool, split: str) -> Partition:
     """The groups in ``to_split`` spread (or water-filled), LPT for the whole groups, refinement, merged pieces."""
     whole = [s for s in range(len(originals)) if s not in set(to_split)]
     work = [originals[s] for s in whole]
     source = list(whole)
     costs = [float(base_costs[s]) for s in whole]
-    if to_split and split == "spread":
-        # whole groups by LPT first; then every split group is cut into one piece per replica, sized to the
-        # replica's room below the common water level (equal pieces when the whole groups are balanced)
-        rep = _lpt(np.asarray(costs, dtype=np.float64), n).tolist()
-        loads = np.bincount(np.asarray(rep, dtype=np.int64), weights=costs, minlength=n) if work else np.zeros(n)
-        level = water_level(loads, float(base_costs[to_split].sum()))
-        room = np.maximum(level - loads, 0.0)
-        targets = [r for r in range(n) if room[r] > 0]
-        for s in to_split:
-            for r, p in zip(targets, split_weighted(originals[s], room[targets], cost)):
-                if p is not None:
-                    work.append(p)
-                    source.append(s)
-                    costs.append(float(cost(p)))
-                    rep.append(r)
-        to_split = []
-    else:
-        rep = _lpt(np.asarray(costs, dtype=np.float64), n).tolist()
+    rep = _lpt(np.asarray(costs, dtype=np.float64), n).tolist()  # whole groups first
+
+    def place(piece: PrefixGroup, s: int, r: int) -> float:
+        c = float(cost(piece))
+        work.append(piece)
+        source.append(s)
+        costs.append(c)
+        rep.append(r)
+        return c
+
     if to_split:
-        # Water-filling: the split groups' requests, as one stream, top the least-loaded replicas up to one level;
-        # each piece keeps its group's prefix (the recomputation makes the last pieces overshoot a little, which
-        # the refinement below evens out).
         loads = np.bincount(np.asarray(rep, dtype=np.int64), weights=costs, minlength=n) if work else np.zeros(n)
         level = water_level(loads, float(base_costs[to_split].sum()))
-        stream = [(s, 0) for s in to_split]  # (group, next request) still to place
-        for r in np.argsort(loads, kind="stable").tolist():
-            while stream and loads[r] < level * (1 - SPLIT_MARGIN):
-                s, lo = stream[0]
-                piece, hi = cut_to_budget(originals[s], lo, level - loads[r], cost)
-                c = float(cost(piece))
-                work.append(piece)
-                source.append(s)
-                costs.append(c)
-                rep.append(r)
-                loads[r] += c
-                if hi == originals[s].num_requests:
-                    stream.pop(0)
-                else:
-                    stream[0] = (s, hi)
-        for s, lo in stream:  # what the overshoot left: one piece per group to the least-loaded replica
-            piece = take_run(originals[s], lo, originals[s].num_requests)
-            r = int(np.argmin(loads))
-            c = float(cost(piece))
-            work.append(piece)
-            source.append(s)
-            costs.append(c)
-            rep.append(r)
-            loads[r] += c
+        if split == "spread":
+            _spread(originals, to_split, loads, level, cost, place)
+        else:
+            _water_fill(originals, to_split, loads, level, cost, place)
     source = np.asarray(source, dtype=np.int64)
     costs = np.asarray(costs, dtype=np.float64)
     rep = np.asarray(rep, dtype=np.int64)
@@ -155,6 +125,36 @@ def assign_scalar(originals: list, base_costs: np.ndarray, to_split: list, n: in
     work, source, rep, order, really_split, recomputed = in_tree_order(work, source, rep, originals)
     return Partition(num_replicas=n, groups=work, replicas=rep, costs=costs[order], source=source,
                      split=really_split, recomputed_tokens=recomputed)
+
+
+def _spread(originals: list, to_split: list, loads: np.ndarray, level: float, cost: GroupCost, place) -> None:
+    """Every split group cut into one piece per replica, sized to the replica's room below the common water level
+    (equal pieces when the whole groups are balanced)."""
+    room = np.maximum(level - loads, 0.0)
+    targets = [r for r in range(loads.shape[0]) if room[r] > 0]
+    for s in to_split:
+        for r, p in zip(targets, split_weighted(originals[s], room[targets], cost)):
+            if p is not None:
+                place(p, s, r)
+
+
+def _water_fill(originals: list, to_split: list, loads: np.ndarray, level: float, cost: GroupCost, place) -> None:
+    """The split groups' requests, as one stream, top the least-loaded replicas up to one level; each piece keeps its
+    group's prefix (the recomputation makes the last pieces overshoot a little, which the refinement evens out)."""
+    stream = [(s, 0) for s in to_split]  # (group, next request) still to place
+    for r in np.argsort(loads, kind="stable").tolist():
+        while stream and loads[r] < level * (1 - SPLIT_MARGIN):
+            s, lo = stream[0]
+            piece, hi = cut_to_budget(originals[s], lo, level - loads[r], cost)
+            loads[r] += place(piece, s, r)
+            if hi == originals[s].num_requests:
+                stream.pop(0)
+            else:
+                stream[0] = (s, hi)
+    for s, lo in stream:  # what the overshoot left: one piece per group to the least-loaded replica
+        piece = take_run(originals[s], lo, originals[s].num_requests)
+        r = int(np.argmin(loads))
+        loads[r] += place(piece, s, r)
 
 
 # ---------------------------------------------------------------------------------------------------- vector costs
