@@ -2,8 +2,8 @@
 
 Records, on a fixed set of inputs, the outputs of the scheduler pieces that a refactor may touch: grouping and
 ordering, TokenBatcher step sequences (every StepPlan array, the stats, the prefix levels), partition results (scalar
-costs with both split modes, two-resource costs) and simulator result rows. ``record`` writes them to a JSON file;
-``check`` recomputes them and compares exactly (floats by their repr: bit-for-bit; the simulator's floats to
+costs with both split modes, two-resource costs), simulator result rows and the seed workloads. ``record`` writes
+them to a JSON file; ``check`` recomputes them and compares exactly (floats by their repr: bit-for-bit; the simulator's floats to
 :data:`SIM_REL_TOL`, see there why).
 
     PYTHONPATH=$PWD python scripts/scheduler_equality.py record /tmp/before.json
@@ -228,10 +228,24 @@ def sim_outputs() -> dict:
     return out
 
 
-def collect(which=("grouping", "batching", "partition", "sim")) -> dict:
+def workload_outputs() -> dict:
+    from prefixattn.sim.workloads import WORKLOADS, blendserve_density, get_workload
+
+    out = {}
+    for name in WORKLOADS:
+        w = get_workload(name, num_requests=300, seed=0)
+        out[name] = dict(info=getattr(w, "info", None), density=blendserve_density(w),
+                         requests=[[len(r.prompt), int(r.output_len)] for r in w.requests])
+    return out
+
+
+ALL = ("grouping", "batching", "partition", "sim", "workloads")
+
+
+def collect(which=ALL) -> dict:
     prompts = _prompt_sets()
     fns = dict(grouping=lambda: grouping_outputs(prompts), batching=lambda: batching_outputs(prompts),
-               partition=lambda: partition_outputs(prompts), sim=sim_outputs)
+               partition=lambda: partition_outputs(prompts), sim=sim_outputs, workloads=workload_outputs)
     return {k: _plain(fns[k]()) for k in which}
 
 
@@ -266,7 +280,7 @@ def main(argv) -> int:
     if len(argv) < 3 or argv[1] not in ("record", "check"):
         print(__doc__)
         return 2
-    which = tuple(argv[3].split(",")) if len(argv) > 3 else ("grouping", "batching", "partition", "sim")
+    which = tuple(argv[3].split(",")) if len(argv) > 3 else ALL
     now = collect(which)
     if argv[1] == "record":
         with open(argv[2], "w") as f:

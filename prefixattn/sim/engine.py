@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from prefixattn.sim.costmodel import CostModel, SharedNode, StepShape
+from prefixattn.sim.costmodel import CostModel, SharedRun, StepShape
 from prefixattn.sim.kvpool import KVPool, prefix_block_keys
 
 WAITING, RUNNING, FINISHED = 0, 1, 2
@@ -307,7 +307,7 @@ class Engine:
                             total = end
                     lens.append(total)
                 shape.shared_lens = np.array(lens, dtype=np.int64)
-                shape.shared_nodes = [SharedNode(grown[key], nodes[key][1], nodes[key][3]) for key in shared]
+                shape.shared_nodes = [SharedRun(grown[key], nodes[key][1], nodes[key][3]) for key in shared]
         return shape
 
     def _cost(self, shape: StepShape):

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixattn.scheduling import ChunkKind, CostModel, PrefixGroup, TokenBatcher, group_prompts, sample_requests
+from prefixattn.scheduling import ChunkKind, DensityModel, PrefixGroup, TokenBatcher, group_prompts, sample_requests
 from prefixattn.scheduling.blendserve import densities, memory_classes
 from prefixattn.scheduling.admission import projected_peak_blocks as _projected_peak_blocks
 
@@ -156,7 +156,7 @@ def test_memory_classes_is_the_dual_scanner_partition():
     prompts = [rng.integers(0, 1000, int(rng.integers(100, 900))).tolist() for _ in range(60)]
     out = np.where(np.arange(60) < 6, 16384.0, 250.0)
     groups = group_prompts(prompts)
-    cm = CostModel()
+    cm = DensityModel()
     classes, shares = memory_classes(groups, out, cm)
     assert classes.tolist() == [1] * 6 + [0] * 54
     assert shares.sum() == pytest.approx(1.0) and 0 < shares[1] < 1

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from prefixattn.scheduling import (ChunkKind, CostModel as DensityModel, TokenBatcher, estimate_output_lens,
+from prefixattn.scheduling import (ChunkKind, DensityModel, TokenBatcher, estimate_output_lens,
                                    order_groups, sample_requests)
 from prefixattn.scheduling.blendserve import memory_classes
 from prefixattn.sim.engine import RUNNING, WAITING
