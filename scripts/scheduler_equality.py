@@ -3,8 +3,8 @@
 Records, on a fixed set of inputs, the outputs of the scheduler pieces that a refactor may touch: grouping and
 ordering, TokenBatcher step sequences (every StepPlan array, the stats, the prefix levels), partition results (scalar
 costs with both split modes, two-resource costs), simulator result rows and the seed workloads. ``record`` writes
-them to a JSON file; ``check`` recomputes them and compares exactly (floats by their repr: bit-for-bit; the simulator's floats to
-:data:`SIM_REL_TOL`, see there why).
+them to a JSON file; ``check`` recomputes them and compares exactly (floats by their repr: bit-for-bit; the
+simulator's floats to :data:`SIM_REL_TOL`, see there why).
 
     PYTHONPATH=$PWD python scripts/scheduler_equality.py record /tmp/before.json
     PYTHONPATH=$PWD python scripts/scheduler_equality.py check /tmp/before.json
