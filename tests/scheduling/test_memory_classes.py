@@ -140,11 +140,16 @@ def test_projected_peak_matches_brute_force(reqs, block_size):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(memory_classes=[0, 1]), r"memory_classes: expected memory_classes and class_shares together"),
-    (dict(class_shares=[1.0]), r"memory_classes: expected memory_classes and class_shares together"),
-    (dict(memory_classes=[0, 2], class_shares=[0.5, 0.5]), r"memory_classes: expected classes in \[0, 2\)"),
-    (dict(memory_classes=[0, 1], class_shares=[0.5, 1.5]), r"class_shares: expected a 1-D sequence of fractions"),
-    (dict(memory_classes=[0.5, 1], class_shares=[0.5, 0.5]), r"memory_classes: expected a 1-D array of int"),
+    pytest.param(dict(memory_classes=[0, 1]), r"memory_classes: expected memory_classes and class_shares together",
+                 id="classes-without-shares"),
+    pytest.param(dict(class_shares=[1.0]), r"memory_classes: expected memory_classes and class_shares together",
+                 id="shares-without-classes"),
+    pytest.param(dict(memory_classes=[0, 2], class_shares=[0.5, 0.5]), r"memory_classes: expected classes in \[0, 2\)",
+                 id="class-beyond-shares"),
+    pytest.param(dict(memory_classes=[0, 1], class_shares=[0.5, 1.5]),
+                 r"class_shares: expected a 1-D sequence of fractions", id="share-above-one"),
+    pytest.param(dict(memory_classes=[0.5, 1], class_shares=[0.5, 0.5]), r"memory_classes: expected a 1-D array of int",
+                 id="float-classes"),
 ])
 def test_bad_classes(kwargs, match):
     with pytest.raises(ValueError, match=match):

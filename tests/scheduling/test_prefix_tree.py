@@ -146,17 +146,17 @@ def test_large_ids_use_a_fixed_byte_order():
 
 
 @pytest.mark.parametrize("bad, match", [
-    ([], r"prompts: expected at least one sequence"),
-    ([[1, 2], []], r"prompts\[1\]: expected at least 1 id"),
-    ([[1, 2], [1.5, 2]], r"prompts\[1\]: expected a sequence of integer ids"),
-    ([[1, 2], "ab"], r"prompts\[1\]: expected a sequence of integer ids, got str"),
-    ([[1, -2]], r"prompts\[0\]: expected ids in \[0, 4294967294\], got -2"),
-    ([np.array([1.0, 2.0])], r"prompts\[0\]: expected integer ids, got dtype float64"),
-    ([np.zeros((2, 2), np.int64)], r"prompts\[0\]: expected a 1-D sequence"),
-    ([[1], 5], r"prompts\[1\]: expected a sequence of integer ids, got int"),
-    (np.zeros((0, 3), np.int64), r"prompts: expected at least one sequence"),
-    (np.zeros(3, np.int64), r"prompts: expected a sequence of rows or a 2-D integer array"),
-    ([[2**32]], r"prompts\[0\]: expected ids in"),
+    pytest.param([], r"prompts: expected at least one sequence", id="no-rows"),
+    pytest.param([[1, 2], []], r"prompts\[1\]: expected at least 1 id", id="empty-row"),
+    pytest.param([[1, 2], [1.5, 2]], r"prompts\[1\]: expected a sequence of integer ids", id="float-ids"),
+    pytest.param([[1, 2], "ab"], r"prompts\[1\]: expected a sequence of integer ids, got str", id="string-row"),
+    pytest.param([[1, -2]], r"prompts\[0\]: expected ids in \[0, 4294967294\], got -2", id="negative-id"),
+    pytest.param([np.array([1.0, 2.0])], r"prompts\[0\]: expected integer ids, got dtype float64", id="float-array"),
+    pytest.param([np.zeros((2, 2), np.int64)], r"prompts\[0\]: expected a 1-D sequence", id="2d-row"),
+    pytest.param([[1], 5], r"prompts\[1\]: expected a sequence of integer ids, got int", id="int-row"),
+    pytest.param(np.zeros((0, 3), np.int64), r"prompts: expected at least one sequence", id="empty-2d-array"),
+    pytest.param(np.zeros(3, np.int64), r"prompts: expected a sequence of rows or a 2-D integer array", id="1d-array"),
+    pytest.param([[2**32]], r"prompts\[0\]: expected ids in", id="id-too-large"),
 ])
 def test_bad_input(bad, match):
     with pytest.raises(ValueError, match=match):
