@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import Callable
 
 import numpy as np
 
+from prefixattn.scheduling.grouping import PrefixGroup
 from prefixattn.scheduling.step_plan import ChunkList
 
 #: Slots allocated before the first group arrives; the columns double when full.
@@ -122,6 +124,44 @@ class PrefixLevels:
         if parent >= 0:
             self.kids[parent].append(v)
         return v
+
+    def add_group(self, g: PrefixGroup, rank0: int, add_request: Callable[[int, int, int, int, int], int]
+                  ) -> tuple[list[int], list[int]]:
+        """A level for every shared level of ``g`` (admission ranks from ``rank0``, in ``g``'s request order), and
+        ``add_request(request id, prompt length, level, base tokens, rank) -> slot`` for every request under its
+        deepest level. Returns ``(top levels, slots of requests under no level)``: what admits the group."""
+        top_nodes: list[int] = []
+        top_slots: list[int] = []
+        # (group, enclosing node, base tokens of the enclosing node)
+        stack = [(g, -1, 0)]
+        rank_of = {r: rank0 + i for i, r in enumerate(g.request_ids)}
+        while stack:
+            sub, parent, base = stack.pop()
+            shared = sub.num_requests > 1 and sub.prefix_len > base
+            if shared:
+                node = self.new(base, sub.prefix_len - base, parent, rank_of[sub.request_ids[0]], sub.request_ids[0])
+                here, here_base = node, sub.prefix_len
+                if parent < 0:
+                    top_nodes.append(node)
+            else:
+                here, here_base = parent, base
+            nested = set()
+            for c in reversed(sub.children):
+                stack.append((c, here, here_base))
+                nested.update(c.request_ids)
+            for r, p in zip(sub.request_ids, sub.prompt_lens):
+                if r in nested:
+                    continue
+                s = add_request(r, p, here, here_base, rank_of[r])
+                if here >= 0:
+                    self.members[here].append(s)
+                    v = here
+                    while v >= 0:
+                        self.refs[v] += 1
+                        v = self.parent[v]
+                else:
+                    top_slots.append(s)
+        return top_nodes, top_slots
 
     def chain(self, v: int) -> list[int]:
         """``v`` and its enclosing levels, innermost first (empty for -1)."""

@@ -240,40 +240,8 @@ class TokenBatcher:
     # ---------------------------------------------------------------------------------------- group bookkeeping
     def _add_group(self, g: PrefixGroup) -> None:
         self._req.grow(g.num_requests)
-        top_nodes: list[int] = []
-        top_slots: list[int] = []
-        # (group, enclosing node, base tokens of the enclosing node)
-        stack = [(g, -1, 0)]
         rank0 = self._req.n
-        rank_of = {r: rank0 + i for i, r in enumerate(g.request_ids)}
-        while stack:
-            sub, parent, base = stack.pop()
-            shared = sub.num_requests > 1 and sub.prefix_len > base
-            if shared:
-                node = self._lv.new(base, sub.prefix_len - base, parent, rank_of[sub.request_ids[0]],
-                                   sub.request_ids[0])
-                here, here_base = node, sub.prefix_len
-                if parent < 0:
-                    top_nodes.append(node)
-            else:
-                here, here_base = parent, base
-            nested = set()
-            for c in reversed(sub.children):
-                stack.append((c, here, here_base))
-                nested.update(c.request_ids)
-            for r, p in zip(sub.request_ids, sub.prompt_lens):
-                if r in nested:
-                    continue
-                s = self._add_request(r, p, here, here_base, rank_of[r])
-                if here >= 0:
-                    self._lv.members[here].append(s)
-                    v = here
-                    while v >= 0:
-                        self._lv.refs[v] += 1
-                        v = self._lv.parent[v]
-                else:
-                    top_slots.append(s)
-        self._groups.append((top_nodes, top_slots))
+        self._groups.append(self._lv.add_group(g, rank0, self._add_request))
 
     def _add_request(self, r: int, prompt_len: int, node: int, base: int, rank: int) -> int:
         """A new slot for request ``r`` below prefix level ``node`` (``base`` tokens), waiting to start."""
