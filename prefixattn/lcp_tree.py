@@ -74,6 +74,28 @@ def _windows(values: np.ndarray, starts: np.ndarray, lengths: np.ndarray, rows: 
     return win, remaining
 
 
+def _sort_chunk(values: np.ndarray, starts: np.ndarray, lengths: np.ndarray, rows: np.ndarray, sub: np.ndarray,
+                seg_id: np.ndarray, depth: int, pair_differ: np.ndarray, pair_lcp: np.ndarray,
+                ended: np.ndarray) -> None:
+    """One round of :func:`sort_and_lcp` for the tied rows ``rows[sub]`` whose chunk at ``depth`` must be compared:
+    sorts them within their segments (``rows`` in place) by the chunk's ids and writes, per sorted position ``i`` of
+    ``sub``, whether row ``i`` differs from row ``i - 1`` of its segment, their LCP if so, and whether the row ends
+    inside the chunk."""
+    key, key_left = _windows(values, starts, lengths, rows[sub], np.full(sub.size, depth, np.int64), CHUNK)
+    # Byte-string sort of the keys, then a stable sort by segment keeps each row in its segment.
+    by_key = np.argsort(key.view(f"S{4 * CHUNK}").ravel(), kind="stable")
+    by_segment = by_key[np.argsort(seg_id[sub][by_key], kind="stable")]
+    rows[sub] = rows[sub][by_segment]
+    key, key_left = key[by_segment], key_left[by_segment]
+    kmis = key[1:] != key[:-1]
+    kfirst = kmis.argmax(axis=1)
+    kdiff = kmis[np.arange(sub.size - 1), kfirst]
+    inner = seg_id[sub][1:] == seg_id[sub][:-1]
+    pair_differ[sub[1:][inner]] = kdiff[inner]
+    pair_lcp[sub[1:][inner]] = depth + kfirst[inner]
+    ended[sub] = key_left < CHUNK
+
+
 def sort_and_lcp(values: np.ndarray, offsets: np.ndarray, lengths: np.ndarray | None = None
                  ) -> tuple[np.ndarray, np.ndarray]:
     """Sort rows into a prefix-tree (trie) order and return the LCP of each row with its predecessor.
@@ -148,20 +170,8 @@ def sort_and_lcp(values: np.ndarray, offsets: np.ndarray, lengths: np.ndarray | 
         ended = np.zeros(m, dtype=bool)
         sub = np.flatnonzero(to_sort[seg_id])
         if sub.size:
-            key, key_left = _windows(values, starts, lengths, rows[sub], np.full(sub.size, depth, np.int64), CHUNK)
-            # Byte-string sort of the keys, then a stable sort by segment keeps each row in its segment.
-            by_key = np.argsort(key.view(f"S{4 * CHUNK}").ravel(), kind="stable")
-            by_segment = by_key[np.argsort(seg_id[sub][by_key], kind="stable")]
-            rows[sub] = rows[sub][by_segment]
-            key, key_left = key[by_segment], key_left[by_segment]
+            _sort_chunk(values, starts, lengths, rows, sub, seg_id, depth, pair_differ, pair_lcp, ended)
             order[active_pos] = rows
-            kmis = key[1:] != key[:-1]
-            kfirst = kmis.argmax(axis=1)
-            kdiff = kmis[np.arange(sub.size - 1), kfirst]
-            inner = seg_id[sub][1:] == seg_id[sub][:-1]
-            pair_differ[sub[1:][inner]] = kdiff[inner]
-            pair_lcp[sub[1:][inner]] = depth + kfirst[inner]
-            ended[sub] = key_left < CHUNK
         same_seg = ~new_seg[1:]
         differ = pair_differ[1:]
         # A row ending strictly inside the chunk has an end marker there, so rows tying with it are duplicates. A
