@@ -30,11 +30,11 @@ SIM_CASES = (
     ("batchllm-micro-1000-1000-sd4", ("batchllm", "prefixattn-2k"), 64),
 )
 
-#: The simulator is not bit-reproducible run to run at a508256 (two runs of the same code differ in the last ulp of
-#: some per-step times): the engine sums shared-node costs over a set keyed by ``id(group)``
-#: (prefixattn/sim/engine.py, ``shared = {key ...}``; keys from policies/scheduled.py ``_walk``), whose iteration
-#: order follows memory addresses. Simulator floats are compared to this relative tolerance; everything else, and
-#: every integer and string of the simulator rows, exactly.
+#: The simulator was not bit-reproducible run to run at a508256 (two runs of the same code differed in the last ulp
+#: of some per-step times): the engine summed shared-node costs over a set keyed by ``id(group)``, whose iteration
+#: order follows memory addresses (fixed since in prefixattn/sim/engine.py: an insertion-ordered dict; two runs now
+#: give the same bits). A reference recorded at a508256 is therefore compared to this relative tolerance for the
+#: simulator's floats; every integer and string of the simulator rows, and everything else, exactly.
 SIM_REL_TOL = 1e-12
 
 

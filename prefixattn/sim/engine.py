@@ -293,8 +293,10 @@ class Engine:
         if nodes:
             fused = self.policy.kernel == "fused"
             pays = self.cost.sharing_pays_off
-            # v = [kv_len, queries, members, level]; the fused kernel shares a node only where its cost rule pays
-            shared = {key for key, v in nodes.items() if v[2] >= 2 and (not fused or pays(v[2], v[1], v[0]))}
+            # v = [kv_len, queries, members, level]; the fused kernel shares a node only where its cost rule pays.
+            # A dict, not a set: the keys are id()s, and a set's order (the order the step cost sums the nodes in)
+            # would follow memory addresses, making runs differ in the last bit.
+            shared = {key: None for key, v in nodes.items() if v[2] >= 2 and (not fused or pays(v[2], v[1], v[0]))}
             if shared:
                 lens = []
                 grown: dict = {}
