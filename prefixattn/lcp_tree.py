@@ -6,9 +6,18 @@ and build the compact tree from the LCP array with one stack pass (the classic L
 of any two rows is the minimum of the neighbour LCPs between them, so the neighbour LCPs describe the whole tree.
 
 The code is generic over integer rows: the scheduler runs it over prompt token ids
-(:mod:`prefixattn.scheduling.prefix_tree` adds the input checks), and the kernel planner's block tree
-(:mod:`prefixattn.block_tree`, rows of block ids) builds the same nodes (a test pins the node sets equal) and is to
-adopt this module: see the module notes there and issue 18's closing note.
+(:mod:`prefixattn.scheduling.prefix_tree` adds the input checks). The kernel planner's block tree
+(:mod:`prefixattn.block_tree`, rows of block ids) builds the same nodes (a test pins the sets of (depth, rows) equal)
+with other conventions, and is to move onto this module (issue 18). What that takes:
+
+- one row order. There a padded row sorts before the rows it prefixes and ids compare numerically; here a row sorts
+  after them and ids compare by native bytes. Either side adopting the other's reorders its output (the planner's
+  work list, the scheduler's group order) without changing what is shared;
+- a dense sort for short rows here: block rows are a few dozen ids, where block_tree's one argsort over byte keys
+  is several times faster than the chunk-hash refinement below (which pays off on long shared token prefixes);
+- one tree builder: block_tree's stack over the LCP change points (no Python loop over rows) emitting leaves too
+  (a leaf's parent is the deepest interval holding its position) would replace :func:`build_tree`'s loop; the
+  planner reads internal nodes with inclusive bounds and no root, :class:`PrefixTree` has a root and leaves.
 
 Sorting is an MSD refinement over rows that still tie (segments), one fixed-size chunk of ids per round, all
 vectorized, driven by chunk hashes (:mod:`prefixattn.chunk_hash`, computed once in one streaming pass). A segment
