@@ -6,8 +6,10 @@ costs with both split modes, two-resource costs), simulator result rows and the 
 them to a JSON file; ``check`` recomputes them and compares exactly (floats by their repr: bit-for-bit; the
 simulator's floats to :data:`SIM_REL_TOL`, see there why).
 
-    PYTHONPATH=$PWD python scripts/scheduler_equality.py record /tmp/before.json
-    PYTHONPATH=$PWD python scripts/scheduler_equality.py check /tmp/before.json
+    # the reference, from the commit before the refactor (the script itself copied in: it is newer)
+    git archive a508256 | tar -x -C /tmp/base && cp scripts/scheduler_equality.py /tmp/base/scripts/
+    (cd /tmp/base && PYTHONPATH=$PWD python scripts/scheduler_equality.py record /tmp/before.json)
+    PYTHONPATH=$PWD python scripts/scheduler_equality.py check /tmp/before.json    # here, after; ~1 min
 
 Not a test: the reference file is produced by the code under refactor at its starting commit, so it is a tool, run
 before and after, and its verdict quoted in the change's note.
@@ -281,14 +283,19 @@ def main(argv) -> int:
         print(__doc__)
         return 2
     which = tuple(argv[3].split(",")) if len(argv) > 3 else ALL
+    if argv[1] == "check":
+        with open(argv[2]) as f:
+            before = json.load(f)
+        missing = [k for k in which if k not in before]
+        if missing:
+            print(f"not in {argv[2]} (not compared): {', '.join(missing)}")
+        which = tuple(k for k in which if k in before)
     now = collect(which)
     if argv[1] == "record":
         with open(argv[2], "w") as f:
             json.dump(now, f)
         print(f"recorded {', '.join(f'{k}: {len(v)} cases' for k, v in now.items())} -> {argv[2]}")
         return 0
-    with open(argv[2]) as f:
-        before = json.load(f)
     bad = 0
     for k in which:
         d = _diff(before[k], now[k], rel=SIM_REL_TOL if k == "sim" else 0.0)

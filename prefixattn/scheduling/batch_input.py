@@ -20,12 +20,6 @@ MAX_BLOCK_SIZE = 1 << 16
 MAX_OUTPUT_TOKENS = 1 << 40
 
 
-def check_int(name: str, value, lo: int, hi: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not lo <= value <= hi:
-        raise ValueError(f"{name}: expected an int in [{lo}, {hi}], got {value!r}")
-    return int(value)
-
-
 def check_output_lens(output_lens) -> None | float | np.ndarray:
     """None, one float for every request, or ``[num_requests]`` float64 estimates (all finite, >= 0)."""
     if output_lens is None:

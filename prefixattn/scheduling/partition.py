@@ -46,6 +46,7 @@ from typing import Sequence
 
 import numpy as np
 
+from prefixattn.scheduling.checks import check_positive_int
 from prefixattn.scheduling.grouping import PrefixGroup, group_prompts, saving_ratio
 from prefixattn.scheduling.partition_assign import assign_scalar, assign_vector
 from prefixattn.scheduling.partition_pieces import PIECE_SHARE
@@ -149,9 +150,7 @@ def partition_groups(groups: Sequence[PrefixGroup], num_replicas: int, cost: Gro
     ([0, 1, 0, 1], [])
     """
     originals = check_partition_groups(groups)
-    if isinstance(num_replicas, bool) or not isinstance(num_replicas, (int, np.integer)) or num_replicas < 1:
-        raise ValueError(f"num_replicas: expected a positive int, got {num_replicas!r}")
-    n = int(num_replicas)
+    n = check_positive_int("num_replicas", num_replicas)
     if split not in SPLIT_MODES:
         raise ValueError(f"split: expected one of {SPLIT_MODES}, got {split!r}")
     if cost is None:
@@ -206,9 +205,8 @@ def shard_requests(num_requests: int, num_replicas: int, how: str = "round-robin
     >>> shard_requests(5, 2).tolist()
     [0, 1, 0, 1, 0]
     """
-    for name, v, lo in (("num_requests", num_requests, 1), ("num_replicas", num_replicas, 1)):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
-            raise ValueError(f"{name}: expected a positive int, got {v!r}")
+    num_requests = check_positive_int("num_requests", num_requests)
+    num_replicas = check_positive_int("num_replicas", num_replicas)
     if how == "round-robin":
         return np.arange(num_requests, dtype=np.int64) % num_replicas
     if how == "random":

@@ -43,7 +43,8 @@ from prefixattn.scheduling.admission import admits, blocks, projected_blocks, re
 from prefixattn.scheduling.batch_state import PrefixLevels, RequestState, RequestStore, StepContext
 from prefixattn.scheduling.class_shares import ClassShares
 from prefixattn.scheduling.batch_input import (MAX_BLOCK_SIZE, MAX_KV_BLOCKS, MAX_OUTPUT_TOKENS, MAX_TOKEN_BUDGET,
-                                               check_groups, check_int, check_output_lens)
+                                               check_groups, check_output_lens)
+from prefixattn.scheduling.checks import check_int
 from prefixattn.scheduling.grouping import PrefixGroup
 from prefixattn.scheduling.step_plan import Chunk, ChunkKind, PrefixNode, StepPlan
 
