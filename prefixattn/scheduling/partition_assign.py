@@ -44,7 +44,7 @@ def _lpt(costs: np.ndarray, n: int, loads=None) -> np.ndarray:
 
 
 def _refine(costs: np.ndarray, rep: np.ndarray, n: int) -> np.ndarray:
-    """Moves and swaps out of the most-loaded replica while they lower it (see the module notes)."""
+    """Moves and swaps out of the most-loaded replica while they lower it (:mod:`prefixattn.scheduling.partition`)."""
     rep = rep.copy()
     loads = np.bincount(rep, weights=costs, minlength=n)
     min_gain = _REFINE_MIN_GAIN * max(float(loads.mean()), 1e-300)

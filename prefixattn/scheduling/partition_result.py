@@ -15,7 +15,7 @@ from prefixattn.scheduling.grouping import PrefixGroup
 
 
 class ResourceCost(NamedTuple):
-    """A group's cost on two resources plus its serial lower bound, seconds (see the module notes).
+    """A group's cost on two resources plus its serial lower bound, seconds (:mod:`prefixattn.scheduling.partition`).
 
     Attributes
     ----------
@@ -95,7 +95,7 @@ class Partition:
     @property
     def pressure(self) -> np.ndarray:
         """``[num_replicas]`` each replica's modeled time over the fair time ``total / N`` (the vector model of the
-        module notes for vector costs; ``load / mean load`` otherwise)."""
+        notes of :mod:`prefixattn.scheduling.partition` for vector costs; ``load / mean load`` otherwise)."""
         if self.resources is None:
             mean = self.total_cost / self.num_replicas
             return self.loads / mean if mean > 0 else np.ones(self.num_replicas)
@@ -166,8 +166,9 @@ class Partition:
 
 def replica_pressure(res: np.ndarray, crit: np.ndarray, fair: np.ndarray, with_memory: bool = True) -> np.ndarray:
     """Pressure of replicas (or candidate replicas) with resource loads ``res`` ``[..., 2]`` and critical times
-    ``crit`` ``[...]``: ``(compute + memory + critical) / (C + M)`` (module notes; 0 for an all-zero batch).
-    ``with_memory=False`` leaves memory out: only the second start of the search uses it (:func:`assign_vector`)."""
+    ``crit`` ``[...]``: ``(compute + memory + critical) / (C + M)`` (notes of :mod:`prefixattn.scheduling.partition`;
+    0 for an all-zero batch). ``with_memory=False`` leaves memory out: only the second start of the search uses it
+    (:func:`prefixattn.scheduling.partition_assign.assign_vector`)."""
     f_time = float(fair.sum())
     time = res[..., 0] + (res[..., 1] if with_memory else 0.0) + crit
     return time / f_time if f_time > 0 else np.zeros(res.shape[:-1])
