@@ -1,7 +1,7 @@
 """Before/after equality harness for scheduler refactors (issue #18: no behaviour change).
 
 Records, on a fixed set of inputs, the outputs of the scheduler pieces that a refactor may touch: grouping and
-ordering, TokenBatcher step sequences (every StepPlan array, the stats, the prefix levels), partition results (scalar
+ordering, TokenBatcher step sequences (every StepBatch array, the stats, the prefix levels), partition results (scalar
 costs with both split modes, two-resource costs), simulator result rows and the seed workloads. ``record`` writes
 them to a JSON file; ``check`` recomputes them and compares exactly (floats by their repr: bit-for-bit; the
 simulator's floats to :data:`SIM_REL_TOL`, see there why).

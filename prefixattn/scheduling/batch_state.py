@@ -14,7 +14,7 @@ from typing import Callable
 import numpy as np
 
 from prefixattn.scheduling.grouping import PrefixGroup
-from prefixattn.scheduling.step_plan import ChunkList
+from prefixattn.scheduling.step_batch import ChunkList
 
 #: Slots allocated before the first group arrives; the columns double when full.
 INITIAL_SLOTS = 64

@@ -25,7 +25,7 @@ not hold back the others: long-output requests cannot fill the pool and leave th
 wide, and compute-heavy prefills keep running beside them.
 
 The state lives in small types (:mod:`prefixattn.scheduling.batch_state`): the requests' numpy columns, the prefix
-levels, and one step's context; the plan types are in :mod:`prefixattn.scheduling.step_plan`.
+levels, and one step's context; the step types (`StepBatch`, chunks) are in :mod:`prefixattn.scheduling.step_batch`.
 
 Block accounting: a prefix level holds ``ceil(tokens / block_size)`` blocks and each request holds
 ``ceil(own tokens / block_size)`` for the tokens after its deepest shared prefix (its distinct prompt and its
@@ -46,9 +46,9 @@ from prefixattn.scheduling.batch_input import (MAX_BLOCK_SIZE, MAX_KV_BLOCKS, MA
                                                check_groups, check_output_lens)
 from prefixattn.scheduling.checks import check_int
 from prefixattn.scheduling.grouping import PrefixGroup
-from prefixattn.scheduling.step_plan import Chunk, ChunkKind, PrefixNode, StepPlan
+from prefixattn.scheduling.step_batch import Chunk, ChunkKind, PrefixNode, StepBatch
 
-__all__ = ["Chunk", "ChunkKind", "PrefixNode", "StepPlan", "TokenBatcher"]  # the types stay importable from here
+__all__ = ["Chunk", "ChunkKind", "PrefixNode", "StepBatch", "TokenBatcher"]  # the types stay importable from here
 
 class TokenBatcher:
     """Step-by-step token batching of prefix groups under a token budget and a KV block budget.
@@ -145,7 +145,7 @@ class TokenBatcher:
         return self._open == 0
 
     def prefix_node(self, node: int) -> PrefixNode:
-        """The prefix level ``node`` (an id from :attr:`StepPlan.nodes`)."""
+        """The prefix level ``node`` (an id from :attr:`StepBatch.nodes`)."""
         if isinstance(node, bool) or not isinstance(node, (int, np.integer)) or not 0 <= node < len(self._lv.start):
             raise ValueError(f"node: expected a prefix level id in [0, {len(self._lv.start)}), got {node!r}")
         return PrefixNode(self._lv.start[node], self._lv.size[node], self._lv.rep[node], self._lv.parent[node])
@@ -167,12 +167,12 @@ class TokenBatcher:
         for g in groups:
             self._add_group(g)
 
-    def step(self) -> StepPlan:
+    def step(self) -> StepBatch:
         """Plan the next engine step and account for it as executed.
 
         Returns
         -------
-        StepPlan
+        StepBatch
             Requests whose last prefill chunk is in this plan produce their first output token in it and are
             decoded from the next step on; call :meth:`finish` for requests that end.
         """

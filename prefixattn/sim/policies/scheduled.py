@@ -2,7 +2,7 @@
 
 Grouping (:func:`group_prompts`), ordering (:func:`order_groups`), output-length sampling and token batching
 (:class:`TokenBatcher`: three queues, memory-centric batching, explicit group prefixes) all come from the scheduler;
-this module only translates each :class:`StepPlan` into engine work:
+this module only translates each :class:`StepBatch` into engine work:
 
 * a PREFIX chunk is computed by a *holder* sequence that keeps the prefix's KV for the group's members;
 * DISTINCT / DECODE chunks advance the request's own sequence, on top of its prefix (``Seq.base``);

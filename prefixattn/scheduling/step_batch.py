@@ -1,4 +1,4 @@
-"""What :class:`prefixattn.scheduling.TokenBatcher` hands out: chunks, one step's plan, prefix levels."""
+"""What :class:`prefixattn.scheduling.TokenBatcher` hands out: chunks, one step's batch of them, prefix levels."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ class Chunk(NamedTuple):
 
 
 @dataclass(frozen=True)
-class StepPlan:
+class StepBatch:
     """What to run in one engine step, as parallel arrays (one entry per chunk).
 
     Attributes
@@ -79,6 +79,10 @@ class StepPlan:
                 zip(self.kinds, self.request_ids, self.nodes, self.starts, self.num_tokens)]
 
 
+
+#: The name until issue 18 (it read like the attention planner's ``Plan``); kept for old callers.
+StepPlan = StepBatch
+
 class PrefixNode(NamedTuple):
     """A shared prefix level: tokens ``[start, start + size)`` of every request below it."""
 
@@ -115,7 +119,7 @@ class ChunkList:
         self.size += m
 
     def build(self, step: int, preempted: list[int], truncated: list[int], freed: list[int], used: int
-              ) -> StepPlan:
+              ) -> StepBatch:
         parts = list(self.parts)
         if self.kinds:
             parts.append((np.array(self.kinds, np.int8), np.array(self.rids, np.int64), np.array(self.nodes, np.int64),
@@ -127,6 +131,6 @@ class ChunkList:
             cols = parts[0]
         else:
             cols = tuple(np.concatenate(c) for c in zip(*parts))
-        return StepPlan(step=step, kinds=cols[0], request_ids=cols[1], nodes=cols[2], starts=cols[3],
+        return StepBatch(step=step, kinds=cols[0], request_ids=cols[1], nodes=cols[2], starts=cols[3],
                         num_tokens=cols[4], preempted=tuple(preempted), truncated=tuple(truncated),
                         freed_nodes=tuple(freed), kv_blocks_used=used)
