@@ -40,7 +40,7 @@ MEMORY_INTENSIVE_DENSITY = 1.0
 
 
 @dataclass(frozen=True)
-class CostModel:
+class DensityModel:
     """Model and GPU constants of BlendServe's cost model (defaults: Llama-3.1-8B on an A100 80GB, fp16).
 
     Attributes
@@ -78,7 +78,11 @@ class CostModel:
         return (p * d + d * d / 2) * self.kv_dim * self.num_layers * 4 / self.bandwidth
 
 
-def densities(groups: Sequence[PrefixGroup], output_lens: np.ndarray, cost_model: CostModel
+
+#: The name until issue 18 (it collided with :class:`prefixattn.sim.costmodel.CostModel`); kept for old callers.
+CostModel = DensityModel
+
+def densities(groups: Sequence[PrefixGroup], output_lens: np.ndarray, cost_model: DensityModel
               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per group: ``(rho, comp_seconds, mem_seconds)``, the prefix computed once."""
     owner, ids, lens = group_arrays(groups)
@@ -91,7 +95,7 @@ def densities(groups: Sequence[PrefixGroup], output_lens: np.ndarray, cost_model
     return np.minimum(rho, _MAX_DENSITY), comp, mem
 
 
-def _split(groups: Sequence[PrefixGroup], output_lens: np.ndarray, cost_model: CostModel,
+def _split(groups: Sequence[PrefixGroup], output_lens: np.ndarray, cost_model: DensityModel,
            split_requests: int) -> list[PrefixGroup]:
     out = []
     for g in groups:
@@ -158,7 +162,7 @@ def dual_scan(rho: np.ndarray, memory: np.ndarray, root_rho: float) -> list[int]
 
 
 def blendserve_order(groups: Sequence[PrefixGroup], output_lens: np.ndarray | None = None, *,
-                     cost_model: CostModel | None = None, split_requests: int | None = DEFAULT_SPLIT_REQUESTS,
+                     cost_model: DensityModel | None = None, split_requests: int | None = DEFAULT_SPLIT_REQUESTS,
                      default_output_len: float = DEFAULT_OUTPUT_LEN) -> list[PrefixGroup]:
     """BlendServe order: density-sorted groups interleaved by the dual scanner.
 
@@ -168,7 +172,7 @@ def blendserve_order(groups: Sequence[PrefixGroup], output_lens: np.ndarray | No
         Groups to order.
     output_lens : np.ndarray, optional
         Output length per request id (e.g. estimated by sampling); ``default_output_len`` for all when None.
-    cost_model : CostModel, optional
+    cost_model : DensityModel, optional
         Model/GPU constants (default Llama-3.1-8B on A100).
     split_requests : int or None
         Split groups (without nested groups) larger than this into density-sorted pieces; None never splits.
@@ -179,7 +183,7 @@ def blendserve_order(groups: Sequence[PrefixGroup], output_lens: np.ndarray | No
     -------
     list[PrefixGroup]
     """
-    cost_model = cost_model or CostModel()
+    cost_model = cost_model or DensityModel()
     if split_requests is not None and (isinstance(split_requests, bool) or not isinstance(split_requests, int)
                                        or split_requests < 1):
         raise ValueError(f"split_requests: expected a positive int or None, got {split_requests!r}")
@@ -196,7 +200,7 @@ def blendserve_order(groups: Sequence[PrefixGroup], output_lens: np.ndarray | No
     return [units[order[i]] for i in picks]
 
 
-def memory_classes(groups: Sequence[PrefixGroup], output_lens: np.ndarray, cost_model: CostModel | None = None, *,
+def memory_classes(groups: Sequence[PrefixGroup], output_lens: np.ndarray, cost_model: DensityModel | None = None, *,
                    threshold: float = MEMORY_INTENSIVE_DENSITY) -> tuple[np.ndarray, np.ndarray]:
     """Split requests into compute-intensive (class 0) and memory-intensive (class 1) and share the KV memory.
 
@@ -212,7 +216,7 @@ def memory_classes(groups: Sequence[PrefixGroup], output_lens: np.ndarray, cost_
         The requests (any grouping).
     output_lens : np.ndarray
         Estimated output length per request id.
-    cost_model : CostModel, optional
+    cost_model : DensityModel, optional
         Model/GPU constants (default Llama-3.1-8B on A100).
     threshold : float
         Requests with density ``Comp(r) / Mem(r)`` below this are memory-intensive.
@@ -231,7 +235,7 @@ def memory_classes(groups: Sequence[PrefixGroup], output_lens: np.ndarray, cost_
     >>> classes.tolist(), bool(shares[1] > 0.9)
     ([0, 0, 1], True)
     """
-    cost_model = cost_model or CostModel()
+    cost_model = cost_model or DensityModel()
     if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not threshold > 0:
         raise ValueError(f"threshold: expected a density > 0, got {threshold!r}")
     _, ids, lens = group_arrays(groups)

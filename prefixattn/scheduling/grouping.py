@@ -24,6 +24,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from prefixattn.scheduling.checks import check_positive_int
 from prefixattn.scheduling.prefix_tree import PrefixTree, prefix_tree_packed
 from prefixattn.scheduling.sequences import PackedSequences, pack_sequences
 
@@ -114,12 +115,6 @@ def _check_levels(levels) -> int | None:
     return int(levels)
 
 
-def _check_positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name}: expected a positive int, got {value!r}")
-    return int(value)
-
-
 def _maximize_reuse(tree: PrefixTree, ch: list[list[int]], first: list[int], nodes: Sequence[int]) -> None:
     """BatchLLM Algorithm 1 on ``nodes`` (a post-order), rewriting the children lists ``ch`` in place."""
     depth = tree.depth.tolist()
@@ -200,7 +195,7 @@ def group_prompts(prompts, *, levels: int | None = 1, min_shared_tokens: int = 1
     [(2, [0, 2, 1], [(6, [0, 2])])]
     """
     levels = _check_levels(levels)
-    min_shared_tokens = _check_positive_int("min_shared_tokens", min_shared_tokens)
+    min_shared_tokens = check_positive_int("min_shared_tokens", min_shared_tokens)
     packed = pack_sequences(prompts, name="prompts", min_len=1)
     tree = prefix_tree_packed(packed, drop_last=1)
     return groups_from_tree(tree, packed.lengths, levels=levels, min_shared_tokens=min_shared_tokens)

@@ -51,7 +51,7 @@ _MMA_ROWS = 16
 
 
 @dataclass
-class SharedNode:
+class SharedRun:
     """A KV run read once for several queries in one step (a prefix-tree node with >= 2 members present).
 
     Attributes
@@ -83,7 +83,7 @@ class StepShape:
         Sequences that produce a token this step (decodes + prefills that finish their prompt).
     shared_lens : np.ndarray, optional
         ``[num_seqs]`` tokens of each sequence's KV read through ``shared_nodes`` (0 where none).
-    shared_nodes : list of SharedNode
+    shared_nodes : list of SharedRun
         Nodes read once for their members (cascade / fused kernels only).
     """
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from prefixattn.sim.costmodel import CostModel, SharedNode, StepShape
+from prefixattn.sim.costmodel import CostModel, SharedRun, StepShape
 from prefixattn.sim.kvpool import KVPool, prefix_block_keys
 
 WAITING, RUNNING, FINISHED = 0, 1, 2
@@ -293,8 +293,10 @@ class Engine:
         if nodes:
             fused = self.policy.kernel == "fused"
             pays = self.cost.sharing_pays_off
-            # v = [kv_len, queries, members, level]; the fused kernel shares a node only where its cost rule pays
-            shared = {key for key, v in nodes.items() if v[2] >= 2 and (not fused or pays(v[2], v[1], v[0]))}
+            # v = [kv_len, queries, members, level]; the fused kernel shares a node only where its cost rule pays.
+            # A dict, not a set: the keys are id()s, and a set's order (the order the step cost sums the nodes in)
+            # would follow memory addresses, making runs differ in the last bit.
+            shared = {key: None for key, v in nodes.items() if v[2] >= 2 and (not fused or pays(v[2], v[1], v[0]))}
             if shared:
                 lens = []
                 grown: dict = {}
@@ -307,7 +309,7 @@ class Engine:
                             total = end
                     lens.append(total)
                 shape.shared_lens = np.array(lens, dtype=np.int64)
-                shape.shared_nodes = [SharedNode(grown[key], nodes[key][1], nodes[key][3]) for key in shared]
+                shape.shared_nodes = [SharedRun(grown[key], nodes[key][1], nodes[key][3]) for key in shared]
         return shape
 
     def _cost(self, shape: StepShape):

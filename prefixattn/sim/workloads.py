@@ -289,10 +289,7 @@ def blendserve_trace(trace: int, num_requests: int = 40000, seed: int = 0, model
     used = np.bincount(subjects, minlength=_MMLU["subjects"])
     saved += sum((u - 1) * contexts[i].shape[0] for i, u in enumerate(used) if u > 1)
     total = sum(r.prompt_len for r in requests)
-    comp = mem = 0.0
-    for r in requests:
-        c, mm = _blendserve_request_costs(r.prompt_len, r.output_len, m, hw)
-        comp, mem = comp + c, mem + mm
+    comp, mem = _summed_costs(requests, m, hw)
     realized_share = saved / total
     info = dict(source=f"BlendServe Table 2 Trace #{trace}", target_density=rho, target_sharing=share,
                 density=round((1 - realized_share) * comp / mem, 3), sharing=round(realized_share, 4),
@@ -305,12 +302,17 @@ def blendserve_trace(trace: int, num_requests: int = 40000, seed: int = 0, model
 
 def blendserve_density(workload: Workload, model="llama-3.1-8b", gpu="a100", sharing: float = 0.0) -> float:
     """Compute density ``(1 - s) sum Comp / sum Mem`` of a workload (BlendServe sec. 2.3 / 3.2)."""
-    m, hw = get_model(model), get_hardware(gpu)
+    comp, mem = _summed_costs(workload.requests, get_model(model), get_hardware(gpu))
+    return (1 - sharing) * comp / mem if mem else math.inf
+
+
+def _summed_costs(requests, m, hw) -> tuple[float, float]:
+    """``(sum Comp(r), sum Mem(r))`` over ``requests`` (BlendServe sec. 2.3), seconds at peak."""
     comp = mem = 0.0
-    for r in workload.requests:
+    for r in requests:
         c, mm = _blendserve_request_costs(r.prompt_len, r.output_len, m, hw)
         comp, mem = comp + c, mem + mm
-    return (1 - sharing) * comp / mem if mem else math.inf
+    return comp, mem
 
 
 # ---------------------------------------------------------------------------------------------------- synthetic

@@ -142,9 +142,9 @@ def test_output_is_deterministic_and_in_dfs_order():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(levels=0), r"levels: expected a positive int or None"),
-    (dict(levels=1.5), r"levels: expected a positive int or None"),
-    (dict(min_shared_tokens=0), r"min_shared_tokens: expected a positive int"),
+    pytest.param(dict(levels=0), r"levels: expected a positive int or None", id="levels-zero"),
+    pytest.param(dict(levels=1.5), r"levels: expected a positive int or None", id="levels-float"),
+    pytest.param(dict(min_shared_tokens=0), r"min_shared_tokens: expected a positive int", id="min-shared-tokens-zero"),
 ])
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):

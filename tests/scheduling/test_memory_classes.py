@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixattn.scheduling import ChunkKind, CostModel, PrefixGroup, TokenBatcher, group_prompts, sample_requests
+from prefixattn.scheduling import ChunkKind, DensityModel, PrefixGroup, TokenBatcher, group_prompts, sample_requests
 from prefixattn.scheduling.blendserve import densities, memory_classes
 from prefixattn.scheduling.admission import projected_peak_blocks as _projected_peak_blocks
 
@@ -140,11 +140,16 @@ def test_projected_peak_matches_brute_force(reqs, block_size):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(memory_classes=[0, 1]), r"memory_classes: expected memory_classes and class_shares together"),
-    (dict(class_shares=[1.0]), r"memory_classes: expected memory_classes and class_shares together"),
-    (dict(memory_classes=[0, 2], class_shares=[0.5, 0.5]), r"memory_classes: expected classes in \[0, 2\)"),
-    (dict(memory_classes=[0, 1], class_shares=[0.5, 1.5]), r"class_shares: expected a 1-D sequence of fractions"),
-    (dict(memory_classes=[0.5, 1], class_shares=[0.5, 0.5]), r"memory_classes: expected a 1-D array of int"),
+    pytest.param(dict(memory_classes=[0, 1]), r"memory_classes: expected memory_classes and class_shares together",
+                 id="classes-without-shares"),
+    pytest.param(dict(class_shares=[1.0]), r"memory_classes: expected memory_classes and class_shares together",
+                 id="shares-without-classes"),
+    pytest.param(dict(memory_classes=[0, 2], class_shares=[0.5, 0.5]), r"memory_classes: expected classes in \[0, 2\)",
+                 id="class-beyond-shares"),
+    pytest.param(dict(memory_classes=[0, 1], class_shares=[0.5, 1.5]),
+                 r"class_shares: expected a 1-D sequence of fractions", id="share-above-one"),
+    pytest.param(dict(memory_classes=[0.5, 1], class_shares=[0.5, 0.5]), r"memory_classes: expected a 1-D array of int",
+                 id="float-classes"),
 ])
 def test_bad_classes(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -156,7 +161,7 @@ def test_memory_classes_is_the_dual_scanner_partition():
     prompts = [rng.integers(0, 1000, int(rng.integers(100, 900))).tolist() for _ in range(60)]
     out = np.where(np.arange(60) < 6, 16384.0, 250.0)
     groups = group_prompts(prompts)
-    cm = CostModel()
+    cm = DensityModel()
     classes, shares = memory_classes(groups, out, cm)
     assert classes.tolist() == [1] * 6 + [0] * 54
     assert shares.sum() == pytest.approx(1.0) and 0 < shares[1] < 1

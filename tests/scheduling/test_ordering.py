@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from prefixattn.scheduling import (DEFAULT_ORDERING, ORDERINGS, CostModel, PrefixGroup, estimate_output_lens,
+from prefixattn.scheduling import (DEFAULT_ORDERING, ORDERINGS, DensityModel, PrefixGroup, estimate_output_lens,
                                    group_prompts, order_groups, register_ordering, sample_requests)
 from prefixattn.scheduling.blendserve import densities, dual_scan
 from prefixattn.scheduling.ordering import processed_tokens
@@ -52,7 +52,7 @@ def test_batchllm_ties_by_request_id():
 
 
 def test_blendserve_densities_follow_the_cost_model():
-    model = CostModel()
+    model = DensityModel()
     # one request: p = 512, d = 256 -> Comp / Mem from the paper's formulas
     g = [PrefixGroup(0, [0], [512])]
     rho, comp, mem = densities(g, np.array([256.0]), model)

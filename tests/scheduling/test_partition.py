@@ -282,15 +282,22 @@ def test_summary_numbers():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(groups=[], num_replicas=2), "groups: expected a non-empty list"),
-    (dict(groups=["x"], num_replicas=2), r"groups\[0\]: expected a PrefixGroup"),
-    (dict(groups=[PrefixGroup(0, [0], [3]), PrefixGroup(0, [0], [3])], num_replicas=2), "request 0 twice"),
-    (dict(groups=[PrefixGroup(0, [0], [3])], num_replicas=0), "num_replicas: expected a positive int, got 0"),
-    (dict(groups=[PrefixGroup(0, [0], [3])], num_replicas=2.0), "num_replicas: expected a positive int"),
-    (dict(groups=[PrefixGroup(0, [0], [3])], num_replicas=2, cost=[1.0]), "cost: expected a callable"),
-    (dict(groups=[PrefixGroup(0, [0], [3])], num_replicas=2, split="even"), "split: expected one of"),
-    (dict(groups=[PrefixGroup(0, [0], [3])], num_replicas=2, cost=lambda g: float("nan")), "finite cost"),
-    (dict(groups=[PrefixGroup(0, [0], [3])], num_replicas=2, cost=lambda g: -1.0), "finite cost >= 0"),
+    pytest.param(dict(groups=[], num_replicas=2), "groups: expected a non-empty list", id="no-groups"),
+    pytest.param(dict(groups=["x"], num_replicas=2), r"groups\[0\]: expected a PrefixGroup", id="not-a-group"),
+    pytest.param(dict(groups=[PrefixGroup(0, [0], [3]), PrefixGroup(0, [0], [3])], num_replicas=2), "request 0 twice",
+                 id="request-in-two-groups"),
+    pytest.param(dict(groups=[PrefixGroup(0, [0], [3])], num_replicas=0),
+                 "num_replicas: expected a positive int, got 0", id="zero-replicas"),
+    pytest.param(dict(groups=[PrefixGroup(0, [0], [3])], num_replicas=2.0), "num_replicas: expected a positive int",
+                 id="float-replicas"),
+    pytest.param(dict(groups=[PrefixGroup(0, [0], [3])], num_replicas=2, cost=[1.0]), "cost: expected a callable",
+                 id="cost-not-callable"),
+    pytest.param(dict(groups=[PrefixGroup(0, [0], [3])], num_replicas=2, split="even"), "split: expected one of",
+                 id="unknown-split"),
+    pytest.param(dict(groups=[PrefixGroup(0, [0], [3])], num_replicas=2, cost=lambda g: float("nan")), "finite cost",
+                 id="nan-cost"),
+    pytest.param(dict(groups=[PrefixGroup(0, [0], [3])], num_replicas=2, cost=lambda g: -1.0), "finite cost >= 0",
+                 id="negative-cost"),
 ])
 def test_bad_input(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -192,10 +192,12 @@ def test_deterministic():
 
 
 @pytest.mark.parametrize("cost, kwargs, match", [
-    (lambda g: ResourceCost(-1.0, 1.0), {}, "expected finite costs >= 0"),
-    (lambda g: ResourceCost(1.0, float("nan")), {}, "expected finite costs >= 0"),
-    (lambda g: ResourceCost(1.0, 1.0) if g.request_ids[0] == 0 else 1.0, {}, "expected a ResourceCost"),
-    (lambda g: ResourceCost(1.0, 1.0), dict(split="fill"), "split: a ResourceCost cost"),
+    pytest.param(lambda g: ResourceCost(-1.0, 1.0), {}, "expected finite costs >= 0", id="negative-compute"),
+    pytest.param(lambda g: ResourceCost(1.0, float("nan")), {}, "expected finite costs >= 0", id="nan-memory"),
+    pytest.param(lambda g: ResourceCost(1.0, 1.0) if g.request_ids[0] == 0 else 1.0, {}, "expected a ResourceCost",
+                 id="mixed-cost-kinds"),
+    pytest.param(lambda g: ResourceCost(1.0, 1.0), dict(split="fill"), "split: a ResourceCost cost",
+                 id="fill-with-resources"),
 ])
 def test_bad_vector_costs(cost, kwargs, match):
     groups = group_prompts([[0, 1, 2], [0, 1, 3], [5, 6]])

@@ -1,15 +1,12 @@
 """Sort + LCP + compact tree, against a brute-force sort and direct pairwise LCPs."""
 
-import importlib
-
 import numpy as np
 import pytest
 
+from prefixattn import lcp_tree as prefix_tree_module  # the numpy core that sort_and_lcp lives in (patched below)
+from prefixattn.block_tree import lcp_interval_tree
 from prefixattn.scheduling import PackedSequences, pack_sequences, prefix_tree, sort_and_lcp
 from tests.scheduling.synthetic import nested_random
-
-# The package re-exports the function prefix_tree under the module's name: fetch the module itself.
-prefix_tree_module = importlib.import_module("prefixattn.scheduling.prefix_tree")
 
 
 def _lcp(a, b) -> int:
@@ -149,18 +146,47 @@ def test_large_ids_use_a_fixed_byte_order():
 
 
 @pytest.mark.parametrize("bad, match", [
-    ([], r"prompts: expected at least one sequence"),
-    ([[1, 2], []], r"prompts\[1\]: expected at least 1 id"),
-    ([[1, 2], [1.5, 2]], r"prompts\[1\]: expected a sequence of integer ids"),
-    ([[1, 2], "ab"], r"prompts\[1\]: expected a sequence of integer ids, got str"),
-    ([[1, -2]], r"prompts\[0\]: expected ids in \[0, 4294967294\], got -2"),
-    ([np.array([1.0, 2.0])], r"prompts\[0\]: expected integer ids, got dtype float64"),
-    ([np.zeros((2, 2), np.int64)], r"prompts\[0\]: expected a 1-D sequence"),
-    ([[1], 5], r"prompts\[1\]: expected a sequence of integer ids, got int"),
-    (np.zeros((0, 3), np.int64), r"prompts: expected at least one sequence"),
-    (np.zeros(3, np.int64), r"prompts: expected a sequence of rows or a 2-D integer array"),
-    ([[2**32]], r"prompts\[0\]: expected ids in"),
+    pytest.param([], r"prompts: expected at least one sequence", id="no-rows"),
+    pytest.param([[1, 2], []], r"prompts\[1\]: expected at least 1 id", id="empty-row"),
+    pytest.param([[1, 2], [1.5, 2]], r"prompts\[1\]: expected a sequence of integer ids", id="float-ids"),
+    pytest.param([[1, 2], "ab"], r"prompts\[1\]: expected a sequence of integer ids, got str", id="string-row"),
+    pytest.param([[1, -2]], r"prompts\[0\]: expected ids in \[0, 4294967294\], got -2", id="negative-id"),
+    pytest.param([np.array([1.0, 2.0])], r"prompts\[0\]: expected integer ids, got dtype float64", id="float-array"),
+    pytest.param([np.zeros((2, 2), np.int64)], r"prompts\[0\]: expected a 1-D sequence", id="2d-row"),
+    pytest.param([[1], 5], r"prompts\[1\]: expected a sequence of integer ids, got int", id="int-row"),
+    pytest.param(np.zeros((0, 3), np.int64), r"prompts: expected at least one sequence", id="empty-2d-array"),
+    pytest.param(np.zeros(3, np.int64), r"prompts: expected a sequence of rows or a 2-D integer array", id="1d-array"),
+    pytest.param([[2**32]], r"prompts\[0\]: expected ids in", id="id-too-large"),
 ])
 def test_bad_input(bad, match):
     with pytest.raises(ValueError, match=match):
         pack_sequences(bad)
+
+
+def _node_sets(depth, members) -> set:
+    return {(int(d), frozenset(int(r) for r in m)) for d, m in zip(depth, members)}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_block_tree_builds_the_same_nodes(seed):
+    # The planner's block tree (padding sorts first, inclusive bounds, no root) and the shared core (a row sorts after
+    # the rows it prefixes, exclusive bounds, root 0, leaves as nodes) order rows differently, but their shared
+    # nodes are the same: every node of >= 2 rows sharing depth > 0 ids, as (depth, set of rows). Issue 18: the block
+    # tree can adopt the core without changing which requests share what (only the order of nodes and rows moves).
+    rng = np.random.default_rng(seed)
+    for _ in range(60):
+        rows = nested_random(rng, int(rng.integers(1, 30)), alphabet=int(rng.integers(2, 5)))
+        rows = [r[:int(rng.integers(0, len(r) + 1))] if rng.random() < 0.2 else r for r in rows]  # empty rows too
+        width = max(len(r) for r in rows)
+        dense = np.zeros((len(rows), max(width, 1)), dtype=np.int64)
+        for i, r in enumerate(rows):
+            dense[i, :len(r)] = r
+        lengths = np.array([len(r) for r in rows])
+        block = lcp_interval_tree(dense, lengths)
+        want = _node_sets(block.depth, [block.members(k) for k in range(block.num_nodes)])
+        values = np.concatenate([np.asarray(r, dtype=np.int64) for r in rows] + [np.zeros(0, np.int64)])
+        tree = prefix_tree_module.tree_of_rows(values, np.concatenate([[0], np.cumsum(lengths)]), lengths)
+        inner = [v for v in range(tree.num_nodes) if tree.leaf[v] < 0 and tree.depth[v] > 0]
+        got = _node_sets(tree.depth[inner], [tree.order[tree.lo[v]:tree.hi[v]] for v in inner])
+        assert got == want, rows
+

@@ -129,16 +129,20 @@ def test_never_fitting_requests_are_rejected_up_front():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(token_budget=0, kv_blocks=8), r"token_budget: expected an int in \[1, 16777216\], got 0"),
-    (dict(token_budget=-5, kv_blocks=8), r"token_budget: expected an int"),
-    (dict(token_budget=1 << 40, kv_blocks=8), r"token_budget: expected an int"),
-    (dict(token_budget=8, kv_blocks=0), r"kv_blocks: expected an int"),
-    (dict(token_budget=8, kv_blocks=1 << 50), r"kv_blocks: expected an int"),
-    (dict(token_budget=8, kv_blocks=8, block_size=0), r"block_size: expected an int"),
-    (dict(token_budget=8.5, kv_blocks=8), r"token_budget: expected an int"),
-    (dict(token_budget=8, kv_blocks=8, output_lens=-1), r"output_lens: expected None, a length >= 0"),
-    (dict(token_budget=8, kv_blocks=8, output_lens=np.array([1.0, np.nan])), r"output_lens: expected a 1-D"),
-    (dict(token_budget=8, kv_blocks=8, max_output_len=0), r"max_output_len: expected an int"),
+    pytest.param(dict(token_budget=0, kv_blocks=8), r"token_budget: expected an int in \[1, 16777216\], got 0",
+                 id="zero-budget"),
+    pytest.param(dict(token_budget=-5, kv_blocks=8), r"token_budget: expected an int", id="negative-budget"),
+    pytest.param(dict(token_budget=1 << 40, kv_blocks=8), r"token_budget: expected an int", id="huge-budget"),
+    pytest.param(dict(token_budget=8, kv_blocks=0), r"kv_blocks: expected an int", id="zero-blocks"),
+    pytest.param(dict(token_budget=8, kv_blocks=1 << 50), r"kv_blocks: expected an int", id="huge-blocks"),
+    pytest.param(dict(token_budget=8, kv_blocks=8, block_size=0), r"block_size: expected an int", id="zero-block-size"),
+    pytest.param(dict(token_budget=8.5, kv_blocks=8), r"token_budget: expected an int", id="float-budget"),
+    pytest.param(dict(token_budget=8, kv_blocks=8, output_lens=-1), r"output_lens: expected None, a length >= 0",
+                 id="negative-output"),
+    pytest.param(dict(token_budget=8, kv_blocks=8, output_lens=np.array([1.0, np.nan])), r"output_lens: expected a 1-D",
+                 id="nan-outputs"),
+    pytest.param(dict(token_budget=8, kv_blocks=8, max_output_len=0), r"max_output_len: expected an int",
+                 id="zero-max-output"),
 ])
 def test_bad_budgets(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from prefixattn.sim.calibration import Calibration
-from prefixattn.sim.costmodel import CostModel, SharedNode, StepShape
+from prefixattn.sim.costmodel import CostModel, SharedRun, StepShape
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +56,7 @@ def test_shared_kernels_read_prefix_once(cm):
     # 25 groups of 8 decodes over a 1100-token prefix: reading the prefix once per group beats reading it per request
     q = np.ones(200, dtype=np.int64)
     shape = dict(q_lens=q, kv_lens=np.full(200, 1550), num_sampled=200, shared_lens=np.full(200, 1100),
-                 shared_nodes=[SharedNode(1100, 8) for _ in range(25)])
+                 shared_nodes=[SharedRun(1100, 8) for _ in range(25)])
     paged = cm.step_cost(StepShape(**shape), "paged")
     cascade = cm.step_cost(StepShape(**shape), "cascade")
     fused = cm.step_cost(StepShape(**shape), "fused")
@@ -67,13 +67,13 @@ def test_shared_kernels_read_prefix_once(cm):
 def test_split_k_removes_the_long_prefix_tail(cm):
     # few requests over a long shared prefix (BatchLLM sec. 6.3.3's bad case): the unsplit grid leaves SMs idle
     shape = dict(q_lens=np.ones(4, dtype=np.int64), kv_lens=np.full(4, 8050), num_sampled=4,
-                 shared_lens=np.full(4, 8000), shared_nodes=[SharedNode(8000, 4)])
+                 shared_lens=np.full(4, 8000), shared_nodes=[SharedRun(8000, 4)])
     no_split = cm.step_cost(StepShape(**shape), "fused", split_k=False).attention
     split = cm.step_cost(StepShape(**shape), "fused", split_k=True).attention
     assert split < 0.5 * no_split
     # a full grid is not split (prefixattn's rule), so split-k changes nothing there
     full = dict(q_lens=np.ones(256, dtype=np.int64), kv_lens=np.full(256, 8050), num_sampled=256,
-                shared_lens=np.full(256, 8000), shared_nodes=[SharedNode(8000, 256)])
+                shared_lens=np.full(256, 8000), shared_nodes=[SharedRun(8000, 256)])
     assert cm.step_cost(StepShape(**full), "fused", split_k=True).attention == \
         cm.step_cost(StepShape(**full), "fused", split_k=False).attention
 

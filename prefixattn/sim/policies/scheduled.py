@@ -2,7 +2,7 @@
 
 Grouping (:func:`group_prompts`), ordering (:func:`order_groups`), output-length sampling and token batching
 (:class:`TokenBatcher`: three queues, memory-centric batching, explicit group prefixes) all come from the scheduler;
-this module only translates each :class:`StepPlan` into engine work:
+this module only translates each :class:`StepBatch` into engine work:
 
 * a PREFIX chunk is computed by a *holder* sequence that keeps the prefix's KV for the group's members;
 * DISTINCT / DECODE chunks advance the request's own sequence, on top of its prefix (``Seq.base``);
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from prefixattn.scheduling import (ChunkKind, CostModel as DensityModel, TokenBatcher, estimate_output_lens,
+from prefixattn.scheduling import (ChunkKind, DensityModel, TokenBatcher, estimate_output_lens,
                                    order_groups, sample_requests)
 from prefixattn.scheduling.blendserve import memory_classes
 from prefixattn.sim.engine import RUNNING, WAITING

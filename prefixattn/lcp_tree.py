@@ -1,0 +1,357 @@
+"""Compact prefix tree (radix tree) over integer rows: sort, LCP array, tree from the LCP stack (numpy only).
+
+Offline, all rows are known up front, so instead of inserting rows one by one into a radix tree (what online
+engines do) we sort the rows lexicographically, take the longest common prefix (LCP) of each pair of neighbours,
+and build the compact tree from the LCP array with one stack pass (the classic LCP-interval construction). The LCP
+of any two rows is the minimum of the neighbour LCPs between them, so the neighbour LCPs describe the whole tree.
+
+The code is generic over integer rows: the scheduler runs it over prompt token ids
+(:mod:`prefixattn.scheduling.prefix_tree` adds the input checks). The kernel planner's block tree
+(:mod:`prefixattn.block_tree`, rows of block ids) builds the same nodes (a test pins the sets of (depth, rows) equal)
+with other conventions, and is to move onto this module (issue 18). What that takes:
+
+- one row order. There a padded row sorts before the rows it prefixes and ids compare numerically; here a row sorts
+  after them and ids compare by native bytes. Either side adopting the other's reorders its output (the planner's
+  work list, the scheduler's group order) without changing what is shared;
+- a dense sort for short rows here: block rows are a few dozen ids, where block_tree's one argsort over byte keys
+  is several times faster than the chunk-hash refinement below (which pays off on long shared token prefixes);
+- one tree builder: block_tree's stack over the LCP change points (no Python loop over rows) emitting leaves too
+  (a leaf's parent is the deepest interval holding its position) would replace :func:`build_tree`'s loop; the
+  planner reads internal nodes with inclusive bounds and no root, :class:`PrefixTree` has a root and leaves.
+
+Sorting is an MSD refinement over rows that still tie (segments), one fixed-size chunk of ids per round, all
+vectorized, driven by chunk hashes (:mod:`prefixattn.chunk_hash`, computed once in one streaming pass). A segment
+whose rows all hash alike on the round's chunk moves on by a chunk with no sort and no id read: crossing a shared
+document costs one hash comparison per row and chunk, so the work grows with the distinct chunks, not the ids. A
+segment whose hashes differ is sorted by the chunk's ids (one byte-string argsort for all such segments at once),
+and the first mismatch of the sorted neighbours inside that chunk gives the exact LCP; rows still tied on the whole
+chunk go on from after it. Ids are compared by their native bytes: any fixed order of the ids gives a valid tree
+order, and skipping a byte swap saves a pass. The order and the LCPs are those of a plain lexicographic sort (they
+do not depend on the hashes) unless two different chunks at the same depth of tied rows had equal hashes, which
+:mod:`prefixattn.chunk_hash` bounds at about 2**-64 per compared pair of token chunks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from prefixattn.chunk_hash import CHUNK, as_uint32, chunk_hashes
+
+#: End-of-row marker in the comparison windows: above every id (ids are at most 2**32 - 2).
+_END = np.uint32(0xFFFFFFFF)
+
+
+def _gather_windows(values: np.ndarray, pos: np.ndarray, width: int) -> np.ndarray:
+    """``[m, width]`` uint32 copies of ``values[pos[i]:pos[i] + width]``; ids past the end of ``values`` read as
+    :data:`_END`."""
+    total = values.shape[0]
+    if total >= width:
+        inside = pos <= total - width
+        windows = np.lib.stride_tricks.as_strided(values, shape=(total - width + 1, width),
+                                                  strides=(values.strides[0], values.strides[0]), writeable=False)
+        if inside.all():
+            # One contiguous row copy per window: much faster than element-wise fancy indexing.
+            return windows[pos].astype(np.uint32, copy=False)
+        out = np.full((pos.shape[0], width), _END, dtype=np.uint32)
+        out[inside] = windows[pos[inside]]
+        outside = ~inside
+    else:
+        out = np.full((pos.shape[0], width), _END, dtype=np.uint32)
+        outside = np.ones(pos.shape[0], dtype=bool)
+    idx = pos[outside, None] + np.arange(width, dtype=np.int64)[None, :]
+    if total:
+        out[outside] = np.where(idx < total, values[np.minimum(idx, total - 1)], _END)
+    return out
+
+
+def _windows(values: np.ndarray, starts: np.ndarray, lengths: np.ndarray, rows: np.ndarray, depth: np.ndarray,
+             width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Windows ``[m, width]`` of ``rows`` from ``depth`` on, :data:`_END` past each row's end; and the ids each
+    row has left from ``depth``."""
+    remaining = lengths[rows] - depth
+    win = _gather_windows(values, starts[rows] + depth, width)
+    ending = remaining < width
+    if ending.any():  # past a row's end: the end marker (the gather read the next row's ids there)
+        cols = np.arange(width, dtype=np.int64)[None, :]
+        if ending.sum() * 4 > rows.shape[0]:
+            np.putmask(win, cols >= remaining[:, None], _END)
+        else:
+            idx = np.flatnonzero(ending)
+            win[idx] = np.where(cols < remaining[idx, None], win[idx], _END)
+    return win, remaining
+
+
+def _sort_chunk(values: np.ndarray, starts: np.ndarray, lengths: np.ndarray, rows: np.ndarray, sub: np.ndarray,
+                seg_id: np.ndarray, depth: int, pair_differ: np.ndarray, pair_lcp: np.ndarray,
+                ended: np.ndarray) -> None:
+    """One round of :func:`sort_and_lcp` for the tied rows ``rows[sub]`` whose chunk at ``depth`` must be compared:
+    sorts them within their segments (``rows`` in place) by the chunk's ids and writes, per sorted position ``i`` of
+    ``sub``, whether row ``i`` differs from row ``i - 1`` of its segment, their LCP if so, and whether the row ends
+    inside the chunk."""
+    key, key_left = _windows(values, starts, lengths, rows[sub], np.full(sub.size, depth, np.int64), CHUNK)
+    # Byte-string sort of the keys, then a stable sort by segment keeps each row in its segment.
+    by_key = np.argsort(key.view(f"S{4 * CHUNK}").ravel(), kind="stable")
+    by_segment = by_key[np.argsort(seg_id[sub][by_key], kind="stable")]
+    rows[sub] = rows[sub][by_segment]
+    key, key_left = key[by_segment], key_left[by_segment]
+    kmis = key[1:] != key[:-1]
+    kfirst = kmis.argmax(axis=1)
+    kdiff = kmis[np.arange(sub.size - 1), kfirst]
+    inner = seg_id[sub][1:] == seg_id[sub][:-1]
+    pair_differ[sub[1:][inner]] = kdiff[inner]
+    pair_lcp[sub[1:][inner]] = depth + kfirst[inner]
+    ended[sub] = key_left < CHUNK
+
+
+def sort_and_lcp(values: np.ndarray, offsets: np.ndarray, lengths: np.ndarray | None = None
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """Sort rows into a prefix-tree (trie) order and return the LCP of each row with its predecessor.
+
+    Row ``i`` is ``values[offsets[i]:offsets[i] + lengths[i]]`` (rows stored back to back, optionally truncated).
+    The order is lexicographic over a fixed order of the ids (their native uint32 bytes, compared as bytes; a row
+    comes after the longer rows it prefixes): what matters is that rows sharing any prefix are contiguous, so the
+    LCP of two rows is the minimum of the neighbour LCPs between them. Identical rows keep ascending row index, so
+    the result does not depend on memory layout (nor on the chunk hashes, barring a collision: see the module notes).
+
+    Parameters
+    ----------
+    values : np.ndarray
+        ``[total]`` integer ids in ``[0, 2**32 - 2]`` (unchecked: :func:`prefixattn.scheduling.pack_sequences`
+        checks them).
+    offsets : np.ndarray
+        ``[N + 1]`` int64 row boundaries.
+    lengths : np.ndarray, optional
+        ``[N]`` int64 row lengths to compare, at most ``offsets[i + 1] - offsets[i]`` (default: whole rows).
+
+    Returns
+    -------
+    order : np.ndarray
+        ``[N]`` int64; ``order[k]`` is the row at sorted position ``k``.
+    lcp : np.ndarray
+        ``[N]`` int64; ``lcp[k]`` is the common prefix length of rows ``order[k - 1]`` and ``order[k]``;
+        ``lcp[0] = 0``.
+
+    Examples
+    --------
+    >>> order, lcp = sort_and_lcp(np.array([3, 1, 3, 1, 3]), np.array([0, 2, 4, 5]))
+    >>> order.tolist(), lcp.tolist()    # [3, 1] twice, then [3], which prefixes them
+    ([0, 1, 2], [0, 2, 1])
+    """
+    offsets = np.asarray(offsets, dtype=np.int64)
+    lengths = np.diff(offsets) if lengths is None else np.asarray(lengths, dtype=np.int64)
+    starts = offsets[:-1]
+    n = lengths.shape[0]
+    order = np.arange(n, dtype=np.int64)
+    lcp = np.zeros(n, dtype=np.int64)
+    if n < 2:
+        return order, lcp
+    values = as_uint32(values)
+    num_chunks = lengths // CHUNK
+    first_chunk, h0, h1 = chunk_hashes(values, starts, num_chunks, chunk=CHUNK)
+    # Rows still tied, by sorted position, and the segment (tie group) of each, named by the position where it
+    # starts. Round ``level`` looks at chunk ``level`` of every active row: all of them share their first
+    # ``level * CHUNK`` ids with their segment. A segment's positions are contiguous and stay so: rows are only
+    # reordered within their segment.
+    active_pos = np.arange(n, dtype=np.int64)
+    active_seg = np.zeros(n, dtype=np.int64)
+    level = 0
+    while active_pos.size:
+        m = active_pos.size
+        rows = order[active_pos]
+        depth = level * CHUNK
+        new_seg = np.ones(m, dtype=bool)
+        new_seg[1:] = active_seg[1:] != active_seg[:-1]
+        seg_id = np.cumsum(new_seg) - 1
+        # Segments whose rows all have this whole chunk with equal hashes stay tied, unsorted. The others (a pair
+        # hashing apart, or a row ending inside the chunk) are sorted by the chunk's ids.
+        whole = num_chunks[rows] > level
+        idx = np.where(whole, first_chunk[rows] + level, 0)
+        alike = whole[1:] & whole[:-1]
+        if h0.size:
+            alike &= (h0[idx[1:]] == h0[idx[:-1]]) & (h1[idx[1:]] == h1[idx[:-1]])
+        to_sort = np.zeros(int(seg_id[-1]) + 1, dtype=bool)
+        to_sort[seg_id[1:][~alike & ~new_seg[1:]]] = True
+        to_sort[seg_id[~whole]] = True
+        pair_differ = np.zeros(m, dtype=bool)  # [i]: row i differs from row i - 1 (same segment)
+        pair_lcp = np.zeros(m, dtype=np.int64)
+        ended = np.zeros(m, dtype=bool)
+        sub = np.flatnonzero(to_sort[seg_id])
+        if sub.size:
+            _sort_chunk(values, starts, lengths, rows, sub, seg_id, depth, pair_differ, pair_lcp, ended)
+            order[active_pos] = rows
+        same_seg = ~new_seg[1:]
+        differ = pair_differ[1:]
+        # A row ending strictly inside the chunk has an end marker there, so rows tying with it are duplicates. A
+        # row ending exactly at the chunk's end still ties with its longer extensions and goes on.
+        split = same_seg & differ
+        dup = same_seg & ~differ & ended[1:]
+        lcp[active_pos[1:][split]] = pair_lcp[1:][split]
+        lcp[active_pos[1:][dup]] = lengths[rows[1:][dup]]
+        # New segments start where the old segment or the chunk changes; keep those that still tie and continue.
+        starts_here = np.ones(m, dtype=bool)
+        starts_here[1:] = ~(same_seg & ~differ)
+        start_idx = np.flatnonzero(starts_here)
+        sizes = np.diff(np.append(start_idx, m))
+        keep_seg = (sizes >= 2) & ~ended[start_idx]
+        keep = np.repeat(keep_seg, sizes)
+        active_seg = np.repeat(active_pos[start_idx], sizes)[keep]
+        active_pos = active_pos[keep]
+        level += 1
+    return order, lcp
+
+
+@dataclass(frozen=True)
+class PrefixTree:
+    """Compact prefix tree of ``N`` rows; node 0 is the (empty) root, every row is one leaf.
+
+    Internal nodes have at least two children (the root may have one). A leaf hangs under the internal node at the
+    depth where its row stops sharing; a row that is a prefix of another row (or a duplicate) is a leaf whose own
+    edge is empty (``depth[leaf] == depth[parent[leaf]]``). Leaves of a subtree are the contiguous sorted positions
+    ``lo[v]:hi[v]``.
+
+    Attributes
+    ----------
+    order : np.ndarray
+        ``[N]`` int64 row index at each sorted position.
+    lcp : np.ndarray
+        ``[N]`` int64 LCP with the previous sorted row (``lcp[0] = 0``).
+    lengths : np.ndarray
+        ``[N]`` int64 row lengths, indexed by row.
+    parent : np.ndarray
+        ``[num_nodes]`` int64 parent node (-1 for the root).
+    depth : np.ndarray
+        ``[num_nodes]`` int64 ids from the row start to the end of the node (its prefix length).
+    lo, hi : np.ndarray
+        ``[num_nodes]`` int64 sorted-position range of the node's leaves.
+    leaf : np.ndarray
+        ``[num_nodes]`` int64 sorted position of a leaf's row, -1 for internal nodes.
+    post_order : np.ndarray
+        ``[num_nodes]`` int64 nodes with every node after all of its descendants (root last).
+    """
+
+    order: np.ndarray
+    lcp: np.ndarray
+    lengths: np.ndarray
+    parent: np.ndarray
+    depth: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+    leaf: np.ndarray
+    post_order: np.ndarray
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.parent.shape[0])
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.order.shape[0])
+
+    @property
+    def num_leaves(self) -> np.ndarray:
+        """``[num_nodes]`` int64 rows in each node's subtree."""
+        return self.hi - self.lo
+
+    def children(self) -> tuple[np.ndarray, np.ndarray]:
+        """Children of every node in sorted (left to right) order, as CSR.
+
+        Returns
+        -------
+        indptr : np.ndarray
+            ``[num_nodes + 1]``; the children of ``v`` are ``indices[indptr[v]:indptr[v + 1]]``.
+        indices : np.ndarray
+            ``[num_nodes - 1]`` child node ids.
+        """
+        kids = np.flatnonzero(self.parent >= 0)
+        kids = kids[np.lexsort((self.lo[kids], self.parent[kids]))]
+        counts = np.bincount(self.parent[kids], minlength=self.num_nodes)
+        indptr = np.zeros(self.num_nodes + 1, dtype=np.int64)
+        np.cumsum(counts, out=indptr[1:])
+        return indptr, kids
+
+    def shared_tokens(self) -> int:
+        """Ids stored once per tree node: ``sum(lengths) - sum(lcp)`` (the optimum of prefix sharing)."""
+        return int(self.lengths.sum() - self.lcp.sum())
+
+
+def build_tree(sorted_lengths: np.ndarray, lcp: np.ndarray) -> dict[str, np.ndarray]:
+    """Build the compact tree from sorted row lengths and the neighbour LCP array in one stack pass, O(N).
+
+    Parameters
+    ----------
+    sorted_lengths : np.ndarray
+        ``[N]`` lengths of the rows in sorted order.
+    lcp : np.ndarray
+        ``[N]`` neighbour LCPs from :func:`sort_and_lcp`.
+
+    Returns
+    -------
+    dict
+        ``parent, depth, lo, hi, leaf, post_order`` arrays as in :class:`PrefixTree`.
+    """
+    lens = sorted_lengths.tolist()
+    lcps = lcp.tolist()
+    n = len(lens)
+    parent = [-1]
+    depth = [0]
+    lo = [0]
+    hi = [n]
+    leaf = [-1]
+    post: list[int] = []
+    stack = [0]
+    for i in range(n):
+        cut = lcps[i] if i else 0
+        last = -1
+        top = stack[-1]
+        # Pop the previous leaf and every internal node deeper than the shared prefix; each popped node is the
+        # parent of the one popped before it (the stack is a root-to-leaf path).
+        while leaf[top] >= 0 or depth[top] > cut:
+            stack.pop()
+            hi[top] = i
+            post.append(top)
+            if last >= 0:
+                parent[last] = top
+            last = top
+            top = stack[-1]
+        if last >= 0:
+            if depth[top] < cut:  # the shared prefix ends inside an edge: split it with a new internal node
+                new = len(depth)
+                parent.append(top)
+                depth.append(cut)
+                lo.append(lo[last])
+                hi.append(-1)
+                leaf.append(-1)
+                parent[last] = new
+                stack.append(new)
+            else:
+                parent[last] = top
+        new = len(depth)
+        parent.append(stack[-1])
+        depth.append(lens[i])
+        lo.append(i)
+        hi.append(i + 1)
+        leaf.append(i)
+        stack.append(new)
+    last = -1
+    while stack:
+        top = stack.pop()
+        if leaf[top] < 0:
+            hi[top] = n
+        post.append(top)
+        if last >= 0:
+            parent[last] = top
+        last = top
+    return dict(parent=np.array(parent, dtype=np.int64), depth=np.array(depth, dtype=np.int64),
+                lo=np.array(lo, dtype=np.int64), hi=np.array(hi, dtype=np.int64),
+                leaf=np.array(leaf, dtype=np.int64), post_order=np.array(post, dtype=np.int64))
+
+
+def tree_of_rows(values: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> PrefixTree:
+    """:class:`PrefixTree` of rows ``values[offsets[i]:offsets[i] + lengths[i]]`` (unchecked, as :func:`sort_and_lcp`).
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    order, lcp = sort_and_lcp(values, offsets, lengths)
+    arrays = build_tree(lengths[order], lcp)
+    return PrefixTree(order=order, lcp=lcp, lengths=lengths, **arrays)
