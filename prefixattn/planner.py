@@ -220,6 +220,47 @@ def select_shared_nodes(tree: LcpTree, *, shareable: np.ndarray, q_len: np.ndarr
     return nodes, suffix_start
 
 
+def _metadata_to_device(work: WorkList, table: np.ndarray, width: int, device: torch.device):
+    """``(num_items, items, gather, mrows, block_table)`` on ``device``: one int32 host buffer, one copy.
+
+    The block table's columns past every request's KV (``width`` on) are never read; columns the table lacks are 0.
+    It joins the buffer when its ids fit in int32 (int32 tables always do: no scan), else it is copied as int64.
+    """
+    rows, cols = table.shape[0], min(width, table.shape[1])
+    table_fits = table.dtype == np.int32 or rows * cols == 0 or int(table[:, :cols].max()) <= np.iinfo(np.int32).max
+    parts = (work.items, work.gather, work.mrows)
+    sizes = [1] + [p.size for p in parts] + [rows * width if table_fits else 0]
+    offsets = np.cumsum([0] + sizes).tolist()
+    flat = np.empty(max(offsets[-1], 1), dtype=np.int32)
+    flat[0] = work.num_items
+    for k, p in enumerate(parts, start=1):
+        flat[offsets[k]:offsets[k + 1]] = p.ravel()
+    if table_fits:
+        _copy_table(flat[offsets[4]:offsets[5]].reshape(rows, width), table, cols)
+    dev = torch.from_numpy(flat).to(device)
+    views = [dev[offsets[k]:offsets[k + 1]] for k in range(5)]
+    if table_fits:
+        table_dev = views[4].view(rows, width)
+    else:
+        table_i64 = np.empty((rows, width), dtype=np.int64)
+        _copy_table(table_i64, table, cols)
+        table_dev = torch.from_numpy(table_i64).to(device)
+    return (views[0], views[1].view(-1, K.ITEM_FIELDS), views[2].view(-1, K.GATHER_FIELDS),
+            views[3].view(-1, K.MROW_FIELDS), table_dev)
+
+
+def _copy_table(dst: np.ndarray, table: np.ndarray, cols: int) -> None:
+    dst[:, :cols] = table[:, :cols]  # int64 ids above int32 wrap here, as an astype would (only when they fit)
+    dst[:, cols:] = 0
+
+
+def _zeros(shape: tuple, device: torch.device) -> torch.Tensor:
+    """int32 zeros on ``device``; on the CPU from numpy (torch's CPU fill wakes its thread pool: ms under load)."""
+    if device.type == "cpu":
+        return torch.from_numpy(np.zeros(shape, dtype=np.int32))
+    return torch.zeros(shape, dtype=torch.int32, device=device)
+
+
 def plan(
     qo_indptr: torch.Tensor,
     kv_lens: torch.Tensor,
@@ -302,7 +343,7 @@ def plan(
     check_head_dim("head_dim", head_dim)
     min_split_tokens = _positive_int("min_split_tokens", min_split_tokens)
     indptr, lens, table, max_block_id = check_host_metadata(qo_indptr, kv_lens, block_table, block_size=block_size,
-                                                            num_blocks=num_blocks)
+                                                            num_blocks=num_blocks, table_as_is=True)
     device = canonical_device("device", device if device is not None else block_table.device)
     num_sms = _positive_int("num_sms", num_sms) if num_sms is not None else _default_num_sms(device)
 
@@ -328,28 +369,11 @@ def plan(
 
     # One host->device copy of all int32 metadata (the block table joins it when its ids fit in int32).
     width = max(int(((lens + block_size - 1) // block_size).max()) if lens.shape[0] else 0, 1)
-    table_used = np.zeros((table.shape[0], width), dtype=np.int64)  # columns past every kv_len are never read
-    table_used[:, :min(width, table.shape[1])] = table[:, :width]
-    table_fits = table_used.size == 0 or int(table_used.max()) <= np.iinfo(np.int32).max
-    parts = [np.array([work.num_items], dtype=np.int32), work.items.ravel(), work.gather.ravel(), work.mrows.ravel()]
-    if table_fits:
-        parts.append(table_used.astype(np.int32).ravel())
-    sizes = [p.size for p in parts]
-    flat = torch.from_numpy(np.concatenate(parts).astype(np.int32) if sum(sizes) else np.zeros(1, np.int32))
-    flat = flat.to(device)
-    views = torch.split(flat[:sum(sizes)], sizes) if sum(sizes) else [flat[:0]] * len(parts)
-    num_items_dev = views[0]
-    items = views[1].view(-1, K.ITEM_FIELDS)
-    gather = views[2].view(-1, K.GATHER_FIELDS)
-    mrows = views[3].view(-1, K.MROW_FIELDS)
-    if table_fits:
-        table_dev = views[4].view(table_used.shape)
-    else:
-        table_dev = torch.from_numpy(np.ascontiguousarray(table_used)).to(device)
-
+    num_items_dev, items, gather, mrows, table_dev = _metadata_to_device(work, table, width, device)
+    num_mrows = work.mrows.shape[0]
     # Workspace only where some rows merge; a 1-element placeholder keeps the kernel's pointers valid otherwise.
     num_mrows = work.mrows.shape[0]
-    counters = torch.zeros((max(num_mrows, 1), num_qo_heads), dtype=torch.int32, device=device)
+    counters = _zeros((max(num_mrows, 1), num_qo_heads), device)
     ws_rows = work.num_ws_rows
     ws_o = torch.empty((ws_rows, num_qo_heads, head_dim) if ws_rows else (1, 1, 1), dtype=torch.float32,
                        device=device)
