@@ -237,16 +237,17 @@ def _metadata_to_device(work: WorkList, table: np.ndarray, width: int, device: t
         flat[offsets[k]:offsets[k + 1]] = p.ravel()
     if table_fits:
         _copy_table(flat[offsets[4]:offsets[5]].reshape(rows, width), table, cols)
-    dev = torch.from_numpy(flat).to(device)
-    views = [dev[offsets[k]:offsets[k + 1]] for k in range(5)]
-    if table_fits:
-        table_dev = views[4].view(rows, width)
+    shapes = [(1,), (-1, K.ITEM_FIELDS), (-1, K.GATHER_FIELDS), (-1, K.MROW_FIELDS), (rows, width if table_fits else 0)]
+    if device.type == "cpu":  # views of the host buffer itself (torch slicing costs ~1 us per call)
+        views = [torch.from_numpy(flat[offsets[k]:offsets[k + 1]].reshape(shapes[k])) for k in range(5)]
     else:
+        dev = torch.from_numpy(flat).to(device)
+        views = [dev[offsets[k]:offsets[k + 1]].view(shapes[k]) for k in range(5)]
+    if not table_fits:
         table_i64 = np.empty((rows, width), dtype=np.int64)
         _copy_table(table_i64, table, cols)
-        table_dev = torch.from_numpy(table_i64).to(device)
-    return (views[0], views[1].view(-1, K.ITEM_FIELDS), views[2].view(-1, K.GATHER_FIELDS),
-            views[3].view(-1, K.MROW_FIELDS), table_dev)
+        views[4] = torch.from_numpy(table_i64).to(device)
+    return tuple(views)
 
 
 def _copy_table(dst: np.ndarray, table: np.ndarray, cols: int) -> None:
@@ -394,6 +395,6 @@ def plan(
         stats=dict(num_shared_nodes=len(nodes), num_units=work.num_units, num_merge_rows=num_mrows,
                    num_ws_rows=work.num_ws_rows,
                    num_sms=num_sms, critical_path=critical_path(
-                       work.items[:, K.ITEM_KV_END].astype(np.int64) - work.items[:, K.ITEM_KV_START],
+                       work.items[:, K.ITEM_KV_END] - work.items[:, K.ITEM_KV_START],  # both in [0, 2^31)
                        num_kv_heads=num_kv_heads, num_sms=num_sms)),
     )

@@ -283,6 +283,8 @@ def _host_array(name: str, t: torch.Tensor) -> np.ndarray:
     """A host numpy view (CPU tensors) or copy (device tensors) of an index tensor, in its own dtype."""
     if t.device.type == "meta":
         raise ValueError(f"{name}: expected a tensor with data (cpu or cuda), got a meta tensor")
+    if t.device.type == "cpu":
+        return t.numpy()  # index dtypes never carry autograd: no detach (each torch call is ~1 us)
     return t.detach().to("cpu").numpy()
 
 
@@ -290,4 +292,4 @@ def _host_int64(name: str, t: torch.Tensor) -> np.ndarray:
     """A host int64 numpy copy of an index tensor (one device->host copy for device tensors)."""
     if t.device.type == "meta":
         raise ValueError(f"{name}: expected a tensor with data (cpu or cuda), got a meta tensor")
-    return t.detach().to("cpu").numpy().astype(np.int64)
+    return _host_array(name, t).astype(np.int64)

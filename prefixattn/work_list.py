@@ -163,12 +163,14 @@ def _suffix_tiles(q_start, q_len, kv_len, suffix_start, causal, rows_per_suffix)
     first = np.cumsum(tiles_per_req) - tiles_per_req
     kv = kv_len[req]
     if causal:
-        qpos = kv - q_len[req] + row0
+        qpos = kv - q_len[req]
+        if isinstance(row0, np.ndarray):
+            qpos += row0
         hi = qpos + rows
     else:
         hi = qpos = kv  # every row sees the whole range: the causal loop stays empty
-    return _Tiles(req=req, first=first, row0=row0, rows=rows, tok0=q_start[req] + row0, lo=suffix_start[req], hi=hi,
-                  qpos=qpos)
+    tok0 = q_start[req] + row0 if isinstance(row0, np.ndarray) else q_start[req]
+    return _Tiles(req=req, first=first, row0=row0, rows=rows, tok0=tok0, lo=suffix_start[req], hi=hi, qpos=qpos)
 
 
 def build_work_list(
@@ -250,6 +252,7 @@ def build_work_list(
     else:
         num_ws_rows = 0
         mrows = np.zeros((0, K.MROW_FIELDS), dtype=_I32)
+        tile_ws_base = tile_mrow_base = None  # no tile merges
 
     if num_nodes:
         shared_items, gather = _shared_items(
@@ -261,26 +264,32 @@ def build_work_list(
         gather = np.zeros((0, K.GATHER_FIELDS), dtype=_I32)
 
     # ---- suffix items: (suffix tile, split chunk) ------------------------------------------------------------
-    s_tile, s_c = _expand(t_pieces)
-    split = s_c.shape[0] and bool(s_c.any())
-    lo, hi = t.lo[s_tile], t.hi[s_tile]
-    s_lo, s_hi = _piece_bounds(lo, hi, s_c, t_pieces[s_tile], grain_suffix, split=bool(split))
-    rows = t.rows[s_tile]
-    it = np.empty((s_tile.shape[0] + shared_items.shape[0], K.ITEM_FIELDS), dtype=_I32)
-    it[:shared_items.shape[0]] = shared_items
-    su = it[shared_items.shape[0]:]
+    if num_tiles and t_pieces.min() == 1 and t_pieces.max() == 1:  # one item per tile: no gathers
+        s_c = 0
+        s_lo, s_hi, s_req, s_tok0, s_rows, s_qpos = t.lo, t.hi, t.req, t.tok0, t.rows, t.qpos
+        s_unit, s_ws_base, s_mrow_base, s_shared = needs_unit, tile_ws_base, tile_mrow_base, t_shared
+    else:
+        s_tile, s_c = _expand(t_pieces)
+        s_lo, s_hi = _piece_bounds(t.lo[s_tile], t.hi[s_tile], s_c, t_pieces[s_tile], grain_suffix,
+                                   split=bool(s_c.shape[0] and s_c.any()))
+        s_req, s_tok0, s_rows, s_qpos = t.req[s_tile], t.tok0[s_tile], t.rows[s_tile], t.qpos[s_tile]
+        if num_units:
+            s_unit, s_ws_base, s_mrow_base = needs_unit[s_tile], tile_ws_base[s_tile], tile_mrow_base[s_tile]
+            s_shared = t_shared[s_tile] if num_nodes else 0
+    num_suffix, num_shared = s_req.shape[0], shared_items.shape[0]
+    it = np.empty((num_suffix + num_shared, K.ITEM_FIELDS), dtype=_I32)
+    it[:num_shared] = shared_items
+    su = it[num_shared:]
     su[:, K.ITEM_KIND] = K.KIND_SUFFIX
-    su[:, K.ITEM_REQ] = t.req[s_tile]
+    su[:, K.ITEM_REQ] = s_req
     su[:, K.ITEM_KV_START] = s_lo
     su[:, K.ITEM_KV_END] = s_hi
-    su[:, K.ITEM_ROW_START] = t.tok0[s_tile]
-    su[:, K.ITEM_NUM_ROWS] = rows
-    su[:, K.ITEM_Q_POS] = t.qpos[s_tile]
+    su[:, K.ITEM_ROW_START] = s_tok0
+    su[:, K.ITEM_NUM_ROWS] = s_rows
+    su[:, K.ITEM_Q_POS] = s_qpos
     if num_units:
-        has_unit = needs_unit[s_tile]
-        s_states = t_shared[s_tile] if num_nodes else 0
-        su[:, K.ITEM_DEST] = np.where(has_unit, tile_ws_base[s_tile] + (s_states + s_c) * rows, -1)
-        su[:, K.ITEM_MROW] = np.where(has_unit, tile_mrow_base[s_tile], -1)
+        su[:, K.ITEM_DEST] = np.where(s_unit, s_ws_base + (s_shared + s_c) * s_rows, -1)
+        su[:, K.ITEM_MROW] = np.where(s_unit, s_mrow_base, -1)
     else:
         su[:, K.ITEM_DEST:K.ITEM_MROW + 1] = -1
     # Longest KV range first (LPT): the long programs start in the first wave, short ones fill the tail. A stable
