@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from prefixattn.ragged import run_lengths, run_starts
+
 #: Padding value in the row matrix: below every real id (ids are >= 0), so a row that is a prefix of another sorts
 #: first and never matches past its end.
 _PAD = -1
@@ -64,9 +66,9 @@ def _first_mismatch(rows: np.ndarray, members: np.ndarray, leaders: np.ndarray, 
     if start >= width or not members.shape[0]:
         return out
     # Group runs of one leader whose members are consecutive rows: compare slices against one broadcast row.
-    bounds = np.flatnonzero(np.r_[True, leaders[1:] != leaders[:-1], True])
-    if bounds.shape[0] - 1 <= _SLICED_GROUPS:
-        spans = [(int(lo), int(hi)) for lo, hi in zip(bounds[:-1], bounds[1:])]
+    bounds = np.flatnonzero(run_starts(leaders))
+    if bounds.shape[0] <= _SLICED_GROUPS:
+        spans = [(int(lo), int(hi)) for lo, hi in zip(bounds, [*bounds[1:].tolist(), leaders.shape[0]])]
         if all(members[hi - 1] - members[lo] == hi - lo - 1 and (np.diff(members[lo:hi]) == 1).all()
                for lo, hi in spans):
             for lo, hi in spans:
@@ -102,8 +104,8 @@ def sorted_rows_lcp(rows: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, 
     if not tied.any():
         return order, None
     lcp = np.zeros(n, dtype=np.int64)
-    starts = np.flatnonzero(np.r_[True, sorted_first[1:] != sorted_first[:-1]])
-    sizes = np.diff(np.r_[starts, n])
+    starts = np.flatnonzero(run_starts(sorted_first))
+    sizes = run_lengths(starts, n)
     keep = (sizes >= 2) & (sorted_first[starts] != _PAD)
     seg_start, seg_size, depth = starts[keep], sizes[keep], 1
     while seg_start.shape[0]:
@@ -147,10 +149,9 @@ def _refine(rows, lengths, order, lcp, seg_start, seg_size, depth):
     inner = seg_of[1:] == seg_of[:-1]
     lcp[pos[1:][inner]] = pair[inner]
     # Rows tied on (segment, side, mismatch, value) share one more column: the next round's segments.
-    tie_start = np.r_[True, (seg_of[1:] != seg_of[:-1]) | (side[1:] != side[:-1]) | (mkey[1:] != mkey[:-1])
-                      | (va[1:] != va[:-1])]
+    tie_start = run_starts(seg_of) | run_starts(side) | run_starts(mkey) | run_starts(va)
     starts = np.flatnonzero(tie_start)
-    sizes = np.diff(np.r_[starts, elems.shape[0]])
+    sizes = run_lengths(starts, elems.shape[0])
     keep = (sizes >= 2) & (side[starts] != 1)
     next_depth = int(np.abs(mkey[starts[keep]]).min()) + 1 if keep.any() else depth
     return pos[starts[keep]], sizes[keep], next_depth

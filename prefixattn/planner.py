@@ -26,7 +26,8 @@ from prefixattn.kernels import layout as K
 from prefixattn.split_rule import critical_path
 from prefixattn.validation import (SUPPORTED_DTYPES, canonical_device, check_head_dim, check_heads,
                                    check_host_metadata)
-from prefixattn.work_list import SharedNode, SharedNodes, WorkList, ragged_arange, build_work_list
+from prefixattn.ragged import offsets, ragged_arange
+from prefixattn.work_list import SharedNode, SharedNodes, WorkList, build_work_list
 
 #: Bytes of one fp32 number: partial states (o, lse) are kept in fp32 whatever the input dtype.
 FP32_BYTES = 4
@@ -182,11 +183,11 @@ def select_shared_nodes(tree: LcpTree, *, shareable: np.ndarray, q_len: np.ndarr
         return SharedNodes.empty(), suffix_start
     # Nodes are intervals [lb, rb] of the sorted order: one reduceat over (lb, rb + 1) pairs gives every node's
     # minimum shareable length (the +inf sentinel makes rb + 1 == n a valid index).
-    sorted_shareable = np.r_[shareable[tree.order], np.iinfo(np.int64).max]
+    sorted_shareable = np.append(shareable[tree.order], np.iinfo(np.int64).max)
     bounds = np.stack([tree.lb, tree.rb + 1], axis=1).ravel()
     min_shareable = np.minimum.reduceat(sorted_shareable, bounds)[::2]
     ends = np.minimum(tree.depth * block_size, min_shareable)
-    cum_rows = np.r_[0, np.cumsum(q_len[tree.order])]
+    cum_rows = offsets(q_len[tree.order])
     rows = cum_rows[tree.rb + 1] - cum_rows[tree.lb]
     sizes = tree.rb - tree.lb + 1
     level = _node_levels(tree.parent)
@@ -216,7 +217,7 @@ def select_shared_nodes(tree: LcpTree, *, shareable: np.ndarray, q_len: np.ndarr
     members = np.sort(node_of * q_len.shape[0] + members) - node_of * q_len.shape[0]
     np.maximum.at(suffix_start, members, np.repeat(ends[kept], counts))  # deeper kept nodes end later
     nodes = SharedNodes(kv_start=start[kept], kv_end=ends[kept], depth_blocks=tree.depth[kept],
-                        offsets=np.r_[0, np.cumsum(counts)], members=members)
+                        offsets=offsets(counts), members=members)
     return nodes, suffix_start
 
 
@@ -230,19 +231,19 @@ def _metadata_to_device(work: WorkList, table: np.ndarray, width: int, device: t
     table_fits = table.dtype == np.int32 or rows * cols == 0 or int(table[:, :cols].max()) <= np.iinfo(np.int32).max
     parts = (work.items, work.gather, work.mrows)
     sizes = [1] + [p.size for p in parts] + [rows * width if table_fits else 0]
-    offsets = np.cumsum([0] + sizes).tolist()
-    flat = np.empty(max(offsets[-1], 1), dtype=np.int32)
+    bounds = np.cumsum([0] + sizes).tolist()
+    flat = np.empty(max(bounds[-1], 1), dtype=np.int32)
     flat[0] = work.num_items
     for k, p in enumerate(parts, start=1):
-        flat[offsets[k]:offsets[k + 1]] = p.ravel()
+        flat[bounds[k]:bounds[k + 1]] = p.ravel()
     if table_fits:
-        _copy_table(flat[offsets[4]:offsets[5]].reshape(rows, width), table, cols)
+        _copy_table(flat[bounds[4]:bounds[5]].reshape(rows, width), table, cols)
     shapes = [(1,), (-1, K.ITEM_FIELDS), (-1, K.GATHER_FIELDS), (-1, K.MROW_FIELDS), (rows, width if table_fits else 0)]
     if device.type == "cpu":  # views of the host buffer itself (torch slicing costs ~1 us per call)
-        views = [torch.from_numpy(flat[offsets[k]:offsets[k + 1]].reshape(shapes[k])) for k in range(5)]
+        views = [torch.from_numpy(flat[bounds[k]:bounds[k + 1]].reshape(shapes[k])) for k in range(5)]
     else:
         dev = torch.from_numpy(flat).to(device)
-        views = [dev[offsets[k]:offsets[k + 1]].view(shapes[k]) for k in range(5)]
+        views = [dev[bounds[k]:bounds[k + 1]].view(shapes[k]) for k in range(5)]
     if not table_fits:
         table_i64 = np.empty((rows, width), dtype=np.int64)
         _copy_table(table_i64, table, cols)

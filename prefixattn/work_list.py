@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from prefixattn.kernels import layout as K
+from prefixattn.ragged import expand as _expand, offsets, ragged_arange, run_starts  # noqa: F401 (re-export)
 from prefixattn.split_rule import split_ranges
 
 _I32 = np.int32
@@ -86,31 +87,6 @@ class WorkList:
         return int(self.items.shape[0])
 
 
-def _exclusive_cumsum(x: np.ndarray) -> np.ndarray:
-    out = np.zeros(x.shape[0], dtype=np.int64)
-    if x.shape[0] > 1:
-        np.cumsum(x[:-1], out=out[1:])
-    return out
-
-
-def ragged_arange(lengths: np.ndarray) -> np.ndarray:
-    """``concat(arange(n) for n in lengths)`` without a Python loop."""
-    total = int(lengths.sum())
-    if total == 0 or lengths.max() <= 1:  # decode batches and unsplit ranges: all zeros, skip the repeat
-        return np.zeros(total, dtype=np.int64)
-    return np.arange(total, dtype=np.int64) - np.repeat(_exclusive_cumsum(lengths), lengths)
-
-
-def _expand(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(owner, rank)``: entry ``i`` repeated ``counts[i]`` times, and each copy's index within its entry
-    (``np.repeat(arange, counts)`` and :func:`ragged_arange`), with no repeat when every count is 0 or 1 (decode
-    rows, unsplit ranges, single-tile nodes: the common case, ~10 us saved per plan)."""
-    if counts.shape[0] and counts.max() > 1:
-        return np.repeat(np.arange(counts.shape[0], dtype=np.int64), counts), ragged_arange(counts)
-    owner = np.flatnonzero(counts)
-    return owner, np.zeros(owner.shape[0], dtype=np.int64)
-
-
 def _piece_bounds(lo, hi, piece, pieces, block_n: int, split: bool = True):
     """[start, end) of piece ``piece`` of ``pieces`` over [lo, hi): whole KV tiles dealt out evenly (the last piece
     takes the partial tile), so pieces differ by at most one tile. ``split=False``: one piece per range. ``block_n``
@@ -130,7 +106,7 @@ def _slot_bases(mem_req: np.ndarray, mem_pieces: np.ndarray) -> np.ndarray:
     pieces = mem_pieces[by_req]
     csum = np.cumsum(pieces) - pieces
     reqs = mem_req[by_req]
-    run_start = np.r_[True, reqs[1:] != reqs[:-1]]
+    run_start = run_starts(reqs)
     base = np.empty_like(mem_req)
     base[by_req] = csum - csum[run_start][np.cumsum(run_start) - 1]
     return base
@@ -206,7 +182,7 @@ def build_work_list(
     node_size = np.diff(nodes.offsets)
     if num_nodes:
         mem_ql = q_len[mem_req]
-        row_off = np.r_[0, np.cumsum(mem_ql)]  # packed rows: members' query rows, node by node
+        row_off = offsets(mem_ql)  # packed rows: members' query rows, node by node
         node_rows = row_off[nodes.offsets[1:]] - row_off[nodes.offsets[:-1]]
     else:
         node_rows = node_size
