@@ -34,6 +34,7 @@ if str(ROOT) not in sys.path:
 
 from prefixattn import plan  # noqa: E402
 from prefixattn.autotune.lookup import fixed_config  # noqa: E402
+from prefixattn.block_tree import clear_tree_cache  # noqa: E402
 from shapes import build_batch, fig8_shapes  # noqa: E402
 from tests.prefix_batches import make_batch, random_batch  # noqa: E402
 
@@ -160,8 +161,17 @@ def plan_digests(p) -> dict:
 
 def run_case(config_key, thunk) -> dict:
     indptr, lens, table, opts = thunk()
+    clear_tree_cache()  # cold: the tree is built
     with fixed_config(CONFIGS[config_key]):
         return plan_digests(plan(indptr, lens, table, **opts))
+
+
+def run_case_twice(config_key, thunk) -> tuple[dict, dict]:
+    """Digests of a cold plan and of the same batch planned again (the planner may reuse its last tree)."""
+    cold = run_case(config_key, thunk)
+    indptr, lens, table, opts = thunk()
+    with fixed_config(CONFIGS[config_key]):
+        return cold, plan_digests(plan(indptr, lens, table, **opts))
 
 
 CASES = _cases()
@@ -178,9 +188,33 @@ def test_golden_covers_every_case(golden):
 
 @pytest.mark.parametrize("name,config_key,thunk", CASES, ids=[c[0] for c in CASES])
 def test_plan_output_unchanged(golden, name, config_key, thunk):
-    got = run_case(config_key, thunk)
-    changed = {k: (golden[name][k], v) for k, v in got.items() if golden[name][k] != v}
-    assert not changed, f"{name}: plan fields changed (group: (golden, now)): {changed}"
+    for when, got in zip(("cold", "replanned"), run_case_twice(config_key, thunk)):
+        changed = {k: (golden[name][k], v) for k, v in got.items() if golden[name][k] != v}
+        assert not changed, f"{name} ({when}): plan fields changed (group: (golden, now)): {changed}"
+
+
+@pytest.mark.parametrize("per_group", [0, 3])
+def test_decode_loop_matches_cold_plans(per_group):
+    """A decode loop (each step every request one token longer, a new block on a boundary) planned step after step
+    (the planner may reuse its last tree) gives the plans of cold plans of the same steps."""
+    from shapes import Shape
+
+    shape = Shape(scenario="decode", num_decode=12, num_prefill=0, shared=64, distinct=13, per_group=per_group,
+                  num_qo_heads=8, num_kv_heads=2, head_dim=64, block_size=4)
+    b = build_batch(shape, metadata_only=True)
+    lens = b.kv_lens.numpy().astype(np.int64)
+    fresh = b.num_blocks + np.arange(lens.shape[0] * 8).reshape(lens.shape[0], 8)
+    table = torch.from_numpy(np.concatenate([b.block_table.numpy(), fresh.astype(np.int32)], axis=1))
+    opts = dict(block_size=4, num_qo_heads=8, num_kv_heads=2, head_dim=64, sharing="always")
+    clear_tree_cache()
+    with fixed_config(CONFIGS["dec"]):
+        for step in range(1, 30):
+            step_lens = torch.from_numpy((lens + step).astype(np.int32))
+            warm = plan_digests(plan(b.qo_indptr, step_lens, table, **opts))
+            clear_tree_cache()
+            cold = plan_digests(plan(b.qo_indptr, step_lens, table, **opts))
+            assert warm == cold, f"step {step}"
+            plan(b.qo_indptr, b.kv_lens + step - 1, table, **opts)  # the previous step again: the tree to reuse
 
 
 if __name__ == "__main__":
