@@ -26,7 +26,7 @@ from prefixattn.kernels import layout as K
 from prefixattn.split_rule import critical_path
 from prefixattn.validation import (SUPPORTED_DTYPES, canonical_device, check_head_dim, check_heads,
                                    check_host_metadata)
-from prefixattn.ragged import offsets, ragged_arange
+from prefixattn.ragged import expand, offsets
 from prefixattn.work_list import SharedNode, SharedNodes, WorkList, build_work_list
 
 #: Bytes of one fp32 number: partial states (o, lse) are kept in fp32 whatever the input dtype.
@@ -183,23 +183,30 @@ def select_shared_nodes(tree: LcpTree, *, shareable: np.ndarray, q_len: np.ndarr
         return SharedNodes.empty(), suffix_start
     # Nodes are intervals [lb, rb] of the sorted order: one reduceat over (lb, rb + 1) pairs gives every node's
     # minimum shareable length (the +inf sentinel makes rb + 1 == n a valid index).
-    sorted_shareable = np.append(shareable[tree.order], np.iinfo(np.int64).max)
-    bounds = np.stack([tree.lb, tree.rb + 1], axis=1).ravel()
+    n = tree.order.shape[0]
+    sorted_shareable = np.empty(n + 1, dtype=np.int64)
+    sorted_shareable[:n] = shareable[tree.order]
+    sorted_shareable[n] = np.iinfo(np.int64).max
+    bounds = np.empty(2 * num_nodes, dtype=np.int64)
+    bounds[0::2] = tree.lb
+    bounds[1::2] = tree.rb + 1
     min_shareable = np.minimum.reduceat(sorted_shareable, bounds)[::2]
     ends = np.minimum(tree.depth * block_size, min_shareable)
     cum_rows = offsets(q_len[tree.order])
     rows = cum_rows[tree.rb + 1] - cum_rows[tree.lb]
     sizes = tree.rb - tree.lb + 1
-    level = _node_levels(tree.parent)
+    one_level = bool((tree.parent < 0).all())  # one level of sharing (disjoint nodes): the common case
+    level = np.zeros(num_nodes, dtype=np.int64) if one_level else _node_levels(tree.parent)
     # A node starts where its nearest kept ancestor ends; a dropped node passes its own start down, so its tokens
     # go back to its children or to the requests' suffixes.
     start = np.zeros(num_nodes, dtype=np.int64)
     effective_end = np.zeros(num_nodes, dtype=np.int64)
     keep = np.zeros(num_nodes, dtype=bool)
     for depth in range(int(level.max()) + 1):
-        idx = np.flatnonzero(level == depth)
-        parent = tree.parent[idx]
-        start[idx] = np.where(parent >= 0, effective_end[np.maximum(parent, 0)], 0)
+        idx = slice(None) if one_level else np.flatnonzero(level == depth)
+        if not one_level:
+            parent = tree.parent[idx]
+            start[idx] = np.where(parent >= 0, effective_end[np.maximum(parent, 0)], 0)
         tokens = ends[idx] - start[idx]
         ok = tokens > 0
         if sharing == "auto":
@@ -207,16 +214,23 @@ def select_shared_nodes(tree: LcpTree, *, shareable: np.ndarray, q_len: np.ndarr
                                    num_m_tiles=-(-rows[idx] // rows_per_shared), num_tokens=tokens, group=group,
                                    head_dim=head_dim, elt_bytes=elt_bytes)
         keep[idx] = ok
-        effective_end[idx] = np.where(ok, ends[idx], start[idx])
+        if not one_level:
+            effective_end[idx] = np.where(ok, ends[idx], start[idx])
     kept = np.flatnonzero(keep)
-    kept = kept[np.argsort(level[kept], kind="stable")]  # top-down
+    if not one_level:
+        kept = kept[np.argsort(level[kept], kind="stable")]  # top-down
     counts = sizes[kept]
-    node_of = np.repeat(np.arange(kept.shape[0], dtype=np.int64), counts)
-    members = tree.order[np.repeat(tree.lb[kept], counts) + ragged_arange(counts)]
+    node_of, rank = expand(counts)
+    members = tree.order[tree.lb[kept][node_of] + rank]
     # Requests ascending within each node: one sort of (node, request) keys.
-    members = np.sort(node_of * q_len.shape[0] + members) - node_of * q_len.shape[0]
-    np.maximum.at(suffix_start, members, np.repeat(ends[kept], counts))  # deeper kept nodes end later
-    nodes = SharedNodes(kv_start=start[kept], kv_end=ends[kept], depth_blocks=tree.depth[kept],
+    key = node_of * q_len.shape[0]
+    members = np.sort(key + members) - key
+    kept_ends = ends[kept]
+    if one_level:  # disjoint nodes: each request in at most one
+        suffix_start[members] = kept_ends[node_of]
+    else:
+        np.maximum.at(suffix_start, members, kept_ends[node_of])  # deeper kept nodes end later
+    nodes = SharedNodes(kv_start=start[kept], kv_end=kept_ends, depth_blocks=tree.depth[kept],
                         offsets=offsets(counts), members=members)
     return nodes, suffix_start
 
