@@ -200,6 +200,8 @@ def build_work_list(
     if num_nodes:
         mem_pieces = np.repeat(n_pieces, node_size)
         shared_states = np.bincount(mem_req, weights=mem_pieces, minlength=num_reqs).astype(np.int64)
+        # A request in one node only (one level of sharing) has its shared states from slot 0.
+        nested = bool(np.bincount(mem_req, minlength=num_reqs).max() > 1)
         t_shared = shared_states[t.req]
         needs_unit = (t_shared > 0) | (t_pieces > 1)
     else:
@@ -233,7 +235,7 @@ def build_work_list(
     if num_nodes:
         shared_items, gather = _shared_items(
             t, nodes, node_rows, node_mtiles, n_pieces, grain_shared, mem_ql, row_off,
-            _slot_bases(mem_req, mem_pieces), tile_ws_base, tile_mrow_base, q_start, rows_per_suffix,
+            _slot_bases(mem_req, mem_pieces) if nested else np.zeros_like(mem_req), tile_ws_base, tile_mrow_base, q_start, rows_per_suffix,
             rows_per_shared)
     else:  # plain paged attention: skip ~30 numpy calls on empty arrays
         shared_items = np.zeros((0, K.ITEM_FIELDS), dtype=_I32)
@@ -290,19 +292,27 @@ def _shared_items(t: _Tiles, nodes: SharedNodes, node_rows, node_mtiles, n_piece
     ws0 = tile_ws_base[tile] + mem_slot_base[row_mem] * tile_rows + in_tile
     mrow = tile_mrow_base[tile] + in_tile
     # One segment per (node, split piece): it repeats the node's packed rows.
-    seg_node, seg_c = _expand(n_pieces)
-    seg_rows = node_rows[seg_node]
+    split = bool((n_pieces > 1).any())
+    if split:
+        seg_node, seg_c = _expand(n_pieces)
+        seg_rows = node_rows[seg_node]
+        g_seg, g_i = _expand(seg_rows)
+        g_row = row_off[nodes.offsets[:-1]][seg_node][g_seg] + g_i
+        gather = np.empty((g_row.shape[0], K.GATHER_FIELDS), dtype=_I32)
+        gather[:, K.GATHER_TOKEN] = tok[g_row]
+        gather[:, K.GATHER_WS_ROW] = ws0[g_row] + seg_c[g_seg] * tile_rows[g_row]
+        gather[:, K.GATHER_MROW] = mrow[g_row]
+    else:  # one segment per node (n_pieces is 1: nodes have KV): the packed rows in order, no gathers
+        seg_node, seg_c, seg_rows = np.arange(node_rows.shape[0], dtype=np.int64), 0, node_rows
+        gather = np.empty((tok.shape[0], K.GATHER_FIELDS), dtype=_I32)
+        gather[:, K.GATHER_TOKEN] = tok
+        gather[:, K.GATHER_WS_ROW] = ws0
+        gather[:, K.GATHER_MROW] = mrow
     seg_gather_off = np.cumsum(seg_rows) - seg_rows
-    g_seg, g_i = _expand(seg_rows)
-    g_row = row_off[nodes.offsets[:-1]][seg_node][g_seg] + g_i
-    gather = np.empty((g_row.shape[0], K.GATHER_FIELDS), dtype=_I32)
-    gather[:, K.GATHER_TOKEN] = tok[g_row]
-    gather[:, K.GATHER_WS_ROW] = ws0[g_row] + seg_c[g_seg] * tile_rows[g_row]
-    gather[:, K.GATHER_MROW] = mrow[g_row]
     i_seg, i_mt = _expand(node_mtiles[seg_node])
-    i_node, i_c = seg_node[i_seg], seg_c[i_seg]
+    i_node, i_c = seg_node[i_seg], (seg_c[i_seg] if split else 0)
     kv_lo, kv_hi = _piece_bounds(nodes.kv_start[i_node], nodes.kv_end[i_node], i_c, n_pieces[i_node], grain_shared,
-                                 split=bool((n_pieces > 1).any()))
+                                 split=split)
     node_end = nodes.kv_end[i_node]
     items = np.empty((i_seg.shape[0], K.ITEM_FIELDS), dtype=_I32)
     items[:, K.ITEM_KIND] = K.KIND_SHARED
