@@ -253,11 +253,10 @@ def _metadata_to_device(work: WorkList, table: np.ndarray, width: int, device: t
     if table_fits:
         _copy_table(flat[bounds[4]:bounds[5]].reshape(rows, width), table, cols)
     shapes = [(1,), (-1, K.ITEM_FIELDS), (-1, K.GATHER_FIELDS), (-1, K.MROW_FIELDS), (rows, width if table_fits else 0)]
-    if device.type == "cpu":  # views of the host buffer itself (torch slicing costs ~1 us per call)
-        views = [torch.from_numpy(flat[bounds[k]:bounds[k + 1]].reshape(shapes[k])) for k in range(5)]
-    else:
-        dev = torch.from_numpy(flat).to(device)
-        views = [dev[bounds[k]:bounds[k + 1]].view(shapes[k]) for k in range(5)]
+    # Views of one tensor: every table shares its storage (the interpreter copies a pointer argument's whole
+    # storage; a tensor of a 0-element numpy slice has a 0-byte one).
+    dev = torch.from_numpy(flat).to(device)
+    views = [dev[bounds[k]:bounds[k + 1]].view(shapes[k]) for k in range(5)]
     if not table_fits:
         table_i64 = np.empty((rows, width), dtype=np.int64)
         _copy_table(table_i64, table, cols)

@@ -222,6 +222,10 @@ def check_host_metadata(
     return indptr, lens, table, max_block_id
 
 
+#: Per index itemsize: the unsigned dtype of the same width and the end of the signed range (2^(bits-1)).
+_UNSIGNED = {4: (np.dtype(np.uint32), 2 ** 31), 8: (np.dtype(np.uint64), 2 ** 63)}
+
+
 def _used_id_bounds(table: np.ndarray, blocks_needed: np.ndarray, num_blocks: int | None) -> int:
     """Check the used entries of ``table`` (``[num_requests, max_blocks]``) and return the largest used id.
 
@@ -232,10 +236,11 @@ def _used_id_bounds(table: np.ndarray, blocks_needed: np.ndarray, num_blocks: in
     upper = num_blocks if num_blocks is not None else np.iinfo(np.int64).max
     # One pass: as unsigned, a negative id is above every valid one, so the unsigned maximum below
     # min(upper, 2^(bits-1)) proves every entry is in [0, upper) (same argmax as the signed one when it holds).
-    unsigned = table.view(np.dtype(f"u{table.dtype.itemsize}"))
-    flat_max = int(np.argmax(unsigned))
+    unsigned_dtype, signed_end = _UNSIGNED[table.dtype.itemsize]
+    unsigned = table.view(unsigned_dtype)
+    flat_max = int(unsigned.argmax())
     r, j = divmod(flat_max, table.shape[1])
-    if int(unsigned[r, j]) < min(upper, int(np.iinfo(table.dtype).max) + 1) and j < blocks_needed[r]:
+    if int(unsigned[r, j]) < min(upper, signed_end) and j < blocks_needed[r]:
         return int(table[r, j])
     used = np.arange(table.shape[1])[None, :] < blocks_needed[:, None]
     masked = np.where(used, table, 0)
