@@ -98,7 +98,7 @@ def sorted_rows_lcp(rows: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, 
     """
     n, width = rows.shape
     first = np.where(lengths > 0, rows[:, 0], _PAD) if width else np.full(n, _PAD)
-    order = np.argsort(first, kind="stable").astype(np.int64)
+    order = np.argsort(first, kind="stable").astype(np.int64, copy=False)
     sorted_first = first[order]
     tied = (sorted_first[1:] == sorted_first[:-1]) & (sorted_first[1:] != _PAD)
     if not tied.any():

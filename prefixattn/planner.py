@@ -13,6 +13,7 @@ Steps (numpy, vectorized over requests; Python loops only over tree change point
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -245,7 +246,7 @@ def _metadata_to_device(work: WorkList, table: np.ndarray, width: int, device: t
     table_fits = table.dtype == np.int32 or rows * cols == 0 or int(table[:, :cols].max()) <= np.iinfo(np.int32).max
     parts = (work.items, work.gather, work.mrows)
     sizes = [1] + [p.size for p in parts] + [rows * width if table_fits else 0]
-    bounds = np.cumsum([0] + sizes).tolist()
+    bounds = list(itertools.accumulate(sizes, initial=0))
     flat = np.empty(max(bounds[-1], 1), dtype=np.int32)
     flat[0] = work.num_items
     for k, p in enumerate(parts, start=1):
@@ -256,7 +257,7 @@ def _metadata_to_device(work: WorkList, table: np.ndarray, width: int, device: t
     # Views of one tensor: every table shares its storage (the interpreter copies a pointer argument's whole
     # storage; a tensor of a 0-element numpy slice has a 0-byte one).
     dev = torch.from_numpy(flat).to(device)
-    views = [dev[bounds[k]:bounds[k + 1]].view(shapes[k]) for k in range(5)]
+    views = [v.view(shape) for v, shape in zip(dev[:bounds[-1]].split(sizes), shapes)]
     if not table_fits:
         table_i64 = np.empty((rows, width), dtype=np.int64)
         _copy_table(table_i64, table, cols)
@@ -383,7 +384,7 @@ def plan(
         num_sms=num_sms, min_split_tokens=min_split_tokens)
 
     # One host->device copy of all int32 metadata (the block table joins it when its ids fit in int32).
-    width = max(int(((lens + block_size - 1) // block_size).max()) if lens.shape[0] else 0, 1)
+    width = max(-(-int(lens.max()) // block_size) if lens.shape[0] else 0, 1)  # blocks of the longest request
     num_items_dev, items, gather, mrows, table_dev = _metadata_to_device(work, table, width, device)
     num_mrows = work.mrows.shape[0]
     # Workspace only where some rows merge; a 1-element placeholder keeps the kernel's pointers valid otherwise.
