@@ -69,7 +69,7 @@ def _first_mismatch(rows: np.ndarray, members: np.ndarray, leaders: np.ndarray, 
     bounds = np.flatnonzero(run_starts(leaders))
     if bounds.shape[0] <= _SLICED_GROUPS:
         spans = [(int(lo), int(hi)) for lo, hi in zip(bounds, [*bounds[1:].tolist(), leaders.shape[0]])]
-        if all(members[hi - 1] - members[lo] == hi - lo - 1 and (np.diff(members[lo:hi]) == 1).all()
+        if all(members[hi - 1] - members[lo] == hi - lo - 1 and (members[lo + 1:hi] - members[lo:hi - 1] == 1).all()
                for lo, hi in spans):
             for lo, hi in spans:
                 diff = rows[members[lo]:members[hi - 1] + 1, start:] != rows[leaders[lo], start:]

@@ -47,8 +47,12 @@ def fair_share(lengths: np.ndarray, programs: np.ndarray, *, num_kv_heads: int, 
         None: one each.
     """
     # Integer sums are exact (and equal to the float64 sum below 2^53 tokens): no float copies.
-    total = float(lengths.sum() if programs is None else (lengths.astype(np.int64) * programs).sum()) * num_kv_heads
-    return total / num_sms
+    tokens = int(lengths.sum() if programs is None else (lengths.astype(np.int64) * programs).sum())
+    return _fair_share_of(tokens, num_kv_heads=num_kv_heads, num_sms=num_sms)
+
+
+def _fair_share_of(tokens: int, *, num_kv_heads: int, num_sms: int) -> float:
+    return float(tokens) * num_kv_heads / num_sms
 
 
 def piece_budget(fair: float, *, min_split_tokens: int) -> float:
@@ -118,7 +122,7 @@ def split_ranges(*, node_lengths: np.ndarray, node_m_tiles: np.ndarray, tile_len
     budget; the grains are the tile widths of each kind (:func:`split_grain`).
     """
     tokens = int(tile_lengths.sum()) + (int((node_lengths * node_m_tiles).sum()) if node_lengths.shape[0] else 0)
-    fair = fair_share(np.array([tokens]), None, num_kv_heads=num_kv_heads, num_sms=num_sms)  # one rounding
+    fair = _fair_share_of(tokens, num_kv_heads=num_kv_heads, num_sms=num_sms)  # one rounding, as one sum
     budget = piece_budget(fair, min_split_tokens=min_split_tokens)
     shared_grain = split_grain(block_n_shared, budget)
     suffix_grain = split_grain(block_n_suffix, budget)

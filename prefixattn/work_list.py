@@ -179,7 +179,7 @@ def build_work_list(
     # ---- shared nodes as flat arrays: one entry per (node, member request), nodes in top-down order ----------
     num_nodes = len(nodes)
     mem_req = nodes.members
-    node_size = np.diff(nodes.offsets)
+    node_size = nodes.offsets[1:] - nodes.offsets[:-1]
     if num_nodes:
         mem_ql = q_len[mem_req]
         row_off = offsets(mem_ql)  # packed rows: members' query rows, node by node
