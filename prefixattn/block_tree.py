@@ -11,6 +11,7 @@ as a chain of nodes with no grouping input.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -234,12 +235,11 @@ def block_prefix_tree(block_table: np.ndarray, shareable_lens: np.ndarray, block
     -------
     LcpTree over the rows ``block_table[r, :ceil(shareable_lens[r] / block_size)]``; a node's ``depth`` is in blocks.
     """
-    global _last_tree
     shareable_lens = np.asarray(shareable_lens, dtype=np.int64)
     num_blocks = (shareable_lens + block_size - 1) // block_size
     width = int(num_blocks.max()) if num_blocks.shape[0] else 0
     rows = np.asarray(block_table)[:, :width]
-    last = _last_tree  # one read: another thread may replace it, never mutate it
+    last = getattr(_last_tree, "entry", None)
     if (last is not None and last[1].shape == num_blocks.shape and last[0].shape == rows.shape
             and (last[1] == num_blocks).all() and (last[0] == rows).all()):
         return last[2]
@@ -247,18 +247,22 @@ def block_prefix_tree(block_table: np.ndarray, shareable_lens: np.ndarray, block
     if tree.num_nodes:
         for a in (tree.order, tree.lcp, tree.depth, tree.lb, tree.rb, tree.parent):
             a.flags.writeable = False  # shared by the plans of every step that reuses it
-        _last_tree = (rows.copy(), num_blocks, tree)
+        # The replaced entry's row buffer is reused (a fresh 2 MB buffer costs its page faults: ~2x the copy).
+        same = last is not None and last[0].shape == rows.shape and last[0].dtype == rows.dtype
+        buffer = last[0] if same else np.empty(rows.shape, dtype=rows.dtype)
+        np.copyto(buffer, rows)
+        _last_tree.entry = (buffer, num_blocks, tree)
     return tree
 
 
-#: The last tree with nodes, with the rows and block counts it was built from. An engine's decode loop replans the
-#: same shareable rows every step until a request's shareable KV crosses a block boundary (at block size 16, 15 of
-#: 16 steps when the requests' lengths are aligned); a tree costs ~40 numpy calls (~150 us on the 2-core host), the
-#: check two comparisons. Reused only on equal rows: the tree depends on nothing else.
-_last_tree: tuple | None = None
+#: Per thread, the last tree with nodes, with the rows and block counts it was built from. An engine's decode loop
+#: replans the same shareable rows every step until a request's shareable KV crosses a block boundary (at block
+#: size 16, 15 of 16 steps when the requests' lengths are aligned); a tree costs ~40 numpy calls (~150 us on the
+#: 2-core host) and, for long prefixes, a pass over the rows; the check is two comparisons. Reused only on equal rows
+#: (the tree depends on nothing else), never across threads.
+_last_tree = threading.local()
 
 
 def clear_tree_cache() -> None:
-    """Forget the last tree (benchmarks time cold plans with it)."""
-    global _last_tree
-    _last_tree = None
+    """Forget this thread's last tree (benchmarks time cold plans with it)."""
+    _last_tree.entry = None
