@@ -170,6 +170,12 @@ def tree_from_lcp(lcp: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, 
     ext = np.zeros(n + 1, dtype=np.int64)  # ext[i] = lcp[i] for 1 <= i < n; ext[n] = 0 closes every open interval
     ext[1:n] = lcp[1:]
     changes = np.flatnonzero(ext[1:] != ext[:-1]) + 1
+    values = ext[changes]
+    if not (values[1::2] != 0).any() and (values[0::2] != 0).all():
+        # One level (runs of one nonzero LCP between zeros: disjoint groups): run k opens at changes[2k] and closes
+        # at changes[2k + 1], as the stack below would find it, with no Python loop.
+        opens, closes = changes[0::2], changes[1::2]
+        return values[0::2].copy(), opens - 1, closes - 1, np.full(opens.shape[0], -1, dtype=np.int64)
     depth: list[int] = []
     lbs: list[int] = []
     rbs: list[int] = []
