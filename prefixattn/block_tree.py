@@ -71,7 +71,7 @@ def _first_mismatch(rows: np.ndarray, members: np.ndarray, leaders: np.ndarray) 
     if not width or not members.shape[0]:
         return out
     # Group runs of one leader whose members are consecutive rows: compare slices against one broadcast row.
-    bounds = np.flatnonzero(run_starts(leaders))
+    bounds = run_starts(leaders).nonzero()[0]
     if bounds.shape[0] <= _SLICED_GROUPS:
         spans = [(int(lo), int(hi)) for lo, hi in zip(bounds, [*bounds[1:].tolist(), leaders.shape[0]])]
         if all(members[hi - 1] - members[lo] == hi - lo - 1 and (members[lo + 1:hi] - members[lo:hi - 1] == 1).all()
@@ -107,7 +107,7 @@ def sorted_rows_lcp(rows: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, 
     if not tied.any():
         return order, None
     lcp = np.zeros(n, dtype=np.int64)
-    starts = np.flatnonzero(run_starts(sorted_first))
+    starts = run_starts(sorted_first).nonzero()[0]
     sizes = run_lengths(starts, n)
     keep = (sizes >= 2) & (sorted_first[starts] != _PAD)
     seg_start, seg_size = starts[keep], sizes[keep]
@@ -121,9 +121,8 @@ def _refine(rows, lengths, order, lcp, seg_start, seg_size):
     ``order`` and ``lcp``) and return the segments still tied (start in ``order``, size)."""
     width = rows.shape[1]
     num_seg = seg_start.shape[0]
-    seg_of = np.repeat(np.arange(num_seg, dtype=np.int64), seg_size)
-    pos = np.arange(seg_of.shape[0], dtype=np.int64) + np.repeat(seg_start - np.cumsum(seg_size) + seg_size,
-                                                                  seg_size)
+    seg_of = np.arange(num_seg, dtype=np.int64).repeat(seg_size)
+    pos = np.arange(seg_of.shape[0], dtype=np.int64) + (seg_start - seg_size.cumsum() + seg_size).repeat(seg_size)
     elems = order[pos]
     is_leader = pos == seg_start[seg_of]
     leaders = elems[is_leader][seg_of]
@@ -153,7 +152,7 @@ def _refine(rows, lengths, order, lcp, seg_start, seg_size):
     lcp[pos[1:][inner]] = pair[inner]
     # Rows tied on (segment, side, mismatch, value) share one more column: the next round's segments.
     tie_start = run_starts(seg_of) | run_starts(side) | run_starts(mkey) | run_starts(va)
-    starts = np.flatnonzero(tie_start)
+    starts = tie_start.nonzero()[0]
     sizes = run_lengths(starts, elems.shape[0])
     keep = (sizes >= 2) & (side[starts] != 1)
     return pos[starts[keep]], sizes[keep]
@@ -169,7 +168,7 @@ def tree_from_lcp(lcp: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, 
     n = lcp.shape[0]
     ext = np.zeros(n + 1, dtype=np.int64)  # ext[i] = lcp[i] for 1 <= i < n; ext[n] = 0 closes every open interval
     ext[1:n] = lcp[1:]
-    changes = np.flatnonzero(ext[1:] != ext[:-1]) + 1
+    changes = (ext[1:] != ext[:-1]).nonzero()[0] + 1
     values = ext[changes]
     if not (values[1::2] != 0).any() and (values[0::2] != 0).all():
         # One level (runs of one nonzero LCP between zeros: disjoint groups): run k opens at changes[2k] and closes

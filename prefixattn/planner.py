@@ -204,7 +204,7 @@ def select_shared_nodes(tree: LcpTree, *, shareable: np.ndarray, q_len: np.ndarr
     effective_end = np.zeros(num_nodes, dtype=np.int64)
     keep = np.zeros(num_nodes, dtype=bool)
     for depth in range(int(level.max()) + 1):
-        idx = slice(None) if one_level else np.flatnonzero(level == depth)
+        idx = slice(None) if one_level else (level == depth).nonzero()[0]
         if not one_level:
             parent = tree.parent[idx]
             start[idx] = np.where(parent >= 0, effective_end[np.maximum(parent, 0)], 0)
@@ -217,7 +217,7 @@ def select_shared_nodes(tree: LcpTree, *, shareable: np.ndarray, q_len: np.ndarr
         keep[idx] = ok
         if not one_level:
             effective_end[idx] = np.where(ok, ends[idx], start[idx])
-    kept = np.flatnonzero(keep)
+    kept = keep.nonzero()[0]
     if not one_level:
         kept = kept[np.argsort(level[kept], kind="stable")]  # top-down
     counts = sizes[kept]

@@ -46,7 +46,7 @@ def ragged_arange(lengths: np.ndarray) -> np.ndarray:
     total = int(lengths.sum())
     if total == 0 or lengths.max() <= 1:  # decode batches and unsplit ranges: all zeros, skip the repeat
         return np.zeros(total, dtype=np.int64)
-    return np.arange(total, dtype=np.int64) - np.repeat(exclusive_cumsum(lengths), lengths)
+    return np.arange(total, dtype=np.int64) - exclusive_cumsum(lengths).repeat(lengths)
 
 
 def expand(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -54,6 +54,6 @@ def expand(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     (``np.repeat(arange, counts)`` and :func:`ragged_arange`), with no repeat when every count is 0 or 1 (decode
     rows, unsplit ranges, single-tile nodes: the common case)."""
     if counts.shape[0] and counts.max() > 1:
-        return np.repeat(np.arange(counts.shape[0], dtype=np.int64), counts), ragged_arange(counts)
-    owner = np.flatnonzero(counts)
+        return np.arange(counts.shape[0], dtype=np.int64).repeat(counts), ragged_arange(counts)
+    owner = counts.nonzero()[0]
     return owner, np.zeros(owner.shape[0], dtype=np.int64)

@@ -104,11 +104,11 @@ def _slot_bases(mem_req: np.ndarray, mem_pieces: np.ndarray) -> np.ndarray:
     cumsum within each request's memberships."""
     by_req = np.argsort(mem_req, kind="stable")
     pieces = mem_pieces[by_req]
-    csum = np.cumsum(pieces) - pieces
+    csum = pieces.cumsum() - pieces
     reqs = mem_req[by_req]
     run_start = run_starts(reqs)
     base = np.empty_like(mem_req)
-    base[by_req] = csum - csum[run_start][np.cumsum(run_start) - 1]
+    base[by_req] = csum - csum[run_start][run_start.cumsum() - 1]
     return base
 
 
@@ -134,9 +134,9 @@ def _suffix_tiles(q_start, q_len, kv_len, suffix_start, causal, rows_per_suffix)
         rows = np.minimum(rows_per_suffix, q_len[req] - row0)
     else:  # decode and short chunks: one tile per request with queries
         tiles_per_req = (q_len > 0).astype(np.int64)
-        req, row0 = np.flatnonzero(tiles_per_req), 0
+        req, row0 = tiles_per_req.nonzero()[0], 0
         rows = q_len[req]
-    first = np.cumsum(tiles_per_req) - tiles_per_req
+    first = tiles_per_req.cumsum() - tiles_per_req
     kv = kv_len[req]
     if causal:
         qpos = kv - q_len[req]
@@ -198,7 +198,7 @@ def build_work_list(
     # A request's shared states are numbered node by node (top-down): its slot base in node k is the number of
     # pieces of the earlier nodes that hold it.
     if num_nodes:
-        mem_pieces = np.repeat(n_pieces, node_size)
+        mem_pieces = n_pieces.repeat(node_size)
         shared_states = np.bincount(mem_req, weights=mem_pieces, minlength=num_reqs).astype(np.int64)
         # A request in one node only (one level of sharing) has its shared states from slot 0.
         nested = bool(np.bincount(mem_req, minlength=num_reqs).max() > 1)
@@ -208,15 +208,15 @@ def build_work_list(
         t_shared = 0
         needs_unit = t_pieces > 1
     t_states = t_shared + t_pieces
-    unit_tiles = np.flatnonzero(needs_unit)
+    unit_tiles = needs_unit.nonzero()[0]
     num_units = unit_tiles.shape[0]
     if num_units:
         unit_rows = t.rows[unit_tiles]
         unit_states = t_states[unit_tiles]
         unit_ws = unit_states * unit_rows
-        unit_ws_base = np.cumsum(unit_ws) - unit_ws
+        unit_ws_base = unit_ws.cumsum() - unit_ws
         num_ws_rows = int(unit_ws_base[-1] + unit_ws[-1])
-        unit_mrow_base = np.cumsum(unit_rows) - unit_rows
+        unit_mrow_base = unit_rows.cumsum() - unit_rows
         tile_ws_base = np.full(num_tiles, -1, dtype=np.int64)
         tile_ws_base[unit_tiles] = unit_ws_base
         tile_mrow_base = np.full(num_tiles, -1, dtype=np.int64)
@@ -308,7 +308,7 @@ def _shared_items(t: _Tiles, nodes: SharedNodes, node_rows, node_mtiles, n_piece
         gather[:, K.GATHER_TOKEN] = tok
         gather[:, K.GATHER_WS_ROW] = ws0
         gather[:, K.GATHER_MROW] = mrow
-    seg_gather_off = np.cumsum(seg_rows) - seg_rows
+    seg_gather_off = seg_rows.cumsum() - seg_rows
     i_seg, i_mt = _expand(node_mtiles[seg_node])
     i_node, i_c = seg_node[i_seg], (seg_c[i_seg] if split else 0)
     kv_lo, kv_hi = _piece_bounds(nodes.kv_start[i_node], nodes.kv_end[i_node], i_c, n_pieces[i_node], grain_shared,
