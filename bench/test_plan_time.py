@@ -80,7 +80,8 @@ def test_plan_time(results, shape, sharing):
 #: sharing and under one 2,048-token prefix shared by all.
 DECODE256 = Shape(scenario="decode", num_decode=256, num_prefill=0, shared=0, distinct=2304, per_group=1,
                   num_qo_heads=32, num_kv_heads=4, head_dim=128, paper="decode256:0/2304/1")
-HEADLINE_SHAPES = [DECODE256, replace(DECODE256, shared=2048, distinct=256, per_group=0, paper="decode256:2048/256/all")]
+HEADLINE_SHAPES = [DECODE256,
+                   replace(DECODE256, shared=2048, distinct=256, per_group=0, paper="decode256:2048/256/all")]
 #: Decode steps timed in the loop (each plans a new step, as an engine does: the planner keeps its last prefix tree
 #: and reuses it while the requests' shareable blocks are unchanged), after WARMUP_RUNS untimed ones.
 LOOP_STEPS = 60

@@ -21,6 +21,7 @@ from prefixattn.ragged import run_lengths, run_starts
 #: Padding value in the row matrix: below every real id (ids are >= 0), so a row that is a prefix of another sorts
 #: first and never matches past its end.
 _PAD = -1
+_INT64_MAX = int(np.iinfo(np.int64).max)
 
 
 @dataclass(frozen=True)
@@ -146,7 +147,7 @@ def _refine(rows, lengths, order, lcp, seg_start, seg_size):
     perm = np.lexsort((va, mkey, side, seg_of))
     elems, side, mkey, va, seg_of = elems[perm], side[perm], mkey[perm], va[perm], seg_of[perm]
     order[pos] = elems
-    mfull = np.where(side == 1, np.iinfo(np.int64).max, np.abs(mkey))
+    mfull = np.where(side == 1, _INT64_MAX, np.abs(mkey))
     pair = np.minimum(np.minimum(mfull[1:], mfull[:-1]), np.minimum(lengths[elems[1:]], lengths[elems[:-1]]))
     inner = seg_of[1:] == seg_of[:-1]
     lcp[pos[1:][inner]] = pair[inner]
@@ -251,7 +252,7 @@ def block_prefix_tree(block_table: np.ndarray, shareable_lens: np.ndarray, block
     tree = lcp_interval_tree(rows, num_blocks)
     if tree.num_nodes:
         for a in (tree.order, tree.lcp, tree.depth, tree.lb, tree.rb, tree.parent):
-            a.flags.writeable = False  # shared by the plans of every step that reuses it
+            a.setflags(write=False)  # shared by the plans of every step that reuses it
         # The replaced entry's row buffer is reused (a fresh 2 MB buffer costs its page faults: ~2x the copy).
         same = last is not None and last[0].shape == rows.shape and last[0].dtype == rows.dtype
         buffer = last[0] if same else np.empty(rows.shape, dtype=rows.dtype)

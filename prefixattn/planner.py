@@ -43,6 +43,8 @@ DEFAULT_NUM_SMS = 132
 #: below ~256 tokens per chunk that overhead is comparable to the chunk's own KV read at head_dim 128.
 MIN_SPLIT_TOKENS = 256
 _SHARING_MODES = ("auto", "always", "never")
+_INT64_MAX = int(np.iinfo(np.int64).max)
+_INT32_MAX = int(np.iinfo(np.int32).max)
 
 
 def sharing_pays_off(*, num_requests, num_rows, num_m_tiles, num_tokens, group, head_dim, elt_bytes):
@@ -187,7 +189,7 @@ def select_shared_nodes(tree: LcpTree, *, shareable: np.ndarray, q_len: np.ndarr
     n = tree.order.shape[0]
     sorted_shareable = np.empty(n + 1, dtype=np.int64)
     sorted_shareable[:n] = shareable[tree.order]
-    sorted_shareable[n] = np.iinfo(np.int64).max
+    sorted_shareable[n] = _INT64_MAX
     bounds = np.empty(2 * num_nodes, dtype=np.int64)
     bounds[0::2] = tree.lb
     bounds[1::2] = tree.rb + 1
@@ -243,7 +245,7 @@ def _metadata_to_device(work: WorkList, table: np.ndarray, width: int, device: t
     It joins the buffer when its ids fit in int32 (int32 tables always do: no scan), else it is copied as int64.
     """
     rows, cols = table.shape[0], min(width, table.shape[1])
-    table_fits = table.dtype == np.int32 or rows * cols == 0 or int(table[:, :cols].max()) <= np.iinfo(np.int32).max
+    table_fits = table.dtype == np.int32 or rows * cols == 0 or int(table[:, :cols].max()) <= _INT32_MAX
     parts = (work.items, work.gather, work.mrows)
     sizes = [1] + [p.size for p in parts] + [rows * width if table_fits else 0]
     bounds = list(itertools.accumulate(sizes, initial=0))

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from prefixattn.kernels import layout as K
-from prefixattn.ragged import expand as _expand, offsets, ragged_arange, run_starts  # noqa: F401 (re-export)
+from prefixattn.ragged import expand as _expand, offsets, run_starts
 from prefixattn.split_rule import split_ranges
 
 _I32 = np.int32
@@ -233,10 +233,12 @@ def build_work_list(
         tile_ws_base = tile_mrow_base = None  # no tile merges
 
     if num_nodes:
+        slot_base = _slot_bases(mem_req, mem_pieces) if nested else np.zeros_like(mem_req)
         shared_items, gather = _shared_items(
-            t, nodes, node_rows, node_mtiles, n_pieces, grain_shared, mem_ql, row_off,
-            _slot_bases(mem_req, mem_pieces) if nested else np.zeros_like(mem_req), tile_ws_base, tile_mrow_base, q_start, rows_per_suffix,
-            rows_per_shared)
+            t=t, nodes=nodes, node_rows=node_rows, node_mtiles=node_mtiles, n_pieces=n_pieces,
+            grain_shared=grain_shared, mem_ql=mem_ql, row_off=row_off, mem_slot_base=slot_base,
+            tile_ws_base=tile_ws_base, tile_mrow_base=tile_mrow_base, q_start=q_start,
+            rows_per_suffix=rows_per_suffix, rows_per_shared=rows_per_shared)
     else:  # plain paged attention: skip ~30 numpy calls on empty arrays
         shared_items = np.zeros((0, K.ITEM_FIELDS), dtype=_I32)
         gather = np.zeros((0, K.GATHER_FIELDS), dtype=_I32)
@@ -278,7 +280,7 @@ def build_work_list(
     return WorkList(items=it, gather=gather, mrows=mrows, num_ws_rows=num_ws_rows, num_units=num_units)
 
 
-def _shared_items(t: _Tiles, nodes: SharedNodes, node_rows, node_mtiles, n_pieces, grain_shared, mem_ql, row_off,
+def _shared_items(*, t: _Tiles, nodes: SharedNodes, node_rows, node_mtiles, n_pieces, grain_shared, mem_ql, row_off,
                   mem_slot_base, tile_ws_base, tile_mrow_base, q_start, rows_per_suffix, rows_per_shared):
     """Shared items (node, split chunk, M tile of packed rows) and their gather rows (int32 tables)."""
     mem_req = nodes.members

@@ -36,7 +36,7 @@ from prefixattn import plan  # noqa: E402
 from prefixattn.autotune.lookup import fixed_config  # noqa: E402
 from prefixattn.block_tree import clear_tree_cache  # noqa: E402
 from shapes import build_batch, fig8_shapes  # noqa: E402
-from tests.prefix_batches import make_batch, random_batch  # noqa: E402
+from tests.prefix_batches import random_batch  # noqa: E402
 
 GOLDEN = Path(__file__).with_name("plan_golden.json")
 #: Two tile sets: decode-shaped (the sm90 table's kind: 16-lane suffix tiles) and prefill-shaped (64-lane).
