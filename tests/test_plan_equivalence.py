@@ -217,6 +217,21 @@ def test_decode_loop_matches_cold_plans(per_group):
             plan(b.qo_indptr, b.kv_lens + step - 1, table, **opts)  # the previous step again: the tree to reuse
 
 
+def test_a_table_changed_in_place_is_replanned():
+    """Engines reuse their block-table buffer: a plan after an in-place change sees the new ids, never the last tree."""
+    table = torch.tensor([[1, 2, 3, 9], [1, 2, 3, 8], [1, 2, 4, 7]], dtype=torch.int32)
+    args = (torch.tensor([0, 1, 2, 3]), torch.tensor([60, 60, 60]), table)
+    opts = dict(block_size=16, num_qo_heads=4, num_kv_heads=2, head_dim=64, sharing="always")
+    with fixed_config(CONFIGS["dec"]):
+        before = plan(*args, **opts)
+        table[2, 1] = 5  # request 2 no longer shares block 2
+        after = plan(*args, **opts)
+        clear_tree_cache()
+        cold = plan(*args, **opts)
+    assert plan_digests(after) == plan_digests(cold) != plan_digests(before)
+    assert [n.requests.tolist() for n in after.shared_nodes] == [[0, 1, 2], [0, 1]]
+
+
 if __name__ == "__main__":
     if sys.argv[1:] != ["--write"]:
         sys.exit("usage: PYTHONPATH=$PWD python tests/test_plan_equivalence.py --write  (regenerates the golden file)")
