@@ -1,6 +1,10 @@
 """prefixattn.plan() on full-size BatchLLM Fig. 8 steps (host only, no kernel): plan time, and the KV bytes the
 plan's work items will read vs the unique-KV lower bound (sharing "auto" vs "never"), decode and mixed batches.
 
+Plus issue 16's plan-time targets on this host (reported, never asserted): 256 decode requests with and without a
+2,048-token shared prefix, cold (one plan of a step) and as a decode loop (each step the same requests, one token
+longer, as an engine plans them: a new block where a request crosses a block boundary).
+
 The kernel cannot run at these sizes on the interpreter; test_attention_traffic.py measures real traffic on scaled
 batches, and checks there that the planned bytes match the measured ones.
 """
@@ -9,13 +13,16 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 import prefixattn
+import torch
 from prefixattn.autotune.lookup import planning_target
-from shapes import build_batch, fig8_shapes
+from prefixattn.block_tree import clear_tree_cache
+from shapes import Shape, build_batch, fig8_shapes
 
 BENCHMARK = "plan_time"
 #: Timed plan() calls per shape after warm-up: enough for stable percentiles of a ~1 ms call.
@@ -46,6 +53,7 @@ def test_plan_time(results, shape, sharing):
             p = prefixattn.plan(batch.qo_indptr, batch.kv_lens, batch.block_table, **kwargs)
         times = []
         for _ in range(TIMED_RUNS):
+            clear_tree_cache()  # a cold plan: the same batch again would reuse its tree
             start = time.perf_counter()
             p = prefixattn.plan(batch.qo_indptr, batch.kv_lens, batch.block_table, **kwargs)
             times.append(time.perf_counter() - start)
@@ -66,3 +74,66 @@ def test_plan_time(results, shape, sharing):
     assert planned >= unique, "the plan reads less KV than the batch holds"
     if sharing == "never":
         assert not p.shared_nodes
+
+
+#: Issue 16's headline batches: 256 decodes at GQA 32:4, head_dim 128, block 16, 2,304 KV tokens each, without
+#: sharing and under one 2,048-token prefix shared by all.
+DECODE256 = Shape(scenario="decode", num_decode=256, num_prefill=0, shared=0, distinct=2304, per_group=1,
+                  num_qo_heads=32, num_kv_heads=4, head_dim=128, paper="decode256:0/2304/1")
+HEADLINE_SHAPES = [DECODE256,
+                   replace(DECODE256, shared=2048, distinct=256, per_group=0, paper="decode256:2048/256/all")]
+#: Decode steps timed in the loop (each plans a new step, as an engine does: the planner keeps its last prefix tree
+#: and reuses it while the requests' shareable blocks are unchanged), after WARMUP_RUNS untimed ones.
+LOOP_STEPS = 60
+
+
+def _decode_steps(batch, num_steps: int):
+    """Metadata of ``num_steps`` decode steps after ``batch``: every request one token longer per step, a fresh block
+    appended to a request's row when its KV crosses a block boundary (ids past the batch's cache)."""
+    bs = batch.shape.block_size
+    lens = batch.kv_lens.numpy().astype(np.int64)
+    extra = -(-(lens.max() + num_steps) // bs) - batch.block_table.shape[1]
+    fresh = batch.num_blocks + np.arange(lens.shape[0] * max(extra, 0)).reshape(lens.shape[0], -1)
+    table = torch.from_numpy(np.concatenate([batch.block_table.numpy(), fresh.astype(np.int32)], axis=1))
+    return [(batch.qo_indptr, torch.from_numpy((lens + k).astype(np.int32)), table) for k in range(1, num_steps + 1)], \
+        batch.num_blocks + fresh.size
+
+
+#: The headline rows get their own benchmark name: the report lists them as they are (bench/report.py's generic
+#: section), apart from the full-size grid's table.
+TARGETS_BENCHMARK = "plan_time_targets"
+
+
+def _report_times(results, provider, label, times):
+    for metric, value in (("plan_us_median", statistics.median(times) * 1e6),
+                          ("plan_us_p20", _percentile(times, 20) * 1e6), ("plan_us_p80", _percentile(times, 80) * 1e6)):
+        results.add(TARGETS_BENCHMARK, provider, label, metric, value, "us", device="host-cpu")
+
+
+@pytest.mark.parametrize("shape", HEADLINE_SHAPES, ids=lambda s: s.paper)
+def test_plan_time_decode256(results, shape):
+    """Issue 16's targets: <= 100 us per cold plan of 256 decodes, <= 50 us per step of a decode loop (reported)."""
+    batch = build_batch(shape, metadata_only=True)
+    steps, num_blocks = _decode_steps(batch, WARMUP_RUNS + LOOP_STEPS)
+    kwargs = dict(block_size=shape.block_size, num_qo_heads=shape.num_qo_heads, num_kv_heads=shape.num_kv_heads,
+                  head_dim=shape.head_dim, q_dtype=batch.dtype, num_blocks=num_blocks)
+    label = f"{shape.paper} [{shape.name}]"
+    with planning_target(PLAN_TARGET):
+        for _ in range(WARMUP_RUNS):
+            prefixattn.plan(batch.qo_indptr, batch.kv_lens, batch.block_table, **kwargs)
+        cold = []
+        for _ in range(TIMED_RUNS):
+            clear_tree_cache()  # a cold plan: the same batch again would reuse its tree
+            start = time.perf_counter()
+            p = prefixattn.plan(batch.qo_indptr, batch.kv_lens, batch.block_table, **kwargs)
+            cold.append(time.perf_counter() - start)
+        loop = []
+        for k, (indptr, lens, table) in enumerate(steps):
+            start = time.perf_counter()
+            q = prefixattn.plan(indptr, lens, table, **kwargs)
+            if k >= WARMUP_RUNS:
+                loop.append(time.perf_counter() - start)
+    _report_times(results, "prefixattn", label, cold)
+    _report_times(results, "prefixattn-decode-loop", label, loop)
+    results.add(TARGETS_BENCHMARK, "prefixattn", label, "shared_nodes", len(p.shared_nodes), "count", device="host-cpu")
+    assert bool(p.shared_nodes) == bool(shape.shared) and bool(q.shared_nodes) == bool(shape.shared)

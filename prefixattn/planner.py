@@ -13,6 +13,7 @@ Steps (numpy, vectorized over requests; Python loops only over tree change point
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -26,7 +27,8 @@ from prefixattn.kernels import layout as K
 from prefixattn.split_rule import critical_path
 from prefixattn.validation import (SUPPORTED_DTYPES, canonical_device, check_head_dim, check_heads,
                                    check_host_metadata)
-from prefixattn.work_list import SharedNode, SharedNodes, WorkList, ragged_arange, build_work_list
+from prefixattn.ragged import expand, offsets
+from prefixattn.work_list import SharedNode, SharedNodes, WorkList, build_work_list
 
 #: Bytes of one fp32 number: partial states (o, lse) are kept in fp32 whatever the input dtype.
 FP32_BYTES = 4
@@ -41,6 +43,8 @@ DEFAULT_NUM_SMS = 132
 #: below ~256 tokens per chunk that overhead is comparable to the chunk's own KV read at head_dim 128.
 MIN_SPLIT_TOKENS = 256
 _SHARING_MODES = ("auto", "always", "never")
+_INT64_MAX = int(np.iinfo(np.int64).max)
+_INT32_MAX = int(np.iinfo(np.int32).max)
 
 
 def sharing_pays_off(*, num_requests, num_rows, num_m_tiles, num_tokens, group, head_dim, elt_bytes):
@@ -182,23 +186,30 @@ def select_shared_nodes(tree: LcpTree, *, shareable: np.ndarray, q_len: np.ndarr
         return SharedNodes.empty(), suffix_start
     # Nodes are intervals [lb, rb] of the sorted order: one reduceat over (lb, rb + 1) pairs gives every node's
     # minimum shareable length (the +inf sentinel makes rb + 1 == n a valid index).
-    sorted_shareable = np.r_[shareable[tree.order], np.iinfo(np.int64).max]
-    bounds = np.stack([tree.lb, tree.rb + 1], axis=1).ravel()
+    n = tree.order.shape[0]
+    sorted_shareable = np.empty(n + 1, dtype=np.int64)
+    sorted_shareable[:n] = shareable[tree.order]
+    sorted_shareable[n] = _INT64_MAX
+    bounds = np.empty(2 * num_nodes, dtype=np.int64)
+    bounds[0::2] = tree.lb
+    bounds[1::2] = tree.rb + 1
     min_shareable = np.minimum.reduceat(sorted_shareable, bounds)[::2]
     ends = np.minimum(tree.depth * block_size, min_shareable)
-    cum_rows = np.r_[0, np.cumsum(q_len[tree.order])]
+    cum_rows = offsets(q_len[tree.order])
     rows = cum_rows[tree.rb + 1] - cum_rows[tree.lb]
     sizes = tree.rb - tree.lb + 1
-    level = _node_levels(tree.parent)
+    one_level = bool((tree.parent < 0).all())  # one level of sharing (disjoint nodes): the common case
+    level = np.zeros(num_nodes, dtype=np.int64) if one_level else _node_levels(tree.parent)
     # A node starts where its nearest kept ancestor ends; a dropped node passes its own start down, so its tokens
     # go back to its children or to the requests' suffixes.
     start = np.zeros(num_nodes, dtype=np.int64)
     effective_end = np.zeros(num_nodes, dtype=np.int64)
     keep = np.zeros(num_nodes, dtype=bool)
     for depth in range(int(level.max()) + 1):
-        idx = np.flatnonzero(level == depth)
-        parent = tree.parent[idx]
-        start[idx] = np.where(parent >= 0, effective_end[np.maximum(parent, 0)], 0)
+        idx = slice(None) if one_level else (level == depth).nonzero()[0]
+        if not one_level:
+            parent = tree.parent[idx]
+            start[idx] = np.where(parent >= 0, effective_end[np.maximum(parent, 0)], 0)
         tokens = ends[idx] - start[idx]
         ok = tokens > 0
         if sharing == "auto":
@@ -206,18 +217,67 @@ def select_shared_nodes(tree: LcpTree, *, shareable: np.ndarray, q_len: np.ndarr
                                    num_m_tiles=-(-rows[idx] // rows_per_shared), num_tokens=tokens, group=group,
                                    head_dim=head_dim, elt_bytes=elt_bytes)
         keep[idx] = ok
-        effective_end[idx] = np.where(ok, ends[idx], start[idx])
-    kept = np.flatnonzero(keep)
-    kept = kept[np.argsort(level[kept], kind="stable")]  # top-down
+        if not one_level:
+            effective_end[idx] = np.where(ok, ends[idx], start[idx])
+    kept = keep.nonzero()[0]
+    if not one_level:
+        kept = kept[np.argsort(level[kept], kind="stable")]  # top-down
     counts = sizes[kept]
-    node_of = np.repeat(np.arange(kept.shape[0], dtype=np.int64), counts)
-    members = tree.order[np.repeat(tree.lb[kept], counts) + ragged_arange(counts)]
+    node_of, rank = expand(counts)
+    members = tree.order[tree.lb[kept][node_of] + rank]
     # Requests ascending within each node: one sort of (node, request) keys.
-    members = np.sort(node_of * q_len.shape[0] + members) - node_of * q_len.shape[0]
-    np.maximum.at(suffix_start, members, np.repeat(ends[kept], counts))  # deeper kept nodes end later
-    nodes = SharedNodes(kv_start=start[kept], kv_end=ends[kept], depth_blocks=tree.depth[kept],
-                        offsets=np.r_[0, np.cumsum(counts)], members=members)
+    key = node_of * q_len.shape[0]
+    members = np.sort(key + members) - key
+    kept_ends = ends[kept]
+    if one_level:  # disjoint nodes: each request in at most one
+        suffix_start[members] = kept_ends[node_of]
+    else:
+        np.maximum.at(suffix_start, members, kept_ends[node_of])  # deeper kept nodes end later
+    nodes = SharedNodes(kv_start=start[kept], kv_end=kept_ends, depth_blocks=tree.depth[kept],
+                        offsets=offsets(counts), members=members)
     return nodes, suffix_start
+
+
+def _metadata_to_device(work: WorkList, table: np.ndarray, width: int, device: torch.device):
+    """``(num_items, items, gather, mrows, block_table)`` on ``device``: one int32 host buffer, one copy.
+
+    The block table's columns past every request's KV (``width`` on) are never read; columns the table lacks are 0.
+    It joins the buffer when its ids fit in int32 (int32 tables always do: no scan), else it is copied as int64.
+    """
+    rows, cols = table.shape[0], min(width, table.shape[1])
+    table_fits = table.dtype == np.int32 or rows * cols == 0 or int(table[:, :cols].max()) <= _INT32_MAX
+    parts = (work.items, work.gather, work.mrows)
+    sizes = [1] + [p.size for p in parts] + [rows * width if table_fits else 0]
+    bounds = list(itertools.accumulate(sizes, initial=0))
+    flat = np.empty(max(bounds[-1], 1), dtype=np.int32)
+    flat[0] = work.num_items
+    for k, p in enumerate(parts, start=1):
+        flat[bounds[k]:bounds[k + 1]] = p.ravel()
+    if table_fits:
+        _copy_table(flat[bounds[4]:bounds[5]].reshape(rows, width), table, cols)
+    shapes = [(1,), (-1, K.ITEM_FIELDS), (-1, K.GATHER_FIELDS), (-1, K.MROW_FIELDS), (rows, width if table_fits else 0)]
+    # Views of one tensor: every table shares its storage (the interpreter copies a pointer argument's whole
+    # storage; a tensor of a 0-element numpy slice has a 0-byte one).
+    dev = torch.from_numpy(flat).to(device)
+    views = [v.view(shape) for v, shape in zip(dev[:bounds[-1]].split(sizes), shapes)]
+    if not table_fits:
+        table_i64 = np.empty((rows, width), dtype=np.int64)
+        _copy_table(table_i64, table, cols)
+        views[4] = torch.from_numpy(table_i64).to(device)
+    return tuple(views)
+
+
+def _copy_table(dst: np.ndarray, table: np.ndarray, cols: int) -> None:
+    dst[:, :cols] = table[:, :cols]  # an int64 table reaches an int32 dst only when its largest id fits
+    dst[:, cols:] = 0
+
+
+def _zeros(shape: tuple, device: torch.device) -> torch.Tensor:
+    """int32 zeros on ``device``; on the CPU from numpy (torch.zeros of ~150 KB took ~20 ms per call in a profile on
+    the loaded 2-core host, numpy's a few us)."""
+    if device.type == "cpu":
+        return torch.from_numpy(np.zeros(shape, dtype=np.int32))
+    return torch.zeros(shape, dtype=torch.int32, device=device)
 
 
 def plan(
@@ -302,7 +362,7 @@ def plan(
     check_head_dim("head_dim", head_dim)
     min_split_tokens = _positive_int("min_split_tokens", min_split_tokens)
     indptr, lens, table, max_block_id = check_host_metadata(qo_indptr, kv_lens, block_table, block_size=block_size,
-                                                            num_blocks=num_blocks)
+                                                            num_blocks=num_blocks, table_as_is=True)
     device = canonical_device("device", device if device is not None else block_table.device)
     num_sms = _positive_int("num_sms", num_sms) if num_sms is not None else _default_num_sms(device)
 
@@ -327,29 +387,12 @@ def plan(
         num_sms=num_sms, min_split_tokens=min_split_tokens)
 
     # One host->device copy of all int32 metadata (the block table joins it when its ids fit in int32).
-    width = max(int(((lens + block_size - 1) // block_size).max()) if lens.shape[0] else 0, 1)
-    table_used = np.zeros((table.shape[0], width), dtype=np.int64)  # columns past every kv_len are never read
-    table_used[:, :min(width, table.shape[1])] = table[:, :width]
-    table_fits = table_used.size == 0 or int(table_used.max()) <= np.iinfo(np.int32).max
-    parts = [np.array([work.num_items], dtype=np.int32), work.items.ravel(), work.gather.ravel(), work.mrows.ravel()]
-    if table_fits:
-        parts.append(table_used.astype(np.int32).ravel())
-    sizes = [p.size for p in parts]
-    flat = torch.from_numpy(np.concatenate(parts).astype(np.int32) if sum(sizes) else np.zeros(1, np.int32))
-    flat = flat.to(device)
-    views = torch.split(flat[:sum(sizes)], sizes) if sum(sizes) else [flat[:0]] * len(parts)
-    num_items_dev = views[0]
-    items = views[1].view(-1, K.ITEM_FIELDS)
-    gather = views[2].view(-1, K.GATHER_FIELDS)
-    mrows = views[3].view(-1, K.MROW_FIELDS)
-    if table_fits:
-        table_dev = views[4].view(table_used.shape)
-    else:
-        table_dev = torch.from_numpy(np.ascontiguousarray(table_used)).to(device)
-
+    width = max(-(-int(lens.max()) // block_size) if lens.shape[0] else 0, 1)  # blocks of the longest request
+    num_items_dev, items, gather, mrows, table_dev = _metadata_to_device(work, table, width, device)
+    num_mrows = work.mrows.shape[0]
     # Workspace only where some rows merge; a 1-element placeholder keeps the kernel's pointers valid otherwise.
     num_mrows = work.mrows.shape[0]
-    counters = torch.zeros((max(num_mrows, 1), num_qo_heads), dtype=torch.int32, device=device)
+    counters = _zeros((max(num_mrows, 1), num_qo_heads), device)
     ws_rows = work.num_ws_rows
     ws_o = torch.empty((ws_rows, num_qo_heads, head_dim) if ws_rows else (1, 1, 1), dtype=torch.float32,
                        device=device)
@@ -370,6 +413,6 @@ def plan(
         stats=dict(num_shared_nodes=len(nodes), num_units=work.num_units, num_merge_rows=num_mrows,
                    num_ws_rows=work.num_ws_rows,
                    num_sms=num_sms, critical_path=critical_path(
-                       work.items[:, K.ITEM_KV_END].astype(np.int64) - work.items[:, K.ITEM_KV_START],
+                       work.items[:, K.ITEM_KV_END] - work.items[:, K.ITEM_KV_START],  # both in [0, 2^31)
                        num_kv_heads=num_kv_heads, num_sms=num_sms)),
     )

@@ -15,6 +15,8 @@ are merged in the same launch. Shared nodes and suffix tiles have their own tile
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 #: The bound the issue sets on the critical path (sm90, 132 SMs, Fig. 8 shapes and FlashInfer's cascade grid).
@@ -40,11 +42,17 @@ def fair_share(lengths: np.ndarray, programs: np.ndarray, *, num_kv_heads: int, 
     ----------
     lengths : ndarray, ``[num_ranges]`` int
         KV tokens of each range (a shared node, a suffix tile).
-    programs : ndarray, ``[num_ranges]`` int
-        Items reading the whole range (M tiles of a node's packed rows; 1 for a suffix tile), each run per KV head.
+    programs : ndarray, ``[num_ranges]`` int, or None
+        Items reading the whole range (M tiles of a node's packed rows; 1 for a suffix tile), each run per KV head;
+        None: one each.
     """
-    total = float((lengths.astype(np.float64) * programs).sum()) * num_kv_heads
-    return total / num_sms
+    # Integer sums are exact (and equal to the float64 sum below 2^53 tokens): no float copies.
+    tokens = int(lengths.sum() if programs is None else (lengths.astype(np.int64) * programs).sum())
+    return _fair_share_of(tokens, num_kv_heads=num_kv_heads, num_sms=num_sms)
+
+
+def _fair_share_of(tokens: int, *, num_kv_heads: int, num_sms: int) -> float:
+    return float(tokens) * num_kv_heads / num_sms
 
 
 def piece_budget(fair: float, *, min_split_tokens: int) -> float:
@@ -86,9 +94,9 @@ def split_pieces(lengths: np.ndarray, *, budget: float, grain: int) -> np.ndarra
     -------
     ndarray, ``[num_ranges]`` int64
     """
+    if not lengths.shape[0] or not math.isfinite(budget) or lengths.max() <= budget:
+        return (lengths > 0).astype(np.int64)  # nothing to split (the common case: one numpy pass)
     lengths = lengths.astype(np.int64)
-    if not np.isfinite(budget):
-        return (lengths > 0).astype(np.int64)
     per_piece = max(1, int(budget // grain))
     grains = -(-lengths // grain)
     # A range within the budget stays whole even when its last grain is partial (97 tokens under a 100-token
@@ -100,7 +108,7 @@ def critical_path(kv_lengths: np.ndarray, *, num_kv_heads: int, num_sms: int) ->
     """The longest program's KV tokens over the fair share, from the items' KV lengths (0.0 for no items)."""
     if kv_lengths.size == 0:
         return 0.0
-    fair = fair_share(kv_lengths, np.ones_like(kv_lengths), num_kv_heads=num_kv_heads, num_sms=num_sms)
+    fair = fair_share(kv_lengths, None, num_kv_heads=num_kv_heads, num_sms=num_sms)
     return float(kv_lengths.max()) / fair if fair > 0 else 0.0
 
 
@@ -113,9 +121,8 @@ def split_ranges(*, node_lengths: np.ndarray, node_m_tiles: np.ndarray, tile_len
     that read it; ``tile_lengths`` ``[num_tiles]``: KV tokens of each suffix tile. Pieces are per range, against one
     budget; the grains are the tile widths of each kind (:func:`split_grain`).
     """
-    fair = fair_share(np.concatenate([node_lengths, tile_lengths]),
-                      np.concatenate([node_m_tiles, np.ones_like(tile_lengths)]),
-                      num_kv_heads=num_kv_heads, num_sms=num_sms)
+    tokens = int(tile_lengths.sum()) + (int((node_lengths * node_m_tiles).sum()) if node_lengths.shape[0] else 0)
+    fair = _fair_share_of(tokens, num_kv_heads=num_kv_heads, num_sms=num_sms)  # one rounding, as one sum
     budget = piece_budget(fair, min_split_tokens=min_split_tokens)
     shared_grain = split_grain(block_n_shared, budget)
     suffix_grain = split_grain(block_n_suffix, budget)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from prefixattn.kernels import layout as K
+from prefixattn.ragged import expand as _expand, offsets, run_starts
 from prefixattn.split_rule import split_ranges
 
 _I32 = np.int32
@@ -86,32 +87,6 @@ class WorkList:
         return int(self.items.shape[0])
 
 
-def _exclusive_cumsum(x: np.ndarray) -> np.ndarray:
-    out = np.zeros(x.shape[0], dtype=np.int64)
-    if x.shape[0] > 1:
-        np.cumsum(x[:-1], out=out[1:])
-    return out
-
-
-def ragged_arange(lengths: np.ndarray) -> np.ndarray:
-    """``concat(arange(n) for n in lengths)`` without a Python loop."""
-    total = int(lengths.sum())
-    if total == 0 or lengths.max() <= 1:  # decode batches and unsplit ranges: all zeros, skip the repeat
-        return np.zeros(total, dtype=np.int64)
-    return np.arange(total, dtype=np.int64) - np.repeat(_exclusive_cumsum(lengths), lengths)
-
-
-def _run_starts(*keys: np.ndarray) -> np.ndarray:
-    """Mask of the positions where any key differs from the previous position (position 0 always starts a run)."""
-    n = keys[0].shape[0]
-    change = np.zeros(n, dtype=bool)
-    if n:
-        change[0] = True
-        for key in keys:
-            change[1:] |= key[1:] != key[:-1]
-    return change
-
-
 def _piece_bounds(lo, hi, piece, pieces, block_n: int, split: bool = True):
     """[start, end) of piece ``piece`` of ``pieces`` over [lo, hi): whole KV tiles dealt out evenly (the last piece
     takes the partial tile), so pieces differ by at most one tile. ``split=False``: one piece per range. ``block_n``
@@ -122,6 +97,56 @@ def _piece_bounds(lo, hi, piece, pieces, block_n: int, split: bool = True):
     start = lo + (piece * tiles // pieces) * block_n
     end = np.minimum(lo + ((piece + 1) * tiles // pieces) * block_n, hi)
     return start, end
+
+
+def _slot_bases(mem_req: np.ndarray, mem_pieces: np.ndarray) -> np.ndarray:
+    """Per membership (node-major order), the pieces of the earlier nodes holding the same request: an exclusive
+    cumsum within each request's memberships."""
+    by_req = np.argsort(mem_req, kind="stable")
+    pieces = mem_pieces[by_req]
+    csum = pieces.cumsum() - pieces
+    reqs = mem_req[by_req]
+    run_start = run_starts(reqs)
+    base = np.empty_like(mem_req)
+    base[by_req] = csum - csum[run_start][run_start.cumsum() - 1]
+    return base
+
+
+@dataclass(frozen=True)
+class _Tiles:
+    """Suffix tiles (one per ``rows_per_suffix`` rows of each request with queries) as flat arrays."""
+
+    req: np.ndarray  # request of each tile
+    first: np.ndarray  # [num_reqs] first tile of each request
+    row0: np.ndarray | int  # first row of the tile within its request
+    rows: np.ndarray
+    tok0: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+    qpos: np.ndarray
+
+
+def _suffix_tiles(q_start, q_len, kv_len, suffix_start, causal, rows_per_suffix) -> _Tiles:
+    if q_len.shape[0] and q_len.max() > rows_per_suffix:
+        tiles_per_req = -(-q_len // rows_per_suffix)
+        req, rank = _expand(tiles_per_req)
+        row0 = rank * rows_per_suffix
+        rows = np.minimum(rows_per_suffix, q_len[req] - row0)
+    else:  # decode and short chunks: one tile per request with queries
+        tiles_per_req = (q_len > 0).astype(np.int64)
+        req, row0 = tiles_per_req.nonzero()[0], 0
+        rows = q_len[req]
+    first = tiles_per_req.cumsum() - tiles_per_req
+    kv = kv_len[req]
+    if causal:
+        qpos = kv - q_len[req]
+        if isinstance(row0, np.ndarray):
+            qpos += row0
+        hi = qpos + rows
+    else:
+        hi = qpos = kv  # every row sees the whole range: the causal loop stays empty
+    tok0 = q_start[req] + row0 if isinstance(row0, np.ndarray) else q_start[req]
+    return _Tiles(req=req, first=first, row0=row0, rows=rows, tok0=tok0, lo=suffix_start[req], hi=hi, qpos=qpos)
 
 
 def build_work_list(
@@ -147,133 +172,157 @@ def build_work_list(
     deepest node holding request ``r`` (0 if none).
     """
     num_reqs = q_len.shape[0]
-    # ---- suffix tiles (one per rows_per_suffix rows of each request that has queries) -------------------------
-    active = np.flatnonzero(q_len > 0)
-    tiles_per_req = np.zeros(num_reqs, dtype=np.int64)
-    tiles_per_req[active] = -(-q_len[active] // rows_per_suffix)
-    first_tile = _exclusive_cumsum(tiles_per_req)
-    t_req = np.repeat(np.arange(num_reqs, dtype=np.int64), tiles_per_req)
-    t_row0 = ragged_arange(tiles_per_req) * rows_per_suffix
-    t_rows = np.minimum(rows_per_suffix, q_len[t_req] - t_row0)
-    t_tok0 = q_start[t_req] + t_row0
-    t_lo = suffix_start[t_req]
-    if causal:
-        t_qpos = kv_len[t_req] - q_len[t_req] + t_row0
-        t_hi = t_qpos + t_rows
-    else:
-        t_hi = kv_len[t_req]
-        t_qpos = t_hi  # every row sees the whole range: the causal loop stays empty
-    t_len = np.maximum(t_hi - t_lo, 0)
-    num_tiles = t_req.shape[0]
+    t = _suffix_tiles(q_start, q_len, kv_len, suffix_start, causal, rows_per_suffix)
+    t_len = np.maximum(t.hi - t.lo, 0)
+    num_tiles = t.req.shape[0]
 
     # ---- shared nodes as flat arrays: one entry per (node, member request), nodes in top-down order ----------
     num_nodes = len(nodes)
-    node_start, node_end, mem_req = nodes.kv_start, nodes.kv_end, nodes.members
-    node_size = np.diff(nodes.offsets)
-    mem_node = np.repeat(np.arange(num_nodes, dtype=np.int64), node_size)
-    mem_first = _exclusive_cumsum(node_size)
-    mem_ql = q_len[mem_req]
-    node_rows = np.bincount(mem_node, weights=mem_ql, minlength=num_nodes).astype(np.int64)
+    mem_req = nodes.members
+    node_size = nodes.offsets[1:] - nodes.offsets[:-1]
+    if num_nodes:
+        mem_ql = q_len[mem_req]
+        row_off = offsets(mem_ql)  # packed rows: members' query rows, node by node
+        node_rows = row_off[nodes.offsets[1:]] - row_off[nodes.offsets[:-1]]
+    else:
+        node_rows = node_size
     node_mtiles = -(-node_rows // rows_per_shared)
 
     # ---- split-k decision over the unsplit work (prefixattn.split_rule: the critical path) -------------------
     n_pieces, grain_shared, t_pieces, grain_suffix = split_ranges(
-        node_lengths=node_end - node_start, node_m_tiles=node_mtiles, tile_lengths=t_len,
+        node_lengths=nodes.kv_end - nodes.kv_start, node_m_tiles=node_mtiles, tile_lengths=t_len,
         block_n_shared=block_n_shared, block_n_suffix=block_n_suffix, num_kv_heads=num_kv_heads, num_sms=num_sms,
         min_split_tokens=min_split_tokens)
 
     # ---- states per request and merge units ----------------------------------------------------------------
     # A request's shared states are numbered node by node (top-down): its slot base in node k is the number of
-    # pieces of the earlier nodes that hold it, an exclusive cumsum within each request's entries.
-    shared_states = np.zeros(num_reqs, dtype=np.int64)
+    # pieces of the earlier nodes that hold it.
     if num_nodes:
-        mem_pieces = n_pieces[mem_node]
-        by_req = np.argsort(mem_req, kind="stable")
-        csum = np.cumsum(mem_pieces[by_req]) - mem_pieces[by_req]
-        run_start = _run_starts(mem_req[by_req])
-        mem_slot_base = np.empty_like(mem_req)
-        mem_slot_base[by_req] = csum - csum[run_start][np.cumsum(run_start) - 1]
+        mem_pieces = n_pieces.repeat(node_size)
         shared_states = np.bincount(mem_req, weights=mem_pieces, minlength=num_reqs).astype(np.int64)
-    t_shared = shared_states[t_req]
+        # A request in one node only (one level of sharing) has its shared states from slot 0.
+        nested = bool(np.bincount(mem_req, minlength=num_reqs).max() > 1)
+        t_shared = shared_states[t.req]
+        needs_unit = (t_shared > 0) | (t_pieces > 1)
+    else:
+        t_shared = 0
+        needs_unit = t_pieces > 1
     t_states = t_shared + t_pieces
-    needs_unit = (t_shared > 0) | (t_pieces > 1)
-    t_unit = np.where(needs_unit, np.cumsum(needs_unit) - 1, -1)
-    unit_tiles = np.flatnonzero(needs_unit)
+    unit_tiles = needs_unit.nonzero()[0]
     num_units = unit_tiles.shape[0]
-    unit_ws_base = _exclusive_cumsum(t_states[unit_tiles] * t_rows[unit_tiles])
-    num_ws_rows = int((t_states[unit_tiles] * t_rows[unit_tiles]).sum())
-    tile_ws_base = np.full(num_tiles, -1, dtype=np.int64)
-    tile_ws_base[unit_tiles] = unit_ws_base
-    # Merge rows: the rows of the units, unit by unit; a unit's row i is merge row tile_mrow_base[tile] + i.
-    unit_rows = t_rows[unit_tiles]
-    tile_mrow_base = np.full(num_tiles, -1, dtype=np.int64)
-    tile_mrow_base[unit_tiles] = _exclusive_cumsum(unit_rows)
-    m_unit = np.repeat(np.arange(num_units, dtype=np.int64), unit_rows)
-    mrows = np.empty((m_unit.shape[0], K.MROW_FIELDS), dtype=np.int64)
-    mrows[:, K.MROW_WS_FIRST] = unit_ws_base[m_unit] + ragged_arange(unit_rows)
-    mrows[:, K.MROW_WS_STRIDE] = unit_rows[m_unit]
-    mrows[:, K.MROW_NUM_STATES] = t_states[unit_tiles][m_unit]
+    if num_units:
+        unit_rows = t.rows[unit_tiles]
+        unit_states = t_states[unit_tiles]
+        unit_ws = unit_states * unit_rows
+        unit_ws_base = unit_ws.cumsum() - unit_ws
+        num_ws_rows = int(unit_ws_base[-1] + unit_ws[-1])
+        unit_mrow_base = unit_rows.cumsum() - unit_rows
+        tile_ws_base = np.full(num_tiles, -1, dtype=np.int64)
+        tile_ws_base[unit_tiles] = unit_ws_base
+        tile_mrow_base = np.full(num_tiles, -1, dtype=np.int64)
+        tile_mrow_base[unit_tiles] = unit_mrow_base
+        # Merge rows: the rows of the units, unit by unit; a unit's row i is merge row tile_mrow_base[tile] + i.
+        m_unit, m_i = _expand(unit_rows)
+        mrows = np.empty((m_unit.shape[0], K.MROW_FIELDS), dtype=_I32)
+        mrows[:, K.MROW_WS_FIRST] = unit_ws_base[m_unit] + m_i
+        mrows[:, K.MROW_WS_STRIDE] = unit_rows[m_unit]
+        mrows[:, K.MROW_NUM_STATES] = unit_states[m_unit]
+    else:
+        num_ws_rows = 0
+        mrows = np.zeros((0, K.MROW_FIELDS), dtype=_I32)
+        tile_ws_base = tile_mrow_base = None  # no tile merges
 
-    # ---- shared items: (node, split chunk, M tile of packed rows) ------------------------------------------
     if num_nodes:
-        # Packed rows of each node: its members' query rows, request by request.
-        row_mem = np.repeat(np.arange(mem_req.shape[0], dtype=np.int64), mem_ql)
-        row_i = ragged_arange(mem_ql)
-        row_req = mem_req[row_mem]
-        node_row_off = _exclusive_cumsum(node_rows)
-        tok = q_start[row_req] + row_i
-        tile = first_tile[row_req] + row_i // rows_per_suffix
-        ws0 = tile_ws_base[tile] + mem_slot_base[row_mem] * t_rows[tile] + row_i % rows_per_suffix
-        mrow = tile_mrow_base[tile] + row_i % rows_per_suffix
-        # One segment per (node, split piece): it repeats the node's packed rows.
-        seg_node = np.repeat(np.arange(num_nodes, dtype=np.int64), n_pieces)
-        seg_c = ragged_arange(n_pieces)
-        seg_rows = node_rows[seg_node]
-        seg_gather_off = _exclusive_cumsum(seg_rows)
-        g_seg = np.repeat(np.arange(seg_node.shape[0], dtype=np.int64), seg_rows)
-        g_row = node_row_off[seg_node][g_seg] + ragged_arange(seg_rows)
-        gather = np.empty((g_row.shape[0], K.GATHER_FIELDS), dtype=np.int64)
-        gather[:, K.GATHER_TOKEN] = tok[g_row]
-        gather[:, K.GATHER_WS_ROW] = ws0[g_row] + seg_c[g_seg] * t_rows[tile[g_row]]
-        gather[:, K.GATHER_MROW] = mrow[g_row]
-        i_seg = np.repeat(np.arange(seg_node.shape[0], dtype=np.int64), node_mtiles[seg_node])
-        i_mt = ragged_arange(node_mtiles[seg_node])
-        i_node, i_c = seg_node[i_seg], seg_c[i_seg]
-        kv_lo, kv_hi = _piece_bounds(node_start[i_node], node_end[i_node], i_c, n_pieces[i_node], grain_shared,
-                                     split=bool((n_pieces > 1).any()))
-        shared_items = np.zeros((i_seg.shape[0], K.ITEM_FIELDS), dtype=np.int64)
-        shared_items[:, K.ITEM_KIND] = K.KIND_SHARED
-        shared_items[:, K.ITEM_REQ] = mem_req[mem_first[i_node]]  # any member: same blocks
-        shared_items[:, K.ITEM_KV_START] = kv_lo
-        shared_items[:, K.ITEM_KV_END] = kv_hi
-        shared_items[:, K.ITEM_ROW_START] = seg_gather_off[i_seg] + i_mt * rows_per_shared
-        shared_items[:, K.ITEM_NUM_ROWS] = np.minimum(rows_per_shared, node_rows[i_node] - i_mt * rows_per_shared)
-        shared_items[:, K.ITEM_Q_POS] = node_end[i_node]
-        shared_items[:, K.ITEM_DEST] = -1
-        shared_items[:, K.ITEM_MROW] = -1
+        slot_base = _slot_bases(mem_req, mem_pieces) if nested else np.zeros_like(mem_req)
+        shared_items, gather = _shared_items(
+            t=t, nodes=nodes, node_rows=node_rows, node_mtiles=node_mtiles, n_pieces=n_pieces,
+            grain_shared=grain_shared, mem_ql=mem_ql, row_off=row_off, mem_slot_base=slot_base,
+            tile_ws_base=tile_ws_base, tile_mrow_base=tile_mrow_base, q_start=q_start,
+            rows_per_suffix=rows_per_suffix, rows_per_shared=rows_per_shared)
     else:  # plain paged attention: skip ~30 numpy calls on empty arrays
-        shared_items = np.zeros((0, K.ITEM_FIELDS), dtype=np.int64)
-        gather = np.zeros((0, K.GATHER_FIELDS), dtype=np.int64)
+        shared_items = np.zeros((0, K.ITEM_FIELDS), dtype=_I32)
+        gather = np.zeros((0, K.GATHER_FIELDS), dtype=_I32)
 
     # ---- suffix items: (suffix tile, split chunk) ------------------------------------------------------------
-    s_tile = np.repeat(np.arange(num_tiles, dtype=np.int64), t_pieces)
-    s_c = ragged_arange(t_pieces)
-    s_lo, s_hi = _piece_bounds(t_lo[s_tile], t_hi[s_tile], s_c, t_pieces[s_tile], grain_suffix,
-                               split=bool((t_pieces > 1).any()))
-    has_unit = t_unit[s_tile] >= 0
-    it = np.zeros((s_tile.shape[0], K.ITEM_FIELDS), dtype=np.int64)
-    it[:, K.ITEM_KIND] = K.KIND_SUFFIX
-    it[:, K.ITEM_REQ] = t_req[s_tile]
-    it[:, K.ITEM_KV_START] = s_lo
-    it[:, K.ITEM_KV_END] = s_hi
-    it[:, K.ITEM_ROW_START] = t_tok0[s_tile]
-    it[:, K.ITEM_NUM_ROWS] = t_rows[s_tile]
-    it[:, K.ITEM_Q_POS] = t_qpos[s_tile]
-    it[:, K.ITEM_DEST] = np.where(has_unit, tile_ws_base[s_tile] + (t_shared[s_tile] + s_c) * t_rows[s_tile], -1)
-    it[:, K.ITEM_MROW] = np.where(has_unit, tile_mrow_base[s_tile], -1)
-    items = np.concatenate([shared_items, it])
-    # Longest KV range first (LPT): the long programs start in the first wave, short ones fill the tail.
-    order = np.argsort(-(items[:, K.ITEM_KV_END] - items[:, K.ITEM_KV_START]), kind="stable")
-    items = items[order]
-    return WorkList(items=items.astype(_I32), gather=gather.astype(_I32), mrows=mrows.astype(_I32),
-                    num_ws_rows=num_ws_rows, num_units=num_units)
+    if num_tiles and t_pieces.min() == 1 and t_pieces.max() == 1:  # one item per tile: no gathers
+        s_c = 0
+        s_lo, s_hi, s_req, s_tok0, s_rows, s_qpos = t.lo, t.hi, t.req, t.tok0, t.rows, t.qpos
+        s_unit, s_ws_base, s_mrow_base, s_shared = needs_unit, tile_ws_base, tile_mrow_base, t_shared
+    else:
+        s_tile, s_c = _expand(t_pieces)
+        s_lo, s_hi = _piece_bounds(t.lo[s_tile], t.hi[s_tile], s_c, t_pieces[s_tile], grain_suffix,
+                                   split=bool(s_c.shape[0] and s_c.any()))
+        s_req, s_tok0, s_rows, s_qpos = t.req[s_tile], t.tok0[s_tile], t.rows[s_tile], t.qpos[s_tile]
+        if num_units:
+            s_unit, s_ws_base, s_mrow_base = needs_unit[s_tile], tile_ws_base[s_tile], tile_mrow_base[s_tile]
+            s_shared = t_shared[s_tile] if num_nodes else 0
+    num_suffix, num_shared = s_req.shape[0], shared_items.shape[0]
+    it = np.empty((num_suffix + num_shared, K.ITEM_FIELDS), dtype=_I32)
+    it[:num_shared] = shared_items
+    su = it[num_shared:]
+    su[:, K.ITEM_KIND] = K.KIND_SUFFIX
+    su[:, K.ITEM_REQ] = s_req
+    su[:, K.ITEM_KV_START] = s_lo
+    su[:, K.ITEM_KV_END] = s_hi
+    su[:, K.ITEM_ROW_START] = s_tok0
+    su[:, K.ITEM_NUM_ROWS] = s_rows
+    su[:, K.ITEM_Q_POS] = s_qpos
+    if num_units:
+        su[:, K.ITEM_DEST] = np.where(s_unit, s_ws_base + (s_shared + s_c) * s_rows, -1)
+        su[:, K.ITEM_MROW] = np.where(s_unit, s_mrow_base, -1)
+    else:
+        su[:, K.ITEM_DEST:K.ITEM_MROW + 1] = -1
+    # Longest KV range first (LPT): the long programs start in the first wave, short ones fill the tail. A stable
+    # sort of a range already in that order is the identity (a decode batch of equal lengths): skip it.
+    length = it[:, K.ITEM_KV_END].astype(np.int64) - it[:, K.ITEM_KV_START]
+    if length.shape[0] > 1 and (length[1:] > length[:-1]).any():
+        it = it[np.argsort(-length, kind="stable")]
+    return WorkList(items=it, gather=gather, mrows=mrows, num_ws_rows=num_ws_rows, num_units=num_units)
+
+
+def _shared_items(*, t: _Tiles, nodes: SharedNodes, node_rows, node_mtiles, n_pieces, grain_shared, mem_ql, row_off,
+                  mem_slot_base, tile_ws_base, tile_mrow_base, q_start, rows_per_suffix, rows_per_shared):
+    """Shared items (node, split chunk, M tile of packed rows) and their gather rows (int32 tables)."""
+    mem_req = nodes.members
+    # Packed rows of each node: its members' query rows, request by request.
+    row_mem, row_i = _expand(mem_ql)
+    row_req = mem_req[row_mem]
+    tok = q_start[row_req] + row_i
+    tile = t.first[row_req] + row_i // rows_per_suffix
+    in_tile = row_i % rows_per_suffix
+    tile_rows = t.rows[tile]
+    ws0 = tile_ws_base[tile] + mem_slot_base[row_mem] * tile_rows + in_tile
+    mrow = tile_mrow_base[tile] + in_tile
+    # One segment per (node, split piece): it repeats the node's packed rows.
+    split = bool((n_pieces > 1).any())
+    if split:
+        seg_node, seg_c = _expand(n_pieces)
+        seg_rows = node_rows[seg_node]
+        g_seg, g_i = _expand(seg_rows)
+        g_row = row_off[nodes.offsets[:-1]][seg_node][g_seg] + g_i
+        gather = np.empty((g_row.shape[0], K.GATHER_FIELDS), dtype=_I32)
+        gather[:, K.GATHER_TOKEN] = tok[g_row]
+        gather[:, K.GATHER_WS_ROW] = ws0[g_row] + seg_c[g_seg] * tile_rows[g_row]
+        gather[:, K.GATHER_MROW] = mrow[g_row]
+    else:  # one segment per node (n_pieces is 1: nodes have KV): the packed rows in order, no gathers
+        seg_node, seg_c, seg_rows = np.arange(node_rows.shape[0], dtype=np.int64), 0, node_rows
+        gather = np.empty((tok.shape[0], K.GATHER_FIELDS), dtype=_I32)
+        gather[:, K.GATHER_TOKEN] = tok
+        gather[:, K.GATHER_WS_ROW] = ws0
+        gather[:, K.GATHER_MROW] = mrow
+    seg_gather_off = seg_rows.cumsum() - seg_rows
+    i_seg, i_mt = _expand(node_mtiles[seg_node])
+    i_node, i_c = seg_node[i_seg], (seg_c[i_seg] if split else 0)
+    kv_lo, kv_hi = _piece_bounds(nodes.kv_start[i_node], nodes.kv_end[i_node], i_c, n_pieces[i_node], grain_shared,
+                                 split=split)
+    node_end = nodes.kv_end[i_node]
+    items = np.empty((i_seg.shape[0], K.ITEM_FIELDS), dtype=_I32)
+    items[:, K.ITEM_KIND] = K.KIND_SHARED
+    items[:, K.ITEM_REQ] = mem_req[nodes.offsets[:-1][i_node]]  # any member: same blocks
+    items[:, K.ITEM_KV_START] = kv_lo
+    items[:, K.ITEM_KV_END] = kv_hi
+    items[:, K.ITEM_ROW_START] = seg_gather_off[i_seg] + i_mt * rows_per_shared
+    items[:, K.ITEM_NUM_ROWS] = np.minimum(rows_per_shared, node_rows[i_node] - i_mt * rows_per_shared)
+    items[:, K.ITEM_Q_POS] = node_end
+    items[:, K.ITEM_DEST:K.ITEM_MROW + 1] = -1
+    return items, gather
