@@ -13,8 +13,9 @@ with other conventions, and is to move onto this module (issue 18). What that ta
 - one row order. There a padded row sorts before the rows it prefixes and ids compare numerically; here a row sorts
   after them and ids compare by native bytes. Either side adopting the other's reorders its output (the planner's
   work list, the scheduler's group order) without changing what is shared;
-- a dense sort for short rows here: block rows are a few dozen ids, where block_tree's one argsort over byte keys
-  is several times faster than the chunk-hash refinement below (which pays off on long shared token prefixes);
+- block_tree's speed here: block rows are a few dozen ids, where block_tree's leader refinement (one vectorized pass
+  over the tied rows per level of sharing, whole-row compares) is several times faster than the chunk-hash
+  refinement below (which pays off on long shared token prefixes);
 - one tree builder: block_tree's stack over the LCP change points (no Python loop over rows) emitting leaves too
   (a leaf's parent is the deepest interval holding its position) would replace :func:`build_tree`'s loop; the
   planner reads internal nodes with inclusive bounds and no root, :class:`PrefixTree` has a root and leaves.
