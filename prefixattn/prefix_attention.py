@@ -108,14 +108,16 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pla
 
 
 def _launch(*, out, lse, q, k_cache, v_cache, p: Plan, num_programs_items: int, has_shared: bool,
-            has_lse: bool) -> None:
+            has_lse: bool, tables: dict | None = None) -> None:
     """The one kernel launch: ``num_programs_items x num_kv_heads`` programs; programs past the plan's live items
-    (``num_items_dev``, read on the device) exit at once, so a grid sized by capacity serves any smaller plan."""
+    (``num_items_dev``, read on the device) exit at once, so a grid sized by capacity serves any smaller plan.
+    ``tables`` replaces the plan's ``items``/``gather``/``mrows``/``counters`` (the workspace's whole buffers)."""
     t = p.tiles
+    tb = {**dict(items=p.items, gather=p.gather, mrows=p.mrows, counters=p.counters), **(tables or {})}
     prefix_attention_kernel[(num_programs_items * p.num_kv_heads,)](
-        out_ptr=out, lse_ptr=lse, ws_o_ptr=p.ws_o, ws_lse_ptr=p.ws_lse, counters_ptr=p.counters,
+        out_ptr=out, lse_ptr=lse, ws_o_ptr=p.ws_o, ws_lse_ptr=p.ws_lse, counters_ptr=tb["counters"],
         q_ptr=q, k_cache_ptr=k_cache, v_cache_ptr=v_cache,
-        num_items_ptr=p.num_items_dev, items_ptr=p.items, gather_ptr=p.gather, mrows_ptr=p.mrows,
+        num_items_ptr=p.num_items_dev, items_ptr=tb["items"], gather_ptr=tb["gather"], mrows_ptr=tb["mrows"],
         block_table_ptr=p.block_table,
         num_kv_heads=p.num_kv_heads, group=p.num_qo_heads // p.num_kv_heads, head_dim=p.head_dim,
         block_size=p.block_size, qk_scale=p.sm_scale * _LOG2E,
@@ -158,7 +160,8 @@ class PrefixSharedAttention:
     num_qo_heads, num_kv_heads, head_dim, block_size, q_dtype, causal, sm_scale
         As :func:`prefixattn.plan`.
     max_tokens, max_requests, max_blocks_per_request : int, optional
-        The largest step: query rows, requests, block-table columns (all three or none).
+        The largest step: query rows, requests, block-table columns (all three or none). ``max_blocks_per_request=0``:
+        no table in the workspace, every ``plan()`` passes ``device_block_table`` (an engine's persistent table).
     device : torch.device or str, optional
         Where the workspace lives; default the current CUDA device, else the CPU.
     use_cuda_graph : bool
@@ -198,6 +201,7 @@ class PrefixSharedAttention:
         if not isinstance(use_cuda_graph, bool):
             raise ValueError(f"use_cuda_graph: expected a bool, got {type(use_cuda_graph).__name__}")
         self.use_cuda_graph = use_cuda_graph
+        self.graph_max_q_len = max_q_len if use_cuda_graph else None
         caps = (max_tokens, max_requests, max_blocks_per_request)
         if all(c is None for c in caps):
             if use_cuda_graph:
@@ -304,6 +308,9 @@ class PrefixSharedAttention:
             out = torch.empty_like(q)
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else ws.ws_lse
         ws.counters.zero_()
+        # The workspace's whole buffers, not the plan's live views: a view with no rows has data_ptr 0, which a
+        # captured launch would keep for the steps that have rows.
         _launch(out=out, lse=lse, q=q, k_cache=k_cache, v_cache=v_cache, p=p,
-                num_programs_items=ws.capacity.max_items, has_shared=self._graph_has_shared, has_lse=return_lse)
+                num_programs_items=ws.capacity.max_items, has_shared=self._graph_has_shared, has_lse=return_lse,
+                tables=dict(items=ws.items, gather=ws.gather, mrows=ws.mrows, counters=ws.counters))
         return (out, lse) if return_lse else out

@@ -53,7 +53,7 @@ class Capacity:
 
     max_tokens: int  # query rows (qo_indptr[-1])
     max_requests: int
-    max_blocks_per_request: int  # block-table columns (the kernel's row stride: fixed)
+    max_blocks_per_request: int  # block-table columns (the kernel's row stride: fixed); 0: the caller's device table
     max_items: int
     max_gather_rows: int
     max_merge_rows: int
@@ -63,6 +63,12 @@ class Capacity:
 def _positive(name: str, value) -> int:
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    return int(value)
+
+
+def _non_negative(name: str, value) -> int:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{name}: expected a non-negative int, got {value!r}")
     return int(value)
 
 
@@ -78,7 +84,7 @@ def derive_capacity(*, max_tokens: int, max_requests: int, max_blocks_per_reques
     """
     t = _positive("max_tokens", max_tokens)
     r = _positive("max_requests", max_requests)
-    w = _positive("max_blocks_per_request", max_blocks_per_request)
+    w = _non_negative("max_blocks_per_request", max_blocks_per_request)
     if not isinstance(max_shared_levels, int) or max_shared_levels < 0:
         raise ValueError(f"max_shared_levels: expected a non-negative int, got {max_shared_levels!r}")
     lv = max_shared_levels
@@ -190,5 +196,7 @@ class PlanWorkspace:
         self.step += 1
         return dict(num_items_dev=self.num_items, items=self.items[:n_items], gather=self.gather[:gather.shape[0]],
                     mrows=self.mrows[:mrows.shape[0]],
-                    block_table=None if table is None else self.block_table[:table.shape[0]],
+                    # Whole rows of capacity (a view with no rows would have data_ptr 0); rows past the step's
+                    # requests are stale and never read.
+                    block_table=None if table is None else self.block_table,
                     counters=self.counters[:max(mrows.shape[0], 1)], ws_o=self.ws_o, ws_lse=self.ws_lse)

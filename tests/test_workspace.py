@@ -95,16 +95,26 @@ def test_graph_mode_same_grid_and_buffers_for_two_batches(device, monkeypatch):
     assert args_a == args_b
 
 
-def test_graph_mode_lse_and_an_unshared_step(device):
-    """The fixed launch (shared branch compiled in) also serves a step without shared items, with LSE."""
+def test_graph_mode_lse_and_an_unshared_step(device, monkeypatch):
+    """The fixed launch (shared branch compiled in) also serves a step without shared items or merges (empty
+    gather and merge tables: the launch still gets the workspace's buffers, never a null pointer), with LSE."""
     (a, b), k_cache, v_cache = _two_batches_on_one_cache(device)
-    attn = PrefixSharedAttention(**HEADS, q_dtype=torch.float32, device=device, use_cuda_graph=True, **CAPS)
+    rec = RecordingKernel(attention_module.prefix_attention_kernel)
+    monkeypatch.setattr(attention_module, "prefix_attention_kernel", rec)
+    attn = PrefixSharedAttention(**HEADS, q_dtype=torch.float32, device=device, use_cuda_graph=True, num_sms=1,
+                                 **CAPS)
+    q, out, lse = (torch.zeros(CAPS["max_tokens"], 4, 64, device=device), torch.zeros(CAPS["max_tokens"], 4, 64,
+                   device=device), torch.zeros(CAPS["max_tokens"], 4, device=device))
     for batch, sharing in ((b, "always"), (a, "never")):
         p = attn.plan(*(t.to(device) for t in batch.metadata), sharing=sharing)
-        q = batch.q.to(device)
-        out, lse = attn.run(q, k_cache, v_cache, return_lse=True)
-        _assert_matches_reference(out, q, k_cache, v_cache, batch, p, lse)
-    assert not p.has_shared
+        q[:batch.q.shape[0]] = batch.q.to(device)
+        got, got_lse = attn.run(q, k_cache, v_cache, out=out, return_lse=True)
+        _assert_matches_reference(got, q, k_cache, v_cache, batch, p, got_lse)
+    assert not p.has_shared and p.work.gather.shape[0] == 0 and p.num_merge_rows == 0
+    (grid_b, args_b), (grid_a, args_a) = rec.launches
+    assert grid_a == grid_b
+    assert {k: v for k, v in args_a.items() if k != "lse_ptr"} == {k: v for k, v in args_b.items() if k != "lse_ptr"}
+    assert all(v[0] != 0 for v in args_a.values() if isinstance(v, tuple))
 
 
 def test_workspace_plan_allocates_nothing_and_copies_once(device, monkeypatch):
@@ -142,8 +152,8 @@ def test_workspace_matches_the_free_plan(device):
     p_free = plan(*metadata, **HEADS, q_dtype=torch.float32)
     np.testing.assert_array_equal(p_ws.work.items, p_free.work.items)
     torch.testing.assert_close(p_ws.items.cpu(), p_free.items.cpu(), atol=0, rtol=0)
-    torch.testing.assert_close(p_ws.block_table[:, :p_free.block_table.shape[1]].cpu(), p_free.block_table.cpu(),
-                               atol=0, rtol=0)
+    torch.testing.assert_close(p_ws.block_table[:p_free.num_requests, :p_free.block_table.shape[1]].cpu(),
+                               p_free.block_table.cpu(), atol=0, rtol=0)
     q = a.q.to(device)
     torch.testing.assert_close(attn.run(q, k_cache, v_cache), attention(q, k_cache, v_cache, p_free), atol=0, rtol=0)
 
