@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -166,7 +167,8 @@ class PrefixSharedAttention:
         Where the workspace lives; default the current CUDA device, else the CPU.
     use_cuda_graph : bool
         Fix the launch by the capacity so ``run()`` can be captured once and replayed for every later plan within
-        it: the grid is ``max_items x num_kv_heads`` programs (those past the live items exit at once), the tiles are
+        it: the grid is ``max_items x num_kv_heads`` programs (or the bound for ``plan(graph_num_tokens=...)``; those
+        past the live items exit at once), the tiles are
         chosen once for ``max_q_len``, the shared branch is always compiled in, the counter memset covers the whole
         capacity, and every table lives at a fixed address. Needs the capacities.
     max_q_len : int
@@ -235,9 +237,9 @@ class PrefixSharedAttention:
             tile_sets = [choose_tiles(head_dim=cfg["head_dim"], group=group, max_q_len=q, dtype=cfg["q_dtype"])
                          for q in (1, int(caps[0]))]
         rows = [r for t in tile_sets for r in (t.rows_per_shared_tile(group), t.rows_per_suffix_tile(group))]
-        capacity = derive_capacity(max_tokens=caps[0], max_requests=caps[1], max_blocks_per_request=caps[2],
-                                   num_kv_heads=cfg["num_kv_heads"], num_sms=num_sms, rows_per_tile=(min(rows),
-                                   max(rows)), max_shared_levels=max_shared_levels, **overrides)
+        self._bound = functools.partial(derive_capacity, num_kv_heads=cfg["num_kv_heads"], num_sms=num_sms,
+                                        rows_per_tile=(min(rows), max(rows)), max_shared_levels=max_shared_levels)
+        capacity = self._bound(max_tokens=caps[0], max_requests=caps[1], max_blocks_per_request=caps[2], **overrides)
         self._workspace = PlanWorkspace(capacity, num_qo_heads=cfg["num_qo_heads"], head_dim=cfg["head_dim"],
                                         device=device)
         self._graph_has_shared = cfg.get("sharing", "auto") != "never"
@@ -252,21 +254,63 @@ class PrefixSharedAttention:
         return self._workspace
 
     def plan(self, qo_indptr: torch.Tensor, kv_lens: torch.Tensor, block_table: torch.Tensor, *,
-             device_block_table: torch.Tensor | None = None, **overrides) -> Plan:
+             device_block_table: torch.Tensor | None = None, graph_num_tokens: int | None = None,
+             **overrides) -> Plan:
         """Plan this step (see :func:`prefixattn.plan`); keyword overrides replace the constructor's options.
 
         With a workspace the tables go into it (no device allocation); a step beyond a capacity that sharing
         caused is re-planned without sharing (``plan.stats["capacity_fallback"]`` says why), any other overflow is a
         ``ValueError`` naming the capacity. ``device_block_table``: see :func:`prefixattn.plan` (graph mode: pass
         the same tensor at every step).
+
+        ``graph_num_tokens`` (``use_cuda_graph`` only): the rows of the ``q`` that ``run()`` gets, i.e. the size of the
+        engine's captured graph this step replays (its padded batch). The launch then covers the bound for a step of
+        that size (:meth:`graph_grid_items`) instead of the whole capacity: a graph captured for 8 tokens launches
+        for 8 tokens, not for the largest graph. Every plan replayed by that graph must pass the same value.
         """
         if self._workspace is None:
-            if device_block_table is not None:
-                raise ValueError("device_block_table: expected a wrapper with capacities (a workspace), got none")
+            if device_block_table is not None or graph_num_tokens is not None:
+                name = "device_block_table" if device_block_table is not None else "graph_num_tokens"
+                raise ValueError(f"{name}: expected a wrapper with capacities (a workspace), got none")
             self._plan = plan(qo_indptr, kv_lens, block_table, **{**self._config, **overrides})
             return self._plan
-        self._plan = self._plan_in_workspace(qo_indptr, kv_lens, block_table, device_block_table, overrides)
-        return self._plan
+        if graph_num_tokens is not None and not self.use_cuda_graph:
+            raise ValueError(f"graph_num_tokens: expected use_cuda_graph=True, got {graph_num_tokens!r} without it")
+        args = (qo_indptr, kv_lens, block_table, device_block_table, overrides)
+        p = self._plan_in_workspace(*args)
+        if graph_num_tokens is not None:
+            p = self._fit_graph_grid(p, _positive_int("graph_num_tokens", graph_num_tokens), args)
+        self._plan = p
+        return p
+
+    def graph_grid_items(self, num_tokens: int) -> int:
+        """Work items a graph-safe launch for ``num_tokens`` query rows covers: the derived item bound of a step of
+        that size (:func:`prefixattn.workspace.derive_capacity`; only requests with query rows make items, so at most
+        ``num_tokens`` of them), never more than the workspace's ``max_items``."""
+        cap = self._workspace.capacity
+        bound = self._bound(max_tokens=num_tokens, max_requests=min(num_tokens, cap.max_requests),
+                            max_blocks_per_request=cap.max_blocks_per_request).max_items
+        return min(bound, cap.max_items)
+
+    def _fit_graph_grid(self, p: Plan, num_tokens: int, args) -> Plan:
+        """Keep a plan within the grid of the graph that replays it: re-plan without sharing, else refuse."""
+        if p.num_tokens > num_tokens:
+            raise ValueError(f"graph_num_tokens: expected at least the step's {p.num_tokens} query rows, got "
+                             f"{num_tokens}")
+        grid = self.graph_grid_items(num_tokens)
+        if p.num_items > grid:
+            qo_indptr, kv_lens, block_table, device_block_table, overrides = args
+            if {**self._config, **overrides}.get("sharing", "auto") != "never":
+                reason = (f"max_items: expected at most {grid} (the graph grid for {num_tokens} tokens), got "
+                          f"{p.num_items}")
+                p = self._plan_in_workspace(qo_indptr, kv_lens, block_table, device_block_table,
+                                            {**overrides, "sharing": "never"})
+                p.stats["capacity_fallback"] = reason
+            if p.num_items > grid:
+                raise ValueError(f"graph_num_tokens: expected a step within the grid of {grid} work items for "
+                                 f"{num_tokens} tokens, got {p.num_items} items even without sharing")
+        p.stats.update(graph_num_tokens=num_tokens, grid_items=grid)
+        return p
 
     def _plan_in_workspace(self, qo_indptr, kv_lens, block_table, device_block_table, overrides) -> Plan:
         if self.use_cuda_graph:
@@ -304,6 +348,10 @@ class PrefixSharedAttention:
         """One launch fixed by the capacity; the counter memset (whole capacity) is part of what a graph captures."""
         p, ws = self._plan, self._workspace
         _check_against_plan(q, k_cache, v_cache, p, out, return_lse)
+        graph_tokens = p.stats.get("graph_num_tokens")
+        if graph_tokens is not None and q.shape[0] != graph_tokens:
+            raise ValueError(f"q: expected {graph_tokens} rows (the graph_num_tokens this step was planned for), got "
+                             f"{q.shape[0]}")
         if out is None:
             out = torch.empty_like(q)
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else ws.ws_lse
@@ -311,6 +359,7 @@ class PrefixSharedAttention:
         # The workspace's whole buffers, not the plan's live views: a view with no rows has data_ptr 0, which a
         # captured launch would keep for the steps that have rows.
         _launch(out=out, lse=lse, q=q, k_cache=k_cache, v_cache=v_cache, p=p,
-                num_programs_items=ws.capacity.max_items, has_shared=self._graph_has_shared, has_lse=return_lse,
+                num_programs_items=p.stats.get("grid_items", ws.capacity.max_items), has_shared=self._graph_has_shared,
+                has_lse=return_lse,
                 tables=dict(items=ws.items, gather=ws.gather, mrows=ws.mrows, counters=ws.counters))
         return (out, lse) if return_lse else out

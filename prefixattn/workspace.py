@@ -158,7 +158,8 @@ class PlanWorkspace:
         for name, got, cap in (("max_requests", num_requests, c.max_requests),
                                ("max_tokens", num_tokens, c.max_tokens),
                                ("max_blocks_per_request", table_width, c.max_blocks_per_request),
-                               ("max_items", num_items, c.max_items), ("max_gather_rows", num_gather, c.max_gather_rows),
+                               ("max_items", num_items, c.max_items),
+                               ("max_gather_rows", num_gather, c.max_gather_rows),
                                ("max_merge_rows", num_mrows, c.max_merge_rows),
                                ("max_ws_rows", num_ws_rows, c.max_ws_rows)):
             if got > cap:

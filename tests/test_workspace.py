@@ -239,3 +239,48 @@ def test_derived_capacity_bounds_random_plans():
                                   num_sms=num_sms, rows_per_tile=(min(rows), max(rows)), max_shared_levels=levels)
             assert p.num_items <= cap.max_items and p.work.num_ws_rows <= cap.max_ws_rows
             assert p.work.gather.shape[0] <= cap.max_gather_rows and p.num_merge_rows <= cap.max_merge_rows
+
+
+def test_graph_num_tokens_sizes_the_grid_by_the_graph(device, monkeypatch):
+    """plan(graph_num_tokens=G): the launch covers the item bound of a G-token step, smaller than the capacity's;
+    two batches replayed by one G-row graph launch identically; q must have G rows."""
+    (a, b), k_cache, v_cache = _two_batches_on_one_cache(device)
+    rows = max(int(a.qo_indptr[-1]), int(b.qo_indptr[-1]))
+    rec = RecordingKernel(attention_module.prefix_attention_kernel)
+    monkeypatch.setattr(attention_module, "prefix_attention_kernel", rec)
+    attn = PrefixSharedAttention(**HEADS, q_dtype=torch.float32, device=device, use_cuda_graph=True,
+                                 sharing="always", **CAPS)
+    grid = attn.graph_grid_items(rows)
+    assert attn.graph_grid_items(1) < grid < attn.workspace.capacity.max_items
+    q_static, out_static = torch.zeros(rows, 4, 64, device=device), torch.zeros(rows, 4, 64, device=device)
+    for batch in (a, b):
+        q_static.zero_()
+        q_static[:batch.q.shape[0]] = batch.q.to(device)
+        p = attn.plan(*(t.to(device) for t in batch.metadata), graph_num_tokens=rows)
+        attn.run(q_static, k_cache, v_cache, out=out_static)
+        _assert_matches_reference(out_static, q_static, k_cache, v_cache, batch, p)
+    (grid_a, args_a), (grid_b, args_b) = rec.launches
+    assert grid_a == grid_b == (grid * HEADS["num_kv_heads"],) and args_a == args_b
+    with pytest.raises(ValueError, match=f"q: expected {rows} rows \\(the graph_num_tokens"):
+        attn.run(torch.zeros(rows + 1, 4, 64, device=device), k_cache, v_cache)
+    with pytest.raises(ValueError, match="graph_num_tokens: expected at least the step's"):
+        attn.plan(*(t.to(device) for t in b.metadata), graph_num_tokens=1)
+
+
+def test_graph_grid_overflow_replans_without_sharing(device, monkeypatch):
+    """A shared plan over its graph's grid (a bound made tight here) is re-planned without sharing, which fits."""
+    (_, b), k_cache, v_cache = _two_batches_on_one_cache(device)
+    metadata = [t.to(device) for t in b.metadata]
+    attn = PrefixSharedAttention(**HEADS, q_dtype=torch.float32, device=device, use_cuda_graph=True,
+                                 sharing="always", **CAPS)
+    unshared_items = attn.plan(*metadata, sharing="never").num_items
+    assert attn.plan(*metadata).num_items > unshared_items
+    rows = int(b.qo_indptr[-1])
+    monkeypatch.setattr(attn, "graph_grid_items", lambda num_tokens: unshared_items)
+    p = attn.plan(*metadata, graph_num_tokens=rows)
+    assert not p.has_shared and "the graph grid for" in p.stats["capacity_fallback"]
+    q = b.q.to(device)
+    _assert_matches_reference(attn.run(q, k_cache, v_cache), q, k_cache, v_cache, b, p)
+    monkeypatch.setattr(attn, "graph_grid_items", lambda num_tokens: unshared_items - 1)
+    with pytest.raises(ValueError, match="graph_num_tokens: expected a step within the grid"):
+        attn.plan(*metadata, graph_num_tokens=rows)

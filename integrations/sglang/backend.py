@@ -93,7 +93,8 @@ class PrefixAttnBackend(AttentionBackend):
     :meth:`init_forward_metadata_out_graph`, :meth:`init_forward_metadata_in_graph`); prefill runs eagerly.
 
     Not supported (each raises ``ValueError`` or ``NotImplementedError`` naming the feature): SGLang's "full"
-    prefill CUDA graphs (the default "breakable" ones run attention eagerly and work), speculative decoding (target verify / draft extend), encoder-decoder and cross attention, sliding windows,
+    prefill CUDA graphs (the default "breakable" ones run attention eagerly), speculative decoding (target verify /
+    draft extend), encoder-decoder and cross attention, sliding windows,
     logit soft-capping, MLA and hybrid/SWA pools, quantized (fp8) KV caches, ``qk_head_dim != v_head_dim``.
 
     Examples
@@ -291,8 +292,9 @@ class GraphState:
         self.table[:bs, :width].copy_(slots[:, :width] // self.page_size if self.page_size > 1 else slots[:, :width])
 
     def _plan(self, attn, meta: StepMetadata):
-        bs = meta.block_table.shape[0]
-        return attn.plan(meta.qo_indptr, meta.kv_lens, meta.block_table, device_block_table=self.table[:bs])
+        bs = meta.block_table.shape[0]  # the padded batch: one query row per request slot in a decode graph
+        return attn.plan(meta.qo_indptr, meta.kv_lens, meta.block_table, device_block_table=self.table[:bs],
+                         graph_num_tokens=bs)
 
     def plan_all(self, meta: StepMetadata) -> None:
         for key, attn in self.wrappers.items():

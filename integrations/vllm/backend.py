@@ -241,11 +241,12 @@ class PrefixAttnMetadataBuilder(AttentionMetadataBuilder[PrefixAttnMetadata]):
             raise ValueError("cudagraph_mode: expected full CUDA graphs enabled for a capture build (the builder has "
                              "no graph wrapper), got a mode without them")
         kv_lens = inputs.qo_indptr[1:] - inputs.qo_indptr[:-1] if capture else inputs.kv_lens
+        num_rows = int(common.num_actual_tokens)  # every row vLLM pads to (the graph's size): captured ops see them
         # vLLM's persistent device block table: the kernel reads it in place (same address at every step).
-        step_plan = attn.plan(inputs.qo_indptr, kv_lens, inputs.block_table, device_block_table=inputs.block_table)
+        step_plan = attn.plan(inputs.qo_indptr, kv_lens, inputs.block_table, device_block_table=inputs.block_table,
+                              graph_num_tokens=num_rows)
         for observe in _plan_observers:
             observe(step_plan)
-        num_rows = int(common.num_actual_tokens)  # every row vLLM pads to: the captured ops see them all
         return PrefixAttnMetadata(plan=step_plan, num_query_tokens=step_plan.num_tokens,
                                   slot_mapping=common.slot_mapping[:num_rows], graph_attn=attn)
 
@@ -346,9 +347,10 @@ class PrefixAttnImpl(AttentionImpl[PrefixAttnMetadata]):
                              "tables; micro-batched metadata built ahead of this forward overwrote it), got an "
                              "older one")
         slots = attn_metadata.slot_mapping
+        n = slots.shape[0]  # num_actual_tokens: the padded rows of a full graph (vLLM's own backends slice to it)
         if self.kv_sharing_target_layer_name is None and key is not None and value is not None:
-            write_kv_cache(key[:slots.shape[0]], value[:slots.shape[0]], k_cache, v_cache, graph_safe_slots(slots))
-        attn.run(query, k_cache, v_cache, out=output)
+            write_kv_cache(key[:n], value[:n], k_cache, v_cache, graph_safe_slots(slots))
+        attn.run(query[:n], k_cache, v_cache, out=output[:n])
         return output
 
 

@@ -130,7 +130,8 @@ def test_capture_then_padded_replay_reuses_the_launch(vllm_config, monkeypatch):
     query, output = torch.zeros(CAPTURE_SIZE, HQ, D), torch.zeros(CAPTURE_SIZE, HQ, D)
     key, value = torch.zeros(CAPTURE_SIZE, HKV, D), torch.zeros(CAPTURE_SIZE, HKV, D)
 
-    dummy = _common([1] * CAPTURE_SIZE, [200] * CAPTURE_SIZE, [[0] * MAX_BLOCKS_PER_REQ] * CAPTURE_SIZE)  # null-block table
+    null_table = [[0] * MAX_BLOCKS_PER_REQ] * CAPTURE_SIZE
+    dummy = _common([1] * CAPTURE_SIZE, [200] * CAPTURE_SIZE, null_table)
     meta = builder.build_for_cudagraph_capture(dummy)
     assert meta.graph_attn is builder.graph_attn and meta.plan.num_tokens == CAPTURE_SIZE
     assert meta.plan.work.items[:, 3].max() == 1  # KV cut to each dummy request's own token: a short capture run
@@ -182,3 +183,34 @@ def test_a_stale_graph_plan_is_refused(vllm_config):
     with pytest.raises(ValueError, match="attn_metadata: expected the builder's latest plan"):
         impl.forward(None, torch.zeros(t, HQ, D), torch.zeros(t, HKV, D), torch.zeros(t, HKV, D),
                      torch.zeros(NUM_BLOCKS, HKV, BLOCK, 2 * D), first, torch.zeros(t, HQ, D))
+
+
+def test_a_smaller_graph_launches_a_smaller_grid(vllm_config, monkeypatch):
+    """A step padded to capture size 4 plans for that graph's grid (the bound of a 4-token step, not of the largest
+    graph) and matches the reference."""
+    import prefixattn
+    from prefixattn import prefix_attention as attention_module
+
+    from integrations.vllm.backend import PrefixAttnImpl, split_kv_cache
+
+    rec = RecordingKernel(attention_module.prefix_attention_kernel)
+    monkeypatch.setattr(attention_module, "prefix_attention_kernel", rec)
+    builder = _builder(vllm_config)
+    attn = builder.graph_attn
+    table, seq_lens = [[5, 6, 1], [5, 6, 2], [7, 8, 3]], [40, 35, 45]
+    meta = builder.build(0, _common([1] * 3, seq_lens, table, num_padded_reqs=1, num_tokens_padded=4))
+    assert meta.plan.stats["grid_items"] == attn.graph_grid_items(4) < attn.graph_grid_items(CAPTURE_SIZE)
+    g = torch.Generator().manual_seed(4)
+    kv_cache = torch.randn(NUM_BLOCKS, HKV, BLOCK, 2 * D, generator=g)
+    query, key, value = torch.randn(4, HQ, D, generator=g), torch.randn(4, HKV, D, generator=g), torch.randn(
+        4, HKV, D, generator=g)
+    output = torch.full((4, HQ, D), float("nan"))
+    PrefixAttnImpl(num_heads=HQ, head_size=D, scale=D ** -0.5, num_kv_heads=HKV).forward(
+        None, query, key, value, kv_cache, meta, output)
+    assert rec.launches[0][0] == (attn.graph_grid_items(4) * HKV,)
+    k_cache, v_cache = split_kv_cache(kv_cache, D)
+    ref = prefixattn.reference_attention(query[:3], k_cache, v_cache, torch.arange(4), torch.tensor(seq_lens),
+                                         torch.tensor(table))
+    atol, rtol = ATTENTION_TOL[torch.float32]
+    torch.testing.assert_close(output[:3], ref, atol=atol, rtol=rtol)
+    assert torch.isnan(output[3:]).all()
