@@ -345,7 +345,8 @@ class PrefixSharedAttention:
         return self._run_graph_safe(q, k_cache, v_cache, out=out, return_lse=return_lse)
 
     def _run_graph_safe(self, q, k_cache, v_cache, *, out, return_lse):
-        """One launch fixed by the capacity; the counter memset (whole capacity) is part of what a graph captures."""
+        """One launch fixed by the capacity (or the graph's size); the counter memset is part of what a graph
+        captures."""
         p, ws = self._plan, self._workspace
         _check_against_plan(q, k_cache, v_cache, p, out, return_lse)
         graph_tokens = p.stats.get("graph_num_tokens")
@@ -355,7 +356,8 @@ class PrefixSharedAttention:
         if out is None:
             out = torch.empty_like(q)
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else ws.ws_lse
-        ws.counters.zero_()
+        # Merge rows <= query rows <= the graph's rows: the memset covers what any step replayed by this graph uses.
+        ws.counters[:graph_tokens if graph_tokens is not None else ws.counters.shape[0]].zero_()
         # The workspace's whole buffers, not the plan's live views: a view with no rows has data_ptr 0, which a
         # captured launch would keep for the steps that have rows.
         _launch(out=out, lse=lse, q=q, k_cache=k_cache, v_cache=v_cache, p=p,
