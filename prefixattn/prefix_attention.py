@@ -318,6 +318,9 @@ class PrefixSharedAttention:
             if fixed:
                 raise ValueError(f"{fixed[0]}: expected no per-step override with use_cuda_graph=True (the captured "
                                  f"launch holds it), got {overrides[fixed[0]]!r}")
+            if not self._graph_has_shared and overrides.get("sharing", "never") != "never":
+                raise ValueError(f"sharing: expected 'never' with use_cuda_graph=True and sharing='never' at "
+                                 f"construction (the launch has no shared branch), got {overrides['sharing']!r}")
         opts = {**self._config, **overrides, "workspace": self._workspace, "device": self._workspace.device,
                 "device_block_table": device_block_table}
         if self.use_cuda_graph:

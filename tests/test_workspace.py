@@ -200,6 +200,10 @@ def test_stale_plan_and_graph_overrides_are_refused(device):
         attention(a.q.to(device), k_cache, v_cache, old)
     with pytest.raises(ValueError, match="sm_scale: expected no per-step override with use_cuda_graph=True"):
         attn.plan(*(t.to(device) for t in a.metadata), sm_scale=0.5)
+    never = PrefixSharedAttention(**HEADS, q_dtype=torch.float32, device=device, use_cuda_graph=True,
+                                  sharing="never", **CAPS)
+    with pytest.raises(ValueError, match="sharing: expected 'never' with use_cuda_graph=True"):
+        never.plan(*(t.to(device) for t in a.metadata), sharing="always")
     with pytest.raises(ValueError, match="max_tokens: expected the capacities"):
         PrefixSharedAttention(**HEADS, use_cuda_graph=True)
     with pytest.raises(ValueError, match="max_requests: expected an int with the other capacities"):
