@@ -17,16 +17,19 @@ shared levels per request, ``S`` SMs, ``H`` KV heads and ``r_sh``/``r_sf`` query
 * split-k: a range of ``n`` tokens over a piece budget ``b`` (at least ``SPLIT_TOLERANCE`` x the launch's fair share,
   :mod:`prefixattn.split_rule`) is cut into fewer than ``4 n / b`` pieces (whole grains ``g <= b``, ``floor(b / g)``
   of them per piece, i.e. more than ``b / 2`` tokens each; at most 2 pieces more from rounding). Summed over the
-  items that read each range, the extra programs are below ``4 / SPLIT_TOLERANCE x S / H``: ``SPLIT_EXTRA``.
+  items that read each range, the extra programs are below ``4 / SPLIT_TOLERANCE x S / H`` (``SPLIT_EXTRA``).
 * items: suffix tiles ``<= R + T // r_sf``; shared tiles ``<= (R - 1) + L T // r_sh`` (at most ``R - 1`` nodes in
   a prefix tree of ``R`` leaves); plus the split extra.
 * workspace rows: every row has at most ``L + 1`` unsplit states, and each extra split program adds at most one
   tile of rows: ``T (L + 1) + max(r_sh, r_sf) x SPLIT_EXTRA``. Gather rows: ``L T + r_sh x SPLIT_EXTRA``; merge
   rows ``<= T``.
 
-A plan beyond a capacity is a ``ValueError`` naming the capacity (:meth:`PlanWorkspace.check`), never a write out of
-bounds; :class:`prefixattn.PrefixSharedAttention` first retries such a step without sharing, which the bounds with
-``L = 0`` always admit.
+A plan beyond a capacity is a ``ValueError`` naming the capacity (:meth:`PlanWorkspace.overflow`), never a write out
+of bounds; :class:`prefixattn.PrefixSharedAttention` first retries such a step without sharing, which the bounds with
+``L = 0`` always admit (unless a ``max_*`` was set below its derived value).
+
+These bounds follow :mod:`prefixattn.split_rule` and :mod:`prefixattn.work_list` as they are; a change to how they
+split or tile must keep them (``tests/test_workspace.py`` checks them on random plans).
 """
 
 from __future__ import annotations
