@@ -26,9 +26,10 @@ from prefixattn.runtime import interpreter_enabled
 from prefixattn.kernels import layout as K
 from prefixattn.split_rule import critical_path
 from prefixattn.validation import (SUPPORTED_DTYPES, canonical_device, check_head_dim, check_heads,
-                                   check_host_metadata)
+                                   check_host_metadata, same_device)
 from prefixattn.ragged import expand, offsets
 from prefixattn.work_list import SharedNode, SharedNodes, WorkList, build_work_list
+from prefixattn.workspace import PlanWorkspace
 
 #: Bytes of one fp32 number: partial states (o, lse) are kept in fp32 whatever the input dtype.
 FP32_BYTES = 4
@@ -102,6 +103,14 @@ class Plan:
     ws_o: torch.Tensor = field(repr=False)
     ws_lse: torch.Tensor = field(repr=False)
     stats: dict = field(default_factory=dict)
+    #: The capacity-sized buffers the tables live in (None: this plan's own tensors) and the workspace's step count
+    #: when this plan was loaded: a later plan on the same workspace overwrites the tables (:meth:`is_current`).
+    workspace: PlanWorkspace | None = field(default=None, repr=False)
+    workspace_step: int = -1
+
+    def is_current(self) -> bool:
+        """False once a later plan was loaded into this plan's workspace (its device tables are gone)."""
+        return self.workspace is None or self.workspace.step == self.workspace_step
 
     @property
     def shared_nodes(self) -> list[SharedNode]:
@@ -300,6 +309,9 @@ def plan(
     min_split_tokens: int = MIN_SPLIT_TOKENS,
     sharing: str = "auto",
     num_blocks: int | None = None,
+    tiles: AttentionTiles | None = None,
+    workspace: PlanWorkspace | None = None,
+    device_block_table: torch.Tensor | None = None,
 ) -> Plan:
     """Plan one engine step of prefix-shared paged attention (host; reuse the plan for every layer).
 
@@ -340,6 +352,16 @@ def plan(
         Number of blocks in the cache, to refuse an out-of-range id here, at plan time. Without it the plan still
         records the largest id it reads (``Plan.max_block_id``) and :func:`prefixattn.attention` checks it against
         the cache it gets.
+    tiles : AttentionTiles, optional
+        Fixed tiles instead of :func:`~prefixattn.attention_configs.choose_tiles`'s choice for this batch (a
+        CUDA-graph wrapper keeps one set for every step; any tiles give the same results).
+    workspace : PlanWorkspace, optional
+        Capacity-sized buffers (:mod:`prefixattn.workspace`) to write the device tables into (one non-blocking
+        copy, no device allocation); a step beyond a capacity raises ``ValueError`` naming it. Default: new
+        tensors for this plan.
+    device_block_table : Tensor, optional, ``[>= num_requests, >= used blocks]`` int32, on ``device``
+        With ``workspace``: the same block ids, already on the device (an engine's persistent table); the kernel
+        reads it and the plan copies no table. Its values must equal ``block_table``'s (not checked: no sync).
 
     Returns
     -------
@@ -371,7 +393,8 @@ def plan(
     q_len = indptr[1:] - indptr[:-1]
     shareable = np.where(q_len > 0, lens - q_len if causal else lens, 0)
     max_q_len = int(q_len.max()) if q_len.shape[0] else 1
-    tiles = choose_tiles(head_dim=head_dim, group=group, max_q_len=max(max_q_len, 1), dtype=q_dtype)
+    if tiles is None:
+        tiles = choose_tiles(head_dim=head_dim, group=group, max_q_len=max(max_q_len, 1), dtype=q_dtype)
     elt_bytes = q_dtype.itemsize
 
     # sharing="never" needs no tree (an empty one keeps Plan.tree well-formed).
@@ -386,17 +409,18 @@ def plan(
         block_n_shared=tiles.block_n_shared, block_n_suffix=tiles.block_n_suffix, num_kv_heads=num_kv_heads,
         num_sms=num_sms, min_split_tokens=min_split_tokens)
 
-    # One host->device copy of all int32 metadata (the block table joins it when its ids fit in int32).
     width = max(-(-int(lens.max()) // block_size) if lens.shape[0] else 0, 1)  # blocks of the longest request
-    num_items_dev, items, gather, mrows, table_dev = _metadata_to_device(work, table, width, device)
+    if workspace is None and device_block_table is not None:
+        raise ValueError("device_block_table: expected a workspace too (the free plan() copies its own table), "
+                         "got workspace=None")
+    if workspace is not None and not same_device(workspace.device, device):
+        raise ValueError(f"workspace: expected the plan's device {device}, got a workspace on {workspace.device}")
+    if workspace is None:
+        dev = _allocate_tables(work, table, width, num_qo_heads=num_qo_heads, head_dim=head_dim, device=device)
+    else:
+        dev = _workspace_tables(work, _used_table(table, width), workspace=workspace, num_tokens=int(indptr[-1]),
+                                device_block_table=device_block_table)
     num_mrows = work.mrows.shape[0]
-    # Workspace only where some rows merge; a 1-element placeholder keeps the kernel's pointers valid otherwise.
-    num_mrows = work.mrows.shape[0]
-    counters = _zeros((max(num_mrows, 1), num_qo_heads), device)
-    ws_rows = work.num_ws_rows
-    ws_o = torch.empty((ws_rows, num_qo_heads, head_dim) if ws_rows else (1, 1, 1), dtype=torch.float32,
-                       device=device)
-    ws_lse = torch.empty((ws_rows, num_qo_heads) if ws_rows else (1, 1), dtype=torch.float32, device=device)
 
     return Plan(
         num_tokens=int(indptr[-1]), num_requests=int(lens.shape[0]), num_qo_heads=num_qo_heads,
@@ -408,11 +432,81 @@ def plan(
         use_fp32_dot=interpreter_enabled() or q_dtype == torch.float32,
         has_shared=bool(nodes), max_block_id=max_block_id,
         work=work, tree=tree, nodes=nodes,
-        num_items_dev=num_items_dev, items=items, gather=gather, mrows=mrows, block_table=table_dev,
-        counters=counters, ws_o=ws_o, ws_lse=ws_lse,
+        **dev,
         stats=dict(num_shared_nodes=len(nodes), num_units=work.num_units, num_merge_rows=num_mrows,
                    num_ws_rows=work.num_ws_rows,
                    num_sms=num_sms, critical_path=critical_path(
                        work.items[:, K.ITEM_KV_END] - work.items[:, K.ITEM_KV_START],  # both in [0, 2^31)
                        num_kv_heads=num_kv_heads, num_sms=num_sms)),
+        workspace=workspace, workspace_step=workspace.step if workspace is not None else -1,
     )
+
+
+def _used_table(table: np.ndarray, width: int) -> np.ndarray:
+    """The block-table columns the batch reads (``width``, at least 1) as int64; columns the table lacks are 0."""
+    used = np.empty((table.shape[0], width), dtype=np.int64)
+    _copy_table(used, table, min(width, table.shape[1]))
+    return used
+
+
+def _table_fits_int32(table_used: np.ndarray) -> bool:
+    return table_used.size == 0 or int(table_used.max()) <= np.iinfo(np.int32).max
+
+
+def _allocate_tables(work: WorkList, table: np.ndarray, width: int, *, num_qo_heads: int, head_dim: int,
+                     device: torch.device) -> dict:
+    """New device tensors for one plan (the free :func:`plan`): the metadata in one copy
+    (:func:`_metadata_to_device`), new counters and workspace."""
+    num_items_dev, items, gather, mrows, table_dev = _metadata_to_device(work, table, width, device)
+    # Workspace only where some rows merge; a 1-element placeholder keeps the kernel's pointers valid otherwise.
+    ws_rows = work.num_ws_rows
+    return dict(
+        num_items_dev=num_items_dev, items=items, gather=gather, mrows=mrows, block_table=table_dev,
+        counters=_zeros((max(work.mrows.shape[0], 1), num_qo_heads), device),
+        ws_o=torch.empty((ws_rows, num_qo_heads, head_dim) if ws_rows else (1, 1, 1), dtype=torch.float32,
+                         device=device),
+        ws_lse=torch.empty((ws_rows, num_qo_heads) if ws_rows else (1, 1), dtype=torch.float32, device=device))
+
+
+class CapacityError(ValueError):
+    """A step that does not fit a :class:`~prefixattn.workspace.PlanWorkspace` (``capacity``: which one)."""
+
+    def __init__(self, message: str, capacity: str) -> None:
+        super().__init__(message)
+        self.capacity = capacity
+
+
+def _workspace_tables(work: WorkList, table_used: np.ndarray, *, workspace: PlanWorkspace, num_tokens: int,
+                      device_block_table: torch.Tensor | None) -> dict:
+    """The step's tables in ``workspace``'s fixed buffers: capacity checks, then one non-blocking copy."""
+    reason = workspace.overflow(num_requests=table_used.shape[0], num_tokens=num_tokens,
+                                table_width=table_used.shape[1] if device_block_table is None else 0,
+                                num_items=work.num_items, num_gather=work.gather.shape[0],
+                                num_mrows=work.mrows.shape[0], num_ws_rows=work.num_ws_rows)
+    if reason is not None:
+        raise CapacityError(reason, reason.split(":", 1)[0])
+    if device_block_table is None:
+        if not _table_fits_int32(table_used):
+            raise ValueError(f"block_table: expected block ids below 2**31 with a workspace (int32 table), got "
+                             f"{int(table_used.max())}")
+    else:
+        _check_device_table(device_block_table, table_used.shape, workspace.device)
+    dev = workspace.load(items=work.items, gather=work.gather, mrows=work.mrows,
+                         table=table_used if device_block_table is None else None)
+    if device_block_table is not None:
+        dev["block_table"] = device_block_table
+    return dev
+
+
+def _check_device_table(t, used_shape: tuple[int, int], device: torch.device) -> None:
+    if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"device_block_table: expected a 2-D int32/int64 tensor, got "
+                         f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}"
+                         f"{'' if not isinstance(t, torch.Tensor) else f' of shape {tuple(t.shape)}'}")
+    if t.shape[0] < used_shape[0] or t.shape[1] < used_shape[1]:
+        raise ValueError(f"device_block_table: expected at least {used_shape[0]} rows and {used_shape[1]} columns "
+                         f"(the batch's requests and used blocks), got shape {tuple(t.shape)}")
+    if t.stride(1) != 1:
+        raise ValueError(f"device_block_table: expected contiguous rows (stride 1 in dim 1), got strides {t.stride()}")
+    if not same_device(t.device, device):
+        raise ValueError(f"device_block_table: expected device {device} (the workspace's), got {t.device}")

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
 from prefixattn.kernels.layout import page_size_constexpr
 from prefixattn.kernels.prefix_attention import prefix_attention_kernel
-from prefixattn.planner import Plan, plan
-from prefixattn.validation import check_kernel_device, check_qkv, check_tensor, same_device
+from prefixattn.attention_configs import choose_tiles
+from prefixattn.planner import CapacityError, Plan, _default_num_sms, _positive_int, plan
+from prefixattn.validation import (canonical_device, check_head_dim, check_heads, check_kernel_device, check_qkv,
+                                   check_tensor, same_device)
+from prefixattn.workspace import DEFAULT_MAX_SHARED_LEVELS, PlanWorkspace, derive_capacity
 
 _LOG2E = 1.0 / math.log(2.0)
 
@@ -27,6 +31,9 @@ def _check_against_plan(q, k_cache, v_cache, p: Plan, out, return_lse) -> None:
     """
     if not isinstance(p, Plan):
         raise ValueError(f"plan: expected a prefixattn Plan (from prefixattn.plan), got {type(p).__name__}")
+    if not p.is_current():
+        raise ValueError(f"plan: expected the latest plan of its workspace (step {p.workspace.step}), got the plan of "
+                         f"step {p.workspace_step}: a later plan() overwrote its tables")
     num_qo_heads, num_kv_heads, head_dim, block_size = check_qkv(q, k_cache, v_cache)
     check_kernel_device("q", q)
     for name, got, want in (("num_qo_heads (q dim 1)", num_qo_heads, p.num_qo_heads),
@@ -91,70 +98,273 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pla
     if out is None:
         out = torch.empty_like(q)
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else plan.ws_lse
-    p, t = plan, plan.tiles
-    has_shared = p.has_shared
-    if p.num_items:
+    if plan.num_items:
         # Merge counters start at 0 in every launch (a memset of num_merge_rows x num_qo_heads int32, stream
         # ordered and CUDA-graph capturable): an interrupted launch cannot leak arrivals into the next one.
-        if p.num_merge_rows:
-            p.counters.zero_()
-        prefix_attention_kernel[(p.num_items * p.num_kv_heads,)](
-            out_ptr=out, lse_ptr=lse, ws_o_ptr=p.ws_o, ws_lse_ptr=p.ws_lse, counters_ptr=p.counters,
-            q_ptr=q, k_cache_ptr=k_cache, v_cache_ptr=v_cache,
-            num_items_ptr=p.num_items_dev, items_ptr=p.items, gather_ptr=p.gather, mrows_ptr=p.mrows,
-            block_table_ptr=p.block_table,
-            num_kv_heads=p.num_kv_heads, group=p.num_qo_heads // p.num_kv_heads, head_dim=p.head_dim,
-            block_size=p.block_size, qk_scale=p.sm_scale * _LOG2E,
-            stride_o_t=out.stride(0), stride_o_h=out.stride(1), stride_o_d=out.stride(2),
-            stride_lse_t=lse.stride(0), stride_lse_h=lse.stride(1),
-            stride_ws_t=p.ws_o.stride(0), stride_ws_h=p.ws_o.stride(1), stride_ws_d=p.ws_o.stride(2),
-            stride_wl_t=p.ws_lse.stride(0), stride_wl_h=p.ws_lse.stride(1),
-            stride_q_t=q.stride(0), stride_q_h=q.stride(1), stride_q_d=q.stride(2),
-            stride_k_blk=k_cache.stride(0), stride_k_tok=k_cache.stride(1), stride_k_head=k_cache.stride(2),
-            stride_k_d=k_cache.stride(3),
-            stride_v_blk=v_cache.stride(0), stride_v_tok=v_cache.stride(1), stride_v_head=v_cache.stride(2),
-            stride_v_d=v_cache.stride(3),
-            stride_bt_r=p.block_table.stride(0),
-            HAS_LSE=return_lse, HAS_SHARED=has_shared, USE_FP32_DOT=p.use_fp32_dot, IS_HIP=t.is_hip,
-            PAGE_SIZE=page_size_constexpr(p.block_size),
-            BLOCK_M_SHARED=t.block_m_shared, BLOCK_N_SHARED=t.block_n_shared,
-            BLOCK_M_SUFFIX=t.block_m_suffix, BLOCK_N_SUFFIX=t.block_n_suffix, BLOCK_D=t.block_d,
-            **t.launch_options(has_shared),
-        )
+        if plan.num_merge_rows:
+            plan.counters.zero_()
+        _launch(out=out, lse=lse, q=q, k_cache=k_cache, v_cache=v_cache, p=plan, num_programs_items=plan.num_items,
+                has_shared=plan.has_shared, has_lse=return_lse)
     return (out, lse) if return_lse else out
+
+
+def _launch(*, out, lse, q, k_cache, v_cache, p: Plan, num_programs_items: int, has_shared: bool,
+            has_lse: bool, tables: dict | None = None) -> None:
+    """The one kernel launch: ``num_programs_items x num_kv_heads`` programs; programs past the plan's live items
+    (``num_items_dev``, read on the device) exit at once, so a grid sized by capacity serves any smaller plan.
+    ``tables`` replaces the plan's ``items``/``gather``/``mrows``/``counters`` (the workspace's whole buffers)."""
+    t = p.tiles
+    tb = {**dict(items=p.items, gather=p.gather, mrows=p.mrows, counters=p.counters), **(tables or {})}
+    prefix_attention_kernel[(num_programs_items * p.num_kv_heads,)](
+        out_ptr=out, lse_ptr=lse, ws_o_ptr=p.ws_o, ws_lse_ptr=p.ws_lse, counters_ptr=tb["counters"],
+        q_ptr=q, k_cache_ptr=k_cache, v_cache_ptr=v_cache,
+        num_items_ptr=p.num_items_dev, items_ptr=tb["items"], gather_ptr=tb["gather"], mrows_ptr=tb["mrows"],
+        block_table_ptr=p.block_table,
+        num_kv_heads=p.num_kv_heads, group=p.num_qo_heads // p.num_kv_heads, head_dim=p.head_dim,
+        block_size=p.block_size, qk_scale=p.sm_scale * _LOG2E,
+        stride_o_t=out.stride(0), stride_o_h=out.stride(1), stride_o_d=out.stride(2),
+        stride_lse_t=lse.stride(0), stride_lse_h=lse.stride(1),
+        stride_ws_t=p.ws_o.stride(0), stride_ws_h=p.ws_o.stride(1), stride_ws_d=p.ws_o.stride(2),
+        stride_wl_t=p.ws_lse.stride(0), stride_wl_h=p.ws_lse.stride(1),
+        stride_q_t=q.stride(0), stride_q_h=q.stride(1), stride_q_d=q.stride(2),
+        stride_k_blk=k_cache.stride(0), stride_k_tok=k_cache.stride(1), stride_k_head=k_cache.stride(2),
+        stride_k_d=k_cache.stride(3),
+        stride_v_blk=v_cache.stride(0), stride_v_tok=v_cache.stride(1), stride_v_head=v_cache.stride(2),
+        stride_v_d=v_cache.stride(3),
+        stride_bt_r=p.block_table.stride(0),
+        HAS_LSE=has_lse, HAS_SHARED=has_shared, USE_FP32_DOT=p.use_fp32_dot, IS_HIP=t.is_hip,
+        PAGE_SIZE=page_size_constexpr(p.block_size),
+        BLOCK_M_SHARED=t.block_m_shared, BLOCK_N_SHARED=t.block_n_shared,
+        BLOCK_M_SUFFIX=t.block_m_suffix, BLOCK_N_SUFFIX=t.block_n_suffix, BLOCK_D=t.block_d,
+        **t.launch_options(has_shared),
+    )
+
+
+#: Options a CUDA-graph wrapper fixes at construction: the captured launch holds them (constexprs, scalars, tiles).
+_GRAPH_FIXED_OPTIONS = ("num_qo_heads", "num_kv_heads", "head_dim", "block_size", "q_dtype", "sm_scale", "device",
+                        "tiles", "workspace")
+#: Capacities a step may exceed because of how much it shares (not how big it is): such a step is re-planned
+#: without sharing, which the derived capacities always admit (prefixattn.workspace).
+_SHARING_CAPACITIES = ("max_items", "max_gather_rows", "max_merge_rows", "max_ws_rows")
 
 
 class PrefixSharedAttention:
     """FlashInfer-style wrapper: ``plan()`` once per engine step, ``run()`` once per layer.
 
+    With capacities (``max_tokens``, ``max_requests``, ``max_blocks_per_request``) the wrapper owns a
+    :class:`~prefixattn.workspace.PlanWorkspace` allocated once: ``plan()`` writes each step's tables into pinned host
+    memory and moves them with one non-blocking copy, and neither ``plan()`` nor ``run()`` allocates device memory
+    (``run()`` with ``out`` given). Without capacities every plan allocates its own tensors (as :func:`plan`).
+
+    Parameters
+    ----------
+    num_qo_heads, num_kv_heads, head_dim, block_size, q_dtype, causal, sm_scale
+        As :func:`prefixattn.plan`.
+    max_tokens, max_requests, max_blocks_per_request : int, optional
+        The largest step: query rows, requests, block-table columns (all three or none). ``max_blocks_per_request=0``:
+        no table in the workspace, every ``plan()`` passes ``device_block_table`` (an engine's persistent table).
+    device : torch.device or str, optional
+        Where the workspace lives; default the current CUDA device, else the CPU.
+    use_cuda_graph : bool
+        Fix the launch by the capacity so ``run()`` can be captured once and replayed for every later plan within
+        it: the grid is ``max_items x num_kv_heads`` programs (or the bound for ``plan(graph_num_tokens=...)``; those
+        past the live items exit at once), the tiles are
+        chosen once for ``max_q_len``, the shared branch is always compiled in, the counter memset covers the whole
+        capacity, and every table lives at a fixed address. Needs the capacities.
+    max_q_len : int
+        With ``use_cuda_graph``: the query length the fixed tiles are chosen for (1: decode; any batch is still
+        correct, only its tile fit changes).
+    max_shared_levels, max_items, max_gather_rows, max_merge_rows, max_ws_rows
+        Override the derived capacities (:func:`prefixattn.workspace.derive_capacity`).
+    **plan_options
+        Other :func:`prefixattn.plan` options (``sharing``, ``num_sms``, ``min_split_tokens``, ...).
+
     Examples
     --------
     >>> attn = PrefixSharedAttention(num_qo_heads=32, num_kv_heads=8, head_dim=128, block_size=16,
-    ...                              q_dtype=torch.float16)
+    ...                              q_dtype=torch.float16, max_tokens=8192, max_requests=256,
+    ...                              max_blocks_per_request=2048, use_cuda_graph=True)
     >>> attn.plan(qo_indptr, kv_lens, block_table)
-    >>> out = attn.run(q, k_cache, v_cache)
+    >>> out = attn.run(q, k_cache, v_cache, out=out)
     """
 
     def __init__(self, *, num_qo_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                  q_dtype: torch.dtype = torch.float16, causal: bool = True, sm_scale: float | None = None,
-                 **plan_options) -> None:
+                 max_tokens: int | None = None, max_requests: int | None = None,
+                 max_blocks_per_request: int | None = None, device=None, use_cuda_graph: bool = False,
+                 max_q_len: int = 1, max_shared_levels: int = DEFAULT_MAX_SHARED_LEVELS, max_items: int | None = None,
+                 max_gather_rows: int | None = None, max_merge_rows: int | None = None,
+                 max_ws_rows: int | None = None, **plan_options) -> None:
         self._config = dict(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                             block_size=block_size, q_dtype=q_dtype, causal=causal, sm_scale=sm_scale,
                             **plan_options)
         self._plan: Plan | None = None
+        self._workspace: PlanWorkspace | None = None
+        if not isinstance(use_cuda_graph, bool):
+            raise ValueError(f"use_cuda_graph: expected a bool, got {type(use_cuda_graph).__name__}")
+        self.use_cuda_graph = use_cuda_graph
+        self.graph_max_q_len = max_q_len if use_cuda_graph else None
+        caps = (max_tokens, max_requests, max_blocks_per_request)
+        if all(c is None for c in caps):
+            if use_cuda_graph:
+                raise ValueError("max_tokens: expected the capacities (max_tokens, max_requests, "
+                                 "max_blocks_per_request) with use_cuda_graph=True, got None")
+            return
+        self._make_workspace(caps, device=device, max_q_len=max_q_len, max_shared_levels=max_shared_levels,
+                             overrides=dict(max_items=max_items, max_gather_rows=max_gather_rows,
+                                            max_merge_rows=max_merge_rows, max_ws_rows=max_ws_rows))
+
+    def _make_workspace(self, caps, *, device, max_q_len, max_shared_levels, overrides) -> None:
+        """Capacity, fixed tiles (graph mode) and the workspace: the constructor's capacity half."""
+        for name, value in zip(("max_tokens", "max_requests", "max_blocks_per_request"), caps):
+            if value is None:
+                raise ValueError(f"{name}: expected an int with the other capacities (max_tokens, max_requests, "
+                                 "max_blocks_per_request), got None")
+        cfg = self._config
+        check_heads(_positive_int("num_qo_heads", cfg["num_qo_heads"]),
+                    _positive_int("num_kv_heads", cfg["num_kv_heads"]))
+        check_head_dim("head_dim", cfg["head_dim"])
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = canonical_device("device", device)
+        group = cfg["num_qo_heads"] // cfg["num_kv_heads"]
+        num_sms = cfg.get("num_sms") or _default_num_sms(device)
+        if self.use_cuda_graph:
+            self._tiles = choose_tiles(head_dim=cfg["head_dim"], group=group,
+                                       max_q_len=_positive_int("max_q_len", max_q_len), dtype=cfg["q_dtype"])
+            tile_sets = [self._tiles]
+        else:  # tiles follow each batch: bound the rows per tile over decode- and prefill-shaped choices
+            tile_sets = [choose_tiles(head_dim=cfg["head_dim"], group=group, max_q_len=q, dtype=cfg["q_dtype"])
+                         for q in (1, int(caps[0]))]
+        rows = [r for t in tile_sets for r in (t.rows_per_shared_tile(group), t.rows_per_suffix_tile(group))]
+        self._bound = functools.partial(derive_capacity, num_kv_heads=cfg["num_kv_heads"], num_sms=num_sms,
+                                        rows_per_tile=(min(rows), max(rows)), max_shared_levels=max_shared_levels)
+        capacity = self._bound(max_tokens=caps[0], max_requests=caps[1], max_blocks_per_request=caps[2], **overrides)
+        self._workspace = PlanWorkspace(capacity, num_qo_heads=cfg["num_qo_heads"], head_dim=cfg["head_dim"],
+                                        device=device)
+        self._graph_has_shared = cfg.get("sharing", "auto") != "never"
 
     @property
     def current_plan(self) -> Plan | None:
         return self._plan
 
-    def plan(self, qo_indptr: torch.Tensor, kv_lens: torch.Tensor, block_table: torch.Tensor, **overrides) -> Plan:
-        """Plan this step (see :func:`prefixattn.plan`); keyword overrides replace the constructor's options."""
-        self._plan = plan(qo_indptr, kv_lens, block_table, **{**self._config, **overrides})
-        return self._plan
+    @property
+    def workspace(self) -> PlanWorkspace | None:
+        """The capacity-sized buffers (None without capacities)."""
+        return self._workspace
+
+    def plan(self, qo_indptr: torch.Tensor, kv_lens: torch.Tensor, block_table: torch.Tensor, *,
+             device_block_table: torch.Tensor | None = None, graph_num_tokens: int | None = None,
+             **overrides) -> Plan:
+        """Plan this step (see :func:`prefixattn.plan`); keyword overrides replace the constructor's options.
+
+        With a workspace the tables go into it (no device allocation); a step beyond a capacity that sharing
+        caused is re-planned without sharing (``plan.stats["capacity_fallback"]`` says why), any other overflow is a
+        ``ValueError`` naming the capacity. ``device_block_table``: see :func:`prefixattn.plan` (graph mode: pass
+        the same tensor at every step).
+
+        ``graph_num_tokens`` (``use_cuda_graph`` only): the rows of the ``q`` that ``run()`` gets, i.e. the size of the
+        engine's captured graph this step replays (its padded batch). The launch then covers the bound for a step of
+        that size (:meth:`graph_grid_items`) instead of the whole capacity: a graph captured for 8 tokens launches
+        for 8 tokens, not for the largest graph. Every plan replayed by that graph must pass the same value.
+        """
+        if self._workspace is None:
+            if device_block_table is not None or graph_num_tokens is not None:
+                name = "device_block_table" if device_block_table is not None else "graph_num_tokens"
+                raise ValueError(f"{name}: expected a wrapper with capacities (a workspace), got none")
+            self._plan = plan(qo_indptr, kv_lens, block_table, **{**self._config, **overrides})
+            return self._plan
+        if graph_num_tokens is not None and not self.use_cuda_graph:
+            raise ValueError(f"graph_num_tokens: expected use_cuda_graph=True, got {graph_num_tokens!r} without it")
+        args = (qo_indptr, kv_lens, block_table, device_block_table, overrides)
+        p = self._plan_in_workspace(*args)
+        if graph_num_tokens is not None:
+            p = self._fit_graph_grid(p, _positive_int("graph_num_tokens", graph_num_tokens), args)
+        self._plan = p
+        return p
+
+    def graph_grid_items(self, num_tokens: int) -> int:
+        """Work items a graph-safe launch for ``num_tokens`` query rows covers: the derived item bound of a step of
+        that size (:func:`prefixattn.workspace.derive_capacity`; only requests with query rows make items, so at most
+        ``num_tokens`` of them), never more than the workspace's ``max_items``."""
+        cap = self._workspace.capacity
+        bound = self._bound(max_tokens=num_tokens, max_requests=min(num_tokens, cap.max_requests),
+                            max_blocks_per_request=cap.max_blocks_per_request).max_items
+        return min(bound, cap.max_items)
+
+    def _fit_graph_grid(self, p: Plan, num_tokens: int, args) -> Plan:
+        """Keep a plan within the grid of the graph that replays it: re-plan without sharing, else refuse."""
+        if p.num_tokens > num_tokens:
+            raise ValueError(f"graph_num_tokens: expected at least the step's {p.num_tokens} query rows, got "
+                             f"{num_tokens}")
+        grid = self.graph_grid_items(num_tokens)
+        if p.num_items > grid:
+            qo_indptr, kv_lens, block_table, device_block_table, overrides = args
+            if {**self._config, **overrides}.get("sharing", "auto") != "never":
+                reason = (f"max_items: expected at most {grid} (the graph grid for {num_tokens} tokens), got "
+                          f"{p.num_items}")
+                p = self._plan_in_workspace(qo_indptr, kv_lens, block_table, device_block_table,
+                                            {**overrides, "sharing": "never"})
+                p.stats["capacity_fallback"] = reason
+            if p.num_items > grid:
+                raise ValueError(f"graph_num_tokens: expected a step within the grid of {grid} work items for "
+                                 f"{num_tokens} tokens, got {p.num_items} items even without sharing")
+        p.stats.update(graph_num_tokens=num_tokens, grid_items=grid)
+        return p
+
+    def _plan_in_workspace(self, qo_indptr, kv_lens, block_table, device_block_table, overrides) -> Plan:
+        if self.use_cuda_graph:
+            fixed = sorted(set(overrides) & set(_GRAPH_FIXED_OPTIONS))
+            if fixed:
+                raise ValueError(f"{fixed[0]}: expected no per-step override with use_cuda_graph=True (the captured "
+                                 f"launch holds it), got {overrides[fixed[0]]!r}")
+            if not self._graph_has_shared and overrides.get("sharing", "never") != "never":
+                raise ValueError(f"sharing: expected 'never' with use_cuda_graph=True and sharing='never' at "
+                                 f"construction (the launch has no shared branch), got {overrides['sharing']!r}")
+        opts = {**self._config, **overrides, "workspace": self._workspace, "device": self._workspace.device,
+                "device_block_table": device_block_table}
+        if self.use_cuda_graph:
+            opts["tiles"] = self._tiles
+        try:
+            return plan(qo_indptr, kv_lens, block_table, **opts)
+        except CapacityError as err:
+            if err.capacity not in _SHARING_CAPACITIES or opts.get("sharing", "auto") == "never":
+                raise
+            unshared = plan(qo_indptr, kv_lens, block_table, **{**opts, "sharing": "never"})
+            unshared.stats["capacity_fallback"] = str(err)
+            return unshared
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, out=None,
             return_lse: bool = False):
-        """Attention for one layer with the current plan (see :func:`prefixattn.attention`)."""
+        """Attention for one layer with the current plan (see :func:`prefixattn.attention`).
+
+        With ``use_cuda_graph`` the launch depends only on the capacity (grid, constexprs, buffer addresses): capture
+        it once with the engine's static ``q``/``out``/caches and replay it after any later ``plan()``.
+        """
         if self._plan is None:
             raise ValueError("plan: expected plan() to be called before run() (no plan for this step yet)")
-        return attention(q, k_cache, v_cache, self._plan, out=out, return_lse=return_lse)
+        if not self.use_cuda_graph:
+            return attention(q, k_cache, v_cache, self._plan, out=out, return_lse=return_lse)
+        return self._run_graph_safe(q, k_cache, v_cache, out=out, return_lse=return_lse)
+
+    def _run_graph_safe(self, q, k_cache, v_cache, *, out, return_lse):
+        """One launch fixed by the capacity (or the graph's size); the counter memset is part of what a graph
+        captures."""
+        p, ws = self._plan, self._workspace
+        _check_against_plan(q, k_cache, v_cache, p, out, return_lse)
+        graph_tokens = p.stats.get("graph_num_tokens")
+        if graph_tokens is not None and q.shape[0] != graph_tokens:
+            raise ValueError(f"q: expected {graph_tokens} rows (the graph_num_tokens this step was planned for), got "
+                             f"{q.shape[0]}")
+        if out is None:
+            out = torch.empty_like(q)
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else ws.ws_lse
+        # Merge rows <= query rows <= the graph's rows: the memset covers what any step replayed by this graph uses.
+        ws.counters[:graph_tokens if graph_tokens is not None else ws.counters.shape[0]].zero_()
+        # The workspace's whole buffers, not the plan's live views: a view with no rows has data_ptr 0, which a
+        # captured launch would keep for the steps that have rows.
+        _launch(out=out, lse=lse, q=q, k_cache=k_cache, v_cache=v_cache, p=p,
+                num_programs_items=p.stats.get("grid_items", ws.capacity.max_items), has_shared=self._graph_has_shared,
+                has_lse=return_lse,
+                tables=dict(items=ws.items, gather=ws.gather, mrows=ws.mrows, counters=ws.counters))
+        return (out, lse) if return_lse else out

@@ -43,11 +43,16 @@ logger = logging.getLogger(__name__)
 #: shares every prefix two requests have in common, "never" runs plain paged attention); for experiments.
 SHARING_ENV = "PREFIXATTN_SGLANG_SHARING"
 
-_NO_GRAPHS = (
-    "the prefixattn attention backend does not run under CUDA graphs: its plan (which prefixes the batch shares, "
-    "and the work list built from them) is rebuilt on the host every step from the block tables, so a captured graph "
-    "would replay a stale plan. Start SGLang with --disable-decode-cuda-graph --disable-prefill-cuda-graph"
+#: Where SGLang still has to run without graphs: its "full" prefill graph backend and breakable-graph captured
+#: metadata would replay extend batches through hooks this backend does not implement.
+_NO_PREFILL_GRAPHS = (
+    "the prefixattn backend captures decode CUDA graphs only; prefill (EXTEND) batches run eagerly - under SGLang's "
+    "default 'breakable' prefill graphs attention already runs outside the captured segments. For this prefill graph "
+    "backend start SGLang with --disable-prefill-cuda-graph"
 )
+#: Padded requests of a replayed decode graph get this seq_len (SGLang fills its padded ``seq_lens`` with it); the
+#: backend plans them with no query rows, so it only has to be a valid KV length.
+CUDA_GRAPH_SEQ_LEN_FILL = 1
 
 
 @dataclass
@@ -70,6 +75,9 @@ class StepMetadata:
     kv_lens: torch.Tensor
     block_table: torch.Tensor
     plans: dict = field(default_factory=dict)
+    #: A decode step SGLang captures or replays as a CUDA graph (``init_forward_metadata_out_graph``): its plans go
+    #: into the backend's graph wrappers (:meth:`PrefixAttnBackend.init_cuda_graph_state`).
+    graph: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -85,8 +93,12 @@ class PrefixAttnBackend(AttentionBackend):
     sharing : {"auto", "always", "never"}, optional
         Passed to :func:`prefixattn.plan`; default from ``$PREFIXATTN_SGLANG_SHARING``, else "auto".
 
-    Not supported (each raises ``ValueError`` or ``NotImplementedError`` naming the feature): CUDA graphs,
-    speculative decoding (target verify / draft extend), encoder-decoder and cross attention, sliding windows,
+    CUDA graphs: decode graphs are captured and replayed (:meth:`init_cuda_graph_state`,
+    :meth:`init_forward_metadata_out_graph`, :meth:`init_forward_metadata_in_graph`); prefill runs eagerly.
+
+    Not supported (each raises ``ValueError`` or ``NotImplementedError`` naming the feature): SGLang's "full"
+    prefill CUDA graphs (the default "breakable" ones run attention eagerly), speculative decoding (target verify /
+    draft extend), encoder-decoder and cross attention, sliding windows,
     logit soft-capping, MLA and hybrid/SWA pools, quantized (fp8) KV caches, ``qk_head_dim != v_head_dim``.
 
     Examples
@@ -120,6 +132,7 @@ class PrefixAttnBackend(AttentionBackend):
         self.sharing = sharing if sharing is not None else os.environ.get(SHARING_ENV, "auto")
         self.forward_metadata: StepMetadata | None = None
         self.warmup_report = warm_up_kernels(model_runner, pool)
+        self._graph: GraphState | None = None  # init_cuda_graph_state
 
     # ------------------------------------------------------------------------------------------------------------
     # Per step (host)
@@ -167,6 +180,8 @@ class PrefixAttnBackend(AttentionBackend):
                              "got no metadata (or an IDLE batch)")
         key = (layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim, q.dtype, float(layer.scaling), causal)
         p = meta.plans.get(key)
+        if p is None and meta.graph:
+            p = self._graph.plan_new_geometry(key, meta, device=q.device)
         if p is None:
             p = prefixattn.plan(
                 meta.qo_indptr, meta.kv_lens, meta.block_table, block_size=self.page_size,
@@ -197,6 +212,10 @@ class PrefixAttnBackend(AttentionBackend):
         k_cache = self._paged(self.token_to_kv_pool.get_key_buffer(layer.layer_id), "key")
         v_cache = self._paged(self.token_to_kv_pool.get_value_buffer(layer.layer_id), "value")
         p = self._plan_for(layer, q3, causal, num_blocks=k_cache.shape[0])
+        if self.forward_metadata.graph:
+            # The wrapper's capacity-fixed launch over all padded rows: what the decode graph captures.
+            self._graph.run(p, q3, k_cache, v_cache, out=o.view(-1, num_heads, head_dim))
+            return o
         prefixattn.attention(q3, k_cache, v_cache, p, out=o.view(-1, num_heads, head_dim))
         return o
 
@@ -210,25 +229,101 @@ class PrefixAttnBackend(AttentionBackend):
         return buf.unflatten(0, (-1, self.page_size))
 
     # ------------------------------------------------------------------------------------------------------------
-    # CUDA graphs: refused, clearly (see _NO_GRAPHS)
+    # Decode CUDA graphs (SGLang's out-graph / in-graph protocol); prefill runs eagerly
     # ------------------------------------------------------------------------------------------------------------
-    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
-        if in_capture:
-            raise NotImplementedError(_NO_GRAPHS)
-        self.init_forward_metadata(forward_batch)
-
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
-        raise NotImplementedError(_NO_GRAPHS)
+        """Capacities of every graph SGLang will capture (largest batch and token count) and the static device block
+        table that :meth:`init_forward_metadata_in_graph` refills inside the graph."""
+        pages = -(-int(self.req_to_token_pool.req_to_token.shape[1]) // self.page_size)
+        self._graph = GraphState(max_bs=int(max_bs), max_num_tokens=int(max_num_tokens), max_pages=pages,
+                                 page_size=self.page_size, sharing=self.sharing, device=self.device)
+
+    def get_cuda_graph_seq_len_fill_value(self):
+        return CUDA_GRAPH_SEQ_LEN_FILL
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
+        """Host side of a captured / replayed decode step, before ``graph.capture()`` or ``graph.replay()``: the
+        batch's host metadata (padded requests, SGLang's ``num_padding``, get no query rows) planned into every graph
+        wrapper (one per layer geometry; the first capture's warm-up run creates them)."""
+        if self._graph is None:
+            raise ValueError("init_cuda_graph_state: expected it to run before a CUDA-graph step (SGLang's graph "
+                             "runner calls it first), got no graph state")
+        mode = forward_batch.forward_mode
+        if not mode.is_decode():
+            raise NotImplementedError(f"forward_mode {mode.name}: {_NO_PREFILL_GRAPHS}")
+        self.init_forward_metadata(forward_batch)
+        meta = self.forward_metadata
+        num_padding = int(getattr(forward_batch, "num_padding", 0) or 0)
+        if num_padding:
+            q_lens = torch.ones(meta.kv_lens.shape[0], dtype=torch.int64)
+            q_lens[q_lens.shape[0] - num_padding:] = 0
+            meta.qo_indptr = torch.zeros_like(meta.qo_indptr)
+            torch.cumsum(q_lens, dim=0, out=meta.qo_indptr[1:])
+        meta.graph = True
+        self._graph.plan_all(meta)
+
+    def init_forward_metadata_in_graph(self, forward_batch):
+        """Inside the graph: refill the static block table from ``req_to_token`` for the batch's (padded) request
+        slots - static shapes, no host work, so the replay refreshes it."""
+        if self._graph is not None and forward_batch.forward_mode.is_decode():
+            self._graph.fill_table(self.req_to_token_pool.req_to_token, forward_batch.req_pool_indices,
+                                   int(forward_batch.batch_size))
 
     def init_forward_metadata_for_breakable_cuda_graph_capture(self, forward_batch):
-        raise NotImplementedError(_NO_GRAPHS)
+        raise NotImplementedError(_NO_PREFILL_GRAPHS)
 
     def prepare_forward_metadata_for_breakable_cuda_graph_replay(self, capture_metadata, forward_batch, *,
                                                                  static_forward_batch=None):
-        raise NotImplementedError(_NO_GRAPHS)
+        raise NotImplementedError(_NO_PREFILL_GRAPHS)
 
-    def get_cuda_graph_seq_len_fill_value(self):
-        raise NotImplementedError(_NO_GRAPHS)
+
+class GraphState:
+    """The decode graphs' shared state: one capacity-fixed :class:`prefixattn.PrefixSharedAttention` per layer
+    geometry (``use_cuda_graph=True``) and the static device block table they read.
+
+    The table is ``[max_bs, max_pages]`` int32 and refilled inside the graph from ``req_to_token`` (a device gather,
+    the same address at every step); the planner still reads the host copy the eager path makes.
+    """
+
+    def __init__(self, *, max_bs: int, max_num_tokens: int, max_pages: int, page_size: int, sharing: str,
+                 device) -> None:
+        self.max_bs, self.max_num_tokens, self.page_size, self.sharing = max_bs, max_num_tokens, page_size, sharing
+        self.table = torch.zeros((max_bs, max_pages), dtype=torch.int32, device=device)
+        self.wrappers: dict = {}  # plan key (heads, head_dim, dtype, scale, causal) -> PrefixSharedAttention
+
+    def fill_table(self, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, bs: int) -> None:
+        slots = req_to_token.index_select(0, req_pool_indices[:bs].to(torch.long))[:, ::self.page_size]
+        width = min(slots.shape[1], self.table.shape[1])
+        self.table[:bs, :width].copy_(slots[:, :width] // self.page_size if self.page_size > 1 else slots[:, :width])
+
+    def _plan(self, attn, meta: StepMetadata):
+        bs = meta.block_table.shape[0]  # the padded batch: one query row per request slot in a decode graph
+        return attn.plan(meta.qo_indptr, meta.kv_lens, meta.block_table, device_block_table=self.table[:bs],
+                         graph_num_tokens=bs)
+
+    def plan_all(self, meta: StepMetadata) -> None:
+        for key, attn in self.wrappers.items():
+            meta.plans[key] = self._plan(attn, meta)
+
+    def plan_new_geometry(self, key, meta: StepMetadata, *, device):
+        """A layer geometry first seen in a graph step (the first capture's warm-up run): its wrapper and plan."""
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise ValueError(f"layer geometry {key}: expected it to be seen in the warm-up run before the graph "
+                             "capture (a workspace cannot be allocated inside a capture), got it first while capturing")
+        num_qo_heads, num_kv_heads, head_dim, dtype, scale, causal = key
+        self.wrappers[key] = prefixattn.PrefixSharedAttention(
+            num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=self.page_size,
+            q_dtype=dtype, causal=causal, sm_scale=scale, sharing=self.sharing, max_tokens=self.max_num_tokens,
+            max_requests=self.max_bs, max_blocks_per_request=0, device=device, use_cuda_graph=True)
+        meta.plans[key] = p = self._plan(self.wrappers[key], meta)
+        return p
+
+    def run(self, p, q, k_cache, v_cache, *, out) -> None:
+        attn = next((a for a in self.wrappers.values() if a.current_plan is p), None)
+        if attn is None:
+            raise ValueError("plan: expected the graph wrapper's latest plan for this step, got an older one (a "
+                             "later init_forward_metadata_out_graph overwrote its tables)")
+        attn.run(q, k_cache, v_cache, out=out)
 
 
 def _check_pool_dtype(pool_dtype: torch.dtype, model_dtype: torch.dtype | None) -> None:

@@ -5,7 +5,7 @@ SGLang runs every function in the ``sglang.srt.plugins`` entry-point group in ea
 points that group at :func:`load`, so after ``pip install prefixattn`` (with sglang==0.5.23)::
 
     python -m sglang.launch_server --model-path ... --attention-backend prefixattn \\
-        --schedule-policy prefixattn --disable-decode-cuda-graph --disable-prefill-cuda-graph
+        --schedule-policy prefixattn
 
 :func:`load` is idempotent and lazy: it checks the SGLang version, registers a backend *factory* (the backend
 module, which needs triton and the kernels, is imported only when SGLang builds the backend) and registers the

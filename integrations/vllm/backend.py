@@ -11,6 +11,13 @@ the first half of the last dim, V in the second; the physical order is whatever 
 ``kv_cache[..., :D].transpose(1, 2)`` is then prefixattn's ``[num_blocks, block_size, num_kv_heads, head_dim]``
 with some strides, which the kernel takes as they are, so every layout works.
 
+CUDA graphs (``AttentionCGSupport.UNIFORM_BATCH``): when vLLM captures full graphs, uniform (decode / spec-verify)
+steps up to the largest capture size plan into the builder's :class:`prefixattn.PrefixSharedAttention` with
+``use_cuda_graph=True`` (:func:`graph_wrapper`): a capacity-sized workspace at fixed addresses, vLLM's persistent device
+block table read in place, and a launch fixed by the capacity, so the launch captured once replays every later plan.
+``graph_safe_forward`` covers vLLM's padded rows (the K/V write skips their -1 slots). Mixed batches run piecewise
+with a per-step :func:`prefixattn.plan`.
+
 Configurations the kernel does not run (ALiBi, sliding window, logits soft-cap, attention sinks, encoder/cross
 attention, fp8/quantized KV, MLA, non-causal decoders) are refused when vLLM configures the model: by vLLM's
 selector through the ``supports_*`` declarations below (on CUDA/ROCm), and by the impl's constructor with the same
@@ -83,8 +90,12 @@ class PrefixAttnMetadata:
     plan: "prefixattn.Plan"
     #: Query rows of real requests (``qo_indptr[-1]``); rows past it are padding and are neither read nor written.
     num_query_tokens: int
-    #: ``[num_query_tokens]`` flat slot ``block * block_size + offset`` of each new token's K/V.
+    #: ``[num_query_tokens]`` flat slot ``block * block_size + offset`` of each new token's K/V (graph-safe steps:
+    #: all of vLLM's padded rows, padding slots -1).
     slot_mapping: torch.Tensor
+    #: The builder's CUDA-graph wrapper when this step runs the capacity-fixed launch (``graph_safe_forward``),
+    #: else None (one :func:`prefixattn.attention` on the plan's own tensors).
+    graph_attn: "prefixattn.PrefixSharedAttention | None" = None
 
 
 @dataclass(frozen=True)
@@ -152,6 +163,12 @@ class PrefixAttnBackend(AttentionBackend):
         return SUPPORTED_KV_CACHE_LAYOUTS
 
     @classmethod
+    def supports_device_cpu_query_lens_mismatch(cls) -> bool:
+        # plan() reads the host query_start_loc: a device-side trim of verification drafts (adaptive verification)
+        # would leave the plan with rows the batch no longer has. vLLM refuses that combination at configuration.
+        return False
+
+    @classmethod
     def supports_combination(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink, use_sparse,
                              use_mm_prefix, device_capability) -> str | None:
         # vLLM's selector appends this reason to validate_configuration's list.
@@ -165,8 +182,11 @@ class PrefixAttnBackend(AttentionBackend):
 class PrefixAttnMetadataBuilder(AttentionMetadataBuilder[PrefixAttnMetadata]):
     """Builds one :func:`prefixattn.plan` per step and KV cache group, shared by all its layers."""
 
-    # plan() runs on the host every step, so a captured graph would replay a stale work list.
-    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    # Full CUDA graphs for uniform (decode / spec-verify) batches: those steps plan into a capacity-sized workspace
+    # whose launch (grid, tiles, buffer addresses) is the same at every step, so the captured launch replays any
+    # later plan (graph_wrapper). Mixed batches would replay correctly too (the fixed grid admits any plan within
+    # capacity), but with the decode-shaped fixed tiles; UNIFORM_BATCH keeps them piecewise with per-batch tiles.
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
     reorder_batch_threshold: int | None = None  # the plan takes decodes and prefills mixed, in any order
 
     def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config, device: torch.device) -> None:
@@ -183,12 +203,26 @@ class PrefixAttnMetadataBuilder(AttentionMetadataBuilder[PrefixAttnMetadata]):
         spec = getattr(vllm_config, "speculative_config", None)
         self.exact_seq_lens_on_host = spec is None or not getattr(spec, "num_speculative_tokens", None)
         self.warmup_report = warm_up_kernels(self, vllm_config)
+        self.graph_attn = graph_wrapper(vllm_config, num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads,
+                                        head_dim=self.head_dim, block_size=self.block_size, q_dtype=self.q_dtype,
+                                        sm_scale=self.sm_scale, device=device)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> PrefixAttnMetadata:
-        if isinstance(common_attn_metadata.causal, torch.Tensor) or not common_attn_metadata.causal:
+        return self._build(common_attn_metadata, capture=False)
+
+    def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> PrefixAttnMetadata:
+        """The capture step's metadata: a graph-safe plan of vLLM's dummy batch with each request's KV cut to its own
+        new tokens (the captured launch depends only on the capacity, not on the plan; short ranges keep the
+        capture's own run fast, as vLLM's Triton builder does with ``seq_lens = 1``)."""
+        return self._build(common_attn_metadata, capture=True)
+
+    def _build(self, common: CommonAttentionMetadata, *, capture: bool) -> PrefixAttnMetadata:
+        if isinstance(common.causal, torch.Tensor) or not common.causal:
             raise _refusal(["non-causal attention not supported"])
-        inputs = plan_inputs(common_attn_metadata, exact_seq_lens_on_host=self.exact_seq_lens_on_host)
+        inputs = plan_inputs(common, exact_seq_lens_on_host=self.exact_seq_lens_on_host)
+        if capture or self._graph_safe_step(common):
+            return self._build_graph_safe(common, inputs, capture=capture)
         step_plan = prefixattn.plan(
             inputs.qo_indptr, inputs.kv_lens, inputs.block_table, block_size=self.block_size,
             num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, causal=True,
@@ -196,7 +230,33 @@ class PrefixAttnMetadataBuilder(AttentionMetadataBuilder[PrefixAttnMetadata]):
         for observe in _plan_observers:
             observe(step_plan)
         return PrefixAttnMetadata(plan=step_plan, num_query_tokens=step_plan.num_tokens,
-                                  slot_mapping=common_attn_metadata.slot_mapping[: step_plan.num_tokens])
+                                  slot_mapping=common.slot_mapping[: step_plan.num_tokens])
+
+    def _graph_safe_step(self, common: CommonAttentionMetadata) -> bool:
+        """Whether vLLM may replay a full graph for this step: graphs on, a uniform (decode-shaped) batch within the
+        wrapper's capacity. Exactly these steps plan into the wrapper's workspace."""
+        attn = self.graph_attn
+        if attn is None:
+            return False
+        cap = attn.workspace.capacity
+        return (int(common.max_query_len) <= attn.graph_max_q_len and int(common.num_actual_tokens) <= cap.max_tokens
+                and int(common.num_reqs) <= cap.max_requests)
+
+    def _build_graph_safe(self, common: CommonAttentionMetadata, inputs: PlanInputs, *,
+                          capture: bool) -> PrefixAttnMetadata:
+        attn = self.graph_attn
+        if attn is None:
+            raise ValueError("cudagraph_mode: expected full CUDA graphs enabled for a capture build (the builder has "
+                             "no graph wrapper), got a mode without them")
+        kv_lens = inputs.qo_indptr[1:] - inputs.qo_indptr[:-1] if capture else inputs.kv_lens
+        num_rows = int(common.num_actual_tokens)  # every row vLLM pads to (the graph's size): captured ops see them
+        # vLLM's persistent device block table: the kernel reads it in place (same address at every step).
+        step_plan = attn.plan(inputs.qo_indptr, kv_lens, inputs.block_table, device_block_table=inputs.block_table,
+                              graph_num_tokens=num_rows)
+        for observe in _plan_observers:
+            observe(step_plan)
+        return PrefixAttnMetadata(plan=step_plan, num_query_tokens=step_plan.num_tokens,
+                                  slot_mapping=common.slot_mapping[:num_rows], graph_attn=attn)
 
 
 def _group_scale(vllm_config, layer_names: list[str]) -> float | None:
@@ -209,6 +269,29 @@ def _group_scale(vllm_config, layer_names: list[str]) -> float | None:
     if len(scales) > 1:
         raise _refusal([f"layers sharing a KV cache group use different softmax scales {sorted(scales)}"])
     return scales.pop() if scales else None
+
+
+def graph_wrapper(vllm_config, *, num_qo_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                  q_dtype: torch.dtype, sm_scale: float | None,
+                  device: torch.device) -> "prefixattn.PrefixSharedAttention | None":
+    """The builder's CUDA-graph wrapper, or None when vLLM captures no full graphs.
+
+    Capacities from vLLM's graph settings: ``max_tokens`` = the largest capture size (vLLM pads a replayed batch to
+    a capture size), as many requests (a padded request has >= 0 query rows), tiles for the uniform decode query
+    length ``1 + num_speculative_tokens``. No block-table section: every graph-safe step passes vLLM's persistent
+    device table (``max_blocks_per_request=0``).
+    """
+    cc = getattr(vllm_config, "compilation_config", None)
+    mode = getattr(cc, "cudagraph_mode", None)
+    max_size = getattr(cc, "max_cudagraph_capture_size", None)
+    if mode is None or not mode.has_full_cudagraphs() or not max_size:
+        return None
+    spec = getattr(vllm_config, "speculative_config", None)
+    decode_len = 1 + int(getattr(spec, "num_speculative_tokens", None) or 0)
+    return prefixattn.PrefixSharedAttention(
+        num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
+        q_dtype=q_dtype, causal=True, sm_scale=sm_scale, max_tokens=int(max_size), max_requests=int(max_size),
+        max_blocks_per_request=0, device=device, use_cuda_graph=True, max_q_len=decode_len)
 
 
 class PrefixAttnImpl(AttentionImpl[PrefixAttnMetadata]):
@@ -246,11 +329,31 @@ class PrefixAttnImpl(AttentionImpl[PrefixAttnMetadata]):
         if attn_metadata is None:  # vLLM's profiling / warm-up run: no cache, nothing to attend to
             return output
         k_cache, v_cache = split_kv_cache(kv_cache, self.head_size)
+        if attn_metadata.graph_attn is not None:
+            return self.graph_safe_forward(layer, query, key, value, k_cache, v_cache, attn_metadata, output)
         n = attn_metadata.num_query_tokens
         if self.kv_sharing_target_layer_name is None and key is not None and value is not None:
             write_kv_cache(key[:n], value[:n], k_cache, v_cache, attn_metadata.slot_mapping,
                            k_scale=getattr(layer, "_k_scale", None), v_scale=getattr(layer, "_v_scale", None))
         prefixattn.attention(query[:n], k_cache, v_cache, attn_metadata.plan, out=output[:n])
+        return output
+
+    def graph_safe_forward(self, layer, query, key, value, k_cache, v_cache, attn_metadata: PrefixAttnMetadata,
+                           output: torch.Tensor) -> torch.Tensor:
+        """A step that a full CUDA graph may capture or replay: every op covers all of vLLM's padded rows (the
+        captured shapes), the KV write skips padding slots (-1), and the attention is the wrapper's
+        capacity-fixed launch over the static ``query``/``output`` (rows past the plan's tokens are not touched)."""
+        attn = attn_metadata.graph_attn
+        if attn.current_plan is not attn_metadata.plan:
+            raise ValueError("attn_metadata: expected the builder's latest plan (one graph workspace holds one step's "
+                             "tables; micro-batched metadata built ahead of this forward overwrote it), got an "
+                             "older one")
+        slots = attn_metadata.slot_mapping
+        n = slots.shape[0]  # num_actual_tokens: the padded rows of a full graph (vLLM's own backends slice to it)
+        if self.kv_sharing_target_layer_name is None and key is not None and value is not None:
+            write_kv_cache(key[:n], value[:n], k_cache, v_cache, slots, k_scale=getattr(layer, "_k_scale", None),
+                           v_scale=getattr(layer, "_v_scale", None))  # padding slots (-1) are skipped
+        attn.run(query[:n], k_cache, v_cache, out=output[:n])
         return output
 
 

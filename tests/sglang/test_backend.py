@@ -135,15 +135,13 @@ def test_default_sharing_mode_matches_torch_native_on_decode():
 def test_refuses_what_it_does_not_implement():
     eng = MiniEngine()
     backend = PrefixAttnBackend(eng.runner(eng.make_pool()))
-    with pytest.raises(NotImplementedError, match="--disable-decode-cuda-graph --disable-prefill-cuda-graph"):
-        backend.init_cuda_graph_state(max_bs=8, max_num_tokens=64)
-    with pytest.raises(NotImplementedError, match="CUDA graphs"):
-        backend.init_forward_metadata_out_graph(None, in_capture=True)
-    with pytest.raises(NotImplementedError, match="CUDA graphs"):
-        backend.get_cuda_graph_seq_len_fill_value()
-
     r = eng.add_request(SYSTEM)
     fb = eng.batch({r: 12}, ForwardMode.EXTEND)
+    with pytest.raises(ValueError, match="init_cuda_graph_state: expected it to run before a CUDA-graph step"):
+        backend.init_forward_metadata_out_graph(fb, in_capture=True)
+    backend.init_cuda_graph_state(max_bs=8, max_num_tokens=64)
+    with pytest.raises(NotImplementedError, match="forward_mode EXTEND: .*--disable-prefill-cuda-graph"):
+        backend.init_forward_metadata_out_graph(fb, in_capture=True)
     backend.init_forward_metadata(fb)
     q, k, v = eng.qkv(12)
     eng.layer.sliding_window_size = 8

@@ -1,0 +1,206 @@
+"""A capacity-sized, reusable plan workspace: the device tables of every step in buffers allocated once.
+
+:class:`PlanWorkspace` owns (FlashInfer's pattern: capacities given once, buffers reused every step)
+
+* one int32 host staging buffer (pinned when the device is CUDA) and one int32 device buffer of the same size, cut at
+  fixed offsets into the kernel's metadata tables (live item count, ``items``, ``gather``, ``mrows``, block table);
+* the merge counters and the fp32 partial-state workspace (``ws_o``, ``ws_lse``), sized by capacity.
+
+:meth:`PlanWorkspace.load` writes a step's work list into the host buffer and moves it with ONE non-blocking copy on
+the current stream; it allocates nothing on the device. Because every table sits at a fixed offset with a fixed row
+stride, each step's tensors have the same ``data_ptr`` and strides: a launch captured in a CUDA graph reads the next
+step's tables when replayed (:class:`prefixattn.PrefixSharedAttention` with ``use_cuda_graph=True``).
+
+Capacity bounds (:func:`derive_capacity`), for a step of at most ``T`` query tokens from ``R`` requests, ``L``
+shared levels per request, ``S`` SMs, ``H`` KV heads and ``r_sh``/``r_sf`` query rows per shared/suffix tile:
+
+* split-k: a range of ``n`` tokens over a piece budget ``b`` (at least ``SPLIT_TOLERANCE`` x the launch's fair share,
+  :mod:`prefixattn.split_rule`) is cut into fewer than ``4 n / b`` pieces (whole grains ``g <= b``, ``floor(b / g)``
+  of them per piece, i.e. more than ``b / 2`` tokens each; at most 2 pieces more from rounding). Summed over the
+  items that read each range, the extra programs are below ``4 / SPLIT_TOLERANCE x S / H`` (``SPLIT_EXTRA``).
+* items: suffix tiles ``<= R + T // r_sf``; shared tiles ``<= (R - 1) + L T // r_sh`` (at most ``R - 1`` nodes in
+  a prefix tree of ``R`` leaves); plus the split extra.
+* workspace rows: every row has at most ``L + 1`` unsplit states, and each extra split program adds at most one
+  tile of rows: ``T (L + 1) + max(r_sh, r_sf) x SPLIT_EXTRA``. Gather rows: ``L T + r_sh x SPLIT_EXTRA``; merge
+  rows ``<= T``.
+
+A plan beyond a capacity is a ``ValueError`` naming the capacity (:meth:`PlanWorkspace.overflow`), never a write out
+of bounds; :class:`prefixattn.PrefixSharedAttention` first retries such a step without sharing, which the bounds with
+``L = 0`` always admit (unless a ``max_*`` was set below its derived value).
+
+These bounds follow :mod:`prefixattn.split_rule` and :mod:`prefixattn.work_list` as they are; a change to how they
+split or tile must keep them (``tests/test_workspace.py`` checks them on random plans).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from prefixattn.kernels import layout as K
+from prefixattn.split_rule import SPLIT_TOLERANCE
+
+#: Extra programs split-k may add, per ``num_sms / num_kv_heads`` (module docstring: pieces < 4 n / b, b >= 1.2 fair).
+SPLIT_EXTRA_PER_SM_PER_HEAD = 4.0 / SPLIT_TOLERANCE
+#: Shared levels (nested kept nodes) per request the derived capacity admits: system prompt > document covers the
+#: common cases; a deeper step is re-planned without sharing (PrefixSharedAttention) or refused.
+DEFAULT_MAX_SHARED_LEVELS = 2
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """Most of everything one step may hold; every buffer of :class:`PlanWorkspace` is sized from these."""
+
+    max_tokens: int  # query rows (qo_indptr[-1])
+    max_requests: int
+    max_blocks_per_request: int  # block-table columns (the kernel's row stride: fixed); 0: the caller's device table
+    max_items: int
+    max_gather_rows: int
+    max_merge_rows: int
+    max_ws_rows: int
+
+
+def _positive(name: str, value) -> int:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    return int(value)
+
+
+def _non_negative(name: str, value) -> int:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{name}: expected a non-negative int, got {value!r}")
+    return int(value)
+
+
+def derive_capacity(*, max_tokens: int, max_requests: int, max_blocks_per_request: int, num_kv_heads: int,
+                    num_sms: int, rows_per_tile: tuple[int, int],
+                    max_shared_levels: int = DEFAULT_MAX_SHARED_LEVELS, max_items: int | None = None,
+                    max_gather_rows: int | None = None, max_merge_rows: int | None = None,
+                    max_ws_rows: int | None = None) -> Capacity:
+    """The capacities the module docstring's bounds give; an explicit ``max_*`` replaces its derived value.
+
+    ``rows_per_tile = (lo, hi)``: the fewest query rows per tile (shared or suffix) any plan may use bounds the items
+    (more tiles), the most bounds the rows one extra split program adds (``r_sh``, ``r_sf`` in the bounds above).
+    """
+    t = _positive("max_tokens", max_tokens)
+    r = _positive("max_requests", max_requests)
+    w = _non_negative("max_blocks_per_request", max_blocks_per_request)
+    if not isinstance(max_shared_levels, int) or max_shared_levels < 0:
+        raise ValueError(f"max_shared_levels: expected a non-negative int, got {max_shared_levels!r}")
+    lv = max_shared_levels
+    extra = math.ceil(SPLIT_EXTRA_PER_SM_PER_HEAD * num_sms / num_kv_heads)
+    lo, hi = max(1, rows_per_tile[0]), max(1, rows_per_tile[1])
+    derived = dict(
+        max_items=r + t // lo + (r - 1 + lv * t // lo if lv else 0) + extra,
+        max_gather_rows=max(lv * t + (hi * extra if lv else 0), 1),
+        max_merge_rows=t,
+        max_ws_rows=t * (lv + 1) + hi * extra,
+    )
+    given = dict(max_items=max_items, max_gather_rows=max_gather_rows, max_merge_rows=max_merge_rows,
+                 max_ws_rows=max_ws_rows)
+    for name, value in given.items():
+        if value is not None:
+            derived[name] = _positive(name, value)
+    return Capacity(max_tokens=t, max_requests=r, max_blocks_per_request=w, **derived)
+
+
+class PlanWorkspace:
+    """Device buffers for one step's tables, allocated once at capacity (see the module docstring).
+
+    Parameters
+    ----------
+    capacity : Capacity
+    num_qo_heads, head_dim : int
+        Shape of the partial-state workspace ``ws_o [max_ws_rows, num_qo_heads, head_dim]`` fp32.
+    device : torch.device
+        Where the kernel runs; the host staging buffer is pinned when it is a CUDA device.
+    """
+
+    def __init__(self, capacity: Capacity, *, num_qo_heads: int, head_dim: int, device: torch.device) -> None:
+        self.capacity = c = capacity
+        self.device = device
+        self.num_qo_heads = num_qo_heads
+        # Fixed offsets (int32 elements); the block table last, so a step copies only up to its live rows.
+        sizes = dict(num_items=1, items=c.max_items * K.ITEM_FIELDS, gather=c.max_gather_rows * K.GATHER_FIELDS,
+                     mrows=c.max_merge_rows * K.MROW_FIELDS, table=c.max_requests * c.max_blocks_per_request)
+        self._offsets, pos = {}, 0
+        for name, size in sizes.items():
+            self._offsets[name] = (pos, size)
+            pos += size
+        self._host = torch.zeros(pos, dtype=torch.int32, pin_memory=device.type == "cuda")
+        self._host_np = self._host.numpy()
+        self._dev = torch.zeros(pos, dtype=torch.int32, device=device)
+        # The previous step's copy must be done reading the pinned buffer before it is overwritten.
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None
+        self.step = 0  # loads so far: a plan remembers its step, so a stale plan is refused
+        self.num_items = self._section(self._dev, "num_items")
+        self.items = self._section(self._dev, "items").view(c.max_items, K.ITEM_FIELDS)
+        self.gather = self._section(self._dev, "gather").view(c.max_gather_rows, K.GATHER_FIELDS)
+        self.mrows = self._section(self._dev, "mrows").view(c.max_merge_rows, K.MROW_FIELDS)
+        self.block_table = self._section(self._dev, "table").view(c.max_requests, c.max_blocks_per_request)
+        self.counters = torch.zeros((max(c.max_merge_rows, 1), num_qo_heads), dtype=torch.int32, device=device)
+        self.ws_o = torch.empty((c.max_ws_rows, num_qo_heads, head_dim), dtype=torch.float32, device=device)
+        self.ws_lse = torch.empty((c.max_ws_rows, num_qo_heads), dtype=torch.float32, device=device)
+
+    def _section(self, buf, name: str):
+        start, size = self._offsets[name]
+        return buf[start:start + size]
+
+    @property
+    def device_bytes(self) -> int:
+        """Device memory the workspace holds (metadata, counters, partial states)."""
+        return sum(t.numel() * t.element_size() for t in (self._dev, self.counters, self.ws_o, self.ws_lse))
+
+    def overflow(self, *, num_requests: int, num_tokens: int, table_width: int, num_items: int, num_gather: int,
+                 num_mrows: int, num_ws_rows: int) -> str | None:
+        """The first capacity a step exceeds, as ``"name: expected at most C (...), got N"``; None if it fits."""
+        c = self.capacity
+        for name, got, cap in (("max_requests", num_requests, c.max_requests),
+                               ("max_tokens", num_tokens, c.max_tokens),
+                               ("max_blocks_per_request", table_width, c.max_blocks_per_request),
+                               ("max_items", num_items, c.max_items),
+                               ("max_gather_rows", num_gather, c.max_gather_rows),
+                               ("max_merge_rows", num_mrows, c.max_merge_rows),
+                               ("max_ws_rows", num_ws_rows, c.max_ws_rows)):
+            if got > cap:
+                return (f"{name}: expected at most {cap} (the workspace capacity given to PrefixSharedAttention), "
+                        f"got {got}")
+        return None
+
+    def load(self, *, items: np.ndarray, gather: np.ndarray, mrows: np.ndarray, table: np.ndarray | None) -> dict:
+        """Write one step's int32 tables into the pinned host buffer and move them with one non-blocking copy.
+
+        ``table`` is the used part of the block table ``[num_requests, width]`` (int64 or int32 ids < 2**31), or
+        None when the kernel reads a block table the caller keeps on the device. The caller checked the sizes
+        (:meth:`overflow`). Returns the device views of the live rows (same ``data_ptr`` at every step).
+        """
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copy has finished reading the host buffer
+        h, c = self._host_np, self.capacity
+        n_items = items.shape[0]
+        h[0] = n_items
+        for name, arr in (("items", items), ("gather", gather), ("mrows", mrows)):
+            start, _ = self._offsets[name]
+            h[start:start + arr.size] = arr.ravel()
+        # Copy everything up to the end of the live metadata (small, capacity-sized sections), then the live table
+        # rows (row stride fixed at max_blocks_per_request so a captured launch keeps its stride).
+        end = self._offsets["mrows"][0] + mrows.size
+        if table is not None and table.size:
+            start, _ = self._offsets["table"]
+            rows, width = table.shape
+            view = h[start:start + rows * c.max_blocks_per_request].reshape(rows, c.max_blocks_per_request)
+            view[:, :width] = table
+            end = start + rows * c.max_blocks_per_request
+        self._dev[:end].copy_(self._host[:end], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+        self.step += 1
+        return dict(num_items_dev=self.num_items, items=self.items[:n_items], gather=self.gather[:gather.shape[0]],
+                    mrows=self.mrows[:mrows.shape[0]],
+                    # Whole rows of capacity (a view with no rows would have data_ptr 0); rows past the step's
+                    # requests are stale and never read.
+                    block_table=None if table is None else self.block_table,
+                    counters=self.counters[:max(mrows.shape[0], 1)], ws_o=self.ws_o, ws_lse=self.ws_lse)

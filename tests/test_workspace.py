@@ -1,0 +1,292 @@
+"""PrefixSharedAttention's capacity-sized workspace and graph-safe launch (interpreter on CPU, or a GPU)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from prefixattn import PrefixSharedAttention, attention, reference_attention
+from prefixattn import prefix_attention as attention_module
+from prefixattn.workspace import derive_capacity
+from tests.prefix_batches import random_batch
+from tests.tolerances import ATTENTION_TOL, LSE_TOL
+
+HEADS = dict(num_qo_heads=4, num_kv_heads=2, head_dim=64, block_size=16)
+#: Capacities of the wrapper under test: the batches below stay within them (4-5 requests, <= 80 rows).
+CAPS = dict(max_tokens=96, max_requests=6, max_blocks_per_request=8)
+
+
+class RecordingKernel:
+    """Stands in for the @triton.jit kernel: records each launch's grid, tensor addresses/strides and scalars."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(**kwargs):
+            args = {k: (v.data_ptr(), v.stride()) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+            self.launches.append((grid, args))
+            return self.kernel[grid](**kwargs)
+        return launch
+
+
+class NoLaunch:
+    """``kernel[grid](...)`` that does nothing."""
+
+    def __getitem__(self, grid):
+        return lambda **kwargs: None
+
+
+class RecordOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def _two_batches_on_one_cache(device, dtype=torch.float32):
+    """Two different batches (sharing levels, request counts, q lengths) over ONE cache, as an engine has."""
+    a = random_batch(41, num_requests=4, levels=1, block_size=16, num_qo_heads=4, num_kv_heads=2, head_dim=64,
+                     dtype=dtype, max_q_len=20)
+    b = random_batch(42, num_requests=5, levels=2, block_size=16, num_qo_heads=4, num_kv_heads=2, head_dim=64,
+                     dtype=dtype, max_q_len=12)
+    k_cache = torch.cat([a.k_cache, b.k_cache]).to(device)
+    v_cache = torch.cat([a.v_cache, b.v_cache]).to(device)
+    b.block_table = b.block_table + a.k_cache.shape[0]
+    return [a, b], k_cache, v_cache
+
+
+def _assert_matches_reference(out, q, k_cache, v_cache, batch, p, lse=None):
+    n = p.num_tokens
+    want, want_lse = reference_attention(q[:n], k_cache, v_cache, *batch.metadata, causal=True, sm_scale=p.sm_scale,
+                                         return_lse=True)
+    atol, rtol = ATTENTION_TOL[q.dtype]
+    torch.testing.assert_close(out[:n].float(), want, atol=atol, rtol=rtol)
+    if lse is not None:
+        torch.testing.assert_close(lse[:n], want_lse, atol=LSE_TOL[0], rtol=LSE_TOL[1])
+
+
+def test_graph_mode_same_grid_and_buffers_for_two_batches(device, monkeypatch):
+    """Two different batches planned on one use_cuda_graph wrapper launch the same grid over the same device
+    buffers (addresses and strides), with the same scalars and constexprs - what a captured launch replays - and
+    both match the reference."""
+    (a, b), k_cache, v_cache = _two_batches_on_one_cache(device)
+    rec = RecordingKernel(attention_module.prefix_attention_kernel)
+    monkeypatch.setattr(attention_module, "prefix_attention_kernel", rec)
+    attn = PrefixSharedAttention(**HEADS, q_dtype=torch.float32, device=device, use_cuda_graph=True,
+                                 sharing="always", min_split_tokens=16, num_sms=8, **CAPS)
+    q_static = torch.zeros(CAPS["max_tokens"], 4, 64, device=device)  # the engine's static buffers
+    out_static = torch.zeros_like(q_static)
+    plans = []
+    for batch in (a, b):
+        q_static[:batch.q.shape[0]] = batch.q.to(device)
+        p = attn.plan(*(t.to(device) for t in batch.metadata))
+        plans.append(p)
+        attn.run(q_static, k_cache, v_cache, out=out_static)
+        _assert_matches_reference(out_static, q_static, k_cache, v_cache, batch, p)
+    (grid_a, args_a), (grid_b, args_b) = rec.launches
+    assert plans[0].num_items != plans[1].num_items and plans[1].has_shared  # really different work
+    assert grid_a == grid_b == (attn.workspace.capacity.max_items * HEADS["num_kv_heads"],)
+    assert args_a == args_b
+
+
+def test_graph_mode_lse_and_an_unshared_step(device, monkeypatch):
+    """The fixed launch (shared branch compiled in) also serves a step without shared items or merges (empty
+    gather and merge tables: the launch still gets the workspace's buffers, never a null pointer), with LSE."""
+    (a, b), k_cache, v_cache = _two_batches_on_one_cache(device)
+    rec = RecordingKernel(attention_module.prefix_attention_kernel)
+    monkeypatch.setattr(attention_module, "prefix_attention_kernel", rec)
+    attn = PrefixSharedAttention(**HEADS, q_dtype=torch.float32, device=device, use_cuda_graph=True, num_sms=1,
+                                 **CAPS)
+    q, out, lse = (torch.zeros(CAPS["max_tokens"], 4, 64, device=device), torch.zeros(CAPS["max_tokens"], 4, 64,
+                   device=device), torch.zeros(CAPS["max_tokens"], 4, device=device))
+    for batch, sharing in ((b, "always"), (a, "never")):
+        p = attn.plan(*(t.to(device) for t in batch.metadata), sharing=sharing)
+        q[:batch.q.shape[0]] = batch.q.to(device)
+        got, got_lse = attn.run(q, k_cache, v_cache, out=out, return_lse=True)
+        _assert_matches_reference(got, q, k_cache, v_cache, batch, p, got_lse)
+    assert not p.has_shared and p.work.gather.shape[0] == 0 and p.num_merge_rows == 0
+    (grid_b, args_b), (grid_a, args_a) = rec.launches
+    assert grid_a == grid_b
+    assert {k: v for k, v in args_a.items() if k != "lse_ptr"} == {k: v for k, v in args_b.items() if k != "lse_ptr"}
+    assert all(v[0] != 0 for v in args_a.values() if isinstance(v, tuple))
+
+
+@pytest.mark.parametrize("use_cuda_graph", [False, True])
+def test_workspace_plan_allocates_nothing_and_copies_once(device, monkeypatch, use_cuda_graph):
+    """plan() on a wrapper with capacities: one host->device copy, no device allocation; run() with ``out``: no
+    allocation either (the kernel itself stubbed while recording: the interpreter copies tensors). The tables are
+    views of the workspace's buffers."""
+    (a, _), k_cache, v_cache = _two_batches_on_one_cache(device)
+    attn = PrefixSharedAttention(**HEADS, q_dtype=torch.float32, device=device, sharing="always",
+                                 use_cuda_graph=use_cuda_graph, **CAPS)
+    metadata = [t.to(device) for t in a.metadata]
+    with RecordOps() as rec:
+        p = attn.plan(*metadata)
+    assert rec.ops.count("copy_") == 1, rec.ops
+    assert not {"empty", "zeros", "empty_strided", "zero_", "full", "new_empty", "_to_copy"} & set(rec.ops), rec.ops
+    ws = attn.workspace
+    assert p.items.data_ptr() == ws.items.data_ptr() and p.ws_o.data_ptr() == ws.ws_o.data_ptr()
+    assert p.block_table.stride(0) == CAPS["max_blocks_per_request"]
+    q, out = a.q.to(device), torch.empty_like(a.q, device=device)
+    with monkeypatch.context() as m:
+        m.setattr(attention_module, "prefix_attention_kernel", NoLaunch())
+        with RecordOps() as rec:
+            attn.run(q, k_cache, v_cache, out=out)
+    assert set(rec.ops) <= {"zero_", "slice"}, rec.ops  # a memset and a view: no allocation, no copy
+    attn.run(q, k_cache, v_cache, out=out)
+    _assert_matches_reference(out, q, k_cache, v_cache, a, p)
+
+
+def test_workspace_matches_the_free_plan(device):
+    """Same work list and same output as the free plan()/attention() (which allocates per plan)."""
+    from prefixattn import plan
+
+    (a, _), k_cache, v_cache = _two_batches_on_one_cache(device)
+    metadata = [t.to(device) for t in a.metadata]
+    attn = PrefixSharedAttention(**HEADS, q_dtype=torch.float32, device=device, **CAPS)
+    p_ws = attn.plan(*metadata)
+    p_free = plan(*metadata, **HEADS, q_dtype=torch.float32)
+    np.testing.assert_array_equal(p_ws.work.items, p_free.work.items)
+    torch.testing.assert_close(p_ws.items.cpu(), p_free.items.cpu(), atol=0, rtol=0)
+    torch.testing.assert_close(p_ws.block_table[:p_free.num_requests, :p_free.block_table.shape[1]].cpu(),
+                               p_free.block_table.cpu(), atol=0, rtol=0)
+    q = a.q.to(device)
+    torch.testing.assert_close(attn.run(q, k_cache, v_cache), attention(q, k_cache, v_cache, p_free), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("use_cuda_graph", [False, True])
+def test_over_capacity_is_a_value_error_naming_it(device, use_cuda_graph):
+    (a, b), _, _ = _two_batches_on_one_cache(device)
+    cases = [(dict(CAPS, max_requests=4), b, "max_requests: expected at most 4 \\(the workspace capacity"),
+             (dict(CAPS, max_tokens=8), a, "max_tokens: expected at most 8"),
+             (dict(CAPS, max_blocks_per_request=1), a, "max_blocks_per_request: expected at most 1")]
+    for caps, batch, match in cases:
+        attn = PrefixSharedAttention(**HEADS, q_dtype=torch.float32, device=device, use_cuda_graph=use_cuda_graph,
+                                     **caps)
+        with pytest.raises(ValueError, match=match):
+            attn.plan(*(t.to(device) for t in batch.metadata))
+
+
+def test_sharing_overflow_replans_without_sharing(device):
+    """A step whose sharing needs more workspace rows than the capacity is re-planned without sharing (still
+    correct, the reason recorded); with sharing="never" the same capacity is a ValueError naming it."""
+    (_, b), k_cache, v_cache = _two_batches_on_one_cache(device)
+    metadata = [t.to(device) for t in b.metadata]
+    num_tokens = int(b.qo_indptr[-1])
+    attn = PrefixSharedAttention(**HEADS, q_dtype=torch.float32, device=device, sharing="always", num_sms=1,
+                                 max_ws_rows=num_tokens, **CAPS)
+    p = attn.plan(*metadata)
+    assert not p.has_shared and "max_ws_rows: expected at most" in p.stats["capacity_fallback"]
+    q = b.q.to(device)
+    _assert_matches_reference(attn.run(q, k_cache, v_cache), q, k_cache, v_cache, b, p)
+    tight = PrefixSharedAttention(**HEADS, q_dtype=torch.float32, device=device, sharing="never", num_sms=64,
+                                  min_split_tokens=16, max_ws_rows=1, **CAPS)
+    with pytest.raises(ValueError, match="max_ws_rows: expected at most 1"):
+        tight.plan(*metadata)
+
+
+def test_stale_plan_and_graph_overrides_are_refused(device):
+    (a, b), k_cache, v_cache = _two_batches_on_one_cache(device)
+    attn = PrefixSharedAttention(**HEADS, q_dtype=torch.float32, device=device, use_cuda_graph=True, **CAPS)
+    old = attn.plan(*(t.to(device) for t in a.metadata))
+    attn.plan(*(t.to(device) for t in b.metadata))
+    with pytest.raises(ValueError, match="plan: expected the latest plan of its workspace"):
+        attention(a.q.to(device), k_cache, v_cache, old)
+    with pytest.raises(ValueError, match="sm_scale: expected no per-step override with use_cuda_graph=True"):
+        attn.plan(*(t.to(device) for t in a.metadata), sm_scale=0.5)
+    never = PrefixSharedAttention(**HEADS, q_dtype=torch.float32, device=device, use_cuda_graph=True,
+                                  sharing="never", **CAPS)
+    with pytest.raises(ValueError, match="sharing: expected 'never' with use_cuda_graph=True"):
+        never.plan(*(t.to(device) for t in a.metadata), sharing="always")
+    with pytest.raises(ValueError, match="max_tokens: expected the capacities"):
+        PrefixSharedAttention(**HEADS, use_cuda_graph=True)
+    with pytest.raises(ValueError, match="max_requests: expected an int with the other capacities"):
+        PrefixSharedAttention(**HEADS, max_tokens=8)
+
+
+def test_device_block_table_is_read_in_place(device, monkeypatch):
+    """An engine's persistent device block table (wider than needed, int32) is what the kernel reads: no table copy,
+    same address at every step."""
+    (a, b), k_cache, v_cache = _two_batches_on_one_cache(device)
+    engine_table = torch.zeros(CAPS["max_requests"], 16, dtype=torch.int32, device=device)
+    rec = RecordingKernel(attention_module.prefix_attention_kernel)
+    monkeypatch.setattr(attention_module, "prefix_attention_kernel", rec)
+    attn = PrefixSharedAttention(**HEADS, q_dtype=torch.float32, device=device, use_cuda_graph=True, **CAPS)
+    for batch in (a, b):
+        n, w = batch.block_table.shape
+        engine_table.zero_()
+        engine_table[:n, :w] = batch.block_table.to(device)
+        p = attn.plan(*(t.to(device) for t in batch.metadata), device_block_table=engine_table[:n])
+        q = batch.q.to(device)
+        _assert_matches_reference(attn.run(q, k_cache, v_cache), q, k_cache, v_cache, batch, p)
+    assert rec.launches[0][1]["block_table_ptr"] == rec.launches[1][1]["block_table_ptr"] == (
+        engine_table.data_ptr(), engine_table.stride())
+
+
+def test_derived_capacity_bounds_random_plans():
+    """The derived capacities hold every plan of random batches within them (split-k forced by a small launch)."""
+    from prefixattn import plan
+
+    for seed in range(12):
+        batch = random_batch(seed, num_requests=6, levels=2, block_size=16, num_qo_heads=8, num_kv_heads=2,
+                             head_dim=64, max_q_len=24)
+        for num_sms in (4, 132):
+            p = plan(*batch.metadata, **dict(HEADS, num_qo_heads=8), q_dtype=torch.float32, sharing="always",
+                     num_sms=num_sms, min_split_tokens=16)
+            levels = int(np.bincount(p.nodes.members, minlength=6).max()) if len(p.nodes) else 0
+            rows = [p.tiles.rows_per_shared_tile(4), p.tiles.rows_per_suffix_tile(4)]
+            cap = derive_capacity(max_tokens=p.num_tokens, max_requests=6, max_blocks_per_request=8, num_kv_heads=2,
+                                  num_sms=num_sms, rows_per_tile=(min(rows), max(rows)), max_shared_levels=levels)
+            assert p.num_items <= cap.max_items and p.work.num_ws_rows <= cap.max_ws_rows
+            assert p.work.gather.shape[0] <= cap.max_gather_rows and p.num_merge_rows <= cap.max_merge_rows
+
+
+def test_graph_num_tokens_sizes_the_grid_by_the_graph(device, monkeypatch):
+    """plan(graph_num_tokens=G): the launch covers the item bound of a G-token step, smaller than the capacity's;
+    two batches replayed by one G-row graph launch identically; q must have G rows."""
+    (a, b), k_cache, v_cache = _two_batches_on_one_cache(device)
+    rows = max(int(a.qo_indptr[-1]), int(b.qo_indptr[-1]))
+    rec = RecordingKernel(attention_module.prefix_attention_kernel)
+    monkeypatch.setattr(attention_module, "prefix_attention_kernel", rec)
+    attn = PrefixSharedAttention(**HEADS, q_dtype=torch.float32, device=device, use_cuda_graph=True,
+                                 sharing="always", **CAPS)
+    grid = attn.graph_grid_items(rows)
+    assert attn.graph_grid_items(1) < grid < attn.workspace.capacity.max_items
+    q_static, out_static = torch.zeros(rows, 4, 64, device=device), torch.zeros(rows, 4, 64, device=device)
+    for batch in (a, b):
+        q_static.zero_()
+        q_static[:batch.q.shape[0]] = batch.q.to(device)
+        p = attn.plan(*(t.to(device) for t in batch.metadata), graph_num_tokens=rows)
+        attn.run(q_static, k_cache, v_cache, out=out_static)
+        _assert_matches_reference(out_static, q_static, k_cache, v_cache, batch, p)
+    (grid_a, args_a), (grid_b, args_b) = rec.launches
+    assert grid_a == grid_b == (grid * HEADS["num_kv_heads"],) and args_a == args_b
+    with pytest.raises(ValueError, match=f"q: expected {rows} rows \\(the graph_num_tokens"):
+        attn.run(torch.zeros(rows + 1, 4, 64, device=device), k_cache, v_cache)
+    with pytest.raises(ValueError, match="graph_num_tokens: expected at least the step's"):
+        attn.plan(*(t.to(device) for t in b.metadata), graph_num_tokens=1)
+
+
+def test_graph_grid_overflow_replans_without_sharing(device, monkeypatch):
+    """A shared plan over its graph's grid (a bound made tight here) is re-planned without sharing, which fits."""
+    (_, b), k_cache, v_cache = _two_batches_on_one_cache(device)
+    metadata = [t.to(device) for t in b.metadata]
+    attn = PrefixSharedAttention(**HEADS, q_dtype=torch.float32, device=device, use_cuda_graph=True,
+                                 sharing="always", **CAPS)
+    unshared_items = attn.plan(*metadata, sharing="never").num_items
+    assert attn.plan(*metadata).num_items > unshared_items
+    rows = int(b.qo_indptr[-1])
+    monkeypatch.setattr(attn, "graph_grid_items", lambda num_tokens: unshared_items)
+    p = attn.plan(*metadata, graph_num_tokens=rows)
+    assert not p.has_shared and "the graph grid for" in p.stats["capacity_fallback"]
+    q = b.q.to(device)
+    _assert_matches_reference(attn.run(q, k_cache, v_cache), q, k_cache, v_cache, b, p)
+    monkeypatch.setattr(attn, "graph_grid_items", lambda num_tokens: unshared_items - 1)
+    with pytest.raises(ValueError, match="graph_num_tokens: expected a step within the grid"):
+        attn.plan(*metadata, graph_num_tokens=rows)
