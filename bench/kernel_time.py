@@ -65,12 +65,6 @@ class ShapeModel:
         return sum(launch.seconds for launch in self.cascade)
 
 
-def _tiles_config(tiles) -> AttentionConfig:
-    """The config a plan's :class:`~prefixattn.attention_configs.AttentionTiles` came from."""
-    return AttentionConfig(Tiles(tiles.block_m_shared, tiles.block_n_shared),
-                           Tiles(tiles.block_m_suffix, tiles.block_n_suffix), tiles.launch_shared, tiles.launch_suffix)
-
-
 def _plan(batch, shape, target, num_sms, config=None):
     kwargs = dict(block_size=shape.block_size, num_qo_heads=shape.num_qo_heads, num_kv_heads=shape.num_kv_heads,
                   head_dim=shape.head_dim, q_dtype=DTYPES[shape.dtype], num_blocks=batch.num_blocks, num_sms=num_sms)
@@ -81,10 +75,6 @@ def _plan(batch, shape, target, num_sms, config=None):
             return plan(batch.qo_indptr, batch.kv_lens, batch.block_table, **kwargs)
 
 
-def _ranges(p) -> cm.Ranges:
-    return cm.ranges_from_work(p.work.items, p.work.gather, p.work.mrows)
-
-
 def model_shape(shape, target_name: str, *, config: AttentionConfig | None = None) -> ShapeModel:
     """Plan ``shape`` for ``target_name`` (its table, or ``config``) and model it: after, before, cascade, floor."""
     target = get_target(target_name)
@@ -93,14 +83,14 @@ def model_shape(shape, target_name: str, *, config: AttentionConfig | None = Non
     common = dict(head_dim=shape.head_dim, dtype=dtype, group=shape.num_qo_heads // shape.num_kv_heads,
                   num_kv_heads=shape.num_kv_heads)
     planned = _plan(batch, shape, target, target.num_sms, config)
-    cfg = _tiles_config(planned.tiles)
-    after = cm.launch_time(_ranges(planned), cfg, target, **common)
+    cfg = cm.config_from_tiles(planned.tiles)
+    after = cm.launch_time(cm.ranges_from_plan(planned), cfg, target, **common)
     # num_sms=1: nothing is split (the fair share is the whole launch), the ranges the split rules start from.
-    whole = _ranges(_plan(batch, shape, target, 1, config))
+    whole = cm.ranges_from_plan(_plan(batch, shape, target, 1, config))
     cascade = cm.cascade_time(whole, cfg, target, min_split_tokens=MIN_SPLIT_TOKENS, **common)
     decode_cfg, prefill_cfg = BEFORE_CONFIGS[target_name]
     old = decode_cfg if shape.num_prefill == 0 else prefill_cfg
-    old_whole = _ranges(_plan(batch, shape, target, 1, old))
+    old_whole = cm.ranges_from_plan(_plan(batch, shape, target, 1, old))
     split = dict(block_n_shared=old.shared.block_n, block_n_suffix=old.suffix.block_n,
                  num_kv_heads=shape.num_kv_heads, num_sms=target.num_sms, min_split_tokens=MIN_SPLIT_TOKENS)
     before = cm.launch_time(cm.resplit(old_whole, cm.BEFORE.split, **split), old, target, structure=cm.BEFORE,

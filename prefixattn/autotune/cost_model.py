@@ -326,6 +326,17 @@ def ranges_from_work(items: np.ndarray, gather: np.ndarray, mrows: np.ndarray) -
     return Ranges(kind=kind, kv_len=kv_len, rows=rows, units=units, states=states)
 
 
+def ranges_from_plan(plan) -> Ranges:
+    """:func:`ranges_from_work` of a :class:`prefixattn.Plan`'s host tables."""
+    return ranges_from_work(plan.work.items, plan.work.gather, plan.work.mrows)
+
+
+def config_from_tiles(tiles) -> AttentionConfig:
+    """The config a plan's :class:`~prefixattn.attention_configs.AttentionTiles` (``plan.tiles``) came from."""
+    return AttentionConfig(Tiles(tiles.block_m_shared, tiles.block_n_shared),
+                           Tiles(tiles.block_m_suffix, tiles.block_n_suffix), tiles.launch_shared, tiles.launch_suffix)
+
+
 def split_counts(r: Ranges, rule: str, *, block_n_shared: int, block_n_suffix: int, num_kv_heads: int,
                  num_sms: int, min_split_tokens: int) -> tuple[np.ndarray, int, int]:
     """``(pieces per entry, shared grain, suffix grain)`` of the unsplit ranges ``r`` (a plan built with
