@@ -12,7 +12,8 @@ to the shared part by their shapes, ``[BLOCK_M_SHARED, BLOCK_D] x [BLOCK_D, BLOC
 layout, so sharing a shape cannot hide a fallback).
 
 Exit status 1 when any compile fails, any default config spills, uses more shared memory than the target has, keeps
-fewer than ``MIN_PIPELINE_DEPTH`` K/V tiles in flight on NVIDIA (the fused kernel), or
+fewer than ``MIN_PIPELINE_DEPTH`` K/V tiles in flight on NVIDIA (the fused kernel), a decode suffix-only binary
+the tables placed under the register budget uses more (``shipped_tables.DECODE_SUFFIX_MAX_REGS``), or
 (fp16/bf16, and fp32 on AMD) its shared-node part has no matrix instructions. Compiles run in worker processes with
 ``TRITON_INTERPRET=0`` (a kernel defined under the interpreter cannot be compiled), ``--jobs`` at a time.
 """
@@ -339,6 +340,9 @@ def failures(record: dict) -> list[str]:
     depth = (record.get("pipeline") or {}).get("depth")
     if wanted and (depth is None or depth < wanted):
         why.append(f"pipeline depth {depth} < {wanted} K/V tiles in flight")
+    budget = record.get("max_registers", 0)
+    if budget and record.get("registers") is not None and record["registers"] > budget:
+        why.append(f"{record['registers']} registers > {budget} (decode suffix-only budget)")
     if record.get("require_matrix") and record.get("shared_part_matrix") is False:
         why.append(f"shared-node part without matrix instructions (layouts {record.get('shared_part_layouts')})")
     return why

@@ -144,6 +144,9 @@ def test_failures_flag_spills_smem_and_missing_matrix_units():
     assert any("pipeline depth 1 < 2" in w for w in failures(shallow))
     assert failures({**shallow, "pipeline": {"depth": 2}}) == []
     assert failures({**shallow, "min_pipeline_depth": 0}) == []  # AMD: reported, not required
+    heavy = {**ok, "registers": 130, "max_registers": 128}
+    assert failures(heavy) == ["130 registers > 128 (decode suffix-only budget)"]
+    assert failures({**heavy, "registers": 126}) == [] and failures({**heavy, "max_registers": 0}) == []
 
 
 def test_exclusions_from_a_report_cover_the_twins_of_a_failed_config(tmp_path):
