@@ -16,6 +16,12 @@ The model, per kind of program (shared-node tiles, suffix tiles) of one represen
 
 Bigger shared M tiles re-read the node's KV fewer times (the reason to share a prefix); bigger tiles cost
 occupancy and padding. The numbers are datasheet peaks: only the ranking of configs is meant, never the seconds.
+
+The same program terms (:func:`program_seconds`) also price a real work list (:func:`launch_time`, issue 14's
+evidence, ``bench/test_kernel_time_modeled.py``): every planned item's programs, its merge reports, a launch that
+takes the longest of its longest program, its programs over the SM slots and its roofline; the kernel's structure
+(tiles in flight, split rule, merge scheme) is a parameter (:class:`KernelStructure`), and :func:`cascade_time`
+applies it to a three-launch cascade of the same work. Modelled seconds, labelled so wherever they are printed.
 """
 
 from __future__ import annotations
@@ -273,7 +279,7 @@ class LaunchTime:
     floor: float  # max(bytes / HBM bandwidth, FLOPs / peak): the roofline of this launch's own traffic
     overhead: float  # launch overhead
     programs: int
-    occupancy: int
+    occupancy: int  # resident programs per SM (the occupancy, fewer when the launch has fewer programs)
     bytes: float
     flops: float
     critical_program: float  # the longest program's time
