@@ -362,6 +362,10 @@ def exclusions_from_report(report_path: Path, target_name: str) -> dict:
                 if block_d(head_dim) == block_d(r["head_dim"]):
                     for dt in dtypes:
                         out.setdefault((head_dim, dt), set()).add(r["config_name"])
+                        if "suffix-only" not in r.get("variant", ""):
+                            # The launch with shared items is the same binary whatever the suffix-only options.
+                            base = r["config_name"].split("_sfw")[0]
+                            out[(head_dim, dt)].update({base, base + "_sfw*"})
     return out
 
 

@@ -11,6 +11,7 @@ per-bucket winners: the format maps every bucket to a config by name.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import math
 from dataclasses import replace
@@ -84,9 +85,15 @@ DECODE_SUFFIX_MAX_REGS = 128
 DECODE_SUFFIX_WARPS = 4
 
 
+def is_excluded(name: str, exclude) -> bool:
+    """``name`` is in ``exclude``, or matches one of its patterns (``fnmatch``: a failed launch with shared items
+    excludes every suffix-only launch option of the same binary, ``<name>_sfw*``)."""
+    return name in exclude or any("*" in p and fnmatch.fnmatchcase(name, p) for p in exclude)
+
+
 def _suffix_options(cfg, target, shape, exclude, mode="chunked_prefill"):
     options = [replace(cfg, suffix_launch=lo) for lo in launch_space(target) if _analytic_launch(lo, target)]
-    options = [c for c in prune(options, target, **shape) if c.short() not in exclude]
+    options = [c for c in prune(options, target, **shape) if not is_excluded(c.short(), exclude)]
     if mode == "decode" and not target.is_hip:
         # Where nothing fits the budget (fp32 at head_dim 256: FMA dots hold both operands), the lightest ones.
         small = [c for c in options if part_registers(c.suffix, shape["head_dim"], shape["dtype"],
@@ -124,7 +131,7 @@ def best_cover(target: Target, head_dim: int, dtype: str, mode: str, exclude=fro
     for smem_factor in (1.0, SMEM_RETRY_FACTOR):
         shape = dict(head_dim=head_dim, dtype=dtype, group=MAX_GROUP, smem_factor=smem_factor)
         pool = [c for c in prune(attention_space(target), target, **shape)
-                if c.short() not in exclude and _analytic_launch(c.launch, target)]
+                if not is_excluded(c.short(), exclude) and _analytic_launch(c.launch, target)]
         if mode == "decode" and not target.is_hip:
             pool = _light_suffix_pool(pool, target, shape)
         suffix_rows: dict = {}
