@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 
-from prefixattn.autotune import cost_model as cm
 from prefixattn.autotune.config_space import AttentionConfig, LaunchOptions, Tiles, config_registers, part_registers
 from prefixattn.autotune.targets import get_target
 
@@ -74,7 +73,7 @@ def test_occupancy_trade_off_sm90(results):
         shipped = model_shape(shape, "sm90")
         four = model_shape(shape, "sm90", config=ONE_BINARY_4_WARPS)
         row = []
-        for name, m, cfg in (("shipped", shipped, None), ("4-warp", four, ONE_BINARY_4_WARPS)):
+        for name, m in (("shipped", shipped), ("4-warp", four)):
             row.append(f"{name} {m.config} {us(m.after.seconds)} us occ {m.after.occupancy}")
             results.add(BENCHMARK, name, _label(shape), "after_us", m.after.seconds * 1e6, "us (modeled)",
                         device="H100 (modeled)")
@@ -82,4 +81,3 @@ def test_occupancy_trade_off_sm90(results):
     regs = config_registers(ONE_BINARY_4_WARPS, 128, "bf16", target)
     print(f"4-warp one-binary estimate: ~{regs} registers with shared items; shipped suffix-only 16x32 at 4 warps: "
           f"~{part_registers(Tiles(16, 32), 128, 'bf16', 4, target)} (estimates; see README for compile-check numbers)")
-    assert cm.AFTER != cm.BEFORE  # the report ran; the numbers are modeled and not asserted
