@@ -15,10 +15,14 @@ from prefixattn.autotune.config_space import AttentionConfig, LaunchOptions, Til
 from prefixattn.autotune.targets import get_target
 
 from kernel_time import TARGETS, model_shape, us
-from shapes import fig8_shapes
+from shapes import Shape, fig8_shapes
 
 BENCHMARK = "kernel_time_modeled"
-SHAPES = fig8_shapes(scaled=False) + fig8_shapes(scaled=False, gqa=True)
+#: Issue 14's headline step: 256 decodes under one 2,048-token prefix, Llama-3-8B heads (32:8), bf16, page 16. The
+#: issue gives no own length (its ~13.6 MB of distinct KV is ~5 own tokens per request): one 16-token page each.
+ISSUE_SHAPE = Shape(scenario="decode", num_decode=256, num_prefill=0, shared=2048, distinct=16, per_group=0,
+                    num_qo_heads=32, num_kv_heads=8, head_dim=128, dtype="bfloat16", paper="issue14:256/2048/16")
+SHAPES = fig8_shapes(scaled=False) + fig8_shapes(scaled=False, gqa=True) + [ISSUE_SHAPE]
 #: The one-binary alternative for launches with shared items on sm90 (issue 14, occupancy): every program at 4
 #: warps, shared tiles small enough for two programs per SM (compile-check on sm_90, bf16, head_dim 128: shared
 #: 64x16 + suffix 16x32 at 4 warps, 3 stages: 209 registers, 0 spills, 2 programs per SM; no config with shared
