@@ -34,7 +34,7 @@ from dataclasses import asdict
 from multiprocessing import get_context
 from pathlib import Path
 
-from prefixattn.autotune.config_space import DTYPE_BYTES, HEAD_DIMS, block_d
+from prefixattn.autotune.config_space import DTYPE_BYTES, HEAD_DIMS, NUM_STAGES_CUDA, block_d
 from prefixattn.cli import int_list, positive_int
 from prefixattn.autotune.targets import DEFAULT_CHECK_TARGETS, TARGETS, get_target, parse_targets
 
@@ -364,8 +364,22 @@ def exclusions_from_report(report_path: Path, target_name: str) -> dict:
                         out.setdefault((head_dim, dt), set()).add(r["config_name"])
                         if "suffix-only" not in r.get("variant", ""):
                             # The launch with shared items is the same binary whatever the suffix-only options.
-                            base = r["config_name"].split("_sfw")[0]
-                            out[(head_dim, dt)].update({base, base + "_sfw*"})
+                            out[(head_dim, dt)].update(_same_binary_patterns(r))
+    return out
+
+
+def _same_binary_patterns(record: dict) -> set:
+    """Names (``fnmatch`` patterns) of the configs a failed launch with shared items rules out: the same binary under
+    any suffix-only options (``<name>_sfw*``), and after a spill the same tiles and warps at more stages too (deeper
+    pipelines keep more loop-carried state; sm_90 128x64 + 128x64 at 8 warps with LSE: 255 registers and 108 bytes
+    spilled at 3 stages and at 4)."""
+    base = record["config_name"].split("_sfw")[0]
+    out = {base, base + "_sfw*"}
+    m = re.fullmatch(r"(.*_w\d+)_s(\d+)(_.*)?", base)
+    if record.get("spills") and m:
+        head, stages, tail = m.group(1), int(m.group(2)), m.group(3) or ""
+        for more in range(stages + 1, max(NUM_STAGES_CUDA) + 1):
+            out.update({f"{head}_s{more}{tail}", f"{head}_s{more}{tail}_sfw*"})
     return out
 
 

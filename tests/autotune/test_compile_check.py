@@ -170,6 +170,13 @@ def test_exclusions_from_a_report_cover_the_twins_of_a_failed_config(tmp_path):
 
     assert is_excluded("sh64x32_sf16x16_w8_s3_sfw4_s4", {"sh64x32_sf16x16_w8_s3_sfw*"})
     assert not is_excluded("sh64x32_sf16x16_w8_s3", {"sh64x32_sf16x16_w8_s3_sfw*"})
+    # After a spill, deeper pipelines of the same tiles and warps are ruled out too.
+    records = [dict(base, target="sm90", dtype="fp32", head_dim=64, variant="chunked_prefill", spills=108,
+                    config_name="sh128x64_sf128x64_w8_s3")]
+    report.write_text(json.dumps({"records": records}))
+    excluded = exclusions_from_report(report, "sm90")[(64, "fp32")]
+    assert is_excluded("sh128x64_sf128x64_w8_s4_sfw8_s3", excluded) and is_excluded("sh128x64_sf128x64_w8_s4", excluded)
+    assert not is_excluded("sh128x64_sf128x64_w8_s2", excluded) and not is_excluded("sh128x32_sf128x64_w8_s3", excluded)
 
 
 def test_signature_follows_launch_specialization():
