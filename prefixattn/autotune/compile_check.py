@@ -12,7 +12,8 @@ to the shared part by their shapes, ``[BLOCK_M_SHARED, BLOCK_D] x [BLOCK_D, BLOC
 layout, so sharing a shape cannot hide a fallback).
 
 Exit status 1 when any compile fails, any default config spills, uses more shared memory than the target has, keeps
-fewer than ``MIN_PIPELINE_DEPTH`` K/V tiles in flight on NVIDIA (the fused kernel), or
+fewer than ``MIN_PIPELINE_DEPTH`` K/V tiles in flight on NVIDIA (the fused kernel), a decode suffix-only binary
+the tables placed under the register budget uses more (``shipped_tables.DECODE_SUFFIX_MAX_REGS``), or
 (fp16/bf16, and fp32 on AMD) its shared-node part has no matrix instructions. Compiles run in worker processes with
 ``TRITON_INTERPRET=0`` (a kernel defined under the interpreter cannot be compiled), ``--jobs`` at a time.
 """
@@ -33,7 +34,7 @@ from dataclasses import asdict
 from multiprocessing import get_context
 from pathlib import Path
 
-from prefixattn.autotune.config_space import DTYPE_BYTES, HEAD_DIMS, block_d
+from prefixattn.autotune.config_space import DTYPE_BYTES, HEAD_DIMS, NUM_STAGES_CUDA, block_d
 from prefixattn.cli import int_list, positive_int
 from prefixattn.autotune.targets import DEFAULT_CHECK_TARGETS, TARGETS, get_target, parse_targets
 
@@ -339,6 +340,9 @@ def failures(record: dict) -> list[str]:
     depth = (record.get("pipeline") or {}).get("depth")
     if wanted and (depth is None or depth < wanted):
         why.append(f"pipeline depth {depth} < {wanted} K/V tiles in flight")
+    budget = record.get("max_registers", 0)
+    if budget and record.get("registers") is not None and record["registers"] > budget:
+        why.append(f"{record['registers']} registers > {budget} (decode suffix-only budget)")
     if record.get("require_matrix") and record.get("shared_part_matrix") is False:
         why.append(f"shared-node part without matrix instructions (layouts {record.get('shared_part_layouts')})")
     return why
@@ -358,6 +362,24 @@ def exclusions_from_report(report_path: Path, target_name: str) -> dict:
                 if block_d(head_dim) == block_d(r["head_dim"]):
                     for dt in dtypes:
                         out.setdefault((head_dim, dt), set()).add(r["config_name"])
+                        if "suffix-only" not in r.get("variant", ""):
+                            # The launch with shared items is the same binary whatever the suffix-only options.
+                            out[(head_dim, dt)].update(_same_binary_patterns(r))
+    return out
+
+
+def _same_binary_patterns(record: dict) -> set:
+    """Names (``fnmatch`` patterns) of the configs a failed launch with shared items rules out: the same binary under
+    any suffix-only options (``<name>_sfw*``), and after a spill the same tiles and warps at more stages too (deeper
+    pipelines keep more loop-carried state; sm_90 128x64 + 128x64 at 8 warps with LSE: 255 registers and 108 bytes
+    spilled at 3 stages and at 4)."""
+    base = record["config_name"].split("_sfw")[0]
+    out = {base, base + "_sfw*"}
+    m = re.fullmatch(r"(.*_w\d+)_s(\d+)(_.*)?", base)
+    if record.get("spills") and m:
+        head, stages, tail = m.group(1), int(m.group(2)), m.group(3) or ""
+        for more in range(stages + 1, max(NUM_STAGES_CUDA) + 1):
+            out.update({f"{head}_s{more}{tail}", f"{head}_s{more}{tail}_sfw*"})
     return out
 
 

@@ -63,6 +63,8 @@ class CompileJob:
     require_matrix: bool = False
     #: K/V tiles in flight the compiled KV loops must keep (0: reported, not required)
     min_pipeline_depth: int = 0
+    #: registers per thread the binary may use at most (0: no bound; the decode suffix-only budget on NVIDIA)
+    max_registers: int = 0
 
 
 def _specialize(name: str, value, dtype: str | None, target: Target):
@@ -173,7 +175,22 @@ def fused_job(*, target: Target, dtype: str, head_dim: int, config: AttentionCon
         # IEEE fp32 dots have no tensor-core path on NVIDIA (tf32 would break the fp32 tolerance): CUDA cores there.
         require_matrix=has_shared and (dtype != "fp32" or target.is_hip),
         min_pipeline_depth=required_pipeline_depth(target),
+        max_registers=0 if has_shared or variant != "decode" else decode_suffix_register_budget(target, dtype,
+                                                                                                 head_dim, config),
     )
+
+
+def decode_suffix_register_budget(target: Target, dtype: str, head_dim: int, config: AttentionConfig) -> int:
+    """Registers a decode-shaped suffix-only binary may use (issue 14: <= 128 at 4 warps, so several programs share
+    an SM): the shipped-table builder's budget where it placed the config's suffix launch under it (NVIDIA; its
+    estimate), else 0 (no bound: fp32 and large heads on FMA dots do not fit it)."""
+    from prefixattn.autotune.config_space import part_registers
+    from prefixattn.autotune.shipped_tables import DECODE_SUFFIX_MAX_REGS
+
+    lo = config.launch_for(False)
+    if target.is_hip or part_registers(config.suffix, head_dim, dtype, lo.num_warps, target) > DECODE_SUFFIX_MAX_REGS:
+        return 0
+    return DECODE_SUFFIX_MAX_REGS
 
 
 def required_pipeline_depth(target: Target) -> int:

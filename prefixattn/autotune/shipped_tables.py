@@ -11,6 +11,7 @@ per-bucket winners: the format maps every bucket to a config by name.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import math
 from dataclasses import replace
@@ -74,17 +75,44 @@ def _least_regret(candidates, buckets, target, has_shared, extra_row=None):
 #: 16x64 tiles at 4 warps (~194 registers measured on sm_90, 2 programs per SM): the same bytes in flight per SM,
 #: so the model sees them as equal and the bigger tile's fewer round trips win on small batches.
 DECODE_SUFFIX_MAX_REGS = 128
+#: Warps of a decode-shaped suffix-only launch on NVIDIA where a config fits DECODE_SUFFIX_MAX_REGS at it (issue 14:
+#: 4 warps at <= 128 registers, so 4 programs share an SM). Measured on sm_90 (compile-check, Triton 3.9, bf16,
+#: head_dim 128): 16x32 tiles at 4 warps, 3 stages: 126 registers, 0 spills, 37 KB shared memory -> 4 programs and
+#: 16 warps per SM, each program its own KV stream with its own round trips; 16x64 at 8 warps (what the model picks
+#: unconstrained): 80 registers, 72 KB -> 3 programs, 24 warps. The model prices both the same on memory (the same
+#: bytes in flight per SM) and cannot see the benefit of more independent streams; more, smaller programs also
+#: shorten the tail of a split-k launch.
+DECODE_SUFFIX_WARPS = 4
+
+
+def is_excluded(name: str, exclude) -> bool:
+    """``name`` is in ``exclude``, or matches one of its patterns (``fnmatch``: a failed launch with shared items
+    excludes every suffix-only launch option of the same binary, ``<name>_sfw*``)."""
+    return name in exclude or any("*" in p and fnmatch.fnmatchcase(name, p) for p in exclude)
 
 
 def _suffix_options(cfg, target, shape, exclude, mode="chunked_prefill"):
     options = [replace(cfg, suffix_launch=lo) for lo in launch_space(target) if _analytic_launch(lo, target)]
-    options = [c for c in prune(options, target, **shape) if c.short() not in exclude]
+    options = [c for c in prune(options, target, **shape) if not is_excluded(c.short(), exclude)]
     if mode == "decode" and not target.is_hip:
         # Where nothing fits the budget (fp32 at head_dim 256: FMA dots hold both operands), the lightest ones.
         small = [c for c in options if part_registers(c.suffix, shape["head_dim"], shape["dtype"],
                                                       c.suffix_launch.num_warps, target) <= DECODE_SUFFIX_MAX_REGS]
-        options = small or options
+        four = [c for c in small if c.suffix_launch.num_warps == DECODE_SUFFIX_WARPS]
+        options = four or small or options
     return options
+
+
+def _light_suffix_pool(pool, target, shape):
+    """The configs of ``pool`` whose suffix tiles fit DECODE_SUFFIX_MAX_REGS at DECODE_SUFFIX_WARPS warps (all of
+    ``pool`` when none does). The suffix tiles are one constexpr pair for both kinds of launches, so this must hold
+    before the ranking: the model alone ranks 16x64 suffix tiles first (fewer, larger KV steps), which need 8 warps
+    to stay under the budget."""
+    def light(tiles):
+        return part_registers(tiles, shape["head_dim"], shape["dtype"], DECODE_SUFFIX_WARPS,
+                              target) <= DECODE_SUFFIX_MAX_REGS
+    fits = [c for c in pool if light(c.suffix)]
+    return fits or pool
 
 
 def best_cover(target: Target, head_dim: int, dtype: str, mode: str, exclude=frozenset()):
@@ -103,7 +131,9 @@ def best_cover(target: Target, head_dim: int, dtype: str, mode: str, exclude=fro
     for smem_factor in (1.0, SMEM_RETRY_FACTOR):
         shape = dict(head_dim=head_dim, dtype=dtype, group=MAX_GROUP, smem_factor=smem_factor)
         pool = [c for c in prune(attention_space(target), target, **shape)
-                if c.short() not in exclude and _analytic_launch(c.launch, target)]
+                if not is_excluded(c.short(), exclude) and _analytic_launch(c.launch, target)]
+        if mode == "decode" and not target.is_hip:
+            pool = _light_suffix_pool(pool, target, shape)
         suffix_rows: dict = {}
 
         def suffix_only_row(cfg):

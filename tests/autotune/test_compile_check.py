@@ -144,6 +144,9 @@ def test_failures_flag_spills_smem_and_missing_matrix_units():
     assert any("pipeline depth 1 < 2" in w for w in failures(shallow))
     assert failures({**shallow, "pipeline": {"depth": 2}}) == []
     assert failures({**shallow, "min_pipeline_depth": 0}) == []  # AMD: reported, not required
+    heavy = {**ok, "registers": 130, "max_registers": 128}
+    assert failures(heavy) == ["130 registers > 128 (decode suffix-only budget)"]
+    assert failures({**heavy, "registers": 126}) == [] and failures({**heavy, "max_registers": 0}) == []
 
 
 def test_exclusions_from_a_report_cover_the_twins_of_a_failed_config(tmp_path):
@@ -156,8 +159,24 @@ def test_exclusions_from_a_report_cover_the_twins_of_a_failed_config(tmp_path):
     report.write_text(json.dumps({"records": records}))
     out = exclusions_from_report(report, "sm90")
     # head sizes padded to the same BLOCK_D (80, 96, 128) and the other 16-bit dtype share the binary's resources
-    assert out == {**{(hd, dt): {"bad"} for hd in (80, 96, 128) for dt in ("fp16", "bf16")},
-                   (64, "fp32"): {"fp32-fail"}}
+    # A failed launch with shared items also excludes the same binary under other suffix-only options (name_sfw*).
+    assert out == {**{(hd, dt): {"bad", "bad_sfw*"} for hd in (80, 96, 128) for dt in ("fp16", "bf16")},
+                   (64, "fp32"): {"fp32-fail", "fp32-fail_sfw*"}}
+    records = [dict(base, target="sm90", dtype="fp32", head_dim=64, variant="decode/suffix-only", spills=8,
+                    config_name="sh64x32_sf16x16_w8_s3_sfw4_s3")]
+    report.write_text(json.dumps({"records": records}))
+    assert exclusions_from_report(report, "sm90") == {(64, "fp32"): {"sh64x32_sf16x16_w8_s3_sfw4_s3"}}
+    from prefixattn.autotune.shipped_tables import is_excluded
+
+    assert is_excluded("sh64x32_sf16x16_w8_s3_sfw4_s4", {"sh64x32_sf16x16_w8_s3_sfw*"})
+    assert not is_excluded("sh64x32_sf16x16_w8_s3", {"sh64x32_sf16x16_w8_s3_sfw*"})
+    # After a spill, deeper pipelines of the same tiles and warps are ruled out too.
+    records = [dict(base, target="sm90", dtype="fp32", head_dim=64, variant="chunked_prefill", spills=108,
+                    config_name="sh128x64_sf128x64_w8_s3")]
+    report.write_text(json.dumps({"records": records}))
+    excluded = exclusions_from_report(report, "sm90")[(64, "fp32")]
+    assert is_excluded("sh128x64_sf128x64_w8_s4_sfw8_s3", excluded) and is_excluded("sh128x64_sf128x64_w8_s4", excluded)
+    assert not is_excluded("sh128x64_sf128x64_w8_s2", excluded) and not is_excluded("sh128x32_sf128x64_w8_s3", excluded)
 
 
 def test_signature_follows_launch_specialization():

@@ -112,3 +112,13 @@ def test_shipped_builder_prefers_wide_shared_tiles_and_light_decode_launches():
     assert sl.num_stages >= 3
     assert part_registers(cfg.suffix, 128, "bf16", sl.num_warps, TARGETS["sm90"]) <= \
         shipped_tables.DECODE_SUFFIX_MAX_REGS
+    # Issue 14: decode suffix-only launches at 4 warps (<= 128 registers measured: 16x32 tiles, 126 on sm_90).
+    assert sl.num_warps == shipped_tables.DECODE_SUFFIX_WARPS
+
+
+def test_suffix_launch_ties_break_toward_default_knobs():
+    # gfx942 decode: suffix-only launch options the model cannot tell apart (LDS-bound, one program per CU) go to
+    # Triton's defaults (4 warps, num_stages 2), not to the first name in sort order (2 warps, num_stages 1).
+    cfg = shipped_tables.best_cover(TARGETS["gfx942"], 128, "bf16", "decode")
+    sl = cfg.launch_for(False)
+    assert (sl.num_warps, sl.num_stages) == (4, 2)
