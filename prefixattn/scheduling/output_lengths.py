@@ -181,9 +181,9 @@ def request_output_lens(groups: Sequence[PrefixGroup], known, limits=None) -> np
     limit (``max_tokens`` / ``max_new_tokens``) on some.
 
     A request with a known length keeps it; one without takes its prefix group's estimate from the known ones
-    (:func:`estimate_output_lens`: requests sharing a prefix produce similar lengths), or its limit when no request
-    carries a length (an unlimited one then takes the mean of the finite limits). Every result is capped at the
-    request's limit (it cannot generate more).
+    (:func:`estimate_output_lens`: requests sharing a prefix produce similar lengths) when its group has any, else its
+    limit (else, unlimited, the mean of the known lengths, or of the finite limits when none is known). Every result
+    is capped at the request's limit (it cannot generate more).
 
     Parameters
     ----------
@@ -204,8 +204,8 @@ def request_output_lens(groups: Sequence[PrefixGroup], known, limits=None) -> np
     --------
     >>> from prefixattn.scheduling import group_prompts
     >>> groups = group_prompts([[1, 2, 3, 4], [1, 2, 3, 5], [9, 8, 7]])
-    >>> request_output_lens(groups, [np.nan, 40, np.nan], [16, 64, 200]).tolist()   # capped; the batch mean
-    [16.0, 40.0, 40.0]
+    >>> request_output_lens(groups, [np.nan, 40, np.nan], [16, 64, 200]).tolist()   # capped; no sample: the limit
+    [16.0, 40.0, 200.0]
     >>> request_output_lens(groups, [np.nan] * 3, [16, 64, 200]).tolist()
     [16.0, 64.0, 200.0]
     """
@@ -221,6 +221,11 @@ def request_output_lens(groups: Sequence[PrefixGroup], known, limits=None) -> np
     given = np.flatnonzero(~np.isnan(known))
     if given.size:
         out = estimate_output_lens(groups, given, known[given])
+        covered = np.zeros(n, dtype=bool)  # in a top-level group with a known length
+        for g in groups:
+            members = np.asarray(g.request_ids, dtype=np.int64)
+            covered[members] = bool((~np.isnan(known[members])).any())
+        out = np.where(covered | ~np.isfinite(limits), out, limits)
     elif np.isfinite(limits).any():
         out = limits.copy()
         out[~np.isfinite(out)] = out[np.isfinite(out)].mean()
