@@ -7,8 +7,8 @@ changes when work runs, never what it computes). Reported, never asserted: preem
 prefix-cache hits, tokens per step, steps; the table is printed and written to ``bench/results/`` (or
 ``$PREFIXATTN_VLLM_BATCH_RESULTS``).
 
-The default run is a smaller batch in four engine processes (five took 250 s of CPU time, 8.7 min of wall time on a
-2-core machine other jobs were loading); the issue's 240-request batch is marked ``slow`` (16 min there).
+The default run is a smaller batch in four engine processes: 2 min 8 s on a 2-core machine with little else running
+(8.7 min while other jobs loaded it); the issue's 240-request batch is marked ``slow`` (16 min under that load).
 """
 
 import json
