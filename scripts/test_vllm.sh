@@ -19,4 +19,4 @@ if [ "$installed" != "${VLLM_PIN#*==}" ]; then
 fi
 "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 "$VENV/bin/python" -m pip install -q -e ".[test]"
-"$VENV/bin/python" -m pytest tests/ -m "vllm and not ray" "$@"  # the Ray+vLLM test runs in scripts/test_ray.sh
+"$VENV/bin/python" -m pytest tests/ -m "vllm and not ray and not slow" "$@"  # Ray+vLLM: scripts/test_ray.sh

@@ -20,10 +20,17 @@ Plumbing, through SGLang's plugin hook registry (all three hooks leave every oth
 
 The queue is regrouped only when requests the policy has not ranked yet arrive; otherwise the cached ranks are
 reused (admission only removes requests from the front, retraction puts known ones back).
+
+Output lengths: the ``batchllm`` and ``blendserve`` orderings weigh groups by their decode work, so the policy hands
+them one length per request (:func:`request_output_lens`): an estimate the request carries in
+``SamplingParams.custom_params["prefixattn_output_len"]`` (measured on a sample, as BlendServe does), else its
+group's estimate from the requests that carry one, else its ``max_new_tokens``; always capped at what it may still
+generate (``max_new_tokens`` minus the tokens it already has, for a retracted request).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Sequence
 
 #: ``--schedule-policy`` name of the default prefix-group ordering; ``prefixattn-<ordering>`` selects another one.
@@ -33,6 +40,9 @@ _TARGET_INIT = "sglang.srt.managers.schedule_policy.SchedulePolicy.__init__"
 _TARGET_CALC = "sglang.srt.managers.schedule_policy.SchedulePolicy.calc_priority"
 _TARGET_CLI = "sglang.srt.server_args.ServerArgs.add_cli_args"
 _ATTR = "prefixattn_order"  # attribute of SGLang's SchedulePolicy holding our PrefixGroupOrder
+#: ``SamplingParams.custom_params`` key of a per-request output-length estimate (tokens); the same name as the vLLM
+#: scheduler's ``extra_args`` key.
+OUTPUT_LEN_KEY = "prefixattn_output_len"
 
 _hooks_registered = False
 
@@ -74,12 +84,42 @@ def ordering_of(policy: str) -> str | None:
 # ---------------------------------------------------------------------------------------------------------------
 # The policy
 # ---------------------------------------------------------------------------------------------------------------
-def prefix_group_order(prompts: Sequence[Sequence[int]], ordering: str) -> list[int]:
-    """Indices of ``prompts`` with every prefix group contiguous, groups in ``ordering`` (prefixattn.scheduling)."""
-    from prefixattn.scheduling import group_prompts, order_groups
+def prefix_group_order(prompts: Sequence[Sequence[int]], ordering: str, *, known=None, limits=None) -> list[int]:
+    """Indices of ``prompts`` with every prefix group contiguous, groups in ``ordering`` (prefixattn.scheduling).
 
-    groups = order_groups(group_prompts(prompts), ordering)
-    return [int(i) for group in groups for i in group.members]
+    ``known`` (NaN where none) and ``limits`` (inf where none) are per-prompt output lengths, turned into the
+    ordering's decode weights by :func:`prefixattn.scheduling.output_lengths.request_output_lens`; both None: lengths
+    unknown (treated as constant).
+    """
+    from prefixattn.scheduling import group_prompts, order_groups
+    from prefixattn.scheduling.output_lengths import request_output_lens
+
+    groups = group_prompts(prompts)
+    lens = None
+    if known is not None or limits is not None:
+        n = len(prompts)
+        lens = request_output_lens(groups, [math.nan] * n if known is None else known, limits)
+    return [int(i) for group in order_groups(groups, ordering, output_lens=lens) for i in group.members]
+
+
+def output_len_inputs(reqs: Sequence) -> tuple[list[float], list[float]]:
+    """``(known, limits)`` of SGLang ``Req`` objects for :func:`prefix_group_order`: the ``custom_params`` estimate
+    (NaN where none) and ``max_new_tokens`` (inf where None), both less the output tokens a request already has."""
+    known, limits = [], []
+    for r in reqs:
+        params = r.sampling_params
+        done = len(r.output_ids)
+        limit = params.max_new_tokens
+        limits.append(math.inf if limit is None else max(0.0, float(limit) - done))
+        estimate = (params.custom_params or {}).get(OUTPUT_LEN_KEY)
+        if isinstance(estimate, bool) or not isinstance(estimate, (int, float)) or not estimate >= 0:
+            if estimate is not None:
+                raise ValueError(f"custom_params['{OUTPUT_LEN_KEY}'] of request {r.rid}: expected a length >= 0, "
+                                 f"got {estimate!r}")
+            known.append(math.nan)
+        else:
+            known.append(max(0.0, float(estimate) - done))
+    return known, limits
 
 
 class PrefixGroupOrder:
@@ -93,7 +133,7 @@ class PrefixGroupOrder:
     ordering : str
         A name in :func:`ordering_names`.
     order_fn : callable, optional
-        ``(prompts, ordering) -> indices``; default :func:`prefix_group_order`.
+        ``(prompts, ordering, *, known, limits) -> indices``; default :func:`prefix_group_order`.
     """
 
     def __init__(self, ordering: str, *, order_fn: Callable | None = None):
@@ -116,7 +156,8 @@ class PrefixGroupOrder:
         rank: dict[str, int] = {}
         for reqs in namespaces.values():
             prompts = [list(r.origin_input_ids) + list(r.output_ids) for r in reqs]
-            for i in self.order_fn(prompts, self.ordering):
+            known, limits = output_len_inputs(reqs)
+            for i in self.order_fn(prompts, self.ordering, known=known, limits=limits):
                 rank[reqs[i].rid] = len(rank)
         self._rank = rank
         self.regroups += 1

@@ -9,10 +9,11 @@ order is passed as priorities (ties keep the caller's priorities first).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
-from integrations.vllm.scheduler import DEFAULT_LEVELS, DEFAULT_ORDERING, group_order
+from integrations.vllm.scheduler import DEFAULT_LEVELS, DEFAULT_ORDERING, OUTPUT_LEN_KEY, group_order
 
 
 def _token_ids(prompt, tokenizer_fn) -> list[int] | None:
@@ -30,12 +31,26 @@ def _token_ids(prompt, tokenizer_fn) -> list[int] | None:
     return None
 
 
+def _output_lens(sampling_params, n: int):
+    """``(known, limits)`` per prompt from ``SamplingParams`` (one, or one per prompt), as the scheduler reads them
+    from its requests: the ``extra_args`` estimate (NaN where none) and ``max_tokens`` (inf where None)."""
+    if sampling_params is None:
+        return None, None
+    params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * n
+    if len(params) != n:
+        raise ValueError(f"sampling_params: expected one entry per prompt ({n}), got {len(params)}")
+    limits = [math.inf if getattr(p, "max_tokens", None) is None else float(p.max_tokens) for p in params]
+    known = [(getattr(p, "extra_args", None) or {}).get(OUTPUT_LEN_KEY, math.nan) for p in params]
+    return [float(k) for k in known], limits
+
+
 def admission_order(prompts: Sequence[Any], *, ordering: str = DEFAULT_ORDERING, levels: int = DEFAULT_LEVELS,
-                    min_shared_tokens: int = 1, tokenize=None) -> list[int]:
+                    min_shared_tokens: int = 1, tokenize=None, sampling_params=None) -> list[int]:
     """Indices of ``prompts`` in the order to submit them: prefix groups together, groups in ``ordering``'s order.
 
     Prompts without token ids (embeddings) keep their relative order after the others. ``tokenize(text)`` turns a
     text prompt into token ids (e.g. the LLM's tokenizer); without it a text prompt raises ValueError.
+    ``sampling_params`` (one, or one per prompt) give the ordering its decode weights, as in the scheduler.
     """
     def no_tokenizer(text):
         raise ValueError("prompts: expected token ids (a {'prompt_token_ids': [...]} dict or a list of ints) for "
@@ -43,8 +58,11 @@ def admission_order(prompts: Sequence[Any], *, ordering: str = DEFAULT_ORDERING,
 
     ids = [_token_ids(p, tokenize or no_tokenizer) for p in prompts]
     with_ids = [i for i, t in enumerate(ids) if t]
+    known, limits = _output_lens(sampling_params, len(prompts))
     order = group_order([ids[i] for i in with_ids], ordering=ordering, levels=levels,
-                        min_shared_tokens=min_shared_tokens)
+                        min_shared_tokens=min_shared_tokens,
+                        known=None if known is None else [known[i] for i in with_ids],
+                        limits=None if limits is None else [limits[i] for i in with_ids])
     return [with_ids[k] for k in order] + [i for i, t in enumerate(ids) if not t]
 
 
@@ -89,7 +107,7 @@ def generate(llm, prompts: Sequence[Any], sampling_params=None, *, ordering: str
         tokenize = lambda text: list(tokenizer.encode(text))  # noqa: E731
     block_size = int(engine_config.cache_config.block_size or 1)
     order = admission_order(prompts, ordering=ordering, levels=levels, min_shared_tokens=block_size,
-                            tokenize=tokenize)
+                            tokenize=tokenize, sampling_params=sampling_params)
     n = len(prompts)
 
     def permute(name, value):

@@ -5,7 +5,9 @@ allow (its KV manager counts a shared, prefix-cached block once for all requests
 vLLM's scheduling loop - KV allocation, prefix caching, chunked prefill, preemption, async output - and replaces
 only the waiting queue with :class:`PrefixGroupRequestQueue`, which groups the waiting requests by shared prompt
 prefix (:func:`prefixattn.scheduling.group_prompts`) and orders the groups with a named policy
-(:func:`prefixattn.scheduling.order_groups`, ``batchllm`` by default). Members of a group are contiguous, so they are
+(:func:`prefixattn.scheduling.order_groups`, ``batchllm`` by default), weighing each request's decode by the
+estimate in ``SamplingParams.extra_args["prefixattn_output_len"]``, else its group's estimate from the requests that
+carry one, else its ``max_tokens`` (:func:`output_len_inputs`). Members of a group are contiguous, so they are
 admitted together: the first member computes the prefix and the rest hit its blocks in the prefix cache (in the
 same step, or the next one under chunked prefill), and prefixattn's attention backend then runs their shared KV
 once per step.
@@ -24,6 +26,12 @@ fit ``kv_threshold`` of the KV cache; a group's shared prefix blocks count once.
 :mod:`prefixattn.scheduling.admission`, the one :class:`prefixattn.scheduling.TokenBatcher` and the simulator use.
 vLLM's loop still schedules running requests (decodes and partial prefills) before new ones.
 
+``admission_projection`` picks the projection: ``"ends"`` (default, as ``TokenBatcher``) sums every request at its
+end, as if all ended at once, an upper bound; ``"peak"`` is the peak when each request grows one token per step and
+frees its blocks at its end (:func:`prefixattn.scheduling.admission.projected_peak_blocks`): it admits more, and
+stays preemption-free as long as the running requests decode every step (``bench/vllm_offline_batch.py`` measures
+both).
+
 Memory, not a request count, is what limits a step: vLLM's own admission stops at the first request whose KV
 blocks do not fit. vLLM's model runner still has ``max_num_seqs`` request slots (its persistent buffers are sized by
 it, a scheduler cannot change that); :func:`memory_bound_engine_kwargs` sets it high enough that the KV cache binds
@@ -32,17 +40,22 @@ first.
 
 from __future__ import annotations
 
+import math
 import os
 from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import Any
+
+import numpy as np
 
 from integrations.vllm.version import check_vllm_version
 
 check_vllm_version()
 
 from prefixattn.scheduling import ORDERINGS, group_prompts, order_groups  # noqa: E402
-from prefixattn.scheduling.admission import admits, blocks, projected_blocks, reserved_output  # noqa: E402
+from prefixattn.scheduling.admission import (admits, blocks, projected_blocks, projected_peak_blocks,  # noqa: E402
+                                             reserved_output)
+from prefixattn.scheduling.output_lengths import request_output_lens  # noqa: E402
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.core.sched.request_queue import RequestQueue, SchedulingPolicy  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
@@ -61,10 +74,12 @@ CONFIG_KEY = "prefixattn"
 DEFAULT_KV_THRESHOLD = 0.95
 #: ``SamplingParams.extra_args`` key of a per-request output-length estimate (tokens) for the reservation.
 OUTPUT_LEN_KEY = "prefixattn_output_len"
+#: How memory-centric admission projects the started requests' KV (see the module notes).
+PROJECTIONS = ("ends", "peak")
 
 
 def scheduling_options(vllm_config=None) -> dict[str, Any]:
-    """``{"ordering", "levels", "memory_admission", "kv_threshold", "reservation_clip"}`` from
+    """``{"ordering", "levels", "memory_admission", "kv_threshold", "reservation_clip", "admission_projection"}`` from
     ``additional_config["prefixattn"]`` (ordering and levels also from the environment)."""
     extra = getattr(vllm_config, "additional_config", None) or {}
     own = extra.get(CONFIG_KEY, {}) if isinstance(extra, dict) else {}
@@ -91,27 +106,55 @@ def scheduling_options(vllm_config=None) -> dict[str, Any]:
     if clip is not None and (isinstance(clip, bool) or not isinstance(clip, int) or clip < 1):
         raise ValueError(f"additional_config['{CONFIG_KEY}']['reservation_clip']: expected a positive int or None, "
                          f"got {clip!r}")
+    projection = own.get("admission_projection", PROJECTIONS[0])
+    if projection not in PROJECTIONS:
+        raise ValueError(f"additional_config['{CONFIG_KEY}']['admission_projection']: expected one of {PROJECTIONS}, "
+                         f"got {projection!r}")
     return dict(ordering=ordering, levels=levels, memory_admission=memory, kv_threshold=float(threshold),
-                reservation_clip=clip)
+                reservation_clip=clip, admission_projection=projection)
 
 
 def group_order(prompts: list[list[int]], *, ordering: str = DEFAULT_ORDERING, levels: int = DEFAULT_LEVELS,
-                min_shared_tokens: int = 1) -> list[int]:
+                min_shared_tokens: int = 1, known=None, limits=None) -> list[int]:
     """Indices of ``prompts`` in admission order: grouped by shared prefix, groups ordered by ``ordering``.
+
+    ``known`` (an output-length estimate per prompt, NaN where none) and ``limits`` (``max_tokens`` per prompt, inf
+    where none) give the ordering its decode weights
+    (:func:`prefixattn.scheduling.output_lengths.request_output_lens`); both None: lengths unknown (constant).
 
     Examples
     --------
     >>> group_order([[1] * 50 + [2], [4, 5, 6], [1] * 50 + [3]])
     [1, 0, 2]
     """
-    return _grouped(prompts, ordering=ordering, levels=levels, min_shared_tokens=min_shared_tokens)[0]
+    return _grouped(prompts, ordering=ordering, levels=levels, min_shared_tokens=min_shared_tokens, known=known,
+                    limits=limits)[0]
 
 
-def _grouped(prompts, *, ordering, levels, min_shared_tokens) -> tuple[list[int], list[int]]:
+def output_len_inputs(requests) -> tuple[list[float], list[float]]:
+    """``(known, limits)`` of vLLM requests for :func:`group_order`: the ``extra_args`` estimate
+    (:data:`OUTPUT_LEN_KEY`, NaN where none) and ``max_tokens`` (inf where none), both less the tokens a request
+    already generated."""
+    known, limits = [], []
+    for r in requests:  # pooling requests have no sampling params and no max_tokens: unknown, unlimited
+        done = int(getattr(r, "num_output_tokens", 0))
+        limit = getattr(r, "max_tokens", None)
+        limits.append(math.inf if limit is None else max(0.0, float(limit) - done))
+        extra = getattr(getattr(r, "sampling_params", None), "extra_args", None) or {}
+        estimate = extra.get(OUTPUT_LEN_KEY)
+        known.append(math.nan if estimate is None else max(0.0, float(estimate) - done))
+    return known, limits
+
+
+def _grouped(prompts, *, ordering, levels, min_shared_tokens, known=None, limits=None) -> tuple[list[int], list]:
     """Admission order and, per prompt, ``(group index, top-level prefix_len)`` of its group."""
     if not prompts:
         return [], []
-    groups = order_groups(group_prompts(prompts, levels=levels, min_shared_tokens=min_shared_tokens), ordering)
+    groups = group_prompts(prompts, levels=levels, min_shared_tokens=min_shared_tokens)
+    lens = None
+    if known is not None or limits is not None:
+        lens = request_output_lens(groups, [math.nan] * len(prompts) if known is None else known, limits)
+    groups = order_groups(groups, ordering, output_lens=lens)
     order, group_of = [], [None] * len(prompts)
     for k, g in enumerate(groups):
         order.extend(g.request_ids)
@@ -123,8 +166,10 @@ def _grouped(prompts, *, ordering, levels, min_shared_tokens) -> tuple[list[int]
 class MemoryAdmission:
     """BatchLLM Algorithm 2 over vLLM's running set (see the module notes): whether a waiting request may start."""
 
-    def __init__(self, scheduler, *, kv_threshold: float, reservation_clip: int | None) -> None:
+    def __init__(self, scheduler, *, kv_threshold: float, reservation_clip: int | None,
+                 projection: str = PROJECTIONS[0]) -> None:
         self.scheduler = scheduler
+        self.projection = projection
         self.block_size = int(scheduler.block_size)
         # vLLM's block pool keeps one null block that no request can hold
         self.capacity = kv_threshold * (int(scheduler.kv_cache_config.num_blocks) - 1)
@@ -146,6 +191,11 @@ class MemoryAdmission:
 
     def admits(self, request) -> bool:
         running = self.scheduler.running
+        ok = (self._admits_at_peak if self.projection == "peak" else self._admits_at_ends)(request, running)
+        self.refused += not ok
+        return ok
+
+    def _admits_at_ends(self, request, running) -> bool:
         held, own, reserved, generated, prefixes = [], [], [], [], {}
         for r in running:
             o, prefix = self._own_and_prefix(r)
@@ -162,9 +212,22 @@ class MemoryAdmission:
         candidate = blocks(o + self._reserved(request), self.block_size)
         if prefix and prefix[0] not in prefixes:
             candidate += blocks(prefix[1], self.block_size)
-        ok = admits(projected, candidate, self.capacity, bool(running))
-        self.refused += not ok
-        return ok
+        return admits(projected, candidate, self.capacity, bool(running))
+
+    def _admits_at_peak(self, request, running) -> bool:
+        cur, rem, prefixes = [], [], {}
+        for r in [*running, request]:
+            o, prefix = self._own_and_prefix(r)
+            shared = prefix[1] if prefix else 0
+            generated = int(r.num_output_tokens)
+            # a partial prefill counts as complete; a recomputation may hold more than that
+            cur.append(max(int(r.num_computed_tokens) - shared, o + generated))
+            rem.append(max(self._reserved(r) - generated, 1))
+            if prefix:
+                prefixes[prefix[0]] = prefix[1]
+        peak = projected_peak_blocks(np.asarray(cur, np.int64), np.asarray(rem, np.int64), self.block_size)
+        peak += sum(blocks(t, self.block_size) for t in prefixes.values())
+        return admits(peak, 0, self.capacity, bool(running))
 
 
 class PrefixGroupRequestQueue(RequestQueue):
@@ -197,8 +260,10 @@ class PrefixGroupRequestQueue(RequestQueue):
         waiting = list(self._ordered) + self._pending
         with_ids = [r for r in waiting if r.prompt_token_ids]
         without = [r for r in waiting if not r.prompt_token_ids]
+        known, limits = output_len_inputs(with_ids)
         order, group_of = _grouped([list(r.prompt_token_ids) for r in with_ids], ordering=self.ordering,
-                                   levels=self.levels, min_shared_tokens=self.min_shared_tokens)
+                                   levels=self.levels, min_shared_tokens=self.min_shared_tokens, known=known,
+                                   limits=limits)
         if self.admission is not None:
             # group keys are unique per regrouping; a member regrouped later counts its prefix again (conservative)
             self.admission.group_of.update((r.request_id, ((self.regroupings, g[0]), g[1]))
@@ -277,7 +342,8 @@ def _install_queue(scheduler: Scheduler) -> None:
         min_shared_tokens=max(1, int(scheduler.block_size)),
         by_priority=scheduler.policy == SchedulingPolicy.PRIORITY,
         admission=MemoryAdmission(scheduler, kv_threshold=options["kv_threshold"],
-                                  reservation_clip=options["reservation_clip"])
+                                  reservation_clip=options["reservation_clip"],
+                                  projection=options["admission_projection"])
         if options["memory_admission"] else None)
 
 

@@ -174,3 +174,61 @@ def estimate_output_lens(groups: Sequence[PrefixGroup], sampled_ids, sampled_len
     measured = count > 0
     out[measured] = total[measured] / count[measured]
     return out
+
+
+def request_output_lens(groups: Sequence[PrefixGroup], known, limits=None) -> np.ndarray | None:
+    """Output lengths for ordering from what an engine's requests carry: an estimate (or measurement) on some, a
+    limit (``max_tokens`` / ``max_new_tokens``) on some.
+
+    A request with a known length keeps it; one without takes its prefix group's estimate from the known ones
+    (:func:`estimate_output_lens`: requests sharing a prefix produce similar lengths) when its group has any, else its
+    limit (else, unlimited, the mean of the known lengths, or of the finite limits when none is known). Every result
+    is capped at the request's limit (it cannot generate more).
+
+    Parameters
+    ----------
+    groups : Sequence[PrefixGroup]
+        Groups from :func:`prefixattn.scheduling.group_prompts` over the same requests.
+    known : array-like of float
+        ``[num_requests]`` known lengths, NaN where a request carries none.
+    limits : array-like of float, optional
+        ``[num_requests]`` most tokens each may generate, ``inf`` (or NaN) where unlimited.
+
+    Returns
+    -------
+    np.ndarray or None
+        ``[num_requests]`` float64 lengths, or None when no request carries a length or a finite limit (then the
+        orderings treat lengths as constant).
+
+    Examples
+    --------
+    >>> from prefixattn.scheduling import group_prompts
+    >>> groups = group_prompts([[1, 2, 3, 4], [1, 2, 3, 5], [9, 8, 7]])
+    >>> request_output_lens(groups, [np.nan, 40, np.nan], [16, 64, 200]).tolist()   # capped; no sample: the limit
+    [16.0, 40.0, 200.0]
+    >>> request_output_lens(groups, [np.nan] * 3, [16, 64, 200]).tolist()
+    [16.0, 64.0, 200.0]
+    """
+    n = _num_requests(groups)
+    known = np.asarray(known, dtype=np.float64).reshape(-1)
+    limits = np.full(n, np.inf) if limits is None else np.asarray(limits, dtype=np.float64).reshape(-1)
+    if known.shape[0] != n or limits.shape[0] != n:
+        raise ValueError(f"known, limits: expected one value per request ({n}), got {known.shape[0]} and "
+                         f"{limits.shape[0]}")
+    limits = np.where(np.isnan(limits), np.inf, limits)
+    if (known < 0).any() or np.isinf(known).any() or (limits < 0).any():
+        raise ValueError("known, limits: expected lengths >= 0 (NaN: unknown, limits inf: unlimited)")
+    given = np.flatnonzero(~np.isnan(known))
+    if given.size:
+        out = estimate_output_lens(groups, given, known[given])
+        covered = np.zeros(n, dtype=bool)  # in a top-level group with a known length
+        for g in groups:
+            members = np.asarray(g.request_ids, dtype=np.int64)
+            covered[members] = bool((~np.isnan(known[members])).any())
+        out = np.where(covered | ~np.isfinite(limits), out, limits)
+    elif np.isfinite(limits).any():
+        out = limits.copy()
+        out[~np.isfinite(out)] = out[np.isfinite(out)].mean()
+    else:
+        return None
+    return np.minimum(out, limits)

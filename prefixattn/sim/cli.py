@@ -22,6 +22,9 @@ def add_arguments(parser) -> None:
                         help="a seed workload name (see --list) or a .jsonl file (jsonl:PATH also works)")
     parser.add_argument("--num-requests", type=positive_int, default=None, help="size / truncate the workload")
     parser.add_argument("--seed", type=non_negative_int, default=0, help="workload generator seed")
+    parser.add_argument("--max-tokens", type=positive_int, default=None,
+                        help="output length of .jsonl requests that give none (default: estimated per prefix group "
+                             "from the lines that give one, else an assumed constant; the report says which)")
     parser.add_argument("--model", default=None, help="model preset (default: the paper's for the workload)")
     parser.add_argument("--gpu", default=None, help="hardware preset (default: the paper's for the workload)")
     parser.add_argument("--policies", default=DEFAULT_POLICIES, help="comma-separated policy names (see --list)")
@@ -98,7 +101,7 @@ def run(args) -> int:
     from prefixattn.sim.calibration import Calibration, table_markdown
     from prefixattn.sim.report import format_table, plot_steps, write_json
     from prefixattn.sim.simulate import simulate
-    from prefixattn.sim.workloads import PAPER_SETTINGS
+    from prefixattn.sim.workloads import PAPER_SETTINGS, get_workload
 
     try:
         if args.list:
@@ -112,13 +115,19 @@ def run(args) -> int:
             _pyplot()  # fail before simulating when matplotlib is missing
         model, gpu = PAPER_SETTINGS.get(args.workload, ("mistral-7b", "a100"))
         calibration = Calibration(_overrides(args.set))
-        results = simulate(args.workload, args.policies, model=args.model or model, gpu=args.gpu or gpu,
-                           num_requests=args.num_requests, seed=args.seed, calibration=calibration,
-                           backend=args.backend, progress=_progress_factory(args.progress))
+        from prefixattn.sim.policies import make_policy
+        for name in (p for p in args.policies.split(",") if p):
+            make_policy(name)  # a bad policy name fails before the workload is built
+        workload = get_workload(args.workload, num_requests=args.num_requests, seed=args.seed,
+                                default_output_len=args.max_tokens)
+        results = simulate(workload, args.policies, model=args.model or model, gpu=args.gpu or gpu,
+                           calibration=calibration, backend=args.backend, progress=_progress_factory(args.progress))
     except ValueError as e:
         print(f"prefixattn simulate: error: {e}", file=sys.stderr)
         return 2
     print(format_table(results))
+    if workload.info.get("output_len_assumption"):
+        print(f"output lengths: {workload.info['output_len_assumption']}")
     if calibration.overrides:
         print(f"calibration overrides (what-if): {calibration.overrides}")
     if args.json:

@@ -41,6 +41,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--num-requests", type=positive_int, default=None, help="size / truncate the workload")
     parser.add_argument("--seed", type=non_negative_int, default=0,
                         help="workload generator seed (and random sharding's)")
+    parser.add_argument("--max-tokens", type=positive_int, default=None,
+                        help="output length of .jsonl requests that give none (default: estimated per prefix group "
+                             "from the lines that give one, else an assumed constant; the summary says which)")
     parser.add_argument("--no-split", action="store_true", help="never split a group, even one above the fair share")
     parser.add_argument("--split", choices=["spread", "fill"], default="spread",
                         help="how a group above the fair share is cut: one equal piece per replica (spread, keeps "
@@ -108,7 +111,8 @@ def summarize(workload, num_replicas: int, *, levels: int = 1, cost: str = "sim"
                                              levels=levels)}
     kept = {k: (v / single if single else 1.0) for k, v in saving.items()
             if k in ("prefix-affinity", "round-robin", "random")}
-    return dict(workload=workload.name, num_requests=len(prompts), num_groups=len(groups), levels=levels,
+    return dict(workload=workload.name, output_len_assumption=workload.info.get("output_len_assumption"),
+                num_requests=len(prompts), num_groups=len(groups), levels=levels,
                 num_replicas=num_replicas, cost=cost_label, partition=part, replicas=_rows(part, prompts),
                 balance=part.balance, split_groups=part.split, recomputed_tokens=part.recomputed_tokens,
                 saving=saving, kept=kept)
@@ -135,6 +139,8 @@ def format_summary(s: dict) -> str:
               f"{s['saving']['optimal']:.4f}"]
     for k in ("prefix-affinity", "round-robin", "random"):
         lines.append(f"  {k:16s} {s['saving'][k]:.4f}  kept {100 * s['kept'][k]:6.2f}% of the single replica's")
+    if s.get("output_len_assumption"):
+        lines.append(f"output lengths: {s['output_len_assumption']}")
     return "\n".join(lines)
 
 
@@ -153,7 +159,8 @@ def run(args) -> int:
 
         if args.replicas is None or args.replicas < 1:
             raise ValueError(f"--replicas: expected a positive int, got {args.replicas}")
-        workload = get_workload(args.prompts, num_requests=args.num_requests, seed=args.seed)
+        workload = get_workload(args.prompts, num_requests=args.num_requests, seed=args.seed,
+                                default_output_len=args.max_tokens)
         s = summarize(workload, args.replicas, levels=args.levels, cost=args.cost, model=args.model, gpu=args.gpu,
                       decode_weight=args.decode_weight, allow_split=not args.no_split, split=args.split,
                       seed=args.seed)

@@ -123,8 +123,13 @@ def _finish(name: str, requests: list, info: dict, shuffle: bool, rng) -> Worklo
 #: 44.2% (BatchLLM sec. 6.3.1); a random order gives ~30%. It is a workload property, shared by every policy; no
 #: throughput number was used to pick it.
 CASE1_ARRIVAL_SPREAD = 0.165
+
+#: ASSUMPTION. Output length of a request whose length nothing gives: BatchLLM's microbenchmark does not publish one
+#: either, and this module assumes 128 there (sec. 6.1). Prompt-only JSONL files without ``--max-tokens`` use it too,
+#: and the reports say so.
+ASSUMED_OUTPUT_LEN = 128
 def batchllm_microbenchmark(prefix_len: int, distinct_len: int, share_degree: int, num_requests: int = 2048,
-                            output_len: int = 128, seed: int = 0) -> Workload:
+                            output_len: int = ASSUMED_OUTPUT_LEN, seed: int = 0) -> Workload:
     """BatchLLM sec. 6.1 microbenchmark: groups of ``share_degree`` prompts = one shared prefix + a distinct part.
 
     The paper gives prefix/distinct lengths (2000/200, 1000/1000, 200/2000) and share degrees (4, 16); the request
@@ -334,7 +339,11 @@ def load_jsonl(path, seed: int = 0, default_output_len: int | None = None) -> Wo
     * ``prompt_len`` (int), optionally with ``prefix_id`` (any string) and ``prefix_len`` (int): requests with the
       same ``prefix_id`` share their first ``prefix_len`` tokens; the rest of each prompt is unique;
 
-    and an output length in ``output_len`` (or ``max_tokens``; ``default_output_len`` where neither is given).
+    and optionally an output length in ``output_len`` (or ``max_tokens``). A line without one (the common offline
+    format is prompt-only) gets, in this order: ``default_output_len`` when given; else, when other lines give
+    lengths, the per-prefix-group estimate from them (BlendServe sec. 3.2, :func:`estimate_output_lens`: they are
+    the measured sample); else :data:`ASSUMED_OUTPUT_LEN`. What was assumed is in ``info["output_len_assumption"]``
+    (None when every line gives its length), for the reports to print.
 
     Examples
     --------
@@ -348,6 +357,9 @@ def load_jsonl(path, seed: int = 0, default_output_len: int | None = None) -> Wo
     src = _TokenSource(rng)
     prefixes: dict = {}
     requests = []
+    missing: list = []
+    if default_output_len is not None and (not _is_int(default_output_len) or default_output_len < 1):
+        raise ValueError(f"default_output_len: expected a positive int or None, got {default_output_len!r}")
     with path.open() as f:
         for lineno, line in enumerate(f, 1):
             line = line.strip()
@@ -359,8 +371,11 @@ def load_jsonl(path, seed: int = 0, default_output_len: int | None = None) -> Wo
                 raise ValueError(f"path: line {lineno} of {path} is not JSON ({e.msg})") from None
             if not isinstance(obj, dict):
                 raise ValueError(f"path: line {lineno}: expected a JSON object, got {type(obj).__name__}")
-            out = obj.get("output_len", obj.get("max_tokens", default_output_len))
-            if not _is_int(out) or out < 1:
+            out = obj.get("output_len", obj.get("max_tokens"))
+            if out is None:
+                missing.append(len(requests))
+                out = 0  # filled below, once every prompt is known
+            elif not _is_int(out) or out < 1:
                 raise ValueError(f"path: line {lineno}: expected output_len (or max_tokens) as a positive int, "
                                  f"got {out!r}")
             if "prompt_token_ids" in obj:
@@ -384,7 +399,33 @@ def load_jsonl(path, seed: int = 0, default_output_len: int | None = None) -> Wo
             requests.append(Request(len(requests), prompt, out))
     if not requests:
         raise ValueError(f"path: {path} holds no requests")
-    return Workload(path.stem, requests, dict(source=str(path)))
+    assumption = _fill_output_lens(requests, missing, default_output_len) if missing else None
+    return Workload(path.stem, requests, dict(source=str(path), output_len_assumption=assumption))
+
+
+def _fill_output_lens(requests: list, missing: list, default: int | None) -> str:
+    """Give the requests at ``missing`` an output length (see :func:`load_jsonl`); returns the assumption made."""
+    n, k = len(requests), len(missing)
+    head = f"{k} of {n} requests give no output_len/max_tokens"
+    if default is not None:
+        for i in missing:
+            requests[i].output_len = default
+        return f"{head}: assumed {default} output tokens each (--max-tokens)"
+    given = np.setdiff1d(np.arange(n), missing)
+    if given.size == 0:
+        for i in missing:
+            requests[i].output_len = ASSUMED_OUTPUT_LEN
+        return (f"{head}: assumed {ASSUMED_OUTPUT_LEN} output tokens each (the default; pass --max-tokens, or give "
+                f"output_len on some lines to estimate per prefix group)")
+    from prefixattn.scheduling import group_prompts
+    from prefixattn.scheduling.output_lengths import estimate_output_lens
+
+    groups = group_prompts([r.prompt for r in requests])
+    est = estimate_output_lens(groups, given, [requests[i].output_len for i in given.tolist()])
+    for i in missing:
+        requests[i].output_len = max(1, int(round(float(est[i]))))
+    return (f"{head}: estimated per prefix group from the {given.size} that do (their group's mean, else the "
+            f"batch mean; BlendServe sec. 3.2)")
 
 
 def _is_int(x) -> bool:
@@ -427,7 +468,8 @@ PAPER_SETTINGS = {
 }
 
 
-def get_workload(name: str, num_requests: int | None = None, seed: int = 0) -> Workload:
+def get_workload(name: str, num_requests: int | None = None, seed: int = 0,
+                 default_output_len: int | None = None) -> Workload:
     """Build a named workload (see :data:`WORKLOADS`) or load ``*.jsonl`` / ``jsonl:PATH``.
 
     Examples
@@ -438,7 +480,8 @@ def get_workload(name: str, num_requests: int | None = None, seed: int = 0) -> W
     if num_requests is not None and (not _is_int(num_requests) or num_requests < 1):
         raise ValueError(f"num_requests: expected a positive int or None, got {num_requests!r}")
     if name.startswith("jsonl:") or name.endswith(".jsonl"):
-        w = load_jsonl(name[len("jsonl:"):] if name.startswith("jsonl:") else name, seed=seed)
+        w = load_jsonl(name[len("jsonl:"):] if name.startswith("jsonl:") else name, seed=seed,
+                       default_output_len=default_output_len)
         return w.head(num_requests) if num_requests is not None else w
     if name not in WORKLOADS:
         raise ValueError(f"workload: expected one of {sorted(WORKLOADS)} or a .jsonl path, got {name!r}")

@@ -19,7 +19,8 @@ from sglang.srt.mem_cache.radix_cache import RadixCache
 from sglang.srt.sampling.sampling_params import SamplingParams
 
 from integrations.sglang import plugin
-from integrations.sglang.schedule_policy import POLICY_NAME, policy_names, prefix_group_order
+from integrations.sglang.schedule_policy import (OUTPUT_LEN_KEY, POLICY_NAME, output_len_inputs, policy_names,
+                                                 prefix_group_order)
 from prefixattn.scheduling import DEFAULT_ORDERING, ORDERINGS
 
 pytestmark = pytest.mark.sglang
@@ -95,7 +96,9 @@ def test_groups_come_out_contiguous_in_the_scheduler_order(sglang_context):
 
     assert sorted(r.rid for r in queue) == sorted(r.rid for r in reqs)
     assert _doc_runs(queue, doc_of) == NUM_DOCS  # every document's 24 requests are adjacent
-    expected = prefix_group_order([list(r.origin_input_ids) for r in reqs], DEFAULT_ORDERING)
+    known, limits = output_len_inputs(reqs)
+    expected = prefix_group_order([list(r.origin_input_ids) for r in reqs], DEFAULT_ORDERING, known=known,
+                                  limits=limits)
     assert [r.rid for r in queue] == [reqs[i].rid for i in expected]
 
     # Admission takes requests off the front; the rest keeps its order without regrouping.
@@ -123,7 +126,8 @@ def test_every_named_ordering_is_a_policy(sglang_context, ordering):
     reqs, doc_of = _workload(seed=1)
     queue = list(reqs)
     policy.calc_priority(queue)
-    expected = prefix_group_order([list(r.origin_input_ids) for r in reqs], ordering)
+    known, limits = output_len_inputs(reqs)
+    expected = prefix_group_order([list(r.origin_input_ids) for r in reqs], ordering, known=known, limits=limits)
     assert [r.rid for r in queue] == [reqs[i].rid for i in expected]
     assert _doc_runs(queue, doc_of) >= NUM_DOCS  # blendserve may split a group; its pieces still share a prefix
 
@@ -133,3 +137,64 @@ def test_other_policies_are_untouched(sglang_context):
     assert not hasattr(policy, "prefixattn_order")
     with pytest.raises(ValueError, match="schedule_policy: expected one of"):
         _policy(f"{POLICY_NAME}-no-such-ordering")
+
+
+def _mixed_outputs(seed=0, custom=None):
+    """``_workload`` with each document's questions asking for the same max_new_tokens, documents differing (4 to
+    512); ``custom(doc, q)`` may add a custom_params estimate."""
+    reqs, doc_of = _workload(seed)
+    rng = random.Random(seed + 1)
+    per_doc = [rng.choice((4, 16, 64, 256, 512)) for _ in range(NUM_DOCS)]
+    for r in reqs:
+        d = doc_of[r.rid]
+        r.sampling_params.max_new_tokens = per_doc[d] if d is not None else 32
+        extra = custom(d, r) if custom and d is not None else None
+        if extra is not None:
+            r.sampling_params.custom_params = {OUTPUT_LEN_KEY: extra}
+    return reqs, doc_of, per_doc
+
+
+def _doc_order(queue, doc_of):
+    seen = []
+    for r in queue:
+        d = doc_of[r.rid]
+        if d is not None and d not in seen:
+            seen.append(d)
+    return seen
+
+
+@pytest.mark.parametrize("ordering", ["batchllm", "blendserve"])
+def test_max_new_tokens_are_the_decode_weights(sglang_context, ordering):
+    """Groups asking for long outputs weigh more in BatchLLM Eq. 3 and in BlendServe's density: the policy must
+    hand the requests' max_new_tokens to the ordering (it used to order without any output length)."""
+    reqs, doc_of, per_doc = _mixed_outputs()
+    queue = list(reqs)
+    _policy(f"{POLICY_NAME}-{ordering}").calc_priority(queue)
+    prompts = [list(r.origin_input_ids) for r in reqs]
+    limits = [float(r.sampling_params.max_new_tokens) for r in reqs]
+    with_lens = [reqs[i].rid for i in prefix_group_order(prompts, ordering, limits=limits)]
+    assert [r.rid for r in queue] == with_lens
+    assert with_lens != [reqs[i].rid for i in prefix_group_order(prompts, ordering)]  # the weights changed it
+    if ordering == "batchllm":  # Eq. 3: larger mean(decode) / prefill first
+        first, last = _doc_order(queue, doc_of)[0], _doc_order(queue, doc_of)[-1]
+        assert per_doc[first] == max(per_doc) and per_doc[last] == min(per_doc)
+
+
+def test_custom_estimates_fill_their_group_and_are_capped(sglang_context):
+    """A sampled estimate (custom_params) on one request of a document stands for its whole group; a request never
+    weighs more than the tokens it may still generate (a retracted one has some already)."""
+    reqs, doc_of, per_doc = _mixed_outputs(custom=lambda d, r: 3 if d == 0 and r.rid.endswith("0") else None)
+    known, limits = output_len_inputs(reqs)
+    sampled = [i for i, r in enumerate(reqs) if r.sampling_params.custom_params]
+    assert sampled and all(known[i] == 3 for i in sampled)
+    from prefixattn.scheduling import group_prompts
+    from prefixattn.scheduling.output_lengths import request_output_lens
+
+    lens = request_output_lens(group_prompts([list(r.origin_input_ids) for r in reqs]), known, limits)
+    assert {lens[i] for i, r in enumerate(reqs) if doc_of[r.rid] == 0} == {min(3.0, per_doc[0])}
+    retracted = reqs[1]
+    retracted.output_ids = [7] * 3
+    assert output_len_inputs([retracted])[1] == [max(0.0, retracted.sampling_params.max_new_tokens - 3.0)]
+    retracted.sampling_params.custom_params = {OUTPUT_LEN_KEY: "long"}
+    with pytest.raises(ValueError, match=OUTPUT_LEN_KEY):
+        output_len_inputs([retracted])

@@ -239,7 +239,7 @@ def test_bad_options_are_refused():
     with pytest.raises(ValueError, match=r"\['levels'\]: expected a positive int, got 0"):
         scheduling_options(SimpleNamespace(additional_config={"prefixattn": {"levels": 0}}))
     assert scheduling_options(None) == dict(ordering="batchllm", levels=1, memory_admission=False, kv_threshold=0.95,
-                                            reservation_clip=None)
+                                            reservation_clip=None, admission_projection="ends")
 
 
 def test_memory_bound_engine_kwargs_are_accepted_by_vllm(tiny_llama):

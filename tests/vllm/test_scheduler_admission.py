@@ -26,21 +26,22 @@ def model_config(tiny_llama):
     return ModelConfig(model=tiny_llama, dtype="float32", skip_tokenizer_init=True, max_model_len=512)
 
 
-@pytest.mark.parametrize("memory", [False, True])
-def test_memory_admission_avoids_preemption(model_config, memory):
+@pytest.mark.parametrize("memory, projection", [(False, "ends"), (True, "ends"), (True, "peak")])
+def test_memory_admission_avoids_preemption(model_config, memory, projection):
     from integrations.vllm.scheduler import PrefixGroupSyncScheduler
 
     prompts = offline_batch()
     max_tokens = 96
     sched = make_scheduler(model_config, PrefixGroupSyncScheduler, num_blocks=40, max_num_batched_tokens=256,
-                           max_num_seqs=256, options={"memory_admission": memory, "kv_threshold": 1.0})
+                           max_num_seqs=256, options={"memory_admission": memory, "kv_threshold": 1.0,
+                                                      "admission_projection": projection})
     admitted, resumed = drive(sched, make_requests(prompts, max_tokens=max_tokens), max_tokens)
     assert sorted(admitted) == sorted(str(i) for i in range(len(prompts)))
     assert admitted[:len(set(admitted))] == [a for a in expected_order(prompts) if a in admitted][:len(set(admitted))]
     if memory:
         assert resumed == 0  # every reservation was exact: no request outgrew its share
         assert sched.waiting.admission.refused > 0  # the gate did hold requests back
-    print(f"\nmemory_admission={memory}: resumed after preemption {resumed}")
+    print(f"\nmemory_admission={memory} ({projection}): resumed after preemption {resumed}")
 
 
 def test_bad_admission_options_are_refused():
@@ -52,6 +53,33 @@ def test_bad_admission_options_are_refused():
 
     assert scheduling_options(Cfg(memory_admission=True))["kv_threshold"] == 0.95
     for bad in (dict(memory_admission="yes"), dict(kv_threshold=0), dict(kv_threshold=1.5),
-                dict(reservation_clip=0)):
+                dict(reservation_clip=0), dict(admission_projection="mean")):
         with pytest.raises(ValueError, match=next(iter(bad))):
             scheduling_options(Cfg(**bad))
+
+
+def test_max_tokens_and_estimates_weigh_the_group_order(model_config):
+    """BatchLLM Eq. 3 sees each group's decode: groups asking for long outputs (per max_tokens, or an extra_args
+    estimate standing for its whole group) come first, and the queue hands requests out in exactly that order."""
+    import math
+
+    from integrations.vllm.scheduler import OUTPUT_LEN_KEY, PrefixGroupSyncScheduler, group_order
+
+    prompts = offline_batch(seed=3, groups=6, members=3)
+    limits = [float(8 + 40 * (i % 6)) for i in range(len(prompts))]  # group g asks for 8 + 40 g tokens
+    requests = make_requests(prompts, max_tokens=1)
+    for r, limit in zip(requests, limits):
+        r.sampling_params.max_tokens = r.max_tokens = int(limit)
+    # one request of group 5 (the longest limit) carries a measured estimate of 1 token: it stands for its group
+    requests[5].sampling_params.extra_args = {OUTPUT_LEN_KEY: 1}
+    known = [1.0 if i == 5 else math.nan for i in range(len(prompts))]
+    sched = make_scheduler(model_config, PrefixGroupSyncScheduler, num_blocks=400)
+    for r in requests:
+        sched.add_request(r)
+    queued = [r.request_id for r in sched.waiting]
+    expected = [str(i) for i in group_order(prompts, min_shared_tokens=BLOCK, known=known, limits=limits)]
+    assert queued == expected
+    assert expected != [str(i) for i in group_order(prompts, min_shared_tokens=BLOCK)]
+    plain = [str(i) for i in group_order(prompts, min_shared_tokens=BLOCK, limits=limits)]
+    group5 = {str(i) for i in range(5, len(prompts), 6)}
+    assert plain[0] in group5 and expected[0] not in group5  # without the estimate group 5 goes first, with it not
