@@ -19,8 +19,14 @@ import torch
 
 #: Dtypes the attention kernels accept for q / k_cache / v_cache (accumulation is always fp32).
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-#: Head sizes the fused kernels are tuned and tested for (the head sizes of the models users run).
-SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 256)
+#: Head sizes the fused kernels run: every multiple of ``HEAD_DIM_MULTIPLE`` from ``MIN_HEAD_DIM`` to ``MAX_HEAD_DIM``.
+#: Tiles are padded to the next power of two (``BLOCK_D``) and masked with ``offs_d < head_dim``. 32 is the smallest
+#: size vLLM's Triton backend runs; 256 bounds the accumulator (a 128 x 256 fp32 tile) and the register budget;
+#: multiples of 8 keep every row of q, K and V 16-byte aligned in fp16/bf16 (vectorized loads).
+MIN_HEAD_DIM = 32
+MAX_HEAD_DIM = 256
+HEAD_DIM_MULTIPLE = 8
+SUPPORTED_HEAD_DIMS = tuple(range(MIN_HEAD_DIM, MAX_HEAD_DIM + 1, HEAD_DIM_MULTIPLE))
 _INDEX_DTYPES = (torch.int32, torch.int64)
 #: Largest query row / KV length the planner accepts: the work items the kernel reads are int32
 #: (:mod:`prefixattn.kernels.layout`), so a larger value would wrap silently instead of failing.
@@ -110,8 +116,9 @@ def check_kernel_device(name: str, t: torch.Tensor) -> None:
 
 
 def check_head_dim(name: str, head_dim: int) -> None:
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"{name}: expected a head_dim in {SUPPORTED_HEAD_DIMS}, got {head_dim}")
+    if isinstance(head_dim, bool) or head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"{name}: expected a head_dim that is a multiple of {HEAD_DIM_MULTIPLE} in "
+                         f"[{MIN_HEAD_DIM}, {MAX_HEAD_DIM}], got {head_dim!r}")
 
 
 def check_heads(num_qo_heads: int, num_kv_heads: int) -> None:
