@@ -25,7 +25,8 @@ from prefixattn.runtime import interpreter_enabled
 from prefixattn.kernels import layout as K
 from prefixattn.split_rule import critical_path
 from prefixattn.validation import (SUPPORTED_DTYPES, canonical_device, check_head_dim, check_heads,
-                                   check_host_metadata)
+                                   check_host_metadata, check_soft_cap, check_window_left)
+from prefixattn.window import window_shared_nodes
 from prefixattn.work_list import SharedNode, SharedNodes, WorkList, ragged_arange, build_work_list
 
 #: Bytes of one fp32 number: partial states (o, lse) are kept in fp32 whatever the input dtype.
@@ -98,6 +99,9 @@ class Plan:
     ws_o: torch.Tensor = field(repr=False)
     ws_lse: torch.Tensor = field(repr=False)
     stats: dict = field(default_factory=dict)
+    logits_soft_cap: float = 0.0  # c > 0: scaled logits become c * tanh(s / c); 0: off
+    window_left: int = -1  # W >= 0: the query at position p sees keys p - W .. p; -1: off
+    nan_guard: bool = False  # the kernel's USE_NAN_GUARD (hidden non-finite V never leaks into a row)
 
     @property
     def shared_nodes(self) -> list[SharedNode]:
@@ -125,16 +129,16 @@ class Plan:
         return tokens * self.num_kv_heads * self.head_dim * 2 * elt
 
 
-def _check_options(*, causal, sm_scale, logits_soft_cap, window_left, alibi_slopes, sharing, q_dtype) -> None:
-    if logits_soft_cap not in (None, 0, 0.0):
-        raise ValueError(f"logits_soft_cap: not supported yet (expected None or 0), got {logits_soft_cap!r}")
-    if window_left not in (None, -1):
-        raise ValueError(f"window_left: sliding-window attention is not supported yet (expected None or -1), "
-                         f"got {window_left!r}")
+def _check_options(*, causal, sm_scale, logits_soft_cap, window_left, alibi_slopes, sharing, q_dtype,
+                   nan_guard) -> None:
     if alibi_slopes is not None:
         raise ValueError("alibi_slopes: ALiBi is not supported yet (expected None), got a value")
     if not isinstance(causal, bool):
         raise ValueError(f"causal: expected a bool, got {type(causal).__name__}")
+    check_soft_cap(logits_soft_cap)
+    check_window_left(window_left, causal)
+    if not isinstance(nan_guard, bool):
+        raise ValueError(f"nan_guard: expected a bool, got {type(nan_guard).__name__}")
     if sm_scale is not None and (isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float, np.floating))
                                  or not math.isfinite(sm_scale)):
         raise ValueError(f"sm_scale: expected a finite float or None, got {sm_scale!r}")
@@ -240,6 +244,7 @@ def plan(
     min_split_tokens: int = MIN_SPLIT_TOKENS,
     sharing: str = "auto",
     num_blocks: int | None = None,
+    nan_guard: bool = False,
 ) -> Plan:
     """Plan one engine step of prefix-shared paged attention (host; reuse the plan for every layer).
 
@@ -265,8 +270,14 @@ def plan(
         Logit scale, default ``1 / sqrt(head_dim)``.
     q_dtype : torch.dtype
         dtype of q and the caches (fp16/bf16/fp32): prices the cost rule and picks the dot precision.
-    logits_soft_cap, window_left, alibi_slopes
-        Not supported yet: anything but the default raises ``ValueError``.
+    logits_soft_cap : float, optional
+        ``c > 0``: each scaled logit ``s`` becomes ``c * tanh(s / c)`` (None or 0: off).
+    window_left : int, optional
+        ``W >= 0`` (causal only): the query at KV position ``p`` sees keys ``p - W .. p`` (None or -1: off; vLLM's
+        ``sliding_window=S`` is ``W = S - 1``). Shared prefixes are shared only where every member's window covers
+        them (:mod:`prefixattn.window`). Models that mix windowed and full layers need one plan per kind of layer.
+    alibi_slopes
+        Not supported yet: anything but None raises ``ValueError``.
     device : torch.device or str, optional
         Where the work list lives; default the device of ``block_table``. Stored canonically (``cpu:0`` is
         ``cpu``, ``cuda`` is the current CUDA device), so any spelling of the tensors' device matches.
@@ -280,6 +291,10 @@ def plan(
         Number of blocks in the cache, to refuse an out-of-range id here, at plan time. Without it the plan still
         records the largest id it reads (``Plan.max_block_id``) and :func:`prefixattn.attention` checks it against
         the cache it gets.
+    nan_guard : bool
+        Keep a non-finite V value at a key a row does not see (inside a causal or window-edge tile) out of that
+        row, as the reference does: items whose result is non-finite are redone key by key. Off by default: the
+        check alone costs registers in the decode launch (the kernel's ``USE_NAN_GUARD``).
 
     Returns
     -------
@@ -294,7 +309,7 @@ def plan(
     >>> out = attention(q, k_cache, v_cache, p)  # q: [2, 8, 128]
     """
     _check_options(causal=causal, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap, window_left=window_left,
-                   alibi_slopes=alibi_slopes, sharing=sharing, q_dtype=q_dtype)
+                   alibi_slopes=alibi_slopes, sharing=sharing, q_dtype=q_dtype, nan_guard=nan_guard)
     block_size = _positive_int("block_size", block_size)
     num_qo_heads = _positive_int("num_qo_heads", num_qo_heads)
     num_kv_heads = _positive_int("num_kv_heads", num_kv_heads)
@@ -320,6 +335,10 @@ def plan(
         tree, shareable=shareable, q_len=q_len, block_size=block_size,
         rows_per_shared=tiles.rows_per_shared_tile(group), group=group, head_dim=head_dim, elt_bytes=elt_bytes,
         sharing=sharing)
+    window_left = check_window_left(window_left, causal)
+    if window_left >= 0:  # share only what every member's window covers
+        nodes, suffix_start = window_shared_nodes(nodes, suffix_start, kv_len=lens, q_len=q_len,
+                                                  window_left=window_left)
     work = build_work_list(
         q_start=q_start, q_len=q_len, kv_len=lens, causal=causal, nodes=nodes, suffix_start=suffix_start,
         rows_per_shared=tiles.rows_per_shared_tile(group), rows_per_suffix=tiles.rows_per_suffix_tile(group),
@@ -364,6 +383,7 @@ def plan(
         # miss the 1e-4 tolerance).
         use_fp32_dot=interpreter_enabled() or q_dtype == torch.float32,
         has_shared=bool(nodes), max_block_id=max_block_id,
+        logits_soft_cap=check_soft_cap(logits_soft_cap), window_left=window_left, nan_guard=nan_guard,
         work=work, tree=tree, nodes=nodes,
         num_items_dev=num_items_dev, items=items, gather=gather, mrows=mrows, block_table=table_dev,
         counters=counters, ws_o=ws_o, ws_lse=ws_lse,
