@@ -47,7 +47,7 @@ from vllm.v1.kv_cache_interface import KVCacheLayout  # noqa: E402
 import prefixattn  # noqa: E402
 from integrations.vllm.plugin import BACKEND_NAME  # noqa: E402
 
-#: Head sizes prefixattn's kernels are tuned and tested for (prefixattn's validation accepts exactly these).
+#: Head sizes prefixattn runs: every multiple of 8 from 32 to 256 (prefixattn's validation accepts exactly these).
 SUPPORTED_HEAD_SIZES = prefixattn.SUPPORTED_HEAD_DIMS
 #: Every physical order of vLLM's ``[L, B, H, N, C]`` cache: the kernel reads any strides. Token-major inside a block
 #: (``B, N, H, C``, i.e. NHD) first: it is prefixattn's own ``[num_blocks, block_size, num_kv_heads, head_dim]``.

@@ -19,7 +19,7 @@ def _validate(**overrides) -> list[str]:
                                                     **AttentionSelectorConfig(**cfg)._asdict())
 
 
-@pytest.mark.parametrize("head_size", [64, 80, 96, 128, 256])
+@pytest.mark.parametrize("head_size", [32, 64, 80, 96, 112, 128, 192, 256])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_supported_configurations_validate(head_size, dtype):
     assert _validate(head_size=head_size, dtype=dtype) == []
@@ -31,7 +31,8 @@ def test_any_block_size(block_size):
 
 
 @pytest.mark.parametrize("overrides, reason", [
-    (dict(head_size=72), "head_size not supported"),
+    (dict(head_size=36), "head_size not supported"),
+    (dict(head_size=264), "head_size not supported"),
     (dict(kv_cache_dtype="fp8"), "kv_cache_dtype not supported"),
     (dict(kv_cache_dtype="fp8_e5m2"), "kv_cache_dtype not supported"),
     (dict(has_sliding_window=True), "sliding window not supported"),
@@ -70,7 +71,8 @@ def test_every_kv_cache_layout_is_declared_token_major_first():
     (dict(kv_cache_dtype="fp8"), "kv_cache_dtype not supported"),
     (dict(attn_type="encoder"), "attention type encoder not supported"),
     (dict(sinks=torch.zeros(4)), "attention sinks not supported"),
-    (dict(head_size=72), "head_size not supported"),
+    (dict(head_size=36), "head_size not supported"),
+    (dict(head_size=264), "head_size not supported"),
 ])
 def test_impl_refuses_at_construction(kwargs, reason):
     # The impl is built while vLLM constructs the model (before any forward): platforms whose selector does not
