@@ -114,7 +114,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pla
         Written in place (only its valid rows are touched; its old contents are never read).
     return_lse : bool
         Also return the fp32 natural-log LSE ``[num_tokens, num_qo_heads]``.
-    sinks : Tensor, ``[num_qo_heads]``, fp32, optional
+    sinks : Tensor, ``[num_qo_heads]``, fp32/bf16/fp16, contiguous, optional
         Attention sinks (gpt-oss): one logit per query head that joins each row's softmax denominator exactly once
         (at the row's final state, never per partial). The returned LSE includes it (the LSE of the full
         denominator), so a row with no visible KV returns ``(0, sink)``; such an LSE must not be merged with other

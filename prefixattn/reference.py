@@ -58,7 +58,7 @@ def reference_attention(
         ``c > 0``: each scaled logit ``s`` becomes ``c * tanh(s / c)`` (None or 0: off).
     window_left : int, optional
         ``W >= 0`` (causal only): the query at KV position ``p`` sees keys ``p - W .. p`` (None or -1: off).
-    sinks : Tensor, ``[num_qo_heads]``, fp32, optional
+    sinks : Tensor, ``[num_qo_heads]``, fp32/bf16/fp16, optional
         One logit per query head that joins every row's softmax denominator once (no value: it adds weight, not
         output). The returned LSE includes it, so a row with no visible KV returns ``(0, sink)``.
     k_scale, v_scale : float or 1-element fp32 Tensor, optional

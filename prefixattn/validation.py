@@ -332,11 +332,15 @@ def check_window_left(window_left, causal: bool) -> int:
     return int(window_left)
 
 
+#: Dtypes of attention-sink logits (models keep them in their own dtype; the kernel upcasts them to fp32).
+SINK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def check_sinks(sinks, num_qo_heads: int, device) -> None:
-    """``sinks``: None, or one fp32 logit per query head ``[num_qo_heads]`` on the device of q (contiguous)."""
+    """``sinks``: None, or one logit per query head ``[num_qo_heads]`` (fp32/bf16/fp16) on the device of q."""
     if sinks is None:
         return
-    check_tensor("sinks", sinks, ndim=1, dtypes=(torch.float32,))
+    check_tensor("sinks", sinks, ndim=1, dtypes=SINK_DTYPES)
     if sinks.shape[0] != num_qo_heads:
         raise ValueError(f"sinks: expected shape ({num_qo_heads},) (one logit per query head), got "
                          f"{tuple(sinks.shape)}")

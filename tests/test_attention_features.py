@@ -77,12 +77,14 @@ def test_logit_soft_cap(device, dtype, plan_kw):
 _SINKS = [0.5, -1.0, 6.0, -math.inf]
 
 
+@pytest.mark.parametrize("sink_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("plan_kw", [_SPLIT, dict(sharing="never")], ids=["merged", "single-state"])
-def test_sinks_once_per_row(device, plan_kw):
+def test_sinks_once_per_row(device, plan_kw, sink_dtype):
     # Merged rows (shared levels + split chunks) get the sink at the last-arriver merge, single-state rows at their
-    # store: exactly once either way, so both agree with the reference (a sink per partial would not).
+    # store: exactly once either way, so both agree with the reference (a sink per partial would not). Sinks in
+    # the model's dtype (gpt-oss keeps bf16 ones) are upcast in the kernel.
     b = _shared_batch(device)
-    sinks = torch.tensor(_SINKS, device=device)
+    sinks = torch.tensor(_SINKS, device=device).to(sink_dtype)
     p, got, want = _run(b, plan_kw=plan_kw, attn_kw=dict(sinks=sinks))
     assert (p.work.num_ws_rows > 0) == (plan_kw is _SPLIT)
     _compare(got, want, torch.float32)

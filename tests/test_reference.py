@@ -166,7 +166,7 @@ def test_reference_fp8_cache_dequantizes_with_scales(kv_dtype):
     (dict(window_left=-2), "window_left: expected None, -1 \\(off\\) or an int >= 0"),
     (dict(window_left=4, causal=False), "window_left: expected -1 \\(off\\) with causal=False"),
     (dict(sinks=torch.zeros(3)), "sinks: expected shape \\(2,\\)"),
-    (dict(sinks=torch.zeros(2, dtype=torch.float16)), "sinks: expected dtype float32"),
+    (dict(sinks=torch.zeros(2, dtype=torch.int32)), "sinks: expected dtype float32/bfloat16/float16"),
     (dict(k_scale=0.0), "k_scale: expected None, a finite positive float"),
     (dict(v_scale=torch.ones(2)), "v_scale: expected a 1-element tensor"),
 ])

@@ -83,7 +83,8 @@ class PrefixAttnBackend(AttentionBackend):
 
     Not supported (each raises ``ValueError`` or ``NotImplementedError`` naming the feature): CUDA graphs,
     speculative decoding (target verify / draft extend), encoder-decoder and cross attention, sliding windows,
-    logit soft-capping, MLA and hybrid/SWA pools, quantized (fp8) KV caches, ``qk_head_dim != v_head_dim``.
+    MLA and hybrid/SWA pools, quantized (fp8) KV caches, ``qk_head_dim != v_head_dim``. Logit soft-capping
+    (``layer.logit_cap``) and attention sinks (the ``sinks`` keyword of the forward calls) run in the kernel.
 
     Examples
     --------
@@ -160,7 +161,9 @@ class PrefixAttnBackend(AttentionBackend):
         if meta is None:
             raise ValueError("forward_batch: expected init_forward_metadata() to run before the layers of this batch, "
                              "got no metadata (or an IDLE batch)")
-        key = (layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim, q.dtype, float(layer.scaling), causal)
+        soft_cap = float(layer.logit_cap or 0.0)
+        key = (layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim, q.dtype, float(layer.scaling), causal,
+               soft_cap)
         p = meta.plans.get(key)
         if p is None:
             p = prefixattn.plan(
@@ -168,7 +171,7 @@ class PrefixAttnBackend(AttentionBackend):
                 num_qo_heads=layer.tp_q_head_num, num_kv_heads=layer.tp_k_head_num, head_dim=layer.qk_head_dim,
                 # q's own device: the runner's "cuda" has no index, the plan must match q's "cuda:N".
                 causal=causal, sm_scale=float(layer.scaling), q_dtype=q.dtype, device=q.device,
-                sharing=self.sharing, num_blocks=num_blocks,
+                sharing=self.sharing, num_blocks=num_blocks, logits_soft_cap=soft_cap,
             )
             meta.plans[key] = p
         return p
@@ -177,12 +180,12 @@ class PrefixAttnBackend(AttentionBackend):
     # Per layer (device, no host synchronization)
     # ------------------------------------------------------------------------------------------------------------
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
-        return self._forward(q, k, v, layer, forward_batch, save_kv_cache)
+        return self._forward(q, k, v, layer, forward_batch, save_kv_cache, sinks=kwargs.get("sinks"))
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
-        return self._forward(q, k, v, layer, forward_batch, save_kv_cache)
+        return self._forward(q, k, v, layer, forward_batch, save_kv_cache, sinks=kwargs.get("sinks"))
 
-    def _forward(self, q, k, v, layer, forward_batch, save_kv_cache):
+    def _forward(self, q, k, v, layer, forward_batch, save_kv_cache, sinks=None):
         causal = _check_layer(layer)
         if save_kv_cache and k is not None and v is not None:
             self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc.for_batch(forward_batch), k, v)
@@ -192,7 +195,7 @@ class PrefixAttnBackend(AttentionBackend):
         k_cache = self._paged(self.token_to_kv_pool.get_key_buffer(layer.layer_id), "key")
         v_cache = self._paged(self.token_to_kv_pool.get_value_buffer(layer.layer_id), "value")
         p = self._plan_for(layer, q3, causal, num_blocks=k_cache.shape[0])
-        prefixattn.attention(q3, k_cache, v_cache, p, out=o.view(-1, num_heads, head_dim))
+        prefixattn.attention(q3, k_cache, v_cache, p, out=o.view(-1, num_heads, head_dim), sinks=sinks)
         return o
 
     def _paged(self, buf: torch.Tensor, name: str) -> torch.Tensor:
@@ -254,9 +257,6 @@ def _check_layer(layer) -> bool:
     if window is not None and window > -1:
         raise ValueError(f"layer {layer.layer_id} sliding_window_size: expected -1 or None (prefixattn has no "
                          f"sliding-window attention), got {window}")
-    if layer.logit_cap and layer.logit_cap > 0:
-        raise ValueError(f"layer {layer.layer_id} logit_cap: expected 0 (prefixattn has no logit soft-capping), "
-                         f"got {layer.logit_cap}")
     if layer.qk_head_dim != layer.v_head_dim:
         raise ValueError(f"layer {layer.layer_id} v_head_dim: expected qk_head_dim={layer.qk_head_dim}, "
                          f"got {layer.v_head_dim}")

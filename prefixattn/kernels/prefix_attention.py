@@ -255,7 +255,7 @@ def _report_and_merge(
             m = m_new
         if HAS_SINKS:
             # The sink joins the merged denominator once, as one more state with no value.
-            sink = tl.load(sinks_ptr + head, mask=done, other=float("-inf"))
+            sink = tl.load(sinks_ptr + head, mask=done, other=float("-inf")).to(tl.float32)
             m_new = tl.maximum(m, sink)
             rescale = _weight(s=m, m=m_new)
             acc = acc * rescale[:, None]
@@ -436,7 +436,7 @@ def _run_item(
     else:
         # The request's rows have this single state: plain paged attention, straight to the output.
         if HAS_SINKS:
-            sink = tl.load(sinks_ptr + head, mask=mask_m, other=float("-inf"))
+            sink = tl.load(sinks_ptr + head, mask=mask_m, other=float("-inf")).to(tl.float32)
             o, lse = _with_sink(o=o, lse=lse, sink=sink)
         tl.store(out_ptr + tok[:, None] * stride_o_t + head[:, None] * stride_o_h + offs_d[None, :] * stride_o_d,
                  o.to(out_ptr.dtype.element_ty), mask=mask_md)
@@ -454,7 +454,7 @@ def prefix_attention_kernel(
     q_ptr,  # [num_tokens, num_qo_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], dtype of q or fp8
     v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], dtype of k_cache
-    sinks_ptr,  # [num_qo_heads] fp32 sink logits (read only when HAS_SINKS)
+    sinks_ptr,  # [num_qo_heads] fp32/bf16/fp16 sink logits (read only when HAS_SINKS)
     k_scale_ptr,  # [1] fp32 K dequantization scale (read only when HAS_KV_SCALE)
     v_scale_ptr,  # [1] fp32 V dequantization scale (read only when HAS_KV_SCALE)
     num_items_ptr,  # [1] int32 live work items: programs past them exit (a grid sized by capacity stays valid)
