@@ -10,8 +10,9 @@ the first half of the last dim, V in the second; the physical order is whatever 
 ``kv_cache[..., :D].transpose(1, 2)`` is then prefixattn's ``[num_blocks, block_size, num_kv_heads, head_dim]``
 with some strides, which the kernel takes as they are, so every layout works.
 
-Configurations the kernel does not run (ALiBi, sliding window, logits soft-cap, attention sinks, encoder/cross
-attention, fp8/quantized KV, MLA, non-causal decoders) are refused when vLLM configures the model: by vLLM's
+Sliding windows (one plan per KV cache group, whose layers share the window), logit soft-capping and attention sinks
+run in the kernel. Configurations it does not run (ALiBi, encoder/cross attention, fp8/quantized KV, MLA, non-causal
+decoders) are refused when vLLM configures the model: by vLLM's
 selector through the ``supports_*`` declarations below (on CUDA/ROCm), and by the impl's constructor with the same
 wording on platforms whose selector does not validate (CPU) - never at the first forward. That includes an explicit
 ``--kv-cache-dtype`` other than the model's dtype (the kernel reads K/V in the dtype of q).
@@ -145,14 +146,22 @@ class PrefixAttnBackend(AttentionBackend):
         return SUPPORTED_KV_CACHE_LAYOUTS
 
     @classmethod
+    def supports_sink(cls) -> bool:
+        return True  # one logit per query head in each row's denominator (prefixattn.attention(sinks=...))
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return True  # a left window per KV cache group (prefixattn.plan(window_left=S - 1))
+
+    @classmethod
     def supports_combination(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink, use_sparse,
                              use_mm_prefix, device_capability) -> str | None:
         # vLLM's selector appends this reason to validate_configuration's list.
         return kv_cache_dtype_mismatch(kv_cache_dtype, dtype)
 
-    # Everything below keeps vLLM's default "not supported" (sliding window, sinks, ALiBi-sqrt, MLA, sparse,
-    # multimodal prefix, non-causal, batch invariance, PCP/DCP) or "decoder only" (attention types): the kernel
-    # implements causal decoder self-attention over a paged cache, nothing else yet.
+    # Everything below keeps vLLM's default "not supported" (ALiBi-sqrt, MLA, sparse, multimodal prefix,
+    # non-causal, batch invariance, PCP/DCP) or "decoder only" (attention types): the kernel implements causal
+    # decoder self-attention over a paged cache (with windows, sinks and soft-caps), nothing else yet.
 
 
 class PrefixAttnMetadataBuilder(AttentionMetadataBuilder[PrefixAttnMetadata]):
@@ -173,6 +182,10 @@ class PrefixAttnMetadataBuilder(AttentionMetadataBuilder[PrefixAttnMetadata]):
         self.num_qo_heads = int(model_config.get_num_attention_heads(vllm_config.parallel_config))
         self.q_dtype = model_config.dtype
         self.sm_scale = _group_scale(vllm_config, layer_names)
+        # One plan serves the group's layers: they must agree on the window and the soft cap (vLLM puts windowed and
+        # full-attention layers in different KV cache groups, so a Gemma-2-like model gets one plan per kind).
+        self.window_left = _group_option(vllm_config, layer_names, "window_left", -1)
+        self.logits_soft_cap = _group_option(vllm_config, layer_names, "logits_soft_cap", 0.0)
         spec = getattr(vllm_config, "speculative_config", None)
         self.exact_seq_lens_on_host = spec is None or not getattr(spec, "num_speculative_tokens", None)
 
@@ -184,7 +197,8 @@ class PrefixAttnMetadataBuilder(AttentionMetadataBuilder[PrefixAttnMetadata]):
         step_plan = prefixattn.plan(
             inputs.qo_indptr, inputs.kv_lens, inputs.block_table, block_size=self.block_size,
             num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, causal=True,
-            sm_scale=self.sm_scale, q_dtype=self.q_dtype, device=self.device)
+            sm_scale=self.sm_scale, q_dtype=self.q_dtype, device=self.device, window_left=self.window_left,
+            logits_soft_cap=self.logits_soft_cap)
         for observe in _plan_observers:
             observe(step_plan)
         return PrefixAttnMetadata(plan=step_plan, num_query_tokens=step_plan.num_tokens,
@@ -201,6 +215,18 @@ def _group_scale(vllm_config, layer_names: list[str]) -> float | None:
     if len(scales) > 1:
         raise _refusal([f"layers sharing a KV cache group use different softmax scales {sorted(scales)}"])
     return scales.pop() if scales else None
+
+
+def _group_option(vllm_config, layer_names: list[str], name: str, default):
+    """The value of impl attribute ``name`` that all of the group's layers share (``default`` without layers)."""
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention import Attention
+
+    layers = get_layers_from_vllm_config(vllm_config, Attention, layer_names)
+    values = {getattr(layer.impl, name, default) for layer in layers.values()}
+    if len(values) > 1:
+        raise _refusal([f"layers sharing a KV cache group use different {name} values {sorted(values)}"])
+    return values.pop() if values else default
 
 
 class PrefixAttnImpl(AttentionImpl[PrefixAttnMetadata]):
@@ -226,6 +252,10 @@ class PrefixAttnImpl(AttentionImpl[PrefixAttnMetadata]):
         self.kv_cache_dtype = kv_cache_dtype
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        # vLLM's sliding_window=S attends to the last S keys: prefixattn's left window W = S - 1.
+        self.window_left = -1 if sliding_window is None else int(sliding_window) - 1
+        self.logits_soft_cap = float(logits_soft_cap or 0.0)
+        self.sinks = extra_impl_args.get("sinks")  # [num_heads] learned logits (gpt-oss), loaded with the weights
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata: PrefixAttnMetadata | None, output: torch.Tensor,
@@ -241,7 +271,11 @@ class PrefixAttnImpl(AttentionImpl[PrefixAttnMetadata]):
         n = attn_metadata.num_query_tokens
         if self.kv_sharing_target_layer_name is None and key is not None and value is not None:
             write_kv_cache(key[:n], value[:n], k_cache, v_cache, attn_metadata.slot_mapping)
-        prefixattn.attention(query[:n], k_cache, v_cache, attn_metadata.plan, out=output[:n])
+        p = attn_metadata.plan
+        if (p.window_left, p.logits_soft_cap) != (self.window_left, self.logits_soft_cap):
+            raise ValueError(f"plan: expected window_left={self.window_left}, logits_soft_cap={self.logits_soft_cap} "
+                             f"(this layer's), got {p.window_left}, {p.logits_soft_cap} (its KV cache group's plan)")
+        prefixattn.attention(query[:n], k_cache, v_cache, p, out=output[:n], sinks=self.sinks)
         return output
 
 
@@ -272,15 +306,18 @@ def refusal_reasons(*, head_size: int, kv_cache_dtype: str, model_dtype: torch.d
         reasons.append(mismatch)
     if attn_type != AttentionType.DECODER:
         reasons.append(f"attention type {attn_type} not supported")
-    if sliding_window is not None:
-        reasons.append("sliding window not supported")
+    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                                       or sliding_window < 1):
+        reasons.append(f"sliding window {sliding_window!r} not supported (expected a positive int)")
     if alibi_slopes is not None:
         reasons.append("ALiBi not supported")
-    if logits_soft_cap not in (None, 0, 0.0):
-        reasons.append("logits soft-cap not supported")
+    if logits_soft_cap is not None and not (isinstance(logits_soft_cap, (int, float)) and logits_soft_cap >= 0):
+        reasons.append(f"logits soft-cap {logits_soft_cap!r} not supported")
     extra = extra_impl_args or {}
-    if extra.get("sinks") is not None:
-        reasons.append("attention sinks not supported")
+    sinks = extra.get("sinks")
+    if sinks is not None and (not isinstance(sinks, torch.Tensor) or sinks.dim() != 1
+                              or sinks.dtype not in prefixattn.SINK_DTYPES):
+        reasons.append("attention sinks not supported (expected a 1-D fp32/bf16/fp16 tensor, one per head)")
     for name, value in extra.items():
         if name != "sinks" and value not in (None, False, -1):
             reasons.append(f"{name}={value!r} not supported")

@@ -83,8 +83,8 @@ def _redo_exact(
     to the rows that weigh it: the reference's per-key sum. Run only when the tiled result came out non-finite, so
     that a non-finite V at a key hidden from a row (causal diagonal or window edge of a tile, where the dot gives
     0 * NaN = NaN) cannot reach that row; rows that see it, and NaN in q or K, stay NaN. Slow (no dot), and only
-    for items whose result is non-finite anyway; it holds a few vectors beside the tiles already live, so the
-    kernel's register budget is the tiled loop's."""
+    for items whose result is non-finite anyway. Behind ``USE_NAN_GUARD``: its check alone raises the decode
+    launch's registers (see the call site)."""
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < head_dim
     m_shift = tl.where(m_i == float("-inf"), 0.0, m_i)
@@ -186,7 +186,7 @@ def _report_and_merge(
     ws_lse_ptr,  # [num_ws_rows, num_qo_heads] fp32
     counters_ptr,  # [num_mrows, num_qo_heads] int32
     mrows_ptr,  # [num_mrows, MROW_FIELDS] int32
-    sinks_ptr,  # [num_qo_heads] fp32 (read only when HAS_SINKS)
+    sinks_ptr,  # [num_qo_heads] fp32/bf16/fp16 (read only when HAS_SINKS)
     tok,  # [BLOCK_M] int64 token of each lane
     head,  # [BLOCK_M] query head of each lane
     mrow,  # [BLOCK_M] merge row of each lane

@@ -30,15 +30,18 @@ def test_any_block_size(block_size):
     assert _validate(block_size=block_size) == []
 
 
+def test_sliding_window_and_sinks_validate():
+    # Issue 19: the kernel runs left windows (one plan per KV cache group) and attention sinks.
+    assert _validate(has_sliding_window=True) == [] and _validate(has_sink=True) == []
+
+
 @pytest.mark.parametrize("overrides, reason", [
     (dict(head_size=36), "head_size not supported"),
     (dict(head_size=264), "head_size not supported"),
     (dict(kv_cache_dtype="fp8"), "kv_cache_dtype not supported"),
     (dict(kv_cache_dtype="fp8_e5m2"), "kv_cache_dtype not supported"),
-    (dict(has_sliding_window=True), "sliding window not supported"),
     (dict(attn_type="encoder_only"), "attention type encoder_only not supported"),
     (dict(attn_type="encoder_decoder"), "attention type encoder_decoder not supported"),
-    (dict(has_sink=True), "attention sinks not supported"),
     (dict(use_mla=True), "MLA not supported"),
     (dict(use_non_causal=True), "non-causal attention not supported"),
     (dict(use_dcp=True), "DCP not supported"),
@@ -66,11 +69,11 @@ def test_every_kv_cache_layout_is_declared_token_major_first():
 
 @pytest.mark.parametrize("kwargs, reason", [
     (dict(alibi_slopes=[0.5, 0.25]), "ALiBi not supported"),
-    (dict(sliding_window=128), "sliding window not supported"),
-    (dict(logits_soft_cap=30.0), "logits soft-cap not supported"),
+    (dict(sliding_window=0), "sliding window 0 not supported"),
+    (dict(logits_soft_cap=-1.0), "logits soft-cap -1.0 not supported"),
     (dict(kv_cache_dtype="fp8"), "kv_cache_dtype not supported"),
     (dict(attn_type="encoder"), "attention type encoder not supported"),
-    (dict(sinks=torch.zeros(4)), "attention sinks not supported"),
+    (dict(sinks=torch.zeros(4, dtype=torch.int64)), "attention sinks not supported"),
     (dict(head_size=36), "head_size not supported"),
     (dict(head_size=264), "head_size not supported"),
 ])
@@ -86,16 +89,22 @@ def test_impl_refuses_at_construction(kwargs, reason):
     assert reason in str(info.value)
 
 
-def test_engine_refuses_a_sliding_window_model_before_running(tmp_path):
-    # Real engine, CPU platform (prefixattn over CPU_ATTN): a model with a sliding-window layer fails while the LLM
-    # is constructed, never at the first forward.
+def test_engine_runs_a_sliding_window_model(tmp_path):
+    # Real engine, CPU platform (prefixattn over CPU_ATTN): a model with a sliding-window layer and a full layer
+    # (one plan per KV cache group) gives vLLM's own greedy tokens, with prompts longer than the 16-token window.
+    import random
+
     from tests.vllm.engine import run_engine
-    from tests.vllm.tiny_model import save_tiny_llama
+    from tests.vllm.tiny_model import VOCAB, save_tiny_llama
 
     model = save_tiny_llama(str(tmp_path / "swa"), layer_types=["sliding_attention", "full_attention"],
-                            sliding_window=64)
-    with pytest.raises(AssertionError, match="sliding window not supported") as info:
-        run_engine(tmp_path, "swa", backend="prefixattn", model=model, prompts=[[1, 2, 3]], max_tokens=1,
-                   llm=dict(dtype="float32", block_size=32, max_model_len=256))
-    assert "Selected backend PREFIXATTN is not valid" in str(info.value)
-    assert "failed at stage 'construct LLM'" in str(info.value)
+                            sliding_window=16)
+    r = random.Random(0)
+    prefix = [r.randrange(VOCAB) for _ in range(40)]
+    prompts = [prefix + [r.randrange(VOCAB) for _ in range(n)] for n in (3, 9, 17)]
+    common = dict(model=model, prompts=prompts, max_tokens=4,
+                  llm=dict(dtype="float32", block_size=16, max_model_len=256, enable_prefix_caching=True))
+    want = run_engine(tmp_path, "swa_vllm", backend="vllm", **common)
+    got = run_engine(tmp_path, "swa_prefixattn", backend="prefixattn", **common)
+    assert got["plans"], "prefixattn's backend ran"
+    assert got["tokens"] == want["tokens"]

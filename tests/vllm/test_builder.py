@@ -133,6 +133,36 @@ def test_impl_forward_on_vllm_cache_views(builder, layout):
     assert torch.isnan(output[n:]).all()  # padding rows are neither read nor written
 
 
+def test_impl_forward_with_window_soft_cap_and_sinks(builder):
+    # A group of Gemma-2/gpt-oss-like layers: vLLM's sliding_window=S is prefixattn's window_left = S - 1; the
+    # builder's plan carries the group's window and soft cap, the impl passes its sinks.
+    import prefixattn
+
+    from integrations.vllm.backend import PrefixAttnImpl, split_kv_cache
+
+    g = torch.Generator().manual_seed(2)
+    kv_cache = _cache_in_layout("LBNHC", g)
+    builder.window_left, builder.logits_soft_cap = 20 - 1, 2.0
+    meta = builder.build(0, common_metadata())
+    n = sum(Q_LENS)
+    query = torch.randn(n, HQ, D, generator=g) * 4
+    sinks = torch.tensor([0.5, -1.0, 3.0, -2.0])
+    impl = PrefixAttnImpl(num_heads=HQ, head_size=D, scale=D ** -0.5, num_kv_heads=HKV, sliding_window=20,
+                          logits_soft_cap=2.0, sinks=sinks)
+    output = torch.empty(n, HQ, D)
+    impl.forward(None, query, None, None, kv_cache, meta, output)
+    k_cache, v_cache = split_kv_cache(kv_cache, D)
+    ref = prefixattn.reference_attention(query, k_cache, v_cache, torch.tensor([0, 1, 2, 7, 8]),
+                                         torch.tensor(SEQ_LENS), torch.tensor(BLOCK_TABLE), window_left=19,
+                                         logits_soft_cap=2.0, sinks=sinks)
+    atol, rtol = ATTENTION_TOL[torch.float32]
+    torch.testing.assert_close(output, ref, atol=atol, rtol=rtol)
+    # A layer whose window is not its group's plan's is refused, never run with the wrong mask.
+    other = PrefixAttnImpl(num_heads=HQ, head_size=D, scale=D ** -0.5, num_kv_heads=HKV)
+    with pytest.raises(ValueError, match="plan: expected window_left=-1"):
+        other.forward(None, query, None, None, kv_cache, meta, output)
+
+
 def test_profiling_run_without_metadata_is_a_no_op():
     from integrations.vllm.backend import PrefixAttnImpl
 
