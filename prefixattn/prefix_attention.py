@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -23,6 +24,25 @@ def _one(device: torch.device) -> torch.Tensor:
     if one is None:
         one = _ONES[device] = torch.ones(1, dtype=torch.float32, device=device)
     return one
+
+
+#: Triton compiles fp8 e4m3 (``float8_e4m3fn``) loads for NVIDIA GPUs from compute capability 8.9 on.
+_FP8_E4M3_MIN_CAPABILITY = (8, 9)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple:
+    return torch.cuda.get_device_capability(index)
+
+
+def _check_fp8_support(k_cache: torch.Tensor) -> None:
+    """An e4m3 cache on an NVIDIA GPU older than sm_89 is refused here (Triton cannot compile its loads there)."""
+    if k_cache.dtype != torch.float8_e4m3fn or k_cache.device.type != "cuda" or torch.version.hip is not None:
+        return
+    cap = _capability(k_cache.device.index if k_cache.device.index is not None else torch.cuda.current_device())
+    if cap < _FP8_E4M3_MIN_CAPABILITY:
+        raise ValueError(f"k_cache: expected float8_e5m2 on this GPU (compute capability {cap[0]}.{cap[1]}; Triton "
+                         f"compiles float8_e4m3fn loads from 8.9 on), got float8_e4m3fn")
 
 
 def _feature_args(p: Plan, q: torch.Tensor, sinks, k_scale, v_scale) -> dict:
@@ -135,6 +155,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pla
     ...     o = prefixattn.attention(q[layer], k_caches[layer], v_caches[layer], p)
     """
     _check_against_plan(q, k_cache, v_cache, plan, out, return_lse)
+    _check_fp8_support(k_cache)
     features = _feature_args(plan, q, sinks, k_scale, v_scale)
     if out is None:
         out = torch.empty_like(q)

@@ -45,6 +45,16 @@ REPRESENTATIVE_WINDOW_LEFT = 4095
 FEATURE_SWITCHES = ("HAS_SOFT_CAP", "HAS_WINDOW", "HAS_SINKS", "HAS_KV_SCALE", "USE_NAN_GUARD")
 #: Triton's names of the fp8 KV-cache element types: torch.float8_e4m3fn and torch.float8_e5m2.
 FP8_KV_TYPES = ("fp8e4nv", "fp8e5")
+#: Triton compiles fp8e4nv (OCP e4m3) for NVIDIA from sm_89 on; sm_80 takes only e5m2 ("type fp8e4nv not supported
+#: in this architecture", Triton 3.9), which prefixattn.attention() refuses there with a ValueError.
+FP8_E4M3_MIN_CUDA_ARCH = 89
+
+
+def fp8_kv_types(target: Target) -> tuple:
+    """The fp8 KV element types ``target`` compiles (Triton names)."""
+    if not target.is_hip and int(target.arch) < FP8_E4M3_MIN_CUDA_ARCH:
+        return FP8_KV_TYPES[1:]
+    return FP8_KV_TYPES
 
 
 @dataclass(frozen=True)
@@ -201,7 +211,8 @@ def fused_job(*, target: Target, dtype: str, head_dim: int, config: AttentionCon
 def feature_jobs(*, target: Target, dtype: str, head_dim: int, config: AttentionConfig, param_names=None,
                  default: bool = True) -> list[CompileJob]:
     """The issue-19 variants of one (target, dtype, head size, config), on top of its default variants: fp8 e4m3
-    K/V with scales (shared + suffix launch, the production decode setting), fp8 e5m2 K/V (suffix-only), and soft
+    K/V with scales (shared + suffix launch, the production decode setting; e5m2 where the target has no e4m3),
+    fp8 e5m2 K/V (suffix-only), and soft
     cap + sliding window + sinks + the NaN guard (with shared items). fp32 inputs get only the last one (no engine pairs an fp32
     model with an fp8 cache). Empty for a kernel without the switches."""
     names = param_names if param_names is not None else _param_names(FUSED_KERNEL)
@@ -209,7 +220,8 @@ def feature_jobs(*, target: Target, dtype: str, head_dim: int, config: Attention
         return []
     specs = [(True, ("HAS_SOFT_CAP", "HAS_WINDOW", "HAS_SINKS", "USE_NAN_GUARD"), None)]
     if dtype != "fp32":
-        specs += [(True, ("HAS_KV_SCALE",), FP8_KV_TYPES[0]), (False, ("HAS_KV_SCALE",), FP8_KV_TYPES[1])]
+        fp8 = fp8_kv_types(target)
+        specs += [(True, ("HAS_KV_SCALE",), fp8[0]), (False, ("HAS_KV_SCALE",), fp8[-1])]
     return [fused_job(target=target, dtype=dtype, head_dim=head_dim, config=config, variant="decode", has_lse=True,
                       has_shared=has_shared, default=default, param_names=names, features=features,
                       kv_dtype=kv_dtype)
