@@ -82,9 +82,11 @@ class PrefixAttnBackend(AttentionBackend):
         Passed to :func:`prefixattn.plan`; default from ``$PREFIXATTN_SGLANG_SHARING``, else "auto".
 
     Not supported (each raises ``ValueError`` or ``NotImplementedError`` naming the feature): CUDA graphs,
-    speculative decoding (target verify / draft extend), encoder-decoder and cross attention, sliding windows,
-    MLA and hybrid/SWA pools, quantized (fp8) KV caches, ``qk_head_dim != v_head_dim``. Logit soft-capping
-    (``layer.logit_cap``) and attention sinks (the ``sinks`` keyword of the forward calls) run in the kernel.
+    speculative decoding (target verify / draft extend), encoder-decoder and cross attention, chunked attention,
+    MLA and hybrid/SWA pools, quantized (fp8) KV caches, ``qk_head_dim != v_head_dim``. Sliding windows
+    (``layer.sliding_window_size``, FlashInfer's ``window_left``) on the standard pool (``--disable-hybrid-swa-memory``),
+    logit soft-capping (``layer.logit_cap``) and attention sinks (the ``sinks`` keyword of the forward calls) run in
+    the kernel.
 
     Examples
     --------
@@ -106,10 +108,11 @@ class PrefixAttnBackend(AttentionBackend):
         if layout != "nhd":
             raise ValueError(f"token_to_kv_pool: expected the token-major 'nhd' KV layout, got {layout!r} "
                              "(unset SGLANG_USE_HND_KVCACHE)")
-        window = getattr(model_runner, "sliding_window_size", None)
-        if window is not None and window > -1:
-            raise ValueError(f"sliding_window_size: expected None or -1 (prefixattn has no sliding-window attention), "
-                             f"got {window}")
+        # Sliding windows run per layer (layer.sliding_window_size is FlashInfer's window_left, as SGLang's own
+        # backends read it); chunked attention (Llama 4), which SGLang also reports as a window size, does not.
+        chunk = getattr(getattr(model_runner, "model_config", None), "attention_chunk_size", None)
+        if chunk is not None:
+            raise ValueError(f"attention_chunk_size: expected None (prefixattn has no chunked attention), got {chunk}")
         self.device = model_runner.device
         self.req_to_token_pool = model_runner.req_to_token_pool
         self.token_to_kv_pool = pool
@@ -162,8 +165,9 @@ class PrefixAttnBackend(AttentionBackend):
             raise ValueError("forward_batch: expected init_forward_metadata() to run before the layers of this batch, "
                              "got no metadata (or an IDLE batch)")
         soft_cap = float(layer.logit_cap or 0.0)
+        window = layer.sliding_window_size if layer.sliding_window_size is not None else -1
         key = (layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim, q.dtype, float(layer.scaling), causal,
-               soft_cap)
+               soft_cap, window)
         p = meta.plans.get(key)
         if p is None:
             p = prefixattn.plan(
@@ -171,7 +175,7 @@ class PrefixAttnBackend(AttentionBackend):
                 num_qo_heads=layer.tp_q_head_num, num_kv_heads=layer.tp_k_head_num, head_dim=layer.qk_head_dim,
                 # q's own device: the runner's "cuda" has no index, the plan must match q's "cuda:N".
                 causal=causal, sm_scale=float(layer.scaling), q_dtype=q.dtype, device=q.device,
-                sharing=self.sharing, num_blocks=num_blocks, logits_soft_cap=soft_cap,
+                sharing=self.sharing, num_blocks=num_blocks, logits_soft_cap=soft_cap, window_left=window,
             )
             meta.plans[key] = p
         return p
@@ -253,11 +257,12 @@ def _check_layer(layer) -> bool:
     """Refuse layer features prefixattn does not implement; returns ``causal`` for the layer."""
     if layer.is_cross_attention:
         raise NotImplementedError(f"layer {layer.layer_id}: cross attention is not supported by the prefixattn backend")
+    causal = layer.attn_type != AttentionType.ENCODER_ONLY
     window = layer.sliding_window_size
-    if window is not None and window > -1:
-        raise ValueError(f"layer {layer.layer_id} sliding_window_size: expected -1 or None (prefixattn has no "
-                         f"sliding-window attention), got {window}")
+    if window is not None and window > -1 and not causal:
+        raise ValueError(f"layer {layer.layer_id} sliding_window_size: expected -1 or None for a non-causal layer "
+                         f"(prefixattn's windows are causal), got {window}")
     if layer.qk_head_dim != layer.v_head_dim:
         raise ValueError(f"layer {layer.layer_id} v_head_dim: expected qk_head_dim={layer.qk_head_dim}, "
                          f"got {layer.v_head_dim}")
-    return layer.attn_type != AttentionType.ENCODER_ONLY
+    return causal
