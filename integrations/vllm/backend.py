@@ -11,8 +11,8 @@ the first half of the last dim, V in the second; the physical order is whatever 
 with some strides, which the kernel takes as they are, so every layout works.
 
 Sliding windows (one plan per KV cache group, whose layers share the window), logit soft-capping and attention sinks
-run in the kernel. Configurations it does not run (ALiBi, encoder/cross attention, fp8/quantized KV, MLA, non-causal
-decoders) are refused when vLLM configures the model: by vLLM's
+and fp8 KV caches (``fp8``/``fp8_e4m3``/``fp8_e5m2``, per-tensor scales) run in the kernel. Configurations it does
+not run (ALiBi, encoder/cross attention, ROCm's e4m3fnuz caches, MLA, non-causal decoders) are refused when vLLM configures the model: by vLLM's
 selector through the ``supports_*`` declarations below (on CUDA/ROCm), and by the impl's constructor with the same
 wording on platforms whose selector does not validate (CPU) - never at the first forward. That includes an explicit
 ``--kv-cache-dtype`` other than the model's dtype (the kernel reads K/V in the dtype of q).
@@ -117,9 +117,10 @@ class PrefixAttnBackend(AttentionBackend):
     forward_includes_kv_cache_update: bool = True
 
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
-    # No fp8/quantized KV: the kernel loads K/V in the dtype of q. An explicit float16/bfloat16 cache must also be
-    # the model's dtype (supports_combination below), else the first forward would fail on the dtype check.
-    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "float16", "bfloat16"]
+    # fp8 caches (per-tensor scales, layer._k_scale / _v_scale) are dequantized on load. An explicit float16/bfloat16
+    # cache must be the model's dtype (supports_combination below), else the first forward would fail on the dtype
+    # check.
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"]
 
     @staticmethod
     def get_name() -> str:
@@ -157,7 +158,7 @@ class PrefixAttnBackend(AttentionBackend):
     def supports_combination(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink, use_sparse,
                              use_mm_prefix, device_capability) -> str | None:
         # vLLM's selector appends this reason to validate_configuration's list.
-        return kv_cache_dtype_mismatch(kv_cache_dtype, dtype)
+        return kv_cache_dtype_mismatch(kv_cache_dtype, dtype) or fp8_unsupported(kv_cache_dtype)
 
     # Everything below keeps vLLM's default "not supported" (ALiBi-sqrt, MLA, sparse, multimodal prefix,
     # non-causal, batch invariance, PCP/DCP) or "decoder only" (attention types): the kernel implements causal
@@ -256,6 +257,7 @@ class PrefixAttnImpl(AttentionImpl[PrefixAttnMetadata]):
         self.window_left = -1 if sliding_window is None else int(sliding_window) - 1
         self.logits_soft_cap = float(logits_soft_cap or 0.0)
         self.sinks = extra_impl_args.get("sinks")  # [num_heads] learned logits (gpt-oss), loaded with the weights
+        self.fp8_dtype = fp8_cache_dtype(kv_cache_dtype)  # vLLM's fp8 cache is uint8 memory holding this dtype
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata: PrefixAttnMetadata | None, output: torch.Tensor,
@@ -267,6 +269,13 @@ class PrefixAttnImpl(AttentionImpl[PrefixAttnMetadata]):
             raise NotImplementedError(f"{BACKEND_NAME} does not fuse output quantization into attention")
         if attn_metadata is None:  # vLLM's profiling / warm-up run: no cache, nothing to attend to
             return output
+        scales = {}
+        if self.fp8_dtype is not None:
+            # fp8 cache: quantize on write as vLLM's reshape_and_cache does (x / scale), dequantize on load.
+            kv_cache = kv_cache.view(self.fp8_dtype)
+            scales = dict(k_scale=layer._k_scale, v_scale=layer._v_scale)
+            if key is not None and value is not None:
+                key, value = key / layer._k_scale, value / layer._v_scale
         k_cache, v_cache = split_kv_cache(kv_cache, self.head_size)
         n = attn_metadata.num_query_tokens
         if self.kv_sharing_target_layer_name is None and key is not None and value is not None:
@@ -275,7 +284,7 @@ class PrefixAttnImpl(AttentionImpl[PrefixAttnMetadata]):
         if (p.window_left, p.logits_soft_cap) != (self.window_left, self.logits_soft_cap):
             raise ValueError(f"plan: expected window_left={self.window_left}, logits_soft_cap={self.logits_soft_cap} "
                              f"(this layer's), got {p.window_left}, {p.logits_soft_cap} (its KV cache group's plan)")
-        prefixattn.attention(query[:n], k_cache, v_cache, p, out=output[:n], sinks=self.sinks)
+        prefixattn.attention(query[:n], k_cache, v_cache, p, out=output[:n], sinks=self.sinks, **scales)
         return output
 
 
@@ -293,6 +302,26 @@ def kv_cache_dtype_mismatch(kv_cache_dtype: str | None, model_dtype: torch.dtype
             "(prefixattn reads K/V in the dtype of q; use --kv-cache-dtype auto)")
 
 
+def fp8_cache_dtype(kv_cache_dtype: str | None) -> torch.dtype | None:
+    """The torch fp8 dtype vLLM stores a ``kv_cache_dtype`` cache in (its tensors are uint8), or None (not fp8)."""
+    if kv_cache_dtype == "fp8_e5m2":
+        return torch.float8_e5m2
+    if kv_cache_dtype in ("fp8", "fp8_e4m3"):
+        from vllm.platforms import current_platform
+
+        return current_platform.fp8_dtype()
+    return None
+
+
+def fp8_unsupported(kv_cache_dtype: str | None) -> str | None:
+    """The refusal reason for an fp8 flavour the kernel does not read (ROCm's e4m3fnuz), or None."""
+    fp8 = fp8_cache_dtype(kv_cache_dtype)
+    if fp8 is None or fp8 in prefixattn.FP8_KV_DTYPES:
+        return None
+    return (f"kv_cache_dtype {kv_cache_dtype} is {str(fp8).replace('torch.', '')} on this platform (prefixattn reads "
+            "float8_e4m3fn and float8_e5m2 caches)")
+
+
 def refusal_reasons(*, head_size: int, kv_cache_dtype: str, model_dtype: torch.dtype | None = None,
                     alibi_slopes=None, sliding_window=None, logits_soft_cap=None,
                     attn_type: str = AttentionType.DECODER, extra_impl_args: dict | None = None) -> list[str]:
@@ -302,7 +331,7 @@ def refusal_reasons(*, head_size: int, kv_cache_dtype: str, model_dtype: torch.d
         reasons.append("head_size not supported")
     if kv_cache_dtype not in PrefixAttnBackend.supported_kv_cache_dtypes:
         reasons.append("kv_cache_dtype not supported")
-    elif (mismatch := kv_cache_dtype_mismatch(kv_cache_dtype, model_dtype)) is not None:
+    elif (mismatch := kv_cache_dtype_mismatch(kv_cache_dtype, model_dtype) or fp8_unsupported(kv_cache_dtype)):
         reasons.append(mismatch)
     if attn_type != AttentionType.DECODER:
         reasons.append(f"attention type {attn_type} not supported")

@@ -163,6 +163,35 @@ def test_impl_forward_with_window_soft_cap_and_sinks(builder):
         other.forward(None, query, None, None, kv_cache, meta, output)
 
 
+@pytest.mark.parametrize("kv_cache_dtype, fp8", [("fp8", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)])
+def test_impl_forward_on_an_fp8_cache(builder, kv_cache_dtype, fp8):
+    # vLLM's fp8 cache is uint8 memory; K/V are written as x / scale (vLLM's reshape_and_cache convention) and read
+    # back dequantized with the layer's per-tensor scales.
+    from types import SimpleNamespace
+
+    import prefixattn
+
+    from integrations.vllm.backend import PrefixAttnImpl, split_kv_cache
+
+    g = torch.Generator().manual_seed(3)
+    kv_cache = (torch.randn(NUM_BLOCKS, HKV, BLOCK, 2 * D, generator=g) * 2).to(fp8).view(torch.uint8)
+    meta = builder.build(0, common_metadata())
+    n = sum(Q_LENS)
+    query, key, value = (torch.randn(n, h, D, generator=g) for h in (HQ, HKV, HKV))
+    layer = SimpleNamespace(_k_scale=torch.tensor(0.5), _v_scale=torch.tensor(2.0))
+    impl = PrefixAttnImpl(num_heads=HQ, head_size=D, scale=D ** -0.5, num_kv_heads=HKV, kv_cache_dtype=kv_cache_dtype)
+    output = torch.empty(n, HQ, D)
+    impl.forward(layer, query, key, value, kv_cache, meta, output)
+    k_cache, v_cache = split_kv_cache(kv_cache.view(fp8), D)
+    slots = meta.slot_mapping
+    assert torch.equal(k_cache[slots // BLOCK, slots % BLOCK].float(), (key / 0.5).to(fp8).float())
+    assert torch.equal(v_cache[slots // BLOCK, slots % BLOCK].float(), (value / 2.0).to(fp8).float())
+    ref = prefixattn.reference_attention(query, k_cache, v_cache, torch.tensor([0, 1, 2, 7, 8]),
+                                         torch.tensor(SEQ_LENS), torch.tensor(BLOCK_TABLE), k_scale=0.5, v_scale=2.0)
+    atol, rtol = ATTENTION_TOL[torch.float32]
+    torch.testing.assert_close(output, ref, atol=atol, rtol=rtol)
+
+
 def test_profiling_run_without_metadata_is_a_no_op():
     from integrations.vllm.backend import PrefixAttnImpl
 
