@@ -26,8 +26,9 @@ from prefixattn.runtime import interpreter_enabled
 from prefixattn.kernels import layout as K
 from prefixattn.split_rule import critical_path
 from prefixattn.validation import (SUPPORTED_DTYPES, canonical_device, check_head_dim, check_heads,
-                                   check_host_metadata, same_device)
+                                   check_host_metadata, check_soft_cap, check_window_left, same_device)
 from prefixattn.ragged import expand, offsets
+from prefixattn.window import window_shared_nodes
 from prefixattn.work_list import SharedNode, SharedNodes, WorkList, build_work_list
 from prefixattn.workspace import PlanWorkspace
 
@@ -103,6 +104,9 @@ class Plan:
     ws_o: torch.Tensor = field(repr=False)
     ws_lse: torch.Tensor = field(repr=False)
     stats: dict = field(default_factory=dict)
+    logits_soft_cap: float = 0.0  # c > 0: scaled logits become c * tanh(s / c); 0: off
+    window_left: int = -1  # W >= 0: the query at position p sees keys p - W .. p; -1: off
+    nan_guard: bool = False  # the kernel's USE_NAN_GUARD (hidden non-finite V never leaks into a row)
     #: The capacity-sized buffers the tables live in (None: this plan's own tensors) and the workspace's step count
     #: when this plan was loaded: a later plan on the same workspace overwrites the tables (:meth:`is_current`).
     workspace: PlanWorkspace | None = field(default=None, repr=False)
@@ -138,16 +142,16 @@ class Plan:
         return tokens * self.num_kv_heads * self.head_dim * 2 * elt
 
 
-def _check_options(*, causal, sm_scale, logits_soft_cap, window_left, alibi_slopes, sharing, q_dtype) -> None:
-    if logits_soft_cap not in (None, 0, 0.0):
-        raise ValueError(f"logits_soft_cap: not supported yet (expected None or 0), got {logits_soft_cap!r}")
-    if window_left not in (None, -1):
-        raise ValueError(f"window_left: sliding-window attention is not supported yet (expected None or -1), "
-                         f"got {window_left!r}")
+def _check_options(*, causal, sm_scale, logits_soft_cap, window_left, alibi_slopes, sharing, q_dtype,
+                   nan_guard) -> None:
     if alibi_slopes is not None:
         raise ValueError("alibi_slopes: ALiBi is not supported yet (expected None), got a value")
     if not isinstance(causal, bool):
         raise ValueError(f"causal: expected a bool, got {type(causal).__name__}")
+    check_soft_cap(logits_soft_cap)
+    check_window_left(window_left, causal)
+    if not isinstance(nan_guard, bool):
+        raise ValueError(f"nan_guard: expected a bool, got {type(nan_guard).__name__}")
     if sm_scale is not None and (isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float, np.floating))
                                  or not math.isfinite(sm_scale)):
         raise ValueError(f"sm_scale: expected a finite float or None, got {sm_scale!r}")
@@ -312,6 +316,7 @@ def plan(
     tiles: AttentionTiles | None = None,
     workspace: PlanWorkspace | None = None,
     device_block_table: torch.Tensor | None = None,
+    nan_guard: bool = False,
 ) -> Plan:
     """Plan one engine step of prefix-shared paged attention (host; reuse the plan for every layer).
 
@@ -337,8 +342,14 @@ def plan(
         Logit scale, default ``1 / sqrt(head_dim)``.
     q_dtype : torch.dtype
         dtype of q and the caches (fp16/bf16/fp32): prices the cost rule and picks the dot precision.
-    logits_soft_cap, window_left, alibi_slopes
-        Not supported yet: anything but the default raises ``ValueError``.
+    logits_soft_cap : float, optional
+        ``c > 0``: each scaled logit ``s`` becomes ``c * tanh(s / c)`` (None or 0: off).
+    window_left : int, optional
+        ``W >= 0`` (causal only): the query at KV position ``p`` sees keys ``p - W .. p`` (None or -1: off; vLLM's
+        ``sliding_window=S`` is ``W = S - 1``). Shared prefixes are shared only where every member's window covers
+        them (:mod:`prefixattn.window`). Models that mix windowed and full layers need one plan per kind of layer.
+    alibi_slopes
+        Not supported yet: anything but None raises ``ValueError``.
     device : torch.device or str, optional
         Where the work list lives; default the device of ``block_table``. Stored canonically (``cpu:0`` is
         ``cpu``, ``cuda`` is the current CUDA device), so any spelling of the tensors' device matches.
@@ -362,6 +373,10 @@ def plan(
     device_block_table : Tensor, optional, ``[>= num_requests, >= used blocks]`` int32, on ``device``
         With ``workspace``: the same block ids, already on the device (an engine's persistent table); the kernel
         reads it and the plan copies no table. Its values must equal ``block_table``'s (not checked: no sync).
+    nan_guard : bool
+        Keep a non-finite V value at a key a row does not see (inside a causal or window-edge tile) out of that
+        row, as the reference does: items whose result is non-finite are redone key by key. Off by default: the
+        check alone costs registers in the decode launch (the kernel's ``USE_NAN_GUARD``).
 
     Returns
     -------
@@ -376,7 +391,7 @@ def plan(
     >>> out = attention(q, k_cache, v_cache, p)  # q: [2, 8, 128]
     """
     _check_options(causal=causal, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap, window_left=window_left,
-                   alibi_slopes=alibi_slopes, sharing=sharing, q_dtype=q_dtype)
+                   alibi_slopes=alibi_slopes, sharing=sharing, q_dtype=q_dtype, nan_guard=nan_guard)
     block_size = _positive_int("block_size", block_size)
     num_qo_heads = _positive_int("num_qo_heads", num_qo_heads)
     num_kv_heads = _positive_int("num_kv_heads", num_kv_heads)
@@ -403,6 +418,10 @@ def plan(
         tree, shareable=shareable, q_len=q_len, block_size=block_size,
         rows_per_shared=tiles.rows_per_shared_tile(group), group=group, head_dim=head_dim, elt_bytes=elt_bytes,
         sharing=sharing)
+    window_left = check_window_left(window_left, causal)
+    if window_left >= 0:  # share only what every member's window covers
+        nodes, suffix_start = window_shared_nodes(nodes, suffix_start, kv_len=lens, q_len=q_len,
+                                                  window_left=window_left)
     work = build_work_list(
         q_start=q_start, q_len=q_len, kv_len=lens, causal=causal, nodes=nodes, suffix_start=suffix_start,
         rows_per_shared=tiles.rows_per_shared_tile(group), rows_per_suffix=tiles.rows_per_suffix_tile(group),
@@ -431,6 +450,7 @@ def plan(
         # miss the 1e-4 tolerance).
         use_fp32_dot=interpreter_enabled() or q_dtype == torch.float32,
         has_shared=bool(nodes), max_block_id=max_block_id,
+        logits_soft_cap=check_soft_cap(logits_soft_cap), window_left=window_left, nan_guard=nan_guard,
         work=work, tree=tree, nodes=nodes,
         **dev,
         stats=dict(num_shared_nodes=len(nodes), num_units=work.num_units, num_merge_rows=num_mrows,

@@ -11,11 +11,65 @@ from prefixattn.kernels.layout import page_size_constexpr
 from prefixattn.kernels.prefix_attention import prefix_attention_kernel
 from prefixattn.attention_configs import choose_tiles
 from prefixattn.planner import CapacityError, Plan, _default_num_sms, _positive_int, plan
-from prefixattn.validation import (canonical_device, check_head_dim, check_heads, check_kernel_device, check_qkv,
-                                   check_tensor, same_device)
+from prefixattn.validation import (canonical_device, check_head_dim, check_heads, check_kernel_device, check_kv_scale,
+                                   check_qkv, check_sinks, check_tensor, same_device)
 from prefixattn.workspace import DEFAULT_MAX_SHARED_LEVELS, PlanWorkspace, derive_capacity
 
 _LOG2E = 1.0 / math.log(2.0)
+#: A 1.0 per device, the pointer a float scale's launch passes next to a tensor one (allocated once per device, on
+#: the first launch that mixes them; never per call).
+_ONES: dict = {}
+
+
+def _one(device: torch.device) -> torch.Tensor:
+    one = _ONES.get(device)
+    if one is None:
+        one = _ONES[device] = torch.ones(1, dtype=torch.float32, device=device)
+    return one
+
+
+#: Triton compiles fp8 e4m3 (``float8_e4m3fn``) loads for NVIDIA GPUs from compute capability 8.9 on.
+_FP8_E4M3_MIN_CAPABILITY = (8, 9)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple:
+    return torch.cuda.get_device_capability(index)
+
+
+def _check_fp8_support(k_cache: torch.Tensor) -> None:
+    """An e4m3 cache on an NVIDIA GPU older than sm_89 is refused here (Triton cannot compile its loads there)."""
+    if k_cache.dtype != torch.float8_e4m3fn or k_cache.device.type != "cuda" or torch.version.hip is not None:
+        return
+    cap = _capability(k_cache.device.index if k_cache.device.index is not None else torch.cuda.current_device())
+    if cap < _FP8_E4M3_MIN_CAPABILITY:
+        raise ValueError(f"k_cache: expected float8_e5m2 on this GPU (compute capability {cap[0]}.{cap[1]}; Triton "
+                         f"compiles float8_e4m3fn loads from 8.9 on), got float8_e4m3fn")
+
+
+def _feature_args(p: Plan, q: torch.Tensor, sinks, k_scale, v_scale) -> dict:
+    """Kernel arguments of the issue-19 features for one launch: scalars, pointers and their constexpr switches.
+
+    Float scales fold into the scalars (``k_scale`` into ``qk_scale``); tensor scales are read by pointer in the
+    kernel (CUDA-graph safe, no host synchronization). A soft cap acts on the natural-log logit, so ``qk_scale`` is
+    ``sm_scale / c`` and the kernel multiplies ``tanh`` by ``c * log2(e)``.
+    """
+    check_sinks(sinks, p.num_qo_heads, q.device)
+    k_scale = check_kv_scale("k_scale", k_scale, q.device)
+    v_scale = check_kv_scale("v_scale", v_scale, q.device)
+    k_tensor, v_tensor = isinstance(k_scale, torch.Tensor), isinstance(v_scale, torch.Tensor)
+    has_kv_scale = k_tensor or v_tensor or v_scale != 1.0
+    cap = p.logits_soft_cap
+    qk_scale = (p.sm_scale / cap if cap else p.sm_scale * _LOG2E) * (1.0 if k_tensor else k_scale)
+    placeholder = p.ws_lse  # any fp32 tensor: pointers behind a switch that is off are never read
+    return dict(
+        sinks_ptr=sinks if sinks is not None else placeholder,
+        k_scale_ptr=k_scale if k_tensor else (_one(q.device) if has_kv_scale else placeholder),
+        v_scale_ptr=v_scale if v_tensor else (_one(q.device) if has_kv_scale else placeholder),
+        qk_scale=qk_scale, soft_cap_log2=cap * _LOG2E, window_left=p.window_left,
+        v_scale=1.0 if v_tensor else v_scale,
+        HAS_SOFT_CAP=cap > 0, HAS_WINDOW=p.window_left >= 0, HAS_SINKS=sinks is not None, HAS_KV_SCALE=has_kv_scale,
+    )
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -63,18 +117,21 @@ def _check_against_plan(q, k_cache, v_cache, p: Plan, out, return_lse) -> None:
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: Plan, *,
-              out: torch.Tensor | None = None, return_lse: bool = False):
+              out: torch.Tensor | None = None, return_lse: bool = False, sinks: torch.Tensor | None = None,
+              k_scale: float | torch.Tensor | None = None, v_scale: float | torch.Tensor | None = None):
     """Prefix-shared paged attention for one layer: exactly one kernel launch, no host synchronization.
 
     Same conventions as :func:`prefixattn.reference_attention`; the metadata (``qo_indptr``, ``kv_lens``,
-    ``block_table``, ``causal``, ``sm_scale``) come from ``plan``.
+    ``block_table``, ``causal``, ``sm_scale``, ``logits_soft_cap``, ``window_left``) come from ``plan``.
 
     Parameters
     ----------
     q : Tensor, ``[num_tokens, num_qo_heads, head_dim]``, fp16/bf16/fp32, any strides
         ``num_tokens >= qo_indptr[-1]``; rows past ``qo_indptr[-1]`` (CUDA-graph padding) are neither read nor
         written.
-    k_cache, v_cache : Tensor, ``[num_blocks, block_size, num_kv_heads, head_dim]``, dtype of q, any strides
+    k_cache, v_cache : Tensor, ``[num_blocks, block_size, num_kv_heads, head_dim]``, any strides
+        dtype of q, or fp8 (``float8_e4m3fn``/``float8_e5m2``, both caches the same): upcast on load, dequantized
+        with ``k_scale``/``v_scale``, fp32 accumulation.
     plan : Plan
         From :func:`prefixattn.plan` for this step; one plan serves every layer, one launch at a time (the plan owns
         the workspace and merge counters).
@@ -82,6 +139,14 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pla
         Written in place (only its valid rows are touched; its old contents are never read).
     return_lse : bool
         Also return the fp32 natural-log LSE ``[num_tokens, num_qo_heads]``.
+    sinks : Tensor, ``[num_qo_heads]``, fp32/bf16/fp16, contiguous, optional
+        Attention sinks (gpt-oss): one logit per query head that joins each row's softmax denominator exactly once
+        (at the row's final state, never per partial). The returned LSE includes it (the LSE of the full
+        denominator), so a row with no visible KV returns ``(0, sink)``; such an LSE must not be merged with other
+        partial states of the same row (the sink would count twice).
+    k_scale, v_scale : float or Tensor ``[1]`` fp32, optional
+        Per-tensor dequantization scales (vLLM's ``layer._k_scale``/``_v_scale``): keys are ``k_cache * k_scale``,
+        values ``v_cache * v_scale``. A tensor is read by pointer in the kernel (CUDA-graph safe). Default 1.
 
     Returns
     -------
@@ -95,6 +160,8 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pla
     ...     o = prefixattn.attention(q[layer], k_caches[layer], v_caches[layer], p)
     """
     _check_against_plan(q, k_cache, v_cache, plan, out, return_lse)
+    _check_fp8_support(k_cache)
+    features = _feature_args(plan, q, sinks, k_scale, v_scale)
     if out is None:
         out = torch.empty_like(q)
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else plan.ws_lse
@@ -104,24 +171,27 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pla
         if plan.num_merge_rows:
             plan.counters.zero_()
         _launch(out=out, lse=lse, q=q, k_cache=k_cache, v_cache=v_cache, p=plan, num_programs_items=plan.num_items,
-                has_shared=plan.has_shared, has_lse=return_lse)
+                has_shared=plan.has_shared, has_lse=return_lse, features=features)
     return (out, lse) if return_lse else out
 
 
 def _launch(*, out, lse, q, k_cache, v_cache, p: Plan, num_programs_items: int, has_shared: bool,
-            has_lse: bool, tables: dict | None = None) -> None:
+            has_lse: bool, features: dict, tables: dict | None = None) -> None:
     """The one kernel launch: ``num_programs_items x num_kv_heads`` programs; programs past the plan's live items
     (``num_items_dev``, read on the device) exit at once, so a grid sized by capacity serves any smaller plan.
-    ``tables`` replaces the plan's ``items``/``gather``/``mrows``/``counters`` (the workspace's whole buffers)."""
+    ``features``: :func:`_feature_args`. ``tables`` replaces the plan's ``items``/``gather``/``mrows``/``counters``
+    (the workspace's whole buffers)."""
     t = p.tiles
     tb = {**dict(items=p.items, gather=p.gather, mrows=p.mrows, counters=p.counters), **(tables or {})}
     prefix_attention_kernel[(num_programs_items * p.num_kv_heads,)](
         out_ptr=out, lse_ptr=lse, ws_o_ptr=p.ws_o, ws_lse_ptr=p.ws_lse, counters_ptr=tb["counters"],
-        q_ptr=q, k_cache_ptr=k_cache, v_cache_ptr=v_cache,
+        q_ptr=q, k_cache_ptr=k_cache, v_cache_ptr=v_cache, sinks_ptr=features["sinks_ptr"],
+        k_scale_ptr=features["k_scale_ptr"], v_scale_ptr=features["v_scale_ptr"],
         num_items_ptr=p.num_items_dev, items_ptr=tb["items"], gather_ptr=tb["gather"], mrows_ptr=tb["mrows"],
         block_table_ptr=p.block_table,
         num_kv_heads=p.num_kv_heads, group=p.num_qo_heads // p.num_kv_heads, head_dim=p.head_dim,
-        block_size=p.block_size, qk_scale=p.sm_scale * _LOG2E,
+        block_size=p.block_size, qk_scale=features["qk_scale"], soft_cap_log2=features["soft_cap_log2"],
+        window_left=features["window_left"], v_scale=features["v_scale"],
         stride_o_t=out.stride(0), stride_o_h=out.stride(1), stride_o_d=out.stride(2),
         stride_lse_t=lse.stride(0), stride_lse_h=lse.stride(1),
         stride_ws_t=p.ws_o.stride(0), stride_ws_h=p.ws_o.stride(1), stride_ws_d=p.ws_o.stride(2),
@@ -132,7 +202,9 @@ def _launch(*, out, lse, q, k_cache, v_cache, p: Plan, num_programs_items: int, 
         stride_v_blk=v_cache.stride(0), stride_v_tok=v_cache.stride(1), stride_v_head=v_cache.stride(2),
         stride_v_d=v_cache.stride(3),
         stride_bt_r=p.block_table.stride(0),
-        HAS_LSE=has_lse, HAS_SHARED=has_shared, USE_FP32_DOT=p.use_fp32_dot, IS_HIP=t.is_hip,
+        HAS_LSE=has_lse, HAS_SHARED=has_shared, HAS_SOFT_CAP=features["HAS_SOFT_CAP"],
+        HAS_WINDOW=features["HAS_WINDOW"], HAS_SINKS=features["HAS_SINKS"], HAS_KV_SCALE=features["HAS_KV_SCALE"],
+        USE_NAN_GUARD=p.nan_guard, USE_FP32_DOT=p.use_fp32_dot, IS_HIP=t.is_hip,
         PAGE_SIZE=page_size_constexpr(p.block_size),
         BLOCK_M_SHARED=t.block_m_shared, BLOCK_N_SHARED=t.block_n_shared,
         BLOCK_M_SUFFIX=t.block_m_suffix, BLOCK_N_SUFFIX=t.block_n_suffix, BLOCK_D=t.block_d,
@@ -142,7 +214,7 @@ def _launch(*, out, lse, q, k_cache, v_cache, p: Plan, num_programs_items: int, 
 
 #: Options a CUDA-graph wrapper fixes at construction: the captured launch holds them (constexprs, scalars, tiles).
 _GRAPH_FIXED_OPTIONS = ("num_qo_heads", "num_kv_heads", "head_dim", "block_size", "q_dtype", "sm_scale", "device",
-                        "tiles", "workspace")
+                        "tiles", "workspace", "logits_soft_cap", "window_left", "nan_guard")
 #: Capacities a step may exceed because of how much it shares (not how big it is): such a step is re-planned
 #: without sharing, which the derived capacities always admit (prefixattn.workspace).
 _SHARING_CAPACITIES = ("max_items", "max_gather_rows", "max_merge_rows", "max_ws_rows")
@@ -335,7 +407,7 @@ class PrefixSharedAttention:
             return unshared
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, out=None,
-            return_lse: bool = False):
+            return_lse: bool = False, sinks=None, k_scale=None, v_scale=None):
         """Attention for one layer with the current plan (see :func:`prefixattn.attention`).
 
         With ``use_cuda_graph`` the launch depends only on the capacity (grid, constexprs, buffer addresses): capture
@@ -344,14 +416,19 @@ class PrefixSharedAttention:
         if self._plan is None:
             raise ValueError("plan: expected plan() to be called before run() (no plan for this step yet)")
         if not self.use_cuda_graph:
-            return attention(q, k_cache, v_cache, self._plan, out=out, return_lse=return_lse)
-        return self._run_graph_safe(q, k_cache, v_cache, out=out, return_lse=return_lse)
+            return attention(q, k_cache, v_cache, self._plan, out=out, return_lse=return_lse, sinks=sinks,
+                             k_scale=k_scale, v_scale=v_scale)
+        return self._run_graph_safe(q, k_cache, v_cache, out=out, return_lse=return_lse, sinks=sinks,
+                                    k_scale=k_scale, v_scale=v_scale)
 
-    def _run_graph_safe(self, q, k_cache, v_cache, *, out, return_lse):
+    def _run_graph_safe(self, q, k_cache, v_cache, *, out, return_lse, sinks, k_scale, v_scale):
         """One launch fixed by the capacity (or the graph's size); the counter memset is part of what a graph
         captures."""
         p, ws = self._plan, self._workspace
         _check_against_plan(q, k_cache, v_cache, p, out, return_lse)
+        _check_fp8_support(k_cache)
+        # sinks and tensor scales are read by pointer: capture with the tensors every replay passes (the layer's own)
+        features = _feature_args(p, q, sinks, k_scale, v_scale)
         graph_tokens = p.stats.get("graph_num_tokens")
         if graph_tokens is not None and q.shape[0] != graph_tokens:
             raise ValueError(f"q: expected {graph_tokens} rows (the graph_num_tokens this step was planned for), got "
@@ -365,6 +442,6 @@ class PrefixSharedAttention:
         # captured launch would keep for the steps that have rows.
         _launch(out=out, lse=lse, q=q, k_cache=k_cache, v_cache=v_cache, p=p,
                 num_programs_items=p.stats.get("grid_items", ws.capacity.max_items), has_shared=self._graph_has_shared,
-                has_lse=return_lse,
+                has_lse=return_lse, features=features,
                 tables=dict(items=ws.items, gather=ws.gather, mrows=ws.mrows, counters=ws.counters))
         return (out, lse) if return_lse else out

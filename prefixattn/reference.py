@@ -7,7 +7,8 @@ import math
 import numpy as np
 import torch
 
-from prefixattn.validation import check_metadata, check_qkv
+from prefixattn.validation import (check_kv_scale, check_metadata, check_qkv, check_sinks, check_soft_cap,
+                                   check_window_left)
 
 
 def reference_attention(
@@ -22,6 +23,11 @@ def reference_attention(
     sm_scale: float | None = None,
     return_lse: bool = False,
     compute_dtype: torch.dtype = torch.float32,
+    logits_soft_cap: float | None = None,
+    window_left: int | None = None,
+    sinks: torch.Tensor | None = None,
+    k_scale=None,
+    v_scale=None,
 ):
     """Ragged paged attention computed exactly in ``compute_dtype`` (fp32 by default) with plain torch ops (slow;
     for tests and checks).
@@ -30,8 +36,9 @@ def reference_attention(
     ----------
     q : Tensor, ``[num_tokens, num_qo_heads, head_dim]``, fp16/bf16/fp32
         Query rows; request ``r`` owns rows ``qo_indptr[r]:qo_indptr[r+1]``.
-    k_cache, v_cache : Tensor, ``[num_blocks, block_size, num_kv_heads, head_dim]``, dtype of ``q``
+    k_cache, v_cache : Tensor, ``[num_blocks, block_size, num_kv_heads, head_dim]``, dtype of ``q`` or fp8
         Paged KV cache, any strides (engine layouts can be passed as views). ``block_size == 1`` is a token pool.
+        fp8 (e4m3fn/e5m2) caches are dequantized as ``k_cache * k_scale``, ``v_cache * v_scale``.
     qo_indptr : Tensor, ``[num_requests + 1]``, int32/int64
         Row offsets of each request's queries; starts at 0, non-decreasing.
     kv_lens : Tensor, ``[num_requests]``, int32/int64
@@ -47,6 +54,15 @@ def reference_attention(
         Also return the natural-log log-sum-exp of the scaled logits.
     compute_dtype : torch.float32 or torch.float64
         Arithmetic and output dtype; fp64 is the ground truth the GPU check compares every dtype against.
+    logits_soft_cap : float, optional
+        ``c > 0``: each scaled logit ``s`` becomes ``c * tanh(s / c)`` (None or 0: off).
+    window_left : int, optional
+        ``W >= 0`` (causal only): the query at KV position ``p`` sees keys ``p - W .. p`` (None or -1: off).
+    sinks : Tensor, ``[num_qo_heads]``, fp32/bf16/fp16, optional
+        One logit per query head that joins every row's softmax denominator once (no value: it adds weight, not
+        output). The returned LSE includes it, so a row with no visible KV returns ``(0, sink)``.
+    k_scale, v_scale : float or 1-element fp32 Tensor, optional
+        Per-tensor dequantization scales of the caches (default 1).
 
     Returns
     -------
@@ -72,12 +88,18 @@ def reference_attention(
                                  or not math.isfinite(sm_scale)):
         raise ValueError(f"sm_scale: expected a finite float or None, got {sm_scale!r}")
     scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+    soft_cap = check_soft_cap(logits_soft_cap)
+    window = check_window_left(window_left, causal)
+    check_sinks(sinks, num_qo_heads, q.device)
+    k_mult, v_mult = (float(check_kv_scale(n, x, q.device)) for n, x in (("k_scale", k_scale), ("v_scale", v_scale)))
     group = num_qo_heads // num_kv_heads
     if compute_dtype not in (torch.float32, torch.float64):
         raise ValueError(f"compute_dtype: expected torch.float32 or torch.float64, got {compute_dtype}")
     acc = compute_dtype
     out = torch.zeros(q.shape, dtype=acc, device=q.device)
     lse = torch.full(q.shape[:2], -math.inf, dtype=acc, device=q.device)
+    if sinks is not None:  # rows that see nothing still have the sink: (0, sink)
+        lse[:] = sinks.to(acc)
     for r in range(lens.shape[0]):
         q_start, q_end, kv_len = int(indptr[r]), int(indptr[r + 1]), int(lens[r])
         q_len = q_end - q_start
@@ -85,25 +107,34 @@ def reference_attention(
             continue
         pos = torch.arange(kv_len, device=q.device)
         block_ids = table[r].to(q.device)[pos // block_size]
-        k = k_cache[block_ids, pos % block_size].to(acc).repeat_interleave(group, dim=1)  # [kv_len, qo_heads, d]
-        v = v_cache[block_ids, pos % block_size].to(acc).repeat_interleave(group, dim=1)
+        k = k_cache[block_ids, pos % block_size].to(acc).repeat_interleave(group, dim=1) * k_mult  # [kv_len, h, d]
+        v = v_cache[block_ids, pos % block_size].to(acc).repeat_interleave(group, dim=1) * v_mult
         logits = torch.einsum("qhd,khd->hqk", q[q_start:q_end].to(acc), k) * scale
+        if soft_cap:
+            logits = soft_cap * torch.tanh(logits / soft_cap)
         if causal:
             last_visible = kv_len - q_len + torch.arange(q_len, device=q.device)  # [q_len]
             hidden = pos.unsqueeze(0) > last_visible.unsqueeze(1)
+            if window >= 0:
+                hidden |= pos.unsqueeze(0) < (last_visible - window).unsqueeze(1)
             logits = logits.masked_fill(hidden.unsqueeze(0), -math.inf)
-        probs, row_lse = _softmax(logits)
+        probs, row_lse = _softmax(logits, None if sinks is None else sinks.to(acc))
         out[q_start:q_end] = _weighted_values(probs, v)
         lse[q_start:q_end] = row_lse.transpose(0, 1)
     return (out, lse) if return_lse else out
 
 
-def _softmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _softmax(logits: torch.Tensor, sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax and natural-log LSE over the last dim of ``[h, q, k]`` logits (-inf = hidden).
 
     A row is empty iff its weights sum to 0 (every logit -inf): probabilities 0, LSE -inf. NaN is not -inf: a NaN
     logit makes the row's maximum, weights and sum NaN, so NaN in q or in a visible K row reaches out and LSE.
+    ``sinks`` (``[h]``): one more logit per head in every row's denominator, with no value; the LSE includes it.
     """
+    if sinks is not None:
+        sink_col = sinks.view(-1, 1, 1).expand(logits.shape[0], logits.shape[1], 1)
+        probs, lse = _softmax(torch.cat([logits, sink_col], dim=-1))
+        return probs[..., :-1], lse
     row_max = logits.amax(dim=-1, keepdim=True)  # amax propagates NaN
     weights = torch.exp(logits - torch.where(row_max == -math.inf, 0.0, row_max))
     weight_sum = weights.sum(dim=-1)  # [h, q]

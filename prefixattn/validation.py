@@ -12,6 +12,7 @@ the device.
 
 from __future__ import annotations
 
+import math
 from typing import Iterable
 
 import numpy as np
@@ -19,8 +20,19 @@ import torch
 
 #: Dtypes the attention kernels accept for q / k_cache / v_cache (accumulation is always fp32).
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-#: Head sizes the fused kernels are tuned and tested for (the head sizes of the models users run).
-SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 256)
+#: Head sizes the fused kernels run: every multiple of ``HEAD_DIM_MULTIPLE`` from ``MIN_HEAD_DIM`` to ``MAX_HEAD_DIM``.
+#: Tiles are padded to the next power of two (``BLOCK_D``) and masked with ``offs_d < head_dim``. 32 is the smallest
+#: size vLLM's Triton backend runs; 256 bounds the accumulator (a 128 x 256 fp32 tile) and the register budget;
+#: multiples of 8 keep every row of q, K and V 16-byte aligned in fp16/bf16 (vectorized loads).
+MIN_HEAD_DIM = 32
+MAX_HEAD_DIM = 256
+HEAD_DIM_MULTIPLE = 8
+SUPPORTED_HEAD_DIMS = tuple(range(MIN_HEAD_DIM, MAX_HEAD_DIM + 1, HEAD_DIM_MULTIPLE))
+#: fp8 KV-cache dtypes (the engines' ``fp8``/``fp8_e4m3`` and ``fp8_e5m2``): dequantized on load with per-tensor
+#: scales, fp32 accumulation. q stays fp16/bf16/fp32.
+FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+#: Dtypes a KV cache may have: the dtype of q, or fp8 (:data:`FP8_KV_DTYPES`).
+KV_CACHE_DTYPES = SUPPORTED_DTYPES + FP8_KV_DTYPES
 _INDEX_DTYPES = (torch.int32, torch.int64)
 #: Largest query row / KV length the planner accepts: the work items the kernel reads are int32
 #: (:mod:`prefixattn.kernels.layout`), so a larger value would wrap silently instead of failing.
@@ -110,8 +122,9 @@ def check_kernel_device(name: str, t: torch.Tensor) -> None:
 
 
 def check_head_dim(name: str, head_dim: int) -> None:
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"{name}: expected a head_dim in {SUPPORTED_HEAD_DIMS}, got {head_dim}")
+    if isinstance(head_dim, bool) or head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"{name}: expected a head_dim that is a multiple of {HEAD_DIM_MULTIPLE} in "
+                         f"[{MIN_HEAD_DIM}, {MAX_HEAD_DIM}], got {head_dim!r}")
 
 
 def check_heads(num_qo_heads: int, num_kv_heads: int) -> None:
@@ -126,17 +139,22 @@ def check_heads(num_qo_heads: int, num_kv_heads: int) -> None:
 def check_qkv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int, int]:
     """Shapes/dtypes of q and the paged caches. Returns (num_qo_heads, num_kv_heads, head_dim, block_size)."""
     check_tensor("q", q, ndim=3, dtypes=SUPPORTED_DTYPES)
-    check_tensor("k_cache", k_cache, ndim=4, dtypes=SUPPORTED_DTYPES)
-    check_tensor("v_cache", v_cache, ndim=4, dtypes=SUPPORTED_DTYPES)
+    check_tensor("k_cache", k_cache, ndim=4, dtypes=KV_CACHE_DTYPES)
+    check_tensor("v_cache", v_cache, ndim=4, dtypes=KV_CACHE_DTYPES)
     check_same_device(q=q, k_cache=k_cache, v_cache=v_cache)
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"v_cache: expected the shape of k_cache {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
+    # fp8 caches are dequantized in the kernel; any other cache dtype must be q's (an fp16 cache read as bf16, or
+    # an fp32 one as fp16, would be rounded or overflow silently in the kernel's dots).
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype != q.dtype:
+        if t.dtype != q.dtype and t.dtype not in FP8_KV_DTYPES:
             raise ValueError(
-                f"{name}: expected the dtype of q ({str(q.dtype).replace('torch.', '')}), "
-                f"got {str(t.dtype).replace('torch.', '')}"
+                f"{name}: expected the dtype of q ({str(q.dtype).replace('torch.', '')}) or an fp8 dtype "
+                f"({_dtype_names(FP8_KV_DTYPES)}), got {str(t.dtype).replace('torch.', '')}"
             )
+    if v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"v_cache: expected the dtype of k_cache ({_dtype_names([k_cache.dtype])}), got "
+                         f"{_dtype_names([v_cache.dtype])}")
     _, num_qo_heads, head_dim = q.shape
     _, block_size, num_kv_heads, kv_head_dim = k_cache.shape
     if kv_head_dim != head_dim:
@@ -298,3 +316,73 @@ def _host_int64(name: str, t: torch.Tensor) -> np.ndarray:
     if t.device.type == "meta":
         raise ValueError(f"{name}: expected a tensor with data (cpu or cuda), got a meta tensor")
     return _host_array(name, t).astype(np.int64)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Feature options (issue 19): soft-capping, sliding window, sinks, KV scales. Shared by plan(), attention() and the
+# reference, so the three accept and refuse exactly the same values.
+# ---------------------------------------------------------------------------------------------------------------
+
+def _is_real(value) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+
+
+def check_soft_cap(logits_soft_cap) -> float:
+    """``logits_soft_cap``: None or 0 = off (returns 0.0), else a finite positive float ``c`` (each scaled logit
+    ``s`` becomes ``c * tanh(s / c)``, FlashInfer's and vLLM's convention)."""
+    if logits_soft_cap is None:
+        return 0.0
+    if not _is_real(logits_soft_cap) or not math.isfinite(logits_soft_cap) or logits_soft_cap < 0:
+        raise ValueError(f"logits_soft_cap: expected None, 0 (off) or a finite positive float, got {logits_soft_cap!r}")
+    return float(logits_soft_cap)
+
+
+def check_window_left(window_left, causal: bool) -> int:
+    """``window_left``: None or -1 = off (returns -1), else an int ``W >= 0``: the query at KV position ``p`` sees
+    keys ``p - W .. p`` (FlashInfer's convention; vLLM's ``sliding_window=S`` is ``W = S - 1``). Causal only."""
+    if window_left is None or (_is_real(window_left) and window_left == -1):
+        return -1
+    if not isinstance(window_left, (int, np.integer)) or isinstance(window_left, bool) or window_left < 0:
+        raise ValueError(f"window_left: expected None, -1 (off) or an int >= 0, got {window_left!r}")
+    if window_left > INT32_MAX:
+        raise ValueError(f"window_left: expected a value <= {INT32_MAX} (int32 kernel argument), got {window_left}")
+    if not causal:
+        raise ValueError(f"window_left: expected -1 (off) with causal=False (sliding windows are causal), got "
+                         f"{window_left}")
+    return int(window_left)
+
+
+#: Dtypes of attention-sink logits (models keep them in their own dtype; the kernel upcasts them to fp32).
+SINK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_sinks(sinks, num_qo_heads: int, device) -> None:
+    """``sinks``: None, or one logit per query head ``[num_qo_heads]`` (fp32/bf16/fp16) on the device of q."""
+    if sinks is None:
+        return
+    check_tensor("sinks", sinks, ndim=1, dtypes=SINK_DTYPES)
+    if sinks.shape[0] != num_qo_heads:
+        raise ValueError(f"sinks: expected shape ({num_qo_heads},) (one logit per query head), got "
+                         f"{tuple(sinks.shape)}")
+    if sinks.stride(0) != 1 and num_qo_heads > 1:
+        raise ValueError(f"sinks: expected a contiguous tensor, got stride {sinks.stride(0)}")
+    if not same_device(sinks.device, device):
+        raise ValueError(f"sinks: expected device {device} (the device of q), got {sinks.device}")
+
+
+def check_kv_scale(name: str, scale, device):
+    """A per-tensor KV dequantization scale: None (1.0), a finite positive float, or a 1-element fp32 tensor on
+    the device of q (read by pointer in the kernel: CUDA-graph safe, never synchronized). Returns a float or the
+    tensor."""
+    if scale is None:
+        return 1.0
+    if isinstance(scale, torch.Tensor):
+        check_tensor(name, scale, dtypes=(torch.float32,))
+        if scale.numel() != 1:
+            raise ValueError(f"{name}: expected a 1-element tensor (a per-tensor scale), got shape {tuple(scale.shape)}")
+        if not same_device(scale.device, device):
+            raise ValueError(f"{name}: expected device {device} (the device of q), got {scale.device}")
+        return scale
+    if not _is_real(scale) or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"{name}: expected None, a finite positive float or a 1-element fp32 tensor, got {scale!r}")
+    return float(scale)

@@ -29,13 +29,16 @@ dtype = sys.argv[1]
 tiles = choose_tiles(head_dim=128, group=4, max_q_len=1, dtype={"*fp16": torch.float16, "*bf16": torch.bfloat16}[dtype])
 pointers = {"out_ptr": dtype, "lse_ptr": "*fp32", "ws_o_ptr": "*fp32", "ws_lse_ptr": "*fp32", "counters_ptr": "*i32",
             "q_ptr": dtype, "k_cache_ptr": dtype, "v_cache_ptr": dtype, "num_items_ptr": "*i32", "items_ptr": "*i32",
-            "gather_ptr": "*i32", "mrows_ptr": "*i32", "block_table_ptr": "*i32"}
+            "gather_ptr": "*i32", "mrows_ptr": "*i32", "block_table_ptr": "*i32", "sinks_ptr": "*fp32",
+            "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
 # The tiles a plan would pick for a Llama-like decode step; tensor-core dots as on a real GPU.
-constexprs = dict(HAS_LSE=True, HAS_SHARED=True, USE_FP32_DOT=False, IS_HIP=False, PAGE_SIZE=16, BLOCK_M_SHARED=tiles.block_m_shared,
+constexprs = dict(HAS_LSE=True, HAS_SHARED=True, HAS_SOFT_CAP=False, HAS_WINDOW=False, HAS_SINKS=False,
+                  HAS_KV_SCALE=False, USE_NAN_GUARD=False, USE_FP32_DOT=False, IS_HIP=False, PAGE_SIZE=16, BLOCK_M_SHARED=tiles.block_m_shared,
                   BLOCK_N_SHARED=tiles.block_n_shared, BLOCK_M_SUFFIX=tiles.block_m_suffix,
                   BLOCK_N_SUFFIX=tiles.block_n_suffix, BLOCK_D=tiles.block_d)
 # Every integer scalar, strides included, as i32: the worst case, where only an explicit cast gives 64 bits.
-signature = {name: pointers.get(name, "constexpr" if name in constexprs else "fp32" if name == "qk_scale" else "i32")
+floats = ("qk_scale", "soft_cap_log2", "v_scale")
+signature = {name: pointers.get(name, "constexpr" if name in constexprs else "fp32" if name in floats else "i32")
              for name in kernel.arg_names}
 compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32))
 print(json.dumps({"ttgir": compiled.asm["ttgir"], "ptx": compiled.asm["ptx"]}))

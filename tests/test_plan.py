@@ -289,11 +289,13 @@ def test_thousand_tiny_requests_plan():
 # Input checks
 # ---------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kw, match", [
-    (dict(logits_soft_cap=30.0), "logits_soft_cap: not supported yet"),
-    (dict(window_left=128), "window_left: sliding-window attention is not supported yet"),
+    (dict(logits_soft_cap=-30.0), r"logits_soft_cap: expected None, 0 \(off\) or a finite positive float"),
+    (dict(window_left=1.5), r"window_left: expected None, -1 \(off\) or an int >= 0, got 1.5"),
+    (dict(window_left=8, causal=False), r"window_left: expected -1 \(off\) with causal=False"),
     (dict(alibi_slopes=torch.ones(4)), "alibi_slopes: ALiBi is not supported yet"),
     (dict(sharing="sometimes"), "sharing: expected one of"),
-    (dict(head_dim=72), "head_dim: expected a head_dim in"),
+    (dict(head_dim=36), r"head_dim: expected a head_dim that is a multiple of 8 in \[32, 256\], got (36|264)"),
+    (dict(head_dim=264), r"head_dim: expected a head_dim that is a multiple of 8 in \[32, 256\], got (36|264)"),
     (dict(num_qo_heads=3), "num_qo_heads: expected a positive multiple of num_kv_heads=2"),
     (dict(num_sms=0), "num_sms: expected a positive int"),
     (dict(q_dtype=torch.int8), "q_dtype: expected one of"),

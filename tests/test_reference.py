@@ -8,8 +8,10 @@ import torch
 from prefixattn import reference_attention
 
 
-def _naive(q, k_cache, v_cache, qo_indptr, kv_lens, block_table, causal, sm_scale):
-    """Per (request, head, query row) loop, dense logits, float64: as literal as possible."""
+def _naive(q, k_cache, v_cache, qo_indptr, kv_lens, block_table, causal, sm_scale, *, soft_cap=0.0, window=-1,
+           sinks=None, k_scale=1.0, v_scale=1.0):
+    """Per (request, head, query row) loop, dense logits, float64: as literal as possible. ``window``: the query at
+    position p sees keys p - window .. p; ``sinks[h]``: one more logit in the denominator (and in the LSE)."""
     num_tokens, num_qo_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_qo_heads // num_kv_heads
@@ -24,12 +26,22 @@ def _naive(q, k_cache, v_cache, qo_indptr, kv_lens, block_table, causal, sm_scal
             if kv_len else torch.zeros(0, num_kv_heads, head_dim)
         for i in range(q_len):
             visible = kv_len - q_len + i + 1 if causal else kv_len
+            first = max(0, visible - 1 - window) if window >= 0 else 0
             for h in range(num_qo_heads):
+                if sinks is not None:
+                    lse[q_start + i, h] = float(sinks[h])
                 if visible == 0:
                     continue
-                logits = keys[:visible, h // group].double() @ q[q_start + i, h].double() * sm_scale
+                kk = keys[first:visible, h // group].double() * k_scale
+                vv = vals[first:visible, h // group].double() * v_scale
+                logits = kk @ q[q_start + i, h].double() * sm_scale
+                if soft_cap:
+                    logits = soft_cap * torch.tanh(logits / soft_cap)
+                if sinks is not None:
+                    logits = torch.cat([logits, torch.tensor([float(sinks[h])], dtype=torch.float64)])
+                    vv = torch.cat([vv, torch.zeros(1, vv.shape[1], dtype=torch.float64)])
                 lse[q_start + i, h] = torch.logsumexp(logits, 0)
-                out[q_start + i, h] = torch.softmax(logits, 0) @ vals[:visible, h // group].double()
+                out[q_start + i, h] = torch.softmax(logits, 0) @ vv
     return out, lse
 
 
@@ -108,3 +120,57 @@ def test_reference_rejects_other_compute_dtypes():
     batch = _random_batch(4, q_lens=[1], kv_lens=[3], block_size=16, num_qo_heads=2, num_kv_heads=2, head_dim=64)
     with pytest.raises(ValueError, match="compute_dtype: expected torch.float32 or torch.float64, got torch.float16"):
         reference_attention(*batch, compute_dtype=torch.float16)
+
+
+@pytest.mark.parametrize("window", [-1, 0, 3, 50])
+@pytest.mark.parametrize("soft_cap", [0.0, 0.7])
+def test_reference_window_soft_cap_sinks_match_naive(window, soft_cap):
+    # q is scaled up so the soft cap (0.7) really bends the logits; sinks include a very large and a -inf one.
+    q, k, v, indptr, lens, table = _random_batch(5, q_lens=[3, 1, 0, 6, 1], kv_lens=[7, 20, 0, 6, 33], block_size=4,
+                                                 num_qo_heads=4, num_kv_heads=2, head_dim=64)
+    q = q * 4
+    sinks = torch.tensor([0.3, -2.0, 8.0, -math.inf])
+    out, lse = reference_attention(q, k, v, indptr, lens, table, return_lse=True, logits_soft_cap=soft_cap,
+                                   window_left=window, sinks=sinks)
+    want_out, want_lse = _naive(q, k, v, indptr, lens, table, True, 1 / 8, soft_cap=soft_cap, window=window,
+                                sinks=sinks)
+    torch.testing.assert_close(out.double(), want_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_reference_sinks_on_rows_without_kv_and_lse_convention():
+    # A request with no queries/KV owns no rows; a row of an all-sink head: LSE = logsumexp(logits + sink).
+    q, k, v, indptr, lens, table = _random_batch(6, q_lens=[0, 2], kv_lens=[0, 5], block_size=4, num_qo_heads=2,
+                                                 num_kv_heads=1, head_dim=64)
+    sinks = torch.tensor([1.0, -math.inf])
+    out, lse = reference_attention(q, k, v, indptr, lens, table, return_lse=True, sinks=sinks)
+    plain_out, plain_lse = reference_attention(q, k, v, indptr, lens, table, return_lse=True)
+    torch.testing.assert_close(lse[:, 0], torch.logaddexp(plain_lse[:, 0], torch.tensor(1.0)))
+    torch.testing.assert_close(out[:, 0], plain_out[:, 0] * torch.exp(plain_lse[:, 0] - lse[:, 0])[:, None])
+    torch.testing.assert_close(lse[:, 1], plain_lse[:, 1])  # a -inf sink changes nothing
+    torch.testing.assert_close(out[:, 1], plain_out[:, 1])
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_reference_fp8_cache_dequantizes_with_scales(kv_dtype):
+    q, k, v, indptr, lens, table = _random_batch(7, q_lens=[2, 1], kv_lens=[6, 9], block_size=4, num_qo_heads=2,
+                                                 num_kv_heads=1, head_dim=64)
+    k8, v8 = k.to(kv_dtype), v.to(kv_dtype)
+    out = reference_attention(q, k8, v8, indptr, lens, table, k_scale=0.5, v_scale=torch.tensor([2.0]))
+    want, _ = _naive(q, k8.double(), v8.double(), indptr, lens, table, True, 1 / 8, k_scale=0.5, v_scale=2.0)
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(logits_soft_cap=-1.0), "logits_soft_cap: expected None, 0 \\(off\\) or a finite positive float"),
+    (dict(window_left=-2), "window_left: expected None, -1 \\(off\\) or an int >= 0"),
+    (dict(window_left=4, causal=False), "window_left: expected -1 \\(off\\) with causal=False"),
+    (dict(sinks=torch.zeros(3)), "sinks: expected shape \\(2,\\)"),
+    (dict(sinks=torch.zeros(2, dtype=torch.int32)), "sinks: expected dtype float32/bfloat16/float16"),
+    (dict(k_scale=0.0), "k_scale: expected None, a finite positive float"),
+    (dict(v_scale=torch.ones(2)), "v_scale: expected a 1-element tensor"),
+])
+def test_reference_rejects_bad_feature_options(kw, match):
+    batch = _random_batch(8, q_lens=[1], kv_lens=[3], block_size=4, num_qo_heads=2, num_kv_heads=2, head_dim=64)
+    with pytest.raises(ValueError, match=match):
+        reference_attention(*batch, **kw)

@@ -124,7 +124,7 @@ def test_environment_switch(monkeypatch, value, enabled):
 
 @pytest.mark.parametrize("change, message", [
     (dict(num_qo_heads=6, num_kv_heads=4), "num_qo_heads"),
-    (dict(head_dim=72), "head_dim"),
+    (dict(head_dim=68), "head_dim"),  # not a multiple of 8
     (dict(block_size=0), "block_size: expected a positive int, got 0"),
     (dict(dtypes=torch.int8), "dtypes: expected torch.float16/bfloat16/float32"),
 ])
@@ -170,7 +170,7 @@ def test_cli_dry_run(capsys):
 
 
 @pytest.mark.parametrize("argv, fragment", [
-    ([*CLI[:-1], "72"], "--head-dim"),
+    ([*CLI[:-1], "68"], "--head-dim"),
     ([*CLI, "--dtype", "fp8"], "expected comma-separated dtypes"),
     ([*CLI, "--max-q-len", "0"], "expected a positive int, got 0"),
     (["warmup", "--num-kv-heads", "8", "--head-dim", "128"], "--num-qo-heads"),

@@ -98,8 +98,10 @@ class PrefixAttnBackend(AttentionBackend):
 
     Not supported (each raises ``ValueError`` or ``NotImplementedError`` naming the feature): SGLang's "full"
     prefill CUDA graphs (the default "breakable" ones run attention eagerly), speculative decoding (target verify /
-    draft extend), encoder-decoder and cross attention, sliding windows,
-    logit soft-capping, MLA and hybrid/SWA pools, quantized (fp8) KV caches, ``qk_head_dim != v_head_dim``.
+    draft extend), encoder-decoder and cross attention, chunked attention, MLA and hybrid/SWA pools, quantized (fp8)
+    KV caches, ``qk_head_dim != v_head_dim``. Sliding windows (``layer.sliding_window_size``, FlashInfer's
+    ``window_left``) on the standard pool (``--disable-hybrid-swa-memory``), logit soft-capping
+    (``layer.logit_cap``) and attention sinks (the ``sinks`` keyword of the forward calls) run in the kernel.
 
     Examples
     --------
@@ -121,10 +123,11 @@ class PrefixAttnBackend(AttentionBackend):
         if layout != "nhd":
             raise ValueError(f"token_to_kv_pool: expected the token-major 'nhd' KV layout, got {layout!r} "
                              "(unset SGLANG_USE_HND_KVCACHE)")
-        window = getattr(model_runner, "sliding_window_size", None)
-        if window is not None and window > -1:
-            raise ValueError(f"sliding_window_size: expected None or -1 (prefixattn has no sliding-window attention), "
-                             f"got {window}")
+        # Sliding windows run per layer (layer.sliding_window_size is FlashInfer's window_left, as SGLang's own
+        # backends read it); chunked attention (Llama 4), which SGLang also reports as a window size, does not.
+        chunk = getattr(getattr(model_runner, "model_config", None), "attention_chunk_size", None)
+        if chunk is not None:
+            raise ValueError(f"attention_chunk_size: expected None (prefixattn has no chunked attention), got {chunk}")
         self.device = model_runner.device
         self.req_to_token_pool = model_runner.req_to_token_pool
         self.token_to_kv_pool = pool
@@ -178,7 +181,10 @@ class PrefixAttnBackend(AttentionBackend):
         if meta is None:
             raise ValueError("forward_batch: expected init_forward_metadata() to run before the layers of this batch, "
                              "got no metadata (or an IDLE batch)")
-        key = (layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim, q.dtype, float(layer.scaling), causal)
+        soft_cap = float(layer.logit_cap or 0.0)
+        window = layer.sliding_window_size if layer.sliding_window_size is not None else -1
+        key = (layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim, q.dtype, float(layer.scaling), causal,
+               soft_cap, window)
         p = meta.plans.get(key)
         if p is None and meta.graph:
             p = self._graph.plan_new_geometry(key, meta, device=q.device)
@@ -188,7 +194,7 @@ class PrefixAttnBackend(AttentionBackend):
                 num_qo_heads=layer.tp_q_head_num, num_kv_heads=layer.tp_k_head_num, head_dim=layer.qk_head_dim,
                 # q's own device: the runner's "cuda" has no index, the plan must match q's "cuda:N".
                 causal=causal, sm_scale=float(layer.scaling), q_dtype=q.dtype, device=q.device,
-                sharing=self.sharing, num_blocks=num_blocks,
+                sharing=self.sharing, num_blocks=num_blocks, logits_soft_cap=soft_cap, window_left=window,
             )
             meta.plans[key] = p
         return p
@@ -197,12 +203,12 @@ class PrefixAttnBackend(AttentionBackend):
     # Per layer (device, no host synchronization)
     # ------------------------------------------------------------------------------------------------------------
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
-        return self._forward(q, k, v, layer, forward_batch, save_kv_cache)
+        return self._forward(q, k, v, layer, forward_batch, save_kv_cache, sinks=kwargs.get("sinks"))
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
-        return self._forward(q, k, v, layer, forward_batch, save_kv_cache)
+        return self._forward(q, k, v, layer, forward_batch, save_kv_cache, sinks=kwargs.get("sinks"))
 
-    def _forward(self, q, k, v, layer, forward_batch, save_kv_cache):
+    def _forward(self, q, k, v, layer, forward_batch, save_kv_cache, sinks=None):
         causal = _check_layer(layer)
         if save_kv_cache and k is not None and v is not None:
             self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc.for_batch(forward_batch), k, v)
@@ -214,9 +220,9 @@ class PrefixAttnBackend(AttentionBackend):
         p = self._plan_for(layer, q3, causal, num_blocks=k_cache.shape[0])
         if self.forward_metadata.graph:
             # The wrapper's capacity-fixed launch over all padded rows: what the decode graph captures.
-            self._graph.run(p, q3, k_cache, v_cache, out=o.view(-1, num_heads, head_dim))
+            self._graph.run(p, q3, k_cache, v_cache, out=o.view(-1, num_heads, head_dim), sinks=sinks)
             return o
-        prefixattn.attention(q3, k_cache, v_cache, p, out=o.view(-1, num_heads, head_dim))
+        prefixattn.attention(q3, k_cache, v_cache, p, out=o.view(-1, num_heads, head_dim), sinks=sinks)
         return o
 
     def _paged(self, buf: torch.Tensor, name: str) -> torch.Tensor:
@@ -310,20 +316,21 @@ class GraphState:
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise ValueError(f"layer geometry {key}: expected it to be seen in the warm-up run before the graph "
                              "capture (a workspace cannot be allocated inside a capture), got it first while capturing")
-        num_qo_heads, num_kv_heads, head_dim, dtype, scale, causal = key
+        num_qo_heads, num_kv_heads, head_dim, dtype, scale, causal, soft_cap, window = key
         self.wrappers[key] = prefixattn.PrefixSharedAttention(
             num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=self.page_size,
             q_dtype=dtype, causal=causal, sm_scale=scale, sharing=self.sharing, max_tokens=self.max_num_tokens,
-            max_requests=self.max_bs, max_blocks_per_request=0, device=device, use_cuda_graph=True)
+            max_requests=self.max_bs, max_blocks_per_request=0, device=device, use_cuda_graph=True,
+            logits_soft_cap=soft_cap, window_left=window)
         meta.plans[key] = p = self._plan(self.wrappers[key], meta)
         return p
 
-    def run(self, p, q, k_cache, v_cache, *, out) -> None:
+    def run(self, p, q, k_cache, v_cache, *, out, sinks=None) -> None:
         attn = next((a for a in self.wrappers.values() if a.current_plan is p), None)
         if attn is None:
             raise ValueError("plan: expected the graph wrapper's latest plan for this step, got an older one (a "
                              "later init_forward_metadata_out_graph overwrote its tables)")
-        attn.run(q, k_cache, v_cache, out=out)
+        attn.run(q, k_cache, v_cache, out=out, sinks=sinks)
 
 
 def _check_pool_dtype(pool_dtype: torch.dtype, model_dtype: torch.dtype | None) -> None:
@@ -350,17 +357,15 @@ def _check_layer(layer) -> bool:
     """Refuse layer features prefixattn does not implement; returns ``causal`` for the layer."""
     if layer.is_cross_attention:
         raise NotImplementedError(f"layer {layer.layer_id}: cross attention is not supported by the prefixattn backend")
+    causal = layer.attn_type != AttentionType.ENCODER_ONLY
     window = layer.sliding_window_size
-    if window is not None and window > -1:
-        raise ValueError(f"layer {layer.layer_id} sliding_window_size: expected -1 or None (prefixattn has no "
-                         f"sliding-window attention), got {window}")
-    if layer.logit_cap and layer.logit_cap > 0:
-        raise ValueError(f"layer {layer.layer_id} logit_cap: expected 0 (prefixattn has no logit soft-capping), "
-                         f"got {layer.logit_cap}")
+    if window is not None and window > -1 and not causal:
+        raise ValueError(f"layer {layer.layer_id} sliding_window_size: expected -1 or None for a non-causal layer "
+                         f"(prefixattn's windows are causal), got {window}")
     if layer.qk_head_dim != layer.v_head_dim:
         raise ValueError(f"layer {layer.layer_id} v_head_dim: expected qk_head_dim={layer.qk_head_dim}, "
                          f"got {layer.v_head_dim}")
-    return layer.attn_type != AttentionType.ENCODER_ONLY
+    return causal
 
 
 def _layer_geometries(model_runner) -> list[tuple[int, int, int]]:

@@ -18,8 +18,10 @@ block table read in place, and a launch fixed by the capacity, so the launch cap
 ``graph_safe_forward`` covers vLLM's padded rows (the K/V write skips their -1 slots). Mixed batches run piecewise
 with a per-step :func:`prefixattn.plan`.
 
-Configurations the kernel does not run (ALiBi, sliding window, logits soft-cap, attention sinks, encoder/cross
-attention, fp8/quantized KV, MLA, non-causal decoders) are refused when vLLM configures the model: by vLLM's
+Sliding windows (one plan per KV cache group, whose layers share the window), logit soft-capping and attention sinks
+and fp8 KV caches (``fp8``/``fp8_e4m3``/``fp8_e5m2``, per-tensor scales) run in the kernel. Configurations it does
+not run (ALiBi, encoder/cross attention, ROCm's e4m3fnuz caches, MLA, non-causal decoders) are refused when vLLM
+configures the model: by vLLM's
 selector through the ``supports_*`` declarations below (on CUDA/ROCm), and by the impl's constructor with the same
 wording on platforms whose selector does not validate (CPU) - never at the first forward. That includes an explicit
 ``--kv-cache-dtype`` other than the model's dtype (the kernel reads K/V in the dtype of q).
@@ -61,7 +63,7 @@ from prefixattn.warmup import MAX_DISTINCT_Q_LEN, VLLM_LAYOUT, WarmupReport, war
 
 logger = logging.getLogger(__name__)
 
-#: Head sizes prefixattn's kernels are tuned and tested for (prefixattn's validation accepts exactly these).
+#: Head sizes prefixattn runs: every multiple of 8 from 32 to 256 (prefixattn's validation accepts exactly these).
 SUPPORTED_HEAD_SIZES = prefixattn.SUPPORTED_HEAD_DIMS
 #: Every physical order of vLLM's ``[L, B, H, N, C]`` cache: the kernel reads any strides. Token-major inside a block
 #: (``B, N, H, C``, i.e. NHD) first: it is prefixattn's own ``[num_blocks, block_size, num_kv_heads, head_dim]``.
@@ -134,9 +136,10 @@ class PrefixAttnBackend(AttentionBackend):
     forward_includes_kv_cache_update: bool = True
 
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
-    # No fp8/quantized KV: the kernel loads K/V in the dtype of q. An explicit float16/bfloat16 cache must also be
-    # the model's dtype (supports_combination below), else the first forward would fail on the dtype check.
-    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "float16", "bfloat16"]
+    # fp8 caches (per-tensor scales, layer._k_scale / _v_scale) are dequantized on load. An explicit float16/bfloat16
+    # cache must be the model's dtype (supports_combination below), else the first forward would fail on the dtype
+    # check.
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"]
 
     @staticmethod
     def get_name() -> str:
@@ -169,14 +172,22 @@ class PrefixAttnBackend(AttentionBackend):
         return False
 
     @classmethod
+    def supports_sink(cls) -> bool:
+        return True  # one logit per query head in each row's denominator (prefixattn.attention(sinks=...))
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return True  # a left window per KV cache group (prefixattn.plan(window_left=S - 1))
+
+    @classmethod
     def supports_combination(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink, use_sparse,
                              use_mm_prefix, device_capability) -> str | None:
         # vLLM's selector appends this reason to validate_configuration's list.
-        return kv_cache_dtype_mismatch(kv_cache_dtype, dtype)
+        return kv_cache_dtype_mismatch(kv_cache_dtype, dtype) or fp8_unsupported(kv_cache_dtype)
 
-    # Everything below keeps vLLM's default "not supported" (sliding window, sinks, ALiBi-sqrt, MLA, sparse,
-    # multimodal prefix, non-causal, batch invariance, PCP/DCP) or "decoder only" (attention types): the kernel
-    # implements causal decoder self-attention over a paged cache, nothing else yet.
+    # Everything below keeps vLLM's default "not supported" (ALiBi-sqrt, MLA, sparse, multimodal prefix,
+    # non-causal, batch invariance, PCP/DCP) or "decoder only" (attention types): the kernel implements causal
+    # decoder self-attention over a paged cache (with windows, sinks and soft-caps), nothing else yet.
 
 
 class PrefixAttnMetadataBuilder(AttentionMetadataBuilder[PrefixAttnMetadata]):
@@ -200,12 +211,17 @@ class PrefixAttnMetadataBuilder(AttentionMetadataBuilder[PrefixAttnMetadata]):
         self.num_qo_heads = int(model_config.get_num_attention_heads(vllm_config.parallel_config))
         self.q_dtype = model_config.dtype
         self.sm_scale = _group_scale(vllm_config, layer_names)
+        # One plan serves the group's layers: they must agree on the window and the soft cap (vLLM puts windowed and
+        # full-attention layers in different KV cache groups, so a Gemma-2-like model gets one plan per kind).
+        self.window_left = _group_option(vllm_config, layer_names, "window_left", -1)
+        self.logits_soft_cap = _group_option(vllm_config, layer_names, "logits_soft_cap", 0.0)
         spec = getattr(vllm_config, "speculative_config", None)
         self.exact_seq_lens_on_host = spec is None or not getattr(spec, "num_speculative_tokens", None)
         self.warmup_report = warm_up_kernels(self, vllm_config)
         self.graph_attn = graph_wrapper(vllm_config, num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads,
                                         head_dim=self.head_dim, block_size=self.block_size, q_dtype=self.q_dtype,
-                                        sm_scale=self.sm_scale, device=device)
+                                        sm_scale=self.sm_scale, device=device, window_left=self.window_left,
+                                        logits_soft_cap=self.logits_soft_cap)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> PrefixAttnMetadata:
@@ -226,7 +242,8 @@ class PrefixAttnMetadataBuilder(AttentionMetadataBuilder[PrefixAttnMetadata]):
         step_plan = prefixattn.plan(
             inputs.qo_indptr, inputs.kv_lens, inputs.block_table, block_size=self.block_size,
             num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, causal=True,
-            sm_scale=self.sm_scale, q_dtype=self.q_dtype, device=self.device)
+            sm_scale=self.sm_scale, q_dtype=self.q_dtype, device=self.device, window_left=self.window_left,
+            logits_soft_cap=self.logits_soft_cap)
         for observe in _plan_observers:
             observe(step_plan)
         return PrefixAttnMetadata(plan=step_plan, num_query_tokens=step_plan.num_tokens,
@@ -272,8 +289,8 @@ def _group_scale(vllm_config, layer_names: list[str]) -> float | None:
 
 
 def graph_wrapper(vllm_config, *, num_qo_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                  q_dtype: torch.dtype, sm_scale: float | None,
-                  device: torch.device) -> "prefixattn.PrefixSharedAttention | None":
+                  q_dtype: torch.dtype, sm_scale: float | None, device: torch.device, window_left: int = -1,
+                  logits_soft_cap: float = 0.0) -> "prefixattn.PrefixSharedAttention | None":
     """The builder's CUDA-graph wrapper, or None when vLLM captures no full graphs.
 
     Capacities from vLLM's graph settings: ``max_tokens`` = the largest capture size (vLLM pads a replayed batch to
@@ -291,7 +308,20 @@ def graph_wrapper(vllm_config, *, num_qo_heads: int, num_kv_heads: int, head_dim
     return prefixattn.PrefixSharedAttention(
         num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
         q_dtype=q_dtype, causal=True, sm_scale=sm_scale, max_tokens=int(max_size), max_requests=int(max_size),
-        max_blocks_per_request=0, device=device, use_cuda_graph=True, max_q_len=decode_len)
+        max_blocks_per_request=0, device=device, use_cuda_graph=True, max_q_len=decode_len,
+        window_left=window_left, logits_soft_cap=logits_soft_cap)  # fixed by the captured launch, like the tiles
+
+
+def _group_option(vllm_config, layer_names: list[str], name: str, default):
+    """The value of impl attribute ``name`` that all of the group's layers share (``default`` without layers)."""
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention import Attention
+
+    layers = get_layers_from_vllm_config(vllm_config, Attention, layer_names)
+    values = {getattr(layer.impl, name, default) for layer in layers.values()}
+    if len(values) > 1:
+        raise _refusal([f"layers sharing a KV cache group use different {name} values {sorted(values)}"])
+    return values.pop() if values else default
 
 
 class PrefixAttnImpl(AttentionImpl[PrefixAttnMetadata]):
@@ -317,6 +347,11 @@ class PrefixAttnImpl(AttentionImpl[PrefixAttnMetadata]):
         self.kv_cache_dtype = kv_cache_dtype
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        # vLLM's sliding_window=S attends to the last S keys: prefixattn's left window W = S - 1.
+        self.window_left = -1 if sliding_window is None else int(sliding_window) - 1
+        self.logits_soft_cap = float(logits_soft_cap or 0.0)
+        self.sinks = extra_impl_args.get("sinks")  # [num_heads] learned logits (gpt-oss), loaded with the weights
+        self.fp8_dtype = fp8_cache_dtype(kv_cache_dtype)  # vLLM's fp8 cache is uint8 memory holding this dtype
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata: PrefixAttnMetadata | None, output: torch.Tensor,
@@ -328,18 +363,28 @@ class PrefixAttnImpl(AttentionImpl[PrefixAttnMetadata]):
             raise NotImplementedError(f"{BACKEND_NAME} does not fuse output quantization into attention")
         if attn_metadata is None:  # vLLM's profiling / warm-up run: no cache, nothing to attend to
             return output
+        scales = {}
+        if self.fp8_dtype is not None:
+            # fp8 cache: quantize on write as vLLM's reshape_and_cache does (x / scale), dequantize on load.
+            kv_cache = kv_cache.view(self.fp8_dtype)
+            scales = dict(k_scale=layer._k_scale, v_scale=layer._v_scale)  # the write quantizes (x / scale)
         k_cache, v_cache = split_kv_cache(kv_cache, self.head_size)
         if attn_metadata.graph_attn is not None:
-            return self.graph_safe_forward(layer, query, key, value, k_cache, v_cache, attn_metadata, output)
+            return self.graph_safe_forward(layer, query, key, value, k_cache, v_cache, attn_metadata, output, scales)
         n = attn_metadata.num_query_tokens
         if self.kv_sharing_target_layer_name is None and key is not None and value is not None:
             write_kv_cache(key[:n], value[:n], k_cache, v_cache, attn_metadata.slot_mapping,
-                           k_scale=getattr(layer, "_k_scale", None), v_scale=getattr(layer, "_v_scale", None))
-        prefixattn.attention(query[:n], k_cache, v_cache, attn_metadata.plan, out=output[:n])
+                           k_scale=getattr(layer, "_k_scale", None), v_scale=getattr(layer, "_v_scale", None),
+                           kv_cache_dtype=self.kv_cache_dtype)
+        p = attn_metadata.plan
+        if (p.window_left, p.logits_soft_cap) != (self.window_left, self.logits_soft_cap):
+            raise ValueError(f"plan: expected window_left={self.window_left}, logits_soft_cap={self.logits_soft_cap} "
+                             f"(this layer's), got {p.window_left}, {p.logits_soft_cap} (its KV cache group's plan)")
+        prefixattn.attention(query[:n], k_cache, v_cache, p, out=output[:n], sinks=self.sinks, **scales)
         return output
 
     def graph_safe_forward(self, layer, query, key, value, k_cache, v_cache, attn_metadata: PrefixAttnMetadata,
-                           output: torch.Tensor) -> torch.Tensor:
+                           output: torch.Tensor, scales: dict) -> torch.Tensor:
         """A step that a full CUDA graph may capture or replay: every op covers all of vLLM's padded rows (the
         captured shapes), the KV write skips padding slots (-1), and the attention is the wrapper's
         capacity-fixed launch over the static ``query``/``output`` (rows past the plan's tokens are not touched)."""
@@ -352,8 +397,9 @@ class PrefixAttnImpl(AttentionImpl[PrefixAttnMetadata]):
         n = slots.shape[0]  # num_actual_tokens: the padded rows of a full graph (vLLM's own backends slice to it)
         if self.kv_sharing_target_layer_name is None and key is not None and value is not None:
             write_kv_cache(key[:n], value[:n], k_cache, v_cache, slots, k_scale=getattr(layer, "_k_scale", None),
-                           v_scale=getattr(layer, "_v_scale", None))  # padding slots (-1) are skipped
-        attn.run(query[:n], k_cache, v_cache, out=output[:n])
+                           v_scale=getattr(layer, "_v_scale", None),
+                           kv_cache_dtype=self.kv_cache_dtype)  # padding slots (-1) are skipped
+        attn.run(query[:n], k_cache, v_cache, out=output[:n], sinks=self.sinks, **scales)
         return output
 
 
@@ -371,6 +417,26 @@ def kv_cache_dtype_mismatch(kv_cache_dtype: str | None, model_dtype: torch.dtype
             "(prefixattn reads K/V in the dtype of q; use --kv-cache-dtype auto)")
 
 
+def fp8_cache_dtype(kv_cache_dtype: str | None) -> torch.dtype | None:
+    """The torch fp8 dtype vLLM stores a ``kv_cache_dtype`` cache in (its tensors are uint8), or None (not fp8)."""
+    if kv_cache_dtype == "fp8_e5m2":
+        return torch.float8_e5m2
+    if kv_cache_dtype in ("fp8", "fp8_e4m3"):
+        from vllm.platforms import current_platform
+
+        return current_platform.fp8_dtype()
+    return None
+
+
+def fp8_unsupported(kv_cache_dtype: str | None) -> str | None:
+    """The refusal reason for an fp8 flavour the kernel does not read (ROCm's e4m3fnuz), or None."""
+    fp8 = fp8_cache_dtype(kv_cache_dtype)
+    if fp8 is None or fp8 in prefixattn.FP8_KV_DTYPES:
+        return None
+    return (f"kv_cache_dtype {kv_cache_dtype} is {str(fp8).replace('torch.', '')} on this platform (prefixattn reads "
+            "float8_e4m3fn and float8_e5m2 caches)")
+
+
 def refusal_reasons(*, head_size: int, kv_cache_dtype: str, model_dtype: torch.dtype | None = None,
                     alibi_slopes=None, sliding_window=None, logits_soft_cap=None,
                     attn_type: str = AttentionType.DECODER, extra_impl_args: dict | None = None) -> list[str]:
@@ -380,19 +446,22 @@ def refusal_reasons(*, head_size: int, kv_cache_dtype: str, model_dtype: torch.d
         reasons.append("head_size not supported")
     if kv_cache_dtype not in PrefixAttnBackend.supported_kv_cache_dtypes:
         reasons.append("kv_cache_dtype not supported")
-    elif (mismatch := kv_cache_dtype_mismatch(kv_cache_dtype, model_dtype)) is not None:
+    elif (mismatch := kv_cache_dtype_mismatch(kv_cache_dtype, model_dtype) or fp8_unsupported(kv_cache_dtype)):
         reasons.append(mismatch)
     if attn_type != AttentionType.DECODER:
         reasons.append(f"attention type {attn_type} not supported")
-    if sliding_window is not None:
-        reasons.append("sliding window not supported")
+    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                                       or sliding_window < 1):
+        reasons.append(f"sliding window {sliding_window!r} not supported (expected a positive int)")
     if alibi_slopes is not None:
         reasons.append("ALiBi not supported")
-    if logits_soft_cap not in (None, 0, 0.0):
-        reasons.append("logits soft-cap not supported")
+    if logits_soft_cap is not None and not (isinstance(logits_soft_cap, (int, float)) and logits_soft_cap >= 0):
+        reasons.append(f"logits soft-cap {logits_soft_cap!r} not supported")
     extra = extra_impl_args or {}
-    if extra.get("sinks") is not None:
-        reasons.append("attention sinks not supported")
+    sinks = extra.get("sinks")
+    if sinks is not None and (not isinstance(sinks, torch.Tensor) or sinks.dim() != 1
+                              or sinks.dtype not in prefixattn.SINK_DTYPES):
+        reasons.append("attention sinks not supported (expected a 1-D fp32/bf16/fp16 tensor, one per head)")
     for name, value in extra.items():
         if name != "sinks" and value not in (None, False, -1):
             reasons.append(f"{name}={value!r} not supported")
@@ -435,20 +504,37 @@ def _engine_write_fits(key, value, k_cache, v_cache, slot_mapping) -> bool:
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    slot_mapping: torch.Tensor, *, k_scale: torch.Tensor | None = None,
-                   v_scale: torch.Tensor | None = None) -> None:
+                   v_scale: torch.Tensor | None = None, kv_cache_dtype: str = "auto") -> None:
     """Store ``key``/``value`` ``[n, Hkv, D]`` at flat slots ``slot_mapping`` ``[n]`` of the ``[B, N, Hkv, D]``
     views, in place: one launch, no host synchronization; slot -1 (vLLM's padding) is skipped.
 
     vLLM's own ``reshape_and_cache_flash`` when this build has it and the tensors have the strides it assumes (it
-    takes the layer's ``k_scale``/``v_scale`` tensors, unused for an unquantized cache), else
-    :func:`prefixattn.write_kv` (any strides; the path on CPU builds).
+    takes the layer's ``k_scale``/``v_scale`` tensors and quantizes an fp8 cache as ``x / scale``), else
+    :func:`prefixattn.write_kv` (any strides; the path on CPU builds). An fp8 cache on a build without vLLM's op
+    takes :func:`_write_fp8_kv_torch` (a few torch ops: ``prefixattn.write_kv`` does not quantize).
     """
     op = engine_cache_write_op()
     if (op is not None and k_scale is not None and v_scale is not None
             and _engine_write_fits(key, value, k_cache, v_cache, slot_mapping)):
-        op(key, value, k_cache, v_cache, slot_mapping, "auto", k_scale, v_scale)
+        op(key, value, k_cache, v_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
+    elif k_cache.dtype in prefixattn.FP8_KV_DTYPES:
+        _write_fp8_kv_torch(key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
     else:
         prefixattn.write_kv(key, value, k_cache, v_cache, slot_mapping)
+
+
+def _write_fp8_kv_torch(key, value, k_cache, v_cache, slot_mapping, *, k_scale, v_scale) -> None:
+    """fp8 cache write without vLLM's op: quantize as vLLM does (``x / scale``, then the cast) and store at the
+    non-padding slots. Several small ops (a mask, two divisions, two casts, two ``index_put_``): the fallback of
+    CPU builds, not the GPU path."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].to(torch.long)
+    block_size = k_cache.shape[1]
+    blocks, offsets = slots // block_size, slots % block_size
+    k = key[keep] if k_scale is None else key[keep] / k_scale
+    v = value[keep] if v_scale is None else value[keep] / v_scale
+    k_cache.index_put_((blocks, offsets), k.to(k_cache.dtype))
+    v_cache.index_put_((blocks, offsets), v.to(v_cache.dtype))
 
 
 #: Configurations already warmed up in this process -> their report (vLLM makes a builder per KV cache group and

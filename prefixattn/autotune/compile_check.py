@@ -457,6 +457,9 @@ def build_jobs(*, targets, kernels, dtypes, head_dims, lse=(False, True), max_co
                                 jobs.append(cs.fused_job(target=target, dtype=dtype, head_dim=head_dim, config=cfg,
                                                          variant=mode, has_lse=has_lse, has_shared=has_shared,
                                                          default=configs is None, param_names=fused_names))
+                    if pairs:  # issue 19's feature variants (fp8 K/V, soft cap, window, sinks), first config
+                        jobs += cs.feature_jobs(target=target, dtype=dtype, head_dim=head_dim, config=pairs[0][1],
+                                                param_names=fused_names, default=configs is None)
                 if "merge" in kernels:
                     jobs += cs.merge_jobs(target=target, dtype=dtype, head_dim=head_dim,
                                           config=heuristic_merge_config(head_dim, cs.NUM_QO_HEADS),

@@ -7,7 +7,8 @@ instructions. The jobs here reproduce that from a representative launch (Llama-3
 contiguous tensors), so the checked binaries are the ones users run.
 
 Variants of the fused kernel: its constexpr switches are ``HAS_LSE`` and ``USE_FP32_DOT`` (tied to the fp32 dtype
-on GPUs) plus the tile sizes; decode and chunked prefill differ in the config the lookup picks for them (suffix
+on GPUs) plus the tile sizes, and the issue-19 feature switches (``HAS_SOFT_CAP``, ``HAS_WINDOW``, ``HAS_SINKS``,
+``HAS_KV_SCALE`` with fp8 K/V pointers, ``USE_NAN_GUARD``), off in the default variants and on in :func:`feature_jobs`; decode and chunked prefill differ in the config the lookup picks for them (suffix
 tiles shaped for one row per request or for a prefill chunk). Split-k and shared/suffix merging are run-time paths
 of every binary (work items and the in-kernel last-arriver merge), so each record lists them under ``serves``.
 """
@@ -37,6 +38,23 @@ NUM_STATES = 3
 _LARGE_TENSORS = ("k_cache_ptr", "v_cache_ptr")
 #: Alignment Triton checks for its divisibility hint.
 _ALIGN = 16
+#: Representative feature values: Gemma 2's attention soft cap (50) and Mistral's 4096-token window (W = S - 1).
+REPRESENTATIVE_SOFT_CAP = 50.0
+REPRESENTATIVE_WINDOW_LEFT = 4095
+#: The kernel's feature switches (issue 19), all off in the default variants.
+FEATURE_SWITCHES = ("HAS_SOFT_CAP", "HAS_WINDOW", "HAS_SINKS", "HAS_KV_SCALE", "USE_NAN_GUARD")
+#: Triton's names of the fp8 KV-cache element types: torch.float8_e4m3fn and torch.float8_e5m2.
+FP8_KV_TYPES = ("fp8e4nv", "fp8e5")
+#: Triton compiles fp8e4nv (OCP e4m3) for NVIDIA from sm_89 on; sm_80 takes only e5m2 ("type fp8e4nv not supported
+#: in this architecture", Triton 3.9), which prefixattn.attention() refuses there with a ValueError.
+FP8_E4M3_MIN_CUDA_ARCH = 89
+
+
+def fp8_kv_types(target: Target) -> tuple:
+    """The fp8 KV element types ``target`` compiles (Triton names)."""
+    if not target.is_hip and int(target.arch) < FP8_E4M3_MIN_CUDA_ARCH:
+        return FP8_KV_TYPES[1:]
+    return FP8_KV_TYPES
 
 
 @dataclass(frozen=True)
@@ -127,12 +145,17 @@ def fused_launch_values(head_dim: int) -> dict:
         stride_k_blk=kv[0], stride_k_tok=kv[1], stride_k_head=kv[2], stride_k_d=kv[3],
         stride_v_blk=kv[0], stride_v_tok=kv[1], stride_v_head=kv[2], stride_v_d=kv[3],
         stride_bt_r=MAX_BLOCKS,
+        # Feature scalars (read only behind their switches): a Gemma-2-like cap, a Mistral-like window (4096 - 1).
+        soft_cap_log2=REPRESENTATIVE_SOFT_CAP * 1.4426950408889634, window_left=REPRESENTATIVE_WINDOW_LEFT,
+        v_scale=1.0,
     )
 
 
-def fused_pointer_dtypes(dtype: str) -> dict:
-    return {"out_ptr": dtype, "q_ptr": dtype, "k_cache_ptr": dtype, "v_cache_ptr": dtype,
+def fused_pointer_dtypes(dtype: str, kv_dtype: str | None = None) -> dict:
+    kv = kv_dtype or dtype
+    return {"out_ptr": dtype, "q_ptr": dtype, "k_cache_ptr": kv, "v_cache_ptr": kv,
             "lse_ptr": "fp32", "ws_o_ptr": "fp32", "ws_lse_ptr": "fp32",
+            "sinks_ptr": "fp32", "k_scale_ptr": "fp32", "v_scale_ptr": "fp32",
             "counters_ptr": "i32", "num_items_ptr": "i32", "items_ptr": "i32", "gather_ptr": "i32",
             "mrows_ptr": "i32", "block_table_ptr": "i32"}
 
@@ -145,27 +168,36 @@ def _param_names(fn_path: str) -> list[str]:
 
 
 def fused_job(*, target: Target, dtype: str, head_dim: int, config: AttentionConfig, variant: str,
-              has_lse: bool, has_shared: bool = True, default: bool = True, param_names=None) -> CompileJob:
+              has_lse: bool, has_shared: bool = True, default: bool = True, param_names=None,
+              features: tuple = (), kv_dtype: str | None = None) -> CompileJob:
     """The fused kernel with ``config`` (``param_names``: the kernel's arguments; imported when not given).
 
     ``has_shared=False`` is a launch of suffix items only (kernels with a ``HAS_SHARED`` switch compile the shared
-    branch out; they run under ``config.suffix_launch``).
+    branch out; they run under ``config.suffix_launch``). ``features``: feature switches to turn on (of
+    :data:`FEATURE_SWITCHES`); ``kv_dtype``: the K/V cache element type when it differs from ``dtype`` (fp8).
     """
     bd = block_d(head_dim)
     names = param_names if param_names is not None else _param_names(FUSED_KERNEL)
     use_fp32_dot = dtype == "fp32"  # what plan() sets on a GPU: fp32 inputs keep IEEE fp32 dots
     constexprs = dict(HAS_LSE=has_lse, USE_FP32_DOT=use_fp32_dot, IS_HIP=target.is_hip, PAGE_SIZE=page_size_constexpr(BLOCK_SIZE), BLOCK_D=bd,
                       **config.constexprs())
+    for switch in FEATURE_SWITCHES:
+        if switch in names:
+            constexprs[switch] = switch in features
+        elif switch in features:
+            raise ValueError(f"fused_job: the kernel has no {switch} switch")
     switchable = "HAS_SHARED" in names
     if switchable:
         constexprs["HAS_SHARED"] = has_shared
     elif not has_shared:
         raise ValueError("fused_job: has_shared=False needs a kernel with a HAS_SHARED switch")
-    sig, consts, attrs = build_signature(names, fused_pointer_dtypes(dtype), fused_launch_values(head_dim),
+    sig, consts, attrs = build_signature(names, fused_pointer_dtypes(dtype, kv_dtype), fused_launch_values(head_dim),
                                          constexprs, target)
     bm, bn = config.shared.block_m, config.shared.block_n
     launch = config.launch_for(has_shared)
-    name = variant + ("" if has_shared else "/suffix-only") + ("+lse" if has_lse else "")
+    name = (variant + ("" if has_shared else "/suffix-only") + ("+lse" if has_lse else "")
+            + "".join("+" + f.split("_", 1)[1].lower() for f in FEATURE_SWITCHES if f in features)
+            + (f"+{kv_dtype}" if kv_dtype else ""))
     serves = (variant, "split_k", "in-kernel merge") if has_shared else (variant + " without shared nodes", "split_k")
     return CompileJob(
         kernel="prefix_attention", variant=name, dtype=dtype, head_dim=head_dim,
@@ -191,6 +223,26 @@ def decode_suffix_register_budget(target: Target, dtype: str, head_dim: int, con
     if target.is_hip or part_registers(config.suffix, head_dim, dtype, lo.num_warps, target) > DECODE_SUFFIX_MAX_REGS:
         return 0
     return DECODE_SUFFIX_MAX_REGS
+
+
+def feature_jobs(*, target: Target, dtype: str, head_dim: int, config: AttentionConfig, param_names=None,
+                 default: bool = True) -> list[CompileJob]:
+    """The issue-19 variants of one (target, dtype, head size, config), on top of its default variants: fp8 e4m3
+    K/V with scales (shared + suffix launch, the production decode setting; e5m2 where the target has no e4m3),
+    fp8 e5m2 K/V (suffix-only), and soft cap + sliding window + sinks + the NaN guard (with shared items). fp32
+    inputs get only the last one (no engine pairs an fp32 model with an fp8 cache). Empty for a kernel without the
+    switches."""
+    names = param_names if param_names is not None else _param_names(FUSED_KERNEL)
+    if not all(f in names for f in FEATURE_SWITCHES):
+        return []
+    specs = [(True, ("HAS_SOFT_CAP", "HAS_WINDOW", "HAS_SINKS", "USE_NAN_GUARD"), None)]
+    if dtype != "fp32":
+        fp8 = fp8_kv_types(target)
+        specs += [(True, ("HAS_KV_SCALE",), fp8[0]), (False, ("HAS_KV_SCALE",), fp8[-1])]
+    return [fused_job(target=target, dtype=dtype, head_dim=head_dim, config=config, variant="decode", has_lse=True,
+                      has_shared=has_shared, default=default, param_names=names, features=features,
+                      kv_dtype=kv_dtype)
+            for has_shared, features, kv_dtype in specs]
 
 
 def required_pipeline_depth(target: Target) -> int:

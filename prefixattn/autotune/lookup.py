@@ -13,7 +13,8 @@ timed hot path. The chain, first match wins:
    ``plan()`` knows neither the rows per shared node nor the shared KV length before it builds its tree, so exact
    buckets would rarely match.
 4. **shipped**: the package's ``configs/<target>.json``, nearest bucket (same head size and dtype, or another head
-   size with the same padded ``BLOCK_D``; bf16 and fp16 stand in for each other).
+   size with the same padded ``BLOCK_D``, or, for a head size no table lists, the nearest larger ``BLOCK_D``; bf16 and
+   fp16 stand in for each other).
 5. **user-cache** nearest bucket (a device family without a shipped table).
 6. **cost-model**: the analytic model's best survivor of the pruned space (:mod:`~prefixattn.autotune.cost_model`).
 7. **heuristic**, if nothing survives.
@@ -216,7 +217,17 @@ def _stand_ins(bucket: Bucket) -> list[tuple[int, str]]:
     same_bd = sorted((h for h in HEAD_DIMS if h != bucket.head_dim and block_d(h) == block_d(bucket.head_dim)),
                      key=lambda h: (abs(h - bucket.head_dim), h))
     pairs += [(h, dt) for h in same_bd for dt in dtypes]
+    if bucket.head_dim not in HEAD_DIMS:
+        pairs += [(h, dt) for h in _padded_rows(bucket.head_dim) for dt in dtypes]
     return pairs
+
+
+def _padded_rows(head_dim: int) -> list[int]:
+    """Tabled head sizes with a larger padded ``BLOCK_D``, smallest ``BLOCK_D`` and then nearest first: the rows a
+    head size without a row of its own falls back to (any multiple of 8 from 32 runs; 32 pads to a 32-wide tile no
+    table has). A config that fits the larger tile fits the smaller one (fewer registers and less shared memory)."""
+    return sorted((h for h in HEAD_DIMS if block_d(h) > block_d(head_dim)),
+                  key=lambda h: (block_d(h), abs(h - head_dim), h))
 
 
 def nearest_entry(bucket: Bucket, table: dict, target: Target | None, group: int | None = None,

@@ -15,7 +15,22 @@ to ``out`` (a request whose rows have a single state: plain paged attention) or 
 All arithmetic is fp32 right after each load (the interpreter computes bf16 on raw bits); ``tl.dot`` gets the input
 dtype on GPUs (tensor cores) unless ``USE_FP32_DOT``. Softmax runs in base 2 (``exp2``, scores pre-scaled by
 ``sm_scale * log2(e)``); LSEs are stored in natural log. NaN in q or in a visible K/V row gives NaN out: a row is
-empty (output 0, LSE -inf) only when its softmax denominator is exactly 0, never when it is NaN.
+empty (output 0, LSE -inf) only when its softmax denominator is exactly 0, never when it is NaN. A non-finite V
+value at a key a row does not see but that a masked tile loads (causal diagonal, window edge) reaches the row
+through ``0 * NaN`` in the P @ V dot unless ``USE_NAN_GUARD`` (:func:`_redo_exact`; ``plan(nan_guard=True)``).
+
+Features, each a constexpr switch that compiles to nothing when off (issue 19):
+* ``HAS_SOFT_CAP``: each scaled logit ``s`` becomes ``c * tanh(s / c)``; the cap acts on the natural-log logit, so
+  the host passes ``qk_scale = sm_scale / c`` and ``soft_cap_log2 = c * log2(e)`` and the base-2 conversion follows
+  the tanh.
+* ``HAS_WINDOW``: the query at KV position ``p`` sees keys ``p - window_left .. p``; suffix items skip KV tiles wholly
+  left of every row's window and mask only the tiles at the window's edge. Shared items need no mask: the planner
+  shares only KV that every row of every member sees (:mod:`prefixattn.window`).
+* ``HAS_SINKS``: one logit per query head joins each row's softmax denominator exactly once, where the row's final
+  state is formed (a single-state row's store, or the last-arriver merge), never per partial state. The stored LSE
+  includes the sink; a row with no visible KV gives ``(0, sink)``.
+* ``HAS_KV_SCALE``: per-tensor K/V scales read by pointer (fp8 caches): ``k_scale`` joins ``qk_scale``, ``v_scale``
+  multiplies each item's output state (both linear, so no per-tile cost). fp8 K/V are upcast right after the load.
 """
 
 import triton
@@ -25,6 +40,7 @@ from prefixattn.kernels import layout as L
 from prefixattn.kernels.merge_states import _weight
 
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
@@ -45,20 +61,70 @@ def _load_block_ids(block_row_ptr, pos, kv_hi, block_size, PAGE_SIZE: tl.constex
 
 
 @triton.jit
+def _tanh(x):
+    """tanh from exp2 (portable across Triton versions and backends): +-1 at the extremes, NaN stays NaN."""
+    return 1.0 - 2.0 / (tl.math.exp2(x * (2.0 * LOG2E)) + 1.0)
+
+
+@triton.jit
+def _redo_exact(
+    q,  # [BLOCK_M, BLOCK_D] query tile in the dot dtype
+    q_pos,  # [BLOCK_M] KV position of each lane's query
+    m_i,  # [BLOCK_M] final running maximum (log2 units): V never changes it
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_row_ptr,  # [max_blocks]
+    kv_head, kv_lo, kv_hi, block_size, head_dim, qk_scale, soft_cap_log2, window_left,
+    stride_k_blk, stride_k_tok, stride_k_head, stride_k_d,
+    stride_v_blk, stride_v_tok, stride_v_head, stride_v_d,
+    HAS_SOFT_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """The un-normalized output of a suffix item over [kv_lo, kv_hi), one key at a time, each key's value added only
+    to the rows that weigh it: the reference's per-key sum. Run only when the tiled result came out non-finite, so
+    that a non-finite V at a key hidden from a row (causal diagonal or window edge of a tile, where the dot gives
+    0 * NaN = NaN) cannot reach that row; rows that see it, and NaN in q or K, stay NaN. Slow (no dot), and only
+    for items whose result is non-finite anyway. Behind ``USE_NAN_GUARD``: its check alone raises the decode
+    launch's registers (see the call site)."""
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < head_dim
+    m_shift = tl.where(m_i == float("-inf"), 0.0, m_i)
+    qf = q.to(tl.float32)
+    acc = tl.zeros([q.shape[0], BLOCK_D], tl.float32)
+    for key in range(kv_lo, kv_hi):
+        page, slot = _page_and_slot(pos=key, block_size=block_size, PAGE_SIZE=PAGE_SIZE)
+        blk = tl.load(block_row_ptr + page).to(tl.int64)
+        k = tl.load(k_cache_ptr + blk * stride_k_blk + slot.to(tl.int64) * stride_k_tok
+                    + kv_head.to(tl.int64) * stride_k_head + offs_d * stride_k_d, mask=mask_d, other=0.0)
+        v = tl.load(v_cache_ptr + blk * stride_v_blk + slot.to(tl.int64) * stride_v_tok
+                    + kv_head.to(tl.int64) * stride_v_head + offs_d * stride_v_d, mask=mask_d, other=0.0)
+        s = tl.sum(qf * k.to(tl.float32)[None, :], 1) * qk_scale
+        if HAS_SOFT_CAP:
+            s = _tanh(x=s) * soft_cap_log2
+        visible = key <= q_pos
+        if HAS_WINDOW:
+            visible = visible & (key >= q_pos - window_left)
+        p = tl.where(visible, tl.math.exp2(s - m_shift), 0.0)
+        # p != 0 is true for NaN: a NaN weight still reaches its row; a zero weight never multiplies V.
+        acc += tl.where((p != 0.0)[:, None], p[:, None] * v.to(tl.float32)[None, :], 0.0)
+    return acc
+
+
+@triton.jit
 def _attend_range(
     acc, m_i, l_i,  # running state: [BLOCK_M, BLOCK_D] fp32, [BLOCK_M] fp32 (log2 units), [BLOCK_M] fp32
     q,  # [BLOCK_M, BLOCK_D] query tile in the dot dtype (scores are scaled after the dot: one rounding less)
-    q_pos,  # [BLOCK_M] last visible KV position of each lane (used only when APPLY_CAUSAL)
+    q_pos,  # [BLOCK_M] KV position of each lane's query: its last visible key (APPLY_CAUSAL), window from it
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     block_row_ptr,  # [max_blocks] the block-table row of the item's representative request
-    kv_head, kv_lo, kv_hi, block_size, head_dim, qk_scale,
+    kv_head, kv_lo, kv_hi, block_size, head_dim, qk_scale, soft_cap_log2, window_left,
     stride_k_blk, stride_k_tok, stride_k_head, stride_k_d,
     stride_v_blk, stride_v_tok, stride_v_head, stride_v_d,
-    APPLY_CAUSAL: tl.constexpr, USE_FP32_DOT: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    APPLY_CAUSAL: tl.constexpr, APPLY_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr,
+    USE_FP32_DOT: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Online softmax over KV positions [kv_lo, kv_hi), fp32 accumulation; the only copy of the attention math."""
+    """Online softmax over KV positions [kv_lo, kv_hi), fp32 accumulation; the only copy of the attention math.
+    ``APPLY_CAUSAL`` hides keys after each lane's query, ``APPLY_WINDOW`` keys before ``q_pos - window_left``."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < head_dim
@@ -90,9 +156,13 @@ def _attend_range(
         else:
             s = tl.dot(q, k.to(q.dtype))
         s = s * qk_scale
+        if HAS_SOFT_CAP:
+            s = _tanh(x=s) * soft_cap_log2  # qk_scale = sm_scale / c here: the cap acts before the base-2 scaling
         visible = in_range[None, :]
         if APPLY_CAUSAL:
             visible = visible & (pos[None, :] <= q_pos[:, None])
+        if APPLY_WINDOW:
+            visible = visible & (pos[None, :] >= q_pos[:, None] - window_left)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A lane that has seen nothing yet keeps m = -inf; shift by 0 there so exp2 gives 0, never NaN.
@@ -116,6 +186,7 @@ def _report_and_merge(
     ws_lse_ptr,  # [num_ws_rows, num_qo_heads] fp32
     counters_ptr,  # [num_mrows, num_qo_heads] int32
     mrows_ptr,  # [num_mrows, MROW_FIELDS] int32
+    sinks_ptr,  # [num_qo_heads] fp32/bf16/fp16 (read only when HAS_SINKS)
     tok,  # [BLOCK_M] int64 token of each lane
     head,  # [BLOCK_M] query head of each lane
     mrow,  # [BLOCK_M] merge row of each lane
@@ -125,7 +196,7 @@ def _report_and_merge(
     stride_lse_t, stride_lse_h,
     stride_ws_t, stride_ws_h, stride_ws_d,
     stride_wl_t, stride_wl_h,
-    HAS_LSE: tl.constexpr, IS_HIP: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_LSE: tl.constexpr, HAS_SINKS: tl.constexpr, IS_HIP: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Report this program's states (already stored) on their (merge row, head) counters, all lanes at once, and
     merge every (row, head) whose count this report completes, in one masked pass.
@@ -182,6 +253,14 @@ def _report_and_merge(
             acc = acc * rescale[:, None] + w[:, None] * v
             w_sum = w_sum * rescale + w
             m = m_new
+        if HAS_SINKS:
+            # The sink joins the merged denominator once, as one more state with no value.
+            sink = tl.load(sinks_ptr + head, mask=done, other=float("-inf")).to(tl.float32)
+            m_new = tl.maximum(m, sink)
+            rescale = _weight(s=m, m=m_new)
+            acc = acc * rescale[:, None]
+            w_sum = w_sum * rescale + _weight(s=sink, m=m_new)
+            m = m_new
         # Empty only when no state carried weight (w_sum exactly 0); a NaN state keeps the row NaN.
         empty = w_sum == 0.0
         o = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, w_sum)[:, None])
@@ -193,11 +272,23 @@ def _report_and_merge(
 
 
 @triton.jit
+def _with_sink(o, lse, sink):
+    """A row's final state ``(o, lse)`` (natural log) with the sink logit added to its denominator: ``(0, sink)``
+    for a row that saw nothing, unchanged for a -inf sink, NaN for a NaN state or sink."""
+    m = tl.maximum(lse, sink)
+    w_state = _weight(s=lse, m=m)
+    total = w_state + _weight(s=sink, m=m)
+    empty = total == 0.0
+    o = o * tl.where(empty, 0.0, w_state / tl.where(empty, 1.0, total))[:, None]
+    return o, tl.where(empty, float("-inf"), m + tl.log(tl.where(empty, 1.0, total)))
+
+
+@triton.jit
 def _run_item(
     out_ptr, lse_ptr, ws_o_ptr, ws_lse_ptr, counters_ptr,
-    q_ptr, k_cache_ptr, v_cache_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, sinks_ptr, k_scale_ptr, v_scale_ptr,
     items_ptr, gather_ptr, mrows_ptr, block_table_ptr,
-    item, kv_head, num_qo_heads, group, head_dim, block_size, qk_scale,
+    item, kv_head, num_qo_heads, group, head_dim, block_size, qk_scale, soft_cap_log2, window_left, v_scale,
     stride_o_t, stride_o_h, stride_o_d,
     stride_lse_t, stride_lse_h,
     stride_ws_t, stride_ws_h, stride_ws_d,
@@ -206,8 +297,10 @@ def _run_item(
     stride_k_blk, stride_k_tok, stride_k_head, stride_k_d,
     stride_v_blk, stride_v_tok, stride_v_head, stride_v_d,
     stride_bt_r,
-    IS_SHARED: tl.constexpr, HAS_LSE: tl.constexpr, USE_FP32_DOT: tl.constexpr, IS_HIP: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    IS_SHARED: tl.constexpr, HAS_LSE: tl.constexpr, HAS_SOFT_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SINKS: tl.constexpr, HAS_KV_SCALE: tl.constexpr, USE_NAN_GUARD: tl.constexpr, USE_FP32_DOT: tl.constexpr,
+    IS_HIP: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     it = items_ptr + item * L.ITEM_FIELDS
     req = tl.load(it + L.ITEM_REQ).to(tl.int64)
@@ -243,37 +336,82 @@ def _run_item(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     block_row_ptr = block_table_ptr + req * stride_bt_r
+    if HAS_KV_SCALE:
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
+    kv_lo = kv_start
+    if HAS_WINDOW and not IS_SHARED:
+        # KV left of the first row's window is seen by no row of the item: skip those tiles.
+        kv_lo = tl.minimum(tl.maximum(kv_start, q_pos0 - window_left), kv_end)
+    kv_first = kv_lo
     if IS_SHARED:
         # A shared node ends at or before its requests' first query position: no row is masked.
         kv_mid = kv_end
     else:
         # Positions < q_pos0 + 1 are visible to every row of the tile: full tiles there skip the causal mask.
-        kv_mid = tl.minimum(tl.maximum(q_pos0 + 1, kv_start), kv_end)
-        kv_mid = kv_start + ((kv_mid - kv_start) // BLOCK_N) * BLOCK_N
+        kv_mid = tl.minimum(tl.maximum(q_pos0 + 1, kv_lo), kv_end)
+        kv_mid = kv_lo + ((kv_mid - kv_lo) // BLOCK_N) * BLOCK_N
+    if HAS_WINDOW and not IS_SHARED:
+        # Keys >= the last row's window start are in every row's window: only the tiles before it need the mask.
+        win_full = tl.minimum(tl.maximum(q_pos0 + num_rows - 1 - window_left, kv_lo), kv_mid)
+        win_end = tl.minimum(kv_lo + tl.cdiv(win_full - kv_lo, BLOCK_N) * BLOCK_N, kv_mid)
+        acc, m_i, l_i = _attend_range(
+            acc=acc, m_i=m_i, l_i=l_i, q=q, q_pos=q_pos, k_cache_ptr=k_cache_ptr, v_cache_ptr=v_cache_ptr,
+            block_row_ptr=block_row_ptr, kv_head=kv_head, kv_lo=kv_lo, kv_hi=win_end, block_size=block_size,
+            head_dim=head_dim, qk_scale=qk_scale, soft_cap_log2=soft_cap_log2, window_left=window_left,
+            stride_k_blk=stride_k_blk, stride_k_tok=stride_k_tok, stride_k_head=stride_k_head,
+            stride_k_d=stride_k_d,
+            stride_v_blk=stride_v_blk, stride_v_tok=stride_v_tok, stride_v_head=stride_v_head,
+            stride_v_d=stride_v_d,
+            APPLY_CAUSAL=False, APPLY_WINDOW=True, HAS_SOFT_CAP=HAS_SOFT_CAP, USE_FP32_DOT=USE_FP32_DOT,
+            PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+        )
+        kv_lo = win_end
     acc, m_i, l_i = _attend_range(
         acc=acc, m_i=m_i, l_i=l_i, q=q, q_pos=q_pos, k_cache_ptr=k_cache_ptr, v_cache_ptr=v_cache_ptr,
-        block_row_ptr=block_row_ptr, kv_head=kv_head, kv_lo=kv_start, kv_hi=kv_mid, block_size=block_size,
-        head_dim=head_dim, qk_scale=qk_scale,
+        block_row_ptr=block_row_ptr, kv_head=kv_head, kv_lo=kv_lo, kv_hi=kv_mid, block_size=block_size,
+        head_dim=head_dim, qk_scale=qk_scale, soft_cap_log2=soft_cap_log2, window_left=window_left,
         stride_k_blk=stride_k_blk, stride_k_tok=stride_k_tok, stride_k_head=stride_k_head, stride_k_d=stride_k_d,
         stride_v_blk=stride_v_blk, stride_v_tok=stride_v_tok, stride_v_head=stride_v_head, stride_v_d=stride_v_d,
-        APPLY_CAUSAL=False, USE_FP32_DOT=USE_FP32_DOT, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+        APPLY_CAUSAL=False, APPLY_WINDOW=False, HAS_SOFT_CAP=HAS_SOFT_CAP, USE_FP32_DOT=USE_FP32_DOT,
+        PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
     )
     if not IS_SHARED:
         acc, m_i, l_i = _attend_range(
             acc=acc, m_i=m_i, l_i=l_i, q=q, q_pos=q_pos, k_cache_ptr=k_cache_ptr, v_cache_ptr=v_cache_ptr,
             block_row_ptr=block_row_ptr, kv_head=kv_head, kv_lo=kv_mid, kv_hi=kv_end, block_size=block_size,
-            head_dim=head_dim, qk_scale=qk_scale,
+            head_dim=head_dim, qk_scale=qk_scale, soft_cap_log2=soft_cap_log2, window_left=window_left,
             stride_k_blk=stride_k_blk, stride_k_tok=stride_k_tok, stride_k_head=stride_k_head,
             stride_k_d=stride_k_d,
             stride_v_blk=stride_v_blk, stride_v_tok=stride_v_tok, stride_v_head=stride_v_head,
             stride_v_d=stride_v_d,
-            APPLY_CAUSAL=True, USE_FP32_DOT=USE_FP32_DOT, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+            APPLY_CAUSAL=True, APPLY_WINDOW=HAS_WINDOW, HAS_SOFT_CAP=HAS_SOFT_CAP, USE_FP32_DOT=USE_FP32_DOT,
+            PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
         )
+
+    if USE_NAN_GUARD and not IS_SHARED:
+        # Masked tiles (causal diagonal, window edge) load keys hidden from some rows, and the dot gives 0 * NaN =
+        # NaN for them: an item whose result is non-finite is redone key by key (never, for finite inputs). Shared
+        # items mask nothing. A switch because even this check costs registers: sm_90, bf16, d128, suffix-only
+        # decode launch: 80 -> 138-144 registers (compile-check, Triton 3.9; an in-loop variant cost 141-231).
+        num_bad = tl.sum(tl.sum((mask_m[:, None] & ~(tl.abs(acc) < float("inf"))).to(tl.int32), 1), 0)
+        if num_bad > 0:
+            acc = _redo_exact(
+                q=q, q_pos=q_pos, m_i=m_i, k_cache_ptr=k_cache_ptr, v_cache_ptr=v_cache_ptr,
+                block_row_ptr=block_row_ptr, kv_head=kv_head, kv_lo=kv_first, kv_hi=kv_end, block_size=block_size,
+                head_dim=head_dim, qk_scale=qk_scale, soft_cap_log2=soft_cap_log2, window_left=window_left,
+                stride_k_blk=stride_k_blk, stride_k_tok=stride_k_tok, stride_k_head=stride_k_head,
+                stride_k_d=stride_k_d,
+                stride_v_blk=stride_v_blk, stride_v_tok=stride_v_tok, stride_v_head=stride_v_head,
+                stride_v_d=stride_v_d,
+                HAS_SOFT_CAP=HAS_SOFT_CAP, HAS_WINDOW=HAS_WINDOW, PAGE_SIZE=PAGE_SIZE, BLOCK_D=BLOCK_D,
+            )
 
     # The state of this item's rows. A row is empty (no visible KV, possible in a causal split chunk) only when its
     # denominator is exactly 0: NaN scores make it NaN, and NaN must reach the output.
     empty = l_i == 0.0
     o = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None])
+    if HAS_KV_SCALE:
+        o = o * (v_scale * tl.load(v_scale_ptr))  # linear: partial states merge the same either way
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)
     if to_workspace:
         if IS_SHARED:
@@ -287,16 +425,19 @@ def _run_item(
         tl.store(ws_lse_ptr + ws_row * stride_wl_t + head * stride_wl_h, lse, mask=mask_m)
         _report_and_merge(
             out_ptr=out_ptr, lse_ptr=lse_ptr, ws_o_ptr=ws_o_ptr, ws_lse_ptr=ws_lse_ptr, counters_ptr=counters_ptr,
-            mrows_ptr=mrows_ptr, tok=tok, head=head, mrow=mrow, mask_m=mask_m,
+            mrows_ptr=mrows_ptr, sinks_ptr=sinks_ptr, tok=tok, head=head, mrow=mrow, mask_m=mask_m,
             num_qo_heads=num_qo_heads, head_dim=head_dim,
             stride_o_t=stride_o_t, stride_o_h=stride_o_h, stride_o_d=stride_o_d,
             stride_lse_t=stride_lse_t, stride_lse_h=stride_lse_h,
             stride_ws_t=stride_ws_t, stride_ws_h=stride_ws_h, stride_ws_d=stride_ws_d,
             stride_wl_t=stride_wl_t, stride_wl_h=stride_wl_h,
-            HAS_LSE=HAS_LSE, IS_HIP=IS_HIP, BLOCK_D=BLOCK_D,
+            HAS_LSE=HAS_LSE, HAS_SINKS=HAS_SINKS, IS_HIP=IS_HIP, BLOCK_D=BLOCK_D,
         )
     else:
         # The request's rows have this single state: plain paged attention, straight to the output.
+        if HAS_SINKS:
+            sink = tl.load(sinks_ptr + head, mask=mask_m, other=float("-inf")).to(tl.float32)
+            o, lse = _with_sink(o=o, lse=lse, sink=sink)
         tl.store(out_ptr + tok[:, None] * stride_o_t + head[:, None] * stride_o_h + offs_d[None, :] * stride_o_d,
                  o.to(out_ptr.dtype.element_ty), mask=mask_md)
         if HAS_LSE:
@@ -311,8 +452,11 @@ def prefix_attention_kernel(
     ws_lse_ptr,  # [num_ws_rows, num_qo_heads] fp32 partial LSEs (natural log)
     counters_ptr,  # [num_mrows, num_qo_heads] int32 arrivals; zeroed before every launch
     q_ptr,  # [num_tokens, num_qo_heads, head_dim]
-    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], dtype of q or fp8
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], dtype of k_cache
+    sinks_ptr,  # [num_qo_heads] fp32/bf16/fp16 sink logits (read only when HAS_SINKS)
+    k_scale_ptr,  # [1] fp32 K dequantization scale (read only when HAS_KV_SCALE)
+    v_scale_ptr,  # [1] fp32 V dequantization scale (read only when HAS_KV_SCALE)
     num_items_ptr,  # [1] int32 live work items: programs past them exit (a grid sized by capacity stays valid)
     items_ptr,  # [num_items, ITEM_FIELDS] int32 work items, longest first
     gather_ptr,  # [num_gather, GATHER_FIELDS] int32 packed rows of SHARED items
@@ -322,7 +466,10 @@ def prefix_attention_kernel(
     group,
     head_dim,
     block_size,
-    qk_scale,  # sm_scale * log2(e)
+    qk_scale,  # sm_scale * log2(e); with HAS_SOFT_CAP sm_scale / c (x a float k_scale)
+    soft_cap_log2,  # c * log2(e) (used only when HAS_SOFT_CAP)
+    window_left,  # W: the query at position p sees keys p - W .. p (used only when HAS_WINDOW)
+    v_scale,  # float V scale, times *v_scale_ptr (used only when HAS_KV_SCALE)
     stride_o_t, stride_o_h, stride_o_d,
     stride_lse_t, stride_lse_h,
     stride_ws_t, stride_ws_h, stride_ws_d,
@@ -333,6 +480,11 @@ def prefix_attention_kernel(
     stride_bt_r,
     HAS_LSE: tl.constexpr,
     HAS_SHARED: tl.constexpr,
+    HAS_SOFT_CAP: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    HAS_KV_SCALE: tl.constexpr,
+    USE_NAN_GUARD: tl.constexpr,  # non-finite V at keys a row does not see never reaches it (plan(nan_guard=True))
     USE_FP32_DOT: tl.constexpr,
     IS_HIP: tl.constexpr,  # AMD: every wave waits for its own workspace stores before reporting
     PAGE_SIZE: tl.constexpr,
@@ -358,10 +510,12 @@ def prefix_attention_kernel(
     if is_shared:
         _run_item(
             out_ptr=out_ptr, lse_ptr=lse_ptr, ws_o_ptr=ws_o_ptr, ws_lse_ptr=ws_lse_ptr, counters_ptr=counters_ptr,
-            q_ptr=q_ptr, k_cache_ptr=k_cache_ptr, v_cache_ptr=v_cache_ptr,
+            q_ptr=q_ptr, k_cache_ptr=k_cache_ptr, v_cache_ptr=v_cache_ptr, sinks_ptr=sinks_ptr,
+            k_scale_ptr=k_scale_ptr, v_scale_ptr=v_scale_ptr,
             items_ptr=items_ptr, gather_ptr=gather_ptr, mrows_ptr=mrows_ptr, block_table_ptr=block_table_ptr,
             item=item, kv_head=kv_head, num_qo_heads=num_qo_heads, group=group, head_dim=head_dim,
-            block_size=block_size, qk_scale=qk_scale,
+            block_size=block_size, qk_scale=qk_scale, soft_cap_log2=soft_cap_log2, window_left=window_left,
+            v_scale=v_scale,
             stride_o_t=stride_o_t, stride_o_h=stride_o_h, stride_o_d=stride_o_d,
             stride_lse_t=stride_lse_t, stride_lse_h=stride_lse_h,
             stride_ws_t=stride_ws_t, stride_ws_h=stride_ws_h, stride_ws_d=stride_ws_d,
@@ -372,16 +526,20 @@ def prefix_attention_kernel(
             stride_v_blk=stride_v_blk, stride_v_tok=stride_v_tok, stride_v_head=stride_v_head,
             stride_v_d=stride_v_d,
             stride_bt_r=stride_bt_r,
-            IS_SHARED=True, HAS_LSE=HAS_LSE, USE_FP32_DOT=USE_FP32_DOT, IS_HIP=IS_HIP,
+            IS_SHARED=True, HAS_LSE=HAS_LSE, HAS_SOFT_CAP=HAS_SOFT_CAP, HAS_WINDOW=HAS_WINDOW,
+            HAS_SINKS=HAS_SINKS, HAS_KV_SCALE=HAS_KV_SCALE, USE_NAN_GUARD=USE_NAN_GUARD,
+            USE_FP32_DOT=USE_FP32_DOT, IS_HIP=IS_HIP,
             PAGE_SIZE=PAGE_SIZE, BLOCK_M=BLOCK_M_SHARED, BLOCK_N=BLOCK_N_SHARED, BLOCK_D=BLOCK_D,
         )
     else:
         _run_item(
             out_ptr=out_ptr, lse_ptr=lse_ptr, ws_o_ptr=ws_o_ptr, ws_lse_ptr=ws_lse_ptr, counters_ptr=counters_ptr,
-            q_ptr=q_ptr, k_cache_ptr=k_cache_ptr, v_cache_ptr=v_cache_ptr,
+            q_ptr=q_ptr, k_cache_ptr=k_cache_ptr, v_cache_ptr=v_cache_ptr, sinks_ptr=sinks_ptr,
+            k_scale_ptr=k_scale_ptr, v_scale_ptr=v_scale_ptr,
             items_ptr=items_ptr, gather_ptr=gather_ptr, mrows_ptr=mrows_ptr, block_table_ptr=block_table_ptr,
             item=item, kv_head=kv_head, num_qo_heads=num_qo_heads, group=group, head_dim=head_dim,
-            block_size=block_size, qk_scale=qk_scale,
+            block_size=block_size, qk_scale=qk_scale, soft_cap_log2=soft_cap_log2, window_left=window_left,
+            v_scale=v_scale,
             stride_o_t=stride_o_t, stride_o_h=stride_o_h, stride_o_d=stride_o_d,
             stride_lse_t=stride_lse_t, stride_lse_h=stride_lse_h,
             stride_ws_t=stride_ws_t, stride_ws_h=stride_ws_h, stride_ws_d=stride_ws_d,
@@ -392,6 +550,8 @@ def prefix_attention_kernel(
             stride_v_blk=stride_v_blk, stride_v_tok=stride_v_tok, stride_v_head=stride_v_head,
             stride_v_d=stride_v_d,
             stride_bt_r=stride_bt_r,
-            IS_SHARED=False, HAS_LSE=HAS_LSE, USE_FP32_DOT=USE_FP32_DOT, IS_HIP=IS_HIP,
+            IS_SHARED=False, HAS_LSE=HAS_LSE, HAS_SOFT_CAP=HAS_SOFT_CAP, HAS_WINDOW=HAS_WINDOW,
+            HAS_SINKS=HAS_SINKS, HAS_KV_SCALE=HAS_KV_SCALE, USE_NAN_GUARD=USE_NAN_GUARD,
+            USE_FP32_DOT=USE_FP32_DOT, IS_HIP=IS_HIP,
             PAGE_SIZE=PAGE_SIZE, BLOCK_M=BLOCK_M_SUFFIX, BLOCK_N=BLOCK_N_SUFFIX, BLOCK_D=BLOCK_D,
         )

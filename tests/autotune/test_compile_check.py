@@ -211,10 +211,19 @@ def test_compile_check_one_head_dim_per_target(tmp_path):
     merges = [r for r in records if r["kernel"] != "prefix_attention"]
     # The kernel compiles two launch kinds per config: with shared items, and suffix-only (HAS_SHARED=False, the
     # shared branch compiled out). Each target gets one of each; only the first has a shared part to check.
+    # Issue 19's feature variants (fp8 K/V with scales, soft cap + window + sinks + NaN guard) on every target,
+    # next to the default variants.
+    features = [r for r in fused if any(f in r["variant"] for f in ("+kv_scale", "+soft_cap"))]
+    fused = [r for r in fused if r not in features]
     with_shared = [r for r in fused if "/suffix-only" not in r["variant"]]
     suffix_only = [r for r in fused if "/suffix-only" in r["variant"]]
     assert sorted((r["target"], r["head_dim"]) for r in with_shared) == sorted(CI_HEAD_DIMS.items())
     assert sorted((r["target"], r["head_dim"]) for r in suffix_only) == sorted(CI_HEAD_DIMS.items())
+    # sm80 has no fp8e4nv in Triton: its shared-launch fp8 variant is e5m2.
+    assert sorted((r["target"], r["variant"]) for r in features) == sorted(
+        (t, v) for t in CI_HEAD_DIMS for v in ("decode+lse+soft_cap+window+sinks+nan_guard",
+                                               "decode+lse+kv_scale+" + ("fp8e5" if t == "sm80" else "fp8e4nv"),
+                                               "decode/suffix-only+lse+kv_scale+fp8e5"))
     assert len(merges) == 2 * len(CI_HEAD_DIMS)
     for r in records:
         assert r["ok"] and r["spills"] == 0 and r["registers"] > 0
@@ -223,7 +232,7 @@ def test_compile_check_one_head_dim_per_target(tmp_path):
             assert r["pipeline"]["depth"] is not None, r["pipeline"]
             if not TARGETS[r["target"]].is_hip:
                 assert r["pipeline"]["depth"] >= 2, r["pipeline"]
-    for r in with_shared:
+    for r in with_shared + [r for r in features if "/suffix-only" not in r["variant"]]:
         assert r["shared_part_matrix"] is True, r
         assert r["matrix_instrs"]
     print(f"compile-check CI subset: {len(records)} compiles in {elapsed:.0f} s")

@@ -112,6 +112,18 @@ def test_shipped_lookup_uses_stand_ins_for_dtype_and_head_dim(monkeypatch):
     assert lookup.select_config(**{**SHAPE, "dtype": "fp32"}, target="sm80").source == "cost-model"
 
 
+def test_untabled_head_size_uses_the_nearest_padded_row(monkeypatch):
+    # 112 pads to BLOCK_D 128 (the d128 row), 192 to 256, 40 to 64; 32 has no BLOCK_D-32 row and takes the next
+    # larger padded one (64). A tabled size without its own row (64 here) still goes to the cost model.
+    rows = {make_bucket(head_dim=h, dtype="fp16", group=4, q_rows=256, max_q_len=1, kv_len=2048): cfg
+            for h, cfg in ((80, A), (256, B))}
+    _shipped(monkeypatch, rows)
+    for head_dim, want in ((112, A), (120, A), (192, B), (40, A), (32, A), (56, A)):
+        sel = lookup.select_config(**{**SHAPE, "head_dim": head_dim}, target="sm80")
+        assert (sel.source, sel.config) == ("shipped", want), head_dim
+    assert lookup.select_config(**{**SHAPE, "head_dim": 64}, target="sm80").source == "cost-model"
+
+
 def _write_cache(target, bucket, cfg, seconds=1e-5):
     cache = TuningCache(cache_path(target))
     cache.put(bucket, cfg, seconds)

@@ -144,13 +144,6 @@ def test_refuses_what_it_does_not_implement():
         backend.init_forward_metadata_out_graph(fb, in_capture=True)
     backend.init_forward_metadata(fb)
     q, k, v = eng.qkv(12)
-    eng.layer.sliding_window_size = 8
-    with pytest.raises(ValueError, match="sliding_window_size: expected -1 or None"):
-        backend.forward(q, k, v, eng.layer, fb)
-    eng.layer.sliding_window_size = -1
-    eng.layer.logit_cap = 30.0
-    with pytest.raises(ValueError, match="logit_cap: expected 0"):
-        backend.forward(q, k, v, eng.layer, fb)
 
     fb.forward_mode = ForwardMode.TARGET_VERIFY
     with pytest.raises(NotImplementedError, match="supports DECODE, EXTEND and MIXED batches, got TARGET_VERIFY"):
@@ -160,3 +153,33 @@ def test_refuses_what_it_does_not_implement():
     runner.token_to_kv_pool = object()
     with pytest.raises(ValueError, match="token_to_kv_pool: expected SGLang's MHATokenToKVPool"):
         PrefixAttnBackend(runner)
+
+
+def test_logit_cap_window_and_sinks_run_in_the_kernel():
+    """Gemma-2-like ``layer.logit_cap`` and ``layer.sliding_window_size``, gpt-oss-like ``sinks`` (the forward
+    keyword SGLang passes) against the reference on the backend's own pool and metadata (12 rows, window 5)."""
+    import prefixattn
+
+    eng = MiniEngine()
+    pool = eng.make_pool()
+    backend = PrefixAttnBackend(eng.runner(pool))
+    r = eng.add_request(SYSTEM)
+    fb = eng.batch({r: 12}, ForwardMode.EXTEND)
+    backend.init_forward_metadata(fb)
+    q, k, v = eng.qkv(12)
+    q = q * 4  # logits large enough for the cap to bend them
+    eng.layer.logit_cap = 2.0
+    eng.layer.sliding_window_size = 5  # FlashInfer's window_left, as SGLang's backends read it
+    sinks = torch.tensor([0.5, -1.0, 3.0, -2.0])
+    o = backend.forward(q, k, v, eng.layer, fb, sinks=sinks)
+    meta = backend.forward_metadata
+    k_cache = backend._paged(pool.get_key_buffer(0), "key")
+    v_cache = backend._paged(pool.get_value_buffer(0), "value")
+    q3 = q.reshape(-1, eng.num_heads, eng.head_dim)
+    want = prefixattn.reference_attention(q3, k_cache, v_cache, meta.qo_indptr, meta.kv_lens, meta.block_table,
+                                          sm_scale=float(eng.layer.scaling), logits_soft_cap=2.0, sinks=sinks,
+                                          window_left=5)
+    plain = prefixattn.reference_attention(q3, k_cache, v_cache, meta.qo_indptr, meta.kv_lens, meta.block_table,
+                                           sm_scale=float(eng.layer.scaling))
+    assert (want - plain).abs().max() > 0.05, "cap, window and sinks change the answer"
+    torch.testing.assert_close(o.view_as(q3), want, atol=1e-4, rtol=1e-4)

@@ -133,6 +133,65 @@ def test_impl_forward_on_vllm_cache_views(builder, layout):
     assert torch.isnan(output[n:]).all()  # padding rows are neither read nor written
 
 
+def test_impl_forward_with_window_soft_cap_and_sinks(builder):
+    # A group of Gemma-2/gpt-oss-like layers: vLLM's sliding_window=S is prefixattn's window_left = S - 1; the
+    # builder's plan carries the group's window and soft cap, the impl passes its sinks.
+    import prefixattn
+
+    from integrations.vllm.backend import PrefixAttnImpl, split_kv_cache
+
+    g = torch.Generator().manual_seed(2)
+    kv_cache = _cache_in_layout("LBNHC", g)
+    builder.window_left, builder.logits_soft_cap = 20 - 1, 2.0
+    meta = builder.build(0, common_metadata())
+    n = sum(Q_LENS)
+    query = torch.randn(n, HQ, D, generator=g) * 4
+    sinks = torch.tensor([0.5, -1.0, 3.0, -2.0])
+    impl = PrefixAttnImpl(num_heads=HQ, head_size=D, scale=D ** -0.5, num_kv_heads=HKV, sliding_window=20,
+                          logits_soft_cap=2.0, sinks=sinks)
+    output = torch.empty(n, HQ, D)
+    impl.forward(None, query, None, None, kv_cache, meta, output)
+    k_cache, v_cache = split_kv_cache(kv_cache, D)
+    ref = prefixattn.reference_attention(query, k_cache, v_cache, torch.tensor([0, 1, 2, 7, 8]),
+                                         torch.tensor(SEQ_LENS), torch.tensor(BLOCK_TABLE), window_left=19,
+                                         logits_soft_cap=2.0, sinks=sinks)
+    atol, rtol = ATTENTION_TOL[torch.float32]
+    torch.testing.assert_close(output, ref, atol=atol, rtol=rtol)
+    # A layer whose window is not its group's plan's is refused, never run with the wrong mask.
+    other = PrefixAttnImpl(num_heads=HQ, head_size=D, scale=D ** -0.5, num_kv_heads=HKV)
+    with pytest.raises(ValueError, match="plan: expected window_left=-1"):
+        other.forward(None, query, None, None, kv_cache, meta, output)
+
+
+@pytest.mark.parametrize("kv_cache_dtype, fp8", [("fp8", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)])
+def test_impl_forward_on_an_fp8_cache(builder, kv_cache_dtype, fp8):
+    # vLLM's fp8 cache is uint8 memory; K/V are written as x / scale (vLLM's reshape_and_cache convention) and read
+    # back dequantized with the layer's per-tensor scales.
+    from types import SimpleNamespace
+
+    import prefixattn
+
+    from integrations.vllm.backend import PrefixAttnImpl, split_kv_cache
+
+    g = torch.Generator().manual_seed(3)
+    kv_cache = (torch.randn(NUM_BLOCKS, HKV, BLOCK, 2 * D, generator=g) * 2).to(fp8).view(torch.uint8)
+    meta = builder.build(0, common_metadata())
+    n = sum(Q_LENS)
+    query, key, value = (torch.randn(n, h, D, generator=g) for h in (HQ, HKV, HKV))
+    layer = SimpleNamespace(_k_scale=torch.tensor(0.5), _v_scale=torch.tensor(2.0))
+    impl = PrefixAttnImpl(num_heads=HQ, head_size=D, scale=D ** -0.5, num_kv_heads=HKV, kv_cache_dtype=kv_cache_dtype)
+    output = torch.empty(n, HQ, D)
+    impl.forward(layer, query, key, value, kv_cache, meta, output)
+    k_cache, v_cache = split_kv_cache(kv_cache.view(fp8), D)
+    slots = meta.slot_mapping
+    assert torch.equal(k_cache[slots // BLOCK, slots % BLOCK].float(), (key / 0.5).to(fp8).float())
+    assert torch.equal(v_cache[slots // BLOCK, slots % BLOCK].float(), (value / 2.0).to(fp8).float())
+    ref = prefixattn.reference_attention(query, k_cache, v_cache, torch.tensor([0, 1, 2, 7, 8]),
+                                         torch.tensor(SEQ_LENS), torch.tensor(BLOCK_TABLE), k_scale=0.5, v_scale=2.0)
+    atol, rtol = ATTENTION_TOL[torch.float32]
+    torch.testing.assert_close(output, ref, atol=atol, rtol=rtol)
+
+
 def test_profiling_run_without_metadata_is_a_no_op():
     from integrations.vllm.backend import PrefixAttnImpl
 
