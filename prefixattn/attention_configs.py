@@ -30,10 +30,12 @@ class AttentionTiles:
     launch_suffix: LaunchOptions
     is_hip: bool = False
 
-    def launch_options(self, has_shared: bool) -> dict:
+    def launch_options(self, has_shared: bool, kv_fp8: bool = False) -> dict:
         """``num_warps``, ``num_stages`` (and on AMD ``waves_per_eu``, ``matrix_instr_nonkdim``, ``kpack``) of the
-        launch: one launch, one set of options, the shared branch's when the launch has shared items."""
-        lo = self.launch_shared if has_shared else self.launch_suffix
+        launch: one launch, one set of options, the shared branch's when the launch has shared items (``kv_fp8``:
+        the K/V cache is fp8, :meth:`~prefixattn.autotune.config_space.LaunchOptions.for_kv`)."""
+        lo = (self.launch_shared if has_shared else self.launch_suffix).for_kv(has_shared=has_shared, kv_fp8=kv_fp8,
+                                                                                 is_hip=self.is_hip)
         opts = {"num_warps": lo.num_warps, "num_stages": lo.num_stages}
         if self.is_hip:
             opts.update(waves_per_eu=lo.waves_per_eu, matrix_instr_nonkdim=lo.matrix_instr_nonkdim, kpack=lo.kpack)

@@ -11,8 +11,8 @@ from prefixattn.kernels.layout import page_size_constexpr
 from prefixattn.kernels.prefix_attention import prefix_attention_kernel
 from prefixattn.attention_configs import choose_tiles
 from prefixattn.planner import CapacityError, Plan, _default_num_sms, _positive_int, plan
-from prefixattn.validation import (canonical_device, check_head_dim, check_heads, check_kernel_device, check_kv_scale,
-                                   check_qkv, check_sinks, check_tensor, same_device)
+from prefixattn.validation import (FP8_KV_DTYPES, canonical_device, check_head_dim, check_heads, check_kernel_device,
+                                   check_kv_scale, check_qkv, check_sinks, check_tensor, same_device)
 from prefixattn.workspace import DEFAULT_MAX_SHARED_LEVELS, PlanWorkspace, derive_capacity
 
 _LOG2E = 1.0 / math.log(2.0)
@@ -208,7 +208,7 @@ def _launch(*, out, lse, q, k_cache, v_cache, p: Plan, num_programs_items: int, 
         PAGE_SIZE=page_size_constexpr(p.block_size),
         BLOCK_M_SHARED=t.block_m_shared, BLOCK_N_SHARED=t.block_n_shared,
         BLOCK_M_SUFFIX=t.block_m_suffix, BLOCK_N_SUFFIX=t.block_n_suffix, BLOCK_D=t.block_d,
-        **t.launch_options(has_shared),
+        **t.launch_options(has_shared, kv_fp8=k_cache.dtype in FP8_KV_DTYPES),
     )
 
 

@@ -194,10 +194,12 @@ def fused_job(*, target: Target, dtype: str, head_dim: int, config: AttentionCon
     sig, consts, attrs = build_signature(names, fused_pointer_dtypes(dtype, kv_dtype), fused_launch_values(head_dim),
                                          constexprs, target)
     bm, bn = config.shared.block_m, config.shared.block_n
-    launch = config.launch_for(has_shared)
+    launch = config.launch_for(has_shared).for_kv(has_shared=has_shared, kv_fp8=kv_dtype in FP8_KV_TYPES,
+                                                  is_hip=target.is_hip)
     name = (variant + ("" if has_shared else "/suffix-only") + ("+lse" if has_lse else "")
             + "".join("+" + f.split("_", 1)[1].lower() for f in FEATURE_SWITCHES if f in features)
-            + (f"+{kv_dtype}" if kv_dtype else ""))
+            + (f"+{kv_dtype}" if kv_dtype else "")
+            + (f"@w{launch.num_warps}" if launch != config.launch_for(has_shared) else ""))  # the fp8 warps rule
     serves = (variant, "split_k", "in-kernel merge") if has_shared else (variant + " without shared nodes", "split_k")
     return CompileJob(
         kernel="prefix_attention", variant=name, dtype=dtype, head_dim=head_dim,
@@ -207,8 +209,9 @@ def fused_job(*, target: Target, dtype: str, head_dim: int, config: AttentionCon
         # IEEE fp32 dots have no tensor-core path on NVIDIA (tf32 would break the fp32 tolerance): CUDA cores there.
         require_matrix=has_shared and (dtype != "fp32" or target.is_hip),
         min_pipeline_depth=required_pipeline_depth(target),
-        max_registers=0 if has_shared or variant != "decode" else decode_suffix_register_budget(target, dtype,
-                                                                                                 head_dim, config),
+        # The 128-register budget belongs to the tables' 16-bit decode rows; fp8 K/V launches run at more warps.
+        max_registers=0 if has_shared or variant != "decode" or kv_dtype else decode_suffix_register_budget(
+            target, dtype, head_dim, config),
     )
 
 

@@ -12,7 +12,7 @@ cannot fit; ``prefixattn compile-check`` measures the real registers, spills and
 from __future__ import annotations
 
 import itertools
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from prefixattn.autotune.targets import Target
 
@@ -82,6 +82,15 @@ class Tiles:
     block_n: int
 
 
+#: Warps of a suffix-only launch over an fp8 K/V cache on NVIDIA. The tables' decode rows are tuned for 16-bit K/V
+#: at 4 warps (<= 128 registers, issue 14); the fp8 -> 16-bit conversion of each K/V tile costs registers on top:
+#: sm_90, bf16/fp16 q, 4 warps: 137 (d64, 16x64) and 168 (d128, 16x32) registers under Triton 3.9, and an 8-byte
+#: spill at d64 under Triton 3.6 (compile-check, 2026-11-23). At 8 warps the same tiles take 100-106 registers
+#: (Triton 3.9) and 127-128 (Triton 3.6), no spill (the compile-check feature jobs check it on every run). AMD is
+#: unchanged (its fp8 jobs compile without spills at the tables' options).
+FP8_SUFFIX_MIN_WARPS = 8
+
+
 @dataclass(frozen=True, order=True)
 class LaunchOptions:
     """Per-launch compile options. HIP-only knobs (``waves_per_eu``, ``matrix_instr_nonkdim``, ``kpack``) keep their
@@ -92,6 +101,14 @@ class LaunchOptions:
     waves_per_eu: int = 0
     matrix_instr_nonkdim: int = 0
     kpack: int = 1
+
+    def for_kv(self, *, has_shared: bool, kv_fp8: bool, is_hip: bool) -> "LaunchOptions":
+        """These options for a launch whose K/V cache is fp8 (when ``kv_fp8``): a suffix-only NVIDIA launch gets at
+        least :data:`FP8_SUFFIX_MIN_WARPS` warps; everything else is unchanged. The one rule, used by the launch
+        (:meth:`prefixattn.attention_configs.AttentionTiles.launch_options`) and by compile-check."""
+        if kv_fp8 and not has_shared and not is_hip and self.num_warps < FP8_SUFFIX_MIN_WARPS:
+            return replace(self, num_warps=FP8_SUFFIX_MIN_WARPS)
+        return self
 
     def compile_options(self, target: Target) -> dict:
         """Keyword options for ``triton.compile`` / a kernel launch on ``target``."""

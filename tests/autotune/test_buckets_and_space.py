@@ -5,8 +5,8 @@ import math
 import pytest
 
 from prefixattn.autotune.buckets import Bucket, distance, dtype_name, make_bucket, nearest
-from prefixattn.autotune.config_space import (AttentionConfig, LaunchOptions, Tiles, attention_space, launch_space,
-                                              prune, prune_reason)
+from prefixattn.autotune.config_space import (FP8_SUFFIX_MIN_WARPS, AttentionConfig, LaunchOptions, Tiles,
+                                              attention_space, launch_space, prune, prune_reason)
 from prefixattn.autotune.targets import TARGETS, get_target, parse_targets, target_for
 
 
@@ -115,3 +115,14 @@ def test_config_dict_roundtrip_and_validation():
         AttentionConfig.from_dict(bad)
     with pytest.raises(ValueError, match="config: expected"):
         AttentionConfig.from_dict({"shared": {}})
+
+
+def test_fp8_suffix_launches_take_more_warps_on_nvidia_only():
+    # The launch rule (compile-check measures the same options): fp8 K/V, suffix-only, NVIDIA -> >= 8 warps.
+    lo = LaunchOptions(num_warps=4, num_stages=3)
+    assert lo.for_kv(has_shared=False, kv_fp8=True, is_hip=False).num_warps == FP8_SUFFIX_MIN_WARPS
+    assert lo.for_kv(has_shared=False, kv_fp8=True, is_hip=False).num_stages == 3
+    for kw in (dict(has_shared=True, kv_fp8=True, is_hip=False), dict(has_shared=False, kv_fp8=False, is_hip=False),
+               dict(has_shared=False, kv_fp8=True, is_hip=True)):
+        assert lo.for_kv(**kw) == lo, kw
+    assert LaunchOptions(num_warps=16).for_kv(has_shared=False, kv_fp8=True, is_hip=False).num_warps == 16

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -12,6 +13,7 @@ import pytest
 from prefixattn.autotune.compile_check import (count_matrix_instrs, count_private_memory_ops, exclusions_from_report,
                                               failures, parse_amdgcn, parse_dots, parse_pipeline, parse_ptxas)
 from prefixattn.autotune.compile_specs import build_signature
+from prefixattn.autotune.config_space import FP8_SUFFIX_MIN_WARPS
 from prefixattn.autotune.targets import TARGETS
 
 TTGIR = """
@@ -219,8 +221,13 @@ def test_compile_check_one_head_dim_per_target(tmp_path):
     suffix_only = [r for r in fused if "/suffix-only" in r["variant"]]
     assert sorted((r["target"], r["head_dim"]) for r in with_shared) == sorted(CI_HEAD_DIMS.items())
     assert sorted((r["target"], r["head_dim"]) for r in suffix_only) == sorted(CI_HEAD_DIMS.items())
+    # fp8 K/V suffix-only launches on NVIDIA run at >= FP8_SUFFIX_MIN_WARPS warps (named "@w8" when that differs
+    # from the table's launch).
+    for r in features:
+        if "/suffix-only" in r["variant"] and "fp8" in r["variant"] and not TARGETS[r["target"]].is_hip:
+            assert r["options"]["num_warps"] >= FP8_SUFFIX_MIN_WARPS, r["variant"]
     # sm80 has no fp8e4nv in Triton: its shared-launch fp8 variant is e5m2.
-    assert sorted((r["target"], r["variant"]) for r in features) == sorted(
+    assert sorted((r["target"], re.sub(r"@w\d+$", "", r["variant"])) for r in features) == sorted(
         (t, v) for t in CI_HEAD_DIMS for v in ("decode+lse+soft_cap+window+sinks+nan_guard",
                                                "decode+lse+kv_scale+" + ("fp8e5" if t == "sm80" else "fp8e4nv"),
                                                "decode/suffix-only+lse+kv_scale+fp8e5"))
