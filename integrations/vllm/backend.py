@@ -365,9 +365,9 @@ class PrefixAttnImpl(AttentionImpl[PrefixAttnMetadata]):
             return output
         scales = {}
         if self.fp8_dtype is not None:
-            # fp8 cache: quantize on write as vLLM's reshape_and_cache does (x / scale), dequantize on load.
+            # fp8 cache: write_kv_cache quantizes as vLLM's reshape_and_cache does (x / scale); the kernel dequantizes.
             kv_cache = kv_cache.view(self.fp8_dtype)
-            scales = dict(k_scale=layer._k_scale, v_scale=layer._v_scale)  # the write quantizes (x / scale)
+            scales = dict(k_scale=layer._k_scale, v_scale=layer._v_scale)
         k_cache, v_cache = split_kv_cache(kv_cache, self.head_size)
         if attn_metadata.graph_attn is not None:
             return self.graph_safe_forward(layer, query, key, value, k_cache, v_cache, attn_metadata, output, scales)
