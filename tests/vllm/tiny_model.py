@@ -28,7 +28,8 @@ def save_tiny_gpt_oss(path: str, *, seed: int = 0, sinks: tuple[float, ...] | No
 
     Layer 0 is windowed and layer 1 full (gpt-oss's alternation), 4 query heads and 2 KV heads of 64, 4 experts
     (2 per token), unquantized weights. ``sinks`` set, query head h's sink logit is ``sinks[h]`` in every layer
-    (instead of the random init); ``None`` keeps the init. YaRN rope as gpt-oss ships it: vLLM's gpt-oss reads its ``factor``.
+    (instead of the random init); ``None`` keeps the init. The config's default YaRN rope stays: vLLM's gpt-oss reads
+    its ``factor`` (a plain rope config fails there with KeyError 'factor').
     """
     import torch
     from transformers import GptOssConfig, GptOssForCausalLM
