@@ -42,7 +42,7 @@ def main(in_path: str, out_path: str) -> None:
         from integrations.vllm.backend import add_plan_observer
 
         add_plan_observer(lambda p: plans.append(dict(
-            num_requests=p.num_requests, num_tokens=p.num_tokens,
+            num_requests=p.num_requests, num_tokens=p.num_tokens, window_left=p.window_left,
             shared=[dict(kv_start=n.kv_start, kv_end=n.kv_end, requests=n.requests.tolist())
                     for n in p.shared_nodes])))
     stage("construct LLM")

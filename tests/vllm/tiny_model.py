@@ -21,3 +21,28 @@ def save_tiny_llama(path: str, *, seed: int = 0, **overrides) -> str:
     cfg.update(overrides)
     LlamaForCausalLM(LlamaConfig(**cfg)).save_pretrained(path)
     return path
+
+
+def save_tiny_gpt_oss(path: str, *, seed: int = 0, sinks: tuple[float, ...] | None = None, **overrides) -> str:
+    """Create and save a 2-layer gpt-oss (``GptOssForCausalLM``) to ``path``; returns ``path``.
+
+    Layer 0 is windowed and layer 1 full (gpt-oss's alternation), 4 query heads and 2 KV heads of 64, 4 experts
+    (2 per token), unquantized weights. ``sinks`` set, query head h's sink logit is ``sinks[h]`` in every layer
+    (instead of the random init); ``None`` keeps the init. The config's default YaRN rope stays: vLLM's gpt-oss reads
+    its ``factor`` (a plain rope config fails there with KeyError 'factor').
+    """
+    import torch
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_local_experts=4,
+               num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+               max_position_embeddings=1024, initializer_range=INIT_RANGE)
+    cfg.update(overrides)
+    model = GptOssForCausalLM(GptOssConfig(**cfg))
+    if sinks is not None:
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.copy_(torch.tensor(sinks))
+    model.save_pretrained(path)
+    return path
