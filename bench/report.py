@@ -152,7 +152,7 @@ def _modeled_section(rows) -> list[str]:
         if r["provider"] not in providers:
             providers.append(r["provider"])
     lines = ["## Modeled time (NOT measured): prefixattn.sim cost model applied to the measured traffic", "",
-             "`prefixattn.sim.costmodel.measured_kernel_time`: max(FLOPs / peak, bytes / HBM bandwidth) + launches x "
+             "`prefixattn.sim.step_cost.measured_kernel_time`: max(FLOPs / peak, bytes / HBM bandwidth) + launches x "
              "launch overhead, on the bytes and launches measured above. The batches are the scaled-down ones "
              "(megabytes of KV), so the launch term dominates: these rows rank launch counts more than traffic. "
              f"unit: {modeled[0]['unit']}", "",

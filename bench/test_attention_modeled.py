@@ -1,7 +1,7 @@
 """MODELED (not measured) kernel time on A100 / H100 / MI300X: the simulator's cost model applied to the traffic and
 launches measured in the interpreter (test_attention_traffic.py's measurements, reused: nothing runs twice).
 
-The formula is the simulator's, never re-implemented here: ``prefixattn.sim.costmodel.measured_kernel_time`` (the
+The formula is the simulator's, never re-implemented here: ``prefixattn.sim.step_cost.measured_kernel_time`` (the
 attention roofline: max(FLOPs / peak x efficiency, bytes / HBM bandwidth x efficiency) + launches x launch
 overhead). Rows say so twice: ``device=<gpu> (modeled)`` and ``unit=us (modeled)``. On the scaled-down batches the
 bytes are megabytes, so the launch term dominates: read these rows as "what the launch count and measured traffic
@@ -15,7 +15,7 @@ import os
 import numpy as np
 import pytest
 
-from prefixattn.sim.costmodel import measured_kernel_time
+from prefixattn.sim.step_cost import measured_kernel_time
 
 from peers.base import CPU_PROVIDERS
 from peers.cache import measurements, start_selected

@@ -57,7 +57,7 @@ def _setup(name: str, num_requests: int | None) -> dict:
     key = (name, num_requests)
     if key not in _cache:
         from prefixattn.scheduling import group_prompts, saving_ratio
-        from prefixattn.sim.costmodel import CostModel
+        from prefixattn.sim.step_cost import CostModel
         from prefixattn.sim.group_cost import GroupCostModel
         from prefixattn.sim.workloads import PAPER_SETTINGS, get_workload
 

@@ -203,7 +203,7 @@ def partition_outputs(prompts: dict) -> dict:
             rep = shard_requests(len(rows), 4, how, seed=2)
             out[f"{name}/shard/{how}"] = dict(rep=rep, saving=sharded_saving_ratio(rows, rep, levels=None))
     # the simulator's own cost model (scalar and two-resource) on a seed workload
-    from prefixattn.sim.costmodel import CostModel
+    from prefixattn.sim.step_cost import CostModel
     from prefixattn.sim.group_cost import GroupCostModel
     from prefixattn.sim.workloads import PAPER_SETTINGS, get_workload
 

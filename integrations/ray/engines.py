@@ -64,7 +64,7 @@ class SimulatedEngine:
 
     def __init__(self, policy: str = "prefixattn", model: str = "mistral-7b", gpu: str = "a100", *,
                  output_len_column: str | None = None, default_output_len: int = DEFAULT_MAX_TOKENS) -> None:
-        from prefixattn.sim.costmodel import CostModel
+        from prefixattn.sim.step_cost import CostModel
         from prefixattn.sim.policies import make_policy
 
         make_policy(policy)  # fail on a bad name at construction, not mid-batch

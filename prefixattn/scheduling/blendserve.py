@@ -79,7 +79,7 @@ class DensityModel:
 
 
 
-#: The name until issue 18 (it collided with :class:`prefixattn.sim.costmodel.CostModel`); kept for old callers.
+#: The name until issue 18 (it collided with :class:`prefixattn.sim.step_cost.CostModel`); kept for old callers.
 CostModel = DensityModel
 
 def densities(groups: Sequence[PrefixGroup], output_lens: np.ndarray, cost_model: DensityModel

@@ -5,7 +5,7 @@ measured. Entry points: :func:`simulate` and the ``prefixattn simulate`` command
 """
 
 from prefixattn.sim.calibration import Calibration
-from prefixattn.sim.costmodel import CostModel, StepShape
+from prefixattn.sim.step_cost import CostModel, StepShape
 from prefixattn.sim.engine import Engine
 from prefixattn.sim.metrics import SimResult
 from prefixattn.sim.simulate import simulate

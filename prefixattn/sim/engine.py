@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from prefixattn.sim.costmodel import CostModel, SharedRun, StepShape
+from prefixattn.sim.step_cost import CostModel, SharedRun, StepShape
 from prefixattn.sim.kvpool import KVPool, prefix_block_keys
 
 WAITING, RUNNING, FINISHED = 0, 1, 2

@@ -2,7 +2,7 @@
 
 The partitioner lives in :mod:`prefixattn.scheduling` (numpy only, no simulator); this module is the glue the
 design allows (sim imports scheduling, never the reverse). A group's cost is its modeled seconds on one replica
-running at steady state, from three terms, each priced by :class:`prefixattn.sim.costmodel.CostModel`:
+running at steady state, from three terms, each priced by :class:`prefixattn.sim.step_cost.CostModel`:
 
 * prefill tokens after sharing (``group.processed_tokens``) x the per-token time of a full prefill chunk;
 * decode tokens x the per-token time of a decode step of a full batch, without attention;
@@ -28,7 +28,7 @@ import numpy as np
 
 from prefixattn.scheduling.grouping import PrefixGroup
 from prefixattn.scheduling.partition import ResourceCost
-from prefixattn.sim.costmodel import KERNEL_KINDS, CostModel, StepShape
+from prefixattn.sim.step_cost import KERNEL_KINDS, CostModel, StepShape
 
 #: Context length of the probe decode steps whose difference prices one KV token read (a typical prompt; the
 #: attention term is linear in it, so the choice moves only the host-overhead share).
@@ -66,7 +66,7 @@ class GroupCostModel:
     def __init__(self, cost: CostModel, output_lens=None, *, kernel: str = "fused", prefill_chunk: int | None = None,
                  decode_batch: int | None = None) -> None:
         if not isinstance(cost, CostModel):
-            raise ValueError(f"cost: expected a prefixattn.sim.costmodel.CostModel, got {type(cost).__name__}")
+            raise ValueError(f"cost: expected a prefixattn.sim.step_cost.CostModel, got {type(cost).__name__}")
         if kernel not in KERNEL_KINDS:
             raise ValueError(f"kernel: expected one of {KERNEL_KINDS}, got {kernel!r}")
         self.outs = None

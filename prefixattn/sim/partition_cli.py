@@ -86,7 +86,7 @@ def summarize(workload, num_replicas: int, *, levels: int = 1, cost: str = "sim"
     outs = [r.output_len for r in workload.requests]
     groups = group_prompts(prompts, levels=levels)
     if cost in ("sim", "sim-scalar"):
-        from prefixattn.sim.costmodel import CostModel
+        from prefixattn.sim.step_cost import CostModel
         from prefixattn.sim.group_cost import GroupCostModel
         from prefixattn.sim.workloads import PAPER_SETTINGS
 

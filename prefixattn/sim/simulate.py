@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from prefixattn.sim.calibration import Calibration
-from prefixattn.sim.costmodel import CostModel
+from prefixattn.sim.step_cost import CostModel
 from prefixattn.sim.engine import Engine
 from prefixattn.sim.policies import make_policy
 from prefixattn.sim.workloads import Workload, get_workload

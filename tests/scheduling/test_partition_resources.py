@@ -207,7 +207,7 @@ def test_bad_vector_costs(cost, kwargs, match):
 
 
 def test_group_cost_model_resources_add_up_to_the_scalar_cost():
-    from prefixattn.sim.costmodel import CostModel
+    from prefixattn.sim.step_cost import CostModel
     from prefixattn.sim.group_cost import GroupCostModel
 
     model = GroupCostModel(CostModel("a100", "llama-3.1-8b"), output_lens=[4, 3000, 20])

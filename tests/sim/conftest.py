@@ -2,7 +2,7 @@ import dataclasses
 
 import pytest
 
-from prefixattn.sim.costmodel import CostModel
+from prefixattn.sim.step_cost import CostModel
 from prefixattn.sim.presets import get_hardware
 
 

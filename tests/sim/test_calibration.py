@@ -5,7 +5,7 @@ import inspect
 
 import pytest
 
-from prefixattn.sim import calibration, costmodel, engine, kvpool
+from prefixattn.sim import calibration, engine, kvpool, step_cost
 from prefixattn.sim.calibration import TABLE, Calibration
 from prefixattn.sim.policies import sglang, vllm
 from prefixattn.sim.presets import HARDWARE, MODELS
@@ -36,18 +36,18 @@ def test_every_constant_has_kind_and_source():
         assert len(c.source) > 20, c.name
 
 
-@pytest.mark.parametrize("module", [costmodel, engine, kvpool, vllm, sglang])
+@pytest.mark.parametrize("module", [step_cost, engine, kvpool, vllm, sglang])
 def test_no_tunable_literals_outside_the_table(module):
     assert [(line, v) for line, v in _numeric_literals(module) if v not in _ALLOWED] == []
 
 
 def test_cost_model_reads_the_table():
-    base = costmodel.CostModel("a100", "mistral-7b")
+    base = step_cost.CostModel("a100", "mistral-7b")
     for c in TABLE:
         assert getattr(base.calib, c.name) == c.value
-    changed = costmodel.CostModel("a100", "mistral-7b", Calibration({"host_step_overhead_s": 1.0}))
+    changed = step_cost.CostModel("a100", "mistral-7b", Calibration({"host_step_overhead_s": 1.0}))
     import numpy as np
-    step = costmodel.StepShape(q_lens=np.ones(4, dtype=np.int64), kv_lens=np.full(4, 64), num_sampled=4)
+    step = step_cost.StepShape(q_lens=np.ones(4, dtype=np.int64), kv_lens=np.full(4, 64), num_sampled=4)
     assert changed.step_cost(step).total - base.step_cost(step).total == pytest.approx(1.0 - 2.0e-3)
 
 

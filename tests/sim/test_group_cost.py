@@ -5,7 +5,7 @@ import pytest
 
 from prefixattn.scheduling import PrefixGroup, group_prompts
 from prefixattn.scheduling.partition import partition_groups
-from prefixattn.sim.costmodel import CostModel
+from prefixattn.sim.step_cost import CostModel
 from prefixattn.sim.group_cost import GroupCostModel
 from prefixattn.sim.workloads import batchllm_microbenchmark
 
@@ -55,7 +55,7 @@ def test_tracks_the_total_of_a_simulated_run(cost):
 
 
 def test_bad_input(cost):
-    with pytest.raises(ValueError, match="cost: expected a prefixattn.sim.costmodel.CostModel"):
+    with pytest.raises(ValueError, match="cost: expected a prefixattn.sim.step_cost.CostModel"):
         GroupCostModel("a100")
     with pytest.raises(ValueError, match="kernel: expected one of"):
         GroupCostModel(cost, kernel="flash")

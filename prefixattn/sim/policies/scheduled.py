@@ -43,7 +43,7 @@ class ScheduledPolicy(Policy):
         ``constant``: output lengths unknown (BatchLLM's Eq. 4 assumption, no reservation); ``sampled``: 1% of the
         requests are measured first (BlendServe sec. 3.2) and the estimates drive ordering and memory reservation.
     kernel, split_k, backend
-        Attention kernel kind, split-k, engine backend (see :mod:`prefixattn.sim.costmodel`).
+        Attention kernel kind, split-k, engine backend (see :mod:`prefixattn.sim.step_cost`).
     min_shared_blocks : int
         Prefix levels adding fewer than this many KV blocks are not shared (passed to :func:`group_prompts`).
     budget_constant : str

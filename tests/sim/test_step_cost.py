@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from prefixattn.sim.calibration import Calibration
-from prefixattn.sim.costmodel import CostModel, SharedRun, StepShape
+from prefixattn.sim.step_cost import CostModel, SharedRun, StepShape
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +115,7 @@ def test_bad_arguments(cm):
 
 
 def test_measured_kernel_time():
-    from prefixattn.sim.costmodel import measured_kernel_time
+    from prefixattn.sim.step_cost import measured_kernel_time
 
     base = measured_kernel_time("a100", bytes_moved=1e9, flops=1e12, launches=1)
     assert measured_kernel_time("a100", bytes_moved=2e9, flops=1e12, launches=1) >= base
