@@ -70,7 +70,8 @@ def block_d(head_dim: int) -> int:
     return max(MIN_DOT_DIM, 1 << (max(1, head_dim) - 1).bit_length())
 
 
-def _pow2_at_least(x: int) -> int:
+def pow2_at_least(x: int) -> int:
+    """The smallest power of two >= ``x`` (1 for ``x <= 1``)."""
     return 1 << (max(1, int(x)) - 1).bit_length()
 
 
@@ -347,13 +348,13 @@ def prune_reason(cfg: AttentionConfig, target: Target, *, head_dim: int, dtype: 
         why = _knob_reason(cfg.suffix_launch, target, [cfg.suffix])
         if why:
             return f"suffix_launch: {why}"
-    g = _pow2_at_least(group)
+    g = pow2_at_least(group)
     for part, tiles, rows in (("shared", cfg.shared, q_rows), ("suffix", cfg.suffix, max_q_len)):
         if tiles.block_m < g:
             return f"{part} block_m {tiles.block_m} < GQA group {group}"
-        if rows is not None and tiles.block_m > max(MIN_DOT_DIM, g, _pow2_at_least(rows * group)):
+        if rows is not None and tiles.block_m > max(MIN_DOT_DIM, g, pow2_at_least(rows * group)):
             return f"{part} block_m {tiles.block_m} exceeds {rows} rows x group {group}"
-        if kv_len is not None and tiles.block_n > max(MIN_DOT_DIM, _pow2_at_least(kv_len)):
+        if kv_len is not None and tiles.block_n > max(MIN_DOT_DIM, pow2_at_least(kv_len)):
             return f"{part} block_n {tiles.block_n} exceeds kv_len {kv_len}"
     if not resources:
         return None
@@ -393,7 +394,7 @@ def prune_merge(configs, target: Target, *, head_dim: int, num_heads: int) -> li
     """Merge configs whose head tile does not exceed the heads there are and whose registers fit."""
     keep = []
     for c in configs:
-        if c.block_h > _pow2_at_least(num_heads):
+        if c.block_h > pow2_at_least(num_heads):
             continue
         if merge_registers(c, head_dim, target) > _REG_HEADROOM * target.max_regs_per_thread:
             continue

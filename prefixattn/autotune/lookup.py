@@ -39,7 +39,7 @@ from prefixattn.autotune import cost_model
 from prefixattn.autotune.buckets import Bucket, distance, make_bucket
 from prefixattn.autotune.shipped_tables import SHIPPED_FORMAT
 from prefixattn.autotune.config_space import (HEAD_DIMS, MIN_DOT_DIM, AttentionConfig, LaunchOptions, MergeConfig, Tiles,
-                                              attention_space, block_d, prune, prune_reason)
+                                              attention_space, block_d, pow2_at_least, prune, prune_reason)
 from prefixattn.autotune.targets import Target, detect_target, get_target
 from prefixattn.autotune.tuning_cache import TuningCache, cache_path
 
@@ -142,10 +142,6 @@ def _current_fixed() -> AttentionConfig | None:
 # Heuristic and tables
 # ---------------------------------------------------------------------------------------------------------------
 
-def _pow2_at_least(x: int) -> int:
-    return 1 << (max(1, int(x)) - 1).bit_length()
-
-
 def heuristic_config(bucket: Bucket, group: int | None = None, max_q_len: int | None = None) -> AttentionConfig:
     """The documented default: FlashAttention-2-like shared tiles, decode- or prefill-shaped suffix tiles.
 
@@ -154,7 +150,7 @@ def heuristic_config(bucket: Bucket, group: int | None = None, max_q_len: int | 
     """
     group = group if group is not None else bucket.group
     max_q_len = max_q_len if max_q_len is not None else bucket.max_q_len
-    g = _pow2_at_least(group)
+    g = pow2_at_least(group)
     fp32 = bucket.dtype == "fp32"
     block_n = HEURISTIC_BLOCK_N_LARGE_HEAD if bucket.head_dim > HEURISTIC_LARGE_HEAD_DIM else HEURISTIC_BLOCK_N
     if fp32:
@@ -169,7 +165,7 @@ def heuristic_config(bucket: Bucket, group: int | None = None, max_q_len: int | 
 
 def heuristic_merge_config(head_dim: int, num_heads: int) -> MergeConfig:
     """Tiles of the merge kernels: all heads of a token in one program while the tile stays within 4096 elements."""
-    return MergeConfig(block_h=max(1, min(_pow2_at_least(num_heads), MERGE_TILE_ELEMS // block_d(head_dim))),
+    return MergeConfig(block_h=max(1, min(pow2_at_least(num_heads), MERGE_TILE_ELEMS // block_d(head_dim))),
                        num_warps=4)
 
 
