@@ -21,10 +21,10 @@ with a per-step :func:`prefixattn.plan`.
 Sliding windows (one plan per KV cache group, whose layers share the window), logit soft-capping and attention sinks
 and fp8 KV caches (``fp8``/``fp8_e4m3``/``fp8_e5m2``, per-tensor scales) run in the kernel. Configurations it does
 not run (ALiBi, encoder/cross attention, ROCm's e4m3fnuz caches, MLA, non-causal decoders) are refused when vLLM
-configures the model: by vLLM's
-selector through the ``supports_*`` declarations below (on CUDA/ROCm), and by the impl's constructor with the same
-wording on platforms whose selector does not validate (CPU) - never at the first forward. That includes an explicit
-``--kv-cache-dtype`` other than the model's dtype (the kernel reads K/V in the dtype of q).
+configures the model: by vLLM's selector through the ``supports_*`` declarations below (on CUDA/ROCm), and by the
+impl's constructor with the same wording on platforms whose selector does not validate (CPU) - never at the first
+forward. That includes an explicit ``--kv-cache-dtype`` that is neither the model's dtype nor fp8 (the kernel reads
+16/32-bit K/V in the dtype of q).
 
 Bad metadata: ``plan()`` checks vLLM's metadata values on the host once per step (part of the plan's own numpy pass
 over the block table, no extra device sync: the table is copied to the host for the planner anyway), and records the
