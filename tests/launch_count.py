@@ -4,7 +4,8 @@ Torch ops are seen through a ``TorchDispatchMode``; views (slicing, transpose, r
 (``empty``, ``new_empty``) launch nothing on a GPU and are not counted. Triton launches are counted by wrapping
 ``run`` of Triton's JIT and interpreter functions; the torch ops a launch performs itself (the interpreter copies
 tensors to numpy) are not counted as ops of the region. ``pause(obj, name)`` does the same for an engine method:
-its calls are counted as one op and its inside is not (the engine's own cache-write op).
+its calls are counted as one op and its inside is not (the engine's own cache-write op). :class:`RecordingKernel`
+records what each launch of one kernel passes (grid, tensor addresses and strides, scalars): the CUDA-graph tests.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 #: Allocation ops: no kernel runs (the caching allocator hands out memory).
@@ -75,3 +77,17 @@ def count_engine_op(monkeypatch, counter: LaunchCounter, obj, name: str) -> None
 
 
 __all__ = ["LaunchCounter", "count_engine_op", "count_launches"]
+
+
+class RecordingKernel:
+    """Stands in for the @triton.jit kernel: records each launch's grid, tensor addresses/strides and scalars."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(**kwargs):
+            args = {k: (v.data_ptr(), v.stride()) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+            self.launches.append((grid, args))
+            return self.kernel[grid](**kwargs)
+        return launch

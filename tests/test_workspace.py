@@ -10,26 +10,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from prefixattn import PrefixSharedAttention, attention, reference_attention
 from prefixattn import prefix_attention as attention_module
 from prefixattn.workspace import derive_capacity
+from tests.launch_count import RecordingKernel
 from tests.prefix_batches import random_batch
 from tests.tolerances import ATTENTION_TOL, LSE_TOL
 
 HEADS = dict(num_qo_heads=4, num_kv_heads=2, head_dim=64, block_size=16)
 #: Capacities of the wrapper under test: the batches below stay within them (4-5 requests, <= 80 rows).
 CAPS = dict(max_tokens=96, max_requests=6, max_blocks_per_request=8)
-
-
-class RecordingKernel:
-    """Stands in for the @triton.jit kernel: records each launch's grid, tensor addresses/strides and scalars."""
-
-    def __init__(self, kernel):
-        self.kernel, self.launches = kernel, []
-
-    def __getitem__(self, grid):
-        def launch(**kwargs):
-            args = {k: (v.data_ptr(), v.stride()) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-            self.launches.append((grid, args))
-            return self.kernel[grid](**kwargs)
-        return launch
 
 
 class NoLaunch:

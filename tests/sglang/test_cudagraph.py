@@ -19,6 +19,7 @@ from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBack
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
 from integrations.sglang.backend import CUDA_GRAPH_SEQ_LEN_FILL, PrefixAttnBackend
+from tests.launch_count import RecordingKernel
 from tests.sglang.engine import MiniEngine
 
 pytestmark = pytest.mark.sglang
@@ -26,18 +27,6 @@ pytestmark = pytest.mark.sglang
 GRAPH_BS = 8  # the captured batch size (SGLang's max_bs here)
 SYSTEM = list(range(100, 112))
 DOC = list(range(200, 208))
-
-
-class RecordingKernel:
-    def __init__(self, kernel):
-        self.kernel, self.launches = kernel, []
-
-    def __getitem__(self, grid):
-        def launch(**kwargs):
-            args = {k: (v.data_ptr(), v.stride()) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-            self.launches.append((grid, args))
-            return self.kernel[grid](**kwargs)
-        return launch
 
 
 def _padded(fb: ForwardBatch | None, bs: int) -> ForwardBatch:

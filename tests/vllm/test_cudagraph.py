@@ -9,6 +9,7 @@ the capacity has exactly the captured arguments (so replaying the captured launc
 import pytest
 import torch
 
+from tests.launch_count import RecordingKernel
 from tests.tolerances import ATTENTION_TOL
 
 pytestmark = pytest.mark.vllm
@@ -76,18 +77,6 @@ def _persistent_rows(table):
     PERSISTENT_TABLE.zero_()
     PERSISTENT_TABLE[:len(table), :len(table[0])] = torch.tensor(table, dtype=torch.int32)
     return PERSISTENT_TABLE[:len(table)]
-
-
-class RecordingKernel:
-    def __init__(self, kernel):
-        self.kernel, self.launches = kernel, []
-
-    def __getitem__(self, grid):
-        def launch(**kwargs):
-            args = {k: (v.data_ptr(), v.stride()) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-            self.launches.append((grid, args))
-            return self.kernel[grid](**kwargs)
-        return launch
 
 
 def test_builder_declares_uniform_batch_graphs(vllm_config):
