@@ -129,13 +129,18 @@ def init_sglang(model_dir: str):
 def build_model(cfg, module: str, cls: str, *, seed: int = 0):
     import importlib
 
+    from sglang.srt.layers.layernorm import RMSNorm
+
     model = getattr(importlib.import_module(f"sglang.srt.models.{module}"), cls)(cfg)
+    # SGLang's RMSNorm multiplies by its weight (init 1, as in HF); GemmaRMSNorm by 1 + weight (init 0).
+    unit_norms = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, RMSNorm)}
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if not name.endswith(".sinks"):  # sinks: set per run (set_features)
-                std = INIT_RANGE * EMBED_STD_FACTOR if name.endswith("embed_tokens.weight") else INIT_RANGE
-                p.copy_((torch.randn(p.shape, generator=gen) * std).to(p.dtype))
+            if name.endswith(".sinks"):  # set per run (set_features)
+                continue
+            std = INIT_RANGE * EMBED_STD_FACTOR if name.endswith("embed_tokens.weight") else INIT_RANGE
+            p.copy_((torch.randn(p.shape, generator=gen) * std + (1.0 if name in unit_norms else 0.0)).to(p.dtype))
     return model.eval()
 
 
