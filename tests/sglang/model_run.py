@@ -11,7 +11,8 @@ with the named attention backend:
    rest in one EXTEND batch (a causal extend over a shared cached prefix);
 3. all three decode ``DECODE_STEPS`` greedy tokens in DECODE batches (the prefix slots are shared).
 
-It writes each run's greedy tokens, the smallest top-1/top-2 log-probability gap over all of them, and (prefixattn)
+It writes each run's greedy tokens and their log-probabilities, the smallest top-1/top-2 log-probability gap over
+all of them, and (prefixattn)
 the shared nodes of every plan, per layer kind (window_left).
 
 What is not SGLang's production path, and why (test-only, in this process only):
@@ -231,6 +232,7 @@ def run_session(model, cfg, backend_name: str, server_args, *, kv_dtype: torch.d
                      num_pages=256 // page_size)
     backend = make_backend(backend_name, eng, eng.make_pool(), model, server_args)
     tokens: list[list[int]] = [[] for _ in QUESTIONS]
+    logprobs: list[list[float]] = [[] for _ in QUESTIONS]
     gaps, plans = [], []
 
     def step(extend: dict, mode) -> None:
@@ -238,8 +240,9 @@ def run_session(model, cfg, backend_name: str, server_args, *, kv_dtype: torch.d
         top2 = torch.log_softmax(logits, dim=-1).topk(2, dim=-1).values
         gaps.append(float((top2[:, 0] - top2[:, 1]).min()))
         plans.append([mode.name, _plans(backend)])
-        for r, t in zip(extend, logits.argmax(dim=-1).tolist()):
+        for r, t, lp in zip(extend, logits.argmax(dim=-1).tolist(), top2[:, 0].tolist()):
             tokens[r].append(t)
+            logprobs[r].append(lp)
             eng.append_token(r, t)
 
     r0 = eng.add_request(PREFIX + QUESTIONS[0])
@@ -250,7 +253,7 @@ def run_session(model, cfg, backend_name: str, server_args, *, kv_dtype: torch.d
     step({r: len(eng.requests[r].tokens) - c for r, c in zip(rest, cached)}, ForwardMode.EXTEND)
     for _ in range(DECODE_STEPS):
         step({r: 1 for r in range(len(QUESTIONS))}, ForwardMode.DECODE)
-    return dict(tokens=tokens, min_top2_gap=min(gaps), plans=plans, cached=cached,
+    return dict(tokens=tokens, logprobs=logprobs, min_top2_gap=min(gaps), plans=plans, cached=cached,
                 backend_class=f"{type(backend).__module__}.{type(backend).__name__}")
 
 
