@@ -102,9 +102,9 @@ class PrefixAttnBackend(AttentionBackend):
     Not supported (each raises ``ValueError`` or ``NotImplementedError`` naming the feature): SGLang's "full"
     prefill CUDA graphs (the default "breakable" ones run attention eagerly), speculative decoding (target verify /
     draft extend), encoder-decoder and cross attention, chunked attention, MLA and hybrid/SWA pools, quantized KV
-    pools other than fp8 e4m3/e5m2 (FP4, ROCm's e4m3fnuz), ``qk_head_dim != v_head_dim``. fp8 e4m3/e5m2 pools run
-    with per-tensor scales (``layer.k_scale``/``v_scale``). Sliding windows (``layer.sliding_window_size``, FlashInfer's
-    ``window_left``) on the standard pool (``--disable-hybrid-swa-memory``), logit soft-capping
+    pools other than fp8 e4m3/e5m2 (FP4, ROCm's e4m3fnuz), ``qk_head_dim != v_head_dim``. fp8 e4m3/e5m2 pools
+    with per-tensor scales (``layer.k_scale``/``v_scale``), sliding windows (``layer.sliding_window_size``,
+    FlashInfer's ``window_left``) on the standard pool (``--disable-hybrid-swa-memory``), logit soft-capping
     (``layer.logit_cap``) and attention sinks (the ``sinks`` keyword of the forward calls) run in the kernel.
 
     Examples

@@ -1,8 +1,8 @@
 """Tiny random SGLang models end to end on CPU: SGLang's own model classes, pools, radix cache and attention backends.
 
-Run as ``python -m tests.sglang.model_run IN.json OUT.json`` (a subprocess of :func:`tests.sglang.model_engine.run_models`:
-it publishes SGLang's process-wide server config and builds a gloo process group, neither of which can be undone in
-the pytest process). For each run in the input it builds the model (``sglang.srt.models.<module>``) with random
+Run as ``python -m tests.sglang.model_run IN.json OUT.json`` (a subprocess of ``run_models`` in
+tests/sglang/test_e2e_models.py: it publishes SGLang's process-wide server config and builds a gloo process group,
+neither of which can be undone in the pytest process). For each run in the input it builds the model (``sglang.srt.models.<module>``) with random
 weights from a fixed seed, then serves one shared-prefix session through :class:`tests.sglang.engine.MiniEngine`
 with the named attention backend:
 
