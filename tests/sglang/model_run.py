@@ -25,9 +25,11 @@ What is not SGLang's production path, and why (test-only, in this process only):
 * ``sglang.srt.layers.rotary_embedding.base._is_cpu`` is set True before the model is built: with no CUDA and no
   ``SGLANG_USE_CPU_ENGINE`` the rotary embedding's constructor imports ``vllm._custom_ops`` for a fallback kernel it
   never calls on the native path (its forward dispatches to ``forward_native`` here);
-* SGLang's Triton attention backend (the reference for sinks and scaled fp8: SGLang refuses gpt-oss on
-  ``torch_native``, and ``TorchNativeAttnBackend.forward_extend`` has no ``sinks`` argument) runs its kernels in the
-  Triton interpreter, built over a namespace with the runner attributes it reads.
+* SGLang's Triton attention backend (the reference for sinks: SGLang refuses gpt-oss on ``torch_native``, and
+  ``TorchNativeAttnBackend.forward_extend`` has no ``sinks`` argument) runs its kernels in the Triton interpreter,
+  built over a namespace with the runner attributes it reads. It is no fp8 reference: its extend kernel attends the
+  new tokens' K/V as computed (unquantized), where prefixattn and torch_native read them back from the fp8 pool, so
+  the greedy tokens differ legitimately (measured on gpt-oss with an e5m2 pool: the first token already differs).
 """
 
 from __future__ import annotations
@@ -36,7 +38,6 @@ import json
 import os
 import socket
 import sys
-import types
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: SGLang's Triton backend on CPU
 
