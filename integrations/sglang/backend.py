@@ -12,8 +12,11 @@ own ``set_kv_buffer``.
 Bad metadata: each plan is built with ``num_blocks`` = the pool's page count, so an id outside the pool is a
 ``ValueError`` at plan time (part of the planner's numpy pass over the block table, once per step and geometry), and
 every layer's :func:`prefixattn.attention` compares the plan's largest block id with the pool view's page count
-again (two int comparisons per layer, no device work). A quantized KV pool or one whose dtype is not the model's is
-refused when the backend is built.
+again (two int comparisons per layer, no device work). An fp8 pool (``--kv-cache-dtype fp8_e4m3`` / ``fp8_e5m2``:
+SGLang stores the bytes as uint8 and ``get_key_buffer`` returns the fp8 view) is read by the kernel directly, upcast on
+load, with SGLang's per-tensor scale convention (``layer.k_scale``: the pool holds ``k / k_scale``, written by
+``set_kv_buffer``; the kernel multiplies by ``layer.k_scale_float``). Any other quantized pool (FP4 and the pools
+with a ``quant_method``) or a float pool whose dtype is not the model's is refused when the backend is built.
 
 This module imports sglang at import time (it subclasses SGLang's ``AttentionBackend``); the plugin imports it only
 when SGLang asks for the ``prefixattn`` backend.
@@ -98,9 +101,10 @@ class PrefixAttnBackend(AttentionBackend):
 
     Not supported (each raises ``ValueError`` or ``NotImplementedError`` naming the feature): SGLang's "full"
     prefill CUDA graphs (the default "breakable" ones run attention eagerly), speculative decoding (target verify /
-    draft extend), encoder-decoder and cross attention, chunked attention, MLA and hybrid/SWA pools, quantized (fp8)
-    KV caches, ``qk_head_dim != v_head_dim``. Sliding windows (``layer.sliding_window_size``, FlashInfer's
-    ``window_left``) on the standard pool (``--disable-hybrid-swa-memory``), logit soft-capping
+    draft extend), encoder-decoder and cross attention, chunked attention, MLA and hybrid/SWA pools, quantized KV
+    pools other than fp8 e4m3/e5m2 (FP4, ROCm's e4m3fnuz), ``qk_head_dim != v_head_dim``. fp8 e4m3/e5m2 pools
+    with per-tensor scales (``layer.k_scale``/``v_scale``), sliding windows (``layer.sliding_window_size``,
+    FlashInfer's ``window_left``) on the standard pool (``--disable-hybrid-swa-memory``), logit soft-capping
     (``layer.logit_cap``) and attention sinks (the ``sinks`` keyword of the forward calls) run in the kernel.
 
     Examples
@@ -118,7 +122,7 @@ class PrefixAttnBackend(AttentionBackend):
                 f"token_to_kv_pool: expected SGLang's MHATokenToKVPool (standard multi-head KV cache), got "
                 f"{type(pool).__name__}; MLA, hybrid and sliding-window pools are not supported by prefixattn"
             )
-        _check_pool_dtype(pool.dtype, getattr(model_runner, "dtype", None))
+        _check_pool_dtype(pool, getattr(model_runner, "dtype", None))
         layout = getattr(pool, "kv_cache_layout", "nhd")
         if layout != "nhd":
             raise ValueError(f"token_to_kv_pool: expected the token-major 'nhd' KV layout, got {layout!r} "
@@ -210,8 +214,15 @@ class PrefixAttnBackend(AttentionBackend):
 
     def _forward(self, q, k, v, layer, forward_batch, save_kv_cache, sinks=None):
         causal = _check_layer(layer)
+        scales = _kv_scales(layer, self.token_to_kv_pool)
         if save_kv_cache and k is not None and v is not None:
-            self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc.for_batch(forward_batch), k, v)
+            loc = KVWriteLoc.for_batch(forward_batch)
+            if scales:
+                # The pool quantizes as x / scale in place (set_kv_buffer's div_): clones keep the caller's k, v
+                # intact, as SGLang's Triton backend does.
+                self.token_to_kv_pool.set_kv_buffer(layer, loc, k.clone(), v.clone(), layer.k_scale, layer.v_scale)
+            else:
+                self.token_to_kv_pool.set_kv_buffer(layer, loc, k, v)
         num_heads, head_dim = layer.tp_q_head_num, layer.qk_head_dim
         q3 = q.reshape(-1, num_heads, head_dim)
         o = q.new_empty((q3.shape[0], num_heads * layer.v_head_dim))
@@ -220,9 +231,9 @@ class PrefixAttnBackend(AttentionBackend):
         p = self._plan_for(layer, q3, causal, num_blocks=k_cache.shape[0])
         if self.forward_metadata.graph:
             # The wrapper's capacity-fixed launch over all padded rows: what the decode graph captures.
-            self._graph.run(p, q3, k_cache, v_cache, out=o.view(-1, num_heads, head_dim), sinks=sinks)
+            self._graph.run(p, q3, k_cache, v_cache, out=o.view(-1, num_heads, head_dim), sinks=sinks, **scales)
             return o
-        prefixattn.attention(q3, k_cache, v_cache, p, out=o.view(-1, num_heads, head_dim), sinks=sinks)
+        prefixattn.attention(q3, k_cache, v_cache, p, out=o.view(-1, num_heads, head_dim), sinks=sinks, **scales)
         return o
 
     def _paged(self, buf: torch.Tensor, name: str) -> torch.Tensor:
@@ -325,22 +336,41 @@ class GraphState:
         meta.plans[key] = p = self._plan(self.wrappers[key], meta)
         return p
 
-    def run(self, p, q, k_cache, v_cache, *, out, sinks=None) -> None:
+    def run(self, p, q, k_cache, v_cache, *, out, sinks=None, k_scale=None, v_scale=None) -> None:
         attn = next((a for a in self.wrappers.values() if a.current_plan is p), None)
         if attn is None:
             raise ValueError("plan: expected the graph wrapper's latest plan for this step, got an older one (a "
                              "later init_forward_metadata_out_graph overwrote its tables)")
-        attn.run(q, k_cache, v_cache, out=out, sinks=sinks)
+        attn.run(q, k_cache, v_cache, out=out, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
 
 
-def _check_pool_dtype(pool_dtype: torch.dtype, model_dtype: torch.dtype | None) -> None:
-    """Refuse, when the backend is built, a KV pool the kernel cannot read: it loads K/V in the dtype of q."""
+def _check_pool_dtype(pool, model_dtype: torch.dtype | None) -> None:
+    """Refuse, when the backend is built, a KV pool the kernel cannot read: K/V in the dtype of q, or fp8 e4m3/e5m2
+    (upcast on load)."""
+    pool_dtype = pool.dtype
+    if getattr(pool, "is_quantized_kv_cache", False):
+        # SGLang's FP4 pools (a quant_method with its own scale buffers and dequantizing reads).
+        raise ValueError(f"token_to_kv_pool: expected a float16/bfloat16/float32 or fp8 e4m3/e5m2 KV cache "
+                         f"(prefixattn has no block-scaled KV), got a quantized {_dtype_name(pool_dtype)} pool")
+    if pool_dtype in prefixattn.FP8_KV_DTYPES:
+        return
     if pool_dtype not in prefixattn.SUPPORTED_DTYPES:
-        raise ValueError(f"token_to_kv_pool: expected a float16/bfloat16/float32 KV cache (prefixattn reads K/V in "
-                         f"the dtype of q; no quantized KV), got {_dtype_name(pool_dtype)}")
+        raise ValueError(f"token_to_kv_pool: expected a float16/bfloat16/float32 or fp8 (float8_e4m3fn/float8_e5m2) "
+                         f"KV cache, got {_dtype_name(pool_dtype)}")
     if model_dtype is not None and pool_dtype != model_dtype:
-        raise ValueError(f"kv_cache_dtype: expected the model dtype {_dtype_name(model_dtype)} (prefixattn reads K/V "
-                         f"in the dtype of q; use --kv-cache-dtype auto), got {_dtype_name(pool_dtype)}")
+        raise ValueError(f"kv_cache_dtype: expected the model dtype {_dtype_name(model_dtype)} or fp8 (prefixattn "
+                         f"reads a float K/V cache in the dtype of q; use --kv-cache-dtype auto, fp8_e4m3 or "
+                         f"fp8_e5m2), got {_dtype_name(pool_dtype)}")
+
+
+def _kv_scales(layer, pool) -> dict:
+    """``k_scale``/``v_scale`` keywords of :func:`prefixattn.attention` for an fp8 pool with the layer's per-tensor
+    scales (SGLang sets ``layer.k_scale`` from the checkpoint and its float twin ``k_scale_float``); empty when the
+    pool is not fp8 or the layer has no scales (SGLang then stores and reads the plain cast: scale 1)."""
+    if pool.dtype not in prefixattn.FP8_KV_DTYPES or layer.k_scale is None:
+        return {}
+    v_scale = layer.v_scale_float if layer.v_scale is not None else None
+    return {"k_scale": float(layer.k_scale_float), "v_scale": None if v_scale is None else float(v_scale)}
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -397,10 +427,15 @@ def warm_up_kernels(model_runner, pool) -> list[WarmupReport]:
     chunk = getattr(server_args, "chunked_prefill_size", None)
     max_q_len = int(chunk) if chunk is not None and chunk > 0 else MAX_DISTINCT_Q_LEN
     device = torch.device(model_runner.device)
+    # q is in the model's dtype; an fp8 pool holds K/V in fp8 (warmup_kernels has no KV-dtype axis yet: the fp8
+    # variants compile at their first launch).
+    q_dtype = pool.dtype if pool.dtype in prefixattn.SUPPORTED_DTYPES else getattr(model_runner, "dtype", None)
+    if q_dtype is None:
+        return []
     reports = []
     for num_qo_heads, num_kv_heads, head_dim in _layer_geometries(model_runner):
         report = prefixattn.warmup_kernels(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                                           block_size=int(pool.page_size), dtypes=pool.dtype, max_q_len=max_q_len,
+                                           block_size=int(pool.page_size), dtypes=q_dtype, max_q_len=max_q_len,
                                            layout=SGLANG_LAYOUT, device=device if device.type == "cuda" else None)
         if report.failed:
             raise RuntimeError("\n".join(["prefixattn: kernel warm-up failed"] + report.lines()))

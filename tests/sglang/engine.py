@@ -43,8 +43,9 @@ class MiniEngine:
     """SGLang pools + radix cache + one attention layer, and backends built over their own copies of the KV pool."""
 
     def __init__(self, *, num_heads=4, num_kv_heads=2, head_dim=64, page_size=1, dtype=torch.float32,
-                 num_pages=128, max_reqs=16, max_context=256, seed=0):
+                 num_pages=128, max_reqs=16, max_context=256, seed=0, num_layers=1, kv_dtype=None):
         self.page_size, self.dtype = page_size, dtype
+        self.num_layers, self.kv_dtype = num_layers, kv_dtype if kv_dtype is not None else dtype
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.req_to_token_pool = ReqToTokenPool(max_reqs, max_context, device="cpu", enable_memory_saver=False)
         self.radix = RadixCache(CacheInitParams(disable=False, req_to_token_pool=None,
@@ -58,8 +59,9 @@ class MiniEngine:
 
     # -- backends --------------------------------------------------------------------------------------------------
     def make_pool(self) -> MHATokenToKVPool:
-        return MHATokenToKVPool(self.pool_size, self.page_size, self.dtype, self.num_kv_heads, self.head_dim,
-                                layer_num=1, device="cpu", enable_memory_saver=False, enable_alt_stream=False)
+        return MHATokenToKVPool(self.pool_size, self.page_size, self.kv_dtype, self.num_kv_heads, self.head_dim,
+                                layer_num=self.num_layers, device="cpu", enable_memory_saver=False,
+                                enable_alt_stream=False)
 
     def runner(self, pool) -> types.SimpleNamespace:
         """What SGLang's ModelRunner hands an attention backend (device and pools)."""

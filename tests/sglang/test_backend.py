@@ -183,3 +183,37 @@ def test_logit_cap_window_and_sinks_run_in_the_kernel():
                                            sm_scale=float(eng.layer.scaling))
     assert (want - plain).abs().max() > 0.05, "cap, window and sinks change the answer"
     torch.testing.assert_close(o.view_as(q3), want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_pool_with_per_tensor_scales(kv_dtype):
+    """An fp8 pool with SGLang's layer scales: the pool holds k / k_scale (set_kv_buffer quantizes a copy, the
+    caller's k is untouched) and the kernel reads it back times k_scale; checked against the reference on the pool's
+    own bytes, and the scales must matter."""
+    import prefixattn
+
+    eng = MiniEngine(kv_dtype=kv_dtype)
+    pool = eng.make_pool()
+    backend = PrefixAttnBackend(eng.runner(pool))
+    r = eng.add_request(SYSTEM)
+    fb = eng.batch({r: 12}, ForwardMode.EXTEND)
+    backend.init_forward_metadata(fb)
+    q, k, v = eng.qkv(12)
+    k_in, v_in = k.clone(), v.clone()
+    layer = eng.layer
+    layer.k_scale, layer.v_scale = torch.nn.Parameter(torch.tensor(0.25)), torch.nn.Parameter(torch.tensor(2.0))
+    layer.k_scale_float, layer.v_scale_float = 0.25, 2.0
+    o = backend.forward(q, k, v, layer, fb)
+    assert torch.equal(k, k_in) and torch.equal(v, v_in)
+    k_cache = backend._paged(pool.get_key_buffer(0), "key")
+    v_cache = backend._paged(pool.get_value_buffer(0), "value")
+    assert k_cache.dtype == kv_dtype
+    slots = fb.out_cache_loc
+    torch.testing.assert_close(pool.get_key_buffer(0)[slots].float(), (k_in / 0.25).to(kv_dtype).float())
+    meta = backend.forward_metadata
+    q3 = q.reshape(-1, eng.num_heads, eng.head_dim)
+    args = (q3, k_cache, v_cache, meta.qo_indptr, meta.kv_lens, meta.block_table)
+    want = prefixattn.reference_attention(*args, sm_scale=float(layer.scaling), k_scale=0.25, v_scale=2.0)
+    unscaled = prefixattn.reference_attention(*args, sm_scale=float(layer.scaling))
+    assert (want - unscaled).abs().max() > 0.5, "the scales change the answer"
+    torch.testing.assert_close(o.view_as(q3), want, atol=1e-4, rtol=1e-4)

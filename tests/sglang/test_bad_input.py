@@ -1,5 +1,6 @@
-"""Issue 17 in SGLang: a KV pool the kernel cannot read (quantized, or not in the model's dtype) is refused when the
-backend is built, not at the first forward; the engine path's block ids are checked against the pool."""
+"""Issue 17 in SGLang: a KV pool the kernel cannot read (quantized other than fp8 e4m3/e5m2, or a float pool not in
+the model's dtype) is refused when the backend is built, not at the first forward; the engine path's block ids are
+checked against the pool."""
 
 from __future__ import annotations
 
@@ -19,11 +20,20 @@ def _pool(eng: MiniEngine, dtype: torch.dtype) -> MHATokenToKVPool:
                             device="cpu", enable_memory_saver=False, enable_alt_stream=False)
 
 
-def test_quantized_kv_pool_is_refused_at_construction():
+def test_fp8_kv_pools_are_accepted_and_other_quantized_pools_refused_at_construction():
+    """fp8 e4m3/e5m2 pools run in the kernel (tests/sglang/test_e2e_models.py); ROCm's e4m3fnuz does not."""
     eng = MiniEngine()
-    with pytest.raises(ValueError, match="token_to_kv_pool: expected a float16/bfloat16/float32 KV cache .* got "
-                                         "float8_e4m3fn"):
-        PrefixAttnBackend(eng.runner(_pool(eng, torch.float8_e4m3fn)))
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        runner = eng.runner(_pool(eng, dtype))
+        runner.dtype = torch.bfloat16  # any model dtype: the kernel upcasts fp8 on load
+        PrefixAttnBackend(runner)
+    with pytest.raises(ValueError, match="token_to_kv_pool: expected a float16/bfloat16/float32 or fp8 "
+                                         "\\(float8_e4m3fn/float8_e5m2\\) KV cache, got float8_e4m3fnuz"):
+        PrefixAttnBackend(eng.runner(_pool(eng, torch.float8_e4m3fnuz)))
+    pool = _pool(eng, torch.float8_e4m3fn)
+    pool.quant_method = object()  # stands in for an FP4 pool's quant method: is_quantized_kv_cache is then True
+    with pytest.raises(ValueError, match="token_to_kv_pool: expected .* no block-scaled KV\\), got a quantized"):
+        PrefixAttnBackend(eng.runner(pool))
 
 
 def test_kv_pool_in_another_dtype_than_the_model_is_refused_at_construction():
