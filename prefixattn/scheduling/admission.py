@@ -108,8 +108,8 @@ class AdmissionRule:
 
     Examples
     --------
-    >>> rule = AdmissionRule(capacity=10, block_size=4, projection="ends")
-    >>> started = rule.start(now=[8, 8], more=[8, 4])   # 4 + 3 blocks at their ends
+    >>> rule = AdmissionRule(capacity=9, block_size=4, projection="ends")
+    >>> started = rule.start(now=[8, 8], more=[8, 4])   # 4 + 3 blocks at their ends; then 3 or 2 more
     >>> started.fits(now=4, more=8, anything_started=True), started.fits(now=4, more=4, anything_started=True)
     (False, True)
     """

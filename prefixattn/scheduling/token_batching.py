@@ -13,7 +13,8 @@ and admission stays in order (no starvation). Prefill chunks are as large as the
 
 KV memory is counted in blocks: a shared prefix's blocks are counted once for all its members (BatchLLM
 Algorithm 2: the limit is memory, never a request count). With output-length estimates, a request is only started
-when its estimated final footprint fits next to the others' (a reservation); when outputs run longer than
+while the started work's projected footprint with it fits (a reservation: :mod:`prefixattn.scheduling.admission`,
+the rule the vLLM scheduler applies, projection ``ends`` by default or ``peak``); when outputs run longer than
 estimated and a decode needs a block that is not free, the latest-admitted request is preempted and later
 recomputed (vLLM's recompute preemption; counted in :attr:`TokenBatcher.stats`). A request that cannot fit even
 alone is rejected when added; one whose output outgrows the whole budget is stopped and reported as truncated.
@@ -39,7 +40,7 @@ from typing import Sequence
 
 import numpy as np
 
-from prefixattn.scheduling.admission import PROJECTIONS, AdmissionPass, AdmissionRule, blocks, growth
+from prefixattn.scheduling.admission import PROJECTIONS, AdmissionPass, AdmissionRule, blocks
 from prefixattn.scheduling.batch_state import PrefixLevels, RequestState, RequestStore, StepContext
 from prefixattn.scheduling.class_shares import ClassShares
 from prefixattn.scheduling.batch_input import (MAX_BLOCK_SIZE, MAX_KV_BLOCKS, MAX_OUTPUT_TOKENS, MAX_TOKEN_BUDGET,
@@ -141,6 +142,11 @@ class TokenBatcher:
         tokens dropped by releasing idle prefix levels (``released_prefix_tokens``), ``truncated``, ``finished``,
         ``aborted``."""
         return dict(self._stats)
+
+    @property
+    def projection(self) -> str:
+        """The admission projection, ``ends`` or ``peak``."""
+        return self._rule.projection
 
     @property
     def kv_blocks_used(self) -> int:
@@ -277,32 +283,20 @@ class TokenBatcher:
         return blocks(tokens, self.block_size)
 
     def _admission(self) -> AdmissionPass | None:
-        """The started work's projection for one admission pass: started requests at what they hold (or their
-        prompt and output so far, when more) growing by their reserved output, started prefix levels at their full
-        size; None without output estimates (nothing is reserved)."""
+        """The started work's projection for one admission pass (started prefix levels at their full size); None
+        without output estimates (nothing is reserved)."""
         if self._est is None:
             return None
-        started = [*self._decoding, *self._prefilling]
-        idx = np.fromiter(started, dtype=np.int64, count=len(started))
-        req = self._req
-        now, more = growth(np.maximum(req.computed[idx], req.own[idx] + req.generated[idx]), req.est_out[idx],
-                           req.generated[idx])
-        return self._rule.start(now, more, shared_blocks=self._active_full_blocks)
-
-    def _candidate(self, s: int) -> tuple[int, int]:
-        """``(now, more)`` of waiting request ``s``: its prefill (recomputation) target and its reserved output
-        still to come."""
-        now, more = growth(int(self._req.target[s]), int(self._req.est_out[s]), int(self._req.generated[s]))
-        return now, int(more)
+        idx = np.fromiter([*self._decoding, *self._prefilling], dtype=np.int64)
+        return self._rule.start(*self._req.started_growth(idx), shared_blocks=self._active_full_blocks)
 
     def _anything_started(self) -> bool:
         return bool(self._decoding or self._prefilling)
 
     def admits(self, request_id: int) -> bool:
         """Whether memory-centric admission (:mod:`prefixattn.scheduling.admission`) lets the waiting request start
-        now, next to the started requests, with the prefix levels above it that have not started: the test
-        :meth:`step` applies at the start of its admission pass (the token budget and the class shares aside).
-        Always True without output-length estimates (nothing is reserved).
+        now next to the started requests, with its prefix levels that have not started: the test :meth:`step`
+        applies first in its admission pass (token budget and class shares aside). True without output estimates.
 
         Raises
         ------
@@ -314,11 +308,10 @@ class TokenBatcher:
             raise ValueError(f"request_id: expected a waiting request, got request {request_id} in state "
                              f"{RequestState(int(self._req.state[s])).name.lower()}")
         adm = self._admission()
-        if adm is None:
-            return True
-        levels = self._blocks(sum(self._lv.size[v] for v in self._lv.chain(int(self._req.node[s]))
-                                  if not self._lv.active[v]))
-        return adm.fits(*self._candidate(s), shared=levels, anything_started=self._anything_started())
+        levels = sum(self._blocks(self._lv.size[v]) for v in self._lv.chain(int(self._req.node[s]))
+                     if not self._lv.active[v])
+        return adm is None or adm.fits(*self._req.waiting_growth(s), shared=levels,
+                                       anything_started=self._anything_started())
 
     def _mark_started(self, s: int, delta: int) -> None:
         v = int(self._req.node[s])
@@ -516,7 +509,7 @@ class TokenBatcher:
     def _start_request(self, s: int, adm: AdmissionPass | None) -> bool:
         """Start a waiting request if its reservation and first chunk fit."""
         if adm is not None:
-            cand = self._candidate(s)
+            cand = self._req.waiting_growth(s)
             if not adm.fits(*cand, anything_started=self._anything_started()):
                 return False
         self._req.state[s] = RequestState.PREFILL
