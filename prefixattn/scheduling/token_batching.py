@@ -67,7 +67,7 @@ class TokenBatcher:
         None reserves nothing (pure BatchLLM Algorithm 2: current usage only).
     max_output_len : int, optional
         Hard cap on output tokens per request; requests whose prompt plus this cap cannot fit are rejected when
-        added (otherwise prompt plus one token must fit).
+        added (otherwise prompt plus one token must fit). No reservation exceeds it (as ``max_tokens`` in vLLM).
     reservation_clip : int, optional
         Cap on each request's output estimate *as a memory reservation* (SGLang's clip: a few very long outputs
         cannot reserve the whole pool); the memory-class projections look at most this many steps ahead of the

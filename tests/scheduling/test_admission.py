@@ -62,3 +62,12 @@ def test_token_batcher_admits_by_its_projection(projection, starts_both):
 def test_token_batcher_refuses_an_unknown_projection():
     with pytest.raises(ValueError, match="projection: expected one of"):
         TokenBatcher(token_budget=16, kv_blocks=10, block_size=4, projection="mean")
+
+
+@pytest.mark.parametrize("max_output_len, starts_both", [(None, False), (20, True)])
+def test_token_batcher_reserves_at_most_the_hard_output_cap(max_output_len, starts_both):
+    """Request 0 estimates 100 output tokens; capped at 20 it reserves 8 + 20 tokens (7 blocks), leaving room for
+    request 1 (2 blocks) in 10, as vLLM reserves at most ``max_tokens``."""
+    b = TokenBatcher(token_budget=16, kv_blocks=10, block_size=4, output_lens=[100, 4], max_output_len=max_output_len)
+    b.add_groups(group_prompts([list(range(1, 9)), list(range(20, 24))]))
+    assert sorted(set(b.step().request_ids.tolist())) == ([0, 1] if starts_both else [0])
