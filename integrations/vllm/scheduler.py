@@ -49,7 +49,6 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-
 from integrations.vllm.version import check_vllm_version
 
 check_vllm_version()
