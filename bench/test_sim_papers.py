@@ -1,4 +1,5 @@
-"""Simulator vs the papers (MODELED numbers): BatchLLM Table 1 case 1, BlendServe Traces #1-#4, every seed workload.
+"""Simulator vs the papers (MODELED numbers): BatchLLM Table 1 case 1, BlendServe Traces #1-#4, every seed workload,
+and the admission projection (`ends` vs `peak`).
 
 Rows go to ``bench/results/latest.csv`` (benchmark ``sim-*``, device ``modeled:<gpu>/<model>``) and the tables to
 ``bench/results/sim_papers.md``. Nothing here asserts a paper's number: disagreements are reported and explained in
@@ -32,18 +33,24 @@ TRACE_POLICIES = ["vllm-dfs", "sglang-dfs", "batchllm", "nanoflow-dfs", "blendse
                   "prefixattn-overlap"]
 SEED_POLICIES = ["vllm", "sglang", "batchllm", "nanoflow-dfs", "blendserve", "prefixattn", "prefixattn-2k",
                  "prefixattn-overlap"]
+#: Policies that reserve decode memory (sampled output estimates), so the admission projection matters to them.
+PROJECTION_POLICIES = ["nanoflow-dfs", "blendserve", "prefixattn"]
+PROJECTION_WORKLOADS = ["batchllm-case1", "blendserve-trace1", "blendserve-trace2", "blendserve-trace3",
+                        "blendserve-trace4"]
 _cache: dict = {}
 
 
-def _run(workload, policies, trace_requests=None):
-    """Results per policy, each simulated once per session and size (the tables share runs)."""
+def _run(workload, policies, trace_requests=None, projection=None):
+    """Results per policy, each simulated once per session, size and admission projection (the tables share runs;
+    None: each policy's default)."""
     n = (trace_requests or TRACE_REQUESTS) if workload.startswith("blendserve") else None
-    missing = [p for p in policies if (workload, n, p) not in _cache]
+    missing = [p for p in policies if (workload, n, p, projection) not in _cache]
     if missing:
         model, gpu = PAPER_SETTINGS[workload]
-        for r in simulate(workload, missing, model=model, gpu=gpu, num_requests=n):
-            _cache[(workload, n, r.policy)] = r
-    return [_cache[(workload, n, p)] for p in policies]
+        for p, r in zip(missing, simulate(workload, missing, model=model, gpu=gpu, num_requests=n,
+                                          projection=projection)):
+            _cache[(workload, n, p, projection)] = r
+    return [_cache[(workload, n, p, projection)] for p in policies]
 
 
 def _record(results, benchmark, res):
@@ -124,4 +131,25 @@ def test_every_seed_workload(results):
             "prefixattn runs on the sequential backend of the engines it plugs into (vLLM, SGLang, BatchLLM); "
             "`prefixattn-overlap` is the same scheduler and kernel on the NanoFlow-style overlapped backend that "
             "BlendServe and NanoFlow-DFS run on. Each is compared with the best *other* policy on its own backend.\n\n"
+            + "\n".join(lines))
+
+
+def test_admission_projection(results):
+    """The admission projection of the policies built on prefixattn's scheduler (the vLLM scheduler's rule,
+    :mod:`prefixattn.scheduling.admission`): ``ends`` (the default) against ``peak``, modeled."""
+    lines = ["| workload | policy | tok/s ends | tok/s peak | peak / ends | steps ends / peak "
+             "| preemptions ends / peak | peak KV GiB ends / peak |", "|---|---|---|---|---|---|---|---|"]
+    for name in PROJECTION_WORKLOADS:
+        ends, peak = _run(name, PROJECTION_POLICIES), _run(name, PROJECTION_POLICIES, projection="peak")
+        _record(results, "sim-admission-projection", peak)
+        for e, p in zip(ends, peak):
+            results.add("sim-admission-projection", p.policy, name, "peak_over_ends",
+                        p.throughput_tok_s / e.throughput_tok_s - 1, "frac", device=f"modeled:{p.gpu}/{p.model}")
+            lines.append(f"| {name} | {e.policy} | {e.throughput_tok_s:,.0f} | {p.throughput_tok_s:,.0f} | "
+                         f"{p.throughput_tok_s / e.throughput_tok_s - 1:+.1%} | {e.steps:,} / {p.steps:,} | "
+                         f"{e.preemptions} / {p.preemptions} | {e.peak_kv_gib:.1f} / {p.peak_kv_gib:.1f} |")
+    _append(f"## Admission projection, `ends` (default) vs `peak` (MODELED; BlendServe traces at {TRACE_REQUESTS:,} "
+            "requests)\n\n"
+            "The policies that reserve decode memory (sampled output estimates) admit with the vLLM scheduler's rule "
+            "(`prefixattn.scheduling.admission`); `peak` lets requests that end early free their reservation.\n\n"
             + "\n".join(lines))

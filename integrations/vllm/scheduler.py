@@ -22,15 +22,18 @@ vLLM allocates a request's prompt blocks and reserves nothing for its decode gro
 admits too much, then preempts and recomputes. With this option a waiting request starts only while the started
 requests plus it, each projected to its prompt plus its reserved output (``SamplingParams.max_tokens``, or the
 estimate in ``SamplingParams.extra_args["prefixattn_output_len"]`` when smaller, clipped at ``reservation_clip``),
-fit ``kv_threshold`` of the KV cache; a group's shared prefix blocks count once. The test is
-:mod:`prefixattn.scheduling.admission`, the one :class:`prefixattn.scheduling.TokenBatcher` and the simulator use.
+fit ``kv_threshold`` of the KV cache; a group's shared prefix blocks count once. The reservation, the projection and
+the decision are one piece of code, :class:`prefixattn.scheduling.admission.AdmissionRule`, the one
+:class:`prefixattn.scheduling.TokenBatcher` applies and so the simulator's BatchLLM/BlendServe/prefixattn policies
+(``tests/vllm/test_scheduler_admission.py`` checks that both make the same decisions on the same running set).
 vLLM's loop still schedules running requests (decodes and partial prefills) before new ones.
 
-``admission_projection`` picks the projection: ``"ends"`` (default, as ``TokenBatcher``) sums every request at its
-end, as if all ended at once, an upper bound; ``"peak"`` is the peak when each request grows one token per step and
-frees its blocks at its end (:func:`prefixattn.scheduling.admission.projected_peak_blocks`): it admits more, and
-stays preemption-free as long as the running requests decode every step (``bench/vllm_offline_batch.py`` measures
-both).
+``admission_projection`` picks the projection (:data:`prefixattn.scheduling.admission.PROJECTIONS`): ``"ends"``
+(default here, in ``TokenBatcher`` and in ``prefixattn simulate``) sums every request at its end, as if all ended at
+once, an upper bound; ``"peak"`` is the peak when each request grows one token per step and frees its blocks at its
+end (:func:`prefixattn.scheduling.admission.projected_peak_blocks`): it admits more, and stays preemption-free as
+long as the running requests decode every step (``bench/vllm_offline_batch.py`` measures both; ``TokenBatcher(...,
+projection="peak")`` and ``prefixattn simulate --projection peak`` model it).
 
 Memory, not a request count, is what limits a step: vLLM's own admission stops at the first request whose KV
 blocks do not fit. vLLM's model runner still has ``max_num_seqs`` request slots (its persistent buffers are sized by
@@ -46,15 +49,12 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-import numpy as np
-
 from integrations.vllm.version import check_vllm_version
 
 check_vllm_version()
 
 from prefixattn.scheduling import ORDERINGS, group_prompts, order_groups  # noqa: E402
-from prefixattn.scheduling.admission import (admits, blocks, projected_blocks, projected_peak_blocks,  # noqa: E402
-                                             reserved_output)
+from prefixattn.scheduling.admission import PROJECTIONS, AdmissionRule, blocks, growth  # noqa: E402
 from prefixattn.scheduling.output_lengths import request_output_lens  # noqa: E402
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.core.sched.request_queue import RequestQueue, SchedulingPolicy  # noqa: E402
@@ -74,8 +74,6 @@ CONFIG_KEY = "prefixattn"
 DEFAULT_KV_THRESHOLD = 0.95
 #: ``SamplingParams.extra_args`` key of a per-request output-length estimate (tokens) for the reservation.
 OUTPUT_LEN_KEY = "prefixattn_output_len"
-#: How memory-centric admission projects the started requests' KV (see the module notes).
-PROJECTIONS = ("ends", "peak")
 
 
 def scheduling_options(vllm_config=None) -> dict[str, Any]:
@@ -164,70 +162,59 @@ def _grouped(prompts, *, ordering, levels, min_shared_tokens, known=None, limits
 
 
 class MemoryAdmission:
-    """BatchLLM Algorithm 2 over vLLM's running set (see the module notes): whether a waiting request may start."""
+    """BatchLLM Algorithm 2 over vLLM's running set (see the module notes): whether a waiting request may start.
+
+    The reservation, the projection and the decision are :class:`prefixattn.scheduling.admission.AdmissionRule`'s
+    (the rule :class:`prefixattn.scheduling.TokenBatcher` applies); this class only reads vLLM's requests into the
+    rule's ``(now, more)`` columns and counts each group's shared prefix blocks once.
+    """
 
     def __init__(self, scheduler, *, kv_threshold: float, reservation_clip: int | None,
                  projection: str = PROJECTIONS[0]) -> None:
         self.scheduler = scheduler
-        self.projection = projection
         self.block_size = int(scheduler.block_size)
         # vLLM's block pool keeps one null block that no request can hold
-        self.capacity = kv_threshold * (int(scheduler.kv_cache_config.num_blocks) - 1)
-        self.clip = reservation_clip
+        self.rule = AdmissionRule(capacity=kv_threshold * (int(scheduler.kv_cache_config.num_blocks) - 1),
+                                  block_size=self.block_size, projection=projection, clip=reservation_clip)
         self.group_of: dict[str, tuple] = {}  # request id -> (group key, shared prefix tokens)
         self.refused = 0  # times a request was held back (reported by the benchmark)
 
-    def _reserved(self, request) -> int:
-        limit = int(request.max_tokens)
-        extra = getattr(request.sampling_params, "extra_args", None) or {}
-        estimate = min(limit, int(extra.get(OUTPUT_LEN_KEY, limit)))
-        return reserved_output(estimate, self.clip)[1]
+    @property
+    def projection(self) -> str:
+        return self.rule.projection
 
-    def _own_and_prefix(self, request) -> tuple[int, tuple | None]:
-        """Tokens the request holds alone and its group's shared full-block prefix (counted once per group)."""
+    def _reserved(self, request) -> int:
+        """Reserved output tokens: the ``extra_args`` estimate, at most ``max_tokens``, clipped."""
+        extra = getattr(request.sampling_params, "extra_args", None) or {}
+        limit = int(request.max_tokens)
+        return self.rule.reservation(float(extra.get(OUTPUT_LEN_KEY, limit)), limit)[1]
+
+    def _columns(self, request) -> tuple[int, int, tuple | None]:
+        """``(now, more, prefix)`` of a request: the tokens it holds alone once prefilled (a partial prefill counts
+        as complete; a recomputation may hold more), its reserved output still to come, and its group's shared
+        full-block prefix ``(group key, tokens)`` (None: none), counted once per group."""
         group = self.group_of.get(request.request_id)
         shared = 0 if group is None else (group[1] // self.block_size) * self.block_size
-        return int(request.num_prompt_tokens) - shared, (group[0], shared) if shared else None
+        generated = int(request.num_output_tokens)
+        now = max(int(request.num_computed_tokens) - shared, int(request.num_prompt_tokens) - shared + generated)
+        more = int(growth(now, self._reserved(request), generated)[1])
+        return now, more, (group[0], shared) if shared else None
 
     def admits(self, request) -> bool:
         running = self.scheduler.running
-        ok = (self._admits_at_peak if self.projection == "peak" else self._admits_at_ends)(request, running)
+        now, more, prefixes = [], [], {}
+        for r in running:
+            n, m, prefix = self._columns(r)
+            now.append(n)
+            more.append(m)
+            if prefix:
+                prefixes[prefix[0]] = prefix[1]
+        started = self.rule.start(now, more, shared_blocks=sum(blocks(t, self.block_size) for t in prefixes.values()))
+        n, m, prefix = self._columns(request)
+        shared = blocks(prefix[1], self.block_size) if prefix and prefix[0] not in prefixes else 0
+        ok = started.fits(n, m, shared=shared, anything_started=bool(running))
         self.refused += not ok
         return ok
-
-    def _admits_at_ends(self, request, running) -> bool:
-        held, own, reserved, generated, prefixes = [], [], [], [], {}
-        for r in running:
-            o, prefix = self._own_and_prefix(r)
-            shared = prefix[1] if prefix else 0
-            held.append(max(0, int(r.num_computed_tokens) - shared))
-            own.append(o)
-            reserved.append(self._reserved(r))
-            generated.append(int(r.num_output_tokens))
-            if prefix:
-                prefixes[prefix[0]] = prefix[1]
-        projected = projected_blocks(held, own, reserved, generated, self.block_size) + \
-            sum(blocks(t, self.block_size) for t in prefixes.values())
-        o, prefix = self._own_and_prefix(request)
-        candidate = blocks(o + self._reserved(request), self.block_size)
-        if prefix and prefix[0] not in prefixes:
-            candidate += blocks(prefix[1], self.block_size)
-        return admits(projected, candidate, self.capacity, bool(running))
-
-    def _admits_at_peak(self, request, running) -> bool:
-        cur, rem, prefixes = [], [], {}
-        for r in [*running, request]:
-            o, prefix = self._own_and_prefix(r)
-            shared = prefix[1] if prefix else 0
-            generated = int(r.num_output_tokens)
-            # a partial prefill counts as complete; a recomputation may hold more than that
-            cur.append(max(int(r.num_computed_tokens) - shared, o + generated))
-            rem.append(max(self._reserved(r) - generated, 1))
-            if prefix:
-                prefixes[prefix[0]] = prefix[1]
-        peak = projected_peak_blocks(np.asarray(cur, np.int64), np.asarray(rem, np.int64), self.block_size)
-        peak += sum(blocks(t, self.block_size) for t in prefixes.values())
-        return admits(peak, 0, self.capacity, bool(running))
 
 
 class PrefixGroupRequestQueue(RequestQueue):

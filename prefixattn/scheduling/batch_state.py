@@ -13,6 +13,7 @@ from typing import Callable
 
 import numpy as np
 
+from prefixattn.scheduling.admission import growth
 from prefixattn.scheduling.grouping import PrefixGroup
 from prefixattn.scheduling.step_batch import ChunkList
 
@@ -79,6 +80,18 @@ class RequestStore:
             arr = np.full(new, fill, dtype=dtype)
             arr[:cap] = getattr(self, name)
             setattr(self, name, arr)
+
+    def started_growth(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The admission rule's ``(now, more)`` (:mod:`prefixattn.scheduling.admission`) of started slots ``idx``:
+        their prompt and output so far (or what they hold, when more) and their reserved output still to come."""
+        return growth(np.maximum(self.computed[idx], self.own[idx] + self.generated[idx]), self.est_out[idx],
+                      self.generated[idx])
+
+    def waiting_growth(self, s: int) -> tuple[int, int]:
+        """``(now, more)`` of waiting slot ``s``: its prefill (or recomputation) target and its reserved output
+        still to come."""
+        now, more = growth(int(self.target[s]), int(self.est_out[s]), int(self.generated[s]))
+        return now, int(more)
 
     def slot_of(self, request_id) -> int:
         s = self.slot.get(int(request_id)) if isinstance(request_id, (int, np.integer)) else None

@@ -4,17 +4,18 @@ Each request has a class (e.g. compute-intensive 0, memory-intensive 1) and each
 (``M_L + M_R = M``). While requests of another class wait to start, a request starts only if its class's *projected
 peak* (the started requests of the class plus this one, each growing by one token per step until its estimated
 output is done, then freeing its blocks) stays within the class's share; the first request of a class always may
-start. With a reservation clip the projection is a rolling horizon: each request grows for at most ``clip`` more
-steps from now, so a long output that has used up its clipped reservation still counts as growing, not as about to
-end. (The module is not named ``memory_classes``: that is :func:`prefixattn.scheduling.memory_classes`, which assigns
-the classes.)
+start. The projections are :mod:`prefixattn.scheduling.admission`'s: a class fits when its ``ends`` or else its
+``peak`` projection does, whichever projection the global admission uses. With a reservation clip the projection is
+a rolling horizon: each request grows for at most ``clip`` more steps from now, so a long output that has used up
+its clipped reservation still counts as growing, not as about to end. (The module is not named ``memory_classes``:
+that is :func:`prefixattn.scheduling.memory_classes`, which assigns the classes.)
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from prefixattn.scheduling.admission import projected_peak_blocks
+from prefixattn.scheduling.admission import ends_blocks, peak_blocks
 from prefixattn.scheduling.batch_state import RequestStore
 
 
@@ -63,10 +64,8 @@ class ClassShares:
         if clip is not None:
             rem = np.minimum(rem, clip)
         rem = np.maximum(rem, 1)
-        bound = ((cur + rem - 1) // block_size + 1).sum()  # everyone at its end at once: an upper bound
-        if bound <= cap:
-            return True
-        return projected_peak_blocks(cur, rem, block_size) <= cap
+        # the admission rule's two projections: everyone at its end at once (cheap) or else the peak
+        return ends_blocks(cur, rem, block_size) <= cap or peak_blocks(cur, rem, block_size) <= cap
 
 
 def _check_classes(memory_classes, class_shares):

@@ -13,7 +13,8 @@ and admission stays in order (no starvation). Prefill chunks are as large as the
 
 KV memory is counted in blocks: a shared prefix's blocks are counted once for all its members (BatchLLM
 Algorithm 2: the limit is memory, never a request count). With output-length estimates, a request is only started
-when its estimated final footprint fits next to the others' (a reservation); when outputs run longer than
+while the started work's projected footprint with it fits (a reservation: :mod:`prefixattn.scheduling.admission`,
+the rule the vLLM scheduler applies, projection ``ends`` by default or ``peak``); when outputs run longer than
 estimated and a decode needs a block that is not free, the latest-admitted request is preempted and later
 recomputed (vLLM's recompute preemption; counted in :attr:`TokenBatcher.stats`). A request that cannot fit even
 alone is rejected when added; one whose output outgrows the whole budget is stopped and reported as truncated.
@@ -39,7 +40,7 @@ from typing import Sequence
 
 import numpy as np
 
-from prefixattn.scheduling.admission import admits, blocks, projected_blocks, reserved_output
+from prefixattn.scheduling.admission import PROJECTIONS, AdmissionPass, AdmissionRule, blocks
 from prefixattn.scheduling.batch_state import PrefixLevels, RequestState, RequestStore, StepContext
 from prefixattn.scheduling.class_shares import ClassShares
 from prefixattn.scheduling.batch_input import (MAX_BLOCK_SIZE, MAX_KV_BLOCKS, MAX_OUTPUT_TOKENS, MAX_TOKEN_BUDGET,
@@ -66,7 +67,7 @@ class TokenBatcher:
         None reserves nothing (pure BatchLLM Algorithm 2: current usage only).
     max_output_len : int, optional
         Hard cap on output tokens per request; requests whose prompt plus this cap cannot fit are rejected when
-        added (otherwise prompt plus one token must fit).
+        added (otherwise prompt plus one token must fit). No reservation exceeds it (as ``max_tokens`` in vLLM).
     reservation_clip : int, optional
         Cap on each request's output estimate *as a memory reservation* (SGLang's clip: a few very long outputs
         cannot reserve the whole pool); the memory-class projections look at most this many steps ahead of the
@@ -77,6 +78,10 @@ class TokenBatcher:
     class_shares : sequence of float, optional
         ``[K]`` fraction of ``kv_blocks`` each class may fill (projected peak) while another class has requests
         waiting to start, each in ``[0, 1]`` (BlendServe: ``M_L + M_R = M``, so they sum to 1).
+    projection : {"ends", "peak"}
+        How the reservation projects the started requests' KV (:mod:`prefixattn.scheduling.admission`, the rule the
+        vLLM scheduler applies too): ``ends`` (default) every request at its estimated end at once, ``peak`` the
+        peak when each frees its blocks as it ends (admits more).
 
     Examples
     --------
@@ -95,7 +100,7 @@ class TokenBatcher:
 
     def __init__(self, *, token_budget: int, kv_blocks: int, block_size: int = 16, output_lens=None,
                  max_output_len: int | None = None, reservation_clip: int | None = None, memory_classes=None,
-                 class_shares=None) -> None:
+                 class_shares=None, projection: str = PROJECTIONS[0]) -> None:
         self.token_budget = check_int("token_budget", token_budget, 1, MAX_TOKEN_BUDGET)
         self.kv_blocks = check_int("kv_blocks", kv_blocks, 1, MAX_KV_BLOCKS)
         self.block_size = check_int("block_size", block_size, 1, MAX_BLOCK_SIZE)
@@ -104,6 +109,9 @@ class TokenBatcher:
         self._est = check_output_lens(output_lens)
         self.reservation_clip = None if reservation_clip is None else \
             check_int("reservation_clip", reservation_clip, 1, MAX_OUTPUT_TOKENS)
+        # the reservation, projection and admit test (a reservation never exceeds the hard output cap)
+        self._rule = AdmissionRule(capacity=self.kv_blocks, block_size=self.block_size, projection=projection,
+                                   clip=self.reservation_clip)
         self._classes = ClassShares(memory_classes, class_shares)
         k = self._classes.num_classes
         self._step = 0
@@ -134,6 +142,11 @@ class TokenBatcher:
         tokens dropped by releasing idle prefix levels (``released_prefix_tokens``), ``truncated``, ``finished``,
         ``aborted``."""
         return dict(self._stats)
+
+    @property
+    def projection(self) -> str:
+        """The admission projection, ``ends`` or ``peak``."""
+        return self._rule.projection
 
     @property
     def kv_blocks_used(self) -> int:
@@ -260,7 +273,7 @@ class TokenBatcher:
         req.last[s] = self._step
         if self._est is not None:
             est = self._est if isinstance(self._est, float) else (self._est[r] if r < self._est.shape[0] else 0.0)
-            req.est_full[s], req.est_out[s] = reserved_output(est, self.reservation_clip)
+            req.est_full[s], req.est_out[s] = self._rule.reservation(est, self.max_output_len)
         req.cls[s] = self._classes.class_of(r)
         self._classes.waiting[req.cls[s]] += 1
         return s
@@ -269,15 +282,36 @@ class TokenBatcher:
     def _blocks(self, tokens: int) -> int:
         return blocks(tokens, self.block_size)
 
-    def _reserved(self) -> int:
-        """Blocks the started work will hold at its estimated end (current holdings when larger)."""
-        total = self._active_full_blocks
-        started = [s for s in (*self._decoding, *self._prefilling)]
-        if not started:
-            return total
-        idx = np.fromiter(started, dtype=np.int64, count=len(started))
-        return total + projected_blocks(self._req.computed[idx], self._req.own[idx], self._req.est_out[idx],
-                                        self._req.generated[idx], self.block_size)
+    def _admission(self) -> AdmissionPass | None:
+        """The started work's projection for one admission pass (started prefix levels at their full size); None
+        without output estimates (nothing is reserved)."""
+        if self._est is None:
+            return None
+        idx = np.fromiter([*self._decoding, *self._prefilling], dtype=np.int64)
+        return self._rule.start(*self._req.started_growth(idx), shared_blocks=self._active_full_blocks)
+
+    def _anything_started(self) -> bool:
+        return bool(self._decoding or self._prefilling)
+
+    def admits(self, request_id: int) -> bool:
+        """Whether memory-centric admission (:mod:`prefixattn.scheduling.admission`) lets the waiting request start
+        now next to the started requests, with its prefix levels that have not started: the test :meth:`step`
+        applies first in its admission pass (token budget and class shares aside). True without output estimates.
+
+        Raises
+        ------
+        ValueError
+            Unknown request, or one that is not waiting.
+        """
+        s = self._req.slot_of(request_id)
+        if self._req.state[s] != RequestState.WAITING:
+            raise ValueError(f"request_id: expected a waiting request, got request {request_id} in state "
+                             f"{RequestState(int(self._req.state[s])).name.lower()}")
+        adm = self._admission()
+        levels = sum(self._blocks(self._lv.size[v]) for v in self._lv.chain(int(self._req.node[s]))
+                     if not self._lv.active[v])
+        return adm is None or adm.fits(*self._req.waiting_growth(s), shared=levels,
+                                       anything_started=self._anything_started())
 
     def _mark_started(self, s: int, delta: int) -> None:
         v = int(self._req.node[s])
@@ -472,12 +506,11 @@ class TokenBatcher:
             self._partial_nodes[v] = None
         return True
 
-    def _start_request(self, s: int, reserved: list[int]) -> bool:
+    def _start_request(self, s: int, adm: AdmissionPass | None) -> bool:
         """Start a waiting request if its reservation and first chunk fit."""
-        req = self._req
-        if self._est is not None:
-            end = int(req.target[s]) + max(int(req.est_out[s]) - int(req.generated[s]), 0)
-            if not admits(reserved[0], self._blocks(end), self.kv_blocks, bool(self._decoding or self._prefilling)):
+        if adm is not None:
+            cand = self._req.waiting_growth(s)
+            if not adm.fits(*cand, anything_started=self._anything_started()):
                 return False
         self._req.state[s] = RequestState.PREFILL
         self._prefilling[s] = None
@@ -487,27 +520,27 @@ class TokenBatcher:
             self._mark_started(s, -1)
             self._req.state[s] = RequestState.WAITING
             return False
-        if self._est is not None:
-            reserved[0] += self._blocks(int(req.target[s]) + max(int(req.est_out[s]) - int(req.generated[s]), 0))
+        if adm is not None:
+            adm.add(*cand)
         self._classes.waiting[self._req.cls[s]] -= 1
         self._classes.started[self._req.cls[s]][s] = None
         return True
 
-    def _start_node(self, v: int, reserved: list[int]) -> bool:
-        if self._est is not None:
-            if not admits(reserved[0], self._blocks(self._lv.size[v]), self.kv_blocks,
-                          bool(self._decoding or self._prefilling)):
-                return False
+    def _start_node(self, v: int, adm: AdmissionPass | None) -> bool:
+        """Start a prefix level if its full size fits the reservation and its first chunk fits."""
+        if adm is not None and not adm.fits(shared=self._blocks(self._lv.size[v]),
+                                            anything_started=self._anything_started()):
+            return False
         self._activate_node(v)
         if not self._node_chunk(v):
             self._free_node(v, report=False)
             return False
-        if self._est is not None:
-            reserved[0] += self._blocks(self._lv.size[v])
+        if adm is not None:
+            adm.add(shared=self._blocks(self._lv.size[v]))
         return True
 
     def _start_ready(self) -> None:
-        reserved = [self._reserved() if self._est is not None else 0]
+        adm = self._admission()
         blocked = False  # an earlier request or level could not start: nothing later may overtake it
         # Admitted work in admission (rank) order: distinct prompts whose prefixes are complete and nested prefix
         # levels whose parent is complete. Rank order keeps a preempted request from overtaking earlier work.
@@ -528,7 +561,7 @@ class TokenBatcher:
                     continue
                 if parent >= 0 and self._lv.done_step[parent] >= self._ctx.step:
                     break  # its parent completed in this very step: it starts next step (later work waits too)
-                if not self._start_node(v, reserved):
+                if not self._start_node(v, adm):
                     blocked = True
                     break
                 heapq.heappop(self._ready_nodes)
@@ -546,7 +579,7 @@ class TokenBatcher:
             if not self._class_admits(s):
                 held.add(c)
                 continue
-            if not self._start_request(s, reserved):
+            if not self._start_request(s, adm):
                 blocked = True
                 break
             heapq.heappop(heap)
@@ -555,7 +588,7 @@ class TokenBatcher:
             top_nodes, top_slots = self._groups[self._next_group]
             live_nodes = [v for v in top_nodes if self._lv.refs[v] > 0]
             if live_nodes:
-                if not self._start_node(live_nodes[0], reserved):
+                if not self._start_node(live_nodes[0], adm):
                     break
                 for other in live_nodes[1:]:
                     heapq.heappush(self._ready_nodes, (self._lv.rank[other], other))
@@ -568,7 +601,7 @@ class TokenBatcher:
                 elif not self._class_admits(s):
                     held.add(c)
                     self._push_ready(s)
-                elif not self._start_request(s, reserved):
+                elif not self._start_request(s, adm):
                     self._push_ready(s)
                     blocked = True
             self._next_group += 1

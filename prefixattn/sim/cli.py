@@ -18,6 +18,8 @@ DEFAULT_POLICIES = "vllm,sglang,batchllm,blendserve,prefixattn"
 
 
 def add_arguments(parser) -> None:
+    from prefixattn.scheduling.admission import PROJECTIONS
+
     parser.add_argument("--workload", default="batchllm-case1",
                         help="a seed workload name (see --list) or a .jsonl file (jsonl:PATH also works)")
     parser.add_argument("--num-requests", type=positive_int, default=None, help="size / truncate the workload")
@@ -30,6 +32,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--policies", default=DEFAULT_POLICIES, help="comma-separated policy names (see --list)")
     parser.add_argument("--backend", choices=["sequential", "overlap"], default=None,
                         help="force one engine backend for every policy (default: each system's own)")
+    parser.add_argument("--projection", choices=PROJECTIONS, default=None,
+                        help="memory-centric admission projection of the policies built on prefixattn's scheduler "
+                             "(the vLLM scheduler's rule; default: ends; peak appends -peak to their names)")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                         help="override a calibration constant for a what-if run (applies to every policy)")
     parser.add_argument("--plot", type=output_file, default=None, metavar="PNG",
@@ -121,7 +126,8 @@ def run(args) -> int:
         workload = get_workload(args.workload, num_requests=args.num_requests, seed=args.seed,
                                 default_output_len=args.max_tokens)
         results = simulate(workload, args.policies, model=args.model or model, gpu=args.gpu or gpu,
-                           calibration=calibration, backend=args.backend, progress=_progress_factory(args.progress))
+                           calibration=calibration, backend=args.backend, projection=args.projection,
+                           progress=_progress_factory(args.progress))
     except ValueError as e:
         print(f"prefixattn simulate: error: {e}", file=sys.stderr)
         return 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from prefixattn.scheduling.admission import PROJECTIONS
 from prefixattn.sim.calibration import Calibration
 from prefixattn.sim.step_cost import CostModel
 from prefixattn.sim.engine import Engine
@@ -11,7 +12,7 @@ from prefixattn.sim.workloads import Workload, get_workload
 
 def simulate(workload, policies, model: str = "mistral-7b", gpu: str = "a100", *, num_requests: int | None = None,
              seed: int = 0, calibration: Calibration | None = None, backend: str | None = None,
-             progress=None) -> list:
+             projection: str | None = None, progress=None) -> list:
     """Run each policy on the workload and return their :class:`prefixattn.sim.metrics.SimResult` (modeled).
 
     Parameters
@@ -28,6 +29,10 @@ def simulate(workload, policies, model: str = "mistral-7b", gpu: str = "a100", *
         Constants table with overrides (what-if); the same for every policy.
     backend : {"sequential", "overlap"}, optional
         Force every policy onto one engine backend (default: each system's own).
+    projection : {"ends", "peak"}, optional
+        Memory-centric admission projection of the policies that admit with prefixattn's admission rule
+        (:mod:`prefixattn.scheduling.admission`; their names get ``-peak``); the engine emulations (vLLM, SGLang)
+        keep their own admission. Default: each policy's own (``ends``).
     progress : callable, optional
         ``progress(policy_name, num_requests)`` returns a callback ``update(n_finished)`` (e.g. a tqdm bar's).
 
@@ -42,6 +47,12 @@ def simulate(workload, policies, model: str = "mistral-7b", gpu: str = "a100", *
     if not policies:
         raise ValueError("policies: expected at least one policy name, got none")
     built = [make_policy(name) for name in policies]  # fail on a bad name before any work
+    if projection is not None:
+        if projection not in PROJECTIONS:
+            raise ValueError(f"projection: expected one of {PROJECTIONS}, got {projection!r}")
+        for policy in built:
+            if policy.projection is not None:
+                policy.use_projection(projection)
     if not isinstance(workload, Workload):
         workload = get_workload(workload, num_requests=num_requests, seed=seed)
     elif num_requests is not None:  # head() refuses n < 1 (0 must not mean "all", -2 must not slice)

@@ -57,3 +57,15 @@ def test_list_and_calibration(capsys):
     assert "blendserve-trace1" in capsys.readouterr().out
     assert main(["simulate", "--calibration"]) == 0
     assert "gemm_efficiency" in capsys.readouterr().out
+
+
+def test_projection_option_renames_the_scheduled_policies_only(capsys):
+    from prefixattn.sim.simulate import simulate
+
+    assert main(["simulate", "--workload", "batchllm-case1", "--num-requests", "30", "--policies",
+                 "vllm,prefixattn", "--projection", "peak", "--no-progress"]) == 0
+    text = capsys.readouterr().out
+    assert "prefixattn-peak" in text and "vllm-peak" not in text  # stock vLLM keeps its own admission
+    with pytest.raises(ValueError, match="projection: expected one of"):
+        simulate("batchllm-case1", ["prefixattn"], num_requests=4, projection="mean")
+    assert main(["simulate", "--num-requests", "4", "--policies", "vllm", "--projection", "mean"]) == 2

@@ -144,3 +144,17 @@ def test_memory_split_keeps_invariants_under_pressure(policy, tight_cost):
     assert_invariants(eng, res, w)
     assert 0.0 < pol.class_shares[1] < 1.0  # both classes present: the split was in force
     assert pol.batcher.stats["finished"] == len(w)
+
+
+@pytest.mark.parametrize("policy", [p for p in ("prefixattn", "blendserve") if p in ALL_POLICIES])
+def test_peak_projection_keeps_invariants_under_pressure(policy, tight_cost):
+    """The simulator's scheduled policies admit with the vLLM scheduler's rule under either projection; ``peak``
+    (named ``<policy>-peak``) keeps every engine invariant under memory pressure too."""
+    w = mixed_workload(n=400, seed=5)
+    pol = make_policy(policy, projection="peak")
+    assert pol.name == f"{policy}-peak"
+    eng = Engine(w, tight_cost, pol, check=True)
+    res = eng.run()
+    assert_invariants(eng, res, w)
+    assert pol.batcher.projection == "peak"
+    assert eng.pool.peak_used > 0.8 * eng.pool.num_blocks

@@ -24,6 +24,14 @@ class Policy:
     prefix_sharing = True
     #: True when ``steady_steps`` returns steps the policy has already planned (the engine must run exactly those)
     commits_steady_steps = False
+    #: Memory-centric admission projection (:data:`prefixattn.scheduling.admission.PROJECTIONS`) of a policy that
+    #: admits with prefixattn's admission rule; None for a system that admits by its own rules (vLLM, SGLang)
+    projection: str | None = None
+
+    def use_projection(self, projection: str) -> None:
+        """Admit with ``projection`` (policies with a :attr:`projection` only)."""
+        raise ValueError(f"projection: policy {self.name} admits by its own rules, not prefixattn's; got "
+                         f"{projection!r}")
 
     def block_size(self, calib) -> int:
         return int(calib.block_size)

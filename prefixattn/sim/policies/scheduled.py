@@ -20,6 +20,7 @@ import numpy as np
 
 from prefixattn.scheduling import (ChunkKind, DensityModel, TokenBatcher, estimate_output_lens,
                                    order_groups, sample_requests)
+from prefixattn.scheduling.admission import PROJECTIONS
 from prefixattn.scheduling.blendserve import memory_classes
 from prefixattn.sim.engine import RUNNING, WAITING
 from prefixattn.sim.policies.base import Policy
@@ -57,6 +58,10 @@ class ScheduledPolicy(Policy):
         Split the KV memory between compute- and memory-intensive requests (BlendServe's dual-scanner partition,
         :func:`prefixattn.scheduling.blendserve.memory_classes`, enforced by the :class:`TokenBatcher`); needs
         sampled outputs.
+    projection : {"ends", "peak"}
+        :class:`TokenBatcher`'s reservation projection (:mod:`prefixattn.scheduling.admission`, the rule the vLLM
+        scheduler applies); a projection other than the default is appended to the policy's name. Only matters
+        with sampled outputs (without estimates nothing is reserved).
     """
 
     cache_mode = None
@@ -65,7 +70,8 @@ class ScheduledPolicy(Policy):
 
     def __init__(self, name: str, ordering: str, levels, outputs: str, kernel: str, split_k: bool, backend: str,
                  min_shared_blocks: int = 1, budget_constant: str = "batchllm_chunk_tokens",
-                 clip_constant: str | None = None, memory_split: bool = False) -> None:
+                 clip_constant: str | None = None, memory_split: bool = False,
+                 projection: str = PROJECTIONS[0]) -> None:
         if outputs not in ("constant", "sampled"):
             raise ValueError(f"outputs: expected 'constant' or 'sampled', got {outputs!r}")
         self.name = name
@@ -81,11 +87,19 @@ class ScheduledPolicy(Policy):
         if memory_split and outputs != "sampled":
             raise ValueError("memory_split: needs outputs='sampled' (the split follows estimated output lengths)")
         self.memory_split = memory_split
+        self._base_name = name
+        self.use_projection(projection)
         self._pending = None
+
+    def use_projection(self, projection: str) -> None:
+        if projection not in PROJECTIONS:
+            raise ValueError(f"projection: expected one of {PROJECTIONS}, got {projection!r}")
+        self.projection = projection
+        self.name = self._base_name if projection == PROJECTIONS[0] else f"{self._base_name}-{projection}"
 
     def describe(self) -> dict:
         return dict(super().describe(), ordering=self.ordering, levels=self.levels, outputs=self.outputs,
-                    memory_split=self.memory_split)
+                    memory_split=self.memory_split, projection=self.projection)
 
     def kv_capacity_tokens(self, cost) -> int:
         c = cost.calib
@@ -121,7 +135,7 @@ class ScheduledPolicy(Policy):
         self.batcher = TokenBatcher(token_budget=self.token_budget,
                                     kv_blocks=int(engine.pool.num_blocks * self.threshold), block_size=bs,
                                     output_lens=est, reservation_clip=clip, memory_classes=classes,
-                                    class_shares=shares)
+                                    class_shares=shares, projection=self.projection)
         self.batcher.add_groups(ordered)
         # prefix levels per request: (key, start, end), outermost first, as the batcher builds its nodes
         self.paths: dict = {}
