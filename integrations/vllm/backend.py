@@ -3,8 +3,8 @@
 Per engine step, the metadata builder turns vLLM's ``CommonAttentionMetadata`` (``query_start_loc``, ``seq_lens``,
 ``block_table_tensor``) into one :func:`prefixattn.plan`: the plan finds the KV prefixes requests share from
 identical leading block ids, which vLLM's prefix caching produces. Per layer, the impl writes the new K/V into the
-paged cache at ``slot_mapping`` (one launch: vLLM's own ``reshape_and_cache_flash`` where the build has it, else
-:func:`prefixattn.write_kv`) and runs :func:`prefixattn.attention` on views of vLLM's cache (no copies).
+paged cache at ``slot_mapping`` (one launch: vLLM's own ``reshape_and_cache_flash`` where the build has it and the
+cache is 16/32-bit, else :func:`prefixattn.write_kv`, which quantizes fp8 caches) and runs :func:`prefixattn.attention` on views of vLLM's cache (no copies).
 
 vLLM hands each layer its cache as the logical view ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` (K in
 the first half of the last dim, V in the second; the physical order is whatever ``KVCacheLayout`` vLLM resolved).
@@ -365,7 +365,8 @@ class PrefixAttnImpl(AttentionImpl[PrefixAttnMetadata]):
             return output
         scales = {}
         if self.fp8_dtype is not None:
-            # fp8 cache: write_kv_cache quantizes as vLLM's reshape_and_cache does (x / scale); the kernel dequantizes.
+            # fp8 cache: write_kv quantizes in its kernel as vLLM's reshape_and_cache does (x / scale); attention
+            # dequantizes on load.
             kv_cache = kv_cache.view(self.fp8_dtype)
             scales = dict(k_scale=layer._k_scale, v_scale=layer._v_scale)
         k_cache, v_cache = split_kv_cache(kv_cache, self.head_size)
@@ -508,33 +509,19 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
     """Store ``key``/``value`` ``[n, Hkv, D]`` at flat slots ``slot_mapping`` ``[n]`` of the ``[B, N, Hkv, D]``
     views, in place: one launch, no host synchronization; slot -1 (vLLM's padding) is skipped.
 
-    vLLM's own ``reshape_and_cache_flash`` when this build has it and the tensors have the strides it assumes (it
-    takes the layer's ``k_scale``/``v_scale`` tensors and quantizes an fp8 cache as ``x / scale``), else
-    :func:`prefixattn.write_kv` (any strides; the path on CPU builds). An fp8 cache on a build without vLLM's op
-    takes :func:`_write_fp8_kv_torch` (a few torch ops: ``prefixattn.write_kv`` does not quantize).
+    vLLM's own ``reshape_and_cache_flash`` when this build has it and the tensors have the strides and dtypes it
+    assumes (a 16/32-bit cache), else :func:`prefixattn.write_kv` (any strides; the path on CPU builds), which
+    quantizes an fp8 cache with the layer's ``k_scale``/``v_scale`` tensors as vLLM's op does (``x / scale``,
+    saturated), reading them in the kernel.
     """
     op = engine_cache_write_op()
     if (op is not None and k_scale is not None and v_scale is not None
             and _engine_write_fits(key, value, k_cache, v_cache, slot_mapping)):
         op(key, value, k_cache, v_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
     elif k_cache.dtype in prefixattn.FP8_KV_DTYPES:
-        _write_fp8_kv_torch(key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
-    else:
+        prefixattn.write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
+    else:  # vLLM's layers always carry (unit) scales; a 16/32-bit cache is a plain copy
         prefixattn.write_kv(key, value, k_cache, v_cache, slot_mapping)
-
-
-def _write_fp8_kv_torch(key, value, k_cache, v_cache, slot_mapping, *, k_scale, v_scale) -> None:
-    """fp8 cache write without vLLM's op: quantize as vLLM does (``x / scale``, then the cast) and store at the
-    non-padding slots. Several small ops (a mask, two divisions, two casts, two ``index_put_``): the fallback of
-    CPU builds, not the GPU path."""
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep].to(torch.long)
-    block_size = k_cache.shape[1]
-    blocks, offsets = slots // block_size, slots % block_size
-    k = key[keep] if k_scale is None else key[keep] / k_scale
-    v = value[keep] if v_scale is None else value[keep] / v_scale
-    k_cache.index_put_((blocks, offsets), k.to(k_cache.dtype))
-    v_cache.index_put_((blocks, offsets), v.to(v_cache.dtype))
 
 
 #: Configurations already warmed up in this process -> their report (vLLM makes a builder per KV cache group and
