@@ -203,8 +203,8 @@ class PrefixSharedAttention:
 
     Parameters
     ----------
-    num_qo_heads, num_kv_heads, head_dim, block_size, q_dtype, causal, sm_scale
-        As :func:`prefixattn.plan`.
+    num_qo_heads, num_kv_heads, head_dim, block_size, q_dtype, kv_dtype, causal, sm_scale
+        As :func:`prefixattn.plan` (``kv_dtype``: the caches' dtype, which prices the cost rule; default q_dtype).
     max_tokens, max_requests, max_blocks_per_request : int, optional
         The largest step: query rows, requests, block-table columns (all three or none). ``max_blocks_per_request=0``:
         no table in the workspace, every ``plan()`` passes ``device_block_table`` (an engine's persistent table).
@@ -234,15 +234,15 @@ class PrefixSharedAttention:
     """
 
     def __init__(self, *, num_qo_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                 q_dtype: torch.dtype = torch.float16, causal: bool = True, sm_scale: float | None = None,
-                 max_tokens: int | None = None, max_requests: int | None = None,
+                 q_dtype: torch.dtype = torch.float16, kv_dtype: torch.dtype | None = None, causal: bool = True,
+                 sm_scale: float | None = None, max_tokens: int | None = None, max_requests: int | None = None,
                  max_blocks_per_request: int | None = None, device=None, use_cuda_graph: bool = False,
                  max_q_len: int = 1, max_shared_levels: int = DEFAULT_MAX_SHARED_LEVELS, max_items: int | None = None,
                  max_gather_rows: int | None = None, max_merge_rows: int | None = None,
                  max_ws_rows: int | None = None, **plan_options) -> None:
         self._config = dict(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                            block_size=block_size, q_dtype=q_dtype, causal=causal, sm_scale=sm_scale,
-                            **plan_options)
+                            block_size=block_size, q_dtype=q_dtype, kv_dtype=kv_dtype, causal=causal,
+                            sm_scale=sm_scale, **plan_options)
         self._plan: Plan | None = None
         self._workspace: PlanWorkspace | None = None
         if not isinstance(use_cuda_graph, bool):

@@ -371,6 +371,17 @@ def check_sinks(sinks, num_qo_heads: int, device) -> None:
         raise ValueError(f"sinks: expected device {device} (the device of q), got {sinks.device}")
 
 
+def check_kv_dtype(kv_dtype, q_dtype: torch.dtype) -> torch.dtype:
+    """``kv_dtype`` of :func:`prefixattn.plan`: None (the dtype of q) or what :func:`prefixattn.attention` reads, q's
+    dtype or fp8 (:data:`FP8_KV_DTYPES`). Returns the dtype."""
+    if kv_dtype is None:
+        return q_dtype
+    if not isinstance(kv_dtype, torch.dtype) or (kv_dtype != q_dtype and kv_dtype not in FP8_KV_DTYPES):
+        raise ValueError(f"kv_dtype: expected None, the q_dtype ({_dtype_names([q_dtype])}) or an fp8 dtype "
+                         f"({_dtype_names(FP8_KV_DTYPES)}), got {kv_dtype!r}")
+    return kv_dtype
+
+
 #: Triton compiles fp8 e4m3 (``float8_e4m3fn``) loads and stores for NVIDIA GPUs from compute capability 8.9 on.
 FP8_E4M3_MIN_CAPABILITY = (8, 9)
 

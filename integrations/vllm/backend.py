@@ -210,6 +210,7 @@ class PrefixAttnMetadataBuilder(AttentionMetadataBuilder[PrefixAttnMetadata]):
         model_config = vllm_config.model_config
         self.num_qo_heads = int(model_config.get_num_attention_heads(vllm_config.parallel_config))
         self.q_dtype = model_config.dtype
+        self.kv_dtype = _group_kv_dtype(kv_cache_spec, vllm_config, self.q_dtype)  # prices the plans' cost rule
         self.sm_scale = _group_scale(vllm_config, layer_names)
         # One plan serves the group's layers: they must agree on the window and the soft cap (vLLM puts windowed and
         # full-attention layers in different KV cache groups, so a Gemma-2-like model gets one plan per kind).
@@ -220,7 +221,7 @@ class PrefixAttnMetadataBuilder(AttentionMetadataBuilder[PrefixAttnMetadata]):
         self.warmup_report = warm_up_kernels(self, vllm_config)
         self.graph_attn = graph_wrapper(vllm_config, num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads,
                                         head_dim=self.head_dim, block_size=self.block_size, q_dtype=self.q_dtype,
-                                        sm_scale=self.sm_scale, device=device, window_left=self.window_left,
+                                        kv_dtype=self.kv_dtype, sm_scale=self.sm_scale, device=device, window_left=self.window_left,
                                         logits_soft_cap=self.logits_soft_cap)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
@@ -242,7 +243,8 @@ class PrefixAttnMetadataBuilder(AttentionMetadataBuilder[PrefixAttnMetadata]):
         step_plan = prefixattn.plan(
             inputs.qo_indptr, inputs.kv_lens, inputs.block_table, block_size=self.block_size,
             num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, causal=True,
-            sm_scale=self.sm_scale, q_dtype=self.q_dtype, device=self.device, window_left=self.window_left,
+            sm_scale=self.sm_scale, q_dtype=self.q_dtype, kv_dtype=self.kv_dtype, device=self.device,
+            window_left=self.window_left,
             logits_soft_cap=self.logits_soft_cap)
         for observe in _plan_observers:
             observe(step_plan)
@@ -288,9 +290,20 @@ def _group_scale(vllm_config, layer_names: list[str]) -> float | None:
     return scales.pop() if scales else None
 
 
+def _group_kv_dtype(kv_cache_spec, vllm_config, q_dtype: torch.dtype) -> torch.dtype:
+    """The torch dtype the group's K/V cache holds: vLLM allocates fp8 caches as uint8 memory (the spec's dtype),
+    whose fp8 flavour is the configured ``cache_dtype``; any other cache is read in q's dtype."""
+    if getattr(kv_cache_spec, "dtype", None) == torch.uint8:
+        fp8 = fp8_cache_dtype(getattr(vllm_config.cache_config, "cache_dtype", None))
+        if fp8 in prefixattn.FP8_KV_DTYPES:  # anything else (ROCm's e4m3fnuz) is refused at configuration
+            return fp8
+    return q_dtype
+
+
 def graph_wrapper(vllm_config, *, num_qo_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                   q_dtype: torch.dtype, sm_scale: float | None, device: torch.device, window_left: int = -1,
-                  logits_soft_cap: float = 0.0) -> "prefixattn.PrefixSharedAttention | None":
+                  logits_soft_cap: float = 0.0,
+                  kv_dtype: torch.dtype | None = None) -> "prefixattn.PrefixSharedAttention | None":
     """The builder's CUDA-graph wrapper, or None when vLLM captures no full graphs.
 
     Capacities from vLLM's graph settings: ``max_tokens`` = the largest capture size (vLLM pads a replayed batch to
@@ -307,7 +320,8 @@ def graph_wrapper(vllm_config, *, num_qo_heads: int, num_kv_heads: int, head_dim
     decode_len = 1 + int(getattr(spec, "num_speculative_tokens", None) or 0)
     return prefixattn.PrefixSharedAttention(
         num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
-        q_dtype=q_dtype, causal=True, sm_scale=sm_scale, max_tokens=int(max_size), max_requests=int(max_size),
+        q_dtype=q_dtype, kv_dtype=kv_dtype, causal=True, sm_scale=sm_scale, max_tokens=int(max_size),
+        max_requests=int(max_size),
         max_blocks_per_request=0, device=device, use_cuda_graph=True, max_q_len=decode_len,
         window_left=window_left, logits_soft_cap=logits_soft_cap)  # fixed by the captured launch, like the tiles
 
