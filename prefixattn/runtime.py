@@ -60,11 +60,11 @@ def check_interpreter_runtime() -> None:
 _ONES: dict = {}
 
 
-def device_one(device) -> "torch.Tensor":
+def device_one(device):
     """The 1-element fp32 tensor ``[1.0]`` on ``device`` (cached per device; do not write to it)."""
     one = _ONES.get(device)
     if one is None:
-        import torch
+        import torch  # lazily: nothing else in this module needs torch
 
         one = _ONES[device] = torch.ones(1, dtype=torch.float32, device=device)
     return one

@@ -58,8 +58,8 @@ print(json.dumps(out))
 def _compile(target: str, cache: str = "bf16") -> dict:
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
     root = Path(__file__).resolve().parents[1]
-    run = subprocess.run([sys.executable, "-c", _SCRIPT, target, cache], capture_output=True, text=True, env=env, cwd=root,
-                         timeout=300)
+    run = subprocess.run([sys.executable, "-c", _SCRIPT, target, cache], capture_output=True, text=True, env=env,
+                         cwd=root, timeout=300)
     assert run.returncode == 0, run.stderr[-4000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
 

@@ -4,7 +4,8 @@ Per engine step, the metadata builder turns vLLM's ``CommonAttentionMetadata`` (
 ``block_table_tensor``) into one :func:`prefixattn.plan`: the plan finds the KV prefixes requests share from
 identical leading block ids, which vLLM's prefix caching produces. Per layer, the impl writes the new K/V into the
 paged cache at ``slot_mapping`` (one launch: vLLM's own ``reshape_and_cache_flash`` where the build has it and the
-cache is 16/32-bit, else :func:`prefixattn.write_kv`, which quantizes fp8 caches) and runs :func:`prefixattn.attention` on views of vLLM's cache (no copies).
+cache is 16/32-bit, else :func:`prefixattn.write_kv`, which quantizes fp8 caches) and runs
+:func:`prefixattn.attention` on views of vLLM's cache (no copies).
 
 vLLM hands each layer its cache as the logical view ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` (K in
 the first half of the last dim, V in the second; the physical order is whatever ``KVCacheLayout`` vLLM resolved).
@@ -221,8 +222,8 @@ class PrefixAttnMetadataBuilder(AttentionMetadataBuilder[PrefixAttnMetadata]):
         self.warmup_report = warm_up_kernels(self, vllm_config)
         self.graph_attn = graph_wrapper(vllm_config, num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads,
                                         head_dim=self.head_dim, block_size=self.block_size, q_dtype=self.q_dtype,
-                                        kv_dtype=self.kv_dtype, sm_scale=self.sm_scale, device=device, window_left=self.window_left,
-                                        logits_soft_cap=self.logits_soft_cap)
+                                        kv_dtype=self.kv_dtype, sm_scale=self.sm_scale, device=device,
+                                        window_left=self.window_left, logits_soft_cap=self.logits_soft_cap)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> PrefixAttnMetadata:

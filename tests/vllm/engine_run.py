@@ -6,7 +6,8 @@ plugin (loaded by vLLM through the ``vllm.general_plugins`` entry point) registe
 ``CPU_ATTN``; the reference run leaves vLLM's own CPU attention in place.
 
 IN.json: ``{"model", "prompts": [[token ids]], "max_tokens", "backend": "vllm"|"prefixattn", "llm": {LLM kwargs},
-"offline_generate": bool, "fp8_round_to_nearest": bool}`` (the last: :func:`round_cpu_fp8_writes_to_nearest`). OUT.json: the greedy token ids per prompt (caller's order), the min top-2 logprob gap,
+"offline_generate": bool, "fp8_round_to_nearest": bool}`` (the last: :func:`round_cpu_fp8_writes_to_nearest`).
+OUT.json: the greedy token ids per prompt (caller's order), the min top-2 logprob gap,
 every plan the backend built (requests, query rows, shared nodes), the backend class that ran, and timings.
 """
 
