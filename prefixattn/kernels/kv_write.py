@@ -17,35 +17,47 @@ in the store; nothing else is computed, so NaN rows are copied as they are.
 import triton
 import triton.language as tl
 
+#: IEEE fp32 layout: 23 mantissa bits, exponent bias 127, 8 exponent bits (mask 0xFF).
+_FP32_MANT_BITS = tl.constexpr(23)
+_FP32_EXP_BIAS = tl.constexpr(127)
+_FP32_EXP_MASK = tl.constexpr(0xFF)
+#: 1.5 * 2^23: adding (and subtracting) it times a power of two s rounds |x| < 2^22 s to a multiple of s, in fp32's
+#: own round-to-nearest-even (the sum's ulp is s).
+_ROUNDING_MAGIC = tl.constexpr(12582912.0)
+#: S.1111.111: a NaN in e4m3fn (its only NaN) and in e5m2.
+_FP8_NAN = tl.constexpr(0x7F)
+
 
 @triton.jit
 def _fp8_bits(x, scale, FP8_MAX: tl.constexpr, FP8_MANT_BITS: tl.constexpr, FP8_EXP_BIAS: tl.constexpr):
     """The fp8 byte (uint8) of ``x / scale``: IEEE division in fp32 (CUDA's ``/`` in vLLM's op; Triton's ``/`` is
     approximate on NVIDIA), saturated to ``FP8_MAX``, rounded to nearest even; NaN -> ``0x7F`` with x's sign."""
     y = tl.math.div_rn(x.to(tl.float32), scale)
-    sign = (y.to(tl.int32, bitcast=True) >> 31) & 1
+    sign = (y.to(tl.int32, bitcast=True) >> 31) & 1  # fp32 bit 31
     a = tl.abs(y)
     is_nan = a != a
     # Saturate (inf too); NaN lanes round a 0 (no overflow, no NaN-to-int cast) and are encoded at the end.
     a = tl.where(is_nan, 0.0, tl.where(a > FP8_MAX, FP8_MAX, a))
-    # Round a to the fp8 grid: its spacing is 2^(e - M) in binade e, at least the subnormal spacing 2^(1 - B - M).
-    # Adding and subtracting 1.5 * 2^23 * spacing rounds to a multiple of the spacing in fp32's own round-to-even
-    # (the sum's ulp is the spacing); FP8_MAX is on the grid, so the result stays <= FP8_MAX.
-    e = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, 1 - FP8_EXP_BIAS)
-    spacing = ((e - FP8_MANT_BITS + 127) << 23).to(tl.float32, bitcast=True)
-    magic = spacing * 12582912.0  # 1.5 * 2^23
+    # Round a to the fp8 grid: its spacing is 2^(e - M) in binade e, at least the subnormal spacing 2^(1 - B - M);
+    # FP8_MAX is on the grid, so the result stays <= FP8_MAX.
+    e = tl.maximum(((a.to(tl.int32, bitcast=True) >> _FP32_MANT_BITS) & _FP32_EXP_MASK) - _FP32_EXP_BIAS,
+                   1 - FP8_EXP_BIAS)
+    spacing = ((e - FP8_MANT_BITS + _FP32_EXP_BIAS) << _FP32_MANT_BITS).to(tl.float32, bitcast=True)
+    magic = spacing * _ROUNDING_MAGIC
     r = (a + magic) - magic
     # Encode r (exactly representable): normal numbers from its fp32 exponent and top mantissa bits, subnormals
     # (and zero) as the integer r / 2^(1 - B - M).
     rb = r.to(tl.int32, bitcast=True)
-    r_exp = (rb >> 23) - 127
-    normal = ((r_exp + FP8_EXP_BIAS) << FP8_MANT_BITS) | ((rb >> (23 - FP8_MANT_BITS)) & ((1 << FP8_MANT_BITS) - 1))
+    r_exp = (rb >> _FP32_MANT_BITS) - _FP32_EXP_BIAS
+    mantissa = (rb >> (_FP32_MANT_BITS - FP8_MANT_BITS)) & ((1 << FP8_MANT_BITS) - 1)
+    normal = ((r_exp + FP8_EXP_BIAS) << FP8_MANT_BITS) | mantissa
     is_normal = r_exp >= 1 - FP8_EXP_BIAS
-    unit = tl.full((1,), (FP8_EXP_BIAS + FP8_MANT_BITS - 1 + 127) << 23, tl.int32).to(tl.float32, bitcast=True)
+    unit_bits = (FP8_EXP_BIAS + FP8_MANT_BITS - 1 + _FP32_EXP_BIAS) << _FP32_MANT_BITS  # 2^(B + M - 1)
+    unit = tl.full((1,), unit_bits, tl.int32).to(tl.float32, bitcast=True)
     subnormal = (tl.where(is_normal, 0.0, r) * unit).to(tl.int32)  # normal lanes zeroed: no int32 overflow
     code = tl.where(is_normal, normal, subnormal)
-    code = tl.where(is_nan, 0x7F, code)  # NaN: 0x7F is a NaN in e4m3fn and in e5m2
-    return (code | (sign << 7)).to(tl.uint8)
+    code = tl.where(is_nan, _FP8_NAN, code)
+    return (code | (sign << 7)).to(tl.uint8)  # bit 7: the sign
 
 
 # num_tokens changes every engine step: specialized, 1 / multiples of 16 / the rest would be three binaries.
