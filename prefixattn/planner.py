@@ -25,7 +25,7 @@ from prefixattn.block_tree import LcpTree, block_prefix_tree
 from prefixattn.runtime import interpreter_enabled
 from prefixattn.kernels import layout as K
 from prefixattn.split_rule import critical_path
-from prefixattn.validation import (SUPPORTED_DTYPES, canonical_device, check_head_dim, check_heads,
+from prefixattn.validation import (SUPPORTED_DTYPES, canonical_device, check_head_dim, check_heads, check_kv_dtype,
                                    check_host_metadata, check_soft_cap, check_window_left, same_device)
 from prefixattn.ragged import expand, offsets
 from prefixattn.window import window_shared_nodes
@@ -53,7 +53,8 @@ def sharing_pays_off(*, num_requests, num_rows, num_m_tiles, num_tokens, group, 
     """The cost rule: share a node when the KV bytes it saves exceed the partial-state bytes it adds (per KV head).
 
     * saved: without sharing every request reads the node's KV once; shared, each M tile of packed rows reads it
-      once: ``(num_requests - num_m_tiles) * num_tokens * 2 (K and V) * head_dim * elt_bytes``.
+      once: ``(num_requests - num_m_tiles) * num_tokens * 2 (K and V) * head_dim * elt_bytes`` (``elt_bytes``: the
+      KV caches' element size, 1 for fp8).
     * added: ``STATES_CHARGED_PER_ROW`` fp32 states ``(o, lse)`` per (row x GQA head), each written and read once:
       ``num_rows * group * (head_dim + 1) * FP32_BYTES * STATE_PASSES * STATES_CHARGED_PER_ROW``. The merge itself
       reads exactly those states and writes ``out``, which is written anyway.
@@ -107,6 +108,7 @@ class Plan:
     logits_soft_cap: float = 0.0  # c > 0: scaled logits become c * tanh(s / c); 0: off
     window_left: int = -1  # W >= 0: the query at position p sees keys p - W .. p; -1: off
     nan_guard: bool = False  # the kernel's USE_NAN_GUARD (hidden non-finite V never leaks into a row)
+    kv_dtype: torch.dtype | None = None  # the caches' dtype the cost rule priced (None: q_dtype)
     #: The capacity-sized buffers the tables live in (None: this plan's own tensors) and the workspace's step count
     #: when this plan was loaded: a later plan on the same workspace overwrites the tables (:meth:`is_current`).
     workspace: PlanWorkspace | None = field(default=None, repr=False)
@@ -136,7 +138,7 @@ class Plan:
 
     def kv_bytes_read(self, elt_bytes: int | None = None) -> int:
         """KV bytes the work items load (K and V, all KV heads), counting a range once per item that reads it."""
-        elt = elt_bytes or self.q_dtype.itemsize
+        elt = elt_bytes or (self.kv_dtype or self.q_dtype).itemsize
         items = self.work.items
         tokens = int((items[:, K.ITEM_KV_END].astype(np.int64) - items[:, K.ITEM_KV_START]).sum())
         return tokens * self.num_kv_heads * self.head_dim * 2 * elt
@@ -305,6 +307,7 @@ def plan(
     causal: bool = True,
     sm_scale: float | None = None,
     q_dtype: torch.dtype = torch.float16,
+    kv_dtype: torch.dtype | None = None,
     logits_soft_cap: float | None = None,
     window_left: int | None = None,
     alibi_slopes=None,
@@ -341,7 +344,10 @@ def plan(
     sm_scale : float, optional
         Logit scale, default ``1 / sqrt(head_dim)``.
     q_dtype : torch.dtype
-        dtype of q and the caches (fp16/bf16/fp32): prices the cost rule and picks the dot precision.
+        dtype of q (fp16/bf16/fp32): picks the tiles and the dot precision.
+    kv_dtype : torch.dtype, optional
+        dtype of the K/V caches: ``q_dtype`` (the default) or fp8 (``float8_e4m3fn``/``float8_e5m2``). Prices the KV
+        bytes in the cost rule (an fp8 prefix saves half the bytes per shared token of a 16-bit one).
     logits_soft_cap : float, optional
         ``c > 0``: each scaled logit ``s`` becomes ``c * tanh(s / c)`` (None or 0: off).
     window_left : int, optional
@@ -392,6 +398,7 @@ def plan(
     """
     _check_options(causal=causal, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap, window_left=window_left,
                    alibi_slopes=alibi_slopes, sharing=sharing, q_dtype=q_dtype, nan_guard=nan_guard)
+    kv_dtype = check_kv_dtype(kv_dtype, q_dtype)
     block_size = _positive_int("block_size", block_size)
     num_qo_heads = _positive_int("num_qo_heads", num_qo_heads)
     num_kv_heads = _positive_int("num_kv_heads", num_kv_heads)
@@ -410,7 +417,7 @@ def plan(
     max_q_len = int(q_len.max()) if q_len.shape[0] else 1
     if tiles is None:
         tiles = choose_tiles(head_dim=head_dim, group=group, max_q_len=max(max_q_len, 1), dtype=q_dtype)
-    elt_bytes = q_dtype.itemsize
+    elt_bytes = kv_dtype.itemsize  # the cost rule prices KV bytes
 
     # sharing="never" needs no tree (an empty one keeps Plan.tree well-formed).
     tree = block_prefix_tree(table, shareable if sharing != "never" else np.zeros_like(shareable), block_size)
@@ -445,6 +452,7 @@ def plan(
         num_tokens=int(indptr[-1]), num_requests=int(lens.shape[0]), num_qo_heads=num_qo_heads,
         num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size, causal=causal,
         sm_scale=1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale), q_dtype=q_dtype,
+        kv_dtype=kv_dtype,
         device=device, tiles=tiles,
         # The interpreter's dot on fp16/bf16 is numpy's (bf16 on raw bits); fp32 inputs need IEEE fp32 (tf32 would
         # miss the 1e-4 tolerance).

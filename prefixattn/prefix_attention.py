@@ -11,40 +11,13 @@ from prefixattn.kernels.layout import page_size_constexpr
 from prefixattn.kernels.prefix_attention import prefix_attention_kernel
 from prefixattn.attention_configs import choose_tiles
 from prefixattn.planner import CapacityError, Plan, _default_num_sms, _positive_int, plan
-from prefixattn.validation import (FP8_KV_DTYPES, canonical_device, check_head_dim, check_heads, check_kernel_device,
-                                   check_kv_scale, check_qkv, check_sinks, check_tensor, same_device)
+from prefixattn.runtime import device_one
+from prefixattn.validation import (FP8_KV_DTYPES, canonical_device, check_fp8_support, check_head_dim, check_heads,
+                                   check_kernel_device, check_kv_scale, check_qkv, check_sinks, check_tensor,
+                                   same_device)
 from prefixattn.workspace import DEFAULT_MAX_SHARED_LEVELS, PlanWorkspace, derive_capacity
 
 _LOG2E = 1.0 / math.log(2.0)
-#: A 1.0 per device, the pointer a float scale's launch passes next to a tensor one (allocated once per device, on
-#: the first launch that mixes them; never per call).
-_ONES: dict = {}
-
-
-def _one(device: torch.device) -> torch.Tensor:
-    one = _ONES.get(device)
-    if one is None:
-        one = _ONES[device] = torch.ones(1, dtype=torch.float32, device=device)
-    return one
-
-
-#: Triton compiles fp8 e4m3 (``float8_e4m3fn``) loads for NVIDIA GPUs from compute capability 8.9 on.
-_FP8_E4M3_MIN_CAPABILITY = (8, 9)
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(index: int) -> tuple:
-    return torch.cuda.get_device_capability(index)
-
-
-def _check_fp8_support(k_cache: torch.Tensor) -> None:
-    """An e4m3 cache on an NVIDIA GPU older than sm_89 is refused here (Triton cannot compile its loads there)."""
-    if k_cache.dtype != torch.float8_e4m3fn or k_cache.device.type != "cuda" or torch.version.hip is not None:
-        return
-    cap = _capability(k_cache.device.index if k_cache.device.index is not None else torch.cuda.current_device())
-    if cap < _FP8_E4M3_MIN_CAPABILITY:
-        raise ValueError(f"k_cache: expected float8_e5m2 on this GPU (compute capability {cap[0]}.{cap[1]}; Triton "
-                         f"compiles float8_e4m3fn loads from 8.9 on), got float8_e4m3fn")
 
 
 def _feature_args(p: Plan, q: torch.Tensor, sinks, k_scale, v_scale) -> dict:
@@ -64,8 +37,8 @@ def _feature_args(p: Plan, q: torch.Tensor, sinks, k_scale, v_scale) -> dict:
     placeholder = p.ws_lse  # any fp32 tensor: pointers behind a switch that is off are never read
     return dict(
         sinks_ptr=sinks if sinks is not None else placeholder,
-        k_scale_ptr=k_scale if k_tensor else (_one(q.device) if has_kv_scale else placeholder),
-        v_scale_ptr=v_scale if v_tensor else (_one(q.device) if has_kv_scale else placeholder),
+        k_scale_ptr=k_scale if k_tensor else (device_one(q.device) if has_kv_scale else placeholder),
+        v_scale_ptr=v_scale if v_tensor else (device_one(q.device) if has_kv_scale else placeholder),
         qk_scale=qk_scale, soft_cap_log2=cap * _LOG2E, window_left=p.window_left,
         v_scale=1.0 if v_tensor else v_scale,
         HAS_SOFT_CAP=cap > 0, HAS_WINDOW=p.window_left >= 0, HAS_SINKS=sinks is not None, HAS_KV_SCALE=has_kv_scale,
@@ -160,7 +133,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pla
     ...     o = prefixattn.attention(q[layer], k_caches[layer], v_caches[layer], p)
     """
     _check_against_plan(q, k_cache, v_cache, plan, out, return_lse)
-    _check_fp8_support(k_cache)
+    check_fp8_support("k_cache", k_cache)
     features = _feature_args(plan, q, sinks, k_scale, v_scale)
     if out is None:
         out = torch.empty_like(q)
@@ -230,8 +203,8 @@ class PrefixSharedAttention:
 
     Parameters
     ----------
-    num_qo_heads, num_kv_heads, head_dim, block_size, q_dtype, causal, sm_scale
-        As :func:`prefixattn.plan`.
+    num_qo_heads, num_kv_heads, head_dim, block_size, q_dtype, kv_dtype, causal, sm_scale
+        As :func:`prefixattn.plan` (``kv_dtype``: the caches' dtype, which prices the cost rule; default q_dtype).
     max_tokens, max_requests, max_blocks_per_request : int, optional
         The largest step: query rows, requests, block-table columns (all three or none). ``max_blocks_per_request=0``:
         no table in the workspace, every ``plan()`` passes ``device_block_table`` (an engine's persistent table).
@@ -261,15 +234,15 @@ class PrefixSharedAttention:
     """
 
     def __init__(self, *, num_qo_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                 q_dtype: torch.dtype = torch.float16, causal: bool = True, sm_scale: float | None = None,
-                 max_tokens: int | None = None, max_requests: int | None = None,
+                 q_dtype: torch.dtype = torch.float16, kv_dtype: torch.dtype | None = None, causal: bool = True,
+                 sm_scale: float | None = None, max_tokens: int | None = None, max_requests: int | None = None,
                  max_blocks_per_request: int | None = None, device=None, use_cuda_graph: bool = False,
                  max_q_len: int = 1, max_shared_levels: int = DEFAULT_MAX_SHARED_LEVELS, max_items: int | None = None,
                  max_gather_rows: int | None = None, max_merge_rows: int | None = None,
                  max_ws_rows: int | None = None, **plan_options) -> None:
         self._config = dict(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                            block_size=block_size, q_dtype=q_dtype, causal=causal, sm_scale=sm_scale,
-                            **plan_options)
+                            block_size=block_size, q_dtype=q_dtype, kv_dtype=kv_dtype, causal=causal,
+                            sm_scale=sm_scale, **plan_options)
         self._plan: Plan | None = None
         self._workspace: PlanWorkspace | None = None
         if not isinstance(use_cuda_graph, bool):
@@ -426,7 +399,7 @@ class PrefixSharedAttention:
         captures."""
         p, ws = self._plan, self._workspace
         _check_against_plan(q, k_cache, v_cache, p, out, return_lse)
-        _check_fp8_support(k_cache)
+        check_fp8_support("k_cache", k_cache)
         # sinks and tensor scales are read by pointer: capture with the tensors every replay passes (the layer's own)
         features = _feature_args(p, q, sinks, k_scale, v_scale)
         graph_tokens = p.stats.get("graph_num_tokens")

@@ -52,3 +52,19 @@ def check_interpreter_runtime() -> None:
     reason = interpreter_incompatibility(triton.__version__, numpy.__version__)
     if reason is not None:
         raise RuntimeError(f"TRITON_INTERPRET=1: {reason}")
+
+
+#: A 1.0 fp32 tensor per device: the pointer a launch passes for a per-tensor scale given as a float (the kernels
+#: multiply a float scale by a pointed-to one). Allocated once per device, on the first launch that needs it; never
+#: per call.
+_ONES: dict = {}
+
+
+def device_one(device):
+    """The 1-element fp32 tensor ``[1.0]`` on ``device`` (cached per device; do not write to it)."""
+    one = _ONES.get(device)
+    if one is None:
+        import torch  # lazily: nothing else in this module needs torch
+
+        one = _ONES[device] = torch.ones(1, dtype=torch.float32, device=device)
+    return one

@@ -12,6 +12,7 @@ the device.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Iterable
 
@@ -370,10 +371,40 @@ def check_sinks(sinks, num_qo_heads: int, device) -> None:
         raise ValueError(f"sinks: expected device {device} (the device of q), got {sinks.device}")
 
 
-def check_kv_scale(name: str, scale, device):
-    """A per-tensor KV dequantization scale: None (1.0), a finite positive float, or a 1-element fp32 tensor on
-    the device of q (read by pointer in the kernel: CUDA-graph safe, never synchronized). Returns a float or the
-    tensor."""
+def check_kv_dtype(kv_dtype, q_dtype: torch.dtype) -> torch.dtype:
+    """``kv_dtype`` of :func:`prefixattn.plan`: None (the dtype of q) or what :func:`prefixattn.attention` reads, q's
+    dtype or fp8 (:data:`FP8_KV_DTYPES`). Returns the dtype."""
+    if kv_dtype is None:
+        return q_dtype
+    if not isinstance(kv_dtype, torch.dtype) or (kv_dtype != q_dtype and kv_dtype not in FP8_KV_DTYPES):
+        raise ValueError(f"kv_dtype: expected None, the q_dtype ({_dtype_names([q_dtype])}) or an fp8 dtype "
+                         f"({_dtype_names(FP8_KV_DTYPES)}), got {kv_dtype!r}")
+    return kv_dtype
+
+
+#: Triton compiles fp8 e4m3 (``float8_e4m3fn``) loads and stores for NVIDIA GPUs from compute capability 8.9 on.
+FP8_E4M3_MIN_CAPABILITY = (8, 9)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple:
+    return torch.cuda.get_device_capability(index)
+
+
+def check_fp8_support(name: str, cache: torch.Tensor) -> None:
+    """An e4m3 cache on an NVIDIA GPU older than sm_89 is refused (Triton cannot compile its loads or stores there)."""
+    if cache.dtype != torch.float8_e4m3fn or cache.device.type != "cuda" or torch.version.hip is not None:
+        return
+    cap = _capability(cache.device.index if cache.device.index is not None else torch.cuda.current_device())
+    if cap < FP8_E4M3_MIN_CAPABILITY:
+        raise ValueError(f"{name}: expected float8_e5m2 on this GPU (compute capability {cap[0]}.{cap[1]}; Triton "
+                         f"compiles float8_e4m3fn loads and stores from 8.9 on), got float8_e4m3fn")
+
+
+def check_kv_scale(name: str, scale, device, *, device_of: str = "q"):
+    """A per-tensor KV (de)quantization scale: None (1.0), a finite positive float, or a 1-element fp32 tensor on
+    ``device`` (the device of ``device_of``; read by pointer in the kernel: CUDA-graph safe, never synchronized).
+    Returns a float or the tensor."""
     if scale is None:
         return 1.0
     if isinstance(scale, torch.Tensor):
@@ -381,7 +412,7 @@ def check_kv_scale(name: str, scale, device):
         if scale.numel() != 1:
             raise ValueError(f"{name}: expected a 1-element tensor (a per-tensor scale), got shape {tuple(scale.shape)}")
         if not same_device(scale.device, device):
-            raise ValueError(f"{name}: expected device {device} (the device of q), got {scale.device}")
+            raise ValueError(f"{name}: expected device {device} (the device of {device_of}), got {scale.device}")
         return scale
     if not _is_real(scale) or not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"{name}: expected None, a finite positive float or a 1-element fp32 tensor, got {scale!r}")

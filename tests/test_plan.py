@@ -141,6 +141,36 @@ def test_cost_rule_drops_a_short_level_and_gives_its_tokens_to_the_next():
                         **kw)) == []
 
 
+def test_cost_rule_prices_kv_bytes_at_the_cache_dtype():
+    # fp16 q, head_dim 128, GQA 8, 2 decode requests under a 96-token prefix: with an fp16 cache the saved KV bytes
+    # (1 x 96 x 2 x 128 x 2 = 49152) beat the added partial states (2 x 8 x 129 x 4 x 2 x 2 = 33024); with an fp8
+    # cache they are half as many (24576) and the prefix stays unshared. The q rows are the same either way.
+    kw = dict(block_size=16, num_qo_heads=16, num_kv_heads=2, head_dim=128, q_dtype=torch.float16)
+    meta = ([0, 1, 2], [97, 97], [list(range(6)) + [6], list(range(6)) + [7]])
+    fp16 = _plan(*meta, **kw)
+    assert _nodes(fp16) == [(0, 96, [0, 1])] and fp16.kv_dtype == torch.float16  # default: q_dtype
+    assert _nodes(_plan(*meta, kv_dtype=torch.float16, **kw)) == [(0, 96, [0, 1])]
+    for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+        p = _plan(*meta, kv_dtype=fp8, **kw)
+        assert _nodes(p) == [] and p.kv_dtype == fp8
+        assert p.kv_bytes_read() == 2 * 97 * 2 * 128 * 2 * 1  # requests x tokens x kv heads x head_dim x (K, V) x 1 B
+    # A longer prefix pays off in fp8 too: 144 tokens save 1 x 144 x 2 x 128 = 36864 > 33024 bytes.
+    long_meta = ([0, 1, 2], [146, 146], [list(range(10)), list(range(9)) + [10]])
+    assert _nodes(_plan(*long_meta, kv_dtype=torch.float8_e4m3fn, **kw)) == [(0, 144, [0, 1])]
+
+
+@pytest.mark.parametrize("capacities", [{}, dict(max_tokens=8, max_requests=4, max_blocks_per_request=16)])
+def test_the_wrapper_prices_its_cache_dtype(capacities):
+    from prefixattn import PrefixSharedAttention
+
+    attn = PrefixSharedAttention(block_size=16, num_qo_heads=16, num_kv_heads=2, head_dim=128, q_dtype=torch.float16,
+                                 kv_dtype=torch.float8_e5m2, device="cpu", **capacities)
+    meta = (torch.tensor([0, 1, 2]), torch.tensor([97, 97]), torch.tensor([list(range(7)), list(range(6)) + [7]]))
+    p = attn.plan(*meta)
+    assert p.kv_dtype == torch.float8_e5m2 and _nodes(p) == []  # unshared at 1 byte per element (see above)
+    assert _nodes(attn.plan(*meta, kv_dtype=torch.float16)) == [(0, 96, [0, 1])]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The work list covers every (query row, visible KV position) exactly once, with consistent merge bookkeeping
 # ---------------------------------------------------------------------------------------------------------------
@@ -299,6 +329,9 @@ def test_thousand_tiny_requests_plan():
     (dict(num_qo_heads=3), "num_qo_heads: expected a positive multiple of num_kv_heads=2"),
     (dict(num_sms=0), "num_sms: expected a positive int"),
     (dict(q_dtype=torch.int8), "q_dtype: expected one of"),
+    (dict(kv_dtype=torch.float16), r"kv_dtype: expected None, the q_dtype \(float32\) or an fp8 dtype "
+                                   r"\(float8_e4m3fn/float8_e5m2\), got torch.float16"),
+    (dict(kv_dtype="fp8"), r"kv_dtype: expected None, the q_dtype \(float32\) or an fp8 dtype .*got 'fp8'"),
 ])
 def test_plan_rejects_bad_options(kw, match):
     with pytest.raises(ValueError, match=match):

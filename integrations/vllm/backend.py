@@ -3,8 +3,9 @@
 Per engine step, the metadata builder turns vLLM's ``CommonAttentionMetadata`` (``query_start_loc``, ``seq_lens``,
 ``block_table_tensor``) into one :func:`prefixattn.plan`: the plan finds the KV prefixes requests share from
 identical leading block ids, which vLLM's prefix caching produces. Per layer, the impl writes the new K/V into the
-paged cache at ``slot_mapping`` (one launch: vLLM's own ``reshape_and_cache_flash`` where the build has it, else
-:func:`prefixattn.write_kv`) and runs :func:`prefixattn.attention` on views of vLLM's cache (no copies).
+paged cache at ``slot_mapping`` (one launch: vLLM's own ``reshape_and_cache_flash`` where the build has it and the
+cache is 16/32-bit, else :func:`prefixattn.write_kv`, which quantizes fp8 caches) and runs
+:func:`prefixattn.attention` on views of vLLM's cache (no copies).
 
 vLLM hands each layer its cache as the logical view ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` (K in
 the first half of the last dim, V in the second; the physical order is whatever ``KVCacheLayout`` vLLM resolved).
@@ -210,6 +211,7 @@ class PrefixAttnMetadataBuilder(AttentionMetadataBuilder[PrefixAttnMetadata]):
         model_config = vllm_config.model_config
         self.num_qo_heads = int(model_config.get_num_attention_heads(vllm_config.parallel_config))
         self.q_dtype = model_config.dtype
+        self.kv_dtype = _group_kv_dtype(kv_cache_spec, vllm_config, self.q_dtype)  # prices the plans' cost rule
         self.sm_scale = _group_scale(vllm_config, layer_names)
         # One plan serves the group's layers: they must agree on the window and the soft cap (vLLM puts windowed and
         # full-attention layers in different KV cache groups, so a Gemma-2-like model gets one plan per kind).
@@ -220,8 +222,8 @@ class PrefixAttnMetadataBuilder(AttentionMetadataBuilder[PrefixAttnMetadata]):
         self.warmup_report = warm_up_kernels(self, vllm_config)
         self.graph_attn = graph_wrapper(vllm_config, num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads,
                                         head_dim=self.head_dim, block_size=self.block_size, q_dtype=self.q_dtype,
-                                        sm_scale=self.sm_scale, device=device, window_left=self.window_left,
-                                        logits_soft_cap=self.logits_soft_cap)
+                                        kv_dtype=self.kv_dtype, sm_scale=self.sm_scale, device=device,
+                                        window_left=self.window_left, logits_soft_cap=self.logits_soft_cap)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> PrefixAttnMetadata:
@@ -242,7 +244,8 @@ class PrefixAttnMetadataBuilder(AttentionMetadataBuilder[PrefixAttnMetadata]):
         step_plan = prefixattn.plan(
             inputs.qo_indptr, inputs.kv_lens, inputs.block_table, block_size=self.block_size,
             num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, causal=True,
-            sm_scale=self.sm_scale, q_dtype=self.q_dtype, device=self.device, window_left=self.window_left,
+            sm_scale=self.sm_scale, q_dtype=self.q_dtype, kv_dtype=self.kv_dtype, device=self.device,
+            window_left=self.window_left,
             logits_soft_cap=self.logits_soft_cap)
         for observe in _plan_observers:
             observe(step_plan)
@@ -288,9 +291,20 @@ def _group_scale(vllm_config, layer_names: list[str]) -> float | None:
     return scales.pop() if scales else None
 
 
+def _group_kv_dtype(kv_cache_spec, vllm_config, q_dtype: torch.dtype) -> torch.dtype:
+    """The torch dtype the group's K/V cache holds: vLLM allocates fp8 caches as uint8 memory (the spec's dtype),
+    whose fp8 flavour is the configured ``cache_dtype``; any other cache is read in q's dtype."""
+    if getattr(kv_cache_spec, "dtype", None) == torch.uint8:
+        fp8 = fp8_cache_dtype(getattr(vllm_config.cache_config, "cache_dtype", None))
+        if fp8 in prefixattn.FP8_KV_DTYPES:  # anything else (ROCm's e4m3fnuz) is refused at configuration
+            return fp8
+    return q_dtype
+
+
 def graph_wrapper(vllm_config, *, num_qo_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                   q_dtype: torch.dtype, sm_scale: float | None, device: torch.device, window_left: int = -1,
-                  logits_soft_cap: float = 0.0) -> "prefixattn.PrefixSharedAttention | None":
+                  logits_soft_cap: float = 0.0,
+                  kv_dtype: torch.dtype | None = None) -> "prefixattn.PrefixSharedAttention | None":
     """The builder's CUDA-graph wrapper, or None when vLLM captures no full graphs.
 
     Capacities from vLLM's graph settings: ``max_tokens`` = the largest capture size (vLLM pads a replayed batch to
@@ -307,7 +321,8 @@ def graph_wrapper(vllm_config, *, num_qo_heads: int, num_kv_heads: int, head_dim
     decode_len = 1 + int(getattr(spec, "num_speculative_tokens", None) or 0)
     return prefixattn.PrefixSharedAttention(
         num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
-        q_dtype=q_dtype, causal=True, sm_scale=sm_scale, max_tokens=int(max_size), max_requests=int(max_size),
+        q_dtype=q_dtype, kv_dtype=kv_dtype, causal=True, sm_scale=sm_scale, max_tokens=int(max_size),
+        max_requests=int(max_size),
         max_blocks_per_request=0, device=device, use_cuda_graph=True, max_q_len=decode_len,
         window_left=window_left, logits_soft_cap=logits_soft_cap)  # fixed by the captured launch, like the tiles
 
@@ -365,7 +380,8 @@ class PrefixAttnImpl(AttentionImpl[PrefixAttnMetadata]):
             return output
         scales = {}
         if self.fp8_dtype is not None:
-            # fp8 cache: write_kv_cache quantizes as vLLM's reshape_and_cache does (x / scale); the kernel dequantizes.
+            # fp8 cache: write_kv quantizes in its kernel as vLLM's reshape_and_cache does (x / scale); attention
+            # dequantizes on load.
             kv_cache = kv_cache.view(self.fp8_dtype)
             scales = dict(k_scale=layer._k_scale, v_scale=layer._v_scale)
         k_cache, v_cache = split_kv_cache(kv_cache, self.head_size)
@@ -508,33 +524,19 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
     """Store ``key``/``value`` ``[n, Hkv, D]`` at flat slots ``slot_mapping`` ``[n]`` of the ``[B, N, Hkv, D]``
     views, in place: one launch, no host synchronization; slot -1 (vLLM's padding) is skipped.
 
-    vLLM's own ``reshape_and_cache_flash`` when this build has it and the tensors have the strides it assumes (it
-    takes the layer's ``k_scale``/``v_scale`` tensors and quantizes an fp8 cache as ``x / scale``), else
-    :func:`prefixattn.write_kv` (any strides; the path on CPU builds). An fp8 cache on a build without vLLM's op
-    takes :func:`_write_fp8_kv_torch` (a few torch ops: ``prefixattn.write_kv`` does not quantize).
+    vLLM's own ``reshape_and_cache_flash`` when this build has it and the tensors have the strides and dtypes it
+    assumes (a 16/32-bit cache), else :func:`prefixattn.write_kv` (any strides; the path on CPU builds), which
+    quantizes an fp8 cache with the layer's ``k_scale``/``v_scale`` tensors as vLLM's op does (``x / scale``,
+    saturated), reading them in the kernel.
     """
     op = engine_cache_write_op()
     if (op is not None and k_scale is not None and v_scale is not None
             and _engine_write_fits(key, value, k_cache, v_cache, slot_mapping)):
         op(key, value, k_cache, v_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
     elif k_cache.dtype in prefixattn.FP8_KV_DTYPES:
-        _write_fp8_kv_torch(key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
-    else:
+        prefixattn.write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
+    else:  # vLLM's layers always carry (unit) scales; a 16/32-bit cache is a plain copy
         prefixattn.write_kv(key, value, k_cache, v_cache, slot_mapping)
-
-
-def _write_fp8_kv_torch(key, value, k_cache, v_cache, slot_mapping, *, k_scale, v_scale) -> None:
-    """fp8 cache write without vLLM's op: quantize as vLLM does (``x / scale``, then the cast) and store at the
-    non-padding slots. Several small ops (a mask, two divisions, two casts, two ``index_put_``): the fallback of
-    CPU builds, not the GPU path."""
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep].to(torch.long)
-    block_size = k_cache.shape[1]
-    blocks, offsets = slots // block_size, slots % block_size
-    k = key[keep] if k_scale is None else key[keep] / k_scale
-    v = value[keep] if v_scale is None else value[keep] / v_scale
-    k_cache.index_put_((blocks, offsets), k.to(k_cache.dtype))
-    v_cache.index_put_((blocks, offsets), v.to(v_cache.dtype))
 
 
 #: Configurations already warmed up in this process -> their report (vLLM makes a builder per KV cache group and

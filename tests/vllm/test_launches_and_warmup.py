@@ -56,19 +56,21 @@ SHARED = ([[10, 11, 2], [10, 11, 3]], [1, 3], [40, 37])  # blocks 10, 11 shared:
 PRIVATE = ([[1, 2, 0], [4, 5, 6]], [1, 3], [20, 40])  # nothing shared: every row straight to the output
 
 
-def run_layer(builder, step, monkeypatch, *, layer=None, key_view=None):
+def run_layer(builder, step, monkeypatch, *, layer=None, key_view=None, kv_cache_dtype="auto"):
     """One layer's forward on an LBNHC cache; returns (counter, cache, inputs, output, meta)."""
-    from integrations.vllm.backend import PrefixAttnImpl
+    from integrations.vllm.backend import PrefixAttnImpl, fp8_cache_dtype
 
     g = torch.Generator().manual_seed(0)
     meta = builder.build(0, metadata(*step))
     t = meta.num_query_tokens + PAD
     kv_cache = _cache_in_layout("LBNHC", g)
+    if kv_cache_dtype != "auto":  # vLLM's fp8 cache: uint8 memory
+        kv_cache = kv_cache.to(fp8_cache_dtype(kv_cache_dtype)).view(torch.uint8)
     query = torch.randn(t, HQ, D, generator=g)
     key = key_view(t, g) if key_view else torch.randn(t, HKV, D, generator=g)
     value = torch.randn(t, HKV, D, generator=g)
     output = torch.full((t, HQ, D), float("nan"))
-    impl = PrefixAttnImpl(num_heads=HQ, head_size=D, scale=D ** -0.5, num_kv_heads=HKV)
+    impl = PrefixAttnImpl(num_heads=HQ, head_size=D, scale=D ** -0.5, num_kv_heads=HKV, kv_cache_dtype=kv_cache_dtype)
     with count_launches(monkeypatch) as c:
         impl.forward(layer, query, key, value, kv_cache, meta, output)
     return c, kv_cache, (query, key, value), output, meta
@@ -114,6 +116,37 @@ def test_a_layer_with_a_shared_prefix_adds_the_merge_counter_reset(vllm_config, 
     assert meta.plan.has_shared and meta.plan.stats["num_merge_rows"] > 0
     assert c.triton == ["kv_write_kernel", "prefix_attention_kernel"] and c.torch_ops == ["zero_"]
     check_result(kv_cache, inputs, output, meta, SHARED)
+
+
+@pytest.mark.parametrize("kv_cache_dtype, step", [("fp8", PRIVATE), ("fp8_e5m2", SHARED)])
+def test_an_fp8_layer_is_the_same_launches(vllm_config, monkeypatch, kv_cache_dtype, step):
+    # The fp8 write quantizes inside write_kv's kernel (vLLM's x / scale): still one write launch and one attention
+    # launch per layer (plus the merge-counter reset when rows merge), no torch ops around them.
+    import prefixattn
+
+    from integrations.vllm.backend import fp8_cache_dtype, split_kv_cache
+
+    fp8 = fp8_cache_dtype(kv_cache_dtype)
+    layer = types.SimpleNamespace(_k_scale=torch.tensor(0.25), _v_scale=torch.tensor(3.0))
+    c, kv_cache, (query, key, value), output, meta = run_layer(make_builder(vllm_config), step, monkeypatch,
+                                                               layer=layer, kv_cache_dtype=kv_cache_dtype)
+    merges = meta.plan.stats["num_merge_rows"] > 0
+    assert merges == (step is SHARED)
+    assert c.triton == ["kv_write_kernel", "prefix_attention_kernel"] and c.torch_ops == (["zero_"] if merges else [])
+    n = meta.num_query_tokens
+    k_cache, v_cache = split_kv_cache(kv_cache.view(fp8), D)
+    slots = meta.slot_mapping
+    assert torch.equal(k_cache[slots // BLOCK, slots % BLOCK].view(torch.uint8),
+                       (key[:n] / 0.25).to(fp8).view(torch.uint8))  # in range: no saturation here
+    assert torch.equal(v_cache[slots // BLOCK, slots % BLOCK].view(torch.uint8),
+                       (value[:n] / 3.0).to(fp8).view(torch.uint8))
+    qo = torch.zeros(len(step[1]) + 1, dtype=torch.long)
+    qo[1:] = torch.tensor(step[1]).cumsum(0)
+    ref = prefixattn.reference_attention(query[:n], k_cache, v_cache, qo, torch.tensor(step[2]),
+                                         torch.tensor(step[0]), sm_scale=D ** -0.5, k_scale=0.25, v_scale=3.0)
+    atol, rtol = ATTENTION_TOL[torch.float32]
+    torch.testing.assert_close(output[:n], ref, atol=atol, rtol=rtol)
+    assert torch.isnan(output[n:]).all()
 
 
 _calls = []
