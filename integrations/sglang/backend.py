@@ -123,6 +123,8 @@ class PrefixAttnBackend(AttentionBackend):
                 f"{type(pool).__name__}; MLA, hybrid and sliding-window pools are not supported by prefixattn"
             )
         _check_pool_dtype(pool, getattr(model_runner, "dtype", None))
+        # An fp8 pool's KV is 1 byte per element: the planner's cost rule prices it at that size (None: q's dtype).
+        self.kv_dtype = pool.dtype if pool.dtype in prefixattn.FP8_KV_DTYPES else None
         layout = getattr(pool, "kv_cache_layout", "nhd")
         if layout != "nhd":
             raise ValueError(f"token_to_kv_pool: expected the token-major 'nhd' KV layout, got {layout!r} "
@@ -199,6 +201,7 @@ class PrefixAttnBackend(AttentionBackend):
                 # q's own device: the runner's "cuda" has no index, the plan must match q's "cuda:N".
                 causal=causal, sm_scale=float(layer.scaling), q_dtype=q.dtype, device=q.device,
                 sharing=self.sharing, num_blocks=num_blocks, logits_soft_cap=soft_cap, window_left=window,
+                kv_dtype=self.kv_dtype,
             )
             meta.plans[key] = p
         return p
@@ -253,7 +256,8 @@ class PrefixAttnBackend(AttentionBackend):
         table that :meth:`init_forward_metadata_in_graph` refills inside the graph."""
         pages = -(-int(self.req_to_token_pool.req_to_token.shape[1]) // self.page_size)
         self._graph = GraphState(max_bs=int(max_bs), max_num_tokens=int(max_num_tokens), max_pages=pages,
-                                 page_size=self.page_size, sharing=self.sharing, device=self.device)
+                                 page_size=self.page_size, sharing=self.sharing, device=self.device,
+                                 kv_dtype=self.kv_dtype)
 
     def get_cuda_graph_seq_len_fill_value(self):
         return CUDA_GRAPH_SEQ_LEN_FILL
@@ -303,8 +307,9 @@ class GraphState:
     """
 
     def __init__(self, *, max_bs: int, max_num_tokens: int, max_pages: int, page_size: int, sharing: str,
-                 device) -> None:
+                 device, kv_dtype: torch.dtype | None = None) -> None:
         self.max_bs, self.max_num_tokens, self.page_size, self.sharing = max_bs, max_num_tokens, page_size, sharing
+        self.kv_dtype = kv_dtype  # the pool's fp8 dtype (prices the cost rule), None: q's dtype
         self.table = torch.zeros((max_bs, max_pages), dtype=torch.int32, device=device)
         self.wrappers: dict = {}  # plan key (heads, head_dim, dtype, scale, causal) -> PrefixSharedAttention
 
@@ -332,7 +337,7 @@ class GraphState:
             num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=self.page_size,
             q_dtype=dtype, causal=causal, sm_scale=scale, sharing=self.sharing, max_tokens=self.max_num_tokens,
             max_requests=self.max_bs, max_blocks_per_request=0, device=device, use_cuda_graph=True,
-            logits_soft_cap=soft_cap, window_left=window)
+            logits_soft_cap=soft_cap, window_left=window, kv_dtype=self.kv_dtype)
         meta.plans[key] = p = self._plan(self.wrappers[key], meta)
         return p
 

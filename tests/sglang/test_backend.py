@@ -217,3 +217,5 @@ def test_fp8_pool_with_per_tensor_scales(kv_dtype):
     unscaled = prefixattn.reference_attention(*args, sm_scale=float(layer.scaling))
     assert (want - unscaled).abs().max() > 0.5, "the scales change the answer"
     torch.testing.assert_close(o.view_as(q3), want, atol=1e-4, rtol=1e-4)
+    # The step's plans price the pool's 1-byte KV in the sharing cost rule, not q's dtype.
+    assert {p.kv_dtype for p in meta.plans.values()} == {kv_dtype}
