@@ -130,4 +130,5 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
         stride_vc_d=v_cache.stride(3),
         BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d, IS_FP8=scales["IS_FP8"], FP8_MAX=scales["FP8_MAX"],
         FP8_MANT_BITS=scales["FP8_MANT_BITS"], FP8_EXP_BIAS=scales["FP8_EXP_BIAS"],
+        USE_SOFT_FP8_CAST=scales["IS_FP8"] and interpreter_enabled(),
     )

@@ -8,10 +8,13 @@ in the store; nothing else is computed, so NaN rows are copied as they are.
 * ``IS_FP8``: the cache is fp8 with per-tensor scales (vLLM's convention: stored = fp8(x / scale)). K/V are upcast
   to fp32, divided by ``k_scale * *k_scale_ptr`` (``v_scale * *v_scale_ptr``) with IEEE rounding, saturated to
   ``+-FP8_MAX`` (vLLM's CUDA write converts with ``__NV_SATFINITE``: out-of-range values and infinities become the
-  largest finite value, NaN stays NaN), rounded to nearest even and stored as fp8 bytes computed here
-  (:func:`_fp8_bits`) rather than by Triton's float-to-fp8 cast: the Triton interpreter's cast (3.9) rounds half
-  up without carrying into the exponent (e.g. e5m2 500.0 -> 256.0, not 512.0) and turns NaN into 384.0 for e4m3, so
-  the engines' CPU runs would store wrong values; integer encoding is exact under the interpreter and on GPUs.
+  largest finite value, NaN stays NaN) and rounded to nearest even by Triton's float-to-fp8 cast on a GPU
+  (``cvt.rn.satfinite`` on sm_89+: one instruction per two values).
+* ``USE_SOFT_FP8_CAST`` (set under the interpreter only): the fp8 bytes are computed with integer ops
+  (:func:`_fp8_bits`, ~25 ALU ops per value) instead, because the Triton interpreter's cast (3.9) rounds half up
+  without carrying into the exponent (e.g. e5m2 500.0 -> 256.0, not 512.0) and turns NaN into 384.0 for e4m3, so
+  the engines' CPU runs would store wrong values. GPUs do not pay for it: at ~25 integer ops per value a prefill
+  chunk's write would be ALU-bound on H100 (~64 int32 ops/clk/SM against 1 fp8 byte stored).
 """
 
 import triton
@@ -60,6 +63,20 @@ def _fp8_bits(x, scale, FP8_MAX: tl.constexpr, FP8_MANT_BITS: tl.constexpr, FP8_
     return (code | (sign << 7)).to(tl.uint8)  # bit 7: the sign
 
 
+@triton.jit
+def _quantize_fp8(x, scale, cache_ptr, FP8_MAX: tl.constexpr, FP8_MANT_BITS: tl.constexpr,
+                  FP8_EXP_BIAS: tl.constexpr, USE_SOFT_FP8_CAST: tl.constexpr):
+    """``x / scale`` in ``cache_ptr``'s fp8 dtype: IEEE division in fp32, saturated to ``FP8_MAX`` (NaN stays NaN),
+    rounded to nearest even; by the hardware cast, or by :func:`_fp8_bits` under the interpreter."""
+    if USE_SOFT_FP8_CAST:
+        q = _fp8_bits(x=x, scale=scale, FP8_MAX=FP8_MAX, FP8_MANT_BITS=FP8_MANT_BITS,
+                      FP8_EXP_BIAS=FP8_EXP_BIAS).to(cache_ptr.dtype.element_ty, bitcast=True)
+    else:
+        y = tl.clamp(tl.math.div_rn(x.to(tl.float32), scale), -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+        q = y.to(cache_ptr.dtype.element_ty)
+    return q
+
+
 # num_tokens changes every engine step: specialized, 1 / multiples of 16 / the rest would be three binaries.
 @triton.jit(do_not_specialize=["num_tokens"])
 def kv_write_kernel(
@@ -78,6 +95,7 @@ def kv_write_kernel(
     stride_vc_blk, stride_vc_tok, stride_vc_head, stride_vc_d,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     IS_FP8: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MANT_BITS: tl.constexpr, FP8_EXP_BIAS: tl.constexpr,
+    USE_SOFT_FP8_CAST: tl.constexpr,
 ):
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -97,10 +115,10 @@ def kv_write_kernel(
     k = tl.load(key_ptr + t64 * stride_k_t + h3 * stride_k_h + d3 * stride_k_d, mask=mask)
     v = tl.load(value_ptr + t64 * stride_v_t + h3 * stride_v_h + d3 * stride_v_d, mask=mask)
     if IS_FP8:
-        k = _fp8_bits(x=k, scale=k_scale * tl.load(k_scale_ptr), FP8_MAX=FP8_MAX, FP8_MANT_BITS=FP8_MANT_BITS,
-                      FP8_EXP_BIAS=FP8_EXP_BIAS).to(k_cache_ptr.dtype.element_ty, bitcast=True)
-        v = _fp8_bits(x=v, scale=v_scale * tl.load(v_scale_ptr), FP8_MAX=FP8_MAX, FP8_MANT_BITS=FP8_MANT_BITS,
-                      FP8_EXP_BIAS=FP8_EXP_BIAS).to(v_cache_ptr.dtype.element_ty, bitcast=True)
+        k = _quantize_fp8(x=k, scale=k_scale * tl.load(k_scale_ptr), cache_ptr=k_cache_ptr, FP8_MAX=FP8_MAX,
+                          FP8_MANT_BITS=FP8_MANT_BITS, FP8_EXP_BIAS=FP8_EXP_BIAS, USE_SOFT_FP8_CAST=USE_SOFT_FP8_CAST)
+        v = _quantize_fp8(x=v, scale=v_scale * tl.load(v_scale_ptr), cache_ptr=v_cache_ptr, FP8_MAX=FP8_MAX,
+                          FP8_MANT_BITS=FP8_MANT_BITS, FP8_EXP_BIAS=FP8_EXP_BIAS, USE_SOFT_FP8_CAST=USE_SOFT_FP8_CAST)
     blk3 = blk[:, None, None]
     tok3 = tok[:, None, None]
     tl.store(k_cache_ptr + blk3 * stride_kc_blk + tok3 * stride_kc_tok + h3 * stride_kc_head + d3 * stride_kc_d,
