@@ -311,7 +311,7 @@ def _kernel_of(v: KernelVariant):
         from prefixattn.kernels.kv_write import kv_write_kernel
 
         return kv_write_kernel
-    from prefixattn.kernels.prefix_attention import prefix_attention_kernel
+    from prefixattn.kernels.prefix_attention_kernel import prefix_attention_kernel
 
     return prefix_attention_kernel
 

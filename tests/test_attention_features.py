@@ -189,13 +189,13 @@ def test_fp8_e4m3_is_refused_on_gpus_before_sm89(monkeypatch):
     # Triton compiles float8_e4m3fn loads for NVIDIA from sm_89 on (compile-check: sm80 fails to compile them).
     from types import SimpleNamespace
 
-    from prefixattn import prefix_attention as attention_module
+    from prefixattn import prefix_attention
 
     cache = SimpleNamespace(dtype=torch.float8_e4m3fn, device=torch.device("cuda", 0))
     monkeypatch.setattr(torch.version, "hip", None)
-    monkeypatch.setattr(attention_module, "_capability", lambda index: (8, 0))
+    monkeypatch.setattr(prefix_attention, "_capability", lambda index: (8, 0))
     with pytest.raises(ValueError, match="k_cache: expected float8_e5m2 on this GPU \\(compute capability 8.0"):
-        attention_module._check_fp8_support(cache)
-    attention_module._check_fp8_support(SimpleNamespace(dtype=torch.float8_e5m2, device=cache.device))
-    monkeypatch.setattr(attention_module, "_capability", lambda index: (9, 0))
-    attention_module._check_fp8_support(cache)
+        prefix_attention._check_fp8_support(cache)
+    prefix_attention._check_fp8_support(SimpleNamespace(dtype=torch.float8_e5m2, device=cache.device))
+    monkeypatch.setattr(prefix_attention, "_capability", lambda index: (9, 0))
+    prefix_attention._check_fp8_support(cache)
