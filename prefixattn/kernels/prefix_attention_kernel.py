@@ -34,10 +34,10 @@ Features, each a constexpr switch that compiles to nothing when off (issue 19):
 
 The kernel packs its pointers and strides into named tuples once (:class:`RowsHeadsDim`, :class:`RowsHeads`,
 :class:`PagedKV`, :class:`ScoreRule`, :class:`WorkTables`), and its helpers take one group where they took a dozen
-arguments. A tuple exists only in the frontend (it is its elements), so the compiled code is the code with the
-elements passed one by one: the same registers, spills, pipeline depth and assembly (``prefixattn compile-check``,
-sm90 and gfx942, Triton 3.6 and 3.9). Named tuples as jit-function arguments compile and interpret alike on
-Triton 3.6-3.9.
+arguments. A tuple exists only in the frontend (it is its elements): the TTGIR holds the same ops as with the
+elements passed one by one, and the PTX / AMDGCN the same instructions once debug info is set aside (sm90 and
+gfx942, fp16 and fp32, every compile-check variant, Triton 3.6 and 3.9). Named tuples as jit-function arguments
+compile and interpret alike on Triton 3.6-3.9.
 """
 
 from typing import NamedTuple
