@@ -1,11 +1,12 @@
-"""write_kv(): store a step's new K/V rows into a paged cache, one launch of :mod:`prefixattn.kernels.kv_write`."""
+"""write_kv(): store a step's new K/V rows into a paged cache, one launch of
+:mod:`prefixattn.kernels.kv_write_kernel`."""
 
 from __future__ import annotations
 
 import torch
 import triton
 
-from prefixattn.kernels.kv_write import kv_write_kernel
+from prefixattn.kernels.kv_write_kernel import kv_write_kernel
 from prefixattn.runtime import interpreter_enabled
 from prefixattn.validation import SUPPORTED_DTYPES, check_kernel_device, check_same_device, check_tensor
 
