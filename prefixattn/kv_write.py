@@ -1,11 +1,12 @@
-"""write_kv(): store a step's new K/V rows into a paged cache, one launch of :mod:`prefixattn.kernels.kv_write`."""
+"""write_kv(): store a step's new K/V rows into a paged cache, one launch of
+:mod:`prefixattn.kernels.kv_write_kernel`."""
 
 from __future__ import annotations
 
 import torch
 import triton
 
-from prefixattn.kernels.kv_write import kv_write_kernel
+from prefixattn.kernels.kv_write_kernel import kv_write_kernel
 from prefixattn.runtime import device_one, interpreter_enabled
 from prefixattn.validation import (FP8_KV_DTYPES, KV_CACHE_DTYPES, SUPPORTED_DTYPES, check_fp8_support,
                                    check_kernel_device, check_kv_scale, check_same_device, check_tensor)

@@ -8,7 +8,7 @@ import math
 import torch
 
 from prefixattn.kernels.layout import page_size_constexpr
-from prefixattn.kernels.prefix_attention import prefix_attention_kernel
+from prefixattn.kernels.prefix_attention_kernel import prefix_attention_kernel
 from prefixattn.attention_configs import choose_tiles
 from prefixattn.planner import CapacityError, Plan, _default_num_sms, _positive_int, plan
 from prefixattn.runtime import device_one

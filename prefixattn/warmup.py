@@ -308,10 +308,10 @@ def _binaries_in_process(kernel) -> int | None:
 
 def _kernel_of(v: KernelVariant):
     if v.kernel == KV_WRITE:
-        from prefixattn.kernels.kv_write import kv_write_kernel
+        from prefixattn.kernels.kv_write_kernel import kv_write_kernel
 
         return kv_write_kernel
-    from prefixattn.kernels.prefix_attention import prefix_attention_kernel
+    from prefixattn.kernels.prefix_attention_kernel import prefix_attention_kernel
 
     return prefix_attention_kernel
 

@@ -6,8 +6,8 @@ vLLM's ``sliding_window=S`` is ``W = S - 1``). Request ``r`` with ``q_len`` quer
 * its first row sees keys from ``first_r = kv_len - q_len - W``: no row of ``r`` reads anything before it;
 * its last row sees keys from ``all_r = kv_len - 1 - W``: every row of ``r`` sees ``[all_r, kv_len - q_len]``.
 
-A shared-node item runs with no mask (:mod:`prefixattn.kernels.prefix_attention`), so a request may stay a member of
-a node only where all of its rows see all of the node. For each member of each kept node, in the request's
+A shared-node item runs with no mask (:mod:`prefixattn.kernels.prefix_attention_kernel`), so a request may stay a
+member of a node only where all of its rows see all of the node. For each member of each kept node, in the request's
 top-down chain of nodes (which covers ``[0, suffix_start)`` without gaps):
 
 * the node ends at or before ``first_r``: the request reads nothing from it and leaves it;

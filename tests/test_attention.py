@@ -9,7 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import prefixattn
 from prefixattn import PrefixSharedAttention, attention, plan, reference_attention
-from prefixattn import prefix_attention as attention_module  # the module; `prefixattn.attention` is the function
+from prefixattn import prefix_attention
 from prefixattn.kernels import layout as K
 from tests.prefix_batches import make_batch, random_batch
 from tests.tolerances import ATTENTION_TOL, LSE_TOL
@@ -53,8 +53,8 @@ class CountingKernel:
 
 @pytest.fixture
 def count_launches(monkeypatch):
-    counter = CountingKernel(attention_module.prefix_attention_kernel)
-    monkeypatch.setattr(attention_module, "prefix_attention_kernel", counter)
+    counter = CountingKernel(prefix_attention.prefix_attention_kernel)
+    monkeypatch.setattr(prefix_attention, "prefix_attention_kernel", counter)
     return counter
 
 
@@ -214,7 +214,7 @@ def test_attention_does_no_other_device_work(device, monkeypatch):
             device)
     p = plan(*b.metadata, **b.heads, q_dtype=torch.float32, sharing="always", num_sms=64, min_split_tokens=8)
     stub = CountingKernel(None, run=False)
-    monkeypatch.setattr(attention_module, "prefix_attention_kernel", stub)
+    monkeypatch.setattr(prefix_attention, "prefix_attention_kernel", stub)
 
     class RecordOps(TorchDispatchMode):
         def __init__(self):
@@ -241,7 +241,7 @@ def test_shared_branch_compiled_only_when_needed(device, monkeypatch):
     b = _to(random_batch(15, num_requests=4, levels=1, block_size=16, num_qo_heads=4, num_kv_heads=2, head_dim=64),
             device)
     stub = CountingKernel(None, run=False)
-    monkeypatch.setattr(attention_module, "prefix_attention_kernel", stub)
+    monkeypatch.setattr(prefix_attention, "prefix_attention_kernel", stub)
     for sharing, has_shared, warps in (("never", False, NUM_WARPS_SUFFIX), ("always", True, NUM_WARPS_SHARED)):
         p = plan(*b.metadata, **b.heads, q_dtype=torch.float32, sharing=sharing)
         attention(b.q, b.k_cache, b.v_cache, p)

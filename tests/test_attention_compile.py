@@ -23,7 +23,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import torch
 from prefixattn.attention_configs import choose_tiles
-from prefixattn.kernels.prefix_attention import prefix_attention_kernel as kernel
+from prefixattn.kernels.prefix_attention_kernel import prefix_attention_kernel as kernel
 
 dtype = sys.argv[1]
 tiles = choose_tiles(head_dim=128, group=4, max_q_len=1, dtype={"*fp16": torch.float16, "*bf16": torch.bfloat16}[dtype])
@@ -74,7 +74,7 @@ from triton.compiler import ASTSource
 from prefixattn.autotune.compile_specs import fused_job
 from prefixattn.autotune.lookup import select_config
 from prefixattn.autotune.targets import get_target
-from prefixattn.kernels.prefix_attention import prefix_attention_kernel as fn
+from prefixattn.kernels.prefix_attention_kernel import prefix_attention_kernel as fn
 
 t = get_target(sys.argv[1])
 cfg = select_config(head_dim=128, dtype="bf16", group=4, max_q_len=1, target=t).config

@@ -24,7 +24,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from prefixattn.autotune.compile_specs import build_signature
 from prefixattn.autotune.targets import get_target
-from prefixattn.kernels.kv_write import kv_write_kernel as kernel
+from prefixattn.kernels.kv_write_kernel import kv_write_kernel as kernel
 from prefixattn.kv_write import kv_write_tiles
 
 t = get_target(sys.argv[1])

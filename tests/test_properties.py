@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, event, given, settings  # a test dependency 
 from hypothesis import strategies as st
 
 from prefixattn import attention, plan, reference_attention
-from prefixattn import prefix_attention as attention_module
+from prefixattn import prefix_attention
 from tests.tolerances import ATTENTION_TOL, LSE_TOL
 
 #: Guard blocks on each side of the cache: ids in [-GUARD, num_blocks + GUARD) stay inside the allocation.
@@ -123,7 +123,7 @@ def test_hostile_metadata_is_refused_or_matches_the_reference(b, seed, monkeypat
     beyond_guard = bool(ids.size) and (ids.min() < -GUARD or ids.max() >= b["cache_blocks"] + GUARD)
     with monkeypatch_module.context() as m:
         if beyond_guard:
-            m.setattr(attention_module, "prefix_attention_kernel", _RefuseLaunch())
+            m.setattr(prefix_attention, "prefix_attention_kernel", _RefuseLaunch())
         try:
             got = _ours(b, q, k_cache, v_cache)
         except ValueError as e:

@@ -198,8 +198,8 @@ def test_cli_exits_1_when_a_variant_fails(capsys, monkeypatch):
 # ---------------------------------------------------------------------------------------------------------------
 @pytest.mark.gpu
 def test_after_the_warm_up_real_steps_compile_nothing():
-    from prefixattn.kernels.kv_write import kv_write_kernel
-    from prefixattn.kernels.prefix_attention import prefix_attention_kernel
+    from prefixattn.kernels.kv_write_kernel import kv_write_kernel
+    from prefixattn.kernels.prefix_attention_kernel import prefix_attention_kernel
 
     cfg = dict(num_qo_heads=8, num_kv_heads=2, head_dim=128, block_size=16)
     report = prefixattn.warmup_kernels(**cfg, dtypes=torch.float16, max_q_len=64, kv_write=True)

@@ -8,7 +8,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from prefixattn import PrefixSharedAttention, attention, reference_attention
-from prefixattn import prefix_attention as attention_module
+from prefixattn import prefix_attention
 from prefixattn.workspace import derive_capacity
 from tests.launch_count import RecordingKernel
 from tests.prefix_batches import random_batch
@@ -63,8 +63,8 @@ def test_graph_mode_same_grid_and_buffers_for_two_batches(device, monkeypatch):
     buffers (addresses and strides), with the same scalars and constexprs - what a captured launch replays - and
     both match the reference."""
     (a, b), k_cache, v_cache = _two_batches_on_one_cache(device)
-    rec = RecordingKernel(attention_module.prefix_attention_kernel)
-    monkeypatch.setattr(attention_module, "prefix_attention_kernel", rec)
+    rec = RecordingKernel(prefix_attention.prefix_attention_kernel)
+    monkeypatch.setattr(prefix_attention, "prefix_attention_kernel", rec)
     attn = PrefixSharedAttention(**HEADS, q_dtype=torch.float32, device=device, use_cuda_graph=True,
                                  sharing="always", min_split_tokens=16, num_sms=8, **CAPS)
     q_static = torch.zeros(CAPS["max_tokens"], 4, 64, device=device)  # the engine's static buffers
@@ -86,8 +86,8 @@ def test_graph_mode_lse_and_an_unshared_step(device, monkeypatch):
     """The fixed launch (shared branch compiled in) also serves a step without shared items or merges (empty
     gather and merge tables: the launch still gets the workspace's buffers, never a null pointer), with LSE."""
     (a, b), k_cache, v_cache = _two_batches_on_one_cache(device)
-    rec = RecordingKernel(attention_module.prefix_attention_kernel)
-    monkeypatch.setattr(attention_module, "prefix_attention_kernel", rec)
+    rec = RecordingKernel(prefix_attention.prefix_attention_kernel)
+    monkeypatch.setattr(prefix_attention, "prefix_attention_kernel", rec)
     attn = PrefixSharedAttention(**HEADS, q_dtype=torch.float32, device=device, use_cuda_graph=True, num_sms=1,
                                  **CAPS)
     q, out, lse = (torch.zeros(CAPS["max_tokens"], 4, 64, device=device), torch.zeros(CAPS["max_tokens"], 4, 64,
@@ -122,7 +122,7 @@ def test_workspace_plan_allocates_nothing_and_copies_once(device, monkeypatch, u
     assert p.block_table.stride(0) == CAPS["max_blocks_per_request"]
     q, out = a.q.to(device), torch.empty_like(a.q, device=device)
     with monkeypatch.context() as m:
-        m.setattr(attention_module, "prefix_attention_kernel", NoLaunch())
+        m.setattr(prefix_attention, "prefix_attention_kernel", NoLaunch())
         with RecordOps() as rec:
             attn.run(q, k_cache, v_cache, out=out)
     assert set(rec.ops) <= {"zero_", "slice"}, rec.ops  # a memset and a view: no allocation, no copy
@@ -202,8 +202,8 @@ def test_device_block_table_is_read_in_place(device, monkeypatch):
     same address at every step."""
     (a, b), k_cache, v_cache = _two_batches_on_one_cache(device)
     engine_table = torch.zeros(CAPS["max_requests"], 16, dtype=torch.int32, device=device)
-    rec = RecordingKernel(attention_module.prefix_attention_kernel)
-    monkeypatch.setattr(attention_module, "prefix_attention_kernel", rec)
+    rec = RecordingKernel(prefix_attention.prefix_attention_kernel)
+    monkeypatch.setattr(prefix_attention, "prefix_attention_kernel", rec)
     attn = PrefixSharedAttention(**HEADS, q_dtype=torch.float32, device=device, use_cuda_graph=True, **CAPS)
     for batch in (a, b):
         n, w = batch.block_table.shape
@@ -239,8 +239,8 @@ def test_graph_num_tokens_sizes_the_grid_by_the_graph(device, monkeypatch):
     two batches replayed by one G-row graph launch identically; q must have G rows."""
     (a, b), k_cache, v_cache = _two_batches_on_one_cache(device)
     rows = max(int(a.qo_indptr[-1]), int(b.qo_indptr[-1]))
-    rec = RecordingKernel(attention_module.prefix_attention_kernel)
-    monkeypatch.setattr(attention_module, "prefix_attention_kernel", rec)
+    rec = RecordingKernel(prefix_attention.prefix_attention_kernel)
+    monkeypatch.setattr(prefix_attention, "prefix_attention_kernel", rec)
     attn = PrefixSharedAttention(**HEADS, q_dtype=torch.float32, device=device, use_cuda_graph=True,
                                  sharing="always", **CAPS)
     grid = attn.graph_grid_items(rows)

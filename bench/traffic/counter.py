@@ -211,10 +211,22 @@ def count_traffic(*, tensors: dict | None = None, track_unique=()):
                            "the kernels")
     if _ACTIVE:
         raise RuntimeError("count_traffic: already counting (blocks cannot nest)")
+    counter = _Counter(tensors or {}, track_unique)
+    with _hooks_installed(counter):
+        _ACTIVE.append(counter)
+        try:
+            yield counter.traffic
+        finally:
+            _ACTIVE.pop()
+
+
+@contextlib.contextmanager
+def _hooks_installed(counter: _Counter):
+    """The interpreter's masked loads and stores, atomics, program starts and launches, each reporting to
+    ``counter`` before it runs; the originals are restored on exit."""
     from triton.runtime import interpreter as interp
 
     builder = interp.interpreter_builder
-    counter = _Counter(tensors or {}, track_unique)
     orig = dict(load=builder.create_masked_load, store=builder.create_masked_store,
                 rmw=builder.create_atomic_rmw, cas=builder.create_atomic_cas, grid_idx=builder.set_grid_idx)
     orig_call = interp.GridExecutor.__call__
@@ -255,11 +267,9 @@ def count_traffic(*, tensors: dict | None = None, track_unique=()):
     builder.create_atomic_cas = atomic_cas
     builder.set_grid_idx = set_grid_idx
     interp.GridExecutor.__call__ = grid_call
-    _ACTIVE.append(counter)
     try:
-        yield counter.traffic
+        yield
     finally:
-        _ACTIVE.pop()
         interp.GridExecutor.__call__ = orig_call
         for name in ("create_masked_load", "create_masked_store", "create_atomic_rmw", "create_atomic_cas",
                      "set_grid_idx"):

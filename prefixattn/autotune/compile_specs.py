@@ -21,7 +21,7 @@ from prefixattn.autotune.config_space import AttentionConfig, MergeConfig, block
 from prefixattn.autotune.targets import Target
 from prefixattn.kernels.layout import page_size_constexpr
 
-FUSED_KERNEL = "prefixattn.kernels.prefix_attention:prefix_attention_kernel"
+FUSED_KERNEL = "prefixattn.kernels.prefix_attention_kernel:prefix_attention_kernel"
 MERGE_PAIR_KERNEL = "prefixattn.kernels.merge_states:merge_state_pair_kernel"
 MERGE_N_KERNEL = "prefixattn.kernels.merge_states:merge_states_kernel"
 

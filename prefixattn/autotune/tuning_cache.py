@@ -31,7 +31,7 @@ from prefixattn.autotune.config_space import AttentionConfig
 #: Bump when the file layout changes; files of another format are ignored with a warning.
 CACHE_FORMAT = 1
 #: The kernel whose source fingerprint tags every tuned entry.
-KERNEL_MODULE = "prefixattn.kernels.prefix_attention"
+KERNEL_MODULE = "prefixattn.kernels.prefix_attention_kernel"
 
 
 class TuningCacheWarning(UserWarning):

@@ -1,6 +1,6 @@
 """Layout of the fused kernel's int32 work tables: the one definition that the host (:mod:`prefixattn.work_list`,
-numpy) and the kernel (:mod:`prefixattn.kernels.prefix_attention`, Triton) both read. No triton import here, so host
-code and tests can use the layout without loading the compiler.
+numpy) and the kernel (:mod:`prefixattn.kernels.prefix_attention_kernel`, Triton) both read. No triton import here,
+so host code and tests can use the layout without loading the compiler.
 
 Tables of one launch (row-major int32, built once per step by :func:`prefixattn.plan`):
 

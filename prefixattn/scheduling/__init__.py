@@ -11,7 +11,7 @@ Offline batch flow (BatchLLM sec. 4.2-4.3)::
         ...run the model..., then batcher.finish(request_id) for requests that ended
 """
 
-from prefixattn.scheduling.blendserve import CostModel, DensityModel, blendserve_order, memory_classes  # noqa: F401
+from prefixattn.scheduling.blendserve import DensityModel, blendserve_order, memory_classes
 from prefixattn.scheduling.grouping import PrefixGroup, group_prompts, optimal_saving_ratio, saving_ratio
 from prefixattn.scheduling.ordering import DEFAULT_ORDERING, ORDERINGS, OrderingPolicy, order_groups, register_ordering
 from prefixattn.scheduling.output_lengths import estimate_output_lens, sample_requests
@@ -19,7 +19,7 @@ from prefixattn.scheduling.partition import (Partition, ResourceCost, partition_
                                              sharded_saving_ratio, token_cost)
 from prefixattn.scheduling.prefix_tree import PrefixTree, prefix_tree, sort_and_lcp
 from prefixattn.scheduling.sequences import PackedSequences, pack_sequences
-from prefixattn.scheduling.step_batch import Chunk, ChunkKind, PrefixNode, StepBatch, StepPlan  # noqa: F401 (old name)
+from prefixattn.scheduling.step_batch import Chunk, ChunkKind, PrefixNode, StepBatch
 from prefixattn.scheduling.token_batching import TokenBatcher
 
 __all__ = [

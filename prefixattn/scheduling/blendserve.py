@@ -78,10 +78,6 @@ class DensityModel:
         return (p * d + d * d / 2) * self.kv_dim * self.num_layers * 4 / self.bandwidth
 
 
-
-#: The name until issue 18 (it collided with :class:`prefixattn.sim.step_cost.CostModel`); kept for old callers.
-CostModel = DensityModel
-
 def densities(groups: Sequence[PrefixGroup], output_lens: np.ndarray, cost_model: DensityModel
               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per group: ``(rho, comp_seconds, mem_seconds)``, the prefix computed once."""

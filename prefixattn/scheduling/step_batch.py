@@ -79,10 +79,6 @@ class StepBatch:
                 zip(self.kinds, self.request_ids, self.nodes, self.starts, self.num_tokens)]
 
 
-
-#: The name until issue 18 (it read like the attention planner's ``Plan``); kept for old callers.
-StepPlan = StepBatch
-
 class PrefixNode(NamedTuple):
     """A shared prefix level: tokens ``[start, start + size)`` of every request below it."""
 

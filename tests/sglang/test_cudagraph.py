@@ -66,7 +66,7 @@ def _graph_step(backend, view, q, k, v, layer, *, capture=False):
 
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_capture_and_padded_replays_reuse_the_launch(page_size, monkeypatch):
-    from prefixattn import prefix_attention as attention_module
+    from prefixattn import prefix_attention
 
     eng = MiniEngine(page_size=page_size)
     peer = TorchNativeAttnBackend(eng.runner(peer_pool := eng.make_pool()))
@@ -89,8 +89,8 @@ def test_capture_and_padded_replays_reuse_the_launch(page_size, monkeypatch):
     eager({r: len(eng.requests[r].tokens) - eng.requests[r].cached_len for r in rs}, ForwardMode.EXTEND)
 
     # Capture: SGLang's dummy batch; the warm-up forward creates the graph wrapper, the second is the captured one.
-    rec = RecordingKernel(attention_module.prefix_attention_kernel)
-    monkeypatch.setattr(attention_module, "prefix_attention_kernel", rec)
+    rec = RecordingKernel(prefix_attention.prefix_attention_kernel)
+    monkeypatch.setattr(prefix_attention, "prefix_attention_kernel", rec)
     capture = _padded(None, GRAPH_BS)
     static = tuple(torch.zeros(GRAPH_BS, *s) for s in ((4 * 64,), (2, 64), (2, 64)))
     _graph_step(ours, capture, *static, eng.layer, capture=True)

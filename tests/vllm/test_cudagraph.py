@@ -105,12 +105,12 @@ def test_capture_then_padded_replay_reuses_the_launch(vllm_config, monkeypatch):
     a shared prefix padded to it: the replayed step launches with the captured arguments, matches the reference on
     its real rows, leaves padding rows alone and writes padding K/V only to the null block."""
     import prefixattn
-    from prefixattn import prefix_attention as attention_module
+    from prefixattn import prefix_attention
 
     from integrations.vllm.backend import PrefixAttnImpl, split_kv_cache
 
-    rec = RecordingKernel(attention_module.prefix_attention_kernel)
-    monkeypatch.setattr(attention_module, "prefix_attention_kernel", rec)
+    rec = RecordingKernel(prefix_attention.prefix_attention_kernel)
+    monkeypatch.setattr(prefix_attention, "prefix_attention_kernel", rec)
     builder = _builder(vllm_config)
     impl = PrefixAttnImpl(num_heads=HQ, head_size=D, scale=D ** -0.5, num_kv_heads=HKV)
     g = torch.Generator().manual_seed(3)
@@ -178,12 +178,12 @@ def test_a_smaller_graph_launches_a_smaller_grid(vllm_config, monkeypatch):
     """A step padded to capture size 4 plans for that graph's grid (the bound of a 4-token step, not of the largest
     graph) and matches the reference."""
     import prefixattn
-    from prefixattn import prefix_attention as attention_module
+    from prefixattn import prefix_attention
 
     from integrations.vllm.backend import PrefixAttnImpl, split_kv_cache
 
-    rec = RecordingKernel(attention_module.prefix_attention_kernel)
-    monkeypatch.setattr(attention_module, "prefix_attention_kernel", rec)
+    rec = RecordingKernel(prefix_attention.prefix_attention_kernel)
+    monkeypatch.setattr(prefix_attention, "prefix_attention_kernel", rec)
     builder = _builder(vllm_config)
     attn = builder.graph_attn
     table, seq_lens = [[5, 6, 1], [5, 6, 2], [7, 8, 3]], [40, 35, 45]

@@ -15,7 +15,7 @@ def groups_of(workload, levels: int | None = 1, min_shared_tokens: int = 1) -> l
     return cache[key]
 
 
-def dfs_order(workload) -> list:
+def request_ids_in_tree_order(workload) -> list:
     """Request indices in the prompts' prefix-tree (DFS) order: :func:`prefixattn.scheduling.order_groups` "dfs"
     over the whole tree, flattened (each group lists its requests in tree order)."""
     groups = order_groups(groups_of(workload, levels=None), "dfs")

@@ -65,8 +65,8 @@ class SGLangPolicy(Policy):
     def prepare(self, engine) -> None:
         seqs = list(engine.seqs)
         if self.schedule_policy == "dfs-weight":
-            from prefixattn.sim.policies.ordering import dfs_order
-            seqs = [seqs[i] for i in dfs_order(engine.workload)]
+            from prefixattn.sim.policies.ordering import request_ids_in_tree_order
+            seqs = [seqs[i] for i in request_ids_in_tree_order(engine.workload)]
         self.waiting = seqs
         self.running = []
         self.chunked = None

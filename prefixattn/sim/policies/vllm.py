@@ -60,8 +60,8 @@ class VLLMPolicy(Policy):
     def prepare(self, engine) -> None:
         seqs = engine.seqs
         if self.order == "dfs":
-            from prefixattn.sim.policies.ordering import dfs_order
-            seqs = [seqs[i] for i in dfs_order(engine.workload)]
+            from prefixattn.sim.policies.ordering import request_ids_in_tree_order
+            seqs = [seqs[i] for i in request_ids_in_tree_order(engine.workload)]
         self.waiting = deque(seqs)
         self.running = []
         self.watermark = int(self.watermark_frac * engine.pool.num_blocks)

@@ -31,7 +31,16 @@ Features, each a constexpr switch that compiles to nothing when off (issue 19):
   includes the sink; a row with no visible KV gives ``(0, sink)``.
 * ``HAS_KV_SCALE``: per-tensor K/V scales read by pointer (fp8 caches): ``k_scale`` joins ``qk_scale``, ``v_scale``
   multiplies each item's output state (both linear, so no per-tile cost). fp8 K/V are upcast right after the load.
+
+The kernel packs its pointers and strides into named tuples once (:class:`RowsHeadsDim`, :class:`RowsHeads`,
+:class:`PagedKV`, :class:`ScoreRule`, :class:`WorkTables`), and its helpers take one group where they took a dozen
+arguments. A tuple exists only in the frontend (it is its elements): the TTGIR holds the same ops as with the
+elements passed one by one, and the PTX / AMDGCN the same instructions once debug info is set aside (sm90 and
+gfx942, fp16 and fp32, every compile-check variant, Triton 3.6 and 3.9). Named tuples as jit-function arguments
+compile and interpret alike on Triton 3.6-3.9.
 """
+
+from typing import NamedTuple
 
 import triton
 import triton.language as tl
@@ -41,6 +50,72 @@ from prefixattn.kernels.merge_states import _weight
 
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+
+
+class RowsHeadsDim(NamedTuple):
+    """A ``[rows, heads, head_dim]`` tensor (q, out, the workspace's partial outputs)."""
+
+    ptr: tl.tensor
+    stride_t: tl.tensor
+    stride_h: tl.tensor
+    stride_d: tl.tensor
+
+
+class RowsHeads(NamedTuple):
+    """A ``[rows, heads]`` fp32 tensor (the LSEs, the workspace's partial LSEs)."""
+
+    ptr: tl.tensor
+    stride_t: tl.tensor
+    stride_h: tl.tensor
+
+
+class PagedKV(NamedTuple):
+    """The paged K/V cache: K and V ``[num_blocks, block_size, num_kv_heads, head_dim]`` (dtype of q or fp8) and the
+    block table ``[num_requests, max_blocks]`` that maps a request's KV positions to blocks."""
+
+    k_ptr: tl.tensor
+    v_ptr: tl.tensor
+    block_table_ptr: tl.tensor
+    stride_bt_r: tl.tensor
+    block_size: tl.tensor
+    head_dim: tl.tensor
+    stride_k_blk: tl.tensor
+    stride_k_tok: tl.tensor
+    stride_k_head: tl.tensor
+    stride_k_d: tl.tensor
+    stride_v_blk: tl.tensor
+    stride_v_tok: tl.tensor
+    stride_v_head: tl.tensor
+    stride_v_d: tl.tensor
+
+
+class ScoreRule(NamedTuple):
+    """How a q.k dot becomes a base-2 logit, and which keys a query sees."""
+
+    qk_scale: tl.tensor  # sm_scale * log2(e); with a soft cap sm_scale / c (x the K scale)
+    soft_cap_log2: tl.tensor  # c * log2(e) (used only when HAS_SOFT_CAP)
+    window_left: tl.tensor  # W: the query at position p sees keys p - W .. p (used only when HAS_WINDOW)
+
+
+class WorkTables(NamedTuple):
+    """The plan's int32 tables of this launch (layout: :mod:`prefixattn.kernels.layout`) and its merge counters."""
+
+    items_ptr: tl.tensor  # [num_items, ITEM_FIELDS] work items, longest first
+    gather_ptr: tl.tensor  # [num_gather, GATHER_FIELDS] packed rows of SHARED items
+    mrows_ptr: tl.tensor  # [num_mrows, MROW_FIELDS] merge rows
+    counters_ptr: tl.tensor  # [num_mrows, num_qo_heads] arrivals; zeroed before every launch
+
+
+@triton.jit
+def _vec_ptrs(t, rows, heads, offs_d):
+    """``[len(rows), BLOCK_D]`` pointers to the head vectors ``t[rows[i], heads[i], :]`` of a RowsHeadsDim."""
+    return t.ptr + rows[:, None] * t.stride_t + heads[:, None] * t.stride_h + offs_d[None, :] * t.stride_d
+
+
+@triton.jit
+def _lse_ptrs(t, rows, heads):
+    """Pointers to ``t[rows[i], heads[i]]`` of a RowsHeads."""
+    return t.ptr + rows * t.stride_t + heads * t.stride_h
 
 
 @triton.jit
@@ -71,12 +146,10 @@ def _redo_exact(
     q,  # [BLOCK_M, BLOCK_D] query tile in the dot dtype
     q_pos,  # [BLOCK_M] KV position of each lane's query
     m_i,  # [BLOCK_M] final running maximum (log2 units): V never changes it
-    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    kv,  # PagedKV
     block_row_ptr,  # [max_blocks]
-    kv_head, kv_lo, kv_hi, block_size, head_dim, qk_scale, soft_cap_log2, window_left,
-    stride_k_blk, stride_k_tok, stride_k_head, stride_k_d,
-    stride_v_blk, stride_v_tok, stride_v_head, stride_v_d,
+    kv_head, kv_lo, kv_hi,
+    score,  # ScoreRule
     HAS_SOFT_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """The un-normalized output of a suffix item over [kv_lo, kv_hi), one key at a time, each key's value added only
@@ -86,23 +159,23 @@ def _redo_exact(
     for items whose result is non-finite anyway. Behind ``USE_NAN_GUARD``: its check alone raises the decode
     launch's registers (see the call site)."""
     offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < head_dim
+    mask_d = offs_d < kv.head_dim
     m_shift = tl.where(m_i == float("-inf"), 0.0, m_i)
     qf = q.to(tl.float32)
     acc = tl.zeros([q.shape[0], BLOCK_D], tl.float32)
     for key in range(kv_lo, kv_hi):
-        page, slot = _page_and_slot(pos=key, block_size=block_size, PAGE_SIZE=PAGE_SIZE)
+        page, slot = _page_and_slot(pos=key, block_size=kv.block_size, PAGE_SIZE=PAGE_SIZE)
         blk = tl.load(block_row_ptr + page).to(tl.int64)
-        k = tl.load(k_cache_ptr + blk * stride_k_blk + slot.to(tl.int64) * stride_k_tok
-                    + kv_head.to(tl.int64) * stride_k_head + offs_d * stride_k_d, mask=mask_d, other=0.0)
-        v = tl.load(v_cache_ptr + blk * stride_v_blk + slot.to(tl.int64) * stride_v_tok
-                    + kv_head.to(tl.int64) * stride_v_head + offs_d * stride_v_d, mask=mask_d, other=0.0)
-        s = tl.sum(qf * k.to(tl.float32)[None, :], 1) * qk_scale
+        k = tl.load(kv.k_ptr + blk * kv.stride_k_blk + slot.to(tl.int64) * kv.stride_k_tok
+                    + kv_head.to(tl.int64) * kv.stride_k_head + offs_d * kv.stride_k_d, mask=mask_d, other=0.0)
+        v = tl.load(kv.v_ptr + blk * kv.stride_v_blk + slot.to(tl.int64) * kv.stride_v_tok
+                    + kv_head.to(tl.int64) * kv.stride_v_head + offs_d * kv.stride_v_d, mask=mask_d, other=0.0)
+        s = tl.sum(qf * k.to(tl.float32)[None, :], 1) * score.qk_scale
         if HAS_SOFT_CAP:
-            s = _tanh(x=s) * soft_cap_log2
+            s = _tanh(x=s) * score.soft_cap_log2
         visible = key <= q_pos
         if HAS_WINDOW:
-            visible = visible & (key >= q_pos - window_left)
+            visible = visible & (key >= q_pos - score.window_left)
         p = tl.where(visible, tl.math.exp2(s - m_shift), 0.0)
         # p != 0 is true for NaN: a NaN weight still reaches its row; a zero weight never multiplies V.
         acc += tl.where((p != 0.0)[:, None], p[:, None] * v.to(tl.float32)[None, :], 0.0)
@@ -114,12 +187,10 @@ def _attend_range(
     acc, m_i, l_i,  # running state: [BLOCK_M, BLOCK_D] fp32, [BLOCK_M] fp32 (log2 units), [BLOCK_M] fp32
     q,  # [BLOCK_M, BLOCK_D] query tile in the dot dtype (scores are scaled after the dot: one rounding less)
     q_pos,  # [BLOCK_M] KV position of each lane's query: its last visible key (APPLY_CAUSAL), window from it
-    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    kv,  # PagedKV
     block_row_ptr,  # [max_blocks] the block-table row of the item's representative request
-    kv_head, kv_lo, kv_hi, block_size, head_dim, qk_scale, soft_cap_log2, window_left,
-    stride_k_blk, stride_k_tok, stride_k_head, stride_k_d,
-    stride_v_blk, stride_v_tok, stride_v_head, stride_v_d,
+    kv_head, kv_lo, kv_hi,
+    score,  # ScoreRule
     APPLY_CAUSAL: tl.constexpr, APPLY_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr,
     USE_FP32_DOT: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -127,42 +198,42 @@ def _attend_range(
     ``APPLY_CAUSAL`` hides keys after each lane's query, ``APPLY_WINDOW`` keys before ``q_pos - window_left``."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < head_dim
-    k_head = kv_head.to(tl.int64) * stride_k_head
-    v_head = kv_head.to(tl.int64) * stride_v_head
+    mask_d = offs_d < kv.head_dim
+    k_head = kv_head.to(tl.int64) * kv.stride_k_head
+    v_head = kv_head.to(tl.int64) * kv.stride_v_head
     # Block ids are loaded one tile ahead and carried by the loop: the K/V addresses of a tile never wait on a load
     # issued in the same iteration, so the software pipeliner keeps two K/V tiles in flight at num_stages=3
     # (sm_90, bf16, head_dim 128: async_wait num=2 in the loop; with the ids loaded in-loop it kept one tile and
     # waited with num=0 at the top of every iteration, a full memory round trip per tile).
-    blk_next = _load_block_ids(block_row_ptr=block_row_ptr, pos=kv_lo + offs_n, kv_hi=kv_hi, block_size=block_size,
-                               PAGE_SIZE=PAGE_SIZE)
+    blk_next = _load_block_ids(block_row_ptr=block_row_ptr, pos=kv_lo + offs_n, kv_hi=kv_hi,
+                               block_size=kv.block_size, PAGE_SIZE=PAGE_SIZE)
     for start in range(kv_lo, kv_hi, BLOCK_N):
         pos = start + offs_n
         in_range = pos < kv_hi
         # 64-bit: block id x block stride passes 2^31 elements on large caches (vllm#47671, sglang#20389).
         blk = blk_next.to(tl.int64)
         blk_next = _load_block_ids(block_row_ptr=block_row_ptr, pos=pos + BLOCK_N, kv_hi=kv_hi,
-                                   block_size=block_size, PAGE_SIZE=PAGE_SIZE)
-        _, slot = _page_and_slot(pos=pos, block_size=block_size, PAGE_SIZE=PAGE_SIZE)
+                                   block_size=kv.block_size, PAGE_SIZE=PAGE_SIZE)
+        _, slot = _page_and_slot(pos=pos, block_size=kv.block_size, PAGE_SIZE=PAGE_SIZE)
         slot = slot.to(tl.int64)
-        k_off = blk * stride_k_blk + slot * stride_k_tok + k_head
-        v_off = blk * stride_v_blk + slot * stride_v_tok + v_head
-        k = tl.load(k_cache_ptr + k_off[None, :] + offs_d[:, None] * stride_k_d,
+        k_off = blk * kv.stride_k_blk + slot * kv.stride_k_tok + k_head
+        v_off = blk * kv.stride_v_blk + slot * kv.stride_v_tok + v_head
+        k = tl.load(kv.k_ptr + k_off[None, :] + offs_d[:, None] * kv.stride_k_d,
                     mask=in_range[None, :] & mask_d[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
-        v = tl.load(v_cache_ptr + v_off[:, None] + offs_d[None, :] * stride_v_d,
+        v = tl.load(kv.v_ptr + v_off[:, None] + offs_d[None, :] * kv.stride_v_d,
                     mask=in_range[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
         if USE_FP32_DOT:
             s = tl.dot(q, k.to(tl.float32), input_precision="ieee")
         else:
             s = tl.dot(q, k.to(q.dtype))
-        s = s * qk_scale
+        s = s * score.qk_scale
         if HAS_SOFT_CAP:
-            s = _tanh(x=s) * soft_cap_log2  # qk_scale = sm_scale / c here: the cap acts before the base-2 scaling
+            s = _tanh(x=s) * score.soft_cap_log2  # qk_scale = sm_scale / c here: the cap acts before the base-2 scaling
         visible = in_range[None, :]
         if APPLY_CAUSAL:
             visible = visible & (pos[None, :] <= q_pos[:, None])
         if APPLY_WINDOW:
-            visible = visible & (pos[None, :] >= q_pos[:, None] - window_left)
+            visible = visible & (pos[None, :] >= q_pos[:, None] - score.window_left)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A lane that has seen nothing yet keeps m = -inf; shift by 0 there so exp2 gives 0, never NaN.
@@ -179,23 +250,70 @@ def _attend_range(
 
 
 @triton.jit
+def _attend_item(
+    acc, m_i, l_i,  # running state (as in _attend_range), empty on entry
+    q, q_pos,  # as in _attend_range
+    q_pos0, num_rows,  # KV position of the item's first row's query; rows in the item
+    kv,  # PagedKV
+    block_row_ptr, kv_head, kv_start, kv_end,
+    score,  # ScoreRule
+    IS_SHARED: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr, USE_FP32_DOT: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """The item's KV range [kv_start, kv_end) in up to three parts, each masked only as much as it must be: window
+    edge (window mask), then keys every row sees (no mask), then the causal diagonal (causal and window masks).
+    Returns the state and the first KV position any row sees (the NaN guard's start)."""
+    kv_lo = kv_start
+    if HAS_WINDOW and not IS_SHARED:
+        # KV left of the first row's window is seen by no row of the item: skip those tiles.
+        kv_lo = tl.minimum(tl.maximum(kv_start, q_pos0 - score.window_left), kv_end)
+    kv_first = kv_lo
+    if IS_SHARED:
+        # A shared node ends at or before its requests' first query position: no row is masked.
+        kv_mid = kv_end
+    else:
+        # Positions < q_pos0 + 1 are visible to every row of the tile: full tiles there skip the causal mask.
+        kv_mid = tl.minimum(tl.maximum(q_pos0 + 1, kv_lo), kv_end)
+        kv_mid = kv_lo + ((kv_mid - kv_lo) // BLOCK_N) * BLOCK_N
+    if HAS_WINDOW and not IS_SHARED:
+        # Keys >= the last row's window start are in every row's window: only the tiles before it need the mask.
+        win_full = tl.minimum(tl.maximum(q_pos0 + num_rows - 1 - score.window_left, kv_lo), kv_mid)
+        win_end = tl.minimum(kv_lo + tl.cdiv(win_full - kv_lo, BLOCK_N) * BLOCK_N, kv_mid)
+        acc, m_i, l_i = _attend_range(
+            acc=acc, m_i=m_i, l_i=l_i, q=q, q_pos=q_pos, kv=kv, block_row_ptr=block_row_ptr, kv_head=kv_head,
+            kv_lo=kv_lo, kv_hi=win_end, score=score, APPLY_CAUSAL=False, APPLY_WINDOW=True,
+            HAS_SOFT_CAP=HAS_SOFT_CAP, USE_FP32_DOT=USE_FP32_DOT, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N,
+            BLOCK_D=BLOCK_D,
+        )
+        kv_lo = win_end
+    acc, m_i, l_i = _attend_range(
+        acc=acc, m_i=m_i, l_i=l_i, q=q, q_pos=q_pos, kv=kv, block_row_ptr=block_row_ptr, kv_head=kv_head,
+        kv_lo=kv_lo, kv_hi=kv_mid, score=score, APPLY_CAUSAL=False, APPLY_WINDOW=False,
+        HAS_SOFT_CAP=HAS_SOFT_CAP, USE_FP32_DOT=USE_FP32_DOT, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+    )
+    if not IS_SHARED:
+        acc, m_i, l_i = _attend_range(
+            acc=acc, m_i=m_i, l_i=l_i, q=q, q_pos=q_pos, kv=kv, block_row_ptr=block_row_ptr, kv_head=kv_head,
+            kv_lo=kv_mid, kv_hi=kv_end, score=score, APPLY_CAUSAL=True, APPLY_WINDOW=HAS_WINDOW,
+            HAS_SOFT_CAP=HAS_SOFT_CAP, USE_FP32_DOT=USE_FP32_DOT, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N,
+            BLOCK_D=BLOCK_D,
+        )
+    return acc, m_i, l_i, kv_first
+
+
+@triton.jit
 def _report_and_merge(
-    out_ptr,  # [num_tokens, num_qo_heads, head_dim]
-    lse_ptr,  # [num_tokens, num_qo_heads] fp32
-    ws_o_ptr,  # [num_ws_rows, num_qo_heads, head_dim] fp32
-    ws_lse_ptr,  # [num_ws_rows, num_qo_heads] fp32
-    counters_ptr,  # [num_mrows, num_qo_heads] int32
-    mrows_ptr,  # [num_mrows, MROW_FIELDS] int32
+    out,  # RowsHeadsDim [num_tokens, num_qo_heads, head_dim]
+    lse,  # RowsHeads [num_tokens, num_qo_heads] fp32
+    ws_o,  # RowsHeadsDim [num_ws_rows, num_qo_heads, head_dim] fp32
+    ws_lse,  # RowsHeads [num_ws_rows, num_qo_heads] fp32
+    work,  # WorkTables (its merge rows and counters)
     sinks_ptr,  # [num_qo_heads] fp32/bf16/fp16 (read only when HAS_SINKS)
     tok,  # [BLOCK_M] int64 token of each lane
     head,  # [BLOCK_M] query head of each lane
     mrow,  # [BLOCK_M] merge row of each lane
     mask_m,  # [BLOCK_M] live lanes
     num_qo_heads, head_dim,
-    stride_o_t, stride_o_h, stride_o_d,
-    stride_lse_t, stride_lse_h,
-    stride_ws_t, stride_ws_h, stride_ws_d,
-    stride_wl_t, stride_wl_h,
     HAS_LSE: tl.constexpr, HAS_SINKS: tl.constexpr, IS_HIP: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Report this program's states (already stored) on their (merge row, head) counters, all lanes at once, and
@@ -217,8 +335,8 @@ def _report_and_merge(
     overwritten by anyone) cannot make a later one merge early.
     """
     mrow = mrow.to(tl.int64)
-    num_states = tl.load(mrows_ptr + mrow * L.MROW_FIELDS + L.MROW_NUM_STATES, mask=mask_m, other=0)
-    counter = counters_ptr + mrow * num_qo_heads + head
+    num_states = tl.load(work.mrows_ptr + mrow * L.MROW_FIELDS + L.MROW_NUM_STATES, mask=mask_m, other=0)
+    counter = work.counters_ptr + mrow * num_qo_heads + head
     if IS_HIP:
         # Executed by every thread (the mask tensor is replicated over the whole CTA): each wave's stores complete.
         tl.inline_asm_elementwise("s_waitcnt vmcnt(0)", "=v,v", [mask_m.to(tl.int32)], dtype=tl.int32,
@@ -230,8 +348,8 @@ def _report_and_merge(
     if num_done > 0:
         tl.atomic_add(counter, 0, mask=done, sem="acquire", scope="gpu")
         tl.debug_barrier()
-        ws_first = tl.load(mrows_ptr + mrow * L.MROW_FIELDS + L.MROW_WS_FIRST, mask=done, other=0).to(tl.int64)
-        ws_stride = tl.load(mrows_ptr + mrow * L.MROW_FIELDS + L.MROW_WS_STRIDE, mask=done, other=0).to(tl.int64)
+        ws_first = tl.load(work.mrows_ptr + mrow * L.MROW_FIELDS + L.MROW_WS_FIRST, mask=done, other=0).to(tl.int64)
+        ws_stride = tl.load(work.mrows_ptr + mrow * L.MROW_FIELDS + L.MROW_WS_STRIDE, mask=done, other=0).to(tl.int64)
         offs_d = tl.arange(0, BLOCK_D)
         mask_d = offs_d < head_dim
         m = tl.full(done.shape, float("-inf"), tl.float32)
@@ -242,11 +360,9 @@ def _report_and_merge(
             live = done & (state < num_states)
             ws_row = ws_first + state * ws_stride
             # volatile: the states were written by other programs; read them from L2, not a stale L1 line.
-            s = tl.load(ws_lse_ptr + ws_row * stride_wl_t + head * stride_wl_h, mask=live, other=float("-inf"),
-                        volatile=True)
-            v = tl.load(ws_o_ptr + ws_row[:, None] * stride_ws_t + head[:, None] * stride_ws_h
-                        + offs_d[None, :] * stride_ws_d, mask=live[:, None] & mask_d[None, :], other=0.0,
-                        volatile=True)
+            s = tl.load(_lse_ptrs(t=ws_lse, rows=ws_row, heads=head), mask=live, other=float("-inf"), volatile=True)
+            v = tl.load(_vec_ptrs(t=ws_o, rows=ws_row, heads=head, offs_d=offs_d), mask=live[:, None] & mask_d[None, :],
+                        other=0.0, volatile=True)
             m_new = tl.maximum(m, s)
             rescale = _weight(s=m, m=m_new)
             w = _weight(s=s, m=m_new)
@@ -264,11 +380,11 @@ def _report_and_merge(
         # Empty only when no state carried weight (w_sum exactly 0); a NaN state keeps the row NaN.
         empty = w_sum == 0.0
         o = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, w_sum)[:, None])
-        tl.store(out_ptr + tok[:, None] * stride_o_t + head[:, None] * stride_o_h + offs_d[None, :] * stride_o_d,
-                 o.to(out_ptr.dtype.element_ty), mask=done[:, None] & mask_d[None, :])
+        tl.store(_vec_ptrs(t=out, rows=tok, heads=head, offs_d=offs_d), o.to(out.ptr.dtype.element_ty),
+                 mask=done[:, None] & mask_d[None, :])
         if HAS_LSE:
-            lse = tl.where(empty, float("-inf"), m + tl.log(tl.where(empty, 1.0, w_sum)))
-            tl.store(lse_ptr + tok * stride_lse_t + head * stride_lse_h, lse, mask=done)
+            lse_row = tl.where(empty, float("-inf"), m + tl.log(tl.where(empty, 1.0, w_sum)))
+            tl.store(_lse_ptrs(t=lse, rows=tok, heads=head), lse_row, mask=done)
 
 
 @triton.jit
@@ -285,24 +401,21 @@ def _with_sink(o, lse, sink):
 
 @triton.jit
 def _run_item(
-    out_ptr, lse_ptr, ws_o_ptr, ws_lse_ptr, counters_ptr,
-    q_ptr, k_cache_ptr, v_cache_ptr, sinks_ptr, k_scale_ptr, v_scale_ptr,
-    items_ptr, gather_ptr, mrows_ptr, block_table_ptr,
-    item, kv_head, num_qo_heads, group, head_dim, block_size, qk_scale, soft_cap_log2, window_left, v_scale,
-    stride_o_t, stride_o_h, stride_o_d,
-    stride_lse_t, stride_lse_h,
-    stride_ws_t, stride_ws_h, stride_ws_d,
-    stride_wl_t, stride_wl_h,
-    stride_q_t, stride_q_h, stride_q_d,
-    stride_k_blk, stride_k_tok, stride_k_head, stride_k_d,
-    stride_v_blk, stride_v_tok, stride_v_head, stride_v_d,
-    stride_bt_r,
+    out, lse, ws_o, ws_lse,  # RowsHeadsDim / RowsHeads: the outputs and the workspace's partial states
+    queries,  # RowsHeadsDim [num_tokens, num_qo_heads, head_dim]
+    kv,  # PagedKV
+    work,  # WorkTables
+    score,  # ScoreRule (qk_scale without the K scale)
+    sinks_ptr, k_scale_ptr, v_scale_ptr,  # as in prefix_attention_kernel
+    item, kv_head, num_qo_heads, group, v_scale,
     IS_SHARED: tl.constexpr, HAS_LSE: tl.constexpr, HAS_SOFT_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SINKS: tl.constexpr, HAS_KV_SCALE: tl.constexpr, USE_NAN_GUARD: tl.constexpr, USE_FP32_DOT: tl.constexpr,
     IS_HIP: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    it = items_ptr + item * L.ITEM_FIELDS
+    """One work item for one KV head: its rows' state over its KV range, stored to ``out`` or to the workspace and
+    reported (the report that completes a row merges it)."""
+    it = work.items_ptr + item * L.ITEM_FIELDS
     req = tl.load(it + L.ITEM_REQ).to(tl.int64)
     kv_start = tl.load(it + L.ITEM_KV_START)
     kv_end = tl.load(it + L.ITEM_KV_END)
@@ -316,9 +429,9 @@ def _run_item(
     head = kv_head * group + offs_m % group
     mask_m = (row < num_rows) & (offs_m < (BLOCK_M // group) * group)
     offs_d = tl.arange(0, BLOCK_D)
-    mask_md = mask_m[:, None] & (offs_d[None, :] < head_dim)
+    mask_md = mask_m[:, None] & (offs_d[None, :] < kv.head_dim)
     if IS_SHARED:
-        g = gather_ptr + (row_start + row) * L.GATHER_FIELDS
+        g = work.gather_ptr + (row_start + row) * L.GATHER_FIELDS
         tok = tl.load(g + L.GATHER_TOKEN, mask=mask_m, other=0).to(tl.int64)
         to_workspace = True
     else:
@@ -326,8 +439,7 @@ def _run_item(
         dest = tl.load(it + L.ITEM_DEST)
         to_workspace = dest >= 0
 
-    q = tl.load(q_ptr + tok[:, None] * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :] * stride_q_d,
-                mask=mask_md, other=0.0)
+    q = tl.load(_vec_ptrs(t=queries, rows=tok, heads=head, offs_d=offs_d), mask=mask_md, other=0.0)
     if USE_FP32_DOT:
         q = q.to(tl.float32)
     q_pos = q_pos0 + row
@@ -335,58 +447,16 @@ def _run_item(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    block_row_ptr = block_table_ptr + req * stride_bt_r
+    block_row_ptr = kv.block_table_ptr + req * kv.stride_bt_r
     if HAS_KV_SCALE:
-        qk_scale = qk_scale * tl.load(k_scale_ptr)
-    kv_lo = kv_start
-    if HAS_WINDOW and not IS_SHARED:
-        # KV left of the first row's window is seen by no row of the item: skip those tiles.
-        kv_lo = tl.minimum(tl.maximum(kv_start, q_pos0 - window_left), kv_end)
-    kv_first = kv_lo
-    if IS_SHARED:
-        # A shared node ends at or before its requests' first query position: no row is masked.
-        kv_mid = kv_end
-    else:
-        # Positions < q_pos0 + 1 are visible to every row of the tile: full tiles there skip the causal mask.
-        kv_mid = tl.minimum(tl.maximum(q_pos0 + 1, kv_lo), kv_end)
-        kv_mid = kv_lo + ((kv_mid - kv_lo) // BLOCK_N) * BLOCK_N
-    if HAS_WINDOW and not IS_SHARED:
-        # Keys >= the last row's window start are in every row's window: only the tiles before it need the mask.
-        win_full = tl.minimum(tl.maximum(q_pos0 + num_rows - 1 - window_left, kv_lo), kv_mid)
-        win_end = tl.minimum(kv_lo + tl.cdiv(win_full - kv_lo, BLOCK_N) * BLOCK_N, kv_mid)
-        acc, m_i, l_i = _attend_range(
-            acc=acc, m_i=m_i, l_i=l_i, q=q, q_pos=q_pos, k_cache_ptr=k_cache_ptr, v_cache_ptr=v_cache_ptr,
-            block_row_ptr=block_row_ptr, kv_head=kv_head, kv_lo=kv_lo, kv_hi=win_end, block_size=block_size,
-            head_dim=head_dim, qk_scale=qk_scale, soft_cap_log2=soft_cap_log2, window_left=window_left,
-            stride_k_blk=stride_k_blk, stride_k_tok=stride_k_tok, stride_k_head=stride_k_head,
-            stride_k_d=stride_k_d,
-            stride_v_blk=stride_v_blk, stride_v_tok=stride_v_tok, stride_v_head=stride_v_head,
-            stride_v_d=stride_v_d,
-            APPLY_CAUSAL=False, APPLY_WINDOW=True, HAS_SOFT_CAP=HAS_SOFT_CAP, USE_FP32_DOT=USE_FP32_DOT,
-            PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
-        )
-        kv_lo = win_end
-    acc, m_i, l_i = _attend_range(
-        acc=acc, m_i=m_i, l_i=l_i, q=q, q_pos=q_pos, k_cache_ptr=k_cache_ptr, v_cache_ptr=v_cache_ptr,
-        block_row_ptr=block_row_ptr, kv_head=kv_head, kv_lo=kv_lo, kv_hi=kv_mid, block_size=block_size,
-        head_dim=head_dim, qk_scale=qk_scale, soft_cap_log2=soft_cap_log2, window_left=window_left,
-        stride_k_blk=stride_k_blk, stride_k_tok=stride_k_tok, stride_k_head=stride_k_head, stride_k_d=stride_k_d,
-        stride_v_blk=stride_v_blk, stride_v_tok=stride_v_tok, stride_v_head=stride_v_head, stride_v_d=stride_v_d,
-        APPLY_CAUSAL=False, APPLY_WINDOW=False, HAS_SOFT_CAP=HAS_SOFT_CAP, USE_FP32_DOT=USE_FP32_DOT,
+        score = ScoreRule(qk_scale=score.qk_scale * tl.load(k_scale_ptr), soft_cap_log2=score.soft_cap_log2,
+                          window_left=score.window_left)
+    acc, m_i, l_i, kv_first = _attend_item(
+        acc=acc, m_i=m_i, l_i=l_i, q=q, q_pos=q_pos, q_pos0=q_pos0, num_rows=num_rows, kv=kv,
+        block_row_ptr=block_row_ptr, kv_head=kv_head, kv_start=kv_start, kv_end=kv_end, score=score,
+        IS_SHARED=IS_SHARED, HAS_WINDOW=HAS_WINDOW, HAS_SOFT_CAP=HAS_SOFT_CAP, USE_FP32_DOT=USE_FP32_DOT,
         PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
     )
-    if not IS_SHARED:
-        acc, m_i, l_i = _attend_range(
-            acc=acc, m_i=m_i, l_i=l_i, q=q, q_pos=q_pos, k_cache_ptr=k_cache_ptr, v_cache_ptr=v_cache_ptr,
-            block_row_ptr=block_row_ptr, kv_head=kv_head, kv_lo=kv_mid, kv_hi=kv_end, block_size=block_size,
-            head_dim=head_dim, qk_scale=qk_scale, soft_cap_log2=soft_cap_log2, window_left=window_left,
-            stride_k_blk=stride_k_blk, stride_k_tok=stride_k_tok, stride_k_head=stride_k_head,
-            stride_k_d=stride_k_d,
-            stride_v_blk=stride_v_blk, stride_v_tok=stride_v_tok, stride_v_head=stride_v_head,
-            stride_v_d=stride_v_d,
-            APPLY_CAUSAL=True, APPLY_WINDOW=HAS_WINDOW, HAS_SOFT_CAP=HAS_SOFT_CAP, USE_FP32_DOT=USE_FP32_DOT,
-            PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
-        )
 
     if USE_NAN_GUARD and not IS_SHARED:
         # Masked tiles (causal diagonal, window edge) load keys hidden from some rows, and the dot gives 0 * NaN =
@@ -395,16 +465,9 @@ def _run_item(
         # decode launch: 80 -> 138-144 registers (compile-check, Triton 3.9; an in-loop variant cost 141-231).
         num_bad = tl.sum(tl.sum((mask_m[:, None] & ~(tl.abs(acc) < float("inf"))).to(tl.int32), 1), 0)
         if num_bad > 0:
-            acc = _redo_exact(
-                q=q, q_pos=q_pos, m_i=m_i, k_cache_ptr=k_cache_ptr, v_cache_ptr=v_cache_ptr,
-                block_row_ptr=block_row_ptr, kv_head=kv_head, kv_lo=kv_first, kv_hi=kv_end, block_size=block_size,
-                head_dim=head_dim, qk_scale=qk_scale, soft_cap_log2=soft_cap_log2, window_left=window_left,
-                stride_k_blk=stride_k_blk, stride_k_tok=stride_k_tok, stride_k_head=stride_k_head,
-                stride_k_d=stride_k_d,
-                stride_v_blk=stride_v_blk, stride_v_tok=stride_v_tok, stride_v_head=stride_v_head,
-                stride_v_d=stride_v_d,
-                HAS_SOFT_CAP=HAS_SOFT_CAP, HAS_WINDOW=HAS_WINDOW, PAGE_SIZE=PAGE_SIZE, BLOCK_D=BLOCK_D,
-            )
+            acc = _redo_exact(q=q, q_pos=q_pos, m_i=m_i, kv=kv, block_row_ptr=block_row_ptr, kv_head=kv_head,
+                              kv_lo=kv_first, kv_hi=kv_end, score=score, HAS_SOFT_CAP=HAS_SOFT_CAP,
+                              HAS_WINDOW=HAS_WINDOW, PAGE_SIZE=PAGE_SIZE, BLOCK_D=BLOCK_D)
 
     # The state of this item's rows. A row is empty (no visible KV, possible in a causal split chunk) only when its
     # denominator is exactly 0: NaN scores make it NaN, and NaN must reach the output.
@@ -412,7 +475,7 @@ def _run_item(
     o = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None])
     if HAS_KV_SCALE:
         o = o * (v_scale * tl.load(v_scale_ptr))  # linear: partial states merge the same either way
-    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)
+    lse_row = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)
     if to_workspace:
         if IS_SHARED:
             ws_row = tl.load(g + L.GATHER_WS_ROW, mask=mask_m, other=0).to(tl.int64)
@@ -420,28 +483,19 @@ def _run_item(
         else:
             ws_row = dest.to(tl.int64) + row
             mrow = tl.load(it + L.ITEM_MROW) + row
-        tl.store(ws_o_ptr + ws_row[:, None] * stride_ws_t + head[:, None] * stride_ws_h
-                 + offs_d[None, :] * stride_ws_d, o, mask=mask_md)
-        tl.store(ws_lse_ptr + ws_row * stride_wl_t + head * stride_wl_h, lse, mask=mask_m)
-        _report_and_merge(
-            out_ptr=out_ptr, lse_ptr=lse_ptr, ws_o_ptr=ws_o_ptr, ws_lse_ptr=ws_lse_ptr, counters_ptr=counters_ptr,
-            mrows_ptr=mrows_ptr, sinks_ptr=sinks_ptr, tok=tok, head=head, mrow=mrow, mask_m=mask_m,
-            num_qo_heads=num_qo_heads, head_dim=head_dim,
-            stride_o_t=stride_o_t, stride_o_h=stride_o_h, stride_o_d=stride_o_d,
-            stride_lse_t=stride_lse_t, stride_lse_h=stride_lse_h,
-            stride_ws_t=stride_ws_t, stride_ws_h=stride_ws_h, stride_ws_d=stride_ws_d,
-            stride_wl_t=stride_wl_t, stride_wl_h=stride_wl_h,
-            HAS_LSE=HAS_LSE, HAS_SINKS=HAS_SINKS, IS_HIP=IS_HIP, BLOCK_D=BLOCK_D,
-        )
+        tl.store(_vec_ptrs(t=ws_o, rows=ws_row, heads=head, offs_d=offs_d), o, mask=mask_md)
+        tl.store(_lse_ptrs(t=ws_lse, rows=ws_row, heads=head), lse_row, mask=mask_m)
+        _report_and_merge(out=out, lse=lse, ws_o=ws_o, ws_lse=ws_lse, work=work, sinks_ptr=sinks_ptr, tok=tok,
+                          head=head, mrow=mrow, mask_m=mask_m, num_qo_heads=num_qo_heads, head_dim=kv.head_dim,
+                          HAS_LSE=HAS_LSE, HAS_SINKS=HAS_SINKS, IS_HIP=IS_HIP, BLOCK_D=BLOCK_D)
     else:
         # The request's rows have this single state: plain paged attention, straight to the output.
         if HAS_SINKS:
             sink = tl.load(sinks_ptr + head, mask=mask_m, other=float("-inf")).to(tl.float32)
-            o, lse = _with_sink(o=o, lse=lse, sink=sink)
-        tl.store(out_ptr + tok[:, None] * stride_o_t + head[:, None] * stride_o_h + offs_d[None, :] * stride_o_d,
-                 o.to(out_ptr.dtype.element_ty), mask=mask_md)
+            o, lse_row = _with_sink(o=o, lse=lse_row, sink=sink)
+        tl.store(_vec_ptrs(t=out, rows=tok, heads=head, offs_d=offs_d), o.to(out.ptr.dtype.element_ty), mask=mask_md)
         if HAS_LSE:
-            tl.store(lse_ptr + tok * stride_lse_t + head * stride_lse_h, lse, mask=mask_m)
+            tl.store(_lse_ptrs(t=lse, rows=tok, heads=head), lse_row, mask=mask_m)
 
 
 @triton.jit
@@ -502,56 +556,37 @@ def prefix_attention_kernel(
     if item >= tl.load(num_items_ptr):
         return
     num_qo_heads = num_kv_heads * group
+    out = RowsHeadsDim(ptr=out_ptr, stride_t=stride_o_t, stride_h=stride_o_h, stride_d=stride_o_d)
+    lse = RowsHeads(ptr=lse_ptr, stride_t=stride_lse_t, stride_h=stride_lse_h)
+    ws_o = RowsHeadsDim(ptr=ws_o_ptr, stride_t=stride_ws_t, stride_h=stride_ws_h, stride_d=stride_ws_d)
+    ws_lse = RowsHeads(ptr=ws_lse_ptr, stride_t=stride_wl_t, stride_h=stride_wl_h)
+    queries = RowsHeadsDim(ptr=q_ptr, stride_t=stride_q_t, stride_h=stride_q_h, stride_d=stride_q_d)
+    kv = PagedKV(k_ptr=k_cache_ptr, v_ptr=v_cache_ptr, block_table_ptr=block_table_ptr, stride_bt_r=stride_bt_r,
+                 block_size=block_size, head_dim=head_dim,
+                 stride_k_blk=stride_k_blk, stride_k_tok=stride_k_tok, stride_k_head=stride_k_head,
+                 stride_k_d=stride_k_d,
+                 stride_v_blk=stride_v_blk, stride_v_tok=stride_v_tok, stride_v_head=stride_v_head,
+                 stride_v_d=stride_v_d)
+    work = WorkTables(items_ptr=items_ptr, gather_ptr=gather_ptr, mrows_ptr=mrows_ptr, counters_ptr=counters_ptr)
+    score = ScoreRule(qk_scale=qk_scale, soft_cap_log2=soft_cap_log2, window_left=window_left)
     # Without shared items (HAS_SHARED=False: plain paged attention, or suffixes + split-k only) the shared branch is
     # compiled out, so its large tiles do not set the register budget and occupancy of decode-shaped programs.
     is_shared = False
     if HAS_SHARED:
         is_shared = tl.load(items_ptr + item * L.ITEM_FIELDS + L.ITEM_KIND) == L.KIND_SHARED
     if is_shared:
-        _run_item(
-            out_ptr=out_ptr, lse_ptr=lse_ptr, ws_o_ptr=ws_o_ptr, ws_lse_ptr=ws_lse_ptr, counters_ptr=counters_ptr,
-            q_ptr=q_ptr, k_cache_ptr=k_cache_ptr, v_cache_ptr=v_cache_ptr, sinks_ptr=sinks_ptr,
-            k_scale_ptr=k_scale_ptr, v_scale_ptr=v_scale_ptr,
-            items_ptr=items_ptr, gather_ptr=gather_ptr, mrows_ptr=mrows_ptr, block_table_ptr=block_table_ptr,
-            item=item, kv_head=kv_head, num_qo_heads=num_qo_heads, group=group, head_dim=head_dim,
-            block_size=block_size, qk_scale=qk_scale, soft_cap_log2=soft_cap_log2, window_left=window_left,
-            v_scale=v_scale,
-            stride_o_t=stride_o_t, stride_o_h=stride_o_h, stride_o_d=stride_o_d,
-            stride_lse_t=stride_lse_t, stride_lse_h=stride_lse_h,
-            stride_ws_t=stride_ws_t, stride_ws_h=stride_ws_h, stride_ws_d=stride_ws_d,
-            stride_wl_t=stride_wl_t, stride_wl_h=stride_wl_h,
-            stride_q_t=stride_q_t, stride_q_h=stride_q_h, stride_q_d=stride_q_d,
-            stride_k_blk=stride_k_blk, stride_k_tok=stride_k_tok, stride_k_head=stride_k_head,
-            stride_k_d=stride_k_d,
-            stride_v_blk=stride_v_blk, stride_v_tok=stride_v_tok, stride_v_head=stride_v_head,
-            stride_v_d=stride_v_d,
-            stride_bt_r=stride_bt_r,
-            IS_SHARED=True, HAS_LSE=HAS_LSE, HAS_SOFT_CAP=HAS_SOFT_CAP, HAS_WINDOW=HAS_WINDOW,
-            HAS_SINKS=HAS_SINKS, HAS_KV_SCALE=HAS_KV_SCALE, USE_NAN_GUARD=USE_NAN_GUARD,
-            USE_FP32_DOT=USE_FP32_DOT, IS_HIP=IS_HIP,
-            PAGE_SIZE=PAGE_SIZE, BLOCK_M=BLOCK_M_SHARED, BLOCK_N=BLOCK_N_SHARED, BLOCK_D=BLOCK_D,
-        )
+        _run_item(out=out, lse=lse, ws_o=ws_o, ws_lse=ws_lse, queries=queries, kv=kv, work=work, score=score,
+                  sinks_ptr=sinks_ptr, k_scale_ptr=k_scale_ptr, v_scale_ptr=v_scale_ptr, item=item, kv_head=kv_head,
+                  num_qo_heads=num_qo_heads, group=group, v_scale=v_scale,
+                  IS_SHARED=True, HAS_LSE=HAS_LSE, HAS_SOFT_CAP=HAS_SOFT_CAP, HAS_WINDOW=HAS_WINDOW,
+                  HAS_SINKS=HAS_SINKS, HAS_KV_SCALE=HAS_KV_SCALE, USE_NAN_GUARD=USE_NAN_GUARD,
+                  USE_FP32_DOT=USE_FP32_DOT, IS_HIP=IS_HIP,
+                  PAGE_SIZE=PAGE_SIZE, BLOCK_M=BLOCK_M_SHARED, BLOCK_N=BLOCK_N_SHARED, BLOCK_D=BLOCK_D)
     else:
-        _run_item(
-            out_ptr=out_ptr, lse_ptr=lse_ptr, ws_o_ptr=ws_o_ptr, ws_lse_ptr=ws_lse_ptr, counters_ptr=counters_ptr,
-            q_ptr=q_ptr, k_cache_ptr=k_cache_ptr, v_cache_ptr=v_cache_ptr, sinks_ptr=sinks_ptr,
-            k_scale_ptr=k_scale_ptr, v_scale_ptr=v_scale_ptr,
-            items_ptr=items_ptr, gather_ptr=gather_ptr, mrows_ptr=mrows_ptr, block_table_ptr=block_table_ptr,
-            item=item, kv_head=kv_head, num_qo_heads=num_qo_heads, group=group, head_dim=head_dim,
-            block_size=block_size, qk_scale=qk_scale, soft_cap_log2=soft_cap_log2, window_left=window_left,
-            v_scale=v_scale,
-            stride_o_t=stride_o_t, stride_o_h=stride_o_h, stride_o_d=stride_o_d,
-            stride_lse_t=stride_lse_t, stride_lse_h=stride_lse_h,
-            stride_ws_t=stride_ws_t, stride_ws_h=stride_ws_h, stride_ws_d=stride_ws_d,
-            stride_wl_t=stride_wl_t, stride_wl_h=stride_wl_h,
-            stride_q_t=stride_q_t, stride_q_h=stride_q_h, stride_q_d=stride_q_d,
-            stride_k_blk=stride_k_blk, stride_k_tok=stride_k_tok, stride_k_head=stride_k_head,
-            stride_k_d=stride_k_d,
-            stride_v_blk=stride_v_blk, stride_v_tok=stride_v_tok, stride_v_head=stride_v_head,
-            stride_v_d=stride_v_d,
-            stride_bt_r=stride_bt_r,
-            IS_SHARED=False, HAS_LSE=HAS_LSE, HAS_SOFT_CAP=HAS_SOFT_CAP, HAS_WINDOW=HAS_WINDOW,
-            HAS_SINKS=HAS_SINKS, HAS_KV_SCALE=HAS_KV_SCALE, USE_NAN_GUARD=USE_NAN_GUARD,
-            USE_FP32_DOT=USE_FP32_DOT, IS_HIP=IS_HIP,
-            PAGE_SIZE=PAGE_SIZE, BLOCK_M=BLOCK_M_SUFFIX, BLOCK_N=BLOCK_N_SUFFIX, BLOCK_D=BLOCK_D,
-        )
+        _run_item(out=out, lse=lse, ws_o=ws_o, ws_lse=ws_lse, queries=queries, kv=kv, work=work, score=score,
+                  sinks_ptr=sinks_ptr, k_scale_ptr=k_scale_ptr, v_scale_ptr=v_scale_ptr, item=item, kv_head=kv_head,
+                  num_qo_heads=num_qo_heads, group=group, v_scale=v_scale,
+                  IS_SHARED=False, HAS_LSE=HAS_LSE, HAS_SOFT_CAP=HAS_SOFT_CAP, HAS_WINDOW=HAS_WINDOW,
+                  HAS_SINKS=HAS_SINKS, HAS_KV_SCALE=HAS_KV_SCALE, USE_NAN_GUARD=USE_NAN_GUARD,
+                  USE_FP32_DOT=USE_FP32_DOT, IS_HIP=IS_HIP,
+                  PAGE_SIZE=PAGE_SIZE, BLOCK_M=BLOCK_M_SUFFIX, BLOCK_N=BLOCK_N_SUFFIX, BLOCK_D=BLOCK_D)
