@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from prefixattn import attention, plan, reference_attention
-from tests.prefix_batches import make_batch, random_batch
+from tests.prefix_batches import make_batch
 from tests.tolerances import ATTENTION_TOL, LSE_TOL
 
 
