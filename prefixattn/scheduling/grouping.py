@@ -115,11 +115,13 @@ def _check_levels(levels) -> int | None:
     return int(levels)
 
 
-def _maximize_reuse(tree: PrefixTree, ch: list[list[int]], first: list[int], nodes: Sequence[int]) -> None:
-    """BatchLLM Algorithm 1 on ``nodes`` (a post-order), rewriting the children lists ``ch`` in place."""
+def _maximize_reuse(tree: PrefixTree, ch: list[list[int]], first: list[int], nodes: Sequence[int]) -> list[int]:
+    """BatchLLM Algorithm 1 on ``nodes`` (a post-order), rewriting the children lists ``ch`` in place; returns the
+    nodes whose children changed."""
     depth = tree.depth.tolist()
     is_leaf = (tree.leaf >= 0).tolist()
     leaves = tree.num_leaves.tolist()
+    changed = []
     for d in nodes:
         kids = ch[d]
         if not kids:
@@ -144,17 +146,36 @@ def _maximize_reuse(tree: PrefixTree, ch: list[list[int]], first: list[int], nod
                 ch[c] = keep
                 leaves[c] = sum(leaves[k] for k in keep)
                 first[c] = first[keep[0]]
+                changed.append(c)
                 new_kids.append(c)
         if len(new_kids) != len(kids) or any(a != b for a, b in zip(new_kids, kids)):
             new_kids.sort(key=first.__getitem__)
-        ch[d] = new_kids
+            ch[d] = new_kids
+            changed.append(d)
+    return changed
 
 
 def _children_lists(tree: PrefixTree) -> list[list[int]]:
+    """Children of every node; leaves (most nodes) share one empty tuple: nothing ever reads or rewrites theirs."""
     indptr, kids = tree.children()
     kids_list = kids.tolist()
     bounds = indptr.tolist()
-    return [kids_list[bounds[v]:bounds[v + 1]] for v in range(tree.num_nodes)]
+    ch: list = [()] * tree.num_nodes
+    for v in np.flatnonzero(tree.leaf < 0).tolist():
+        ch[v] = kids_list[bounds[v]:bounds[v + 1]]
+    return ch
+
+
+def _untouched_subtrees(tree: PrefixTree, changed: list[int]) -> list[bool]:
+    """Per node: no node of its subtree had its children rewritten, so its requests are its sorted positions
+    ``lo:hi`` in order (children stay sorted by position), one slice instead of a walk."""
+    parent = tree.parent.tolist()
+    clean = [True] * tree.num_nodes
+    for v in changed:
+        while v >= 0 and clean[v]:  # an ancestor already marked has its whole path marked
+            clean[v] = False
+            v = parent[v]
+    return clean
 
 
 def group_prompts(prompts, *, levels: int | None = 1, min_shared_tokens: int = 1) -> list[PrefixGroup]:
@@ -207,6 +228,7 @@ def groups_from_tree(tree: PrefixTree, prompt_lens: np.ndarray, *, levels: int |
     ch = _children_lists(tree)
     first = tree.lo.tolist()
     is_leaf = (tree.leaf >= 0).tolist()
+    changed: list[int] = []
     if levels is not None:
         internal = (tree.leaf < 0).tolist()
         post = tree.post_order.tolist()
@@ -221,13 +243,17 @@ def groups_from_tree(tree: PrefixTree, prompt_lens: np.ndarray, *, levels: int |
                 if p >= 0:
                     level[v] = level[p] + internal[v]
             nodes = [v for v in post if internal[v] and level[v] >= levels - 1]
-        _maximize_reuse(tree, ch, first, nodes)
+        changed = _maximize_reuse(tree, ch, first, nodes)
+    clean = _untouched_subtrees(tree, changed)
     depth = tree.depth.tolist()
     order = tree.order.tolist()
+    hi = tree.hi.tolist()
     lens = prompt_lens.tolist()
     max_level = levels if levels is not None else 1 << 62
 
     def leaves_under(v: int) -> list[int]:
+        if clean[v]:
+            return order[first[v]:hi[v]]
         out, stack = [], [v]
         while stack:
             u = stack.pop()

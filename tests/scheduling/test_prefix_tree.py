@@ -190,3 +190,48 @@ def test_block_tree_builds_the_same_nodes(seed):
         got = _node_sets(tree.depth[inner], [tree.order[tree.lo[v]:tree.hi[v]] for v in inner])
         assert got == want, rows
 
+
+
+@pytest.mark.parametrize("rows, fast", [
+    pytest.param([[5, 6, 7], (5, 6), [2**31 - 1, 0]], True, id="lists-and-tuples"),
+    pytest.param(([1], [1], [1, 2]), True, id="tuple-of-lists"),
+    pytest.param([[1, 2], [3, 2**31]], False, id="beyond-int32"),
+    pytest.param([[1, True], [0, False]], False, id="bools"),
+    pytest.param([[1, np.int64(3)], [4]], False, id="numpy-scalars"),
+    pytest.param([[7] * 100, list(range(64)), [2**32 - 2]], False, id="long-and-largest-id"),
+])
+def test_list_packing_paths_agree(rows, fast):
+    # Lists/tuples of int32-range ints take the marshal fast path; anything else (ids of 2**31 and more, bools,
+    # numpy scalars) the per-row conversion. Both give the same ids and offsets.
+    packed = pack_sequences(rows)
+    assert packed.values.dtype == (np.int32 if fast else np.int64)  # int32: the marshal path ran
+    want = [int(x) for r in rows for x in r]
+    assert packed.values.tolist() == want
+    assert packed.offsets.tolist() == np.cumsum([0] + [len(r) for r in rows]).tolist()
+
+
+@pytest.mark.parametrize("bad, match", [
+    pytest.param([[1, 2], [3, [4]]], r"prompts\[1\]: expected a sequence of integer ids", id="nested-list"),
+    pytest.param([[1, 2], [3, -1]], r"prompts\[1\]: expected ids in \[0, 4294967294\], got -1 at position 1",
+                 id="negative-int32"),
+    pytest.param([[1, 2], (3, "a")], r"prompts\[1\]: expected a sequence of integer ids", id="string-element"),
+    pytest.param([[1, 2], [3, None]], r"prompts\[1\]: expected a sequence of integer ids", id="none-element"),
+])
+def test_list_packing_fast_path_names_the_bad_row(bad, match):
+    with pytest.raises(ValueError, match=match):
+        pack_sequences(bad)
+
+
+def test_lists_and_arrays_give_the_same_tree():
+    # Near-collisions: a tiny vocabulary, shared prefixes ending just before, at and after chunk boundaries, empty
+    # tails (duplicates), length-1 rows; lists (marshal path) and int32 arrays must sort and share alike, and both as
+    # the brute force does.
+    rng = np.random.default_rng(11)
+    base = rng.integers(0, 3, 300).tolist()
+    rows = [base[:int(rng.choice([1, 63, 64, 65, 128, 129, 300]))] + rng.integers(0, 2, int(rng.integers(0, 70))).tolist()
+            for _ in range(400)] + [[0], [0], base, list(base)]
+    from_lists = prefix_tree(rows)
+    from_arrays = prefix_tree([np.asarray(r, dtype=np.int32) for r in rows])
+    want_order, want_lcp = _brute(rows)
+    for tree in (from_lists, from_arrays):
+        assert tree.order.tolist() == want_order and tree.lcp.tolist() == want_lcp
