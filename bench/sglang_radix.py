@@ -85,6 +85,20 @@ def keys_and_insert_seconds(lists: list[list[int]]) -> dict[str, float]:
                 keys_insert_cpu_s=time.process_time() - cpu)
 
 
+def read_floor_seconds(lists: list[list[int]], repeats: int) -> tuple[float, float]:
+    """Wall and CPU seconds (medians) of ``sum`` over every list: one C pass reading each Python int once, the
+    least any exact grouping from lists pays (an LCP is exact only if every shared token was read). It bounds the
+    speedup any exact method can reach over SGLang's keys + insert from lists."""
+    import statistics
+
+    runs = []
+    for _ in range(repeats):
+        wall, cpu = time.perf_counter(), time.process_time()
+        sum(map(sum, lists))
+        runs.append((time.perf_counter() - wall, time.process_time() - cpu))
+    return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
+
+
 def _ours_seconds(prompts, repeats: int) -> tuple[float, float, int]:
     import statistics
 
@@ -110,6 +124,7 @@ def compare(num_requests: int, repeats: int) -> dict:
     out = dict(num_requests=num_requests, mean_tokens=sum(map(len, lists)) / num_requests)
     out["ours_arrays_wall_s"], out["ours_arrays_cpu_s"], out["groups"] = _ours_seconds(prompts, repeats)
     out["ours_lists_wall_s"], out["ours_lists_cpu_s"], _ = _ours_seconds(lists, repeats)
+    out["read_floor_wall_s"], out["read_floor_cpu_s"] = read_floor_seconds(lists, repeats)
     peer = [keys_and_insert_seconds(lists) for _ in range(repeats)]
     for k in peer[0]:
         out[f"sglang_{k}"] = statistics.median(r[k] for r in peer)
