@@ -19,6 +19,8 @@ group's ``prefix_len`` is at most ``len(prompt) - 1`` of every member, and two p
 
 from __future__ import annotations
 
+import contextlib
+import gc
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
@@ -222,9 +224,29 @@ def group_prompts(prompts, *, levels: int | None = 1, min_shared_tokens: int = 1
     return groups_from_tree(tree, packed.lengths, levels=levels, min_shared_tokens=min_shared_tokens)
 
 
+@contextlib.contextmanager
+def _cyclic_gc_paused():
+    """Pause the cyclic garbage collector while the groups are built: they are hundreds of thousands of new lists
+    and dataclasses at BlendServe's scale, none in a reference cycle, and every collection they trigger re-walks all
+    of them (measured: 0.55 s of 1.0 s for 400,000 case-1 requests). Restores the previous state."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def groups_from_tree(tree: PrefixTree, prompt_lens: np.ndarray, *, levels: int | None = 1,
                      min_shared_tokens: int = 1) -> list[PrefixGroup]:
     """:func:`group_prompts` on a prefix tree built over the prompts without their last token."""
+    with _cyclic_gc_paused():
+        return _groups_from_tree(tree, prompt_lens, levels=levels, min_shared_tokens=min_shared_tokens)
+
+
+def _groups_from_tree(tree: PrefixTree, prompt_lens: np.ndarray, *, levels: int | None,
+                      min_shared_tokens: int) -> list[PrefixGroup]:
     ch = _children_lists(tree)
     first = tree.lo.tolist()
     is_leaf = (tree.leaf >= 0).tolist()
