@@ -193,7 +193,8 @@ def sort_and_lcp(values: np.ndarray, offsets: np.ndarray, lengths: np.ndarray | 
         idx = np.where(whole, first_chunk[rows] + level, 0)
         alike = whole[1:] & whole[:-1]
         if h0.size:
-            alike &= (h0[idx[1:]] == h0[idx[:-1]]) & (h1[idx[1:]] == h1[idx[:-1]])
+            g0, g1 = h0[idx], h1[idx]  # one random gather per row, not two
+            alike &= (g0[1:] == g0[:-1]) & (g1[1:] == g1[:-1])
         to_sort = np.zeros(int(seg_id[-1]) + 1, dtype=bool)
         to_sort[seg_id[1:][~alike & ~new_seg[1:]]] = True
         to_sort[seg_id[~whole]] = True
