@@ -85,23 +85,35 @@ def _windows(values: np.ndarray, starts: np.ndarray, lengths: np.ndarray, rows: 
 
 
 def _sort_keys(key: np.ndarray, seg: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Stable order of the ``[m, CHUNK]`` uint32 ``key`` rows by (``seg``, the keys' native bytes, as ``memcmp``), and
-    the id mismatches ``[m - 1, CHUNK]`` of the sorted neighbours.
+    """Stable order of the ``[m, C]`` uint32 ``key`` rows by (``seg``, the keys' native bytes, as ``memcmp``), and
+    the id mismatches ``[m - 1, C]`` of the sorted neighbours. ``seg`` is non-decreasing (segments contiguous).
 
-    The first 8 bytes read as one big-endian uint64 order like their bytes, so one two-key ``lexsort`` (integers)
-    sorts the rows; only rows tied on (segment, first two ids) whose later ids differ, rare for token chunks that
-    already hash apart, are sorted again by their whole byte strings (a 256-byte string sort is several times
-    slower)."""
-    head = np.ascontiguousarray(key[:, :2]).view(">u8").ravel().astype(np.uint64)
+    Rows of a segment agree up to the first column where any of them differs from the segment's first row; the
+    two ids from there (``C - 2`` at the latest), read as one big-endian uint64, order like their bytes, so one
+    two-key integer ``lexsort`` sorts the rows. Only rows tied on (segment, those two ids) whose other ids differ,
+    rare for token chunks, are sorted again by their whole byte strings (a 256-byte string sort is several times
+    slower than the lexsort)."""
+    m, width = key.shape
+    new_seg = np.ones(m, dtype=bool)
+    new_seg[1:] = seg[1:] != seg[:-1]
+    seg_start = np.flatnonzero(new_seg)
+    sizes = np.diff(np.append(seg_start, m))
+    differs = key != key[np.repeat(seg_start, sizes)]
+    col = differs.argmax(axis=1)
+    col[~differs[np.arange(m), col]] = width  # a row equal to its segment's first: no column
+    cut = np.minimum(np.minimum.reduceat(col, seg_start), max(0, width - 2))
+    head_cols = np.repeat(cut, sizes)[:, None] + np.arange(min(2, width), dtype=np.int64)[None, :]
+    head = np.take_along_axis(key, head_cols, axis=1)
+    head = np.ascontiguousarray(head).view(f">u{4 * head.shape[1]}").ravel().astype(np.uint64)
     order = np.lexsort((head, seg))
     key, head, seg = key[order], head[order], seg[order]
     kmis = key[1:] != key[:-1]
     tied = (seg[1:] == seg[:-1]) & (head[1:] == head[:-1])
-    redo = tied & kmis[:, 2:].any(axis=1)
+    redo = tied & kmis.any(axis=1)
     if redo.any():
         run = np.cumsum(np.concatenate([[True], ~tied]))  # runs of equal (segment, head), numbered
         pos = np.flatnonzero(np.isin(run, run[1:][redo]))
-        by_bytes = np.argsort(key[pos].view(f"S{4 * key.shape[1]}").ravel(), kind="stable")
+        by_bytes = np.argsort(key[pos].view(f"S{4 * width}").ravel(), kind="stable")
         by_bytes = by_bytes[np.argsort(run[pos][by_bytes], kind="stable")]
         order[pos] = order[pos][by_bytes]
         key[pos] = key[pos][by_bytes]

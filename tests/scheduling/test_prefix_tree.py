@@ -235,3 +235,21 @@ def test_lists_and_arrays_give_the_same_tree():
     want_order, want_lcp = _brute(rows)
     for tree in (from_lists, from_arrays):
         assert tree.order.tolist() == want_order and tree.lcp.tolist() == want_lcp
+
+
+@pytest.mark.parametrize("width", [1, 2, 5, 64])
+def test_sort_keys_matches_a_byte_string_sort(width):
+    # The integer two-id sort plus its byte-string fallback: the same stable order as sorting (segment, bytes), on
+    # keys from a tiny alphabet (ties on the two ids that are compared first, differences after them), large ids
+    # (byte order is not numeric order) and the end marker.
+    rng = np.random.default_rng(width)
+    for _ in range(30):
+        m = int(rng.integers(2, 60))
+        key = rng.choice(np.array([0, 1, 256, 2**32 - 2, 0xFFFFFFFF], dtype=np.uint32), size=(m, width))
+        if rng.random() < 0.5:
+            key[:, :width // 2] = key[0, :width // 2]  # a shared start: rows differ only later in the chunk
+        seg = np.sort(rng.integers(0, 4, m))
+        order, kmis = prefix_tree_module._sort_keys(key, seg)
+        want = sorted(range(m), key=lambda i: (int(seg[i]), key[i].tobytes(), i))
+        assert order.tolist() == want
+        assert np.array_equal(kmis, key[want][1:] != key[want][:-1])
