@@ -114,7 +114,8 @@ def test_grouping_vs_sglang_radix_cache(results, num_requests):
           f"{out['ours_arrays_cpu_s']:.3f} s cpu ({out['sglang_keys_insert_cpu_s'] / out['ours_arrays_cpu_s']:.1f}x), "
           f"from lists {out['ours_lists_cpu_s']:.3f} s cpu "
           f"({out['sglang_keys_insert_cpu_s'] / out['ours_lists_cpu_s']:.1f}x); reading the lists once "
-          f"{out['read_floor_cpu_s']:.3f} s cpu (bound {out['sglang_keys_insert_cpu_s'] / out['read_floor_cpu_s']:.1f}x)")
+          f"{out['read_floor_cpu_s']:.3f} s cpu "
+          f"(bound {out['sglang_keys_insert_cpu_s'] / out['read_floor_cpu_s']:.1f}x)")
 
 
 @pytest.mark.parametrize("workload", ["case1", "blendserve"])

@@ -228,8 +228,9 @@ def test_lists_and_arrays_give_the_same_tree():
     # the brute force does.
     rng = np.random.default_rng(11)
     base = rng.integers(0, 3, 300).tolist()
-    rows = [base[:int(rng.choice([1, 63, 64, 65, 128, 129, 300]))] + rng.integers(0, 2, int(rng.integers(0, 70))).tolist()
-            for _ in range(400)] + [[0], [0], base, list(base)]
+    cuts = rng.choice([1, 63, 64, 65, 128, 129, 300], 400)
+    rows = [base[:int(cut)] + rng.integers(0, 2, int(rng.integers(0, 70))).tolist() for cut in cuts]
+    rows += [[0], [0], base, list(base)]
     from_lists = prefix_tree(rows)
     from_arrays = prefix_tree([np.asarray(r, dtype=np.int32) for r in rows])
     want_order, want_lcp = _brute(rows)
