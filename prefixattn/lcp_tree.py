@@ -24,7 +24,8 @@ Sorting is an MSD refinement over rows that still tie (segments), one fixed-size
 vectorized, driven by chunk hashes (:mod:`prefixattn.chunk_hash`, computed once in one streaming pass). A segment
 whose rows all hash alike on the round's chunk moves on by a chunk with no sort and no id read: crossing a shared
 document costs one hash comparison per row and chunk, so the work grows with the distinct chunks, not the ids. A
-segment whose hashes differ is sorted by the chunk's ids (one byte-string argsort for all such segments at once),
+segment whose hashes differ is sorted by the chunk's ids (one integer lexsort for all such segments at once, see
+:func:`_sort_keys`),
 and the first mismatch of the sorted neighbours inside that chunk gives the exact LCP; rows still tied on the whole
 chunk go on from after it. Ids are compared by their native bytes: any fixed order of the ids gives a valid tree
 order, and skipping a byte swap saves a pass. The order and the LCPs are those of a plain lexicographic sort (they
