@@ -25,9 +25,8 @@ vectorized, driven by chunk hashes (:mod:`prefixattn.chunk_hash`, computed once 
 whose rows all hash alike on the round's chunk moves on by a chunk with no sort and no id read: crossing a shared
 document costs one hash comparison per row and chunk, so the work grows with the distinct chunks, not the ids. A
 segment whose hashes differ is sorted by the chunk's ids (one integer lexsort for all such segments at once, see
-:func:`_sort_keys`),
-and the first mismatch of the sorted neighbours inside that chunk gives the exact LCP; rows still tied on the whole
-chunk go on from after it. Ids are compared by their native bytes: any fixed order of the ids gives a valid tree
+:func:`_sort_keys`), and the first mismatch of the sorted neighbours inside that chunk gives the exact LCP; rows still
+tied on the whole chunk go on from after it. Ids are compared by their native bytes: any fixed order of the ids gives a valid tree
 order, and skipping a byte swap saves a pass. The order and the LCPs are those of a plain lexicographic sort (they
 do not depend on the hashes) unless two different chunks at the same depth of tied rows had equal hashes, which
 :mod:`prefixattn.chunk_hash` bounds at about 2**-64 per compared pair of token chunks.
