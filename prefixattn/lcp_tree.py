@@ -20,17 +20,16 @@ with other conventions, and is to move onto this module (issue 18). What that ta
   (a leaf's parent is the deepest interval holding its position) would replace :func:`build_tree`'s loop; the
   planner reads internal nodes with inclusive bounds and no root, :class:`PrefixTree` has a root and leaves.
 
-Sorting is an MSD refinement over rows that still tie (segments), one fixed-size chunk of ids per round, all
-vectorized, driven by chunk hashes (:mod:`prefixattn.chunk_hash`, computed once in one streaming pass). A segment
-whose rows all hash alike on the round's chunk moves on by a chunk with no sort and no id read: crossing a shared
-document costs one hash comparison per row and chunk, so the work grows with the distinct chunks, not the ids. A
-segment whose hashes differ is sorted by the chunk's ids (one integer lexsort for all such segments at once, see
-:func:`_sort_keys`), and the first mismatch of the sorted neighbours inside that chunk gives the exact LCP; rows still
-tied on the whole chunk go on from after it. Ids are compared by their native bytes: any fixed order of the ids gives a valid tree
-order, and skipping a byte swap saves a pass. The order and the LCPs are those of a plain lexicographic sort (they
-do not depend on the hashes) unless two different chunks at the same depth of tied rows had equal hashes, which
-:mod:`prefixattn.chunk_hash` bounds at about 2**-64 per compared pair of token chunks.
-"""
+Sorting is an MSD refinement over rows that still tie (segments), one fixed-size chunk of ids per round, all vectorized,
+driven by chunk hashes (:mod:`prefixattn.chunk_hash`, computed once in one streaming pass). A segment whose rows all
+hash alike on the round's chunk moves on by a chunk with no sort and no id read: crossing a shared document costs one
+hash comparison per row and chunk, so the work grows with the distinct chunks, not the ids. A segment whose hashes
+differ is sorted by the chunk's ids (one integer lexsort for all such segments at once, see :func:`_sort_keys`), and the
+first mismatch of the sorted neighbours inside that chunk gives the exact LCP; rows still tied on the whole chunk go on
+from after it. Ids are compared by their native bytes: any fixed order of the ids gives a valid tree order, and skipping
+a byte swap saves a pass. The order and the LCPs are those of a plain lexicographic sort (they do not depend on the
+hashes) unless two different chunks at the same depth of tied rows had equal hashes, which :mod:`prefixattn.chunk_hash`
+bounds at about 2**-64 per compared pair of token chunks."""
 
 from __future__ import annotations
 
