@@ -229,7 +229,8 @@ def lcp_interval_tree(rows: np.ndarray, lengths: np.ndarray) -> LcpTree:
     return LcpTree(order=order, lcp=lcp, depth=depth, lb=lb, rb=rb, parent=parent)
 
 
-def block_prefix_tree(block_table: np.ndarray, shareable_lens: np.ndarray, block_size: int) -> LcpTree:
+def block_prefix_tree(block_table: np.ndarray, shareable_lens: np.ndarray, block_size: int, *,
+                      compiled=None) -> LcpTree:
     """Prefix tree over the blocks of each request that hold *shareable* KV positions.
 
     Parameters
@@ -238,6 +239,9 @@ def block_prefix_tree(block_table: np.ndarray, shareable_lens: np.ndarray, block
     shareable_lens : ndarray, ``[num_requests]`` integer
         KV positions of each request that every one of its query rows sees; a request with 0 takes no part.
     block_size : int
+    compiled : module, optional
+        :mod:`prefixattn.plan_native_tree` (numba): the same tree, built and compared by compiled code; the tree
+        cache below is shared by both paths.
 
     Returns
     -------
@@ -246,12 +250,20 @@ def block_prefix_tree(block_table: np.ndarray, shareable_lens: np.ndarray, block
     shareable_lens = np.asarray(shareable_lens, dtype=np.int64)
     num_blocks = (shareable_lens + block_size - 1) // block_size
     width = int(num_blocks.max()) if num_blocks.shape[0] else 0
-    rows = np.asarray(block_table)[:, :width]
+    table = np.asarray(block_table)
+    rows = table[:, :width]
     last = getattr(_last_tree, "entry", None)
-    if (last is not None and last[1].shape == num_blocks.shape and last[0].shape == rows.shape
-            and (last[1] == num_blocks).all() and (last[0] == rows).all()):
-        return last[2]
-    tree = lcp_interval_tree(rows, num_blocks)
+    if last is not None and last[1].shape == num_blocks.shape and last[0].shape == rows.shape:
+        if compiled is not None and last[0].dtype == table.dtype:
+            same = compiled.rows_equal(last[0], last[1], table, num_blocks)
+        else:
+            same = (last[1] == num_blocks).all() and (last[0] == rows).all()
+        if same:
+            return last[2]
+    if compiled is not None and table.dtype.kind == "i" and table.shape[0] > 1 and width:
+        tree = LcpTree(*compiled.lcp_interval_tree(table, width, num_blocks))
+    else:
+        tree = lcp_interval_tree(rows, num_blocks)
     if tree.num_nodes:
         for a in (tree.order, tree.lcp, tree.depth, tree.lb, tree.rb, tree.parent):
             a.setflags(write=False)  # shared by the plans of every step that reuses it

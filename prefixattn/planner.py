@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from prefixattn import plan_native
 from prefixattn.attention_configs import AttentionTiles, choose_tiles
 from prefixattn.block_tree import LcpTree, block_prefix_tree
 from prefixattn.runtime import interpreter_enabled
@@ -412,8 +413,10 @@ def plan(
         tiles = choose_tiles(head_dim=head_dim, group=group, max_q_len=max(max_q_len, 1), dtype=q_dtype)
     elt_bytes = q_dtype.itemsize
 
+    compiled = plan_native.compiled_tree()
     # sharing="never" needs no tree (an empty one keeps Plan.tree well-formed).
-    tree = block_prefix_tree(table, shareable if sharing != "never" else np.zeros_like(shareable), block_size)
+    tree = block_prefix_tree(table, shareable if sharing != "never" else np.zeros_like(shareable), block_size,
+                             compiled=compiled)
     nodes, suffix_start = select_shared_nodes(
         tree, shareable=shareable, q_len=q_len, block_size=block_size,
         rows_per_shared=tiles.rows_per_shared_tile(group), group=group, head_dim=head_dim, elt_bytes=elt_bytes,

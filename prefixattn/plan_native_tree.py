@@ -1,0 +1,260 @@
+"""Compiled (numba) block prefix tree: the same order, LCPs and lcp-intervals as :mod:`prefixattn.block_tree`.
+
+Imported only when numba is (:mod:`prefixattn.plan_native` chooses); every function is ``@njit(cache=True)``.
+The definitions of what is computed are :func:`prefixattn.block_tree.sorted_rows_lcp` (lexicographic order of the
+padded rows, then the row index; LCP of sorted neighbours) and :func:`prefixattn.block_tree.tree_from_lcp` (the
+lcp-interval stack, nodes in post-order); ``tests/test_plan_native.py`` checks both paths give equal arrays.
+
+Algorithm (the numpy one, per segment instead of per round): rows are grouped by their first entry; each group of
+tied rows is compared with its first row (the leader) over the columns not yet known equal, which places every other
+row before or after the leader by (first mismatch, value there); rows still tied form new segments. Comparisons run
+over chunks of ``_CHUNK`` columns with no early exit inside a chunk, so LLVM vectorizes them (one pass over the
+shared prefix per row per level of sharing).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+#: Padding past a row's end: below every real id (ids are >= 0), as in block_tree.
+_PAD = -1
+_INT64_MAX = np.iinfo(np.int64).max
+#: Columns compared per vectorized step of the mismatch scan (a multiple of the SIMD width for int32 and int64).
+_CHUNK = 32
+
+
+@njit(cache=True, nogil=True)
+def _mismatch(rows, a, b, start, stop):
+    """First column in ``[start, stop)`` where rows ``a`` and ``b`` differ, ``stop`` if none."""
+    j = start
+    while j + _CHUNK <= stop:
+        acc = 0
+        for k in range(_CHUNK):  # no early exit: vectorized
+            acc |= rows[a, j + k] ^ rows[b, j + k]
+        if acc != 0:
+            break
+        j += _CHUNK
+    while j < stop:
+        if rows[a, j] != rows[b, j]:
+            return j
+        j += 1
+    return stop
+
+
+@njit(cache=True, nogil=True)
+def _key_less(s1, m1, v1, s2, m2, v2):
+    if s1 != s2:
+        return s1 < s2
+    if m1 != m2:
+        return m1 < m2
+    return v1 < v2
+
+
+@njit(cache=True, nogil=True)
+def _sort_segment(idx, side, mkey, va, tmp):
+    """Stable merge sort of the positions ``idx`` by ``(side, mkey, va)`` (in place; ``tmp`` as scratch)."""
+    n = idx.shape[0]
+    width = 1
+    while width < n:
+        lo = 0
+        while lo < n - width:
+            mid, hi = lo + width, min(lo + 2 * width, n)
+            i, j, k = lo, mid, lo
+            while i < mid and j < hi:
+                a, b = idx[i], idx[j]
+                if _key_less(side[b], mkey[b], va[b], side[a], mkey[a], va[a]):
+                    tmp[k] = b
+                    j += 1
+                else:
+                    tmp[k] = a
+                    i += 1
+                k += 1
+            while i < mid:
+                tmp[k] = idx[i]
+                i += 1
+                k += 1
+            while j < hi:
+                tmp[k] = idx[j]
+                j += 1
+                k += 1
+            idx[lo:hi] = tmp[lo:hi]
+            lo += 2 * width
+        width *= 2
+
+
+@njit(cache=True, nogil=True)
+def sorted_rows_lcp(rows, width, lengths):
+    """``(order, lcp, any_tied)`` of :func:`prefixattn.block_tree.sorted_rows_lcp` over ``rows[:, :width]``
+    (``lcp`` all 0 when nothing is tied: the numpy function returns None there)."""
+    n = rows.shape[0]
+    first = np.empty(n, dtype=np.int64)
+    for i in range(n):
+        first[i] = rows[i, 0] if (lengths[i] > 0 and width > 0) else _PAD
+    order = np.argsort(first, kind="mergesort").astype(np.int64)
+    lcp = np.zeros(n, dtype=np.int64)
+    # Segment stack: (start in order, size, columns known equal).
+    st_start = np.empty(n + 1, dtype=np.int64)
+    st_size = np.empty(n + 1, dtype=np.int64)
+    st_depth = np.empty(n + 1, dtype=np.int64)
+    top = 0
+    any_tied = False
+    i = 0
+    while i < n:
+        j = i + 1
+        while j < n and first[order[j]] == first[order[i]]:
+            j += 1
+        if j - i >= 2 and first[order[i]] != _PAD:
+            any_tied = True
+            st_start[top], st_size[top], st_depth[top] = i, j - i, 1
+            top += 1
+        i = j
+    if not any_tied:
+        return order, lcp, False
+    side = np.empty(n, dtype=np.int64)
+    mkey = np.empty(n, dtype=np.int64)
+    va = np.empty(n, dtype=np.int64)
+    mfull = np.empty(n, dtype=np.int64)
+    elems = np.empty(n, dtype=np.int64)
+    perm = np.empty(n, dtype=np.int64)
+    tmp = np.empty(n, dtype=np.int64)
+    while top > 0:
+        top -= 1
+        s0, size, known = st_start[top], st_size[top], st_depth[top]
+        leader = order[s0]
+        ll = lengths[leader]
+        for k in range(size):
+            e = order[s0 + k]
+            elems[k] = e
+            perm[k] = k
+            if k == 0:
+                side[k], mkey[k], va[k], mfull[k] = 1, 0, 0, _INT64_MAX
+                continue
+            la = lengths[e]
+            minlen = min(la, ll)
+            m = _mismatch(rows, e, leader, min(known, minlen), minlen)
+            if m < minlen:
+                v, vl = np.int64(rows[e, m]), np.int64(rows[leader, m])
+                mstar = m
+            elif la != ll:
+                mstar = minlen
+                v = _PAD if la < ll else np.int64(rows[e, m])
+                vl = _PAD if la > ll else np.int64(rows[leader, m])
+            else:  # identical padded rows: the row index decides
+                mstar = width
+                v, vl = e, leader
+            s = 2 if v > vl else 0
+            side[k], mkey[k], va[k] = s, (-mstar if s == 2 else mstar), v
+            mfull[k] = mstar
+        _sort_segment(perm[:size], side, mkey, va, tmp)
+        for k in range(size):
+            order[s0 + k] = elems[perm[k]]
+        # LCPs of neighbours (a tie group's inner ones are refined when it is processed), then the tie groups.
+        g = 0
+        for k in range(size):
+            p = perm[k]
+            if k > 0:
+                q = perm[k - 1]
+                lcp[s0 + k] = min(min(mfull[p], mfull[q]), min(lengths[elems[p]], lengths[elems[q]]))
+                if not (side[p] == side[q] and mkey[p] == mkey[q] and va[p] == va[q]):
+                    if k - g >= 2 and side[q] != 1:
+                        st_start[top], st_size[top], st_depth[top] = s0 + g, k - g, mfull[q]
+                        top += 1
+                    g = k
+        q = perm[size - 1]
+        if size - g >= 2 and side[q] != 1:
+            st_start[top], st_size[top], st_depth[top] = s0 + g, size - g, mfull[q]
+            top += 1
+    return order, lcp, True
+
+
+@njit(cache=True, nogil=True)
+def tree_from_lcp(lcp):
+    """``(depth, lb, rb, parent)`` of :func:`prefixattn.block_tree.tree_from_lcp` (post-order)."""
+    n = lcp.shape[0]
+    depth = np.empty(n, dtype=np.int64)
+    lb_out = np.empty(n, dtype=np.int64)
+    rb_out = np.empty(n, dtype=np.int64)
+    parent = np.empty(n, dtype=np.int64)
+    num = 0
+    st_depth = np.empty(n + 1, dtype=np.int64)
+    st_lb = np.empty(n + 1, dtype=np.int64)
+    st_pend = np.empty(n + 1, dtype=np.int64)  # children of stack entry s: pend[st_pend[s]:pend_len]
+    pend = np.empty(n + 1, dtype=np.int64)
+    pend_len = 0
+    st_depth[0], st_lb[0], st_pend[0] = 0, 0, 0
+    top = 0
+    prev = 0
+    for i in range(1, n + 1):
+        d = lcp[i] if i < n else 0
+        if d == prev:
+            continue
+        prev = d
+        lb = i - 1
+        last = -1
+        while d < st_depth[top]:
+            lb = st_lb[top]
+            last = num
+            depth[num], lb_out[num], rb_out[num], parent[num] = st_depth[top], lb, i - 1, -1
+            num += 1
+            for c in range(st_pend[top], pend_len):
+                parent[pend[c]] = last
+            pend_len = st_pend[top]
+            top -= 1
+            if d <= st_depth[top]:  # the enclosing interval is already open: it is the parent
+                pend[pend_len] = last
+                pend_len += 1
+                last = -1
+        if d > st_depth[top]:  # a new interval opens at lb; a node just closed (if any) is its first child
+            top += 1
+            st_depth[top], st_lb[top], st_pend[top] = d, lb, pend_len
+            if last >= 0:
+                pend[pend_len] = last
+                pend_len += 1
+    return depth[:num].copy(), lb_out[:num].copy(), rb_out[:num].copy(), parent[:num].copy()
+
+
+@njit(cache=True, nogil=True)
+def lcp_interval_tree(rows, width, lengths):
+    """``(order, lcp, depth, lb, rb, parent)`` of :func:`prefixattn.block_tree.lcp_interval_tree` over
+    ``rows[:, :width]`` (the whole table is passed: one compiled variant per dtype, no strided slice)."""
+    n = rows.shape[0]
+    empty = np.zeros(0, dtype=np.int64)
+    if n <= 1 or width == 0:
+        return np.arange(n).astype(np.int64), np.zeros(n, dtype=np.int64), empty, empty, empty, empty
+    order, lcp, tied = sorted_rows_lcp(rows, width, lengths)
+    if not tied:
+        return order, lcp, empty, empty, empty, empty
+    depth, lb, rb, parent = tree_from_lcp(lcp)
+    return order, lcp, depth, lb, rb, parent
+
+
+@njit(cache=True, nogil=True)
+def rows_equal(a, a_lengths, b, b_lengths):
+    """``a == b[:, :a.shape[1]]`` and ``a_lengths == b_lengths`` (same row counts): the tree cache's check, with an
+    early exit."""
+    for i in range(a_lengths.shape[0]):
+        if a_lengths[i] != b_lengths[i]:
+            return False
+    w = a.shape[1]
+    for i in range(a.shape[0]):
+        if _mismatch_pair(a, b, i, w) < w:
+            return False
+    return True
+
+
+@njit(cache=True, nogil=True)
+def _mismatch_pair(a, b, i, stop):
+    j = 0
+    while j + _CHUNK <= stop:
+        acc = 0
+        for k in range(_CHUNK):
+            acc |= a[i, j + k] ^ b[i, j + k]
+        if acc != 0:
+            break
+        j += _CHUNK
+    while j < stop:
+        if a[i, j] != b[i, j]:
+            return j
+        j += 1
+    return stop
