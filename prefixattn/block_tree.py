@@ -264,9 +264,11 @@ def block_prefix_tree(block_table: np.ndarray, shareable_lens: np.ndarray, block
         tree = LcpTree(*compiled.lcp_interval_tree(table, width, num_blocks))
     else:
         tree = lcp_interval_tree(rows, num_blocks)
+    for a in (tree.order, tree.lcp, tree.depth, tree.lb, tree.rb, tree.parent):
+        # Shared by the plans of every step that reuses it; read-only always, so the compiled planner sees one
+        # array type (numba compiles a variant per writability).
+        a.setflags(write=False)
     if tree.num_nodes:
-        for a in (tree.order, tree.lcp, tree.depth, tree.lb, tree.rb, tree.parent):
-            a.setflags(write=False)  # shared by the plans of every step that reuses it
         # The replaced entry's row buffer is reused (a fresh 2 MB buffer costs its page faults: ~2x the copy).
         same = last is not None and last[0].shape == rows.shape and last[0].dtype == rows.dtype
         buffer = last[0] if same else np.empty(rows.shape, dtype=rows.dtype)

@@ -30,11 +30,11 @@ def _load():
     global _modules
     if _modules is None:
         try:
-            from prefixattn import plan_native_tree
+            from prefixattn import plan_native_core, plan_native_tree
         except ImportError:
             _modules = False
         else:
-            _modules = (plan_native_tree,)
+            _modules = (plan_native_tree, plan_native_core)
     return _modules
 
 
@@ -58,6 +58,35 @@ def planner_name(choice: str | None = None) -> str:
     raise ValueError(f"{ENV_VAR}: expected one of {PLANNERS}, got {choice!r}")
 
 
-def compiled_tree():
-    """The compiled tree module when the numba planner is chosen, else None."""
-    return _load()[0] if planner_name() == "numba" else None
+def compiled_modules():
+    """``(tree module, core module)`` when the numba planner is chosen, else None."""
+    return _load() if planner_name() == "numba" else None
+
+
+_SHARING_CODES = {"auto": 0, "always": 1, "never": 2}
+_args_cache: list = []
+
+
+def _constant_args(core) -> tuple:
+    if not _args_cache:
+        _args_cache.append((core.layout_args(), *core.rule_args()))
+    return _args_cache[0]
+
+
+def plan_tables(core, tree, *, q_start, q_len, kv_len, shareable, causal, sharing, block_size, group, head_dim,
+                elt_bytes, rows_per_shared, rows_per_suffix, block_n_shared, block_n_suffix, num_kv_heads, num_sms,
+                min_split_tokens):
+    """:func:`prefixattn.planner.select_shared_nodes` then :func:`prefixattn.work_list.build_work_list` in one
+    compiled call: ``(SharedNodes, WorkList, critical_path)``."""
+    from prefixattn.work_list import SharedNodes, WorkList
+
+    lay, rule, state_bytes = _constant_args(core)
+    (kv_start, kv_end, depth_blocks, offsets, members, items, gather, mrows, num_ws_rows, num_units,
+     crit) = core.plan_core(lay, rule, state_bytes, tree.order, tree.depth, tree.lb, tree.rb, tree.parent, q_start,
+                            q_len, kv_len, shareable, causal, _SHARING_CODES[sharing], block_size, group, head_dim,
+                            elt_bytes, rows_per_shared, rows_per_suffix, block_n_shared, block_n_suffix,
+                            num_kv_heads, num_sms, min_split_tokens)
+    nodes = SharedNodes(kv_start=kv_start, kv_end=kv_end, depth_blocks=depth_blocks, offsets=offsets,
+                        members=members)
+    work = WorkList(items=items, gather=gather, mrows=mrows, num_ws_rows=num_ws_rows, num_units=num_units)
+    return nodes, work, crit

@@ -413,23 +413,25 @@ def plan(
         tiles = choose_tiles(head_dim=head_dim, group=group, max_q_len=max(max_q_len, 1), dtype=q_dtype)
     elt_bytes = q_dtype.itemsize
 
-    compiled = plan_native.compiled_tree()
+    compiled = plan_native.compiled_modules()
     # sharing="never" needs no tree (an empty one keeps Plan.tree well-formed).
     tree = block_prefix_tree(table, shareable if sharing != "never" else np.zeros_like(shareable), block_size,
-                             compiled=compiled)
-    nodes, suffix_start = select_shared_nodes(
-        tree, shareable=shareable, q_len=q_len, block_size=block_size,
-        rows_per_shared=tiles.rows_per_shared_tile(group), group=group, head_dim=head_dim, elt_bytes=elt_bytes,
-        sharing=sharing)
+                             compiled=compiled[0] if compiled else None)
     window_left = check_window_left(window_left, causal)
-    if window_left >= 0:  # share only what every member's window covers
-        nodes, suffix_start = window_shared_nodes(nodes, suffix_start, kv_len=lens, q_len=q_len,
-                                                  window_left=window_left)
-    work = build_work_list(
-        q_start=q_start, q_len=q_len, kv_len=lens, causal=causal, nodes=nodes, suffix_start=suffix_start,
-        rows_per_shared=tiles.rows_per_shared_tile(group), rows_per_suffix=tiles.rows_per_suffix_tile(group),
-        block_n_shared=tiles.block_n_shared, block_n_suffix=tiles.block_n_suffix, num_kv_heads=num_kv_heads,
-        num_sms=num_sms, min_split_tokens=min_split_tokens)
+    tile_args = dict(rows_per_shared=tiles.rows_per_shared_tile(group), rows_per_suffix=tiles.rows_per_suffix_tile(group),
+                     block_n_shared=tiles.block_n_shared, block_n_suffix=tiles.block_n_suffix)
+    if compiled and window_left < 0:  # the compiled path (window_left: numpy, plan_native_core's docstring)
+        nodes, work, crit = plan_native.plan_tables(
+            compiled[1], tree, q_start=q_start, q_len=q_len, kv_len=lens, shareable=shareable, causal=causal,
+            sharing=sharing, block_size=block_size, group=group, head_dim=head_dim, elt_bytes=elt_bytes,
+            num_kv_heads=num_kv_heads, num_sms=num_sms, min_split_tokens=min_split_tokens, **tile_args)
+    else:
+        nodes, work = _numpy_tables(tree, q_start=q_start, q_len=q_len, lens=lens, shareable=shareable, causal=causal,
+                                    sharing=sharing, block_size=block_size, group=group, head_dim=head_dim,
+                                    elt_bytes=elt_bytes, window_left=window_left, num_kv_heads=num_kv_heads,
+                                    num_sms=num_sms, min_split_tokens=min_split_tokens, **tile_args)
+        crit = critical_path(work.items[:, K.ITEM_KV_END] - work.items[:, K.ITEM_KV_START],  # both in [0, 2^31)
+                             num_kv_heads=num_kv_heads, num_sms=num_sms)
 
     width = max(-(-int(lens.max()) // block_size) if lens.shape[0] else 0, 1)  # blocks of the longest request
     if workspace is None and device_block_table is not None:
@@ -458,11 +460,26 @@ def plan(
         **dev,
         stats=dict(num_shared_nodes=len(nodes), num_units=work.num_units, num_merge_rows=num_mrows,
                    num_ws_rows=work.num_ws_rows,
-                   num_sms=num_sms, critical_path=critical_path(
-                       work.items[:, K.ITEM_KV_END] - work.items[:, K.ITEM_KV_START],  # both in [0, 2^31)
-                       num_kv_heads=num_kv_heads, num_sms=num_sms)),
+                   num_sms=num_sms, critical_path=crit),
         workspace=workspace, workspace_step=workspace.step if workspace is not None else -1,
     )
+
+
+def _numpy_tables(tree, *, q_start, q_len, lens, shareable, causal, sharing, block_size, group, head_dim, elt_bytes,
+                  window_left, rows_per_shared, rows_per_suffix, block_n_shared, block_n_suffix, num_kv_heads,
+                  num_sms, min_split_tokens):
+    """The numpy planner from the tree to the work list: ``(SharedNodes, WorkList)``."""
+    nodes, suffix_start = select_shared_nodes(
+        tree, shareable=shareable, q_len=q_len, block_size=block_size, rows_per_shared=rows_per_shared, group=group,
+        head_dim=head_dim, elt_bytes=elt_bytes, sharing=sharing)
+    if window_left >= 0:  # share only what every member's window covers
+        nodes, suffix_start = window_shared_nodes(nodes, suffix_start, kv_len=lens, q_len=q_len,
+                                                  window_left=window_left)
+    work = build_work_list(
+        q_start=q_start, q_len=q_len, kv_len=lens, causal=causal, nodes=nodes, suffix_start=suffix_start,
+        rows_per_shared=rows_per_shared, rows_per_suffix=rows_per_suffix, block_n_shared=block_n_shared,
+        block_n_suffix=block_n_suffix, num_kv_heads=num_kv_heads, num_sms=num_sms, min_split_tokens=min_split_tokens)
+    return nodes, work
 
 
 def _used_table(table: np.ndarray, width: int) -> np.ndarray:
