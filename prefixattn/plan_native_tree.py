@@ -20,25 +20,42 @@ from numba import njit
 #: Padding past a row's end: below every real id (ids are >= 0), as in block_tree.
 _PAD = -1
 _INT64_MAX = np.iinfo(np.int64).max
-#: Columns compared per vectorized step of the mismatch scan (a multiple of the SIMD width for int32 and int64).
-_CHUNK = 32
+#: Columns of the first chunk of the mismatch scan, and of the last scalar scan (a multiple of the SIMD width).
+_CHUNK = 16
+
+
+@njit(cache=True, nogil=True)
+def _differ(a, b):
+    """Any ``a[k] != b[k]`` (equal-length 1-D slices): a full reduction with no early exit, which LLVM vectorizes
+    (indexing from 0 over ``range(n)``: numba's negative-index wraparound check on ``range(lo, hi)`` indices kept the
+    loop scalar, ~1 ns per entry instead of ~0.1)."""
+    acc = 0
+    for k in range(a.shape[0]):
+        acc |= a[k] ^ b[k]
+    return acc != 0
 
 
 @njit(cache=True, nogil=True)
 def _mismatch(rows, a, b, start, stop):
-    """First column in ``[start, stop)`` where rows ``a`` and ``b`` differ, ``stop`` if none."""
-    j = start
-    while j + _CHUNK <= stop:
-        acc = 0
-        for k in range(_CHUNK):  # no early exit: vectorized
-            acc |= rows[a, j + k] ^ rows[b, j + k]
-        if acc != 0:
-            break
-        j += _CHUNK
+    """First column in ``[start, stop)`` where rows ``a`` and ``b`` differ, ``stop`` if none.
+
+    Chunks of doubling size from ``_CHUNK`` (a row that differs early costs little, a long shared prefix costs a
+    few vectorized passes); the chunk holding the mismatch is halved down to ``_CHUNK`` columns, then scanned."""
+    j, size = start, _CHUNK
     while j < stop:
-        if rows[a, j] != rows[b, j]:
-            return j
-        j += 1
+        e = min(j + size, stop)
+        if _differ(rows[a, j:e], rows[b, j:e]):
+            lo, hi = j, e
+            while hi - lo > _CHUNK:
+                mid = (lo + hi) // 2
+                if _differ(rows[a, lo:mid], rows[b, lo:mid]):
+                    hi = mid
+                else:
+                    lo = mid
+            for k in range(lo, hi):
+                if rows[a, k] != rows[b, k]:
+                    return k
+        j, size = e, 2 * size
     return stop
 
 
@@ -83,6 +100,28 @@ def _sort_segment(idx, side, mkey, va, tmp):
         width *= 2
 
 
+#: Packed sort key ``side << 61 | (mkey + _MKEY_BIAS) << _VA_BITS | (va + 1)`` (side <= 2: below 2^63): fits when
+#: |mkey| < 2^20 columns and -1 <= va < 2^40 - 1 (block ids, row indices); else the merge sort compares the keys.
+_VA_BITS = 40
+_MKEY_BIAS = 1 << 20
+
+
+@njit(cache=True, nogil=True)
+def _sort_keys(idx, side, mkey, va, key, tmp):
+    """Positions ``idx`` ordered by ``(side, mkey, va)``. Ties may come out in any order: tied rows form the next
+    segment, which is ordered from scratch, so the final order is the unique one of the padded rows."""
+    n = idx.shape[0]
+    for k in range(n):
+        if not (-_MKEY_BIAS < mkey[k] < _MKEY_BIAS and -1 <= va[k] < (1 << _VA_BITS) - 1):
+            _sort_segment(idx, side, mkey, va, tmp)
+            return
+        key[k] = (side[k] << 61) | ((mkey[k] + _MKEY_BIAS) << _VA_BITS) | (va[k] + 1)
+    perm = np.argsort(key[:n])  # quicksort: ~2x the merge sort's speed, stability not needed (above)
+    for k in range(n):
+        tmp[k] = idx[perm[k]]
+    idx[:] = tmp[:n]
+
+
 @njit(cache=True, nogil=True)
 def sorted_rows_lcp(rows, width, lengths):
     """``(order, lcp, any_tied)`` of :func:`prefixattn.block_tree.sorted_rows_lcp` over ``rows[:, :width]``
@@ -91,7 +130,13 @@ def sorted_rows_lcp(rows, width, lengths):
     first = np.empty(n, dtype=np.int64)
     for i in range(n):
         first[i] = rows[i, 0] if (lengths[i] > 0 and width > 0) else _PAD
-    order = np.argsort(first, kind="mergesort").astype(np.int64)
+    in_order = True
+    for i in range(1, n):
+        if first[i] < first[i - 1]:
+            in_order = False
+            break
+    # Stable (rows of one first entry by index); a table already in order (an engine's batch) needs no sort.
+    order = np.arange(n) if in_order else np.argsort(first, kind="mergesort").astype(np.int64)
     lcp = np.zeros(n, dtype=np.int64)
     # Segment stack: (start in order, size, columns known equal).
     st_start = np.empty(n + 1, dtype=np.int64)
@@ -118,6 +163,7 @@ def sorted_rows_lcp(rows, width, lengths):
     elems = np.empty(n, dtype=np.int64)
     perm = np.empty(n, dtype=np.int64)
     tmp = np.empty(n, dtype=np.int64)
+    key = np.empty(n, dtype=np.int64)
     while top > 0:
         top -= 1
         s0, size, known = st_start[top], st_size[top], st_depth[top]
@@ -146,7 +192,7 @@ def sorted_rows_lcp(rows, width, lengths):
             s = 2 if v > vl else 0
             side[k], mkey[k], va[k] = s, (-mstar if s == 2 else mstar), v
             mfull[k] = mstar
-        _sort_segment(perm[:size], side, mkey, va, tmp)
+        _sort_keys(perm[:size], side, mkey, va, key, tmp)
         for k in range(size):
             order[s0 + k] = elems[perm[k]]
         # LCPs of neighbours (a tie group's inner ones are refined when it is processed), then the tie groups.
@@ -232,29 +278,13 @@ def lcp_interval_tree(rows, width, lengths):
 @njit(cache=True, nogil=True)
 def rows_equal(a, a_lengths, b, b_lengths):
     """``a == b[:, :a.shape[1]]`` and ``a_lengths == b_lengths`` (same row counts): the tree cache's check, with an
-    early exit."""
-    for i in range(a_lengths.shape[0]):
-        if a_lengths[i] != b_lengths[i]:
-            return False
+    early exit per row."""
+    if _differ(a_lengths, b_lengths):
+        return False
     w = a.shape[1]
+    if w == 0:
+        return True
     for i in range(a.shape[0]):
-        if _mismatch_pair(a, b, i, w) < w:
+        if _differ(a[i, :w], b[i, :w]):
             return False
     return True
-
-
-@njit(cache=True, nogil=True)
-def _mismatch_pair(a, b, i, stop):
-    j = 0
-    while j + _CHUNK <= stop:
-        acc = 0
-        for k in range(_CHUNK):
-            acc |= a[i, j + k] ^ b[i, j + k]
-        if acc != 0:
-            break
-        j += _CHUNK
-    while j < stop:
-        if a[i, j] != b[i, j]:
-            return j
-        j += 1
-    return stop
