@@ -229,8 +229,8 @@ def lcp_interval_tree(rows: np.ndarray, lengths: np.ndarray) -> LcpTree:
     return LcpTree(order=order, lcp=lcp, depth=depth, lb=lb, rb=rb, parent=parent)
 
 
-def block_prefix_tree(block_table: np.ndarray, shareable_lens: np.ndarray, block_size: int, *,
-                      compiled=None) -> LcpTree:
+def block_prefix_tree(block_table: np.ndarray, shareable_lens: np.ndarray | None, block_size: int, *,
+                      compiled=None, num_blocks: np.ndarray | None = None) -> LcpTree:
     """Prefix tree over the blocks of each request that hold *shareable* KV positions.
 
     Parameters
@@ -242,13 +242,16 @@ def block_prefix_tree(block_table: np.ndarray, shareable_lens: np.ndarray, block
     compiled : module, optional
         :mod:`prefixattn.plan_native_tree` (numba): the same tree, built and compared by compiled code; the tree
         cache below is shared by both paths.
+    num_blocks : ndarray, optional, ``[num_requests]`` int64
+        ``ceil(shareable_lens / block_size)`` when the caller has it (``shareable_lens`` is then not read).
 
     Returns
     -------
     LcpTree over the rows ``block_table[r, :ceil(shareable_lens[r] / block_size)]``; a node's ``depth`` is in blocks.
     """
-    shareable_lens = np.asarray(shareable_lens, dtype=np.int64)
-    num_blocks = (shareable_lens + block_size - 1) // block_size
+    if num_blocks is None:
+        shareable_lens = np.asarray(shareable_lens, dtype=np.int64)
+        num_blocks = (shareable_lens + block_size - 1) // block_size
     width = int(num_blocks.max()) if num_blocks.shape[0] else 0
     table = np.asarray(block_table)
     rows = table[:, :width]

@@ -20,21 +20,23 @@ from __future__ import annotations
 import os
 import time
 
+import numpy as np
+
 ENV_VAR = "PREFIXATTN_PLANNER"
 PLANNERS = ("auto", "numba", "numpy")
 
-_modules = None  # (tree module, core module) once imported; False when numba cannot be imported
+_modules = None  # (tree, core, checks) modules once imported; False when numba cannot be imported
 
 
 def _load():
     global _modules
     if _modules is None:
         try:
-            from prefixattn import plan_native_core, plan_native_tree
+            from prefixattn import plan_native_checks, plan_native_core, plan_native_tree
         except ImportError:
             _modules = False
         else:
-            _modules = (plan_native_tree, plan_native_core)
+            _modules = (plan_native_tree, plan_native_core, plan_native_checks)
     return _modules
 
 
@@ -59,34 +61,91 @@ def planner_name(choice: str | None = None) -> str:
 
 
 def compiled_modules():
-    """``(tree module, core module)`` when the numba planner is chosen, else None."""
+    """``(tree, core, checks)`` modules when the numba planner is chosen, else None."""
     return _load() if planner_name() == "numba" else None
 
 
 _SHARING_CODES = {"auto": 0, "always": 1, "never": 2}
-_args_cache: list = []
+_constants: list = []
 
 
 def _constant_args(core) -> tuple:
-    if not _args_cache:
-        _args_cache.append((core.layout_args(), *core.rule_args()))
-    return _args_cache[0]
+    if not _constants:
+        _constants.append((core.layout_args(), *core.rule_args()))
+    return _constants[0]
 
 
-def plan_tables(core, tree, *, q_start, q_len, kv_len, shareable, causal, sharing, block_size, group, head_dim,
-                elt_bytes, rows_per_shared, rows_per_suffix, block_n_shared, block_n_suffix, num_kv_heads, num_sms,
-                min_split_tokens):
-    """:func:`prefixattn.planner.select_shared_nodes` then :func:`prefixattn.work_list.build_work_list` in one
-    compiled call: ``(SharedNodes, WorkList, critical_path)``."""
+def check_and_prepare(modules, qo_indptr, kv_lens, block_table, *, block_size, num_blocks, causal, sharing):
+    """:func:`prefixattn.validation.check_host_metadata` (its messages: the numpy checks run when the compiled
+    ones fail) and the per-request lengths plan() derives: ``(indptr, lens, table, max_block_id, q_len, shareable,
+    shareable_blocks, max_q_len)``."""
+    from prefixattn.validation import check_host_metadata, host_metadata_arrays
+
+    indptr, lens, table = host_metadata_arrays(qo_indptr, kv_lens, block_table, block_size=block_size,
+                                               num_blocks=num_blocks, table_as_is=True)
+    ok, max_block_id, q_len, shareable, sh_blocks, max_q_len = modules[2].check_values(
+        indptr, lens, table, block_size, -1 if num_blocks is None else int(num_blocks), causal, sharing == "never")
+    if not ok:
+        check_host_metadata(qo_indptr, kv_lens, block_table, block_size=block_size, num_blocks=num_blocks,
+                            table_as_is=True)  # raises the message
+        raise AssertionError("the compiled metadata checks refused a batch the numpy checks accept")
+    return indptr, lens, table, max_block_id, q_len, shareable, sh_blocks, max_q_len
+
+
+def block_tree(modules, table, shareable_blocks):
+    """:func:`prefixattn.block_tree.block_prefix_tree` from the shareable block counts, compiled, with its tree
+    cache."""
+    from prefixattn.block_tree import block_prefix_tree
+
+    return block_prefix_tree(table, None, 1, compiled=modules[0], num_blocks=shareable_blocks)
+
+
+def plan_tables(modules, tree, *, indptr, q_len, kv_len, shareable, table, width, causal, sharing, block_size,
+                group, head_dim, elt_bytes, rows_per_shared, rows_per_suffix, block_n_shared, block_n_suffix,
+                num_kv_heads, num_sms, min_split_tokens):
+    """:func:`prefixattn.planner.select_shared_nodes`, :func:`prefixattn.work_list.build_work_list` and the staging
+    buffer in one compiled call: ``(SharedNodes, WorkList, critical_path, flat, table_fits)``; ``flat`` is
+    :func:`prefixattn.planner._metadata_to_device`'s host buffer (the table's used columns last when they fit int32).
+    """
     from prefixattn.work_list import SharedNodes, WorkList
 
+    core = modules[1]
     lay, rule, state_bytes = _constant_args(core)
-    (kv_start, kv_end, depth_blocks, offsets, members, items, gather, mrows, num_ws_rows, num_units,
-     crit) = core.plan_core(lay, rule, state_bytes, tree.order, tree.depth, tree.lb, tree.rb, tree.parent, q_start,
-                            q_len, kv_len, shareable, causal, _SHARING_CODES[sharing], block_size, group, head_dim,
-                            elt_bytes, rows_per_shared, rows_per_suffix, block_n_shared, block_n_suffix,
-                            num_kv_heads, num_sms, min_split_tokens)
+    params = np.empty(core.NUM_PARAMS, dtype=np.int64)
+    for i, v in ((core.P_CAUSAL, causal), (core.P_SHARING, _SHARING_CODES[sharing]), (core.P_BLOCK_SIZE, block_size),
+                 (core.P_GROUP, group), (core.P_HEAD_DIM, head_dim), (core.P_ELT_BYTES, elt_bytes),
+                 (core.P_ROWS_SHARED, rows_per_shared), (core.P_ROWS_SUFFIX, rows_per_suffix),
+                 (core.P_BLOCK_N_SHARED, block_n_shared), (core.P_BLOCK_N_SUFFIX, block_n_suffix),
+                 (core.P_KV_HEADS, num_kv_heads), (core.P_SMS, num_sms), (core.P_MIN_SPLIT, min_split_tokens),
+                 (core.P_STATE_BYTES, state_bytes), (core.P_WIDTH, width)):
+        params[i] = v
+    (kv_start, kv_end, depth_blocks, offsets, members, flat, items, gather, mrows, fits, num_ws_rows, num_units,
+     crit) = core.plan_core(lay, rule, params, tree.order, tree.depth, tree.lb, tree.rb, tree.parent, indptr, q_len,
+                            kv_len, shareable, table)
     nodes = SharedNodes(kv_start=kv_start, kv_end=kv_end, depth_blocks=depth_blocks, offsets=offsets,
                         members=members)
     work = WorkList(items=items, gather=gather, mrows=mrows, num_ws_rows=num_ws_rows, num_units=num_units)
-    return nodes, work, crit
+    return nodes, work, crit, flat, fits
+
+
+def compile_planner() -> dict:
+    """Compile (or load from numba's cache) every compiled planner variant plan() uses: int32 and int64 block
+    tables, sharing and not. Returns seconds per step (``import``, ``plans``); ``{}`` without numba."""
+    if not _load():
+        return {}
+    import torch
+
+    from prefixattn.block_tree import clear_tree_cache
+    from prefixattn.planner import plan
+
+    t0 = time.perf_counter()
+    _load()
+    t1 = time.perf_counter()
+    for dtype in (torch.int32, torch.int64):
+        table = torch.tensor([[0, 1, 2], [0, 1, 3], [4, 5, 6]], dtype=dtype)
+        for sharing in ("auto", "never"):
+            clear_tree_cache()
+            plan(torch.tensor([0, 1, 2, 3]), torch.tensor([40, 40, 40]), table, block_size=16, num_qo_heads=4,
+                 num_kv_heads=2, head_dim=64, sharing=sharing, device="cpu")
+    clear_tree_cache()
+    return {"import": t1 - t0, "plans": time.perf_counter() - t1}

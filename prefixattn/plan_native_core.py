@@ -25,13 +25,13 @@ from prefixattn.kernels import layout as K
 SHARING_AUTO, SHARING_ALWAYS, SHARING_NEVER = 0, 1, 2
 
 
-def layout_args() -> tuple:
-    """The kernel's table layout (:mod:`prefixattn.kernels.layout`) as a tuple argument, never a global: numba's
+def layout_args() -> np.ndarray:
+    """The kernel's table layout (:mod:`prefixattn.kernels.layout`) as an int64 array argument, never a global: numba's
     on-disk cache is keyed by this file alone and would keep a compiled global after the layout changed."""
-    return (K.ITEM_FIELDS, K.ITEM_KIND, K.ITEM_REQ, K.ITEM_KV_START, K.ITEM_KV_END, K.ITEM_ROW_START,
+    return np.array([K.ITEM_FIELDS, K.ITEM_KIND, K.ITEM_REQ, K.ITEM_KV_START, K.ITEM_KV_END, K.ITEM_ROW_START,
             K.ITEM_NUM_ROWS, K.ITEM_Q_POS, K.ITEM_DEST, K.ITEM_MROW, K.KIND_SHARED, K.KIND_SUFFIX,
             K.GATHER_FIELDS, K.GATHER_TOKEN, K.GATHER_WS_ROW, K.GATHER_MROW,
-            K.MROW_FIELDS, K.MROW_WS_FIRST, K.MROW_WS_STRIDE, K.MROW_NUM_STATES)
+            K.MROW_FIELDS, K.MROW_WS_FIRST, K.MROW_WS_STRIDE, K.MROW_NUM_STATES], dtype=np.int64)
 
 
 def rule_args() -> tuple:
@@ -40,8 +40,8 @@ def rule_args() -> tuple:
     from prefixattn.planner import FP32_BYTES, STATE_PASSES, STATES_CHARGED_PER_ROW
     from prefixattn.split_rule import (CRITICAL_PATH_TARGET, MIN_PIECE_OVERHEADS, PROGRAM_OVERHEAD_TOKENS,
                                        SPLIT_TOLERANCE)
-    return ((float(SPLIT_TOLERANCE), float(CRITICAL_PATH_TARGET),
-             float(MIN_PIECE_OVERHEADS * PROGRAM_OVERHEAD_TOKENS)), FP32_BYTES * STATE_PASSES * STATES_CHARGED_PER_ROW)
+    return (np.array([SPLIT_TOLERANCE, CRITICAL_PATH_TARGET, MIN_PIECE_OVERHEADS * PROGRAM_OVERHEAD_TOKENS],
+                     dtype=np.float64), FP32_BYTES * STATE_PASSES * STATES_CHARGED_PER_ROW)
 
 
 @njit(cache=True, nogil=True)
@@ -193,8 +193,9 @@ def _shared_items(items, gather, lay, kv_start, kv_end, offsets, members, q_star
                   tile_ws_base, tile_mrow_base, n_pieces, slot_base, grain, rows_per_suffix, rows_per_shared):
     """Shared items (node, piece, M tile) into ``items[:num_shared]`` and their gather rows
     (:func:`prefixattn.work_list._shared_items`); returns the items written."""
-    (_, i_kind, i_req, i_kv0, i_kv1, i_row0, i_nrows, i_qpos, i_dest, i_mrow, kind_shared, _,
-     _, g_tok, g_ws, g_mrow, _, _, _, _) = lay
+    i_kind, i_req, i_kv0, i_kv1, i_row0, i_nrows, i_qpos, i_dest, i_mrow = (lay[1], lay[2], lay[3], lay[4], lay[5],
+                                                                          lay[6], lay[7], lay[8], lay[9])
+    kind_shared, g_tok, g_ws, g_mrow = lay[10], lay[13], lay[14], lay[15]
     g = 0
     it = 0
     for k in range(kv_start.shape[0]):
@@ -230,11 +231,15 @@ def _shared_items(items, gather, lay, kv_start, kv_end, offsets, members, q_star
 @njit(cache=True, nogil=True)
 def work_list(lay, rule, kv_start, kv_end, offsets, members, suffix_start, q_start, q_len, kv_len, causal,
               rows_per_shared, rows_per_suffix, block_n_shared, block_n_suffix, num_kv_heads, num_sms,
-              min_split_tokens):
-    """``(items, gather, mrows, num_ws_rows, num_units, critical_path)``:
-    :func:`prefixattn.work_list.build_work_list` and ``Plan.stats['critical_path']``."""
-    (item_fields, i_kind, i_req, i_kv0, i_kv1, i_row0, i_nrows, i_qpos, i_dest, i_mrow, _, kind_suffix,
-     gather_fields, _, _, _, mrow_fields, m_first, m_stride, m_states) = lay
+              min_split_tokens, extra):
+    """``(flat, items, gather, mrows, num_ws_rows, num_units, critical_path)``:
+    :func:`prefixattn.work_list.build_work_list` and ``Plan.stats['critical_path']``, the tables written straight
+    into one int32 staging buffer ``flat`` = ``[num_items, items, gather, mrows, extra entries]``
+    (:func:`prefixattn.planner._metadata_to_device`'s layout)."""
+    item_fields, i_kind, i_req, i_kv0, i_kv1, i_row0, i_nrows, i_qpos, i_dest, i_mrow = (
+        lay[0], lay[1], lay[2], lay[3], lay[4], lay[5], lay[6], lay[7], lay[8], lay[9])
+    kind_suffix, gather_fields, mrow_fields, m_first, m_stride, m_states = (lay[11], lay[12], lay[16], lay[17],
+                                                                            lay[18], lay[19])
     t_req, t_first, t_rows, t_tok0, t_lo, t_hi, t_qpos = _suffix_tiles(q_start, q_len, kv_len, suffix_start, causal,
                                                                         rows_per_suffix)
     num_tiles, num_nodes, num_reqs = t_req.shape[0], kv_start.shape[0], q_len.shape[0]
@@ -274,7 +279,20 @@ def work_list(lay, rule, kv_start, kv_end, offsets, members, suffix_start, q_sta
             num_ws_rows += (shared_states[t_req[t]] + t_pieces[t]) * t_rows[t]
             num_mrows += t_rows[t]
             num_units += 1
-    mrows = np.empty((num_mrows, mrow_fields), dtype=np.int32)
+    num_shared = num_gather = num_suffix = 0
+    for k in range(num_nodes):
+        num_shared += n_pieces[k] * _cdiv(node_rows[k], rows_per_shared)
+        num_gather += n_pieces[k] * node_rows[k]
+    for t in range(num_tiles):
+        num_suffix += t_pieces[t]
+    n_items = num_shared + num_suffix
+    e_items, e_gather = 1 + n_items * item_fields, 1 + n_items * item_fields + num_gather * gather_fields
+    e_mrows = e_gather + num_mrows * mrow_fields
+    flat = np.empty(max(e_mrows + extra, 1), dtype=np.int32)
+    flat[0] = n_items
+    items = flat[1:e_items].reshape(n_items, item_fields)
+    gather = flat[e_items:e_gather].reshape(num_gather, gather_fields)
+    mrows = flat[e_gather:e_mrows].reshape(num_mrows, mrow_fields)
     for t in range(num_tiles):
         if tile_mrow_base[t] >= 0:
             for i in range(t_rows[t]):
@@ -283,14 +301,6 @@ def work_list(lay, rule, kv_start, kv_end, offsets, members, suffix_start, q_sta
                 mrows[j, m_stride] = t_rows[t]
                 mrows[j, m_states] = shared_states[t_req[t]] + t_pieces[t]
     # ---- items: shared (node, piece, M tile), then suffix (tile, piece); gather rows of the shared ones
-    num_shared = num_gather = num_suffix = 0
-    for k in range(num_nodes):
-        num_shared += n_pieces[k] * _cdiv(node_rows[k], rows_per_shared)
-        num_gather += n_pieces[k] * node_rows[k]
-    for t in range(num_tiles):
-        num_suffix += t_pieces[t]
-    items = np.empty((num_shared + num_suffix, item_fields), dtype=np.int32)
-    gather = np.empty((num_gather, gather_fields), dtype=np.int32)
     it = _shared_items(items, gather, lay, kv_start, kv_end, offsets, members, q_start, q_len, t_first, t_rows,
                        tile_ws_base, tile_mrow_base, n_pieces, slot_base, grain_sh, rows_per_suffix, rows_per_shared)
     for t in range(num_tiles):
@@ -307,13 +317,14 @@ def work_list(lay, rule, kv_start, kv_end, offsets, members, suffix_start, q_sta
             items[it, i_dest] = tile_ws_base[t] + (shared_states[t_req[t]] + c) * t_rows[t] if unit else -1
             items[it, i_mrow] = tile_mrow_base[t] if unit else -1
             it += 1
-    items = _longest_first(items, i_kv0, i_kv1)
-    return items, gather, mrows, num_ws_rows, num_units, _critical_path(items, i_kv0, i_kv1, num_kv_heads, num_sms)
+    _longest_first(items, i_kv0, i_kv1)
+    return (flat, items, gather, mrows, num_ws_rows, num_units,
+            _critical_path(items, i_kv0, i_kv1, num_kv_heads, num_sms))
 
 
 @njit(cache=True, nogil=True)
 def _longest_first(items, i_kv0, i_kv1):
-    """Items by KV length, longest first, stable (LPT); as they are when already in that order."""
+    """Items by KV length, longest first, stable (LPT), in place; untouched when already in that order."""
     n = items.shape[0]
     length = np.empty(n, dtype=np.int64)
     ordered = True
@@ -322,12 +333,11 @@ def _longest_first(items, i_kv0, i_kv1):
         if i and length[i] > length[i - 1]:
             ordered = False
     if ordered:
-        return items
+        return
     perm = np.argsort(-length, kind="mergesort")
-    out = np.empty_like(items)
+    copy = items.copy()
     for i in range(n):
-        out[i, :] = items[perm[i], :]
-    return out
+        items[i, :] = copy[perm[i], :]
 
 
 @njit(cache=True, nogil=True)
@@ -346,16 +356,55 @@ def _critical_path(items, i_kv0, i_kv1, num_kv_heads, num_sms):
     return float(longest) / fair if fair > 0 else 0.0
 
 
+#: Entries of the ``params`` argument of :func:`plan_core` (one int64 array: one argument for numba to type-check).
+(P_CAUSAL, P_SHARING, P_BLOCK_SIZE, P_GROUP, P_HEAD_DIM, P_ELT_BYTES, P_ROWS_SHARED, P_ROWS_SUFFIX, P_BLOCK_N_SHARED,
+ P_BLOCK_N_SUFFIX, P_KV_HEADS, P_SMS, P_MIN_SPLIT, P_STATE_BYTES, P_WIDTH, NUM_PARAMS) = range(16)
+_INT32_MAX = 2 ** 31 - 1
+
+
 @njit(cache=True, nogil=True)
-def plan_core(lay, rule, state_bytes, order, depth, lb, rb, parent, q_start, q_len, kv_len, shareable, causal,
-              sharing, block_size, group, head_dim, elt_bytes, rows_per_shared, rows_per_suffix, block_n_shared,
-              block_n_suffix, num_kv_heads, num_sms, min_split_tokens):
-    """The planner from the tree to the tables, in one call: ``(kv_start, kv_end, depth_blocks, offsets, members,
-    items, gather, mrows, num_ws_rows, num_units, critical_path)``."""
+def _table_fits(table, cols):
+    """Every entry of ``table[:, :cols]`` fits int32 (int32 tables: no scan)."""
+    if table.itemsize == 4 or cols == 0:
+        return True
+    for r in range(table.shape[0]):
+        row = table[r, :cols]
+        hi = row[0]
+        for k in range(row.shape[0]):
+            hi = max(hi, row[k])
+        if hi > _INT32_MAX:
+            return False
+    return True
+
+
+@njit(cache=True, nogil=True)
+def plan_core(lay, rule, params, order, depth, lb, rb, parent, indptr, q_len, kv_len, shareable, table):
+    """The planner from the tree to the staging buffer, in one call.
+
+    ``lay``: :func:`layout_args`, ``rule``: :func:`rule_args`'s floats, ``params``: int64 ``[NUM_PARAMS]``
+    (``P_*``; ``P_WIDTH``: block-table columns the batch reads). Returns ``(kv_start, kv_end, depth_blocks,
+    offsets, members, flat, items, gather, mrows, table_fits, num_ws_rows, num_units, critical_path)``; ``flat``
+    holds the block table's used columns after the tables when ``table_fits``.
+    """
     kv_start, kv_end, depth_blocks, offsets, members, suffix_start = select_nodes(
-        order, depth, lb, rb, parent, shareable, q_len, block_size, rows_per_shared, group, head_dim, elt_bytes,
-        sharing, state_bytes)
-    items, gather, mrows, num_ws_rows, num_units, crit = work_list(
-        lay, rule, kv_start, kv_end, offsets, members, suffix_start, q_start, q_len, kv_len, causal,
-        rows_per_shared, rows_per_suffix, block_n_shared, block_n_suffix, num_kv_heads, num_sms, min_split_tokens)
-    return kv_start, kv_end, depth_blocks, offsets, members, items, gather, mrows, num_ws_rows, num_units, crit
+        order, depth, lb, rb, parent, shareable, q_len, params[P_BLOCK_SIZE], params[P_ROWS_SHARED],
+        params[P_GROUP], params[P_HEAD_DIM], params[P_ELT_BYTES], params[P_SHARING], params[P_STATE_BYTES])
+    rows, width = table.shape[0], params[P_WIDTH]
+    cols = min(width, table.shape[1])
+    fits = _table_fits(table, cols)
+    flat, items, gather, mrows, num_ws_rows, num_units, crit = work_list(
+        lay, rule, kv_start, kv_end, offsets, members, suffix_start, indptr[:-1], q_len, kv_len,
+        params[P_CAUSAL] != 0, params[P_ROWS_SHARED], params[P_ROWS_SUFFIX], params[P_BLOCK_N_SHARED],
+        params[P_BLOCK_N_SUFFIX], params[P_KV_HEADS], params[P_SMS], params[P_MIN_SPLIT],
+        rows * width if fits else 0)
+    if fits:
+        base = flat.shape[0] - rows * width if rows * width else 0
+        for r in range(rows):
+            dst = flat[base + r * width:base + (r + 1) * width]
+            src = table[r, :cols]
+            for k in range(cols):
+                dst[k] = src[k]
+            for k in range(cols, width):
+                dst[k] = 0
+    return (kv_start, kv_end, depth_blocks, offsets, members, flat, items, gather, mrows, fits, num_ws_rows,
+            num_units, crit)

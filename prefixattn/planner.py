@@ -252,23 +252,28 @@ def select_shared_nodes(tree: LcpTree, *, shareable: np.ndarray, q_len: np.ndarr
     return nodes, suffix_start
 
 
-def _metadata_to_device(work: WorkList, table: np.ndarray, width: int, device: torch.device):
+def _metadata_to_device(work: WorkList, table: np.ndarray, width: int, device: torch.device, staged=None):
     """``(num_items, items, gather, mrows, block_table)`` on ``device``: one int32 host buffer, one copy.
 
     The block table's columns past every request's KV (``width`` on) are never read; columns the table lacks are 0.
     It joins the buffer when its ids fit in int32 (int32 tables always do: no scan), else it is copied as int64.
+    ``staged``: ``(buffer, table_fits)`` the compiled planner already wrote in this layout.
     """
     rows, cols = table.shape[0], min(width, table.shape[1])
-    table_fits = table.dtype == np.int32 or rows * cols == 0 or int(table[:, :cols].max()) <= _INT32_MAX
+    if staged is not None:  # the compiled planner wrote the buffer (plan_native.plan_tables)
+        flat, table_fits = staged
+    else:
+        table_fits = table.dtype == np.int32 or rows * cols == 0 or int(table[:, :cols].max()) <= _INT32_MAX
     parts = (work.items, work.gather, work.mrows)
     sizes = [1] + [p.size for p in parts] + [rows * width if table_fits else 0]
     bounds = list(itertools.accumulate(sizes, initial=0))
-    flat = np.empty(max(bounds[-1], 1), dtype=np.int32)
-    flat[0] = work.num_items
-    for k, p in enumerate(parts, start=1):
-        flat[bounds[k]:bounds[k + 1]] = p.ravel()
-    if table_fits:
-        _copy_table(flat[bounds[4]:bounds[5]].reshape(rows, width), table, cols)
+    if staged is None:
+        flat = np.empty(max(bounds[-1], 1), dtype=np.int32)
+        flat[0] = work.num_items
+        for k, p in enumerate(parts, start=1):
+            flat[bounds[k]:bounds[k + 1]] = p.ravel()
+        if table_fits:
+            _copy_table(flat[bounds[4]:bounds[5]].reshape(rows, width), table, cols)
     shapes = [(1,), (-1, K.ITEM_FIELDS), (-1, K.GATHER_FIELDS), (-1, K.MROW_FIELDS), (rows, width if table_fits else 0)]
     # Views of one tensor: every table shares its storage (the interpreter copies a pointer argument's whole
     # storage; a tensor of a 0-element numpy slice has a 0-byte one).
@@ -399,48 +404,58 @@ def plan(
     check_heads(num_qo_heads, num_kv_heads)
     check_head_dim("head_dim", head_dim)
     min_split_tokens = _positive_int("min_split_tokens", min_split_tokens)
-    indptr, lens, table, max_block_id = check_host_metadata(qo_indptr, kv_lens, block_table, block_size=block_size,
-                                                            num_blocks=num_blocks, table_as_is=True)
+    compiled = plan_native.compiled_modules()
+    if compiled:
+        indptr, lens, table, max_block_id, q_len, shareable, sh_blocks, max_q_len = plan_native.check_and_prepare(
+            compiled, qo_indptr, kv_lens, block_table, block_size=block_size, num_blocks=num_blocks, causal=causal,
+            sharing=sharing)
+    else:
+        indptr, lens, table, max_block_id = check_host_metadata(qo_indptr, kv_lens, block_table,
+                                                                block_size=block_size, num_blocks=num_blocks,
+                                                                table_as_is=True)
+        q_len = indptr[1:] - indptr[:-1]
+        shareable = np.where(q_len > 0, lens - q_len if causal else lens, 0)
+        max_q_len = int(q_len.max()) if q_len.shape[0] else 1
     device = canonical_device("device", device if device is not None else block_table.device)
     num_sms = _positive_int("num_sms", num_sms) if num_sms is not None else _default_num_sms(device)
 
     group = num_qo_heads // num_kv_heads
     q_start = indptr[:-1]
-    q_len = indptr[1:] - indptr[:-1]
-    shareable = np.where(q_len > 0, lens - q_len if causal else lens, 0)
-    max_q_len = int(q_len.max()) if q_len.shape[0] else 1
     if tiles is None:
         tiles = choose_tiles(head_dim=head_dim, group=group, max_q_len=max(max_q_len, 1), dtype=q_dtype)
     elt_bytes = q_dtype.itemsize
+    width = max(-(-int(lens.max()) // block_size) if lens.shape[0] else 0, 1)  # blocks of the longest request
 
-    compiled = plan_native.compiled_modules()
-    # sharing="never" needs no tree (an empty one keeps Plan.tree well-formed).
-    tree = block_prefix_tree(table, shareable if sharing != "never" else np.zeros_like(shareable), block_size,
-                             compiled=compiled[0] if compiled else None)
+    if compiled:
+        tree = plan_native.block_tree(compiled, table, sh_blocks)
+    else:  # sharing="never" needs no tree (an empty one keeps Plan.tree well-formed).
+        tree = block_prefix_tree(table, shareable if sharing != "never" else np.zeros_like(shareable), block_size)
     window_left = check_window_left(window_left, causal)
-    tile_args = dict(rows_per_shared=tiles.rows_per_shared_tile(group), rows_per_suffix=tiles.rows_per_suffix_tile(group),
-                     block_n_shared=tiles.block_n_shared, block_n_suffix=tiles.block_n_suffix)
+    tile_args = dict(rows_per_shared=tiles.rows_per_shared_tile(group),
+                     rows_per_suffix=tiles.rows_per_suffix_tile(group), block_n_shared=tiles.block_n_shared,
+                     block_n_suffix=tiles.block_n_suffix, num_kv_heads=num_kv_heads, num_sms=num_sms,
+                     min_split_tokens=min_split_tokens)
+    staged = None
     if compiled and window_left < 0:  # the compiled path (window_left: numpy, plan_native_core's docstring)
-        nodes, work, crit = plan_native.plan_tables(
-            compiled[1], tree, q_start=q_start, q_len=q_len, kv_len=lens, shareable=shareable, causal=causal,
-            sharing=sharing, block_size=block_size, group=group, head_dim=head_dim, elt_bytes=elt_bytes,
-            num_kv_heads=num_kv_heads, num_sms=num_sms, min_split_tokens=min_split_tokens, **tile_args)
+        nodes, work, crit, *staged = plan_native.plan_tables(
+            compiled, tree, indptr=indptr, q_len=q_len, kv_len=lens, shareable=shareable, table=table, width=width,
+            causal=causal, sharing=sharing, block_size=block_size, group=group, head_dim=head_dim,
+            elt_bytes=elt_bytes, **tile_args)
     else:
         nodes, work = _numpy_tables(tree, q_start=q_start, q_len=q_len, lens=lens, shareable=shareable, causal=causal,
                                     sharing=sharing, block_size=block_size, group=group, head_dim=head_dim,
-                                    elt_bytes=elt_bytes, window_left=window_left, num_kv_heads=num_kv_heads,
-                                    num_sms=num_sms, min_split_tokens=min_split_tokens, **tile_args)
+                                    elt_bytes=elt_bytes, window_left=window_left, **tile_args)
         crit = critical_path(work.items[:, K.ITEM_KV_END] - work.items[:, K.ITEM_KV_START],  # both in [0, 2^31)
                              num_kv_heads=num_kv_heads, num_sms=num_sms)
 
-    width = max(-(-int(lens.max()) // block_size) if lens.shape[0] else 0, 1)  # blocks of the longest request
     if workspace is None and device_block_table is not None:
         raise ValueError("device_block_table: expected a workspace too (the free plan() copies its own table), "
                          "got workspace=None")
     if workspace is not None and not same_device(workspace.device, device):
         raise ValueError(f"workspace: expected the plan's device {device}, got a workspace on {workspace.device}")
     if workspace is None:
-        dev = _allocate_tables(work, table, width, num_qo_heads=num_qo_heads, head_dim=head_dim, device=device)
+        dev = _allocate_tables(work, table, width, num_qo_heads=num_qo_heads, head_dim=head_dim, device=device,
+                               staged=staged)
     else:
         dev = _workspace_tables(work, _used_table(table, width), workspace=workspace, num_tokens=int(indptr[-1]),
                                 device_block_table=device_block_table)
@@ -494,10 +509,10 @@ def _table_fits_int32(table_used: np.ndarray) -> bool:
 
 
 def _allocate_tables(work: WorkList, table: np.ndarray, width: int, *, num_qo_heads: int, head_dim: int,
-                     device: torch.device) -> dict:
+                     device: torch.device, staged=None) -> dict:
     """New device tensors for one plan (the free :func:`plan`): the metadata in one copy
     (:func:`_metadata_to_device`), new counters and workspace."""
-    num_items_dev, items, gather, mrows, table_dev = _metadata_to_device(work, table, width, device)
+    num_items_dev, items, gather, mrows, table_dev = _metadata_to_device(work, table, width, device, staged)
     # Workspace only where some rows merge; a 1-element placeholder keeps the kernel's pointers valid otherwise.
     ws_rows = work.num_ws_rows
     return dict(
