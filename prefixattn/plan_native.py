@@ -143,8 +143,8 @@ def compile_planner() -> dict:
     t1 = time.perf_counter()
     for dtype in (torch.int32, torch.int64):
         table = torch.tensor([[0, 1, 2], [0, 1, 3], [4, 5, 6]], dtype=dtype)
-        for sharing in ("auto", "never"):
-            clear_tree_cache()
+        clear_tree_cache()
+        for sharing in ("auto", "auto", "never"):  # the second plan reuses the tree: the cache's check
             plan(torch.tensor([0, 1, 2, 3]), torch.tensor([40, 40, 40]), table, block_size=16, num_qo_heads=4,
                  num_kv_heads=2, head_dim=64, sharing=sharing, device="cpu")
     clear_tree_cache()

@@ -170,3 +170,17 @@ def test_planner_choice(monkeypatch):
     with pytest.raises(ValueError, match="^PREFIXATTN_PLANNER: expected one of"):
         plan(torch.tensor([0, 1]), torch.tensor([4]), torch.zeros((1, 1), dtype=torch.int32), block_size=16,
              num_qo_heads=4, num_kv_heads=2, head_dim=64)
+
+
+def test_warmup_compiles_the_planner(monkeypatch):
+    """prefixattn.warmup_kernels (the `prefixattn warmup` command) also compiles the planner, on a CPU host too."""
+    import prefixattn
+
+    monkeypatch.setenv(plan_native.ENV_VAR, "auto")
+    report = prefixattn.warmup_kernels(num_qo_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
+                                       dtypes=torch.float16)
+    assert report.planner["name"] == "numba" and report.planner["seconds"] >= 0
+    assert any(line.strip().startswith("planner") and "numba" in line for line in report.lines())
+    monkeypatch.setenv(plan_native.ENV_VAR, "numpy")
+    assert prefixattn.warmup_kernels(num_qo_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
+                                     dtypes=torch.float16).planner["name"] == "numpy"
