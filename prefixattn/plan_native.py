@@ -111,14 +111,10 @@ def plan_tables(modules, tree, *, indptr, q_len, kv_len, shareable, table, width
 
     core = modules[1]
     lay, rule, state_bytes = _constant_args(core)
-    params = np.empty(core.NUM_PARAMS, dtype=np.int64)
-    for i, v in ((core.P_CAUSAL, causal), (core.P_SHARING, _SHARING_CODES[sharing]), (core.P_BLOCK_SIZE, block_size),
-                 (core.P_GROUP, group), (core.P_HEAD_DIM, head_dim), (core.P_ELT_BYTES, elt_bytes),
-                 (core.P_ROWS_SHARED, rows_per_shared), (core.P_ROWS_SUFFIX, rows_per_suffix),
-                 (core.P_BLOCK_N_SHARED, block_n_shared), (core.P_BLOCK_N_SUFFIX, block_n_suffix),
-                 (core.P_KV_HEADS, num_kv_heads), (core.P_SMS, num_sms), (core.P_MIN_SPLIT, min_split_tokens),
-                 (core.P_STATE_BYTES, state_bytes), (core.P_WIDTH, width)):
-        params[i] = v
+    # In core.P_* order (one list, one conversion).
+    params = np.array([causal, _SHARING_CODES[sharing], block_size, group, head_dim, elt_bytes, rows_per_shared,
+                       rows_per_suffix, block_n_shared, block_n_suffix, num_kv_heads, num_sms, min_split_tokens,
+                       state_bytes, width], dtype=np.int64)
     (kv_start, kv_end, depth_blocks, offsets, members, flat, items, gather, mrows, fits, num_ws_rows, num_units,
      crit) = core.plan_core(lay, rule, params, tree.order, tree.depth, tree.lb, tree.rb, tree.parent, indptr, q_len,
                             kv_len, shareable, table)

@@ -274,11 +274,14 @@ def _metadata_to_device(work: WorkList, table: np.ndarray, width: int, device: t
             flat[bounds[k]:bounds[k + 1]] = p.ravel()
         if table_fits:
             _copy_table(flat[bounds[4]:bounds[5]].reshape(rows, width), table, cols)
-    shapes = [(1,), (-1, K.ITEM_FIELDS), (-1, K.GATHER_FIELDS), (-1, K.MROW_FIELDS), (rows, width if table_fits else 0)]
+    shapes = [(1,), (parts[0].shape[0], K.ITEM_FIELDS), (parts[1].shape[0], K.GATHER_FIELDS),
+              (parts[2].shape[0], K.MROW_FIELDS), (rows, width if table_fits else 0)]
     # Views of one tensor: every table shares its storage (the interpreter copies a pointer argument's whole
-    # storage; a tensor of a 0-element numpy slice has a 0-byte one).
+    # storage; a tensor of a 0-element numpy slice has a 0-byte one). One as_strided per table (a split and five
+    # views cost ~2x its torch calls).
     dev = torch.from_numpy(flat).to(device)
-    views = [v.view(shape) for v, shape in zip(dev[:bounds[-1]].split(sizes), shapes)]
+    views = [dev.as_strided(shape, (shape[1], 1) if len(shape) == 2 else (1,), bound)
+             for shape, bound in zip(shapes, bounds)]
     if not table_fits:
         table_i64 = np.empty((rows, width), dtype=np.int64)
         _copy_table(table_i64, table, cols)
