@@ -126,16 +126,16 @@ def plan_tables(modules, tree, *, indptr, q_len, kv_len, shareable, table, width
 
 def compile_planner() -> dict:
     """Compile (or load from numba's cache) every compiled planner variant plan() uses: int32 and int64 block
-    tables, sharing and not. Returns seconds per step (``import``, ``plans``); ``{}`` without numba."""
-    if not _load():
-        return {}
+    tables, sharing and not. Returns seconds per step (``import``: numba and the compiled modules, ``plans``: compile
+    or cache load of every variant, and the plans themselves); ``{}`` without numba."""
     import torch
 
     from prefixattn.block_tree import clear_tree_cache
     from prefixattn.planner import plan
 
     t0 = time.perf_counter()
-    _load()
+    if not _load():
+        return {}
     t1 = time.perf_counter()
     for dtype in (torch.int32, torch.int64):
         table = torch.tensor([[0, 1, 2], [0, 1, 3], [4, 5, 6]], dtype=dtype)
