@@ -122,6 +122,28 @@ def _sort_keys(idx, side, mkey, va, key, tmp):
     idx[:] = tmp[:n]
 
 
+#: Rows whose index fits the low bits of :func:`_stable_argsort`'s packed key.
+_INDEX_BITS = 22
+
+
+@njit(cache=True, nogil=True)
+def _stable_argsort(first):
+    """``argsort(first, kind="stable")``: a quicksort of ``(first + 1) << _INDEX_BITS | index`` (unique keys: any
+    sort is stable; ~2x numba's merge sort) when it fits, else the merge sort."""
+    n = first.shape[0]
+    key = np.empty(n, dtype=np.int64)
+    if n >= (1 << _INDEX_BITS):
+        return np.argsort(first, kind="mergesort").astype(np.int64)
+    for i in range(n):
+        if not (-1 <= first[i] < (1 << (62 - _INDEX_BITS)) - 1):
+            return np.argsort(first, kind="mergesort").astype(np.int64)
+        key[i] = ((first[i] + 1) << _INDEX_BITS) | i
+    key.sort()
+    for i in range(n):
+        key[i] &= (1 << _INDEX_BITS) - 1
+    return key
+
+
 @njit(cache=True, nogil=True)
 def sorted_rows_lcp(rows, width, lengths):
     """``(order, lcp, any_tied)`` of :func:`prefixattn.block_tree.sorted_rows_lcp` over ``rows[:, :width]``
@@ -135,8 +157,8 @@ def sorted_rows_lcp(rows, width, lengths):
         if first[i] < first[i - 1]:
             in_order = False
             break
-    # Stable (rows of one first entry by index); a table already in order (an engine's batch) needs no sort.
-    order = np.arange(n) if in_order else np.argsort(first, kind="mergesort").astype(np.int64)
+    # Stable (rows of one first entry by index); a table already in order needs no sort.
+    order = np.arange(n) if in_order else _stable_argsort(first)
     lcp = np.zeros(n, dtype=np.int64)
     # Segment stack: (start in order, size, columns known equal).
     st_start = np.empty(n + 1, dtype=np.int64)
