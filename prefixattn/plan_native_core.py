@@ -264,21 +264,8 @@ def work_list(lay, rule, kv_start, kv_end, offsets, members, suffix_start, q_sta
     for t in range(num_tiles):
         t_pieces[t] = _pieces(max(t_hi[t] - t_lo[t], 0), budget, per_sf, grain_sf)
     # ---- states per request (shared ones numbered node by node, top-down) and merge units
-    shared_states = np.zeros(num_reqs, dtype=np.int64)
-    slot_base = np.empty(members.shape[0], dtype=np.int64)
-    for k in range(num_nodes):
-        for m in range(offsets[k], offsets[k + 1]):
-            slot_base[m] = shared_states[members[m]]
-            shared_states[members[m]] += n_pieces[k]
-    tile_ws_base = np.full(num_tiles, -1, dtype=np.int64)
-    tile_mrow_base = np.full(num_tiles, -1, dtype=np.int64)
-    num_units = num_ws_rows = num_mrows = 0
-    for t in range(num_tiles):
-        if shared_states[t_req[t]] > 0 or t_pieces[t] > 1:
-            tile_ws_base[t], tile_mrow_base[t] = num_ws_rows, num_mrows
-            num_ws_rows += (shared_states[t_req[t]] + t_pieces[t]) * t_rows[t]
-            num_mrows += t_rows[t]
-            num_units += 1
+    shared_states, slot_base, tile_ws_base, tile_mrow_base, num_units, num_ws_rows, num_mrows = _merge_units(
+        offsets, members, n_pieces, t_req, t_rows, t_pieces, num_reqs)
     num_shared = num_gather = num_suffix = 0
     for k in range(num_nodes):
         num_shared += n_pieces[k] * _cdiv(node_rows[k], rows_per_shared)
@@ -320,6 +307,29 @@ def work_list(lay, rule, kv_start, kv_end, offsets, members, suffix_start, q_sta
     _longest_first(items, i_kv0, i_kv1)
     return (flat, items, gather, mrows, num_ws_rows, num_units,
             _critical_path(items, i_kv0, i_kv1, num_kv_heads, num_sms))
+
+
+@njit(cache=True, nogil=True)
+def _merge_units(offsets, members, n_pieces, t_req, t_rows, t_pieces, num_reqs):
+    """Shared states per request and each membership's first slot (node by node, top-down), and the merge units:
+    suffix tiles with more than one state, their workspace and merge-row bases (-1: no unit)."""
+    num_nodes, num_tiles = n_pieces.shape[0], t_req.shape[0]
+    shared_states = np.zeros(num_reqs, dtype=np.int64)
+    slot_base = np.empty(members.shape[0], dtype=np.int64)
+    for k in range(num_nodes):
+        for m in range(offsets[k], offsets[k + 1]):
+            slot_base[m] = shared_states[members[m]]
+            shared_states[members[m]] += n_pieces[k]
+    tile_ws_base = np.full(num_tiles, -1, dtype=np.int64)
+    tile_mrow_base = np.full(num_tiles, -1, dtype=np.int64)
+    num_units = num_ws_rows = num_mrows = 0
+    for t in range(num_tiles):
+        if shared_states[t_req[t]] > 0 or t_pieces[t] > 1:
+            tile_ws_base[t], tile_mrow_base[t] = num_ws_rows, num_mrows
+            num_ws_rows += (shared_states[t_req[t]] + t_pieces[t]) * t_rows[t]
+            num_mrows += t_rows[t]
+            num_units += 1
+    return shared_states, slot_base, tile_ws_base, tile_mrow_base, num_units, num_ws_rows, num_mrows
 
 
 @njit(cache=True, nogil=True)

@@ -145,6 +145,59 @@ def _stable_argsort(first):
 
 
 @njit(cache=True, nogil=True)
+def _refine_segment(rows, lengths, width, order, lcp, st_start, st_size, st_depth, top, side, mkey, va, mfull, elems,
+                    perm, key, tmp):
+    """Order the segment on top of the stack (entry ``top``, popped) around its leader, set its neighbours' LCPs
+    and push its tie groups; returns the new stack size."""
+    s0, size, known = st_start[top], st_size[top], st_depth[top]
+    leader = order[s0]
+    ll = lengths[leader]
+    for k in range(size):
+        e = order[s0 + k]
+        elems[k] = e
+        perm[k] = k
+        if k == 0:
+            side[k], mkey[k], va[k], mfull[k] = 1, 0, 0, _INT64_MAX
+            continue
+        la = lengths[e]
+        minlen = min(la, ll)
+        m = _mismatch(rows, e, leader, min(known, minlen), minlen)
+        if m < minlen:
+            v, vl = np.int64(rows[e, m]), np.int64(rows[leader, m])
+            mstar = m
+        elif la != ll:
+            mstar = minlen
+            v = _PAD if la < ll else np.int64(rows[e, m])
+            vl = _PAD if la > ll else np.int64(rows[leader, m])
+        else:  # identical padded rows: the row index decides
+            mstar = width
+            v, vl = e, leader
+        s = 2 if v > vl else 0
+        side[k], mkey[k], va[k] = s, (-mstar if s == 2 else mstar), v
+        mfull[k] = mstar
+    _sort_keys(perm[:size], side, mkey, va, key, tmp)
+    for k in range(size):
+        order[s0 + k] = elems[perm[k]]
+    # LCPs of neighbours (a tie group's inner ones are refined when it is processed), then the tie groups.
+    g = 0
+    for k in range(size):
+        p = perm[k]
+        if k > 0:
+            q = perm[k - 1]
+            lcp[s0 + k] = min(min(mfull[p], mfull[q]), min(lengths[elems[p]], lengths[elems[q]]))
+            if not (side[p] == side[q] and mkey[p] == mkey[q] and va[p] == va[q]):
+                if k - g >= 2 and side[q] != 1:
+                    st_start[top], st_size[top], st_depth[top] = s0 + g, k - g, mfull[q]
+                    top += 1
+                g = k
+    q = perm[size - 1]
+    if size - g >= 2 and side[q] != 1:
+        st_start[top], st_size[top], st_depth[top] = s0 + g, size - g, mfull[q]
+        top += 1
+    return top
+
+
+@njit(cache=True, nogil=True)
 def sorted_rows_lcp(rows, width, lengths):
     """``(order, lcp, any_tied)`` of :func:`prefixattn.block_tree.sorted_rows_lcp` over ``rows[:, :width]``
     (``lcp`` all 0 when nothing is tied: the numpy function returns None there)."""
@@ -187,52 +240,8 @@ def sorted_rows_lcp(rows, width, lengths):
     tmp = np.empty(n, dtype=np.int64)
     key = np.empty(n, dtype=np.int64)
     while top > 0:
-        top -= 1
-        s0, size, known = st_start[top], st_size[top], st_depth[top]
-        leader = order[s0]
-        ll = lengths[leader]
-        for k in range(size):
-            e = order[s0 + k]
-            elems[k] = e
-            perm[k] = k
-            if k == 0:
-                side[k], mkey[k], va[k], mfull[k] = 1, 0, 0, _INT64_MAX
-                continue
-            la = lengths[e]
-            minlen = min(la, ll)
-            m = _mismatch(rows, e, leader, min(known, minlen), minlen)
-            if m < minlen:
-                v, vl = np.int64(rows[e, m]), np.int64(rows[leader, m])
-                mstar = m
-            elif la != ll:
-                mstar = minlen
-                v = _PAD if la < ll else np.int64(rows[e, m])
-                vl = _PAD if la > ll else np.int64(rows[leader, m])
-            else:  # identical padded rows: the row index decides
-                mstar = width
-                v, vl = e, leader
-            s = 2 if v > vl else 0
-            side[k], mkey[k], va[k] = s, (-mstar if s == 2 else mstar), v
-            mfull[k] = mstar
-        _sort_keys(perm[:size], side, mkey, va, key, tmp)
-        for k in range(size):
-            order[s0 + k] = elems[perm[k]]
-        # LCPs of neighbours (a tie group's inner ones are refined when it is processed), then the tie groups.
-        g = 0
-        for k in range(size):
-            p = perm[k]
-            if k > 0:
-                q = perm[k - 1]
-                lcp[s0 + k] = min(min(mfull[p], mfull[q]), min(lengths[elems[p]], lengths[elems[q]]))
-                if not (side[p] == side[q] and mkey[p] == mkey[q] and va[p] == va[q]):
-                    if k - g >= 2 and side[q] != 1:
-                        st_start[top], st_size[top], st_depth[top] = s0 + g, k - g, mfull[q]
-                        top += 1
-                    g = k
-        q = perm[size - 1]
-        if size - g >= 2 and side[q] != 1:
-            st_start[top], st_size[top], st_depth[top] = s0 + g, size - g, mfull[q]
-            top += 1
+        top = _refine_segment(rows, lengths, width, order, lcp, st_start, st_size, st_depth, top - 1, side, mkey,
+                              va, mfull, elems, perm, key, tmp)
     return order, lcp, True
 
 
