@@ -36,11 +36,20 @@ def _differ(a, b):
 
 
 @njit(cache=True, nogil=True)
-def _mismatch(rows, a, b, start, stop):
+def _mismatch(rows, a, b, start, stop, hint):
     """First column in ``[start, stop)`` where rows ``a`` and ``b`` differ, ``stop`` if none.
 
-    Chunks of doubling size from ``_CHUNK`` (a row that differs early costs little, a long shared prefix costs a
-    few vectorized passes); the chunk holding the mismatch is halved down to ``_CHUNK`` columns, then scanned."""
+    ``hint``: where the previous row of the segment left the leader (rows under one shared prefix all leave it at
+    the prefix's end): one vectorized pass confirms it. Otherwise chunks of doubling size from ``_CHUNK`` (a row
+    that differs early costs little, a long shared prefix a few vectorized passes); the chunk holding the mismatch
+    is halved down to ``_CHUNK`` columns, then scanned."""
+    if start < hint < stop:
+        if _differ(rows[a, start:hint], rows[b, start:hint]):
+            stop = hint  # the mismatch is before the hint
+        elif rows[a, hint] != rows[b, hint]:
+            return hint
+        else:
+            start = hint + 1
     j, size = start, _CHUNK
     while j < stop:
         e = min(j + size, stop)
@@ -152,6 +161,7 @@ def _refine_segment(rows, lengths, width, order, lcp, st_start, st_size, st_dept
     s0, size, known = st_start[top], st_size[top], st_depth[top]
     leader = order[s0]
     ll = lengths[leader]
+    hint = -1
     for k in range(size):
         e = order[s0 + k]
         elems[k] = e
@@ -161,8 +171,9 @@ def _refine_segment(rows, lengths, width, order, lcp, st_start, st_size, st_dept
             continue
         la = lengths[e]
         minlen = min(la, ll)
-        m = _mismatch(rows, e, leader, min(known, minlen), minlen)
+        m = _mismatch(rows, e, leader, min(known, minlen), minlen, hint)
         if m < minlen:
+            hint = m
             v, vl = np.int64(rows[e, m]), np.int64(rows[leader, m])
             mstar = m
         elif la != ll:
