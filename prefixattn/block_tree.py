@@ -271,7 +271,7 @@ def block_prefix_tree(block_table: np.ndarray, shareable_lens: np.ndarray | None
         # Shared by the plans of every step that reuses it; read-only always, so the compiled planner sees one
         # array type (numba compiles a variant per writability).
         a.setflags(write=False)
-    if tree.num_nodes:
+    if tree.num_nodes and (compiled is None or rows.size <= COMPILED_CACHE_MAX_ENTRIES):
         # The replaced entry's row buffer is reused (a fresh 2 MB buffer costs its page faults: ~2x the copy).
         same = last is not None and last[0].shape == rows.shape and last[0].dtype == rows.dtype
         buffer = last[0] if same else np.empty(rows.shape, dtype=rows.dtype)
@@ -279,6 +279,11 @@ def block_prefix_tree(block_table: np.ndarray, shareable_lens: np.ndarray | None
         _last_tree.entry = (buffer, num_blocks, tree)
     return tree
 
+
+#: Largest row matrix (entries) the compiled tree keeps in the cache. The compiled build is one vectorized pass over
+#: the shared prefix, as is the cache's check, and keeping the rows costs a copy: past this size (a 256 x 256 table,
+#: ~0.25 MB) the cache would only add that copy (a 263 x 2,056 table: ~45 us per copy on the 2-core host).
+COMPILED_CACHE_MAX_ENTRIES = 1 << 16
 
 #: Per thread, the last tree with nodes, with the rows and block counts it was built from. An engine's decode loop
 #: replans the same shareable rows every step until a request's shareable KV crosses a block boundary (at block
