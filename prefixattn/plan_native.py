@@ -12,7 +12,16 @@ per-call overhead (~0.5-1 us per numpy call, a few hundred calls per plan). The 
 (``cache=True``): the first process compiles them (:func:`compile_planner`, also run by ``prefixattn warmup``), later
 processes load them.
 
-What the compiled path covers is listed in :mod:`prefixattn.plan_native_core`; everything else runs in numpy.
+Per plan() the compiled path makes three compiled calls: the metadata value checks and per-request lengths
+(:mod:`prefixattn.plan_native_checks`; on a failed check the numpy checks run and raise their ``ValueError``), the
+block prefix tree (:mod:`prefixattn.plan_native_tree`, or the tree cache's compiled check), and node choice + split
+rule + work list + staging buffer (:mod:`prefixattn.plan_native_core`). What stays in Python/numpy on that path:
+
+* ``window_left >= 0``: the node choice, :mod:`prefixattn.window` and the work list run in numpy (the tree is still
+  compiled);
+* argument checks (types, shapes, options), the tile choice, the device tensors and the :class:`Plan` object;
+* with a ``workspace``: :meth:`prefixattn.workspace.PlanWorkspace.load` copies the compiled tables (numpy);
+* a block table that is not C-contiguous is copied first (one compiled variant per table dtype, int32 and int64).
 """
 
 from __future__ import annotations
@@ -83,6 +92,8 @@ def check_and_prepare(modules, qo_indptr, kv_lens, block_table, *, block_size, n
 
     indptr, lens, table = host_metadata_arrays(qo_indptr, kv_lens, block_table, block_size=block_size,
                                                num_blocks=num_blocks, table_as_is=True)
+    if not table.flags.c_contiguous:  # a column slice of an engine's table: one copy, not a new compiled variant
+        table = np.ascontiguousarray(table)
     ok, max_block_id, q_len, shareable, sh_blocks, max_q_len = modules[2].check_values(
         indptr, lens, table, block_size, -1 if num_blocks is None else int(num_blocks), causal, sharing == "never")
     if not ok:

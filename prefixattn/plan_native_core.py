@@ -10,7 +10,11 @@ computes what its numpy counterpart does, as loops instead of vectorized passes;
   (:func:`prefixattn.split_rule.critical_path`).
 
 Not compiled (plan() runs the numpy path for them, :mod:`prefixattn.plan_native`): ``window_left >= 0``
-(:mod:`prefixattn.window` between the node choice and the work list). ``tests/test_plan_native.py`` checks that
+(:mod:`prefixattn.window` between the node choice and the work list).
+
+Constants of other modules (table layout, split and cost rules) come in as arguments, never as globals: numba's
+on-disk cache is keyed by this file's own source, so a global from another module would stay compiled in after it
+changed. For the same reason the three compiled modules never call each other. ``tests/test_plan_native.py`` checks that
 both paths give equal Plan fields.
 """
 

@@ -138,6 +138,21 @@ def test_compiled_tree_equals_numpy_tree(seed):
         assert a.dtype == b.dtype and np.array_equal(a, b), f"{name}: {a} vs {b}"
 
 
+def test_strided_table_uses_the_compiled_variants(monkeypatch):
+    """A column slice of a wider table (an engine's persistent table) plans like its contiguous copy, through the
+    variants compiled for C-contiguous arrays (a strided one would be compiled anew, mid-serving)."""
+    from prefixattn import plan_native_core, plan_native_tree
+
+    wide = torch.tensor([[1, 2, 3, 9, 7, 7], [1, 2, 3, 8, 7, 7], [1, 2, 4, 7, 7, 7]], dtype=torch.int32)
+    args = (torch.tensor([0, 1, 2, 3]), torch.tensor([60, 60, 60]), wide[:, :4])
+    opts = dict(block_size=16, num_qo_heads=4, num_kv_heads=2, head_dim=64, sharing="always")
+    ref, got, again = _both(monkeypatch, "dec", args, opts)
+    assert_same_plans(ref, got, "strided table")
+    assert_same_plans(ref, again, "strided table (replanned)")
+    for fn in (plan_native_core.plan_core, plan_native_tree.lcp_interval_tree, plan_native_tree.rows_equal):
+        assert all(a.layout == "C" for sig in fn.signatures for a in sig if hasattr(a, "layout")), fn
+
+
 BAD_INPUTS = [
     ("qo_indptr", (torch.tensor([1, 2]), torch.tensor([4]), torch.zeros((1, 1), dtype=torch.int32)), {}),
     ("kv_lens", (torch.tensor([0, 2]), torch.tensor([1]), torch.zeros((1, 1), dtype=torch.int32)), {}),
