@@ -441,7 +441,8 @@ def plan(
     staged = None
     if compiled and window_left < 0:  # the compiled path (window_left: numpy, plan_native_core's docstring)
         nodes, work, crit, *staged = plan_native.plan_tables(
-            compiled, tree, indptr=indptr, q_len=q_len, kv_len=lens, shareable=shareable, table=table, width=width,
+            compiled, tree, indptr=indptr, q_len=q_len, kv_len=lens, shareable=shareable, table=table,
+            width=width if workspace is None else 0,  # a workspace stages the table itself (PlanWorkspace.load)
             causal=causal, sharing=sharing, block_size=block_size, group=group, head_dim=head_dim,
             elt_bytes=elt_bytes, **tile_args)
     else:

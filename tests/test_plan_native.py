@@ -201,3 +201,22 @@ def test_warmup_compiles_the_planner(monkeypatch):
     monkeypatch.setenv(plan_native.ENV_VAR, "numpy")
     assert prefixattn.warmup_kernels(num_qo_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
                                      dtypes=torch.float16).planner["name"] == "numpy"
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_workspace_plans_equal(monkeypatch, seed):
+    """Plans written into a PlanWorkspace (the engines' path: the workspace stages the tables) are equal too."""
+    from prefixattn.workspace import PlanWorkspace, derive_capacity
+
+    rng = np.random.default_rng(100 + seed)
+    args, _ = random_metadata(rng, num_requests=12, block_size=4, max_q_len=9, levels=2,
+                              table_dtype=(np.int32, np.int64)[seed % 2])
+    opts = dict(block_size=4, num_qo_heads=8, num_kv_heads=2, head_dim=64, sharing=("auto", "always")[seed % 2],
+                num_sms=int(rng.integers(2, 40)), min_split_tokens=8)
+    cap = derive_capacity(max_tokens=max(int(args[0][-1]), 1), max_requests=12, max_blocks_per_request=64,
+                          num_kv_heads=2, num_sms=opts["num_sms"], rows_per_tile=(1, 16), max_shared_levels=3)
+    ws = PlanWorkspace(cap, num_qo_heads=8, head_dim=64, device=torch.device("cpu"))
+    with fixed_config(CONFIGS["dec"]):
+        ref = _fields(_plan_with("numpy", monkeypatch, *args, workspace=ws, **opts))
+        got = _fields(_plan_with("numba", monkeypatch, *args, workspace=ws, **opts))
+    assert not [k for k in ref if ref[k] != got[k]]
