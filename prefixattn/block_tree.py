@@ -229,8 +229,7 @@ def lcp_interval_tree(rows: np.ndarray, lengths: np.ndarray) -> LcpTree:
     return LcpTree(order=order, lcp=lcp, depth=depth, lb=lb, rb=rb, parent=parent)
 
 
-def block_prefix_tree(block_table: np.ndarray, shareable_lens: np.ndarray | None, block_size: int, *,
-                      compiled=None, num_blocks: np.ndarray | None = None) -> LcpTree:
+def block_prefix_tree(block_table: np.ndarray, shareable_lens: np.ndarray, block_size: int) -> LcpTree:
     """Prefix tree over the blocks of each request that hold *shareable* KV positions.
 
     Parameters
@@ -239,40 +238,40 @@ def block_prefix_tree(block_table: np.ndarray, shareable_lens: np.ndarray | None
     shareable_lens : ndarray, ``[num_requests]`` integer
         KV positions of each request that every one of its query rows sees; a request with 0 takes no part.
     block_size : int
-    compiled : module, optional
-        :mod:`prefixattn.plan_native_tree` (numba): the same tree, built and compared by compiled code; the tree
-        cache below is shared by both paths.
-    num_blocks : ndarray, optional, ``[num_requests]`` int64
-        ``ceil(shareable_lens / block_size)`` when the caller has it (``shareable_lens`` is then not read).
 
     Returns
     -------
     LcpTree over the rows ``block_table[r, :ceil(shareable_lens[r] / block_size)]``; a node's ``depth`` is in blocks.
+    The compiled planner builds the same tree (:func:`prefixattn.plan_native_tree.check_and_tree`) and shares the
+    tree cache below (:func:`cached_entry`, :func:`remember_tree`).
     """
-    if num_blocks is None:
-        shareable_lens = np.asarray(shareable_lens, dtype=np.int64)
-        num_blocks = (shareable_lens + block_size - 1) // block_size
+    shareable_lens = np.asarray(shareable_lens, dtype=np.int64)
+    num_blocks = (shareable_lens + block_size - 1) // block_size
     width = int(num_blocks.max()) if num_blocks.shape[0] else 0
-    table = np.asarray(block_table)
-    rows = table[:, :width]
-    last = getattr(_last_tree, "entry", None)
-    if last is not None and last[1].shape == num_blocks.shape and last[0].shape == rows.shape:
-        if compiled is not None and last[0].dtype == table.dtype:
-            same = compiled.rows_equal(last[0], last[1], table, num_blocks)
-        else:
-            same = (last[1] == num_blocks).all() and (last[0] == rows).all()
-        if same:
-            return last[2]
-    if compiled is not None and table.dtype.kind == "i" and table.shape[0] > 1 and width:
-        tree = LcpTree(*compiled.lcp_interval_tree(table, width, num_blocks))
-    else:
-        tree = lcp_interval_tree(rows, num_blocks)
+    rows = np.asarray(block_table)[:, :width]
+    last = cached_entry()
+    if (last is not None and last[1].shape == num_blocks.shape and last[0].shape == rows.shape
+            and (last[1] == num_blocks).all() and (last[0] == rows).all()):
+        return last[2]
+    return remember_tree(rows, num_blocks, lcp_interval_tree(rows, num_blocks))
+
+
+def cached_entry():
+    """This thread's tree cache entry ``(rows, num_blocks, tree)``, or None."""
+    return getattr(_last_tree, "entry", None)
+
+
+def remember_tree(rows: np.ndarray, num_blocks: np.ndarray, tree: LcpTree, *,
+                  max_entries: int | None = None) -> LcpTree:
+    """Freeze ``tree`` and keep it as this thread's last tree when it has nodes (and ``rows`` has at most
+    ``max_entries`` entries); returns ``tree``."""
     for a in (tree.order, tree.lcp, tree.depth, tree.lb, tree.rb, tree.parent):
         # Shared by the plans of every step that reuses it; read-only always, so the compiled planner sees one
         # array type (numba compiles a variant per writability).
         a.setflags(write=False)
-    if tree.num_nodes and (compiled is None or rows.size <= COMPILED_CACHE_MAX_ENTRIES):
+    if tree.num_nodes and (max_entries is None or rows.size <= max_entries):
         # The replaced entry's row buffer is reused (a fresh 2 MB buffer costs its page faults: ~2x the copy).
+        last = cached_entry()
         same = last is not None and last[0].shape == rows.shape and last[0].dtype == rows.dtype
         buffer = last[0] if same else np.empty(rows.shape, dtype=rows.dtype)
         np.copyto(buffer, rows)

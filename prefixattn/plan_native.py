@@ -12,10 +12,10 @@ per-call overhead (~0.5-1 us per numpy call, a few hundred calls per plan). The 
 (``cache=True``): the first process compiles them (:func:`compile_planner`, also run by ``prefixattn warmup``), later
 processes load them.
 
-Per plan() the compiled path makes three compiled calls: the metadata value checks and per-request lengths
-(:mod:`prefixattn.plan_native_checks`; on a failed check the numpy checks run and raise their ``ValueError``), the
-block prefix tree (:mod:`prefixattn.plan_native_tree`, or the tree cache's compiled check), and node choice + split
-rule + work list + staging buffer (:mod:`prefixattn.plan_native_core`). What stays in Python/numpy on that path:
+Per plan() the compiled path makes two compiled calls: the metadata value checks, per-request lengths and the block
+prefix tree or the tree cache's check (:mod:`prefixattn.plan_native_tree`; on a failed check the numpy checks run and
+raise their ``ValueError``), then node choice + split rule + work list + staging buffer
+(:mod:`prefixattn.plan_native_core`). What stays in Python/numpy on that path:
 
 * ``window_left >= 0``: the node choice, :mod:`prefixattn.window` and the work list run in numpy (the tree is still
   compiled);
@@ -34,18 +34,18 @@ import numpy as np
 ENV_VAR = "PREFIXATTN_PLANNER"
 PLANNERS = ("auto", "numba", "numpy")
 
-_modules = None  # (tree, core, checks) modules once imported; False when numba cannot be imported
+_modules = None  # (tree, core) modules once imported; False when numba cannot be imported
 
 
 def _load():
     global _modules
     if _modules is None:
         try:
-            from prefixattn import plan_native_checks, plan_native_core, plan_native_tree
+            from prefixattn import plan_native_core, plan_native_tree
         except ImportError:
             _modules = False
         else:
-            _modules = (plan_native_tree, plan_native_core, plan_native_checks)
+            _modules = (plan_native_tree, plan_native_core)
     return _modules
 
 
@@ -70,7 +70,7 @@ def planner_name(choice: str | None = None) -> str:
 
 
 def compiled_modules():
-    """``(tree, core, checks)`` modules when the numba planner is chosen, else None."""
+    """``(tree, core)`` modules when the numba planner is chosen, else None."""
     return _load() if planner_name() == "numba" else None
 
 
@@ -84,31 +84,39 @@ def _constant_args(core) -> tuple:
     return _constants[0]
 
 
-def check_and_prepare(modules, qo_indptr, kv_lens, block_table, *, block_size, num_blocks, causal, sharing):
-    """:func:`prefixattn.validation.check_host_metadata` (its messages: the numpy checks run when the compiled
-    ones fail) and the per-request lengths plan() derives: ``(indptr, lens, table, max_block_id, q_len, shareable,
-    shareable_blocks, max_q_len)``."""
+_NO_CACHE = {np.dtype(np.int32): np.zeros((0, 0), dtype=np.int32), np.dtype(np.int64): np.zeros((0, 0), dtype=np.int64)}
+_NO_BLOCKS = np.zeros(0, dtype=np.int64)
+
+
+def check_and_tree(modules, qo_indptr, kv_lens, block_table, *, block_size, num_blocks, causal, sharing):
+    """:func:`prefixattn.validation.check_host_metadata` (its messages: the numpy checks run when the compiled ones
+    fail), the per-request lengths plan() derives and the block prefix tree with its cache
+    (:mod:`prefixattn.block_tree`), in one compiled call: ``(indptr, lens, table, max_block_id, q_len, shareable,
+    max_q_len, width, tree)``."""
+    from prefixattn.block_tree import COMPILED_CACHE_MAX_ENTRIES, LcpTree, cached_entry, remember_tree
     from prefixattn.validation import check_host_metadata, host_metadata_arrays
 
     indptr, lens, table = host_metadata_arrays(qo_indptr, kv_lens, block_table, block_size=block_size,
                                                num_blocks=num_blocks, table_as_is=True)
     if not table.flags.c_contiguous:  # a column slice of an engine's table: one copy, not a new compiled variant
         table = np.ascontiguousarray(table)
-    ok, max_block_id, q_len, shareable, sh_blocks, max_q_len = modules[2].check_values(
-        indptr, lens, table, block_size, -1 if num_blocks is None else int(num_blocks), causal, sharing == "never")
+    last = cached_entry()
+    use_cache = last is not None and last[0].dtype == table.dtype and last[1].shape[0] == lens.shape[0]
+    (ok, max_block_id, q_len, shareable, sh_blocks, max_q_len, width, status,
+     *tree_arrays) = modules[0].check_and_tree(indptr, lens, table, block_size,
+                                               -1 if num_blocks is None else int(num_blocks), causal,
+                                               sharing == "never", last[0] if use_cache else _NO_CACHE[table.dtype],
+                                               last[1] if use_cache else _NO_BLOCKS, use_cache)
     if not ok:
         check_host_metadata(qo_indptr, kv_lens, block_table, block_size=block_size, num_blocks=num_blocks,
                             table_as_is=True)  # raises the message
         raise AssertionError("the compiled metadata checks refused a batch the numpy checks accept")
-    return indptr, lens, table, max_block_id, q_len, shareable, sh_blocks, max_q_len
-
-
-def block_tree(modules, table, shareable_blocks):
-    """:func:`prefixattn.block_tree.block_prefix_tree` from the shareable block counts, compiled, with its tree
-    cache."""
-    from prefixattn.block_tree import block_prefix_tree
-
-    return block_prefix_tree(table, None, 1, compiled=modules[0], num_blocks=shareable_blocks)
+    if status == 1:  # the cached tree: the same shareable rows as its step
+        tree = last[2]
+    else:
+        rows = table[:, :int(sh_blocks.max())] if status == 2 else table[:, :0]  # the rows a new tree is of
+        tree = remember_tree(rows, sh_blocks, LcpTree(*tree_arrays), max_entries=COMPILED_CACHE_MAX_ENTRIES)
+    return indptr, lens, table, max_block_id, q_len, shareable, max_q_len, width, tree
 
 
 def plan_tables(modules, tree, *, indptr, q_len, kv_len, shareable, table, width, causal, sharing, block_size,

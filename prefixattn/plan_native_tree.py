@@ -1,4 +1,5 @@
-"""Compiled (numba) block prefix tree: the same order, LCPs and lcp-intervals as :mod:`prefixattn.block_tree`.
+"""Compiled (numba) metadata checks and block prefix tree: the same order, LCPs and lcp-intervals as
+:mod:`prefixattn.block_tree`, the same accept/refuse decisions as :func:`prefixattn.validation.check_host_metadata`.
 
 Imported only when numba is (:mod:`prefixattn.plan_native` chooses); every function is ``@njit(cache=True)``.
 The definitions of what is computed are :func:`prefixattn.block_tree.sorted_rows_lcp` (lexicographic order of the
@@ -10,6 +11,12 @@ tied rows is compared with its first row (the leader) over the columns not yet k
 row before or after the leader by (first mismatch, value there); rows still tied form new segments. Comparisons run
 over chunks of ``_CHUNK`` columns with no early exit inside a chunk, so LLVM vectorizes them (one pass over the
 shared prefix per row per level of sharing).
+
+:func:`check_values` answers only "valid or not" plus what a valid batch yields: on invalid input plan() runs the
+numpy checks, which raise the ``ValueError`` with its message (one definition of every message). The conditions are
+the same: ``qo_indptr[0] == 0``, non-decreasing, its last entry and every ``kv_lens`` entry in ``[0, 2^31)``,
+``kv_lens >= q_len``, enough table columns, every used block id in ``[0, num_blocks)``. :func:`check_and_tree` is
+plan()'s one call for both.
 """
 
 from __future__ import annotations
@@ -330,3 +337,98 @@ def rows_equal(a, a_lengths, b, b_lengths):
         if _differ(a[i, :w], b[i, :w]):
             return False
     return True
+
+
+# ---- metadata value checks (plan()'s, compiled; the messages stay in prefixattn.validation) ----------------
+
+_INT32_MAX = 2 ** 31 - 1
+
+
+@njit(cache=True, nogil=True)
+def _row_bounds(row):
+    """``(min, max)`` of a non-empty 1-D slice (indexed from 0: vectorized)."""
+    lo = row[0]
+    hi = row[0]
+    for k in range(row.shape[0]):
+        lo = min(lo, row[k])
+        hi = max(hi, row[k])
+    return lo, hi
+
+
+@njit(cache=True, nogil=True)
+def check_values(indptr, lens, table, block_size, num_blocks, causal, sharing_never):
+    """Check the metadata's values; derive the planner's per-request lengths.
+
+    Parameters
+    ----------
+    indptr : ``[num_requests + 1]`` int64; lens : ``[num_requests]`` int64; table : ``[num_requests, cols]``
+        int32/int64.
+    num_blocks : int
+        Blocks in the cache, ``-1`` when not given.
+
+    Returns
+    -------
+    ``(ok, max_block_id, q_len, shareable, shareable_blocks, max_q_len)``: ``ok`` False means the numpy checks must
+    run (they raise); ``shareable`` is what plan() shares (``kv_len - q_len`` when causal, else ``kv_len``; 0 without
+    queries) and ``shareable_blocks`` its blocks (all 0 with ``sharing_never``: no tree).
+    """
+    n = lens.shape[0]
+    q_len = np.empty(n, dtype=np.int64)
+    shareable = np.empty(n, dtype=np.int64)
+    sh_blocks = np.empty(n, dtype=np.int64)
+    fail = (False, -1, q_len, shareable, sh_blocks, 0)
+    if indptr[0] != 0 or indptr[n] > _INT32_MAX:
+        return fail
+    max_q_len = 0
+    max_needed = 0
+    for r in range(n):
+        q = indptr[r + 1] - indptr[r]
+        if q < 0 or lens[r] < 0 or lens[r] > _INT32_MAX or lens[r] < q:
+            return fail
+        q_len[r] = q
+        max_q_len = max(max_q_len, q)
+        shareable[r] = (lens[r] - q if causal else lens[r]) if q > 0 else 0
+        sh_blocks[r] = 0 if sharing_never else (shareable[r] + block_size - 1) // block_size
+        max_needed = max(max_needed, (lens[r] + block_size - 1) // block_size)
+    if max_needed > table.shape[1]:
+        return fail
+    upper = num_blocks if num_blocks >= 0 else np.iinfo(np.int64).max
+    max_id = -1
+    for r in range(n):
+        used = (lens[r] + block_size - 1) // block_size
+        if used:
+            lo, hi = _row_bounds(table[r, :used])
+            if lo < 0 or hi >= upper:
+                return fail
+            max_id = max(max_id, np.int64(hi))
+    return True, max_id, q_len, shareable, sh_blocks, max_q_len
+
+
+@njit(cache=True, nogil=True)
+def check_and_tree(indptr, lens, table, block_size, num_blocks, causal, sharing_never, cache_rows, cache_blocks,
+                   use_cache):
+    """:func:`check_values`, then the block prefix tree of the shareable blocks, in one call.
+
+    ``cache_rows``/``cache_blocks``: the tree cache's rows and block counts (``use_cache``: compare with them first).
+    Returns ``(ok, max_block_id, q_len, shareable, shareable_blocks, max_q_len, width, status, order, lcp, depth,
+    lb, rb, parent)``; ``width``: block-table columns the batch reads (at least 1); ``status``: 1 the cached tree
+    applies (the tree arrays are empty), 2 a new tree with nodes, 0 a tree without nodes.
+    """
+    ok, max_id, q_len, shareable, sh_blocks, max_q_len = check_values(indptr, lens, table, block_size, num_blocks,
+                                                                      causal, sharing_never)
+    n = lens.shape[0]
+    width = 1
+    tree_width = 0
+    for r in range(n):
+        width = max(width, (lens[r] + block_size - 1) // block_size)
+        tree_width = max(tree_width, sh_blocks[r])
+    empty = np.zeros(0, dtype=np.int64)
+    if not ok:
+        return (ok, max_id, q_len, shareable, sh_blocks, max_q_len, width, 0, empty, empty, empty, empty, empty,
+                empty)
+    if (use_cache and cache_rows.shape[0] == n and cache_rows.shape[1] == tree_width
+            and rows_equal(cache_rows, cache_blocks, table, sh_blocks)):
+        return ok, max_id, q_len, shareable, sh_blocks, max_q_len, width, 1, empty, empty, empty, empty, empty, empty
+    order, lcp, depth, lb, rb, parent = lcp_interval_tree(table, tree_width, sh_blocks)
+    status = 2 if depth.shape[0] else 0
+    return ok, max_id, q_len, shareable, sh_blocks, max_q_len, width, status, order, lcp, depth, lb, rb, parent

@@ -409,7 +409,7 @@ def plan(
     min_split_tokens = _positive_int("min_split_tokens", min_split_tokens)
     compiled = plan_native.compiled_modules()
     if compiled:
-        indptr, lens, table, max_block_id, q_len, shareable, sh_blocks, max_q_len = plan_native.check_and_prepare(
+        indptr, lens, table, max_block_id, q_len, shareable, max_q_len, width, tree = plan_native.check_and_tree(
             compiled, qo_indptr, kv_lens, block_table, block_size=block_size, num_blocks=num_blocks, causal=causal,
             sharing=sharing)
     else:
@@ -419,6 +419,9 @@ def plan(
         q_len = indptr[1:] - indptr[:-1]
         shareable = np.where(q_len > 0, lens - q_len if causal else lens, 0)
         max_q_len = int(q_len.max()) if q_len.shape[0] else 1
+        width = max(-(-int(lens.max()) // block_size) if lens.shape[0] else 0, 1)  # blocks of the longest request
+        # sharing="never" needs no tree (an empty one keeps Plan.tree well-formed).
+        tree = block_prefix_tree(table, shareable if sharing != "never" else np.zeros_like(shareable), block_size)
     device = canonical_device("device", device if device is not None else block_table.device)
     num_sms = _positive_int("num_sms", num_sms) if num_sms is not None else _default_num_sms(device)
 
@@ -427,12 +430,6 @@ def plan(
     if tiles is None:
         tiles = choose_tiles(head_dim=head_dim, group=group, max_q_len=max(max_q_len, 1), dtype=q_dtype)
     elt_bytes = q_dtype.itemsize
-    width = max(-(-int(lens.max()) // block_size) if lens.shape[0] else 0, 1)  # blocks of the longest request
-
-    if compiled:
-        tree = plan_native.block_tree(compiled, table, sh_blocks)
-    else:  # sharing="never" needs no tree (an empty one keeps Plan.tree well-formed).
-        tree = block_prefix_tree(table, shareable if sharing != "never" else np.zeros_like(shareable), block_size)
     window_left = check_window_left(window_left, causal)
     tile_args = dict(rows_per_shared=tiles.rows_per_shared_tile(group),
                      rows_per_suffix=tiles.rows_per_suffix_tile(group), block_n_shared=tiles.block_n_shared,

@@ -149,7 +149,7 @@ def test_strided_table_uses_the_compiled_variants(monkeypatch):
     ref, got, again = _both(monkeypatch, "dec", args, opts)
     assert_same_plans(ref, got, "strided table")
     assert_same_plans(ref, again, "strided table (replanned)")
-    for fn in (plan_native_core.plan_core, plan_native_tree.lcp_interval_tree, plan_native_tree.rows_equal):
+    for fn in (plan_native_core.plan_core, plan_native_tree.check_and_tree):
         assert all(a.layout == "C" for sig in fn.signatures for a in sig if hasattr(a, "layout")), fn
 
 
