@@ -28,12 +28,14 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 
 import numpy as np
 
 ENV_VAR = "PREFIXATTN_PLANNER"
 PLANNERS = ("auto", "numba", "numpy")
 
+_numba_error: type = Exception  # numba.core.errors.NumbaError once numba is imported
 _modules = None  # (tree, core) modules once imported; False when numba cannot be imported
 
 
@@ -41,12 +43,33 @@ def _load():
     global _modules
     if _modules is None:
         try:
+            from numba.core.errors import NumbaError
+
             from prefixattn import plan_native_core, plan_native_tree
         except ImportError:
             _modules = False
         else:
+            global _numba_error
+            _numba_error = NumbaError
             _modules = (plan_native_tree, plan_native_core)
     return _modules
+
+
+def _compiled(fn, *args):
+    """``fn(*args)``; under ``PREFIXATTN_PLANNER=auto`` a numba compile error (an incompatible numba or numpy)
+    switches this process to the numpy planner with a warning and returns None (the callers then plan in numpy:
+    the same results)."""
+    try:
+        return fn(*args)
+    except _numba_error as e:
+        if os.environ.get(ENV_VAR, "auto") != "auto":
+            raise
+        global _modules
+        _modules = False
+        warnings.warn(f"prefixattn: the compiled planner failed to compile ({type(e).__name__}: "
+                      f"{str(e).splitlines()[0] if str(e) else ''}); plan() uses the numpy planner "
+                      f"(same results; {ENV_VAR}=numpy skips numba)", RuntimeWarning, stacklevel=3)
+        return None
 
 
 def numba_available() -> bool:
@@ -92,7 +115,7 @@ def check_and_tree(modules, qo_indptr, kv_lens, block_table, *, block_size, num_
     """:func:`prefixattn.validation.check_host_metadata` (its messages: the numpy checks run when the compiled ones
     fail), the per-request lengths plan() derives and the block prefix tree with its cache
     (:mod:`prefixattn.block_tree`), in one compiled call: ``(indptr, lens, table, max_block_id, q_len, shareable,
-    max_q_len, width, tree)``."""
+    max_q_len, width, tree)``; None when it failed to compile (:func:`_compiled`)."""
     from prefixattn.block_tree import COMPILED_CACHE_MAX_ENTRIES, LcpTree, cached_entry, remember_tree
     from prefixattn.validation import check_host_metadata, host_metadata_arrays
 
@@ -102,11 +125,13 @@ def check_and_tree(modules, qo_indptr, kv_lens, block_table, *, block_size, num_
         table = np.ascontiguousarray(table)
     last = cached_entry()
     use_cache = last is not None and last[0].dtype == table.dtype and last[1].shape[0] == lens.shape[0]
-    (ok, max_block_id, q_len, shareable, sh_blocks, max_q_len, width, status,
-     *tree_arrays) = modules[0].check_and_tree(indptr, lens, table, block_size,
-                                               -1 if num_blocks is None else int(num_blocks), causal,
-                                               sharing == "never", last[0] if use_cache else _NO_CACHE[table.dtype],
-                                               last[1] if use_cache else _NO_BLOCKS, use_cache)
+    out = _compiled(modules[0].check_and_tree, indptr, lens, table, block_size,
+                    -1 if num_blocks is None else int(num_blocks), causal, sharing == "never",
+                    last[0] if use_cache else _NO_CACHE[table.dtype], last[1] if use_cache else _NO_BLOCKS,
+                    use_cache)
+    if out is None:
+        return None
+    ok, max_block_id, q_len, shareable, sh_blocks, max_q_len, width, status, *tree_arrays = out
     if not ok:
         check_host_metadata(qo_indptr, kv_lens, block_table, block_size=block_size, num_blocks=num_blocks,
                             table_as_is=True)  # raises the message
@@ -123,7 +148,8 @@ def plan_tables(modules, tree, *, indptr, q_len, kv_len, shareable, table, width
                 group, head_dim, elt_bytes, rows_per_shared, rows_per_suffix, block_n_shared, block_n_suffix,
                 num_kv_heads, num_sms, min_split_tokens):
     """:func:`prefixattn.planner.select_shared_nodes`, :func:`prefixattn.work_list.build_work_list` and the staging
-    buffer in one compiled call: ``(SharedNodes, WorkList, critical_path, flat, table_fits)``; ``flat`` is
+    buffer in one compiled call: ``(SharedNodes, WorkList, critical_path, flat, table_fits)`` (None when it failed to
+    compile, :func:`_compiled`); ``flat`` is
     :func:`prefixattn.planner._metadata_to_device`'s host buffer (the table's used columns last when they fit int32).
     """
     from prefixattn.work_list import SharedNodes, WorkList
@@ -134,9 +160,12 @@ def plan_tables(modules, tree, *, indptr, q_len, kv_len, shareable, table, width
     params = np.array([causal, _SHARING_CODES[sharing], block_size, group, head_dim, elt_bytes, rows_per_shared,
                        rows_per_suffix, block_n_shared, block_n_suffix, num_kv_heads, num_sms, min_split_tokens,
                        state_bytes, width], dtype=np.int64)
+    out = _compiled(core.plan_core, lay, rule, params, tree.order, tree.depth, tree.lb, tree.rb, tree.parent, indptr,
+                    q_len, kv_len, shareable, table)
+    if out is None:
+        return None
     (kv_start, kv_end, depth_blocks, offsets, members, flat, items, gather, mrows, fits, num_ws_rows, num_units,
-     crit) = core.plan_core(lay, rule, params, tree.order, tree.depth, tree.lb, tree.rb, tree.parent, indptr, q_len,
-                            kv_len, shareable, table)
+     crit) = out
     nodes = SharedNodes(kv_start=kv_start, kv_end=kv_end, depth_blocks=depth_blocks, offsets=offsets,
                         members=members)
     work = WorkList(items=items, gather=gather, mrows=mrows, num_ws_rows=num_ws_rows, num_units=num_units)

@@ -408,10 +408,11 @@ def plan(
     check_head_dim("head_dim", head_dim)
     min_split_tokens = _positive_int("min_split_tokens", min_split_tokens)
     compiled = plan_native.compiled_modules()
-    if compiled:
-        indptr, lens, table, max_block_id, q_len, shareable, max_q_len, width, tree = plan_native.check_and_tree(
-            compiled, qo_indptr, kv_lens, block_table, block_size=block_size, num_blocks=num_blocks, causal=causal,
-            sharing=sharing)
+    # None: no compiled planner, or (PREFIXATTN_PLANNER=auto) it failed to compile: numpy, same results.
+    checked = compiled and plan_native.check_and_tree(compiled, qo_indptr, kv_lens, block_table, block_size=block_size,
+                                                      num_blocks=num_blocks, causal=causal, sharing=sharing)
+    if checked:
+        indptr, lens, table, max_block_id, q_len, shareable, max_q_len, width, tree = checked
     else:
         indptr, lens, table, max_block_id = check_host_metadata(qo_indptr, kv_lens, block_table,
                                                                 block_size=block_size, num_blocks=num_blocks,
@@ -435,13 +436,16 @@ def plan(
                      rows_per_suffix=tiles.rows_per_suffix_tile(group), block_n_shared=tiles.block_n_shared,
                      block_n_suffix=tiles.block_n_suffix, num_kv_heads=num_kv_heads, num_sms=num_sms,
                      min_split_tokens=min_split_tokens)
+    compiled = plan_native.compiled_modules()  # None now if the compiled checks just failed to compile
+    # The compiled path (window_left: numpy, plan_native_core's docstring); None as above.
+    tables = compiled and window_left < 0 and plan_native.plan_tables(
+        compiled, tree, indptr=indptr, q_len=q_len, kv_len=lens, shareable=shareable, table=table,
+        width=width if workspace is None else 0,  # a workspace stages the table itself (PlanWorkspace.load)
+        causal=causal, sharing=sharing, block_size=block_size, group=group, head_dim=head_dim,
+        elt_bytes=elt_bytes, **tile_args)
     staged = None
-    if compiled and window_left < 0:  # the compiled path (window_left: numpy, plan_native_core's docstring)
-        nodes, work, crit, *staged = plan_native.plan_tables(
-            compiled, tree, indptr=indptr, q_len=q_len, kv_len=lens, shareable=shareable, table=table,
-            width=width if workspace is None else 0,  # a workspace stages the table itself (PlanWorkspace.load)
-            causal=causal, sharing=sharing, block_size=block_size, group=group, head_dim=head_dim,
-            elt_bytes=elt_bytes, **tile_args)
+    if tables:
+        nodes, work, crit, *staged = tables
     else:
         nodes, work = _numpy_tables(tree, q_start=q_start, q_len=q_len, lens=lens, shareable=shareable, causal=causal,
                                     sharing=sharing, block_size=block_size, group=group, head_dim=head_dim,

@@ -220,3 +220,27 @@ def test_workspace_plans_equal(monkeypatch, seed):
         ref = _fields(_plan_with("numpy", monkeypatch, *args, workspace=ws, **opts))
         got = _fields(_plan_with("numba", monkeypatch, *args, workspace=ws, **opts))
     assert not [k for k in ref if ref[k] != got[k]]
+
+
+def test_auto_falls_back_to_numpy_when_numba_fails_to_compile(monkeypatch):
+    """PREFIXATTN_PLANNER=auto: a numba compile error (an incompatible numba) warns once and plans in numpy, the
+    same plan; PREFIXATTN_PLANNER=numba raises it."""
+    from numba.core.errors import TypingError
+
+    from prefixattn import plan_native_core
+
+    def broken(*args):
+        raise TypingError("no implementation")
+
+    args = (torch.tensor([0, 1, 2, 3]), torch.tensor([60, 60, 60]),
+            torch.tensor([[1, 2, 3, 9], [1, 2, 3, 8], [1, 2, 4, 7]], dtype=torch.int32))
+    opts = dict(block_size=16, num_qo_heads=4, num_kv_heads=2, head_dim=64, sharing="always")
+    ref = _plan_with("numpy", monkeypatch, *args, **opts)
+    monkeypatch.setattr(plan_native_core, "plan_core", broken)
+    with pytest.raises(TypingError):
+        _plan_with("numba", monkeypatch, *args, **opts)
+    monkeypatch.setattr(plan_native, "_modules", plan_native._load())  # restored after the test
+    with pytest.warns(RuntimeWarning, match="the compiled planner failed to compile"):
+        got = _plan_with("auto", monkeypatch, *args, **opts)
+    assert_same_plans(ref, got, "fallback")
+    assert plan_native.planner_name() == "numpy"
