@@ -31,7 +31,7 @@ def _fields(p) -> dict:
     w, t, n = p.work, p.tree, p.nodes
     out = dict(num_tokens=p.num_tokens, num_requests=p.num_requests, tiles=p.tiles, has_shared=p.has_shared,
                max_block_id=p.max_block_id, stats=sorted(p.stats.items()), num_ws_rows=w.num_ws_rows,
-               num_units=w.num_units, use_fp32_dot=p.use_fp32_dot, sm_scale=p.sm_scale)
+               num_units=w.num_units, use_fp32_dot=p.use_fp32_dot, sm_scale=p.sm_scale, kv_dtype=p.kv_dtype)
     arrays = dict(items=w.items, gather=w.gather, mrows=w.mrows, order=t.order, lcp=t.lcp, depth=t.depth, lb=t.lb,
                   rb=t.rb, parent=t.parent, kv_start=n.kv_start, kv_end=n.kv_end, depth_blocks=n.depth_blocks,
                   offsets=n.offsets, members=n.members)
@@ -110,6 +110,8 @@ def test_random_batches_equal(monkeypatch, seed):
         opts.update(num_sms=int(rng.integers(1, 9)), min_split_tokens=int(rng.choice([1, 8, 64])))
     if seed % 2:
         opts.update(num_blocks=num_ids + 5)
+    if seed % 6 == 4:  # an fp8 cache: the cost rule prices KV at 1 byte (kv_dtype) in both planners
+        opts.update(kv_dtype=(torch.float8_e4m3fn, torch.float8_e5m2)[seed % 4 // 2])
     if opts["causal"] and seed % 7 == 0:  # windows: the compiled tree, then the numpy node choice and work list
         opts.update(window_left=int(rng.integers(0, 3 * block_size)))
     ref, got, again = _both(monkeypatch, ("dec", "pre")[seed % 2], args, opts)
