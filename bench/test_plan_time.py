@@ -116,31 +116,51 @@ def _report_times(results, provider, label, times):
         results.add(TARGETS_BENCHMARK, provider, label, metric, value, "us", device="host-cpu")
 
 
+#: How the headline batches are planned: the free ``prefixattn.plan()`` (new device tables per plan) and an engine's
+#: ``PrefixSharedAttention.plan()`` into its capacity workspace (what the vLLM/SGLang backends run every step).
+PLAN_APIS = ("plan", "wrapper")
+
+
+def _planner(api: str, shape, batch, steps, kwargs):
+    """``plan(qo_indptr, kv_lens, block_table)`` for ``api``: the wrapper sized to the decode loop's largest step."""
+    if api == "plan":
+        return lambda *metadata: prefixattn.plan(*metadata, **kwargs)
+    attn = prefixattn.PrefixSharedAttention(
+        num_qo_heads=shape.num_qo_heads, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
+        block_size=shape.block_size, q_dtype=batch.dtype, max_tokens=int(batch.qo_indptr[-1]),
+        max_requests=batch.kv_lens.shape[0], max_blocks_per_request=int(steps[-1][2].shape[1]))
+    return lambda *metadata: attn.plan(*metadata, num_blocks=kwargs["num_blocks"])
+
+
+@pytest.mark.parametrize("api", PLAN_APIS)
 @pytest.mark.parametrize("shape", HEADLINE_SHAPES, ids=lambda s: s.paper)
-def test_plan_time_decode256(results, shape):
+def test_plan_time_decode256(results, shape, api):
     """Issue 16's targets: <= 100 us per cold plan of 256 decodes, <= 50 us per step of a decode loop (reported)."""
     batch = build_batch(shape, metadata_only=True)
     steps, num_blocks = _decode_steps(batch, WARMUP_RUNS + LOOP_STEPS)
     kwargs = dict(block_size=shape.block_size, num_qo_heads=shape.num_qo_heads, num_kv_heads=shape.num_kv_heads,
                   head_dim=shape.head_dim, q_dtype=batch.dtype, num_blocks=num_blocks)
     label = f"{shape.paper} [{shape.name}]"
+    metadata = (batch.qo_indptr, batch.kv_lens, batch.block_table)
     with planning_target(PLAN_TARGET):
+        plan = _planner(api, shape, batch, steps, kwargs)
         for _ in range(WARMUP_RUNS):
-            prefixattn.plan(batch.qo_indptr, batch.kv_lens, batch.block_table, **kwargs)
+            plan(*metadata)
         cold = []
         for _ in range(TIMED_RUNS):
             clear_tree_cache()  # a cold plan: the same batch again would reuse its tree
             start = time.perf_counter()
-            p = prefixattn.plan(batch.qo_indptr, batch.kv_lens, batch.block_table, **kwargs)
+            p = plan(*metadata)
             cold.append(time.perf_counter() - start)
         loop = []
-        for k, (indptr, lens, table) in enumerate(steps):
+        for k, step in enumerate(steps):
             start = time.perf_counter()
-            q = prefixattn.plan(indptr, lens, table, **kwargs)
+            q = plan(*step)
             if k >= WARMUP_RUNS:
                 loop.append(time.perf_counter() - start)
-    _report_times(results, provider_name("prefixattn"), label, cold)
-    _report_times(results, provider_name("prefixattn-decode-loop"), label, loop)
-    results.add(TARGETS_BENCHMARK, provider_name("prefixattn"), label, "shared_nodes", len(p.shared_nodes), "count",
+    base = "prefixattn" if api == "plan" else "prefixattn-wrapper"
+    _report_times(results, provider_name(base), label, cold)
+    _report_times(results, provider_name(f"{base}-decode-loop"), label, loop)
+    results.add(TARGETS_BENCHMARK, provider_name(base), label, "shared_nodes", len(p.shared_nodes), "count",
                 device="host-cpu")
     assert bool(p.shared_nodes) == bool(shape.shared) and bool(q.shared_nodes) == bool(shape.shared)

@@ -469,7 +469,7 @@ def plan(
         dev = _allocate_tables(work, table, width, num_qo_heads=num_qo_heads, head_dim=head_dim, device=device,
                                staged=staged)
     else:
-        dev = _workspace_tables(work, _used_table(table, width), workspace=workspace, num_tokens=int(indptr[-1]),
+        dev = _workspace_tables(work, table, width, workspace=workspace, num_tokens=int(indptr[-1]),
                                 device_block_table=device_block_table)
     num_mrows = work.mrows.shape[0]
 
@@ -510,17 +510,6 @@ def _numpy_tables(tree, *, q_start, q_len, lens, shareable, causal, sharing, blo
     return nodes, work
 
 
-def _used_table(table: np.ndarray, width: int) -> np.ndarray:
-    """The block-table columns the batch reads (``width``, at least 1) as int64; columns the table lacks are 0."""
-    used = np.empty((table.shape[0], width), dtype=np.int64)
-    _copy_table(used, table, min(width, table.shape[1]))
-    return used
-
-
-def _table_fits_int32(table_used: np.ndarray) -> bool:
-    return table_used.size == 0 or int(table_used.max()) <= np.iinfo(np.int32).max
-
-
 def _allocate_tables(work: WorkList, table: np.ndarray, width: int, *, num_qo_heads: int, head_dim: int,
                      device: torch.device, staged=None) -> dict:
     """New device tensors for one plan (the free :func:`plan`): the metadata in one copy
@@ -544,23 +533,27 @@ class CapacityError(ValueError):
         self.capacity = capacity
 
 
-def _workspace_tables(work: WorkList, table_used: np.ndarray, *, workspace: PlanWorkspace, num_tokens: int,
+def _workspace_tables(work: WorkList, table: np.ndarray, width: int, *, workspace: PlanWorkspace, num_tokens: int,
                       device_block_table: torch.Tensor | None) -> dict:
-    """The step's tables in ``workspace``'s fixed buffers: capacity checks, then one non-blocking copy."""
-    reason = workspace.overflow(num_requests=table_used.shape[0], num_tokens=num_tokens,
-                                table_width=table_used.shape[1] if device_block_table is None else 0,
+    """The step's tables in ``workspace``'s fixed buffers: capacity checks, then one non-blocking copy. The block
+    table's first ``width`` columns (the batch's used blocks; columns the table lacks are 0) are staged unless the
+    kernel reads ``device_block_table``."""
+    rows, cols = table.shape[0], min(width, table.shape[1])
+    reason = workspace.overflow(num_requests=rows, num_tokens=num_tokens,
+                                table_width=width if device_block_table is None else 0,
                                 num_items=work.num_items, num_gather=work.gather.shape[0],
                                 num_mrows=work.mrows.shape[0], num_ws_rows=work.num_ws_rows)
     if reason is not None:
         raise CapacityError(reason, reason.split(":", 1)[0])
+    used = table[:, :cols]  # a view: staged straight into the pinned buffer (no int64 copy first)
     if device_block_table is None:
-        if not _table_fits_int32(table_used):
+        if used.size and int(used.max()) > _INT32_MAX:
             raise ValueError(f"block_table: expected block ids below 2**31 with a workspace (int32 table), got "
-                             f"{int(table_used.max())}")
+                             f"{int(used.max())}")
     else:
-        _check_device_table(device_block_table, table_used.shape, workspace.device)
+        _check_device_table(device_block_table, (rows, width), workspace.device)
     dev = workspace.load(items=work.items, gather=work.gather, mrows=work.mrows,
-                         table=table_used if device_block_table is None else None)
+                         table=used if device_block_table is None else None, table_width=width)
     if device_block_table is not None:
         dev["block_table"] = device_block_table
     return dev

@@ -173,11 +173,13 @@ class PlanWorkspace:
                         f"got {got}")
         return None
 
-    def load(self, *, items: np.ndarray, gather: np.ndarray, mrows: np.ndarray, table: np.ndarray | None) -> dict:
+    def load(self, *, items: np.ndarray, gather: np.ndarray, mrows: np.ndarray, table: np.ndarray | None,
+             table_width: int = 0) -> dict:
         """Write one step's int32 tables into the pinned host buffer and move them with one non-blocking copy.
 
-        ``table`` is the used part of the block table ``[num_requests, width]`` (int64 or int32 ids < 2**31), or
-        None when the kernel reads a block table the caller keeps on the device. The caller checked the sizes
+        ``table`` is the used part of the block table ``[num_requests, <= table_width]`` (int64 or int32 ids
+        < 2**31; columns up to ``table_width`` it lacks are staged as 0), or None when the kernel reads a block
+        table the caller keeps on the device. The caller checked the sizes
         (:meth:`overflow`). Returns the device views of the live rows (same ``data_ptr`` at every step).
         """
         if self._copied is not None:
@@ -191,11 +193,12 @@ class PlanWorkspace:
         # Copy everything up to the end of the live metadata (small, capacity-sized sections), then the live table
         # rows (row stride fixed at max_blocks_per_request so a captured launch keeps its stride).
         end = self._offsets["mrows"][0] + mrows.size
-        if table is not None and table.size:
+        if table is not None and table.shape[0] and max(table.shape[1], table_width):
             start, _ = self._offsets["table"]
-            rows, width = table.shape
+            rows, cols = table.shape
             view = h[start:start + rows * c.max_blocks_per_request].reshape(rows, c.max_blocks_per_request)
-            view[:, :width] = table
+            view[:, :cols] = table
+            view[:, cols:max(table_width, cols)] = 0
             end = start + rows * c.max_blocks_per_request
         if self._dev is not self._host:
             self._dev[:end].copy_(self._host[:end], non_blocking=True)
