@@ -403,16 +403,28 @@ def _check_layer(layer) -> bool:
     return causal
 
 
-def _layer_geometries(model_runner) -> list[tuple[int, int, int]]:
-    """``(tp_q_head_num, tp_k_head_num, qk_head_dim)`` of the model's RadixAttention layers (the geometry each
-    layer plans with); empty when the runner has no model (tests that build the backend on a bare pool)."""
+def _attention_layers(model_runner) -> list:
+    """The model's RadixAttention layers; empty when the runner has no model (tests on a bare pool)."""
     model = getattr(model_runner, "model", None)
     if model is None or not hasattr(model, "modules"):
         return []
     from sglang.srt.layers.radix_attention import RadixAttention
 
-    return sorted({(m.tp_q_head_num, m.tp_k_head_num, m.qk_head_dim) for m in model.modules()
-                   if isinstance(m, RadixAttention)})
+    return [m for m in model.modules() if isinstance(m, RadixAttention)]
+
+
+def _layer_geometries(model_runner) -> list[tuple[int, int, int]]:
+    """``(tp_q_head_num, tp_k_head_num, qk_head_dim)`` of the model's RadixAttention layers (the geometry each
+    layer plans with)."""
+    return sorted({(m.tp_q_head_num, m.tp_k_head_num, m.qk_head_dim) for m in _attention_layers(model_runner)})
+
+
+def _fp8_scale_switches(model_runner, pool) -> tuple[bool, ...]:
+    """The ``HAS_KV_SCALE`` values the layers' fp8 launches will have (:func:`_kv_scales`: a float ``k_scale``
+    folds into the softmax scale, so only a ``v_scale != 1`` switches the scaled binary on). The checkpoint's
+    scales are loaded before SGLang builds the backend."""
+    switches = {_kv_scales(m, pool).get("v_scale") not in (None, 1.0) for m in _attention_layers(model_runner)}
+    return tuple(sorted(switches)) or (False,)
 
 
 def warm_up_kernels(model_runner, pool) -> list[WarmupReport]:
@@ -422,7 +434,8 @@ def warm_up_kernels(model_runner, pool) -> list[WarmupReport]:
     graph capture and the server's warm-up request, so no request waits for a Triton compile. The longest query
     chunk is ``--chunked-prefill-size`` (every length the tile tables tell apart when chunking is off). K/V are
     written by the pool's ``set_kv_buffer`` (SGLang's kernel), so only the attention kernel is warmed; q is a slice of
-    the fused qkv projection, K and V separate pool buffers (``SGLANG_LAYOUT``). Skipped when
+    the fused qkv projection, K and V separate pool buffers (``SGLANG_LAYOUT``). An fp8 pool warms the fp8-loading
+    binaries, with and/or without ``HAS_KV_SCALE`` as the layers' scales ask (:func:`_fp8_scale_switches`). Skipped when
     ``$PREFIXATTN_WARMUP`` is 0; nothing is compiled without a GPU. A variant that fails to compile is a
     RuntimeError here, at start-up.
     """
@@ -432,16 +445,18 @@ def warm_up_kernels(model_runner, pool) -> list[WarmupReport]:
     chunk = getattr(server_args, "chunked_prefill_size", None)
     max_q_len = int(chunk) if chunk is not None and chunk > 0 else MAX_DISTINCT_Q_LEN
     device = torch.device(model_runner.device)
-    # q is in the model's dtype; an fp8 pool holds K/V in fp8 (warmup_kernels has no KV-dtype axis yet: the fp8
-    # variants compile at their first launch).
+    # q is in the model's dtype; an fp8 pool holds K/V in fp8 (its own binaries: fp8 loads, maybe HAS_KV_SCALE).
     q_dtype = pool.dtype if pool.dtype in prefixattn.SUPPORTED_DTYPES else getattr(model_runner, "dtype", None)
     if q_dtype is None:
         return []
+    fp8 = pool.dtype in prefixattn.FP8_KV_DTYPES
+    kv = dict(kv_dtypes=pool.dtype, fp8_kv_scales=_fp8_scale_switches(model_runner, pool)) if fp8 else {}
     reports = []
     for num_qo_heads, num_kv_heads, head_dim in _layer_geometries(model_runner):
         report = prefixattn.warmup_kernels(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                                            block_size=int(pool.page_size), dtypes=q_dtype, max_q_len=max_q_len,
-                                           layout=SGLANG_LAYOUT, device=device if device.type == "cuda" else None)
+                                           layout=SGLANG_LAYOUT, device=device if device.type == "cuda" else None,
+                                           **kv)
         if report.failed:
             raise RuntimeError("\n".join(["prefixattn: kernel warm-up failed"] + report.lines()))
         logger.info("%s", "\n".join(report.lines()))

@@ -550,7 +550,9 @@ def warm_up_kernels(builder: "PrefixAttnMetadataBuilder", vllm_config) -> Warmup
     The hook: vLLM builds a group's metadata builder in ``initialize_kv_cache``, after loading the model and before
     ``compile_or_warm_up_model`` (its dummy runs and CUDA graph capture), so no request waits for a Triton
     compile. Steps are at most ``max_num_batched_tokens`` query tokens long; q/k/v are slices of the fused qkv
-    projection and K/V halves of one cache (``VLLM_LAYOUT``), as in :meth:`PrefixAttnImpl.forward`. Skipped when
+    projection and K/V halves of one cache (``VLLM_LAYOUT``), as in :meth:`PrefixAttnImpl.forward`. An fp8 cache
+    (``--kv-cache-dtype fp8*``) warms its own binaries: fp8 loads with the layers' scale tensors (``HAS_KV_SCALE``)
+    and :func:`prefixattn.write_kv`'s quantizing store (vLLM's op writes only 16/32-bit caches here). Skipped when
     ``$PREFIXATTN_WARMUP`` is 0; nothing is compiled without a GPU. A variant that fails to compile here is a RuntimeError at start-up
     (it would fail the first step that needs it).
     """
@@ -559,9 +561,11 @@ def warm_up_kernels(builder: "PrefixAttnMetadataBuilder", vllm_config) -> Warmup
     sched = getattr(vllm_config, "scheduler_config", None)
     max_q_len = int(getattr(sched, "max_num_batched_tokens", None) or MAX_DISTINCT_Q_LEN)
     device = builder.device if torch.device(builder.device).type == "cuda" else None
+    kv_fp8 = builder.kv_dtype in prefixattn.FP8_KV_DTYPES  # write_kv_cache: fp8 caches never take vLLM's op
     config = dict(num_qo_heads=builder.num_qo_heads, num_kv_heads=builder.num_kv_heads, head_dim=builder.head_dim,
-                  block_size=builder.block_size, dtypes=builder.q_dtype, max_q_len=max_q_len,
-                  kv_write=engine_cache_write_op() is None, layout=VLLM_LAYOUT, device=device)
+                  block_size=builder.block_size, dtypes=builder.q_dtype, kv_dtypes=builder.kv_dtype,
+                  max_q_len=max_q_len, kv_write=kv_fp8 or engine_cache_write_op() is None, layout=VLLM_LAYOUT,
+                  device=device)
     key = tuple(sorted((k, str(v)) for k, v in config.items()))
     if key not in _warmed_up:
         report = prefixattn.warmup_kernels(**config)
