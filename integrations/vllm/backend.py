@@ -261,8 +261,10 @@ class PrefixAttnMetadataBuilder(AttentionMetadataBuilder[PrefixAttnMetadata]):
         vLLM's persistent device block table in place; a step beyond its capacity gets a per-step plan()."""
         if self.eager_attn is not None:
             try:
+                # The group's options from the builder (as the fallback's), not only the wrapper's construction
                 return self.eager_attn.plan(inputs.qo_indptr, inputs.kv_lens, inputs.block_table,
-                                            device_block_table=inputs.block_table)
+                                            device_block_table=inputs.block_table, window_left=self.window_left,
+                                            logits_soft_cap=self.logits_soft_cap)
             except prefixattn.CapacityError as err:
                 self.capacity_fallbacks += 1
                 if self.capacity_fallbacks == 1:  # once: a config that schedules past the limits does so often
