@@ -78,6 +78,9 @@ class StepMetadata:
     kv_lens: torch.Tensor
     block_table: torch.Tensor
     plans: dict = field(default_factory=dict)
+    #: ``[batch_size, >= max_blocks]`` int32 on the pool's device: the same block ids, gathered from ``req_to_token``
+    #: on the device (the host copy above is made from it); the eager wrappers' kernels read it in place.
+    device_block_table: torch.Tensor | None = None
     #: A decode step SGLang captures or replays as a CUDA graph (``init_forward_metadata_out_graph``): its plans go
     #: into the backend's graph wrappers (:meth:`PrefixAttnBackend.init_cuda_graph_state`).
     graph: bool = False
@@ -142,6 +145,12 @@ class PrefixAttnBackend(AttentionBackend):
         self.forward_metadata: StepMetadata | None = None
         self.warmup_report = warm_up_kernels(model_runner, pool)
         self._graph: GraphState | None = None  # init_cuda_graph_state
+        #: Eager steps (extend, mixed, decode without a graph) plan into one capacity-sized wrapper per layer geometry
+        #: (made at its first step): ``max_tokens``/``max_requests`` from the runner (:func:`eager_capacity`).
+        self.eager_capacity = eager_capacity(model_runner, pool)
+        self.eager_wrappers: dict = {}
+        #: Eager steps beyond that capacity, planned with a per-step prefixattn.plan() instead.
+        self.capacity_fallbacks = 0
 
     # ------------------------------------------------------------------------------------------------------------
     # Per step (host)
@@ -177,10 +186,12 @@ class PrefixAttnBackend(AttentionBackend):
         max_len = int(kv_lens.max()) if bs else 0
         # Slot ids of the first token of each page; page id = slot // page_size (page_size 1: the slot itself).
         rows = self.req_to_token_pool.req_to_token[forward_batch.req_pool_indices[:bs], :max(max_len, 1)]
-        block_table = rows[:, :: self.page_size].to("cpu", torch.int64)
+        device_table = rows  # a gather: a new contiguous tensor
         if self.page_size > 1:
-            block_table = torch.div(block_table, self.page_size, rounding_mode="floor")
-        self.forward_metadata = StepMetadata(qo_indptr=qo_indptr, kv_lens=kv_lens, block_table=block_table)
+            device_table = torch.div(rows[:, :: self.page_size], self.page_size, rounding_mode="floor")
+        self.forward_metadata = StepMetadata(qo_indptr=qo_indptr, kv_lens=kv_lens,
+                                             block_table=device_table.to("cpu", torch.int64),
+                                             device_block_table=device_table)
 
     def _plan_for(self, layer, q: torch.Tensor, causal: bool, num_blocks: int):
         meta = self.forward_metadata
@@ -195,16 +206,32 @@ class PrefixAttnBackend(AttentionBackend):
         if p is None and meta.graph:
             p = self._graph.plan_new_geometry(key, meta, device=q.device)
         if p is None:
-            p = prefixattn.plan(
-                meta.qo_indptr, meta.kv_lens, meta.block_table, block_size=self.page_size,
-                num_qo_heads=layer.tp_q_head_num, num_kv_heads=layer.tp_k_head_num, head_dim=layer.qk_head_dim,
-                # q's own device: the runner's "cuda" has no index, the plan must match q's "cuda:N".
-                causal=causal, sm_scale=float(layer.scaling), q_dtype=q.dtype, device=q.device,
-                sharing=self.sharing, num_blocks=num_blocks, logits_soft_cap=soft_cap, window_left=window,
-                kv_dtype=self.kv_dtype,
-            )
-            meta.plans[key] = p
+            p = meta.plans[key] = self._plan_eager(key, meta, q.device, num_blocks)
         return p
+
+    def _plan_eager(self, key, meta: StepMetadata, device, num_blocks: int):
+        """An eager step's plan for one layer geometry: into that geometry's capacity-sized wrapper (no device
+        allocation; the step's device block table read in place), or a per-step plan() beyond its capacity."""
+        num_qo_heads, num_kv_heads, head_dim, dtype, scale, causal, soft_cap, window = key
+        # q's own device: the runner's "cuda" has no index, the plan must match q's "cuda:N".
+        opts = dict(block_size=self.page_size, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+                    head_dim=head_dim, causal=causal, sm_scale=scale, q_dtype=dtype, sharing=self.sharing,
+                    logits_soft_cap=soft_cap, window_left=window, kv_dtype=self.kv_dtype)
+        if self.eager_capacity is not None:
+            attn = self.eager_wrappers.get(key)
+            if attn is None:  # once per geometry, at its first eager step
+                attn = self.eager_wrappers[key] = prefixattn.PrefixSharedAttention(
+                    **opts, **self.eager_capacity, max_blocks_per_request=0, device=device)
+            try:
+                return attn.plan(meta.qo_indptr, meta.kv_lens, meta.block_table,
+                                 device_block_table=meta.device_block_table, num_blocks=num_blocks)
+            except prefixattn.CapacityError as err:
+                self.capacity_fallbacks += 1
+                if self.capacity_fallbacks == 1:  # once: a server that exceeds it does so often
+                    logger.warning("prefixattn: a step beyond the eager workspace (%s) is planned with a per-step "
+                                   "prefixattn.plan() (backend.capacity_fallbacks counts them)", err)
+        return prefixattn.plan(meta.qo_indptr, meta.kv_lens, meta.block_table, **opts, device=device,
+                               num_blocks=num_blocks)
 
     # ------------------------------------------------------------------------------------------------------------
     # Per layer (device, no host synchronization)
@@ -366,6 +393,26 @@ def _check_pool_dtype(pool, model_dtype: torch.dtype | None) -> None:
         raise ValueError(f"kv_cache_dtype: expected the model dtype {_dtype_name(model_dtype)} or fp8 (prefixattn "
                          f"reads a float K/V cache in the dtype of q; use --kv-cache-dtype auto, fp8_e4m3 or "
                          f"fp8_e5m2), got {_dtype_name(pool_dtype)}")
+
+
+def eager_capacity(model_runner, pool) -> dict | None:
+    """``max_tokens``/``max_requests`` of the eager wrappers: SGLang's scheduler limits.
+
+    A step's new tokens are at most ``--chunked-prefill-size`` (mixed-chunk decodes count against it too), else
+    ``--max-prefill-tokens``, else the pool's slot count (the bound that always holds: bare runners in tests); a
+    decode step has one per running request. Requests: the runner's ``max_running_requests``, else the request pool's
+    size. Device memory: the partial-state workspace dominates, about ``max_tokens x 3 x num_qo_heads x head_dim x 4``
+    bytes per geometry (8192 tokens, 32 heads of 128: ~0.4 GB; SGLang's FlashInfer backends hold a 384 MB workspace).
+    """
+    server_args = getattr(model_runner, "server_args", None)
+    chunk = getattr(server_args, "chunked_prefill_size", None)
+    prefill = getattr(server_args, "max_prefill_tokens", None)
+    tokens = chunk if chunk is not None and chunk > 0 else prefill if prefill else int(pool.size)
+    requests = getattr(model_runner, "max_running_requests", None) or getattr(model_runner.req_to_token_pool, "size",
+                                                                             None)
+    if not requests or not tokens:
+        return None
+    return dict(max_tokens=max(int(tokens), int(requests)), max_requests=int(requests))
 
 
 def _kv_scales(layer, pool) -> dict:
