@@ -4,7 +4,8 @@ SGLang's radix cache gives requests that share a prompt prefix the *same* KV slo
 their ``req_to_token`` rows are identical. Those rows are exactly a block table: with ``page_size`` 1 every slot is
 a block of one token, with a paged pool the first slot of each page divided by ``page_size`` is the page id. Once
 per forward batch (:meth:`PrefixAttnBackend.init_forward_metadata`) the backend copies those rows to the host and
-builds one :func:`prefixattn.plan`, which finds the shared prefixes; every layer then runs
+builds one plan per layer geometry (into that geometry's capacity-sized wrapper: :meth:`PrefixAttnBackend._plan_eager`,
+or a graph wrapper for captured decode steps), which finds the shared prefixes; every layer then runs
 :func:`prefixattn.attention` with that plan against the pool's buffers viewed as
 ``[num_blocks, page_size, num_kv_heads, head_dim]`` (no copy), after writing the layer's new K/V with the pool's
 own ``set_kv_buffer``.
