@@ -396,19 +396,37 @@ def _check_pool_dtype(pool, model_dtype: torch.dtype | None) -> None:
                          f"fp8_e5m2), got {_dtype_name(pool_dtype)}")
 
 
+def _published_schedule():
+    """SGLang's resolved scheduler settings (``runtime_context.get_schedule()``), or None outside a server."""
+    try:
+        from sglang.srt.runtime_context import get_schedule
+
+        return get_schedule()
+    except (ImportError, ValueError):  # ValueError: "config namespace 'schedule' not published"
+        return None
+
+
+def _schedule_value(model_runner, name: str):
+    """A scheduler setting: the runner's ``server_args`` when it says (the operator's value), else the value SGLang
+    resolved (``--chunked-prefill-size`` left unset is chosen from the GPU's memory at start-up)."""
+    value = getattr(getattr(model_runner, "server_args", None), name, None)
+    return value if value is not None else getattr(_published_schedule(), name, None)
+
+
 def eager_capacity(model_runner, pool) -> dict | None:
     """``max_tokens``/``max_requests`` of the eager wrappers: SGLang's scheduler limits.
 
-    A step's new tokens are at most ``--chunked-prefill-size`` (mixed-chunk decodes count against it too), else
-    ``--max-prefill-tokens``, else the pool's slot count (the bound that always holds: bare runners in tests); a
-    decode step has one per running request. Requests: the runner's ``max_running_requests``, else the request pool's
-    size. Device memory: the partial-state workspace dominates, about ``max_tokens x 3 x num_qo_heads x head_dim x 4``
-    bytes per geometry (8192 tokens, 32 heads of 128: ~0.4 GB; SGLang's FlashInfer backends hold a 384 MB workspace).
+    A step's new tokens are at most the chunked-prefill size (mixed-chunk decodes count against it too), else
+    ``max(--max-prefill-tokens, context length)`` (SGLang admits one request past the prefill budget), else the
+    pool's slot count (the bound that always holds: bare runners in tests); a decode step has one per running
+    request. Requests: the runner's ``max_running_requests``, else the request pool's size. Device memory: the
+    partial-state workspace dominates, about ``max_tokens x 3 x num_qo_heads x head_dim x 4`` bytes per geometry
+    (8192 tokens, 32 heads of 128: ~0.4 GB; SGLang's FlashInfer backends hold a 384 MB workspace).
     """
-    server_args = getattr(model_runner, "server_args", None)
-    chunk = getattr(server_args, "chunked_prefill_size", None)
-    prefill = getattr(server_args, "max_prefill_tokens", None)
-    tokens = chunk if chunk is not None and chunk > 0 else prefill if prefill else int(pool.size)
+    chunk = _schedule_value(model_runner, "chunked_prefill_size")
+    prefill = _schedule_value(model_runner, "max_prefill_tokens")
+    context = getattr(getattr(model_runner, "model_config", None), "context_len", None) or 0
+    tokens = chunk if chunk is not None and chunk > 0 else max(prefill, context) if prefill else int(pool.size)
     requests = getattr(model_runner, "max_running_requests", None) or getattr(model_runner.req_to_token_pool, "size",
                                                                              None)
     if not requests or not tokens:
@@ -489,8 +507,7 @@ def warm_up_kernels(model_runner, pool) -> list[WarmupReport]:
     """
     if not warmup_enabled():
         return []
-    server_args = getattr(model_runner, "server_args", None)
-    chunk = getattr(server_args, "chunked_prefill_size", None)
+    chunk = _schedule_value(model_runner, "chunked_prefill_size")
     max_q_len = int(chunk) if chunk is not None and chunk > 0 else MAX_DISTINCT_Q_LEN
     device = torch.device(model_runner.device)
     # q is in the model's dtype; an fp8 pool holds K/V in fp8 (its own binaries: fp8 loads, maybe HAS_KV_SCALE).

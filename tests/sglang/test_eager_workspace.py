@@ -86,12 +86,24 @@ def test_a_step_beyond_the_runner_limits_falls_back_to_a_per_step_plan(caplog):
     assert "max_requests: expected at most 2" in caplog.text and "capacity_fallbacks" in caplog.text
 
 
-def test_eager_capacity_from_the_runner():
+def test_eager_capacity_from_the_runner(monkeypatch):
+    import integrations.sglang.backend as backend_module
+
     eng = MiniEngine(page_size=4)
     pool = eng.make_pool()
-    runner = eng.runner(pool)  # a bare runner: the pool's slots and the request pool's size
+    runner = eng.runner(pool)  # a bare runner outside a server: the pool's slots and the request pool's size
+    monkeypatch.setattr(backend_module, "_published_schedule", lambda: None)
     assert PrefixAttnBackend(runner).eager_capacity == dict(max_tokens=pool.size,
                                                             max_requests=eng.req_to_token_pool.size)
+    # --chunked-prefill-size unset: the size SGLang resolved at start-up
+    monkeypatch.setattr(backend_module, "_published_schedule",
+                        lambda: types.SimpleNamespace(chunked_prefill_size=96, max_prefill_tokens=16384))
+    runner.server_args = types.SimpleNamespace(chunked_prefill_size=None, max_prefill_tokens=None)
+    runner.max_running_requests = 8
+    assert PrefixAttnBackend(runner).eager_capacity == dict(max_tokens=96, max_requests=8)
+    # chunking off: max(--max-prefill-tokens, context length); decode steps: one token per running request
     runner.server_args = types.SimpleNamespace(chunked_prefill_size=-1, max_prefill_tokens=100)
-    runner.max_running_requests = 300  # decode steps: one token per running request
+    runner.model_config = types.SimpleNamespace(context_len=200)
+    assert PrefixAttnBackend(runner).eager_capacity == dict(max_tokens=200, max_requests=8)
+    runner.max_running_requests = 300
     assert PrefixAttnBackend(runner).eager_capacity == dict(max_tokens=300, max_requests=300)
