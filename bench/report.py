@@ -170,9 +170,13 @@ def _plan_section(rows) -> list[str]:
     more rows than a tile is read once per row tile, and prefill chunks span many tiles, which only this table
     shows (planned bytes equal measured bytes: test_attention_traffic asserts it on every scaled batch)."""
     table: dict = defaultdict(dict)
+    planners = set()
     for r in rows:
         if r["benchmark"] == PLAN:
-            table[(r["shape"], r["provider"])][r["metric"]] = float(r["value"])
+            # Providers name the planner that ran: "prefixattn[numba]" (test_plan_time.provider_name).
+            base, _, planner = r["provider"].partition("[")
+            planners.add(planner.rstrip("]") or "numpy")
+            table[(r["shape"], base)][r["metric"]] = float(r["value"])
     shapes = list(dict.fromkeys(shape for shape, _ in table))
     if not shapes:
         return []
@@ -183,7 +187,8 @@ def _plan_section(rows) -> list[str]:
              "once per tile of its rows, so on mixed batches no tiled kernel reaches the bound. Tiles: the shipped "
              "sm90 (H100) table, as on that GPU (test_plan_time.PLAN_TARGET), not the CPU heuristic.", "",
              "| shape | prefixattn planned / unique | query rows per suffix tile | work items | shared nodes "
-             "| plan time (us, median) | sharing=never planned / unique |", "|---|---|---|---|---|---|---|"]
+             f"| plan time (us, median; planner {'/'.join(sorted(planners))}) | sharing=never planned / unique |",
+             "|---|---|---|---|---|---|---|"]
     for shape in shapes:
         ours, never = table.get((shape, OURS), {}), table.get((shape, OURS + "-nosharing"), {})
 

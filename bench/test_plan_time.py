@@ -20,6 +20,7 @@ import pytest
 
 import prefixattn
 import torch
+from prefixattn import plan_native
 from prefixattn.autotune.lookup import planning_target
 from prefixattn.block_tree import clear_tree_cache
 from shapes import Shape, build_batch, fig8_shapes
@@ -35,6 +36,11 @@ SHAPES = fig8_shapes(scaled=False) + fig8_shapes(scaled=False, gqa=True)
 #: Tiles of the plans: the shipped H100 table (what an H100 runs), not the CPU heuristic "auto" falls back to here;
 #: the tiles set the query rows per tile, hence how often a shared prefix or a prefill chunk's KV is re-read.
 PLAN_TARGET = "sm90"
+
+
+def provider_name(base: str) -> str:
+    """``base[planner]``: the rows name the planner plan() ran (``PREFIXATTN_PLANNER``: the compiled one or numpy)."""
+    return f"{base}[{plan_native.planner_name()}]"
 
 
 def _percentile(values, q):
@@ -57,7 +63,7 @@ def test_plan_time(results, shape, sharing):
             start = time.perf_counter()
             p = prefixattn.plan(batch.qo_indptr, batch.kv_lens, batch.block_table, **kwargs)
             times.append(time.perf_counter() - start)
-    provider = "prefixattn" if sharing == "auto" else "prefixattn-nosharing"
+    provider = provider_name("prefixattn" if sharing == "auto" else "prefixattn-nosharing")
     label = f"{s.paper} [{s.name}]"
     unique = batch.unique_kv_bytes()
     planned = p.kv_bytes_read()
@@ -133,7 +139,8 @@ def test_plan_time_decode256(results, shape):
             q = prefixattn.plan(indptr, lens, table, **kwargs)
             if k >= WARMUP_RUNS:
                 loop.append(time.perf_counter() - start)
-    _report_times(results, "prefixattn", label, cold)
-    _report_times(results, "prefixattn-decode-loop", label, loop)
-    results.add(TARGETS_BENCHMARK, "prefixattn", label, "shared_nodes", len(p.shared_nodes), "count", device="host-cpu")
+    _report_times(results, provider_name("prefixattn"), label, cold)
+    _report_times(results, provider_name("prefixattn-decode-loop"), label, loop)
+    results.add(TARGETS_BENCHMARK, provider_name("prefixattn"), label, "shared_nodes", len(p.shared_nodes), "count",
+                device="host-cpu")
     assert bool(p.shared_nodes) == bool(shape.shared) and bool(q.shared_nodes) == bool(shape.shared)

@@ -20,17 +20,16 @@ with other conventions, and is to move onto this module (issue 18). What that ta
   (a leaf's parent is the deepest interval holding its position) would replace :func:`build_tree`'s loop; the
   planner reads internal nodes with inclusive bounds and no root, :class:`PrefixTree` has a root and leaves.
 
-Sorting is an MSD refinement over rows that still tie (segments), one fixed-size chunk of ids per round, all
-vectorized, driven by chunk hashes (:mod:`prefixattn.chunk_hash`, computed once in one streaming pass). A segment
-whose rows all hash alike on the round's chunk moves on by a chunk with no sort and no id read: crossing a shared
-document costs one hash comparison per row and chunk, so the work grows with the distinct chunks, not the ids. A
-segment whose hashes differ is sorted by the chunk's ids (one byte-string argsort for all such segments at once),
-and the first mismatch of the sorted neighbours inside that chunk gives the exact LCP; rows still tied on the whole
-chunk go on from after it. Ids are compared by their native bytes: any fixed order of the ids gives a valid tree
-order, and skipping a byte swap saves a pass. The order and the LCPs are those of a plain lexicographic sort (they
-do not depend on the hashes) unless two different chunks at the same depth of tied rows had equal hashes, which
-:mod:`prefixattn.chunk_hash` bounds at about 2**-64 per compared pair of token chunks.
-"""
+Sorting is an MSD refinement over rows that still tie (segments), one fixed-size chunk of ids per round, all vectorized,
+driven by chunk hashes (:mod:`prefixattn.chunk_hash`, computed once in one streaming pass). A segment whose rows all
+hash alike on the round's chunk moves on by a chunk with no sort and no id read: crossing a shared document costs one
+hash comparison per row and chunk, so the work grows with the distinct chunks, not the ids. A segment whose hashes
+differ is sorted by the chunk's ids (one integer lexsort for all such segments at once, see :func:`_sort_keys`), and the
+first mismatch of the sorted neighbours inside that chunk gives the exact LCP; rows still tied on the whole chunk go on
+from after it. Ids are compared by their native bytes: any fixed order of the ids gives a valid tree order, and skipping
+a byte swap saves a pass. The order and the LCPs are those of a plain lexicographic sort (they do not depend on the
+hashes) unless two different chunks at the same depth of tied rows had equal hashes, which :mod:`prefixattn.chunk_hash`
+bounds at about 2**-64 per compared pair of token chunks."""
 
 from __future__ import annotations
 
@@ -84,6 +83,43 @@ def _windows(values: np.ndarray, starts: np.ndarray, lengths: np.ndarray, rows: 
     return win, remaining
 
 
+def _sort_keys(key: np.ndarray, seg: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Stable order of the ``[m, C]`` uint32 ``key`` rows by (``seg``, the keys' native bytes, as ``memcmp``), and
+    the id mismatches ``[m - 1, C]`` of the sorted neighbours. ``seg`` is non-decreasing (segments contiguous).
+
+    Rows of a segment agree up to the first column where any of them differs from the segment's first row; the
+    two ids from there (``C - 2`` at the latest), read as one big-endian uint64, order like their bytes, so one
+    two-key integer ``lexsort`` sorts the rows. Only rows tied on (segment, those two ids) whose other ids differ,
+    rare for token chunks, are sorted again by their whole byte strings (a 256-byte string sort is several times
+    slower than the lexsort)."""
+    m, width = key.shape
+    new_seg = np.ones(m, dtype=bool)
+    new_seg[1:] = seg[1:] != seg[:-1]
+    seg_start = np.flatnonzero(new_seg)
+    sizes = np.diff(np.append(seg_start, m))
+    differs = key != key[np.repeat(seg_start, sizes)]
+    col = differs.argmax(axis=1)
+    col[~differs[np.arange(m), col]] = width  # a row equal to its segment's first: no column
+    cut = np.minimum(np.minimum.reduceat(col, seg_start), max(0, width - 2))
+    head_cols = np.repeat(cut, sizes)[:, None] + np.arange(min(2, width), dtype=np.int64)[None, :]
+    head = np.take_along_axis(key, head_cols, axis=1)
+    head = np.ascontiguousarray(head).view(f">u{4 * head.shape[1]}").ravel().astype(np.uint64)
+    order = np.lexsort((head, seg))
+    key, head, seg = key[order], head[order], seg[order]
+    kmis = key[1:] != key[:-1]
+    tied = (seg[1:] == seg[:-1]) & (head[1:] == head[:-1])
+    redo = tied & kmis.any(axis=1)
+    if redo.any():
+        run = np.cumsum(np.concatenate([[True], ~tied]))  # runs of equal (segment, head), numbered
+        pos = np.flatnonzero(np.isin(run, run[1:][redo]))
+        by_bytes = np.argsort(key[pos].view(f"S{4 * width}").ravel(), kind="stable")
+        by_bytes = by_bytes[np.argsort(run[pos][by_bytes], kind="stable")]
+        order[pos] = order[pos][by_bytes]
+        key[pos] = key[pos][by_bytes]
+        kmis = key[1:] != key[:-1]
+    return order, kmis
+
+
 def _sort_chunk(values: np.ndarray, starts: np.ndarray, lengths: np.ndarray, rows: np.ndarray, sub: np.ndarray,
                 seg_id: np.ndarray, depth: int, pair_differ: np.ndarray, pair_lcp: np.ndarray,
                 ended: np.ndarray) -> None:
@@ -92,12 +128,9 @@ def _sort_chunk(values: np.ndarray, starts: np.ndarray, lengths: np.ndarray, row
     ``sub``, whether row ``i`` differs from row ``i - 1`` of its segment, their LCP if so, and whether the row ends
     inside the chunk."""
     key, key_left = _windows(values, starts, lengths, rows[sub], np.full(sub.size, depth, np.int64), CHUNK)
-    # Byte-string sort of the keys, then a stable sort by segment keeps each row in its segment.
-    by_key = np.argsort(key.view(f"S{4 * CHUNK}").ravel(), kind="stable")
-    by_segment = by_key[np.argsort(seg_id[sub][by_key], kind="stable")]
+    by_segment, kmis = _sort_keys(key, seg_id[sub])
     rows[sub] = rows[sub][by_segment]
-    key, key_left = key[by_segment], key_left[by_segment]
-    kmis = key[1:] != key[:-1]
+    key_left = key_left[by_segment]
     kfirst = kmis.argmax(axis=1)
     kdiff = kmis[np.arange(sub.size - 1), kfirst]
     inner = seg_id[sub][1:] == seg_id[sub][:-1]
@@ -171,7 +204,8 @@ def sort_and_lcp(values: np.ndarray, offsets: np.ndarray, lengths: np.ndarray | 
         idx = np.where(whole, first_chunk[rows] + level, 0)
         alike = whole[1:] & whole[:-1]
         if h0.size:
-            alike &= (h0[idx[1:]] == h0[idx[:-1]]) & (h1[idx[1:]] == h1[idx[:-1]])
+            g0, g1 = h0[idx], h1[idx]  # one random gather per row, not two
+            alike &= (g0[1:] == g0[:-1]) & (g1[1:] == g1[:-1])
         to_sort = np.zeros(int(seg_id[-1]) + 1, dtype=bool)
         to_sort[seg_id[1:][~alike & ~new_seg[1:]]] = True
         to_sort[seg_id[~whole]] = True

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from prefixattn import plan_native
 from prefixattn.attention_configs import AttentionTiles, choose_tiles
 from prefixattn.block_tree import LcpTree, block_prefix_tree
 from prefixattn.runtime import interpreter_enabled
@@ -253,28 +254,36 @@ def select_shared_nodes(tree: LcpTree, *, shareable: np.ndarray, q_len: np.ndarr
     return nodes, suffix_start
 
 
-def _metadata_to_device(work: WorkList, table: np.ndarray, width: int, device: torch.device):
+def _metadata_to_device(work: WorkList, table: np.ndarray, width: int, device: torch.device, staged=None):
     """``(num_items, items, gather, mrows, block_table)`` on ``device``: one int32 host buffer, one copy.
 
     The block table's columns past every request's KV (``width`` on) are never read; columns the table lacks are 0.
     It joins the buffer when its ids fit in int32 (int32 tables always do: no scan), else it is copied as int64.
+    ``staged``: ``(buffer, table_fits)`` the compiled planner already wrote in this layout.
     """
     rows, cols = table.shape[0], min(width, table.shape[1])
-    table_fits = table.dtype == np.int32 or rows * cols == 0 or int(table[:, :cols].max()) <= _INT32_MAX
+    if staged is not None:  # the compiled planner wrote the buffer (plan_native.plan_tables)
+        flat, table_fits = staged
+    else:
+        table_fits = table.dtype == np.int32 or rows * cols == 0 or int(table[:, :cols].max()) <= _INT32_MAX
     parts = (work.items, work.gather, work.mrows)
     sizes = [1] + [p.size for p in parts] + [rows * width if table_fits else 0]
     bounds = list(itertools.accumulate(sizes, initial=0))
-    flat = np.empty(max(bounds[-1], 1), dtype=np.int32)
-    flat[0] = work.num_items
-    for k, p in enumerate(parts, start=1):
-        flat[bounds[k]:bounds[k + 1]] = p.ravel()
-    if table_fits:
-        _copy_table(flat[bounds[4]:bounds[5]].reshape(rows, width), table, cols)
-    shapes = [(1,), (-1, K.ITEM_FIELDS), (-1, K.GATHER_FIELDS), (-1, K.MROW_FIELDS), (rows, width if table_fits else 0)]
+    if staged is None:
+        flat = np.empty(max(bounds[-1], 1), dtype=np.int32)
+        flat[0] = work.num_items
+        for k, p in enumerate(parts, start=1):
+            flat[bounds[k]:bounds[k + 1]] = p.ravel()
+        if table_fits:
+            _copy_table(flat[bounds[4]:bounds[5]].reshape(rows, width), table, cols)
+    shapes = [(1,), (parts[0].shape[0], K.ITEM_FIELDS), (parts[1].shape[0], K.GATHER_FIELDS),
+              (parts[2].shape[0], K.MROW_FIELDS), (rows, width if table_fits else 0)]
     # Views of one tensor: every table shares its storage (the interpreter copies a pointer argument's whole
-    # storage; a tensor of a 0-element numpy slice has a 0-byte one).
+    # storage; a tensor of a 0-element numpy slice has a 0-byte one). One as_strided per table (a split and five
+    # views cost ~2x its torch calls).
     dev = torch.from_numpy(flat).to(device)
-    views = [v.view(shape) for v, shape in zip(dev[:bounds[-1]].split(sizes), shapes)]
+    views = [dev.as_strided(shape, (shape[1], 1) if len(shape) == 2 else (1,), bound)
+             for shape, bound in zip(shapes, bounds)]
     if not table_fits:
         table_i64 = np.empty((rows, width), dtype=np.int64)
         _copy_table(table_i64, table, cols)
@@ -405,44 +414,60 @@ def plan(
     check_heads(num_qo_heads, num_kv_heads)
     check_head_dim("head_dim", head_dim)
     min_split_tokens = _positive_int("min_split_tokens", min_split_tokens)
-    indptr, lens, table, max_block_id = check_host_metadata(qo_indptr, kv_lens, block_table, block_size=block_size,
-                                                            num_blocks=num_blocks, table_as_is=True)
+    compiled = plan_native.compiled_modules()
+    # None: no compiled planner, or (PREFIXATTN_PLANNER=auto) it failed to compile: numpy, same results.
+    checked = compiled and plan_native.check_and_tree(compiled, qo_indptr, kv_lens, block_table, block_size=block_size,
+                                                      num_blocks=num_blocks, causal=causal, sharing=sharing)
+    if checked:
+        indptr, lens, table, max_block_id, q_len, shareable, max_q_len, width, tree = checked
+    else:
+        indptr, lens, table, max_block_id = check_host_metadata(qo_indptr, kv_lens, block_table,
+                                                                block_size=block_size, num_blocks=num_blocks,
+                                                                table_as_is=True)
+        q_len = indptr[1:] - indptr[:-1]
+        shareable = np.where(q_len > 0, lens - q_len if causal else lens, 0)
+        max_q_len = int(q_len.max()) if q_len.shape[0] else 1
+        width = max(-(-int(lens.max()) // block_size) if lens.shape[0] else 0, 1)  # blocks of the longest request
+        # sharing="never" needs no tree (an empty one keeps Plan.tree well-formed).
+        tree = block_prefix_tree(table, shareable if sharing != "never" else np.zeros_like(shareable), block_size)
     device = canonical_device("device", device if device is not None else block_table.device)
     num_sms = _positive_int("num_sms", num_sms) if num_sms is not None else _default_num_sms(device)
 
     group = num_qo_heads // num_kv_heads
     q_start = indptr[:-1]
-    q_len = indptr[1:] - indptr[:-1]
-    shareable = np.where(q_len > 0, lens - q_len if causal else lens, 0)
-    max_q_len = int(q_len.max()) if q_len.shape[0] else 1
     if tiles is None:
         tiles = choose_tiles(head_dim=head_dim, group=group, max_q_len=max(max_q_len, 1), dtype=q_dtype)
-    elt_bytes = kv_dtype.itemsize  # the cost rule prices KV bytes
-
-    # sharing="never" needs no tree (an empty one keeps Plan.tree well-formed).
-    tree = block_prefix_tree(table, shareable if sharing != "never" else np.zeros_like(shareable), block_size)
-    nodes, suffix_start = select_shared_nodes(
-        tree, shareable=shareable, q_len=q_len, block_size=block_size,
-        rows_per_shared=tiles.rows_per_shared_tile(group), group=group, head_dim=head_dim, elt_bytes=elt_bytes,
-        sharing=sharing)
+    elt_bytes = kv_dtype.itemsize  # the cost rule prices KV bytes at the cache's dtype
     window_left = check_window_left(window_left, causal)
-    if window_left >= 0:  # share only what every member's window covers
-        nodes, suffix_start = window_shared_nodes(nodes, suffix_start, kv_len=lens, q_len=q_len,
-                                                  window_left=window_left)
-    work = build_work_list(
-        q_start=q_start, q_len=q_len, kv_len=lens, causal=causal, nodes=nodes, suffix_start=suffix_start,
-        rows_per_shared=tiles.rows_per_shared_tile(group), rows_per_suffix=tiles.rows_per_suffix_tile(group),
-        block_n_shared=tiles.block_n_shared, block_n_suffix=tiles.block_n_suffix, num_kv_heads=num_kv_heads,
-        num_sms=num_sms, min_split_tokens=min_split_tokens)
+    tile_args = dict(rows_per_shared=tiles.rows_per_shared_tile(group),
+                     rows_per_suffix=tiles.rows_per_suffix_tile(group), block_n_shared=tiles.block_n_shared,
+                     block_n_suffix=tiles.block_n_suffix, num_kv_heads=num_kv_heads, num_sms=num_sms,
+                     min_split_tokens=min_split_tokens)
+    compiled = plan_native.compiled_modules()  # None now if the compiled checks just failed to compile
+    # The compiled path (window_left: numpy, plan_native_core's docstring); None as above.
+    tables = compiled and window_left < 0 and plan_native.plan_tables(
+        compiled, tree, indptr=indptr, q_len=q_len, kv_len=lens, shareable=shareable, table=table,
+        width=width if workspace is None else 0,  # a workspace stages the table itself (PlanWorkspace.load)
+        causal=causal, sharing=sharing, block_size=block_size, group=group, head_dim=head_dim,
+        elt_bytes=elt_bytes, **tile_args)
+    staged = None
+    if tables:
+        nodes, work, crit, *staged = tables
+    else:
+        nodes, work = _numpy_tables(tree, q_start=q_start, q_len=q_len, lens=lens, shareable=shareable, causal=causal,
+                                    sharing=sharing, block_size=block_size, group=group, head_dim=head_dim,
+                                    elt_bytes=elt_bytes, window_left=window_left, **tile_args)
+        crit = critical_path(work.items[:, K.ITEM_KV_END] - work.items[:, K.ITEM_KV_START],  # both in [0, 2^31)
+                             num_kv_heads=num_kv_heads, num_sms=num_sms)
 
-    width = max(-(-int(lens.max()) // block_size) if lens.shape[0] else 0, 1)  # blocks of the longest request
     if workspace is None and device_block_table is not None:
         raise ValueError("device_block_table: expected a workspace too (the free plan() copies its own table), "
                          "got workspace=None")
     if workspace is not None and not same_device(workspace.device, device):
         raise ValueError(f"workspace: expected the plan's device {device}, got a workspace on {workspace.device}")
     if workspace is None:
-        dev = _allocate_tables(work, table, width, num_qo_heads=num_qo_heads, head_dim=head_dim, device=device)
+        dev = _allocate_tables(work, table, width, num_qo_heads=num_qo_heads, head_dim=head_dim, device=device,
+                               staged=staged)
     else:
         dev = _workspace_tables(work, _used_table(table, width), workspace=workspace, num_tokens=int(indptr[-1]),
                                 device_block_table=device_block_table)
@@ -463,11 +488,26 @@ def plan(
         **dev,
         stats=dict(num_shared_nodes=len(nodes), num_units=work.num_units, num_merge_rows=num_mrows,
                    num_ws_rows=work.num_ws_rows,
-                   num_sms=num_sms, critical_path=critical_path(
-                       work.items[:, K.ITEM_KV_END] - work.items[:, K.ITEM_KV_START],  # both in [0, 2^31)
-                       num_kv_heads=num_kv_heads, num_sms=num_sms)),
+                   num_sms=num_sms, critical_path=crit),
         workspace=workspace, workspace_step=workspace.step if workspace is not None else -1,
     )
+
+
+def _numpy_tables(tree, *, q_start, q_len, lens, shareable, causal, sharing, block_size, group, head_dim, elt_bytes,
+                  window_left, rows_per_shared, rows_per_suffix, block_n_shared, block_n_suffix, num_kv_heads,
+                  num_sms, min_split_tokens):
+    """The numpy planner from the tree to the work list: ``(SharedNodes, WorkList)``."""
+    nodes, suffix_start = select_shared_nodes(
+        tree, shareable=shareable, q_len=q_len, block_size=block_size, rows_per_shared=rows_per_shared, group=group,
+        head_dim=head_dim, elt_bytes=elt_bytes, sharing=sharing)
+    if window_left >= 0:  # share only what every member's window covers
+        nodes, suffix_start = window_shared_nodes(nodes, suffix_start, kv_len=lens, q_len=q_len,
+                                                  window_left=window_left)
+    work = build_work_list(
+        q_start=q_start, q_len=q_len, kv_len=lens, causal=causal, nodes=nodes, suffix_start=suffix_start,
+        rows_per_shared=rows_per_shared, rows_per_suffix=rows_per_suffix, block_n_shared=block_n_shared,
+        block_n_suffix=block_n_suffix, num_kv_heads=num_kv_heads, num_sms=num_sms, min_split_tokens=min_split_tokens)
+    return nodes, work
 
 
 def _used_table(table: np.ndarray, width: int) -> np.ndarray:
@@ -482,10 +522,10 @@ def _table_fits_int32(table_used: np.ndarray) -> bool:
 
 
 def _allocate_tables(work: WorkList, table: np.ndarray, width: int, *, num_qo_heads: int, head_dim: int,
-                     device: torch.device) -> dict:
+                     device: torch.device, staged=None) -> dict:
     """New device tensors for one plan (the free :func:`plan`): the metadata in one copy
     (:func:`_metadata_to_device`), new counters and workspace."""
-    num_items_dev, items, gather, mrows, table_dev = _metadata_to_device(work, table, width, device)
+    num_items_dev, items, gather, mrows, table_dev = _metadata_to_device(work, table, width, device, staged)
     # Workspace only where some rows merge; a 1-element placeholder keeps the kernel's pointers valid otherwise.
     ws_rows = work.num_ws_rows
     return dict(

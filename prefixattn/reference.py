@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -11,24 +12,11 @@ from prefixattn.validation import (check_kv_scale, check_metadata, check_qkv, ch
                                    check_window_left)
 
 
-def reference_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    qo_indptr: torch.Tensor,
-    kv_lens: torch.Tensor,
-    block_table: torch.Tensor,
-    *,
-    causal: bool = True,
-    sm_scale: float | None = None,
-    return_lse: bool = False,
-    compute_dtype: torch.dtype = torch.float32,
-    logits_soft_cap: float | None = None,
-    window_left: int | None = None,
-    sinks: torch.Tensor | None = None,
-    k_scale=None,
-    v_scale=None,
-):
+def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, qo_indptr: torch.Tensor,
+                        kv_lens: torch.Tensor, block_table: torch.Tensor, *, causal: bool = True,
+                        sm_scale: float | None = None, return_lse: bool = False,
+                        compute_dtype: torch.dtype = torch.float32, logits_soft_cap: float | None = None,
+                        window_left: int | None = None, sinks: torch.Tensor | None = None, k_scale=None, v_scale=None):
     """Ragged paged attention computed exactly in ``compute_dtype`` (fp32 by default) with plain torch ops (slow;
     for tests and checks).
 
@@ -84,44 +72,99 @@ def reference_attention(
     indptr, lens, table = check_metadata(
         qo_indptr, kv_lens, block_table, block_size=block_size, num_blocks=k_cache.shape[0], num_tokens=q.shape[0]
     )
+    opts = _check_options(sm_scale=sm_scale, head_dim=head_dim, logits_soft_cap=logits_soft_cap,
+                          window_left=window_left, causal=causal, sinks=sinks, num_qo_heads=num_qo_heads,
+                          k_scale=k_scale, v_scale=v_scale, compute_dtype=compute_dtype, device=q.device)
+    acc = opts.dtype
+    sink_logits = None if sinks is None else sinks.to(acc)
+    out = torch.zeros(q.shape, dtype=acc, device=q.device)
+    lse = torch.full(q.shape[:2], -math.inf, dtype=acc, device=q.device)
+    if sink_logits is not None:  # rows that see nothing still have the sink: (0, sink)
+        lse[:] = sink_logits
+    for r in range(lens.shape[0]):
+        q_start, q_end, kv_len = int(indptr[r]), int(indptr[r + 1]), int(lens[r])
+        if q_end == q_start or kv_len == 0:  # no rows, or rows that see nothing: (0, -inf or the sink) as set
+            continue
+        out[q_start:q_end], lse[q_start:q_end] = _request_attention(
+            q[q_start:q_end].to(acc), k_cache, v_cache, block_ids=table[r], kv_len=kv_len,
+            group=num_qo_heads // num_kv_heads, causal=causal, sink_logits=sink_logits, opts=opts)
+    return (out, lse) if return_lse else out
+
+
+class _Options(NamedTuple):
+    """The checked scalar options of :func:`reference_attention`."""
+
+    scale: float  # logit scale (sm_scale or 1 / sqrt(head_dim))
+    soft_cap: float  # 0: off
+    window: int  # -1: off
+    k_mult: float  # k_scale and v_scale, the dequantization scales of fp8 caches (1 when not given)
+    v_mult: float
+    dtype: torch.dtype  # compute_dtype: arithmetic and output
+
+
+def _check_options(*, sm_scale, head_dim: int, logits_soft_cap, window_left, causal: bool, sinks, num_qo_heads: int,
+                   k_scale, v_scale, compute_dtype, device) -> _Options:
+    """Check the options of :func:`reference_attention` (in this order, which fixes the error a call with several
+    bad options gets); returns them as floats, ints and the dtype."""
     if sm_scale is not None and (isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float, np.floating))
                                  or not math.isfinite(sm_scale)):
         raise ValueError(f"sm_scale: expected a finite float or None, got {sm_scale!r}")
     scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
     soft_cap = check_soft_cap(logits_soft_cap)
     window = check_window_left(window_left, causal)
-    check_sinks(sinks, num_qo_heads, q.device)
-    k_mult, v_mult = (float(check_kv_scale(n, x, q.device)) for n, x in (("k_scale", k_scale), ("v_scale", v_scale)))
-    group = num_qo_heads // num_kv_heads
+    check_sinks(sinks, num_qo_heads, device)
+    k_mult, v_mult = (float(check_kv_scale(n, x, device)) for n, x in (("k_scale", k_scale), ("v_scale", v_scale)))
     if compute_dtype not in (torch.float32, torch.float64):
         raise ValueError(f"compute_dtype: expected torch.float32 or torch.float64, got {compute_dtype}")
-    acc = compute_dtype
-    out = torch.zeros(q.shape, dtype=acc, device=q.device)
-    lse = torch.full(q.shape[:2], -math.inf, dtype=acc, device=q.device)
-    if sinks is not None:  # rows that see nothing still have the sink: (0, sink)
-        lse[:] = sinks.to(acc)
-    for r in range(lens.shape[0]):
-        q_start, q_end, kv_len = int(indptr[r]), int(indptr[r + 1]), int(lens[r])
-        q_len = q_end - q_start
-        if q_len == 0 or kv_len == 0:
-            continue
-        pos = torch.arange(kv_len, device=q.device)
-        block_ids = table[r].to(q.device)[pos // block_size]
-        k = k_cache[block_ids, pos % block_size].to(acc).repeat_interleave(group, dim=1) * k_mult  # [kv_len, h, d]
-        v = v_cache[block_ids, pos % block_size].to(acc).repeat_interleave(group, dim=1) * v_mult
-        logits = torch.einsum("qhd,khd->hqk", q[q_start:q_end].to(acc), k) * scale
-        if soft_cap:
-            logits = soft_cap * torch.tanh(logits / soft_cap)
-        if causal:
-            last_visible = kv_len - q_len + torch.arange(q_len, device=q.device)  # [q_len]
-            hidden = pos.unsqueeze(0) > last_visible.unsqueeze(1)
-            if window >= 0:
-                hidden |= pos.unsqueeze(0) < (last_visible - window).unsqueeze(1)
-            logits = logits.masked_fill(hidden.unsqueeze(0), -math.inf)
-        probs, row_lse = _softmax(logits, None if sinks is None else sinks.to(acc))
-        out[q_start:q_end] = _weighted_values(probs, v)
-        lse[q_start:q_end] = row_lse.transpose(0, 1)
-    return (out, lse) if return_lse else out
+    return _Options(scale=scale, soft_cap=soft_cap, window=window, k_mult=k_mult, v_mult=v_mult,
+                    dtype=compute_dtype)
+
+
+def _request_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, block_ids: torch.Tensor,
+                       kv_len: int, group: int, causal: bool, sink_logits: torch.Tensor | None,
+                       opts: _Options) -> tuple[torch.Tensor, torch.Tensor]:
+    """One request: its query rows ``q`` (``[q_len, h, d]`` in ``opts.dtype``) against its ``kv_len`` KV positions.
+    Returns ``out`` ``[q_len, h, d]`` and ``lse`` ``[q_len, h]``."""
+    k, v = _dequantized_kv(k_cache, v_cache, block_ids=block_ids, kv_len=kv_len, group=group, opts=opts)
+    logits = _masked_logits(q, k, kv_len=kv_len, causal=causal, opts=opts)
+    probs, lse = _softmax(logits, sink_logits)
+    return _weighted_values(probs, v), lse.transpose(0, 1)
+
+
+def _dequantized_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, *, block_ids: torch.Tensor, kv_len: int,
+                    group: int, opts: _Options) -> tuple[torch.Tensor, torch.Tensor]:
+    """One request's K and V, ``[kv_len, num_qo_heads, head_dim]``: position ``p`` read from block
+    ``block_ids[p // block_size]``, row ``p % block_size``, each KV head repeated for its ``group`` query heads,
+    times ``k_scale`` / ``v_scale`` (fp8 dequantization; 1 when not given), in ``opts.dtype``."""
+    block_size = k_cache.shape[1]
+    pos = torch.arange(kv_len, device=k_cache.device)
+    blocks = block_ids.to(k_cache.device)[pos // block_size]
+    k = k_cache[blocks, pos % block_size].to(opts.dtype).repeat_interleave(group, dim=1) * opts.k_mult
+    v = v_cache[blocks, pos % block_size].to(opts.dtype).repeat_interleave(group, dim=1) * opts.v_mult
+    return k, v
+
+
+def _masked_logits(q: torch.Tensor, k: torch.Tensor, *, kv_len: int, causal: bool, opts: _Options) -> torch.Tensor:
+    """``[h, q_len, kv_len]`` logits of one request: ``s = scale * q.k``, soft-capped to ``c * tanh(s / c)``, and
+    ``-inf`` where the key is hidden from the query (see :func:`_hidden`)."""
+    logits = torch.einsum("qhd,khd->hqk", q, k) * opts.scale
+    if opts.soft_cap:
+        logits = opts.soft_cap * torch.tanh(logits / opts.soft_cap)
+    if causal:
+        hidden = _hidden(q_len=q.shape[0], kv_len=kv_len, window=opts.window, device=q.device)
+        logits = logits.masked_fill(hidden.unsqueeze(0), -math.inf)
+    return logits
+
+
+def _hidden(*, q_len: int, kv_len: int, window: int, device) -> torch.Tensor:
+    """``[q_len, kv_len]`` bool, causal: query ``i`` sits at KV position ``p = kv_len - q_len + i`` and sees keys
+    ``p - window .. p`` (``0 .. p`` when ``window`` is -1); every other key is hidden."""
+    pos = torch.arange(kv_len, device=device)
+    last_visible = kv_len - q_len + torch.arange(q_len, device=device)  # [q_len]
+    hidden = pos.unsqueeze(0) > last_visible.unsqueeze(1)
+    if window >= 0:
+        hidden |= pos.unsqueeze(0) < (last_visible - window).unsqueeze(1)
+    return hidden
 
 
 def _softmax(logits: torch.Tensor, sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

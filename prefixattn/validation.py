@@ -203,6 +203,29 @@ def check_host_metadata(
     ``table_as_is``: return ``block_table`` in its own dtype (int32 or int64), a view of a CPU tensor, read-only
     by contract (the planner: a 263 x 2056 table costs ~80 us per int64 copy on the 2-core host).
     """
+    indptr, lens, table = host_metadata_arrays(qo_indptr, kv_lens, block_table, block_size=block_size,
+                                               num_blocks=num_blocks, table_as_is=table_as_is)
+    num_reqs = lens.shape[0]
+    _check_ranges(indptr, lens, num_tokens)
+    blocks_needed = (lens + block_size - 1) // block_size
+    max_blocks = int(blocks_needed.max()) if num_reqs else 0
+    if max_blocks > table.shape[1]:
+        r = int(np.argmax(blocks_needed))
+        raise ValueError(
+            f"block_table: expected at least {max_blocks} columns (kv_lens[{r}]={lens[r]} with "
+            f"block_size={block_size}), got {table.shape[1]}"
+        )
+    max_block_id = -1
+    if num_reqs and max_blocks:
+        max_block_id = _used_id_bounds(table[:, :max_blocks], blocks_needed, num_blocks)
+    return indptr, lens, table, max_block_id
+
+
+def host_metadata_arrays(qo_indptr, kv_lens, block_table, *, block_size, num_blocks, table_as_is: bool):
+    """The structural half of :func:`check_host_metadata` (types, ranks, dtypes, shapes, ``block_size``,
+    ``num_blocks``): ``(qo_indptr, kv_lens)`` as int64 numpy copies and the table (its own dtype with
+    ``table_as_is``). The compiled planner checks the values itself and calls :func:`check_host_metadata` for the
+    message when they are wrong."""
     check_tensor("qo_indptr", qo_indptr, ndim=1, dtypes=_INDEX_DTYPES)
     check_tensor("kv_lens", kv_lens, ndim=1, dtypes=_INDEX_DTYPES)
     check_tensor("block_table", block_table, ndim=2, dtypes=_INDEX_DTYPES)
@@ -226,19 +249,7 @@ def check_host_metadata(
     indptr = _host_int64("qo_indptr", qo_indptr)
     lens = _host_int64("kv_lens", kv_lens)
     table = _host_array("block_table", block_table) if table_as_is else _host_int64("block_table", block_table)
-    _check_ranges(indptr, lens, num_tokens)
-    blocks_needed = (lens + block_size - 1) // block_size
-    max_blocks = int(blocks_needed.max()) if num_reqs else 0
-    if max_blocks > table.shape[1]:
-        r = int(np.argmax(blocks_needed))
-        raise ValueError(
-            f"block_table: expected at least {max_blocks} columns (kv_lens[{r}]={lens[r]} with "
-            f"block_size={block_size}), got {table.shape[1]}"
-        )
-    max_block_id = -1
-    if num_reqs and max_blocks:
-        max_block_id = _used_id_bounds(table[:, :max_blocks], blocks_needed, num_blocks)
-    return indptr, lens, table, max_block_id
+    return indptr, lens, table
 
 
 #: Per index itemsize: the unsigned dtype of the same width and the end of the signed range (2^(bits-1)).

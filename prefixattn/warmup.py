@@ -119,6 +119,9 @@ class WarmupReport:
     results: list[VariantResult] = field(default_factory=list)
     #: "gpu", "interpreter" (launched there), "skipped" (interpreter or no GPU: nothing to compile), "listed"
     mode: str = "gpu"
+    #: The host planner plan() runs ("numba" or "numpy") and the seconds its compile, or its load from numba's
+    #: cache, took (:func:`prefixattn.plan_native.compile_planner`); empty when it was not warmed.
+    planner: dict = field(default_factory=dict)
 
     @property
     def failed(self) -> list[VariantResult]:
@@ -137,6 +140,8 @@ class WarmupReport:
 
     def lines(self) -> list[str]:
         out = [self.summary()]
+        if self.planner:
+            out.append(f"  planner   {self.planner['seconds']:7.2f} s  {self.planner['name']} (plan() on the host)")
         for r in self.results:
             extra = f" ({r.error})" if r.error else ""
             out.append(f"  {r.status:9s} {r.seconds:7.2f} s  {r.variant.describe()}{extra}")
@@ -397,6 +402,18 @@ def _run_one(v: KernelVariant, layout: WarmupLayout, device: torch.device, inter
     return VariantResult(v, "compiled" if after > before else "cached", seconds)
 
 
+def warm_planner() -> dict:
+    """Compile the compiled planner's variants (or load them from numba's on-disk cache) so that the first plan()
+    does not wait for numba (tens of seconds on a 2-core host): ``{"name", "seconds"}``."""
+    from prefixattn import plan_native
+
+    name = plan_native.planner_name()
+    start = time.perf_counter()
+    if name == "numba":
+        plan_native.compile_planner()
+    return {"name": name, "seconds": time.perf_counter() - start}
+
+
 def _skipped(variants: list[KernelVariant], why: str) -> WarmupReport:
     return WarmupReport([VariantResult(v, "skipped", error=why) for v in variants], mode="skipped")
 
@@ -441,18 +458,19 @@ def warmup_kernels(*, num_qo_heads: int, num_kv_heads: int, head_dim: int, block
                                block_size=block_size, dtypes=dtypes, max_q_len=max_q_len, with_lse=with_lse,
                                kv_write=kv_write, slot_dtype=slot_dtype, kv_dtypes=kv_dtypes,
                                fp8_kv_scales=fp8_kv_scales)
+    planner = warm_planner()  # host code: compiled on any machine, also without a GPU
     interpreted = interpreter_enabled()
     if interpreted and not run_in_interpreter:
-        return _skipped(variants, "interpreter: nothing to compile")
+        return dataclasses.replace(_skipped(variants, "interpreter: nothing to compile"), planner=planner)
     if not interpreted and device is None and not torch.cuda.is_available():
-        return _skipped(variants, "no GPU: nothing to compile")
+        return dataclasses.replace(_skipped(variants, "no GPU: nothing to compile"), planner=planner)
     if device is None:
         device = "cpu" if interpreted else "cuda"
     device = torch.device(device)
     if not interpreted and device.type != "cuda":  # ROCm tensors are "cuda" too
         raise ValueError(f"device: expected a CUDA/ROCm device (kernels compile for a GPU), got {device}; under "
                          "the Triton interpreter there is nothing to compile")
-    report = WarmupReport(mode="interpreter" if interpreted else "gpu")
+    report = WarmupReport(mode="interpreter" if interpreted else "gpu", planner=planner)
     for v in variants:
         report.results.append(_run_one(v, layout, device, interpreted))
     return report

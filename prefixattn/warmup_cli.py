@@ -72,7 +72,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
-def _as_json(results, mode: str) -> str:
+def _as_json(results, mode: str, planner: dict) -> str:
     rows = []
     for r in results:
         v = r.variant
@@ -84,7 +84,7 @@ def _as_json(results, mode: str) -> str:
         if v.config is not None:
             row["config"] = v.config.to_dict()
         rows.append(row)
-    return json.dumps({"mode": mode, "variants": rows}, indent=1)
+    return json.dumps({"mode": mode, "planner": planner, "variants": rows}, indent=1)
 
 
 def run(args) -> int:
@@ -107,5 +107,5 @@ def run(args) -> int:
     except ValueError as e:
         print(f"prefixattn warmup: {e}", file=sys.stderr)
         return 2
-    print(_as_json(report.results, report.mode) if args.json else "\n".join(report.lines()))
+    print(_as_json(report.results, report.mode, report.planner) if args.json else "\n".join(report.lines()))
     return 1 if report.failed else 0

@@ -26,6 +26,8 @@ EXCLUDED = ("prefixattn/kernels", ".venv", ".git", "build", "__pycache__", ".pyt
 
 def _excluded(path: Path) -> bool:
     rel = path.resolve().relative_to(ROOT).as_posix() if path.resolve().is_relative_to(ROOT) else path.as_posix()
+    if rel.split("/")[0].startswith(".venv"):  # every engine suite's venv (.venv-vllm, .venv-sglang, ...)
+        return True
     return any(rel == e or rel.startswith(e + "/") or f"/{e}/" in f"/{rel}/" for e in EXCLUDED)
 
 

@@ -125,7 +125,7 @@ class ReplicaWorker:
 
     def __call__(self, batch):
         import pandas as pd
-        import ray
+        import ray.data
 
         parts = []
         for replica, part in batch.groupby(REPLICA_COLUMN, sort=True):
@@ -298,9 +298,23 @@ def run_batch(data, engine, num_replicas: int, *, prompt_column: str = "prompt_t
     >>> out = run_batch("prompts.jsonl", SimulatedEngine, num_replicas=2)
     >>> out.rows[0]["finish_time_s"], out.report()
     """
-    import pandas as pd
-    import ray
-    from ray.data import ActorPoolStrategy, DataContext
+    _check_run_args(num_replicas=num_replicas, max_retries=max_retries, engine=engine, grouping=grouping)
+    rows = _load_rows(data, prompt_column)
+    prompts = _prompts(rows, prompt_column)
+    groups = _group(prompts, grouping=grouping, prompt_column=prompt_column, levels=levels,
+                    bucket_tokens=bucket_tokens, num_buckets=num_buckets, num_cpus=num_cpus)
+    part = partition_groups(groups, int(num_replicas), cost or token_cost(_output_lens(rows, output_len_column)),
+                            allow_split=allow_split)
+    result, attempts, finished = _run_replicas(
+        _replica_frames(rows, part), engine, prompt_column=prompt_column, num_cpus=num_cpus, num_gpus=num_gpus,
+        max_retries=max_retries, retry_exceptions=retry_exceptions, ray_remote_args=ray_remote_args)
+    return _batch_result(result, attempts, finished, part=part, prompts=prompts, groups=groups)
+
+
+def _check_run_args(*, num_replicas, max_retries, engine, grouping) -> None:
+    """The ray extra is installed, and :func:`run_batch`'s scalar arguments are valid."""
+    import pandas  # noqa: F401  (fail before any work when the ray extra is missing)
+    import ray.data  # noqa: F401
 
     if isinstance(num_replicas, bool) or not isinstance(num_replicas, (int, np.integer)) or num_replicas < 1:
         raise ValueError(f"num_replicas: expected a positive int, got {num_replicas!r}")
@@ -310,20 +324,27 @@ def run_batch(data, engine, num_replicas: int, *, prompt_column: str = "prompt_t
         raise ValueError(f"engine: expected a zero-argument factory of the engine, got {type(engine).__name__}")
     if grouping not in GROUPINGS:
         raise ValueError(f"grouping: expected one of {GROUPINGS}, got {grouping!r}")
-    rows = _load_rows(data, prompt_column)
-    prompts = _prompts(rows, prompt_column)
-    n = len(prompts)
+
+
+def _group(prompts: list, *, grouping: str, prompt_column: str, levels, bucket_tokens, num_buckets: int,
+           num_cpus: float) -> list:
+    """Step 1: the prefix groups of all prompts, on the driver or by the distributed pre-pass."""
     if grouping == "distributed":
+        import ray.data
+
         from integrations.ray.prepass import DEFAULT_BUCKET_TOKENS, group_prompts_distributed
 
         pre = ray.data.from_items([{ROW_COLUMN: i, prompt_column: p} for i, p in enumerate(prompts)])
-        groups = group_prompts_distributed(pre, prompt_column=prompt_column,
-                                           bucket_tokens=bucket_tokens or DEFAULT_BUCKET_TOKENS,
-                                           num_buckets=num_buckets, levels=levels, num_cpus=num_cpus)
-    else:
-        groups = group_prompts(prompts, levels=levels)
-    part = partition_groups(groups, int(num_replicas), cost or token_cost(_output_lens(rows, output_len_column)),
-                            allow_split=allow_split)
+        return group_prompts_distributed(pre, prompt_column=prompt_column,
+                                         bucket_tokens=bucket_tokens or DEFAULT_BUCKET_TOKENS,
+                                         num_buckets=num_buckets, levels=levels, num_cpus=num_cpus)
+    return group_prompts(prompts, levels=levels)
+
+
+def _replica_frames(rows: list, part: Partition) -> list:
+    """Step 2: one DataFrame per replica with rows, its rows in prefix-tree order, tagged with their request id
+    (input position) and replica."""
+    import pandas as pd
 
     frames = []
     for r in range(part.num_replicas):
@@ -333,6 +354,17 @@ def run_batch(data, engine, num_replicas: int, *, prompt_column: str = "prompt_t
             df[ROW_COLUMN] = np.asarray(ids, dtype=np.int64)
             df[REPLICA_COLUMN] = r
             frames.append(df)
+    return frames
+
+
+def _run_replicas(frames: list, engine, *, prompt_column: str, num_cpus: float, num_gpus: float, max_retries: int,
+                  retry_exceptions: bool, ray_remote_args: dict | None) -> tuple:
+    """Step 3: each frame as one Ray Data block, mapped by a pool of one :class:`ReplicaWorker` actor per frame.
+    Returns the outputs (a DataFrame, one row per delivered output, any order) and the collector's
+    ``(attempts, finished)``."""
+    import ray
+    from ray.data import ActorPoolStrategy, DataContext
+
     collector = ray.remote(num_cpus=0)(_Collector).remote()
     ctx = DataContext.get_current()
     saved = (ctx.actor_task_retry_on_errors, ctx.execution_options.preserve_order)
@@ -354,18 +386,37 @@ def run_batch(data, engine, num_replicas: int, *, prompt_column: str = "prompt_t
     finally:
         ctx.actor_task_retry_on_errors, ctx.execution_options.preserve_order = saved
         ray.kill(collector)
+    return result, attempts, finished
 
-    # exactly one output per request id
+
+def _batch_result(result, attempts: dict, finished: dict, *, part: Partition, prompts: list,
+                  groups: list) -> BatchResult:
+    """Step 4: the outputs joined back to the requests (:func:`_join_outputs`), with per-replica stats."""
+    out_rows, duplicates = _join_outputs(result, len(prompts))
+    stats, retried = _replica_stats(part, attempts, finished)
+    return BatchResult(rows=out_rows, partition=part, replica_stats=stats, retried=retried,
+                       duplicates_dropped=duplicates, saving_ratio=part.saving_ratio(),
+                       single_replica_saving_ratio=saving_ratio(prompts, groups))
+
+
+def _join_outputs(result, num_requests: int) -> tuple[list, int]:
+    """Exactly one output per request id: the rows in input order (the pipeline's columns dropped, numpy
+    values as plain Python) and the number of duplicates dropped. A request with no output is an error."""
     ids = result[ROW_COLUMN].to_numpy(dtype=np.int64)
-    counts = np.bincount(ids, minlength=n)
+    counts = np.bincount(ids, minlength=num_requests)
     if (counts == 0).any():
         missing = np.flatnonzero(counts == 0)
         raise RuntimeError(f"run_batch: {missing.size} requests got no output (first: {missing[:8].tolist()})")
-    duplicates = int(counts.sum() - n)
+    duplicates = int(counts.sum() - num_requests)
     result = result.drop_duplicates(subset=[ROW_COLUMN], keep="first").sort_values(ROW_COLUMN, kind="stable")
     out_rows = [{k: _plain(v) for k, v in rec.items() if k not in _OWN_COLUMNS}
                 for rec in result.to_dict("records")]
+    return out_rows, duplicates
 
+
+def _replica_stats(part: Partition, attempts: dict, finished: dict) -> tuple[list, list]:
+    """Per replica: the stats of :attr:`BatchResult.replica_stats`; and the replicas started more than once
+    (:attr:`BatchResult.retried`)."""
     stats, retried = [], []
     for r in range(part.num_replicas):
         gidx = np.flatnonzero(part.replicas == r)
@@ -380,6 +431,4 @@ def run_batch(data, engine, num_replicas: int, *, prompt_column: str = "prompt_t
         if len(tries) > 1:
             retried.append(dict(replica=r, attempts=len(tries), groups=sorted({int(part.source[i]) for i in gidx}),
                                 requests=stats[-1]["requests"]))
-    return BatchResult(rows=out_rows, partition=part, replica_stats=stats, retried=retried,
-                       duplicates_dropped=duplicates, saving_ratio=part.saving_ratio(),
-                       single_replica_saving_ratio=saving_ratio(prompts, groups))
+    return stats, retried

@@ -8,6 +8,7 @@ the prefix tree compare rows with vectorized slices.
 from __future__ import annotations
 
 import array
+import marshal
 from dataclasses import dataclass
 
 import numpy as np
@@ -84,7 +85,8 @@ def pack_sequences(seqs, *, name: str = "prompts", min_len: int = 1) -> PackedSe
     Returns
     -------
     PackedSequences
-        ``values`` keeps the input's integer dtype when all rows are arrays of one dtype, else int64.
+        ``values`` keeps the input's integer dtype when all rows are arrays of one dtype; int32 for lists/tuples of
+        Python ints in ``[0, 2**31)`` (the common case, converted in one pass); else int64.
 
     Raises
     ------
@@ -158,6 +160,9 @@ def _pack_rows(name: str, seqs) -> tuple[np.ndarray, np.ndarray]:
         if values.dtype.kind not in "iu":  # only empty rows of a float dtype: keep an integer array
             values = values.astype(np.int64)
     elif not any(is_array):
+        values = _unmarshal_int32_rows(seqs, offsets)
+        if values is not None:
+            return values, offsets
         try:
             # One C conversion per row, joined as bytes: ~1.6x faster than one array over a chained iterator.
             values = np.frombuffer(b"".join([array.array("q", r) for r in seqs]), dtype=np.int64)
@@ -170,6 +175,44 @@ def _pack_rows(name: str, seqs) -> tuple[np.ndarray, np.ndarray]:
                 for i, (r, a) in enumerate(zip(seqs, is_array))]
         values = np.concatenate(rows)
     return values, offsets
+
+
+#: marshal format 2 (no object references, so every record is its value): a list or tuple is its one-byte tag and a
+#: 4-byte little-endian length, an int of the int32 range is ``b"i"`` and 4 little-endian bytes. Five bytes each.
+_MARSHAL_VERSION = 2
+_MARSHAL_RECORD = np.dtype([("tag", "u1"), ("value", "<i4")])
+_MARSHAL_INT, _MARSHAL_SEQ_TAGS = ord("i"), (ord("["), ord("("))
+
+
+def _unmarshal_int32_rows(seqs, offsets: np.ndarray) -> np.ndarray | None:
+    """int32 ids of a batch of lists/tuples of ints, or None where the fast path does not apply (other row types,
+    an element that is not an int of the int32 range): the caller then converts row by row and names a bad row.
+
+    ``marshal.dumps`` serializes the whole batch in one C pass at ~10 ns per Python int on the reference machine,
+    about half of ``array.array`` per row plus a join (~25 ns); one strided copy then takes the ids out. The layout
+    is checked record by record (every row header where the offsets put it, with its length; every other record an
+    int32), so a batch holding anything else never reads as ids."""
+    if not all(type(r) in (list, tuple) for r in seqs):
+        return None
+    try:
+        buf = marshal.dumps(seqs if type(seqs) in (list, tuple) else list(seqs), _MARSHAL_VERSION)
+    except ValueError:  # an element marshal cannot write (e.g. a numpy scalar)
+        return None
+    n, total = offsets.size - 1, int(offsets[-1])
+    if len(buf) != _MARSHAL_RECORD.itemsize * (1 + n + total):
+        return None
+    records = np.frombuffer(buf, dtype=_MARSHAL_RECORD)
+    tags, values = records["tag"], records["value"]
+    heads = offsets[:-1] + np.arange(1, n + 1, dtype=np.int64)  # record of row i's header: after i earlier headers
+    head_tags = tags[heads]
+    if tags[0] not in _MARSHAL_SEQ_TAGS or values[0] != n or int(np.count_nonzero(tags == _MARSHAL_INT)) != total \
+            or not ((head_tags == _MARSHAL_SEQ_TAGS[0]) | (head_tags == _MARSHAL_SEQ_TAGS[1])).all() \
+            or not np.array_equal(values[heads], offsets[1:] - offsets[:-1]):
+        return None
+    keep = np.ones(records.size, dtype=bool)
+    keep[0] = False
+    keep[heads] = False
+    return values[keep]
 
 
 def _check_rows(name: str, values: np.ndarray, offsets: np.ndarray, min_len: int) -> None:

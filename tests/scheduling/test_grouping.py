@@ -179,3 +179,24 @@ def test_saving_ratio_rejects_bad_groups():
     for groups, match in cases:
         with pytest.raises(ValueError, match=match):
             saving_ratio(prompts, groups)
+
+
+@pytest.mark.parametrize("levels", [1, 2, None])
+def test_untouched_subtree_slices_match_the_walk(monkeypatch, levels):
+    # A group whose subtree Algorithm 1 left alone takes its requests as one slice of the sorted order; with every
+    # node marked touched they come from walking the children lists. Both must give the same groups, fields and
+    # order, on deep irregular trees (many forks) and on case-1 batches (few).
+    from prefixattn.scheduling import grouping
+
+    def fields(groups):
+        return [[(g.prefix_len, g.parent_prefix_len, g.dfs_rank, g.request_ids, g.prompt_lens, lv)
+                 for g, lv in top.walk()] for top in groups]
+
+    rng = np.random.default_rng(3)
+    batches = [nested_random(rng, 200, alphabet=2, max_len=20) for _ in range(5)] + [case1_like(300, seed=4)]
+    for prompts in batches:
+        fast = group_prompts(prompts, levels=levels)
+        with monkeypatch.context() as m:
+            m.setattr(grouping, "_untouched_subtrees", lambda tree, changed: [False] * tree.num_nodes)
+            walked = group_prompts(prompts, levels=levels)
+        assert fields(fast) == fields(walked)

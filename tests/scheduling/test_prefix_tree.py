@@ -190,3 +190,67 @@ def test_block_tree_builds_the_same_nodes(seed):
         got = _node_sets(tree.depth[inner], [tree.order[tree.lo[v]:tree.hi[v]] for v in inner])
         assert got == want, rows
 
+
+
+@pytest.mark.parametrize("rows, fast", [
+    pytest.param([[5, 6, 7], (5, 6), [2**31 - 1, 0]], True, id="lists-and-tuples"),
+    pytest.param(([1], [1], [1, 2]), True, id="tuple-of-lists"),
+    pytest.param([[1, 2], [3, 2**31]], False, id="beyond-int32"),
+    pytest.param([[1, True], [0, False]], False, id="bools"),
+    pytest.param([[1, np.int64(3)], [4]], False, id="numpy-scalars"),
+    pytest.param([[7] * 100, list(range(64)), [2**32 - 2]], False, id="long-and-largest-id"),
+])
+def test_list_packing_paths_agree(rows, fast):
+    # Lists/tuples of int32-range ints take the marshal fast path; anything else (ids of 2**31 and more, bools,
+    # numpy scalars) the per-row conversion. Both give the same ids and offsets.
+    packed = pack_sequences(rows)
+    assert packed.values.dtype == (np.int32 if fast else np.int64)  # int32: the marshal path ran
+    want = [int(x) for r in rows for x in r]
+    assert packed.values.tolist() == want
+    assert packed.offsets.tolist() == np.cumsum([0] + [len(r) for r in rows]).tolist()
+
+
+@pytest.mark.parametrize("bad, match", [
+    pytest.param([[1, 2], [3, [4]]], r"prompts\[1\]: expected a sequence of integer ids", id="nested-list"),
+    pytest.param([[1, 2], [3, -1]], r"prompts\[1\]: expected ids in \[0, 4294967294\], got -1 at position 1",
+                 id="negative-int32"),
+    pytest.param([[1, 2], (3, "a")], r"prompts\[1\]: expected a sequence of integer ids", id="string-element"),
+    pytest.param([[1, 2], [3, None]], r"prompts\[1\]: expected a sequence of integer ids", id="none-element"),
+])
+def test_list_packing_fast_path_names_the_bad_row(bad, match):
+    with pytest.raises(ValueError, match=match):
+        pack_sequences(bad)
+
+
+def test_lists_and_arrays_give_the_same_tree():
+    # Near-collisions: a tiny vocabulary, shared prefixes ending just before, at and after chunk boundaries, empty
+    # tails (duplicates), length-1 rows; lists (marshal path) and int32 arrays must sort and share alike, and both as
+    # the brute force does.
+    rng = np.random.default_rng(11)
+    base = rng.integers(0, 3, 300).tolist()
+    cuts = rng.choice([1, 63, 64, 65, 128, 129, 300], 400)
+    rows = [base[:int(cut)] + rng.integers(0, 2, int(rng.integers(0, 70))).tolist() for cut in cuts]
+    rows += [[0], [0], base, list(base)]
+    from_lists = prefix_tree(rows)
+    from_arrays = prefix_tree([np.asarray(r, dtype=np.int32) for r in rows])
+    want_order, want_lcp = _brute(rows)
+    for tree in (from_lists, from_arrays):
+        assert tree.order.tolist() == want_order and tree.lcp.tolist() == want_lcp
+
+
+@pytest.mark.parametrize("width", [1, 2, 5, 64])
+def test_sort_keys_matches_a_byte_string_sort(width):
+    # The integer two-id sort plus its byte-string fallback: the same stable order as sorting (segment, bytes), on
+    # keys from a tiny alphabet (ties on the two ids that are compared first, differences after them), large ids
+    # (byte order is not numeric order) and the end marker.
+    rng = np.random.default_rng(width)
+    for _ in range(30):
+        m = int(rng.integers(2, 60))
+        key = rng.choice(np.array([0, 1, 256, 2**32 - 2, 0xFFFFFFFF], dtype=np.uint32), size=(m, width))
+        if rng.random() < 0.5:
+            key[:, :width // 2] = key[0, :width // 2]  # a shared start: rows differ only later in the chunk
+        seg = np.sort(rng.integers(0, 4, m))
+        order, kmis = prefix_tree_module._sort_keys(key, seg)
+        want = sorted(range(m), key=lambda i: (int(seg[i]), key[i].tobytes(), i))
+        assert order.tolist() == want
+        assert np.array_equal(kmis, key[want][1:] != key[want][:-1])

@@ -1,0 +1,195 @@
+"""Which planner runs plan(): the compiled one (numba, optional) or the numpy reference.
+
+``PREFIXATTN_PLANNER`` picks it, read at every :func:`prefixattn.plan` call:
+
+* ``auto`` (default): numba when it can be imported, else numpy;
+* ``numba``: the compiled planner (``ValueError`` at plan() time when numba is missing);
+* ``numpy``: the numpy planner, the reference the compiled one is tested against (``tests/test_plan_native.py``:
+  equal Plan fields on the golden cases and on random batches).
+
+numba is an optional dependency (``pip install prefixattn[fast]``): plan() runs everywhere without it, at numpy's
+per-call overhead (~0.5-1 us per numpy call, a few hundred calls per plan). The compiled functions are cached on disk
+(``cache=True``): the first process compiles them (:func:`compile_planner`, also run by ``prefixattn warmup``), later
+processes load them.
+
+Per plan() the compiled path makes two compiled calls: the metadata value checks, per-request lengths and the block
+prefix tree or the tree cache's check (:mod:`prefixattn.plan_native_tree`; on a failed check the numpy checks run and
+raise their ``ValueError``), then node choice + split rule + work list + staging buffer
+(:mod:`prefixattn.plan_native_core`). What stays in Python/numpy on that path:
+
+* ``window_left >= 0``: the node choice, :mod:`prefixattn.window` and the work list run in numpy (the tree is still
+  compiled);
+* argument checks (types, shapes, options), the tile choice, the device tensors and the :class:`Plan` object;
+* with a ``workspace``: :meth:`prefixattn.workspace.PlanWorkspace.load` copies the compiled tables (numpy);
+* a block table that is not C-contiguous is copied first (one compiled variant per table dtype, int32 and int64).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+
+import numpy as np
+
+ENV_VAR = "PREFIXATTN_PLANNER"
+PLANNERS = ("auto", "numba", "numpy")
+
+_numba_error: type = Exception  # numba.core.errors.NumbaError once numba is imported
+_modules = None  # (tree, core) modules once imported; False when numba cannot be imported
+
+
+def _load():
+    global _modules
+    if _modules is None:
+        try:
+            from numba.core.errors import NumbaError
+
+            from prefixattn import plan_native_core, plan_native_tree
+        except ImportError:
+            _modules = False
+        else:
+            global _numba_error
+            _numba_error = NumbaError
+            _modules = (plan_native_tree, plan_native_core)
+    return _modules
+
+
+def _compiled(fn, *args):
+    """``fn(*args)``; under ``PREFIXATTN_PLANNER=auto`` a numba compile error (an incompatible numba or numpy)
+    switches this process to the numpy planner with a warning and returns None (the callers then plan in numpy:
+    the same results)."""
+    try:
+        return fn(*args)
+    except _numba_error as e:
+        if os.environ.get(ENV_VAR, "auto") != "auto":
+            raise
+        global _modules
+        _modules = False
+        warnings.warn(f"prefixattn: the compiled planner failed to compile ({type(e).__name__}: "
+                      f"{str(e).splitlines()[0] if str(e) else ''}); plan() uses the numpy planner "
+                      f"(same results; {ENV_VAR}=numpy skips numba)", RuntimeWarning, stacklevel=3)
+        return None
+
+
+def numba_available() -> bool:
+    """numba can be imported (the compiled planner can run)."""
+    return bool(_load())
+
+
+def planner_name(choice: str | None = None) -> str:
+    """``"numba"`` or ``"numpy"``: the planner plan() uses under ``choice`` (default: ``$PREFIXATTN_PLANNER``)."""
+    choice = os.environ.get(ENV_VAR, "auto") if choice is None else choice
+    if choice == "auto":
+        return "numba" if _load() else "numpy"
+    if choice == "numpy":
+        return "numpy"
+    if choice == "numba":
+        if not _load():
+            raise ValueError(f"{ENV_VAR}: expected numba to be importable for '{choice}' (pip install "
+                             f"prefixattn[fast]), got no numba")
+        return "numba"
+    raise ValueError(f"{ENV_VAR}: expected one of {PLANNERS}, got {choice!r}")
+
+
+def compiled_modules():
+    """``(tree, core)`` modules when the numba planner is chosen, else None."""
+    return _load() if planner_name() == "numba" else None
+
+
+_SHARING_CODES = {"auto": 0, "always": 1, "never": 2}
+_constants: list = []
+
+
+def _constant_args(core) -> tuple:
+    if not _constants:
+        _constants.append((core.layout_args(), *core.rule_args()))
+    return _constants[0]
+
+
+_NO_CACHE = {np.dtype(np.int32): np.zeros((0, 0), dtype=np.int32), np.dtype(np.int64): np.zeros((0, 0), dtype=np.int64)}
+_NO_BLOCKS = np.zeros(0, dtype=np.int64)
+
+
+def check_and_tree(modules, qo_indptr, kv_lens, block_table, *, block_size, num_blocks, causal, sharing):
+    """:func:`prefixattn.validation.check_host_metadata` (its messages: the numpy checks run when the compiled ones
+    fail), the per-request lengths plan() derives and the block prefix tree with its cache
+    (:mod:`prefixattn.block_tree`), in one compiled call: ``(indptr, lens, table, max_block_id, q_len, shareable,
+    max_q_len, width, tree)``; None when it failed to compile (:func:`_compiled`)."""
+    from prefixattn.block_tree import COMPILED_CACHE_MAX_ENTRIES, LcpTree, cached_entry, remember_tree
+    from prefixattn.validation import check_host_metadata, host_metadata_arrays
+
+    indptr, lens, table = host_metadata_arrays(qo_indptr, kv_lens, block_table, block_size=block_size,
+                                               num_blocks=num_blocks, table_as_is=True)
+    if not table.flags.c_contiguous:  # a column slice of an engine's table: one copy, not a new compiled variant
+        table = np.ascontiguousarray(table)
+    last = cached_entry()
+    use_cache = last is not None and last[0].dtype == table.dtype and last[1].shape[0] == lens.shape[0]
+    out = _compiled(modules[0].check_and_tree, indptr, lens, table, block_size,
+                    -1 if num_blocks is None else int(num_blocks), causal, sharing == "never",
+                    last[0] if use_cache else _NO_CACHE[table.dtype], last[1] if use_cache else _NO_BLOCKS,
+                    use_cache)
+    if out is None:
+        return None
+    ok, max_block_id, q_len, shareable, sh_blocks, max_q_len, width, status, *tree_arrays = out
+    if not ok:
+        check_host_metadata(qo_indptr, kv_lens, block_table, block_size=block_size, num_blocks=num_blocks,
+                            table_as_is=True)  # raises the message
+        raise AssertionError("the compiled metadata checks refused a batch the numpy checks accept")
+    if status == 1:  # the cached tree: the same shareable rows as its step
+        tree = last[2]
+    else:
+        rows = table[:, :int(sh_blocks.max())] if status == 2 else table[:, :0]  # the rows a new tree is of
+        tree = remember_tree(rows, sh_blocks, LcpTree(*tree_arrays), max_entries=COMPILED_CACHE_MAX_ENTRIES)
+    return indptr, lens, table, max_block_id, q_len, shareable, max_q_len, width, tree
+
+
+def plan_tables(modules, tree, *, indptr, q_len, kv_len, shareable, table, width, causal, sharing, block_size,
+                group, head_dim, elt_bytes, rows_per_shared, rows_per_suffix, block_n_shared, block_n_suffix,
+                num_kv_heads, num_sms, min_split_tokens):
+    """:func:`prefixattn.planner.select_shared_nodes`, :func:`prefixattn.work_list.build_work_list` and the staging
+    buffer in one compiled call: ``(SharedNodes, WorkList, critical_path, flat, table_fits)`` (None when it failed to
+    compile, :func:`_compiled`); ``flat`` is
+    :func:`prefixattn.planner._metadata_to_device`'s host buffer (the table's used columns last when they fit int32).
+    """
+    from prefixattn.work_list import SharedNodes, WorkList
+
+    core = modules[1]
+    lay, rule, state_bytes = _constant_args(core)
+    # In core.P_* order (one list, one conversion).
+    params = np.array([causal, _SHARING_CODES[sharing], block_size, group, head_dim, elt_bytes, rows_per_shared,
+                       rows_per_suffix, block_n_shared, block_n_suffix, num_kv_heads, num_sms, min_split_tokens,
+                       state_bytes, width], dtype=np.int64)
+    out = _compiled(core.plan_core, lay, rule, params, tree.order, tree.depth, tree.lb, tree.rb, tree.parent, indptr,
+                    q_len, kv_len, shareable, table)
+    if out is None:
+        return None
+    (kv_start, kv_end, depth_blocks, offsets, members, flat, items, gather, mrows, fits, num_ws_rows, num_units,
+     crit) = out
+    nodes = SharedNodes(kv_start=kv_start, kv_end=kv_end, depth_blocks=depth_blocks, offsets=offsets,
+                        members=members)
+    work = WorkList(items=items, gather=gather, mrows=mrows, num_ws_rows=num_ws_rows, num_units=num_units)
+    return nodes, work, crit, flat, fits
+
+
+def compile_planner() -> dict:
+    """Compile (or load from numba's cache) every compiled planner variant plan() uses: int32 and int64 block
+    tables, sharing and not. Returns seconds per step (``import``: numba and the compiled modules, ``plans``: compile
+    or cache load of every variant, and the plans themselves); ``{}`` without numba."""
+    import torch
+
+    from prefixattn.block_tree import clear_tree_cache
+    from prefixattn.planner import plan
+
+    t0 = time.perf_counter()
+    if not _load():
+        return {}
+    t1 = time.perf_counter()
+    for dtype in (torch.int32, torch.int64):
+        table = torch.tensor([[0, 1, 2], [0, 1, 3], [4, 5, 6]], dtype=dtype)
+        clear_tree_cache()
+        for sharing in ("auto", "auto", "never"):  # the second plan reuses the tree: the cache's check
+            plan(torch.tensor([0, 1, 2, 3]), torch.tensor([40, 40, 40]), table, block_size=16, num_qo_heads=4,
+                 num_kv_heads=2, head_dim=64, sharing=sharing, device="cpu")
+    clear_tree_cache()
+    return {"import": t1 - t0, "plans": time.perf_counter() - t1}

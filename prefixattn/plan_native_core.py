@@ -1,0 +1,424 @@
+"""Compiled (numba) node selection, split rule and work list: one call from the tree to the kernel's tables.
+
+Imported only when numba is (:mod:`prefixattn.plan_native`); every function is ``@njit(cache=True)``. Each function
+computes what its numpy counterpart does, as loops instead of vectorized passes; the numpy code is the definition:
+
+* :func:`select_nodes`: :func:`prefixattn.planner.select_shared_nodes` and :func:`prefixattn.planner.sharing_pays_off`;
+* :func:`_split_budget`, :func:`_pieces`: :func:`prefixattn.split_rule.split_ranges` (piece budget, grains, pieces);
+* :func:`work_list`: :func:`prefixattn.work_list.build_work_list` (suffix tiles, merge units, gather rows, LPT order);
+* :func:`plan_core`: the three in one call, plus ``Plan.stats['critical_path']``
+  (:func:`prefixattn.split_rule.critical_path`).
+
+Not compiled (plan() runs the numpy path for them, :mod:`prefixattn.plan_native`): ``window_left >= 0``
+(:mod:`prefixattn.window` between the node choice and the work list).
+
+Constants of other modules (table layout, split and cost rules) come in as arguments, never as globals: numba's
+on-disk cache is keyed by this file's own source, so a global from another module would stay compiled in after it
+changed. For the same reason the three compiled modules never call each other. ``tests/test_plan_native.py`` checks that
+both paths give equal Plan fields.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from prefixattn.kernels import layout as K
+
+#: ``sharing`` modes as the compiled code takes them (planner._SHARING_MODES order).
+SHARING_AUTO, SHARING_ALWAYS, SHARING_NEVER = 0, 1, 2
+
+
+def layout_args() -> np.ndarray:
+    """The kernel's table layout (:mod:`prefixattn.kernels.layout`) as an int64 array argument, never a global: numba's
+    on-disk cache is keyed by this file alone and would keep a compiled global after the layout changed."""
+    return np.array([K.ITEM_FIELDS, K.ITEM_KIND, K.ITEM_REQ, K.ITEM_KV_START, K.ITEM_KV_END, K.ITEM_ROW_START,
+            K.ITEM_NUM_ROWS, K.ITEM_Q_POS, K.ITEM_DEST, K.ITEM_MROW, K.KIND_SHARED, K.KIND_SUFFIX,
+            K.GATHER_FIELDS, K.GATHER_TOKEN, K.GATHER_WS_ROW, K.GATHER_MROW,
+            K.MROW_FIELDS, K.MROW_WS_FIRST, K.MROW_WS_STRIDE, K.MROW_NUM_STATES], dtype=np.int64)
+
+
+def rule_args() -> tuple:
+    """The split rule's and the cost rule's constants as arguments (same reason as :func:`layout_args`):
+    ``((SPLIT_TOLERANCE, CRITICAL_PATH_TARGET, shortest piece floor), state bytes charged per row)``."""
+    from prefixattn.planner import FP32_BYTES, STATE_PASSES, STATES_CHARGED_PER_ROW
+    from prefixattn.split_rule import (CRITICAL_PATH_TARGET, MIN_PIECE_OVERHEADS, PROGRAM_OVERHEAD_TOKENS,
+                                       SPLIT_TOLERANCE)
+    return (np.array([SPLIT_TOLERANCE, CRITICAL_PATH_TARGET, MIN_PIECE_OVERHEADS * PROGRAM_OVERHEAD_TOKENS],
+                     dtype=np.float64), FP32_BYTES * STATE_PASSES * STATES_CHARGED_PER_ROW)
+
+
+@njit(cache=True, nogil=True)
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+@njit(cache=True, nogil=True)
+def select_nodes(order, depth, lb, rb, parent, shareable, q_len, block_size, rows_per_shared, group, head_dim,
+                 elt_bytes, sharing, state_bytes):
+    """``(kv_start, kv_end, depth_blocks, offsets, members, suffix_start)`` of
+    :func:`prefixattn.planner.select_shared_nodes` (nodes top-down: by level, then post-order index)."""
+    num_nodes = depth.shape[0]
+    num_reqs = q_len.shape[0]
+    suffix_start = np.zeros(num_reqs, dtype=np.int64)
+    if num_nodes == 0 or sharing == SHARING_NEVER:
+        z = np.zeros(0, dtype=np.int64)
+        return z, z, z, np.zeros(1, dtype=np.int64), z, suffix_start
+    ends = np.empty(num_nodes, dtype=np.int64)
+    start = np.zeros(num_nodes, dtype=np.int64)
+    eff_end = np.zeros(num_nodes, dtype=np.int64)
+    level = np.zeros(num_nodes, dtype=np.int64)
+    keep = np.zeros(num_nodes, dtype=np.bool_)
+    # Post-order: every child before its parent, so the reverse visits parents first (the numpy level-by-level walk).
+    for k in range(num_nodes - 1, -1, -1):
+        min_sh = np.iinfo(np.int64).max
+        rows = 0
+        for i in range(lb[k], rb[k] + 1):
+            r = order[i]
+            min_sh = min(min_sh, shareable[r])
+            rows += q_len[r]
+        ends[k] = min(depth[k] * block_size, min_sh)
+        p = parent[k]
+        if p >= 0:
+            start[k] = eff_end[p]
+            level[k] = level[p] + 1
+        tokens = ends[k] - start[k]
+        ok = tokens > 0
+        if ok and sharing == SHARING_AUTO:
+            num_requests = rb[k] - lb[k] + 1
+            saved = (num_requests - _cdiv(rows, rows_per_shared)) * tokens * 2 * head_dim * elt_bytes
+            added = rows * group * (head_dim + 1) * state_bytes
+            ok = saved > added
+        keep[k] = ok
+        eff_end[k] = ends[k] if ok else start[k]
+    # Kept nodes top-down: by level, post-order index within a level (the numpy stable sort by level).
+    num_kept = 0
+    max_level = 0
+    for k in range(num_nodes):
+        if keep[k]:
+            num_kept += 1
+            max_level = max(max_level, level[k])
+    kept = np.empty(num_kept, dtype=np.int64)
+    j = 0
+    for lv in range(max_level + 1):
+        for k in range(num_nodes):
+            if keep[k] and level[k] == lv:
+                kept[j] = k
+                j += 1
+    offsets = np.zeros(num_kept + 1, dtype=np.int64)
+    for j in range(num_kept):
+        k = kept[j]
+        offsets[j + 1] = offsets[j] + rb[k] - lb[k] + 1
+    members = np.empty(offsets[num_kept], dtype=np.int64)
+    kv_start = np.empty(num_kept, dtype=np.int64)
+    kv_end = np.empty(num_kept, dtype=np.int64)
+    depth_blocks = np.empty(num_kept, dtype=np.int64)
+    for j in range(num_kept):
+        k = kept[j]
+        kv_start[j], kv_end[j], depth_blocks[j] = start[k], ends[k], depth[k]
+        seg = members[offsets[j]:offsets[j + 1]]
+        seg[:] = order[lb[k]:rb[k] + 1]
+        seg.sort()  # requests ascending within each node
+        for r in seg:
+            suffix_start[r] = max(suffix_start[r], ends[k])  # deeper kept nodes end later
+    return kv_start, kv_end, depth_blocks, offsets, members, suffix_start
+
+
+@njit(cache=True, nogil=True)
+def _split_budget(tokens, num_kv_heads, num_sms, min_split_tokens, rule):
+    """Piece budget (float; ``inf`` for an empty launch): :func:`prefixattn.split_rule.piece_budget` of the fair
+    share."""
+    tolerance, target, min_piece = rule[0], rule[1], rule[2]
+    fair = float(tokens) * num_kv_heads / num_sms
+    if fair <= 0:
+        return np.inf
+    budget = max(tolerance * fair, min(float(min_split_tokens), target * fair))
+    return max(budget, min(float(min_split_tokens), min_piece))
+
+
+@njit(cache=True, nogil=True)
+def _grain(block_n, budget):
+    grain = block_n
+    while grain > budget and grain % 2 == 0:
+        grain //= 2
+    return grain
+
+
+@njit(cache=True, nogil=True)
+def _pieces(length, budget, per_piece, grain):
+    """Pieces of one range (:func:`prefixattn.split_rule.split_pieces`)."""
+    if length <= budget:
+        return 1 if length > 0 else 0
+    return _cdiv(_cdiv(length, grain), per_piece)
+
+
+@njit(cache=True, nogil=True)
+def _piece_bound(lo, hi, c, pieces, grain):
+    """``[start, end)`` of piece ``c`` (:func:`prefixattn.work_list._piece_bounds`)."""
+    if pieces == 1:
+        return lo, hi
+    tiles = _cdiv(hi - lo, grain)
+    return lo + (c * tiles // pieces) * grain, min(lo + ((c + 1) * tiles // pieces) * grain, hi)
+
+
+@njit(cache=True, nogil=True)
+def _suffix_tiles(q_start, q_len, kv_len, suffix_start, causal, rows_per_suffix):
+    """Suffix tiles (:func:`prefixattn.work_list._suffix_tiles`): ``(req, first, rows, tok0, lo, hi, qpos)``."""
+    num_reqs = q_len.shape[0]
+    first = np.empty(num_reqs, dtype=np.int64)
+    n = 0
+    for r in range(num_reqs):
+        first[r] = n
+        n += _cdiv(q_len[r], rows_per_suffix)
+    req = np.empty(n, dtype=np.int64)
+    rows = np.empty(n, dtype=np.int64)
+    tok0 = np.empty(n, dtype=np.int64)
+    lo = np.empty(n, dtype=np.int64)
+    hi = np.empty(n, dtype=np.int64)
+    qpos = np.empty(n, dtype=np.int64)
+    t = 0
+    for r in range(num_reqs):
+        row0 = 0
+        while row0 < q_len[r]:
+            req[t], rows[t], tok0[t], lo[t] = r, min(rows_per_suffix, q_len[r] - row0), q_start[r] + row0, \
+                suffix_start[r]
+            if causal:
+                qpos[t] = kv_len[r] - q_len[r] + row0
+                hi[t] = qpos[t] + rows[t]
+            else:  # every row sees the whole range
+                qpos[t] = hi[t] = kv_len[r]
+            row0 += rows_per_suffix
+            t += 1
+    return req, first, rows, tok0, lo, hi, qpos
+
+
+@njit(cache=True, nogil=True)
+def _shared_items(items, gather, lay, kv_start, kv_end, offsets, members, q_start, q_len, t_first, t_rows,
+                  tile_ws_base, tile_mrow_base, n_pieces, slot_base, grain, rows_per_suffix, rows_per_shared):
+    """Shared items (node, piece, M tile) into ``items[:num_shared]`` and their gather rows
+    (:func:`prefixattn.work_list._shared_items`); returns the items written."""
+    i_kind, i_req, i_kv0, i_kv1, i_row0, i_nrows, i_qpos, i_dest, i_mrow = (lay[1], lay[2], lay[3], lay[4], lay[5],
+                                                                          lay[6], lay[7], lay[8], lay[9])
+    kind_shared, g_tok, g_ws, g_mrow = lay[10], lay[13], lay[14], lay[15]
+    g = 0
+    it = 0
+    for k in range(kv_start.shape[0]):
+        node_rows = 0
+        for m in range(offsets[k], offsets[k + 1]):
+            node_rows += q_len[members[m]]
+        for c in range(n_pieces[k]):
+            seg_off = g
+            for m in range(offsets[k], offsets[k + 1]):  # the node's packed rows, member by member
+                r = members[m]
+                for i in range(q_len[r]):
+                    tile = t_first[r] + i // rows_per_suffix
+                    in_tile = i % rows_per_suffix
+                    gather[g, g_tok] = q_start[r] + i
+                    gather[g, g_ws] = tile_ws_base[tile] + (slot_base[m] + c) * t_rows[tile] + in_tile
+                    gather[g, g_mrow] = tile_mrow_base[tile] + in_tile
+                    g += 1
+            lo, hi = _piece_bound(kv_start[k], kv_end[k], c, n_pieces[k], grain)
+            for mt in range(_cdiv(node_rows, rows_per_shared)):
+                items[it, i_kind] = kind_shared
+                items[it, i_req] = members[offsets[k]]  # any member: same blocks
+                items[it, i_kv0] = lo
+                items[it, i_kv1] = hi
+                items[it, i_row0] = seg_off + mt * rows_per_shared
+                items[it, i_nrows] = min(rows_per_shared, node_rows - mt * rows_per_shared)
+                items[it, i_qpos] = kv_end[k]
+                items[it, i_dest] = -1
+                items[it, i_mrow] = -1
+                it += 1
+    return it
+
+
+@njit(cache=True, nogil=True)
+def work_list(lay, rule, kv_start, kv_end, offsets, members, suffix_start, q_start, q_len, kv_len, causal,
+              rows_per_shared, rows_per_suffix, block_n_shared, block_n_suffix, num_kv_heads, num_sms,
+              min_split_tokens, extra):
+    """``(flat, items, gather, mrows, num_ws_rows, num_units, critical_path)``:
+    :func:`prefixattn.work_list.build_work_list` and ``Plan.stats['critical_path']``, the tables written straight
+    into one int32 staging buffer ``flat`` = ``[num_items, items, gather, mrows, extra entries]``
+    (:func:`prefixattn.planner._metadata_to_device`'s layout)."""
+    item_fields, i_kind, i_req, i_kv0, i_kv1, i_row0, i_nrows, i_qpos, i_dest, i_mrow = (
+        lay[0], lay[1], lay[2], lay[3], lay[4], lay[5], lay[6], lay[7], lay[8], lay[9])
+    kind_suffix, gather_fields, mrow_fields, m_first, m_stride, m_states = (lay[11], lay[12], lay[16], lay[17],
+                                                                            lay[18], lay[19])
+    t_req, t_first, t_rows, t_tok0, t_lo, t_hi, t_qpos = _suffix_tiles(q_start, q_len, kv_len, suffix_start, causal,
+                                                                        rows_per_suffix)
+    num_tiles, num_nodes, num_reqs = t_req.shape[0], kv_start.shape[0], q_len.shape[0]
+    # ---- split rule over the unsplit work
+    node_rows = np.zeros(num_nodes, dtype=np.int64)
+    tokens = 0
+    for k in range(num_nodes):
+        for m in range(offsets[k], offsets[k + 1]):
+            node_rows[k] += q_len[members[m]]
+        tokens += (kv_end[k] - kv_start[k]) * _cdiv(node_rows[k], rows_per_shared)
+    for t in range(num_tiles):
+        tokens += max(t_hi[t] - t_lo[t], 0)
+    budget = _split_budget(tokens, num_kv_heads, num_sms, min_split_tokens, rule)
+    grain_sh, grain_sf = _grain(block_n_shared, budget), _grain(block_n_suffix, budget)
+    finite = budget < np.inf
+    per_sh = max(1, int(budget // grain_sh)) if finite else 1
+    per_sf = max(1, int(budget // grain_sf)) if finite else 1
+    n_pieces = np.empty(num_nodes, dtype=np.int64)
+    for k in range(num_nodes):
+        n_pieces[k] = _pieces(kv_end[k] - kv_start[k], budget, per_sh, grain_sh)
+    t_pieces = np.empty(num_tiles, dtype=np.int64)
+    for t in range(num_tiles):
+        t_pieces[t] = _pieces(max(t_hi[t] - t_lo[t], 0), budget, per_sf, grain_sf)
+    # ---- states per request (shared ones numbered node by node, top-down) and merge units
+    shared_states, slot_base, tile_ws_base, tile_mrow_base, num_units, num_ws_rows, num_mrows = _merge_units(
+        offsets, members, n_pieces, t_req, t_rows, t_pieces, num_reqs)
+    num_shared = num_gather = num_suffix = 0
+    for k in range(num_nodes):
+        num_shared += n_pieces[k] * _cdiv(node_rows[k], rows_per_shared)
+        num_gather += n_pieces[k] * node_rows[k]
+    for t in range(num_tiles):
+        num_suffix += t_pieces[t]
+    n_items = num_shared + num_suffix
+    e_items, e_gather = 1 + n_items * item_fields, 1 + n_items * item_fields + num_gather * gather_fields
+    e_mrows = e_gather + num_mrows * mrow_fields
+    flat = np.empty(max(e_mrows + extra, 1), dtype=np.int32)
+    flat[0] = n_items
+    items = flat[1:e_items].reshape(n_items, item_fields)
+    gather = flat[e_items:e_gather].reshape(num_gather, gather_fields)
+    mrows = flat[e_gather:e_mrows].reshape(num_mrows, mrow_fields)
+    for t in range(num_tiles):
+        if tile_mrow_base[t] >= 0:
+            for i in range(t_rows[t]):
+                j = tile_mrow_base[t] + i
+                mrows[j, m_first] = tile_ws_base[t] + i
+                mrows[j, m_stride] = t_rows[t]
+                mrows[j, m_states] = shared_states[t_req[t]] + t_pieces[t]
+    # ---- items: shared (node, piece, M tile), then suffix (tile, piece); gather rows of the shared ones
+    it = _shared_items(items, gather, lay, kv_start, kv_end, offsets, members, q_start, q_len, t_first, t_rows,
+                       tile_ws_base, tile_mrow_base, n_pieces, slot_base, grain_sh, rows_per_suffix, rows_per_shared)
+    for t in range(num_tiles):
+        unit = tile_mrow_base[t] >= 0
+        for c in range(t_pieces[t]):
+            lo, hi = _piece_bound(t_lo[t], t_hi[t], c, t_pieces[t], grain_sf)
+            items[it, i_kind] = kind_suffix
+            items[it, i_req] = t_req[t]
+            items[it, i_kv0] = lo
+            items[it, i_kv1] = hi
+            items[it, i_row0] = t_tok0[t]
+            items[it, i_nrows] = t_rows[t]
+            items[it, i_qpos] = t_qpos[t]
+            items[it, i_dest] = tile_ws_base[t] + (shared_states[t_req[t]] + c) * t_rows[t] if unit else -1
+            items[it, i_mrow] = tile_mrow_base[t] if unit else -1
+            it += 1
+    _longest_first(items, i_kv0, i_kv1)
+    return (flat, items, gather, mrows, num_ws_rows, num_units,
+            _critical_path(items, i_kv0, i_kv1, num_kv_heads, num_sms))
+
+
+@njit(cache=True, nogil=True)
+def _merge_units(offsets, members, n_pieces, t_req, t_rows, t_pieces, num_reqs):
+    """Shared states per request and each membership's first slot (node by node, top-down), and the merge units:
+    suffix tiles with more than one state, their workspace and merge-row bases (-1: no unit)."""
+    num_nodes, num_tiles = n_pieces.shape[0], t_req.shape[0]
+    shared_states = np.zeros(num_reqs, dtype=np.int64)
+    slot_base = np.empty(members.shape[0], dtype=np.int64)
+    for k in range(num_nodes):
+        for m in range(offsets[k], offsets[k + 1]):
+            slot_base[m] = shared_states[members[m]]
+            shared_states[members[m]] += n_pieces[k]
+    tile_ws_base = np.full(num_tiles, -1, dtype=np.int64)
+    tile_mrow_base = np.full(num_tiles, -1, dtype=np.int64)
+    num_units = num_ws_rows = num_mrows = 0
+    for t in range(num_tiles):
+        if shared_states[t_req[t]] > 0 or t_pieces[t] > 1:
+            tile_ws_base[t], tile_mrow_base[t] = num_ws_rows, num_mrows
+            num_ws_rows += (shared_states[t_req[t]] + t_pieces[t]) * t_rows[t]
+            num_mrows += t_rows[t]
+            num_units += 1
+    return shared_states, slot_base, tile_ws_base, tile_mrow_base, num_units, num_ws_rows, num_mrows
+
+
+@njit(cache=True, nogil=True)
+def _longest_first(items, i_kv0, i_kv1):
+    """Items by KV length, longest first, stable (LPT), in place; untouched when already in that order."""
+    n = items.shape[0]
+    length = np.empty(n, dtype=np.int64)
+    ordered = True
+    for i in range(n):
+        length[i] = np.int64(items[i, i_kv1]) - items[i, i_kv0]
+        if i and length[i] > length[i - 1]:
+            ordered = False
+    if ordered:
+        return
+    perm = np.argsort(-length, kind="mergesort")
+    copy = items.copy()
+    for i in range(n):
+        items[i, :] = copy[perm[i], :]
+
+
+@njit(cache=True, nogil=True)
+def _critical_path(items, i_kv0, i_kv1, num_kv_heads, num_sms):
+    """:func:`prefixattn.split_rule.critical_path` of the items' KV lengths."""
+    n = items.shape[0]
+    if n == 0:
+        return 0.0
+    total = 0
+    longest = 0
+    for i in range(n):
+        length = np.int64(items[i, i_kv1]) - items[i, i_kv0]
+        total += length
+        longest = max(longest, length)
+    fair = float(total) * num_kv_heads / num_sms
+    return float(longest) / fair if fair > 0 else 0.0
+
+
+#: Entries of the ``params`` argument of :func:`plan_core` (one int64 array: one argument for numba to type-check).
+(P_CAUSAL, P_SHARING, P_BLOCK_SIZE, P_GROUP, P_HEAD_DIM, P_ELT_BYTES, P_ROWS_SHARED, P_ROWS_SUFFIX, P_BLOCK_N_SHARED,
+ P_BLOCK_N_SUFFIX, P_KV_HEADS, P_SMS, P_MIN_SPLIT, P_STATE_BYTES, P_WIDTH, NUM_PARAMS) = range(16)
+_INT32_MAX = 2 ** 31 - 1
+
+
+@njit(cache=True, nogil=True)
+def _table_fits(table, cols):
+    """Every entry of ``table[:, :cols]`` fits int32 (int32 tables: no scan)."""
+    if table.itemsize == 4 or cols == 0:
+        return True
+    for r in range(table.shape[0]):
+        row = table[r, :cols]
+        hi = row[0]
+        for k in range(row.shape[0]):
+            hi = max(hi, row[k])
+        if hi > _INT32_MAX:
+            return False
+    return True
+
+
+@njit(cache=True, nogil=True)
+def plan_core(lay, rule, params, order, depth, lb, rb, parent, indptr, q_len, kv_len, shareable, table):
+    """The planner from the tree to the staging buffer, in one call.
+
+    ``lay``: :func:`layout_args`, ``rule``: :func:`rule_args`'s floats, ``params``: int64 ``[NUM_PARAMS]``
+    (``P_*``; ``P_WIDTH``: block-table columns the batch reads). Returns ``(kv_start, kv_end, depth_blocks,
+    offsets, members, flat, items, gather, mrows, table_fits, num_ws_rows, num_units, critical_path)``; ``flat``
+    holds the block table's used columns after the tables when ``table_fits``.
+    """
+    kv_start, kv_end, depth_blocks, offsets, members, suffix_start = select_nodes(
+        order, depth, lb, rb, parent, shareable, q_len, params[P_BLOCK_SIZE], params[P_ROWS_SHARED],
+        params[P_GROUP], params[P_HEAD_DIM], params[P_ELT_BYTES], params[P_SHARING], params[P_STATE_BYTES])
+    rows, width = table.shape[0], params[P_WIDTH]
+    cols = min(width, table.shape[1])
+    fits = _table_fits(table, cols)
+    flat, items, gather, mrows, num_ws_rows, num_units, crit = work_list(
+        lay, rule, kv_start, kv_end, offsets, members, suffix_start, indptr[:-1], q_len, kv_len,
+        params[P_CAUSAL] != 0, params[P_ROWS_SHARED], params[P_ROWS_SUFFIX], params[P_BLOCK_N_SHARED],
+        params[P_BLOCK_N_SUFFIX], params[P_KV_HEADS], params[P_SMS], params[P_MIN_SPLIT],
+        rows * width if fits else 0)
+    if fits:
+        base = flat.shape[0] - rows * width if rows * width else 0
+        for r in range(rows):
+            dst = flat[base + r * width:base + (r + 1) * width]
+            src = table[r, :cols]
+            for k in range(cols):
+                dst[k] = src[k]
+            for k in range(cols, width):
+                dst[k] = 0
+    return (kv_start, kv_end, depth_blocks, offsets, members, flat, items, gather, mrows, fits, num_ws_rows,
+            num_units, crit)

@@ -1,0 +1,434 @@
+"""Compiled (numba) metadata checks and block prefix tree: the same order, LCPs and lcp-intervals as
+:mod:`prefixattn.block_tree`, the same accept/refuse decisions as :func:`prefixattn.validation.check_host_metadata`.
+
+Imported only when numba is (:mod:`prefixattn.plan_native` chooses); every function is ``@njit(cache=True)``.
+The definitions of what is computed are :func:`prefixattn.block_tree.sorted_rows_lcp` (lexicographic order of the
+padded rows, then the row index; LCP of sorted neighbours) and :func:`prefixattn.block_tree.tree_from_lcp` (the
+lcp-interval stack, nodes in post-order); ``tests/test_plan_native.py`` checks both paths give equal arrays.
+
+Algorithm (the numpy one, per segment instead of per round): rows are grouped by their first entry; each group of
+tied rows is compared with its first row (the leader) over the columns not yet known equal, which places every other
+row before or after the leader by (first mismatch, value there); rows still tied form new segments. Comparisons run
+over chunks of ``_CHUNK`` columns with no early exit inside a chunk, so LLVM vectorizes them (one pass over the
+shared prefix per row per level of sharing).
+
+:func:`check_values` answers only "valid or not" plus what a valid batch yields: on invalid input plan() runs the
+numpy checks, which raise the ``ValueError`` with its message (one definition of every message). The conditions are
+the same: ``qo_indptr[0] == 0``, non-decreasing, its last entry and every ``kv_lens`` entry in ``[0, 2^31)``,
+``kv_lens >= q_len``, enough table columns, every used block id in ``[0, num_blocks)``. :func:`check_and_tree` is
+plan()'s one call for both.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+#: Padding past a row's end: below every real id (ids are >= 0), as in block_tree.
+_PAD = -1
+_INT64_MAX = np.iinfo(np.int64).max
+#: Columns of the first chunk of the mismatch scan, and of the last scalar scan (a multiple of the SIMD width).
+_CHUNK = 16
+
+
+@njit(cache=True, nogil=True)
+def _differ(a, b):
+    """Any ``a[k] != b[k]`` (equal-length 1-D slices): a full reduction with no early exit, which LLVM vectorizes
+    (indexing from 0 over ``range(n)``: numba's negative-index wraparound check on ``range(lo, hi)`` indices kept the
+    loop scalar, ~1 ns per entry instead of ~0.1)."""
+    acc = 0
+    for k in range(a.shape[0]):
+        acc |= a[k] ^ b[k]
+    return acc != 0
+
+
+@njit(cache=True, nogil=True)
+def _mismatch(rows, a, b, start, stop, hint):
+    """First column in ``[start, stop)`` where rows ``a`` and ``b`` differ, ``stop`` if none.
+
+    ``hint``: where the previous row of the segment left the leader (rows under one shared prefix all leave it at
+    the prefix's end): one vectorized pass confirms it. Otherwise chunks of doubling size from ``_CHUNK`` (a row
+    that differs early costs little, a long shared prefix a few vectorized passes); the chunk holding the mismatch
+    is halved down to ``_CHUNK`` columns, then scanned."""
+    if start < hint < stop:
+        if _differ(rows[a, start:hint], rows[b, start:hint]):
+            stop = hint  # the mismatch is before the hint
+        elif rows[a, hint] != rows[b, hint]:
+            return hint
+        else:
+            start = hint + 1
+    j, size = start, _CHUNK
+    while j < stop:
+        e = min(j + size, stop)
+        if _differ(rows[a, j:e], rows[b, j:e]):
+            lo, hi = j, e
+            while hi - lo > _CHUNK:
+                mid = (lo + hi) // 2
+                if _differ(rows[a, lo:mid], rows[b, lo:mid]):
+                    hi = mid
+                else:
+                    lo = mid
+            for k in range(lo, hi):
+                if rows[a, k] != rows[b, k]:
+                    return k
+        j, size = e, 2 * size
+    return stop
+
+
+@njit(cache=True, nogil=True)
+def _key_less(s1, m1, v1, s2, m2, v2):
+    if s1 != s2:
+        return s1 < s2
+    if m1 != m2:
+        return m1 < m2
+    return v1 < v2
+
+
+@njit(cache=True, nogil=True)
+def _sort_segment(idx, side, mkey, va, tmp):
+    """Stable merge sort of the positions ``idx`` by ``(side, mkey, va)`` (in place; ``tmp`` as scratch)."""
+    n = idx.shape[0]
+    width = 1
+    while width < n:
+        lo = 0
+        while lo < n - width:
+            mid, hi = lo + width, min(lo + 2 * width, n)
+            i, j, k = lo, mid, lo
+            while i < mid and j < hi:
+                a, b = idx[i], idx[j]
+                if _key_less(side[b], mkey[b], va[b], side[a], mkey[a], va[a]):
+                    tmp[k] = b
+                    j += 1
+                else:
+                    tmp[k] = a
+                    i += 1
+                k += 1
+            while i < mid:
+                tmp[k] = idx[i]
+                i += 1
+                k += 1
+            while j < hi:
+                tmp[k] = idx[j]
+                j += 1
+                k += 1
+            idx[lo:hi] = tmp[lo:hi]
+            lo += 2 * width
+        width *= 2
+
+
+#: Packed sort key ``side << 61 | (mkey + _MKEY_BIAS) << _VA_BITS | (va + 1)`` (side <= 2: below 2^63): fits when
+#: |mkey| < 2^20 columns and -1 <= va < 2^40 - 1 (block ids, row indices); else the merge sort compares the keys.
+_VA_BITS = 40
+_MKEY_BIAS = 1 << 20
+
+
+@njit(cache=True, nogil=True)
+def _sort_keys(idx, side, mkey, va, key, tmp):
+    """Positions ``idx`` ordered by ``(side, mkey, va)``. Ties may come out in any order: tied rows form the next
+    segment, which is ordered from scratch, so the final order is the unique one of the padded rows."""
+    n = idx.shape[0]
+    for k in range(n):
+        if not (-_MKEY_BIAS < mkey[k] < _MKEY_BIAS and -1 <= va[k] < (1 << _VA_BITS) - 1):
+            _sort_segment(idx, side, mkey, va, tmp)
+            return
+        key[k] = (side[k] << 61) | ((mkey[k] + _MKEY_BIAS) << _VA_BITS) | (va[k] + 1)
+    perm = np.argsort(key[:n])  # quicksort: ~2x the merge sort's speed, stability not needed (above)
+    for k in range(n):
+        tmp[k] = idx[perm[k]]
+    idx[:] = tmp[:n]
+
+
+#: Rows whose index fits the low bits of :func:`_stable_argsort`'s packed key.
+_INDEX_BITS = 22
+
+
+@njit(cache=True, nogil=True)
+def _stable_argsort(first):
+    """``argsort(first, kind="stable")``: a quicksort of ``(first + 1) << _INDEX_BITS | index`` (unique keys: any
+    sort is stable; ~2x numba's merge sort) when it fits, else the merge sort."""
+    n = first.shape[0]
+    key = np.empty(n, dtype=np.int64)
+    if n >= (1 << _INDEX_BITS):
+        return np.argsort(first, kind="mergesort").astype(np.int64)
+    for i in range(n):
+        if not (-1 <= first[i] < (1 << (62 - _INDEX_BITS)) - 1):
+            return np.argsort(first, kind="mergesort").astype(np.int64)
+        key[i] = ((first[i] + 1) << _INDEX_BITS) | i
+    key.sort()
+    for i in range(n):
+        key[i] &= (1 << _INDEX_BITS) - 1
+    return key
+
+
+@njit(cache=True, nogil=True)
+def _refine_segment(rows, lengths, width, order, lcp, st_start, st_size, st_depth, top, side, mkey, va, mfull, elems,
+                    perm, key, tmp):
+    """Order the segment on top of the stack (entry ``top``, popped) around its leader, set its neighbours' LCPs
+    and push its tie groups; returns the new stack size."""
+    s0, size, known = st_start[top], st_size[top], st_depth[top]
+    leader = order[s0]
+    ll = lengths[leader]
+    hint = -1
+    for k in range(size):
+        e = order[s0 + k]
+        elems[k] = e
+        perm[k] = k
+        if k == 0:
+            side[k], mkey[k], va[k], mfull[k] = 1, 0, 0, _INT64_MAX
+            continue
+        la = lengths[e]
+        minlen = min(la, ll)
+        m = _mismatch(rows, e, leader, min(known, minlen), minlen, hint)
+        if m < minlen:
+            hint = m
+            v, vl = np.int64(rows[e, m]), np.int64(rows[leader, m])
+            mstar = m
+        elif la != ll:
+            mstar = minlen
+            v = _PAD if la < ll else np.int64(rows[e, m])
+            vl = _PAD if la > ll else np.int64(rows[leader, m])
+        else:  # identical padded rows: the row index decides
+            mstar = width
+            v, vl = e, leader
+        s = 2 if v > vl else 0
+        side[k], mkey[k], va[k] = s, (-mstar if s == 2 else mstar), v
+        mfull[k] = mstar
+    _sort_keys(perm[:size], side, mkey, va, key, tmp)
+    for k in range(size):
+        order[s0 + k] = elems[perm[k]]
+    # LCPs of neighbours (a tie group's inner ones are refined when it is processed), then the tie groups.
+    g = 0
+    for k in range(size):
+        p = perm[k]
+        if k > 0:
+            q = perm[k - 1]
+            lcp[s0 + k] = min(min(mfull[p], mfull[q]), min(lengths[elems[p]], lengths[elems[q]]))
+            if not (side[p] == side[q] and mkey[p] == mkey[q] and va[p] == va[q]):
+                if k - g >= 2 and side[q] != 1:
+                    st_start[top], st_size[top], st_depth[top] = s0 + g, k - g, mfull[q]
+                    top += 1
+                g = k
+    q = perm[size - 1]
+    if size - g >= 2 and side[q] != 1:
+        st_start[top], st_size[top], st_depth[top] = s0 + g, size - g, mfull[q]
+        top += 1
+    return top
+
+
+@njit(cache=True, nogil=True)
+def sorted_rows_lcp(rows, width, lengths):
+    """``(order, lcp, any_tied)`` of :func:`prefixattn.block_tree.sorted_rows_lcp` over ``rows[:, :width]``
+    (``lcp`` all 0 when nothing is tied: the numpy function returns None there)."""
+    n = rows.shape[0]
+    first = np.empty(n, dtype=np.int64)
+    for i in range(n):
+        first[i] = rows[i, 0] if (lengths[i] > 0 and width > 0) else _PAD
+    in_order = True
+    for i in range(1, n):
+        if first[i] < first[i - 1]:
+            in_order = False
+            break
+    # Stable (rows of one first entry by index); a table already in order needs no sort.
+    order = np.arange(n) if in_order else _stable_argsort(first)
+    lcp = np.zeros(n, dtype=np.int64)
+    # Segment stack: (start in order, size, columns known equal).
+    st_start = np.empty(n + 1, dtype=np.int64)
+    st_size = np.empty(n + 1, dtype=np.int64)
+    st_depth = np.empty(n + 1, dtype=np.int64)
+    top = 0
+    any_tied = False
+    i = 0
+    while i < n:
+        j = i + 1
+        while j < n and first[order[j]] == first[order[i]]:
+            j += 1
+        if j - i >= 2 and first[order[i]] != _PAD:
+            any_tied = True
+            st_start[top], st_size[top], st_depth[top] = i, j - i, 1
+            top += 1
+        i = j
+    if not any_tied:
+        return order, lcp, False
+    side = np.empty(n, dtype=np.int64)
+    mkey = np.empty(n, dtype=np.int64)
+    va = np.empty(n, dtype=np.int64)
+    mfull = np.empty(n, dtype=np.int64)
+    elems = np.empty(n, dtype=np.int64)
+    perm = np.empty(n, dtype=np.int64)
+    tmp = np.empty(n, dtype=np.int64)
+    key = np.empty(n, dtype=np.int64)
+    while top > 0:
+        top = _refine_segment(rows, lengths, width, order, lcp, st_start, st_size, st_depth, top - 1, side, mkey,
+                              va, mfull, elems, perm, key, tmp)
+    return order, lcp, True
+
+
+@njit(cache=True, nogil=True)
+def tree_from_lcp(lcp):
+    """``(depth, lb, rb, parent)`` of :func:`prefixattn.block_tree.tree_from_lcp` (post-order)."""
+    n = lcp.shape[0]
+    depth = np.empty(n, dtype=np.int64)
+    lb_out = np.empty(n, dtype=np.int64)
+    rb_out = np.empty(n, dtype=np.int64)
+    parent = np.empty(n, dtype=np.int64)
+    num = 0
+    st_depth = np.empty(n + 1, dtype=np.int64)
+    st_lb = np.empty(n + 1, dtype=np.int64)
+    st_pend = np.empty(n + 1, dtype=np.int64)  # children of stack entry s: pend[st_pend[s]:pend_len]
+    pend = np.empty(n + 1, dtype=np.int64)
+    pend_len = 0
+    st_depth[0], st_lb[0], st_pend[0] = 0, 0, 0
+    top = 0
+    prev = 0
+    for i in range(1, n + 1):
+        d = lcp[i] if i < n else 0
+        if d == prev:
+            continue
+        prev = d
+        lb = i - 1
+        last = -1
+        while d < st_depth[top]:
+            lb = st_lb[top]
+            last = num
+            depth[num], lb_out[num], rb_out[num], parent[num] = st_depth[top], lb, i - 1, -1
+            num += 1
+            for c in range(st_pend[top], pend_len):
+                parent[pend[c]] = last
+            pend_len = st_pend[top]
+            top -= 1
+            if d <= st_depth[top]:  # the enclosing interval is already open: it is the parent
+                pend[pend_len] = last
+                pend_len += 1
+                last = -1
+        if d > st_depth[top]:  # a new interval opens at lb; a node just closed (if any) is its first child
+            top += 1
+            st_depth[top], st_lb[top], st_pend[top] = d, lb, pend_len
+            if last >= 0:
+                pend[pend_len] = last
+                pend_len += 1
+    return depth[:num].copy(), lb_out[:num].copy(), rb_out[:num].copy(), parent[:num].copy()
+
+
+@njit(cache=True, nogil=True)
+def lcp_interval_tree(rows, width, lengths):
+    """``(order, lcp, depth, lb, rb, parent)`` of :func:`prefixattn.block_tree.lcp_interval_tree` over
+    ``rows[:, :width]`` (the whole table is passed: one compiled variant per dtype, no strided slice)."""
+    n = rows.shape[0]
+    empty = np.zeros(0, dtype=np.int64)
+    if n <= 1 or width == 0:
+        return np.arange(n).astype(np.int64), np.zeros(n, dtype=np.int64), empty, empty, empty, empty
+    order, lcp, tied = sorted_rows_lcp(rows, width, lengths)
+    if not tied:
+        return order, lcp, empty, empty, empty, empty
+    depth, lb, rb, parent = tree_from_lcp(lcp)
+    return order, lcp, depth, lb, rb, parent
+
+
+@njit(cache=True, nogil=True)
+def rows_equal(a, a_lengths, b, b_lengths):
+    """``a == b[:, :a.shape[1]]`` and ``a_lengths == b_lengths`` (same row counts): the tree cache's check, with an
+    early exit per row."""
+    if _differ(a_lengths, b_lengths):
+        return False
+    w = a.shape[1]
+    if w == 0:
+        return True
+    for i in range(a.shape[0]):
+        if _differ(a[i, :w], b[i, :w]):
+            return False
+    return True
+
+
+# ---- metadata value checks (plan()'s, compiled; the messages stay in prefixattn.validation) ----------------
+
+_INT32_MAX = 2 ** 31 - 1
+
+
+@njit(cache=True, nogil=True)
+def _row_bounds(row):
+    """``(min, max)`` of a non-empty 1-D slice (indexed from 0: vectorized)."""
+    lo = row[0]
+    hi = row[0]
+    for k in range(row.shape[0]):
+        lo = min(lo, row[k])
+        hi = max(hi, row[k])
+    return lo, hi
+
+
+@njit(cache=True, nogil=True)
+def check_values(indptr, lens, table, block_size, num_blocks, causal, sharing_never):
+    """Check the metadata's values; derive the planner's per-request lengths.
+
+    Parameters
+    ----------
+    indptr : ``[num_requests + 1]`` int64; lens : ``[num_requests]`` int64; table : ``[num_requests, cols]``
+        int32/int64.
+    num_blocks : int
+        Blocks in the cache, ``-1`` when not given.
+
+    Returns
+    -------
+    ``(ok, max_block_id, q_len, shareable, shareable_blocks, max_q_len)``: ``ok`` False means the numpy checks must
+    run (they raise); ``shareable`` is what plan() shares (``kv_len - q_len`` when causal, else ``kv_len``; 0 without
+    queries) and ``shareable_blocks`` its blocks (all 0 with ``sharing_never``: no tree).
+    """
+    n = lens.shape[0]
+    q_len = np.empty(n, dtype=np.int64)
+    shareable = np.empty(n, dtype=np.int64)
+    sh_blocks = np.empty(n, dtype=np.int64)
+    fail = (False, -1, q_len, shareable, sh_blocks, 0)
+    if indptr[0] != 0 or indptr[n] > _INT32_MAX:
+        return fail
+    max_q_len = 0
+    max_needed = 0
+    for r in range(n):
+        q = indptr[r + 1] - indptr[r]
+        if q < 0 or lens[r] < 0 or lens[r] > _INT32_MAX or lens[r] < q:
+            return fail
+        q_len[r] = q
+        max_q_len = max(max_q_len, q)
+        shareable[r] = (lens[r] - q if causal else lens[r]) if q > 0 else 0
+        sh_blocks[r] = 0 if sharing_never else (shareable[r] + block_size - 1) // block_size
+        max_needed = max(max_needed, (lens[r] + block_size - 1) // block_size)
+    if max_needed > table.shape[1]:
+        return fail
+    upper = num_blocks if num_blocks >= 0 else np.iinfo(np.int64).max
+    max_id = -1
+    for r in range(n):
+        used = (lens[r] + block_size - 1) // block_size
+        if used:
+            lo, hi = _row_bounds(table[r, :used])
+            if lo < 0 or hi >= upper:
+                return fail
+            max_id = max(max_id, np.int64(hi))
+    return True, max_id, q_len, shareable, sh_blocks, max_q_len
+
+
+@njit(cache=True, nogil=True)
+def check_and_tree(indptr, lens, table, block_size, num_blocks, causal, sharing_never, cache_rows, cache_blocks,
+                   use_cache):
+    """:func:`check_values`, then the block prefix tree of the shareable blocks, in one call.
+
+    ``cache_rows``/``cache_blocks``: the tree cache's rows and block counts (``use_cache``: compare with them first).
+    Returns ``(ok, max_block_id, q_len, shareable, shareable_blocks, max_q_len, width, status, order, lcp, depth,
+    lb, rb, parent)``; ``width``: block-table columns the batch reads (at least 1); ``status``: 1 the cached tree
+    applies (the tree arrays are empty), 2 a new tree with nodes, 0 a tree without nodes.
+    """
+    ok, max_id, q_len, shareable, sh_blocks, max_q_len = check_values(indptr, lens, table, block_size, num_blocks,
+                                                                      causal, sharing_never)
+    n = lens.shape[0]
+    width = 1
+    tree_width = 0
+    for r in range(n):
+        width = max(width, (lens[r] + block_size - 1) // block_size)
+        tree_width = max(tree_width, sh_blocks[r])
+    empty = np.zeros(0, dtype=np.int64)
+    if not ok:
+        return (ok, max_id, q_len, shareable, sh_blocks, max_q_len, width, 0, empty, empty, empty, empty, empty,
+                empty)
+    if (use_cache and cache_rows.shape[0] == n and cache_rows.shape[1] == tree_width
+            and rows_equal(cache_rows, cache_blocks, table, sh_blocks)):
+        return ok, max_id, q_len, shareable, sh_blocks, max_q_len, width, 1, empty, empty, empty, empty, empty, empty
+    order, lcp, depth, lb, rb, parent = lcp_interval_tree(table, tree_width, sh_blocks)
+    status = 2 if depth.shape[0] else 0
+    return ok, max_id, q_len, shareable, sh_blocks, max_q_len, width, status, order, lcp, depth, lb, rb, parent

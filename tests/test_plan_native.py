@@ -1,0 +1,248 @@
+"""The compiled planner (numba, optional) against the numpy reference: every Plan field equal, the same ValueErrors.
+
+Both paths run on the frozen golden cases of test_plan_equivalence.py and on random batches (sharing auto / always /
+never, causal or not, prefill chunks, split-k, empty requests, q_len 0, int64 tables, num_blocks given). CI installs
+numba through the ``test`` extra; without numba the compiled path cannot run and this module is skipped.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("numba", reason="the compiled planner is optional (pip install prefixattn[fast])")
+
+from prefixattn import plan, plan_native  # noqa: E402
+from prefixattn.autotune.lookup import fixed_config  # noqa: E402
+from prefixattn.block_tree import clear_tree_cache, lcp_interval_tree  # noqa: E402
+from tests.test_plan_equivalence import CASES, CONFIGS  # noqa: E402
+
+
+def _plan_with(planner, monkeypatch, *args, cold=True, **opts):
+    monkeypatch.setenv(plan_native.ENV_VAR, planner)
+    if cold:
+        clear_tree_cache()
+    return plan(*args, **opts)
+
+
+def _fields(p) -> dict:
+    """Every Plan field that the planner computes, as comparable Python / numpy values."""
+    w, t, n = p.work, p.tree, p.nodes
+    out = dict(num_tokens=p.num_tokens, num_requests=p.num_requests, tiles=p.tiles, has_shared=p.has_shared,
+               max_block_id=p.max_block_id, stats=sorted(p.stats.items()), num_ws_rows=w.num_ws_rows,
+               num_units=w.num_units, use_fp32_dot=p.use_fp32_dot, sm_scale=p.sm_scale, kv_dtype=p.kv_dtype)
+    arrays = dict(items=w.items, gather=w.gather, mrows=w.mrows, order=t.order, lcp=t.lcp, depth=t.depth, lb=t.lb,
+                  rb=t.rb, parent=t.parent, kv_start=n.kv_start, kv_end=n.kv_end, depth_blocks=n.depth_blocks,
+                  offsets=n.offsets, members=n.members)
+    for name in ("num_items_dev", "items", "gather", "mrows", "block_table", "counters"):
+        arrays[f"dev_{name}"] = getattr(p, name).cpu().numpy()
+    out.update({k: (v.dtype.str, v.shape, v.tobytes()) for k, v in arrays.items()})
+    out["ws"] = (tuple(p.ws_o.shape), tuple(p.ws_lse.shape))
+    return out
+
+
+def assert_same_plans(a, b, what: str) -> None:
+    fa, fb = _fields(a), _fields(b)
+    diff = [k for k in fa if fa[k] != fb[k]]
+    assert not diff, f"{what}: fields differ between the numpy and the numba planner: {diff}"
+
+
+def _both(monkeypatch, config_key, args, opts):
+    with fixed_config(CONFIGS[config_key]):
+        ref = _plan_with("numpy", monkeypatch, *args, **opts)
+        got = _plan_with("numba", monkeypatch, *args, **opts)
+        again = _plan_with("numba", monkeypatch, *args, cold=False, **opts)  # the tree cache's reuse
+    return ref, got, again
+
+
+@pytest.mark.parametrize("name,config_key,thunk", CASES, ids=[c[0] for c in CASES])
+def test_golden_cases_equal(monkeypatch, name, config_key, thunk):
+    indptr, lens, table, opts = thunk()
+    ref, got, again = _both(monkeypatch, config_key, (indptr, lens, table), opts)
+    assert_same_plans(ref, got, name)
+    assert_same_plans(ref, again, f"{name} (replanned)")
+
+
+def random_metadata(rng, *, num_requests, block_size, max_q_len, levels, table_dtype):
+    """Random paged metadata with real sharing: requests under random chains of shared blocks, odd lengths, some
+    empty requests (q_len 0) and zero-length KV, junk past the used columns."""
+    paths, blocks, next_id = [], {}, 0
+    for _ in range(num_requests):
+        path = tuple(int(rng.integers(0, 3)) for _ in range(levels))
+        ids = []
+        for d in range(1, len(path) + 1):
+            if path[:d] not in blocks:
+                n = int(rng.integers(0, 4))
+                blocks[path[:d]] = list(range(next_id, next_id + n))
+                next_id += n
+            ids += blocks[path[:d]]
+        paths.append(ids)
+    q_len = np.where(rng.random(num_requests) < 0.5, 1, rng.integers(0, max_q_len + 1, num_requests))
+    q_len[rng.random(num_requests) < 0.1] = 0
+    kv = np.array([len(p) * block_size for p in paths]) + q_len + rng.integers(0, 2 * block_size, num_requests)
+    kv[(q_len == 0) & (rng.random(num_requests) < 0.5)] = 0
+    width = int(-(-kv.max() // block_size)) + int(rng.integers(0, 3)) if num_requests else 1
+    table = np.zeros((num_requests, width), dtype=np.int64)
+    for r, p in enumerate(paths):
+        own = -(-kv[r] // block_size) - len(p)
+        row = p[:max(-(-kv[r] // block_size), 0)] + list(range(next_id, next_id + max(own, 0)))
+        next_id += max(own, 0)
+        table[r, :len(row)] = row
+        table[r, len(row):] = rng.integers(0, next_id + 1, width - len(row))
+    indptr = np.concatenate([[0], np.cumsum(q_len)])
+    return (torch.from_numpy(indptr.astype(np.int64)), torch.from_numpy(kv.astype(np.int32)),
+            torch.from_numpy(table.astype(table_dtype))), next_id
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_random_batches_equal(monkeypatch, seed):
+    rng = np.random.default_rng(seed)
+    block_size = int(rng.choice([1, 3, 16]))
+    args, num_ids = random_metadata(rng, num_requests=int(rng.integers(0, 30)), block_size=block_size,
+                                    max_q_len=int(rng.choice([1, 5, 70])), levels=int(rng.integers(0, 4)),
+                                    table_dtype=(np.int32, np.int64)[seed % 2])
+    heads = [dict(num_qo_heads=4, num_kv_heads=2, head_dim=64), dict(num_qo_heads=32, num_kv_heads=4, head_dim=128),
+             dict(num_qo_heads=8, num_kv_heads=8, head_dim=64)][seed % 3]
+    opts = dict(block_size=block_size, causal=seed % 4 != 3, sharing=("auto", "always", "never")[seed % 3],
+                q_dtype=(torch.float16, torch.bfloat16, torch.float32)[seed % 3], **heads)
+    if seed % 5 in (1, 2):  # split-k: few SMs, short pieces
+        opts.update(num_sms=int(rng.integers(1, 9)), min_split_tokens=int(rng.choice([1, 8, 64])))
+    if seed % 2:
+        opts.update(num_blocks=num_ids + 5)
+    if seed % 6 == 4:  # an fp8 cache: the cost rule prices KV at 1 byte (kv_dtype) in both planners
+        opts.update(kv_dtype=(torch.float8_e4m3fn, torch.float8_e5m2)[seed % 4 // 2])
+    if opts["causal"] and seed % 7 == 0:  # windows: the compiled tree, then the numpy node choice and work list
+        opts.update(window_left=int(rng.integers(0, 3 * block_size)))
+    ref, got, again = _both(monkeypatch, ("dec", "pre")[seed % 2], args, opts)
+    assert_same_plans(ref, got, f"seed {seed}")
+    assert_same_plans(ref, again, f"seed {seed} (replanned)")
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_compiled_tree_equals_numpy_tree(seed):
+    """The tree alone on small random rows with heavy ties (identical rows, rows that are prefixes of others)."""
+    from prefixattn import plan_native_tree
+
+    rng = np.random.default_rng(seed)
+    n, width = int(rng.integers(2, 40)), int(rng.integers(1, 600 if seed % 5 == 0 else 70))
+    rows = rng.integers(0, int(rng.integers(1, 4)), (n, width + int(rng.integers(0, 3))))
+    if seed % 6 == 1:  # ids past the packed sort key's range: the compiled merge sort
+        rows += 2 ** 50
+    rows = rows.astype((np.int32, np.int64)[seed % 2])
+    if n > 2:
+        rows[rng.integers(0, n, n // 2), :width // 2] = rows[0, :width // 2]
+    lengths = rng.integers(0, width + 1, n).astype(np.int64)
+    ref = lcp_interval_tree(rows[:, :width], lengths)
+    got = plan_native_tree.lcp_interval_tree(rows, width, lengths)
+    for name, a, b in zip(("order", "lcp", "depth", "lb", "rb", "parent"),
+                          (ref.order, ref.lcp, ref.depth, ref.lb, ref.rb, ref.parent), got):
+        assert a.dtype == b.dtype and np.array_equal(a, b), f"{name}: {a} vs {b}"
+
+
+def test_strided_table_uses_the_compiled_variants(monkeypatch):
+    """A column slice of a wider table (an engine's persistent table) plans like its contiguous copy, through the
+    variants compiled for C-contiguous arrays (a strided one would be compiled anew, mid-serving)."""
+    from prefixattn import plan_native_core, plan_native_tree
+
+    wide = torch.tensor([[1, 2, 3, 9, 7, 7], [1, 2, 3, 8, 7, 7], [1, 2, 4, 7, 7, 7]], dtype=torch.int32)
+    args = (torch.tensor([0, 1, 2, 3]), torch.tensor([60, 60, 60]), wide[:, :4])
+    opts = dict(block_size=16, num_qo_heads=4, num_kv_heads=2, head_dim=64, sharing="always")
+    ref, got, again = _both(monkeypatch, "dec", args, opts)
+    assert_same_plans(ref, got, "strided table")
+    assert_same_plans(ref, again, "strided table (replanned)")
+    for fn in (plan_native_core.plan_core, plan_native_tree.check_and_tree):
+        assert all(a.layout == "C" for sig in fn.signatures for a in sig if hasattr(a, "layout")), fn
+
+
+BAD_INPUTS = [
+    ("qo_indptr", (torch.tensor([1, 2]), torch.tensor([4]), torch.zeros((1, 1), dtype=torch.int32)), {}),
+    ("kv_lens", (torch.tensor([0, 2]), torch.tensor([1]), torch.zeros((1, 1), dtype=torch.int32)), {}),
+    ("block_table", (torch.tensor([0, 1]), torch.tensor([40]), torch.zeros((1, 2), dtype=torch.int32)), {}),
+    ("block_table", (torch.tensor([0, 1]), torch.tensor([4]), torch.full((1, 1), 9, dtype=torch.int64)),
+     dict(num_blocks=5)),
+    ("block_table", (torch.tensor([0, 1]), torch.tensor([4]), torch.full((1, 1), -1, dtype=torch.int32)), {}),
+    ("sharing", (torch.tensor([0, 1]), torch.tensor([4]), torch.zeros((1, 1), dtype=torch.int32)),
+     dict(sharing="sometimes")),
+    ("num_sms", (torch.tensor([0, 1]), torch.tensor([4]), torch.zeros((1, 1), dtype=torch.int32)), dict(num_sms=0)),
+]
+
+
+@pytest.mark.parametrize("name,args,extra", BAD_INPUTS, ids=[f"{b[0]}-{i}" for i, b in enumerate(BAD_INPUTS)])
+def test_same_errors(monkeypatch, name, args, extra):
+    opts = dict(block_size=16, num_qo_heads=4, num_kv_heads=2, head_dim=64, **extra)
+    messages = []
+    for planner in ("numpy", "numba"):
+        monkeypatch.setenv(plan_native.ENV_VAR, planner)
+        with pytest.raises(ValueError, match=f"^{name}: ") as err:
+            plan(*args, **opts)
+        messages.append(str(err.value))
+    assert messages[0] == messages[1]
+
+
+def test_planner_choice(monkeypatch):
+    monkeypatch.setenv(plan_native.ENV_VAR, "auto")
+    assert plan_native.planner_name() == "numba"
+    monkeypatch.setenv(plan_native.ENV_VAR, "numpy")
+    assert plan_native.planner_name() == "numpy"
+    monkeypatch.setenv(plan_native.ENV_VAR, "fortran")
+    with pytest.raises(ValueError, match="^PREFIXATTN_PLANNER: expected one of"):
+        plan(torch.tensor([0, 1]), torch.tensor([4]), torch.zeros((1, 1), dtype=torch.int32), block_size=16,
+             num_qo_heads=4, num_kv_heads=2, head_dim=64)
+
+
+def test_warmup_compiles_the_planner(monkeypatch):
+    """prefixattn.warmup_kernels (the `prefixattn warmup` command) also compiles the planner, on a CPU host too."""
+    import prefixattn
+
+    monkeypatch.setenv(plan_native.ENV_VAR, "auto")
+    report = prefixattn.warmup_kernels(num_qo_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
+                                       dtypes=torch.float16)
+    assert report.planner["name"] == "numba" and report.planner["seconds"] >= 0
+    assert any(line.strip().startswith("planner") and "numba" in line for line in report.lines())
+    monkeypatch.setenv(plan_native.ENV_VAR, "numpy")
+    assert prefixattn.warmup_kernels(num_qo_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
+                                     dtypes=torch.float16).planner["name"] == "numpy"
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_workspace_plans_equal(monkeypatch, seed):
+    """Plans written into a PlanWorkspace (the engines' path: the workspace stages the tables) are equal too."""
+    from prefixattn.workspace import PlanWorkspace, derive_capacity
+
+    rng = np.random.default_rng(100 + seed)
+    args, _ = random_metadata(rng, num_requests=12, block_size=4, max_q_len=9, levels=2,
+                              table_dtype=(np.int32, np.int64)[seed % 2])
+    opts = dict(block_size=4, num_qo_heads=8, num_kv_heads=2, head_dim=64, sharing=("auto", "always")[seed % 2],
+                num_sms=int(rng.integers(2, 40)), min_split_tokens=8)
+    cap = derive_capacity(max_tokens=max(int(args[0][-1]), 1), max_requests=12, max_blocks_per_request=64,
+                          num_kv_heads=2, num_sms=opts["num_sms"], rows_per_tile=(1, 16), max_shared_levels=3)
+    ws = PlanWorkspace(cap, num_qo_heads=8, head_dim=64, device=torch.device("cpu"))
+    with fixed_config(CONFIGS["dec"]):
+        ref = _fields(_plan_with("numpy", monkeypatch, *args, workspace=ws, **opts))
+        got = _fields(_plan_with("numba", monkeypatch, *args, workspace=ws, **opts))
+    assert not [k for k in ref if ref[k] != got[k]]
+
+
+def test_auto_falls_back_to_numpy_when_numba_fails_to_compile(monkeypatch):
+    """PREFIXATTN_PLANNER=auto: a numba compile error (an incompatible numba) warns once and plans in numpy, the
+    same plan; PREFIXATTN_PLANNER=numba raises it."""
+    from numba.core.errors import TypingError
+
+    from prefixattn import plan_native_core
+
+    def broken(*args):
+        raise TypingError("no implementation")
+
+    args = (torch.tensor([0, 1, 2, 3]), torch.tensor([60, 60, 60]),
+            torch.tensor([[1, 2, 3, 9], [1, 2, 3, 8], [1, 2, 4, 7]], dtype=torch.int32))
+    opts = dict(block_size=16, num_qo_heads=4, num_kv_heads=2, head_dim=64, sharing="always")
+    ref = _plan_with("numpy", monkeypatch, *args, **opts)
+    monkeypatch.setattr(plan_native_core, "plan_core", broken)
+    with pytest.raises(TypingError):
+        _plan_with("numba", monkeypatch, *args, **opts)
+    monkeypatch.setattr(plan_native, "_modules", plan_native._load())  # restored after the test
+    with pytest.warns(RuntimeWarning, match="the compiled planner failed to compile"):
+        got = _plan_with("auto", monkeypatch, *args, **opts)
+    assert_same_plans(ref, got, "fallback")
+    assert plan_native.planner_name() == "numpy"
