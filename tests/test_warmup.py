@@ -283,29 +283,34 @@ def test_cli_exits_1_when_a_variant_fails(capsys, monkeypatch):
 # On a GPU: after the warm-up, real steps of the configuration compile nothing
 # ---------------------------------------------------------------------------------------------------------------
 @pytest.mark.gpu
-def test_after_the_warm_up_real_steps_compile_nothing():
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.float8_e5m2])  # e5m2: fp8 loads from sm80 on
+def test_after_the_warm_up_real_steps_compile_nothing(kv_dtype):
     from prefixattn.kernels.kv_write_kernel import kv_write_kernel
     from prefixattn.kernels.prefix_attention_kernel import prefix_attention_kernel
 
     cfg = dict(num_qo_heads=8, num_kv_heads=2, head_dim=128, block_size=16)
-    report = prefixattn.warmup_kernels(**cfg, dtypes=torch.float16, max_q_len=64, kv_write=True)
+    fp8 = kv_dtype != torch.float16
+    # fp8: vLLM's way, per-tensor scale tensors read by pointer (the warm-up's default fp8_kv_scales)
+    scales = {n: torch.ones(1, device="cuda") for n in ("k_scale", "v_scale")} if fp8 else {}
+    report = prefixattn.warmup_kernels(**cfg, dtypes=torch.float16, max_q_len=64, kv_write=True, kv_dtypes=kv_dtype)
     assert not report.failed and report.mode == "gpu", "\n".join(report.lines())
     binaries = (w._binaries_in_process(prefix_attention_kernel), w._binaries_in_process(kv_write_kernel))
     assert None not in binaries  # this Triton exposes its per-device cache: the check below means something
     g = torch.Generator(device="cuda").manual_seed(0)
-    k_cache = torch.randn(64, 16, 2, 128, generator=g, device="cuda", dtype=torch.float16)
-    v_cache = torch.randn_like(k_cache)
+    k_cache = torch.randn(64, 16, 2, 128, generator=g, device="cuda", dtype=torch.float16).to(kv_dtype)
+    v_cache = torch.randn(64, 16, 2, 128, generator=g, device="cuda", dtype=torch.float16).to(kv_dtype)
     # A decode step under a shared prefix, a chunked prefill (64 rows) next to decodes, a step sharing nothing.
     for q_lens, sharing in (([1] * 6, "always"), ([64, 1, 1], "auto"), ([3, 17], "never")):
         n = len(q_lens)
         qo = torch.tensor([0] + q_lens).cumsum(0)
         kv_lens = torch.tensor(q_lens) + 40
         table = torch.tensor([[0, 1] + [2 + 5 * r + j for j in range(5)] for r in range(n)])
-        p = prefixattn.plan(qo, kv_lens, table, q_dtype=torch.float16, sharing=sharing, device="cuda", **cfg)
+        p = prefixattn.plan(qo, kv_lens, table, q_dtype=torch.float16, kv_dtype=kv_dtype, sharing=sharing,
+                            device="cuda", **cfg)
         q = torch.randn(int(qo[-1]), 8, 128, generator=g, device="cuda", dtype=torch.float16)
         new_kv = torch.randn(int(qo[-1]), 2, 128, generator=g, device="cuda", dtype=torch.float16)
         slots = torch.arange(int(qo[-1]), device="cuda") + 16 * 40
-        prefixattn.write_kv(new_kv, new_kv, k_cache, v_cache, slots)
-        prefixattn.attention(q, k_cache, v_cache, p)
+        prefixattn.write_kv(new_kv, new_kv, k_cache, v_cache, slots, **scales)
+        prefixattn.attention(q, k_cache, v_cache, p, **scales)
     torch.cuda.synchronize()
     assert (w._binaries_in_process(prefix_attention_kernel), w._binaries_in_process(kv_write_kernel)) == binaries
