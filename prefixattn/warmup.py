@@ -8,8 +8,10 @@ few and known at start-up:
   GQA group and the step's longest query chunk, bucketed by powers of two: :func:`attention_variants` walks every
   bucket up to the engine's longest chunk and keeps the distinct configs), each with and without shared-prefix items
   (``HAS_SHARED``: two binaries, two launch options), with or without the LSE output, and the block size
-  (``PAGE_SIZE``);
-* the K/V write kernel (:func:`prefixattn.write_kv`), one binary per dtype and head geometry, when the engine uses it.
+  (``PAGE_SIZE``), and the KV cache's dtype: an fp8 cache (``kv_dtypes``) loads fp8 and dequantizes with the
+  per-tensor scales (``HAS_KV_SCALE``, and more warps for suffix-only launches), other binaries again;
+* the K/V write kernel (:func:`prefixattn.write_kv`), one binary per dtype, cache dtype (fp8 quantizes: ``IS_FP8``)
+  and head geometry, when the engine uses it.
 
 :func:`warmup_kernels` launches each variant once through the public path (:func:`prefixattn.plan` with the config
 pinned, then :func:`prefixattn.attention`) on tiny inputs (2 requests, 3 KV blocks), so the binaries it compiles are
@@ -26,6 +28,7 @@ laid out the same way.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import time
 from dataclasses import dataclass, field
@@ -38,7 +41,7 @@ from prefixattn.autotune.config_space import AttentionConfig
 from prefixattn.autotune.lookup import fixed_config, planning_target, select_config
 from prefixattn.kernels.layout import page_size_constexpr
 from prefixattn.runtime import interpreter_enabled
-from prefixattn.validation import SUPPORTED_DTYPES, check_head_dim, check_heads
+from prefixattn.validation import FP8_KV_DTYPES, SUPPORTED_DTYPES, check_head_dim, check_heads
 
 #: Environment variable: "0" (or "false", "off", "no") skips the engines' start-up warm-up.
 WARMUP_ENV = "PREFIXATTN_WARMUP"
@@ -71,17 +74,30 @@ class KernelVariant:
     config: AttentionConfig | None = None
     max_q_lens: tuple[int, ...] = ()
     slot_dtype: torch.dtype = torch.int64
+    #: The K/V cache's dtype (None: ``dtype``); an fp8 one is a binary of its own (fp8 loads / stores).
+    kv_dtype: torch.dtype | None = None
+    #: ``HAS_KV_SCALE`` of an attention launch (per-tensor dequantization scales: fp8 caches).
+    has_kv_scale: bool = False
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return self.kv_dtype if self.kv_dtype is not None else self.dtype
+
+    @property
+    def kv_fp8(self) -> bool:
+        return self.cache_dtype in FP8_KV_DTYPES
 
     def describe(self) -> str:
-        dt = str(self.dtype).replace("torch.", "")
+        dt = _name(self.dtype) + (f" kv {_name(self.cache_dtype)}" if self.cache_dtype != self.dtype else "")
         geometry = f"{dt} h{self.num_qo_heads}/{self.num_kv_heads} d{self.head_dim}"
         if self.kernel == KV_WRITE:
-            return f"{KV_WRITE} {geometry} slots {str(self.slot_dtype).replace('torch.', '')}"
+            return f"{KV_WRITE} {geometry} slots {_name(self.slot_dtype)}"
         t = self.tiles
         parts = [ATTENTION, geometry, f"page {page_size_constexpr(self.block_size) or 'any'}",
                  "shared+suffix" if self.has_shared else "suffix-only", "+lse" if self.has_lse else "no-lse",
+                 *(["+kv_scale"] if self.has_kv_scale else []),
                  f"shared {t.block_m_shared}x{t.block_n_shared} suffix {t.block_m_suffix}x{t.block_n_suffix}",
-                 "w{num_warps}/s{num_stages}".format(**t.launch_options(self.has_shared)),
+                 "w{num_warps}/s{num_stages}".format(**t.launch_options(self.has_shared, kv_fp8=self.kv_fp8)),
                  f"q_len {_ranges(self.max_q_lens)}"]
         return " ".join(parts)
 
@@ -137,6 +153,10 @@ def warmup_enabled() -> bool:
     return os.environ.get(WARMUP_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
 
 
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
 def _ranges(values: tuple[int, ...]) -> str:
     if not values:
         return "-"
@@ -166,8 +186,27 @@ def _check_config(num_qo_heads, num_kv_heads, head_dim, block_size, dtypes) -> t
     return dtypes
 
 
+def dtype_pairs(dtypes: tuple[torch.dtype, ...], kv_dtypes) -> list[tuple[torch.dtype, torch.dtype]]:
+    """``(q dtype, cache dtype)`` pairs a launch can have: every q dtype with itself when ``kv_dtypes`` is None;
+    else every fp8 cache dtype with every q dtype, and a 16/32-bit cache dtype with the same q dtype only (the
+    kernel reads such a cache in the dtype of q)."""
+    if kv_dtypes is None:
+        return [(d, d) for d in dtypes]
+    kv_dtypes = tuple(kv_dtypes) if isinstance(kv_dtypes, (list, tuple)) else (kv_dtypes,)
+    bad = [d for d in kv_dtypes if d not in SUPPORTED_DTYPES + FP8_KV_DTYPES]
+    if not kv_dtypes or bad:
+        raise ValueError(f"kv_dtypes: expected torch.float16/bfloat16/float32/float8_e4m3fn/float8_e5m2, got "
+                         f"{bad or 'nothing'}")
+    pairs = [(d, kv) for d in dtypes for kv in dict.fromkeys(kv_dtypes) if kv == d or kv in FP8_KV_DTYPES]
+    if not pairs:
+        raise ValueError(f"kv_dtypes: expected fp8 or one of the q dtypes {[_name(d) for d in dtypes]} (a 16/32-bit "
+                         f"cache is read in the dtype of q), got {[_name(d) for d in kv_dtypes]}")
+    return pairs
+
+
 def attention_variants(*, num_qo_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtypes,
-                       max_q_len: int = 1, with_lse: bool = False, target="auto") -> list[KernelVariant]:
+                       max_q_len: int = 1, with_lse: bool = False, target="auto", kv_dtypes=None,
+                       fp8_kv_scales=(True,)) -> list[KernelVariant]:
     """The fused-kernel binaries steps of this configuration can launch (see the module docstring).
 
     Parameters
@@ -175,58 +214,73 @@ def attention_variants(*, num_qo_heads: int, num_kv_heads: int, head_dim: int, b
     num_qo_heads, num_kv_heads, head_dim, block_size : int
         Per-rank heads of the model and the cache's block size.
     dtypes : torch.dtype or sequence of them
-        Model dtypes (q and the caches).
+        Model dtypes (q's; the caches' too unless ``kv_dtypes``).
     max_q_len : int
         Longest query chunk of one request in a step (the engine's chunked-prefill size; 1 = decode only).
     with_lse : bool
         Also the variants that return the LSE (library users of ``return_lse=True``; engines do not).
     target : ``"auto"`` (this device), a target name (``"sm90"``: what that GPU's tables select) or None.
+    kv_dtypes : torch.dtype or sequence of them, optional
+        The KV caches' dtypes (default: each q dtype, a cache in the model's dtype); fp8
+        (``float8_e4m3fn``/``float8_e5m2``) adds the fp8-loading binaries (:func:`dtype_pairs`).
+    fp8_kv_scales : sequence of bool
+        The ``HAS_KV_SCALE`` values fp8 launches have: True when the engine passes per-tensor scales (vLLM's layer
+        scale tensors always; SGLang's float scales when ``v_scale != 1``), False when it passes none (a float
+        ``k_scale`` folds into the softmax scale). 16/32-bit caches launch without scales.
 
     Returns
     -------
-    list of KernelVariant, in dtype, query-length and has_shared order, without duplicates.
+    list of KernelVariant, in dtype, cache dtype, query-length and has_shared order, without duplicates.
     """
     dtypes = _check_config(num_qo_heads, num_kv_heads, head_dim, block_size, dtypes)
+    pairs = dtype_pairs(dtypes, kv_dtypes)
     group = num_qo_heads // num_kv_heads
     found: dict = {}
     with planning_target(target):
-        for dtype in dtypes:
+        for dtype, kv_dtype in pairs:
+            fp8 = kv_dtype in FP8_KV_DTYPES
+            scale_switches = tuple(dict.fromkeys(bool(x) for x in fp8_kv_scales)) if fp8 else (False,)
             for q_len in query_len_buckets(max_q_len):
                 # The same two calls plan() makes (choose_tiles memoizes select_config's answer per bucket).
                 tiles = choose_tiles(head_dim=head_dim, group=group, max_q_len=q_len, dtype=dtype)
                 config = select_config(head_dim=head_dim, dtype=dtype, group=group, max_q_len=q_len).config
-                for has_lse in ((False, True) if with_lse else (False,)):
-                    for has_shared in (True, False):
-                        key = (dtype, tiles, has_shared, has_lse)
-                        if key in found:
-                            v = found[key]
-                            found[key] = dataclasses.replace(v, max_q_lens=v.max_q_lens + (q_len,))
-                            continue
-                        found[key] = KernelVariant(
-                            kernel=ATTENTION, dtype=dtype, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
-                            head_dim=head_dim, block_size=block_size, has_shared=has_shared, has_lse=has_lse,
-                            tiles=tiles, config=config, max_q_lens=(q_len,))
+                for has_kv_scale, has_lse, has_shared in itertools.product(
+                        scale_switches, (False, True) if with_lse else (False,), (True, False)):
+                    key = (dtype, kv_dtype, has_kv_scale, tiles, has_shared, has_lse)
+                    if key in found:
+                        v = found[key]
+                        found[key] = dataclasses.replace(v, max_q_lens=v.max_q_lens + (q_len,))
+                        continue
+                    found[key] = KernelVariant(
+                        kernel=ATTENTION, dtype=dtype, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+                        head_dim=head_dim, block_size=block_size, has_shared=has_shared, has_lse=has_lse,
+                        tiles=tiles, config=config, max_q_lens=(q_len,),
+                        kv_dtype=None if kv_dtype == dtype else kv_dtype, has_kv_scale=has_kv_scale)
     return list(found.values())
 
 
 def kv_write_variants(*, num_qo_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtypes,
-                      slot_dtype: torch.dtype = torch.int64) -> list[KernelVariant]:
-    """The :func:`prefixattn.write_kv` binaries (K/V in the cache's dtype; ``slot_dtype``: vLLM's int64)."""
+                      slot_dtype: torch.dtype = torch.int64, kv_dtypes=None) -> list[KernelVariant]:
+    """The :func:`prefixattn.write_kv` binaries: new K/V in each of ``dtypes`` into caches of ``kv_dtypes``
+    (:func:`dtype_pairs`; fp8 quantizes), ``slot_dtype``: vLLM's int64."""
     dtypes = _check_config(num_qo_heads, num_kv_heads, head_dim, block_size, dtypes)
     if slot_dtype not in (torch.int32, torch.int64):
         raise ValueError(f"slot_dtype: expected torch.int32 or torch.int64, got {slot_dtype!r}")
     return [KernelVariant(kernel=KV_WRITE, dtype=d, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
-                          head_dim=head_dim, block_size=block_size, slot_dtype=slot_dtype) for d in dtypes]
+                          head_dim=head_dim, block_size=block_size, slot_dtype=slot_dtype,
+                          kv_dtype=None if kv == d else kv) for d, kv in dtype_pairs(dtypes, kv_dtypes)]
 
 
 def kernel_variants(*, num_qo_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtypes,
                     max_q_len: int = 1, with_lse: bool = False, kv_write: bool = False,
-                    slot_dtype: torch.dtype = torch.int64, target="auto") -> list[KernelVariant]:
+                    slot_dtype: torch.dtype = torch.int64, target="auto", kv_dtypes=None,
+                    fp8_kv_scales=(True,)) -> list[KernelVariant]:
     """Every binary :func:`warmup_kernels` would compile: :func:`attention_variants`, plus
     :func:`kv_write_variants` when the engine writes K/V with :func:`prefixattn.write_kv` (``kv_write``)."""
     geometry = dict(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
-                    dtypes=dtypes)
-    variants = attention_variants(**geometry, max_q_len=max_q_len, with_lse=with_lse, target=target)
+                    dtypes=dtypes, kv_dtypes=kv_dtypes)
+    variants = attention_variants(**geometry, max_q_len=max_q_len, with_lse=with_lse, target=target,
+                                  fp8_kv_scales=fp8_kv_scales)
     if kv_write:
         variants += kv_write_variants(**geometry, slot_dtype=slot_dtype)
     return variants
@@ -262,12 +316,20 @@ def _rows(v: KernelVariant, num_tokens: int, layout: WarmupLayout, device) -> tu
 
 
 def _caches(v: KernelVariant, layout: WarmupLayout, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zero K and V caches ``[blocks, block_size, Hkv, D]`` in ``layout``."""
+    """Zero K and V caches ``[blocks, block_size, Hkv, D]`` in ``layout`` and the variant's cache dtype."""
     shape = (_WARMUP_BLOCKS, v.block_size, v.num_kv_heads, v.head_dim)
+    dt = v.cache_dtype
     if layout.kv_interleaved:
-        kv = torch.zeros(shape[:-1] + (2 * v.head_dim,), dtype=v.dtype, device=device)
+        kv = torch.zeros(shape[:-1] + (2 * v.head_dim,), dtype=dt, device=device)
         return kv[..., :v.head_dim], kv[..., v.head_dim:]
-    return torch.zeros(shape, dtype=v.dtype, device=device), torch.zeros(shape, dtype=v.dtype, device=device)
+    return torch.zeros(shape, dtype=dt, device=device), torch.zeros(shape, dtype=dt, device=device)
+
+
+def _scales(v: KernelVariant, device) -> dict:
+    """Per-tensor scales as vLLM passes them (1-element fp32 tensors, read by pointer) for a launch with scales."""
+    if not (v.has_kv_scale or (v.kernel == KV_WRITE and v.kv_fp8)):
+        return {}
+    return {name: torch.ones(1, dtype=torch.float32, device=device) for name in ("k_scale", "v_scale")}
 
 
 def _launch_attention(v: KernelVariant, layout: WarmupLayout, device: torch.device) -> None:
@@ -282,13 +344,14 @@ def _launch_attention(v: KernelVariant, layout: WarmupLayout, device: torch.devi
     with fixed_config(v.config):
         p = prefixattn.plan(torch.tensor(qo_indptr), torch.tensor(kv_lens), torch.tensor(table), block_size=bs,
                             num_qo_heads=v.num_qo_heads, num_kv_heads=v.num_kv_heads, head_dim=v.head_dim,
-                            q_dtype=v.dtype, device=device, sharing="always" if v.has_shared else "never")
+                            q_dtype=v.dtype, kv_dtype=v.cache_dtype, device=device,
+                            sharing="always" if v.has_shared else "never")
     if p.has_shared != v.has_shared or p.tiles != v.tiles:
         raise RuntimeError(f"the warm-up plan did not reproduce the variant (has_shared {p.has_shared}, tiles "
                            f"{p.tiles}); nothing launched")
     q, _, _ = _rows(v, p.num_tokens, layout, device)
     k_cache, v_cache = _caches(v, layout, device)
-    prefixattn.attention(q, k_cache, v_cache, p, return_lse=v.has_lse)
+    prefixattn.attention(q, k_cache, v_cache, p, return_lse=v.has_lse, **_scales(v, device))
 
 
 def _launch_kv_write(v: KernelVariant, layout: WarmupLayout, device: torch.device) -> None:
@@ -296,7 +359,8 @@ def _launch_kv_write(v: KernelVariant, layout: WarmupLayout, device: torch.devic
 
     _, key, value = _rows(v, 2, layout, device)
     k_cache, v_cache = _caches(v, layout, device)
-    write_kv(key, value, k_cache, v_cache, torch.tensor([0, -1], dtype=v.slot_dtype, device=device))
+    write_kv(key, value, k_cache, v_cache, torch.tensor([0, -1], dtype=v.slot_dtype, device=device),
+             **_scales(v, device))
 
 
 def _binaries_in_process(kernel) -> int | None:
@@ -357,13 +421,17 @@ def _skipped(variants: list[KernelVariant], why: str) -> WarmupReport:
 def warmup_kernels(*, num_qo_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtypes=torch.float16,
            max_q_len: int = 1, with_lse: bool = False, kv_write: bool = False,
            slot_dtype: torch.dtype = torch.int64, layout: WarmupLayout = WarmupLayout(), device=None,
-           run_in_interpreter: bool = False) -> WarmupReport:
+           run_in_interpreter: bool = False, kv_dtypes=None, fp8_kv_scales=(True,)) -> WarmupReport:
     """Compile every kernel variant this configuration uses (see :func:`kernel_variants`) by launching each once.
 
     Parameters
     ----------
     num_qo_heads, num_kv_heads, head_dim, block_size, dtypes, max_q_len, with_lse, kv_write, slot_dtype
         As in :func:`kernel_variants`.
+    kv_dtypes, fp8_kv_scales
+        The KV caches' dtypes (default: the dtypes of q) and, for fp8 caches, whether launches pass per-tensor
+        scales (:func:`attention_variants`): an fp8 engine passes its cache dtype, so the fp8 attention and
+        ``write_kv`` binaries compile here instead of at its first request.
     layout : WarmupLayout
         How the engine lays out q/k/v and the caches (default: contiguous tensors, separate caches;
         ``VLLM_LAYOUT``, ``SGLANG_LAYOUT``).
@@ -388,7 +456,8 @@ def warmup_kernels(*, num_qo_heads: int, num_kv_heads: int, head_dim: int, block
     """
     variants = kernel_variants(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                                block_size=block_size, dtypes=dtypes, max_q_len=max_q_len, with_lse=with_lse,
-                               kv_write=kv_write, slot_dtype=slot_dtype)
+                               kv_write=kv_write, slot_dtype=slot_dtype, kv_dtypes=kv_dtypes,
+                               fp8_kv_scales=fp8_kv_scales)
     planner = warm_planner()  # host code: compiled on any machine, also without a GPU
     interpreted = interpreter_enabled()
     if interpreted and not run_in_interpreter:

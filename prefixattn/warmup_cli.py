@@ -19,18 +19,30 @@ HELP = "compile every kernel variant a model configuration uses (heads, head siz
 
 #: ``--dtype`` names.
 _DTYPES = ("fp16", "bf16", "fp32")
+#: ``--kv-dtype`` names: the model dtypes and the fp8 caches (``fp8`` is e4m3, as vLLM's ``--kv-cache-dtype fp8``).
+_KV_DTYPES = _DTYPES + ("fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+def _parse_dtypes(text: str, allowed: tuple[str, ...]):
+    import torch
+
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [n for n in names if n not in allowed]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"expected comma-separated dtypes from {allowed}, got {text}")
+    by_name = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn,
+               "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+    return list(dict.fromkeys(by_name[n] for n in names))
 
 
 def dtype_list(text: str):
     """argparse type: comma-separated dtype names (fp16, bf16, fp32) -> torch dtypes."""
-    import torch
+    return _parse_dtypes(text, _DTYPES)
 
-    names = [x.strip() for x in text.split(",") if x.strip()]
-    bad = [n for n in names if n not in _DTYPES]
-    if not names or bad:
-        raise argparse.ArgumentTypeError(f"expected comma-separated dtypes from {_DTYPES}, got {text}")
-    by_name = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-    return [by_name[n] for n in dict.fromkeys(names)]
+
+def kv_dtype_list(text: str):
+    """argparse type: comma-separated KV cache dtype names (a model dtype, fp8, fp8_e4m3, fp8_e5m2)."""
+    return _parse_dtypes(text, _KV_DTYPES)
 
 
 def add_arguments(parser) -> None:
@@ -40,6 +52,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--block-size", type=positive_int, default=16, help="KV cache block (page) size")
     parser.add_argument("--dtype", type=dtype_list, default=None, help="model dtypes, e.g. bf16 or fp16,bf16 "
                         "(default bf16)")
+    parser.add_argument("--kv-dtype", type=kv_dtype_list, default=None,
+                        help="KV cache dtypes, e.g. fp8 (= fp8_e4m3) or fp8_e5m2 for an fp8 cache (default: the "
+                             "model dtypes); fp8 compiles the fp8-loading attention and quantizing K/V write binaries")
+    parser.add_argument("--no-fp8-scales", action="store_true",
+                        help="fp8 launches without per-tensor scales (SGLang without checkpoint scales); default: "
+                             "with scale tensors, as vLLM passes them")
     parser.add_argument("--max-q-len", type=positive_int, default=None,
                         help="longest query chunk of a request in one step (the engine's chunked-prefill size; "
                              "default: every length the tile tables distinguish)")
@@ -60,6 +78,7 @@ def _as_json(results, mode: str, planner: dict) -> str:
         v = r.variant
         row = {"kernel": v.kernel, "dtype": str(v.dtype).replace("torch.", ""), "num_qo_heads": v.num_qo_heads,
                "num_kv_heads": v.num_kv_heads, "head_dim": v.head_dim, "block_size": v.block_size,
+               "kv_dtype": str(v.cache_dtype).replace("torch.", ""), "has_kv_scale": v.has_kv_scale,
                "has_shared": v.has_shared, "has_lse": v.has_lse, "max_q_lens": list(v.max_q_lens),
                "description": v.describe(), "status": r.status, "seconds": round(r.seconds, 3), "error": r.error}
         if v.config is not None:
@@ -75,7 +94,8 @@ def run(args) -> int:
 
     config = dict(num_qo_heads=args.num_qo_heads, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
                   block_size=args.block_size, dtypes=args.dtype or [torch.bfloat16],
-                  max_q_len=args.max_q_len or w.MAX_DISTINCT_Q_LEN, with_lse=args.lse, kv_write=args.kv_write)
+                  max_q_len=args.max_q_len or w.MAX_DISTINCT_Q_LEN, with_lse=args.lse, kv_write=args.kv_write,
+                  kv_dtypes=args.kv_dtype, fp8_kv_scales=(not args.no_fp8_scales,))
     try:
         if args.dry_run or args.target is not None:
             variants = w.kernel_variants(**config, target=args.target if args.target is not None else "auto")

@@ -42,6 +42,79 @@ def test_lse_dtypes_and_kv_write_multiply_the_variants():
     assert [v.dtype for v in full if v.kernel == w.KV_WRITE] == [torch.float16, torch.float32]
 
 
+
+FP8 = torch.float8_e4m3fn
+
+
+def test_kv_dtypes_default_to_the_q_dtypes():
+    cfg = dict(**LLAMA8B, dtypes=[torch.float16, torch.bfloat16], max_q_len=64, kv_write=True, target=None)
+    assert w.kernel_variants(**cfg) == w.kernel_variants(**cfg, kv_dtypes=[torch.float16, torch.bfloat16])
+    assert all(v.kv_dtype is None and not v.has_kv_scale for v in w.kernel_variants(**cfg))
+
+
+def test_an_fp8_cache_lists_its_own_attention_and_kv_write_binaries():
+    from prefixattn.autotune.config_space import FP8_SUFFIX_MIN_WARPS
+
+    base = w.kernel_variants(**LLAMA8B, dtypes=torch.bfloat16, max_q_len=64, kv_write=True, target=None)
+    fp8 = w.kernel_variants(**LLAMA8B, dtypes=torch.bfloat16, max_q_len=64, kv_write=True, target=None,
+                            kv_dtypes=FP8)
+    assert len(fp8) == len(base) == 5  # decode / prefill tiles x shared / suffix-only, one write_kv
+    attn = [v for v in fp8 if v.kernel == w.ATTENTION]
+    assert all(v.kv_dtype == FP8 and v.cache_dtype == FP8 and v.kv_fp8 and v.has_kv_scale for v in attn)
+    assert [v.tiles for v in attn] == [v.tiles for v in base if v.kernel == w.ATTENTION]  # tiles follow q's dtype
+    # fp8 suffix-only launches take more warps (LaunchOptions.for_kv): the report shows the launch they compile.
+    suffix = [v for v in attn if not v.has_shared]
+    assert all(v.tiles.launch_options(False, kv_fp8=True)["num_warps"] >= FP8_SUFFIX_MIN_WARPS for v in suffix)
+    assert all(f"w{FP8_SUFFIX_MIN_WARPS}/" in v.describe() for v in suffix)
+    (write,) = [v for v in fp8 if v.kernel == w.KV_WRITE]
+    assert write.dtype == torch.bfloat16 and write.kv_dtype == FP8
+    assert write.describe() == "kv_write bfloat16 kv float8_e4m3fn h32/8 d128 slots int64"
+    assert attn[0].describe().startswith("prefix_attention bfloat16 kv float8_e4m3fn h32/8 d128 page 16 "
+                                         "shared+suffix no-lse +kv_scale ")
+    # Both scale switches (SGLang: float scales with v_scale 1 launch without HAS_KV_SCALE), both caches at once.
+    both = w.attention_variants(**LLAMA8B, dtypes=torch.bfloat16, max_q_len=1, target=None,
+                                kv_dtypes=[torch.bfloat16, FP8, torch.float8_e5m2], fp8_kv_scales=(True, False))
+    assert [(v.cache_dtype, v.has_kv_scale) for v in both[::2]] == [
+        (torch.bfloat16, False), (FP8, True), (FP8, False), (torch.float8_e5m2, True), (torch.float8_e5m2, False)]
+
+
+@pytest.mark.parametrize("kv_dtypes, message", [
+    (torch.int8, "kv_dtypes: expected torch.float16/bfloat16/float32/float8_e4m3fn/float8_e5m2, got"),
+    (torch.float16, r"kv_dtypes: expected fp8 or one of the q dtypes \['bfloat16'\]"),
+    ([], "kv_dtypes: expected"),
+])
+def test_bad_kv_dtypes(kv_dtypes, message):
+    with pytest.raises(ValueError, match=message):
+        w.kernel_variants(**LLAMA8B, dtypes=torch.bfloat16, kv_dtypes=kv_dtypes)
+
+
+def test_fp8_variants_launch_fp8_caches_with_scales_in_the_interpreter(monkeypatch):
+    import prefixattn.kv_write as kv_write_module
+    import prefixattn.prefix_attention as attention_module
+
+    seen = []
+
+    class Recorder:
+        def __init__(self, kernel, switch):
+            self.kernel, self.switch = kernel, switch
+
+        def __getitem__(self, grid):
+            def launch(**kwargs):
+                seen.append((self.switch, kwargs["k_cache_ptr"].dtype, kwargs[self.switch]))
+                return self.kernel[grid](**kwargs)
+            return launch
+
+    monkeypatch.setattr(attention_module, "prefix_attention_kernel",
+                        Recorder(attention_module.prefix_attention_kernel, "HAS_KV_SCALE"))
+    monkeypatch.setattr(kv_write_module, "kv_write_kernel", Recorder(kv_write_module.kv_write_kernel, "IS_FP8"))
+    report = prefixattn.warmup_kernels(num_qo_heads=2, num_kv_heads=1, head_dim=64, block_size=16,
+                                       dtypes=torch.float16, kv_dtypes=torch.float8_e5m2, kv_write=True,
+                                       fp8_kv_scales=(True, False), layout=w.VLLM_LAYOUT, run_in_interpreter=True)
+    assert [r.status for r in report.results] == ["launched"] * 5, "\n".join(report.lines())
+    e5m2 = torch.float8_e5m2
+    assert seen == [("HAS_KV_SCALE", e5m2, True)] * 2 + [("HAS_KV_SCALE", e5m2, False)] * 2 + [("IS_FP8", e5m2, True)]
+    assert "kv float8_e5m2" in "\n".join(report.lines())
+
 @pytest.mark.parametrize("target", [None, "sm90", "gfx942"])
 def test_every_plan_launches_a_listed_variant(target):
     # The property warm-up rests on: whatever step plan() builds for this configuration, its (tiles, has_shared)
@@ -165,6 +238,16 @@ def test_cli_layout_reaches_the_warm_up(capsys, monkeypatch):
     assert main([*CLI, "--layout", "nhd"]) == 2
 
 
+def test_cli_kv_dtype_lists_the_fp8_variants(capsys):
+    assert main([*CLI, "--dtype", "bf16", "--kv-dtype", "fp8", "--max-q-len", "1", "--kv-write", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["variants"]
+    assert [(r["kernel"], r["kv_dtype"], r["has_kv_scale"]) for r in rows] == [
+        (w.ATTENTION, "float8_e4m3fn", True)] * 2 + [(w.KV_WRITE, "float8_e4m3fn", False)]
+    assert main([*CLI, "--kv-dtype", "fp8_e5m2", "--no-fp8-scales", "--max-q-len", "1", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("kv float8_e5m2") == 2 and "+kv_scale" not in out
+
+
 def test_cli_dry_run(capsys):
     assert main([*CLI, "--dry-run", "--max-q-len", "1"]) == 0
     assert capsys.readouterr().out.startswith("prefixattn warm-up (listed): 2 kernel variants: 2 listed")
@@ -173,6 +256,8 @@ def test_cli_dry_run(capsys):
 @pytest.mark.parametrize("argv, fragment", [
     ([*CLI[:-1], "68"], "--head-dim"),
     ([*CLI, "--dtype", "fp8"], "expected comma-separated dtypes"),
+    ([*CLI, "--kv-dtype", "int8"], "expected comma-separated dtypes"),
+    ([*CLI, "--kv-dtype", "fp16"], "kv_dtypes: expected fp8 or one of the q dtypes"),
     ([*CLI, "--max-q-len", "0"], "expected a positive int, got 0"),
     (["warmup", "--num-kv-heads", "8", "--head-dim", "128"], "--num-qo-heads"),
     ([*CLI, "--target", "sm99"], "target: expected one of"),
@@ -198,29 +283,34 @@ def test_cli_exits_1_when_a_variant_fails(capsys, monkeypatch):
 # On a GPU: after the warm-up, real steps of the configuration compile nothing
 # ---------------------------------------------------------------------------------------------------------------
 @pytest.mark.gpu
-def test_after_the_warm_up_real_steps_compile_nothing():
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.float8_e5m2])  # e5m2: fp8 loads from sm80 on
+def test_after_the_warm_up_real_steps_compile_nothing(kv_dtype):
     from prefixattn.kernels.kv_write_kernel import kv_write_kernel
     from prefixattn.kernels.prefix_attention_kernel import prefix_attention_kernel
 
     cfg = dict(num_qo_heads=8, num_kv_heads=2, head_dim=128, block_size=16)
-    report = prefixattn.warmup_kernels(**cfg, dtypes=torch.float16, max_q_len=64, kv_write=True)
+    fp8 = kv_dtype != torch.float16
+    # fp8: vLLM's way, per-tensor scale tensors read by pointer (the warm-up's default fp8_kv_scales)
+    scales = {n: torch.ones(1, device="cuda") for n in ("k_scale", "v_scale")} if fp8 else {}
+    report = prefixattn.warmup_kernels(**cfg, dtypes=torch.float16, max_q_len=64, kv_write=True, kv_dtypes=kv_dtype)
     assert not report.failed and report.mode == "gpu", "\n".join(report.lines())
     binaries = (w._binaries_in_process(prefix_attention_kernel), w._binaries_in_process(kv_write_kernel))
     assert None not in binaries  # this Triton exposes its per-device cache: the check below means something
     g = torch.Generator(device="cuda").manual_seed(0)
-    k_cache = torch.randn(64, 16, 2, 128, generator=g, device="cuda", dtype=torch.float16)
-    v_cache = torch.randn_like(k_cache)
+    k_cache = torch.randn(64, 16, 2, 128, generator=g, device="cuda", dtype=torch.float16).to(kv_dtype)
+    v_cache = torch.randn(64, 16, 2, 128, generator=g, device="cuda", dtype=torch.float16).to(kv_dtype)
     # A decode step under a shared prefix, a chunked prefill (64 rows) next to decodes, a step sharing nothing.
     for q_lens, sharing in (([1] * 6, "always"), ([64, 1, 1], "auto"), ([3, 17], "never")):
         n = len(q_lens)
         qo = torch.tensor([0] + q_lens).cumsum(0)
         kv_lens = torch.tensor(q_lens) + 40
         table = torch.tensor([[0, 1] + [2 + 5 * r + j for j in range(5)] for r in range(n)])
-        p = prefixattn.plan(qo, kv_lens, table, q_dtype=torch.float16, sharing=sharing, device="cuda", **cfg)
+        p = prefixattn.plan(qo, kv_lens, table, q_dtype=torch.float16, kv_dtype=kv_dtype, sharing=sharing,
+                            device="cuda", **cfg)
         q = torch.randn(int(qo[-1]), 8, 128, generator=g, device="cuda", dtype=torch.float16)
         new_kv = torch.randn(int(qo[-1]), 2, 128, generator=g, device="cuda", dtype=torch.float16)
         slots = torch.arange(int(qo[-1]), device="cuda") + 16 * 40
-        prefixattn.write_kv(new_kv, new_kv, k_cache, v_cache, slots)
-        prefixattn.attention(q, k_cache, v_cache, p)
+        prefixattn.write_kv(new_kv, new_kv, k_cache, v_cache, slots, **scales)
+        prefixattn.attention(q, k_cache, v_cache, p, **scales)
     torch.cuda.synchronize()
     assert (w._binaries_in_process(prefix_attention_kernel), w._binaries_in_process(kv_write_kernel)) == binaries

@@ -4,7 +4,8 @@ SGLang's radix cache gives requests that share a prompt prefix the *same* KV slo
 their ``req_to_token`` rows are identical. Those rows are exactly a block table: with ``page_size`` 1 every slot is
 a block of one token, with a paged pool the first slot of each page divided by ``page_size`` is the page id. Once
 per forward batch (:meth:`PrefixAttnBackend.init_forward_metadata`) the backend copies those rows to the host and
-builds one :func:`prefixattn.plan`, which finds the shared prefixes; every layer then runs
+builds one plan per layer geometry (into that geometry's capacity-sized wrapper: :meth:`PrefixAttnBackend._plan_eager`,
+or a graph wrapper for captured decode steps), which finds the shared prefixes; every layer then runs
 :func:`prefixattn.attention` with that plan against the pool's buffers viewed as
 ``[num_blocks, page_size, num_kv_heads, head_dim]`` (no copy), after writing the layer's new K/V with the pool's
 own ``set_kv_buffer``.
@@ -78,6 +79,9 @@ class StepMetadata:
     kv_lens: torch.Tensor
     block_table: torch.Tensor
     plans: dict = field(default_factory=dict)
+    #: ``[batch_size, >= max_blocks]`` int32 on the pool's device: the same block ids, gathered from ``req_to_token``
+    #: on the device (the host copy above is made from it); the eager wrappers' kernels read it in place.
+    device_block_table: torch.Tensor | None = None
     #: A decode step SGLang captures or replays as a CUDA graph (``init_forward_metadata_out_graph``): its plans go
     #: into the backend's graph wrappers (:meth:`PrefixAttnBackend.init_cuda_graph_state`).
     graph: bool = False
@@ -142,6 +146,12 @@ class PrefixAttnBackend(AttentionBackend):
         self.forward_metadata: StepMetadata | None = None
         self.warmup_report = warm_up_kernels(model_runner, pool)
         self._graph: GraphState | None = None  # init_cuda_graph_state
+        #: Eager steps (extend, mixed, decode without a graph) plan into one capacity-sized wrapper per layer geometry
+        #: (made at its first step): ``max_tokens``/``max_requests`` from the runner (:func:`eager_capacity`).
+        self.eager_capacity = eager_capacity(model_runner, pool)
+        self.eager_wrappers: dict = {}
+        #: Eager steps beyond that capacity, planned with a per-step prefixattn.plan() instead.
+        self.capacity_fallbacks = 0
 
     # ------------------------------------------------------------------------------------------------------------
     # Per step (host)
@@ -177,10 +187,12 @@ class PrefixAttnBackend(AttentionBackend):
         max_len = int(kv_lens.max()) if bs else 0
         # Slot ids of the first token of each page; page id = slot // page_size (page_size 1: the slot itself).
         rows = self.req_to_token_pool.req_to_token[forward_batch.req_pool_indices[:bs], :max(max_len, 1)]
-        block_table = rows[:, :: self.page_size].to("cpu", torch.int64)
+        device_table = rows  # a gather: a new contiguous tensor
         if self.page_size > 1:
-            block_table = torch.div(block_table, self.page_size, rounding_mode="floor")
-        self.forward_metadata = StepMetadata(qo_indptr=qo_indptr, kv_lens=kv_lens, block_table=block_table)
+            device_table = torch.div(rows[:, :: self.page_size], self.page_size, rounding_mode="floor")
+        self.forward_metadata = StepMetadata(qo_indptr=qo_indptr, kv_lens=kv_lens,
+                                             block_table=device_table.to("cpu", torch.int64),
+                                             device_block_table=device_table)
 
     def _plan_for(self, layer, q: torch.Tensor, causal: bool, num_blocks: int):
         meta = self.forward_metadata
@@ -195,16 +207,32 @@ class PrefixAttnBackend(AttentionBackend):
         if p is None and meta.graph:
             p = self._graph.plan_new_geometry(key, meta, device=q.device)
         if p is None:
-            p = prefixattn.plan(
-                meta.qo_indptr, meta.kv_lens, meta.block_table, block_size=self.page_size,
-                num_qo_heads=layer.tp_q_head_num, num_kv_heads=layer.tp_k_head_num, head_dim=layer.qk_head_dim,
-                # q's own device: the runner's "cuda" has no index, the plan must match q's "cuda:N".
-                causal=causal, sm_scale=float(layer.scaling), q_dtype=q.dtype, device=q.device,
-                sharing=self.sharing, num_blocks=num_blocks, logits_soft_cap=soft_cap, window_left=window,
-                kv_dtype=self.kv_dtype,
-            )
-            meta.plans[key] = p
+            p = meta.plans[key] = self._plan_eager(key, meta, q.device, num_blocks)
         return p
+
+    def _plan_eager(self, key, meta: StepMetadata, device, num_blocks: int):
+        """An eager step's plan for one layer geometry: into that geometry's capacity-sized wrapper (no device
+        allocation; the step's device block table read in place), or a per-step plan() beyond its capacity."""
+        num_qo_heads, num_kv_heads, head_dim, dtype, scale, causal, soft_cap, window = key
+        # q's own device: the runner's "cuda" has no index, the plan must match q's "cuda:N".
+        opts = dict(block_size=self.page_size, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+                    head_dim=head_dim, causal=causal, sm_scale=scale, q_dtype=dtype, sharing=self.sharing,
+                    logits_soft_cap=soft_cap, window_left=window, kv_dtype=self.kv_dtype)
+        if self.eager_capacity is not None:
+            attn = self.eager_wrappers.get(key)
+            if attn is None:  # once per geometry, at its first eager step
+                attn = self.eager_wrappers[key] = prefixattn.PrefixSharedAttention(
+                    **opts, **self.eager_capacity, max_blocks_per_request=0, device=device)
+            try:
+                return attn.plan(meta.qo_indptr, meta.kv_lens, meta.block_table,
+                                 device_block_table=meta.device_block_table, num_blocks=num_blocks)
+            except prefixattn.CapacityError as err:
+                self.capacity_fallbacks += 1
+                if self.capacity_fallbacks == 1:  # once: a server that exceeds it does so often
+                    logger.warning("prefixattn: a step beyond the eager workspace (%s) is planned with a per-step "
+                                   "prefixattn.plan() (backend.capacity_fallbacks counts them)", err)
+        return prefixattn.plan(meta.qo_indptr, meta.kv_lens, meta.block_table, **opts, device=device,
+                               num_blocks=num_blocks)
 
     # ------------------------------------------------------------------------------------------------------------
     # Per layer (device, no host synchronization)
@@ -368,6 +396,44 @@ def _check_pool_dtype(pool, model_dtype: torch.dtype | None) -> None:
                          f"fp8_e5m2), got {_dtype_name(pool_dtype)}")
 
 
+def _published_schedule():
+    """SGLang's resolved scheduler settings (``runtime_context.get_schedule()``), or None outside a server."""
+    try:
+        from sglang.srt.runtime_context import get_schedule
+
+        return get_schedule()
+    except (ImportError, ValueError):  # ValueError: "config namespace 'schedule' not published"
+        return None
+
+
+def _schedule_value(model_runner, name: str):
+    """A scheduler setting: the runner's ``server_args`` when it says (the operator's value), else the value SGLang
+    resolved (``--chunked-prefill-size`` left unset is chosen from the GPU's memory at start-up)."""
+    value = getattr(getattr(model_runner, "server_args", None), name, None)
+    return value if value is not None else getattr(_published_schedule(), name, None)
+
+
+def eager_capacity(model_runner, pool) -> dict | None:
+    """``max_tokens``/``max_requests`` of the eager wrappers: SGLang's scheduler limits.
+
+    A step's new tokens are at most the chunked-prefill size (mixed-chunk decodes count against it too), else
+    ``max(--max-prefill-tokens, context length)`` (SGLang admits one request past the prefill budget), else the
+    pool's slot count (the bound that always holds: bare runners in tests); a decode step has one per running
+    request. Requests: the runner's ``max_running_requests``, else the request pool's size. Device memory: the
+    partial-state workspace dominates, about ``max_tokens x 3 x num_qo_heads x head_dim x 4`` bytes per geometry
+    (8192 tokens, 32 heads of 128: ~0.4 GB; SGLang's FlashInfer backends hold a 384 MB workspace).
+    """
+    chunk = _schedule_value(model_runner, "chunked_prefill_size")
+    prefill = _schedule_value(model_runner, "max_prefill_tokens")
+    context = getattr(getattr(model_runner, "model_config", None), "context_len", None) or 0
+    tokens = chunk if chunk is not None and chunk > 0 else max(prefill, context) if prefill else int(pool.size)
+    requests = getattr(model_runner, "max_running_requests", None) or getattr(model_runner.req_to_token_pool, "size",
+                                                                             None)
+    if not requests or not tokens:
+        return None
+    return dict(max_tokens=max(int(tokens), int(requests)), max_requests=int(requests))
+
+
 def _kv_scales(layer, pool) -> dict:
     """``k_scale``/``v_scale`` keywords of :func:`prefixattn.attention` for an fp8 pool with the layer's per-tensor
     scales (SGLang sets ``layer.k_scale`` from the checkpoint and its float twin ``k_scale_float``); empty when the
@@ -403,16 +469,28 @@ def _check_layer(layer) -> bool:
     return causal
 
 
-def _layer_geometries(model_runner) -> list[tuple[int, int, int]]:
-    """``(tp_q_head_num, tp_k_head_num, qk_head_dim)`` of the model's RadixAttention layers (the geometry each
-    layer plans with); empty when the runner has no model (tests that build the backend on a bare pool)."""
+def _attention_layers(model_runner) -> list:
+    """The model's RadixAttention layers; empty when the runner has no model (tests on a bare pool)."""
     model = getattr(model_runner, "model", None)
     if model is None or not hasattr(model, "modules"):
         return []
     from sglang.srt.layers.radix_attention import RadixAttention
 
-    return sorted({(m.tp_q_head_num, m.tp_k_head_num, m.qk_head_dim) for m in model.modules()
-                   if isinstance(m, RadixAttention)})
+    return [m for m in model.modules() if isinstance(m, RadixAttention)]
+
+
+def _layer_geometries(model_runner) -> list[tuple[int, int, int]]:
+    """``(tp_q_head_num, tp_k_head_num, qk_head_dim)`` of the model's RadixAttention layers (the geometry each
+    layer plans with)."""
+    return sorted({(m.tp_q_head_num, m.tp_k_head_num, m.qk_head_dim) for m in _attention_layers(model_runner)})
+
+
+def _fp8_scale_switches(model_runner, pool) -> tuple[bool, ...]:
+    """The ``HAS_KV_SCALE`` values the layers' fp8 launches will have (:func:`_kv_scales`: a float ``k_scale``
+    folds into the softmax scale, so only a ``v_scale != 1`` switches the scaled binary on). The checkpoint's
+    scales are loaded before SGLang builds the backend."""
+    switches = {_kv_scales(m, pool).get("v_scale") not in (None, 1.0) for m in _attention_layers(model_runner)}
+    return tuple(sorted(switches)) or (False,)
 
 
 def warm_up_kernels(model_runner, pool) -> list[WarmupReport]:
@@ -422,26 +500,28 @@ def warm_up_kernels(model_runner, pool) -> list[WarmupReport]:
     graph capture and the server's warm-up request, so no request waits for a Triton compile. The longest query
     chunk is ``--chunked-prefill-size`` (every length the tile tables tell apart when chunking is off). K/V are
     written by the pool's ``set_kv_buffer`` (SGLang's kernel), so only the attention kernel is warmed; q is a slice of
-    the fused qkv projection, K and V separate pool buffers (``SGLANG_LAYOUT``). Skipped when
+    the fused qkv projection, K and V separate pool buffers (``SGLANG_LAYOUT``). An fp8 pool warms the fp8-loading
+    binaries, with and/or without ``HAS_KV_SCALE`` as the layers' scales ask (:func:`_fp8_scale_switches`). Skipped when
     ``$PREFIXATTN_WARMUP`` is 0; nothing is compiled without a GPU. A variant that fails to compile is a
     RuntimeError here, at start-up.
     """
     if not warmup_enabled():
         return []
-    server_args = getattr(model_runner, "server_args", None)
-    chunk = getattr(server_args, "chunked_prefill_size", None)
+    chunk = _schedule_value(model_runner, "chunked_prefill_size")
     max_q_len = int(chunk) if chunk is not None and chunk > 0 else MAX_DISTINCT_Q_LEN
     device = torch.device(model_runner.device)
-    # q is in the model's dtype; an fp8 pool holds K/V in fp8 (warmup_kernels has no KV-dtype axis yet: the fp8
-    # variants compile at their first launch).
+    # q is in the model's dtype; an fp8 pool holds K/V in fp8 (its own binaries: fp8 loads, maybe HAS_KV_SCALE).
     q_dtype = pool.dtype if pool.dtype in prefixattn.SUPPORTED_DTYPES else getattr(model_runner, "dtype", None)
     if q_dtype is None:
         return []
+    fp8 = pool.dtype in prefixattn.FP8_KV_DTYPES
+    kv = dict(kv_dtypes=pool.dtype, fp8_kv_scales=_fp8_scale_switches(model_runner, pool)) if fp8 else {}
     reports = []
     for num_qo_heads, num_kv_heads, head_dim in _layer_geometries(model_runner):
         report = prefixattn.warmup_kernels(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                                            block_size=int(pool.page_size), dtypes=q_dtype, max_q_len=max_q_len,
-                                           layout=SGLANG_LAYOUT, device=device if device.type == "cuda" else None)
+                                           layout=SGLANG_LAYOUT, device=device if device.type == "cuda" else None,
+                                           **kv)
         if report.failed:
             raise RuntimeError("\n".join(["prefixattn: kernel warm-up failed"] + report.lines()))
         logger.info("%s", "\n".join(report.lines()))

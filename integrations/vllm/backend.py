@@ -16,8 +16,11 @@ CUDA graphs (``AttentionCGSupport.UNIFORM_BATCH``): when vLLM captures full grap
 steps up to the largest capture size plan into the builder's :class:`prefixattn.PrefixSharedAttention` with
 ``use_cuda_graph=True`` (:func:`graph_wrapper`): a capacity-sized workspace at fixed addresses, vLLM's persistent device
 block table read in place, and a launch fixed by the capacity, so the launch captured once replays every later plan.
-``graph_safe_forward`` covers vLLM's padded rows (the K/V write skips their -1 slots). Mixed batches run piecewise
-with a per-step :func:`prefixattn.plan`.
+``graph_safe_forward`` covers vLLM's padded rows (the K/V write skips their -1 slots). Every other step (prefill
+chunks, mixed batches, decodes without full graphs) plans into the builder's eager wrapper (:func:`eager_wrapper`:
+a workspace sized by ``max_num_batched_tokens`` / ``max_num_seqs``, vLLM's device block table read in place), so no
+step allocates plan memory on the device; a step beyond those limits falls back to a per-step
+:func:`prefixattn.plan` (counted in ``capacity_fallbacks``, logged once).
 
 Sliding windows (one plan per KV cache group, whose layers share the window), logit soft-capping and attention sinks
 and fp8 KV caches (``fp8``/``fp8_e4m3``/``fp8_e5m2``, per-tensor scales) run in the kernel. Configurations it does
@@ -60,6 +63,7 @@ from vllm.v1.kv_cache_interface import KVCacheLayout  # noqa: E402
 
 import prefixattn  # noqa: E402
 from integrations.vllm.plugin import BACKEND_NAME  # noqa: E402
+from integrations.vllm.wrappers import eager_wrapper, graph_wrapper  # noqa: E402
 from prefixattn.warmup import MAX_DISTINCT_Q_LEN, VLLM_LAYOUT, WarmupReport, warmup_enabled  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -192,7 +196,8 @@ class PrefixAttnBackend(AttentionBackend):
 
 
 class PrefixAttnMetadataBuilder(AttentionMetadataBuilder[PrefixAttnMetadata]):
-    """Builds one :func:`prefixattn.plan` per step and KV cache group, shared by all its layers."""
+    """Plans each step once per KV cache group (shared by all its layers), into one of the builder's two
+    capacity-sized wrappers (:mod:`integrations.vllm.wrappers`): ``graph_attn`` or ``eager_attn``."""
 
     # Full CUDA graphs for uniform (decode / spec-verify) batches: those steps plan into a capacity-sized workspace
     # whose launch (grid, tiles, buffer addresses) is the same at every step, so the captured launch replays any
@@ -220,10 +225,14 @@ class PrefixAttnMetadataBuilder(AttentionMetadataBuilder[PrefixAttnMetadata]):
         spec = getattr(vllm_config, "speculative_config", None)
         self.exact_seq_lens_on_host = spec is None or not getattr(spec, "num_speculative_tokens", None)
         self.warmup_report = warm_up_kernels(self, vllm_config)
-        self.graph_attn = graph_wrapper(vllm_config, num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads,
-                                        head_dim=self.head_dim, block_size=self.block_size, q_dtype=self.q_dtype,
-                                        kv_dtype=self.kv_dtype, sm_scale=self.sm_scale, device=device,
-                                        window_left=self.window_left, logits_soft_cap=self.logits_soft_cap)
+        geometry = dict(num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                        block_size=self.block_size, q_dtype=self.q_dtype, kv_dtype=self.kv_dtype,
+                        sm_scale=self.sm_scale, device=device, window_left=self.window_left,
+                        logits_soft_cap=self.logits_soft_cap)
+        self.graph_attn = graph_wrapper(vllm_config, **geometry)
+        self.eager_attn = eager_wrapper(vllm_config, **geometry)
+        #: Eager steps beyond the eager wrapper's capacity, planned with a per-step prefixattn.plan() instead.
+        self.capacity_fallbacks = 0
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> PrefixAttnMetadata:
@@ -241,16 +250,31 @@ class PrefixAttnMetadataBuilder(AttentionMetadataBuilder[PrefixAttnMetadata]):
         inputs = plan_inputs(common, exact_seq_lens_on_host=self.exact_seq_lens_on_host)
         if capture or self._graph_safe_step(common):
             return self._build_graph_safe(common, inputs, capture=capture)
-        step_plan = prefixattn.plan(
-            inputs.qo_indptr, inputs.kv_lens, inputs.block_table, block_size=self.block_size,
-            num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, causal=True,
-            sm_scale=self.sm_scale, q_dtype=self.q_dtype, kv_dtype=self.kv_dtype, device=self.device,
-            window_left=self.window_left,
-            logits_soft_cap=self.logits_soft_cap)
+        step_plan = self._plan_eager(inputs)
         for observe in _plan_observers:
             observe(step_plan)
         return PrefixAttnMetadata(plan=step_plan, num_query_tokens=step_plan.num_tokens,
                                   slot_mapping=common.slot_mapping[: step_plan.num_tokens])
+
+    def _plan_eager(self, inputs: PlanInputs) -> "prefixattn.Plan":
+        """A step without a full graph: planned into the eager wrapper's workspace (no device allocation), reading
+        vLLM's persistent device block table in place; a step beyond its capacity gets a per-step plan()."""
+        if self.eager_attn is not None:
+            try:
+                # The group's options from the builder (as the fallback's), not only the wrapper's construction
+                return self.eager_attn.plan(inputs.qo_indptr, inputs.kv_lens, inputs.block_table,
+                                            device_block_table=inputs.block_table, window_left=self.window_left,
+                                            logits_soft_cap=self.logits_soft_cap)
+            except prefixattn.CapacityError as err:
+                self.capacity_fallbacks += 1
+                if self.capacity_fallbacks == 1:  # once: a config that schedules past the limits does so often
+                    logger.warning("prefixattn: a step beyond the eager workspace (%s) is planned with a per-step "
+                                   "prefixattn.plan() (builder.capacity_fallbacks counts them)", err)
+        return prefixattn.plan(
+            inputs.qo_indptr, inputs.kv_lens, inputs.block_table, block_size=self.block_size,
+            num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, causal=True,
+            sm_scale=self.sm_scale, q_dtype=self.q_dtype, kv_dtype=self.kv_dtype, device=self.device,
+            window_left=self.window_left, logits_soft_cap=self.logits_soft_cap)
 
     def _graph_safe_step(self, common: CommonAttentionMetadata) -> bool:
         """Whether vLLM may replay a full graph for this step: graphs on, a uniform (decode-shaped) batch within the
@@ -299,32 +323,6 @@ def _group_kv_dtype(kv_cache_spec, vllm_config, q_dtype: torch.dtype) -> torch.d
         if fp8 in prefixattn.FP8_KV_DTYPES:  # anything else (ROCm's e4m3fnuz) is refused at configuration
             return fp8
     return q_dtype
-
-
-def graph_wrapper(vllm_config, *, num_qo_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                  q_dtype: torch.dtype, sm_scale: float | None, device: torch.device, window_left: int = -1,
-                  logits_soft_cap: float = 0.0,
-                  kv_dtype: torch.dtype | None = None) -> "prefixattn.PrefixSharedAttention | None":
-    """The builder's CUDA-graph wrapper, or None when vLLM captures no full graphs.
-
-    Capacities from vLLM's graph settings: ``max_tokens`` = the largest capture size (vLLM pads a replayed batch to
-    a capture size), as many requests (a padded request has >= 0 query rows), tiles for the uniform decode query
-    length ``1 + num_speculative_tokens``. No block-table section: every graph-safe step passes vLLM's persistent
-    device table (``max_blocks_per_request=0``).
-    """
-    cc = getattr(vllm_config, "compilation_config", None)
-    mode = getattr(cc, "cudagraph_mode", None)
-    max_size = getattr(cc, "max_cudagraph_capture_size", None)
-    if mode is None or not mode.has_full_cudagraphs() or not max_size:
-        return None
-    spec = getattr(vllm_config, "speculative_config", None)
-    decode_len = 1 + int(getattr(spec, "num_speculative_tokens", None) or 0)
-    return prefixattn.PrefixSharedAttention(
-        num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
-        q_dtype=q_dtype, kv_dtype=kv_dtype, causal=True, sm_scale=sm_scale, max_tokens=int(max_size),
-        max_requests=int(max_size),
-        max_blocks_per_request=0, device=device, use_cuda_graph=True, max_q_len=decode_len,
-        window_left=window_left, logits_soft_cap=logits_soft_cap)  # fixed by the captured launch, like the tiles
 
 
 def _group_option(vllm_config, layer_names: list[str], name: str, default):
@@ -550,7 +548,9 @@ def warm_up_kernels(builder: "PrefixAttnMetadataBuilder", vllm_config) -> Warmup
     The hook: vLLM builds a group's metadata builder in ``initialize_kv_cache``, after loading the model and before
     ``compile_or_warm_up_model`` (its dummy runs and CUDA graph capture), so no request waits for a Triton
     compile. Steps are at most ``max_num_batched_tokens`` query tokens long; q/k/v are slices of the fused qkv
-    projection and K/V halves of one cache (``VLLM_LAYOUT``), as in :meth:`PrefixAttnImpl.forward`. Skipped when
+    projection and K/V halves of one cache (``VLLM_LAYOUT``), as in :meth:`PrefixAttnImpl.forward`. An fp8 cache
+    (``--kv-cache-dtype fp8*``) warms its own binaries: fp8 loads with the layers' scale tensors (``HAS_KV_SCALE``)
+    and :func:`prefixattn.write_kv`'s quantizing store (vLLM's op writes only 16/32-bit caches here). Skipped when
     ``$PREFIXATTN_WARMUP`` is 0; nothing is compiled without a GPU. A variant that fails to compile here is a RuntimeError at start-up
     (it would fail the first step that needs it).
     """
@@ -559,9 +559,11 @@ def warm_up_kernels(builder: "PrefixAttnMetadataBuilder", vllm_config) -> Warmup
     sched = getattr(vllm_config, "scheduler_config", None)
     max_q_len = int(getattr(sched, "max_num_batched_tokens", None) or MAX_DISTINCT_Q_LEN)
     device = builder.device if torch.device(builder.device).type == "cuda" else None
+    kv_fp8 = builder.kv_dtype in prefixattn.FP8_KV_DTYPES  # write_kv_cache: fp8 caches never take vLLM's op
     config = dict(num_qo_heads=builder.num_qo_heads, num_kv_heads=builder.num_kv_heads, head_dim=builder.head_dim,
-                  block_size=builder.block_size, dtypes=builder.q_dtype, max_q_len=max_q_len,
-                  kv_write=engine_cache_write_op() is None, layout=VLLM_LAYOUT, device=device)
+                  block_size=builder.block_size, dtypes=builder.q_dtype, kv_dtypes=builder.kv_dtype,
+                  max_q_len=max_q_len, kv_write=kv_fp8 or engine_cache_write_op() is None, layout=VLLM_LAYOUT,
+                  device=device)
     key = tuple(sorted((k, str(v)) for k, v in config.items()))
     if key not in _warmed_up:
         report = prefixattn.warmup_kernels(**config)

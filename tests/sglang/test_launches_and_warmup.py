@@ -95,6 +95,26 @@ def test_backend_warms_up_every_layer_geometry(recorded):
     assert len(backend.warmup_report) == 2
 
 
+@pytest.mark.parametrize("scales, switches", [(None, (False,)), ((0.5, 2.0), (True,)), ((0.5, 1.0), (False,)),
+                                               ("mixed", (False, True))])
+def test_an_fp8_pool_warms_its_fp8_variants(recorded, scales, switches):
+    # fp8 pools: the fp8-loading binaries at start-up; HAS_KV_SCALE as the layers' scales make their launches
+    # (a float k_scale folds into the softmax scale: only v_scale != 1 is the scaled binary).
+    eng = MiniEngine(dtype=torch.bfloat16, kv_dtype=torch.float8_e5m2)
+    pool = eng.make_pool()
+    runner = _runner(eng, pool, layers=((4, 2, 64), (4, 2, 64)))
+    runner.dtype = torch.bfloat16
+    for i, layer in enumerate(runner.model):
+        k, v = (0.5, 2.0 if i else 1.0) if scales == "mixed" else (scales or (None, None))
+        layer.k_scale = None if k is None else torch.nn.Parameter(torch.tensor(k), requires_grad=False)
+        layer.v_scale = None if v is None else torch.nn.Parameter(torch.tensor(v), requires_grad=False)
+        layer.k_scale_float, layer.v_scale_float = k, v
+    PrefixAttnBackend(runner)
+    (call,) = recorded
+    assert call["dtypes"] == torch.bfloat16 and call["kv_dtypes"] == torch.float8_e5m2
+    assert call["fp8_kv_scales"] == switches
+
+
 def test_without_chunked_prefill_every_query_length_is_warmed(recorded):
     from prefixattn.warmup import MAX_DISTINCT_Q_LEN
 

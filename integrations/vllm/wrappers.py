@@ -1,0 +1,76 @@
+"""The vLLM metadata builder's two :class:`prefixattn.PrefixSharedAttention` wrappers, one per KV cache group (and
+micro-batch: vLLM gives each its own builder), each with a workspace allocated once at capacity:
+
+* :func:`graph_wrapper` (``use_cuda_graph=True``): uniform decode steps vLLM captures or replays as full CUDA graphs;
+* :func:`eager_wrapper`: every other step (prefill chunks, mixed batches, decode without graphs), planned into a
+  workspace sized by vLLM's scheduler limits, so no step allocates plan tables, counters or partial-state memory.
+
+Both read vLLM's persistent device block table in place (``max_blocks_per_request=0``). A wrapper's tables belong to
+its latest plan: vLLM builds one metadata per group and step (its drafter builds with builders of its own), and a
+plan used after a later one is a ``ValueError`` (``Plan.is_current``), never a read of overwritten tables.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import prefixattn
+
+
+def _wrapper_options(*, num_qo_heads, num_kv_heads, head_dim, block_size, q_dtype, kv_dtype, sm_scale, device,
+                     window_left, logits_soft_cap) -> dict:
+    # window and soft cap: one value per KV cache group (the builder checks its layers agree)
+    return dict(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
+                q_dtype=q_dtype, kv_dtype=kv_dtype, causal=True, sm_scale=sm_scale, max_blocks_per_request=0,
+                device=device, window_left=window_left, logits_soft_cap=logits_soft_cap)
+
+
+def graph_wrapper(vllm_config, *, num_qo_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                  q_dtype: torch.dtype, sm_scale: float | None, device: torch.device, window_left: int = -1,
+                  logits_soft_cap: float = 0.0,
+                  kv_dtype: torch.dtype | None = None) -> "prefixattn.PrefixSharedAttention | None":
+    """The builder's CUDA-graph wrapper, or None when vLLM captures no full graphs.
+
+    Capacities from vLLM's graph settings: ``max_tokens`` = the largest capture size (vLLM pads a replayed batch to
+    a capture size), as many requests (a padded request has >= 0 query rows), tiles for the uniform decode query
+    length ``1 + num_speculative_tokens``. No block-table section: every graph-safe step passes vLLM's persistent
+    device table (``max_blocks_per_request=0``).
+    """
+    cc = getattr(vllm_config, "compilation_config", None)
+    mode = getattr(cc, "cudagraph_mode", None)
+    max_size = getattr(cc, "max_cudagraph_capture_size", None)
+    if mode is None or not mode.has_full_cudagraphs() or not max_size:
+        return None
+    spec = getattr(vllm_config, "speculative_config", None)
+    decode_len = 1 + int(getattr(spec, "num_speculative_tokens", None) or 0)
+    return prefixattn.PrefixSharedAttention(
+        **_wrapper_options(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                           block_size=block_size, q_dtype=q_dtype, kv_dtype=kv_dtype, sm_scale=sm_scale,
+                           device=device, window_left=window_left, logits_soft_cap=logits_soft_cap),
+        max_tokens=int(max_size), max_requests=int(max_size), use_cuda_graph=True, max_q_len=decode_len)
+
+
+def eager_wrapper(vllm_config, *, num_qo_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                  q_dtype: torch.dtype, sm_scale: float | None, device: torch.device, window_left: int = -1,
+                  logits_soft_cap: float = 0.0,
+                  kv_dtype: torch.dtype | None = None) -> "prefixattn.PrefixSharedAttention | None":
+    """The builder's wrapper for steps that run without a full graph, or None without scheduler limits.
+
+    Capacities from vLLM's scheduler: ``max_tokens`` = ``max_num_batched_tokens`` (the most query tokens one step
+    schedules), ``max_requests`` = ``max_num_seqs``; tiles follow each batch. A step beyond them (a config that lets
+    vLLM schedule more) is planned with :func:`prefixattn.plan` instead (the builder counts it).
+
+    Device memory: the partial-state workspace dominates, about ``max_tokens x (shared levels + 1) x num_qo_heads x
+    head_dim x 4`` bytes (``PlanWorkspace.device_bytes``; 8192 tokens, 32 heads of 128: ~0.4 GB per KV cache group,
+    FlashInfer's backends hold a fixed workspace of the same order).
+    """
+    sched = getattr(vllm_config, "scheduler_config", None)
+    max_tokens = getattr(sched, "max_num_batched_tokens", None)
+    max_seqs = getattr(sched, "max_num_seqs", None)
+    if not max_tokens or not max_seqs:
+        return None
+    return prefixattn.PrefixSharedAttention(
+        **_wrapper_options(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                           block_size=block_size, q_dtype=q_dtype, kv_dtype=kv_dtype, sm_scale=sm_scale,
+                           device=device, window_left=window_left, logits_soft_cap=logits_soft_cap),
+        max_tokens=int(max_tokens), max_requests=int(max_seqs), use_cuda_graph=False)
