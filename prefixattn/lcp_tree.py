@@ -120,7 +120,7 @@ def _sort_keys(key: np.ndarray, seg: np.ndarray) -> tuple[np.ndarray, np.ndarray
     return order, kmis
 
 
-def _sort_chunk(values: np.ndarray, starts: np.ndarray, lengths: np.ndarray, rows: np.ndarray, sub: np.ndarray,
+def _sort_chunk(*, values: np.ndarray, starts: np.ndarray, lengths: np.ndarray, rows: np.ndarray, sub: np.ndarray,
                 seg_id: np.ndarray, depth: int, pair_differ: np.ndarray, pair_lcp: np.ndarray,
                 ended: np.ndarray) -> None:
     """One round of :func:`sort_and_lcp` for the tied rows ``rows[sub]`` whose chunk at ``depth`` must be compared:
@@ -192,49 +192,69 @@ def sort_and_lcp(values: np.ndarray, offsets: np.ndarray, lengths: np.ndarray | 
     active_seg = np.zeros(n, dtype=np.int64)
     level = 0
     while active_pos.size:
-        m = active_pos.size
-        rows = order[active_pos]
-        depth = level * CHUNK
-        new_seg = np.ones(m, dtype=bool)
-        new_seg[1:] = active_seg[1:] != active_seg[:-1]
-        seg_id = np.cumsum(new_seg) - 1
-        # Segments whose rows all have this whole chunk with equal hashes stay tied, unsorted. The others (a pair
-        # hashing apart, or a row ending inside the chunk) are sorted by the chunk's ids.
-        whole = num_chunks[rows] > level
-        idx = np.where(whole, first_chunk[rows] + level, 0)
-        alike = whole[1:] & whole[:-1]
-        if h0.size:
-            g0, g1 = h0[idx], h1[idx]  # one random gather per row, not two
-            alike &= (g0[1:] == g0[:-1]) & (g1[1:] == g1[:-1])
-        to_sort = np.zeros(int(seg_id[-1]) + 1, dtype=bool)
-        to_sort[seg_id[1:][~alike & ~new_seg[1:]]] = True
-        to_sort[seg_id[~whole]] = True
-        pair_differ = np.zeros(m, dtype=bool)  # [i]: row i differs from row i - 1 (same segment)
-        pair_lcp = np.zeros(m, dtype=np.int64)
-        ended = np.zeros(m, dtype=bool)
-        sub = np.flatnonzero(to_sort[seg_id])
-        if sub.size:
-            _sort_chunk(values, starts, lengths, rows, sub, seg_id, depth, pair_differ, pair_lcp, ended)
-            order[active_pos] = rows
-        same_seg = ~new_seg[1:]
-        differ = pair_differ[1:]
-        # A row ending strictly inside the chunk has an end marker there, so rows tying with it are duplicates. A
-        # row ending exactly at the chunk's end still ties with its longer extensions and goes on.
-        split = same_seg & differ
-        dup = same_seg & ~differ & ended[1:]
-        lcp[active_pos[1:][split]] = pair_lcp[1:][split]
-        lcp[active_pos[1:][dup]] = lengths[rows[1:][dup]]
-        # New segments start where the old segment or the chunk changes; keep those that still tie and continue.
-        starts_here = np.ones(m, dtype=bool)
-        starts_here[1:] = ~(same_seg & ~differ)
-        start_idx = np.flatnonzero(starts_here)
-        sizes = np.diff(np.append(start_idx, m))
-        keep_seg = (sizes >= 2) & ~ended[start_idx]
-        keep = np.repeat(keep_seg, sizes)
-        active_seg = np.repeat(active_pos[start_idx], sizes)[keep]
-        active_pos = active_pos[keep]
+        active_pos, active_seg = _lcp_round(
+            values=values, starts=starts, lengths=lengths, num_chunks=num_chunks, first_chunk=first_chunk, h0=h0,
+            h1=h1, order=order, lcp=lcp, active_pos=active_pos, active_seg=active_seg, level=level)
         level += 1
     return order, lcp
+
+
+def _segments_to_sort(*, rows: np.ndarray, new_seg: np.ndarray, seg_id: np.ndarray, level: int,
+                      num_chunks: np.ndarray, first_chunk: np.ndarray, h0: np.ndarray, h1: np.ndarray
+                      ) -> np.ndarray:
+    """Per segment, whether its rows must be compared on chunk ``level``."""
+    # Segments whose rows all have this whole chunk with equal hashes stay tied, unsorted. The others (a pair
+    # hashing apart, or a row ending inside the chunk) are sorted by the chunk's ids.
+    whole = num_chunks[rows] > level
+    idx = np.where(whole, first_chunk[rows] + level, 0)
+    alike = whole[1:] & whole[:-1]
+    if h0.size:
+        g0, g1 = h0[idx], h1[idx]  # one random gather per row, not two
+        alike &= (g0[1:] == g0[:-1]) & (g1[1:] == g1[:-1])
+    to_sort = np.zeros(int(seg_id[-1]) + 1, dtype=bool)
+    to_sort[seg_id[1:][~alike & ~new_seg[1:]]] = True
+    to_sort[seg_id[~whole]] = True
+    return to_sort
+
+
+def _lcp_round(*, values: np.ndarray, starts: np.ndarray, lengths: np.ndarray, num_chunks: np.ndarray,
+               first_chunk: np.ndarray, h0: np.ndarray, h1: np.ndarray, order: np.ndarray, lcp: np.ndarray,
+               active_pos: np.ndarray, active_seg: np.ndarray, level: int) -> tuple[np.ndarray, np.ndarray]:
+    """Round ``level`` of :func:`sort_and_lcp`: sorts the active rows' tied segments on chunk ``level`` (``order``
+    in place), writes the LCP of every row that stops tying (``lcp`` in place) and returns the rows still tied
+    and their segments, ``(active_pos, active_seg)``."""
+    m = active_pos.size
+    rows = order[active_pos]
+    depth = level * CHUNK
+    new_seg = np.ones(m, dtype=bool)
+    new_seg[1:] = active_seg[1:] != active_seg[:-1]
+    seg_id = np.cumsum(new_seg) - 1
+    to_sort = _segments_to_sort(rows=rows, new_seg=new_seg, seg_id=seg_id, level=level, num_chunks=num_chunks,
+                                first_chunk=first_chunk, h0=h0, h1=h1)
+    pair_differ = np.zeros(m, dtype=bool)  # [i]: row i differs from row i - 1 (same segment)
+    pair_lcp = np.zeros(m, dtype=np.int64)
+    ended = np.zeros(m, dtype=bool)
+    sub = np.flatnonzero(to_sort[seg_id])
+    if sub.size:
+        _sort_chunk(values=values, starts=starts, lengths=lengths, rows=rows, sub=sub, seg_id=seg_id, depth=depth,
+                    pair_differ=pair_differ, pair_lcp=pair_lcp, ended=ended)
+        order[active_pos] = rows
+    same_seg = ~new_seg[1:]
+    differ = pair_differ[1:]
+    # A row ending strictly inside the chunk has an end marker there, so rows tying with it are duplicates. A
+    # row ending exactly at the chunk's end still ties with its longer extensions and goes on.
+    split = same_seg & differ
+    dup = same_seg & ~differ & ended[1:]
+    lcp[active_pos[1:][split]] = pair_lcp[1:][split]
+    lcp[active_pos[1:][dup]] = lengths[rows[1:][dup]]
+    # New segments start where the old segment or the chunk changes; keep those that still tie and continue.
+    starts_here = np.ones(m, dtype=bool)
+    starts_here[1:] = ~(same_seg & ~differ)
+    start_idx = np.flatnonzero(starts_here)
+    sizes = np.diff(np.append(start_idx, m))
+    keep_seg = (sizes >= 2) & ~ended[start_idx]
+    keep = np.repeat(keep_seg, sizes)
+    return active_pos[keep], np.repeat(active_pos[start_idx], sizes)[keep]
 
 
 @dataclass(frozen=True)

@@ -414,64 +414,26 @@ def plan(
     check_heads(num_qo_heads, num_kv_heads)
     check_head_dim("head_dim", head_dim)
     min_split_tokens = _positive_int("min_split_tokens", min_split_tokens)
-    compiled = plan_native.compiled_modules()
-    # None: no compiled planner, or (PREFIXATTN_PLANNER=auto) it failed to compile: numpy, same results.
-    checked = compiled and plan_native.check_and_tree(compiled, qo_indptr, kv_lens, block_table, block_size=block_size,
-                                                      num_blocks=num_blocks, causal=causal, sharing=sharing)
-    if checked:
-        indptr, lens, table, max_block_id, q_len, shareable, max_q_len, width, tree = checked
-    else:
-        indptr, lens, table, max_block_id = check_host_metadata(qo_indptr, kv_lens, block_table,
-                                                                block_size=block_size, num_blocks=num_blocks,
-                                                                table_as_is=True)
-        q_len = indptr[1:] - indptr[:-1]
-        shareable = np.where(q_len > 0, lens - q_len if causal else lens, 0)
-        max_q_len = int(q_len.max()) if q_len.shape[0] else 1
-        width = max(-(-int(lens.max()) // block_size) if lens.shape[0] else 0, 1)  # blocks of the longest request
-        # sharing="never" needs no tree (an empty one keeps Plan.tree well-formed).
-        tree = block_prefix_tree(table, shareable if sharing != "never" else np.zeros_like(shareable), block_size)
+    indptr, lens, table, max_block_id, q_len, shareable, max_q_len, width, tree = _checked_inputs_and_tree(
+        qo_indptr=qo_indptr, kv_lens=kv_lens, block_table=block_table, block_size=block_size, num_blocks=num_blocks,
+        causal=causal, sharing=sharing)
     device = canonical_device("device", device if device is not None else block_table.device)
     num_sms = _positive_int("num_sms", num_sms) if num_sms is not None else _default_num_sms(device)
 
     group = num_qo_heads // num_kv_heads
-    q_start = indptr[:-1]
     if tiles is None:
         tiles = choose_tiles(head_dim=head_dim, group=group, max_q_len=max(max_q_len, 1), dtype=q_dtype)
-    elt_bytes = kv_dtype.itemsize  # the cost rule prices KV bytes at the cache's dtype
     window_left = check_window_left(window_left, causal)
-    tile_args = dict(rows_per_shared=tiles.rows_per_shared_tile(group),
-                     rows_per_suffix=tiles.rows_per_suffix_tile(group), block_n_shared=tiles.block_n_shared,
-                     block_n_suffix=tiles.block_n_suffix, num_kv_heads=num_kv_heads, num_sms=num_sms,
-                     min_split_tokens=min_split_tokens)
-    compiled = plan_native.compiled_modules()  # None now if the compiled checks just failed to compile
-    # The compiled path (window_left: numpy, plan_native_core's docstring); None as above.
-    tables = compiled and window_left < 0 and plan_native.plan_tables(
-        compiled, tree, indptr=indptr, q_len=q_len, kv_len=lens, shareable=shareable, table=table,
+    nodes, work, crit, staged = _host_tables(
+        tree, indptr=indptr, q_len=q_len, lens=lens, shareable=shareable, table=table,
         width=width if workspace is None else 0,  # a workspace stages the table itself (PlanWorkspace.load)
         causal=causal, sharing=sharing, block_size=block_size, group=group, head_dim=head_dim,
-        elt_bytes=elt_bytes, **tile_args)
-    staged = None
-    if tables:
-        nodes, work, crit, *staged = tables
-    else:
-        nodes, work = _numpy_tables(tree, q_start=q_start, q_len=q_len, lens=lens, shareable=shareable, causal=causal,
-                                    sharing=sharing, block_size=block_size, group=group, head_dim=head_dim,
-                                    elt_bytes=elt_bytes, window_left=window_left, **tile_args)
-        crit = critical_path(work.items[:, K.ITEM_KV_END] - work.items[:, K.ITEM_KV_START],  # both in [0, 2^31)
-                             num_kv_heads=num_kv_heads, num_sms=num_sms)
-
-    if workspace is None and device_block_table is not None:
-        raise ValueError("device_block_table: expected a workspace too (the free plan() copies its own table), "
-                         "got workspace=None")
-    if workspace is not None and not same_device(workspace.device, device):
-        raise ValueError(f"workspace: expected the plan's device {device}, got a workspace on {workspace.device}")
-    if workspace is None:
-        dev = _allocate_tables(work, table, width, num_qo_heads=num_qo_heads, head_dim=head_dim, device=device,
-                               staged=staged)
-    else:
-        dev = _workspace_tables(work, table, width, workspace=workspace, num_tokens=int(indptr[-1]),
-                                device_block_table=device_block_table)
-    num_mrows = work.mrows.shape[0]
+        elt_bytes=kv_dtype.itemsize,  # the cost rule prices KV bytes at the cache's dtype
+        window_left=window_left, tiles=tiles, num_kv_heads=num_kv_heads, num_sms=num_sms,
+        min_split_tokens=min_split_tokens)
+    dev = _device_tables(work, table, width, workspace=workspace, device_block_table=device_block_table,
+                         device=device, staged=staged, num_qo_heads=num_qo_heads, head_dim=head_dim,
+                         num_tokens=int(indptr[-1]))
 
     return Plan(
         num_tokens=int(indptr[-1]), num_requests=int(lens.shape[0]), num_qo_heads=num_qo_heads,
@@ -486,11 +448,76 @@ def plan(
         logits_soft_cap=check_soft_cap(logits_soft_cap), window_left=window_left, nan_guard=nan_guard,
         work=work, tree=tree, nodes=nodes,
         **dev,
-        stats=dict(num_shared_nodes=len(nodes), num_units=work.num_units, num_merge_rows=num_mrows,
+        stats=dict(num_shared_nodes=len(nodes), num_units=work.num_units, num_merge_rows=work.mrows.shape[0],
                    num_ws_rows=work.num_ws_rows,
                    num_sms=num_sms, critical_path=crit),
         workspace=workspace, workspace_step=workspace.step if workspace is not None else -1,
     )
+
+
+def _checked_inputs_and_tree(*, qo_indptr, kv_lens, block_table, block_size: int, num_blocks: int | None,
+                             causal: bool, sharing: str) -> tuple:
+    """The checked host metadata and the block prefix tree: ``(indptr, lens, table, max_block_id, q_len, shareable,
+    max_q_len, width, tree)``, from the compiled planner's checks when it is there, else from numpy (same results,
+    same errors)."""
+    compiled = plan_native.compiled_modules()
+    # None: no compiled planner, or (PREFIXATTN_PLANNER=auto) it failed to compile: numpy, same results.
+    checked = compiled and plan_native.check_and_tree(compiled, qo_indptr, kv_lens, block_table, block_size=block_size,
+                                                      num_blocks=num_blocks, causal=causal, sharing=sharing)
+    if checked:
+        return checked
+    indptr, lens, table, max_block_id = check_host_metadata(qo_indptr, kv_lens, block_table,
+                                                            block_size=block_size, num_blocks=num_blocks,
+                                                            table_as_is=True)
+    q_len = indptr[1:] - indptr[:-1]
+    shareable = np.where(q_len > 0, lens - q_len if causal else lens, 0)
+    max_q_len = int(q_len.max()) if q_len.shape[0] else 1
+    width = max(-(-int(lens.max()) // block_size) if lens.shape[0] else 0, 1)  # blocks of the longest request
+    # sharing="never" needs no tree (an empty one keeps Plan.tree well-formed).
+    tree = block_prefix_tree(table, shareable if sharing != "never" else np.zeros_like(shareable), block_size)
+    return indptr, lens, table, max_block_id, q_len, shareable, max_q_len, width, tree
+
+
+def _host_tables(tree, *, indptr, q_len, lens, shareable, table, width, causal, sharing, block_size, group, head_dim,
+                 elt_bytes, window_left, tiles: AttentionTiles, num_kv_heads, num_sms, min_split_tokens):
+    """The shared nodes, the work list, its critical path and the compiled planner's staged buffer (None from
+    numpy): ``(SharedNodes, WorkList, critical_path, staged)``. ``width``: the table columns to stage (0: none)."""
+    tile_args = dict(rows_per_shared=tiles.rows_per_shared_tile(group),
+                     rows_per_suffix=tiles.rows_per_suffix_tile(group), block_n_shared=tiles.block_n_shared,
+                     block_n_suffix=tiles.block_n_suffix, num_kv_heads=num_kv_heads, num_sms=num_sms,
+                     min_split_tokens=min_split_tokens)
+    compiled = plan_native.compiled_modules()  # None now if the compiled checks just failed to compile
+    # The compiled path (window_left: numpy, plan_native_core's docstring); None as above.
+    tables = compiled and window_left < 0 and plan_native.plan_tables(
+        compiled, tree, indptr=indptr, q_len=q_len, kv_len=lens, shareable=shareable, table=table, width=width,
+        causal=causal, sharing=sharing, block_size=block_size, group=group, head_dim=head_dim,
+        elt_bytes=elt_bytes, **tile_args)
+    if tables:
+        nodes, work, crit, *staged = tables
+        return nodes, work, crit, staged
+    nodes, work = _numpy_tables(tree, q_start=indptr[:-1], q_len=q_len, lens=lens, shareable=shareable,
+                                causal=causal, sharing=sharing, block_size=block_size, group=group,
+                                head_dim=head_dim, elt_bytes=elt_bytes, window_left=window_left, **tile_args)
+    crit = critical_path(work.items[:, K.ITEM_KV_END] - work.items[:, K.ITEM_KV_START],  # both in [0, 2^31)
+                         num_kv_heads=num_kv_heads, num_sms=num_sms)
+    return nodes, work, crit, None
+
+
+def _device_tables(work: WorkList, table: np.ndarray, width: int, *, workspace: PlanWorkspace | None,
+                   device_block_table: torch.Tensor | None, device: torch.device, staged, num_qo_heads: int,
+                   head_dim: int, num_tokens: int) -> dict:
+    """The plan's device tensors: new ones (:func:`_allocate_tables`) or ``workspace``'s buffers
+    (:func:`_workspace_tables`)."""
+    if workspace is None and device_block_table is not None:
+        raise ValueError("device_block_table: expected a workspace too (the free plan() copies its own table), "
+                         "got workspace=None")
+    if workspace is not None and not same_device(workspace.device, device):
+        raise ValueError(f"workspace: expected the plan's device {device}, got a workspace on {workspace.device}")
+    if workspace is None:
+        return _allocate_tables(work, table, width, num_qo_heads=num_qo_heads, head_dim=head_dim, device=device,
+                                staged=staged)
+    return _workspace_tables(work, table, width, workspace=workspace, num_tokens=num_tokens,
+                             device_block_table=device_block_table)
 
 
 def _numpy_tables(tree, *, q_start, q_len, lens, shareable, causal, sharing, block_size, group, head_dim, elt_bytes,

@@ -99,7 +99,7 @@ def _piece_bounds(lo, hi, piece, pieces, block_n: int, split: bool = True):
     return start, end
 
 
-def _slot_bases(mem_req: np.ndarray, mem_pieces: np.ndarray) -> np.ndarray:
+def _slot_bases(*, mem_req: np.ndarray, mem_pieces: np.ndarray) -> np.ndarray:
     """Per membership (node-major order), the pieces of the earlier nodes holding the same request: an exclusive
     cumsum within each request's memberships."""
     by_req = np.argsort(mem_req, kind="stable")
@@ -126,7 +126,7 @@ class _Tiles:
     qpos: np.ndarray
 
 
-def _suffix_tiles(q_start, q_len, kv_len, suffix_start, causal, rows_per_suffix) -> _Tiles:
+def _suffix_tiles(*, q_start, q_len, kv_len, suffix_start, causal, rows_per_suffix) -> _Tiles:
     if q_len.shape[0] and q_len.max() > rows_per_suffix:
         tiles_per_req = -(-q_len // rows_per_suffix)
         req, rank = _expand(tiles_per_req)
@@ -147,6 +147,93 @@ def _suffix_tiles(q_start, q_len, kv_len, suffix_start, causal, rows_per_suffix)
         hi = qpos = kv  # every row sees the whole range: the causal loop stays empty
     tok0 = q_start[req] + row0 if isinstance(row0, np.ndarray) else q_start[req]
     return _Tiles(req=req, first=first, row0=row0, rows=rows, tok0=tok0, lo=suffix_start[req], hi=hi, qpos=qpos)
+
+
+@dataclass(frozen=True)
+class _NodeRows:
+    """The shared nodes' packed query rows: one entry per (node, member request), nodes in top-down order."""
+
+    mem_ql: np.ndarray | None  # [num_memberships] query rows of each member (None without nodes)
+    row_off: np.ndarray | None  # [num_memberships + 1] packed-row offsets: members' query rows, node by node
+    node_rows: np.ndarray  # [num_nodes] packed rows of each node
+    node_mtiles: np.ndarray  # [num_nodes] M tiles of those rows
+
+
+def _node_rows(*, q_len: np.ndarray, nodes: SharedNodes, rows_per_shared: int) -> _NodeRows:
+    node_size = nodes.offsets[1:] - nodes.offsets[:-1]
+    if len(nodes):
+        mem_ql = q_len[nodes.members]
+        row_off = offsets(mem_ql)  # packed rows: members' query rows, node by node
+        node_rows = row_off[nodes.offsets[1:]] - row_off[nodes.offsets[:-1]]
+    else:
+        mem_ql = row_off = None
+        node_rows = node_size
+    return _NodeRows(mem_ql=mem_ql, row_off=row_off, node_rows=node_rows,
+                     node_mtiles=-(-node_rows // rows_per_shared))
+
+
+@dataclass(frozen=True)
+class _TileStates:
+    """Per suffix tile: its partial states and whether its rows merge."""
+
+    shared: np.ndarray | int  # shared states of the tile's request (0 without nodes)
+    pieces: np.ndarray  # split-k pieces of the tile's own KV range
+    needs_unit: np.ndarray  # bool: more than one state, so the rows merge
+    mem_slot_base: np.ndarray | None  # per membership: its first shared state (None without nodes)
+
+
+def _tile_states(*, t: _Tiles, nodes: SharedNodes, n_pieces: np.ndarray, t_pieces: np.ndarray,
+                 num_reqs: int) -> _TileStates:
+    """States per request and which tiles merge. A request's shared states are numbered node by node (top-down):
+    its slot base in node k is the number of pieces of the earlier nodes that hold it."""
+    if not len(nodes):
+        return _TileStates(shared=0, pieces=t_pieces, needs_unit=t_pieces > 1, mem_slot_base=None)
+    mem_req = nodes.members
+    mem_pieces = n_pieces.repeat(nodes.offsets[1:] - nodes.offsets[:-1])
+    shared_states = np.bincount(mem_req, weights=mem_pieces, minlength=num_reqs).astype(np.int64)
+    # A request in one node only (one level of sharing) has its shared states from slot 0.
+    nested = bool(np.bincount(mem_req, minlength=num_reqs).max() > 1)
+    t_shared = shared_states[t.req]
+    slot_base = _slot_bases(mem_req=mem_req, mem_pieces=mem_pieces) if nested else np.zeros_like(mem_req)
+    return _TileStates(shared=t_shared, pieces=t_pieces, needs_unit=(t_shared > 0) | (t_pieces > 1),
+                       mem_slot_base=slot_base)
+
+
+@dataclass(frozen=True)
+class _MergeUnits:
+    """The merge units (tiles whose rows merge), their workspace rows and their merge rows."""
+
+    num_units: int
+    num_ws_rows: int
+    mrows: np.ndarray  # [num_mrows, MROW_FIELDS] int32
+    tile_ws_base: np.ndarray | None  # [num_tiles] first workspace row of each tile's unit, -1 if none
+    tile_mrow_base: np.ndarray | None  # [num_tiles] first merge row of each tile's unit, -1 if none
+
+
+def _merge_units(*, t: _Tiles, states: _TileStates) -> _MergeUnits:
+    unit_tiles = states.needs_unit.nonzero()[0]
+    num_units = unit_tiles.shape[0]
+    if not num_units:  # no tile merges
+        return _MergeUnits(num_units=0, num_ws_rows=0, mrows=np.zeros((0, K.MROW_FIELDS), dtype=_I32),
+                           tile_ws_base=None, tile_mrow_base=None)
+    num_tiles = t.req.shape[0]
+    unit_rows = t.rows[unit_tiles]
+    unit_states = (states.shared + states.pieces)[unit_tiles]
+    unit_ws = unit_states * unit_rows
+    unit_ws_base = unit_ws.cumsum() - unit_ws
+    unit_mrow_base = unit_rows.cumsum() - unit_rows
+    tile_ws_base = np.full(num_tiles, -1, dtype=np.int64)
+    tile_ws_base[unit_tiles] = unit_ws_base
+    tile_mrow_base = np.full(num_tiles, -1, dtype=np.int64)
+    tile_mrow_base[unit_tiles] = unit_mrow_base
+    # Merge rows: the rows of the units, unit by unit; a unit's row i is merge row tile_mrow_base[tile] + i.
+    m_unit, m_i = _expand(unit_rows)
+    mrows = np.empty((m_unit.shape[0], K.MROW_FIELDS), dtype=_I32)
+    mrows[:, K.MROW_WS_FIRST] = unit_ws_base[m_unit] + m_i
+    mrows[:, K.MROW_WS_STRIDE] = unit_rows[m_unit]
+    mrows[:, K.MROW_NUM_STATES] = unit_states[m_unit]
+    return _MergeUnits(num_units=num_units, num_ws_rows=int(unit_ws_base[-1] + unit_ws[-1]), mrows=mrows,
+                       tile_ws_base=tile_ws_base, tile_mrow_base=tile_mrow_base)
 
 
 def build_work_list(
@@ -171,91 +258,49 @@ def build_work_list(
     order (shared levels, each with its split chunks, then the suffix chunks). ``suffix_start[r]`` is the end of the
     deepest node holding request ``r`` (0 if none).
     """
-    num_reqs = q_len.shape[0]
-    t = _suffix_tiles(q_start, q_len, kv_len, suffix_start, causal, rows_per_suffix)
-    t_len = np.maximum(t.hi - t.lo, 0)
-    num_tiles = t.req.shape[0]
-
-    # ---- shared nodes as flat arrays: one entry per (node, member request), nodes in top-down order ----------
-    num_nodes = len(nodes)
-    mem_req = nodes.members
-    node_size = nodes.offsets[1:] - nodes.offsets[:-1]
-    if num_nodes:
-        mem_ql = q_len[mem_req]
-        row_off = offsets(mem_ql)  # packed rows: members' query rows, node by node
-        node_rows = row_off[nodes.offsets[1:]] - row_off[nodes.offsets[:-1]]
-    else:
-        node_rows = node_size
-    node_mtiles = -(-node_rows // rows_per_shared)
-
-    # ---- split-k decision over the unsplit work (prefixattn.split_rule: the critical path) -------------------
+    t = _suffix_tiles(q_start=q_start, q_len=q_len, kv_len=kv_len, suffix_start=suffix_start, causal=causal,
+                      rows_per_suffix=rows_per_suffix)
+    nr = _node_rows(q_len=q_len, nodes=nodes, rows_per_shared=rows_per_shared)
+    # Split-k decision over the unsplit work (prefixattn.split_rule: the critical path).
     n_pieces, grain_shared, t_pieces, grain_suffix = split_ranges(
-        node_lengths=nodes.kv_end - nodes.kv_start, node_m_tiles=node_mtiles, tile_lengths=t_len,
-        block_n_shared=block_n_shared, block_n_suffix=block_n_suffix, num_kv_heads=num_kv_heads, num_sms=num_sms,
-        min_split_tokens=min_split_tokens)
-
-    # ---- states per request and merge units ----------------------------------------------------------------
-    # A request's shared states are numbered node by node (top-down): its slot base in node k is the number of
-    # pieces of the earlier nodes that hold it.
-    if num_nodes:
-        mem_pieces = n_pieces.repeat(node_size)
-        shared_states = np.bincount(mem_req, weights=mem_pieces, minlength=num_reqs).astype(np.int64)
-        # A request in one node only (one level of sharing) has its shared states from slot 0.
-        nested = bool(np.bincount(mem_req, minlength=num_reqs).max() > 1)
-        t_shared = shared_states[t.req]
-        needs_unit = (t_shared > 0) | (t_pieces > 1)
-    else:
-        t_shared = 0
-        needs_unit = t_pieces > 1
-    t_states = t_shared + t_pieces
-    unit_tiles = needs_unit.nonzero()[0]
-    num_units = unit_tiles.shape[0]
-    if num_units:
-        unit_rows = t.rows[unit_tiles]
-        unit_states = t_states[unit_tiles]
-        unit_ws = unit_states * unit_rows
-        unit_ws_base = unit_ws.cumsum() - unit_ws
-        num_ws_rows = int(unit_ws_base[-1] + unit_ws[-1])
-        unit_mrow_base = unit_rows.cumsum() - unit_rows
-        tile_ws_base = np.full(num_tiles, -1, dtype=np.int64)
-        tile_ws_base[unit_tiles] = unit_ws_base
-        tile_mrow_base = np.full(num_tiles, -1, dtype=np.int64)
-        tile_mrow_base[unit_tiles] = unit_mrow_base
-        # Merge rows: the rows of the units, unit by unit; a unit's row i is merge row tile_mrow_base[tile] + i.
-        m_unit, m_i = _expand(unit_rows)
-        mrows = np.empty((m_unit.shape[0], K.MROW_FIELDS), dtype=_I32)
-        mrows[:, K.MROW_WS_FIRST] = unit_ws_base[m_unit] + m_i
-        mrows[:, K.MROW_WS_STRIDE] = unit_rows[m_unit]
-        mrows[:, K.MROW_NUM_STATES] = unit_states[m_unit]
-    else:
-        num_ws_rows = 0
-        mrows = np.zeros((0, K.MROW_FIELDS), dtype=_I32)
-        tile_ws_base = tile_mrow_base = None  # no tile merges
-
-    if num_nodes:
-        slot_base = _slot_bases(mem_req, mem_pieces) if nested else np.zeros_like(mem_req)
+        node_lengths=nodes.kv_end - nodes.kv_start, node_m_tiles=nr.node_mtiles,
+        tile_lengths=np.maximum(t.hi - t.lo, 0), block_n_shared=block_n_shared, block_n_suffix=block_n_suffix,
+        num_kv_heads=num_kv_heads, num_sms=num_sms, min_split_tokens=min_split_tokens)
+    states = _tile_states(t=t, nodes=nodes, n_pieces=n_pieces, t_pieces=t_pieces, num_reqs=q_len.shape[0])
+    units = _merge_units(t=t, states=states)
+    if len(nodes):
         shared_items, gather = _shared_items(
-            t=t, nodes=nodes, node_rows=node_rows, node_mtiles=node_mtiles, n_pieces=n_pieces,
-            grain_shared=grain_shared, mem_ql=mem_ql, row_off=row_off, mem_slot_base=slot_base,
-            tile_ws_base=tile_ws_base, tile_mrow_base=tile_mrow_base, q_start=q_start,
+            t=t, nodes=nodes, node_rows=nr.node_rows, node_mtiles=nr.node_mtiles, n_pieces=n_pieces,
+            grain_shared=grain_shared, mem_ql=nr.mem_ql, row_off=nr.row_off, mem_slot_base=states.mem_slot_base,
+            tile_ws_base=units.tile_ws_base, tile_mrow_base=units.tile_mrow_base, q_start=q_start,
             rows_per_suffix=rows_per_suffix, rows_per_shared=rows_per_shared)
     else:  # plain paged attention: skip ~30 numpy calls on empty arrays
         shared_items = np.zeros((0, K.ITEM_FIELDS), dtype=_I32)
         gather = np.zeros((0, K.GATHER_FIELDS), dtype=_I32)
+    items = _assemble_items(shared_items=shared_items, t=t, states=states, units=units, grain_suffix=grain_suffix,
+                            has_nodes=bool(len(nodes)))
+    return WorkList(items=items, gather=gather, mrows=units.mrows, num_ws_rows=units.num_ws_rows,
+                    num_units=units.num_units)
 
-    # ---- suffix items: (suffix tile, split chunk) ------------------------------------------------------------
-    if num_tiles and t_pieces.min() == 1 and t_pieces.max() == 1:  # one item per tile: no gathers
+
+def _assemble_items(*, shared_items: np.ndarray, t: _Tiles, states: _TileStates, units: _MergeUnits,
+                    grain_suffix: int, has_nodes: bool) -> np.ndarray:
+    """The item table: the shared items, then the suffix items (suffix tile, split chunk), longest KV range first."""
+    t_pieces = states.pieces
+    if t.req.shape[0] and t_pieces.min() == 1 and t_pieces.max() == 1:  # one item per tile: no gathers
         s_c = 0
         s_lo, s_hi, s_req, s_tok0, s_rows, s_qpos = t.lo, t.hi, t.req, t.tok0, t.rows, t.qpos
-        s_unit, s_ws_base, s_mrow_base, s_shared = needs_unit, tile_ws_base, tile_mrow_base, t_shared
+        s_unit, s_ws_base, s_mrow_base = states.needs_unit, units.tile_ws_base, units.tile_mrow_base
+        s_shared = states.shared
     else:
         s_tile, s_c = _expand(t_pieces)
-        s_lo, s_hi = _piece_bounds(t.lo[s_tile], t.hi[s_tile], s_c, t_pieces[s_tile], grain_suffix,
-                                   split=bool(s_c.shape[0] and s_c.any()))
+        s_lo, s_hi = _piece_bounds(lo=t.lo[s_tile], hi=t.hi[s_tile], piece=s_c, pieces=t_pieces[s_tile],
+                                   block_n=grain_suffix, split=bool(s_c.shape[0] and s_c.any()))
         s_req, s_tok0, s_rows, s_qpos = t.req[s_tile], t.tok0[s_tile], t.rows[s_tile], t.qpos[s_tile]
-        if num_units:
-            s_unit, s_ws_base, s_mrow_base = needs_unit[s_tile], tile_ws_base[s_tile], tile_mrow_base[s_tile]
-            s_shared = t_shared[s_tile] if num_nodes else 0
+        if units.num_units:
+            s_unit = states.needs_unit[s_tile]
+            s_ws_base, s_mrow_base = units.tile_ws_base[s_tile], units.tile_mrow_base[s_tile]
+            s_shared = states.shared[s_tile] if has_nodes else 0
     num_suffix, num_shared = s_req.shape[0], shared_items.shape[0]
     it = np.empty((num_suffix + num_shared, K.ITEM_FIELDS), dtype=_I32)
     it[:num_shared] = shared_items
@@ -267,7 +312,7 @@ def build_work_list(
     su[:, K.ITEM_ROW_START] = s_tok0
     su[:, K.ITEM_NUM_ROWS] = s_rows
     su[:, K.ITEM_Q_POS] = s_qpos
-    if num_units:
+    if units.num_units:
         su[:, K.ITEM_DEST] = np.where(s_unit, s_ws_base + (s_shared + s_c) * s_rows, -1)
         su[:, K.ITEM_MROW] = np.where(s_unit, s_mrow_base, -1)
     else:
@@ -277,7 +322,7 @@ def build_work_list(
     length = it[:, K.ITEM_KV_END].astype(np.int64) - it[:, K.ITEM_KV_START]
     if length.shape[0] > 1 and (length[1:] > length[:-1]).any():
         it = it[np.argsort(-length, kind="stable")]
-    return WorkList(items=it, gather=gather, mrows=mrows, num_ws_rows=num_ws_rows, num_units=num_units)
+    return it
 
 
 def _shared_items(*, t: _Tiles, nodes: SharedNodes, node_rows, node_mtiles, n_pieces, grain_shared, mem_ql, row_off,
@@ -313,8 +358,8 @@ def _shared_items(*, t: _Tiles, nodes: SharedNodes, node_rows, node_mtiles, n_pi
     seg_gather_off = seg_rows.cumsum() - seg_rows
     i_seg, i_mt = _expand(node_mtiles[seg_node])
     i_node, i_c = seg_node[i_seg], (seg_c[i_seg] if split else 0)
-    kv_lo, kv_hi = _piece_bounds(nodes.kv_start[i_node], nodes.kv_end[i_node], i_c, n_pieces[i_node], grain_shared,
-                                 split=split)
+    kv_lo, kv_hi = _piece_bounds(lo=nodes.kv_start[i_node], hi=nodes.kv_end[i_node], piece=i_c,
+                                 pieces=n_pieces[i_node], block_n=grain_shared, split=split)
     node_end = nodes.kv_end[i_node]
     items = np.empty((i_seg.shape[0], K.ITEM_FIELDS), dtype=_I32)
     items[:, K.ITEM_KIND] = K.KIND_SHARED

@@ -250,28 +250,51 @@ def _groups_from_tree(tree: PrefixTree, prompt_lens: np.ndarray, *, levels: int 
                       min_shared_tokens: int) -> list[PrefixGroup]:
     ch = _children_lists(tree)
     first = tree.lo.tolist()
-    is_leaf = (tree.leaf >= 0).tolist()
     changed: list[int] = []
     if levels is not None:
-        internal = (tree.leaf < 0).tolist()
-        post = tree.post_order.tolist()
-        if levels == 1:
-            nodes = [v for v in post if internal[v]]
-        else:
-            # Group level of each internal node (root 0); Algorithm 1 runs on the nodes at level >= levels - 1.
-            parent = tree.parent.tolist()
-            level = [0] * tree.num_nodes
-            for v in reversed(post):  # parents before children
-                p = parent[v]
-                if p >= 0:
-                    level[v] = level[p] + internal[v]
-            nodes = [v for v in post if internal[v] and level[v] >= levels - 1]
-        changed = _maximize_reuse(tree, ch, first, nodes)
+        changed = _maximize_reuse(tree, ch, first, _reuse_nodes(tree=tree, levels=levels))
+    lens = prompt_lens.tolist()
+    build = _group_builder(tree=tree, ch=ch, first=first, changed=changed, lens=lens, levels=levels,
+                           min_shared_tokens=min_shared_tokens)
+    groups: list[PrefixGroup] = []
+    for c in ch[0]:
+        for g in build(c, 1, 0):
+            if isinstance(g, PrefixGroup):
+                groups.append(g)
+            else:  # a request reached through dissolved top-level nodes: a singleton
+                groups.append(PrefixGroup(prefix_len=0, request_ids=[g], prompt_lens=[lens[g]], dfs_rank=-1))
+    for g in groups:
+        if g.num_requests == 1:
+            g.prefix_len = 0
+    return groups
+
+
+def _reuse_nodes(*, tree: PrefixTree, levels: int) -> list[int]:
+    """The internal nodes, in post-order, that Algorithm 1 runs on for ``levels``."""
+    internal = (tree.leaf < 0).tolist()
+    post = tree.post_order.tolist()
+    if levels == 1:
+        return [v for v in post if internal[v]]
+    # Group level of each internal node (root 0); Algorithm 1 runs on the nodes at level >= levels - 1.
+    parent = tree.parent.tolist()
+    level = [0] * tree.num_nodes
+    for v in reversed(post):  # parents before children
+        p = parent[v]
+        if p >= 0:
+            level[v] = level[p] + internal[v]
+    return [v for v in post if internal[v] and level[v] >= levels - 1]
+
+
+def _group_builder(*, tree: PrefixTree, ch: list, first: list[int], changed: list[int], lens: list[int],
+                   levels: int | None, min_shared_tokens: int):
+    """``build(v, lv, parent_len)``: the groups of node ``v`` at group level ``lv`` over the (rewritten) children
+    lists ``ch``; a request id in place of a group where a leaf sits below group level 1. Closures over plain lists:
+    the recursion visits every node of the tree."""
+    is_leaf = (tree.leaf >= 0).tolist()
     clean = _untouched_subtrees(tree, changed)
     depth = tree.depth.tolist()
     order = tree.order.tolist()
     hi = tree.hi.tolist()
-    lens = prompt_lens.tolist()
     max_level = levels if levels is not None else 1 << 62
 
     def leaves_under(v: int) -> list[int]:
@@ -316,17 +339,7 @@ def _groups_from_tree(tree: PrefixTree, prompt_lens: np.ndarray, *, levels: int 
         return [PrefixGroup(prefix_len=depth[v], request_ids=ids, prompt_lens=[lens[r] for r in ids],
                             children=children, parent_prefix_len=parent_len, dfs_rank=first[v])]
 
-    groups: list[PrefixGroup] = []
-    for c in ch[0]:
-        for g in build(c, 1, 0):
-            if isinstance(g, PrefixGroup):
-                groups.append(g)
-            else:  # a request reached through dissolved top-level nodes: a singleton
-                groups.append(PrefixGroup(prefix_len=0, request_ids=[g], prompt_lens=[lens[g]], dfs_rank=-1))
-    for g in groups:
-        if g.num_requests == 1:
-            g.prefix_len = 0
-    return groups
+    return build
 
 
 def _packed_and_lengths(prompts) -> PackedSequences:
