@@ -155,26 +155,36 @@ def test_refuses_what_it_does_not_implement():
         PrefixAttnBackend(runner)
 
 
+def _extend_of_12_rows(eng):
+    """A fresh pool and backend on ``eng``, one 12-row extend of the system prompt with its metadata initialized:
+    ``(pool, backend, forward_batch, (q, k, v))``."""
+    pool = eng.make_pool()
+    backend = PrefixAttnBackend(eng.runner(pool))
+    r = eng.add_request(SYSTEM)
+    fb = eng.batch({r: 12}, ForwardMode.EXTEND)
+    backend.init_forward_metadata(fb)
+    return pool, backend, fb, eng.qkv(12)
+
+
+def _paged_caches(backend, pool):
+    """Layer 0's K and V pools as the backend pages them for the kernel (and the reference)."""
+    return backend._paged(pool.get_key_buffer(0), "key"), backend._paged(pool.get_value_buffer(0), "value")
+
+
 def test_logit_cap_window_and_sinks_run_in_the_kernel():
     """Gemma-2-like ``layer.logit_cap`` and ``layer.sliding_window_size``, gpt-oss-like ``sinks`` (the forward
     keyword SGLang passes) against the reference on the backend's own pool and metadata (12 rows, window 5)."""
     import prefixattn
 
     eng = MiniEngine()
-    pool = eng.make_pool()
-    backend = PrefixAttnBackend(eng.runner(pool))
-    r = eng.add_request(SYSTEM)
-    fb = eng.batch({r: 12}, ForwardMode.EXTEND)
-    backend.init_forward_metadata(fb)
-    q, k, v = eng.qkv(12)
+    pool, backend, fb, (q, k, v) = _extend_of_12_rows(eng)
     q = q * 4  # logits large enough for the cap to bend them
     eng.layer.logit_cap = 2.0
     eng.layer.sliding_window_size = 5  # FlashInfer's window_left, as SGLang's backends read it
     sinks = torch.tensor([0.5, -1.0, 3.0, -2.0])
     o = backend.forward(q, k, v, eng.layer, fb, sinks=sinks)
     meta = backend.forward_metadata
-    k_cache = backend._paged(pool.get_key_buffer(0), "key")
-    v_cache = backend._paged(pool.get_value_buffer(0), "value")
+    k_cache, v_cache = _paged_caches(backend, pool)
     q3 = q.reshape(-1, eng.num_heads, eng.head_dim)
     want = prefixattn.reference_attention(q3, k_cache, v_cache, meta.qo_indptr, meta.kv_lens, meta.block_table,
                                           sm_scale=float(eng.layer.scaling), logits_soft_cap=2.0, sinks=sinks,
@@ -193,20 +203,14 @@ def test_fp8_pool_with_per_tensor_scales(kv_dtype):
     import prefixattn
 
     eng = MiniEngine(kv_dtype=kv_dtype)
-    pool = eng.make_pool()
-    backend = PrefixAttnBackend(eng.runner(pool))
-    r = eng.add_request(SYSTEM)
-    fb = eng.batch({r: 12}, ForwardMode.EXTEND)
-    backend.init_forward_metadata(fb)
-    q, k, v = eng.qkv(12)
+    pool, backend, fb, (q, k, v) = _extend_of_12_rows(eng)
     k_in, v_in = k.clone(), v.clone()
     layer = eng.layer
     layer.k_scale, layer.v_scale = torch.nn.Parameter(torch.tensor(0.25)), torch.nn.Parameter(torch.tensor(2.0))
     layer.k_scale_float, layer.v_scale_float = 0.25, 2.0
     o = backend.forward(q, k, v, layer, fb)
     assert torch.equal(k, k_in) and torch.equal(v, v_in)
-    k_cache = backend._paged(pool.get_key_buffer(0), "key")
-    v_cache = backend._paged(pool.get_value_buffer(0), "value")
+    k_cache, v_cache = _paged_caches(backend, pool)
     assert k_cache.dtype == kv_dtype
     slots = fb.out_cache_loc
     torch.testing.assert_close(pool.get_key_buffer(0)[slots].float(), (k_in / 0.25).to(kv_dtype).float())
