@@ -213,11 +213,8 @@ class PrefixAttnBackend(AttentionBackend):
     def _plan_eager(self, key, meta: StepMetadata, device, num_blocks: int):
         """An eager step's plan for one layer geometry: into that geometry's capacity-sized wrapper (no device
         allocation; the step's device block table read in place), or a per-step plan() beyond its capacity."""
-        num_qo_heads, num_kv_heads, head_dim, dtype, scale, causal, soft_cap, window = key
         # q's own device: the runner's "cuda" has no index, the plan must match q's "cuda:N".
-        opts = dict(block_size=self.page_size, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
-                    head_dim=head_dim, causal=causal, sm_scale=scale, q_dtype=dtype, sharing=self.sharing,
-                    logits_soft_cap=soft_cap, window_left=window, kv_dtype=self.kv_dtype)
+        opts = geometry_options(key, block_size=self.page_size, sharing=self.sharing, kv_dtype=self.kv_dtype)
         if self.eager_capacity is not None:
             attn = self.eager_wrappers.get(key)
             if attn is None:  # once per geometry, at its first eager step
@@ -326,6 +323,15 @@ class PrefixAttnBackend(AttentionBackend):
         raise NotImplementedError(_NO_PREFILL_GRAPHS)
 
 
+def geometry_options(key: tuple, *, block_size: int, sharing: str, kv_dtype) -> dict:
+    """The plan / wrapper options of a layer geometry ``key`` (``_plan_for``'s: heads, head size, q dtype, scale,
+    causal, soft cap, window), one mapping for the eager and the graph wrappers and the per-step plan."""
+    num_qo_heads, num_kv_heads, head_dim, q_dtype, sm_scale, causal, soft_cap, window = key
+    return dict(block_size=block_size, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                causal=causal, sm_scale=sm_scale, q_dtype=q_dtype, sharing=sharing, logits_soft_cap=soft_cap,
+                window_left=window, kv_dtype=kv_dtype)
+
+
 class GraphState:
     """The decode graphs' shared state: one capacity-fixed :class:`prefixattn.PrefixSharedAttention` per layer
     geometry (``use_cuda_graph=True``) and the static device block table they read.
@@ -360,12 +366,10 @@ class GraphState:
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise ValueError(f"layer geometry {key}: expected it to be seen in the warm-up run before the graph "
                              "capture (a workspace cannot be allocated inside a capture), got it first while capturing")
-        num_qo_heads, num_kv_heads, head_dim, dtype, scale, causal, soft_cap, window = key
         self.wrappers[key] = prefixattn.PrefixSharedAttention(
-            num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=self.page_size,
-            q_dtype=dtype, causal=causal, sm_scale=scale, sharing=self.sharing, max_tokens=self.max_num_tokens,
-            max_requests=self.max_bs, max_blocks_per_request=0, device=device, use_cuda_graph=True,
-            logits_soft_cap=soft_cap, window_left=window, kv_dtype=self.kv_dtype)
+            **geometry_options(key, block_size=self.page_size, sharing=self.sharing, kv_dtype=self.kv_dtype),
+            max_tokens=self.max_num_tokens, max_requests=self.max_bs, max_blocks_per_request=0, device=device,
+            use_cuda_graph=True)
         meta.plans[key] = p = self._plan(self.wrappers[key], meta)
         return p
 
