@@ -9,7 +9,8 @@ import triton
 from prefixattn.kernels.kv_write_kernel import kv_write_kernel
 from prefixattn.runtime import device_one, interpreter_enabled
 from prefixattn.validation import (FP8_KV_DTYPES, KV_CACHE_DTYPES, SUPPORTED_DTYPES, check_fp8_support,
-                                   check_kernel_device, check_kv_scale, check_same_device, check_tensor)
+                                   check_kernel_device, check_kv_scale, check_same_device, check_tensor,
+                                   torch_dtype_name)
 
 _SLOT_DTYPES = (torch.int32, torch.int64)
 #: (mantissa bits, exponent bias) of each fp8 cache dtype (OCP formats; their largest finite value is
@@ -44,8 +45,8 @@ def _check(key, value, k_cache, v_cache, slot_mapping) -> int:
         raise ValueError(f"v_cache: expected the shape of k_cache {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
     # One IS_FP8 switch and one FP8_MAX per launch: an fp8 cache needs its partner in the same fp8 dtype.
     if (k_cache.dtype in FP8_KV_DTYPES or v_cache.dtype in FP8_KV_DTYPES) and v_cache.dtype != k_cache.dtype:
-        raise ValueError(f"v_cache: expected the dtype of k_cache ({_name(k_cache.dtype)}) when either cache is fp8, "
-                         f"got {_name(v_cache.dtype)}")
+        raise ValueError(f"v_cache: expected the dtype of k_cache ({torch_dtype_name(k_cache.dtype)}) when either "
+                         f"cache is fp8, got {torch_dtype_name(v_cache.dtype)}")
     if tuple(k_cache.shape[2:]) != tuple(key.shape[1:]):
         raise ValueError(f"k_cache: expected [num_blocks, block_size, num_kv_heads, head_dim] with (num_kv_heads, "
                          f"head_dim) = {tuple(key.shape[1:])} (from key), got shape {tuple(k_cache.shape)}")
@@ -59,10 +60,6 @@ def _check(key, value, k_cache, v_cache, slot_mapping) -> int:
     return num_tokens
 
 
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
 def _scale_args(k_cache: torch.Tensor, k_scale, v_scale, device) -> dict:
     """The kernel's scale pointers, float scales and fp8 constexprs. A tensor scale is read by pointer in the kernel
     (no host synchronization, CUDA-graph safe) next to a float 1.0; a float one is passed next to a 1.0 tensor."""
@@ -70,8 +67,9 @@ def _scale_args(k_cache: torch.Tensor, k_scale, v_scale, device) -> dict:
     args = {}
     for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
         if scale is not None and not is_fp8:
-            raise ValueError(f"{name}: expected None for a {_name(k_cache.dtype)} cache (scales quantize fp8 caches: "
-                             f"{'/'.join(_name(d) for d in FP8_KV_DTYPES)}), got {type(scale).__name__}")
+            raise ValueError(f"{name}: expected None for a {torch_dtype_name(k_cache.dtype)} cache (scales quantize "
+                             f"fp8 caches: {'/'.join(torch_dtype_name(d) for d in FP8_KV_DTYPES)}), got "
+                             f"{type(scale).__name__}")
         scale = check_kv_scale(name, scale, device, device_of="key")
         tensor = isinstance(scale, torch.Tensor)
         # Not fp8: the pointers are never read (IS_FP8 is off); any tensor of the launch will do.

@@ -14,7 +14,7 @@ from prefixattn.planner import CapacityError, Plan, _default_num_sms, _positive_
 from prefixattn.runtime import device_one
 from prefixattn.validation import (FP8_KV_DTYPES, canonical_device, check_fp8_support, check_head_dim, check_heads,
                                    check_kernel_device, check_kv_scale, check_qkv, check_sinks, check_tensor,
-                                   same_device)
+                                   same_device, torch_dtype_name)
 from prefixattn.workspace import DEFAULT_MAX_SHARED_LEVELS, PlanWorkspace, derive_capacity
 
 _LOG2E = 1.0 / math.log(2.0)
@@ -45,10 +45,6 @@ def _feature_args(p: Plan, q: torch.Tensor, sinks, k_scale, v_scale) -> dict:
     )
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
 def _check_against_plan(q, k_cache, v_cache, p: Plan, out, return_lse) -> None:
     """Shapes, dtypes and devices only: no value of any tensor is read (no host synchronization).
 
@@ -70,7 +66,8 @@ def _check_against_plan(q, k_cache, v_cache, p: Plan, out, return_lse) -> None:
         if got != want:
             raise ValueError(f"{name}: expected {want} (from the plan), got {got}")
     if q.dtype != p.q_dtype:
-        raise ValueError(f"q: expected dtype {_dtype_name(p.q_dtype)} (the plan's q_dtype), got {_dtype_name(q.dtype)}")
+        raise ValueError(f"q: expected dtype {torch_dtype_name(p.q_dtype)} (the plan's q_dtype), got "
+                         f"{torch_dtype_name(q.dtype)}")
     if q.shape[0] < p.num_tokens:
         raise ValueError(f"q: expected at least {p.num_tokens} rows (qo_indptr[-1] of the plan), got {q.shape[0]}")
     if not same_device(q.device, p.device):

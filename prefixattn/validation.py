@@ -40,8 +40,13 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 INT32_MAX = int(np.iinfo(np.int32).max)
 
 
+def torch_dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float16`` -> ``"float16"``: a dtype as error messages and reports spell it."""
+    return str(dtype).replace("torch.", "")
+
+
 def _dtype_names(dtypes: Iterable[torch.dtype]) -> str:
-    return "/".join(str(d).replace("torch.", "") for d in dtypes)
+    return "/".join(torch_dtype_name(d) for d in dtypes)
 
 
 def check_tensor(name: str, t, *, ndim: int | None = None, dtypes=None) -> None:
@@ -51,7 +56,7 @@ def check_tensor(name: str, t, *, ndim: int | None = None, dtypes=None) -> None:
     if ndim is not None and t.dim() != ndim:
         raise ValueError(f"{name}: expected a {ndim}-D tensor, got {t.dim()}-D with shape {tuple(t.shape)}")
     if dtypes is not None and t.dtype not in dtypes:
-        raise ValueError(f"{name}: expected dtype {_dtype_names(dtypes)}, got {str(t.dtype).replace('torch.', '')}")
+        raise ValueError(f"{name}: expected dtype {_dtype_names(dtypes)}, got {torch_dtype_name(t.dtype)}")
 
 
 def canonical_device(name: str, device) -> torch.device:
@@ -150,8 +155,8 @@ def check_qkv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> 
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if t.dtype != q.dtype and t.dtype not in FP8_KV_DTYPES:
             raise ValueError(
-                f"{name}: expected the dtype of q ({str(q.dtype).replace('torch.', '')}) or an fp8 dtype "
-                f"({_dtype_names(FP8_KV_DTYPES)}), got {str(t.dtype).replace('torch.', '')}"
+                f"{name}: expected the dtype of q ({torch_dtype_name(q.dtype)}) or an fp8 dtype "
+                f"({_dtype_names(FP8_KV_DTYPES)}), got {torch_dtype_name(t.dtype)}"
             )
     if v_cache.dtype != k_cache.dtype:
         raise ValueError(f"v_cache: expected the dtype of k_cache ({_dtype_names([k_cache.dtype])}), got "

@@ -41,7 +41,7 @@ from prefixattn.autotune.config_space import AttentionConfig
 from prefixattn.autotune.lookup import fixed_config, planning_target, select_config
 from prefixattn.kernels.layout import page_size_constexpr
 from prefixattn.runtime import interpreter_enabled
-from prefixattn.validation import FP8_KV_DTYPES, SUPPORTED_DTYPES, check_head_dim, check_heads
+from prefixattn.validation import FP8_KV_DTYPES, SUPPORTED_DTYPES, check_head_dim, check_heads, torch_dtype_name
 
 #: Environment variable: "0" (or "false", "off", "no") skips the engines' start-up warm-up.
 WARMUP_ENV = "PREFIXATTN_WARMUP"
@@ -88,10 +88,12 @@ class KernelVariant:
         return self.cache_dtype in FP8_KV_DTYPES
 
     def describe(self) -> str:
-        dt = _name(self.dtype) + (f" kv {_name(self.cache_dtype)}" if self.cache_dtype != self.dtype else "")
+        dt = torch_dtype_name(self.dtype)
+        if self.cache_dtype != self.dtype:
+            dt += f" kv {torch_dtype_name(self.cache_dtype)}"
         geometry = f"{dt} h{self.num_qo_heads}/{self.num_kv_heads} d{self.head_dim}"
         if self.kernel == KV_WRITE:
-            return f"{KV_WRITE} {geometry} slots {_name(self.slot_dtype)}"
+            return f"{KV_WRITE} {geometry} slots {torch_dtype_name(self.slot_dtype)}"
         t = self.tiles
         parts = [ATTENTION, geometry, f"page {page_size_constexpr(self.block_size) or 'any'}",
                  "shared+suffix" if self.has_shared else "suffix-only", "+lse" if self.has_lse else "no-lse",
@@ -153,10 +155,6 @@ def warmup_enabled() -> bool:
     return os.environ.get(WARMUP_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
 
 
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
 def _ranges(values: tuple[int, ...]) -> str:
     if not values:
         return "-"
@@ -199,8 +197,9 @@ def dtype_pairs(dtypes: tuple[torch.dtype, ...], kv_dtypes) -> list[tuple[torch.
                          f"{bad or 'nothing'}")
     pairs = [(d, kv) for d in dtypes for kv in dict.fromkeys(kv_dtypes) if kv == d or kv in FP8_KV_DTYPES]
     if not pairs:
-        raise ValueError(f"kv_dtypes: expected fp8 or one of the q dtypes {[_name(d) for d in dtypes]} (a 16/32-bit "
-                         f"cache is read in the dtype of q), got {[_name(d) for d in kv_dtypes]}")
+        raise ValueError(f"kv_dtypes: expected fp8 or one of the q dtypes {[torch_dtype_name(d) for d in dtypes]} "
+                         f"(a 16/32-bit cache is read in the dtype of q), got "
+                         f"{[torch_dtype_name(d) for d in kv_dtypes]}")
     return pairs
 
 
