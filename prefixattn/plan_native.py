@@ -126,6 +126,7 @@ def check_and_tree(modules, qo_indptr, kv_lens, block_table, *, block_size, num_
     last = cached_entry()
     use_cache = last is not None and last[0].dtype == table.dtype and last[1].shape[0] == lens.shape[0]
     out = _compiled(modules[0].check_and_tree, indptr, lens, table, block_size,
+                    block_size.bit_length() - 1 if block_size & (block_size - 1) == 0 else -1,
                     -1 if num_blocks is None else int(num_blocks), causal, sharing == "never",
                     last[0] if use_cache else _NO_CACHE[table.dtype], last[1] if use_cache else _NO_BLOCKS,
                     use_cache)

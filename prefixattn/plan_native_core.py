@@ -50,7 +50,30 @@ def rule_args() -> tuple:
 
 @njit(cache=True, nogil=True)
 def _cdiv(a, b):
+    """``ceil(a / b)`` for ``a >= 0``, ``b > 0``; no division when ``a <= b`` (a decode request's one tile: a 64-bit
+    division costs ~15-40 cycles, paid per request and per gather row)."""
+    if a <= b:
+        return 1 if a > 0 else 0
     return -(-a // b)
+
+
+@njit(cache=True, nogil=True)
+def _sorted_members(order, lo, hi, mark, out):
+    """``out[:] = sorted(order[lo:hi + 1])`` (distinct request indices below ``mark.shape[0]``): a sort for a small
+    node, a scan over a request mask for a large one (a node of all 256 requests: ~0.5 us instead of ~4 us)."""
+    size = hi - lo + 1
+    if size * 8 < mark.shape[0]:
+        out[:] = order[lo:hi + 1]
+        out.sort()
+        return
+    for i in range(lo, hi + 1):
+        mark[order[i]] = True
+    j = 0
+    for r in range(mark.shape[0]):
+        if mark[r]:
+            out[j] = r
+            mark[r] = False
+            j += 1
 
 
 @njit(cache=True, nogil=True)
@@ -113,12 +136,12 @@ def select_nodes(order, depth, lb, rb, parent, shareable, q_len, block_size, row
     kv_start = np.empty(num_kept, dtype=np.int64)
     kv_end = np.empty(num_kept, dtype=np.int64)
     depth_blocks = np.empty(num_kept, dtype=np.int64)
+    mark = np.zeros(num_reqs, dtype=np.bool_)
     for j in range(num_kept):
         k = kept[j]
         kv_start[j], kv_end[j], depth_blocks[j] = start[k], ends[k], depth[k]
         seg = members[offsets[j]:offsets[j + 1]]
-        seg[:] = order[lb[k]:rb[k] + 1]
-        seg.sort()  # requests ascending within each node
+        _sorted_members(order, lb[k], rb[k], mark, seg)  # requests ascending within each node
         for r in seg:
             suffix_start[r] = max(suffix_start[r], ends[k])  # deeper kept nodes end later
     return kv_start, kv_end, depth_blocks, offsets, members, suffix_start
@@ -210,12 +233,14 @@ def _shared_items(items, gather, lay, kv_start, kv_end, offsets, members, q_star
             seg_off = g
             for m in range(offsets[k], offsets[k + 1]):  # the node's packed rows, member by member
                 r = members[m]
+                tile, in_tile = t_first[r], 0  # row i of r is row i % rows_per_suffix of its tile (no division)
                 for i in range(q_len[r]):
-                    tile = t_first[r] + i // rows_per_suffix
-                    in_tile = i % rows_per_suffix
+                    if in_tile == rows_per_suffix:
+                        tile, in_tile = tile + 1, 0
                     gather[g, g_tok] = q_start[r] + i
                     gather[g, g_ws] = tile_ws_base[tile] + (slot_base[m] + c) * t_rows[tile] + in_tile
                     gather[g, g_mrow] = tile_mrow_base[tile] + in_tile
+                    in_tile += 1
                     g += 1
             lo, hi = _piece_bound(kv_start[k], kv_end[k], c, n_pieces[k], grain)
             for mt in range(_cdiv(node_rows, rows_per_shared)):
