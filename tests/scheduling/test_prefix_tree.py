@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from prefixattn import lcp_tree as prefix_tree_module  # the numpy core that sort_and_lcp lives in (patched below)
-from prefixattn.block_tree import lcp_interval_tree
+from prefixattn.lcp_tree import sort_packed as prefix_tree_module  # where sort_and_lcp lives (patched below)
+from prefixattn.lcp_tree import lcp_interval_tree
 from prefixattn.scheduling import PackedSequences, pack_sequences, prefix_tree, sort_and_lcp
 from tests.scheduling.synthetic import nested_random
 
