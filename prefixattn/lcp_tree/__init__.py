@@ -10,14 +10,16 @@ neighbour LCPs, describes the whole tree.
 Two ways to get ``(order, lcp)``, one per caller, because their rows differ in shape:
 
 - :func:`sorted_rows_lcp` (:mod:`~prefixattn.lcp_tree.sort_dense`), the planner's: a dense ``[n, width]`` matrix
-  of a few dozen block ids per row. Leader refinement: one vectorized whole-row comparison of each tied row with
-  its group's leader per level of sharing (a full sort of 2056-entry rows compared pairs of rows over their whole
-  shared prefix: ~6 ms for 263 requests), several times faster on such short rows than the chunk hashes below.
+  of block ids (the block table's leading columns). Leader refinement: one vectorized whole-row comparison of each
+  tied row with its group's leader per level of sharing, no hashing pass. Measured on the 2-core host (best of 30):
+  263 rows of 2,056 blocks sharing one prefix 0.85 ms against 6.4 ms for the chunk hashes; 256 x 32 blocks in 16
+  groups 0.29 ms against 0.33 ms.
   Order: ids numerically, a row *before* the rows it prefixes (padding ``-1`` past its end), ties by row index.
-- :func:`sort_and_lcp` (:mod:`~prefixattn.lcp_tree.sort_packed`), the scheduler's: packed token-id rows of
-  thousands of ids sharing long documents. MSD refinement over chunk hashes: a shared 64-id chunk costs one hash
-  comparison per row (a ~1.1k-token document in ~17 comparisons), so the work grows with the distinct chunks, not
-  the ids. Order: ids by their native uint32 bytes, a row *after* the rows it prefixes, ties by row index.
+- :func:`sort_and_lcp` (:mod:`~prefixattn.lcp_tree.sort_packed`), the scheduler's: packed (ragged) token-id rows,
+  up to hundreds of thousands of prompts of ~1.5k tokens, where a padded matrix would take gigabytes. MSD refinement
+  over chunk hashes: a shared 64-id chunk costs one hash comparison per row (a ~1.1k-token document in ~17
+  comparisons), so the work grows with the distinct chunks, not the ids. Order: ids by their native uint32 bytes,
+  a row *after* the rows it prefixes, ties by row index.
 
 Both orders give the same nodes as (depth, set of rows) (``tests/scheduling/test_prefix_tree.py`` pins them equal);
 they are kept apart because each caller's output follows its order (the planner's work list and its golden plans,
