@@ -22,7 +22,7 @@ import prefixattn
 import torch
 from prefixattn import plan_native
 from prefixattn.autotune.lookup import planning_target
-from prefixattn.block_tree import clear_tree_cache
+from prefixattn.lcp_tree import clear_tree_cache
 from shapes import Shape, build_batch, fig8_shapes
 
 BENCHMARK = "plan_time"

@@ -114,9 +114,9 @@ _NO_BLOCKS = np.zeros(0, dtype=np.int64)
 def check_and_tree(modules, qo_indptr, kv_lens, block_table, *, block_size, num_blocks, causal, sharing):
     """:func:`prefixattn.validation.check_host_metadata` (its messages: the numpy checks run when the compiled ones
     fail), the per-request lengths plan() derives and the block prefix tree with its cache
-    (:mod:`prefixattn.block_tree`), in one compiled call: ``(indptr, lens, table, max_block_id, q_len, shareable,
+    (:mod:`prefixattn.lcp_tree`), in one compiled call: ``(indptr, lens, table, max_block_id, q_len, shareable,
     max_q_len, width, tree)``; None when it failed to compile (:func:`_compiled`)."""
-    from prefixattn.block_tree import COMPILED_CACHE_MAX_ENTRIES, LcpTree, cached_entry, remember_tree
+    from prefixattn.lcp_tree import COMPILED_CACHE_MAX_ENTRIES, LcpTree, cached_entry, remember_tree
     from prefixattn.validation import check_host_metadata, host_metadata_arrays
 
     indptr, lens, table = host_metadata_arrays(qo_indptr, kv_lens, block_table, block_size=block_size,
@@ -179,7 +179,7 @@ def compile_planner() -> dict:
     or cache load of every variant, and the plans themselves); ``{}`` without numba."""
     import torch
 
-    from prefixattn.block_tree import clear_tree_cache
+    from prefixattn.lcp_tree import clear_tree_cache
     from prefixattn.planner import plan
 
     t0 = time.perf_counter()

@@ -1,9 +1,9 @@
 """Compiled (numba) metadata checks and block prefix tree: the same order, LCPs and lcp-intervals as
-:mod:`prefixattn.block_tree`, the same accept/refuse decisions as :func:`prefixattn.validation.check_host_metadata`.
+:mod:`prefixattn.lcp_tree`, the same accept/refuse decisions as :func:`prefixattn.validation.check_host_metadata`.
 
 Imported only when numba is (:mod:`prefixattn.plan_native` chooses); every function is ``@njit(cache=True)``.
-The definitions of what is computed are :func:`prefixattn.block_tree.sorted_rows_lcp` (lexicographic order of the
-padded rows, then the row index; LCP of sorted neighbours) and :func:`prefixattn.block_tree.tree_from_lcp` (the
+The definitions of what is computed are :func:`prefixattn.lcp_tree.sorted_rows_lcp` (lexicographic order of the
+padded rows, then the row index; LCP of sorted neighbours) and :func:`prefixattn.lcp_tree.tree_from_lcp` (the
 lcp-interval stack, nodes in post-order); ``tests/test_plan_native.py`` checks both paths give equal arrays.
 
 Algorithm (the numpy one, per segment instead of per round): rows are grouped by their first entry; each group of
@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-#: Padding past a row's end: below every real id (ids are >= 0), as in block_tree.
+#: Padding past a row's end: below every real id (ids are >= 0), as in prefixattn.lcp_tree.sort_dense.
 _PAD = -1
 _INT64_MAX = np.iinfo(np.int64).max
 #: Columns of the first chunk of the mismatch scan, and of the last scalar scan (a multiple of the SIMD width).
@@ -217,7 +217,7 @@ def _refine_segment(rows, lengths, width, order, lcp, st_start, st_size, st_dept
 
 @njit(cache=True, nogil=True)
 def sorted_rows_lcp(rows, width, lengths):
-    """``(order, lcp, any_tied)`` of :func:`prefixattn.block_tree.sorted_rows_lcp` over ``rows[:, :width]``
+    """``(order, lcp, any_tied)`` of :func:`prefixattn.lcp_tree.sorted_rows_lcp` over ``rows[:, :width]``
     (``lcp`` all 0 when nothing is tied: the numpy function returns None there)."""
     n = rows.shape[0]
     first = np.empty(n, dtype=np.int64)
@@ -265,7 +265,7 @@ def sorted_rows_lcp(rows, width, lengths):
 
 @njit(cache=True, nogil=True)
 def tree_from_lcp(lcp):
-    """``(depth, lb, rb, parent)`` of :func:`prefixattn.block_tree.tree_from_lcp` (post-order)."""
+    """``(depth, lb, rb, parent)`` of :func:`prefixattn.lcp_tree.tree_from_lcp` (post-order)."""
     n = lcp.shape[0]
     depth = np.empty(n, dtype=np.int64)
     lb_out = np.empty(n, dtype=np.int64)
@@ -311,7 +311,7 @@ def tree_from_lcp(lcp):
 
 @njit(cache=True, nogil=True)
 def lcp_interval_tree(rows, width, lengths):
-    """``(order, lcp, depth, lb, rb, parent)`` of :func:`prefixattn.block_tree.lcp_interval_tree` over
+    """``(order, lcp, depth, lb, rb, parent)`` of :func:`prefixattn.lcp_tree.lcp_interval_tree` over
     ``rows[:, :width]`` (the whole table is passed: one compiled variant per dtype, no strided slice)."""
     n = rows.shape[0]
     empty = np.zeros(0, dtype=np.int64)

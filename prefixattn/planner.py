@@ -3,7 +3,7 @@
 Steps (numpy, vectorized over requests; Python loops only over tree change points and shared nodes):
 1. Each request with queries has a *shareable* KV length: ``kv_len - q_len`` when causal (positions every one of
    its query rows sees), ``kv_len`` otherwise.
-2. A block-level prefix tree over the requests' block-id rows (:mod:`prefixattn.block_tree`): a node with >= 2
+2. A block-level prefix tree over the requests' block-id rows (:mod:`prefixattn.lcp_tree`): a node with >= 2
    requests shares KV ``[parent_end, end)``, ``end = min(depth * block_size, min shareable length of its requests)``
    (the cap at the first query position, as vLLM's cascade attention did).
 3. A cost rule (:func:`sharing_pays_off`) keeps a node only when the KV traffic it saves beats the partial-state
@@ -22,7 +22,7 @@ import torch
 
 from prefixattn import plan_native
 from prefixattn.attention_configs import AttentionTiles, choose_tiles
-from prefixattn.block_tree import LcpTree, block_prefix_tree
+from prefixattn.lcp_tree import LcpTree, block_prefix_tree
 from prefixattn.runtime import interpreter_enabled
 from prefixattn.kernels import layout as K
 from prefixattn.split_rule import critical_path

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from prefixattn import plan
-from prefixattn.block_tree import lcp_interval_tree
+from prefixattn.lcp_tree import lcp_interval_tree
 from prefixattn.planner import MIN_SPLIT_TOKENS, sharing_pays_off
 from prefixattn.split_rule import MIN_PIECE_OVERHEADS, PROGRAM_OVERHEAD_TOKENS
 from prefixattn.kernels import layout as K

@@ -34,7 +34,7 @@ if str(ROOT) not in sys.path:
 
 from prefixattn import plan  # noqa: E402
 from prefixattn.autotune.lookup import fixed_config  # noqa: E402
-from prefixattn.block_tree import clear_tree_cache  # noqa: E402
+from prefixattn.lcp_tree import clear_tree_cache  # noqa: E402
 from shapes import build_batch, fig8_shapes  # noqa: E402
 from tests.prefix_batches import random_batch  # noqa: E402
 

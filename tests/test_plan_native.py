@@ -15,7 +15,7 @@ pytest.importorskip("numba", reason="the compiled planner is optional (pip insta
 
 from prefixattn import plan, plan_native  # noqa: E402
 from prefixattn.autotune.lookup import fixed_config  # noqa: E402
-from prefixattn.block_tree import clear_tree_cache, lcp_interval_tree  # noqa: E402
+from prefixattn.lcp_tree import clear_tree_cache, lcp_interval_tree  # noqa: E402
 from tests.test_plan_equivalence import CASES, CONFIGS  # noqa: E402
 
 

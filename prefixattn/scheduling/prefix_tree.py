@@ -1,14 +1,14 @@
 """Prefix trees of prompt batches for the scheduler: :func:`prefix_tree` checks and packs its input and builds the tree
-with the shared numpy-only core :mod:`prefixattn.lcp_tree` (sort, LCP array, compact tree), which the kernel
-planner's block tree can use too. ``PrefixTree``, ``sort_and_lcp`` and ``build_tree`` are re-exported from there.
+with the numpy-only prefix-tree module :mod:`prefixattn.lcp_tree` (the planner's block tree is built there too).
+``PrefixTree`` and ``sort_and_lcp`` are re-exported from there.
 """
 
 from __future__ import annotations
 
-from prefixattn.lcp_tree import PrefixTree, build_tree, sort_and_lcp, tree_of_rows
+from prefixattn.lcp_tree import PrefixTree, sort_and_lcp, tree_of_rows
 from prefixattn.scheduling.sequences import PackedSequences, pack_sequences
 
-__all__ = ["PrefixTree", "build_tree", "prefix_tree", "prefix_tree_packed", "sort_and_lcp"]
+__all__ = ["PrefixTree", "prefix_tree", "prefix_tree_packed", "sort_and_lcp"]
 
 
 def prefix_tree(seqs, *, drop_last: int = 0, name: str = "seqs") -> PrefixTree:

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from prefixattn import lcp_tree as prefix_tree_module  # the numpy core that sort_and_lcp lives in (patched below)
-from prefixattn.block_tree import lcp_interval_tree
+from prefixattn.lcp_tree import sort_packed as prefix_tree_module  # where sort_and_lcp lives (patched below)
+from prefixattn.lcp_tree import lcp_interval_tree, prefix_tree_from_lcp
 from prefixattn.scheduling import PackedSequences, pack_sequences, prefix_tree, sort_and_lcp
 from tests.scheduling.synthetic import nested_random
 
@@ -168,11 +168,11 @@ def _node_sets(depth, members) -> set:
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_block_tree_builds_the_same_nodes(seed):
-    # The planner's block tree (padding sorts first, inclusive bounds, no root) and the shared core (a row sorts after
-    # the rows it prefixes, exclusive bounds, root 0, leaves as nodes) order rows differently, but their shared
-    # nodes are the same: every node of >= 2 rows sharing depth > 0 ids, as (depth, set of rows). Issue 18: the block
-    # tree can adopt the core without changing which requests share what (only the order of nodes and rows moves).
+def test_both_sorts_build_the_same_nodes(seed):
+    # The planner's sort (a row before the rows it prefixes, ids numerically) and the scheduler's (a row after them,
+    # ids by native bytes) order rows differently, but the one builder gives the same nodes from either: every node
+    # of >= 2 rows sharing depth > 0 ids, as (depth, set of rows). A PrefixTree built over the planner's order is a
+    # valid tree too (its LCAs are the rows' LCPs): the root and leaves do not depend on the order's convention.
     rng = np.random.default_rng(seed)
     for _ in range(60):
         rows = nested_random(rng, int(rng.integers(1, 30)), alphabet=int(rng.integers(2, 5)))
@@ -186,10 +186,27 @@ def test_block_tree_builds_the_same_nodes(seed):
         want = _node_sets(block.depth, [block.members(k) for k in range(block.num_nodes)])
         values = np.concatenate([np.asarray(r, dtype=np.int64) for r in rows] + [np.zeros(0, np.int64)])
         tree = prefix_tree_module.tree_of_rows(values, np.concatenate([[0], np.cumsum(lengths)]), lengths)
-        inner = [v for v in range(tree.num_nodes) if tree.leaf[v] < 0 and tree.depth[v] > 0]
-        got = _node_sets(tree.depth[inner], [tree.order[tree.lo[v]:tree.hi[v]] for v in inner])
-        assert got == want, rows
+        on_dense = prefix_tree_from_lcp(block.order, block.lcp, lengths)
+        for t in (tree, on_dense):
+            inner = [v for v in range(t.num_nodes) if t.leaf[v] < 0 and t.depth[v] > 0]
+            assert _node_sets(t.depth[inner], [t.order[t.lo[v]:t.hi[v]] for v in inner]) == want, rows
+        leaf_node = {int(on_dense.leaf[v]): v for v in range(on_dense.num_nodes) if on_dense.leaf[v] >= 0}
+        for a in range(len(rows)):
+            for b in range(a + 1, len(rows)):
+                lca = _lca(on_dense, leaf_node[a], leaf_node[b])
+                assert on_dense.depth[lca] == _lcp(rows[block.order[a]], rows[block.order[b]])
 
+
+def test_node_numbering_and_post_order():
+    # Node ids follow the sorted positions (an interval at its first inner boundary, before that position's leaf);
+    # the post-order visits children left to right. Sorted rows: [1, 2, 3], [1, 2], [1, 5], [7].
+    tree = prefix_tree([[1, 2], [1, 2, 3], [7], [1, 5]])
+    assert tree.order.tolist() == [1, 0, 3, 2] and tree.lcp.tolist() == [0, 2, 1, 0]
+    assert tree.parent.tolist() == [-1, 2, 4, 2, 0, 4, 0]
+    assert tree.depth.tolist() == [0, 3, 2, 2, 1, 2, 1]
+    assert tree.lo.tolist() == [0, 0, 0, 1, 0, 2, 3] and tree.hi.tolist() == [4, 1, 2, 2, 3, 3, 4]
+    assert tree.leaf.tolist() == [-1, 0, -1, 1, -1, 2, 3]
+    assert tree.post_order.tolist() == [1, 3, 2, 5, 4, 6, 0]
 
 
 @pytest.mark.parametrize("rows, fast", [

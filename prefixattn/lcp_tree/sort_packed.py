@@ -1,24 +1,5 @@
-"""Compact prefix tree (radix tree) over integer rows: sort, LCP array, tree from the LCP stack (numpy only).
-
-Offline, all rows are known up front, so instead of inserting rows one by one into a radix tree (what online
-engines do) we sort the rows lexicographically, take the longest common prefix (LCP) of each pair of neighbours,
-and build the compact tree from the LCP array with one stack pass (the classic LCP-interval construction). The LCP
-of any two rows is the minimum of the neighbour LCPs between them, so the neighbour LCPs describe the whole tree.
-
-The code is generic over integer rows: the scheduler runs it over prompt token ids
-(:mod:`prefixattn.scheduling.prefix_tree` adds the input checks). The kernel planner's block tree
-(:mod:`prefixattn.block_tree`, rows of block ids) builds the same nodes (a test pins the sets of (depth, rows) equal)
-with other conventions, and is to move onto this module (issue 18). What that takes:
-
-- one row order. There a padded row sorts before the rows it prefixes and ids compare numerically; here a row sorts
-  after them and ids compare by native bytes. Either side adopting the other's reorders its output (the planner's
-  work list, the scheduler's group order) without changing what is shared;
-- block_tree's speed here: block rows are a few dozen ids, where block_tree's leader refinement (one vectorized pass
-  over the tied rows per level of sharing, whole-row compares) is several times faster than the chunk-hash
-  refinement below (which pays off on long shared token prefixes);
-- one tree builder: block_tree's stack over the LCP change points (no Python loop over rows) emitting leaves too
-  (a leaf's parent is the deepest interval holding its position) would replace :func:`build_tree`'s loop; the
-  planner reads internal nodes with inclusive bounds and no root, :class:`PrefixTree` has a root and leaves.
+"""The scheduler's sort: (order, LCPs) of packed token-id rows by an MSD refinement driven by chunk hashes, and
+:func:`tree_of_rows`, their :class:`~prefixattn.lcp_tree.nodes.PrefixTree` (numpy only).
 
 Sorting is an MSD refinement over rows that still tie (segments), one fixed-size chunk of ids per round, all vectorized,
 driven by chunk hashes (:mod:`prefixattn.chunk_hash`, computed once in one streaming pass). A segment whose rows all
@@ -33,11 +14,10 @@ bounds at about 2**-64 per compared pair of token chunks."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from prefixattn.chunk_hash import CHUNK, as_uint32, chunk_hashes
+from prefixattn.lcp_tree.nodes import PrefixTree, prefix_tree_from_lcp
 
 #: End-of-row marker in the comparison windows: above every id (ids are at most 2**32 - 2).
 _END = np.uint32(0xFFFFFFFF)
@@ -257,156 +237,9 @@ def _lcp_round(*, values: np.ndarray, starts: np.ndarray, lengths: np.ndarray, n
     return active_pos[keep], np.repeat(active_pos[start_idx], sizes)[keep]
 
 
-@dataclass(frozen=True)
-class PrefixTree:
-    """Compact prefix tree of ``N`` rows; node 0 is the (empty) root, every row is one leaf.
-
-    Internal nodes have at least two children (the root may have one). A leaf hangs under the internal node at the
-    depth where its row stops sharing; a row that is a prefix of another row (or a duplicate) is a leaf whose own
-    edge is empty (``depth[leaf] == depth[parent[leaf]]``). Leaves of a subtree are the contiguous sorted positions
-    ``lo[v]:hi[v]``.
-
-    Attributes
-    ----------
-    order : np.ndarray
-        ``[N]`` int64 row index at each sorted position.
-    lcp : np.ndarray
-        ``[N]`` int64 LCP with the previous sorted row (``lcp[0] = 0``).
-    lengths : np.ndarray
-        ``[N]`` int64 row lengths, indexed by row.
-    parent : np.ndarray
-        ``[num_nodes]`` int64 parent node (-1 for the root).
-    depth : np.ndarray
-        ``[num_nodes]`` int64 ids from the row start to the end of the node (its prefix length).
-    lo, hi : np.ndarray
-        ``[num_nodes]`` int64 sorted-position range of the node's leaves.
-    leaf : np.ndarray
-        ``[num_nodes]`` int64 sorted position of a leaf's row, -1 for internal nodes.
-    post_order : np.ndarray
-        ``[num_nodes]`` int64 nodes with every node after all of its descendants (root last).
-    """
-
-    order: np.ndarray
-    lcp: np.ndarray
-    lengths: np.ndarray
-    parent: np.ndarray
-    depth: np.ndarray
-    lo: np.ndarray
-    hi: np.ndarray
-    leaf: np.ndarray
-    post_order: np.ndarray
-
-    @property
-    def num_nodes(self) -> int:
-        return int(self.parent.shape[0])
-
-    @property
-    def num_rows(self) -> int:
-        return int(self.order.shape[0])
-
-    @property
-    def num_leaves(self) -> np.ndarray:
-        """``[num_nodes]`` int64 rows in each node's subtree."""
-        return self.hi - self.lo
-
-    def children(self) -> tuple[np.ndarray, np.ndarray]:
-        """Children of every node in sorted (left to right) order, as CSR.
-
-        Returns
-        -------
-        indptr : np.ndarray
-            ``[num_nodes + 1]``; the children of ``v`` are ``indices[indptr[v]:indptr[v + 1]]``.
-        indices : np.ndarray
-            ``[num_nodes - 1]`` child node ids.
-        """
-        kids = np.flatnonzero(self.parent >= 0)
-        kids = kids[np.lexsort((self.lo[kids], self.parent[kids]))]
-        counts = np.bincount(self.parent[kids], minlength=self.num_nodes)
-        indptr = np.zeros(self.num_nodes + 1, dtype=np.int64)
-        np.cumsum(counts, out=indptr[1:])
-        return indptr, kids
-
-    def shared_tokens(self) -> int:
-        """Ids stored once per tree node: ``sum(lengths) - sum(lcp)`` (the optimum of prefix sharing)."""
-        return int(self.lengths.sum() - self.lcp.sum())
-
-
-def build_tree(sorted_lengths: np.ndarray, lcp: np.ndarray) -> dict[str, np.ndarray]:
-    """Build the compact tree from sorted row lengths and the neighbour LCP array in one stack pass, O(N).
-
-    Parameters
-    ----------
-    sorted_lengths : np.ndarray
-        ``[N]`` lengths of the rows in sorted order.
-    lcp : np.ndarray
-        ``[N]`` neighbour LCPs from :func:`sort_and_lcp`.
-
-    Returns
-    -------
-    dict
-        ``parent, depth, lo, hi, leaf, post_order`` arrays as in :class:`PrefixTree`.
-    """
-    lens = sorted_lengths.tolist()
-    lcps = lcp.tolist()
-    n = len(lens)
-    parent = [-1]
-    depth = [0]
-    lo = [0]
-    hi = [n]
-    leaf = [-1]
-    post: list[int] = []
-    stack = [0]
-    for i in range(n):
-        cut = lcps[i] if i else 0
-        last = -1
-        top = stack[-1]
-        # Pop the previous leaf and every internal node deeper than the shared prefix; each popped node is the
-        # parent of the one popped before it (the stack is a root-to-leaf path).
-        while leaf[top] >= 0 or depth[top] > cut:
-            stack.pop()
-            hi[top] = i
-            post.append(top)
-            if last >= 0:
-                parent[last] = top
-            last = top
-            top = stack[-1]
-        if last >= 0:
-            if depth[top] < cut:  # the shared prefix ends inside an edge: split it with a new internal node
-                new = len(depth)
-                parent.append(top)
-                depth.append(cut)
-                lo.append(lo[last])
-                hi.append(-1)
-                leaf.append(-1)
-                parent[last] = new
-                stack.append(new)
-            else:
-                parent[last] = top
-        new = len(depth)
-        parent.append(stack[-1])
-        depth.append(lens[i])
-        lo.append(i)
-        hi.append(i + 1)
-        leaf.append(i)
-        stack.append(new)
-    last = -1
-    while stack:
-        top = stack.pop()
-        if leaf[top] < 0:
-            hi[top] = n
-        post.append(top)
-        if last >= 0:
-            parent[last] = top
-        last = top
-    return dict(parent=np.array(parent, dtype=np.int64), depth=np.array(depth, dtype=np.int64),
-                lo=np.array(lo, dtype=np.int64), hi=np.array(hi, dtype=np.int64),
-                leaf=np.array(leaf, dtype=np.int64), post_order=np.array(post, dtype=np.int64))
-
-
 def tree_of_rows(values: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> PrefixTree:
     """:class:`PrefixTree` of rows ``values[offsets[i]:offsets[i] + lengths[i]]`` (unchecked, as :func:`sort_and_lcp`).
     """
     lengths = np.asarray(lengths, dtype=np.int64)
     order, lcp = sort_and_lcp(values, offsets, lengths)
-    arrays = build_tree(lengths[order], lcp)
-    return PrefixTree(order=order, lcp=lcp, lengths=lengths, **arrays)
+    return prefix_tree_from_lcp(order, lcp, lengths)

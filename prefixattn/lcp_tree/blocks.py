@@ -1,0 +1,79 @@
+"""The planner's block tree: :func:`block_prefix_tree` over the leading blocks of each request's block-table row, and
+a per-thread cache of the last tree (shared with the compiled planner, :mod:`prefixattn.plan_native`)."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from prefixattn.lcp_tree.nodes import LcpTree
+from prefixattn.lcp_tree.sort_dense import lcp_interval_tree
+
+
+def block_prefix_tree(block_table: np.ndarray, shareable_lens: np.ndarray, block_size: int) -> LcpTree:
+    """Prefix tree over the blocks of each request that hold *shareable* KV positions.
+
+    Parameters
+    ----------
+    block_table : ndarray, ``[num_requests, max_blocks]`` integer
+    shareable_lens : ndarray, ``[num_requests]`` integer
+        KV positions of each request that every one of its query rows sees; a request with 0 takes no part.
+    block_size : int
+
+    Returns
+    -------
+    LcpTree over the rows ``block_table[r, :ceil(shareable_lens[r] / block_size)]``; a node's ``depth`` is in blocks.
+    The compiled planner builds the same tree (:func:`prefixattn.plan_native_tree.check_and_tree`) and shares the
+    tree cache below (:func:`cached_entry`, :func:`remember_tree`).
+    """
+    shareable_lens = np.asarray(shareable_lens, dtype=np.int64)
+    num_blocks = (shareable_lens + block_size - 1) // block_size
+    width = int(num_blocks.max()) if num_blocks.shape[0] else 0
+    rows = np.asarray(block_table)[:, :width]
+    last = cached_entry()
+    if (last is not None and last[1].shape == num_blocks.shape and last[0].shape == rows.shape
+            and (last[1] == num_blocks).all() and (last[0] == rows).all()):
+        return last[2]
+    return remember_tree(rows, num_blocks, lcp_interval_tree(rows, num_blocks))
+
+
+def cached_entry():
+    """This thread's tree cache entry ``(rows, num_blocks, tree)``, or None."""
+    return getattr(_last_tree, "entry", None)
+
+
+def remember_tree(rows: np.ndarray, num_blocks: np.ndarray, tree: LcpTree, *,
+                  max_entries: int | None = None) -> LcpTree:
+    """Freeze ``tree`` and keep it as this thread's last tree when it has nodes (and ``rows`` has at most
+    ``max_entries`` entries); returns ``tree``."""
+    for a in (tree.order, tree.lcp, tree.depth, tree.lb, tree.rb, tree.parent):
+        # Shared by the plans of every step that reuses it; read-only always, so the compiled planner sees one
+        # array type (numba compiles a variant per writability).
+        a.setflags(write=False)
+    if tree.num_nodes and (max_entries is None or rows.size <= max_entries):
+        # The replaced entry's row buffer is reused (a fresh 2 MB buffer costs its page faults: ~2x the copy).
+        last = cached_entry()
+        same = last is not None and last[0].shape == rows.shape and last[0].dtype == rows.dtype
+        buffer = last[0] if same else np.empty(rows.shape, dtype=rows.dtype)
+        np.copyto(buffer, rows)
+        _last_tree.entry = (buffer, num_blocks, tree)
+    return tree
+
+
+#: Largest row matrix (entries) the compiled tree keeps in the cache. The compiled build is one vectorized pass over
+#: the shared prefix, as is the cache's check, and keeping the rows costs a copy: past this size (a 256 x 256 table,
+#: ~0.25 MB) the cache would only add that copy (a 263 x 2,056 table: ~45 us per copy on the 2-core host).
+COMPILED_CACHE_MAX_ENTRIES = 1 << 16
+
+#: Per thread, the last tree with nodes, with the rows and block counts it was built from. An engine's decode loop
+#: replans the same shareable rows every step until a request's shareable KV crosses a block boundary (at block
+#: size 16, 15 of 16 steps when the requests' lengths are aligned); a tree costs ~40 numpy calls (~150 us on the
+#: 2-core host) and, for long prefixes, a pass over the rows; the check is two comparisons. Reused only on equal rows
+#: (the tree depends on nothing else), never across threads.
+_last_tree = threading.local()
+
+
+def clear_tree_cache() -> None:
+    """Forget this thread's last tree (benchmarks time cold plans with it)."""
+    _last_tree.entry = None
