@@ -32,6 +32,12 @@ import warnings
 
 import numpy as np
 
+# Module-level imports (none of these imports the planner): an import statement inside a per-step function costs
+# ~1-2 us per call.
+from prefixattn.lcp_tree import COMPILED_CACHE_MAX_ENTRIES, LcpTree, cached_entry, remember_tree
+from prefixattn.validation import check_host_metadata, host_metadata_arrays
+from prefixattn.work_list import SharedNodes, WorkList
+
 ENV_VAR = "PREFIXATTN_PLANNER"
 PLANNERS = ("auto", "numba", "numpy")
 
@@ -107,6 +113,10 @@ def _constant_args(core) -> tuple:
     return _constants[0]
 
 
+#: plan_core's option arrays by their values (building one from a list is ~2 us a step).
+_params: dict = {}
+_MAX_PARAMS = 256
+
 _NO_CACHE = {np.dtype(np.int32): np.zeros((0, 0), dtype=np.int32), np.dtype(np.int64): np.zeros((0, 0), dtype=np.int64)}
 _NO_BLOCKS = np.zeros(0, dtype=np.int64)
 
@@ -116,9 +126,6 @@ def check_and_tree(modules, qo_indptr, kv_lens, block_table, *, block_size, num_
     fail), the per-request lengths plan() derives and the block prefix tree with its cache
     (:mod:`prefixattn.lcp_tree`), in one compiled call: ``(indptr, lens, table, max_block_id, q_len, shareable,
     max_q_len, width, tree)``; None when it failed to compile (:func:`_compiled`)."""
-    from prefixattn.lcp_tree import COMPILED_CACHE_MAX_ENTRIES, LcpTree, cached_entry, remember_tree
-    from prefixattn.validation import check_host_metadata, host_metadata_arrays
-
     indptr, lens, table = host_metadata_arrays(qo_indptr, kv_lens, block_table, block_size=block_size,
                                                num_blocks=num_blocks, table_as_is=True)
     if not table.flags.c_contiguous:  # a column slice of an engine's table: one copy, not a new compiled variant
@@ -132,17 +139,26 @@ def check_and_tree(modules, qo_indptr, kv_lens, block_table, *, block_size, num_
                     use_cache)
     if out is None:
         return None
-    ok, max_block_id, q_len, shareable, sh_blocks, max_q_len, width, status, *tree_arrays = out
+    ok, max_block_id, max_q_len, width, status, lengths, packed = out
     if not ok:
         check_host_metadata(qo_indptr, kv_lens, block_table, block_size=block_size, num_blocks=num_blocks,
                             table_as_is=True)  # raises the message
         raise AssertionError("the compiled metadata checks refused a batch the numpy checks accept")
+    q_len, shareable, sh_blocks = lengths
     if status == 1:  # the cached tree: the same shareable rows as its step
         tree = last[2]
     else:
         rows = table[:, :int(sh_blocks.max())] if status == 2 else table[:, :0]  # the rows a new tree is of
-        tree = remember_tree(rows, sh_blocks, LcpTree(*tree_arrays), max_entries=COMPILED_CACHE_MAX_ENTRIES)
+        tree = remember_tree(rows, sh_blocks, _unpack_tree(packed, lens.shape[0]),
+                             max_entries=COMPILED_CACHE_MAX_ENTRIES)
     return indptr, lens, table, max_block_id, q_len, shareable, max_q_len, width, tree
+
+
+def _unpack_tree(packed: np.ndarray, n: int) -> LcpTree:
+    """The :class:`LcpTree` of ``plan_native_tree.check_and_tree``'s packed tree (views)."""
+    m = (packed.shape[0] - 2 * n) // 4
+    nodes = [packed[2 * n + k * m:2 * n + (k + 1) * m] for k in range(4)]
+    return LcpTree(packed[:n], packed[n:2 * n], *nodes)
 
 
 def plan_tables(modules, tree, *, indptr, q_len, kv_len, shareable, table, width, causal, sharing, block_size,
@@ -153,16 +169,18 @@ def plan_tables(modules, tree, *, indptr, q_len, kv_len, shareable, table, width
     compile, :func:`_compiled`); ``flat`` is
     :func:`prefixattn.planner._metadata_to_device`'s host buffer (the table's used columns last when they fit int32).
     """
-    from prefixattn.work_list import SharedNodes, WorkList
-
     core = modules[1]
     lay, rule, state_bytes = _constant_args(core)
-    # In core.P_* order (one list, one conversion).
-    params = np.array([causal, _SHARING_CODES[sharing], block_size, group, head_dim, elt_bytes, rows_per_shared,
-                       rows_per_suffix, block_n_shared, block_n_suffix, num_kv_heads, num_sms, min_split_tokens,
-                       state_bytes, width], dtype=np.int64)
-    out = _compiled(core.plan_core, lay, rule, params, tree.order, tree.depth, tree.lb, tree.rb, tree.parent, indptr,
-                    q_len, kv_len, shareable, table)
+    # In core.P_* order; one array per set of options (an engine plans with the same ones every step).
+    key = (causal, _SHARING_CODES[sharing], block_size, group, head_dim, elt_bytes, rows_per_shared, rows_per_suffix,
+           block_n_shared, block_n_suffix, num_kv_heads, num_sms, min_split_tokens, state_bytes)
+    params = _params.get(key)
+    if params is None:
+        if len(_params) >= _MAX_PARAMS:
+            _params.clear()
+        params = _params[key] = np.array(key, dtype=np.int64)
+    out = _compiled(core.plan_core, lay, rule, params, width, tree.order, tree.depth, tree.lb, tree.rb, tree.parent,
+                    indptr, q_len, kv_len, shareable, table)
     if out is None:
         return None
     (kv_start, kv_end, depth_blocks, offsets, members, flat, items, gather, mrows, fits, num_ws_rows, num_units,

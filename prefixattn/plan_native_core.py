@@ -397,7 +397,7 @@ def _critical_path(items, i_kv0, i_kv1, num_kv_heads, num_sms):
 
 #: Entries of the ``params`` argument of :func:`plan_core` (one int64 array: one argument for numba to type-check).
 (P_CAUSAL, P_SHARING, P_BLOCK_SIZE, P_GROUP, P_HEAD_DIM, P_ELT_BYTES, P_ROWS_SHARED, P_ROWS_SUFFIX, P_BLOCK_N_SHARED,
- P_BLOCK_N_SUFFIX, P_KV_HEADS, P_SMS, P_MIN_SPLIT, P_STATE_BYTES, P_WIDTH, NUM_PARAMS) = range(16)
+ P_BLOCK_N_SUFFIX, P_KV_HEADS, P_SMS, P_MIN_SPLIT, P_STATE_BYTES, NUM_PARAMS) = range(15)
 _INT32_MAX = 2 ** 31 - 1
 
 
@@ -417,18 +417,18 @@ def _table_fits(table, cols):
 
 
 @njit(cache=True, nogil=True)
-def plan_core(lay, rule, params, order, depth, lb, rb, parent, indptr, q_len, kv_len, shareable, table):
+def plan_core(lay, rule, params, width, order, depth, lb, rb, parent, indptr, q_len, kv_len, shareable, table):
     """The planner from the tree to the staging buffer, in one call.
 
     ``lay``: :func:`layout_args`, ``rule``: :func:`rule_args`'s floats, ``params``: int64 ``[NUM_PARAMS]``
-    (``P_*``; ``P_WIDTH``: block-table columns the batch reads). Returns ``(kv_start, kv_end, depth_blocks,
+    (``P_*``), ``width``: block-table columns to stage (the batch reads them; 0: none). Returns ``(kv_start, kv_end, depth_blocks,
     offsets, members, flat, items, gather, mrows, table_fits, num_ws_rows, num_units, critical_path)``; ``flat``
     holds the block table's used columns after the tables when ``table_fits``.
     """
     kv_start, kv_end, depth_blocks, offsets, members, suffix_start = select_nodes(
         order, depth, lb, rb, parent, shareable, q_len, params[P_BLOCK_SIZE], params[P_ROWS_SHARED],
         params[P_GROUP], params[P_HEAD_DIM], params[P_ELT_BYTES], params[P_SHARING], params[P_STATE_BYTES])
-    rows, width = table.shape[0], params[P_WIDTH]
+    rows = table.shape[0]
     cols = min(width, table.shape[1])
     fits = _table_fits(table, cols)
     flat, items, gather, mrows, num_ws_rows, num_units, crit = work_list(

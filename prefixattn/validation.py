@@ -59,6 +59,9 @@ def check_tensor(name: str, t, *, ndim: int | None = None, dtypes=None) -> None:
         raise ValueError(f"{name}: expected dtype {_dtype_names(dtypes)}, got {torch_dtype_name(t.dtype)}")
 
 
+_CPU = torch.device("cpu")
+
+
 def canonical_device(name: str, device) -> torch.device:
     """The device ``device`` names, spelled one way: ``cpu:0`` is ``cpu``, ``cuda`` is ``cuda:<current device>``.
 
@@ -67,6 +70,8 @@ def canonical_device(name: str, device) -> torch.device:
     is no device, a meta device (no data to attend over) and a CUDA device on a host without one.
     """
     if isinstance(device, torch.device):
+        if device.type == "cpu":
+            return _CPU  # one object: plan() asks every step, and a new torch.device costs ~0.5 us
         dev = device
     elif isinstance(device, str):
         try:
@@ -76,7 +81,7 @@ def canonical_device(name: str, device) -> torch.device:
     else:
         raise ValueError(f"{name}: expected a torch.device or a device string, got {type(device).__name__}")
     if dev.type == "cpu":
-        return torch.device("cpu")
+        return _CPU
     if dev.type == "meta":
         raise ValueError(f"{name}: expected a device that holds data (cuda or cpu), got {str(dev)!r}")
     if dev.type == "cuda":
@@ -228,33 +233,60 @@ def check_host_metadata(
 
 def host_metadata_arrays(qo_indptr, kv_lens, block_table, *, block_size, num_blocks, table_as_is: bool):
     """The structural half of :func:`check_host_metadata` (types, ranks, dtypes, shapes, ``block_size``,
-    ``num_blocks``): ``(qo_indptr, kv_lens)`` as int64 numpy copies and the table (its own dtype with
-    ``table_as_is``). The compiled planner checks the values itself and calls :func:`check_host_metadata` for the
-    message when they are wrong."""
-    check_tensor("qo_indptr", qo_indptr, ndim=1, dtypes=_INDEX_DTYPES)
-    check_tensor("kv_lens", kv_lens, ndim=1, dtypes=_INDEX_DTYPES)
-    check_tensor("block_table", block_table, ndim=2, dtypes=_INDEX_DTYPES)
+    ``num_blocks``): ``(qo_indptr, kv_lens)`` as int64 numpy arrays and the table (its own dtype with
+    ``table_as_is``); copies, except with ``table_as_is`` (the planner's read-only use: views of CPU tensors). The
+    compiled planner checks the values itself and calls :func:`check_host_metadata` for the message when they are
+    wrong."""
+    # numpy views first: a CPU index tensor passes with numpy's attribute reads (~50 ns each, torch's ~0.5 us);
+    # anything else takes the checked path, which raises the message or copies a device tensor to the host.
+    indptr = _cpu_index_view(qo_indptr, 1)
+    lens = _cpu_index_view(kv_lens, 1)
+    table = _cpu_index_view(block_table, 2)
+    if indptr is None or lens is None or table is None:
+        check_tensor("qo_indptr", qo_indptr, ndim=1, dtypes=_INDEX_DTYPES)
+        check_tensor("kv_lens", kv_lens, ndim=1, dtypes=_INDEX_DTYPES)
+        check_tensor("block_table", block_table, ndim=2, dtypes=_INDEX_DTYPES)
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
         raise ValueError(f"block_size: expected a positive int, got {block_size!r}")
     if num_blocks is not None and (not isinstance(num_blocks, (int, np.integer)) or isinstance(num_blocks, bool)
                                    or num_blocks < 0):
         raise ValueError(f"num_blocks: expected a non-negative int or None, got {num_blocks!r}")
-    num_reqs = kv_lens.shape[0]
-    if qo_indptr.shape[0] != num_reqs + 1:
+    # Shapes from the numpy views when there are (a torch size read is ~10x a numpy one).
+    num_reqs = (kv_lens if lens is None else lens).shape[0]
+    num_indptr = (qo_indptr if indptr is None else indptr).shape[0]
+    if num_indptr != num_reqs + 1:
         raise ValueError(
             f"qo_indptr: expected length num_requests + 1 = {num_reqs + 1} (num_requests from kv_lens), "
-            f"got {qo_indptr.shape[0]}"
+            f"got {num_indptr}"
         )
-    if block_table.shape[0] != num_reqs:
-        raise ValueError(
-            f"block_table: expected {num_reqs} rows (one per request, from kv_lens), got {block_table.shape[0]}"
-        )
+    num_rows = (block_table if table is None else table).shape[0]
+    if num_rows != num_reqs:
+        raise ValueError(f"block_table: expected {num_reqs} rows (one per request, from kv_lens), got {num_rows}")
     # The value checks run in numpy: plan() calls this once per engine step, and numpy's per-call overhead is a few
-    # times lower than torch's on small CPU arrays (~20 us instead of ~60 us for 256 requests).
-    indptr = _host_int64("qo_indptr", qo_indptr)
-    lens = _host_int64("kv_lens", kv_lens)
-    table = _host_array("block_table", block_table) if table_as_is else _host_int64("block_table", block_table)
-    return indptr, lens, table
+    # times lower than torch's on small CPU arrays (~20 us instead of ~60 us for 256 requests). The planner
+    # (table_as_is) only reads them: no copy of int64 inputs there.
+    indptr = _host_array("qo_indptr", qo_indptr) if indptr is None else indptr
+    lens = _host_array("kv_lens", kv_lens) if lens is None else lens
+    if table is None:
+        table = _host_array("block_table", block_table)
+    copy = not table_as_is  # C order: a strided view would be another compiled variant of the compiled planner
+    return (indptr.astype(np.int64, order="C", copy=copy), lens.astype(np.int64, order="C", copy=copy),
+            table if table_as_is else table.astype(np.int64))
+
+
+_NP_INDEX_DTYPES = frozenset((np.dtype(np.int32), np.dtype(np.int64)))
+
+
+def _cpu_index_view(t, ndim: int) -> np.ndarray | None:
+    """``t.numpy()`` when ``t`` is a CPU int32/int64 tensor of rank ``ndim`` (no grad: index dtypes have none), else
+    None (the caller's checks raise or copy)."""
+    if not isinstance(t, torch.Tensor):
+        return None
+    try:
+        a = t.numpy()
+    except (TypeError, RuntimeError, NotImplementedError):  # a device or meta tensor
+        return None
+    return a if a.ndim == ndim and a.dtype in _NP_INDEX_DTYPES else None
 
 
 #: Per index itemsize: the unsigned dtype of the same width and the end of the signed range (2^(bits-1)).
@@ -326,13 +358,6 @@ def _host_array(name: str, t: torch.Tensor) -> np.ndarray:
     if t.device.type == "cpu":
         return t.numpy()  # index dtypes never carry autograd: no detach (each torch call is ~1 us)
     return t.detach().to("cpu").numpy()
-
-
-def _host_int64(name: str, t: torch.Tensor) -> np.ndarray:
-    """A host int64 numpy copy of an index tensor (one device->host copy for device tensors)."""
-    if t.device.type == "meta":
-        raise ValueError(f"{name}: expected a tensor with data (cpu or cuda), got a meta tensor")
-    return _host_array(name, t).astype(np.int64)
 
 
 # ---------------------------------------------------------------------------------------------------------------
