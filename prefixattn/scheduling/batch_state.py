@@ -81,6 +81,21 @@ class RequestStore:
             arr[:cap] = getattr(self, name)
             setattr(self, name, arr)
 
+    def add(self, r: int, prompt_len: int, node: int, base: int, rank: int, step: int) -> int:
+        """A new slot for request ``r`` below prefix level ``node`` (``base`` tokens of its ``prompt_len``), waiting
+        to start, at admission rank ``rank``, added at ``step``; the estimates and the class are the caller's."""
+        s = self.n
+        self.n += 1
+        self.slot[r] = s
+        self.rid[s] = r
+        self.node[s] = node
+        self.base[s] = base
+        self.own[s] = prompt_len - base
+        self.target[s] = prompt_len - base
+        self.rank[s] = rank
+        self.last[s] = step
+        return s
+
     def started_growth(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The admission rule's ``(now, more)`` (:mod:`prefixattn.scheduling.admission`) of started slots ``idx``:
         their prompt and output so far (or what they hold, when more) and their reserved output still to come."""
