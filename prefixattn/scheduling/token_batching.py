@@ -153,7 +153,7 @@ class TokenBatcher:
 
     def request_state(self, request_id: int) -> str:
         """``waiting``, ``prefill``, ``decode``, ``finished`` or ``aborted``."""
-        return RequestState(int(self._req.state[self._req.slot_of(request_id)])).name.lower()
+        return self._req.state_name(self._req.slot_of(request_id))
 
     def add_groups(self, groups: Sequence[PrefixGroup]) -> None:
         """Queue groups for admission, in the given order (e.g. from :func:`order_groups`).
@@ -219,7 +219,7 @@ class TokenBatcher:
         s = self._req.slot_of(request_id)
         if self._req.state[s] != RequestState.DECODE:
             raise ValueError(f"request_id: expected a decoding request, got request {request_id} in state "
-                             f"{RequestState(int(self._req.state[s])).name.lower()}")
+                             f"{self._req.state_name(s)}")
         self._end(s, RequestState.FINISHED)
         self._stats["finished"] += 1
 
@@ -234,7 +234,7 @@ class TokenBatcher:
         s = self._req.slot_of(request_id)
         if self._req.state[s] in (RequestState.FINISHED, RequestState.ABORTED):
             raise ValueError(f"request_id: expected an unfinished request, got request {request_id} "
-                             f"({RequestState(int(self._req.state[s])).name.lower()})")
+                             f"({self._req.state_name(s)})")
         self._end(s, RequestState.ABORTED)
         self._stats["aborted"] += 1
 
@@ -279,18 +279,12 @@ class TokenBatcher:
         s = self._req.slot_of(request_id)
         if self._req.state[s] != RequestState.WAITING:
             raise ValueError(f"request_id: expected a waiting request, got request {request_id} in state "
-                             f"{RequestState(int(self._req.state[s])).name.lower()}")
+                             f"{self._req.state_name(s)}")
         adm = self._admission()
         levels = sum(self._kv.blocks(self._lv.size[v]) for v in self._lv.chain(int(self._req.node[s]))
                      if not self._lv.active[v])
         return adm is None or adm.fits(*self._req.waiting_growth(s), shared=levels,
                                        anything_started=self._q.anything_started())
-
-    def _mark_started(self, s: int, delta: int) -> None:
-        v = int(self._req.node[s])
-        while v >= 0:
-            self._lv.started_members[v] += delta
-            v = self._lv.parent[v]
 
     def _free_request_blocks(self, s: int) -> None:
         self._kv.release(int(self._req.computed[s]))
@@ -299,20 +293,16 @@ class TokenBatcher:
     def _end(self, s: int, state: RequestState) -> None:
         self._q.stop(s)
         if self._req.state[s] in (RequestState.PREFILL, RequestState.DECODE):
-            self._mark_started(s, -1)
+            self._lv.mark_started(int(self._req.node[s]), -1)
             self._classes.started[self._req.cls[s]].pop(s, None)
         elif self._req.state[s] == RequestState.WAITING:
             self._classes.waiting[self._req.cls[s]] -= 1
         self._free_request_blocks(s)
         self._req.state[s] = state
         self._open -= 1
-        v = int(self._req.node[s])
-        while v >= 0:
-            self._lv.refs[v] -= 1
-            if self._lv.refs[v] == 0:
-                self._free_node(v)
-                self._lv.done_step[v] = -1
-            v = self._lv.parent[v]
+        for v in self._lv.unref(int(self._req.node[s])):
+            self._free_node(v)
+            self._lv.done_step[v] = -1
 
     def _free_node(self, v: int, report: bool = True) -> None:
         self._kv.free_level(self._lv, v, report)
@@ -322,7 +312,7 @@ class TokenBatcher:
         """Drop a started request's KV; it is recomputed (prompt and output so far) when it starts again."""
         kept = int(self._req.computed[s])
         self._q.stop(s)
-        self._mark_started(s, -1)
+        self._lv.mark_started(int(self._req.node[s]), -1)
         self._stats["preemptions"] += 1
         self._stats["recomputed_tokens"] += kept
         if self._req.generated[s] > 0:
@@ -374,9 +364,7 @@ class TokenBatcher:
         need = (comp % self.block_size == 0).astype(np.int64)  # the new token opens a block
         if dec.size <= self._ctx.budget and self._kv.fits(int(need.sum())):
             ctx.plan.add_many(ChunkKind.DECODE, req.rid[dec], req.node[dec], req.base[dec] + comp)
-            self._req.computed[dec] = comp + 1
-            self._req.generated[dec] += 1
-            self._req.last[dec] = self._ctx.step
+            req.decoded(dec, ctx.step)
             self._kv.take(int(need.sum()))
             self._ctx.budget -= dec.size
             return
@@ -394,9 +382,7 @@ class TokenBatcher:
                 continue
             c = int(self._req.computed[s])
             ctx.plan.add(ChunkKind.DECODE, int(req.rid[s]), int(req.node[s]), int(req.base[s]) + c, 1)
-            self._req.computed[s] = c + 1
-            self._req.generated[s] += 1
-            self._req.last[s] = self._ctx.step
+            req.decoded(s, ctx.step)
             self._kv.take(int(need_block))
             self._ctx.budget -= 1
             self._ctx.scheduled.add(s)
@@ -469,10 +455,10 @@ class TokenBatcher:
                 return False
         self._req.state[s] = RequestState.PREFILL
         self._q.prefilling[s] = None
-        self._mark_started(s, 1)
+        self._lv.mark_started(int(self._req.node[s]), 1)
         if not self._prefill_chunk(s):
             del self._q.prefilling[s]
-            self._mark_started(s, -1)
+            self._lv.mark_started(int(self._req.node[s]), -1)
             self._req.state[s] = RequestState.WAITING
             return False
         if adm is not None:
