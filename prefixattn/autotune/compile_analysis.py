@@ -3,7 +3,7 @@
 The TTGIR's dots and their layouts (:func:`parse_dots`) and its KV loops' pipeline depth (:func:`parse_pipeline`),
 the matrix instructions of the PTX or AMDGCN (:func:`count_matrix_instrs`), the ptxas ``-v`` log
 (:func:`parse_ptxas`), the AMDGCN kernel descriptor (:func:`parse_amdgcn`) and its scratch-memory instructions
-(:func:`count_private_memory_ops`). No triton import: unit-testable on stored text.
+(:func:`count_private_memory_ops`). The module imports only ``re``: unit-testable on stored text.
 :mod:`prefixattn.autotune.compile_check` compiles the kernels and applies these.
 """
 
