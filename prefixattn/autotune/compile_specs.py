@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from prefixattn.autotune.compile_analysis import MIN_PIPELINE_DEPTH
 from prefixattn.autotune.config_space import AttentionConfig, MergeConfig, block_d
 from prefixattn.autotune.targets import Target
 from prefixattn.kernels.layout import page_size_constexpr
@@ -252,8 +253,6 @@ def required_pipeline_depth(target: Target) -> int:
     """K/V tiles in flight the fused kernel must reach on ``target``: ``MIN_PIPELINE_DEPTH`` on NVIDIA (``cp.async``
     since sm80: the block ids are loaded a tile ahead, so the pipeliner can issue the next tile's copies before this
     tile's dots), 0 (reported only) on AMD, where the stream pipeliner's register prefetch is the compiler's choice."""
-    from prefixattn.autotune.compile_check import MIN_PIPELINE_DEPTH
-
     return 0 if target.is_hip else MIN_PIPELINE_DEPTH
 
 

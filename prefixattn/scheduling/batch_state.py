@@ -1,8 +1,9 @@
 """The state :class:`prefixattn.scheduling.TokenBatcher` keeps: requests, prefix levels, one step's context.
 
 Requests live in slots of growable numpy columns (the decode path reads and updates all decoding requests at once);
-prefix levels in plain lists (few, touched one at a time). Both are data only: the scheduling rules are in
-:mod:`prefixattn.scheduling.token_batching`.
+prefix levels in plain lists (few, touched one at a time). Both are data with their own bookkeeping (a new slot, a
+decoded token, a level chain's counts); the scheduling rules are in :mod:`prefixattn.scheduling.token_batching`, the
+queues in :mod:`prefixattn.scheduling.work_queues`, the KV block count in :mod:`prefixattn.scheduling.kv_ledger`.
 """
 
 from __future__ import annotations
@@ -81,6 +82,28 @@ class RequestStore:
             arr[:cap] = getattr(self, name)
             setattr(self, name, arr)
 
+    def add(self, r: int, prompt_len: int, node: int, base: int, rank: int, step: int) -> int:
+        """A new slot for request ``r`` below prefix level ``node`` (``base`` tokens of its ``prompt_len``), waiting
+        to start, at admission rank ``rank``, added at ``step``; the estimates and the class are the caller's."""
+        s = self.n
+        self.n += 1
+        self.slot[r] = s
+        self.rid[s] = r
+        self.node[s] = node
+        self.base[s] = base
+        self.own[s] = prompt_len - base
+        self.target[s] = prompt_len - base
+        self.rank[s] = rank
+        self.last[s] = step
+        return s
+
+    def decoded(self, idx, step: int) -> None:
+        """Slots ``idx`` (one, or an array of distinct slots) computed one more token at ``step``: the KV of their
+        pending output token, whose logits give the next one."""
+        self.computed[idx] += 1
+        self.generated[idx] += 1
+        self.last[idx] = step
+
     def started_growth(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The admission rule's ``(now, more)`` (:mod:`prefixattn.scheduling.admission`) of started slots ``idx``:
         their prompt and output so far (or what they hold, when more) and their reserved output still to come."""
@@ -92,6 +115,10 @@ class RequestStore:
         still to come."""
         now, more = growth(int(self.target[s]), int(self.est_out[s]), int(self.generated[s]))
         return now, int(more)
+
+    def state_name(self, s: int) -> str:
+        """Slot ``s``'s :class:`RequestState`, lower case (for messages)."""
+        return RequestState(int(self.state[s])).name.lower()
 
     def slot_of(self, request_id) -> int:
         s = self.slot.get(int(request_id)) if isinstance(request_id, (int, np.integer)) else None
@@ -175,6 +202,23 @@ class PrefixLevels:
                 else:
                     top_slots.append(s)
         return top_nodes, top_slots
+
+    def mark_started(self, v: int, delta: int) -> None:
+        """A member below level ``v`` (-1: none) starts (``delta`` 1) or stops (-1)."""
+        while v >= 0:
+            self.started_members[v] += delta
+            v = self.parent[v]
+
+    def unref(self, v: int) -> list[int]:
+        """A request below level ``v`` (-1: none) ended: the levels of ``v``'s chain that no unfinished request is
+        below any more, innermost first."""
+        unused = []
+        while v >= 0:
+            self.refs[v] -= 1
+            if self.refs[v] == 0:
+                unused.append(v)
+            v = self.parent[v]
+        return unused
 
     def chain(self, v: int) -> list[int]:
         """``v`` and its enclosing levels, innermost first (empty for -1)."""

@@ -25,12 +25,10 @@ class a share of the KV blocks that its projected peak may fill while another cl
 not hold back the others: long-output requests cannot fill the pool and leave the steps a few dozen decode tokens
 wide, and compute-heavy prefills keep running beside them.
 
-The state lives in small types (:mod:`prefixattn.scheduling.batch_state`): the requests' numpy columns, the prefix
-levels, and one step's context; the step types (`StepBatch`, chunks) are in :mod:`prefixattn.scheduling.step_batch`.
-
-Block accounting: a prefix level holds ``ceil(tokens / block_size)`` blocks and each request holds
-``ceil(own tokens / block_size)`` for the tokens after its deepest shared prefix (its distinct prompt and its
-output), which is what a paged cache with per-request copies of partially filled shared blocks needs at most.
+The state lives in small types: the requests' numpy columns, the prefix levels and one step's context
+(:mod:`prefixattn.scheduling.batch_state`), the queues (:mod:`prefixattn.scheduling.work_queues`), the KV blocks in
+use (:mod:`prefixattn.scheduling.kv_ledger`, which says how blocks are counted); the step types (`StepBatch`,
+chunks) are in :mod:`prefixattn.scheduling.step_batch`. This module holds the rules.
 """
 
 from __future__ import annotations
@@ -40,14 +38,16 @@ from typing import Sequence
 
 import numpy as np
 
-from prefixattn.scheduling.admission import PROJECTIONS, AdmissionPass, AdmissionRule, blocks
+from prefixattn.scheduling.admission import PROJECTIONS, AdmissionPass, AdmissionRule
 from prefixattn.scheduling.batch_state import PrefixLevels, RequestState, RequestStore, StepContext
 from prefixattn.scheduling.class_shares import ClassShares
 from prefixattn.scheduling.batch_input import (MAX_BLOCK_SIZE, MAX_KV_BLOCKS, MAX_OUTPUT_TOKENS, MAX_TOKEN_BUDGET,
                                                check_groups, check_output_lens)
 from prefixattn.scheduling.checks import check_int
 from prefixattn.scheduling.grouping import PrefixGroup
+from prefixattn.scheduling.kv_ledger import KVLedger
 from prefixattn.scheduling.step_batch import Chunk, ChunkKind, PrefixNode, StepBatch
+from prefixattn.scheduling.work_queues import WorkQueues
 
 __all__ = ["Chunk", "ChunkKind", "PrefixNode", "StepBatch", "TokenBatcher"]  # the types stay importable from here
 
@@ -113,24 +113,12 @@ class TokenBatcher:
         self._rule = AdmissionRule(capacity=self.kv_blocks, block_size=self.block_size, projection=projection,
                                    clip=self.reservation_clip)
         self._classes = ClassShares(memory_classes, class_shares)
-        k = self._classes.num_classes
         self._step = 0
-        self._used = 0  # blocks held by levels and requests
         self._req = RequestStore()
         self._lv = PrefixLevels()  # prefix levels (one per shared level of every multi-request group)
+        self._kv = KVLedger(self.kv_blocks, self.block_size)
+        self._q = WorkQueues(self._classes.num_classes)
         self._ctx = StepContext(step=0, budget=0)  # replaced at every step()
-        # queues
-        self._groups: list[tuple[list[int], list[int]]] = []  # pending groups: (top nodes, top-level slots)
-        self._next_group = 0
-        self._decoding: dict[int, None] = {}  # slots in decode, insertion ordered
-        self._prefilling: dict[int, None] = {}  # slots with a partial prefill
-        # per memory class, a heap (rank, slot): chain complete, not started
-        self._ready: list[list[tuple[int, int]]] = [[] for _ in range(k)]
-        self._ready_nodes: list[tuple[int, int]] = []  # heap (rank, node): parent complete, not started
-        self._partial_nodes: dict[int, None] = {}
-        self._active_nodes: dict[int, None] = {}  # started prefix levels (holding or computing KV)
-        self._active_full_blocks = 0  # blocks of the active levels once complete (for reservations)
-        self._freed_nodes: list[int] = []  # levels whose KV was dropped since the last plan
         self._open = 0  # requests neither finished nor aborted
         self._stats = dict(preemptions=0, recomputed_tokens=0, released_prefix_tokens=0, truncated=0, steps=0,
                            finished=0, aborted=0)
@@ -150,7 +138,7 @@ class TokenBatcher:
 
     @property
     def kv_blocks_used(self) -> int:
-        return self._used
+        return self._kv.used
 
     @property
     def done(self) -> bool:
@@ -165,7 +153,7 @@ class TokenBatcher:
 
     def request_state(self, request_id: int) -> str:
         """``waiting``, ``prefill``, ``decode``, ``finished`` or ``aborted``."""
-        return RequestState(int(self._req.state[self._req.slot_of(request_id)])).name.lower()
+        return self._req.state_name(self._req.slot_of(request_id))
 
     def add_groups(self, groups: Sequence[PrefixGroup]) -> None:
         """Queue groups for admission, in the given order (e.g. from :func:`order_groups`).
@@ -191,11 +179,11 @@ class TokenBatcher:
         """
         self._ctx = ctx = StepContext(step=self._step, budget=self.token_budget)
         self._schedule_decodes()
-        for s in list(self._prefilling):
+        for s in list(self._q.prefilling):
             if ctx.budget == 0:
                 break
             self._prefill_chunk(s)
-        for v in list(self._partial_nodes):
+        for v in list(self._q.partial_nodes):
             if ctx.budget == 0:
                 break
             self._node_chunk(v)
@@ -204,22 +192,21 @@ class TokenBatcher:
             # Nothing could run: memory is held by work that cannot finish without more of it (greedy
             # Algorithm 2 admission can fill memory with partial prefills and idle prefixes). Drop the latest
             # admitted such work and retry; the earliest waiting request fits alone (checked when added).
-            for s in list(self._prefilling):
+            for s in list(self._q.prefilling):
                 self._prefill_chunk(s)
-            for v in list(self._partial_nodes):
+            for v in list(self._q.partial_nodes):
                 self._node_chunk(v)
             self._start_ready()
         for s in ctx.completed_prefill:
             if self._req.state[s] == RequestState.PREFILL:
-                del self._prefilling[s]
+                del self._q.prefilling[s]
                 if self._req.generated[s] == 0:
                     self._req.generated[s] = 1  # the last prefill chunk's logits give the first output token
                 self._req.state[s] = RequestState.DECODE
-                self._decoding[s] = None
+                self._q.decoding[s] = None
         self._step += 1
         self._stats["steps"] += 1
-        freed, self._freed_nodes = self._freed_nodes, []
-        return ctx.plan.build(ctx.step, ctx.preempted, ctx.truncated, freed, self._used)
+        return ctx.plan.build(ctx.step, ctx.preempted, ctx.truncated, self._kv.take_freed(), self._kv.used)
 
     def finish(self, request_id: int) -> None:
         """Mark a decoding request finished (end of sequence or length limit) and free its KV.
@@ -232,7 +219,7 @@ class TokenBatcher:
         s = self._req.slot_of(request_id)
         if self._req.state[s] != RequestState.DECODE:
             raise ValueError(f"request_id: expected a decoding request, got request {request_id} in state "
-                             f"{RequestState(int(self._req.state[s])).name.lower()}")
+                             f"{self._req.state_name(s)}")
         self._end(s, RequestState.FINISHED)
         self._stats["finished"] += 1
 
@@ -247,7 +234,7 @@ class TokenBatcher:
         s = self._req.slot_of(request_id)
         if self._req.state[s] in (RequestState.FINISHED, RequestState.ABORTED):
             raise ValueError(f"request_id: expected an unfinished request, got request {request_id} "
-                             f"({RequestState(int(self._req.state[s])).name.lower()})")
+                             f"({self._req.state_name(s)})")
         self._end(s, RequestState.ABORTED)
         self._stats["aborted"] += 1
 
@@ -255,22 +242,14 @@ class TokenBatcher:
     def _add_group(self, g: PrefixGroup) -> None:
         self._req.grow(g.num_requests)
         rank0 = self._req.n
-        self._groups.append(self._lv.add_group(g, rank0, self._add_request))
+        self._q.groups.append(self._lv.add_group(g, rank0, self._add_request))
 
     def _add_request(self, r: int, prompt_len: int, node: int, base: int, rank: int) -> int:
-        """A new slot for request ``r`` below prefix level ``node`` (``base`` tokens), waiting to start."""
+        """A new slot for request ``r`` below prefix level ``node`` (``base`` tokens), waiting to start, with its
+        output reservation and its memory class."""
         req = self._req
-        s = req.n
-        req.n += 1
+        s = req.add(r, prompt_len, node, base, rank, self._step)
         self._open += 1
-        req.slot[r] = s
-        req.rid[s] = r
-        req.node[s] = node
-        req.base[s] = base
-        req.own[s] = prompt_len - base
-        req.target[s] = prompt_len - base
-        req.rank[s] = rank
-        req.last[s] = self._step
         if self._est is not None:
             est = self._est if isinstance(self._est, float) else (self._est[r] if r < self._est.shape[0] else 0.0)
             req.est_full[s], req.est_out[s] = self._rule.reservation(est, self.max_output_len)
@@ -279,19 +258,13 @@ class TokenBatcher:
         return s
 
     # ---------------------------------------------------------------------------------------------- accounting
-    def _blocks(self, tokens: int) -> int:
-        return blocks(tokens, self.block_size)
-
     def _admission(self) -> AdmissionPass | None:
         """The started work's projection for one admission pass (started prefix levels at their full size); None
         without output estimates (nothing is reserved)."""
         if self._est is None:
             return None
-        idx = np.fromiter([*self._decoding, *self._prefilling], dtype=np.int64)
-        return self._rule.start(*self._req.started_growth(idx), shared_blocks=self._active_full_blocks)
-
-    def _anything_started(self) -> bool:
-        return bool(self._decoding or self._prefilling)
+        return self._rule.start(*self._req.started_growth(self._q.started_slots()),
+                                shared_blocks=self._kv.active_full_blocks)
 
     def admits(self, request_id: int) -> bool:
         """Whether memory-centric admission (:mod:`prefixattn.scheduling.admission`) lets the waiting request start
@@ -306,68 +279,40 @@ class TokenBatcher:
         s = self._req.slot_of(request_id)
         if self._req.state[s] != RequestState.WAITING:
             raise ValueError(f"request_id: expected a waiting request, got request {request_id} in state "
-                             f"{RequestState(int(self._req.state[s])).name.lower()}")
+                             f"{self._req.state_name(s)}")
         adm = self._admission()
-        levels = sum(self._blocks(self._lv.size[v]) for v in self._lv.chain(int(self._req.node[s]))
+        levels = sum(self._kv.blocks(self._lv.size[v]) for v in self._lv.chain(int(self._req.node[s]))
                      if not self._lv.active[v])
         return adm is None or adm.fits(*self._req.waiting_growth(s), shared=levels,
-                                       anything_started=self._anything_started())
-
-    def _mark_started(self, s: int, delta: int) -> None:
-        v = int(self._req.node[s])
-        while v >= 0:
-            self._lv.started_members[v] += delta
-            v = self._lv.parent[v]
+                                       anything_started=self._q.anything_started())
 
     def _free_request_blocks(self, s: int) -> None:
-        self._used -= self._blocks(int(self._req.computed[s]))
+        self._kv.release(int(self._req.computed[s]))
         self._req.computed[s] = 0
 
     def _end(self, s: int, state: RequestState) -> None:
-        if s in self._decoding:
-            del self._decoding[s]
-        if s in self._prefilling:
-            del self._prefilling[s]
+        self._q.stop(s)
         if self._req.state[s] in (RequestState.PREFILL, RequestState.DECODE):
-            self._mark_started(s, -1)
+            self._lv.mark_started(int(self._req.node[s]), -1)
             self._classes.started[self._req.cls[s]].pop(s, None)
         elif self._req.state[s] == RequestState.WAITING:
             self._classes.waiting[self._req.cls[s]] -= 1
         self._free_request_blocks(s)
         self._req.state[s] = state
         self._open -= 1
-        v = int(self._req.node[s])
-        while v >= 0:
-            self._lv.refs[v] -= 1
-            if self._lv.refs[v] == 0:
-                self._free_node(v)
-                self._lv.done_step[v] = -1
-            v = self._lv.parent[v]
-
-    def _activate_node(self, v: int) -> None:
-        self._lv.active[v] = True
-        self._active_nodes[v] = None
-        self._active_full_blocks += self._blocks(self._lv.size[v])
+        for v in self._lv.unref(int(self._req.node[s])):
+            self._free_node(v)
+            self._lv.done_step[v] = -1
 
     def _free_node(self, v: int, report: bool = True) -> None:
-        if self._lv.active[v]:
-            self._used -= self._blocks(self._lv.done[v])
-            self._active_full_blocks -= self._blocks(self._lv.size[v])
-            del self._active_nodes[v]
-            if report:
-                self._freed_nodes.append(v)
-        self._lv.done[v] = 0
-        self._lv.active[v] = False
-        self._partial_nodes.pop(v, None)
+        self._kv.free_level(self._lv, v, report)
+        self._q.partial_nodes.pop(v, None)
 
     def _preempt(self, s: int) -> None:
         """Drop a started request's KV; it is recomputed (prompt and output so far) when it starts again."""
         kept = int(self._req.computed[s])
-        if s in self._decoding:
-            del self._decoding[s]
-        if s in self._prefilling:
-            del self._prefilling[s]
-        self._mark_started(s, -1)
+        self._q.stop(s)
+        self._lv.mark_started(int(self._req.node[s]), -1)
         self._stats["preemptions"] += 1
         self._stats["recomputed_tokens"] += kept
         if self._req.generated[s] > 0:
@@ -381,14 +326,14 @@ class TokenBatcher:
 
     def _idle_nodes(self) -> list[int]:
         """Started prefix levels with no started member below, latest admitted first."""
-        idle = [v for v in self._active_nodes if self._lv.started_members[v] == 0
+        idle = [v for v in self._kv.active if self._lv.started_members[v] == 0
                 and not any(self._lv.active[k] for k in self._lv.kids[v])]
         return sorted(idle, key=lambda v: -self._lv.rank[v])
 
     def _relieve(self) -> bool:
         """Preempt the latest-admitted partial prefill or release the latest idle prefix level; False if none."""
         best, is_node = None, False
-        for s in self._prefilling:
+        for s in self._q.prefilling:
             if best is None or self._req.rank[s] > best[0]:
                 best = (int(self._req.rank[s]), s)
         idle = self._idle_nodes()
@@ -407,22 +352,20 @@ class TokenBatcher:
         self._stats["released_prefix_tokens"] += self._lv.done[v]
         self._free_node(v)
         self._lv.done_step[v] = -1
-        heapq.heappush(self._ready_nodes, (self._lv.rank[v], v))
+        self._q.push_ready_node(self._lv.rank[v], v)
 
     # -------------------------------------------------------------------------------------------- scheduling
     def _schedule_decodes(self) -> None:
-        if not self._decoding:
+        if not self._q.decoding:
             return
         req, ctx = self._req, self._ctx
-        dec = np.fromiter(self._decoding, dtype=np.int64, count=len(self._decoding))
+        dec = np.fromiter(self._q.decoding, dtype=np.int64, count=len(self._q.decoding))
         comp = req.computed[dec]
         need = (comp % self.block_size == 0).astype(np.int64)  # the new token opens a block
-        if dec.size <= self._ctx.budget and self._used + int(need.sum()) <= self.kv_blocks:
+        if dec.size <= self._ctx.budget and self._kv.fits(int(need.sum())):
             ctx.plan.add_many(ChunkKind.DECODE, req.rid[dec], req.node[dec], req.base[dec] + comp)
-            self._req.computed[dec] = comp + 1
-            self._req.generated[dec] += 1
-            self._req.last[dec] = self._ctx.step
-            self._used += int(need.sum())
+            req.decoded(dec, ctx.step)
+            self._kv.take(int(need.sum()))
             self._ctx.budget -= dec.size
             return
         # Slow path: the longest-waiting first; preempt the latest-admitted started requests for memory.
@@ -433,23 +376,21 @@ class TokenBatcher:
             if self._req.state[s] != RequestState.DECODE:
                 continue  # preempted earlier in this loop
             need_block = int(self._req.computed[s]) % self.block_size == 0
-            if need_block and self._used + 1 > self.kv_blocks and not self._make_room(s, 1):
+            if need_block and not self._kv.fits(1) and not self._make_room(s, 1):
                 continue
             if self._req.state[s] != RequestState.DECODE:
                 continue
             c = int(self._req.computed[s])
             ctx.plan.add(ChunkKind.DECODE, int(req.rid[s]), int(req.node[s]), int(req.base[s]) + c, 1)
-            self._req.computed[s] = c + 1
-            self._req.generated[s] += 1
-            self._req.last[s] = self._ctx.step
-            self._used += int(need_block)
+            req.decoded(s, ctx.step)
+            self._kv.take(int(need_block))
             self._ctx.budget -= 1
             self._ctx.scheduled.add(s)
 
     def _make_room(self, s: int, blocks: int) -> bool:
         """Free ``blocks`` for request ``s``'s decode by preemption; False when ``s`` itself had to stop."""
-        while self._used + blocks > self.kv_blocks:
-            victims = [v for v in (*self._decoding, *self._prefilling) if v != s and v not in self._ctx.scheduled]
+        while not self._kv.fits(blocks):
+            victims = [v for v in (*self._q.decoding, *self._q.prefilling) if v != s and v not in self._ctx.scheduled]
             if victims:
                 self._preempt(max(victims, key=lambda v: int(self._req.rank[v])))
                 continue
@@ -457,7 +398,7 @@ class TokenBatcher:
             if idle:
                 self._release_node(idle[0])
                 continue
-            if len(self._decoding) + len(self._prefilling) > 1:
+            if len(self._q.decoding) + len(self._q.prefilling) > 1:
                 self._preempt(s)  # requests admitted earlier already run this step: s waits for them
                 return False
             self._ctx.truncated.append(int(self._req.rid[s]))  # alone and still too big: stop it
@@ -471,12 +412,12 @@ class TokenBatcher:
         """Next chunk of a started prefill within the budgets; False when nothing fits."""
         req = self._req
         c = int(req.computed[s])
-        room = (self._blocks(c) + self.kv_blocks - self._used) * self.block_size - c
+        room = self._kv.room(c)
         n = min(int(req.target[s]) - c, self._ctx.budget, room)
         if n <= 0:
             return False
         self._ctx.plan.add(ChunkKind.DISTINCT, int(req.rid[s]), int(req.node[s]), int(req.base[s]) + c, n)
-        self._used += self._blocks(c + n) - self._blocks(c)
+        self._kv.extend(c, n)
         self._req.computed[s] = c + n
         self._ctx.budget -= n
         self._req.last[s] = self._ctx.step
@@ -487,37 +428,37 @@ class TokenBatcher:
 
     def _node_chunk(self, v: int) -> bool:
         c = self._lv.done[v]
-        room = (self._blocks(c) + self.kv_blocks - self._used) * self.block_size - c
+        room = self._kv.room(c)
         n = min(self._lv.size[v] - c, self._ctx.budget, room)
         if n <= 0:
             return False
         self._ctx.plan.add(ChunkKind.PREFIX, self._lv.rep[v], v, self._lv.start[v] + c, n)
-        self._used += self._blocks(c + n) - self._blocks(c)
+        self._kv.extend(c, n)
         self._lv.done[v] = c + n
         self._ctx.budget -= n
         if c + n == self._lv.size[v]:
-            self._partial_nodes.pop(v, None)
+            self._q.partial_nodes.pop(v, None)
             self._lv.done_step[v] = self._ctx.step
             for k in self._lv.kids[v]:
-                heapq.heappush(self._ready_nodes, (self._lv.rank[k], k))
+                self._q.push_ready_node(self._lv.rank[k], k)
             for m in self._lv.members[v]:
                 self._push_ready(m)
         else:
-            self._partial_nodes[v] = None
+            self._q.partial_nodes[v] = None
         return True
 
     def _start_request(self, s: int, adm: AdmissionPass | None) -> bool:
         """Start a waiting request if its reservation and first chunk fit."""
         if adm is not None:
             cand = self._req.waiting_growth(s)
-            if not adm.fits(*cand, anything_started=self._anything_started()):
+            if not adm.fits(*cand, anything_started=self._q.anything_started()):
                 return False
         self._req.state[s] = RequestState.PREFILL
-        self._prefilling[s] = None
-        self._mark_started(s, 1)
+        self._q.prefilling[s] = None
+        self._lv.mark_started(int(self._req.node[s]), 1)
         if not self._prefill_chunk(s):
-            del self._prefilling[s]
-            self._mark_started(s, -1)
+            del self._q.prefilling[s]
+            self._lv.mark_started(int(self._req.node[s]), -1)
             self._req.state[s] = RequestState.WAITING
             return False
         if adm is not None:
@@ -528,15 +469,15 @@ class TokenBatcher:
 
     def _start_node(self, v: int, adm: AdmissionPass | None) -> bool:
         """Start a prefix level if its full size fits the reservation and its first chunk fits."""
-        if adm is not None and not adm.fits(shared=self._blocks(self._lv.size[v]),
-                                            anything_started=self._anything_started()):
+        if adm is not None and not adm.fits(shared=self._kv.blocks(self._lv.size[v]),
+                                            anything_started=self._q.anything_started()):
             return False
-        self._activate_node(v)
+        self._kv.activate(self._lv, v)
         if not self._node_chunk(v):
             self._free_node(v, report=False)
             return False
         if adm is not None:
-            adm.add(shared=self._blocks(self._lv.size[v]))
+            adm.add(shared=self._kv.blocks(self._lv.size[v]))
         return True
 
     def _start_ready(self) -> None:
@@ -546,27 +487,27 @@ class TokenBatcher:
         # levels whose parent is complete. Rank order keeps a preempted request from overtaking earlier work.
         held: set[int] = set()  # classes at their share this step: their requests wait, other classes go on
         while self._ctx.budget > 0:
-            c = self._next_class(held)
-            if c < 0 and not self._ready_nodes:
+            c = self._q.next_class(held)
+            if c < 0 and not self._q.ready_nodes:
                 break
-            take_node = bool(self._ready_nodes) and (c < 0 or self._ready_nodes[0][0] <= self._ready[c][0][0])
+            take_node = bool(self._q.ready_nodes) and (c < 0 or self._q.ready_nodes[0][0] <= self._q.ready[c][0][0])
             if take_node:
-                rank, v = self._ready_nodes[0]
+                rank, v = self._q.ready_nodes[0]
                 if self._lv.active[v] or self._lv.refs[v] == 0:
-                    heapq.heappop(self._ready_nodes)
+                    heapq.heappop(self._q.ready_nodes)
                     continue
                 parent = self._lv.parent[v]
                 if parent >= 0 and self._lv.done_step[parent] < 0:
-                    heapq.heappop(self._ready_nodes)  # parent released: re-queued when it completes again
+                    heapq.heappop(self._q.ready_nodes)  # parent released: re-queued when it completes again
                     continue
                 if parent >= 0 and self._lv.done_step[parent] >= self._ctx.step:
                     break  # its parent completed in this very step: it starts next step (later work waits too)
                 if not self._start_node(v, adm):
                     blocked = True
                     break
-                heapq.heappop(self._ready_nodes)
+                heapq.heappop(self._q.ready_nodes)
                 continue
-            heap = self._ready[c]
+            heap = self._q.ready[c]
             rank, s = heap[0]
             if self._req.state[s] != RequestState.WAITING:
                 heapq.heappop(heap)
@@ -584,14 +525,15 @@ class TokenBatcher:
                 break
             heapq.heappop(heap)
         # New groups, in order, while the budgets allow and no partial prefix is pending.
-        while not blocked and self._ctx.budget > 0 and self._next_group < len(self._groups) and not self._partial_nodes:
-            top_nodes, top_slots = self._groups[self._next_group]
+        while (not blocked and self._ctx.budget > 0 and self._q.next_group < len(self._q.groups)
+               and not self._q.partial_nodes):
+            top_nodes, top_slots = self._q.groups[self._q.next_group]
             live_nodes = [v for v in top_nodes if self._lv.refs[v] > 0]
             if live_nodes:
                 if not self._start_node(live_nodes[0], adm):
                     break
                 for other in live_nodes[1:]:
-                    heapq.heappush(self._ready_nodes, (self._lv.rank[other], other))
+                    self._q.push_ready_node(self._lv.rank[other], other)
             for i, s in enumerate(top_slots):
                 if self._req.state[s] != RequestState.WAITING:
                     continue
@@ -604,18 +546,10 @@ class TokenBatcher:
                 elif not self._start_request(s, adm):
                     self._push_ready(s)
                     blocked = True
-            self._next_group += 1
-
-    def _next_class(self, held: set[int]) -> int:
-        """The class whose ready heap holds the earliest-ranked request, skipping ``held``; -1 when none."""
-        best, best_rank = -1, None
-        for c, heap in enumerate(self._ready):
-            if heap and c not in held and (best_rank is None or heap[0][0] < best_rank):
-                best, best_rank = c, heap[0][0]
-        return best
+            self._q.next_group += 1
 
     def _push_ready(self, s: int) -> None:
-        heapq.heappush(self._ready[self._req.cls[s]], (int(self._req.rank[s]), s))
+        self._q.push_ready(int(self._req.cls[s]), int(self._req.rank[s]), s)
 
     def _class_admits(self, s: int) -> bool:
         return self._classes.admits(self._req, s, self.kv_blocks, self.block_size, self.reservation_clip)
