@@ -164,6 +164,40 @@ def _check_options(*, causal, sm_scale, logits_soft_cap, window_left, alibi_slop
         raise ValueError(f"q_dtype: expected one of {[str(d) for d in SUPPORTED_DTYPES]}, got {q_dtype}")
 
 
+def _checked_options(*, causal, sm_scale, logits_soft_cap, window_left, alibi_slopes, sharing, q_dtype, kv_dtype,
+                     nan_guard, block_size, num_qo_heads, num_kv_heads, head_dim, min_split_tokens) -> tuple:
+    """plan()'s option checks: ``(kv_dtype, block_size, num_qo_heads, num_kv_heads, min_split_tokens, window_left,
+    logits_soft_cap)`` normalized, or the ``ValueError`` of the first bad option. Memoized by the options' values and
+    types (an engine plans with the same ones every step; the checks cost ~5 us a step on the 2-core host), so an
+    argument equal to a valid one of another type (``16.0 == 16``) is still checked and refused."""
+    key = (causal, sm_scale, logits_soft_cap, window_left, sharing, q_dtype, kv_dtype, nan_guard, block_size,
+           num_qo_heads, num_kv_heads, head_dim, min_split_tokens)
+    try:
+        key = (key, tuple(map(type, key)))
+        hit = _options_memo.get(key) if alibi_slopes is None else None
+    except TypeError:  # an unhashable argument: the checks below name it
+        key = hit = None
+    if hit is not None:
+        return hit
+    _check_options(causal=causal, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap, window_left=window_left,
+                   alibi_slopes=alibi_slopes, sharing=sharing, q_dtype=q_dtype, nan_guard=nan_guard)
+    checked = (check_kv_dtype(kv_dtype, q_dtype), _positive_int("block_size", block_size),
+               _positive_int("num_qo_heads", num_qo_heads), _positive_int("num_kv_heads", num_kv_heads))
+    check_heads(checked[2], checked[3])
+    check_head_dim("head_dim", head_dim)
+    checked += (_positive_int("min_split_tokens", min_split_tokens), check_window_left(window_left, causal),
+                check_soft_cap(logits_soft_cap))
+    if key is not None:
+        if len(_options_memo) >= _MAX_OPTIONS_MEMO:
+            _options_memo.clear()
+        _options_memo[key] = checked
+    return checked
+
+
+_options_memo: dict = {}
+_MAX_OPTIONS_MEMO = 256
+
+
 def _positive_int(name: str, value) -> int:
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{name}: expected a positive int, got {value!r}")
@@ -405,15 +439,11 @@ def plan(
     [(0, 32, [0, 1])]
     >>> out = attention(q, k_cache, v_cache, p)  # q: [2, 8, 128]
     """
-    _check_options(causal=causal, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap, window_left=window_left,
-                   alibi_slopes=alibi_slopes, sharing=sharing, q_dtype=q_dtype, nan_guard=nan_guard)
-    kv_dtype = check_kv_dtype(kv_dtype, q_dtype)
-    block_size = _positive_int("block_size", block_size)
-    num_qo_heads = _positive_int("num_qo_heads", num_qo_heads)
-    num_kv_heads = _positive_int("num_kv_heads", num_kv_heads)
-    check_heads(num_qo_heads, num_kv_heads)
-    check_head_dim("head_dim", head_dim)
-    min_split_tokens = _positive_int("min_split_tokens", min_split_tokens)
+    kv_dtype, block_size, num_qo_heads, num_kv_heads, min_split_tokens, window_left, soft_cap = _checked_options(
+        causal=causal, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap, window_left=window_left,
+        alibi_slopes=alibi_slopes, sharing=sharing, q_dtype=q_dtype, kv_dtype=kv_dtype, nan_guard=nan_guard,
+        block_size=block_size, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        min_split_tokens=min_split_tokens)
     indptr, lens, table, max_block_id, q_len, shareable, max_q_len, width, tree = _checked_inputs_and_tree(
         qo_indptr=qo_indptr, kv_lens=kv_lens, block_table=block_table, block_size=block_size, num_blocks=num_blocks,
         causal=causal, sharing=sharing)
@@ -423,7 +453,6 @@ def plan(
     group = num_qo_heads // num_kv_heads
     if tiles is None:
         tiles = choose_tiles(head_dim=head_dim, group=group, max_q_len=max(max_q_len, 1), dtype=q_dtype)
-    window_left = check_window_left(window_left, causal)
     nodes, work, crit, staged = _host_tables(
         tree, indptr=indptr, q_len=q_len, lens=lens, shareable=shareable, table=table,
         width=width if workspace is None else 0,  # a workspace stages the table itself (PlanWorkspace.load)
@@ -445,7 +474,7 @@ def plan(
         # miss the 1e-4 tolerance).
         use_fp32_dot=interpreter_enabled() or q_dtype == torch.float32,
         has_shared=bool(nodes), max_block_id=max_block_id,
-        logits_soft_cap=check_soft_cap(logits_soft_cap), window_left=window_left, nan_guard=nan_guard,
+        logits_soft_cap=soft_cap, window_left=window_left, nan_guard=nan_guard,
         work=work, tree=tree, nodes=nodes,
         **dev,
         stats=dict(num_shared_nodes=len(nodes), num_units=work.num_units, num_merge_rows=work.mrows.shape[0],
