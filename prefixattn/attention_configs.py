@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from prefixattn.autotune.config_space import LaunchOptions, block_d
-from prefixattn.autotune.lookup import select_config
+from prefixattn.autotune.lookup import select_config, selection_state
 from prefixattn.autotune.targets import get_target
 
 @dataclass(frozen=True)
@@ -70,6 +70,24 @@ def choose_tiles(*, head_dim: int, group: int, max_q_len: int, dtype=None) -> At
     -------
     AttentionTiles, with every M tile at least ``group`` (one query row with all its heads).
     """
+    # Memoized by the arguments (with their types: 128.0 still gets select_config's ValueError) and the selection
+    # state: plan() asks every step, and the lookup chain costs ~5 us a step on the 2-core host.
+    key = (head_dim, group, max_q_len, dtype, type(head_dim), type(group), type(max_q_len), selection_state())
+    try:
+        hit = _tiles_by_args.get(key)
+    except TypeError:  # an unhashable argument: select_config names it
+        key = hit = None
+    if hit is not None:
+        return hit
+    tiles = _choose_tiles(head_dim=head_dim, group=group, max_q_len=max_q_len, dtype=dtype)
+    if key is not None:
+        if len(_tiles_by_args) >= _MAX_MEMO:
+            _tiles_by_args.clear()
+        _tiles_by_args[key] = tiles
+    return tiles
+
+
+def _choose_tiles(*, head_dim: int, group: int, max_q_len: int, dtype) -> AttentionTiles:
     sel = select_config(head_dim=head_dim, dtype=dtype if dtype is not None else "fp16", group=group,
                         max_q_len=max_q_len)
     hit = _tiles_of.get(id(sel))
@@ -86,6 +104,7 @@ def choose_tiles(*, head_dim: int, group: int, max_q_len: int, dtype=None) -> At
 #: AttentionTiles per memoized selection (and head size): plan() asks every step (~4 us to build on the 2-core
 #: host, a tenth of a compiled plan).
 _tiles_of: dict = {}
+_tiles_by_args: dict = {}
 _MAX_MEMO = 1024
 
 

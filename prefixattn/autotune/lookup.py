@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import importlib.resources
 import json
 import os
@@ -88,6 +89,25 @@ class Selection:
 # ---------------------------------------------------------------------------------------------------------------
 
 _state = threading.local()
+#: Bumped by every change of the selection state (fixed configs, planning targets, cleared caches): a memo of
+#: selections keyed by :func:`selection_state` never outlives what it was chosen under.
+_generation = itertools.count()
+_current_generation = [next(_generation)]
+
+
+def _state_changed() -> None:
+    _current_generation[0] = next(_generation)
+
+
+def selection_state() -> tuple:
+    """What :func:`select_config`'s answer depends on besides its arguments, as a hashable token: this thread's
+    fixed config and planning target (by identity), ``PREFIXATTN_FIXED_CONFIG``, and the generation of the
+    selection state. Equal tokens: the same selections (used to memoize :func:`~prefixattn.attention_configs.
+    choose_tiles`, which plan() calls every step)."""
+    fixed = getattr(_state, "stack", None)
+    targets = getattr(_state, "targets", None)
+    return (_current_generation[0], id(fixed[-1]) if fixed else os.environ.get(FIXED_ENV),
+            id(targets[-1]) if targets else None)
 
 
 def _fixed_stack() -> list:
@@ -100,6 +120,7 @@ def set_fixed_config(config: AttentionConfig | dict | None) -> None:
     """Use ``config`` for every selection in this thread from now on (``None`` returns to the chain)."""
     stack = _fixed_stack()
     stack.clear()
+    _state_changed()
     if config is not None:
         stack.append(config if isinstance(config, AttentionConfig) else AttentionConfig.from_dict(config))
 
@@ -109,10 +130,12 @@ def fixed_config(config: AttentionConfig | dict):
     """Context manager: every selection inside returns ``config`` (source ``"fixed"``); nests."""
     stack = _fixed_stack()
     stack.append(config if isinstance(config, AttentionConfig) else AttentionConfig.from_dict(config))
+    _state_changed()
     try:
         yield stack[-1]
     finally:
         stack.pop()
+        _state_changed()
 
 
 @functools.lru_cache(maxsize=8)
@@ -264,6 +287,7 @@ def clear_caches() -> None:
     """Forget memoized selections and loaded tables (after ``prefixattn tune`` wrote new entries, or in tests)."""
     with _memo_lock:
         _memo.clear()
+    _state_changed()
     _load_shipped.cache_clear()
     _user_cache.cache_clear()
     _detect.cache_clear()
@@ -312,10 +336,12 @@ def planning_target(target):
     """
     stack = _target_stack()
     stack.append(_resolve_target(target))
+    _state_changed()
     try:
         yield stack[-1]
     finally:
         stack.pop()
+        _state_changed()
 
 
 def _resolve_target(target) -> Target | None:
