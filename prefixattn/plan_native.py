@@ -167,7 +167,7 @@ def plan_tables(modules, tree, *, indptr, q_len, kv_len, shareable, table, width
     """:func:`prefixattn.planner.select_shared_nodes`, :func:`prefixattn.work_list.build_work_list` and the staging
     buffer in one compiled call: ``(SharedNodes, WorkList, critical_path, flat, table_fits)`` (None when it failed to
     compile, :func:`_compiled`); ``flat`` is
-    :func:`prefixattn.planner._metadata_to_device`'s host buffer (the table's used columns last when they fit int32).
+    :func:`prefixattn.plan_device.metadata_to_device`'s host buffer (the table's used columns last when they fit int32).
     """
     core = modules[1]
     lay, rule, state_bytes = _constant_args(core)

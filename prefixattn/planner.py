@@ -13,7 +13,6 @@ Steps (numpy, vectorized over requests; Python loops only over tree change point
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -27,8 +26,9 @@ from prefixattn.runtime import interpreter_enabled
 from prefixattn.kernels import layout as K
 from prefixattn.split_rule import critical_path
 from prefixattn.validation import (SUPPORTED_DTYPES, canonical_device, check_head_dim, check_heads, check_kv_dtype,
-                                   check_host_metadata, check_soft_cap, check_window_left, same_device)
+                                   check_host_metadata, check_soft_cap, check_window_left)
 from prefixattn.ragged import expand, offsets
+from prefixattn.plan_device import device_tables
 from prefixattn.window import window_shared_nodes
 from prefixattn.work_list import SharedNode, SharedNodes, WorkList, build_work_list
 from prefixattn.workspace import PlanWorkspace
@@ -47,7 +47,6 @@ DEFAULT_NUM_SMS = 132
 MIN_SPLIT_TOKENS = 256
 _SHARING_MODES = ("auto", "always", "never")
 _INT64_MAX = int(np.iinfo(np.int64).max)
-_INT32_MAX = int(np.iinfo(np.int32).max)
 
 
 def sharing_pays_off(*, num_requests, num_rows, num_m_tiles, num_tokens, group, head_dim, elt_bytes):
@@ -288,56 +287,6 @@ def select_shared_nodes(tree: LcpTree, *, shareable: np.ndarray, q_len: np.ndarr
     return nodes, suffix_start
 
 
-def _metadata_to_device(work: WorkList, table: np.ndarray, width: int, device: torch.device, staged=None):
-    """``(num_items, items, gather, mrows, block_table)`` on ``device``: one int32 host buffer, one copy.
-
-    The block table's columns past every request's KV (``width`` on) are never read; columns the table lacks are 0.
-    It joins the buffer when its ids fit in int32 (int32 tables always do: no scan), else it is copied as int64.
-    ``staged``: ``(buffer, table_fits)`` the compiled planner already wrote in this layout.
-    """
-    rows, cols = table.shape[0], min(width, table.shape[1])
-    if staged is not None:  # the compiled planner wrote the buffer (plan_native.plan_tables)
-        flat, table_fits = staged
-    else:
-        table_fits = table.dtype == np.int32 or rows * cols == 0 or int(table[:, :cols].max()) <= _INT32_MAX
-    parts = (work.items, work.gather, work.mrows)
-    sizes = [1] + [p.size for p in parts] + [rows * width if table_fits else 0]
-    bounds = list(itertools.accumulate(sizes, initial=0))
-    if staged is None:
-        flat = np.empty(max(bounds[-1], 1), dtype=np.int32)
-        flat[0] = work.num_items
-        for k, p in enumerate(parts, start=1):
-            flat[bounds[k]:bounds[k + 1]] = p.ravel()
-        if table_fits:
-            _copy_table(flat[bounds[4]:bounds[5]].reshape(rows, width), table, cols)
-    shapes = [(1,), (parts[0].shape[0], K.ITEM_FIELDS), (parts[1].shape[0], K.GATHER_FIELDS),
-              (parts[2].shape[0], K.MROW_FIELDS), (rows, width if table_fits else 0)]
-    # Views of one tensor: every table shares its storage (the interpreter copies a pointer argument's whole
-    # storage; a tensor of a 0-element numpy slice has a 0-byte one). One as_strided per table (a split and five
-    # views cost ~2x its torch calls).
-    dev = torch.from_numpy(flat).to(device)
-    views = [dev.as_strided(shape, (shape[1], 1) if len(shape) == 2 else (1,), bound)
-             for shape, bound in zip(shapes, bounds)]
-    if not table_fits:
-        table_i64 = np.empty((rows, width), dtype=np.int64)
-        _copy_table(table_i64, table, cols)
-        views[4] = torch.from_numpy(table_i64).to(device)
-    return tuple(views)
-
-
-def _copy_table(dst: np.ndarray, table: np.ndarray, cols: int) -> None:
-    dst[:, :cols] = table[:, :cols]  # an int64 table reaches an int32 dst only when its largest id fits
-    dst[:, cols:] = 0
-
-
-def _zeros(shape: tuple, device: torch.device) -> torch.Tensor:
-    """int32 zeros on ``device``; on the CPU from numpy (torch.zeros of ~150 KB took ~20 ms per call in a profile on
-    the loaded 2-core host, numpy's a few us)."""
-    if device.type == "cpu":
-        return torch.from_numpy(np.zeros(shape, dtype=np.int32))
-    return torch.zeros(shape, dtype=torch.int32, device=device)
-
-
 def plan(
     qo_indptr: torch.Tensor,
     kv_lens: torch.Tensor,
@@ -460,7 +409,7 @@ def plan(
         elt_bytes=kv_dtype.itemsize,  # the cost rule prices KV bytes at the cache's dtype
         window_left=window_left, tiles=tiles, num_kv_heads=num_kv_heads, num_sms=num_sms,
         min_split_tokens=min_split_tokens)
-    dev = _device_tables(work, table, width, workspace=workspace, device_block_table=device_block_table,
+    dev = device_tables(work, table, width, workspace=workspace, device_block_table=device_block_table,
                          device=device, staged=staged, num_qo_heads=num_qo_heads, head_dim=head_dim,
                          num_tokens=int(indptr[-1]))
 
@@ -532,23 +481,6 @@ def _host_tables(tree, *, indptr, q_len, lens, shareable, table, width, causal, 
     return nodes, work, crit, None
 
 
-def _device_tables(work: WorkList, table: np.ndarray, width: int, *, workspace: PlanWorkspace | None,
-                   device_block_table: torch.Tensor | None, device: torch.device, staged, num_qo_heads: int,
-                   head_dim: int, num_tokens: int) -> dict:
-    """The plan's device tensors: new ones (:func:`_allocate_tables`) or ``workspace``'s buffers
-    (:func:`_workspace_tables`)."""
-    if workspace is None and device_block_table is not None:
-        raise ValueError("device_block_table: expected a workspace too (the free plan() copies its own table), "
-                         "got workspace=None")
-    if workspace is not None and not same_device(workspace.device, device):
-        raise ValueError(f"workspace: expected the plan's device {device}, got a workspace on {workspace.device}")
-    if workspace is None:
-        return _allocate_tables(work, table, width, num_qo_heads=num_qo_heads, head_dim=head_dim, device=device,
-                                staged=staged)
-    return _workspace_tables(work, table, width, workspace=workspace, num_tokens=num_tokens,
-                             device_block_table=device_block_table)
-
-
 def _numpy_tables(tree, *, q_start, q_len, lens, shareable, causal, sharing, block_size, group, head_dim, elt_bytes,
                   window_left, rows_per_shared, rows_per_suffix, block_n_shared, block_n_suffix, num_kv_heads,
                   num_sms, min_split_tokens):
@@ -564,66 +496,3 @@ def _numpy_tables(tree, *, q_start, q_len, lens, shareable, causal, sharing, blo
         rows_per_shared=rows_per_shared, rows_per_suffix=rows_per_suffix, block_n_shared=block_n_shared,
         block_n_suffix=block_n_suffix, num_kv_heads=num_kv_heads, num_sms=num_sms, min_split_tokens=min_split_tokens)
     return nodes, work
-
-
-def _allocate_tables(work: WorkList, table: np.ndarray, width: int, *, num_qo_heads: int, head_dim: int,
-                     device: torch.device, staged=None) -> dict:
-    """New device tensors for one plan (the free :func:`plan`): the metadata in one copy
-    (:func:`_metadata_to_device`), new counters and workspace."""
-    num_items_dev, items, gather, mrows, table_dev = _metadata_to_device(work, table, width, device, staged)
-    # Workspace only where some rows merge; a 1-element placeholder keeps the kernel's pointers valid otherwise.
-    ws_rows = work.num_ws_rows
-    return dict(
-        num_items_dev=num_items_dev, items=items, gather=gather, mrows=mrows, block_table=table_dev,
-        counters=_zeros((max(work.mrows.shape[0], 1), num_qo_heads), device),
-        ws_o=torch.empty((ws_rows, num_qo_heads, head_dim) if ws_rows else (1, 1, 1), dtype=torch.float32,
-                         device=device),
-        ws_lse=torch.empty((ws_rows, num_qo_heads) if ws_rows else (1, 1), dtype=torch.float32, device=device))
-
-
-class CapacityError(ValueError):
-    """A step that does not fit a :class:`~prefixattn.workspace.PlanWorkspace` (``capacity``: which one)."""
-
-    def __init__(self, message: str, capacity: str) -> None:
-        super().__init__(message)
-        self.capacity = capacity
-
-
-def _workspace_tables(work: WorkList, table: np.ndarray, width: int, *, workspace: PlanWorkspace, num_tokens: int,
-                      device_block_table: torch.Tensor | None) -> dict:
-    """The step's tables in ``workspace``'s fixed buffers: capacity checks, then one non-blocking copy. The block
-    table's first ``width`` columns (the batch's used blocks; columns the table lacks are 0) are staged unless the
-    kernel reads ``device_block_table``."""
-    rows, cols = table.shape[0], min(width, table.shape[1])
-    reason = workspace.overflow(num_requests=rows, num_tokens=num_tokens,
-                                table_width=width if device_block_table is None else 0,
-                                num_items=work.num_items, num_gather=work.gather.shape[0],
-                                num_mrows=work.mrows.shape[0], num_ws_rows=work.num_ws_rows)
-    if reason is not None:
-        raise CapacityError(reason, reason.split(":", 1)[0])
-    used = table[:, :cols]  # a view: staged straight into the pinned buffer (no int64 copy first)
-    if device_block_table is None:
-        if used.size and int(used.max()) > _INT32_MAX:
-            raise ValueError(f"block_table: expected block ids below 2**31 with a workspace (int32 table), got "
-                             f"{int(used.max())}")
-    else:
-        _check_device_table(device_block_table, (rows, width), workspace.device)
-    dev = workspace.load(items=work.items, gather=work.gather, mrows=work.mrows,
-                         table=used if device_block_table is None else None, table_width=width)
-    if device_block_table is not None:
-        dev["block_table"] = device_block_table
-    return dev
-
-
-def _check_device_table(t, used_shape: tuple[int, int], device: torch.device) -> None:
-    if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"device_block_table: expected a 2-D int32/int64 tensor, got "
-                         f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}"
-                         f"{'' if not isinstance(t, torch.Tensor) else f' of shape {tuple(t.shape)}'}")
-    if t.shape[0] < used_shape[0] or t.shape[1] < used_shape[1]:
-        raise ValueError(f"device_block_table: expected at least {used_shape[0]} rows and {used_shape[1]} columns "
-                         f"(the batch's requests and used blocks), got shape {tuple(t.shape)}")
-    if t.stride(1) != 1:
-        raise ValueError(f"device_block_table: expected contiguous rows (stride 1 in dim 1), got strides {t.stride()}")
-    if not same_device(t.device, device):
-        raise ValueError(f"device_block_table: expected device {device} (the workspace's), got {t.device}")

@@ -10,7 +10,8 @@ import torch
 from prefixattn.kernels.layout import page_size_constexpr
 from prefixattn.kernels.prefix_attention_kernel import prefix_attention_kernel
 from prefixattn.attention_configs import choose_tiles
-from prefixattn.planner import CapacityError, Plan, _default_num_sms, _positive_int, plan
+from prefixattn.plan_device import CapacityError
+from prefixattn.planner import Plan, _default_num_sms, _positive_int, plan
 from prefixattn.runtime import device_one
 from prefixattn.validation import (FP8_KV_DTYPES, canonical_device, check_fp8_support, check_head_dim, check_heads,
                                    check_kernel_device, check_kv_scale, check_qkv, check_sinks, check_tensor,

@@ -26,6 +26,15 @@ def test_lists_functions_over_the_limit_with_line_and_length(tmp_path):
     assert found[0][0] == src.read_text().splitlines().index("    def long():") + 1
 
 
+def test_docstrings_do_not_count(tmp_path):
+    doc = '    """One line.\n\n    Parameters\n    ----------\n    x : int\n    """\n'  # 6 lines
+    src = tmp_path / "m.py"
+    src.write_text(_function("documented", 81).replace("():\n", "():\n" + doc, 1) + _function("long", 81))
+    found = long_functions.long_functions(src, max_lines=80)
+    assert [(name, length) for _, length, name in found] == [("documented", 81), ("long", 81)]
+    assert long_functions.long_functions(src, max_lines=81) == []
+
+
 def test_kernels_are_exempt_and_check_sets_the_exit_status(tmp_path, capsys):
     assert not any("prefixattn/kernels/" in str(f) for f in long_functions.python_files([ROOT / "prefixattn"]))
     src = tmp_path / "m.py"
