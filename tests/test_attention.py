@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import pytest
 import torch
@@ -58,35 +60,70 @@ def count_launches(monkeypatch):
     return counter
 
 
-# (seed, requests, sharing levels, block_size, qo heads, kv heads, head_dim, dtype, causal, sharing)
+class RandomCase(NamedTuple):
+    """One random batch of :func:`test_random_batches` (``levels``: depth of prefix sharing)."""
+
+    seed: int
+    requests: int
+    levels: int
+    block_size: int
+    qo_heads: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    causal: bool
+    sharing: str
+
+    @property
+    def name(self) -> str:
+        dtype = str(self.dtype).removeprefix("torch.")
+        return (f"{self.seed}-r{self.requests}-lv{self.levels}-bs{self.block_size}-h{self.qo_heads}:{self.kv_heads}-"
+                f"d{self.head_dim}-{dtype}-{'causal' if self.causal else 'full'}-{self.sharing}")
+
+
 RANDOM_CASES = [
-    (0, 1, 0, 16, 4, 4, 64, torch.float32, True, "auto"),
-    (1, 5, 1, 16, 8, 2, 64, torch.float16, True, "always"),
-    (2, 9, 2, 5, 4, 1, 64, torch.bfloat16, True, "always"),
-    (3, 16, 3, 1, 8, 1, 64, torch.float32, True, "always"),
-    (4, 12, 1, 5, 8, 8, 64, torch.float16, False, "always"),
-    (5, 20, 2, 16, 8, 1, 128, torch.float16, True, "auto"),
-    (6, 7, 3, 16, 2, 2, 128, torch.float32, False, "always"),
-    (7, 33, 1, 1, 4, 1, 64, torch.bfloat16, True, "auto"),
-    (8, 10, 2, 16, 8, 2, 80, torch.float16, True, "always"),
-    (9, 64, 2, 16, 4, 1, 64, torch.float32, True, "always"),
-    (10, 6, 1, 5, 16, 1, 64, torch.bfloat16, True, "always"),
-    (11, 8, 3, 5, 4, 4, 64, torch.float32, True, "auto"),
-    (12, 4, 1, 16, 8, 2, 256, torch.float16, True, "always"),
-    (13, 24, 2, 1, 8, 2, 128, torch.bfloat16, False, "auto"),
+    RandomCase(seed=0, requests=1, levels=0, block_size=16, qo_heads=4, kv_heads=4, head_dim=64,
+               dtype=torch.float32, causal=True, sharing="auto"),
+    RandomCase(seed=1, requests=5, levels=1, block_size=16, qo_heads=8, kv_heads=2, head_dim=64,
+               dtype=torch.float16, causal=True, sharing="always"),
+    RandomCase(seed=2, requests=9, levels=2, block_size=5, qo_heads=4, kv_heads=1, head_dim=64,
+               dtype=torch.bfloat16, causal=True, sharing="always"),
+    RandomCase(seed=3, requests=16, levels=3, block_size=1, qo_heads=8, kv_heads=1, head_dim=64,
+               dtype=torch.float32, causal=True, sharing="always"),
+    RandomCase(seed=4, requests=12, levels=1, block_size=5, qo_heads=8, kv_heads=8, head_dim=64,
+               dtype=torch.float16, causal=False, sharing="always"),
+    RandomCase(seed=5, requests=20, levels=2, block_size=16, qo_heads=8, kv_heads=1, head_dim=128,
+               dtype=torch.float16, causal=True, sharing="auto"),
+    RandomCase(seed=6, requests=7, levels=3, block_size=16, qo_heads=2, kv_heads=2, head_dim=128,
+               dtype=torch.float32, causal=False, sharing="always"),
+    RandomCase(seed=7, requests=33, levels=1, block_size=1, qo_heads=4, kv_heads=1, head_dim=64,
+               dtype=torch.bfloat16, causal=True, sharing="auto"),
+    RandomCase(seed=8, requests=10, levels=2, block_size=16, qo_heads=8, kv_heads=2, head_dim=80,
+               dtype=torch.float16, causal=True, sharing="always"),
+    RandomCase(seed=9, requests=64, levels=2, block_size=16, qo_heads=4, kv_heads=1, head_dim=64,
+               dtype=torch.float32, causal=True, sharing="always"),
+    RandomCase(seed=10, requests=6, levels=1, block_size=5, qo_heads=16, kv_heads=1, head_dim=64,
+               dtype=torch.bfloat16, causal=True, sharing="always"),
+    RandomCase(seed=11, requests=8, levels=3, block_size=5, qo_heads=4, kv_heads=4, head_dim=64,
+               dtype=torch.float32, causal=True, sharing="auto"),
+    RandomCase(seed=12, requests=4, levels=1, block_size=16, qo_heads=8, kv_heads=2, head_dim=256,
+               dtype=torch.float16, causal=True, sharing="always"),
+    RandomCase(seed=13, requests=24, levels=2, block_size=1, qo_heads=8, kv_heads=2, head_dim=128,
+               dtype=torch.bfloat16, causal=False, sharing="auto"),
 ]
 
 
-@pytest.mark.parametrize("seed, n, levels, bs, hq, hk, d, dtype, causal, sharing", RANDOM_CASES,
-                         ids=[f"case{c[0]}" for c in RANDOM_CASES])
-def test_random_batches(device, seed, n, levels, bs, hq, hk, d, dtype, causal, sharing):
+@pytest.mark.parametrize("case", RANDOM_CASES, ids=lambda c: c.name)
+def test_random_batches(device, case):
     # Large batches are decode-heavy (as in practice), which also keeps the interpreter's grid small.
-    b = _to(random_batch(seed, num_requests=n, levels=levels, block_size=bs, num_qo_heads=hq, num_kv_heads=hk,
-                         head_dim=d, dtype=dtype, decode_fraction=0.9 if n >= 32 else 0.5), device)
-    p = plan(*b.metadata, **b.heads, causal=causal, q_dtype=dtype, sharing=sharing)
-    if sharing == "always" and levels and n > 1:
+    c = case
+    b = _to(random_batch(c.seed, num_requests=c.requests, levels=c.levels, block_size=c.block_size,
+                         num_qo_heads=c.qo_heads, num_kv_heads=c.kv_heads, head_dim=c.head_dim, dtype=c.dtype,
+                         decode_fraction=0.9 if c.requests >= 32 else 0.5), device)
+    p = plan(*b.metadata, **b.heads, causal=c.causal, q_dtype=c.dtype, sharing=c.sharing)
+    if c.sharing == "always" and c.levels and c.requests > 1:
         assert p.shared_nodes, "the batch was built with shared prefixes"
-    _check(b, p, causal=causal)
+    _check(b, p, causal=c.causal)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])

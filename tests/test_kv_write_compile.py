@@ -48,7 +48,8 @@ ck = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs
                     target=GPUTarget(t.backend, t.arch, t.warp_size), options=dict(num_warps=4))
 out = {"ttgir": ck.asm["ttgir"]}
 if t.backend == "cuda":
-    from prefixattn.autotune.compile_check import _ptxas_log, parse_ptxas
+    from prefixattn.autotune.compile_analysis import parse_ptxas
+    from prefixattn.autotune.compile_check import _ptxas_log
 
     out["ptxas"] = parse_ptxas(_ptxas_log(ck.asm["ptx"], t.arch))
 print(json.dumps(out))

@@ -35,10 +35,8 @@ from dataclasses import asdict
 from multiprocessing import get_context
 from pathlib import Path
 
-# the parsers are re-exported here, where their users imported them before they had a module of their own
-from prefixattn.autotune.compile_analysis import (MIN_PIPELINE_DEPTH, count_matrix_instrs,  # noqa: F401
-                                                 count_private_memory_ops, parse_amdgcn, parse_dots, parse_pipeline,
-                                                 parse_ptxas)
+from prefixattn.autotune.compile_analysis import (count_matrix_instrs, count_private_memory_ops, parse_amdgcn,
+                                                 parse_dots, parse_pipeline, parse_ptxas)
 from prefixattn.autotune.config_space import DTYPE_BYTES, HEAD_DIMS, NUM_STAGES_CUDA, block_d
 from prefixattn.cli import int_list, positive_int
 from prefixattn.autotune.targets import DEFAULT_CHECK_TARGETS, TARGETS, get_target, parse_targets

@@ -34,8 +34,6 @@ NUM_WARPS = (2, 4, 8)
 NUM_STAGES_CUDA = (1, 2, 3, 4)
 #: HIP's stream pipeliner: 1 = off, 2 = prefetch through registers into one LDS buffer; more rarely helps attention.
 NUM_STAGES_HIP = (1, 2)
-MERGE_BLOCK_H = (1, 2, 4, 8, 16, 32, 64)
-MERGE_NUM_WARPS = (1, 2, 4, 8)
 
 #: Registers per thread as a function of the tile words per thread ``w`` (fp32 accumulator, query tile, scores,
 #: probabilities and K/V tiles in flight, in 32-bit words): ``max(w + 32, min(scale * w + base, *cap))`` with
@@ -59,10 +57,6 @@ _FMA_DOT_FACTOR = 1.5
 _REG_HEADROOM = 0.95
 #: Score elements each thread should own at least: a tile smaller than the program leaves threads idle.
 _MIN_ELEMS_PER_THREAD = 1
-#: The merge kernels hold an fp32 accumulator and one loaded tile per (head, dim) element, plus a few dozen registers
-#: of addresses and row statistics.
-_MERGE_TILES_LIVE = 2
-_MERGE_REG_OVERHEAD = 48
 
 
 def block_d(head_dim: int) -> int:
@@ -375,28 +369,3 @@ def prune_reason(cfg: AttentionConfig, target: Target, *, head_dim: int, dtype: 
 def prune(configs, target: Target, **shape) -> list[AttentionConfig]:
     """The configs of ``configs`` that survive :func:`prune_reason` for this target and shape."""
     return [c for c in configs if prune_reason(c, target, **shape) is None]
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Merge kernels
-# ---------------------------------------------------------------------------------------------------------------
-
-def merge_space() -> list[MergeConfig]:
-    return [MergeConfig(h, w) for h in MERGE_BLOCK_H for w in MERGE_NUM_WARPS]
-
-
-def merge_registers(cfg: MergeConfig, head_dim: int, target: Target) -> int:
-    threads = cfg.num_warps * target.warp_size
-    return int(_MERGE_TILES_LIVE * cfg.block_h * block_d(head_dim) / threads + _MERGE_REG_OVERHEAD)
-
-
-def prune_merge(configs, target: Target, *, head_dim: int, num_heads: int) -> list[MergeConfig]:
-    """Merge configs whose head tile does not exceed the heads there are and whose registers fit."""
-    keep = []
-    for c in configs:
-        if c.block_h > pow2_at_least(num_heads):
-            continue
-        if merge_registers(c, head_dim, target) > _REG_HEADROOM * target.max_regs_per_thread:
-            continue
-        keep.append(c)
-    return keep

@@ -421,8 +421,3 @@ def _select(bucket: Bucket, target: Target | None, cache_dir: Path | None, group
     if cfg is not None:
         return Selection(cfg, "cost-model", bucket, None, name)
     return Selection(heuristic_config(bucket, group, max_q_len), "heuristic", bucket, None, name)
-
-
-def choose_config(**kwargs) -> AttentionConfig:
-    """:func:`select_config` without the provenance: just the config."""
-    return select_config(**kwargs).config

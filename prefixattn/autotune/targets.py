@@ -10,7 +10,6 @@ Nothing here imports torch or triton: :func:`detect_target` imports torch lazily
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
 #: Registers one NVIDIA thread may address (PTX/SASS encodes 8-bit register numbers, R255 is the zero register).
@@ -180,8 +179,3 @@ def detect_target() -> Target | None:
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     gcn = getattr(props, "gcnArchName", None) if getattr(torch.version, "hip", None) else None
     return target_for(capability=(props.major, props.minor), gcn_arch=gcn)
-
-
-def normalize_device_name(name: str) -> str:
-    """A device name as a file-name-safe key: ``"NVIDIA H100 80GB HBM3"`` -> ``"nvidia_h100_80gb_hbm3"``."""
-    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_") or "unknown"

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from prefixattn.autotune.compile_check import (count_matrix_instrs, count_private_memory_ops, exclusions_from_report,
-                                              failures, parse_amdgcn, parse_dots, parse_pipeline, parse_ptxas)
+from prefixattn.autotune.compile_analysis import (count_matrix_instrs, count_private_memory_ops, parse_amdgcn,
+                                                 parse_dots, parse_pipeline, parse_ptxas)
+from prefixattn.autotune.compile_check import exclusions_from_report, failures
 from prefixattn.autotune.compile_specs import build_signature
 from prefixattn.autotune.config_space import FP8_SUFFIX_MIN_WARPS
 from prefixattn.autotune.targets import TARGETS
