@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from prefixattn.autotune.config_space import LaunchOptions, block_d
 from prefixattn.autotune.lookup import select_config, selection_state
 from prefixattn.autotune.targets import get_target
+from prefixattn.memo import typed_memo
 
 @dataclass(frozen=True)
 class AttentionTiles:
@@ -54,7 +55,7 @@ def choose_tiles(*, head_dim: int, group: int, max_q_len: int, dtype=None) -> At
 
     The config comes from :func:`prefixattn.autotune.lookup.select_config` (fixed config, the user's tuning cache,
     the shipped table of the current GPU, the cost model, or the heuristic on the CPU interpreter and unknown GPUs);
-    it is memoized per shape bucket.
+    it and the tiles are memoized by the arguments and the selection state.
 
     Parameters
     ----------
@@ -70,42 +71,16 @@ def choose_tiles(*, head_dim: int, group: int, max_q_len: int, dtype=None) -> At
     -------
     AttentionTiles, with every M tile at least ``group`` (one query row with all its heads).
     """
-    # Memoized by the arguments (with their types: 128.0 still gets select_config's ValueError) and the selection
-    # state: plan() asks every step, and the lookup chain costs ~5 us a step on the 2-core host.
-    key = (head_dim, group, max_q_len, dtype, type(head_dim), type(group), type(max_q_len), selection_state())
-    try:
-        hit = _tiles_by_args.get(key)
-    except TypeError:  # an unhashable argument: select_config names it
-        key = hit = None
-    if hit is not None:
-        return hit
-    tiles = _choose_tiles(head_dim=head_dim, group=group, max_q_len=max_q_len, dtype=dtype)
-    if key is not None:
-        if len(_tiles_by_args) >= _MAX_MEMO:
-            _tiles_by_args.clear()
-        _tiles_by_args[key] = tiles
-    return tiles
+    return _choose_tiles(head_dim=head_dim, group=group, max_q_len=max_q_len, dtype=dtype, state=selection_state())
 
 
-def _choose_tiles(*, head_dim: int, group: int, max_q_len: int, dtype) -> AttentionTiles:
+@typed_memo(maxsize=1024)  # plan() asks every step; the lookup chain costs ~5 us a step on the 2-core host
+def _choose_tiles(*, head_dim: int, group: int, max_q_len: int, dtype, state: tuple) -> AttentionTiles:
+    """:func:`choose_tiles` under the selection ``state`` (:func:`~prefixattn.autotune.lookup.selection_state`:
+    part of the memo's key only)."""
     sel = select_config(head_dim=head_dim, dtype=dtype if dtype is not None else "fp16", group=group,
                         max_q_len=max_q_len)
-    hit = _tiles_of.get(id(sel))
-    if hit is not None and hit[0] is sel and hit[1] == head_dim:
-        return hit[2]
-    tiles = _tiles(sel, head_dim)
-    if sel.source != "fixed":  # memoized selections are the same object every step; a fixed one is new each time
-        if len(_tiles_of) >= _MAX_MEMO:  # selections forgotten by lookup.clear_caches() leave entries behind
-            _tiles_of.clear()
-        _tiles_of[id(sel)] = (sel, head_dim, tiles)  # holds sel: its id is not reused while the entry lives
-    return tiles
-
-
-#: AttentionTiles per memoized selection (and head size): plan() asks every step (~4 us to build on the 2-core
-#: host, a tenth of a compiled plan).
-_tiles_of: dict = {}
-_tiles_by_args: dict = {}
-_MAX_MEMO = 1024
+    return _tiles(sel, head_dim)
 
 
 def _tiles(sel, head_dim: int) -> AttentionTiles:

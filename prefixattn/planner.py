@@ -24,6 +24,7 @@ from prefixattn.attention_configs import AttentionTiles, choose_tiles
 from prefixattn.lcp_tree import LcpTree, block_prefix_tree
 from prefixattn.runtime import interpreter_enabled
 from prefixattn.kernels import layout as K
+from prefixattn.memo import typed_memo
 from prefixattn.split_rule import critical_path
 from prefixattn.validation import (SUPPORTED_DTYPES, canonical_device, check_head_dim, check_heads, check_kv_dtype,
                                    check_host_metadata, check_soft_cap, check_window_left)
@@ -163,38 +164,19 @@ def _check_options(*, causal, sm_scale, logits_soft_cap, window_left, alibi_slop
         raise ValueError(f"q_dtype: expected one of {[str(d) for d in SUPPORTED_DTYPES]}, got {q_dtype}")
 
 
+@typed_memo(maxsize=256)  # an engine plans with the same options every step (~5 us of checks on the 2-core host)
 def _checked_options(*, causal, sm_scale, logits_soft_cap, window_left, alibi_slopes, sharing, q_dtype, kv_dtype,
                      nan_guard, block_size, num_qo_heads, num_kv_heads, head_dim, min_split_tokens) -> tuple:
     """plan()'s option checks: ``(kv_dtype, block_size, num_qo_heads, num_kv_heads, min_split_tokens, window_left,
-    logits_soft_cap)`` normalized, or the ``ValueError`` of the first bad option. Memoized by the options' values and
-    types (an engine plans with the same ones every step; the checks cost ~5 us a step on the 2-core host), so an
-    argument equal to a valid one of another type (``16.0 == 16``) is still checked and refused."""
-    key = (causal, sm_scale, logits_soft_cap, window_left, sharing, q_dtype, kv_dtype, nan_guard, block_size,
-           num_qo_heads, num_kv_heads, head_dim, min_split_tokens)
-    try:
-        key = (key, tuple(map(type, key)))
-        hit = _options_memo.get(key) if alibi_slopes is None else None
-    except TypeError:  # an unhashable argument: the checks below name it
-        key = hit = None
-    if hit is not None:
-        return hit
+    logits_soft_cap)`` normalized, or the ``ValueError`` of the first bad option."""
     _check_options(causal=causal, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap, window_left=window_left,
                    alibi_slopes=alibi_slopes, sharing=sharing, q_dtype=q_dtype, nan_guard=nan_guard)
     checked = (check_kv_dtype(kv_dtype, q_dtype), _positive_int("block_size", block_size),
                _positive_int("num_qo_heads", num_qo_heads), _positive_int("num_kv_heads", num_kv_heads))
     check_heads(checked[2], checked[3])
     check_head_dim("head_dim", head_dim)
-    checked += (_positive_int("min_split_tokens", min_split_tokens), check_window_left(window_left, causal),
-                check_soft_cap(logits_soft_cap))
-    if key is not None:
-        if len(_options_memo) >= _MAX_OPTIONS_MEMO:
-            _options_memo.clear()
-        _options_memo[key] = checked
-    return checked
-
-
-_options_memo: dict = {}
-_MAX_OPTIONS_MEMO = 256
+    return checked + (_positive_int("min_split_tokens", min_split_tokens), check_window_left(window_left, causal),
+                      check_soft_cap(logits_soft_cap))
 
 
 def _positive_int(name: str, value) -> int:

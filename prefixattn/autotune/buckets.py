@@ -12,6 +12,7 @@ import re
 from dataclasses import asdict, dataclass
 
 from prefixattn.autotune.config_space import DTYPE_BYTES
+from prefixattn.memo import typed_memo
 
 #: Clamp ranges of the power-of-two buckets. Beyond these the best tiles no longer change: a shared node with more
 #: than 4096 query rows already fills every SM with full M tiles, and KV longer than 64K only lengthens the loop.
@@ -76,31 +77,13 @@ def dtype_name(dtype) -> str:
     return s
 
 
+@typed_memo(maxsize=4096)  # plan() buckets its shape every step (~4 us on the 2-core host)
 def make_bucket(*, head_dim: int, dtype, group: int = 1, q_rows: int = 1, max_q_len: int = 1,
                 kv_len: int = 1024) -> Bucket:
     """Bucket a raw shape. ``q_rows``: query tokens under one shared node (typical or largest of the step);
     ``max_q_len``: longest query chunk of a request; ``kv_len``: KV length of a shared node."""
-    # Memoized: plan() buckets its shape every step (~4 us on the 2-core host). Types are part of the key, so an
-    # argument equal to a valid one (128.0 == 128) still gets its ValueError.
-    args = (head_dim, dtype, group, q_rows, max_q_len, kv_len)
-    try:
-        key = (args, tuple(type(a) for a in args))
-        hit = _buckets.get(key)
-    except TypeError:  # an unhashable argument: checked below
-        key = hit = None
-    if hit is not None:
-        return hit
-    bucket = _make_bucket(head_dim=head_dim, dtype=dtype, group=group, q_rows=q_rows, max_q_len=max_q_len,
-                          kv_len=kv_len)
-    if key is not None:
-        if len(_buckets) >= _MAX_BUCKETS:
-            _buckets.clear()
-        _buckets[key] = bucket
-    return bucket
-
-
-_buckets: dict = {}
-_MAX_BUCKETS = 4096
+    return _make_bucket(head_dim=head_dim, dtype=dtype, group=group, q_rows=q_rows, max_q_len=max_q_len,
+                        kv_len=kv_len)
 
 
 def _make_bucket(*, head_dim, dtype, group, q_rows, max_q_len, kv_len) -> Bucket:
