@@ -116,9 +116,11 @@ def _report_times(results, provider, label, times):
         results.add(TARGETS_BENCHMARK, provider, label, metric, value, "us", device="host-cpu")
 
 
-#: How the headline batches are planned: the free ``prefixattn.plan()`` (new device tables per plan) and an engine's
-#: ``PrefixSharedAttention.plan()`` into its capacity workspace (what the vLLM/SGLang backends run every step).
-PLAN_APIS = ("plan", "wrapper")
+#: How the headline batches are planned: the free ``prefixattn.plan()`` (new device tables per plan), and
+#: ``PrefixSharedAttention.plan()`` into its capacity workspace, staging the block table (``wrapper``) or reading a
+#: block table already on the device (``wrapper-device-table``: what the vLLM and SGLang backends run every step,
+#: with the engine's persistent table).
+PLAN_APIS = ("plan", "wrapper", "wrapper-device-table")
 
 
 def _planner(api: str, shape, batch, steps, kwargs):
@@ -129,7 +131,10 @@ def _planner(api: str, shape, batch, steps, kwargs):
         num_qo_heads=shape.num_qo_heads, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
         block_size=shape.block_size, q_dtype=batch.dtype, max_tokens=int(batch.qo_indptr[-1]),
         max_requests=batch.kv_lens.shape[0], max_blocks_per_request=int(steps[-1][2].shape[1]))
-    return lambda *metadata: attn.plan(*metadata, num_blocks=kwargs["num_blocks"])
+    if api == "wrapper":
+        return lambda *metadata: attn.plan(*metadata, num_blocks=kwargs["num_blocks"])
+    device_table = steps[-1][2].to(torch.int32).clone()  # the engine's table: every step's ids, on the device
+    return lambda *metadata: attn.plan(*metadata, num_blocks=kwargs["num_blocks"], device_block_table=device_table)
 
 
 @pytest.mark.parametrize("api", PLAN_APIS)
@@ -158,7 +163,7 @@ def test_plan_time_decode256(results, shape, api):
             q = plan(*step)
             if k >= WARMUP_RUNS:
                 loop.append(time.perf_counter() - start)
-    base = "prefixattn" if api == "plan" else "prefixattn-wrapper"
+    base = "prefixattn" if api == "plan" else f"prefixattn-{api}"
     _report_times(results, provider_name(base), label, cold)
     _report_times(results, provider_name(f"{base}-decode-loop"), label, loop)
     results.add(TARGETS_BENCHMARK, provider_name(base), label, "shared_nodes", len(p.shared_nodes), "count",
