@@ -144,7 +144,7 @@ def check_and_tree(modules, qo_indptr, kv_lens, block_table, *, block_size, num_
         check_host_metadata(qo_indptr, kv_lens, block_table, block_size=block_size, num_blocks=num_blocks,
                             table_as_is=True)  # raises the message
         raise AssertionError("the compiled metadata checks refused a batch the numpy checks accept")
-    q_len, shareable, sh_blocks = lengths
+    q_len, shareable, sh_blocks = lengths[0], lengths[1], lengths[2]
     if status == 1:  # the cached tree: the same shareable rows as its step
         tree = last[2]
     else:
@@ -166,8 +166,8 @@ def plan_tables(modules, tree, *, indptr, q_len, kv_len, shareable, table, width
                 num_kv_heads, num_sms, min_split_tokens):
     """:func:`prefixattn.planner.select_shared_nodes`, :func:`prefixattn.work_list.build_work_list` and the staging
     buffer in one compiled call: ``(SharedNodes, WorkList, critical_path, flat, table_fits)`` (None when it failed to
-    compile, :func:`_compiled`); ``flat`` is
-    :func:`prefixattn.plan_device.metadata_to_device`'s host buffer (the table's used columns last when they fit int32).
+    compile, :func:`_compiled`); ``flat`` is :func:`prefixattn.plan_device.metadata_to_device`'s host buffer (the
+    table's used columns last when they fit int32).
     """
     core = modules[1]
     lay, rule, state_bytes = _constant_args(core)

@@ -50,11 +50,16 @@ def rule_args() -> tuple:
 
 @njit(cache=True, nogil=True)
 def _cdiv(a, b):
-    """``ceil(a / b)`` for ``a >= 0``, ``b > 0``; no division when ``a <= b`` (a decode request's one tile: a 64-bit
-    division costs ~15-40 cycles, paid per request and per gather row)."""
-    if a <= b:
+    """``ceil(a / b)`` for ``b > 0``; no division when ``0 <= a <= b`` (a decode request's one tile: a 64-bit
+    division costs ~15-40 cycles, paid per request)."""
+    if 0 <= a <= b:
         return 1 if a > 0 else 0
     return -(-a // b)
+
+
+#: A node's members are found by scanning the request mask when the node holds at least 1/8 of the requests (the
+#: scan reads one flag per request; the sort ~log2(size) passes over the node's members).
+_SCAN_MIN_SHARE = 8
 
 
 @njit(cache=True, nogil=True)
@@ -62,7 +67,7 @@ def _sorted_members(order, lo, hi, mark, out):
     """``out[:] = sorted(order[lo:hi + 1])`` (distinct request indices below ``mark.shape[0]``): a sort for a small
     node, a scan over a request mask for a large one (a node of all 256 requests: ~0.5 us instead of ~4 us)."""
     size = hi - lo + 1
-    if size * 8 < mark.shape[0]:
+    if size * _SCAN_MIN_SHARE < mark.shape[0]:
         out[:] = order[lo:hi + 1]
         out.sort()
         return
@@ -421,9 +426,9 @@ def plan_core(lay, rule, params, width, order, depth, lb, rb, parent, indptr, q_
     """The planner from the tree to the staging buffer, in one call.
 
     ``lay``: :func:`layout_args`, ``rule``: :func:`rule_args`'s floats, ``params``: int64 ``[NUM_PARAMS]``
-    (``P_*``), ``width``: block-table columns to stage (the batch reads them; 0: none). Returns ``(kv_start, kv_end, depth_blocks,
-    offsets, members, flat, items, gather, mrows, table_fits, num_ws_rows, num_units, critical_path)``; ``flat``
-    holds the block table's used columns after the tables when ``table_fits``.
+    (``P_*``), ``width``: block-table columns to stage (the batch reads them; 0: none). Returns ``(kv_start, kv_end,
+    depth_blocks, offsets, members, flat, items, gather, mrows, table_fits, num_ws_rows, num_units, critical_path)``;
+    ``flat`` holds the block table's used columns after the tables when ``table_fits``.
     """
     kv_start, kv_end, depth_blocks, offsets, members, suffix_start = select_nodes(
         order, depth, lb, rb, parent, shareable, q_len, params[P_BLOCK_SIZE], params[P_ROWS_SHARED],
