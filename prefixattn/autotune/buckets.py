@@ -11,7 +11,7 @@ import math
 import re
 from dataclasses import asdict, dataclass
 
-from prefixattn.autotune.config_space import DTYPE_BYTES
+from prefixattn.autotune.config_space import DTYPE_BYTES, pow2_at_least
 from prefixattn.memo import typed_memo
 
 #: Clamp ranges of the power-of-two buckets. Beyond these the best tiles no longer change: a shared node with more
@@ -27,8 +27,7 @@ _KEY_RE = re.compile(r"d(?P<d>\d+)-(?P<dtype>fp16|bf16|fp32)-g(?P<g>\d+)-q(?P<q>
 
 
 def _pow2_bucket(x: int, lo: int, hi: int) -> int:
-    x = min(max(int(x), lo), hi)
-    return 1 << (x - 1).bit_length()
+    return pow2_at_least(min(max(int(x), lo), hi))
 
 
 @dataclass(frozen=True, order=True)

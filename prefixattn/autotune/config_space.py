@@ -61,7 +61,7 @@ _MIN_ELEMS_PER_THREAD = 1
 
 def block_d(head_dim: int) -> int:
     """The padded head dimension the kernels tile with (power of two, at least the minimum dot size)."""
-    return max(MIN_DOT_DIM, 1 << (max(1, head_dim) - 1).bit_length())
+    return max(MIN_DOT_DIM, pow2_at_least(head_dim))
 
 
 def pow2_at_least(x: int) -> int:
