@@ -5,19 +5,17 @@ from __future__ import annotations
 import torch
 import triton
 
+from prefixattn.autotune.config_space import block_d
+from prefixattn.autotune.lookup import heuristic_merge_config
 from prefixattn.kernels.merge_states import merge_state_pair_kernel, merge_states_kernel
 from prefixattn.validation import SUPPORTED_DTYPES, check_kernel_device, check_same_device, check_tensor
 
-#: Elements of the fp32 accumulator tile one program holds (BLOCK_H x BLOCK_D). 4096 fp32 values over 4 warps is
-#: 32 registers per thread, which leaves room for the two loaded tiles without spilling; a whole 32-head x 128 tile
-#: of a Llama-sized model fits in one program.
-_MERGE_TILE_ELEMS = 4096
-
-
-def _merge_tiles(num_heads: int, head_dim: int) -> tuple[int, int]:
-    block_d = triton.next_power_of_2(head_dim)
-    block_h = max(1, min(triton.next_power_of_2(num_heads), _MERGE_TILE_ELEMS // block_d))
-    return block_h, block_d
+def _merge_tiles(num_heads: int, head_dim: int) -> tuple[int, int, int]:
+    """``(BLOCK_H, BLOCK_D, num_warps)`` of the merge kernels: the tuning chain's merge rule
+    (:func:`prefixattn.autotune.lookup.heuristic_merge_config`, which compile-check compiles), the padded head
+    dimension of the fused kernel."""
+    cfg = heuristic_merge_config(head_dim, num_heads)
+    return cfg.block_h, block_d(head_dim), cfg.num_warps
 
 
 def _check_state(v_name: str, v: torch.Tensor, s_name: str, s: torch.Tensor, v_ndim: int) -> None:
@@ -84,7 +82,7 @@ def merge_states(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor, s_b: t
     num_tokens, num_heads, head_dim = v_a.shape
     if num_tokens == 0 or num_heads == 0:
         return v_out, s_out
-    block_h, block_d = _merge_tiles(num_heads, head_dim)
+    block_h, tile_d, num_warps = _merge_tiles(num_heads, head_dim)
     merge_state_pair_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
         v_out_ptr=v_out, s_out_ptr=s_out, v_a_ptr=v_a, s_a_ptr=s_a, v_b_ptr=v_b, s_b_ptr=s_b,
         num_heads=num_heads, head_dim=head_dim,
@@ -94,7 +92,7 @@ def merge_states(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor, s_b: t
         stride_sa_t=s_a.stride(0), stride_sa_h=s_a.stride(1),
         stride_vb_t=v_b.stride(0), stride_vb_h=v_b.stride(1), stride_vb_d=v_b.stride(2),
         stride_sb_t=s_b.stride(0), stride_sb_h=s_b.stride(1),
-        BLOCK_H=block_h, BLOCK_D=block_d,
+        BLOCK_H=block_h, BLOCK_D=tile_d, num_warps=num_warps,
     )
     return v_out, s_out
 
@@ -125,7 +123,7 @@ def merge_states_n(v: torch.Tensor, s: torch.Tensor, *, out=None):
     v_out, s_out = _prepare_out(out, like)
     if num_tokens == 0 or num_heads == 0:
         return v_out, s_out
-    block_h, block_d = _merge_tiles(num_heads, head_dim)
+    block_h, tile_d, num_warps = _merge_tiles(num_heads, head_dim)
     merge_states_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
         v_out_ptr=v_out, s_out_ptr=s_out, v_ptr=v, s_ptr=s,
         num_states=num_states, num_heads=num_heads, head_dim=head_dim,
@@ -133,6 +131,6 @@ def merge_states_n(v: torch.Tensor, s: torch.Tensor, *, out=None):
         stride_so_t=s_out.stride(0), stride_so_h=s_out.stride(1),
         stride_v_t=v.stride(0), stride_v_n=v.stride(1), stride_v_h=v.stride(2), stride_v_d=v.stride(3),
         stride_s_t=s.stride(0), stride_s_n=s.stride(1), stride_s_h=s.stride(2),
-        BLOCK_H=block_h, BLOCK_D=block_d,
+        BLOCK_H=block_h, BLOCK_D=tile_d, num_warps=num_warps,
     )
     return v_out, s_out

@@ -67,7 +67,9 @@ HEURISTIC_BLOCK_N_FP32 = 32
 #: (sm_90, head_dim 128, fp16: spills at 4 warps); suffix-only launches take 4 (several programs per SM).
 HEURISTIC_LAUNCH = LaunchOptions(num_warps=8, num_stages=3)
 HEURISTIC_SUFFIX_LAUNCH = LaunchOptions(num_warps=4, num_stages=3)
-#: Merge kernels: fp32 accumulator elements per program (BLOCK_H x BLOCK_D); 4096 over 4 warps is 32 per thread.
+#: Merge kernels: fp32 accumulator elements per program (BLOCK_H x BLOCK_D). 4096 fp32 values over 4 warps is 32
+#: registers per thread, which leaves room for the two loaded tiles without spilling; a whole 32-head x 128 tile of a
+#: Llama-sized model fits in one program.
 MERGE_TILE_ELEMS = 4096
 
 SOURCES = ("fixed", "user-cache", "shipped", "user-cache-nearest", "cost-model", "heuristic")

@@ -221,13 +221,3 @@ def test_selection_is_memoized_no_table_reread(monkeypatch):
     for _ in range(5):
         assert lookup.select_config(**SHAPE, target="sm90") is first
     assert calls == ["sm90"]
-
-
-def test_merge_heuristic_matches_the_merge_launcher():
-    from prefixattn.merge import _merge_tiles
-
-    for head_dim in (64, 80, 96, 128, 256):
-        for heads in (1, 7, 32, 64):
-            cfg = lookup.heuristic_merge_config(head_dim, heads)
-            assert (cfg.block_h, cfg.block_d if hasattr(cfg, "block_d") else None) is not None
-            assert cfg.block_h == _merge_tiles(heads, head_dim)[0]
