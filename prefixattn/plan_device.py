@@ -13,11 +13,9 @@ import numpy as np
 import torch
 
 from prefixattn.kernels import layout as K
-from prefixattn.validation import same_device
+from prefixattn.validation import INT32_MAX, same_device
 from prefixattn.work_list import WorkList
 from prefixattn.workspace import PlanWorkspace
-
-_INT32_MAX = int(np.iinfo(np.int32).max)
 
 
 def device_tables(work: WorkList, table: np.ndarray, width: int, *, workspace: PlanWorkspace | None,
@@ -48,7 +46,7 @@ def metadata_to_device(work: WorkList, table: np.ndarray, width: int, device: to
     if staged is not None:  # the compiled planner wrote the buffer (plan_native.plan_tables)
         flat, table_fits = staged
     else:
-        table_fits = table.dtype == np.int32 or rows * cols == 0 or int(table[:, :cols].max()) <= _INT32_MAX
+        table_fits = table.dtype == np.int32 or rows * cols == 0 or int(table[:, :cols].max()) <= INT32_MAX
     parts = (work.items, work.gather, work.mrows)
     sizes = [1] + [p.size for p in parts] + [rows * width if table_fits else 0]
     bounds = list(itertools.accumulate(sizes, initial=0))
@@ -124,7 +122,7 @@ def _workspace_tables(work: WorkList, table: np.ndarray, width: int, *, workspac
         raise CapacityError(reason, reason.split(":", 1)[0])
     used = table[:, :cols]  # a view: staged straight into the pinned buffer (no int64 copy first)
     if device_block_table is None:
-        if used.size and int(used.max()) > _INT32_MAX:
+        if used.size and int(used.max()) > INT32_MAX:
             raise ValueError(f"block_table: expected block ids below 2**31 with a workspace (int32 table), got "
                              f"{int(used.max())}")
     else:

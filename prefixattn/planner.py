@@ -28,8 +28,8 @@ from prefixattn.memo import typed_memo
 from prefixattn.split_rule import critical_path
 from prefixattn.validation import (SUPPORTED_DTYPES, canonical_device, check_head_dim, check_heads, check_kv_dtype,
                                    check_host_metadata, check_soft_cap, check_window_left)
-from prefixattn.ragged import expand, offsets
 from prefixattn.plan_device import device_tables
+from prefixattn.ragged import expand, offsets
 from prefixattn.window import window_shared_nodes
 from prefixattn.work_list import SharedNode, SharedNodes, WorkList, build_work_list
 from prefixattn.workspace import PlanWorkspace
