@@ -146,13 +146,14 @@ class Plan:
 
 
 def _check_options(*, causal, sm_scale, logits_soft_cap, window_left, alibi_slopes, sharing, q_dtype,
-                   nan_guard) -> None:
+                   nan_guard) -> tuple[float, int]:
+    """The feature options' checks; returns ``(logits_soft_cap, window_left)`` normalized (0.0 / -1: off)."""
     if alibi_slopes is not None:
         raise ValueError("alibi_slopes: ALiBi is not supported yet (expected None), got a value")
     if not isinstance(causal, bool):
         raise ValueError(f"causal: expected a bool, got {type(causal).__name__}")
-    check_soft_cap(logits_soft_cap)
-    check_window_left(window_left, causal)
+    soft_cap = check_soft_cap(logits_soft_cap)
+    window_left = check_window_left(window_left, causal)
     if not isinstance(nan_guard, bool):
         raise ValueError(f"nan_guard: expected a bool, got {type(nan_guard).__name__}")
     if sm_scale is not None and (isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float, np.floating))
@@ -162,6 +163,7 @@ def _check_options(*, causal, sm_scale, logits_soft_cap, window_left, alibi_slop
         raise ValueError(f"sharing: expected one of {_SHARING_MODES}, got {sharing!r}")
     if q_dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"q_dtype: expected one of {[str(d) for d in SUPPORTED_DTYPES]}, got {q_dtype}")
+    return soft_cap, window_left
 
 
 @typed_memo(maxsize=256)  # an engine plans with the same options every step (~5 us of checks on the 2-core host)
@@ -169,14 +171,14 @@ def _checked_options(*, causal, sm_scale, logits_soft_cap, window_left, alibi_sl
                      nan_guard, block_size, num_qo_heads, num_kv_heads, head_dim, min_split_tokens) -> tuple:
     """plan()'s option checks: ``(kv_dtype, block_size, num_qo_heads, num_kv_heads, min_split_tokens, window_left,
     logits_soft_cap)`` normalized, or the ``ValueError`` of the first bad option."""
-    _check_options(causal=causal, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap, window_left=window_left,
-                   alibi_slopes=alibi_slopes, sharing=sharing, q_dtype=q_dtype, nan_guard=nan_guard)
+    soft_cap, window_left = _check_options(
+        causal=causal, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap, window_left=window_left,
+        alibi_slopes=alibi_slopes, sharing=sharing, q_dtype=q_dtype, nan_guard=nan_guard)
     checked = (check_kv_dtype(kv_dtype, q_dtype), _positive_int("block_size", block_size),
                _positive_int("num_qo_heads", num_qo_heads), _positive_int("num_kv_heads", num_kv_heads))
     check_heads(checked[2], checked[3])
     check_head_dim("head_dim", head_dim)
-    return checked + (_positive_int("min_split_tokens", min_split_tokens), check_window_left(window_left, causal),
-                      check_soft_cap(logits_soft_cap))
+    return checked + (_positive_int("min_split_tokens", min_split_tokens), window_left, soft_cap)
 
 
 def _positive_int(name: str, value) -> int:
