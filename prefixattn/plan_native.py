@@ -139,7 +139,7 @@ def check_and_tree(modules, qo_indptr, kv_lens, block_table, *, block_size, num_
                     use_cache)
     if out is None:
         return None
-    ok, max_block_id, max_q_len, width, status, lengths, packed = out
+    ok, max_block_id, max_q_len, width, tree_width, status, lengths, packed = out
     if not ok:
         check_host_metadata(qo_indptr, kv_lens, block_table, block_size=block_size, num_blocks=num_blocks,
                             table_as_is=True)  # raises the message
@@ -148,7 +148,7 @@ def check_and_tree(modules, qo_indptr, kv_lens, block_table, *, block_size, num_
     if status == 1:  # the cached tree: the same shareable rows as its step
         tree = last[2]
     else:
-        rows = table[:, :int(sh_blocks.max())] if status == 2 else table[:, :0]  # the rows a new tree is of
+        rows = table[:, :tree_width if status == 2 else 0]  # the rows a new tree is of
         tree = remember_tree(rows, sh_blocks, _unpack_tree(packed, lens.shape[0]),
                              max_entries=COMPILED_CACHE_MAX_ENTRIES)
     return indptr, lens, table, max_block_id, q_len, shareable, max_q_len, width, tree

@@ -422,9 +422,10 @@ def check_and_tree(indptr, lens, table, block_size, block_shift, num_blocks, cau
     """:func:`check_values`, then the block prefix tree of the shareable blocks, in one call.
 
     ``cache_rows``/``cache_blocks``: the tree cache's rows and block counts (``use_cache``: compare with them first).
-    Returns ``(ok, max_block_id, max_q_len, width, status, lengths, tree)``: ``width``, block-table columns the batch
-    reads (at least 1); ``lengths`` ``[3, num_requests]``, the rows ``q_len, shareable, shareable_blocks``;
-    ``status`` 1: the cached tree applies (``tree`` is empty), 2: a new tree with nodes, 0: a tree without nodes;
+    Returns ``(ok, max_block_id, max_q_len, width, tree_width, status, lengths, tree)``: ``width``, block-table
+    columns the batch reads (at least 1); ``tree_width``, the longest row of shareable blocks; ``lengths``
+    ``[3, num_requests]``, the rows ``q_len, shareable, shareable_blocks``; ``status`` 1: the cached tree applies
+    (``tree`` is empty), 2: a new tree with nodes, 0: a tree without nodes;
     ``tree`` packs ``order, lcp`` (``num_requests`` each) then ``depth, lb, rb, parent`` (one per node). Two arrays
     instead of nine: each array returned to Python costs ~0.4 us.
     """
@@ -434,18 +435,18 @@ def check_and_tree(indptr, lens, table, block_size, block_shift, num_blocks, cau
     lengths = np.empty((3, n), dtype=np.int64)
     lengths[0], lengths[1], lengths[2] = q_len, shareable, sh_blocks
     empty = np.zeros(0, dtype=np.int64)
-    if not ok:
-        return ok, max_id, max_q_len, width, 0, lengths, empty
     tree_width = 0
+    if not ok:
+        return ok, max_id, max_q_len, width, tree_width, 0, lengths, empty
     for r in range(n):
         tree_width = max(tree_width, sh_blocks[r])
     if (use_cache and cache_rows.shape[0] == n and cache_rows.shape[1] == tree_width
             and rows_equal(cache_rows, cache_blocks, table, sh_blocks)):
-        return ok, max_id, max_q_len, width, 1, lengths, empty
+        return ok, max_id, max_q_len, width, tree_width, 1, lengths, empty
     order, lcp, depth, lb, rb, parent = lcp_interval_tree(table, tree_width, sh_blocks)
     m = depth.shape[0]
     tree = np.empty(2 * n + 4 * m, dtype=np.int64)
     tree[:n], tree[n:2 * n] = order, lcp
     for k, a in enumerate((depth, lb, rb, parent)):
         tree[2 * n + k * m:2 * n + (k + 1) * m] = a
-    return ok, max_id, max_q_len, width, 2 if m else 0, lengths, tree
+    return ok, max_id, max_q_len, width, tree_width, 2 if m else 0, lengths, tree
