@@ -368,20 +368,25 @@ def _merge_units(offsets, members, n_pieces, t_req, t_rows, t_pieces, num_reqs):
 
 @njit(cache=True, nogil=True)
 def _longest_first(items, i_kv0, i_kv1):
-    """Items by KV length, longest first, stable (LPT), in place; untouched when already in that order."""
+    """Items by KV length, longest first, stable (LPT), in place; untouched when already in that order.
+
+    One sort of int64 keys ``(-length) << 32 | index`` (lengths in ``[0, 2^31)``, fewer than 2^32 items): unique keys,
+    so the unstable sort gives the stable order. A stable argsort of 272 decode items took ~9 us, this ~3.5 us."""
     n = items.shape[0]
-    length = np.empty(n, dtype=np.int64)
+    key = np.empty(n, dtype=np.int64)
     ordered = True
     for i in range(n):
-        length[i] = np.int64(items[i, i_kv1]) - items[i, i_kv0]
-        if i and length[i] > length[i - 1]:
+        key[i] = ((np.int64(items[i, i_kv0]) - items[i, i_kv1]) << 32) | i
+        if i and key[i] >> 32 < key[i - 1] >> 32:
             ordered = False
     if ordered:
         return
-    perm = np.argsort(-length, kind="mergesort")
+    key.sort()
     copy = items.copy()
     for i in range(n):
-        items[i, :] = copy[perm[i], :]
+        j = key[i] & 0xFFFFFFFF
+        for c in range(items.shape[1]):  # element loop: a row-slice assignment per item cost ~2x
+            items[i, c] = copy[j, c]
 
 
 @njit(cache=True, nogil=True)
