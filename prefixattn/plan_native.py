@@ -103,6 +103,12 @@ def compiled_modules():
     return _load() if planner_name() == "numba" else None
 
 
+def still_compiled(modules):
+    """``modules``, or None once a compile error switched this process to the numpy planner (:func:`_compiled`):
+    plan() reads the planner choice once and asks this between its two compiled calls."""
+    return modules if _modules else None
+
+
 _SHARING_CODES = {"auto": 0, "always": 1, "never": 2}
 _constants: list = []
 
@@ -112,10 +118,6 @@ def _constant_args(core) -> tuple:
         _constants.append((core.layout_args(), *core.rule_args()))
     return _constants[0]
 
-
-#: plan_core's option arrays by their values (building one from a list is ~2 us a step).
-_params: dict = {}
-_MAX_PARAMS = 256
 
 _NO_CACHE = {np.dtype(np.int32): np.zeros((0, 0), dtype=np.int32), np.dtype(np.int64): np.zeros((0, 0), dtype=np.int64)}
 _NO_BLOCKS = np.zeros(0, dtype=np.int64)
@@ -161,24 +163,25 @@ def _unpack_tree(packed: np.ndarray, n: int) -> LcpTree:
     return LcpTree(packed[:n], packed[n:2 * n], *nodes)
 
 
-def plan_tables(modules, tree, *, indptr, q_len, kv_len, shareable, table, width, causal, sharing, block_size,
-                group, head_dim, elt_bytes, rows_per_shared, rows_per_suffix, block_n_shared, block_n_suffix,
-                num_kv_heads, num_sms, min_split_tokens):
+def core_params(*, causal, sharing, block_size, group, head_dim, elt_bytes, rows_per_shared, rows_per_suffix,
+                block_n_shared, block_n_suffix, num_kv_heads, num_sms, min_split_tokens) -> np.ndarray:
+    """:func:`plan_tables`' parameter array (``plan_native_core.P_*`` order) of one set of options and tiles
+    (``elt_bytes``: the KV caches' element size, which the cost rule prices)."""
+    core = _load()[1]
+    return np.array((causal, _SHARING_CODES[sharing], block_size, group, head_dim, elt_bytes, rows_per_shared,
+                     rows_per_suffix, block_n_shared, block_n_suffix, num_kv_heads, num_sms, min_split_tokens,
+                     _constant_args(core)[2]), dtype=np.int64)
+
+
+def plan_tables(modules, tree, params, *, indptr, q_len, kv_len, shareable, table, width):
     """:func:`prefixattn.planner.select_shared_nodes`, :func:`prefixattn.work_list.build_work_list` and the staging
     buffer in one compiled call: ``(SharedNodes, WorkList, critical_path, flat, table_fits)`` (None when it failed to
-    compile, :func:`_compiled`); ``flat`` is :func:`prefixattn.plan_device.metadata_to_device`'s host buffer (the
-    table's used columns last when they fit int32).
+    compile, :func:`_compiled`); ``params`` from :func:`core_params`, ``flat`` is
+    :func:`prefixattn.plan_device.metadata_to_device`'s host buffer (the table's used columns last when they fit
+    int32).
     """
     core = modules[1]
-    lay, rule, state_bytes = _constant_args(core)
-    # In core.P_* order; one array per set of options (an engine plans with the same ones every step).
-    key = (causal, _SHARING_CODES[sharing], block_size, group, head_dim, elt_bytes, rows_per_shared, rows_per_suffix,
-           block_n_shared, block_n_suffix, num_kv_heads, num_sms, min_split_tokens, state_bytes)
-    params = _params.get(key)
-    if params is None:
-        if len(_params) >= _MAX_PARAMS:
-            _params.clear()
-        params = _params[key] = np.array(key, dtype=np.int64)
+    lay, rule, _ = _constant_args(core)
     out = _compiled(core.plan_core, lay, rule, params, width, tree.order, tree.depth, tree.lb, tree.rb, tree.parent,
                     indptr, q_len, kv_len, shareable, table)
     if out is None:

@@ -14,7 +14,9 @@ Steps (numpy, vectorized over requests; Python loops only over tree change point
 from __future__ import annotations
 
 import math
+import inspect
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -48,6 +50,9 @@ DEFAULT_NUM_SMS = 132
 MIN_SPLIT_TOKENS = 256
 _SHARING_MODES = ("auto", "always", "never")
 _INT64_MAX = int(np.iinfo(np.int64).max)
+#: Whether the kernels run in Triton's interpreter, as when they were imported (``triton.jit`` decides it then, from
+#: ``TRITON_INTERPRET``): read once, not per plan (an environment read costs ~0.8 us on the 2-core host).
+_KERNELS_INTERPRETED = interpreter_enabled()
 
 
 def sharing_pays_off(*, num_requests, num_rows, num_m_tiles, num_tokens, group, head_dim, elt_bytes):
@@ -166,19 +171,49 @@ def _check_options(*, causal, sm_scale, logits_soft_cap, window_left, alibi_slop
     return soft_cap, window_left
 
 
+class PlanOptions(NamedTuple):
+    """plan()'s options, checked and normalized (:func:`checked_options`): what every step of an engine shares."""
+
+    causal: bool
+    sm_scale: float  # the scale used: 1 / sqrt(head_dim) when not given
+    q_dtype: torch.dtype
+    kv_dtype: torch.dtype  # q_dtype when not given
+    logits_soft_cap: float  # 0.0: off
+    window_left: int  # -1: off
+    sharing: str
+    nan_guard: bool
+    block_size: int
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    min_split_tokens: int
+    num_sms: int | None  # None: from the plan's device
+
+    @property
+    def group(self) -> int:
+        return self.num_qo_heads // self.num_kv_heads
+
+
 @typed_memo(maxsize=256)  # an engine plans with the same options every step (~5 us of checks on the 2-core host)
-def _checked_options(*, causal, sm_scale, logits_soft_cap, window_left, alibi_slopes, sharing, q_dtype, kv_dtype,
-                     nan_guard, block_size, num_qo_heads, num_kv_heads, head_dim, min_split_tokens) -> tuple:
-    """plan()'s option checks: ``(kv_dtype, block_size, num_qo_heads, num_kv_heads, min_split_tokens, window_left,
-    logits_soft_cap)`` normalized, or the ``ValueError`` of the first bad option."""
+def checked_options(*, causal, sm_scale, logits_soft_cap, window_left, alibi_slopes, sharing, q_dtype, kv_dtype,
+                    nan_guard, block_size, num_qo_heads, num_kv_heads, head_dim, min_split_tokens,
+                    num_sms) -> PlanOptions:
+    """plan()'s option checks (its parameters of the same names): the options normalized, or the ``ValueError`` of
+    the first bad one. :data:`OPTION_DEFAULTS` holds plan()'s defaults."""
     soft_cap, window_left = _check_options(
         causal=causal, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap, window_left=window_left,
         alibi_slopes=alibi_slopes, sharing=sharing, q_dtype=q_dtype, nan_guard=nan_guard)
-    checked = (check_kv_dtype(kv_dtype, q_dtype), _positive_int("block_size", block_size),
-               _positive_int("num_qo_heads", num_qo_heads), _positive_int("num_kv_heads", num_kv_heads))
-    check_heads(checked[2], checked[3])
+    kv_dtype, block_size = check_kv_dtype(kv_dtype, q_dtype), _positive_int("block_size", block_size)
+    num_qo_heads, num_kv_heads = _positive_int("num_qo_heads", num_qo_heads), _positive_int("num_kv_heads",
+                                                                                            num_kv_heads)
+    check_heads(num_qo_heads, num_kv_heads)
     check_head_dim("head_dim", head_dim)
-    return checked + (_positive_int("min_split_tokens", min_split_tokens), window_left, soft_cap)
+    return PlanOptions(
+        causal=causal, sm_scale=1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale), q_dtype=q_dtype,
+        kv_dtype=kv_dtype, logits_soft_cap=soft_cap, window_left=window_left, sharing=sharing, nan_guard=nan_guard,
+        block_size=block_size, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, min_split_tokens=_positive_int("min_split_tokens", min_split_tokens),
+        num_sms=None if num_sms is None else _positive_int("num_sms", num_sms))
 
 
 def _positive_int(name: str, value) -> int:
@@ -372,57 +407,66 @@ def plan(
     [(0, 32, [0, 1])]
     >>> out = attention(q, k_cache, v_cache, p)  # q: [2, 8, 128]
     """
-    kv_dtype, block_size, num_qo_heads, num_kv_heads, min_split_tokens, window_left, soft_cap = _checked_options(
+    options = checked_options(
         causal=causal, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap, window_left=window_left,
         alibi_slopes=alibi_slopes, sharing=sharing, q_dtype=q_dtype, kv_dtype=kv_dtype, nan_guard=nan_guard,
         block_size=block_size, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        min_split_tokens=min_split_tokens)
+        min_split_tokens=min_split_tokens, num_sms=num_sms)
+    return plan_with_options(options, qo_indptr, kv_lens, block_table, device=device, num_blocks=num_blocks,
+                             tiles=tiles, workspace=workspace, device_block_table=device_block_table)
+
+
+#: plan()'s option parameters (:class:`PlanOptions`' inputs) and their defaults: a wrapper checks its options once.
+OPTION_DEFAULTS = {name: param.default for name, param in inspect.signature(plan).parameters.items()
+                   if name in inspect.signature(checked_options).parameters}
+
+
+def plan_with_options(options: PlanOptions, qo_indptr: torch.Tensor, kv_lens: torch.Tensor,
+                      block_table: torch.Tensor, *, device=None, num_blocks: int | None = None,
+                      tiles: AttentionTiles | None = None, workspace: PlanWorkspace | None = None,
+                      device_block_table: torch.Tensor | None = None) -> Plan:
+    """:func:`plan` with its options checked already (:func:`checked_options`; a wrapper checks them once): the
+    per-step half. The other arguments are :func:`plan`'s."""
+    o = options
+    compiled = plan_native.compiled_modules()  # the planner choice: one environment read per plan
     indptr, lens, table, max_block_id, q_len, shareable, max_q_len, width, tree = _checked_inputs_and_tree(
-        qo_indptr=qo_indptr, kv_lens=kv_lens, block_table=block_table, block_size=block_size, num_blocks=num_blocks,
-        causal=causal, sharing=sharing)
+        compiled, qo_indptr=qo_indptr, kv_lens=kv_lens, block_table=block_table, block_size=o.block_size,
+        num_blocks=num_blocks, causal=o.causal, sharing=o.sharing)
     device = canonical_device("device", device if device is not None else block_table.device)
-    num_sms = _positive_int("num_sms", num_sms) if num_sms is not None else _default_num_sms(device)
-
-    group = num_qo_heads // num_kv_heads
+    num_sms = o.num_sms or _default_num_sms(device)
+    group = o.group
     if tiles is None:
-        tiles = choose_tiles(head_dim=head_dim, group=group, max_q_len=max(max_q_len, 1), dtype=q_dtype)
+        tiles = choose_tiles(head_dim=o.head_dim, group=group, max_q_len=max(max_q_len, 1), dtype=o.q_dtype)
     nodes, work, crit, staged = _host_tables(
-        tree, indptr=indptr, q_len=q_len, lens=lens, shareable=shareable, table=table,
-        width=width if workspace is None else 0,  # a workspace stages the table itself (PlanWorkspace.load)
-        causal=causal, sharing=sharing, block_size=block_size, group=group, head_dim=head_dim,
-        elt_bytes=kv_dtype.itemsize,  # the cost rule prices KV bytes at the cache's dtype
-        window_left=window_left, tiles=tiles, num_kv_heads=num_kv_heads, num_sms=num_sms,
-        min_split_tokens=min_split_tokens)
+        plan_native.still_compiled(compiled), tree, o, tiles=tiles, num_sms=num_sms, indptr=indptr, q_len=q_len,
+        lens=lens, shareable=shareable, table=table,
+        width=width if workspace is None else 0)  # a workspace stages the table itself (PlanWorkspace.load)
+    num_tokens, num_nodes = int(indptr[-1]), int(nodes.kv_start.shape[0])
     dev = device_tables(work, table, width, workspace=workspace, device_block_table=device_block_table,
-                         device=device, staged=staged, num_qo_heads=num_qo_heads, head_dim=head_dim,
-                         num_tokens=int(indptr[-1]))
-
+                         device=device, staged=staged, num_qo_heads=o.num_qo_heads, head_dim=o.head_dim,
+                         num_tokens=num_tokens)
     return Plan(
-        num_tokens=int(indptr[-1]), num_requests=int(lens.shape[0]), num_qo_heads=num_qo_heads,
-        num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size, causal=causal,
-        sm_scale=1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale), q_dtype=q_dtype,
-        kv_dtype=kv_dtype,
-        device=device, tiles=tiles,
+        num_tokens=num_tokens, num_requests=int(lens.shape[0]), num_qo_heads=o.num_qo_heads,
+        num_kv_heads=o.num_kv_heads, head_dim=o.head_dim, block_size=o.block_size, causal=o.causal,
+        sm_scale=o.sm_scale, q_dtype=o.q_dtype, kv_dtype=o.kv_dtype, device=device, tiles=tiles,
         # The interpreter's dot on fp16/bf16 is numpy's (bf16 on raw bits); fp32 inputs need IEEE fp32 (tf32 would
         # miss the 1e-4 tolerance).
-        use_fp32_dot=interpreter_enabled() or q_dtype == torch.float32,
-        has_shared=bool(nodes), max_block_id=max_block_id,
-        logits_soft_cap=soft_cap, window_left=window_left, nan_guard=nan_guard,
+        use_fp32_dot=_KERNELS_INTERPRETED or o.q_dtype == torch.float32,
+        has_shared=num_nodes > 0, max_block_id=max_block_id,
+        logits_soft_cap=o.logits_soft_cap, window_left=o.window_left, nan_guard=o.nan_guard,
         work=work, tree=tree, nodes=nodes,
         **dev,
-        stats=dict(num_shared_nodes=len(nodes), num_units=work.num_units, num_merge_rows=work.mrows.shape[0],
-                   num_ws_rows=work.num_ws_rows,
-                   num_sms=num_sms, critical_path=crit),
+        stats=dict(num_shared_nodes=num_nodes, num_units=work.num_units, num_merge_rows=work.mrows.shape[0],
+                   num_ws_rows=work.num_ws_rows, num_sms=num_sms, critical_path=crit),
         workspace=workspace, workspace_step=workspace.step if workspace is not None else -1,
     )
 
 
-def _checked_inputs_and_tree(*, qo_indptr, kv_lens, block_table, block_size: int, num_blocks: int | None,
-                             causal: bool, sharing: str) -> tuple:
+def _checked_inputs_and_tree(compiled, *, qo_indptr, kv_lens, block_table, block_size: int,
+                             num_blocks: int | None, causal: bool, sharing: str) -> tuple:
     """The checked host metadata and the block prefix tree: ``(indptr, lens, table, max_block_id, q_len, shareable,
-    max_q_len, width, tree)``, from the compiled planner's checks when it is there, else from numpy (same results,
-    same errors)."""
-    compiled = plan_native.compiled_modules()
+    max_q_len, width, tree)``, from the compiled planner's checks (``compiled``: its modules, or None) when it is
+    there, else from numpy (same results, same errors)."""
     # None: no compiled planner, or (PREFIXATTN_PLANNER=auto) it failed to compile: numpy, same results.
     checked = compiled and plan_native.check_and_tree(compiled, qo_indptr, kv_lens, block_table, block_size=block_size,
                                                       num_blocks=num_blocks, causal=causal, sharing=sharing)
@@ -440,29 +484,55 @@ def _checked_inputs_and_tree(*, qo_indptr, kv_lens, block_table, block_size: int
     return indptr, lens, table, max_block_id, q_len, shareable, max_q_len, width, tree
 
 
-def _host_tables(tree, *, indptr, q_len, lens, shareable, table, width, causal, sharing, block_size, group, head_dim,
-                 elt_bytes, window_left, tiles: AttentionTiles, num_kv_heads, num_sms, min_split_tokens):
+def _host_tables(compiled, tree, o: PlanOptions, *, tiles: AttentionTiles, num_sms: int, indptr, q_len, lens,
+                 shareable, table, width):
     """The shared nodes, the work list, its critical path and the compiled planner's staged buffer (None from
-    numpy): ``(SharedNodes, WorkList, critical_path, staged)``. ``width``: the table columns to stage (0: none)."""
-    tile_args = dict(rows_per_shared=tiles.rows_per_shared_tile(group),
-                     rows_per_suffix=tiles.rows_per_suffix_tile(group), block_n_shared=tiles.block_n_shared,
-                     block_n_suffix=tiles.block_n_suffix, num_kv_heads=num_kv_heads, num_sms=num_sms,
-                     min_split_tokens=min_split_tokens)
-    compiled = plan_native.compiled_modules()  # None now if the compiled checks just failed to compile
+    numpy): ``(SharedNodes, WorkList, critical_path, staged)``. ``compiled``: the compiled planner's modules, or
+    None; ``width``: the table columns to stage (0: none)."""
     # The compiled path (window_left: numpy, plan_native_core's docstring); None as above.
-    tables = compiled and window_left < 0 and plan_native.plan_tables(
-        compiled, tree, indptr=indptr, q_len=q_len, kv_len=lens, shareable=shareable, table=table, width=width,
-        causal=causal, sharing=sharing, block_size=block_size, group=group, head_dim=head_dim,
-        elt_bytes=elt_bytes, **tile_args)
+    tables = compiled and o.window_left < 0 and plan_native.plan_tables(
+        compiled, tree, _core_params(o, tiles, num_sms), indptr=indptr, q_len=q_len, kv_len=lens,
+        shareable=shareable, table=table, width=width)
     if tables:
         nodes, work, crit, *staged = tables
         return nodes, work, crit, staged
+    tile_args = _tile_args(o, tiles, num_sms)
     nodes, work = _numpy_tables(tree, q_start=indptr[:-1], q_len=q_len, lens=lens, shareable=shareable,
-                                causal=causal, sharing=sharing, block_size=block_size, group=group,
-                                head_dim=head_dim, elt_bytes=elt_bytes, window_left=window_left, **tile_args)
+                                causal=o.causal, sharing=o.sharing, block_size=o.block_size, group=o.group,
+                                head_dim=o.head_dim, elt_bytes=o.kv_dtype.itemsize, window_left=o.window_left,
+                                **tile_args)
     crit = critical_path(work.items[:, K.ITEM_KV_END] - work.items[:, K.ITEM_KV_START],  # both in [0, 2^31)
-                         num_kv_heads=num_kv_heads, num_sms=num_sms)
+                         num_kv_heads=o.num_kv_heads, num_sms=num_sms)
     return nodes, work, crit, None
+
+
+def _tile_args(o: PlanOptions, tiles: AttentionTiles, num_sms: int) -> dict:
+    """The work list's tile and split arguments."""
+    group = o.group
+    return dict(rows_per_shared=tiles.rows_per_shared_tile(group), rows_per_suffix=tiles.rows_per_suffix_tile(group),
+                block_n_shared=tiles.block_n_shared, block_n_suffix=tiles.block_n_suffix,
+                num_kv_heads=o.num_kv_heads, num_sms=num_sms, min_split_tokens=o.min_split_tokens)
+
+
+#: The compiled planner's parameter arrays by (options, tiles, SMs), keyed by identity (both come from memos: the
+#: same objects step after step) and holding the objects, so a recycled id never matches: ~2 us a step less than
+#: building the key from their values.
+_core_params_memo: dict = {}
+_MAX_CORE_PARAMS = 256
+
+
+def _core_params(o: PlanOptions, tiles: AttentionTiles, num_sms: int) -> np.ndarray:
+    key = (id(o), id(tiles), num_sms)
+    hit = _core_params_memo.get(key)
+    if hit is not None and hit[0] is o and hit[1] is tiles:
+        return hit[2]
+    if len(_core_params_memo) >= _MAX_CORE_PARAMS:
+        _core_params_memo.clear()
+    params = plan_native.core_params(causal=o.causal, sharing=o.sharing, block_size=o.block_size, group=o.group,
+                                     head_dim=o.head_dim, elt_bytes=o.kv_dtype.itemsize,  # the cache's dtype prices KV
+                                     **_tile_args(o, tiles, num_sms))
+    _core_params_memo[key] = (o, tiles, params)
+    return params
 
 
 def _numpy_tables(tree, *, q_start, q_len, lens, shareable, causal, sharing, block_size, group, head_dim, elt_bytes,

@@ -11,7 +11,8 @@ from prefixattn.kernels.layout import page_size_constexpr
 from prefixattn.kernels.prefix_attention_kernel import prefix_attention_kernel
 from prefixattn.attention_configs import choose_tiles
 from prefixattn.plan_device import CapacityError
-from prefixattn.planner import Plan, _default_num_sms, _positive_int, plan
+from prefixattn.planner import (OPTION_DEFAULTS, Plan, _default_num_sms, _positive_int, checked_options, plan,
+                                plan_with_options)
 from prefixattn.runtime import device_one
 from prefixattn.validation import (FP8_KV_DTYPES, canonical_device, check_fp8_support, check_head_dim, check_heads,
                                    check_kernel_device, check_kv_scale, check_qkv, check_sinks, check_tensor,
@@ -243,6 +244,7 @@ class PrefixSharedAttention:
                             sm_scale=sm_scale, **plan_options)
         self._plan: Plan | None = None
         self._workspace: PlanWorkspace | None = None
+        self._checked: tuple | None = None  # (PlanOptions, other plan() arguments) of a step without overrides
         if not isinstance(use_cuda_graph, bool):
             raise ValueError(f"use_cuda_graph: expected a bool, got {type(use_cuda_graph).__name__}")
         self.use_cuda_graph = use_cuda_graph
@@ -297,9 +299,12 @@ class PrefixSharedAttention:
         return self._workspace
 
     def plan(self, qo_indptr: torch.Tensor, kv_lens: torch.Tensor, block_table: torch.Tensor, *,
-             device_block_table: torch.Tensor | None = None, graph_num_tokens: int | None = None,
-             **overrides) -> Plan:
+             num_blocks: int | None = None, device_block_table: torch.Tensor | None = None,
+             graph_num_tokens: int | None = None, **overrides) -> Plan:
         """Plan this step (see :func:`prefixattn.plan`); keyword overrides replace the constructor's options.
+
+        ``num_blocks``: as :func:`prefixattn.plan` (default: the constructor's, if it got one). A step without
+        overrides reuses the options the wrapper checked at its first such step.
 
         With a workspace the tables go into it (no device allocation); a step beyond a capacity that sharing
         caused is re-planned without sharing (``plan.stats["capacity_fallback"]`` says why), any other overflow is a
@@ -315,11 +320,12 @@ class PrefixSharedAttention:
             if device_block_table is not None or graph_num_tokens is not None:
                 name = "device_block_table" if device_block_table is not None else "graph_num_tokens"
                 raise ValueError(f"{name}: expected a wrapper with capacities (a workspace), got none")
-            self._plan = plan(qo_indptr, kv_lens, block_table, **{**self._config, **overrides})
+            per_step = {} if num_blocks is None else {"num_blocks": num_blocks}
+            self._plan = plan(qo_indptr, kv_lens, block_table, **{**self._config, **overrides, **per_step})
             return self._plan
         if graph_num_tokens is not None and not self.use_cuda_graph:
             raise ValueError(f"graph_num_tokens: expected use_cuda_graph=True, got {graph_num_tokens!r} without it")
-        args = (qo_indptr, kv_lens, block_table, device_block_table, overrides)
+        args = (qo_indptr, kv_lens, block_table, num_blocks, device_block_table, overrides)
         p = self._plan_in_workspace(*args)
         if graph_num_tokens is not None:
             p = self._fit_graph_grid(p, _positive_int("graph_num_tokens", graph_num_tokens), args)
@@ -342,11 +348,11 @@ class PrefixSharedAttention:
                              f"{num_tokens}")
         grid = self.graph_grid_items(num_tokens)
         if p.num_items > grid:
-            qo_indptr, kv_lens, block_table, device_block_table, overrides = args
+            qo_indptr, kv_lens, block_table, num_blocks, device_block_table, overrides = args
             if {**self._config, **overrides}.get("sharing", "auto") != "never":
                 reason = (f"max_items: expected at most {grid} (the graph grid for {num_tokens} tokens), got "
                           f"{p.num_items}")
-                p = self._plan_in_workspace(qo_indptr, kv_lens, block_table, device_block_table,
+                p = self._plan_in_workspace(qo_indptr, kv_lens, block_table, num_blocks, device_block_table,
                                             {**overrides, "sharing": "never"})
                 p.stats["capacity_fallback"] = reason
             if p.num_items > grid:
@@ -355,7 +361,8 @@ class PrefixSharedAttention:
         p.stats.update(graph_num_tokens=num_tokens, grid_items=grid)
         return p
 
-    def _plan_in_workspace(self, qo_indptr, kv_lens, block_table, device_block_table, overrides) -> Plan:
+    def _plan_in_workspace(self, qo_indptr, kv_lens, block_table, num_blocks, device_block_table,
+                           overrides) -> Plan:
         if self.use_cuda_graph:
             fixed = sorted(set(overrides) & set(_GRAPH_FIXED_OPTIONS))
             if fixed:
@@ -364,18 +371,34 @@ class PrefixSharedAttention:
             if not self._graph_has_shared and overrides.get("sharing", "never") != "never":
                 raise ValueError(f"sharing: expected 'never' with use_cuda_graph=True and sharing='never' at "
                                  f"construction (the launch has no shared branch), got {overrides['sharing']!r}")
-        opts = {**self._config, **overrides, "workspace": self._workspace, "device": self._workspace.device,
-                "device_block_table": device_block_table}
-        if self.use_cuda_graph:
-            opts["tiles"] = self._tiles
+        options, per_call = self._step_options(overrides)
+        if num_blocks is not None:
+            per_call = {**per_call, "num_blocks": num_blocks}
         try:
-            return plan(qo_indptr, kv_lens, block_table, **opts)
+            return plan_with_options(options, qo_indptr, kv_lens, block_table, **per_call,
+                                     device_block_table=device_block_table)
         except CapacityError as err:
-            if err.capacity not in _SHARING_CAPACITIES or opts.get("sharing", "auto") == "never":
+            if err.capacity not in _SHARING_CAPACITIES or options.sharing == "never":
                 raise
-            unshared = plan(qo_indptr, kv_lens, block_table, **{**opts, "sharing": "never"})
+            unshared = plan_with_options(options._replace(sharing="never"), qo_indptr, kv_lens, block_table,
+                                         **per_call, device_block_table=device_block_table)
             unshared.stats["capacity_fallback"] = str(err)
             return unshared
+
+    def _step_options(self, overrides: dict) -> tuple:
+        """``(PlanOptions, other plan() arguments)`` of a step with ``overrides``. Without overrides (an engine's
+        steps) they are checked once and kept: passing ~20 options by keyword and checking them cost ~4 us a step
+        on the 2-core host."""
+        if not overrides and self._checked is not None:
+            return self._checked
+        cfg = {**self._config, **overrides}
+        options = checked_options(**{name: cfg.pop(name, default) for name, default in OPTION_DEFAULTS.items()})
+        per_call = {**cfg, "workspace": self._workspace, "device": self._workspace.device}
+        if self.use_cuda_graph:
+            per_call["tiles"] = self._tiles
+        if not overrides:
+            self._checked = (options, per_call)
+        return options, per_call
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, out=None,
             return_lse: bool = False, sinks=None, k_scale=None, v_scale=None):

@@ -69,6 +69,8 @@ def canonical_device(name: str, device) -> torch.device:
     canonical devices compares what they are, not how they were spelled. Raises ``ValueError`` for a string that
     is no device, a meta device (no data to attend over) and a CUDA device on a host without one.
     """
+    if device is _CPU:  # the common case first: plan() asks every step
+        return _CPU
     if isinstance(device, torch.device):
         if device.type == "cpu":
             return _CPU  # one object: plan() asks every step, and a new torch.device costs ~0.5 us
