@@ -26,7 +26,7 @@ def device_tables(work: WorkList, table: np.ndarray, width: int, *, workspace: P
     if workspace is None and device_block_table is not None:
         raise ValueError("device_block_table: expected a workspace too (the free plan() copies its own table), "
                          "got workspace=None")
-    if workspace is not None and not same_device(workspace.device, device):
+    if workspace is not None and workspace.device is not device and not same_device(workspace.device, device):
         raise ValueError(f"workspace: expected the plan's device {device}, got a workspace on {workspace.device}")
     if workspace is None:
         return _allocate_tables(work, table, width, num_qo_heads=num_qo_heads, head_dim=head_dim, device=device,

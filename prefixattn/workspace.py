@@ -134,6 +134,7 @@ class PlanWorkspace:
         for name, size in sizes.items():
             self._offsets[name] = (pos, size)
             pos += size
+        self._table_starts = tuple(self._offsets[name][0] for name in ("items", "gather", "mrows"))
         self._host = torch.zeros(pos, dtype=torch.int32, pin_memory=device.type == "cuda")
         self._host_np = self._host.numpy()
         # On the CPU the staging buffer is the device buffer: nothing to copy (kernels there run synchronously, so no
@@ -192,12 +193,11 @@ class PlanWorkspace:
         h, c = self._host_np, self.capacity
         n_items = items.shape[0]
         h[0] = n_items
-        for name, arr in (("items", items), ("gather", gather), ("mrows", mrows)):
-            start, _ = self._offsets[name]
+        for start, arr in zip(self._table_starts, (items, gather, mrows)):
             h[start:start + arr.size] = arr.ravel()
         # Copy everything up to the end of the live metadata (small, capacity-sized sections), then the live table
         # rows (row stride fixed at max_blocks_per_request so a captured launch keeps its stride).
-        end = self._offsets["mrows"][0] + mrows.size
+        end = self._table_starts[2] + mrows.size
         if table is not None and table.shape[0] and max(table.shape[1], table_width):
             start, _ = self._offsets["table"]
             rows, cols = table.shape
