@@ -324,21 +324,6 @@ def lcp_interval_tree(rows, width, lengths):
     return order, lcp, depth, lb, rb, parent
 
 
-@njit(cache=True, nogil=True)
-def rows_equal(a, a_lengths, b, b_lengths):
-    """``a == b[:, :a.shape[1]]`` and ``a_lengths == b_lengths`` (same row counts): the tree cache's check, with an
-    early exit per row."""
-    if _differ(a_lengths, b_lengths):
-        return False
-    w = a.shape[1]
-    if w == 0:
-        return True
-    for i in range(a.shape[0]):
-        if _differ(a[i, :w], b[i, :w]):
-            return False
-    return True
-
-
 # ---- metadata value checks (plan()'s, compiled; the messages stay in prefixattn.validation) ----------------
 
 _INT32_MAX = 2 ** 31 - 1
@@ -365,7 +350,7 @@ def _blocks(tokens, block_size, shift):
 
 
 @njit(cache=True, nogil=True)
-def check_values(indptr, lens, table, block_size, block_shift, num_blocks, causal, sharing_never):
+def check_values(indptr, lens, table, block_size, block_shift, num_blocks, causal, sharing_never, cache_rows):
     """Check the metadata's values; derive the planner's per-request lengths, in one pass over the used table.
 
     Parameters
@@ -376,23 +361,29 @@ def check_values(indptr, lens, table, block_size, block_shift, num_blocks, causa
         ``log2(block_size)`` when it is a power of two, else ``-1``.
     num_blocks : int
         Blocks in the cache, ``-1`` when not given.
+    cache_rows : ``[num_requests or 0, w]``
+        The tree cache's rows, compared with ``table[:, :w]`` row by row while each row is read for the checks (one
+        pass over the table instead of two: ~2 us less for 256 requests under a 2,048-token prefix).
 
     Returns
     -------
-    ``(ok, max_block_id, q_len, shareable, shareable_blocks, max_q_len, width)``: ``ok`` False means the numpy checks
-    must run (they raise); ``shareable`` is what plan() shares (``kv_len - q_len`` when causal, else ``kv_len``; 0
-    without queries), ``shareable_blocks`` its blocks (all 0 with ``sharing_never``: no tree) and ``width`` the
-    table columns the batch reads (at least 1).
+    ``(ok, max_block_id, q_len, shareable, shareable_blocks, max_q_len, width, same_rows)``: ``ok`` False means the
+    numpy checks must run (they raise); ``shareable`` is what plan() shares (``kv_len - q_len`` when causal, else
+    ``kv_len``; 0 without queries), ``shareable_blocks`` its blocks (all 0 with ``sharing_never``: no tree),
+    ``width`` the table columns the batch reads (at least 1) and ``same_rows`` whether ``cache_rows`` has a row per
+    request, each equal to the table's first columns.
     """
     n = lens.shape[0]
     q_len = np.empty(n, dtype=np.int64)
     shareable = np.empty(n, dtype=np.int64)
     sh_blocks = np.empty(n, dtype=np.int64)
-    fail = (False, -1, q_len, shareable, sh_blocks, 0, 1)
+    fail = (False, -1, q_len, shareable, sh_blocks, 0, 1, False)
     if indptr[0] != 0 or indptr[n] > _INT32_MAX:
         return fail
     upper = num_blocks if num_blocks >= 0 else np.iinfo(np.int64).max
     cols = table.shape[1]
+    cache_w = cache_rows.shape[1]
+    same = cache_rows.shape[0] == n and cache_w <= cols
     max_q_len = 0
     width = 1
     max_id = -1
@@ -413,7 +404,9 @@ def check_values(indptr, lens, table, block_size, block_shift, num_blocks, causa
             if lo < 0 or hi >= upper:
                 return fail
             max_id = max(max_id, np.int64(hi))
-    return True, max_id, q_len, shareable, sh_blocks, max_q_len, width
+        if same and cache_w:
+            same = not _differ(cache_rows[r], table[r, :cache_w])
+    return True, max_id, q_len, shareable, sh_blocks, max_q_len, width, same
 
 
 @njit(cache=True, nogil=True)
@@ -429,8 +422,8 @@ def check_and_tree(indptr, lens, table, block_size, block_shift, num_blocks, cau
     ``tree`` packs ``order, lcp`` (``num_requests`` each) then ``depth, lb, rb, parent`` (one per node). Two arrays
     instead of nine: each array returned to Python costs ~0.4 us.
     """
-    ok, max_id, q_len, shareable, sh_blocks, max_q_len, width = check_values(
-        indptr, lens, table, block_size, block_shift, num_blocks, causal, sharing_never)
+    ok, max_id, q_len, shareable, sh_blocks, max_q_len, width, same_rows = check_values(
+        indptr, lens, table, block_size, block_shift, num_blocks, causal, sharing_never, cache_rows)
     n = lens.shape[0]
     lengths = np.empty((3, n), dtype=np.int64)
     lengths[0], lengths[1], lengths[2] = q_len, shareable, sh_blocks
@@ -440,8 +433,7 @@ def check_and_tree(indptr, lens, table, block_size, block_shift, num_blocks, cau
         return ok, max_id, max_q_len, width, tree_width, 0, lengths, empty
     for r in range(n):
         tree_width = max(tree_width, sh_blocks[r])
-    if (use_cache and cache_rows.shape[0] == n and cache_rows.shape[1] == tree_width
-            and rows_equal(cache_rows, cache_blocks, table, sh_blocks)):
+    if use_cache and same_rows and cache_rows.shape[1] == tree_width and not _differ(cache_blocks, sh_blocks):
         return ok, max_id, max_q_len, width, tree_width, 1, lengths, empty
     order, lcp, depth, lb, rb, parent = lcp_interval_tree(table, tree_width, sh_blocks)
     m = depth.shape[0]

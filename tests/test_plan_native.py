@@ -246,3 +246,33 @@ def test_auto_falls_back_to_numpy_when_numba_fails_to_compile(monkeypatch):
         got = _plan_with("auto", monkeypatch, *args, **opts)
     assert_same_plans(ref, got, "fallback")
     assert plan_native.planner_name() == "numpy"
+
+
+@pytest.mark.parametrize("change", ["shared block", "last shared column", "unchanged", "fewer columns",
+                                    "one fewer shared block"])
+def test_a_warm_tree_cache_follows_the_table(monkeypatch, change):
+    """The compiled checks compare the cached tree's rows while they read the table: a changed id anywhere in the
+    shared columns (or a different width) must build a new tree, an unchanged step reuses it; both equal a cold plan."""
+    import prefixattn.lcp_tree as lcp
+
+    rng = np.random.default_rng(7)
+    n, block_size, shared = 12, 4, 6
+    table = np.concatenate([np.tile(np.arange(shared), (n, 1)), 100 + rng.permutation(n * 5).reshape(n, 5)], axis=1)
+    lens = np.full(n, (shared + 3) * block_size)
+    args = (torch.arange(n + 1), torch.from_numpy(lens), torch.from_numpy(table.astype(np.int32)))
+    opts = dict(block_size=block_size, num_qo_heads=8, num_kv_heads=2, head_dim=64, sharing="always")
+    _plan_with("numba", monkeypatch, *args, **opts)  # fills the cache
+    cached = lcp.cached_entry()[2]
+    table2, lens2 = table.copy(), lens.copy()
+    if change == "shared block":
+        table2[n // 2, 2] = 999
+    elif change == "last shared column":
+        table2[n - 1, shared - 1] = 998
+    elif change == "fewer columns":
+        table2 = table2[:, :shared + 3].copy()
+    elif change == "one fewer shared block":
+        lens2[:] = (shared + 2) * block_size - 3  # the last shareable block is now the row's last, partly queried
+    args2 = (args[0], torch.from_numpy(lens2), torch.from_numpy(table2.astype(np.int32)))
+    warm = _plan_with("numba", monkeypatch, *args2, cold=False, **opts)
+    assert (warm.tree is cached) == (change in ("unchanged", "fewer columns"))
+    assert_same_plans(_plan_with("numpy", monkeypatch, *args2, **opts), warm, change)
