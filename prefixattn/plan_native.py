@@ -150,9 +150,11 @@ def check_and_tree(modules, qo_indptr, kv_lens, block_table, *, block_size, num_
     if status == 1:  # the cached tree: the same shareable rows as its step
         tree = last[2]
     else:
-        rows = table[:, :tree_width if status == 2 else 0]  # the rows a new tree is of
-        tree = remember_tree(rows, sh_blocks, _unpack_tree(packed, lens.shape[0]),
-                             max_entries=COMPILED_CACHE_MAX_ENTRIES)
+        # Read-only, as every tree the compiled planner gets (one array type); the tree's arrays are views of it.
+        packed.setflags(write=False)
+        tree = _unpack_tree(packed, lens.shape[0])
+        if status == 2:  # nodes: the cache keeps the tree with the rows it is of (a tree without any: nothing to keep)
+            tree = remember_tree(table[:, :tree_width], sh_blocks, tree, max_entries=COMPILED_CACHE_MAX_ENTRIES)
     return indptr, lens, table, max_block_id, q_len, shareable, max_q_len, width, tree
 
 
