@@ -120,18 +120,16 @@ def _workspace_tables(work: WorkList, table: np.ndarray, width: int, *, workspac
                                 num_mrows=work.mrows.shape[0], num_ws_rows=work.num_ws_rows)
     if reason is not None:
         raise CapacityError(reason, reason.split(":", 1)[0])
-    used = table[:, :cols]  # a view: staged straight into the pinned buffer (no int64 copy first)
-    if device_block_table is None:
-        if used.size and int(used.max()) > INT32_MAX:
-            raise ValueError(f"block_table: expected block ids below 2**31 with a workspace (int32 table), got "
-                             f"{int(used.max())}")
-    else:
-        _check_device_table(device_block_table, (rows, width), workspace.device)
-    dev = workspace.load(items=work.items, gather=work.gather, mrows=work.mrows,
-                         table=used if device_block_table is None else None, table_width=width)
     if device_block_table is not None:
+        _check_device_table(device_block_table, (rows, width), workspace.device)
+        dev = workspace.load(items=work.items, gather=work.gather, mrows=work.mrows, table=None, table_width=width)
         dev["block_table"] = device_block_table
-    return dev
+        return dev
+    used = table[:, :cols]  # a view: staged straight into the pinned buffer (no int64 copy first)
+    if used.size and int(used.max()) > INT32_MAX:
+        raise ValueError(f"block_table: expected block ids below 2**31 with a workspace (int32 table), got "
+                         f"{int(used.max())}")
+    return workspace.load(items=work.items, gather=work.gather, mrows=work.mrows, table=used, table_width=width)
 
 
 def _check_device_table(t, used_shape: tuple[int, int], device: torch.device) -> None:

@@ -133,9 +133,9 @@ def check_and_tree(modules, qo_indptr, kv_lens, block_table, *, block_size, num_
     if not table.flags.c_contiguous:  # a column slice of an engine's table: one copy, not a new compiled variant
         table = np.ascontiguousarray(table)
     last = cached_entry()
-    use_cache = last is not None and last[0].dtype == table.dtype and last[1].shape[0] == lens.shape[0]
-    out = _compiled(modules[0].check_and_tree, indptr, lens, table, block_size,
-                    block_size.bit_length() - 1 if block_size & (block_size - 1) == 0 else -1,
+    # Same dtype only (another would compile another variant); the compiled check compares the row counts.
+    use_cache = last is not None and last[0].dtype == table.dtype
+    out = _compiled(modules[0].check_and_tree, indptr, lens, table, block_size, _block_shift(block_size),
                     -1 if num_blocks is None else int(num_blocks), causal, sharing == "never",
                     last[0] if use_cache else _NO_CACHE[table.dtype], last[1] if use_cache else _NO_BLOCKS,
                     use_cache)
@@ -156,6 +156,17 @@ def check_and_tree(modules, qo_indptr, kv_lens, block_table, *, block_size, num_
         if status == 2:  # nodes: the cache keeps the tree with the rows it is of (a tree without any: nothing to keep)
             tree = remember_tree(table[:, :tree_width], sh_blocks, tree, max_entries=COMPILED_CACHE_MAX_ENTRIES)
     return indptr, lens, table, max_block_id, q_len, shareable, max_q_len, width, tree
+
+
+_shifts: dict = {}
+
+
+def _block_shift(block_size: int) -> int:
+    """``log2(block_size)`` for a power of two, else -1 (remembered per block size: a step asks for one)."""
+    shift = _shifts.get(block_size)
+    if shift is None:
+        shift = _shifts[block_size] = block_size.bit_length() - 1 if block_size & (block_size - 1) == 0 else -1
+    return shift
 
 
 def _unpack_tree(packed: np.ndarray, n: int) -> LcpTree:
