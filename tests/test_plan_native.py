@@ -119,9 +119,22 @@ def test_random_batches_equal(monkeypatch, seed):
     assert_same_plans(ref, again, f"seed {seed} (replanned)")
 
 
+def _adjacent_lcps(rows: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """``prev_lcp[r]``: leading columns rows ``r - 1`` and ``r`` share within both lengths (the compiled check's
+    hints), by brute force."""
+    out = np.zeros(lengths.shape[0], dtype=np.int64)
+    for r in range(1, lengths.shape[0]):
+        m = int(min(lengths[r - 1], lengths[r]))
+        diff = np.nonzero(rows[r - 1, :m] != rows[r, :m])[0]
+        out[r] = diff[0] if diff.size else m
+    return out
+
+
 @pytest.mark.parametrize("seed", range(300))
 def test_compiled_tree_equals_numpy_tree(seed):
-    """The tree alone on small random rows with heavy ties (identical rows, rows that are prefixes of others)."""
+    """The tree alone on small random rows with heavy ties (identical rows, rows that are prefixes of others, runs of
+    neighbours under one prefix), without and with the check's neighbour LCP hints (exact, or lowered: any lower
+    bound is a valid hint)."""
     from prefixattn import plan_native_tree
 
     rng = np.random.default_rng(seed)
@@ -132,12 +145,43 @@ def test_compiled_tree_equals_numpy_tree(seed):
     rows = rows.astype((np.int32, np.int64)[seed % 2])
     if n > 2:
         rows[rng.integers(0, n, n // 2), :width // 2] = rows[0, :width // 2]
+        run = int(rng.integers(0, n - 1))  # a run of neighbours under one long prefix (an engine's group)
+        rows[run:run + int(rng.integers(2, n - run + 1)), :width - width // 4] = rows[run, :width - width // 4]
     lengths = rng.integers(0, width + 1, n).astype(np.int64)
     ref = lcp_interval_tree(rows[:, :width], lengths)
-    got = plan_native_tree.lcp_interval_tree(rows, width, lengths)
-    for name, a, b in zip(("order", "lcp", "depth", "lb", "rb", "parent"),
-                          (ref.order, ref.lcp, ref.depth, ref.lb, ref.rb, ref.parent), got):
-        assert a.dtype == b.dtype and np.array_equal(a, b), f"{name}: {a} vs {b}"
+    hints = _adjacent_lcps(rows, lengths)
+    lowered = np.minimum(hints, rng.integers(0, width + 1, n))
+    for what, prev_lcp in (("no hints", np.zeros(n, dtype=np.int64)), ("hints", hints), ("lowered hints", lowered)):
+        got = plan_native_tree.lcp_interval_tree(rows, width, lengths, prev_lcp)
+        for name, a, b in zip(("order", "lcp", "depth", "lb", "rb", "parent"),
+                              (ref.order, ref.lcp, ref.depth, ref.lb, ref.rb, ref.parent), got):
+            assert a.dtype == b.dtype and np.array_equal(a, b), f"{what}, {name}: {a} vs {b}"
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_checks_hints_are_the_neighbours_lcps(seed):
+    """check_values' ``prev_lcp`` is the exact LCP of neighbouring rows' shareable blocks where both have at least
+    ``_HINT_MIN_COLUMNS`` of them, else 0 (and empty for a narrower table: no hints at all)."""
+    from prefixattn import plan_native_tree as T
+
+    rng = np.random.default_rng(seed)
+    n, block_size, cols = int(rng.integers(1, 30)), 4, T._HINT_MIN_COLUMNS + 40
+    table = rng.integers(0, 3, (n, cols)).astype(np.int32)
+    group = rng.integers(0, n, n // 2)
+    table[group, :T._HINT_MIN_COLUMNS + 20] = table[0, :T._HINT_MIN_COLUMNS + 20]  # long shared prefixes
+    table[group[::2], T._HINT_MIN_COLUMNS - 30] += 1  # and some that end before the threshold
+    blocks = rng.integers(T._HINT_MIN_COLUMNS - 10, cols, n)  # one more block holds the query: used <= cols
+    lens = (blocks * block_size + 1).astype(np.int64)  # one query row each: shareable = the blocks above
+    indptr = np.arange(n + 1, dtype=np.int64)
+    no_cache = (np.zeros((0, 0), dtype=np.int32), np.zeros(0, dtype=np.int64))
+    out = T.check_values(indptr, lens, table, block_size, 2, -1, True, False, *no_cache)
+    ok, sh_blocks, same, prev_lcp = out[0], out[4], out[7], out[8]
+    assert ok and not same and np.array_equal(sh_blocks, blocks)
+    long_enough = np.minimum(sh_blocks, np.roll(sh_blocks, 1)) >= T._HINT_MIN_COLUMNS
+    assert np.array_equal(prev_lcp, np.where(long_enough, _adjacent_lcps(table, sh_blocks), 0))
+    narrow = T.check_values(indptr, np.minimum(lens, 8), np.ascontiguousarray(table[:, :8]), block_size, 2, -1, True,
+                            False, *no_cache)
+    assert narrow[0] and narrow[8].shape == (0,)
 
 
 def test_strided_table_uses_the_compiled_variants(monkeypatch):
@@ -276,3 +320,36 @@ def test_a_warm_tree_cache_follows_the_table(monkeypatch, change):
     warm = _plan_with("numba", monkeypatch, *args2, cold=False, **opts)
     assert (warm.tree is cached) == (change in ("unchanged", "fewer columns"))
     assert_same_plans(_plan_with("numpy", monkeypatch, *args2, **opts), warm, change)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_long_shared_prefixes_equal(monkeypatch, seed):
+    """Rows sharing more than ``_HINT_MIN_COLUMNS`` blocks (the checks' LCP hints feed the tree build): interleaved
+    groups, nested prefixes and a row that leaves its group's prefix early; cold, then a step where one request's
+    shareable blocks change (the cache stops matching at that row)."""
+    from prefixattn import plan_native_tree as T
+
+    rng = np.random.default_rng(seed)
+    n, long = int(rng.integers(3, 24)), T._HINT_MIN_COLUMNS + int(rng.integers(0, 300))
+    groups = rng.integers(0, 3, n)
+    if seed % 2:
+        groups.sort()  # contiguous groups: every neighbour's hint chains to the leader
+    prefixes = 10_000 * (1 + np.arange(3))[:, None] + np.arange(long)[None, :]
+    width = long + 40
+    table = np.empty((n, width), dtype=np.int64)
+    for r in range(n):
+        table[r, :long] = prefixes[groups[r]]
+        table[r, long:] = 100_000 + r * 100 + np.arange(40)
+    nested = rng.integers(0, n, n // 3)
+    table[nested, long // 2] = 7  # leaves its group's prefix halfway (a shorter common prefix)
+    lens = long + rng.integers(1, 40, n)
+    args = (torch.arange(n + 1), torch.from_numpy(lens), torch.from_numpy(table.astype((np.int32, np.int64)[seed % 2])))
+    opts = dict(block_size=1, num_qo_heads=8, num_kv_heads=2, head_dim=64, sharing="always")
+    ref = _plan_with("numpy", monkeypatch, *args, **opts)
+    got = _plan_with("numba", monkeypatch, *args, **opts)
+    assert_same_plans(ref, got, "cold")
+    lens2 = lens.copy()
+    lens2[n // 2] += 1  # one more shareable block for one request
+    args2 = (args[0], torch.from_numpy(lens2), args[2])
+    warm = _plan_with("numba", monkeypatch, *args2, cold=False, **opts)
+    assert_same_plans(_plan_with("numpy", monkeypatch, *args2, **opts), warm, "warm, one row changed")
