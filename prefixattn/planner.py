@@ -423,14 +423,20 @@ OPTION_DEFAULTS = {name: param.default for name, param in inspect.signature(plan
                    if name in inspect.signature(checked_options).parameters}
 
 
+#: :func:`plan_with_options`' default ``planner``: the one ``PREFIXATTN_PLANNER`` picks at that call.
+PLANNER_FROM_ENV = "env"
+
+
 def plan_with_options(options: PlanOptions, qo_indptr: torch.Tensor, kv_lens: torch.Tensor,
                       block_table: torch.Tensor, *, device=None, num_blocks: int | None = None,
                       tiles: AttentionTiles | None = None, workspace: PlanWorkspace | None = None,
-                      device_block_table: torch.Tensor | None = None) -> Plan:
+                      device_block_table: torch.Tensor | None = None, planner=PLANNER_FROM_ENV) -> Plan:
     """:func:`plan` with its options checked already (:func:`checked_options`; a wrapper checks them once): the
-    per-step half. The other arguments are :func:`plan`'s."""
+    per-step half. ``planner``: :func:`prefixattn.plan_native.compiled_modules`' answer (the compiled planner's
+    modules, or None: numpy), by default asked now (an environment read, ~0.8 us; a wrapper asks once). The other
+    arguments are :func:`plan`'s."""
     o = options
-    compiled = plan_native.compiled_modules()  # the planner choice: one environment read per plan
+    compiled = plan_native.still_compiled(plan_native.compiled_modules() if planner is PLANNER_FROM_ENV else planner)
     indptr, lens, table, max_block_id, q_len, shareable, max_q_len, width, tree = _checked_inputs_and_tree(
         compiled, qo_indptr=qo_indptr, kv_lens=kv_lens, block_table=block_table, block_size=o.block_size,
         num_blocks=num_blocks, causal=o.causal, sharing=o.sharing)

@@ -9,6 +9,7 @@ import torch
 
 from prefixattn.kernels.layout import page_size_constexpr
 from prefixattn.kernels.prefix_attention_kernel import prefix_attention_kernel
+from prefixattn import plan_native
 from prefixattn.attention_configs import choose_tiles
 from prefixattn.plan_device import CapacityError
 from prefixattn.planner import (OPTION_DEFAULTS, Plan, _default_num_sms, _positive_int, checked_options, plan,
@@ -245,6 +246,7 @@ class PrefixSharedAttention:
         self._plan: Plan | None = None
         self._workspace: PlanWorkspace | None = None
         self._checked: tuple | None = None  # (PlanOptions, other plan() arguments) of a step without overrides
+        self._with_blocks: tuple = (None, None, None)  # (num_blocks, the arguments it joined, joined arguments)
         if not isinstance(use_cuda_graph, bool):
             raise ValueError(f"use_cuda_graph: expected a bool, got {type(use_cuda_graph).__name__}")
         self.use_cuda_graph = use_cuda_graph
@@ -373,7 +375,10 @@ class PrefixSharedAttention:
                                  f"construction (the launch has no shared branch), got {overrides['sharing']!r}")
         options, per_call = self._step_options(overrides)
         if num_blocks is not None:
-            per_call = {**per_call, "num_blocks": num_blocks}
+            if self._with_blocks[0] != num_blocks or self._with_blocks[1] is not per_call:
+                # An engine passes its cache's size every step: the merged arguments are kept for it.
+                self._with_blocks = (num_blocks, per_call, {**per_call, "num_blocks": num_blocks})
+            per_call = self._with_blocks[2]
         try:
             return plan_with_options(options, qo_indptr, kv_lens, block_table, **per_call,
                                      device_block_table=device_block_table)
@@ -387,13 +392,14 @@ class PrefixSharedAttention:
 
     def _step_options(self, overrides: dict) -> tuple:
         """``(PlanOptions, other plan() arguments)`` of a step with ``overrides``. Without overrides (an engine's
-        steps) they are checked once and kept: passing ~20 options by keyword and checking them cost ~4 us a step
-        on the 2-core host."""
+        steps) they are checked once and kept, with the planner ``PREFIXATTN_PLANNER`` picks then: passing ~20
+        options by keyword and checking them cost ~4 us a step on the 2-core host."""
         if not overrides and self._checked is not None:
             return self._checked
         cfg = {**self._config, **overrides}
         options = checked_options(**{name: cfg.pop(name, default) for name, default in OPTION_DEFAULTS.items()})
-        per_call = {**cfg, "workspace": self._workspace, "device": self._workspace.device}
+        per_call = {**cfg, "workspace": self._workspace, "device": self._workspace.device,
+                    "planner": plan_native.compiled_modules()}  # PREFIXATTN_PLANNER: read once per checked options
         if self.use_cuda_graph:
             per_call["tiles"] = self._tiles
         if not overrides:
