@@ -61,21 +61,19 @@ def _load():
     return _modules
 
 
-def _compiled(fn, *args):
-    """``fn(*args)``; under ``PREFIXATTN_PLANNER=auto`` a numba compile error (an incompatible numba or numpy)
-    switches this process to the numpy planner with a warning and returns None (the callers then plan in numpy:
-    the same results)."""
-    try:
-        return fn(*args)
-    except _numba_error as e:
-        if os.environ.get(ENV_VAR, "auto") != "auto":
-            raise
-        global _modules
-        _modules = False
-        warnings.warn(f"prefixattn: the compiled planner failed to compile ({type(e).__name__}: "
-                      f"{str(e).splitlines()[0] if str(e) else ''}); plan() uses the numpy planner "
-                      f"(same results; {ENV_VAR}=numpy skips numba)", RuntimeWarning, stacklevel=3)
-        return None
+def _compile_failed(error: Exception) -> None:
+    """What a numba compile error (an incompatible numba or numpy) in a compiled call means: raised again, except
+    under ``PREFIXATTN_PLANNER=auto``, which switches this process to the numpy planner with a warning and returns
+    None (the callers then plan in numpy: the same results). The calls catch it themselves (a wrapper around them
+    cost ~0.3 us a call)."""
+    if os.environ.get(ENV_VAR, "auto") != "auto":
+        raise error
+    global _modules
+    _modules = False
+    warnings.warn(f"prefixattn: the compiled planner failed to compile ({type(error).__name__}: "
+                  f"{str(error).splitlines()[0] if str(error) else ''}); plan() uses the numpy planner "
+                  f"(same results; {ENV_VAR}=numpy skips numba)", RuntimeWarning, stacklevel=3)
+    return None
 
 
 def numba_available() -> bool:
@@ -104,7 +102,7 @@ def compiled_modules():
 
 
 def still_compiled(modules):
-    """``modules``, or None once a compile error switched this process to the numpy planner (:func:`_compiled`):
+    """``modules``, or None once a compile error switched this process to the numpy planner (:func:`_compile_failed`):
     plan() reads the planner choice once and asks this between its two compiled calls."""
     return modules if _modules else None
 
@@ -127,7 +125,7 @@ def check_and_tree(modules, qo_indptr, kv_lens, block_table, *, block_size, num_
     """:func:`prefixattn.validation.check_host_metadata` (its messages: the numpy checks run when the compiled ones
     fail), the per-request lengths plan() derives and the block prefix tree with its cache
     (:mod:`prefixattn.lcp_tree`), in one compiled call: ``(indptr, lens, table, max_block_id, q_len, shareable,
-    max_q_len, width, tree)``; None when it failed to compile (:func:`_compiled`)."""
+    max_q_len, width, tree)``; None when it failed to compile (:func:`_compile_failed`)."""
     indptr, lens, table = host_metadata_arrays(qo_indptr, kv_lens, block_table, block_size=block_size,
                                                num_blocks=num_blocks, table_as_is=True)
     if not table.flags.c_contiguous:  # a column slice of an engine's table: one copy, not a new compiled variant
@@ -135,12 +133,13 @@ def check_and_tree(modules, qo_indptr, kv_lens, block_table, *, block_size, num_
     last = cached_entry()
     # Same dtype only (another would compile another variant); the compiled check compares the row counts.
     use_cache = last is not None and last[0].dtype == table.dtype
-    out = _compiled(modules[0].check_and_tree, indptr, lens, table, block_size, _block_shift(block_size),
-                    -1 if num_blocks is None else int(num_blocks), causal, sharing == "never",
-                    last[0] if use_cache else _NO_CACHE[table.dtype], last[1] if use_cache else _NO_BLOCKS,
-                    use_cache)
-    if out is None:
-        return None
+    try:
+        out = modules[0].check_and_tree(indptr, lens, table, block_size, _block_shift(block_size),
+                                        -1 if num_blocks is None else int(num_blocks), causal, sharing == "never",
+                                        last[0] if use_cache else _NO_CACHE[table.dtype],
+                                        last[1] if use_cache else _NO_BLOCKS, use_cache)
+    except _numba_error as e:
+        return _compile_failed(e)
     ok, max_block_id, max_q_len, width, tree_width, status, lengths, packed = out
     if not ok:
         check_host_metadata(qo_indptr, kv_lens, block_table, block_size=block_size, num_blocks=num_blocks,
@@ -189,16 +188,17 @@ def core_params(*, causal, sharing, block_size, group, head_dim, elt_bytes, rows
 def plan_tables(modules, tree, params, *, indptr, q_len, kv_len, shareable, table, width):
     """:func:`prefixattn.planner.select_shared_nodes`, :func:`prefixattn.work_list.build_work_list` and the staging
     buffer in one compiled call: ``(SharedNodes, WorkList, critical_path, flat, table_fits)`` (None when it failed to
-    compile, :func:`_compiled`); ``params`` from :func:`core_params`, ``flat`` is
+    compile, :func:`_compile_failed`); ``params`` from :func:`core_params`, ``flat`` is
     :func:`prefixattn.plan_device.metadata_to_device`'s host buffer (the table's used columns last when they fit
     int32).
     """
     core = modules[1]
     lay, rule, _ = _constant_args(core)
-    out = _compiled(core.plan_core, lay, rule, params, width, tree.order, tree.depth, tree.lb, tree.rb, tree.parent,
-                    indptr, q_len, kv_len, shareable, table)
-    if out is None:
-        return None
+    try:
+        out = core.plan_core(lay, rule, params, width, tree.order, tree.depth, tree.lb, tree.rb, tree.parent, indptr,
+                             q_len, kv_len, shareable, table)
+    except _numba_error as e:
+        return _compile_failed(e)
     (kv_start, kv_end, depth_blocks, offsets, members, flat, items, gather, mrows, fits, num_ws_rows, num_units,
      crit) = out
     nodes = SharedNodes(kv_start=kv_start, kv_end=kv_end, depth_blocks=depth_blocks, offsets=offsets,
