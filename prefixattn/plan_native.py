@@ -153,7 +153,8 @@ def check_and_tree(modules, qo_indptr, kv_lens, block_table, *, block_size, num_
         packed.setflags(write=False)
         tree = _unpack_tree(packed, lens.shape[0])
         if status == 2:  # nodes: the cache keeps the tree with the rows it is of (a tree without any: nothing to keep)
-            tree = remember_tree(table[:, :tree_width], sh_blocks, tree, max_entries=COMPILED_CACHE_MAX_ENTRIES)
+            tree = remember_tree(table[:, :tree_width], sh_blocks, tree, max_entries=COMPILED_CACHE_MAX_ENTRIES,
+                                 frozen=True)
     return indptr, lens, table, max_block_id, q_len, shareable, max_q_len, width, tree
 
 

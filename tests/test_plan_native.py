@@ -353,3 +353,16 @@ def test_long_shared_prefixes_equal(monkeypatch, seed):
     args2 = (args[0], torch.from_numpy(lens2), args[2])
     warm = _plan_with("numba", monkeypatch, *args2, cold=False, **opts)
     assert_same_plans(_plan_with("numpy", monkeypatch, *args2, **opts), warm, "warm, one row changed")
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_compiled_trees_are_read_only(monkeypatch, shared):
+    """Every tree the compiled planner hands out is read-only (it is shared by the plans that reuse it, and numba
+    compiles a variant per writability), with nodes (cached) or without."""
+    table = torch.tensor([[1, 2, 3, 9], [1, 2, 3, 8], [1, 2, 4, 7]] if shared else
+                         [[1, 2, 3, 9], [4, 5, 6, 8], [7, 10, 11, 12]], dtype=torch.int32)
+    p = _plan_with("numba", monkeypatch, torch.tensor([0, 1, 2, 3]), torch.tensor([60, 60, 60]), table,
+                   block_size=16, num_qo_heads=4, num_kv_heads=2, head_dim=64, sharing="always")
+    assert (p.tree.num_nodes > 0) == shared
+    t = p.tree
+    assert not any(a.flags.writeable for a in (t.order, t.lcp, t.depth, t.lb, t.rb, t.parent))

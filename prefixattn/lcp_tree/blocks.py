@@ -44,13 +44,14 @@ def cached_entry():
 
 
 def remember_tree(rows: np.ndarray, num_blocks: np.ndarray, tree: LcpTree, *,
-                  max_entries: int | None = None) -> LcpTree:
-    """Freeze ``tree`` and keep it as this thread's last tree when it has nodes (and ``rows`` has at most
-    ``max_entries`` entries); returns ``tree``."""
-    for a in (tree.order, tree.lcp, tree.depth, tree.lb, tree.rb, tree.parent):
-        # Shared by the plans of every step that reuses it; read-only always, so the compiled planner sees one
-        # array type (numba compiles a variant per writability).
-        a.setflags(write=False)
+                  max_entries: int | None = None, frozen: bool = False) -> LcpTree:
+    """Freeze ``tree`` (``frozen``: its arrays are read-only already) and keep it as this thread's last tree when it
+    has nodes (and ``rows`` has at most ``max_entries`` entries); returns ``tree``."""
+    if not frozen:
+        for a in (tree.order, tree.lcp, tree.depth, tree.lb, tree.rb, tree.parent):
+            # Shared by the plans of every step that reuses it; read-only always, so the compiled planner sees one
+            # array type (numba compiles a variant per writability).
+            a.setflags(write=False)
     if tree.num_nodes and (max_entries is None or rows.size <= max_entries):
         # The replaced entry's row buffer is reused (a fresh 2 MB buffer costs its page faults: ~2x the copy).
         last = cached_entry()
