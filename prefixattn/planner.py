@@ -13,8 +13,8 @@ Steps (numpy, vectorized over requests; Python loops only over tree change point
 
 from __future__ import annotations
 
-import math
 import inspect
+import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -28,8 +28,8 @@ from prefixattn.runtime import interpreter_enabled
 from prefixattn.kernels import layout as K
 from prefixattn.memo import typed_memo
 from prefixattn.split_rule import critical_path
-from prefixattn.validation import (CPU_DEVICE, SUPPORTED_DTYPES, canonical_device, check_head_dim, check_heads, check_kv_dtype,
-                                   check_host_metadata, check_soft_cap, check_window_left)
+from prefixattn.validation import (CPU_DEVICE, SUPPORTED_DTYPES, canonical_device, check_head_dim, check_heads,
+                                   check_host_metadata, check_kv_dtype, check_soft_cap, check_window_left)
 from prefixattn.plan_device import device_tables
 from prefixattn.ragged import expand, offsets
 from prefixattn.window import window_shared_nodes

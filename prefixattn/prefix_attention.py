@@ -246,7 +246,7 @@ class PrefixSharedAttention:
         self._plan: Plan | None = None
         self._workspace: PlanWorkspace | None = None
         self._checked: tuple | None = None  # (PlanOptions, other plan() arguments) of a step without overrides
-        self._with_blocks: tuple = (None, None, None)  # (num_blocks, the arguments it joined, joined arguments)
+        self._with_blocks: tuple = (None, None, None)  # ((type, num_blocks), arguments it joined, joined arguments)
         if not isinstance(use_cuda_graph, bool):
             raise ValueError(f"use_cuda_graph: expected a bool, got {type(use_cuda_graph).__name__}")
         self.use_cuda_graph = use_cuda_graph
@@ -375,9 +375,10 @@ class PrefixSharedAttention:
                                  f"construction (the launch has no shared branch), got {overrides['sharing']!r}")
         options, per_call = self._step_options(overrides)
         if num_blocks is not None:
-            if self._with_blocks[0] != num_blocks or self._with_blocks[1] is not per_call:
+            key = (type(num_blocks), num_blocks)  # by type too: 16.0 is refused where 16 is not
+            if self._with_blocks[0] != key or self._with_blocks[1] is not per_call:
                 # An engine passes its cache's size every step: the merged arguments are kept for it.
-                self._with_blocks = (num_blocks, per_call, {**per_call, "num_blocks": num_blocks})
+                self._with_blocks = (key, per_call, {**per_call, "num_blocks": num_blocks})
             per_call = self._with_blocks[2]
         try:
             return plan_with_options(options, qo_indptr, kv_lens, block_table, **per_call,

@@ -278,3 +278,17 @@ def test_graph_grid_overflow_replans_without_sharing(device, monkeypatch):
     monkeypatch.setattr(attn, "graph_grid_items", lambda num_tokens: unshared_items - 1)
     with pytest.raises(ValueError, match="graph_num_tokens: expected a step within the grid"):
         attn.plan(*metadata, graph_num_tokens=rows)
+
+
+def test_a_wrapper_still_refuses_a_bad_num_blocks_after_a_good_one():
+    """The wrapper keeps its checked arguments between steps: a ``num_blocks`` equal to the last one but of another
+    type (16.0 after 16) is still refused, and so is one too small for the table."""
+    attn = PrefixSharedAttention(num_qo_heads=4, num_kv_heads=2, head_dim=64, block_size=16, q_dtype=torch.float32,
+                                 max_tokens=8, max_requests=4, max_blocks_per_request=4, device="cpu")
+    args = (torch.tensor([0, 1, 2]), torch.tensor([40, 40]), torch.tensor([[0, 1, 2], [0, 1, 3]]))
+    attn.plan(*args, num_blocks=16)
+    with pytest.raises(ValueError, match="num_blocks"):
+        attn.plan(*args, num_blocks=16.0)
+    with pytest.raises(ValueError, match="num_blocks|block_table"):
+        attn.plan(*args, num_blocks=3)
+    assert attn.plan(*args, num_blocks=16).num_requests == 2
