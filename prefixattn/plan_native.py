@@ -1,6 +1,8 @@
 """Which planner runs plan(): the compiled one (numba, optional) or the numpy reference.
 
-``PREFIXATTN_PLANNER`` picks it, read at every :func:`prefixattn.plan` call:
+``PREFIXATTN_PLANNER`` picks it, read at every :func:`prefixattn.plan` call (a
+:class:`~prefixattn.PrefixSharedAttention` reads it when it checks its options, at its first plan without
+overrides, and keeps the choice):
 
 * ``auto`` (default): numba when it can be imported, else numpy;
 * ``numba``: the compiled planner (``ValueError`` at plan() time when numba is missing);
