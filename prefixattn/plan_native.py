@@ -160,18 +160,9 @@ def check_and_tree(modules, qo_indptr, kv_lens, block_table, *, block_size, num_
     return indptr, lens, table, max_block_id, q_len, shareable, max_q_len, width, tree
 
 
-_shifts: dict = {}
-_MAX_SHIFTS = 64
-
-
 def _block_shift(block_size: int) -> int:
-    """``log2(block_size)`` for a power of two, else -1 (remembered per block size: a step asks for one)."""
-    shift = _shifts.get(block_size)
-    if shift is None:
-        if len(_shifts) >= _MAX_SHIFTS:
-            _shifts.clear()
-        shift = _shifts[block_size] = block_size.bit_length() - 1 if block_size & (block_size - 1) == 0 else -1
-    return shift
+    """``log2(block_size)`` for a power of two, else -1."""
+    return block_size.bit_length() - 1 if block_size & (block_size - 1) == 0 else -1
 
 
 def _unpack_tree(packed: np.ndarray, n: int) -> LcpTree:
