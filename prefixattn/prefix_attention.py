@@ -245,8 +245,7 @@ class PrefixSharedAttention:
                             sm_scale=sm_scale, **plan_options)
         self._plan: Plan | None = None
         self._workspace: PlanWorkspace | None = None
-        self._checked: tuple | None = None  # (PlanOptions, other plan() arguments) of a step without overrides
-        self._with_blocks: tuple = (None, None, None)  # ((type, num_blocks), arguments it joined, joined arguments)
+        self._checked: tuple | None = None  # _step_options() of a step without overrides
         if not isinstance(use_cuda_graph, bool):
             raise ValueError(f"use_cuda_graph: expected a bool, got {type(use_cuda_graph).__name__}")
         self.use_cuda_graph = use_cuda_graph
@@ -373,39 +372,36 @@ class PrefixSharedAttention:
             if not self._graph_has_shared and overrides.get("sharing", "never") != "never":
                 raise ValueError(f"sharing: expected 'never' with use_cuda_graph=True and sharing='never' at "
                                  f"construction (the launch has no shared branch), got {overrides['sharing']!r}")
-        options, per_call = self._step_options(overrides)
-        if num_blocks is not None:
-            key = (type(num_blocks), num_blocks)  # by type too: 16.0 is refused where 16 is not
-            if self._with_blocks[0] != key or self._with_blocks[1] is not per_call:
-                # An engine passes its cache's size every step: the merged arguments are kept for it.
-                self._with_blocks = (key, per_call, {**per_call, "num_blocks": num_blocks})
-            per_call = self._with_blocks[2]
+        options, per_call, default_blocks = self._step_options(overrides)
+        if num_blocks is None:
+            num_blocks = default_blocks
         try:
-            return plan_with_options(options, qo_indptr, kv_lens, block_table, **per_call,
+            return plan_with_options(options, qo_indptr, kv_lens, block_table, **per_call, num_blocks=num_blocks,
                                      device_block_table=device_block_table)
         except CapacityError as err:
             if err.capacity not in _SHARING_CAPACITIES or options.sharing == "never":
                 raise
             unshared = plan_with_options(options._replace(sharing="never"), qo_indptr, kv_lens, block_table,
-                                         **per_call, device_block_table=device_block_table)
+                                         **per_call, num_blocks=num_blocks, device_block_table=device_block_table)
             unshared.stats["capacity_fallback"] = str(err)
             return unshared
 
     def _step_options(self, overrides: dict) -> tuple:
-        """``(PlanOptions, other plan() arguments)`` of a step with ``overrides``. Without overrides (an engine's
-        steps) they are checked once and kept, with the planner ``PREFIXATTN_PLANNER`` picks then: passing ~20
-        options by keyword and checking them cost ~4 us a step on the 2-core host."""
+        """``(PlanOptions, other plan() arguments, num_blocks of the options or None)`` of a step with ``overrides``.
+        Without overrides (an engine's steps) they are checked once and kept, with the planner ``PREFIXATTN_PLANNER``
+        picks then: passing ~20 options by keyword and checking them cost ~4 us a step on the 2-core host."""
         if not overrides and self._checked is not None:
             return self._checked
         cfg = {**self._config, **overrides}
         options = checked_options(**{name: cfg.pop(name, default) for name, default in OPTION_DEFAULTS.items()})
+        default_blocks = cfg.pop("num_blocks", None)  # the step's own num_blocks, when given, replaces it
         per_call = {**cfg, "workspace": self._workspace, "device": self._workspace.device,
                     "planner": plan_native.compiled_modules()}  # PREFIXATTN_PLANNER: read once per checked options
         if self.use_cuda_graph:
             per_call["tiles"] = self._tiles
         if not overrides:
-            self._checked = (options, per_call)
-        return options, per_call
+            self._checked = (options, per_call, default_blocks)
+        return options, per_call, default_blocks
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, out=None,
             return_lse: bool = False, sinks=None, k_scale=None, v_scale=None):
