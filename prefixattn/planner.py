@@ -452,7 +452,7 @@ def plan_with_options(options: PlanOptions, qo_indptr: torch.Tensor, kv_lens: to
     num_tokens, num_nodes = int(indptr[-1]), int(nodes.kv_start.shape[0])
     dev = device_tables(work, table, width, workspace=workspace, device_block_table=device_block_table,
                          device=device, staged=staged, num_qo_heads=o.num_qo_heads, head_dim=o.head_dim,
-                         num_tokens=num_tokens)
+                         num_tokens=num_tokens, max_block_id=max_block_id)
     return Plan(
         num_tokens=num_tokens, num_requests=int(lens.shape[0]), num_qo_heads=o.num_qo_heads,
         num_kv_heads=o.num_kv_heads, head_dim=o.head_dim, block_size=o.block_size, causal=o.causal,

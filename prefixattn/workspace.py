@@ -187,8 +187,9 @@ class PlanWorkspace:
              table_width: int = 0) -> dict:
         """Write one step's int32 tables into the pinned host buffer and move them with one non-blocking copy.
 
-        ``table`` is the used part of the block table ``[num_requests, <= table_width]`` (int64 or int32 ids
-        < 2**31; columns up to ``table_width`` it lacks are staged as 0), or None when the kernel reads a block
+        ``table`` is the used part of the block table ``[num_requests, <= table_width]`` (int64 or int32; the ids
+        the kernel reads < 2**31, a cell it never reads is staged wrapped; columns up to ``table_width`` it lacks are
+        staged as 0), or None when the kernel reads a block
         table the caller keeps on the device. The caller checked the sizes
         (:meth:`overflow`). Returns the device views of the live rows (same ``data_ptr`` at every step).
         """

@@ -292,3 +292,17 @@ def test_a_wrapper_still_refuses_a_bad_num_blocks_after_a_good_one():
     with pytest.raises(ValueError, match="num_blocks|block_table"):
         attn.plan(*args, num_blocks=3)
     assert attn.plan(*args, num_blocks=16).num_requests == 2
+
+
+def test_workspace_refuses_read_ids_past_int32_and_stages_the_rest():
+    """The workspace stages an int32 table: an id the kernel reads must be below 2**31 (a ValueError naming the
+    table), while a cell past a request's own blocks (never read) may hold anything."""
+    attn = PrefixSharedAttention(num_qo_heads=4, num_kv_heads=2, head_dim=64, block_size=16, q_dtype=torch.float32,
+                                 max_tokens=8, max_requests=4, max_blocks_per_request=4, device="cpu")
+    indptr, lens = torch.tensor([0, 1, 2]), torch.tensor([40, 20])
+    unread = torch.tensor([[0, 1, 2], [3, 4, 2**40]])  # request 1 reads 2 blocks: its third cell is never read
+    p = attn.plan(indptr, lens, unread)
+    assert p.max_block_id == 4
+    np.testing.assert_array_equal(p.block_table[:2, :2].numpy(), [[0, 1], [3, 4]])
+    with pytest.raises(ValueError, match=r"block_table: expected block ids below 2\*\*31 .* got 2147483648"):
+        attn.plan(indptr, lens, torch.tensor([[0, 1, 2**31], [3, 4, 5]]))
