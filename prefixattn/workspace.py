@@ -208,7 +208,8 @@ class PlanWorkspace:
             rows, cols = table.shape
             view = h[start:start + rows * c.max_blocks_per_request].reshape(rows, c.max_blocks_per_request)
             view[:, :cols] = table
-            view[:, cols:max(table_width, cols)] = 0
+            if table_width > cols:  # an empty slice's assignment still costs ~0.5 us
+                view[:, cols:table_width] = 0
             end = start + rows * c.max_blocks_per_request
         if self._dev is not self._host:
             self._dev[:end].copy_(self._host[:end], non_blocking=True)
