@@ -306,3 +306,22 @@ def test_workspace_refuses_read_ids_past_int32_and_stages_the_rest():
     np.testing.assert_array_equal(p.block_table[:2, :2].numpy(), [[0, 1], [3, 4]])
     with pytest.raises(ValueError, match=r"block_table: expected block ids below 2\*\*31 .* got 2147483648"):
         attn.plan(indptr, lens, torch.tensor([[0, 1, 2**31], [3, 4, 5]]))
+
+
+def test_restated_options_reuse_the_checked_ones(monkeypatch):
+    """A step whose overrides restate the constructor's values (vLLM's builder passes its window and soft cap every
+    step) reuses the options checked once; a value of another type or another value is checked and applied."""
+    calls = []
+    checked = prefix_attention.checked_options
+    monkeypatch.setattr(prefix_attention, "checked_options", lambda **kw: calls.append(kw) or checked(**kw))
+    attn = PrefixSharedAttention(**HEADS, q_dtype=torch.float32, device="cpu", window_left=-1, logits_soft_cap=0.0,
+                                 **CAPS)
+    (a, _), _, _ = _two_batches_on_one_cache("cpu")
+    attn.plan(*a.metadata)
+    attn.plan(*a.metadata, window_left=-1, logits_soft_cap=0.0)
+    assert len(calls) == 1
+    with pytest.raises(ValueError, match="logits_soft_cap"):
+        attn.plan(*a.metadata, logits_soft_cap=-1.0)
+    assert attn.plan(*a.metadata, window_left=8).window_left == 8
+    assert attn.plan(*a.metadata, logits_soft_cap=0).logits_soft_cap == 0.0  # an int 0 for 0.0: checked again
+    assert len(calls) == 4
