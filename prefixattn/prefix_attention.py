@@ -300,6 +300,9 @@ class PrefixSharedAttention:
             tile_sets = [choose_tiles(head_dim=cfg["head_dim"], group=group, max_q_len=q, dtype=cfg["q_dtype"])
                          for q in (1, int(caps[0]))]
         rows = [r for t in tile_sets for r in (t.rows_per_shared_tile(group), t.rows_per_suffix_tile(group))]
+        #: graph_grid_items() per graph size: fixed by the capacity, asked every graph step (derive_capacity cost ~6 us
+        #: a step on the 2-core host); at most one entry per size up to max_tokens.
+        self._grid_items: dict[int, int] = {}
         self._bound = functools.partial(derive_capacity, num_kv_heads=cfg["num_kv_heads"], num_sms=num_sms,
                                         rows_per_tile=(min(rows), max(rows)), max_shared_levels=max_shared_levels)
         capacity = self._bound(max_tokens=caps[0], max_requests=caps[1], max_blocks_per_request=caps[2], **overrides)
@@ -356,10 +359,15 @@ class PrefixSharedAttention:
         """Work items a graph-safe launch for ``num_tokens`` query rows covers: the derived item bound of a step of
         that size (:func:`prefixattn.workspace.derive_capacity`; only requests with query rows make items, so at most
         ``num_tokens`` of them), never more than the workspace's ``max_items``."""
-        cap = self._workspace.capacity
-        bound = self._bound(max_tokens=num_tokens, max_requests=min(num_tokens, cap.max_requests),
-                            max_blocks_per_request=cap.max_blocks_per_request).max_items
-        return min(bound, cap.max_items)
+        grid = self._grid_items.get(num_tokens) if type(num_tokens) is int else None
+        if grid is None:
+            cap = self._workspace.capacity
+            bound = self._bound(max_tokens=num_tokens, max_requests=min(num_tokens, cap.max_requests),
+                                max_blocks_per_request=cap.max_blocks_per_request).max_items
+            grid = min(bound, cap.max_items)
+            if type(num_tokens) is int:
+                self._grid_items[num_tokens] = grid
+        return grid
 
     def _fit_graph_grid(self, p: Plan, num_tokens: int, args) -> Plan:
         """Keep a plan within the grid of the graph that replays it: re-plan without sharing, else refuse."""
