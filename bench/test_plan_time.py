@@ -118,22 +118,29 @@ def _report_times(results, provider, label, times):
 
 #: How the headline batches are planned: the free ``prefixattn.plan()`` (new device tables per plan), and
 #: ``PrefixSharedAttention.plan()`` into its capacity workspace, staging the block table (``wrapper``) or reading a
-#: block table already on the device (``wrapper-device-table``: what the vLLM and SGLang backends run every step,
-#: with the engine's persistent table).
-PLAN_APIS = ("plan", "wrapper", "wrapper-device-table")
+#: block table already on the device (``wrapper-device-table``: what the vLLM and SGLang backends run every eager
+#: step, with the engine's persistent table; ``wrapper-graph``: a ``use_cuda_graph`` wrapper with the step's graph
+#: size, what they run every full-graph decode step).
+PLAN_APIS = ("plan", "wrapper", "wrapper-device-table", "wrapper-graph")
 
 
 def _planner(api: str, shape, batch, steps, kwargs):
     """``plan(qo_indptr, kv_lens, block_table)`` for ``api``: the wrapper sized to the decode loop's largest step."""
     if api == "plan":
         return lambda *metadata: prefixattn.plan(*metadata, **kwargs)
+    num_tokens = int(batch.qo_indptr[-1])
+    graph = api == "wrapper-graph"
     attn = prefixattn.PrefixSharedAttention(
         num_qo_heads=shape.num_qo_heads, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
-        block_size=shape.block_size, q_dtype=batch.dtype, max_tokens=int(batch.qo_indptr[-1]),
-        max_requests=batch.kv_lens.shape[0], max_blocks_per_request=int(steps[-1][2].shape[1]))
+        block_size=shape.block_size, q_dtype=batch.dtype, max_tokens=num_tokens,
+        max_requests=batch.kv_lens.shape[0], max_blocks_per_request=0 if graph else int(steps[-1][2].shape[1]),
+        use_cuda_graph=graph)
     if api == "wrapper":
         return lambda *metadata: attn.plan(*metadata, num_blocks=kwargs["num_blocks"])
     device_table = steps[-1][2].to(torch.int32).clone()  # the engine's table: every step's ids, on the device
+    if graph:
+        return lambda *metadata: attn.plan(*metadata, num_blocks=kwargs["num_blocks"], device_block_table=device_table,
+                                           graph_num_tokens=num_tokens)
     return lambda *metadata: attn.plan(*metadata, num_blocks=kwargs["num_blocks"], device_block_table=device_table)
 
 
