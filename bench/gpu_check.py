@@ -5,11 +5,14 @@
    bit-identical;
 2. compute-sanitizer racecheck and memcheck on a small split-k batch with many merge units;
 3. the card's ceilings: device-to-device copy bandwidth, bf16 matmul rate;
-4. timings (``triton.testing.do_bench`` medians, CUDA-graph replay where the plan allows) of prefixattn, prefixattn
+4. CUDA graphs (bench/gpu_graph_check.py): a ``use_cuda_graph`` wrapper's ``run()`` captured once and replayed after
+   re-planning batches of other sizes and sharing shapes, each against the fp64 reference, with no device allocation;
+   replay vs eager time, ``plan()``'s host time;
+5. timings (``triton.testing.do_bench`` medians, CUDA-graph replay where the plan allows) of prefixattn, prefixattn
    ``sharing="never"``, FlashInfer's ``MultiLevelCascadeAttentionWrapper`` (JIT-compiled in a background process
    started first) and torch SDPA on gathered KV, on the Fig. 8 shapes and part of FlashInfer's grid, each against
    its floor (unique KV bytes at the copy bandwidth, or FLOPs at the matmul rate);
-5. ``bench/results/gpu/<gpu>-<commit>.csv`` (the bench CSV schema, bench/conftest.py) and ``.md`` next to it, then a
+6. ``bench/results/gpu/<gpu>-<commit>.csv`` (the bench CSV schema, bench/conftest.py) and ``.md`` next to it, then a
    short table.
 
 Every step has a time budget (bench/gpu_check_steps.py); a step that runs out skips the rest with the reason. The
@@ -168,7 +171,16 @@ def write_outputs(results, out_dir: Path, table, skips, seconds: float) -> tuple
              f"{seconds:.0f} s", "",
              f"- correctness: {len(corr) - len(failed)}/{len(corr)} cases passed (fp64 reference, NaN-poisoned "
              f"outputs, 3 runs bit-identical)" + (f"; FAILED: {', '.join(failed)}" if failed else "")]
+    graphs = [r for r in rows if r["benchmark"] == "gpu_check_graphs" and r["metric"] == "passed"]
+    if graphs:
+        bad = [r["shape"] for r in graphs if float(r["value"]) != 1.0]
+        how = ("eager runs of the graph wrapper, dry run: no capture" if results.device == "cpu-interpreter" else
+               "replays of one capture, with no device allocation")
+        lines.append(f"- CUDA graphs: {len(graphs) - len(bad)}/{len(graphs)} re-planned batches matched ({how})"
+                     + (f"; FAILED: {', '.join(bad)}" if bad else ""))
     for r in rows:
+        if r["benchmark"] == "gpu_check_graphs" and r["unit"] == "us":
+            lines.append(f"- {r['benchmark']}: {r['shape']} {r['metric']} = {float(r['value']):.1f} us")
         if r["benchmark"] in ("gpu_check_sanitizer", "gpu_ceiling"):
             lines.append(f"- {r['benchmark']}: {r['shape']} {r['metric']} = {float(r['value']):.4g} {r['unit']}")
     if skips:
@@ -203,6 +215,7 @@ def main(argv) -> int:
     os.environ["TRITON_INTERPRET"] = "1" if args.dry_run else "0"
     sys.path[1:1] = [str(ROOT)]  # prefixattn and tests.* from this checkout (bench/ is sys.path[0])
     import gpu_check_steps as steps
+    from gpu_graph_check import step_graphs
 
     if args.sanitize_case:
         return steps.sanitize_case("cuda")
@@ -225,6 +238,7 @@ def main(argv) -> int:
     write_outputs(results, out_dir, table, skips, time.monotonic() - start)
     steps.step_sanitizer(args, results, skips)
     ceil = steps.step_ceilings(args, results, skips, device)
+    step_graphs(args, results, skips, device)
     write_outputs(results, out_dir, table, skips, time.monotonic() - start)
     step_timing(args, results, skips, device, ceil, fi_handle, table)
     csv_path, md_path = write_outputs(results, out_dir, table, skips, time.monotonic() - start)

@@ -15,7 +15,7 @@ from pathlib import Path
 #: The driver: child processes (sanitized case, FlashInfer warm-up) run it with a flag.
 DRIVER = Path(__file__).with_name("gpu_check.py")
 #: Seconds per step on the GPU; the driver also clips every step to its overall deadline (bench/gpu_check.py).
-BUDGET_S = {"correctness": 170, "sanitizer": 90, "ceilings": 15, "timing": 400}
+BUDGET_S = {"correctness": 170, "sanitizer": 90, "ceilings": 15, "graphs": 45, "timing": 400}
 #: Each compute-sanitizer tool's share of the sanitizer step (racecheck instruments shared memory: the slower one).
 SANITIZER_TOOLS = {"racecheck": 0.55, "memcheck": 0.45}
 #: FlashInfer JIT-compiles its cascade kernels in a background process started first; past this the timing step

@@ -35,6 +35,10 @@ def test_gpu_check_dry_run_runs_every_step(tmp_path):
     timed = {(r["provider"], r["shape"]) for r in by("attention_gpu_time", "time_us_median")}
     assert {p for p, _ in timed} == {"prefixattn", "prefixattn-nosharing", "torch-sdpa"}
     assert len({s for _, s in timed}) == 2 and len(by("attention_gpu_time", "floor_us")) == 2
+    # The graph step planned every batch on one use_cuda_graph wrapper (run eagerly: no capture on CPU) and matched.
+    graphs = by("gpu_check_graphs", "passed")
+    assert len(graphs) == 5 and all(float(r["value"]) == 1.0 for r in graphs)
+    assert "[graphs] SKIPPED: dry run: no CUDA graph capture" in out
     # The CUDA-only steps are skipped with their reasons, not silently.
     assert "[sanitizer] SKIPPED: dry run: compute-sanitizer" in out
     assert "flashinfer-cascade2 column: dry run: FlashInfer's kernels are CUDA-only" in out
