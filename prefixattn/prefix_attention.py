@@ -300,8 +300,8 @@ class PrefixSharedAttention:
             tile_sets = [choose_tiles(head_dim=cfg["head_dim"], group=group, max_q_len=q, dtype=cfg["q_dtype"])
                          for q in (1, int(caps[0]))]
         rows = [r for t in tile_sets for r in (t.rows_per_shared_tile(group), t.rows_per_suffix_tile(group))]
-        #: graph_grid_items() per graph size: fixed by the capacity, asked every graph step (derive_capacity cost ~6 us
-        #: a step on the 2-core host); at most one entry per size up to max_tokens.
+        #: graph_grid_items() per graph size: fixed by the capacity, asked every graph step (derive_capacity cost
+        #: ~3.5 us a step on the 2-core host); one entry per size asked (an engine's capture sizes).
         self._grid_items: dict[int, int] = {}
         self._bound = functools.partial(derive_capacity, num_kv_heads=cfg["num_kv_heads"], num_sms=num_sms,
                                         rows_per_tile=(min(rows), max(rows)), max_shared_levels=max_shared_levels)

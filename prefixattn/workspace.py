@@ -189,9 +189,8 @@ class PlanWorkspace:
 
         ``table`` is the used part of the block table ``[num_requests, <= table_width]`` (int64 or int32; the ids
         the kernel reads < 2**31, a cell it never reads is staged wrapped; columns up to ``table_width`` it lacks are
-        staged as 0), or None when the kernel reads a block
-        table the caller keeps on the device. The caller checked the sizes
-        (:meth:`overflow`). Returns the device views of the live rows (same ``data_ptr`` at every step).
+        staged as 0), or None when the kernel reads a block table the caller keeps on the device. The caller checked
+        the sizes (:meth:`overflow`). Returns the device views of the live rows (same ``data_ptr`` at every step).
         """
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copy has finished reading the host buffer
