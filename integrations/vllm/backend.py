@@ -31,7 +31,8 @@ forward. That includes an explicit ``--kv-cache-dtype`` that is neither the mode
 16/32-bit K/V in the dtype of q).
 
 Bad metadata: ``plan()`` checks vLLM's metadata values on the host once per step (part of the plan's own numpy pass
-over the block table, no extra device sync: the table is copied to the host for the planner anyway), and records the
+over the block table, no extra device sync: the used columns are copied to the host for the planner anyway, vLLM's
+metadata having no host block table), and records the
 largest block id it reads; every layer's :func:`prefixattn.attention` compares that id with the layer cache's
 ``num_blocks`` (two int comparisons per layer, no device work), so a block id outside vLLM's cache is a
 ``ValueError``, never a read outside it.
@@ -111,22 +112,34 @@ class PlanInputs:
 
     qo_indptr: torch.Tensor  # [num_reqs + 1] CPU
     kv_lens: torch.Tensor  # [num_reqs] CPU
-    block_table: torch.Tensor  # [num_reqs, max_blocks], on vLLM's device (plan() copies it to the host once)
+    block_table: torch.Tensor  # [num_reqs, max_blocks], on vLLM's device: the kernel reads it in place
+    #: What the planner reads (plan() copies a device tensor to the host once): on a GPU only the columns the batch
+    #: uses, ``[num_reqs, ceil(max(kv_lens) / block_size)]`` (vLLM's table is ``max_model_len / block_size`` wide:
+    #: 8,192 columns, 8 MB for 256 requests, at a 128K context with 16-token blocks); on the CPU the table itself
+    #: (read in place, no copy).
+    host_block_table: torch.Tensor
 
 
-def plan_inputs(common: CommonAttentionMetadata, *, exact_seq_lens_on_host: bool = True) -> PlanInputs:
+def plan_inputs(common: CommonAttentionMetadata, *, block_size: int,
+                exact_seq_lens_on_host: bool = True) -> PlanInputs:
     """Convert vLLM's per-step metadata to ``prefixattn.plan``'s ``(qo_indptr, kv_lens, block_table)``.
 
     vLLM's ``seq_lens`` already count the new tokens (prefixattn's ``kv_lens`` convention) and its block table rows
     are in request order, so this is slicing to the ``num_reqs`` real requests plus picking host copies:
     ``query_start_loc_cpu`` always; ``seq_lens_cpu_upper_bound`` when it is exact (no speculative decoding:
-    ``exact_seq_lens_on_host``), else one device-to-host copy of ``seq_lens``.
+    ``exact_seq_lens_on_host``), else one device-to-host copy of ``seq_lens``. vLLM's metadata has no host block
+    table: the planner copies the columns it reads (``host_block_table``) from the device table.
     """
     n = int(common.num_reqs)
     qo_indptr = common.query_start_loc_cpu[: n + 1]
     host_lens = getattr(common, "seq_lens_cpu_upper_bound", None) if exact_seq_lens_on_host else None
     kv_lens = host_lens[:n] if host_lens is not None else common.seq_lens[:n].to("cpu")
-    return PlanInputs(qo_indptr=qo_indptr, kv_lens=kv_lens, block_table=common.block_table_tensor[:n])
+    table = common.block_table_tensor[:n]
+    host_table = table
+    if table.device.type != "cpu" and n:
+        used = -(-int(kv_lens.max()) // block_size)
+        host_table = table[:, :max(1, min(used, table.shape[1]))]
+    return PlanInputs(qo_indptr=qo_indptr, kv_lens=kv_lens, block_table=table, host_block_table=host_table)
 
 
 def _refusal(reasons: list[str]) -> ValueError:
@@ -247,7 +260,7 @@ class PrefixAttnMetadataBuilder(AttentionMetadataBuilder[PrefixAttnMetadata]):
     def _build(self, common: CommonAttentionMetadata, *, capture: bool) -> PrefixAttnMetadata:
         if isinstance(common.causal, torch.Tensor) or not common.causal:
             raise _refusal(["non-causal attention not supported"])
-        inputs = plan_inputs(common, exact_seq_lens_on_host=self.exact_seq_lens_on_host)
+        inputs = plan_inputs(common, block_size=self.block_size, exact_seq_lens_on_host=self.exact_seq_lens_on_host)
         if capture or self._graph_safe_step(common):
             return self._build_graph_safe(common, inputs, capture=capture)
         step_plan = self._plan_eager(inputs)
@@ -262,7 +275,7 @@ class PrefixAttnMetadataBuilder(AttentionMetadataBuilder[PrefixAttnMetadata]):
         if self.eager_attn is not None:
             try:
                 # The group's options from the builder (as the fallback's), not only the wrapper's construction
-                return self.eager_attn.plan(inputs.qo_indptr, inputs.kv_lens, inputs.block_table,
+                return self.eager_attn.plan(inputs.qo_indptr, inputs.kv_lens, inputs.host_block_table,
                                             device_block_table=inputs.block_table, window_left=self.window_left,
                                             logits_soft_cap=self.logits_soft_cap)
             except prefixattn.CapacityError as err:
@@ -271,7 +284,7 @@ class PrefixAttnMetadataBuilder(AttentionMetadataBuilder[PrefixAttnMetadata]):
                     logger.warning("prefixattn: a step beyond the eager workspace (%s) is planned with a per-step "
                                    "prefixattn.plan() (builder.capacity_fallbacks counts them)", err)
         return prefixattn.plan(
-            inputs.qo_indptr, inputs.kv_lens, inputs.block_table, block_size=self.block_size,
+            inputs.qo_indptr, inputs.kv_lens, inputs.host_block_table, block_size=self.block_size,
             num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, causal=True,
             sm_scale=self.sm_scale, q_dtype=self.q_dtype, kv_dtype=self.kv_dtype, device=self.device,
             window_left=self.window_left, logits_soft_cap=self.logits_soft_cap)
@@ -295,8 +308,8 @@ class PrefixAttnMetadataBuilder(AttentionMetadataBuilder[PrefixAttnMetadata]):
         kv_lens = inputs.qo_indptr[1:] - inputs.qo_indptr[:-1] if capture else inputs.kv_lens
         num_rows = int(common.num_actual_tokens)  # every row vLLM pads to (the graph's size): captured ops see them
         # vLLM's persistent device block table: the kernel reads it in place (same address at every step).
-        step_plan = attn.plan(inputs.qo_indptr, kv_lens, inputs.block_table, device_block_table=inputs.block_table,
-                              graph_num_tokens=num_rows)
+        step_plan = attn.plan(inputs.qo_indptr, kv_lens, inputs.host_block_table,
+                              device_block_table=inputs.block_table, graph_num_tokens=num_rows)
         for observe in _plan_observers:
             observe(step_plan)
         return PrefixAttnMetadata(plan=step_plan, num_query_tokens=step_plan.num_tokens,

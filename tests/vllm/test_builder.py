@@ -77,17 +77,32 @@ def test_builder_plans_price_the_cache_dtype(tiny_llama, cache_dtype, want):
 def test_plan_inputs_from_common_metadata():
     from integrations.vllm.backend import plan_inputs
 
-    inputs = plan_inputs(common_metadata())
+    inputs = plan_inputs(common_metadata(), block_size=BLOCK)
     assert inputs.qo_indptr.tolist() == [0, 1, 2, 7, 8]
     assert inputs.kv_lens.tolist() == SEQ_LENS
     assert inputs.block_table.tolist() == BLOCK_TABLE
+    assert inputs.host_block_table is inputs.block_table  # a CPU table: the planner reads it in place
     # Without a host copy of seq_lens the device tensor is read; with speculative decoding the upper bound is not
     # exact, so it is not used.
-    assert plan_inputs(common_metadata(upper_bound=False)).kv_lens.tolist() == SEQ_LENS
+    assert plan_inputs(common_metadata(upper_bound=False), block_size=BLOCK).kv_lens.tolist() == SEQ_LENS
     inflated = torch.tensor(SEQ_LENS) + 2
-    assert plan_inputs(common_metadata(seq_lens_upper=inflated)).kv_lens.tolist() == inflated.tolist()
-    assert plan_inputs(common_metadata(seq_lens_upper=inflated),
+    assert plan_inputs(common_metadata(seq_lens_upper=inflated), block_size=BLOCK).kv_lens.tolist() == \
+        inflated.tolist()
+    assert plan_inputs(common_metadata(seq_lens_upper=inflated), block_size=BLOCK,
                        exact_seq_lens_on_host=False).kv_lens.tolist() == SEQ_LENS
+
+
+def test_plan_inputs_copy_only_the_used_columns_of_a_device_table():
+    """vLLM's device block table is max_model_len / block_size wide; the planner's host copy is only the columns the
+    longest request uses (a meta tensor stands in for the GPU's: no copy happens here)."""
+    from dataclasses import replace
+
+    from integrations.vllm.backend import plan_inputs
+
+    wide = torch.zeros((len(SEQ_LENS) + 3, 512), dtype=torch.int32, device="meta")  # vLLM's rows past num_reqs
+    inputs = plan_inputs(replace(common_metadata(), block_table_tensor=wide), block_size=BLOCK)
+    assert inputs.block_table.shape == (len(SEQ_LENS), 512)  # the kernel's: whole rows, read in place
+    assert inputs.host_block_table.shape == (len(SEQ_LENS), -(-max(SEQ_LENS) // BLOCK))
 
 
 def test_build_finds_the_shared_prefix(builder):
