@@ -68,7 +68,7 @@ class StepMetadata:
     qo_indptr : Tensor, ``[batch_size + 1]``, int64, CPU
     kv_lens : Tensor, ``[batch_size]``, int64, CPU
         SGLang's ``seq_lens``: cached prefix + this step's new tokens.
-    block_table : Tensor, ``[batch_size, max_blocks]``, int64, CPU
+    block_table : Tensor, ``[batch_size, max_blocks]``, CPU, ``req_to_token``'s dtype (int32)
         Block (page) ids from ``req_to_token``; identical leading ids = a prefix shared through the radix cache.
     plans : dict
         ``(num_qo_heads, num_kv_heads, head_dim, dtype, sm_scale, causal) -> prefixattn.Plan``. A model whose layers
@@ -191,7 +191,9 @@ class PrefixAttnBackend(AttentionBackend):
         if self.page_size > 1:
             device_table = torch.div(rows[:, :: self.page_size], self.page_size, rounding_mode="floor")
         self.forward_metadata = StepMetadata(qo_indptr=qo_indptr, kv_lens=kv_lens,
-                                             block_table=device_table.to("cpu", torch.int64),
+                                             # its own dtype: the planner reads int32 (half the copy of int64;
+                                             # on a CPU pool the table itself, no copy)
+                                             block_table=device_table.to("cpu"),
                                              device_block_table=device_table)
 
     def _plan_for(self, layer, q: torch.Tensor, causal: bool, num_blocks: int):
