@@ -6,8 +6,8 @@
 2. compute-sanitizer racecheck and memcheck on a small split-k batch with many merge units;
 3. the card's ceilings: device-to-device copy bandwidth, bf16 matmul rate;
 4. CUDA graphs (bench/gpu_graph_check.py): a ``use_cuda_graph`` wrapper's ``run()`` captured once and replayed after
-   re-planning batches of other sizes and sharing shapes, each against the fp64 reference, with no device allocation;
-   replay vs eager time, ``plan()``'s host time;
+   re-planning batches of other sizes and sharing shapes, each against the fp64 reference, with no device allocation
+   by ``plan()`` or the replay; replay vs eager time, ``plan()``'s host time;
 5. timings (``triton.testing.do_bench`` medians, CUDA-graph replay where the plan allows) of prefixattn, prefixattn
    ``sharing="never"``, FlashInfer's ``MultiLevelCascadeAttentionWrapper`` (JIT-compiled in a background process
    started first) and torch SDPA on gathered KV, on the Fig. 8 shapes and part of FlashInfer's grid, each against
@@ -175,9 +175,9 @@ def write_outputs(results, out_dir: Path, table, skips, seconds: float) -> tuple
     if graphs:
         bad = [r["shape"] for r in graphs if float(r["value"]) != 1.0]
         how = ("eager runs of the graph wrapper, dry run: no capture" if results.device == "cpu-interpreter" else
-               "replays of one capture, with no device allocation")
-        lines.append(f"- CUDA graphs: {len(graphs) - len(bad)}/{len(graphs)} re-planned batches matched ({how})"
-                     + (f"; FAILED: {', '.join(bad)}" if bad else ""))
+               "one capture, then a replay after each plan, with no device allocation by plan() or the replay")
+        lines.append(f"- CUDA graphs: {len(graphs) - len(bad)}/{len(graphs)} batches planned on one wrapper matched "
+                     f"({how})" + (f"; FAILED: {', '.join(bad)}" if bad else ""))
     for r in rows:
         if r["benchmark"] == "gpu_check_graphs" and r["unit"] == "us":
             lines.append(f"- {r['benchmark']}: {r['shape']} {r['metric']} = {float(r['value']):.1f} us")

@@ -125,8 +125,9 @@ def _workspace_tables(work: WorkList, table: np.ndarray, width: int, *, workspac
         dev = workspace.load(items=work.items, gather=work.gather, mrows=work.mrows, table=None, table_width=width)
         dev["block_table"] = device_block_table
         return dev
-    # The ids the kernel reads (the checks' max_block_id, no scan here: a scan of 256 x 148 ids cost ~6 us a step on
-    # the 2-core host) must fit the int32 staging table; cells past a request's own blocks are never read.
+    # The ids the kernel reads (the checks' max_block_id, no scan here: a scan of the bench's 256 x ~150 ids cost
+    # ~6 us a step on the 2-core host) must fit the int32 staging table; cells past a request's own blocks are never
+    # read (staged wrapped).
     if max_block_id > INT32_MAX:
         raise ValueError(f"block_table: expected block ids below 2**31 with a workspace (int32 table), got "
                          f"{max_block_id}")

@@ -325,7 +325,9 @@ class PrefixSharedAttention:
         """Plan this step (see :func:`prefixattn.plan`); keyword overrides replace the constructor's options.
 
         ``num_blocks``: as :func:`prefixattn.plan` (default: the constructor's, if it got one). A step without
-        overrides reuses the options the wrapper checked at its first such step.
+        overrides, or whose overrides only restate the constructor's values (same type and value, or the same
+        object), reuses the options the wrapper checked at its first such step; with ``use_cuda_graph`` such a
+        restated option is accepted, any other per-step value of a launch-fixed option is a ``ValueError``.
 
         With a workspace the tables go into it (no device allocation); a step beyond a capacity that sharing
         caused is re-planned without sharing (``plan.stats["capacity_fallback"]`` says why), any other overflow is a
