@@ -20,9 +20,10 @@ from prefixattn.workspace import PlanWorkspace
 
 def device_tables(work: WorkList, table: np.ndarray, width: int, *, workspace: PlanWorkspace | None,
                    device_block_table: torch.Tensor | None, device: torch.device, staged, num_qo_heads: int,
-                   head_dim: int, num_tokens: int, max_block_id: int) -> dict:
+                   head_dim: int, num_tokens: int, max_block_id: int, table_staged: bool = False) -> dict:
     """The plan's device tensors: new ones (:func:`_allocate_tables`) or ``workspace``'s buffers
-    (:func:`_workspace_tables`). ``max_block_id``: the largest id the work list reads (the checks'; -1: none)."""
+    (:func:`_workspace_tables`). ``max_block_id``: the largest id the work list reads (the checks'; -1: none);
+    ``table_staged``: the compiled checks already wrote the table into ``workspace.host_table()``."""
     if workspace is None and device_block_table is not None:
         raise ValueError("device_block_table: expected a workspace too (the free plan() copies its own table), "
                          "got workspace=None")
@@ -32,7 +33,8 @@ def device_tables(work: WorkList, table: np.ndarray, width: int, *, workspace: P
         return _allocate_tables(work, table, width, num_qo_heads=num_qo_heads, head_dim=head_dim, device=device,
                                 staged=staged)
     return _workspace_tables(work, table, width, workspace=workspace, num_tokens=num_tokens,
-                             device_block_table=device_block_table, max_block_id=max_block_id)
+                             device_block_table=device_block_table, max_block_id=max_block_id,
+                             table_staged=table_staged)
 
 
 def metadata_to_device(work: WorkList, table: np.ndarray, width: int, device: torch.device, staged=None):
@@ -109,17 +111,22 @@ class CapacityError(ValueError):
 
 
 def _workspace_tables(work: WorkList, table: np.ndarray, width: int, *, workspace: PlanWorkspace, num_tokens: int,
-                      device_block_table: torch.Tensor | None, max_block_id: int) -> dict:
+                      device_block_table: torch.Tensor | None, max_block_id: int, table_staged: bool) -> dict:
     """The step's tables in ``workspace``'s fixed buffers: capacity checks, then one non-blocking copy. The block
     table's first ``width`` columns (the batch's used blocks; columns the table lacks are 0) are staged unless the
-    kernel reads ``device_block_table``."""
+    kernel reads ``device_block_table`` or the compiled checks staged them (``table_staged``)."""
     rows, cols = table.shape[0], min(width, table.shape[1])
     reason = workspace.overflow(num_requests=rows, num_tokens=num_tokens,
                                 table_width=width if device_block_table is None else 0,
                                 num_items=work.num_items, num_gather=work.gather.shape[0],
                                 num_mrows=work.mrows.shape[0], num_ws_rows=work.num_ws_rows)
     if reason is not None:
+        if table_staged:  # the host table holds this step's rows now, which no plan loaded before reads
+            workspace.discard_loaded()
         raise CapacityError(reason, reason.split(":", 1)[0])
+    if table_staged:
+        return workspace.load(items=work.items, gather=work.gather, mrows=work.mrows, table=None, table_width=width,
+                              staged_rows=rows)
     if device_block_table is not None:
         _check_device_table(device_block_table, (rows, width), workspace.device)
         dev = workspace.load(items=work.items, gather=work.gather, mrows=work.mrows, table=None, table_width=width)

@@ -121,13 +121,17 @@ def _constant_args(core) -> tuple:
 
 _NO_CACHE = {np.dtype(np.int32): np.zeros((0, 0), dtype=np.int32), np.dtype(np.int64): np.zeros((0, 0), dtype=np.int64)}
 _NO_BLOCKS = np.zeros(0, dtype=np.int64)
+_NO_STAGE = np.zeros((0, 0), dtype=np.int32)
 
 
-def check_and_tree(modules, qo_indptr, kv_lens, block_table, *, block_size, num_blocks, causal, sharing):
+def check_and_tree(modules, qo_indptr, kv_lens, block_table, *, block_size, num_blocks, causal, sharing,
+                   stage=None):
     """:func:`prefixattn.validation.check_host_metadata` (its messages: the numpy checks run when the compiled ones
     fail), the per-request lengths plan() derives and the block prefix tree with its cache
     (:mod:`prefixattn.lcp_tree`), in one compiled call: ``(indptr, lens, table, max_block_id, q_len, shareable,
-    max_q_len, width, tree)``; None when it failed to compile (:func:`_compile_failed`)."""
+    max_q_len, width, tree, staged)``; None when it failed to compile (:func:`_compile_failed`). ``stage``: a
+    workspace's host block table (:meth:`prefixattn.workspace.PlanWorkspace.host_table`), which gets the used columns
+    of a valid batch's table when they fit (``staged``; the same cells ``PlanWorkspace.load`` would stage)."""
     indptr, lens, table = host_metadata_arrays(qo_indptr, kv_lens, block_table, block_size=block_size,
                                                num_blocks=num_blocks, table_as_is=True)
     if not table.flags.c_contiguous:  # a column slice of an engine's table: one copy, not a new compiled variant
@@ -139,10 +143,11 @@ def check_and_tree(modules, qo_indptr, kv_lens, block_table, *, block_size, num_
         out = modules[0].check_and_tree(indptr, lens, table, block_size, _block_shift(block_size),
                                         -1 if num_blocks is None else int(num_blocks), causal, sharing == "never",
                                         last[0] if use_cache else _NO_CACHE[table.dtype],
-                                        last[1] if use_cache else _NO_BLOCKS, use_cache)
+                                        last[1] if use_cache else _NO_BLOCKS, use_cache,
+                                        _NO_STAGE if stage is None else stage)
     except _numba_error as e:
         return _compile_failed(e)
-    ok, max_block_id, max_q_len, width, tree_width, status, lengths, packed = out
+    ok, max_block_id, max_q_len, width, tree_width, status, lengths, packed, staged = out
     if not ok:
         check_host_metadata(qo_indptr, kv_lens, block_table, block_size=block_size, num_blocks=num_blocks,
                             table_as_is=True)  # raises the message
@@ -157,7 +162,7 @@ def check_and_tree(modules, qo_indptr, kv_lens, block_table, *, block_size, num_
         if status == 2:  # nodes: the cache keeps the tree with the rows it is of (a tree without any: nothing to keep)
             tree = remember_tree(table[:, :tree_width], sh_blocks, tree, max_entries=COMPILED_CACHE_MAX_ENTRIES,
                                  frozen=True)
-    return indptr, lens, table, max_block_id, q_len, shareable, max_q_len, width, tree
+    return indptr, lens, table, max_block_id, q_len, shareable, max_q_len, width, tree, staged
 
 
 def _block_shift(block_size: int) -> int:

@@ -149,6 +149,7 @@ class PlanWorkspace:
         self.gather = self._section(self._dev, "gather").view(c.max_gather_rows, K.GATHER_FIELDS)
         self.mrows = self._section(self._dev, "mrows").view(c.max_merge_rows, K.MROW_FIELDS)
         self.block_table = self._section(self._dev, "table").view(c.max_requests, c.max_blocks_per_request)
+        self._host_table = self._section(self._host_np, "table").reshape(c.max_requests, c.max_blocks_per_request)
         self.counters = torch.zeros((max(c.max_merge_rows, 1), num_qo_heads), dtype=torch.int32, device=device)
         self.ws_o = torch.empty((c.max_ws_rows, num_qo_heads, head_dim), dtype=torch.float32, device=device)
         self.ws_lse = torch.empty((c.max_ws_rows, num_qo_heads), dtype=torch.float32, device=device)
@@ -183,14 +184,29 @@ class PlanWorkspace:
                         f"got {got}")
         return None
 
+    def host_table(self) -> np.ndarray:
+        """The host block table ``[max_requests, max_blocks_per_request]`` int32 that :meth:`load` copies, for a
+        planner that stages the table itself (``load(staged_rows=...)``), once the previous step's copy is done
+        reading it. Its writer calls :meth:`discard_loaded` when the step then fails: on a CPU device this buffer
+        is the table the loaded plan reads."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        return self._host_table
+
+    def discard_loaded(self) -> None:
+        """Mark every plan loaded so far stale (:meth:`prefixattn.Plan.is_current`): a step that failed after
+        writing :meth:`host_table` left rows no loaded plan was made for."""
+        self.step += 1
+
     def load(self, *, items: np.ndarray, gather: np.ndarray, mrows: np.ndarray, table: np.ndarray | None,
-             table_width: int = 0) -> dict:
+             table_width: int = 0, staged_rows: int | None = None) -> dict:
         """Write one step's int32 tables into the pinned host buffer and move them with one non-blocking copy.
 
         ``table`` is the used part of the block table ``[num_requests, <= table_width]`` (int64 or int32; the ids
         the kernel reads < 2**31, a cell it never reads is staged wrapped; columns up to ``table_width`` it lacks are
-        staged as 0), or None when the kernel reads a block table the caller keeps on the device. The caller checked
-        the sizes (:meth:`overflow`). Returns the device views of the live rows (same ``data_ptr`` at every step).
+        staged as 0), or None: ``staged_rows`` rows of it are in :meth:`host_table` already, or (``staged_rows``
+        None) the kernel reads a block table the caller keeps on the device. The caller checked the sizes
+        (:meth:`overflow`). Returns the device views of the live rows (same ``data_ptr`` at every step).
         """
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copy has finished reading the host buffer
@@ -202,14 +218,15 @@ class PlanWorkspace:
         # Copy everything up to the end of the live metadata (small, capacity-sized sections), then the live table
         # rows (row stride fixed at max_blocks_per_request so a captured launch keeps its stride).
         end = self._table_starts[2] + mrows.size
+        rows = staged_rows or 0
         if table is not None and table.shape[0] and max(table.shape[1], table_width):
-            start, _ = self._offsets["table"]
             rows, cols = table.shape
-            view = h[start:start + rows * c.max_blocks_per_request].reshape(rows, c.max_blocks_per_request)
+            view = self._host_table[:rows]
             view[:, :cols] = table
             if table_width > cols:  # an empty slice's assignment still costs ~0.5 us
                 view[:, cols:table_width] = 0
-            end = start + rows * c.max_blocks_per_request
+        if rows:
+            end = self._offsets["table"][0] + rows * c.max_blocks_per_request
         if self._dev is not self._host:
             self._dev[:end].copy_(self._host[:end], non_blocking=True)
         if self._copied is not None:
@@ -219,7 +236,7 @@ class PlanWorkspace:
         return dict(num_items_dev=self.num_items, items=views[0], gather=views[1], mrows=views[2],
                     # Whole rows of capacity (a view with no rows would have data_ptr 0); rows past the step's
                     # requests are stale and never read.
-                    block_table=None if table is None else self.block_table,
+                    block_table=None if table is None and staged_rows is None else self.block_table,
                     counters=views[3], ws_o=self.ws_o, ws_lse=self.ws_lse)
 
     def _views(self, n_items: int, n_gather: int, n_mrows: int) -> tuple:

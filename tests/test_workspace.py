@@ -325,3 +325,29 @@ def test_restated_options_reuse_the_checked_ones(monkeypatch):
     assert attn.plan(*a.metadata, window_left=8).window_left == 8
     assert attn.plan(*a.metadata, logits_soft_cap=0).logits_soft_cap == 0.0  # an int 0 for 0.0: checked again
     assert len(calls) == 4
+
+
+def test_a_step_failing_after_staging_its_table_leaves_no_current_plan(device):
+    """The compiled checks stage the table into the workspace's host buffer, which on a CPU device is the table the
+    current plan reads: a step refused after that (too many items even without sharing) makes the earlier plan
+    stale, a clear error instead of a plan over another batch's table; a step refused by the checks themselves
+    wrote nothing and leaves it current."""
+    (a, b), k_cache, v_cache = _two_batches_on_one_cache(device)
+    roomy = PrefixSharedAttention(**HEADS, q_dtype=torch.float32, device=device, sharing="never", **CAPS)
+    items = [roomy.plan(*(t.to(device) for t in batch.metadata)).num_items for batch in (a, b)]
+    small, large = (a, b) if items[0] < items[1] else (b, a)
+    attn = PrefixSharedAttention(**HEADS, q_dtype=torch.float32, device=device, sharing="never",
+                                 max_items=min(items), **CAPS)
+    p = attn.plan(*(t.to(device) for t in small.metadata))
+    bad_ids = small.block_table.clone()
+    bad_ids[0, 0] = k_cache.shape[0]
+    with pytest.raises(ValueError, match="block_table"):
+        attn.plan(small.qo_indptr.to(device), small.kv_lens.to(device), bad_ids.to(device),
+                  num_blocks=k_cache.shape[0])
+    assert p.is_current()
+    q = small.q.to(device)
+    _assert_matches_reference(attn.run(q, k_cache, v_cache), q, k_cache, v_cache, small, p)
+    with pytest.raises(ValueError, match="max_items: expected at most"):
+        attn.plan(*(t.to(device) for t in large.metadata))
+    with pytest.raises(ValueError, match="plan: expected the latest plan of its workspace"):
+        attn.run(q, k_cache, v_cache)
