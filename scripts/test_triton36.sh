@@ -7,12 +7,13 @@
 #     i.e. Triton 3.6's own compiler and ptxas on the kernels the GPU machine will run.
 # numpy<2.4: Triton 3.6's interpreter calls int() on 1-element arrays, a TypeError from NumPy 2.4 on (see
 # prefixattn/runtime.py; Triton >= 3.7 is fine with any NumPy). The main suite (scripts/test.sh) runs the newest Triton.
-# Extra arguments go to pytest.
+# TRITON_PIN=triton==3.8.0 runs the same suite on another Triton (in .venv-triton38). Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-VENV=.venv-triton36
-TRITON_PIN=triton==3.6.0
+TRITON_PIN=${TRITON_PIN:-triton==3.6.0}
+version=${TRITON_PIN#*==}
+VENV=.venv-triton$(echo "${version%.*}" | tr -d .)
 
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 installed=$("$VENV/bin/python" -m pip show triton 2>/dev/null | sed -n 's/^Version: //p' || true)  # fails when absent
@@ -30,7 +31,7 @@ failed=()
 "$VENV/bin/prefixattn" compile-check --targets sm90 --dtypes bf16 --head-dims 64,128 --jobs 2 --quiet \
   || failed+=(compile-check)
 if [ ${#failed[@]} -gt 0 ]; then
-  echo "triton 3.6 suite: FAILED: ${failed[*]}" >&2
+  echo "triton $version suite: FAILED: ${failed[*]}" >&2
   exit 1
 fi
-echo "triton 3.6 suite: passed"
+echo "triton $version suite: passed"
