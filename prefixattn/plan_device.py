@@ -20,21 +20,34 @@ from prefixattn.workspace import PlanWorkspace
 
 def device_tables(work: WorkList, table: np.ndarray, width: int, *, workspace: PlanWorkspace | None,
                    device_block_table: torch.Tensor | None, device: torch.device, staged, num_qo_heads: int,
-                   head_dim: int, num_tokens: int, max_block_id: int, table_staged: bool = False) -> dict:
+                   head_dim: int, num_tokens: int, max_block_id: int, table_staged: bool = False,
+                   tables_written: bool = False) -> dict:
     """The plan's device tensors: new ones (:func:`_allocate_tables`) or ``workspace``'s buffers
     (:func:`_workspace_tables`). ``max_block_id``: the largest id the work list reads (the checks'; -1: none);
-    ``table_staged``: the compiled checks already wrote the table into ``workspace.host_table()``."""
-    if workspace is None and device_block_table is not None:
-        raise ValueError("device_block_table: expected a workspace too (the free plan() copies its own table), "
-                         "got workspace=None")
-    if workspace is not None and workspace.device is not device and not same_device(workspace.device, device):
-        raise ValueError(f"workspace: expected the plan's device {device}, got a workspace on {workspace.device}")
+    ``table_staged``/``tables_written``: the compiled planner already wrote the block table / the work list into
+    ``workspace``'s host buffer. The caller checked ``workspace`` and ``device_block_table``
+    (:func:`check_workspace_args`)."""
     if workspace is None:
         return _allocate_tables(work, table, width, num_qo_heads=num_qo_heads, head_dim=head_dim, device=device,
                                 staged=staged)
     return _workspace_tables(work, table, width, workspace=workspace, num_tokens=num_tokens,
                              device_block_table=device_block_table, max_block_id=max_block_id,
-                             table_staged=table_staged)
+                             table_staged=table_staged, tables_written=tables_written)
+
+
+def check_workspace_args(*, workspace: PlanWorkspace | None, device_block_table: torch.Tensor | None,
+                         device: torch.device, num_requests: int, width: int) -> None:
+    """Refuse a ``workspace`` on another device than the plan's and a ``device_block_table`` without a workspace or
+    too small for the batch's ``num_requests`` rows and ``width`` used blocks (:func:`_check_device_table`)."""
+    if workspace is None:
+        if device_block_table is not None:
+            raise ValueError("device_block_table: expected a workspace too (the free plan() copies its own table), "
+                             "got workspace=None")
+        return
+    if workspace.device is not device and not same_device(workspace.device, device):
+        raise ValueError(f"workspace: expected the plan's device {device}, got a workspace on {workspace.device}")
+    if device_block_table is not None:
+        _check_device_table(device_block_table, (num_requests, width), workspace.device)
 
 
 def metadata_to_device(work: WorkList, table: np.ndarray, width: int, device: torch.device, staged=None):
@@ -111,38 +124,42 @@ class CapacityError(ValueError):
 
 
 def _workspace_tables(work: WorkList, table: np.ndarray, width: int, *, workspace: PlanWorkspace, num_tokens: int,
-                      device_block_table: torch.Tensor | None, max_block_id: int, table_staged: bool) -> dict:
+                      device_block_table: torch.Tensor | None, max_block_id: int, table_staged: bool,
+                      tables_written: bool) -> dict:
     """The step's tables in ``workspace``'s fixed buffers: capacity checks, then one non-blocking copy. The block
     table's first ``width`` columns (the batch's used blocks; columns the table lacks are 0) are staged unless the
-    kernel reads ``device_block_table`` or the compiled checks staged them (``table_staged``)."""
+    kernel reads ``device_block_table`` or the compiled checks staged them (``table_staged``); the work list is
+    written unless the compiled planner wrote it (``tables_written``)."""
     rows, cols = table.shape[0], min(width, table.shape[1])
     reason = workspace.overflow(num_requests=rows, num_tokens=num_tokens,
                                 table_width=width if device_block_table is None else 0,
                                 num_items=work.num_items, num_gather=work.gather.shape[0],
                                 num_mrows=work.mrows.shape[0], num_ws_rows=work.num_ws_rows)
-    if reason is not None:
-        if table_staged:  # the host table holds this step's rows now, which no plan loaded before reads
-            workspace.discard_loaded()
-        raise CapacityError(reason, reason.split(":", 1)[0])
-    if table_staged:
-        return workspace.load(items=work.items, gather=work.gather, mrows=work.mrows, table=None, table_width=width,
-                              staged_rows=rows)
-    if device_block_table is not None:
-        _check_device_table(device_block_table, (rows, width), workspace.device)
-        dev = workspace.load(items=work.items, gather=work.gather, mrows=work.mrows, table=None, table_width=width)
-        dev["block_table"] = device_block_table
-        return dev
+    error = None if reason is None else CapacityError(reason, reason.split(":", 1)[0])
     # The ids the kernel reads (the checks' max_block_id, no scan here: a scan of the bench's 256 x ~150 ids cost
     # ~6 us a step on the 2-core host) must fit the int32 staging table; cells past a request's own blocks are never
     # read (staged wrapped).
-    if max_block_id > INT32_MAX:
-        raise ValueError(f"block_table: expected block ids below 2**31 with a workspace (int32 table), got "
-                         f"{max_block_id}")
+    if error is None and device_block_table is None and max_block_id > INT32_MAX:
+        error = ValueError(f"block_table: expected block ids below 2**31 with a workspace (int32 table), got "
+                           f"{max_block_id}")
+    if error is not None:
+        if table_staged or tables_written:  # on a CPU device the host buffer is the current plan's tables
+            workspace.discard_loaded()
+        raise error
+    tables = dict(items=work.items, gather=work.gather, mrows=work.mrows, tables_written=tables_written)
+    if device_block_table is not None:
+        dev = workspace.load(**tables, table=None, table_width=width)
+        dev["block_table"] = device_block_table
+        return dev
+    if table_staged:
+        return workspace.load(**tables, table=None, table_width=width, staged_rows=rows)
     used = table[:, :cols]  # a view: staged straight into the pinned buffer (no int64 copy first)
-    return workspace.load(items=work.items, gather=work.gather, mrows=work.mrows, table=used, table_width=width)
+    return workspace.load(**tables, table=used, table_width=width)
 
 
 def _check_device_table(t, used_shape: tuple[int, int], device: torch.device) -> None:
+    """Refuse a ``device_block_table`` that is not a 2-D int32/int64 tensor with contiguous rows on ``device``
+    covering ``used_shape`` (the batch's requests and used blocks)."""
     if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"device_block_table: expected a 2-D int32/int64 tensor, got "
                          f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}"

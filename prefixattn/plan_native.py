@@ -187,26 +187,54 @@ def core_params(*, causal, sharing, block_size, group, head_dim, elt_bytes, rows
                      _constant_args(core)[2]), dtype=np.int64)
 
 
-def plan_tables(modules, tree, params, *, indptr, q_len, kv_len, shareable, table, width):
+_NO_DEST = (np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int64))
+#: plan_core's ``(dest, dest_lay)`` per workspace, by identity (holding the workspace: a recycled id never matches).
+_dest_memo: dict = {}
+_MAX_DEST = 64
+
+
+def _dest_args(core, workspace) -> tuple:
+    """``(dest, dest_lay)`` of ``plan_core``: ``workspace``'s host buffer and its sections (``plan_native_core.D_*``)
+    and capacities; empty arrays without a workspace."""
+    if workspace is None:
+        return _NO_DEST
+    hit = _dest_memo.get(id(workspace))
+    if hit is None or hit[0] is not workspace:
+        if len(_dest_memo) >= _MAX_DEST:
+            _dest_memo.clear()
+        c, lay = workspace.capacity, np.empty(core.NUM_DEST_FIELDS, dtype=np.int64)
+        for index, name in ((core.D_NUM_ITEMS, "num_items"), (core.D_ITEMS, "items"), (core.D_GATHER, "gather"),
+                            (core.D_MROWS, "mrows")):
+            lay[index] = workspace.section_start(name)
+        lay[core.D_MAX_ITEMS], lay[core.D_MAX_GATHER] = c.max_items, c.max_gather_rows
+        lay[core.D_MAX_MROWS], lay[core.D_MAX_WS_ROWS] = c.max_merge_rows, c.max_ws_rows
+        lay[core.D_MAX_TOKENS], lay[core.D_MAX_REQUESTS] = c.max_tokens, c.max_requests
+        hit = _dest_memo[id(workspace)] = (workspace, lay)
+    return workspace.host_buffer(), hit[1]
+
+
+def plan_tables(modules, tree, params, *, indptr, q_len, kv_len, shareable, table, width, workspace=None):
     """:func:`prefixattn.planner.select_shared_nodes`, :func:`prefixattn.work_list.build_work_list` and the staging
-    buffer in one compiled call: ``(SharedNodes, WorkList, critical_path, flat, table_fits)`` (None when it failed to
-    compile, :func:`_compile_failed`); ``params`` from :func:`core_params`, ``flat`` is
+    buffer in one compiled call: ``(SharedNodes, WorkList, critical_path, flat, table_fits, in_workspace)`` (None
+    when it failed to compile, :func:`_compile_failed`); ``params`` from :func:`core_params`, ``flat`` is
     :func:`prefixattn.plan_device.metadata_to_device`'s host buffer (the table's used columns last when they fit
-    int32).
+    int32). With ``workspace`` (and ``width`` 0) the work list is written into its host buffer instead when it fits
+    the capacities (``in_workspace``; the WorkList's arrays are then views of that buffer).
     """
     core = modules[1]
     lay, rule, _ = _constant_args(core)
+    dest, dest_lay = _dest_args(core, workspace)
     try:
         out = core.plan_core(lay, rule, params, width, tree.order, tree.depth, tree.lb, tree.rb, tree.parent, indptr,
-                             q_len, kv_len, shareable, table)
+                             q_len, kv_len, shareable, table, dest, dest_lay)
     except _numba_error as e:
         return _compile_failed(e)
     (kv_start, kv_end, depth_blocks, offsets, members, flat, items, gather, mrows, fits, num_ws_rows, num_units,
-     crit) = out
+     crit, in_dest) = out
     nodes = SharedNodes(kv_start=kv_start, kv_end=kv_end, depth_blocks=depth_blocks, offsets=offsets,
                         members=members)
     work = WorkList(items=items, gather=gather, mrows=mrows, num_ws_rows=num_ws_rows, num_units=num_units)
-    return nodes, work, crit, flat, fits
+    return nodes, work, crit, flat, fits, in_dest
 
 
 def compile_planner() -> dict:

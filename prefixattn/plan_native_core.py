@@ -262,13 +262,31 @@ def _shared_items(items, gather, lay, kv_start, kv_end, offsets, members, q_star
     return it
 
 
+#: Entries of :func:`plan_core`'s ``dest_lay``: offsets of the live item count and of the item, gather and merge-row
+#: tables in ``dest`` (int32 elements), then the capacities the step must fit to be written there (all of them but
+#: the table's width: a step written there is never refused afterwards for them).
+(D_NUM_ITEMS, D_ITEMS, D_GATHER, D_MROWS, D_MAX_ITEMS, D_MAX_GATHER, D_MAX_MROWS, D_MAX_WS_ROWS, D_MAX_TOKENS,
+ D_MAX_REQUESTS, NUM_DEST_FIELDS) = range(11)
+
+
+@njit(cache=True, nogil=True)
+def _fits_dest(dest_lay, n_items, num_gather, num_mrows, num_ws_rows, q_len):
+    num_tokens = 0
+    for r in range(q_len.shape[0]):
+        num_tokens += q_len[r]
+    return (n_items <= dest_lay[D_MAX_ITEMS] and num_gather <= dest_lay[D_MAX_GATHER]
+            and num_mrows <= dest_lay[D_MAX_MROWS] and num_ws_rows <= dest_lay[D_MAX_WS_ROWS]
+            and num_tokens <= dest_lay[D_MAX_TOKENS] and q_len.shape[0] <= dest_lay[D_MAX_REQUESTS])
+
+
 @njit(cache=True, nogil=True)
 def work_list(lay, rule, kv_start, kv_end, offsets, members, suffix_start, q_start, q_len, kv_len, causal,
               rows_per_shared, rows_per_suffix, block_n_shared, block_n_suffix, num_kv_heads, num_sms,
-              min_split_tokens, extra):
-    """``(flat, items, gather, mrows, num_ws_rows, num_units, critical_path)``:
+              min_split_tokens, extra, dest, dest_lay):
+    """``(flat, items, gather, mrows, num_ws_rows, num_units, critical_path, in_dest)``:
     :func:`prefixattn.work_list.build_work_list` and ``Plan.stats['critical_path']``, the tables written straight
-    into one int32 staging buffer ``flat`` = ``[num_items, items, gather, mrows, extra entries]``
+    into one int32 staging buffer: ``dest`` at ``dest_lay``'s offsets (``in_dest``) when given and the step fits
+    its capacities, else a new ``flat`` = ``[num_items, items, gather, mrows, extra entries]``
     (:func:`prefixattn.plan_device.metadata_to_device`'s layout)."""
     item_fields, i_kind, i_req, i_kv0, i_kv1, i_row0, i_nrows, i_qpos, i_dest, i_mrow = (
         lay[0], lay[1], lay[2], lay[3], lay[4], lay[5], lay[6], lay[7], lay[8], lay[9])
@@ -307,13 +325,25 @@ def work_list(lay, rule, kv_start, kv_end, offsets, members, suffix_start, q_sta
     for t in range(num_tiles):
         num_suffix += t_pieces[t]
     n_items = num_shared + num_suffix
-    e_items, e_gather = 1 + n_items * item_fields, 1 + n_items * item_fields + num_gather * gather_fields
-    e_mrows = e_gather + num_mrows * mrow_fields
-    flat = np.empty(max(e_mrows + extra, 1), dtype=np.int32)
-    flat[0] = n_items
-    items = flat[1:e_items].reshape(n_items, item_fields)
-    gather = flat[e_items:e_gather].reshape(num_gather, gather_fields)
-    mrows = flat[e_gather:e_mrows].reshape(num_mrows, mrow_fields)
+    # dest: a workspace's buffer, which stages its table itself (extra == 0)
+    in_dest = extra == 0 and dest_lay.shape[0] > 0 and _fits_dest(dest_lay, n_items, num_gather, num_mrows,
+                                                                   num_ws_rows, q_len)
+    if in_dest:
+        flat = dest[:0]  # the tables are in dest
+        s_count, s_items, s_gather, s_mrows = dest_lay[D_NUM_ITEMS], dest_lay[D_ITEMS], dest_lay[D_GATHER], \
+            dest_lay[D_MROWS]
+        dest[s_count] = n_items
+        items = dest[s_items:s_items + n_items * item_fields].reshape(n_items, item_fields)
+        gather = dest[s_gather:s_gather + num_gather * gather_fields].reshape(num_gather, gather_fields)
+        mrows = dest[s_mrows:s_mrows + num_mrows * mrow_fields].reshape(num_mrows, mrow_fields)
+    else:
+        e_items, e_gather = 1 + n_items * item_fields, 1 + n_items * item_fields + num_gather * gather_fields
+        e_mrows = e_gather + num_mrows * mrow_fields
+        flat = np.empty(max(e_mrows + extra, 1), dtype=np.int32)
+        flat[0] = n_items
+        items = flat[1:e_items].reshape(n_items, item_fields)
+        gather = flat[e_items:e_gather].reshape(num_gather, gather_fields)
+        mrows = flat[e_gather:e_mrows].reshape(num_mrows, mrow_fields)
     for t in range(num_tiles):
         if tile_mrow_base[t] >= 0:
             for i in range(t_rows[t]):
@@ -340,7 +370,8 @@ def work_list(lay, rule, kv_start, kv_end, offsets, members, suffix_start, q_sta
             it += 1
     _longest_first(items, i_kv0, i_kv1)
     return (flat, items, gather, mrows, num_ws_rows, num_units,
-            _critical_path(items, i_kv0, i_kv1, num_kv_heads, num_sms))
+            _critical_path(items, i_kv0, i_kv1, num_kv_heads, num_sms), in_dest)
+
 
 
 @njit(cache=True, nogil=True)
@@ -427,13 +458,16 @@ def _table_fits(table, cols):
 
 
 @njit(cache=True, nogil=True)
-def plan_core(lay, rule, params, width, order, depth, lb, rb, parent, indptr, q_len, kv_len, shareable, table):
+def plan_core(lay, rule, params, width, order, depth, lb, rb, parent, indptr, q_len, kv_len, shareable, table, dest,
+              dest_lay):
     """The planner from the tree to the staging buffer, in one call.
 
     ``lay``: :func:`layout_args`, ``rule``: :func:`rule_args`'s floats, ``params``: int64 ``[NUM_PARAMS]``
-    (``P_*``), ``width``: block-table columns to stage (the batch reads them; 0: none). Returns ``(kv_start, kv_end,
-    depth_blocks, offsets, members, flat, items, gather, mrows, table_fits, num_ws_rows, num_units, critical_path)``;
-    ``flat`` holds the block table's used columns after the tables when ``table_fits``.
+    (``P_*``), ``width``: block-table columns to stage (the batch reads them; 0: none); ``dest``, ``dest_lay``: a
+    workspace's int32 host buffer and its layout (``D_*``; empty: none), which gets the tables when they fit.
+    Returns ``(kv_start, kv_end, depth_blocks, offsets, members, flat, items, gather, mrows, table_fits,
+    num_ws_rows, num_units, critical_path, in_dest)``; ``flat`` holds the block table's used columns after the
+    tables when ``table_fits`` (and the tables unless ``in_dest``).
     """
     kv_start, kv_end, depth_blocks, offsets, members, suffix_start = select_nodes(
         order, depth, lb, rb, parent, shareable, q_len, params[P_BLOCK_SIZE], params[P_ROWS_SHARED],
@@ -441,11 +475,11 @@ def plan_core(lay, rule, params, width, order, depth, lb, rb, parent, indptr, q_
     rows = table.shape[0]
     cols = min(width, table.shape[1])
     fits = _table_fits(table, cols)
-    flat, items, gather, mrows, num_ws_rows, num_units, crit = work_list(
+    flat, items, gather, mrows, num_ws_rows, num_units, crit, in_dest = work_list(
         lay, rule, kv_start, kv_end, offsets, members, suffix_start, indptr[:-1], q_len, kv_len,
         params[P_CAUSAL] != 0, params[P_ROWS_SHARED], params[P_ROWS_SUFFIX], params[P_BLOCK_N_SHARED],
         params[P_BLOCK_N_SUFFIX], params[P_KV_HEADS], params[P_SMS], params[P_MIN_SPLIT],
-        rows * width if fits else 0)
+        rows * width if fits else 0, dest, dest_lay)
     if fits:
         base = flat.shape[0] - rows * width if rows * width else 0
         for r in range(rows):
@@ -456,4 +490,4 @@ def plan_core(lay, rule, params, width, order, depth, lb, rb, parent, indptr, q_
             for k in range(cols, width):
                 dst[k] = 0
     return (kv_start, kv_end, depth_blocks, offsets, members, flat, items, gather, mrows, fits, num_ws_rows,
-            num_units, crit)
+            num_units, crit, in_dest)

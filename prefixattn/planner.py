@@ -30,7 +30,7 @@ from prefixattn.memo import typed_memo
 from prefixattn.split_rule import critical_path
 from prefixattn.validation import (CPU_DEVICE, SUPPORTED_DTYPES, canonical_device, check_head_dim, check_heads,
                                    check_host_metadata, check_kv_dtype, check_soft_cap, check_window_left)
-from prefixattn.plan_device import device_tables
+from prefixattn.plan_device import check_workspace_args, device_tables
 from prefixattn.ragged import expand, offsets
 from prefixattn.window import window_shared_nodes
 from prefixattn.work_list import SharedNode, SharedNodes, WorkList, build_work_list
@@ -79,7 +79,9 @@ class Plan:
 
     Host copies (numpy) of the tables are kept for inspection and tests: ``work`` (:class:`WorkList`), ``tree``
     (:class:`LcpTree` over the requests' shareable blocks) and ``nodes`` (:class:`SharedNodes`, the nodes the cost
-    rule kept, top-down; ``shared_nodes`` lists them as :class:`SharedNode` objects).
+    rule kept, top-down; ``shared_nodes`` lists them as :class:`SharedNode` objects). A plan loaded into a
+    workspace by the compiled planner has ``work``'s tables in the workspace's host buffer (no copy): like its
+    device tables, they hold this plan only while it :meth:`is_current`.
     """
 
     num_tokens: int
@@ -443,18 +445,26 @@ def plan_with_options(options: PlanOptions, qo_indptr: torch.Tensor, kv_lens: to
         compiled, qo_indptr=qo_indptr, kv_lens=kv_lens, block_table=block_table, block_size=o.block_size,
         num_blocks=num_blocks, causal=o.causal, sharing=o.sharing, stage=stage)
     device = canonical_device("device", device if device is not None else block_table.device)
+    try:  # before the compiled planner writes the work list into the workspace
+        check_workspace_args(workspace=workspace, device_block_table=device_block_table, device=device,
+                             num_requests=lens.shape[0], width=width)
+    except ValueError:
+        if staged:  # the table went into a workspace on another device: its plan's table, if that is the CPU
+            workspace.discard_loaded()
+        raise
     num_sms = o.num_sms or _default_num_sms(device)
     group = o.group
     if tiles is None:
         tiles = choose_tiles(head_dim=o.head_dim, group=group, max_q_len=max(max_q_len, 1), dtype=o.q_dtype)
-    nodes, work, crit, staged_flat = _host_tables(
+    nodes, work, crit, staged_flat, written = _host_tables(
         plan_native.still_compiled(compiled), tree, o, tiles=tiles, num_sms=num_sms, indptr=indptr, q_len=q_len,
-        lens=lens, shareable=shareable, table=table,
+        lens=lens, shareable=shareable, table=table, workspace=workspace,
         width=width if workspace is None else 0)  # a workspace's table: staged by the checks or PlanWorkspace.load
     num_tokens, num_nodes = int(indptr[-1]), int(nodes.kv_start.shape[0])
     dev = device_tables(work, table, width, workspace=workspace, device_block_table=device_block_table,
                          device=device, staged=staged_flat, num_qo_heads=o.num_qo_heads, head_dim=o.head_dim,
-                         num_tokens=num_tokens, max_block_id=max_block_id, table_staged=staged)
+                         num_tokens=num_tokens, max_block_id=max_block_id, table_staged=staged,
+                         tables_written=written)
     return Plan(
         num_tokens=num_tokens, num_requests=int(lens.shape[0]), num_qo_heads=o.num_qo_heads,
         num_kv_heads=o.num_kv_heads, head_dim=o.head_dim, block_size=o.block_size, causal=o.causal,
@@ -497,17 +507,18 @@ def _checked_inputs_and_tree(compiled, *, qo_indptr, kv_lens, block_table, block
 
 
 def _host_tables(compiled, tree, o: PlanOptions, *, tiles: AttentionTiles, num_sms: int, indptr, q_len, lens,
-                 shareable, table, width):
-    """The shared nodes, the work list, its critical path and the compiled planner's staged buffer (None from
-    numpy): ``(SharedNodes, WorkList, critical_path, staged)``. ``compiled``: the compiled planner's modules, or
+                 shareable, table, width, workspace):
+    """The shared nodes, the work list, its critical path, the compiled planner's staged buffer (None from numpy)
+    and whether the compiled planner wrote the work list into ``workspace``'s host buffer:
+    ``(SharedNodes, WorkList, critical_path, staged, written)``. ``compiled``: the compiled planner's modules, or
     None; ``width``: the table columns to stage (0: none)."""
     # The compiled path (window_left: numpy, plan_native_core's docstring); None as above.
     tables = compiled and o.window_left < 0 and plan_native.plan_tables(
         compiled, tree, _core_params(o, tiles, num_sms), indptr=indptr, q_len=q_len, kv_len=lens,
-        shareable=shareable, table=table, width=width)
+        shareable=shareable, table=table, width=width, workspace=workspace)
     if tables:
-        nodes, work, crit, *staged = tables
-        return nodes, work, crit, staged
+        nodes, work, crit, flat, fits, written = tables
+        return nodes, work, crit, (flat, fits), written
     tile_args = _tile_args(o, tiles, num_sms)
     nodes, work = _numpy_tables(tree, q_start=indptr[:-1], q_len=q_len, lens=lens, shareable=shareable,
                                 causal=o.causal, sharing=o.sharing, block_size=o.block_size, group=o.group,
@@ -515,7 +526,7 @@ def _host_tables(compiled, tree, o: PlanOptions, *, tiles: AttentionTiles, num_s
                                 **tile_args)
     crit = critical_path(work.items[:, K.ITEM_KV_END] - work.items[:, K.ITEM_KV_START],  # both in [0, 2^31)
                          num_kv_heads=o.num_kv_heads, num_sms=num_sms)
-    return nodes, work, crit, None
+    return nodes, work, crit, None, False
 
 
 def _tile_args(o: PlanOptions, tiles: AttentionTiles, num_sms: int) -> dict:

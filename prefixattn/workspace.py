@@ -193,28 +193,43 @@ class PlanWorkspace:
             self._copied.synchronize()
         return self._host_table
 
+    def host_buffer(self) -> np.ndarray:
+        """The whole int32 host buffer (sections at :meth:`section_start`), for a planner that writes the tables
+        there itself (``load(tables_written=True)``); as :meth:`host_table`."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        return self._host_np
+
+    def section_start(self, name: str) -> int:
+        """Offset (int32 elements) of a section of the host buffer: ``num_items``, ``items``, ``gather``, ``mrows``
+        or ``table``."""
+        return self._offsets[name][0]
+
     def discard_loaded(self) -> None:
         """Mark every plan loaded so far stale (:meth:`prefixattn.Plan.is_current`): a step that failed after
         writing :meth:`host_table` left rows no loaded plan was made for."""
         self.step += 1
 
     def load(self, *, items: np.ndarray, gather: np.ndarray, mrows: np.ndarray, table: np.ndarray | None,
-             table_width: int = 0, staged_rows: int | None = None) -> dict:
+             table_width: int = 0, staged_rows: int | None = None, tables_written: bool = False) -> dict:
         """Write one step's int32 tables into the pinned host buffer and move them with one non-blocking copy.
 
-        ``table`` is the used part of the block table ``[num_requests, <= table_width]`` (int64 or int32; the ids
-        the kernel reads < 2**31, a cell it never reads is staged wrapped; columns up to ``table_width`` it lacks are
-        staged as 0), or None: ``staged_rows`` rows of it are in :meth:`host_table` already, or (``staged_rows``
-        None) the kernel reads a block table the caller keeps on the device. The caller checked the sizes
-        (:meth:`overflow`). Returns the device views of the live rows (same ``data_ptr`` at every step).
+        ``items``, ``gather``, ``mrows``: the work list's tables, already in their sections of :meth:`host_buffer`
+        with ``tables_written`` (the compiled planner writes them there). ``table`` is the used part of the block
+        table ``[num_requests, <= table_width]`` (int64 or int32; the ids the kernel reads < 2**31, a cell it never
+        reads is staged wrapped; columns up to ``table_width`` it lacks are staged as 0), or None: ``staged_rows``
+        rows of it are in :meth:`host_table` already, or (``staged_rows`` None) the kernel reads a block table the
+        caller keeps on the device. The caller checked the sizes (:meth:`overflow`). Returns the device views of the
+        live rows (same ``data_ptr`` at every step).
         """
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copy has finished reading the host buffer
         h, c = self._host_np, self.capacity
         n_items = items.shape[0]
-        h[0] = n_items
-        for start, arr in zip(self._table_starts, (items, gather, mrows)):
-            h[start:start + arr.size] = arr.ravel()
+        if not tables_written:
+            h[0] = n_items
+            for start, arr in zip(self._table_starts, (items, gather, mrows)):
+                h[start:start + arr.size] = arr.ravel()
         # Copy everything up to the end of the live metadata (small, capacity-sized sections), then the live table
         # rows (row stride fixed at max_blocks_per_request so a captured launch keeps its stride).
         end = self._table_starts[2] + mrows.size

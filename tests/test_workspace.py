@@ -351,3 +351,31 @@ def test_a_step_failing_after_staging_its_table_leaves_no_current_plan(device):
         attn.plan(*(t.to(device) for t in large.metadata))
     with pytest.raises(ValueError, match="plan: expected the latest plan of its workspace"):
         attn.run(q, k_cache, v_cache)
+
+
+def test_the_compiled_planner_writes_the_work_list_in_place_and_bad_steps_leave_the_plan_current(device):
+    """With the compiled planner the work list is written straight into the workspace's host buffer (the plan's host
+    tables are views of it); a device table too small for the batch and a step over a capacity are refused before
+    anything is written there, so the current plan stays current and correct."""
+    pytest.importorskip("numba", reason="the compiled planner is optional (pip install prefixattn[fast])")
+    (a, b), k_cache, v_cache = _two_batches_on_one_cache(device)
+    engine_table = torch.zeros(CAPS["max_requests"], 16, dtype=torch.int32, device=device)
+    n, w = a.block_table.shape
+    engine_table[:n, :w] = a.block_table.to(device)
+    roomy = PrefixSharedAttention(**HEADS, q_dtype=torch.float32, device=device, sharing="never", **CAPS)
+    items = [roomy.plan(*(t.to(device) for t in batch.metadata)).num_items for batch in (a, b)]
+    attn = PrefixSharedAttention(**HEADS, q_dtype=torch.float32, device=device, sharing="never",
+                                 max_items=items[0], **CAPS)
+    metadata = [t.to(device) for t in a.metadata]
+    p = attn.plan(*metadata, device_block_table=engine_table[:n])
+    assert np.shares_memory(p.work.items, attn.workspace.host_buffer())
+    with pytest.raises(ValueError, match="device_block_table: expected at least"):
+        attn.plan(*metadata, device_block_table=engine_table[:n, :1])
+    assert items[1] > items[0]  # the capacity fits a, not b
+    engine_table[:b.block_table.shape[0], :b.block_table.shape[1]] = b.block_table.to(device)
+    with pytest.raises(ValueError, match="max_items: expected at most"):
+        attn.plan(*(t.to(device) for t in b.metadata), device_block_table=engine_table[:b.block_table.shape[0]])
+    engine_table[:n, :w] = a.block_table.to(device)
+    assert p.is_current()
+    q = a.q.to(device)
+    _assert_matches_reference(attn.run(q, k_cache, v_cache), q, k_cache, v_cache, a, p)
