@@ -7,7 +7,8 @@
 #     i.e. Triton 3.6's own compiler and ptxas on the kernels the GPU machine will run.
 # numpy<2.4: Triton 3.6's interpreter calls int() on 1-element arrays, a TypeError from NumPy 2.4 on (see
 # prefixattn/runtime.py; Triton >= 3.7 is fine with any NumPy). The main suite (scripts/test.sh) runs the newest Triton.
-# TRITON_PIN=triton==3.8.0 runs the same suite on another Triton (in .venv-triton38). Extra arguments go to pytest.
+# TRITON_PIN=triton==3.8.0 runs the same suite on another Triton (in .venv-triton38; scripts/test.sh runs 3.8.0, vLLM
+# 0.33's, this way). Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
