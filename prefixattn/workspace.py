@@ -143,6 +143,7 @@ class PlanWorkspace:
         self._dev = self._host if device.type == "cpu" else torch.zeros(pos, dtype=torch.int32, device=device)
         # The previous step's copy must be done reading the pinned buffer before it is overwritten.
         self._copied = torch.cuda.Event() if device.type == "cuda" else None
+        self._copy_pending = False  # a copy was recorded and not yet waited for (one wait per step, not per writer)
         self.step = 0  # loads so far: a plan remembers its step, so a stale plan is refused
         self.num_items = self._section(self._dev, "num_items")
         self.items = self._section(self._dev, "items").view(c.max_items, K.ITEM_FIELDS)
@@ -189,21 +190,25 @@ class PlanWorkspace:
         planner that stages the table itself (``load(staged_rows=...)``), once the previous step's copy is done
         reading it. Its writer calls :meth:`discard_loaded` when the step then fails: on a CPU device this buffer
         is the table the loaded plan reads."""
-        if self._copied is not None:
-            self._copied.synchronize()
+        self._wait_for_copy()
         return self._host_table
 
     def host_buffer(self) -> np.ndarray:
         """The whole int32 host buffer (sections at :meth:`section_start`), for a planner that writes the tables
         there itself (``load(tables_written=True)``); as :meth:`host_table`."""
-        if self._copied is not None:
-            self._copied.synchronize()
+        self._wait_for_copy()
         return self._host_np
 
     def section_start(self, name: str) -> int:
         """Offset (int32 elements) of a section of the host buffer: ``num_items``, ``items``, ``gather``, ``mrows``
         or ``table``."""
         return self._offsets[name][0]
+
+    def _wait_for_copy(self) -> None:
+        """Wait until the previous step's copy has finished reading the host buffer (before it is overwritten)."""
+        if self._copy_pending:
+            self._copied.synchronize()
+            self._copy_pending = False
 
     def discard_loaded(self) -> None:
         """Mark every plan loaded so far stale (:meth:`prefixattn.Plan.is_current`): a step that failed after
@@ -222,8 +227,7 @@ class PlanWorkspace:
         caller keeps on the device. The caller checked the sizes (:meth:`overflow`). Returns the device views of the
         live rows (same ``data_ptr`` at every step).
         """
-        if self._copied is not None:
-            self._copied.synchronize()  # the previous step's copy has finished reading the host buffer
+        self._wait_for_copy()
         h, c = self._host_np, self.capacity
         n_items = items.shape[0]
         if not tables_written:
@@ -246,6 +250,7 @@ class PlanWorkspace:
             self._dev[:end].copy_(self._host[:end], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
+            self._copy_pending = True
         self.step += 1
         views = self._views(n_items, gather.shape[0], mrows.shape[0])
         return dict(num_items_dev=self.num_items, items=views[0], gather=views[1], mrows=views[2],

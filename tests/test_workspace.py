@@ -379,3 +379,27 @@ def test_the_compiled_planner_writes_the_work_list_in_place_and_bad_steps_leave_
     assert p.is_current()
     q = a.q.to(device)
     _assert_matches_reference(attn.run(q, k_cache, v_cache), q, k_cache, v_cache, a, p)
+
+
+@pytest.mark.parametrize("device_table", [False, True])
+def test_one_wait_for_the_previous_copy_per_step(device_table):
+    """Every writer of the host buffer (the compiled checks' table, the compiled work list, load()) first waits for
+    the previous step's copy to finish reading it: once per step, not once per writer (a CUDA event wait each)."""
+
+    class CountingEvent:
+        def __init__(self):
+            self.waits = self.records = 0
+
+        def synchronize(self):
+            self.waits += 1
+
+        def record(self):
+            self.records += 1
+
+    (a, _), _, _ = _two_batches_on_one_cache("cpu")
+    attn = PrefixSharedAttention(**HEADS, q_dtype=torch.float32, device="cpu", **CAPS)
+    event = attn.workspace._copied = CountingEvent()  # a CPU workspace has none: stand in for CUDA's
+    extra = dict(device_block_table=a.block_table.clone()) if device_table else {}
+    for _ in range(3):
+        attn.plan(*a.metadata, **extra)
+    assert (event.records, event.waits) == (3, 2)
