@@ -26,7 +26,8 @@ def device_tables(work: WorkList, table: np.ndarray, width: int, *, workspace: P
     (:func:`_workspace_tables`). ``max_block_id``: the largest id the work list reads (the checks'; -1: none);
     ``table_staged``/``tables_written``: the compiled planner already wrote the block table / the work list into
     ``workspace``'s host buffer. The caller checked ``workspace`` and ``device_block_table``
-    (:func:`check_workspace_args`)."""
+    (:func:`check_workspace_args`) and marks the workspace's plans stale when this
+    raises after a write (:meth:`PlanWorkspace.refused_after_writing`)."""
     if workspace is None:
         return _allocate_tables(work, table, width, num_qo_heads=num_qo_heads, head_dim=head_dim, device=device,
                                 staged=staged)
@@ -135,17 +136,14 @@ def _workspace_tables(work: WorkList, table: np.ndarray, width: int, *, workspac
                                 table_width=width if device_block_table is None else 0,
                                 num_items=work.num_items, num_gather=work.gather.shape[0],
                                 num_mrows=work.mrows.shape[0], num_ws_rows=work.num_ws_rows)
-    error = None if reason is None else CapacityError(reason, reason.split(":", 1)[0])
+    if reason is not None:
+        raise CapacityError(reason, reason.split(":", 1)[0])
     # The ids the kernel reads (the checks' max_block_id, no scan here: a scan of the bench's 256 x ~150 ids cost
     # ~6 us a step on the 2-core host) must fit the int32 staging table; cells past a request's own blocks are never
     # read (staged wrapped).
-    if error is None and device_block_table is None and max_block_id > INT32_MAX:
-        error = ValueError(f"block_table: expected block ids below 2**31 with a workspace (int32 table), got "
-                           f"{max_block_id}")
-    if error is not None:
-        if table_staged or tables_written:  # on a CPU device the host buffer is the current plan's tables
-            workspace.discard_loaded()
-        raise error
+    if device_block_table is None and max_block_id > INT32_MAX:
+        raise ValueError(f"block_table: expected block ids below 2**31 with a workspace (int32 table), got "
+                         f"{max_block_id}")
     tables = dict(items=work.items, gather=work.gather, mrows=work.mrows, tables_written=tables_written)
     if device_block_table is not None:
         dev = workspace.load(**tables, table=None, table_width=width)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import os
 import time
 import warnings
+import weakref
 
 import numpy as np
 
@@ -188,9 +189,8 @@ def core_params(*, causal, sharing, block_size, group, head_dim, elt_bytes, rows
 
 
 _NO_DEST = (np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int64))
-#: plan_core's ``(dest, dest_lay)`` per workspace, by identity (holding the workspace: a recycled id never matches).
-_dest_memo: dict = {}
-_MAX_DEST = 64
+#: plan_core's ``dest_lay`` per workspace (weak keys: a dropped wrapper's buffers are freed).
+_dest_layouts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _dest_args(core, workspace) -> tuple:
@@ -198,19 +198,19 @@ def _dest_args(core, workspace) -> tuple:
     and capacities; empty arrays without a workspace."""
     if workspace is None:
         return _NO_DEST
-    hit = _dest_memo.get(id(workspace))
-    if hit is None or hit[0] is not workspace:
-        if len(_dest_memo) >= _MAX_DEST:
-            _dest_memo.clear()
+    lay = _dest_layouts.get(workspace)
+    if lay is None:
         c, lay = workspace.capacity, np.empty(core.NUM_DEST_FIELDS, dtype=np.int64)
         for index, name in ((core.D_NUM_ITEMS, "num_items"), (core.D_ITEMS, "items"), (core.D_GATHER, "gather"),
                             (core.D_MROWS, "mrows")):
             lay[index] = workspace.section_start(name)
+        # The capacities PlanWorkspace.overflow checks but the table's width (a step over it is refused after the
+        # write: PlanWorkspace.refused_after_writing).
         lay[core.D_MAX_ITEMS], lay[core.D_MAX_GATHER] = c.max_items, c.max_gather_rows
         lay[core.D_MAX_MROWS], lay[core.D_MAX_WS_ROWS] = c.max_merge_rows, c.max_ws_rows
         lay[core.D_MAX_TOKENS], lay[core.D_MAX_REQUESTS] = c.max_tokens, c.max_requests
-        hit = _dest_memo[id(workspace)] = (workspace, lay)
-    return workspace.host_buffer(), hit[1]
+        _dest_layouts[workspace] = lay
+    return workspace.host_buffer(), lay
 
 
 def plan_tables(modules, tree, params, *, indptr, q_len, kv_len, shareable, table, width, workspace=None):

@@ -285,9 +285,9 @@ def work_list(lay, rule, kv_start, kv_end, offsets, members, suffix_start, q_sta
               min_split_tokens, extra, dest, dest_lay):
     """``(flat, items, gather, mrows, num_ws_rows, num_units, critical_path, in_dest)``:
     :func:`prefixattn.work_list.build_work_list` and ``Plan.stats['critical_path']``, the tables written straight
-    into one int32 staging buffer: ``dest`` at ``dest_lay``'s offsets (``in_dest``) when given and the step fits
-    its capacities, else a new ``flat`` = ``[num_items, items, gather, mrows, extra entries]``
-    (:func:`prefixattn.plan_device.metadata_to_device`'s layout)."""
+    into one int32 staging buffer: ``dest`` at ``dest_lay``'s offsets (``in_dest``) when given, ``extra`` is 0 (the
+    workspace stages its table itself) and the step fits its capacities, else a new ``flat`` = ``[num_items, items,
+    gather, mrows, extra entries]`` (:func:`prefixattn.plan_device.metadata_to_device`'s layout)."""
     item_fields, i_kind, i_req, i_kv0, i_kv1, i_row0, i_nrows, i_qpos, i_dest, i_mrow = (
         lay[0], lay[1], lay[2], lay[3], lay[4], lay[5], lay[6], lay[7], lay[8], lay[9])
     kind_suffix, gather_fields, mrow_fields, m_first, m_stride, m_states = (lay[11], lay[12], lay[16], lay[17],

@@ -441,30 +441,33 @@ def plan_with_options(options: PlanOptions, qo_indptr: torch.Tensor, kv_lens: to
     compiled = plan_native.still_compiled(plan_native.compiled_modules() if planner is PLANNER_FROM_ENV else planner)
     # A workspace that stages the table: the compiled checks write it while they read it.
     stage = workspace.host_table() if compiled and workspace is not None and device_block_table is None else None
-    indptr, lens, table, max_block_id, q_len, shareable, max_q_len, width, tree, staged = _checked_inputs_and_tree(
+    (indptr, lens, table, max_block_id, q_len, shareable, max_q_len, width, tree,
+     table_staged) = _checked_inputs_and_tree(
         compiled, qo_indptr=qo_indptr, kv_lens=kv_lens, block_table=block_table, block_size=o.block_size,
         num_blocks=num_blocks, causal=o.causal, sharing=o.sharing, stage=stage)
-    device = canonical_device("device", device if device is not None else block_table.device)
-    try:  # before the compiled planner writes the work list into the workspace
+    written = False
+    try:
+        device = canonical_device("device", device if device is not None else block_table.device)
+        # Before the compiled planner writes the work list into the workspace.
         check_workspace_args(workspace=workspace, device_block_table=device_block_table, device=device,
                              num_requests=lens.shape[0], width=width)
-    except ValueError:
-        if staged:  # the table went into a workspace on another device: its plan's table, if that is the CPU
-            workspace.discard_loaded()
+        num_sms = o.num_sms or _default_num_sms(device)
+        group = o.group
+        if tiles is None:
+            tiles = choose_tiles(head_dim=o.head_dim, group=group, max_q_len=max(max_q_len, 1), dtype=o.q_dtype)
+        nodes, work, crit, staged_flat, written = _host_tables(
+            plan_native.still_compiled(compiled), tree, o, tiles=tiles, num_sms=num_sms, indptr=indptr, q_len=q_len,
+            lens=lens, shareable=shareable, table=table, workspace=workspace,
+            width=width if workspace is None else 0)  # a workspace's table: staged by the checks or PlanWorkspace.load
+        num_tokens, num_nodes = int(indptr[-1]), int(nodes.kv_start.shape[0])
+        dev = device_tables(work, table, width, workspace=workspace, device_block_table=device_block_table,
+                             device=device, staged=staged_flat, num_qo_heads=o.num_qo_heads, head_dim=o.head_dim,
+                             num_tokens=num_tokens, max_block_id=max_block_id, table_staged=table_staged,
+                             tables_written=written)
+    except BaseException:
+        if workspace is not None:  # a refused step that wrote into the workspace: the earlier plans' tables changed
+            workspace.refused_after_writing(table=table_staged, work_list=written)
         raise
-    num_sms = o.num_sms or _default_num_sms(device)
-    group = o.group
-    if tiles is None:
-        tiles = choose_tiles(head_dim=o.head_dim, group=group, max_q_len=max(max_q_len, 1), dtype=o.q_dtype)
-    nodes, work, crit, staged_flat, written = _host_tables(
-        plan_native.still_compiled(compiled), tree, o, tiles=tiles, num_sms=num_sms, indptr=indptr, q_len=q_len,
-        lens=lens, shareable=shareable, table=table, workspace=workspace,
-        width=width if workspace is None else 0)  # a workspace's table: staged by the checks or PlanWorkspace.load
-    num_tokens, num_nodes = int(indptr[-1]), int(nodes.kv_start.shape[0])
-    dev = device_tables(work, table, width, workspace=workspace, device_block_table=device_block_table,
-                         device=device, staged=staged_flat, num_qo_heads=o.num_qo_heads, head_dim=o.head_dim,
-                         num_tokens=num_tokens, max_block_id=max_block_id, table_staged=staged,
-                         tables_written=written)
     return Plan(
         num_tokens=num_tokens, num_requests=int(lens.shape[0]), num_qo_heads=o.num_qo_heads,
         num_kv_heads=o.num_kv_heads, head_dim=o.head_dim, block_size=o.block_size, causal=o.causal,
@@ -485,9 +488,9 @@ def plan_with_options(options: PlanOptions, qo_indptr: torch.Tensor, kv_lens: to
 def _checked_inputs_and_tree(compiled, *, qo_indptr, kv_lens, block_table, block_size: int,
                              num_blocks: int | None, causal: bool, sharing: str, stage=None) -> tuple:
     """The checked host metadata and the block prefix tree: ``(indptr, lens, table, max_block_id, q_len, shareable,
-    max_q_len, width, tree, staged)``, from the compiled planner's checks (``compiled``: its modules, or None) when
-    it is there, else from numpy (same results, same errors). ``stage``: a workspace's host table, which the compiled
-    checks fill (``staged``; numpy never does)."""
+    max_q_len, width, tree, table_staged)``, from the compiled planner's checks (``compiled``: its modules, or None)
+    when it is there, else from numpy (same results, same errors). ``stage``: a workspace's host table, which the
+    compiled checks fill (``table_staged``; numpy never does)."""
     # None: no compiled planner, or (PREFIXATTN_PLANNER=auto) it failed to compile: numpy, same results.
     checked = compiled and plan_native.check_and_tree(compiled, qo_indptr, kv_lens, block_table, block_size=block_size,
                                                       num_blocks=num_blocks, causal=causal, sharing=sharing,

@@ -6,8 +6,9 @@
   fixed offsets into the kernel's metadata tables (live item count, ``items``, ``gather``, ``mrows``, block table);
 * the merge counters and the fp32 partial-state workspace (``ws_o``, ``ws_lse``), sized by capacity.
 
-:meth:`PlanWorkspace.load` writes a step's work list into the host buffer and moves it with ONE non-blocking copy on
-the current stream; it allocates nothing on the device. Because every table sits at a fixed offset with a fixed row
+:meth:`PlanWorkspace.load` writes a step's work list into the host buffer (the compiled planner writes it there itself,
+:meth:`PlanWorkspace.host_buffer`) and moves it with ONE non-blocking copy on the current stream; it allocates nothing
+on the device. Because every table sits at a fixed offset with a fixed row
 stride, each step's tensors have the same ``data_ptr`` and strides: a launch captured in a CUDA graph reads the next
 step's tables when replayed (:class:`prefixattn.PrefixSharedAttention` with ``use_cuda_graph=True``).
 
@@ -188,8 +189,7 @@ class PlanWorkspace:
     def host_table(self) -> np.ndarray:
         """The host block table ``[max_requests, max_blocks_per_request]`` int32 that :meth:`load` copies, for a
         planner that stages the table itself (``load(staged_rows=...)``), once the previous step's copy is done
-        reading it. Its writer calls :meth:`discard_loaded` when the step then fails: on a CPU device this buffer
-        is the table the loaded plan reads."""
+        reading it. A step refused after writing it calls :meth:`refused_after_writing`."""
         self._wait_for_copy()
         return self._host_table
 
@@ -210,10 +210,13 @@ class PlanWorkspace:
             self._copied.synchronize()
             self._copy_pending = False
 
-    def discard_loaded(self) -> None:
-        """Mark every plan loaded so far stale (:meth:`prefixattn.Plan.is_current`): a step that failed after
-        writing :meth:`host_table` left rows no loaded plan was made for."""
-        self.step += 1
+    def refused_after_writing(self, *, table: bool, work_list: bool) -> None:
+        """A step refused after the planner wrote its ``table`` (:meth:`host_table`) or its ``work_list``
+        (:meth:`host_buffer`) here: the plans loaded so far become stale (:meth:`prefixattn.Plan.is_current`) where
+        that changed what they read. Their ``Plan.work`` views the work list's sections; on a CPU device the whole
+        host buffer is their device tables. (On CUDA a staged table alone changes nothing they read.)"""
+        if work_list or (table and self._dev is self._host):
+            self.step += 1
 
     def load(self, *, items: np.ndarray, gather: np.ndarray, mrows: np.ndarray, table: np.ndarray | None,
              table_width: int = 0, staged_rows: int | None = None, tables_written: bool = False) -> dict:

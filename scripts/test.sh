@@ -14,7 +14,8 @@ failed=()
 setup_venv .venv test
 .venv/bin/python -m pytest tests/ -m "not slow and not vllm and not sglang and not ray" "$@" || failed+=(main)
 bash scripts/test_triton36.sh || failed+=(triton36)  # the oldest supported Triton: kernel tests, sm90 compile-check
-# vLLM 0.33's Triton (it pins torch 2.14): the same kernel tests and compile-check (~3 minutes).
+# The Triton vLLM 0.33 runs on (its torch 2.14 pins 3.8), here beside torch 2.13: the same kernel tests and
+# compile-check (~3 minutes).
 TRITON_PIN=triton==3.8.0 bash scripts/test_triton36.sh || failed+=(triton38)
 
 if [ -z "${PREFIXATTN_SKIP_ENGINES:-}" ]; then

@@ -13,6 +13,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 TRITON_PIN=${TRITON_PIN:-triton==3.6.0}
+if [[ ! "$TRITON_PIN" =~ ^triton==[0-9]+\.[0-9]+\.[0-9]+$ ]]; then
+  echo "TRITON_PIN: expected triton==X.Y.Z (one exact version, its own venv), got '$TRITON_PIN'" >&2
+  exit 2
+fi
 version=${TRITON_PIN#*==}
 VENV=.venv-triton$(echo "${version%.*}" | tr -d .)
 

@@ -8,7 +8,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from prefixattn import PrefixSharedAttention, attention, reference_attention
-from prefixattn import prefix_attention
+from prefixattn import plan_native, prefix_attention
 from prefixattn.workspace import derive_capacity
 from tests.launch_count import RecordingKernel
 from tests.prefix_batches import random_batch
@@ -327,51 +327,74 @@ def test_restated_options_reuse_the_checked_ones(monkeypatch):
     assert len(calls) == 4
 
 
-def test_a_step_failing_after_staging_its_table_leaves_no_current_plan(device):
-    """The compiled checks stage the table into the workspace's host buffer, which on a CPU device is the table the
-    current plan reads: a step refused after that (too many items even without sharing) makes the earlier plan
-    stale, a clear error instead of a plan over another batch's table; a step refused by the checks themselves
-    wrote nothing and leaves it current."""
-    (a, b), k_cache, v_cache = _two_batches_on_one_cache(device)
+def _compiled_planner(monkeypatch):
+    """Plan with the compiled planner (it writes into the workspace's host buffer itself; numpy copies in load())."""
+    pytest.importorskip("numba", reason="the compiled planner is optional (pip install prefixattn[fast])")
+    monkeypatch.setenv(plan_native.ENV_VAR, "numba")
+
+
+def _sized_for(device, batches, max_items):
+    """A wrapper without sharing whose item capacity fits the first batch (and the item counts it checks against)."""
     roomy = PrefixSharedAttention(**HEADS, q_dtype=torch.float32, device=device, sharing="never", **CAPS)
-    items = [roomy.plan(*(t.to(device) for t in batch.metadata)).num_items for batch in (a, b)]
-    small, large = (a, b) if items[0] < items[1] else (b, a)
+    items = [roomy.plan(*(t.to(device) for t in batch.metadata)).num_items for batch in batches]
     attn = PrefixSharedAttention(**HEADS, q_dtype=torch.float32, device=device, sharing="never",
-                                 max_items=min(items), **CAPS)
-    p = attn.plan(*(t.to(device) for t in small.metadata))
-    bad_ids = small.block_table.clone()
+                                 max_items=max_items(items), **CAPS)
+    return attn, items
+
+
+def test_a_step_failing_after_staging_its_table_leaves_no_current_plan(device, monkeypatch):
+    """The compiled checks stage the table into the workspace's host buffer, which on a CPU device is the table the
+    current plan reads, and the compiled planner writes the work list there: a step refused after that (too many
+    items even without sharing; a read id past int32) makes the earlier plan stale, a clear error instead of a plan
+    over another batch's tables; a step refused by the checks themselves wrote nothing and leaves it current."""
+    _compiled_planner(monkeypatch)
+    (a, b), k_cache, v_cache = _two_batches_on_one_cache(device)
+    attn, items = _sized_for(device, (a, b), max_items=lambda items: items[0])
+    assert items[1] > items[0]  # the capacity fits a, not b
+    q = a.q.to(device)
+
+    def fresh_plan():
+        p = attn.plan(*(t.to(device) for t in a.metadata))
+        _assert_matches_reference(attn.run(q, k_cache, v_cache), q, k_cache, v_cache, a, p)
+        return p
+
+    p = fresh_plan()
+    bad_ids = a.block_table.clone()
     bad_ids[0, 0] = k_cache.shape[0]
     with pytest.raises(ValueError, match="block_table"):
-        attn.plan(small.qo_indptr.to(device), small.kv_lens.to(device), bad_ids.to(device),
-                  num_blocks=k_cache.shape[0])
+        attn.plan(a.qo_indptr.to(device), a.kv_lens.to(device), bad_ids.to(device), num_blocks=k_cache.shape[0])
     assert p.is_current()
-    q = small.q.to(device)
-    _assert_matches_reference(attn.run(q, k_cache, v_cache), q, k_cache, v_cache, small, p)
+    _assert_matches_reference(attn.run(q, k_cache, v_cache), q, k_cache, v_cache, a, p)
     with pytest.raises(ValueError, match="max_items: expected at most"):
-        attn.plan(*(t.to(device) for t in large.metadata))
+        attn.plan(*(t.to(device) for t in b.metadata))
     with pytest.raises(ValueError, match="plan: expected the latest plan of its workspace"):
         attn.run(q, k_cache, v_cache)
+    p = fresh_plan()
+    past_int32 = a.block_table.to(torch.int64)
+    past_int32[0, 0] = 2**31  # read: refused after the work list was written
+    with pytest.raises(ValueError, match=r"block_table: expected block ids below 2\*\*31"):
+        attn.plan(a.qo_indptr.to(device), a.kv_lens.to(device), past_int32.to(device))
+    assert not p.is_current()
 
 
-def test_the_compiled_planner_writes_the_work_list_in_place_and_bad_steps_leave_the_plan_current(device):
+def test_the_compiled_planner_writes_the_work_list_in_place_and_bad_steps_leave_the_plan_current(device,
+                                                                                                monkeypatch):
     """With the compiled planner the work list is written straight into the workspace's host buffer (the plan's host
-    tables are views of it); a device table too small for the batch and a step over a capacity are refused before
-    anything is written there, so the current plan stays current and correct."""
-    pytest.importorskip("numba", reason="the compiled planner is optional (pip install prefixattn[fast])")
+    tables are views of it); a device table too small for another batch and a step over a capacity are refused
+    before anything is written there, so the current plan stays current and correct."""
+    _compiled_planner(monkeypatch)
     (a, b), k_cache, v_cache = _two_batches_on_one_cache(device)
+    attn, items = _sized_for(device, (a, b), max_items=lambda items: items[0])
+    assert items[1] > items[0]  # the capacity fits a, not b
     engine_table = torch.zeros(CAPS["max_requests"], 16, dtype=torch.int32, device=device)
     n, w = a.block_table.shape
     engine_table[:n, :w] = a.block_table.to(device)
-    roomy = PrefixSharedAttention(**HEADS, q_dtype=torch.float32, device=device, sharing="never", **CAPS)
-    items = [roomy.plan(*(t.to(device) for t in batch.metadata)).num_items for batch in (a, b)]
-    attn = PrefixSharedAttention(**HEADS, q_dtype=torch.float32, device=device, sharing="never",
-                                 max_items=items[0], **CAPS)
-    metadata = [t.to(device) for t in a.metadata]
-    p = attn.plan(*metadata, device_block_table=engine_table[:n])
+    p = attn.plan(*(t.to(device) for t in a.metadata), device_block_table=engine_table[:n])
     assert np.shares_memory(p.work.items, attn.workspace.host_buffer())
+    # The first requests of a, whose work list (fewer items) differs: a write would change what p reads.
+    head = (a.qo_indptr[:n].to(device), a.kv_lens[:n - 1].to(device), a.block_table[:n - 1].to(device))
     with pytest.raises(ValueError, match="device_block_table: expected at least"):
-        attn.plan(*metadata, device_block_table=engine_table[:n, :1])
-    assert items[1] > items[0]  # the capacity fits a, not b
+        attn.plan(*head, device_block_table=engine_table[:n - 1, :1])
     engine_table[:b.block_table.shape[0], :b.block_table.shape[1]] = b.block_table.to(device)
     with pytest.raises(ValueError, match="max_items: expected at most"):
         attn.plan(*(t.to(device) for t in b.metadata), device_block_table=engine_table[:b.block_table.shape[0]])
