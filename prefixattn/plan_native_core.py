@@ -280,6 +280,28 @@ def _fits_dest(dest_lay, n_items, num_gather, num_mrows, num_ws_rows, q_len):
 
 
 @njit(cache=True, nogil=True)
+def _table_views(dest, dest_lay, in_dest, n_items, num_gather, num_mrows, extra, item_fields, gather_fields,
+                 mrow_fields):
+    """``(flat, items, gather, mrows)``: the live item count written and the tables as views of ``dest`` at
+    ``dest_lay``'s sections (``in_dest``; ``flat`` empty), else of a new ``flat`` = ``[num_items, items, gather,
+    mrows, extra entries]``."""
+    if in_dest:
+        buf, flat = dest, dest[:0]
+        s_count, s_items, s_gather, s_mrows = (dest_lay[D_NUM_ITEMS], dest_lay[D_ITEMS], dest_lay[D_GATHER],
+                                               dest_lay[D_MROWS])
+    else:
+        s_count, s_items = 0, 1
+        s_gather = s_items + n_items * item_fields
+        s_mrows = s_gather + num_gather * gather_fields
+        buf = flat = np.empty(max(s_mrows + num_mrows * mrow_fields + extra, 1), dtype=np.int32)
+    buf[s_count] = n_items
+    items = buf[s_items:s_items + n_items * item_fields].reshape(n_items, item_fields)
+    gather = buf[s_gather:s_gather + num_gather * gather_fields].reshape(num_gather, gather_fields)
+    mrows = buf[s_mrows:s_mrows + num_mrows * mrow_fields].reshape(num_mrows, mrow_fields)
+    return flat, items, gather, mrows
+
+
+@njit(cache=True, nogil=True)
 def work_list(lay, rule, kv_start, kv_end, offsets, members, suffix_start, q_start, q_len, kv_len, causal,
               rows_per_shared, rows_per_suffix, block_n_shared, block_n_suffix, num_kv_heads, num_sms,
               min_split_tokens, extra, dest, dest_lay):
@@ -328,22 +350,8 @@ def work_list(lay, rule, kv_start, kv_end, offsets, members, suffix_start, q_sta
     # dest: a workspace's buffer, which stages its table itself (extra == 0)
     in_dest = extra == 0 and dest_lay.shape[0] > 0 and _fits_dest(dest_lay, n_items, num_gather, num_mrows,
                                                                    num_ws_rows, q_len)
-    if in_dest:
-        flat = dest[:0]  # the tables are in dest
-        s_count, s_items, s_gather, s_mrows = dest_lay[D_NUM_ITEMS], dest_lay[D_ITEMS], dest_lay[D_GATHER], \
-            dest_lay[D_MROWS]
-        dest[s_count] = n_items
-        items = dest[s_items:s_items + n_items * item_fields].reshape(n_items, item_fields)
-        gather = dest[s_gather:s_gather + num_gather * gather_fields].reshape(num_gather, gather_fields)
-        mrows = dest[s_mrows:s_mrows + num_mrows * mrow_fields].reshape(num_mrows, mrow_fields)
-    else:
-        e_items, e_gather = 1 + n_items * item_fields, 1 + n_items * item_fields + num_gather * gather_fields
-        e_mrows = e_gather + num_mrows * mrow_fields
-        flat = np.empty(max(e_mrows + extra, 1), dtype=np.int32)
-        flat[0] = n_items
-        items = flat[1:e_items].reshape(n_items, item_fields)
-        gather = flat[e_items:e_gather].reshape(num_gather, gather_fields)
-        mrows = flat[e_gather:e_mrows].reshape(num_mrows, mrow_fields)
+    flat, items, gather, mrows = _table_views(dest, dest_lay, in_dest, n_items, num_gather, num_mrows, extra,
+                                              item_fields, gather_fields, mrow_fields)
     for t in range(num_tiles):
         if tile_mrow_base[t] >= 0:
             for i in range(t_rows[t]):
