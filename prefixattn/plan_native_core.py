@@ -381,7 +381,6 @@ def work_list(lay, rule, kv_start, kv_end, offsets, members, suffix_start, q_sta
             _critical_path(items, i_kv0, i_kv1, num_kv_heads, num_sms), in_dest)
 
 
-
 @njit(cache=True, nogil=True)
 def _merge_units(offsets, members, n_pieces, t_req, t_rows, t_pieces, num_reqs):
     """Shared states per request and each membership's first slot (node by node, top-down), and the merge units:
