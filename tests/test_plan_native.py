@@ -367,3 +367,51 @@ def test_compiled_trees_are_read_only(monkeypatch, shared):
     assert (p.tree.num_nodes > 0) == shared
     t = p.tree
     assert not any(a.flags.writeable for a in (t.order, t.lcp, t.depth, t.lb, t.rb, t.parent))
+
+
+def _read_tables(p, kv_lens, block_size) -> tuple:
+    """What the kernel reads of a plan: its metadata tables and the block-table cells of each request's blocks."""
+    lens = kv_lens.numpy()
+    cells = tuple(p.block_table[r, :-(-int(lens[r]) // block_size)].cpu().numpy().tobytes() for r in range(len(lens)))
+    return (*(t.cpu().numpy().tobytes() for t in (p.num_items_dev, p.items, p.gather, p.mrows)),
+            p.work.items.tobytes(), cells)
+
+
+def test_random_steps_through_tight_workspaces_leave_no_wrong_current_plan(monkeypatch):
+    """Random steps through wrappers with tight capacities (every other one reading the caller's device table), with
+    the compiled planner, which writes into the workspace before the capacity checks: every accepted plan reads
+    what the free plan() gives, and a refused step leaves the previous plan either current with what it reads
+    unchanged, or stale."""
+    from prefixattn import PrefixSharedAttention
+
+    monkeypatch.setenv(plan_native.ENV_VAR, "numba")
+    rng = np.random.default_rng(300)
+    heads = dict(num_qo_heads=8, num_kv_heads=2, head_dim=64, block_size=4)
+    outcomes = []
+    for trial in range(30):
+        opts = dict(sharing=("auto", "always", "never")[trial % 3], num_sms=int(rng.integers(2, 20)),
+                    min_split_tokens=8)
+        caps = dict(max_tokens=int(rng.integers(8, 40)), max_requests=int(rng.integers(4, 12)),
+                    max_blocks_per_request=int(rng.integers(4, 40)))
+        if rng.random() < 0.5:
+            caps["max_items"] = int(rng.integers(4, 40))
+        attn = PrefixSharedAttention(**heads, **opts, **caps, q_dtype=torch.float16, device="cpu")
+        prev = None
+        for step in range(6):
+            args, _ = random_metadata(rng, num_requests=int(rng.integers(0, 12)), block_size=4, max_q_len=6,
+                                      levels=2, table_dtype=(np.int32, np.int64)[step % 2])
+            extra = dict(device_block_table=args[2].to(torch.int32)) if trial % 2 and args[2].shape[1] else {}
+            before = _read_tables(prev, *prev_lens) if prev is not None and prev.is_current() else None
+            try:
+                p = attn.plan(*args, **extra)
+            except ValueError:
+                if before is not None:
+                    outcomes.append("intact" if prev.is_current() else "stale")
+                    assert not prev.is_current() or _read_tables(prev, *prev_lens) == before, (trial, step)
+                continue
+            sharing = "never" if "capacity_fallback" in p.stats else opts["sharing"]
+            ref = plan(*args, **heads, q_dtype=torch.float16, **dict(opts, sharing=sharing))
+            assert _read_tables(p, args[1], 4) == _read_tables(ref, args[1], 4), (trial, step)
+            outcomes.append("accepted")
+            prev, prev_lens = p, (args[1], 4)
+    assert {"accepted", "intact", "stale"} <= set(outcomes)  # every case above happened
