@@ -8,9 +8,9 @@
 
 :meth:`PlanWorkspace.load` writes a step's work list into the host buffer (the compiled planner writes it there itself,
 :meth:`PlanWorkspace.host_buffer`) and moves it with ONE non-blocking copy on the current stream; it allocates nothing
-on the device. Because every table sits at a fixed offset with a fixed row
-stride, each step's tensors have the same ``data_ptr`` and strides: a launch captured in a CUDA graph reads the next
-step's tables when replayed (:class:`prefixattn.PrefixSharedAttention` with ``use_cuda_graph=True``).
+on the device. Because every table sits at a fixed offset with a fixed row stride, each step's tensors have the same
+``data_ptr`` and strides: a launch captured in a CUDA graph reads the next step's tables when replayed
+(:class:`prefixattn.PrefixSharedAttention` with ``use_cuda_graph=True``).
 
 Capacity bounds (:func:`derive_capacity`), for a step of at most ``T`` query tokens from ``R`` requests, ``L``
 shared levels per request, ``S`` SMs, ``H`` KV heads and ``r_sh``/``r_sf`` query rows per shared/suffix tile:
