@@ -333,12 +333,12 @@ def _compiled_planner(monkeypatch):
     monkeypatch.setenv(plan_native.ENV_VAR, "numba")
 
 
-def _sized_for(device, batches, max_items):
+def _sized_for(device, batches):
     """A wrapper without sharing whose item capacity fits the first batch (and the item counts it checks against)."""
     roomy = PrefixSharedAttention(**HEADS, q_dtype=torch.float32, device=device, sharing="never", **CAPS)
     items = [roomy.plan(*(t.to(device) for t in batch.metadata)).num_items for batch in batches]
     attn = PrefixSharedAttention(**HEADS, q_dtype=torch.float32, device=device, sharing="never",
-                                 max_items=max_items(items), **CAPS)
+                                 max_items=items[0], **CAPS)
     return attn, items
 
 
@@ -349,7 +349,7 @@ def test_a_step_failing_after_staging_its_table_leaves_no_current_plan(device, m
     over another batch's tables; a step refused by the checks themselves wrote nothing and leaves it current."""
     _compiled_planner(monkeypatch)
     (a, b), k_cache, v_cache = _two_batches_on_one_cache(device)
-    attn, items = _sized_for(device, (a, b), max_items=lambda items: items[0])
+    attn, items = _sized_for(device, (a, b))
     assert items[1] > items[0]  # the capacity fits a, not b
     q = a.q.to(device)
 
@@ -384,7 +384,7 @@ def test_the_compiled_planner_writes_the_work_list_in_place_and_bad_steps_leave_
     before anything is written there, so the current plan stays current and correct."""
     _compiled_planner(monkeypatch)
     (a, b), k_cache, v_cache = _two_batches_on_one_cache(device)
-    attn, items = _sized_for(device, (a, b), max_items=lambda items: items[0])
+    attn, items = _sized_for(device, (a, b))
     assert items[1] > items[0]  # the capacity fits a, not b
     engine_table = torch.zeros(CAPS["max_requests"], 16, dtype=torch.int32, device=device)
     n, w = a.block_table.shape
