@@ -37,7 +37,7 @@ import numpy as np
 
 # Module-level imports (none of these imports the planner): an import statement inside a per-step function costs
 # ~1-2 us per call.
-from prefixattn.lcp_tree import COMPILED_CACHE_MAX_ENTRIES, LcpTree, cached_entry, remember_tree
+from prefixattn.lcp_tree import LcpTree, cached_entry, compiled_row_buffer, set_cached_entry
 from prefixattn.validation import check_host_metadata, host_metadata_arrays
 from prefixattn.work_list import SharedNodes, WorkList
 
@@ -140,15 +140,21 @@ def check_and_tree(modules, qo_indptr, kv_lens, block_table, *, block_size, num_
     last = cached_entry()
     # Same dtype only (another would compile another variant); the compiled check compares the row counts.
     use_cache = last is not None and last[0].dtype == table.dtype
+    keep = compiled_row_buffer(table.dtype)
+    # Out of the cache while the call may write a new tree's rows over its own (``keep``); put back below, so a
+    # failure in between leaves no entry, never rows with another tree.
+    set_cached_entry(None)
     try:
         out = modules[0].check_and_tree(indptr, lens, table, block_size, _block_shift(block_size),
                                         -1 if num_blocks is None else int(num_blocks), causal, sharing == "never",
                                         last[0] if use_cache else _NO_CACHE[table.dtype],
                                         last[1] if use_cache else _NO_BLOCKS, use_cache,
-                                        _NO_STAGE if stage is None else stage)
+                                        _NO_STAGE if stage is None else stage, keep)
     except _numba_error as e:
         return _compile_failed(e)
-    ok, max_block_id, max_q_len, width, tree_width, status, lengths, packed, staged = out
+    ok, max_block_id, max_q_len, width, tree_width, status, lengths, packed, staged, kept = out
+    if not kept:  # the rows of the last tree are intact
+        set_cached_entry(last)
     if not ok:
         check_host_metadata(qo_indptr, kv_lens, block_table, block_size=block_size, num_blocks=num_blocks,
                             table_as_is=True)  # raises the message
@@ -160,9 +166,8 @@ def check_and_tree(modules, qo_indptr, kv_lens, block_table, *, block_size, num_
         # Read-only, as every tree the compiled planner gets (one array type); the tree's arrays are views of it.
         packed.setflags(write=False)
         tree = _unpack_tree(packed, lens.shape[0])
-        if status == 2:  # nodes: the cache keeps the tree with the rows it is of (a tree without any: nothing to keep)
-            tree = remember_tree(table[:, :tree_width], sh_blocks, tree, max_entries=COMPILED_CACHE_MAX_ENTRIES,
-                                 frozen=True)
+        if kept:  # a tree with nodes: the cache keeps it with the rows it is of, copied by the call
+            set_cached_entry((keep[:sh_blocks.shape[0] * tree_width].reshape(-1, tree_width), sh_blocks, tree))
     return indptr, lens, table, max_block_id, q_len, shareable, max_q_len, width, tree, staged
 
 

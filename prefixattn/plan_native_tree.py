@@ -463,16 +463,20 @@ def check_values(indptr, lens, table, block_size, block_shift, num_blocks, causa
 
 @njit(cache=True, nogil=True)
 def check_and_tree(indptr, lens, table, block_size, block_shift, num_blocks, causal, sharing_never, cache_rows,
-                   cache_blocks, use_cache, stage):
+                   cache_blocks, use_cache, stage, keep):
     """:func:`check_values`, then the block prefix tree of the shareable blocks, in one call; a valid batch's table
-    is staged into ``stage`` too (:func:`_stage_table`).
+    is staged into ``stage`` too (:func:`_stage_table`), and a new tree's rows into ``keep``.
 
     ``cache_rows``/``cache_blocks``: the tree cache's rows and block counts (``use_cache``: compare with them first).
     ``stage``: ``[rows, cols]`` int32, a workspace's host block table (``(0, 0)``: none).
-    Returns ``(ok, max_block_id, max_q_len, width, tree_width, status, lengths, tree, staged)``: ``width``, block-table
-    columns the batch reads (at least 1); ``tree_width``, the longest row of shareable blocks; ``lengths``
-    ``[3, num_requests]``, the rows ``q_len, shareable, shareable_blocks``; ``status`` 1: the cached tree applies
-    (``tree`` is empty), 2: a new tree with nodes, 0: a tree without nodes;
+    ``keep``: 1-D, the table's dtype: gets ``table[:, :tree_width]`` in C order when a new tree has nodes and the
+    rows fit (``kept``), for the tree cache (:func:`prefixattn.lcp_tree.compiled_row_buffer`; it may hold
+    ``cache_rows``, which are compared before). Copied here while the table is in cache: ~8 -> ~3 us for 256 x 144
+    ids on the 2-core host, against numpy's copy after the call.
+    Returns ``(ok, max_block_id, max_q_len, width, tree_width, status, lengths, tree, staged, kept)``: ``width``,
+    block-table columns the batch reads (at least 1); ``tree_width``, the longest row of shareable blocks;
+    ``lengths`` ``[3, num_requests]``, the rows ``q_len, shareable, shareable_blocks``; ``status`` 1: the cached tree
+    applies (``tree`` is empty), 2: a new tree with nodes, 0: a tree without nodes;
     ``tree`` packs ``order, lcp`` (``num_requests`` each) then ``depth, lb, rb, parent`` (one per node). Two arrays
     instead of nine: each array returned to Python costs ~0.3 us (numba's boxing unpickles the array type per
     array). ``staged``: whether ``stage`` got the table.
@@ -485,12 +489,12 @@ def check_and_tree(indptr, lens, table, block_size, block_shift, num_blocks, cau
     empty = np.zeros(0, dtype=np.int64)
     tree_width = 0
     if not ok:
-        return ok, max_id, max_q_len, width, tree_width, 0, lengths, empty, False
+        return ok, max_id, max_q_len, width, tree_width, 0, lengths, empty, False, False
     for r in range(n):
         tree_width = max(tree_width, sh_blocks[r])
     staged = _stage_table(stage, table, n, width, max_id)
     if use_cache and same_rows and cache_rows.shape[1] == tree_width and not _differ(cache_blocks, sh_blocks):
-        return ok, max_id, max_q_len, width, tree_width, 1, lengths, empty, staged
+        return ok, max_id, max_q_len, width, tree_width, 1, lengths, empty, staged, False
     if prev_lcp.shape[0] != n:
         prev_lcp = np.zeros(n, dtype=np.int64)  # no hints
     order, lcp, depth, lb, rb, parent = lcp_interval_tree(table, tree_width, sh_blocks, prev_lcp)
@@ -499,7 +503,14 @@ def check_and_tree(indptr, lens, table, block_size, block_shift, num_blocks, cau
     tree[:n], tree[n:2 * n] = order, lcp
     for k, a in enumerate((depth, lb, rb, parent)):
         tree[2 * n + k * m:2 * n + (k + 1) * m] = a
-    return ok, max_id, max_q_len, width, tree_width, 2 if m else 0, lengths, tree, staged
+    kept = m > 0 and n * tree_width <= keep.shape[0]
+    if kept:
+        for r in range(n):
+            dst = keep[r * tree_width:(r + 1) * tree_width]
+            src = table[r, :tree_width]
+            for c in range(tree_width):
+                dst[c] = src[c]
+    return ok, max_id, max_q_len, width, tree_width, 2 if m else 0, lengths, tree, staged, kept
 
 
 @njit(cache=True, nogil=True)

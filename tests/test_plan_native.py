@@ -323,6 +323,46 @@ def test_a_warm_tree_cache_follows_the_table(monkeypatch, change):
     assert_same_plans(_plan_with("numpy", monkeypatch, *args2, **opts), warm, change)
 
 
+def test_the_tree_cache_keeps_its_own_rows_and_no_tree_of_other_rows(monkeypatch):
+    """The compiled checks copy a new tree's rows into the cache's buffer themselves. The cache holds a copy (an
+    engine rewrites its table in place), a refused step and a batch too large to keep leave the last entry as it
+    was, and a failure after the copy leaves no entry (never the last tree with the new rows)."""
+    import prefixattn.lcp_tree as lcp
+
+    n, block_size, shared = 12, 4, 6
+    rng = np.random.default_rng(11)
+    table = torch.from_numpy(np.concatenate([np.tile(np.arange(shared), (n, 1)),
+                                             100 + rng.permutation(n * 5).reshape(n, 5)], axis=1).astype(np.int32))
+    args = (torch.arange(n + 1), torch.full((n,), (shared + 3) * block_size), table)
+    opts = dict(block_size=block_size, num_qo_heads=8, num_kv_heads=2, head_dim=64, sharing="always")
+    first = _plan_with("numba", monkeypatch, *args, **opts)
+    rows, _, tree = lcp.cached_entry()
+    assert tree is first.tree and np.array_equal(rows, table.numpy()[:, :rows.shape[1]])
+    # In place, as an engine reuses its table: the cache's rows are its own, so the tree is rebuilt.
+    table[n // 2, 2] = 77
+    moved = _plan_with("numba", monkeypatch, *args, cold=False, **opts)
+    assert moved.tree is not tree
+    assert_same_plans(_plan_with("numpy", monkeypatch, *args, **opts), moved, "table changed in place")
+    entry = _plan_with("numba", monkeypatch, *args, **opts) and lcp.cached_entry()
+    # A refused step (an id past num_blocks) and a batch past the buffer (not kept) leave the entry as it was.
+    with pytest.raises(ValueError, match="block_table"):
+        plan(*args, **opts, num_blocks=10)
+    big_n = lcp.COMPILED_CACHE_MAX_ENTRIES // 8 + 1
+    big = plan(torch.arange(big_n + 1), torch.full((big_n,), 8 * block_size),
+               torch.zeros((big_n, 8), dtype=torch.int32), **opts)
+    assert big.tree.num_nodes and lcp.cached_entry() is entry
+    assert _plan_with("numba", monkeypatch, *args, cold=False, **opts).tree is entry[2]
+    # A failure after the call copied the rows of another batch: no entry is left.
+    other = (args[0], args[1], table.flip(0).contiguous())
+    monkeypatch.setattr(plan_native, "_unpack_tree", lambda *a: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        plan(*other, **opts)
+    assert lcp.cached_entry() is None
+    monkeypatch.undo()
+    assert_same_plans(_plan_with("numpy", monkeypatch, *other, **opts),
+                      _plan_with("numba", monkeypatch, *other, cold=False, **opts), "after a failed step")
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_long_shared_prefixes_equal(monkeypatch, seed):
     """Rows sharing more than ``_HINT_MIN_COLUMNS`` blocks (the checks' LCP hints feed the tree build): interleaved

@@ -43,16 +43,19 @@ def cached_entry():
     return getattr(_last_tree, "entry", None)
 
 
-def remember_tree(rows: np.ndarray, num_blocks: np.ndarray, tree: LcpTree, *,
-                  max_entries: int | None = None, frozen: bool = False) -> LcpTree:
-    """Freeze ``tree`` (``frozen``: its arrays are read-only already) and keep it as this thread's last tree when it
-    has nodes (and ``rows`` has at most ``max_entries`` entries); returns ``tree``."""
-    if not frozen:
-        for a in (tree.order, tree.lcp, tree.depth, tree.lb, tree.rb, tree.parent):
-            # Shared by the plans of every step that reuses it; read-only always, so the compiled planner sees one
-            # array type (numba compiles a variant per writability).
-            a.setflags(write=False)
-    if tree.num_nodes and (max_entries is None or rows.size <= max_entries):
+def set_cached_entry(entry) -> None:
+    """Make ``entry`` (``(rows, num_blocks, tree)``, rows this cache owns; or None) this thread's cache entry: the
+    compiled planner's, whose rows it wrote into :func:`compiled_row_buffer` itself."""
+    _last_tree.entry = entry
+
+
+def remember_tree(rows: np.ndarray, num_blocks: np.ndarray, tree: LcpTree) -> LcpTree:
+    """Freeze ``tree`` and keep it as this thread's last tree when it has nodes; returns ``tree``."""
+    for a in (tree.order, tree.lcp, tree.depth, tree.lb, tree.rb, tree.parent):
+        # Shared by the plans of every step that reuses it; read-only always, so the compiled planner sees one
+        # array type (numba compiles a variant per writability).
+        a.setflags(write=False)
+    if tree.num_nodes:
         # The replaced entry's row buffer is reused (a fresh 2 MB buffer costs its page faults: ~2x the copy).
         last = cached_entry()
         same = last is not None and last[0].shape == rows.shape and last[0].dtype == rows.dtype
@@ -62,9 +65,20 @@ def remember_tree(rows: np.ndarray, num_blocks: np.ndarray, tree: LcpTree, *,
     return tree
 
 
-#: Largest row matrix (entries) the compiled tree keeps in the cache. The compiled build is one vectorized pass over
-#: the shared prefix, as is the cache's check, and keeping the rows costs a copy: past this size (a 256 x 256 table,
-#: ~0.25 MB) the cache would only add that copy (a 263 x 2,056 table: ~45 us per copy on the 2-core host).
+def compiled_row_buffer(dtype: np.dtype) -> np.ndarray:
+    """This thread's buffer of :data:`COMPILED_CACHE_MAX_ENTRIES` ids of ``dtype`` that the compiled planner copies a
+    new tree's rows into (the cache entry then holds a view of it). It may hold the current entry's rows: the caller
+    takes the entry out before the compiled call writes (:func:`set_cached_entry`)."""
+    buffer = getattr(_last_tree, "row_buffer", None)
+    if buffer is None or buffer.dtype != dtype:
+        buffer = _last_tree.row_buffer = np.empty(COMPILED_CACHE_MAX_ENTRIES, dtype=dtype)
+    return buffer
+
+
+#: Largest row matrix (entries) the compiled tree keeps in the cache: the size of its row buffer. The compiled build
+#: is one vectorized pass over the shared prefix, as is the cache's check, and keeping the rows costs a copy: past
+#: this size (a 256 x 256 table, ~0.25 MB) the cache would only add that copy (a 263 x 2,056 table: ~45 us per
+#: numpy copy on the 2-core host) and hold a large buffer per thread.
 COMPILED_CACHE_MAX_ENTRIES = 1 << 16
 
 #: Per thread, the last tree with nodes, with the rows and block counts it was built from. An engine's decode loop
