@@ -37,7 +37,7 @@ import numpy as np
 
 # Module-level imports (none of these imports the planner): an import statement inside a per-step function costs
 # ~1-2 us per call.
-from prefixattn.lcp_tree import LcpTree, cached_entry, compiled_row_buffer, set_cached_entry
+from prefixattn.lcp_tree import LcpTree, compiled_cache, keep_compiled_tree
 from prefixattn.validation import check_host_metadata, host_metadata_arrays
 from prefixattn.work_list import SharedNodes, WorkList
 
@@ -137,13 +137,9 @@ def check_and_tree(modules, qo_indptr, kv_lens, block_table, *, block_size, num_
                                                num_blocks=num_blocks, table_as_is=True)
     if not table.flags.c_contiguous:  # a column slice of an engine's table: one copy, not a new compiled variant
         table = np.ascontiguousarray(table)
-    last = cached_entry()
+    last, keep = compiled_cache(table.dtype)  # keep: where the call copies a new tree's rows
     # Same dtype only (another would compile another variant); the compiled check compares the row counts.
     use_cache = last is not None and last[0].dtype == table.dtype
-    keep = compiled_row_buffer(table.dtype)
-    # Out of the cache while the call may write a new tree's rows over its own (``keep``); put back below, so a
-    # failure in between leaves no entry, never rows with another tree.
-    set_cached_entry(None)
     try:
         out = modules[0].check_and_tree(indptr, lens, table, block_size, _block_shift(block_size),
                                         -1 if num_blocks is None else int(num_blocks), causal, sharing == "never",
@@ -153,8 +149,6 @@ def check_and_tree(modules, qo_indptr, kv_lens, block_table, *, block_size, num_
     except _numba_error as e:
         return _compile_failed(e)
     ok, max_block_id, max_q_len, width, tree_width, status, lengths, packed, staged, kept = out
-    if not kept:  # the rows of the last tree are intact
-        set_cached_entry(last)
     if not ok:
         check_host_metadata(qo_indptr, kv_lens, block_table, block_size=block_size, num_blocks=num_blocks,
                             table_as_is=True)  # raises the message
@@ -167,7 +161,7 @@ def check_and_tree(modules, qo_indptr, kv_lens, block_table, *, block_size, num_
         packed.setflags(write=False)
         tree = _unpack_tree(packed, lens.shape[0])
         if kept:  # a tree with nodes: the cache keeps it with the rows it is of, copied by the call
-            set_cached_entry((keep[:sh_blocks.shape[0] * tree_width].reshape(-1, tree_width), sh_blocks, tree))
+            keep_compiled_tree(keep[:sh_blocks.shape[0] * tree_width].reshape(-1, tree_width), sh_blocks, tree)
     return indptr, lens, table, max_block_id, q_len, shareable, max_q_len, width, tree, staged
 
 

@@ -470,9 +470,9 @@ def check_and_tree(indptr, lens, table, block_size, block_shift, num_blocks, cau
     ``cache_rows``/``cache_blocks``: the tree cache's rows and block counts (``use_cache``: compare with them first).
     ``stage``: ``[rows, cols]`` int32, a workspace's host block table (``(0, 0)``: none).
     ``keep``: 1-D, the table's dtype: gets ``table[:, :tree_width]`` in C order when a new tree has nodes and the
-    rows fit (``kept``), for the tree cache (:func:`prefixattn.lcp_tree.compiled_row_buffer`; it may hold
-    ``cache_rows``, which are compared before). Copied here while the table is in cache: ~8 -> ~3 us for 256 x 144
-    ids on the 2-core host, against numpy's copy after the call.
+    rows fit (``kept``), for the tree cache (:func:`prefixattn.lcp_tree.compiled_cache`'s spare buffer). Copied here
+    while the table is in cache: ~8 -> ~3 us for 256 x 144 ids on the 2-core host, against numpy's copy after the
+    call.
     Returns ``(ok, max_block_id, max_q_len, width, tree_width, status, lengths, tree, staged, kept)``: ``width``,
     block-table columns the batch reads (at least 1); ``tree_width``, the longest row of shareable blocks;
     ``lengths`` ``[3, num_requests]``, the rows ``q_len, shareable, shareable_blocks``; ``status`` 1: the cached tree

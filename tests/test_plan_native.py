@@ -324,9 +324,9 @@ def test_a_warm_tree_cache_follows_the_table(monkeypatch, change):
 
 
 def test_the_tree_cache_keeps_its_own_rows_and_no_tree_of_other_rows(monkeypatch):
-    """The compiled checks copy a new tree's rows into the cache's buffer themselves. The cache holds a copy (an
-    engine rewrites its table in place), a refused step and a batch too large to keep leave the last entry as it
-    was, and a failure after the copy leaves no entry (never the last tree with the new rows)."""
+    """The compiled checks copy a new tree's rows into the cache's spare buffer themselves. The cache holds a copy
+    (an engine rewrites its table in place); a refused step, a batch too large to keep and a failure after the copy
+    leave the last entry whole (never the last tree with other rows)."""
     import prefixattn.lcp_tree as lcp
 
     n, block_size, shared = 12, 4, 6
@@ -352,12 +352,13 @@ def test_the_tree_cache_keeps_its_own_rows_and_no_tree_of_other_rows(monkeypatch
                torch.zeros((big_n, 8), dtype=torch.int32), **opts)
     assert big.tree.num_nodes and lcp.cached_entry() is entry
     assert _plan_with("numba", monkeypatch, *args, cold=False, **opts).tree is entry[2]
-    # A failure after the call copied the rows of another batch: no entry is left.
+    # A failure after the call copied the rows of another batch: the entry and its rows are as they were.
+    rows_before = entry[0].copy()
     other = (args[0], args[1], table.flip(0).contiguous())
     monkeypatch.setattr(plan_native, "_unpack_tree", lambda *a: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         plan(*other, **opts)
-    assert lcp.cached_entry() is None
+    assert lcp.cached_entry() is entry and np.array_equal(entry[0], rows_before)
     monkeypatch.undo()
     assert_same_plans(_plan_with("numpy", monkeypatch, *other, **opts),
                       _plan_with("numba", monkeypatch, *other, cold=False, **opts), "after a failed step")

@@ -32,20 +32,20 @@ exclusive bounds) adds the root and the leaves (:func:`prefix_tree_from_lcp`). T
 planner's path in numba (:mod:`prefixattn.plan_native_tree`).
 
 Entry points: :func:`block_prefix_tree` (the planner, with a per-thread tree cache: :func:`cached_entry`,
-:func:`remember_tree`, :func:`clear_tree_cache`; the compiled planner's :func:`compiled_row_buffer`,
-:func:`set_cached_entry`), :func:`lcp_interval_tree` (dense rows -> :class:`LcpTree`),
+:func:`remember_tree`, :func:`clear_tree_cache`; the compiled planner's :func:`compiled_cache`,
+:func:`keep_compiled_tree`), :func:`lcp_interval_tree` (dense rows -> :class:`LcpTree`),
 :func:`tree_of_rows` (packed rows -> :class:`PrefixTree`; :func:`prefixattn.scheduling.prefix_tree` checks and packs
 user input first).
 """
 
 from prefixattn.lcp_tree.blocks import (COMPILED_CACHE_MAX_ENTRIES, block_prefix_tree, cached_entry, clear_tree_cache,
-                                        compiled_row_buffer, remember_tree, set_cached_entry)
+                                        compiled_cache, keep_compiled_tree, remember_tree)
 from prefixattn.lcp_tree.nodes import LcpTree, PrefixTree, prefix_tree_from_lcp, tree_from_lcp
 from prefixattn.lcp_tree.sort_dense import lcp_interval_tree, sorted_rows_lcp
 from prefixattn.lcp_tree.sort_packed import sort_and_lcp, tree_of_rows
 
 __all__ = [
     "COMPILED_CACHE_MAX_ENTRIES", "LcpTree", "PrefixTree", "block_prefix_tree", "cached_entry", "clear_tree_cache",
-    "compiled_row_buffer", "lcp_interval_tree", "prefix_tree_from_lcp", "remember_tree", "set_cached_entry",
+    "compiled_cache", "keep_compiled_tree", "lcp_interval_tree", "prefix_tree_from_lcp", "remember_tree",
     "sort_and_lcp", "sorted_rows_lcp", "tree_from_lcp", "tree_of_rows",
 ]

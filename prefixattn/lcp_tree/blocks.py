@@ -43,12 +43,6 @@ def cached_entry():
     return getattr(_last_tree, "entry", None)
 
 
-def set_cached_entry(entry) -> None:
-    """Make ``entry`` (``(rows, num_blocks, tree)``, rows this cache owns; or None) this thread's cache entry: the
-    compiled planner's, whose rows it wrote into :func:`compiled_row_buffer` itself."""
-    _last_tree.entry = entry
-
-
 def remember_tree(rows: np.ndarray, num_blocks: np.ndarray, tree: LcpTree) -> LcpTree:
     """Freeze ``tree`` and keep it as this thread's last tree when it has nodes; returns ``tree``."""
     for a in (tree.order, tree.lcp, tree.depth, tree.lb, tree.rb, tree.parent):
@@ -65,14 +59,22 @@ def remember_tree(rows: np.ndarray, num_blocks: np.ndarray, tree: LcpTree) -> Lc
     return tree
 
 
-def compiled_row_buffer(dtype: np.dtype) -> np.ndarray:
-    """This thread's buffer of :data:`COMPILED_CACHE_MAX_ENTRIES` ids of ``dtype`` that the compiled planner copies a
-    new tree's rows into (the cache entry then holds a view of it). It may hold the current entry's rows: the caller
-    takes the entry out before the compiled call writes (:func:`set_cached_entry`)."""
-    buffer = getattr(_last_tree, "row_buffer", None)
-    if buffer is None or buffer.dtype != dtype:
-        buffer = _last_tree.row_buffer = np.empty(COMPILED_CACHE_MAX_ENTRIES, dtype=dtype)
-    return buffer
+def compiled_cache(dtype: np.dtype) -> tuple:
+    """``(entry, spare)``: this thread's cache entry (:func:`cached_entry`) and the buffer of
+    :data:`COMPILED_CACHE_MAX_ENTRIES` ids of ``dtype`` the compiled planner copies a new tree's rows into. The spare
+    never holds the entry's rows (two buffers take turns), so the entry stays whole until
+    :func:`keep_compiled_tree` replaces it, whatever fails in between."""
+    spare = getattr(_last_tree, "spare", None)
+    if spare is None or spare.dtype != dtype:
+        spare = _last_tree.spare = np.empty(COMPILED_CACHE_MAX_ENTRIES, dtype=dtype)
+    return getattr(_last_tree, "entry", None), spare
+
+
+def keep_compiled_tree(rows: np.ndarray, num_blocks: np.ndarray, tree: LcpTree) -> None:
+    """Make ``(rows, num_blocks, tree)`` this thread's entry, ``rows`` a view of the spare buffer of
+    :func:`compiled_cache` that the compiled planner wrote; the buffer of the last rows it kept becomes the spare."""
+    _last_tree.entry = (rows, num_blocks, tree)
+    _last_tree.spare, _last_tree.in_use = getattr(_last_tree, "in_use", None), _last_tree.spare
 
 
 #: Largest row matrix (entries) the compiled tree keeps in the cache: the size of its row buffer. The compiled build
