@@ -364,6 +364,32 @@ def test_the_tree_cache_keeps_its_own_rows_and_no_tree_of_other_rows(monkeypatch
                       _plan_with("numba", monkeypatch, *other, cold=False, **opts), "after a failed step")
 
 
+def test_tree_cache_buffers_across_table_dtypes(monkeypatch):
+    """Steps switching between int32 and int64 tables (each dtype gets its own spare buffer; the cache compares only
+    a table of its entry's dtype) and between batches: a step reuses the last tree exactly when its table has the
+    last step's dtype and rows, and every plan equals the numpy planner's (computed first, cold)."""
+    rng = np.random.default_rng(12)
+    opts = dict(block_size=4, num_qo_heads=8, num_kv_heads=2, head_dim=64, sharing="always")
+    n = 10
+    batches = [np.concatenate([np.tile(np.arange(shared), (n, 1)), 50 + rng.permutation(n * 4).reshape(n, 4)],
+                              axis=1) for shared in (3, 5)]
+    steps = [(0, np.int32), (0, np.int32), (0, np.int64), (1, np.int64), (1, np.int64), (0, np.int32), (1, np.int32),
+             (1, np.int32), (1, np.int64), (0, np.int64)]
+
+    def args(step):
+        t = batches[step[0]]
+        return torch.arange(n + 1), torch.full((n,), t.shape[1] * 4), torch.from_numpy(t.astype(step[1]))
+
+    refs = [_plan_with("numpy", monkeypatch, *args(step), **opts) for step in steps]
+    clear_tree_cache()
+    last = None
+    for k, step in enumerate(steps):
+        warm = _plan_with("numba", monkeypatch, *args(step), cold=False, **opts)
+        assert (last is not None and warm.tree is last.tree) == (k > 0 and steps[k - 1] == step), f"step {k}"
+        assert_same_plans(refs[k], warm, f"step {k}")
+        last = warm
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_long_shared_prefixes_equal(monkeypatch, seed):
     """Rows sharing more than ``_HINT_MIN_COLUMNS`` blocks (the checks' LCP hints feed the tree build): interleaved
