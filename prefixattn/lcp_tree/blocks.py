@@ -25,7 +25,7 @@ def block_prefix_tree(block_table: np.ndarray, shareable_lens: np.ndarray, block
     -------
     LcpTree over the rows ``block_table[r, :ceil(shareable_lens[r] / block_size)]``; a node's ``depth`` is in blocks.
     The compiled planner builds the same tree (:func:`prefixattn.plan_native_tree.check_and_tree`) and shares the
-    tree cache below (:func:`cached_entry`, :func:`remember_tree`).
+    tree cache below, its rows copied by the compiled call (:func:`compiled_cache`, :func:`keep_compiled_tree`).
     """
     shareable_lens = np.asarray(shareable_lens, dtype=np.int64)
     num_blocks = (shareable_lens + block_size - 1) // block_size
@@ -87,7 +87,8 @@ COMPILED_CACHE_MAX_ENTRIES = 1 << 16
 #: replans the same shareable rows every step until a request's shareable KV crosses a block boundary (at block
 #: size 16, 15 of 16 steps when the requests' lengths are aligned); a tree costs ~40 numpy calls (~150 us on the
 #: 2-core host) and, for long prefixes, a pass over the rows; the check is two comparisons. Reused only on equal rows
-#: (the tree depends on nothing else), never across threads.
+#: (the tree depends on nothing else), never across threads. Attributes: ``entry`` ``(rows, num_blocks, tree)``, and
+#: the compiled planner's two row buffers, ``spare`` and ``in_use`` (:func:`compiled_cache`).
 _last_tree = threading.local()
 
 
