@@ -31,7 +31,8 @@ TIMED_RUNS = 30
 #: Untimed calls first, of the path then timed (cold plans warm up with cold plans): Python 3.11 specializes a
 #: function's bytecode after it has run a few times, and numba's dispatchers and the memos fill. A cold plan of 256
 #: decodes under a 2,048-token prefix, on the 2-core host, after warm-up by tree-cache hits: the first ones 141-166
-#: us, settling near 104 by the 20th; with 3 warm-up runs the median of 30 read 108-117 us, with 20 103-105.
+#: us, settling near 104 by the 20th; with 3 warm-up runs the median of 30 read 108-117 us, with 20 103-105. Also the
+#: decode loop's untimed first steps (each request reads one more block every 16 steps: 145-149 in the timed ones).
 WARMUP_RUNS = 20
 #: Every full-size Fig. 8 batch, MHA and GQA 8:1 (32:4): decode with 32 and 256 requests, mixed 7 prefill + 256
 #: decode (prefill chunks of up to 2048 tokens: a tiled kernel re-reads their KV once per query tile, so the unique

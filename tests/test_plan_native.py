@@ -337,7 +337,7 @@ def test_the_tree_cache_keeps_its_own_rows_and_no_tree_of_other_rows(monkeypatch
     opts = dict(block_size=block_size, num_qo_heads=8, num_kv_heads=2, head_dim=64, sharing="always")
     first = _plan_with("numba", monkeypatch, *args, **opts)
     rows, _, tree = lcp.cached_entry()
-    assert tree is first.tree and np.array_equal(rows, table.numpy()[:, :rows.shape[1]])
+    assert tree is first.tree and rows.shape == (n, shared + 3) and np.array_equal(rows, table.numpy()[:, :shared + 3])
     # In place, as an engine reuses its table: the cache's rows are its own, so the tree is rebuilt.
     table[n // 2, 2] = 77
     moved = _plan_with("numba", monkeypatch, *args, cold=False, **opts)
@@ -352,22 +352,29 @@ def test_the_tree_cache_keeps_its_own_rows_and_no_tree_of_other_rows(monkeypatch
                torch.zeros((big_n, 8), dtype=torch.int32), **opts)
     assert big.tree.num_nodes and lcp.cached_entry() is entry
     assert _plan_with("numba", monkeypatch, *args, cold=False, **opts).tree is entry[2]
-    # A failure after the call copied the rows of another batch: the entry and its rows are as they were.
-    rows_before = entry[0].copy()
+    # A failure after the call copied the rows of another batch: the entry and its rows are as they were, and the
+    # next steps (the entry's batch, then the other one) plan right from there.
     other = (args[0], args[1], table.flip(0).contiguous())
+    refs = [_plan_with("numpy", monkeypatch, *a, **opts) for a in (args, other)]  # cold: before the entry below
+    _plan_with("numba", monkeypatch, *args, **opts)
+    entry = lcp.cached_entry()
+    rows_before = entry[0].copy()
+    monkeypatch.setenv(plan_native.ENV_VAR, "numba")
     monkeypatch.setattr(plan_native, "_unpack_tree", lambda *a: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         plan(*other, **opts)
     assert lcp.cached_entry() is entry and np.array_equal(entry[0], rows_before)
     monkeypatch.undo()
-    assert_same_plans(_plan_with("numpy", monkeypatch, *other, **opts),
-                      _plan_with("numba", monkeypatch, *other, cold=False, **opts), "after a failed step")
+    again = _plan_with("numba", monkeypatch, *args, cold=False, **opts)
+    assert again.tree is entry[2]
+    assert_same_plans(refs[0], again, "the entry's batch after a failed step")
+    assert_same_plans(refs[1], _plan_with("numba", monkeypatch, *other, cold=False, **opts), "after a failed step")
 
 
 def test_tree_cache_buffers_across_table_dtypes(monkeypatch):
-    """Steps switching between int32 and int64 tables (each dtype gets its own spare buffer; the cache compares only
-    a table of its entry's dtype) and between batches: a step reuses the last tree exactly when its table has the
-    last step's dtype and rows, and every plan equals the numpy planner's (computed first, cold)."""
+    """Steps switching between int32 and int64 tables (the spare buffer is replaced by one of the new dtype; the
+    cache compares only a table of its entry's dtype) and between batches: a step reuses the last tree exactly when
+    its table has the last step's dtype and rows, and every plan equals the numpy planner's (computed first, cold)."""
     rng = np.random.default_rng(12)
     opts = dict(block_size=4, num_qo_heads=8, num_kv_heads=2, head_dim=64, sharing="always")
     n = 10

@@ -40,7 +40,7 @@ def block_prefix_tree(block_table: np.ndarray, shareable_lens: np.ndarray, block
 
 def cached_entry():
     """This thread's tree cache entry ``(rows, num_blocks, tree)``, or None."""
-    return getattr(_last_tree, "entry", None)
+    return getattr(_last_tree, "state", _NO_STATE)[0]
 
 
 def remember_tree(rows: np.ndarray, num_blocks: np.ndarray, tree: LcpTree) -> LcpTree:
@@ -50,48 +50,57 @@ def remember_tree(rows: np.ndarray, num_blocks: np.ndarray, tree: LcpTree) -> Lc
         # array type (numba compiles a variant per writability).
         a.setflags(write=False)
     if tree.num_nodes:
-        # The replaced entry's row buffer is reused (a fresh 2 MB buffer costs its page faults: ~2x the copy).
-        last = cached_entry()
+        # The replaced entry's row buffer is reused (a fresh 2 MB buffer costs its page faults: ~2x the copy); the
+        # entry is dropped first, so an interrupted copy leaves none rather than its tree with other rows.
+        last, spare, in_use = getattr(_last_tree, "state", _NO_STATE)
         same = last is not None and last[0].shape == rows.shape and last[0].dtype == rows.dtype
+        if same:
+            _last_tree.state = (None, spare, in_use)
         buffer = last[0] if same else np.empty(rows.shape, dtype=rows.dtype)
         np.copyto(buffer, rows)
-        _last_tree.entry = (buffer, num_blocks, tree)
+        _last_tree.state = ((buffer, num_blocks, tree), spare, in_use)
     return tree
 
 
 def compiled_cache(dtype: np.dtype) -> tuple:
     """``(entry, spare)``: this thread's cache entry (:func:`cached_entry`) and the buffer of
-    :data:`COMPILED_CACHE_MAX_ENTRIES` ids of ``dtype`` the compiled planner copies a new tree's rows into. The spare
-    never holds the entry's rows (two buffers take turns), so the entry stays whole until
-    :func:`keep_compiled_tree` replaces it, whatever fails in between."""
-    spare = getattr(_last_tree, "spare", None)
+    :data:`COMPILED_CACHE_MAX_ENTRIES` ids of ``dtype`` the compiled planner copies a new tree's rows into (a new one
+    when the table's dtype changed). The spare never holds the entry's rows (two buffers take turns), so the entry
+    stays whole until :func:`keep_compiled_tree` replaces it, whatever fails in between."""
+    entry, spare, in_use = getattr(_last_tree, "state", _NO_STATE)
     if spare is None or spare.dtype != dtype:
-        spare = _last_tree.spare = np.empty(COMPILED_CACHE_MAX_ENTRIES, dtype=dtype)
-    return getattr(_last_tree, "entry", None), spare
+        spare = np.empty(COMPILED_CACHE_MAX_ENTRIES, dtype=dtype)
+        _last_tree.state = (entry, spare, in_use)
+    return entry, spare
 
 
 def keep_compiled_tree(rows: np.ndarray, num_blocks: np.ndarray, tree: LcpTree) -> None:
     """Make ``(rows, num_blocks, tree)`` this thread's entry, ``rows`` a view of the spare buffer of
-    :func:`compiled_cache` that the compiled planner wrote; the buffer of the last rows it kept becomes the spare."""
-    _last_tree.entry = (rows, num_blocks, tree)
-    _last_tree.spare, _last_tree.in_use = getattr(_last_tree, "in_use", None), _last_tree.spare
+    :func:`compiled_cache` that the compiled planner wrote; the buffer of the last rows it kept becomes the spare
+    (one assignment: an interrupt leaves the old state or the new one)."""
+    _, spare, in_use = _last_tree.state
+    _last_tree.state = ((rows, num_blocks, tree), in_use, spare)
 
 
-#: Largest row matrix (entries) the compiled tree keeps in the cache: the size of its row buffer. The compiled build
-#: is one vectorized pass over the shared prefix, as is the cache's check, and keeping the rows costs a copy: past
-#: this size (a 256 x 256 table, ~0.25 MB) the cache would only add that copy (a 263 x 2,056 table: ~45 us per
-#: numpy copy on the 2-core host) and hold a large buffer per thread.
+#: Largest row matrix (entries) the compiled tree keeps in the cache: the size of each of its two row buffers (256 KB
+#: of int32 ids, 512 KB of int64; allocated at a thread's first compiled plan, kept by clear_tree_cache). The compiled
+#: build is one vectorized pass over the shared prefix, as is the cache's check, and keeping the rows costs a copy:
+#: past this size (a 256 x 256 table) the cache would only add that copy (a 263 x 2,056 table: ~45 us per numpy copy
+#: on the 2-core host) and hold larger buffers per thread.
 COMPILED_CACHE_MAX_ENTRIES = 1 << 16
 
 #: Per thread, the last tree with nodes, with the rows and block counts it was built from. An engine's decode loop
 #: replans the same shareable rows every step until a request's shareable KV crosses a block boundary (at block
 #: size 16, 15 of 16 steps when the requests' lengths are aligned); a tree costs ~40 numpy calls (~150 us on the
 #: 2-core host) and, for long prefixes, a pass over the rows; the check is two comparisons. Reused only on equal rows
-#: (the tree depends on nothing else), never across threads. Attributes: ``entry`` ``(rows, num_blocks, tree)``, and
-#: the compiled planner's two row buffers, ``spare`` and ``in_use`` (:func:`compiled_cache`).
+#: (the tree depends on nothing else), never across threads. ``state``: ``(entry, spare, in_use)``, the entry
+#: ``(rows, num_blocks, tree)`` or None and the compiled planner's two row buffers (:func:`compiled_cache`), in one
+#: attribute so that each change is one assignment.
 _last_tree = threading.local()
+_NO_STATE = (None, None, None)
 
 
 def clear_tree_cache() -> None:
-    """Forget this thread's last tree (benchmarks time cold plans with it)."""
-    _last_tree.entry = None
+    """Forget this thread's last tree (benchmarks time cold plans with it); the row buffers stay."""
+    _, spare, in_use = getattr(_last_tree, "state", _NO_STATE)
+    _last_tree.state = (None, spare, in_use)
