@@ -37,7 +37,7 @@ import numpy as np
 
 # Module-level imports (none of these imports the planner): an import statement inside a per-step function costs
 # ~1-2 us per call.
-from prefixattn.lcp_tree import LcpTree, compiled_cache, keep_compiled_tree
+from prefixattn.lcp_tree import LcpTree, compiled_cache, keep_compiled_tree, set_cached_blocks
 from prefixattn.validation import check_host_metadata, host_metadata_arrays
 from prefixattn.work_list import SharedNodes, WorkList
 
@@ -144,7 +144,9 @@ def check_and_tree(modules, qo_indptr, kv_lens, block_table, *, block_size, num_
         out = modules[0].check_and_tree(indptr, lens, table, block_size, _block_shift(block_size),
                                         -1 if num_blocks is None else int(num_blocks), causal, sharing == "never",
                                         last[0] if use_cache else _NO_CACHE[table.dtype],
-                                        last[1] if use_cache else _NO_BLOCKS, use_cache,
+                                        last[1] if use_cache else _NO_BLOCKS,
+                                        last[2].order if use_cache else _NO_NODES,
+                                        last[2].lcp if use_cache else _NO_NODES, use_cache,
                                         _NO_STAGE if stage is None else stage, keep)
     except _numba_error as e:
         return _compile_failed(e)
@@ -154,8 +156,12 @@ def check_and_tree(modules, qo_indptr, kv_lens, block_table, *, block_size, num_
                             table_as_is=True)  # raises the message
         raise AssertionError("the compiled metadata checks refused a batch the numpy checks accept")
     q_len, shareable, sh_blocks = lengths[0], lengths[1], lengths[2]
-    if status == 1:  # the cached tree: the same shareable rows as its step
+    if status == 1 or status == 3:  # the cached tree: the same shareable rows as its step, or grown past every LCP
         tree = last[2]
+        if kept:  # grown past the cached rows' width: the call copied them all
+            keep_compiled_tree(keep[:sh_blocks.shape[0] * tree_width].reshape(-1, tree_width), sh_blocks, tree)
+        elif status == 3:  # the cached rows hold the grown ids: the entry takes the new block counts
+            set_cached_blocks(sh_blocks)
     else:
         # Read-only, as every tree the compiled planner gets (one array type); the tree's arrays are views of it.
         packed.setflags(write=False)

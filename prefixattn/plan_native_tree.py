@@ -390,9 +390,9 @@ def check_values(indptr, lens, table, block_size, block_shift, num_blocks, causa
     num_blocks : int
         Blocks in the cache, ``-1`` when not given.
     cache_rows, cache_blocks : ``[num_requests or 0, w]``, ``[num_requests or 0]``
-        The tree cache's rows and shareable blocks, compared with ``table[:, :w]`` and this batch's shareable blocks
-        row by row while each row is read for the checks (one pass over the table instead of two: ~2 us less for 256
-        requests under a 2,048-token prefix).
+        The tree cache's rows and shareable blocks: each cached row's first ``cache_blocks[r]`` ids (what its tree is
+        of) are compared with the table's row by row while each row is read for the checks (one pass over the table
+        instead of two: ~2 us less for 256 requests under a 2,048-token prefix).
 
     Returns
     -------
@@ -400,7 +400,8 @@ def check_values(indptr, lens, table, block_size, block_shift, num_blocks, causa
     means the numpy checks must run (they raise); ``shareable`` is what plan() shares (``kv_len - q_len`` when
     causal, else ``kv_len``; 0 without queries), ``shareable_blocks`` its blocks (all 0 with ``sharing_never``: no
     tree), ``width`` the table columns the batch reads (at least 1), ``same_rows`` whether the cache has a row per
-    request, each equal to the table's first columns (the cached tree applies when the block counts match too),
+    request, each at most as long as the batch's and equal to it over its length (the cached tree applies when the
+    block counts match too, or when the rows that grew did so past every LCP: :func:`_grown_past_lcps`),
     and ``prev_lcp[r]`` the shareable columns rows ``r - 1`` and ``r`` have in common (their LCP; 0 for rows read
     while the cache still matched, whose tree is not built, and for overlaps under ``_HINT_MIN_COLUMNS``; empty for a
     table narrower than that): :func:`sorted_rows_lcp`'s hints.
@@ -416,8 +417,7 @@ def check_values(indptr, lens, table, block_size, block_shift, num_blocks, causa
     if indptr[0] != 0 or indptr[n] > _INT32_MAX:
         return fail
     upper = num_blocks if num_blocks >= 0 else np.iinfo(np.int64).max
-    cache_w = cache_rows.shape[1]
-    same = cache_rows.shape[0] == n and cache_blocks.shape[0] == n and cache_w <= cols
+    same = cache_rows.shape[0] == n and cache_blocks.shape[0] == n
     hint = -1
     max_q_len = 0
     width = 1
@@ -433,8 +433,9 @@ def check_values(indptr, lens, table, block_size, block_shift, num_blocks, causa
         used = _blocks(lens[r], block_size, block_shift)
         if used > cols:
             return fail
-        if same:  # with hints, a changed block count ends the match here (its rows get hints); else after the loop
-            same = (not hints or sh_blocks[r] == cache_blocks[r]) and not _differ(cache_rows[r], table[r, :cache_w])
+        if same:  # the cached tree is of cache_rows[r, :cache_blocks[r]]
+            lo = cache_blocks[r]
+            same = lo <= sh_blocks[r] and not _differ(cache_rows[r, :lo], table[r, :lo])
         # Once the cache stops matching (a tree will be built): the row's LCP with the previous one, checked in the
         # same pass as the row's ids (by the previous row's LCP, which a group under one prefix shares). It bounds
         # the row's LCP with any earlier row of its group (equal columns are transitive), so the tree build skips
@@ -462,12 +463,46 @@ def check_values(indptr, lens, table, block_size, block_shift, num_blocks, causa
 
 
 @njit(cache=True, nogil=True)
+def _grown_past_lcps(order, lcp, old_blocks, new_blocks):
+    """Whether every row that grew (``new_blocks[r] > old_blocks[r]``, its first ``old_blocks[r]`` ids unchanged) did
+    so past its LCP with both sorted neighbours (``order``, ``lcp``: the tree of the old rows): then every LCP and
+    the order stay (a row's comparisons are decided before its old end), so the tree is that of the new rows too.
+    An engine's decode step: requests cross block boundaries at different steps, so some row grows by a fresh
+    block at nearly every step, past the prefix it shares."""
+    n = order.shape[0]
+    pos = np.empty(n, dtype=np.int64)
+    for i in range(n):
+        pos[order[i]] = i
+    for r in range(n):
+        if new_blocks[r] != old_blocks[r]:
+            p = pos[r]
+            near = lcp[p] if p > 0 else 0
+            if p + 1 < n:
+                near = max(near, lcp[p + 1])
+            if near >= old_blocks[r]:
+                return False
+    return True
+
+
+@njit(cache=True, nogil=True)
+def _copy_rows(dst, table, n, width):
+    """``table[:n, :width]`` into ``dst[:n * width]`` in C order."""
+    for r in range(n):
+        out = dst[r * width:(r + 1) * width]
+        src = table[r, :width]
+        for c in range(width):
+            out[c] = src[c]
+
+
+@njit(cache=True, nogil=True)
 def check_and_tree(indptr, lens, table, block_size, block_shift, num_blocks, causal, sharing_never, cache_rows,
-                   cache_blocks, use_cache, stage, keep):
+                   cache_blocks, cache_order, cache_lcp, use_cache, stage, keep):
     """:func:`check_values`, then the block prefix tree of the shareable blocks, in one call; a valid batch's table
     is staged into ``stage`` too (:func:`_stage_table`), and a new tree's rows into ``keep``.
 
-    ``cache_rows``/``cache_blocks``: the tree cache's rows and block counts (``use_cache``: compare with them first).
+    ``cache_rows``/``cache_blocks``/``cache_order``/``cache_lcp``: the tree cache's rows, block counts and its tree's
+    order and LCPs (``use_cache``: compare with them first; rows that only grew past every LCP keep the tree, and
+    their new ids are written into ``cache_rows`` past their old ends, which the cache never compares).
     ``stage``: ``[rows, cols]`` int32, a workspace's host block table (``(0, 0)``: none).
     ``keep``: 1-D, the table's dtype: gets ``table[:, :tree_width]`` in C order when a new tree has nodes and the
     rows fit (``kept``), for the tree cache (:func:`prefixattn.lcp_tree.compiled_cache`'s spare buffer). Copied here
@@ -476,7 +511,9 @@ def check_and_tree(indptr, lens, table, block_size, block_shift, num_blocks, cau
     Returns ``(ok, max_block_id, max_q_len, width, tree_width, status, lengths, tree, staged, kept)``: ``width``,
     block-table columns the batch reads (at least 1); ``tree_width``, the longest row of shareable blocks;
     ``lengths`` ``[3, num_requests]``, the rows ``q_len, shareable, shareable_blocks``; ``status`` 1: the cached tree
-    applies (``tree`` is empty), 2: a new tree with nodes, 0: a tree without nodes;
+    applies as it is (``tree`` is empty; ``kept``: its rows were copied into ``keep``, wider), 3: it applies and
+    ``cache_rows`` now hold the grown rows (the cache takes the new block counts), 2: a new tree with nodes, 0: a
+    tree without nodes;
     ``tree`` packs ``order, lcp`` (``num_requests`` each) then ``depth, lb, rb, parent`` (one per node). Two arrays
     instead of nine: each array returned to Python costs ~0.3 us (numba's boxing unpickles the array type per
     array). ``staged``: whether ``stage`` got the table.
@@ -493,8 +530,19 @@ def check_and_tree(indptr, lens, table, block_size, block_shift, num_blocks, cau
     for r in range(n):
         tree_width = max(tree_width, sh_blocks[r])
     staged = _stage_table(stage, table, n, width, max_id)
-    if use_cache and same_rows and cache_rows.shape[1] == tree_width and not _differ(cache_blocks, sh_blocks):
-        return ok, max_id, max_q_len, width, tree_width, 1, lengths, empty, staged, False
+    if use_cache and same_rows:
+        if not _differ(cache_blocks, sh_blocks):
+            return ok, max_id, max_q_len, width, tree_width, 1, lengths, empty, staged, False
+        if _grown_past_lcps(cache_order, cache_lcp, cache_blocks, sh_blocks):
+            if tree_width <= cache_rows.shape[1]:  # the new ids fit the cached rows: written past their old ends
+                for r in range(n):
+                    for c in range(cache_blocks[r], sh_blocks[r]):
+                        cache_rows[r, c] = table[r, c]
+                return ok, max_id, max_q_len, width, tree_width, 3, lengths, empty, staged, False
+            kept = n * tree_width <= keep.shape[0]  # wider: the spare gets every row (else the entry stays as it is)
+            if kept:
+                _copy_rows(keep, table, n, tree_width)
+            return ok, max_id, max_q_len, width, tree_width, 1, lengths, empty, staged, kept
     if prev_lcp.shape[0] != n:
         prev_lcp = np.zeros(n, dtype=np.int64)  # no hints
     order, lcp, depth, lb, rb, parent = lcp_interval_tree(table, tree_width, sh_blocks, prev_lcp)
@@ -505,11 +553,7 @@ def check_and_tree(indptr, lens, table, block_size, block_shift, num_blocks, cau
         tree[2 * n + k * m:2 * n + (k + 1) * m] = a
     kept = m > 0 and n * tree_width <= keep.shape[0]
     if kept:
-        for r in range(n):
-            dst = keep[r * tree_width:(r + 1) * tree_width]
-            src = table[r, :tree_width]
-            for c in range(tree_width):
-                dst[c] = src[c]
+        _copy_rows(keep, table, n, tree_width)
     return ok, max_id, max_q_len, width, tree_width, 2 if m else 0, lengths, tree, staged, kept
 
 

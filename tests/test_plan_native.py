@@ -397,6 +397,54 @@ def test_tree_cache_buffers_across_table_dtypes(monkeypatch):
         last = warm
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_decode_steps_with_staggered_lengths_keep_the_tree_while_rows_grow_past_their_lcps(monkeypatch, seed):
+    """Decode steps as an engine runs them: requests one token longer per step, each at its own offset in its
+    block, a fresh block id written into a row when it crosses a block boundary (cells past a row's blocks 0).
+    Groups under nested prefixes, some requests ending exactly at their prefix's end (growing there can change the
+    tree). The compiled planner keeps the tree while the rows that grow do so past their LCPs and rebuilds it
+    otherwise (both happen); every step's plan equals the numpy planner's, computed cold beforehand."""
+    rng = np.random.default_rng(40 + seed)
+    bs, n, steps = 4, 18, 14
+    prefix_a, prefix_b = list(range(1, 6)), list(range(10, 13))
+    rows, lens = [], []
+    for r in range(n):
+        prefix = prefix_a + [20, 21] if r % 3 == 0 else prefix_a if r % 3 == 1 else prefix_b
+        # A sixth of the requests start with their prefix's blocks only: growing past its end can change the tree.
+        own = 0 if r % 6 == 1 else int(rng.integers(1, 3))
+        rows.append(prefix + [100 + 10 * r + k for k in range(own)])
+        lens.append(len(rows[-1]) * bs - int(rng.integers(0, bs)))
+    width = max(len(x) for x in rows) + steps // bs + 2
+    table = np.zeros((n, width), dtype=np.int32)
+    for r, row in enumerate(rows):
+        table[r, :len(row)] = row
+    lens = np.array(lens)
+    fresh = 1000
+    inputs = []
+    for step in range(steps):
+        lens = lens + 1
+        for r in range(n):
+            used = -(-int(lens[r]) // bs)
+            if table[r, used - 1] == 0:
+                table[r, used - 1] = fresh
+                fresh += 1
+        inputs.append((torch.arange(n + 1), torch.from_numpy(lens.copy()), torch.from_numpy(table.copy())))
+    opts = dict(block_size=bs, num_qo_heads=8, num_kv_heads=2, head_dim=64, sharing="always")
+    refs = [_plan_with("numpy", monkeypatch, *a, **opts) for a in inputs]
+    clear_tree_cache()
+    kept_while_growing = rebuilt = 0
+    last = None
+    for k, a in enumerate(inputs):
+        got = _plan_with("numba", monkeypatch, *a, cold=False, **opts)
+        assert_same_plans(refs[k], got, f"step {k}")
+        if last is not None:
+            if got.tree is last.tree and not torch.equal(a[1] // bs, inputs[k - 1][1] // bs):
+                kept_while_growing += 1
+            rebuilt += got.tree is not last.tree
+        last = got
+    assert kept_while_growing and rebuilt, (kept_while_growing, rebuilt)
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_long_shared_prefixes_equal(monkeypatch, seed):
     """Rows sharing more than ``_HINT_MIN_COLUMNS`` blocks (the checks' LCP hints feed the tree build): interleaved

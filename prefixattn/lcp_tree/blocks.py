@@ -82,6 +82,13 @@ def keep_compiled_tree(rows: np.ndarray, num_blocks: np.ndarray, tree: LcpTree) 
     _last_tree.state = ((rows, num_blocks, tree), in_use, spare)
 
 
+def set_cached_blocks(num_blocks: np.ndarray) -> None:
+    """Give this thread's entry new block counts: the compiled planner found its tree still that of the rows, which
+    only grew past every LCP, and wrote their new ids into the entry's rows."""
+    entry, spare, in_use = _last_tree.state
+    _last_tree.state = ((entry[0], num_blocks, entry[2]), spare, in_use)
+
+
 #: Largest row matrix (entries) the compiled tree keeps in the cache: the size of each of its two row buffers (256 KB
 #: of int32 ids, 512 KB of int64; allocated at a thread's first compiled plan, kept by clear_tree_cache). The compiled
 #: build is one vectorized pass over the shared prefix, as is the cache's check, and keeping the rows costs a copy:
@@ -93,7 +100,8 @@ COMPILED_CACHE_MAX_ENTRIES = 1 << 16
 #: replans the same shareable rows every step until a request's shareable KV crosses a block boundary (at block
 #: size 16, 15 of 16 steps when the requests' lengths are aligned); a tree costs ~40 numpy calls (~150 us on the
 #: 2-core host) and, for long prefixes, a pass over the rows; the check is two comparisons. Reused only on equal rows
-#: (the tree depends on nothing else), never across threads. ``state``: ``(entry, spare, in_use)``, the entry
+#: (the tree depends on nothing else; the compiled planner also when rows only grew past every LCP, as in an engine's
+#: decode steps: :func:`prefixattn.plan_native_tree.check_and_tree`), never across threads. ``state``: ``(entry, spare, in_use)``, the entry
 #: ``(rows, num_blocks, tree)`` or None and the compiled planner's two row buffers (:func:`compiled_cache`), in one
 #: attribute so that each change is one assignment.
 _last_tree = threading.local()
