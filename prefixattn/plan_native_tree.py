@@ -467,8 +467,11 @@ def _grown_past_lcps(order, lcp, old_blocks, new_blocks):
     """Whether every row that grew (``new_blocks[r] > old_blocks[r]``, its first ``old_blocks[r]`` ids unchanged) did
     so past its LCP with both sorted neighbours (``order``, ``lcp``: the tree of the old rows): then every LCP and
     the order stay (a row's comparisons are decided before its old end), so the tree is that of the new rows too.
-    An engine's decode step: requests cross block boundaries at different steps, so some row grows by a fresh
-    block at nearly every step, past the prefix it shares."""
+    (The right neighbour's is the one that matters: a row before it with an LCP equal to its old length is an equal
+    row of a lower index, which stays before it; the left check is conservative.) An engine's decode step: requests
+    cross block boundaries at different steps, so some row grows by a fresh block at nearly every step, past the
+    prefix it shares. A refused step rebuilds without the checks' LCP hints for the rows read while the cache still
+    matched (tables of >= ``_HINT_MIN_COLUMNS`` columns: a slower build, the same tree)."""
     n = order.shape[0]
     pos = np.empty(n, dtype=np.int64)
     for i in range(n):

@@ -404,6 +404,8 @@ def test_decode_steps_with_staggered_lengths_keep_the_tree_while_rows_grow_past_
     Groups under nested prefixes, some requests ending exactly at their prefix's end (growing there can change the
     tree). The compiled planner keeps the tree while the rows that grow do so past their LCPs and rebuilds it
     otherwise (both happen); every step's plan equals the numpy planner's, computed cold beforehand."""
+    import prefixattn.lcp_tree as lcp
+
     rng = np.random.default_rng(40 + seed)
     bs, n, steps = 4, 18, 14
     prefix_a, prefix_b = list(range(1, 6)), list(range(10, 13))
@@ -437,9 +439,12 @@ def test_decode_steps_with_staggered_lengths_keep_the_tree_while_rows_grow_past_
     for k, a in enumerate(inputs):
         got = _plan_with("numba", monkeypatch, *a, cold=False, **opts)
         assert_same_plans(refs[k], got, f"step {k}")
+        shareable_blocks = -(-(a[1].numpy() - 1) // bs)  # causal decode: kv_len - 1 shareable tokens
+        # The entry always holds this step's block counts (the kept tree's rows grew with them).
+        assert np.array_equal(lcp.cached_entry()[1], shareable_blocks), f"step {k}"
         if last is not None:
-            if got.tree is last.tree and not torch.equal(a[1] // bs, inputs[k - 1][1] // bs):
-                kept_while_growing += 1
+            grew = (shareable_blocks != -(-(inputs[k - 1][1].numpy() - 1) // bs)).any()
+            kept_while_growing += bool(grew) and got.tree is last.tree
             rebuilt += got.tree is not last.tree
         last = got
     assert kept_while_growing and rebuilt, (kept_while_growing, rebuilt)
