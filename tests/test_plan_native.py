@@ -450,6 +450,67 @@ def test_decode_steps_with_staggered_lengths_keep_the_tree_while_rows_grow_past_
     assert kept_while_growing and rebuilt, (kept_while_growing, rebuilt)
 
 
+def _random_decode_run(seed: int, compiled, pool, long_prefix: bool = False) -> tuple:
+    """One random engine-like decode run (nested prefixes, int32 or int64 table, requests without queries, causal or
+    not, most requests one token longer per step, fresh block ids written at crossings) planned warm by the compiled
+    planner; each step checked against the numpy planner run cold on another thread (its own tree cache). Returns
+    ``(steps, trees kept, trees rebuilt)``."""
+    from prefixattn.planner import OPTION_DEFAULTS, checked_options, plan_with_options
+
+    rng = np.random.default_rng(seed)
+    bs, n = int(rng.choice([2, 4, 16])), int(rng.integers(2, 40))
+    o = checked_options(**{**OPTION_DEFAULTS, "block_size": bs, "num_qo_heads": 8, "num_kv_heads": 2, "head_dim": 64,
+                           "sharing": "always", "causal": bool(rng.random() < 0.8)})
+    first = int(rng.integers(1030, 1100)) if long_prefix else int(rng.integers(1, 8))  # >= 1,024: the checks' hints
+    prefixes = [list(rng.integers(1, 50, first))]
+    for _ in range(int(rng.integers(0, 4))):
+        base = prefixes[int(rng.integers(0, len(prefixes)))]
+        prefixes.append(base[:int(rng.integers(0, len(base) + 1))] + list(rng.integers(50, 90, int(rng.integers(0, 4)))))
+    rows = [list(prefixes[int(rng.integers(0, len(prefixes)))]) + [1000 + 10 * r + k for k in range(rng.integers(0, 3))]
+            for r in range(n)]
+    steps = int(rng.integers(5, 25))
+    table = np.zeros((n, max(len(x) for x in rows) + steps // bs + 3), dtype=rng.choice([np.int32, np.int64]))
+    for r, row in enumerate(rows):
+        table[r, :len(row)] = row
+    lens = np.array([max(1, len(row) * bs - int(rng.integers(0, bs))) for row in rows])
+    has_queries = rng.random(n) >= 0.1
+    fresh, last, kept, rebuilt = 5000, None, 0, 0
+
+    def reference(args):
+        clear_tree_cache()
+        return plan_with_options(o, *args, planner=None)
+
+    clear_tree_cache()
+    for step in range(steps):
+        lens = lens + (rng.random(n) < 0.8)
+        for r in range(n):
+            used = -(-int(lens[r]) // bs)
+            if table[r, used - 1] == 0:
+                table[r, used - 1], fresh = fresh, fresh + 1
+        indptr = np.concatenate([[0], np.cumsum(has_queries)])
+        args = (torch.from_numpy(indptr), torch.from_numpy(lens.copy()), torch.from_numpy(table.copy()))
+        got = plan_with_options(o, *args, planner=compiled)
+        assert_same_plans(pool.submit(reference, args).result(), got, f"seed {seed} step {step}")
+        if last is not None and got.tree.num_nodes:
+            kept += got.tree is last.tree
+            rebuilt += got.tree is not last.tree
+        last = got
+    return steps, kept, rebuilt
+
+
+def test_random_decode_runs_plan_as_the_numpy_planner_with_the_tree_kept_or_rebuilt():
+    """150 random engine-like decode runs, and 6 under prefixes of >= 1,024 blocks (the checks' LCP hints): every
+    step's compiled plan, tree included, equals the numpy planner's; trees are both kept and rebuilt (by hand, 3,000
+    runs and 60 long ones passed the same check: ~39,800 steps)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    compiled = plan_native.compiled_modules() or plan_native._load()
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        totals = np.array([_random_decode_run(seed, compiled, pool) for seed in range(150)]
+                          + [_random_decode_run(seed, compiled, pool, long_prefix=True) for seed in range(6)]).sum(0)
+    assert totals[1] > totals[0] // 4 and totals[2] > totals[0] // 20, totals
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_long_shared_prefixes_equal(monkeypatch, seed):
     """Rows sharing more than ``_HINT_MIN_COLUMNS`` blocks (the checks' LCP hints feed the tree build): interleaved
