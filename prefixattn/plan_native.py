@@ -158,16 +158,14 @@ def check_and_tree(modules, qo_indptr, kv_lens, block_table, *, block_size, num_
     q_len, shareable, sh_blocks = lengths[0], lengths[1], lengths[2]
     if status == 1 or status == 3:  # the cached tree: the same shareable rows as its step, or grown past every LCP
         tree = last[2]
-        if kept:  # grown past the cached rows' width: the call copied them all
-            keep_compiled_tree(keep[:sh_blocks.shape[0] * tree_width].reshape(-1, tree_width), sh_blocks, tree)
-        elif status == 3:  # the cached rows hold the grown ids: the entry takes the new block counts
-            set_cached_blocks(sh_blocks)
     else:
         # Read-only, as every tree the compiled planner gets (one array type); the tree's arrays are views of it.
         packed.setflags(write=False)
         tree = _unpack_tree(packed, lens.shape[0])
-        if kept:  # a tree with nodes: the cache keeps it with the rows it is of, copied by the call
-            keep_compiled_tree(keep[:sh_blocks.shape[0] * tree_width].reshape(-1, tree_width), sh_blocks, tree)
+    if kept:  # a new tree with nodes, or the cached one grown past its rows' width: the call copied the rows
+        keep_compiled_tree(keep[:sh_blocks.shape[0] * tree_width].reshape(-1, tree_width), sh_blocks, tree)
+    elif status == 3:  # the cached rows hold the grown ids: the entry takes the new block counts
+        set_cached_blocks(sh_blocks)
     return indptr, lens, table, max_block_id, q_len, shareable, max_q_len, width, tree, staged
 
 

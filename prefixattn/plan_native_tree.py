@@ -488,13 +488,16 @@ def _grown_past_lcps(order, lcp, old_blocks, new_blocks):
 
 
 @njit(cache=True, nogil=True)
-def _copy_rows(dst, table, n, width):
-    """``table[:n, :width]`` into ``dst[:n * width]`` in C order."""
+def _keep_rows(keep, table, n, width):
+    """``table[:n, :width]`` into ``keep[:n * width]`` in C order when it fits; whether it did."""
+    if n * width > keep.shape[0]:
+        return False
     for r in range(n):
-        out = dst[r * width:(r + 1) * width]
+        out = keep[r * width:(r + 1) * width]
         src = table[r, :width]
         for c in range(width):
             out[c] = src[c]
+    return True
 
 
 @njit(cache=True, nogil=True)
@@ -542,9 +545,7 @@ def check_and_tree(indptr, lens, table, block_size, block_shift, num_blocks, cau
                     for c in range(cache_blocks[r], sh_blocks[r]):
                         cache_rows[r, c] = table[r, c]
                 return ok, max_id, max_q_len, width, tree_width, 3, lengths, empty, staged, False
-            kept = n * tree_width <= keep.shape[0]  # wider: the spare gets every row (else the entry stays as it is)
-            if kept:
-                _copy_rows(keep, table, n, tree_width)
+            kept = _keep_rows(keep, table, n, tree_width)  # wider: the spare gets every row (else the entry stays)
             return ok, max_id, max_q_len, width, tree_width, 1, lengths, empty, staged, kept
     if prev_lcp.shape[0] != n:
         prev_lcp = np.zeros(n, dtype=np.int64)  # no hints
@@ -554,9 +555,7 @@ def check_and_tree(indptr, lens, table, block_size, block_shift, num_blocks, cau
     tree[:n], tree[n:2 * n] = order, lcp
     for k, a in enumerate((depth, lb, rb, parent)):
         tree[2 * n + k * m:2 * n + (k + 1) * m] = a
-    kept = m > 0 and n * tree_width <= keep.shape[0]
-    if kept:
-        _copy_rows(keep, table, n, tree_width)
+    kept = m > 0 and _keep_rows(keep, table, n, tree_width)
     return ok, max_id, max_q_len, width, tree_width, 2 if m else 0, lengths, tree, staged, kept
 
 

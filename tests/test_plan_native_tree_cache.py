@@ -189,7 +189,8 @@ def _random_decode_run(seed: int, compiled, pool, long_prefix: bool = False) -> 
     prefixes = [list(rng.integers(1, 50, first))]
     for _ in range(int(rng.integers(0, 4))):
         base = prefixes[int(rng.integers(0, len(prefixes)))]
-        prefixes.append(base[:int(rng.integers(0, len(base) + 1))] + list(rng.integers(50, 90, int(rng.integers(0, 4)))))
+        cut = int(rng.integers(0, len(base) + 1))
+        prefixes.append(base[:cut] + list(rng.integers(50, 90, int(rng.integers(0, 4)))))
     rows = [list(prefixes[int(rng.integers(0, len(prefixes)))]) + [1000 + 10 * r + k for k in range(rng.integers(0, 3))]
             for r in range(n)]
     steps = int(rng.integers(5, 25))

@@ -101,9 +101,9 @@ COMPILED_CACHE_MAX_ENTRIES = 1 << 16
 #: size 16, 15 of 16 steps when the requests' lengths are aligned); a tree costs ~40 numpy calls (~150 us on the
 #: 2-core host) and, for long prefixes, a pass over the rows; the check is two comparisons. Reused only on equal rows
 #: (the tree depends on nothing else; the compiled planner also when rows only grew past every LCP, as in an engine's
-#: decode steps: :func:`prefixattn.plan_native_tree.check_and_tree`), never across threads. ``state``: ``(entry, spare, in_use)``, the entry
-#: ``(rows, num_blocks, tree)`` or None and the compiled planner's two row buffers (:func:`compiled_cache`), in one
-#: attribute so that each change is one assignment.
+#: decode steps: :func:`prefixattn.plan_native_tree.check_and_tree`), never across threads. ``state``:
+#: ``(entry, spare, in_use)``, the entry ``(rows, num_blocks, tree)`` or None and the compiled planner's two row
+#: buffers (:func:`compiled_cache`), in one attribute so that each change is one assignment.
 _last_tree = threading.local()
 _NO_STATE = (None, None, None)
 
