@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from prefixattn.autotune.config_space import LaunchOptions, block_d
-from prefixattn.autotune.lookup import select_config, selection_state
+from prefixattn.autotune.lookup import READ_FIXED_ENV, select_config, selection_state
 from prefixattn.autotune.targets import get_target
 from prefixattn.memo import typed_memo
 
@@ -50,7 +50,7 @@ class AttentionTiles:
         return self.block_m_suffix // group
 
 
-def choose_tiles(*, head_dim: int, group: int, max_q_len: int, dtype=None) -> AttentionTiles:
+def choose_tiles(*, head_dim: int, group: int, max_q_len: int, dtype=None, fixed_env=READ_FIXED_ENV) -> AttentionTiles:
     """Tile sizes and launch options for one plan.
 
     The config comes from :func:`prefixattn.autotune.lookup.select_config` (fixed config, the user's tuning cache,
@@ -66,20 +66,24 @@ def choose_tiles(*, head_dim: int, group: int, max_q_len: int, dtype=None) -> At
         Longest query chunk of any request in the step (1 for pure decode).
     dtype : torch.dtype, optional
         Input dtype (fp16 when not given); fp32 gets smaller tiles.
+    fixed_env : str or None, optional
+        ``PREFIXATTN_TILE_CONFIG`` as the caller read it (:func:`prefixattn.autotune.lookup.fixed_env`; a wrapper
+        reads it once); by default read now.
 
     Returns
     -------
     AttentionTiles, with every M tile at least ``group`` (one query row with all its heads).
     """
-    return _choose_tiles(head_dim=head_dim, group=group, max_q_len=max_q_len, dtype=dtype, state=selection_state())
+    # Positional: the memo's key from keywords cost ~0.2 us more per step.
+    return _choose_tiles(head_dim, group, max_q_len, dtype, fixed_env, selection_state(fixed_env))
 
 
 @typed_memo(maxsize=1024)  # plan() asks every step; the lookup chain costs ~5 us a step on the 2-core host
-def _choose_tiles(*, head_dim: int, group: int, max_q_len: int, dtype, state: tuple) -> AttentionTiles:
-    """:func:`choose_tiles` under the selection ``state`` (:func:`~prefixattn.autotune.lookup.selection_state`:
-    part of the memo's key only)."""
+def _choose_tiles(head_dim: int, group: int, max_q_len: int, dtype, fixed_env, state: tuple) -> AttentionTiles:
+    """:func:`choose_tiles` under the selection ``state`` (:func:`~prefixattn.autotune.lookup.selection_state` of
+    ``fixed_env``, which it holds)."""
     sel = select_config(head_dim=head_dim, dtype=dtype if dtype is not None else "fp16", group=group,
-                        max_q_len=max_q_len)
+                        max_q_len=max_q_len, fixed_env=fixed_env)
     return _tiles(sel, head_dim)
 
 

@@ -23,6 +23,7 @@ import torch
 
 from prefixattn import plan_native
 from prefixattn.attention_configs import AttentionTiles, choose_tiles
+from prefixattn.autotune.lookup import READ_FIXED_ENV
 from prefixattn.lcp_tree import LcpTree, block_prefix_tree
 from prefixattn.runtime import interpreter_enabled
 from prefixattn.kernels import layout as K
@@ -432,11 +433,13 @@ PLANNER_FROM_ENV = "env"
 def plan_with_options(options: PlanOptions, qo_indptr: torch.Tensor, kv_lens: torch.Tensor,
                       block_table: torch.Tensor, *, device=None, num_blocks: int | None = None,
                       tiles: AttentionTiles | None = None, workspace: PlanWorkspace | None = None,
-                      device_block_table: torch.Tensor | None = None, planner=PLANNER_FROM_ENV) -> Plan:
+                      device_block_table: torch.Tensor | None = None, planner=PLANNER_FROM_ENV,
+                      fixed_env=READ_FIXED_ENV) -> Plan:
     """:func:`plan` with its options checked already (:func:`checked_options`; a wrapper checks them once): the
     per-step half. ``planner``: :func:`prefixattn.plan_native.compiled_modules`' answer (the compiled planner's
-    modules, or None: numpy), by default asked now (an environment read, ~0.8 us; a wrapper asks once). The other
-    arguments are :func:`plan`'s."""
+    modules, or None: numpy), by default asked now (an environment read, ~0.8 us; a wrapper asks once);
+    ``fixed_env``: ``PREFIXATTN_TILE_CONFIG`` for the tile choice (:func:`~prefixattn.attention_configs.choose_tiles`),
+    likewise. The other arguments are :func:`plan`'s."""
     o = options
     compiled = plan_native.still_compiled(plan_native.compiled_modules() if planner is PLANNER_FROM_ENV else planner)
     # A workspace that stages the table: the compiled checks write it while they read it.
@@ -454,7 +457,8 @@ def plan_with_options(options: PlanOptions, qo_indptr: torch.Tensor, kv_lens: to
         num_sms = o.num_sms or _default_num_sms(device)
         group = o.group
         if tiles is None:
-            tiles = choose_tiles(head_dim=o.head_dim, group=group, max_q_len=max(max_q_len, 1), dtype=o.q_dtype)
+            tiles = choose_tiles(head_dim=o.head_dim, group=group, max_q_len=max(max_q_len, 1), dtype=o.q_dtype,
+                                 fixed_env=fixed_env)
         nodes, work, crit, staged_flat, written = _host_tables(
             plan_native.still_compiled(compiled), tree, o, tiles=tiles, num_sms=num_sms, indptr=indptr, q_len=q_len,
             lens=lens, shareable=shareable, table=table, workspace=workspace,

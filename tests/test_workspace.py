@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import prefixattn
 from prefixattn import PrefixSharedAttention, attention, reference_attention
 from prefixattn import plan_native, prefix_attention
 from prefixattn.workspace import derive_capacity
@@ -325,6 +326,33 @@ def test_restated_options_reuse_the_checked_ones(monkeypatch):
     assert attn.plan(*a.metadata, window_left=8).window_left == 8
     assert attn.plan(*a.metadata, logits_soft_cap=0).logits_soft_cap == 0.0  # an int 0 for 0.0: checked again
     assert len(calls) == 4
+
+
+def test_a_wrapper_keeps_the_tile_config_variable_of_its_checked_options(monkeypatch):
+    """PREFIXATTN_TILE_CONFIG is read when the wrapper checks its options (as PREFIXATTN_PLANNER), not every step;
+    a step with overrides, a new wrapper and the free plan() read it then. A fixed_config context still applies at
+    once (a thread-local, read every step)."""
+    import json
+
+    from prefixattn.autotune import lookup
+    from prefixattn.autotune.config_space import AttentionConfig, LaunchOptions, Tiles
+
+    monkeypatch.delenv(lookup.FIXED_ENV, raising=False)
+    fixed = AttentionConfig(shared=Tiles(32, 32), suffix=Tiles(32, 16), launch=LaunchOptions(num_warps=2))
+    (a, _), _, _ = _two_batches_on_one_cache("cpu")
+    attn = PrefixSharedAttention(**HEADS, q_dtype=torch.float32, device="cpu", **CAPS)
+    base = attn.plan(*a.metadata).tiles
+    assert (base.block_m_suffix, base.block_n_suffix) != (32, 16)  # else the test shows nothing
+    monkeypatch.setenv(lookup.FIXED_ENV, json.dumps(fixed.to_dict()))
+    assert attn.plan(*a.metadata).tiles == base
+    for p in (attn.plan(*a.metadata, sharing="always"),
+              PrefixSharedAttention(**HEADS, q_dtype=torch.float32, device="cpu", **CAPS).plan(*a.metadata),
+              prefixattn.plan(*a.metadata, **HEADS, q_dtype=torch.float32)):
+        assert (p.tiles.block_m_suffix, p.tiles.block_n_suffix) == (32, 16)
+    monkeypatch.delenv(lookup.FIXED_ENV)
+    with lookup.fixed_config(fixed):
+        assert (attn.plan(*a.metadata).tiles.block_m_suffix, attn.plan(*a.metadata).tiles.block_n_suffix) == (32, 16)
+    assert attn.plan(*a.metadata).tiles == base
 
 
 def _compiled_planner(monkeypatch):

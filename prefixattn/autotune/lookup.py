@@ -5,7 +5,8 @@ tuning, no file access and no device query happens after the first call for a bu
 timed hot path. The chain, first match wins:
 
 1. **fixed**: :func:`fixed_config` / :func:`set_fixed_config`, or ``PREFIXATTN_TILE_CONFIG`` (a config as JSON, or
-   a path to one). For deterministic tests and for reproducing a report.
+   a path to one; read at every :func:`prefixattn.plan`, by a :class:`~prefixattn.PrefixSharedAttention` when it
+   checks its options). For deterministic tests and for reproducing a report.
 2. no known GPU (CPU interpreter, no device, a device missing from :mod:`~prefixattn.autotune.targets`):
    the **heuristic** (:func:`heuristic_config`), with a one-time warning for an unknown GPU.
 3. **user-cache**: measured on this very device by ``prefixattn tune`` (beats anything shipped), nearest bucket
@@ -101,15 +102,29 @@ def _state_changed() -> None:
     _current_generation[0] = next(_generation)
 
 
-def selection_state() -> tuple:
+#: :func:`selection_state`'s, :func:`select_config`'s and ``choose_tiles``' default ``fixed_env``: read
+#: ``PREFIXATTN_TILE_CONFIG`` at that call.
+READ_FIXED_ENV = object()
+
+
+def fixed_env() -> str | None:
+    """``PREFIXATTN_TILE_CONFIG`` now. A caller that plans every step may read it once and pass it as ``fixed_env``
+    (an ``os.environ`` read: ~0.7 us; :class:`~prefixattn.PrefixSharedAttention` reads it when it checks its
+    options)."""
+    return os.environ.get(FIXED_ENV)
+
+
+def selection_state(fixed_env=READ_FIXED_ENV) -> tuple:
     """What :func:`select_config`'s answer depends on besides its arguments, as a hashable token: this thread's
-    fixed config and planning target (by identity), ``PREFIXATTN_FIXED_CONFIG``, and the generation of the
-    selection state. Equal tokens: the same selections (used to memoize :func:`~prefixattn.attention_configs.
-    choose_tiles`, which plan() calls every step)."""
+    fixed config and planning target (by identity), ``PREFIXATTN_TILE_CONFIG`` (``fixed_env``: its value as the
+    caller read it, by default read now), and the generation of the selection state. Equal tokens: the same
+    selections (used to memoize :func:`~prefixattn.attention_configs.choose_tiles`, which plan() calls every
+    step)."""
     fixed = getattr(_state, "stack", None)
     targets = getattr(_state, "targets", None)
-    return (_current_generation[0], id(fixed[-1]) if fixed else os.environ.get(FIXED_ENV),
-            id(targets[-1]) if targets else None)
+    if not fixed and fixed_env is READ_FIXED_ENV:
+        fixed_env = os.environ.get(FIXED_ENV)
+    return (_current_generation[0], id(fixed[-1]) if fixed else fixed_env, id(targets[-1]) if targets else None)
 
 
 def _fixed_stack() -> list:
@@ -155,11 +170,11 @@ def _parse_fixed_env(value: str) -> AttentionConfig:
         raise ValueError(f"{FIXED_ENV}: expected a config as JSON, got unparsable text ({e})") from None
 
 
-def _current_fixed() -> AttentionConfig | None:
+def _current_fixed(fixed_env=READ_FIXED_ENV) -> AttentionConfig | None:
     stack = _fixed_stack()
     if stack:
         return stack[-1]
-    env = os.environ.get(FIXED_ENV)
+    env = os.environ.get(FIXED_ENV) if fixed_env is READ_FIXED_ENV else fixed_env
     return _parse_fixed_env(env) if env else None
 
 
@@ -356,7 +371,8 @@ def _resolve_target(target) -> Target | None:
 
 
 def select_config(*, head_dim: int, dtype, group: int = 1, q_rows: int = 1, max_q_len: int = 1,
-                  kv_len: int = 1024, target="auto", cache_dir: Path | None = None) -> Selection:
+                  kv_len: int = 1024, target="auto", cache_dir: Path | None = None,
+                  fixed_env=READ_FIXED_ENV) -> Selection:
     """Choose the fused kernel's config for one step (see the module docstring for the chain).
 
     Parameters
@@ -374,6 +390,8 @@ def select_config(*, head_dim: int, dtype, group: int = 1, q_rows: int = 1, max_
     target : ``"auto"`` (the current device), a target name, a :class:`Target`, or None (no device: heuristic).
     cache_dir : Path, optional
         Directory of the user tuning cache (default: :func:`~prefixattn.autotune.tuning_cache.default_cache_dir`).
+    fixed_env : str or None, optional
+        ``PREFIXATTN_TILE_CONFIG``'s value as the caller read it (:func:`fixed_env`); by default read now.
 
     Returns
     -------
@@ -387,7 +405,7 @@ def select_config(*, head_dim: int, dtype, group: int = 1, q_rows: int = 1, max_
     """
     bucket = make_bucket(head_dim=head_dim, dtype=dtype, group=group, q_rows=q_rows, max_q_len=max_q_len,
                          kv_len=kv_len)
-    fixed = _current_fixed()
+    fixed = _current_fixed(fixed_env)
     if fixed is not None:
         return Selection(fixed, "fixed", bucket)
     tgt = _resolve_target(target)
