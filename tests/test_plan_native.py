@@ -385,3 +385,26 @@ def test_random_steps_through_tight_workspaces_leave_no_wrong_current_plan(monke
             outcomes.append("accepted")
             prev, prev_lens = p, (args[1], 4)
     assert {"accepted", "intact", "stale"} <= set(outcomes)  # every case above happened
+
+
+def test_longest_first_is_the_stable_sort_by_length():
+    """plan_core's LPT order (shared and suffix items sorted apart, each by counts when their lengths span few values
+    or by packed keys, then merged) is numpy's stable argsort of the negated lengths, whatever the split, spans,
+    ties and sizes (0 to 600 items, lengths 0 to 2^31 - 1)."""
+    from prefixattn import plan_native_core
+    from prefixattn.kernels import layout as K
+
+    rng = np.random.default_rng(7)
+    for trial in range(400):
+        n = int(rng.integers(0, 600))
+        span = int(rng.choice([1, 16, 300, 5000, 2 ** 31 - 1]))
+        items = rng.integers(-1, 1000, size=(n, K.ITEM_FIELDS)).astype(np.int32)
+        items[:, K.ITEM_KV_START] = rng.integers(0, 2 ** 31 - span, size=n)
+        items[:, K.ITEM_KV_END] = items[:, K.ITEM_KV_START] + rng.integers(0, span, size=n)
+        num_shared = int(rng.integers(0, n + 1))
+        if trial % 4 == 0:  # a decode step's shape: long shared items first, then short suffix ones
+            items[:num_shared, K.ITEM_KV_END] = items[:num_shared, K.ITEM_KV_START] + 2048
+        length = items[:, K.ITEM_KV_END].astype(np.int64) - items[:, K.ITEM_KV_START]
+        want = items[np.argsort(-length, kind="stable")]
+        plan_native_core._longest_first(items, K.ITEM_KV_START, K.ITEM_KV_END, num_shared)
+        np.testing.assert_array_equal(items, want, err_msg=f"trial {trial}")
