@@ -144,13 +144,13 @@ def check_and_tree(modules, qo_indptr, kv_lens, block_table, *, block_size, num_
         out = modules[0].check_and_tree(indptr, lens, table, block_size, _block_shift(block_size),
                                         -1 if num_blocks is None else int(num_blocks), causal, sharing == "never",
                                         last[0] if use_cache else _NO_CACHE[table.dtype],
-                                        last[1] if use_cache else _NO_BLOCKS,
+                                        last[1] if use_cache else _NO_BLOCKS, last[3] if use_cache else -1,
                                         last[2].order if use_cache else _NO_NODES,
                                         last[2].lcp if use_cache else _NO_NODES, use_cache,
                                         _NO_STAGE if stage is None else stage, keep)
     except _numba_error as e:
         return _compile_failed(e)
-    ok, max_block_id, max_q_len, width, tree_width, status, lengths, packed, staged, kept = out
+    ok, max_block_id, max_q_len, width, tree_width, status, lengths, packed, staged, kept, entry_max = out
     if not ok:
         check_host_metadata(qo_indptr, kv_lens, block_table, block_size=block_size, num_blocks=num_blocks,
                             table_as_is=True)  # raises the message
@@ -163,9 +163,10 @@ def check_and_tree(modules, qo_indptr, kv_lens, block_table, *, block_size, num_
         packed.setflags(write=False)
         tree = _unpack_tree(packed, lens.shape[0])
     if kept:  # a new tree with nodes, or the cached one grown past its rows' width: the call copied the rows
-        keep_compiled_tree(keep[:sh_blocks.shape[0] * tree_width].reshape(-1, tree_width), sh_blocks, tree)
+        keep_compiled_tree(keep[:sh_blocks.shape[0] * tree_width].reshape(-1, tree_width), sh_blocks, tree,
+                           entry_max)
     elif status == 3:  # the cached rows hold the grown ids: the entry takes the new block counts
-        set_cached_blocks(sh_blocks)
+        set_cached_blocks(sh_blocks, entry_max)
     return indptr, lens, table, max_block_id, q_len, shareable, max_q_len, width, tree, staged
 
 

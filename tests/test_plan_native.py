@@ -173,7 +173,7 @@ def test_the_checks_hints_are_the_neighbours_lcps(seed):
     blocks = rng.integers(T._HINT_MIN_COLUMNS - 10, cols, n)  # one more block holds the query: used <= cols
     lens = (blocks * block_size + 1).astype(np.int64)  # one query row each: shareable = the blocks above
     indptr = np.arange(n + 1, dtype=np.int64)
-    no_cache = (np.zeros((0, 0), dtype=np.int32), np.zeros(0, dtype=np.int64))
+    no_cache = (np.zeros((0, 0), dtype=np.int32), np.zeros(0, dtype=np.int64), -1)
     out = T.check_values(indptr, lens, table, block_size, 2, -1, True, False, *no_cache)
     ok, sh_blocks, same, prev_lcp = out[0], out[4], out[7], out[8]
     assert ok and not same and np.array_equal(sh_blocks, blocks)

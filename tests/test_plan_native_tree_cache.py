@@ -47,6 +47,35 @@ def test_a_warm_tree_cache_follows_the_table(monkeypatch, change):
     assert_same_plans(_plan_with("numpy", monkeypatch, *args2, **opts), warm, change)
 
 
+@pytest.mark.parametrize("case", ["every row matches", "a late row differs", "num_blocks at a cached id"])
+def test_cached_ids_count_in_max_block_id_and_are_checked_again_below_num_blocks(monkeypatch, case):
+    """While every row equals its cached row, the compiled checks range-check only the ids past the cached ones and
+    count the entry's largest id (here in row 0's cached blocks only) in max_block_id. A row off the cache makes the
+    rows before it count their cached ids; a num_blocks at or below the entry's largest id checks them all again and
+    refuses the batch."""
+    import prefixattn.lcp_tree as lcp
+
+    n, block_size, shared = 12, 4, 6
+    rng = np.random.default_rng(5)
+    table = np.concatenate([np.tile(np.arange(shared), (n, 1)), 100 + rng.permutation(n * 5).reshape(n, 5)], axis=1)
+    table[0, shared + 1] = 500  # the largest id: a shareable block of row 0 alone
+    lens = np.full(n, (shared + 3) * block_size)  # 9 shareable blocks (one query row), 9 used
+    args = (torch.arange(n + 1), torch.from_numpy(lens), torch.from_numpy(table.astype(np.int32)))
+    opts = dict(block_size=block_size, num_qo_heads=8, num_kv_heads=2, head_dim=64, sharing="always")
+    _plan_with("numba", monkeypatch, *args, **opts)  # fills the cache
+    assert lcp.cached_entry()[3] == 500
+    if case == "num_blocks at a cached id":
+        with pytest.raises(ValueError, match="block_table"):
+            _plan_with("numba", monkeypatch, *args, cold=False, **opts, num_blocks=500)
+        return
+    if case == "a late row differs":
+        table[n - 1, shared + 2] = 99
+        args = (args[0], args[1], torch.from_numpy(table.astype(np.int32)))
+    warm = _plan_with("numba", monkeypatch, *args, cold=False, **opts, num_blocks=501)
+    assert warm.max_block_id == 500
+    assert_same_plans(_plan_with("numpy", monkeypatch, *args, **opts, num_blocks=501), warm, case)
+
+
 def test_the_tree_cache_keeps_its_own_rows_and_no_tree_of_other_rows(monkeypatch):
     """The compiled checks copy a new tree's rows into the cache's spare buffer themselves. The cache holds a copy
     (an engine rewrites its table in place); a refused step, a batch too large to keep and a failure after the copy
@@ -60,7 +89,7 @@ def test_the_tree_cache_keeps_its_own_rows_and_no_tree_of_other_rows(monkeypatch
     args = (torch.arange(n + 1), torch.full((n,), (shared + 3) * block_size), table)
     opts = dict(block_size=block_size, num_qo_heads=8, num_kv_heads=2, head_dim=64, sharing="always")
     first = _plan_with("numba", monkeypatch, *args, **opts)
-    rows, _, tree = lcp.cached_entry()
+    rows, _, tree, _ = lcp.cached_entry()
     assert tree is first.tree and rows.shape == (n, shared + 3) and np.array_equal(rows, table.numpy()[:, :shared + 3])
     # In place, as an engine reuses its table: the cache's rows are its own, so the tree is rebuilt.
     table[n // 2, 2] = 77

@@ -39,7 +39,7 @@ def block_prefix_tree(block_table: np.ndarray, shareable_lens: np.ndarray, block
 
 
 def cached_entry():
-    """This thread's tree cache entry ``(rows, num_blocks, tree)``, or None."""
+    """This thread's tree cache entry ``(rows, num_blocks, tree, max_id)``, or None."""
     return getattr(_last_tree, "state", _NO_STATE)[0]
 
 
@@ -58,7 +58,7 @@ def remember_tree(rows: np.ndarray, num_blocks: np.ndarray, tree: LcpTree) -> Lc
             _last_tree.state = (None, spare, in_use)
         buffer = last[0] if same else np.empty(rows.shape, dtype=rows.dtype)
         np.copyto(buffer, rows)
-        _last_tree.state = ((buffer, num_blocks, tree), spare, in_use)
+        _last_tree.state = ((buffer, num_blocks, tree, UNKNOWN_MAX_ID), spare, in_use)
     return tree
 
 
@@ -74,19 +74,20 @@ def compiled_cache(dtype: np.dtype) -> tuple:
     return entry, spare
 
 
-def keep_compiled_tree(rows: np.ndarray, num_blocks: np.ndarray, tree: LcpTree) -> None:
-    """Make ``(rows, num_blocks, tree)`` this thread's entry, ``rows`` a view of the spare buffer of
-    :func:`compiled_cache` that the compiled planner wrote; the buffer of the last rows it kept becomes the spare
-    (one assignment: an interrupt leaves the old state or the new one)."""
+def keep_compiled_tree(rows: np.ndarray, num_blocks: np.ndarray, tree: LcpTree, max_id: int) -> None:
+    """Make ``(rows, num_blocks, tree, max_id)`` this thread's entry, ``rows`` a view of the spare buffer of
+    :func:`compiled_cache` that the compiled planner wrote (``max_id``: the largest of each row's first
+    ``num_blocks[r]`` ids); the buffer of the last rows it kept becomes the spare (one assignment: an interrupt leaves
+    the old state or the new one)."""
     _, spare, in_use = _last_tree.state
-    _last_tree.state = ((rows, num_blocks, tree), in_use, spare)
+    _last_tree.state = ((rows, num_blocks, tree, max_id), in_use, spare)
 
 
-def set_cached_blocks(num_blocks: np.ndarray) -> None:
-    """Give this thread's entry new block counts: the compiled planner found its tree still that of the rows, which
-    only grew past every LCP, and wrote their new ids into the entry's rows."""
+def set_cached_blocks(num_blocks: np.ndarray, max_id: int) -> None:
+    """Give this thread's entry new block counts and their largest id: the compiled planner found its tree still
+    that of the rows, which only grew past every LCP, and wrote their new ids into the entry's rows."""
     entry, spare, in_use = _last_tree.state
-    _last_tree.state = ((entry[0], num_blocks, entry[2]), spare, in_use)
+    _last_tree.state = ((entry[0], num_blocks, entry[2], max_id), spare, in_use)
 
 
 #: Largest row matrix (entries) the compiled tree keeps in the cache: the size of each of its two row buffers (256 KB
@@ -96,13 +97,18 @@ def set_cached_blocks(num_blocks: np.ndarray) -> None:
 #: on the 2-core host) and hold larger buffers per thread.
 COMPILED_CACHE_MAX_ENTRIES = 1 << 16
 
+#: An entry's ``max_id`` when it is not known (the numpy planner's entries): the compiled checks then range-check the
+#: cached ids like any other (:func:`prefixattn.plan_native_tree.check_values`' ``cache_max``).
+UNKNOWN_MAX_ID = np.iinfo(np.int64).max
+
 #: Per thread, the last tree with nodes, with the rows and block counts it was built from. An engine's decode loop
 #: replans the same shareable rows every step until a request's shareable KV crosses a block boundary (at block
 #: size 16, 15 of 16 steps when the requests' lengths are aligned); a tree costs ~40 numpy calls (~150 us on the
 #: 2-core host) and, for long prefixes, a pass over the rows; the check is two comparisons. Reused only on equal rows
 #: (the tree depends on nothing else; the compiled planner also when rows only grew past every LCP, as in an engine's
 #: decode steps: :func:`prefixattn.plan_native_tree.check_and_tree`), never across threads. ``state``:
-#: ``(entry, spare, in_use)``, the entry ``(rows, num_blocks, tree)`` or None and the compiled planner's two row
+#: ``(entry, spare, in_use)``, the entry ``(rows, num_blocks, tree, max_id)`` or None (``max_id``: the largest of
+#: each row's first ``num_blocks[r]`` ids, or ``UNKNOWN_MAX_ID``) and the compiled planner's two row
 #: buffers (:func:`compiled_cache`), in one attribute so that each change is one assignment.
 _last_tree = threading.local()
 _NO_STATE = (None, None, None)
