@@ -389,15 +389,12 @@ def check_values(indptr, lens, table, block_size, block_shift, num_blocks, causa
         ``log2(block_size)`` when it is a power of two, else ``-1``.
     num_blocks : int
         Blocks in the cache, ``-1`` when not given.
-    cache_rows, cache_blocks : ``[num_requests or 0, w]``, ``[num_requests or 0]``
-        The tree cache's rows and shareable blocks: each cached row's first ``cache_blocks[r]`` ids (what its tree is
-        of) are compared with the table's row by row while each row is read for the checks (one pass over the table
-        instead of two: ~2 us less for 256 requests under a 2,048-token prefix).
-    cache_max : int
-        The largest of those cached ids (``_INT64_MAX``: not known). They came from a checked table: while every row
-        so far equals its cached row and ``cache_max`` is below ``num_blocks``, a row's ids are range-checked only
-        past its cached ones (a decode step under a 2,048-token prefix: ~2.3 of ~7.6 us), and ``cache_max`` counts
-        in ``max_block_id`` for them.
+    cache_rows, cache_blocks, cache_max : ``[num_requests or 0, w]``, ``[num_requests or 0]``, int
+        The tree cache's rows, shareable blocks and largest cached id (``_INT64_MAX``: not known). Each cached row's
+        first ``cache_blocks[r]`` ids (what its tree is of) are compared with the table's in the checks' pass. They
+        came from a checked table: while every row so far equals its cached row and ``cache_max < num_blocks``, only
+        the ids past them are range-checked, ``cache_max`` counting in ``max_block_id`` for them (a warm decode step
+        under a 2,048-token prefix: check_and_tree ~7.6 -> ~4.9 us on the 2-core host).
 
     Returns
     -------
@@ -533,27 +530,24 @@ def _keep_rows(keep, table, n, width, blocks):
 def check_and_tree(indptr, lens, table, block_size, block_shift, num_blocks, causal, sharing_never, cache_rows,
                    cache_blocks, cache_max, cache_order, cache_lcp, use_cache, stage, keep):
     """:func:`check_values`, then the block prefix tree of the shareable blocks, in one call; a valid batch's table
-    is staged into ``stage`` too (:func:`_stage_table`), and a new tree's rows into ``keep``.
+    is staged into ``stage`` (``[rows, cols]`` int32, a workspace's host block table; ``(0, 0)``: none) too
+    (:func:`_stage_table`), and a new tree's rows into ``keep``.
 
-    ``cache_rows``/``cache_blocks``/``cache_max``/``cache_order``/``cache_lcp``: the tree cache's rows, block counts,
-    largest cached id and its tree's order and LCPs (``use_cache``: compare with them first; rows that only grew past
-    every LCP keep the tree, and their new ids are written into ``cache_rows`` past their old ends, which the cache
-    never compares).
-    ``stage``: ``[rows, cols]`` int32, a workspace's host block table (``(0, 0)``: none).
-    ``keep``: 1-D, the table's dtype: gets ``table[:, :tree_width]`` in C order when a new tree has nodes and the
-    rows fit (``kept``), for the tree cache (:func:`prefixattn.lcp_tree.compiled_cache`'s spare buffer). Copied here
-    while the table is in cache: ~8 -> ~3 us for 256 x 144 ids on the 2-core host, against numpy's copy after the
-    call.
+    ``cache_*``: the tree cache's rows, block counts, largest cached id, and its tree's order and LCPs (``use_cache``:
+    compare with them first; rows that only grew past every LCP keep the tree, and their new ids are written into
+    ``cache_rows`` past their old ends, which the cache never compares). ``keep``: 1-D, the table's dtype, gets
+    ``table[:, :tree_width]`` in C order when a new tree has nodes and the rows fit (``kept``), for the tree cache
+    (:func:`prefixattn.lcp_tree.compiled_cache`'s spare buffer); copied here while the table is in cache (~8 -> ~3 us
+    for 256 x 144 ids on the 2-core host, against numpy's copy after the call).
+
     Returns ``(ok, max_block_id, max_q_len, width, tree_width, status, lengths, tree, staged, kept, entry_max)``:
-    ``width``, block-table columns the batch reads (at least 1); ``tree_width``, the longest row of shareable blocks;
-    ``lengths`` ``[3, num_requests]``, the rows ``q_len, shareable, shareable_blocks``; ``status`` 1: the cached tree
-    applies as it is (``tree`` is empty; ``kept``: its rows were copied into ``keep``, wider), 3: it applies and
-    ``cache_rows`` now hold the grown rows (the cache takes the new block counts), 2: a new tree with nodes, 0: a
-    tree without nodes;
-    ``tree`` packs ``order, lcp`` (``num_requests`` each) then ``depth, lb, rb, parent`` (one per node). Two arrays
-    instead of nine: each array returned to Python costs ~0.3 us (numba's boxing unpickles the array type per
-    array). ``staged``: whether ``stage`` got the table. ``entry_max``: the largest id of the shareable blocks, the
-    cache entry's ``cache_max`` when the rows were kept or grew in place (status 3).
+    ``width``, the table columns the batch reads (at least 1); ``tree_width``, the longest row of shareable blocks;
+    ``lengths`` ``[3, num_requests]``: ``q_len, shareable, shareable_blocks``; ``status`` 1: the cached tree applies
+    as it is (``tree`` empty; ``kept``: its rows were copied into ``keep``, wider), 3: it applies, ``cache_rows`` hold
+    the grown rows (the cache takes the new block counts), 2: a new tree with nodes, 0: a tree without nodes; ``tree``
+    packs ``order, lcp`` (``num_requests`` each) then ``depth, lb, rb, parent`` (one per node): two arrays, not nine
+    (numba's boxing costs ~0.3 us per array returned: it unpickles the array type); ``staged``: ``stage`` got the
+    table; ``entry_max``: the largest shareable id, the entry's ``cache_max`` when the rows were kept or grew in place.
     """
     ok, max_id, q_len, shareable, sh_blocks, max_q_len, width, same_rows, prev_lcp = check_values(
         indptr, lens, table, block_size, block_shift, num_blocks, causal, sharing_never, cache_rows, cache_blocks,
