@@ -547,7 +547,8 @@ def check_and_tree(indptr, lens, table, block_size, block_shift, num_blocks, cau
     the grown rows (the cache takes the new block counts), 2: a new tree with nodes, 0: a tree without nodes; ``tree``
     packs ``order, lcp`` (``num_requests`` each) then ``depth, lb, rb, parent`` (one per node): two arrays, not nine
     (numba's boxing costs ~0.3 us per array returned: it unpickles the array type); ``staged``: ``stage`` got the
-    table; ``entry_max``: the largest shareable id, the entry's ``cache_max`` when the rows were kept or grew in place.
+    table; ``entry_max``: the entry's ``cache_max`` when the rows were kept or grew in place (their largest
+    shareable id; an unknown one stays unknown when they grew).
     """
     ok, max_id, q_len, shareable, sh_blocks, max_q_len, width, same_rows, prev_lcp = check_values(
         indptr, lens, table, block_size, block_shift, num_blocks, causal, sharing_never, cache_rows, cache_blocks,

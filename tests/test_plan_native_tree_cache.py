@@ -47,12 +47,14 @@ def test_a_warm_tree_cache_follows_the_table(monkeypatch, change):
     assert_same_plans(_plan_with("numpy", monkeypatch, *args2, **opts), warm, change)
 
 
-@pytest.mark.parametrize("case", ["every row matches", "a late row differs", "num_blocks at a cached id"])
+@pytest.mark.parametrize("case", ["every row matches", "a late row differs", "num_blocks at a cached id",
+                                  "after the numpy planner's entry", "a grown block holds the largest id"])
 def test_cached_ids_count_in_max_block_id_and_are_checked_again_below_num_blocks(monkeypatch, case):
     """While every row equals its cached row, the compiled checks range-check only the ids past the cached ones and
     count the entry's largest id (here in row 0's cached blocks only) in max_block_id. A row off the cache makes the
-    rows before it count their cached ids; a num_blocks at or below the entry's largest id checks them all again and
-    refuses the batch."""
+    rows before it count their cached ids; a num_blocks at or below the entry's largest id, or an entry of the numpy
+    planner (its largest id not known), checks them all again; a block that grew into the cached rows in place
+    (status 3) raises the entry's largest id."""
     import prefixattn.lcp_tree as lcp
 
     n, block_size, shared = 12, 4, 6
@@ -62,18 +64,28 @@ def test_cached_ids_count_in_max_block_id_and_are_checked_again_below_num_blocks
     lens = np.full(n, (shared + 3) * block_size)  # 9 shareable blocks (one query row), 9 used
     args = (torch.arange(n + 1), torch.from_numpy(lens), torch.from_numpy(table.astype(np.int32)))
     opts = dict(block_size=block_size, num_qo_heads=8, num_kv_heads=2, head_dim=64, sharing="always")
-    _plan_with("numba", monkeypatch, *args, **opts)  # fills the cache
-    assert lcp.cached_entry()[3] == 500
-    if case == "num_blocks at a cached id":
+    _plan_with("numpy" if case == "after the numpy planner's entry" else "numba", monkeypatch, *args, **opts)
+    assert lcp.cached_entry()[3] == (lcp.UNKNOWN_MAX_ID if case == "after the numpy planner's entry" else 500)
+    if case in ("num_blocks at a cached id", "after the numpy planner's entry"):
         with pytest.raises(ValueError, match="block_table"):
             _plan_with("numba", monkeypatch, *args, cold=False, **opts, num_blocks=500)
         return
+    largest = 500
     if case == "a late row differs":
         table[n - 1, shared + 2] = 99
         args = (args[0], args[1], torch.from_numpy(table.astype(np.int32)))
-    warm = _plan_with("numba", monkeypatch, *args, cold=False, **opts, num_blocks=501)
-    assert warm.max_block_id == 500
-    assert_same_plans(_plan_with("numpy", monkeypatch, *args, **opts, num_blocks=501), warm, case)
+    if case == "a grown block holds the largest id":  # row 0 grows by one shareable block, past its LCPs
+        table[0, shared + 3] = largest = 900
+        lens[0] += block_size
+        args = (args[0], torch.from_numpy(lens), torch.from_numpy(table.astype(np.int32)))
+        tree = lcp.cached_entry()[2]
+        assert _plan_with("numba", monkeypatch, *args, cold=False, **opts).tree is tree  # kept: grown in place
+        assert lcp.cached_entry()[3] == 900
+        with pytest.raises(ValueError, match="block_table"):
+            _plan_with("numba", monkeypatch, *args, cold=False, **opts, num_blocks=900)
+    warm = _plan_with("numba", monkeypatch, *args, cold=False, **opts, num_blocks=largest + 1)
+    assert warm.max_block_id == largest
+    assert_same_plans(_plan_with("numpy", monkeypatch, *args, **opts, num_blocks=largest + 1), warm, case)
 
 
 def test_the_tree_cache_keeps_its_own_rows_and_no_tree_of_other_rows(monkeypatch):

@@ -38,8 +38,8 @@ Entry points: :func:`block_prefix_tree` (the planner, with a per-thread tree cac
 user input first).
 """
 
-from prefixattn.lcp_tree.blocks import (COMPILED_CACHE_MAX_ENTRIES, block_prefix_tree, cached_entry, clear_tree_cache,
-                                        compiled_cache, keep_compiled_tree, remember_tree,
+from prefixattn.lcp_tree.blocks import (COMPILED_CACHE_MAX_ENTRIES, UNKNOWN_MAX_ID, block_prefix_tree, cached_entry,
+                                        clear_tree_cache, compiled_cache, keep_compiled_tree, remember_tree,
                                         set_cached_blocks)
 from prefixattn.lcp_tree.nodes import LcpTree, PrefixTree, prefix_tree_from_lcp, tree_from_lcp
 from prefixattn.lcp_tree.sort_dense import lcp_interval_tree, sorted_rows_lcp
@@ -48,5 +48,5 @@ from prefixattn.lcp_tree.sort_packed import sort_and_lcp, tree_of_rows
 __all__ = [
     "COMPILED_CACHE_MAX_ENTRIES", "LcpTree", "PrefixTree", "block_prefix_tree", "cached_entry", "clear_tree_cache",
     "compiled_cache", "keep_compiled_tree", "lcp_interval_tree", "prefix_tree_from_lcp", "remember_tree",
-    "set_cached_blocks", "sort_and_lcp", "sorted_rows_lcp", "tree_from_lcp", "tree_of_rows",
+    "set_cached_blocks", "sort_and_lcp", "sorted_rows_lcp", "tree_from_lcp", "tree_of_rows", "UNKNOWN_MAX_ID",
 ]
