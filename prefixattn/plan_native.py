@@ -28,6 +28,7 @@ raise their ``ValueError``), then node choice + split rule + work list + staging
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 import warnings
@@ -130,11 +131,13 @@ def check_and_tree(modules, qo_indptr, kv_lens, block_table, *, block_size, num_
     """:func:`prefixattn.validation.check_host_metadata` (its messages: the numpy checks run when the compiled ones
     fail), the per-request lengths plan() derives and the block prefix tree with its cache
     (:mod:`prefixattn.lcp_tree`), in one compiled call: ``(indptr, lens, table, max_block_id, q_len, shareable,
-    max_q_len, width, tree, staged)``; None when it failed to compile (:func:`_compile_failed`). ``stage``: a
+    max_q_len, width, tree, staged)`` (``indptr`` and ``lens`` int32 when both came so, else int64; the compiled
+    calls have variants for both); None when it failed to compile (:func:`_compile_failed`). ``stage``: a
     workspace's host block table (:meth:`prefixattn.workspace.PlanWorkspace.host_table`), which gets the used columns
     of a valid batch's table when they fit (``staged``; the same cells ``PlanWorkspace.load`` would stage)."""
+    # qo_indptr and kv_lens as they are when they share a dtype (the compiled calls have int32 and int64 variants)
     indptr, lens, table = host_metadata_arrays(qo_indptr, kv_lens, block_table, block_size=block_size,
-                                               num_blocks=num_blocks, table_as_is=True)
+                                               num_blocks=num_blocks, table_as_is=True, index_as_is=True)
     if not table.flags.c_contiguous:  # a column slice of an engine's table: one copy, not a new compiled variant
         table = np.ascontiguousarray(table)
     last, keep = compiled_cache(table.dtype)  # keep: where the call copies a new tree's rows
@@ -252,8 +255,9 @@ def plan_tables(modules, tree, params, *, indptr, q_len, kv_len, shareable, tabl
 
 def compile_planner() -> dict:
     """Compile (or load from numba's cache) every compiled planner variant plan() uses: int32 and int64 block
-    tables, sharing and not. Returns seconds per step (``import``: numba and the compiled modules, ``plans``: compile
-    or cache load of every variant, and the plans themselves); ``{}`` without numba."""
+    tables, int32 and int64 ``qo_indptr``/``kv_lens`` pairs, sharing and not. Returns seconds per step (``import``:
+    numba and the compiled modules, ``plans``: compile or cache load of every variant, and the plans themselves);
+    ``{}`` without numba."""
     import torch
 
     from prefixattn.lcp_tree import clear_tree_cache
@@ -263,11 +267,11 @@ def compile_planner() -> dict:
     if not _load():
         return {}
     t1 = time.perf_counter()
-    for dtype in (torch.int32, torch.int64):
+    for dtype, index_dtype in itertools.product((torch.int32, torch.int64), repeat=2):
         table = torch.tensor([[0, 1, 2], [0, 1, 3], [4, 5, 6]], dtype=dtype)
         clear_tree_cache()
         for sharing in ("auto", "auto", "never"):  # the second plan reuses the tree: the cache's check
-            plan(torch.tensor([0, 1, 2, 3]), torch.tensor([40, 40, 40]), table, block_size=16, num_qo_heads=4,
-                 num_kv_heads=2, head_dim=64, sharing=sharing, device="cpu")
+            plan(torch.tensor([0, 1, 2, 3], dtype=index_dtype), torch.tensor([40, 40, 40], dtype=index_dtype), table,
+                 block_size=16, num_qo_heads=4, num_kv_heads=2, head_dim=64, sharing=sharing, device="cpu")
     clear_tree_cache()
     return {"import": t1 - t0, "plans": time.perf_counter() - t1}

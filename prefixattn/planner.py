@@ -494,7 +494,8 @@ def _checked_inputs_and_tree(compiled, *, qo_indptr, kv_lens, block_table, block
     """The checked host metadata and the block prefix tree: ``(indptr, lens, table, max_block_id, q_len, shareable,
     max_q_len, width, tree, table_staged)``, from the compiled planner's checks (``compiled``: its modules, or None)
     when it is there, else from numpy (same results, same errors). ``stage``: a workspace's host table, which the
-    compiled checks fill (``table_staged``; numpy never does)."""
+    compiled checks fill (``table_staged``; numpy never does). ``indptr`` and ``lens`` are int64, or int32 both from
+    the compiled checks (``q_len`` and ``shareable`` int64 always)."""
     # None: no compiled planner, or (PREFIXATTN_PLANNER=auto) it failed to compile: numpy, same results.
     checked = compiled and plan_native.check_and_tree(compiled, qo_indptr, kv_lens, block_table, block_size=block_size,
                                                       num_blocks=num_blocks, causal=causal, sharing=sharing,
@@ -527,6 +528,8 @@ def _host_tables(compiled, tree, o: PlanOptions, *, tiles: AttentionTiles, num_s
         nodes, work, crit, flat, fits, written = tables
         return nodes, work, crit, (flat, fits), written
     tile_args = _tile_args(o, tiles, num_sms)
+    # int64: the compiled checks pass int32 pairs through, and numpy's int32 sums with Python ints stay int32
+    indptr, lens = indptr.astype(np.int64, copy=False), lens.astype(np.int64, copy=False)
     nodes, work = _numpy_tables(tree, q_start=indptr[:-1], q_len=q_len, lens=lens, shareable=shareable,
                                 causal=o.causal, sharing=o.sharing, block_size=o.block_size, group=o.group,
                                 head_dim=o.head_dim, elt_bytes=o.kv_dtype.itemsize, window_left=o.window_left,

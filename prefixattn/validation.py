@@ -233,12 +233,14 @@ def check_host_metadata(
     return indptr, lens, table, max_block_id
 
 
-def host_metadata_arrays(qo_indptr, kv_lens, block_table, *, block_size, num_blocks, table_as_is: bool):
+def host_metadata_arrays(qo_indptr, kv_lens, block_table, *, block_size, num_blocks, table_as_is: bool,
+                         index_as_is: bool = False):
     """The structural half of :func:`check_host_metadata` (types, ranks, dtypes, shapes, ``block_size``,
     ``num_blocks``): ``(qo_indptr, kv_lens)`` as int64 numpy arrays and the table (its own dtype with
     ``table_as_is``); copies, except with ``table_as_is`` (the planner's read-only use: views of CPU tensors). The
     compiled planner checks the values itself and calls :func:`check_host_metadata` for the message when they are
-    wrong."""
+    wrong; it takes ``index_as_is``: ``(qo_indptr, kv_lens)`` as they are when both are C-ordered and of one dtype
+    (int32 or int64: vLLM's are int32, whose two int64 copies cost ~1.4 us a step), else as int64."""
     # numpy views first: a CPU index tensor passes with numpy's attribute reads (~50 ns each, torch's ~0.5 us);
     # anything else takes the checked path, which raises the message or copies a device tensor to the host.
     indptr = _cpu_index_view(qo_indptr, 1)
@@ -272,6 +274,8 @@ def host_metadata_arrays(qo_indptr, kv_lens, block_table, *, block_size, num_blo
     if table is None:
         table = _host_array("block_table", block_table)
     if table_as_is:  # the planner's read-only use: int64 C-order views pass as they are (astype's no-op ~0.3 us)
+        if index_as_is and indptr.dtype == lens.dtype and indptr.flags.c_contiguous and lens.flags.c_contiguous:
+            return indptr, lens, table
         return _int64_c(indptr), _int64_c(lens), table
     # C order: a strided view would be another compiled variant of the compiled planner
     return (indptr.astype(np.int64, order="C"), lens.astype(np.int64, order="C"), table.astype(np.int64))

@@ -102,6 +102,11 @@ def test_random_batches_equal(monkeypatch, seed):
     args, num_ids = random_metadata(rng, num_requests=int(rng.integers(0, 30)), block_size=block_size,
                                     max_q_len=int(rng.choice([1, 5, 70])), levels=int(rng.integers(0, 4)),
                                     table_dtype=(np.int32, np.int64)[seed % 2])
+    # qo_indptr / kv_lens: int64 / int32 (mixed: both int64 copies), int32 pairs (vLLM's: passed as they are to the
+    # compiled calls' int32 variants) and int64 pairs
+    pair = (None, torch.int32, torch.int64)[seed // 2 % 3]
+    if pair is not None:
+        args = (args[0].to(pair), args[1].to(pair), args[2])
     heads = [dict(num_qo_heads=4, num_kv_heads=2, head_dim=64), dict(num_qo_heads=32, num_kv_heads=4, head_dim=128),
              dict(num_qo_heads=8, num_kv_heads=8, head_dim=64)][seed % 3]
     opts = dict(block_size=block_size, causal=seed % 4 != 3, sharing=("auto", "always", "never")[seed % 3],
@@ -212,8 +217,12 @@ BAD_INPUTS = [
 ]
 
 
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
 @pytest.mark.parametrize("name,args,extra", BAD_INPUTS, ids=[f"{b[0]}-{i}" for i, b in enumerate(BAD_INPUTS)])
-def test_same_errors(monkeypatch, name, args, extra):
+def test_same_errors(monkeypatch, name, args, extra, index_dtype):
+    """The same message from both planners, with int64 and int32 qo_indptr/kv_lens pairs (the compiled checks take
+    int32 pairs as they are)."""
+    args = (args[0].to(index_dtype), args[1].to(index_dtype), args[2])
     opts = dict(block_size=16, num_qo_heads=4, num_kv_heads=2, head_dim=64, **extra)
     messages = []
     for planner in ("numpy", "numba"):
