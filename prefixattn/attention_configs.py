@@ -67,7 +67,7 @@ def choose_tiles(*, head_dim: int, group: int, max_q_len: int, dtype=None, fixed
     dtype : torch.dtype, optional
         Input dtype (fp16 when not given); fp32 gets smaller tiles.
     fixed_env : str or None, optional
-        ``PREFIXATTN_TILE_CONFIG`` as the caller read it (:func:`prefixattn.autotune.lookup.fixed_env`; a wrapper
+        ``PREFIXATTN_TILE_CONFIG`` as the caller read it (:func:`prefixattn.autotune.lookup.read_fixed_env`; a wrapper
         reads it once); by default read now.
 
     Returns

@@ -11,7 +11,7 @@ from prefixattn.kernels.layout import page_size_constexpr
 from prefixattn.kernels.prefix_attention_kernel import prefix_attention_kernel
 from prefixattn import plan_native
 from prefixattn.attention_configs import choose_tiles
-from prefixattn.autotune.lookup import fixed_env
+from prefixattn.autotune.lookup import read_fixed_env
 from prefixattn.plan_device import CapacityError
 from prefixattn.planner import (OPTION_DEFAULTS, Plan, _default_num_sms, _positive_int, checked_options, plan,
                                 plan_with_options)
@@ -428,7 +428,7 @@ class PrefixSharedAttention:
         default_blocks = cfg.pop("num_blocks", None)  # the step's own num_blocks, when given, replaces it
         # PREFIXATTN_PLANNER and PREFIXATTN_TILE_CONFIG: read once per checked options
         per_call = {**cfg, "workspace": self._workspace, "device": self._workspace.device,
-                    "planner": plan_native.compiled_modules(), "fixed_env": fixed_env()}
+                    "planner": plan_native.compiled_modules(), "fixed_env": read_fixed_env()}
         if self.use_cuda_graph:
             per_call["tiles"] = self._tiles
         if not overrides:

@@ -107,7 +107,7 @@ def _state_changed() -> None:
 READ_FIXED_ENV = object()
 
 
-def fixed_env() -> str | None:
+def read_fixed_env() -> str | None:
     """``PREFIXATTN_TILE_CONFIG`` now. A caller that plans every step may read it once and pass it as ``fixed_env``
     (an ``os.environ`` read: ~0.7 us; :class:`~prefixattn.PrefixSharedAttention` reads it when it checks its
     options)."""
@@ -391,7 +391,7 @@ def select_config(*, head_dim: int, dtype, group: int = 1, q_rows: int = 1, max_
     cache_dir : Path, optional
         Directory of the user tuning cache (default: :func:`~prefixattn.autotune.tuning_cache.default_cache_dir`).
     fixed_env : str or None, optional
-        ``PREFIXATTN_TILE_CONFIG``'s value as the caller read it (:func:`fixed_env`); by default read now.
+        ``PREFIXATTN_TILE_CONFIG``'s value as the caller read it (:func:`read_fixed_env`); by default read now.
 
     Returns
     -------
