@@ -1,0 +1,261 @@
+"""Tile-config sweep on a GPU: the GPU check's timing shapes (bench/gpu_cases.py) under a set of candidate configs of
+the fused kernel, each checked against the reference and timed. The measured evidence behind a shipped table
+(``prefixattn/autotune/configs/<target>.json``), where ``prefixattn tune`` times synthetic steps instead.
+
+    python bench/gpu_tile_sweep.py [--out DIR] [--budget SECONDS]   # on the GPU machine, ~6 minutes
+    python bench/gpu_tile_sweep.py --dry-run                        # any CPU machine: tiny shapes, interpreter
+
+Phase 1 compiles every (config, shape) binary in parallel worker processes (Triton's on-disk cache then serves the
+timing process: the fused kernel takes seconds per variant to compile and a sweep needs ~100 variants); phase 2
+times each config on each shape in one process with ``triton.testing.do_bench`` (median). Writes
+``<out>/<gpu>-<commit>-tiles.csv`` (shape, family, config, median us, correct) row by row, so a run cut short keeps
+what it measured, and prints each family's ranking: per config, the geometric mean over the family's shapes of its
+time over the shape's best time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+#: Compile workers of phase 1: each holds one full-size batch at a time (up to ~10 GB for 256 requests x 2.3K tokens
+#: at MHA 32:32), so 6 fit an 80 GB card with room for the cache allocator.
+COMPILE_WORKERS = 6
+#: Seconds phase 1 may take before its workers are stopped (the rest compile in phase 2, one at a time).
+COMPILE_LIMIT_S = 200
+#: do_bench windows (ms) per (shape, config): ~50 shapes x ~16 configs fit the call.
+BENCH_WARMUP_MS, BENCH_REP_MS = 10, 30
+FIELDS = ("shape", "family", "config", "median_us", "correct", "max_abs_err", "has_shared", "items")
+
+
+def candidates() -> list:
+    """The candidate configs (head_dim 128, fp16): the shipped sm90 decode and prefill configs, the cost model's
+    leaders for decode and chunked prefill, and suffix tiles from 16 to 128 rows under the 128x64 shared tile (a mixed
+    step's decode items sit in the suffix tile of its prefill chunks). Suffix-only launches keep the shipped 4 warps."""
+    from prefixattn.autotune.config_space import AttentionConfig, LaunchOptions, Tiles
+
+    def cfg(sh, sf, warps, stages, sf_warps=4, sf_stages=3):
+        return AttentionConfig(shared=Tiles(*sh), suffix=Tiles(*sf), launch=LaunchOptions(warps, stages),
+                               suffix_launch=LaunchOptions(sf_warps, sf_stages))
+
+    return [
+        cfg((128, 64), (16, 32), 8, 3),  # shipped decode
+        cfg((128, 32), (128, 64), 8, 3, 8, 3),  # shipped chunked prefill
+        cfg((128, 64), (16, 64), 8, 3),
+        cfg((128, 64), (16, 128), 8, 3),
+        cfg((128, 64), (16, 128), 8, 2),
+        cfg((64, 128), (16, 64), 8, 3),
+        cfg((64, 64), (16, 64), 4, 3),
+        cfg((64, 64), (16, 32), 4, 3),
+        cfg((64, 64), (16, 64), 4, 4),
+        cfg((128, 32), (16, 64), 8, 4),
+        cfg((128, 64), (32, 64), 8, 3),
+        cfg((128, 64), (64, 64), 8, 3),
+        cfg((128, 64), (128, 64), 8, 3, 8, 3),
+        cfg((128, 64), (128, 64), 8, 2, 8, 2),
+        cfg((64, 64), (64, 64), 4, 3),
+        cfg((128, 64), (32, 128), 8, 3),
+    ]
+
+
+def shapes(dry_run: bool) -> list:
+    """The GPU check's timing shapes (its dry-run pair on the CPU)."""
+    import gpu_cases
+
+    return gpu_cases.timing_shapes(dry_run)
+
+
+def family(shape) -> str:
+    """What a shipped table tells apart: the GQA group and decode vs a step with prefill chunks."""
+    group = shape.num_qo_heads // shape.num_kv_heads
+    return f"g{group}-{'decode' if shape.num_prefill == 0 else 'mixed'}"
+
+
+def _plan(batch, cfg):
+    import prefixattn
+    from prefixattn.autotune.lookup import fixed_config
+
+    s = batch.shape
+    with fixed_config(cfg):
+        return prefixattn.plan(batch.qo_indptr, batch.kv_lens, batch.block_table, block_size=s.block_size,
+                               num_qo_heads=s.num_qo_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
+                               q_dtype=batch.q.dtype, num_blocks=batch.num_blocks)
+
+
+def compile_worker(indices: list[int], device: str) -> int:
+    """Phase 1, in a child process: one launch per (config of ``indices``, shape) on uninitialized caches (only the
+    binaries matter here); ``compiled <i> <shape>`` per launch."""
+    import torch
+
+    import prefixattn
+    from shapes import build_batch
+
+    configs = candidates()
+    for shape in shapes(dry_run=device == "cpu"):
+        batch = build_batch(shape, device=device, metadata_only=True)
+        s = shape
+        rows = int(batch.qo_indptr[-1])
+        dtype = batch.dtype
+        batch.q = torch.empty(rows, s.num_qo_heads, s.head_dim, dtype=dtype, device=device).normal_()
+        batch.k_cache = torch.empty(batch.num_blocks, s.block_size, s.num_kv_heads, s.head_dim, dtype=dtype,
+                                    device=device).normal_()
+        batch.v_cache = torch.empty_like(batch.k_cache).normal_()
+        for i in indices:
+            try:
+                p = _plan(batch, configs[i])
+                prefixattn.attention(batch.q, batch.k_cache, batch.v_cache, p)
+                if device != "cpu":
+                    torch.cuda.synchronize()
+                print(f"compiled {i} {shape.paper}", flush=True)
+            except Exception as exc:  # a config this card cannot run fails again in phase 2, where it is recorded
+                print(f"failed {i} {shape.paper}: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
+        del batch
+        if device != "cpu":
+            torch.cuda.empty_cache()
+    return 0
+
+
+def compile_all(dry_run: bool, workers: int, limit_s: float) -> None:
+    n = len(candidates())
+    device = "cpu" if dry_run else "cuda"
+    procs = [subprocess.Popen([sys.executable, str(Path(__file__)), "--compile-worker",
+                               ",".join(str(i) for i in range(w, n, workers)), "--device", device],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for w in range(workers)]
+    start = time.monotonic()
+    for p in procs:
+        try:
+            text, _ = p.communicate(timeout=max(1.0, limit_s - (time.monotonic() - start)))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            text, _ = p.communicate()
+            print(f"[compile] a worker stopped at the {limit_s:.0f} s limit", flush=True)
+        lines = text.splitlines()
+        done = sum(ln.startswith("compiled") for ln in lines)
+        print(f"[compile] worker: {done} launches; " + " | ".join(ln for ln in lines if not ln.startswith("compiled"))
+              [-400:], flush=True)
+    print(f"[compile] {time.monotonic() - start:.0f} s", flush=True)
+
+
+def _timer(fn, dry_run: bool) -> float:
+    if dry_run:
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=BENCH_WARMUP_MS, rep=BENCH_REP_MS, return_mode="median")
+
+
+def sweep(dry_run: bool, out_csv: Path, deadline: float) -> list[dict]:
+    import torch
+
+    import prefixattn
+    from shapes import build_batch
+    from tests.tolerances import ATTENTION_TOL
+
+    device = "cpu" if dry_run else "cuda"
+    configs = candidates()
+    rows = []
+    with out_csv.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer.writeheader()
+        for shape in shapes(dry_run):
+            if time.monotonic() > deadline:
+                print(f"[sweep] deadline: stopped before {shape.paper}", flush=True)
+                break
+            batch = build_batch(shape, device=device)
+            want = prefixattn.reference_attention(batch.q, batch.k_cache, batch.v_cache, batch.qo_indptr,
+                                                  batch.kv_lens, batch.block_table)
+            atol, rtol = ATTENTION_TOL[batch.q.dtype]
+            out = torch.empty_like(batch.q)
+            label = f"{shape.paper} h{shape.num_qo_heads}:{shape.num_kv_heads}"
+            times = []
+            for cfg in configs:
+                row = dict(shape=label, family=family(shape), config=cfg.short())
+                try:
+                    p = _plan(batch, cfg)
+                    out.fill_(float("nan"))
+                    run = lambda: prefixattn.attention(batch.q, batch.k_cache, batch.v_cache, p, out=out)  # noqa: E731
+                    run()
+                    err = (out.float() - want).abs()
+                    correct = bool(torch.isfinite(out).all() and (err <= atol + rtol * want.abs()).all())
+                    row.update(correct=int(correct), max_abs_err=f"{float(err.max()):.3e}",
+                               has_shared=int(p.has_shared), items=p.num_items,
+                               median_us=f"{_timer(run, dry_run) * 1e3:.2f}" if correct else "")
+                except Exception as exc:  # out of resources on this card, say: recorded, not a winner
+                    row.update(correct=0, median_us="", max_abs_err=f"{type(exc).__name__}: {str(exc)[:80]}")
+                writer.writerow(row)
+                f.flush()
+                rows.append(row)
+                times.append(f"{row['median_us'] or 'x'}")
+            print(f"[sweep] {label:42s} " + " ".join(f"{t:>8s}" for t in times), flush=True)
+            del batch, want, out
+            if device != "cpu":
+                torch.cuda.empty_cache()
+    return rows
+
+
+def ranking(rows: list[dict]) -> dict[str, list[tuple[float, str, int]]]:
+    """Per family: ``(geomean of time / the shape's best, config, shapes measured)``, best first; a config counts
+    only in families where it ran correctly on every shape."""
+    by_shape: dict = {}
+    for r in rows:
+        by_shape.setdefault((r["family"], r["shape"]), {})[r["config"]] = float(r["median_us"]) if r["median_us"] \
+            else math.inf
+    out: dict = {}
+    for (fam, _), times in by_shape.items():
+        best = min(times.values())
+        for name, t in times.items():
+            out.setdefault(fam, {}).setdefault(name, []).append(t / best)
+    return {fam: sorted((math.exp(sum(map(math.log, r)) / len(r)), name, len(r)) for name, r in per.items())
+            for fam, per in out.items()}
+
+
+def main(argv) -> int:
+    ap = argparse.ArgumentParser(prog="bench/gpu_tile_sweep.py", description=__doc__.splitlines()[0])
+    ap.add_argument("--dry-run", action="store_true", help="tiny shapes in the Triton interpreter (CPU)")
+    ap.add_argument("--out", default=None, help="results folder (default bench/results/gpu; dry-run: bench/results)")
+    ap.add_argument("--budget", type=float, default=480.0, help="seconds for both phases (default %(default)s)")
+    ap.add_argument("--compile-worker", default=None, help=argparse.SUPPRESS)  # child: comma-separated indices
+    ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    interpret = args.dry_run or args.device == "cpu"
+    os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"  # before anything imports triton
+    sys.path[1:1] = [str(ROOT)]
+    if args.compile_worker is not None:
+        return compile_worker([int(i) for i in args.compile_worker.split(",") if i], args.device)
+    start = time.monotonic()
+    import torch
+
+    if not args.dry_run and not torch.cuda.is_available():
+        print("tile sweep: no CUDA device here (use --dry-run on a CPU machine)", file=sys.stderr)
+        return 2
+    spec = __import__("importlib.util").util.spec_from_file_location("bench_conftest", BENCH / "conftest.py")
+    conftest = __import__("importlib.util").util.module_from_spec(spec)
+    spec.loader.exec_module(conftest)
+    info = conftest.Results()
+    out_dir = Path(args.out) if args.out else BENCH / "results" / ("gpu" if not args.dry_run else "")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    gpu = "cpu-interpreter" if args.dry_run else info.device.lower().replace(" ", "-")
+    out_csv = out_dir / f"{gpu}-{info.commit}-tiles.csv"
+    print(f"tile sweep: {info.device}; {info.versions}; commit {info.commit}; {len(candidates())} configs",
+          flush=True)
+    compile_all(args.dry_run, 1 if args.dry_run else COMPILE_WORKERS, min(COMPILE_LIMIT_S, args.budget / 2))
+    rows = sweep(args.dry_run, out_csv, start + args.budget)
+    print(f"\ntile sweep: {time.monotonic() - start:.0f} s; {out_csv}")
+    for fam, ranked in sorted(ranking(rows).items()):
+        print(f"{fam}: " + ", ".join(f"{name} {g:.3f} ({n})" for g, name, n in ranked[:6]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
