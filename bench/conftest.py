@@ -23,6 +23,9 @@ COLUMNS = ["benchmark", "provider", "shape", "device", "metric", "value", "unit"
 
 
 def _commit() -> str:
+    # The GPU machine gets a copy of the working tree whose git metadata may lag it: the caller names the commit.
+    if os.environ.get("PREFIXATTN_BENCH_COMMIT"):
+        return os.environ["PREFIXATTN_BENCH_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               cwd=Path(__file__).parent, check=True).stdout.strip()
