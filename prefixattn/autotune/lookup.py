@@ -13,7 +13,8 @@ timed hot path. The chain, first match wins:
    among entries of the same head size, dtype, GQA group and mode (decode: one query token per request, or not).
    ``plan()`` knows neither the rows per shared node nor the shared KV length before it builds its tree, so exact
    buckets would rarely match.
-4. **shipped**: the package's ``configs/<target>.json``, nearest bucket (same head size and dtype, or another head
+4. **shipped**: the package's ``configs/<target>.json`` with its GPU-measured overrides
+   (``configs/<target>.measured.json``, where a target has them), nearest bucket (same head size and dtype, or another head
    size with the same padded ``BLOCK_D``, or, for a head size no table lists, the nearest larger ``BLOCK_D``; bf16 and
    fp16 stand in for each other).
 5. **user-cache** nearest bucket (a device family without a shipped table).
@@ -209,26 +210,33 @@ def heuristic_merge_config(head_dim: int, num_heads: int) -> MergeConfig:
                        num_warps=4)
 
 
-def shipped_path(target_name: str):
-    return importlib.resources.files("prefixattn.autotune").joinpath("configs", f"{target_name}.json")
+def shipped_path(target_name: str, measured: bool = False):
+    """The analytic table of ``target_name`` (``configs/<target>.json``, rebuilt by ``prefixattn tune
+    --write-shipped``), or with ``measured`` its GPU-measured overrides (``configs/<target>.measured.json``, written
+    from a sweep's results by hand and never by the builder)."""
+    name = f"{target_name}.measured.json" if measured else f"{target_name}.json"
+    return importlib.resources.files("prefixattn.autotune").joinpath("configs", name)
 
 
 def load_shipped(target_name: str) -> dict[Bucket, AttentionConfig]:
-    """The shipped table of ``target_name`` (empty when the package has none). A broken shipped file is a packaging
-    bug, so it raises instead of warning."""
+    """The shipped table of ``target_name``: the analytic buckets with the measured ones over them (empty when the
+    package has neither). A broken shipped file is a packaging bug, so it raises instead of warning."""
     return _load_shipped(target_name)
 
 
 @functools.lru_cache(maxsize=None)
 def _load_shipped(target_name: str) -> dict[Bucket, AttentionConfig]:
-    path = shipped_path(target_name)
-    if not path.is_file():
-        return {}
-    data = json.loads(path.read_text())
-    if data.get("format") != SHIPPED_FORMAT:
-        raise ValueError(f"{path}: expected format {SHIPPED_FORMAT}, got {data.get('format')!r}")
-    configs = {name: AttentionConfig.from_dict(c) for name, c in data["configs"].items()}
-    return {Bucket.from_key(key): configs[name] for key, name in data["buckets"].items()}
+    table: dict[Bucket, AttentionConfig] = {}
+    for path in (shipped_path(target_name), shipped_path(target_name, measured=True)):
+        if not path.is_file():
+            continue
+        data = json.loads(path.read_text())
+        if data.get("format") != SHIPPED_FORMAT or data.get("target") != target_name:
+            raise ValueError(f"{path}: expected format {SHIPPED_FORMAT} for target {target_name!r}, got format "
+                             f"{data.get('format')!r} for {data.get('target')!r}")
+        configs = {name: AttentionConfig.from_dict(c) for name, c in data["configs"].items()}
+        table.update({Bucket.from_key(key): configs[name] for key, name in data["buckets"].items()})
+    return table
 
 
 @functools.lru_cache(maxsize=None)
