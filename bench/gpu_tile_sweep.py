@@ -2,8 +2,14 @@
 the fused kernel, each checked against the reference and timed. The measured evidence behind a shipped table
 (``prefixattn/autotune/configs/<target>.json``), where ``prefixattn tune`` times synthetic steps instead.
 
-    python bench/gpu_tile_sweep.py [--out DIR] [--budget SECONDS]   # on the GPU machine, ~6 minutes
+    python bench/gpu_tile_sweep.py [--out DIR] [--budget SECONDS]   # on the GPU machine, ~4 minutes
+    python bench/gpu_tile_sweep.py --suite plain                    # no sharing: the suffix-only launch's tiles
     python bench/gpu_tile_sweep.py --dry-run                        # any CPU machine: tiny shapes, interpreter
+
+Suites: ``shared`` (default), the timing shapes, eager ``do_bench`` as the GPU check times them (shapes under
+~150 us measure the host's launch overhead more than the kernel: rank on the larger ones); ``plain``, batches without
+a shared prefix (decode at GQA 1/4/8, chunked prefill, prefill chunks with decodes) under suffix-tile candidates,
+timed as CUDA-graph replays (``do_bench_cudagraph``), so the kernel's time is what is ranked.
 
 Phase 1 compiles every (config, shape) binary in parallel worker processes (Triton's on-disk cache then serves the
 timing process: the fused kernel takes seconds per variant to compile and a sweep needs ~100 variants); phase 2
@@ -66,11 +72,53 @@ def candidates() -> list:
     ]
 
 
-def shapes(dry_run: bool) -> list:
-    """The GPU check's timing shapes (its dry-run pair on the CPU)."""
-    import gpu_cases
+def plain_candidates() -> list:
+    """Suffix-only launches (``HAS_SHARED=False``): the suffix tile and its launch options; the shared tile is the
+    shipped decode one (compiled out of these launches)."""
+    from prefixattn.autotune.config_space import AttentionConfig, LaunchOptions, Tiles
 
-    return gpu_cases.timing_shapes(dry_run)
+    def cfg(sf, warps, stages):
+        return AttentionConfig(shared=Tiles(128, 64), suffix=Tiles(*sf), launch=LaunchOptions(8, 3),
+                               suffix_launch=LaunchOptions(warps, stages))
+
+    return [cfg(sf, w, st) for sf, w, st in (((16, 32), 4, 3), ((16, 64), 4, 3), ((16, 128), 4, 3), ((16, 64), 8, 3),
+                                               ((32, 64), 4, 3), ((64, 64), 4, 3), ((64, 64), 8, 3),
+                                               ((128, 64), 8, 3), ((128, 32), 8, 3), ((64, 128), 8, 3))]
+
+
+def plain_shapes(dry_run: bool) -> list:
+    """No shared prefix, fp16, head_dim 128, 32 query heads, at GQA 1, 4 and 8: decode (128 requests x 4K tokens and
+    32 x 16K: ~9 GB of MHA cache each, so the reference and the compile workers fit the card), 7 prefill chunks of 2K
+    tokens with 256 decodes of 2K, and 8 prompts of 1K tokens."""
+    from shapes import Shape
+
+    if dry_run:
+        return [Shape(scenario="decode", num_decode=3, num_prefill=0, shared=0, distinct=20, per_group=0,
+                      num_qo_heads=4, num_kv_heads=1, head_dim=64, paper="dry-run:plain-decode")]
+    common = dict(shared=0, per_group=0, num_qo_heads=32, head_dim=128)
+    out = []
+    for kv_heads in (32, 8, 4):
+        for requests, length in ((128, 4096), (32, 16384)):
+            out.append(Shape(scenario="decode", num_decode=requests, num_prefill=0, distinct=length,
+                             num_kv_heads=kv_heads, paper=f"plain-decode{requests}:{length}", **common))
+        out.append(Shape(scenario="mixed", num_decode=256, num_prefill=7, distinct=2048, num_kv_heads=kv_heads,
+                         paper="plain-mixed7p+256d:2048", **common))
+        out.append(Shape(scenario="mixed", num_decode=0, num_prefill=8, distinct=1024, num_kv_heads=kv_heads,
+                         paper="plain-prefill8:1024", **common))
+    return out
+
+
+SUITES = {"shared": (candidates, lambda dry_run: __import__("gpu_cases").timing_shapes(dry_run)),
+          "plain": (plain_candidates, plain_shapes)}
+
+
+def configs_of(suite: str) -> list:
+    return SUITES[suite][0]()
+
+
+def shapes(suite: str, dry_run: bool) -> list:
+    """The suite's shapes: the GPU check's timing shapes (their dry-run pair on the CPU), or :func:`plain_shapes`."""
+    return SUITES[suite][1](dry_run)
 
 
 def family(shape) -> str:
@@ -90,7 +138,7 @@ def _plan(batch, cfg):
                                q_dtype=batch.q.dtype, num_blocks=batch.num_blocks)
 
 
-def compile_worker(indices: list[int], device: str) -> int:
+def compile_worker(suite: str, indices: list[int], device: str) -> int:
     """Phase 1, in a child process: one launch per (config of ``indices``, shape) on uninitialized caches (only the
     binaries matter here); ``compiled <i> <shape>`` per launch."""
     import torch
@@ -98,8 +146,8 @@ def compile_worker(indices: list[int], device: str) -> int:
     import prefixattn
     from shapes import build_batch
 
-    configs = candidates()
-    for shape in shapes(dry_run=device == "cpu"):
+    configs = configs_of(suite)
+    for shape in shapes(suite, dry_run=device == "cpu"):
         batch = build_batch(shape, device=device, metadata_only=True)
         s = shape
         rows = int(batch.qo_indptr[-1])
@@ -123,10 +171,10 @@ def compile_worker(indices: list[int], device: str) -> int:
     return 0
 
 
-def compile_all(dry_run: bool, workers: int, limit_s: float) -> None:
-    n = len(candidates())
+def compile_all(suite: str, dry_run: bool, workers: int, limit_s: float) -> None:
+    n = len(configs_of(suite))
     device = "cpu" if dry_run else "cuda"
-    procs = [subprocess.Popen([sys.executable, str(Path(__file__)), "--compile-worker",
+    procs = [subprocess.Popen([sys.executable, str(Path(__file__)), "--suite", suite, "--compile-worker",
                                ",".join(str(i) for i in range(w, n, workers)), "--device", device],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for w in range(workers)]
@@ -145,17 +193,19 @@ def compile_all(dry_run: bool, workers: int, limit_s: float) -> None:
     print(f"[compile] {time.monotonic() - start:.0f} s", flush=True)
 
 
-def _timer(fn, dry_run: bool) -> float:
+def _timer(fn, dry_run: bool, graph: bool) -> float:
     if dry_run:
         start = time.perf_counter()
         fn()
         return (time.perf_counter() - start) * 1e3
     import triton.testing
 
+    if graph:
+        return triton.testing.do_bench_cudagraph(fn, rep=BENCH_REP_MS, return_mode="median")
     return triton.testing.do_bench(fn, warmup=BENCH_WARMUP_MS, rep=BENCH_REP_MS, return_mode="median")
 
 
-def sweep(dry_run: bool, out_csv: Path, deadline: float) -> list[dict]:
+def sweep(suite: str, dry_run: bool, out_csv: Path, deadline: float) -> list[dict]:
     import torch
 
     import prefixattn
@@ -163,12 +213,12 @@ def sweep(dry_run: bool, out_csv: Path, deadline: float) -> list[dict]:
     from tests.tolerances import ATTENTION_TOL
 
     device = "cpu" if dry_run else "cuda"
-    configs = candidates()
+    configs = configs_of(suite)
     rows = []
     with out_csv.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=FIELDS)
         writer.writeheader()
-        for shape in shapes(dry_run):
+        for shape in shapes(suite, dry_run):
             if time.monotonic() > deadline:
                 print(f"[sweep] deadline: stopped before {shape.paper}", flush=True)
                 break
@@ -190,7 +240,7 @@ def sweep(dry_run: bool, out_csv: Path, deadline: float) -> list[dict]:
                     correct = bool(torch.isfinite(out).all() and (err <= atol + rtol * want.abs()).all())
                     row.update(correct=int(correct), max_abs_err=f"{float(err.max()):.3e}",
                                has_shared=int(p.has_shared), items=p.num_items,
-                               median_us=f"{_timer(run, dry_run) * 1e3:.2f}" if correct else "")
+                               median_us=f"{_timer(run, dry_run, suite == 'plain') * 1e3:.2f}" if correct else "")
                 except Exception as exc:  # out of resources on this card, say: recorded, not a winner
                     row.update(correct=0, median_us="", max_abs_err=f"{type(exc).__name__}: {str(exc)[:80]}")
                 writer.writerow(row)
@@ -225,6 +275,7 @@ def main(argv) -> int:
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes in the Triton interpreter (CPU)")
     ap.add_argument("--out", default=None, help="results folder (default bench/results/gpu; dry-run: bench/results)")
     ap.add_argument("--budget", type=float, default=480.0, help="seconds for both phases (default %(default)s)")
+    ap.add_argument("--suite", choices=sorted(SUITES), default="shared", help="shapes and candidates (see above)")
     ap.add_argument("--compile-worker", default=None, help=argparse.SUPPRESS)  # child: comma-separated indices
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -232,7 +283,7 @@ def main(argv) -> int:
     os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"  # before anything imports triton
     sys.path[1:1] = [str(ROOT)]
     if args.compile_worker is not None:
-        return compile_worker([int(i) for i in args.compile_worker.split(",") if i], args.device)
+        return compile_worker(args.suite, [int(i) for i in args.compile_worker.split(",") if i], args.device)
     start = time.monotonic()
     import torch
 
@@ -246,11 +297,12 @@ def main(argv) -> int:
     out_dir = Path(args.out) if args.out else BENCH / "results" / ("gpu" if not args.dry_run else "")
     out_dir.mkdir(parents=True, exist_ok=True)
     gpu = "cpu-interpreter" if args.dry_run else info.device.lower().replace(" ", "-")
-    out_csv = out_dir / f"{gpu}-{info.commit}-tiles.csv"
-    print(f"tile sweep: {info.device}; {info.versions}; commit {info.commit}; {len(candidates())} configs",
-          flush=True)
-    compile_all(args.dry_run, 1 if args.dry_run else COMPILE_WORKERS, min(COMPILE_LIMIT_S, args.budget / 2))
-    rows = sweep(args.dry_run, out_csv, start + args.budget)
+    out_csv = out_dir / f"{gpu}-{info.commit}-tiles{'' if args.suite == 'shared' else '-' + args.suite}.csv"
+    print(f"tile sweep ({args.suite}): {info.device}; {info.versions}; commit {info.commit}; "
+          f"{len(configs_of(args.suite))} configs", flush=True)
+    compile_all(args.suite, args.dry_run, 1 if args.dry_run else min(COMPILE_WORKERS, len(configs_of(args.suite)) // 2),
+                min(COMPILE_LIMIT_S, args.budget / 2))
+    rows = sweep(args.suite, args.dry_run, out_csv, start + args.budget)
     print(f"\ntile sweep: {time.monotonic() - start:.0f} s; {out_csv}")
     for fam, ranked in sorted(ranking(rows).items()):
         print(f"{fam}: " + ", ".join(f"{name} {g:.3f} ({n})" for g, name, n in ranked[:6]))
