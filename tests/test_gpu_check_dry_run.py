@@ -45,3 +45,21 @@ def test_gpu_check_dry_run_runs_every_step(tmp_path):
     md = csv_path.with_suffix(".md").read_text()
     assert f"{len(passed)}/{len(passed)} cases passed" in md and "DRY RUN" in md
     assert proc.stdout.rstrip().endswith("gpu check: all checks passed")
+
+
+def test_tile_sweep_dry_run_times_every_candidate_on_every_shape(tmp_path):
+    """bench/gpu_tile_sweep.py (the evidence behind configs/sm90.measured.json): both suites, tiny shapes in the
+    interpreter; every (shape, candidate) row is checked against the reference, and each family gets a ranking."""
+    for suite, per_shape in (("shared", 16), ("plain", 10)):
+        proc = subprocess.run([sys.executable, "bench/gpu_tile_sweep.py", "--dry-run", "--suite", suite, "--out",
+                               str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 0, out[-4000:]
+        [csv_path] = tmp_path.glob(f"cpu-interpreter-*-tiles{'' if suite == 'shared' else '-plain'}.csv")
+        rows = list(csv.DictReader(csv_path.open()))
+        shapes = {r["shape"] for r in rows}
+        assert len(rows) == per_shape * len(shapes) and len({r["config"] for r in rows}) == per_shape
+        assert all(r["correct"] == "1" and float(r["median_us"]) > 0 for r in rows), rows
+        for family in {r["family"] for r in rows}:
+            assert f"\n{family}: " in out
+        csv_path.unlink()

@@ -248,3 +248,52 @@ def test_selection_is_memoized_no_table_reread(monkeypatch):
     for _ in range(5):
         assert lookup.select_config(**SHAPE, target="sm90") is first
     assert calls == ["sm90"]
+
+
+def _table_file(path, target, buckets, configs):
+    path.write_text(json.dumps({"format": 1, "target": target, "buckets": buckets,
+                                "configs": {name: c.to_dict() for name, c in configs.items()}}))
+    return path
+
+
+def test_measured_overrides_replace_the_analytic_buckets_they_name(monkeypatch, tmp_path):
+    analytic = _table_file(tmp_path / "sm90.json", "sm90", {"d128-fp16-g4-q16-l1-kv1024": "a",
+                                                            "d128-fp16-g4-q16-l512-kv1024": "a"}, {"a": A})
+    measured = _table_file(tmp_path / "sm90.measured.json", "sm90", {"d128-fp16-g4-q16-l1-kv1024": "b",
+                                                                     "d128-fp16-g8-q16-l1-kv1024": "b"}, {"b": B})
+    paths = {False: analytic, True: measured}
+    monkeypatch.setattr(lookup, "shipped_path", lambda name, measured=False: paths[measured])
+    table = lookup.load_shipped("sm90")
+    key = lambda k: next(b for b in table if b.key() == k)  # noqa: E731
+    assert table[key("d128-fp16-g4-q16-l1-kv1024")] == B  # overridden
+    assert table[key("d128-fp16-g4-q16-l512-kv1024")] == A  # kept
+    assert table[key("d128-fp16-g8-q16-l1-kv1024")] == B and len(table) == 3  # added
+    lookup.clear_caches()
+    paths[True] = tmp_path / "absent.json"  # a target without measurements: the analytic table alone
+    assert set(lookup.load_shipped("sm90").values()) == {A}
+
+
+def test_a_measured_table_for_another_target_is_refused(monkeypatch, tmp_path):
+    analytic = _table_file(tmp_path / "sm90.json", "sm90", {"d128-fp16-g4-q16-l1-kv1024": "a"}, {"a": A})
+    wrong = _table_file(tmp_path / "sm90.measured.json", "sm80", {"d128-fp16-g4-q16-l1-kv1024": "b"}, {"b": B})
+    monkeypatch.setattr(lookup, "shipped_path", lambda name, measured=False: wrong if measured else analytic)
+    with pytest.raises(ValueError, match="for target 'sm90'.*'sm80'"):
+        lookup.load_shipped("sm90")
+
+
+def test_the_shipped_sm90_measurements_reach_the_selection():
+    """configs/sm90.measured.json (H100 sweep): its decode buckets win over the analytic table's, the buckets it does
+    not name (chunked prefill, group 16) keep the analytic configs, and every config it names passes the checks."""
+    raw = json.loads(lookup.shipped_path("sm90", measured=True).read_text())
+    analytic = json.loads(lookup.shipped_path("sm90").read_text())
+    assert raw["target"] == "sm90" and "measured" in raw["source"] and set(raw["buckets"].values()) == set(
+        raw["configs"])
+    for name, cfg in raw["configs"].items():
+        assert AttentionConfig.from_dict(cfg).short() == name  # the name says what the config is
+    for group, max_q_len, measured in ((1, 1, True), (4, 1, True), (8, 1, True), (16, 1, False), (1, 300, False),
+                                       (8, 300, False)):
+        sel = lookup.select_config(head_dim=128, dtype="bf16", group=group, max_q_len=max_q_len, target="sm90")
+        key = sel.matched.key()
+        assert sel.source == "shipped" and (key in raw["buckets"]) == measured, (group, max_q_len, key)
+        source = raw if measured else analytic
+        assert sel.config == AttentionConfig.from_dict(source["configs"][source["buckets"][key]]), (group, max_q_len)
