@@ -14,9 +14,9 @@ timed hot path. The chain, first match wins:
    ``plan()`` knows neither the rows per shared node nor the shared KV length before it builds its tree, so exact
    buckets would rarely match.
 4. **shipped**: the package's ``configs/<target>.json`` with its GPU-measured overrides
-   (``configs/<target>.measured.json``, where a target has them), nearest bucket (same head size and dtype, or another head
-   size with the same padded ``BLOCK_D``, or, for a head size no table lists, the nearest larger ``BLOCK_D``; bf16 and
-   fp16 stand in for each other).
+   (``configs/<target>.measured.json``, where a target has them), nearest bucket (same head size and dtype, or
+   another head size with the same padded ``BLOCK_D``, or, for a head size no table lists, the nearest larger
+   ``BLOCK_D``; bf16 and fp16 stand in for each other).
 5. **user-cache** nearest bucket (a device family without a shipped table).
 6. **cost-model**: the analytic model's best survivor of the pruned space (:mod:`~prefixattn.autotune.cost_model`).
 7. **heuristic**, if nothing survives.
