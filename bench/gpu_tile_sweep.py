@@ -1,6 +1,6 @@
 """Tile-config sweep on a GPU: the GPU check's timing shapes (bench/gpu_cases.py) under a set of candidate configs of
-the fused kernel, each checked against the reference and timed. The measured evidence behind a shipped table
-(``prefixattn/autotune/configs/<target>.json``), where ``prefixattn tune`` times synthetic steps instead.
+the fused kernel, each checked against the reference and timed: the evidence behind a target's measured overrides
+(``prefixattn/autotune/configs/<target>.measured.json``); ``prefixattn tune`` times synthetic steps instead.
 
     python bench/gpu_tile_sweep.py [--out DIR] [--budget SECONDS]   # on the GPU machine, ~4 minutes
     python bench/gpu_tile_sweep.py --suite plain                    # no sharing: the suffix-only launch's tiles
@@ -13,7 +13,7 @@ timed as CUDA-graph replays (``do_bench_cudagraph``), so the kernel's time is wh
 
 Phase 1 compiles every (config, shape) binary in parallel worker processes (Triton's on-disk cache then serves the
 timing process: the fused kernel takes seconds per variant to compile and a sweep needs ~100 variants); phase 2
-times each config on each shape in one process with ``triton.testing.do_bench`` (median). Writes
+times each config on each shape in one process (medians). Writes
 ``<out>/<gpu>-<commit>-tiles.csv`` (shape, family, config, median us, correct) row by row, so a run cut short keeps
 what it measured, and prints each family's ranking: per config, the geometric mean over the family's shapes of its
 time over the shape's best time.
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import importlib.util
 import math
 import os
 import subprocess
@@ -139,8 +140,8 @@ def _plan(batch, cfg):
 
 
 def compile_worker(suite: str, indices: list[int], device: str) -> int:
-    """Phase 1, in a child process: one launch per (config of ``indices``, shape) on uninitialized caches (only the
-    binaries matter here); ``compiled <i> <shape>`` per launch."""
+    """Phase 1, in a child process: one launch per (config of ``indices``, shape) on random inputs, unchecked (only
+    the binaries matter here); prints ``compiled <i> <shape>`` per launch."""
     import torch
 
     import prefixattn
@@ -149,9 +150,7 @@ def compile_worker(suite: str, indices: list[int], device: str) -> int:
     configs = configs_of(suite)
     for shape in shapes(suite, dry_run=device == "cpu"):
         batch = build_batch(shape, device=device, metadata_only=True)
-        s = shape
-        rows = int(batch.qo_indptr[-1])
-        dtype = batch.dtype
+        rows, s, dtype = int(batch.qo_indptr[-1]), shape, batch.dtype
         batch.q = torch.empty(rows, s.num_qo_heads, s.head_dim, dtype=dtype, device=device).normal_()
         batch.k_cache = torch.empty(batch.num_blocks, s.block_size, s.num_kv_heads, s.head_dim, dtype=dtype,
                                     device=device).normal_()
@@ -290,8 +289,9 @@ def main(argv) -> int:
     if not args.dry_run and not torch.cuda.is_available():
         print("tile sweep: no CUDA device here (use --dry-run on a CPU machine)", file=sys.stderr)
         return 2
-    spec = __import__("importlib.util").util.spec_from_file_location("bench_conftest", BENCH / "conftest.py")
-    conftest = __import__("importlib.util").util.module_from_spec(spec)
+    # bench/conftest.py names the device, versions and commit (tests/conftest.py has the same module name).
+    spec = importlib.util.spec_from_file_location("bench_conftest", BENCH / "conftest.py")
+    conftest = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(conftest)
     info = conftest.Results()
     out_dir = Path(args.out) if args.out else BENCH / "results" / ("gpu" if not args.dry_run else "")
