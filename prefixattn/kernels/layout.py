@@ -17,12 +17,6 @@ Tables of one launch (row-major int32, built once per step by :func:`prefixattn.
 KIND_SHARED = 0  # every packed row of a shared prefix node against ONE copy of the node's KV range
 KIND_SUFFIX = 1  # a tile of one request's consecutive query rows against its own KV range (causal near the end)
 
-#: M tile of a SUFFIX item whose rows x GQA heads fit it (a decode beside prefill chunks, a chunk's last tile) in a
-#: launch whose BLOCK_M_SUFFIX is larger: the tensor cores' smallest M. In the step's suffix tile such an item would
-#: do up to BLOCK_M_SUFFIX / group times its FLOPs (H100, 7 prefill chunks + 256 decodes at MHA: the decodes ran in
-#: 128-row tiles, 1.2-2.0x FlashInfer's cascade; bench/results/gpu/nvidia-h100-80gb-hbm3-ba41bb7.md).
-SHORT_SUFFIX_BLOCK_M = 16
-
 # Columns of ``items``.
 ITEM_KIND = 0
 ITEM_REQ = 1  # block-table row whose blocks hold the item's KV range (any member of a shared node)

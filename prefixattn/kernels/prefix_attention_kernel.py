@@ -583,25 +583,10 @@ def prefix_attention_kernel(
                   USE_FP32_DOT=USE_FP32_DOT, IS_HIP=IS_HIP,
                   PAGE_SIZE=PAGE_SIZE, BLOCK_M=BLOCK_M_SHARED, BLOCK_N=BLOCK_N_SHARED, BLOCK_D=BLOCK_D)
     else:
-        # Items of few rows take the short tile (layout.SHORT_SUFFIX_BLOCK_M): compiled in only where the step's
-        # suffix tile is larger, i.e. in prefill-shaped launches, where decodes and chunks' last tiles share it.
-        is_short = False
-        if BLOCK_M_SUFFIX > L.SHORT_SUFFIX_BLOCK_M:
-            rows = tl.load(items_ptr + item * L.ITEM_FIELDS + L.ITEM_NUM_ROWS)
-            is_short = rows * group <= L.SHORT_SUFFIX_BLOCK_M
-        if is_short:
-            _run_item(out=out, lse=lse, ws_o=ws_o, ws_lse=ws_lse, queries=queries, kv=kv, work=work, score=score,
-                      sinks_ptr=sinks_ptr, k_scale_ptr=k_scale_ptr, v_scale_ptr=v_scale_ptr, item=item,
-                      kv_head=kv_head, num_qo_heads=num_qo_heads, group=group, v_scale=v_scale,
-                      IS_SHARED=False, HAS_LSE=HAS_LSE, HAS_SOFT_CAP=HAS_SOFT_CAP, HAS_WINDOW=HAS_WINDOW,
-                      HAS_SINKS=HAS_SINKS, HAS_KV_SCALE=HAS_KV_SCALE, USE_NAN_GUARD=USE_NAN_GUARD,
-                      USE_FP32_DOT=USE_FP32_DOT, IS_HIP=IS_HIP,
-                      PAGE_SIZE=PAGE_SIZE, BLOCK_M=L.SHORT_SUFFIX_BLOCK_M, BLOCK_N=BLOCK_N_SUFFIX, BLOCK_D=BLOCK_D)
-        else:
-            _run_item(out=out, lse=lse, ws_o=ws_o, ws_lse=ws_lse, queries=queries, kv=kv, work=work, score=score,
-                      sinks_ptr=sinks_ptr, k_scale_ptr=k_scale_ptr, v_scale_ptr=v_scale_ptr, item=item,
-                      kv_head=kv_head, num_qo_heads=num_qo_heads, group=group, v_scale=v_scale,
-                      IS_SHARED=False, HAS_LSE=HAS_LSE, HAS_SOFT_CAP=HAS_SOFT_CAP, HAS_WINDOW=HAS_WINDOW,
-                      HAS_SINKS=HAS_SINKS, HAS_KV_SCALE=HAS_KV_SCALE, USE_NAN_GUARD=USE_NAN_GUARD,
-                      USE_FP32_DOT=USE_FP32_DOT, IS_HIP=IS_HIP,
-                      PAGE_SIZE=PAGE_SIZE, BLOCK_M=BLOCK_M_SUFFIX, BLOCK_N=BLOCK_N_SUFFIX, BLOCK_D=BLOCK_D)
+        _run_item(out=out, lse=lse, ws_o=ws_o, ws_lse=ws_lse, queries=queries, kv=kv, work=work, score=score,
+                  sinks_ptr=sinks_ptr, k_scale_ptr=k_scale_ptr, v_scale_ptr=v_scale_ptr, item=item, kv_head=kv_head,
+                  num_qo_heads=num_qo_heads, group=group, v_scale=v_scale,
+                  IS_SHARED=False, HAS_LSE=HAS_LSE, HAS_SOFT_CAP=HAS_SOFT_CAP, HAS_WINDOW=HAS_WINDOW,
+                  HAS_SINKS=HAS_SINKS, HAS_KV_SCALE=HAS_KV_SCALE, USE_NAN_GUARD=USE_NAN_GUARD,
+                  USE_FP32_DOT=USE_FP32_DOT, IS_HIP=IS_HIP,
+                  PAGE_SIZE=PAGE_SIZE, BLOCK_M=BLOCK_M_SUFFIX, BLOCK_N=BLOCK_N_SUFFIX, BLOCK_D=BLOCK_D)
