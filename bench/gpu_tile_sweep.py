@@ -113,13 +113,21 @@ SUITES = {"shared": (candidates, lambda dry_run: __import__("gpu_cases").timing_
           "plain": (plain_candidates, plain_shapes)}
 
 
+#: ``--only-configs`` / ``--only-shapes`` (set by main, read by the workers too): a sweep of part of a suite.
+ONLY: dict = {"configs": None, "shapes": None}
+
+
 def configs_of(suite: str) -> list:
-    return SUITES[suite][0]()
+    """The suite's candidates, or those ``--only-configs`` names."""
+    names = ONLY["configs"]
+    return [c for c in SUITES[suite][0]() if names is None or c.short() in names]
 
 
 def shapes(suite: str, dry_run: bool) -> list:
-    """The suite's shapes: the GPU check's timing shapes (their dry-run pair on the CPU), or :func:`plain_shapes`."""
-    return SUITES[suite][1](dry_run)
+    """The suite's shapes (the GPU check's timing shapes, their dry-run pair on the CPU, or :func:`plain_shapes`),
+    or those whose name contains one of ``--only-shapes``."""
+    parts = ONLY["shapes"]
+    return [s for s in SUITES[suite][1](dry_run) if parts is None or any(p in s.paper for p in parts)]
 
 
 def family(shape) -> str:
@@ -139,16 +147,19 @@ def _plan(batch, cfg):
                                q_dtype=batch.q.dtype, num_blocks=batch.num_blocks)
 
 
-def compile_worker(suite: str, indices: list[int], device: str) -> int:
-    """Phase 1, in a child process: one launch per (config of ``indices``, shape) on random inputs, unchecked (only
-    the binaries matter here); prints ``compiled <i> <shape>`` per launch."""
+def compile_worker(suite: str, pairs: list[tuple[int, int]], device: str) -> int:
+    """Phase 1, in a child process: one launch per (config, shape) index pair on random inputs, unchecked (only the
+    binaries matter here); prints ``compiled <config> <shape>`` per launch."""
     import torch
 
     import prefixattn
     from shapes import build_batch
 
     configs = configs_of(suite)
-    for shape in shapes(suite, dry_run=device == "cpu"):
+    for j, shape in enumerate(shapes(suite, dry_run=device == "cpu")):
+        indices = [i for i, jj in pairs if jj == j]
+        if not indices:
+            continue
         batch = build_batch(shape, device=device, metadata_only=True)
         rows, s, dtype = int(batch.qo_indptr[-1]), shape, batch.dtype
         batch.q = torch.empty(rows, s.num_qo_heads, s.head_dim, dtype=dtype, device=device).normal_()
@@ -171,12 +182,14 @@ def compile_worker(suite: str, indices: list[int], device: str) -> int:
 
 
 def compile_all(suite: str, dry_run: bool, workers: int, limit_s: float) -> None:
-    n = len(configs_of(suite))
+    # Config-major pairs dealt round-robin: each worker gets a share of the configs and of the shapes.
+    pairs = [(i, j) for i in range(len(configs_of(suite))) for j in range(len(shapes(suite, dry_run)))]
     device = "cpu" if dry_run else "cuda"
-    procs = [subprocess.Popen([sys.executable, str(Path(__file__)), "--suite", suite, "--compile-worker",
-                               ",".join(str(i) for i in range(w, n, workers)), "--device", device],
+    only = [f"--only-{k}={','.join(v)}" for k, v in ONLY.items() if v is not None]
+    procs = [subprocess.Popen([sys.executable, str(Path(__file__)), "--suite", suite, *only, "--compile-worker",
+                               ",".join(f"{i}:{j}" for i, j in pairs[w::workers]), "--device", device],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for w in range(workers)]
+             for w in range(min(workers, len(pairs)))]
     start = time.monotonic()
     for p in procs:
         try:
@@ -275,14 +288,19 @@ def main(argv) -> int:
     ap.add_argument("--out", default=None, help="results folder (default bench/results/gpu; dry-run: bench/results)")
     ap.add_argument("--budget", type=float, default=480.0, help="seconds for both phases (default %(default)s)")
     ap.add_argument("--suite", choices=sorted(SUITES), default="shared", help="shapes and candidates (see above)")
+    ap.add_argument("--only-configs", default=None, help="comma-separated config names (AttentionConfig.short())")
+    ap.add_argument("--only-shapes", default=None, help="comma-separated parts of shape names (e.g. mixed)")
     ap.add_argument("--compile-worker", default=None, help=argparse.SUPPRESS)  # child: comma-separated indices
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     interpret = args.dry_run or args.device == "cpu"
     os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"  # before anything imports triton
     sys.path[1:1] = [str(ROOT)]
+    ONLY.update(configs=args.only_configs and args.only_configs.split(","),
+                shapes=args.only_shapes and args.only_shapes.split(","))
     if args.compile_worker is not None:
-        return compile_worker(args.suite, [int(i) for i in args.compile_worker.split(",") if i], args.device)
+        pairs = [tuple(int(x) for x in p.split(":")) for p in args.compile_worker.split(",") if p]
+        return compile_worker(args.suite, pairs, args.device)
     start = time.monotonic()
     import torch
 
@@ -300,7 +318,7 @@ def main(argv) -> int:
     out_csv = out_dir / f"{gpu}-{info.commit}-tiles{'' if args.suite == 'shared' else '-' + args.suite}.csv"
     print(f"tile sweep ({args.suite}): {info.device}; {info.versions}; commit {info.commit}; "
           f"{len(configs_of(args.suite))} configs", flush=True)
-    compile_all(args.suite, args.dry_run, 1 if args.dry_run else min(COMPILE_WORKERS, len(configs_of(args.suite)) // 2),
+    compile_all(args.suite, args.dry_run, 1 if args.dry_run else COMPILE_WORKERS,
                 min(COMPILE_LIMIT_S, args.budget / 2))
     rows = sweep(args.suite, args.dry_run, out_csv, start + args.budget)
     print(f"\ntile sweep: {time.monotonic() - start:.0f} s; {out_csv}")
