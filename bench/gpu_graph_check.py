@@ -204,7 +204,12 @@ def _time_graph(s: _Setup, results) -> None:
         s.plan(b)
         host.append((time.perf_counter() - t0) * 1e6)
     plan_us = statistics.median(host)
-    print(f"[graphs] {name}: replay {replay:.1f} us, eager run() {eager:.1f} us, plan() {plan_us:.1f} us on the host",
-          flush=True)
+    # Which planner planned (numba is optional, and a failed compile falls back to numpy): the host time depends on it.
+    from prefixattn import plan_native
+
+    compiled = plan_native.still_compiled(plan_native.compiled_modules()) is not None
+    print(f"[graphs] {name}: replay {replay:.1f} us, eager run() {eager:.1f} us, plan() {plan_us:.1f} us on the host "
+          f"({'compiled' if compiled else 'numpy'} planner)", flush=True)
     for metric, value in (("replay_us", replay), ("eager_run_us", eager), ("plan_host_us", plan_us)):
         results.add("gpu_check_graphs", "prefixattn-graph", name, metric, value, "us")
+    results.add("gpu_check_graphs", "prefixattn-graph", name, "compiled_planner", float(compiled), "bool")
