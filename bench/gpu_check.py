@@ -159,10 +159,14 @@ def short_table(table) -> list[str]:
     return lines
 
 
+def device_slug(device: str) -> str:
+    """The device's name as result files start with it: ``nvidia-h100-80gb-hbm3``, ``cpu-interpreter``."""
+    return re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
+
+
 def write_outputs(results, out_dir: Path, table, skips, seconds: float) -> tuple[Path, Path]:
     """The CSV (every row) and the summary markdown; rewritten after every step so a cut-off run keeps its rows."""
-    slug = re.sub(r"[^a-z0-9]+", "-", results.device.lower()).strip("-")
-    csv_path = out_dir / f"{slug}-{results.commit}.csv"
+    csv_path = out_dir / f"{device_slug(results.device)}-{results.commit}.csv"
     results.write(csv_path)
     rows = results.rows
     corr = [r for r in rows if r["benchmark"] == "gpu_check_correctness" and r["metric"] == "passed"]

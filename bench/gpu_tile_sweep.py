@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import importlib.util
 import math
 import os
 import subprocess
@@ -267,8 +266,8 @@ def sweep(suite: str, dry_run: bool, out_csv: Path, deadline: float) -> list[dic
 
 
 def ranking(rows: list[dict]) -> dict[str, list[tuple[float, str, int]]]:
-    """Per family: ``(geomean of time / the shape's best, config, shapes measured)``, best first; a config counts
-    only in families where it ran correctly on every shape."""
+    """Per family: ``(geomean of time / the shape's best, config, shapes measured)``, best first; a config that
+    failed or was wrong on a shape scores inf there (so inf over the family)."""
     by_shape: dict = {}
     for r in rows:
         by_shape.setdefault((r["family"], r["shape"]), {})[r["config"]] = float(r["median_us"]) if r["median_us"] \
@@ -290,7 +289,7 @@ def main(argv) -> int:
     ap.add_argument("--suite", choices=sorted(SUITES), default="shared", help="shapes and candidates (see above)")
     ap.add_argument("--only-configs", default=None, help="comma-separated config names (AttentionConfig.short())")
     ap.add_argument("--only-shapes", default=None, help="comma-separated parts of shape names (e.g. mixed)")
-    ap.add_argument("--compile-worker", default=None, help=argparse.SUPPRESS)  # child: comma-separated indices
+    ap.add_argument("--compile-worker", default=None, help=argparse.SUPPRESS)  # child: "config:shape" index pairs
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     interpret = args.dry_run or args.device == "cpu"
@@ -307,15 +306,13 @@ def main(argv) -> int:
     if not args.dry_run and not torch.cuda.is_available():
         print("tile sweep: no CUDA device here (use --dry-run on a CPU machine)", file=sys.stderr)
         return 2
-    # bench/conftest.py names the device, versions and commit (tests/conftest.py has the same module name).
-    spec = importlib.util.spec_from_file_location("bench_conftest", BENCH / "conftest.py")
-    conftest = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(conftest)
-    info = conftest.Results()
+    from gpu_check import _results_class, device_slug
+
+    info = _results_class()()  # the device, versions and commit, as the GPU check names its files
     out_dir = Path(args.out) if args.out else BENCH / "results" / ("gpu" if not args.dry_run else "")
     out_dir.mkdir(parents=True, exist_ok=True)
-    gpu = "cpu-interpreter" if args.dry_run else info.device.lower().replace(" ", "-")
-    out_csv = out_dir / f"{gpu}-{info.commit}-tiles{'' if args.suite == 'shared' else '-' + args.suite}.csv"
+    suffix = "" if args.suite == "shared" else "-" + args.suite
+    out_csv = out_dir / f"{device_slug(info.device)}-{info.commit}-tiles{suffix}.csv"
     print(f"tile sweep ({args.suite}): {info.device}; {info.versions}; commit {info.commit}; "
           f"{len(configs_of(args.suite))} configs", flush=True)
     compile_all(args.suite, args.dry_run, 1 if args.dry_run else COMPILE_WORKERS,
