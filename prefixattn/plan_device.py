@@ -7,8 +7,6 @@ The host tables (:class:`~prefixattn.work_list.WorkList` and the block table) co
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import torch
 
@@ -58,34 +56,39 @@ def metadata_to_device(work: WorkList, table: np.ndarray, width: int, device: to
     It joins the buffer when its ids fit in int32 (int32 tables always do: no scan), else it is copied as int64.
     ``staged``: ``(buffer, table_fits)`` the compiled planner already wrote in this layout.
     """
+    items, gather, mrows = work.items, work.gather, work.mrows
     rows, cols = table.shape[0], min(width, table.shape[1])
     if staged is not None:  # the compiled planner wrote the buffer (plan_native.plan_tables)
         flat, table_fits = staged
     else:
         table_fits = table.dtype == np.int32 or rows * cols == 0 or int(table[:, :cols].max()) <= INT32_MAX
-    parts = (work.items, work.gather, work.mrows)
-    sizes = [1] + [p.size for p in parts] + [rows * width if table_fits else 0]
-    bounds = list(itertools.accumulate(sizes, initial=0))
+    # Section starts in the buffer: [num_items, items, gather, mrows, table]; plain arithmetic (the list and
+    # accumulate it replaced cost ~3 us a free plan() on the 2-core host).
+    n_items, n_gather, n_mrows = items.shape[0], gather.shape[0], mrows.shape[0]
+    at_gather = 1 + n_items * K.ITEM_FIELDS
+    at_mrows = at_gather + n_gather * K.GATHER_FIELDS
+    at_table = at_mrows + n_mrows * K.MROW_FIELDS
+    table_cols = width if table_fits else 0
     if staged is None:
-        flat = np.empty(max(bounds[-1], 1), dtype=np.int32)
+        flat = np.empty(max(at_table + rows * table_cols, 1), dtype=np.int32)
         flat[0] = work.num_items
-        for k, p in enumerate(parts, start=1):
-            flat[bounds[k]:bounds[k + 1]] = p.ravel()
+        flat[1:at_gather] = items.ravel()
+        flat[at_gather:at_mrows] = gather.ravel()
+        flat[at_mrows:at_table] = mrows.ravel()
         if table_fits:
-            _copy_table(flat[bounds[4]:bounds[5]].reshape(rows, width), table, cols)
-    shapes = [(1,), (parts[0].shape[0], K.ITEM_FIELDS), (parts[1].shape[0], K.GATHER_FIELDS),
-              (parts[2].shape[0], K.MROW_FIELDS), (rows, width if table_fits else 0)]
+            _copy_table(flat[at_table:at_table + rows * width].reshape(rows, width), table, cols)
     # Views of one tensor: every table shares its storage (the interpreter copies a pointer argument's whole
     # storage; a tensor of a 0-element numpy slice has a 0-byte one). One as_strided per table (a split and five
     # views cost ~2x its torch calls).
-    dev = torch.from_numpy(flat).to(device)
-    views = [dev.as_strided(shape, (shape[1], 1) if len(shape) == 2 else (1,), bound)
-             for shape, bound in zip(shapes, bounds)]
+    view = torch.from_numpy(flat).to(device).as_strided
+    table_dev = view((rows, table_cols), (table_cols, 1), at_table)
     if not table_fits:
         table_i64 = np.empty((rows, width), dtype=np.int64)
         _copy_table(table_i64, table, cols)
-        views[4] = torch.from_numpy(table_i64).to(device)
-    return tuple(views)
+        table_dev = torch.from_numpy(table_i64).to(device)
+    return (view((1,), (1,), 0), view((n_items, K.ITEM_FIELDS), (K.ITEM_FIELDS, 1), 1),
+            view((n_gather, K.GATHER_FIELDS), (K.GATHER_FIELDS, 1), at_gather),
+            view((n_mrows, K.MROW_FIELDS), (K.MROW_FIELDS, 1), at_mrows), table_dev)
 
 
 def _copy_table(dst: np.ndarray, table: np.ndarray, cols: int) -> None:
@@ -93,24 +96,18 @@ def _copy_table(dst: np.ndarray, table: np.ndarray, cols: int) -> None:
     dst[:, cols:] = 0
 
 
-def _zeros(shape: tuple, device: torch.device) -> torch.Tensor:
-    """int32 zeros on ``device``; on the CPU from numpy (torch.zeros of ~150 KB took ~20 ms per call in a profile on
-    the loaded 2-core host, numpy's a few us)."""
-    if device.type == "cpu":
-        return torch.from_numpy(np.zeros(shape, dtype=np.int32))
-    return torch.zeros(shape, dtype=torch.int32, device=device)
-
-
 def _allocate_tables(work: WorkList, table: np.ndarray, width: int, *, num_qo_heads: int, head_dim: int,
                      device: torch.device, staged=None) -> dict:
     """New device tensors for one plan (the free :func:`plan`): the metadata in one copy
-    (:func:`metadata_to_device`), new counters and workspace."""
+    (:func:`metadata_to_device`), new counters and workspace, none of them initialized: every launch zeroes the
+    counters first (:func:`prefixattn.attention`), so zeroing them here too only cost a memset (on the CPU ~4 us a
+    plan on the 2-core host; on a GPU a kernel launch)."""
     num_items_dev, items, gather, mrows, table_dev = metadata_to_device(work, table, width, device, staged)
     # Workspace only where some rows merge; a 1-element placeholder keeps the kernel's pointers valid otherwise.
     ws_rows = work.num_ws_rows
     return dict(
         num_items_dev=num_items_dev, items=items, gather=gather, mrows=mrows, block_table=table_dev,
-        counters=_zeros((max(work.mrows.shape[0], 1), num_qo_heads), device),
+        counters=torch.empty((max(work.mrows.shape[0], 1), num_qo_heads), dtype=torch.int32, device=device),
         ws_o=torch.empty((ws_rows, num_qo_heads, head_dim) if ws_rows else (1, 1, 1), dtype=torch.float32,
                          device=device),
         ws_lse=torch.empty((ws_rows, num_qo_heads) if ws_rows else (1, 1), dtype=torch.float32, device=device))

@@ -154,7 +154,9 @@ def plan_digests(p) -> dict:
         "work": _digest(w.items, w.gather, w.mrows, w.num_ws_rows, w.num_units),
         "tree": _digest(t.order, t.lcp, t.depth, t.lb, t.rb, t.parent),
         "nodes": _digest(n.kv_start, n.kv_end, n.depth_blocks, n.offsets, n.members),
-        "device": _digest(p.num_items_dev, p.items, p.gather, p.mrows, p.block_table, p.counters,
+        # The merge counters by shape and dtype: the free plan() leaves them uninitialized for the launch to zero
+        # (zeros when the digests were made; digested as zeros, the digests still hold).
+        "device": _digest(p.num_items_dev, p.items, p.gather, p.mrows, p.block_table, torch.zeros_like(p.counters),
                           (tuple(p.ws_o.shape), p.ws_o.dtype, tuple(p.ws_lse.shape), p.ws_lse.dtype)),
     }
 

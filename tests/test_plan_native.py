@@ -35,10 +35,11 @@ def _fields(p) -> dict:
     arrays = dict(items=w.items, gather=w.gather, mrows=w.mrows, order=t.order, lcp=t.lcp, depth=t.depth, lb=t.lb,
                   rb=t.rb, parent=t.parent, kv_start=n.kv_start, kv_end=n.kv_end, depth_blocks=n.depth_blocks,
                   offsets=n.offsets, members=n.members)
-    for name in ("num_items_dev", "items", "gather", "mrows", "block_table", "counters"):
+    for name in ("num_items_dev", "items", "gather", "mrows", "block_table"):
         arrays[f"dev_{name}"] = getattr(p, name).cpu().numpy()
     out.update({k: (v.dtype.str, v.shape, v.tobytes()) for k, v in arrays.items()})
-    out["ws"] = (tuple(p.ws_o.shape), tuple(p.ws_lse.shape))
+    # Uninitialized in the free plan() (every launch zeroes the counters): compared by shape and dtype.
+    out["ws"] = tuple((tuple(t.shape), t.dtype) for t in (p.counters, p.ws_o, p.ws_lse))
     return out
 
 
