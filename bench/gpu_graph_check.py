@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import statistics
 import time
+from pathlib import Path
+
+import host_reference
 
 #: Graph-step batches: (name, requests, sharing levels, decode fraction) planned in this order on one wrapper; the
 #: first is the one captured. Decode-shaped like an engine's graph steps, plus one mixed batch (the graph's decode
@@ -25,6 +28,27 @@ GRAPH_BATCHES = (("decode-shared", 24, 1, 1.0), ("decode-2-levels", 40, 2, 1.0),
 TIMED_REPLAYS = 30
 #: Host plan() calls timed on the GPU machine (the step's last batch).
 TIMED_PLANS = 30
+
+
+#: Functions listed per plan() profile, by their own time.
+PROFILE_TOP = 15
+
+
+def profile_lines(fn, *, runs: int, top: int = PROFILE_TOP) -> list[str]:
+    """Where ``fn``'s host time goes: cProfile over ``runs`` calls, the ``top`` functions by their own time, one line
+    each (``own us per call, calls per call, function``). Profiling inflates small functions; read it for shares."""
+    import cProfile
+    import pstats
+
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(runs):
+        fn()
+    profile.disable()
+    stats = pstats.Stats(profile).stats  # {(file, line, name): (calls, primitive calls, own s, cumulative s, ...)}
+    ranked = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    return [f"{own / runs * 1e6:7.1f} us {calls / runs:5.1f}x {Path(file).name}:{line}({name})"
+            for (file, line, name), (_, calls, own, _, _) in ranked]
 
 
 def _batches(scale: int, dtype, heads: dict) -> list:
@@ -204,6 +228,8 @@ def _time_graph(s: _Setup, results) -> None:
         s.plan(b)
         host.append((time.perf_counter() - t0) * 1e6)
     plan_us = statistics.median(host)
+    for line in profile_lines(lambda: s.plan(b), runs=TIMED_PLANS):
+        print(f"[graphs] plan() profile: {line}", flush=True)
     # Which planner planned (numba is optional, and a failed compile falls back to numpy): the host time depends on it.
     from prefixattn import plan_native
 
@@ -212,4 +238,9 @@ def _time_graph(s: _Setup, results) -> None:
           f"({'compiled' if compiled else 'numpy'} planner)", flush=True)
     for metric, value in (("replay_us", replay), ("eager_run_us", eager), ("plan_host_us", plan_us)):
         results.add("gpu_check_graphs", "prefixattn-graph", name, metric, value, "us")
+    # This host's speed beside its plan time: the first GPU host's plan() of these 24 requests took 115-220 us, the
+    # 2-core CPU host's of 256 requests 42-48 us.
+    for provider, value in host_reference.measure().items():
+        results.add("gpu_check_graphs", f"host-reference-{provider}", "host", "time_us_median", value, "us",
+                    device="host-cpu")
     results.add("gpu_check_graphs", "prefixattn-graph", name, "compiled_planner", float(compiled), "bool")

@@ -23,6 +23,7 @@ import torch
 from prefixattn import plan_native
 from prefixattn.autotune.lookup import planning_target
 from prefixattn.lcp_tree import clear_tree_cache
+import host_reference
 from shapes import Shape, build_batch, fig8_shapes
 
 BENCHMARK = "plan_time"
@@ -200,30 +201,9 @@ def test_plan_time_decode256(results, shape, api):
     assert all(bool(x.shared_nodes) == bool(shape.shared) for x in (p, q, q_staggered))
 
 
-#: The host's own speed, beside the plan times: at the same commit (a513667) the free plan()'s step took a 74.5 us
-#: median on one session's 2-core host and 126 us at best (medians 130-230) on the next one's, so plan times from
-#: different hosts compare only through these. Python: a fixed loop of attribute reads, calls and int arithmetic
-#: (the planner's glue is such code); torch: one small CPU tensor allocation (the free plan() makes 3 and 5 views).
-HOST_REFERENCE_LOOP = 10_000
-HOST_REFERENCE_RUNS = 200
-
-
-def _python_reference() -> None:
-    total = 0
-    for k in range(HOST_REFERENCE_LOOP):
-        total += len(str(k & 7)) + abs(k - 5)
-
-
 def test_host_reference(results):
-    """The host's speed on plan()-like work (reported with the plan times, never asserted): the median of
-    HOST_REFERENCE_RUNS runs of the Python loop and of ``torch.empty``."""
-    for provider, fn in (("host-reference-python-loop", _python_reference),
-                         ("host-reference-torch-empty", lambda: torch.empty((256, 32), dtype=torch.int32))):
-        fn()
-        times = []
-        for _ in range(HOST_REFERENCE_RUNS):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        results.add(TARGETS_BENCHMARK, provider, "host", "time_us_median", statistics.median(times) * 1e6, "us",
+    """The host's speed on plan()-like work, reported with the plan times (never asserted): plan times from different
+    hosts compare only through it (:mod:`host_reference`)."""
+    for provider, value in host_reference.measure().items():
+        results.add(TARGETS_BENCHMARK, f"host-reference-{provider}", "host", "time_us_median", value, "us",
                     device="host-cpu")

@@ -63,3 +63,25 @@ def test_tile_sweep_dry_run_times_every_candidate_on_every_shape(tmp_path):
         for family in {r["family"] for r in rows}:
             assert f"\n{family}: " in out
         csv_path.unlink()
+
+
+def test_profile_lines_rank_the_plan_step_by_own_time():
+    # The graph step prints where plan()'s host time goes on the GPU machine; the dry run skips the timings, so the
+    # helper is tested here.
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        from gpu_graph_check import profile_lines
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+
+    def slow():
+        sum(range(20_000))
+
+    def step():
+        slow()
+        len("x")
+
+    lines = profile_lines(step, runs=3, top=2)
+    assert len(lines) == 2
+    assert "builtins.sum" in lines[0], lines  # the loop's own time ranks first, above its callers'
+    assert all(" us " in line and "1.0x" in line for line in lines), lines
