@@ -170,3 +170,22 @@ def test_nan_v_left_of_a_sliding_window_stays_hidden(device):
     want = reference_attention(b.q, b.k_cache, b.v_cache, *b.metadata, return_lse=True, window_left=3)
     assert torch.isnan(want[0][0, :, 9]).all() and torch.isfinite(want[0][1:]).all()
     _same_nan_pattern_and_values(got, want)
+
+
+def test_plans_without_merges_share_placeholders_no_launch_touches(device):
+    # The free plan() gives plans in which no rows merge one shared set of counters and workspace (3 allocations
+    # less a plan): no launch may read or write them, with or without lse, and a plan that merges gets its own.
+    b = _batch(device)
+    p = plan(*b.metadata, **b.heads, q_dtype=b.q.dtype, sharing="never")
+    again = plan(*b.metadata, **b.heads, q_dtype=b.q.dtype, sharing="never")
+    assert p.work.num_ws_rows == 0 and p.num_merge_rows == 0, "a plan without merges"
+    assert all(getattr(p, n) is getattr(again, n) for n in ("counters", "ws_o", "ws_lse"))
+    merging = plan(*b.metadata, **b.heads, q_dtype=b.q.dtype, sharing="always")
+    assert merging.work.num_ws_rows > 0 and merging.counters is not p.counters and merging.ws_o is not p.ws_o
+    for t, poison in ((p.counters, 7), (p.ws_o, math.nan), (p.ws_lse, math.nan)):
+        t.fill_(poison)
+    want = reference_attention(b.q, b.k_cache, b.v_cache, *b.metadata, return_lse=True)
+    torch.testing.assert_close(attention(b.q, b.k_cache, b.v_cache, p), want[0], atol=1e-4, rtol=1e-4)
+    out, lse = attention(b.q, b.k_cache, b.v_cache, p, return_lse=True)
+    torch.testing.assert_close((out, lse), want, atol=1e-4, rtol=1e-4)
+    assert (p.counters == 7).all() and p.ws_o.isnan().all() and p.ws_lse.isnan().all(), "a launch wrote them"
