@@ -104,16 +104,14 @@ def _allocate_tables(work: WorkList, table: np.ndarray, width: int, *, num_qo_he
     plan on the 2-core host; on a GPU a kernel launch)."""
     num_items_dev, items, gather, mrows, table_dev = metadata_to_device(work, table, width, device, staged)
     ws_rows, n_mrows = work.num_ws_rows, work.mrows.shape[0]
-    # Counters and workspace only where some rows merge; shared placeholders otherwise.
-    counters, ws_o, ws_lse = _placeholders(device, num_qo_heads) if not (ws_rows or n_mrows) else (None,) * 3
-    return dict(
-        num_items_dev=num_items_dev, items=items, gather=gather, mrows=mrows, block_table=table_dev,
-        counters=counters if counters is not None else torch.empty(
-            (max(n_mrows, 1), num_qo_heads), dtype=torch.int32, device=device),
-        ws_o=ws_o if ws_o is not None else torch.empty((ws_rows, num_qo_heads, head_dim), dtype=torch.float32,
-                                                       device=device),
-        ws_lse=ws_lse if ws_lse is not None else torch.empty((ws_rows, num_qo_heads), dtype=torch.float32,
-                                                             device=device))
+    if ws_rows or n_mrows:  # (merge rows come with workspace rows; max() keeps every pointer valid regardless)
+        counters = torch.empty((max(n_mrows, 1), num_qo_heads), dtype=torch.int32, device=device)
+        ws_o = torch.empty((max(ws_rows, 1), num_qo_heads, head_dim), dtype=torch.float32, device=device)
+        ws_lse = torch.empty((max(ws_rows, 1), num_qo_heads), dtype=torch.float32, device=device)
+    else:  # no rows merge: placeholders no launch touches
+        counters, ws_o, ws_lse = _placeholders(device, num_qo_heads)
+    return dict(num_items_dev=num_items_dev, items=items, gather=gather, mrows=mrows, block_table=table_dev,
+                counters=counters, ws_o=ws_o, ws_lse=ws_lse)
 
 
 #: Per (device, num_qo_heads): the counters ``[1, num_qo_heads]`` int32 and workspace ``[1, 1, 1]``/``[1, 1]`` fp32

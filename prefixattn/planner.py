@@ -82,7 +82,9 @@ class Plan:
     (:class:`LcpTree` over the requests' shareable blocks) and ``nodes`` (:class:`SharedNodes`, the nodes the cost
     rule kept, top-down; ``shared_nodes`` lists them as :class:`SharedNode` objects). A plan loaded into a
     workspace by the compiled planner has ``work``'s tables in the workspace's host buffer (no copy): like its
-    device tables, they hold this plan only while it :meth:`is_current`.
+    device tables, they hold this plan only while it :meth:`is_current`. Plans of the free :func:`plan` in which no
+    rows merge (``num_merge_rows == 0``) share one placeholder ``counters``/``ws_o``/``ws_lse`` per device and head
+    count, which no launch reads or writes.
     """
 
     num_tokens: int
