@@ -45,7 +45,7 @@ def profile_lines(fn, *, runs: int, top: int = PROFILE_TOP) -> list[str]:
     for _ in range(runs):
         fn()
     profile.disable()
-    stats = pstats.Stats(profile).stats  # {(file, line, name): (calls, primitive calls, own s, cumulative s, ...)}
+    stats = pstats.Stats(profile).stats  # {(file, line, name): (primitive calls, calls, own s, cumulative s, callers)}
     ranked = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
     return [f"{own / runs * 1e6:7.1f} us {calls / runs:5.1f}x {Path(file).name}:{line}({name})"
             for (file, line, name), (_, calls, own, _, _) in ranked]
