@@ -7,6 +7,8 @@ The host tables (:class:`~prefixattn.work_list.WorkList` and the block table) co
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -114,21 +116,16 @@ def _allocate_tables(work: WorkList, table: np.ndarray, width: int, *, num_qo_he
                 counters=counters, ws_o=ws_o, ws_lse=ws_lse)
 
 
-#: Per (device, num_qo_heads): the counters ``[1, num_qo_heads]`` int32 and workspace ``[1, 1, 1]``/``[1, 1]`` fp32
-#: of plans in which no rows merge. No launch reads or writes them (programs merge nothing; without ``return_lse``
-#: the kernel gets ``ws_lse`` as its unused lse pointer and attention() zeroes counters only where rows merge), so
-#: every such plan can share them: 3 allocations less a plan (~6 us on the 2-core host; on a GPU 3 allocator calls).
-_PLACEHOLDERS: dict = {}
-
-
+@functools.lru_cache(maxsize=None)
 def _placeholders(device: torch.device, num_qo_heads: int) -> tuple:
-    key = (device, num_qo_heads)
-    hit = _PLACEHOLDERS.get(key)
-    if hit is None:
-        hit = _PLACEHOLDERS[key] = (torch.empty((1, num_qo_heads), dtype=torch.int32, device=device),
-                                    torch.empty((1, 1, 1), dtype=torch.float32, device=device),
-                                    torch.empty((1, 1), dtype=torch.float32, device=device))
-    return hit
+    """The counters ``[1, num_qo_heads]`` int32 and workspace ``[1, 1, 1]``/``[1, 1]`` fp32 of plans in which no rows
+    merge, one set per (device, head count). No launch reads or writes them (programs merge nothing; without
+    ``return_lse`` the kernel gets ``ws_lse`` as its unused lse pointer and attention() zeroes counters only where
+    rows merge), so every such plan can share them: 3 allocations less a plan (~6 us on the 2-core host; on a GPU 3
+    allocator calls)."""
+    return (torch.empty((1, num_qo_heads), dtype=torch.int32, device=device),
+            torch.empty((1, 1, 1), dtype=torch.float32, device=device),
+            torch.empty((1, 1), dtype=torch.float32, device=device))
 
 
 class CapacityError(ValueError):
