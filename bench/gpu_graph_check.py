@@ -240,7 +240,5 @@ def _time_graph(s: _Setup, results) -> None:
         results.add("gpu_check_graphs", "prefixattn-graph", name, metric, value, "us")
     # This host's speed beside its plan time: the first GPU host's plan() of these 24 requests took 115-220 us, the
     # 2-core CPU host's of 256 requests 42-48 us.
-    for provider, value in host_reference.measure().items():
-        results.add("gpu_check_graphs", f"host-reference-{provider}", "host", "time_us_median", value, "us",
-                    device="host-cpu")
+    host_reference.record(results, "gpu_check_graphs")
     results.add("gpu_check_graphs", "prefixattn-graph", name, "compiled_planner", float(compiled), "bool")

@@ -37,3 +37,10 @@ def measure() -> dict:
             times.append(time.perf_counter() - start)
         out[name] = statistics.median(times) * 1e6
     return out
+
+
+def record(results, benchmark: str) -> None:
+    """Add :func:`measure`'s medians to ``results`` (bench/conftest.py's rows) under ``benchmark``: providers
+    ``host-reference-python-loop`` and ``host-reference-torch-empty``, shape ``host``, device ``host-cpu``."""
+    for name, value in measure().items():
+        results.add(benchmark, f"host-reference-{name}", "host", "time_us_median", value, "us", device="host-cpu")

@@ -204,6 +204,4 @@ def test_plan_time_decode256(results, shape, api):
 def test_host_reference(results):
     """The host's speed on plan()-like work, reported with the plan times (never asserted): plan times from different
     hosts compare only through it (:mod:`host_reference`)."""
-    for provider, value in host_reference.measure().items():
-        results.add(TARGETS_BENCHMARK, f"host-reference-{provider}", "host", "time_us_median", value, "us",
-                    device="host-cpu")
+    host_reference.record(results, TARGETS_BENCHMARK)
