@@ -7,8 +7,9 @@ the fp64 reference.
 What only a GPU shows, and this step records: that the captured launch replays correctly after every later plan
 (``passed``), that ``plan()`` and the replay make no device allocation (``device_allocations``: the caching
 allocator's allocation count around each, so an allocation freed again is counted too), the replay's time against an
-eager ``run()`` (the launch overhead the graph removes) and ``plan()``'s host time on the GPU machine. The dry run
-(CPU, interpreter) runs the same steps with an eager ``run()`` in place of the capture and the replays.
+eager ``run()`` (the launch overhead the graph removes), ``plan()``'s host time on the GPU machine, and whether the
+wrapper's and the free ``plan()`` wait for GPU work queued before them (``waits_for_stream``: they should not). The
+dry run (CPU, interpreter) runs the same steps with an eager ``run()`` in place of the capture and the replays.
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ class _Setup:
         self.dtype = torch.float32 if dry_run else torch.bfloat16  # the interpreter's bf16 arithmetic is wrong
         heads = dict(num_qo_heads=2, num_kv_heads=1, head_dim=64, block_size=16) if dry_run else \
             dict(num_qo_heads=32, num_kv_heads=4, head_dim=128, block_size=16)
+        self.heads = heads
         self.batches, k_cache, v_cache = _batches(scale, self.dtype, heads)
         self.k_cache, self.v_cache = k_cache.to(device), v_cache.to(device)
         self.rows = max(int(b.qo_indptr[-1]) for _, b in self.batches)  # the graph's size: steps are padded to it
@@ -111,6 +113,12 @@ class _Setup:
     def plan(self, b):
         return self.attn.plan(*b.metadata, device_block_table=self.table[:b.kv_lens.shape[0]],
                               graph_num_tokens=self.rows)
+
+    def free_plan(self, b):
+        """The free ``prefixattn.plan()`` of ``b`` onto the device: new tables, as a library user plans."""
+        import prefixattn
+
+        return prefixattn.plan(*b.metadata, **self.heads, q_dtype=self.dtype, device=self.device)
 
 
 def _allocations() -> int:
@@ -242,3 +250,27 @@ def _time_graph(s: _Setup, results) -> None:
     # 2-core CPU host's of 256 requests 42-48 us.
     host_reference.record(results, "gpu_check_graphs")
     results.add("gpu_check_graphs", "prefixattn-graph", name, "compiled_planner", float(compiled), "bool")
+    for api, plan in (("wrapper", lambda: s.plan(b)), ("free", lambda: s.free_plan(b))):
+        waited = plan_waits_for_stream(plan)
+        print(f"[graphs] {api} plan() behind queued GPU work: {'WAITED for it' if waited else 'did not wait'}",
+              flush=True)
+        results.add("gpu_check_graphs", f"prefixattn-{api}-plan", name, "waits_for_stream", float(waited), "bool")
+
+
+#: GPU clock cycles the spin kernel queued before a plan() runs: ~6 ms at the H100's ~1.7 GHz, 30x the slowest
+#: plan() the GPU host has shown (220 us).
+SPIN_CYCLES = 10_000_000
+
+
+def plan_waits_for_stream(plan) -> bool:
+    """Whether ``plan()`` waits for the work queued on the current stream (a copy from pageable memory does: the
+    host then cannot plan the next step while the GPU runs this one): a spin kernel is queued, and the stream must
+    still be busy when ``plan()`` returns."""
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SPIN_CYCLES)
+    plan()
+    waited = torch.cuda.current_stream().query()  # True: nothing left running, so plan() waited for the spin
+    torch.cuda.synchronize()
+    return bool(waited)

@@ -82,15 +82,26 @@ def metadata_to_device(work: WorkList, table: np.ndarray, width: int, device: to
     # Views of one tensor: every table shares its storage (the interpreter copies a pointer argument's whole
     # storage; a tensor of a 0-element numpy slice has a 0-byte one). One as_strided per table (a split and five
     # views cost ~2x its torch calls).
-    view = torch.from_numpy(flat).to(device).as_strided
+    view = _to_device(flat, device).as_strided
     table_dev = view((rows, table_cols), (table_cols, 1), at_table)
     if not table_fits:
         table_i64 = np.empty((rows, width), dtype=np.int64)
         _copy_table(table_i64, table, cols)
-        table_dev = torch.from_numpy(table_i64).to(device)
+        table_dev = _to_device(table_i64, device)
     return (view((1,), (1,), 0), view((n_items, K.ITEM_FIELDS), (K.ITEM_FIELDS, 1), 1),
             view((n_gather, K.GATHER_FIELDS), (K.GATHER_FIELDS, 1), at_gather),
             view((n_mrows, K.MROW_FIELDS), (K.MROW_FIELDS, 1), at_mrows), table_dev)
+
+
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """``array`` on ``device`` (on the CPU: the same memory). To a CUDA/HIP device through page-locked memory from
+    PyTorch's caching host allocator, by one non-blocking copy on the current stream: a copy from pageable memory
+    waits for the work queued on the stream, so the host could not plan the next step while the GPU runs this one.
+    The allocator keeps the page-locked block until the copy has read it (the copy records an event for it)."""
+    host = torch.from_numpy(array)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _copy_table(dst: np.ndarray, table: np.ndarray, cols: int) -> None:

@@ -393,9 +393,9 @@ def plan(
     workspace : PlanWorkspace, optional
         Capacity-sized buffers (:mod:`prefixattn.workspace`) to write the device tables into (one non-blocking
         copy, no device allocation); a step beyond a capacity raises ``ValueError`` naming it. Default: new
-        tensors for this plan, its tables moved from pageable host memory by one copy that, on a GPU, waits for the
-        current stream's earlier work (an engine loop plans into :class:`~prefixattn.PrefixSharedAttention`'s
-        workspace instead).
+        tensors for this plan (device allocations), its tables staged in page-locked memory on a GPU and moved by
+        one non-blocking copy on the current stream (an engine loop plans into
+        :class:`~prefixattn.PrefixSharedAttention`'s workspace instead: no allocation).
     device_block_table : Tensor, optional, ``[>= num_requests, >= used blocks]`` int32, on ``device``
         With ``workspace``: the same block ids, already on the device (an engine's persistent table); the kernel
         reads it and the plan copies no table. Its values must equal ``block_table``'s (not checked: no sync).

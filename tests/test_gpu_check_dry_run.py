@@ -85,3 +85,20 @@ def test_profile_lines_rank_the_plan_step_by_own_time():
     assert len(lines) == 2
     assert "builtins.sum" in lines[0], lines  # the loop's own time ranks first, above its callers'
     assert all(" us " in line and "1.0x" in line for line in lines), lines
+
+
+def test_graph_step_free_plan_plans_each_batch_with_the_setups_geometry():
+    # The timing part (not in the dry run) asks whether the free plan() waits for queued GPU work; its plan call is
+    # checked here, so a GPU session does not find it broken.
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        from gpu_graph_check import _Setup
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+
+    s = _Setup(dry_run=True, device="cpu")
+    for _, b in s.batches:
+        p = s.free_plan(b)
+        assert p.workspace is None and p.device.type == "cpu"
+        assert (p.num_tokens, p.num_qo_heads, p.head_dim) == (int(b.qo_indptr[-1]), s.heads["num_qo_heads"],
+                                                               s.heads["head_dim"])
