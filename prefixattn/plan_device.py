@@ -97,7 +97,8 @@ def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     """``array`` on ``device`` (on the CPU: the same memory). To a CUDA/HIP device through page-locked memory from
     PyTorch's caching host allocator, by one non-blocking copy on the current stream: a copy from pageable memory
     waits for the work queued on the stream, so the host could not plan the next step while the GPU runs this one.
-    The allocator keeps the page-locked block until the copy has read it (the copy records an event for it)."""
+    The allocator keeps the page-locked block until the copy has read it (the copy records an event for it); a
+    launch on another stream must wait for the current one."""
     host = torch.from_numpy(array)
     if device.type != "cuda":
         return host.to(device)

@@ -394,8 +394,9 @@ def plan(
         Capacity-sized buffers (:mod:`prefixattn.workspace`) to write the device tables into (one non-blocking
         copy, no device allocation); a step beyond a capacity raises ``ValueError`` naming it. Default: new
         tensors for this plan (device allocations), its tables staged in page-locked memory on a GPU and moved by
-        one non-blocking copy on the current stream (an engine loop plans into
-        :class:`~prefixattn.PrefixSharedAttention`'s workspace instead: no allocation).
+        one non-blocking copy on the current stream (a launch on another stream must wait for it, as for the
+        workspace's copy; an engine loop plans into :class:`~prefixattn.PrefixSharedAttention`'s workspace
+        instead: no allocation).
     device_block_table : Tensor, optional, ``[>= num_requests, >= used blocks]`` int32, on ``device``
         With ``workspace``: the same block ids, already on the device (an engine's persistent table); the kernel
         reads it and the plan copies no table. Its values must equal ``block_table``'s (not checked: no sync).
