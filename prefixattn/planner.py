@@ -378,7 +378,8 @@ def plan(
         Where the work list lives; default the device of ``block_table``. Stored canonically (``cpu:0`` is
         ``cpu``, ``cuda`` is the current CUDA device), so any spelling of the tensors' device matches.
     num_sms : int, optional
-        SMs the launch spreads over (the split rule's fair share, :mod:`prefixattn.split_rule`); default from the CUDA device, else ``DEFAULT_NUM_SMS``.
+        SMs the launch spreads over (the split rule's fair share, :mod:`prefixattn.split_rule`); default from the
+        CUDA device, else ``DEFAULT_NUM_SMS``.
     min_split_tokens : int
         Shortest split-k chunk in KV tokens (``MIN_SPLIT_TOKENS``).
     sharing : {"auto", "always", "never"}
