@@ -265,9 +265,11 @@ SPIN_CYCLES = 10_000_000
 def plan_waits_for_stream(plan) -> bool:
     """Whether ``plan()`` waits for the work queued on the current stream (a copy from pageable memory does: the
     host then cannot plan the next step while the GPU runs this one): a spin kernel is queued, and the stream must
-    still be busy when ``plan()`` returns."""
+    still be busy when ``plan()`` returns. One plan first, unobserved: a first allocation of a size may call
+    ``cudaMalloc``/``cudaHostAlloc``, which synchronize, where an engine's later steps reuse the cached blocks."""
     import torch
 
+    plan()
     torch.cuda.synchronize()
     torch.cuda._sleep(SPIN_CYCLES)
     plan()
