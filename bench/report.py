@@ -195,7 +195,7 @@ def _plan_section(rows) -> list[str]:
         def ratio(m):
             return f"{m['planned_kv_bytes'] / m['unique_kv_bytes']:.2f}x" if "planned_kv_bytes" in m else "-"
 
-        lines.append(f"| {shape} | {ratio(ours)} | {_fmt(ours.get('rows_per_suffix_tile', 0))} | "
+        lines.append(f"| {shape} | {ratio(ours)} | {_fmt(ours.get('rows_per_chunk_tile', 0))} | "
                      f"{_fmt(ours.get('work_items', 0))} | "
                      f"{_fmt(ours.get('shared_nodes', 0))} | {_fmt(round(ours.get('plan_us_median', 0)))} | "
                      f"{ratio(never)} |")

@@ -82,7 +82,7 @@ def test_plan_time(results, shape, sharing):
     results.add(BENCHMARK, provider, label, "work_items", p.num_items, "count", device="host-cpu")
     results.add(BENCHMARK, provider, label, "shared_nodes", len(p.shared_nodes), "count", device="host-cpu")
     results.add(BENCHMARK, provider, label, "launches", p.num_launches, "count", device="host-cpu")
-    results.add(BENCHMARK, provider, label, "rows_per_suffix_tile", p.tiles.rows_per_suffix_tile(s.num_qo_heads //
+    results.add(BENCHMARK, provider, label, "rows_per_chunk_tile", p.tiles.rows_per_chunk_tile(s.num_qo_heads //
                 s.num_kv_heads), "count", device="host-cpu")
     assert planned >= unique, "the plan reads less KV than the batch holds"
     if sharing == "never":

@@ -1,53 +1,92 @@
-"""The fused kernel's compile-time choices for one plan: tiles, page-size specialization and launch options.
+"""The fused kernel's compile-time choices for one plan: the tiles and launch options of each work class.
 
 Every tile choice goes through :func:`choose_tiles`, which asks :func:`prefixattn.autotune.lookup.select_config`
-(the default tiles and their reasons live there, next to the tables); this module turns the config into what the
-launch passes, so that every tuned value (tiles, ``num_warps``, ``num_stages``, the HIP knobs) reaches the launch.
+(the default tiles and their reasons live there, next to the tables); this module turns the configs into what the
+class launches pass, so that every tuned value (tiles, ``num_warps``, ``num_stages``, the HIP knobs) reaches a launch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from prefixattn.autotune.config_space import LaunchOptions, block_d
+from prefixattn.autotune.config_space import AttentionConfig, LaunchOptions, block_d
 from prefixattn.autotune.lookup import READ_FIXED_ENV, select_config, selection_state
 from prefixattn.autotune.targets import get_target
+from prefixattn.kernels import layout as K
 from prefixattn.memo import typed_memo
+
+
+#: :meth:`AttentionTiles.decode_class_rows` when one binary serves the chunk and decode classes: any query length.
+DECODE_CLASS_ALL_ROWS = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class ClassTiles:
+    """The binary of one work class (:data:`prefixattn.kernels.layout.WORK_CLASSES`): its tile (``BLOCK_M`` lanes of
+    query row x GQA head, ``BLOCK_N`` KV positions per step) and its launch options."""
+
+    block_m: int
+    block_n: int
+    launch: LaunchOptions
+
+    def rows(self, group: int) -> int:
+        """Query rows one tile packs: M holds (row x GQA head) pairs."""
+        return self.block_m // group
+
 
 @dataclass(frozen=True)
 class AttentionTiles:
-    """Compile-time tile sizes of one launch (constexprs of the kernel) and the launch options of the config.
+    """The tiles and launch options of one step's launches: one binary per work class (``shared``, ``chunk``,
+    ``decode``: :data:`prefixattn.kernels.layout.WORK_CLASSES`), each launched alone, so each has its own registers,
+    shared memory and occupancy. ``is_hip`` adds the AMD knobs to the launches.
 
-    ``launch_shared`` applies to launches with shared-node items, ``launch_suffix`` to suffix-only launches (the
-    shared branch is compiled out there); ``is_hip`` adds the AMD knobs to the launch.
+    ``shared`` and ``decode`` come from the table's decode config (one query row per request), ``chunk`` from the
+    config of the step's longest query chunk (its suffix tile and suffix-only launch options).
     """
 
-    block_m_shared: int
-    block_n_shared: int
-    block_m_suffix: int
-    block_n_suffix: int
+    shared: ClassTiles
+    chunk: ClassTiles
+    decode: ClassTiles
     block_d: int
-    launch_shared: LaunchOptions
-    launch_suffix: LaunchOptions
     is_hip: bool = False
 
-    def launch_options(self, has_shared: bool, kv_fp8: bool = False) -> dict:
+    def of(self, work_class: int) -> ClassTiles:
+        """The tiles of ``work_class`` (a ``layout.CLASS_*`` index)."""
+        return (self.shared, self.chunk, self.decode)[work_class]
+
+    def launch_options(self, work_class: int, kv_fp8: bool = False) -> dict:
         """``num_warps``, ``num_stages`` (and on AMD ``waves_per_eu``, ``matrix_instr_nonkdim``, ``kpack``) of the
-        launch: one launch, one set of options, the shared branch's when the launch has shared items (``kv_fp8``:
-        the K/V cache is fp8, :meth:`~prefixattn.autotune.config_space.LaunchOptions.for_kv`)."""
-        lo = (self.launch_shared if has_shared else self.launch_suffix).for_kv(has_shared=has_shared, kv_fp8=kv_fp8,
-                                                                                 is_hip=self.is_hip)
+        launch of ``work_class`` (``kv_fp8``: the K/V cache is fp8,
+        :meth:`~prefixattn.autotune.config_space.LaunchOptions.for_kv`)."""
+        has_shared = work_class == K.CLASS_SHARED
+        lo = self.of(work_class).launch.for_kv(has_shared=has_shared, kv_fp8=kv_fp8, is_hip=self.is_hip)
         opts = {"num_warps": lo.num_warps, "num_stages": lo.num_stages}
         if self.is_hip:
             opts.update(waves_per_eu=lo.waves_per_eu, matrix_instr_nonkdim=lo.matrix_instr_nonkdim, kpack=lo.kpack)
         return opts
 
     def rows_per_shared_tile(self, group: int) -> int:
-        """Query rows one shared program packs: M holds (row x GQA head) pairs."""
-        return self.block_m_shared // group
+        """Query rows one shared program packs."""
+        return self.shared.rows(group)
 
-    def rows_per_suffix_tile(self, group: int) -> int:
-        return self.block_m_suffix // group
+    def rows_per_chunk_tile(self, group: int) -> int:
+        """Query rows of one prefill-chunk tile (a request with more rows than a decode tile holds is cut into
+        these); never fewer than a decode tile's."""
+        return max(self.chunk.rows(group), self.decode.rows(group))
+
+    def rows_per_decode_tile(self, group: int) -> int:
+        """Query rows of one decode tile."""
+        return self.decode.rows(group)
+
+    def decode_class_rows(self, group: int) -> int:
+        """The most query rows of a request whose suffix tiles belong to the decode class: those that fit one decode
+        tile, or every request when the chunk and decode classes share one binary (then one launch serves both)."""
+        return DECODE_CLASS_ALL_ROWS if self.chunk == self.decode else self.decode.rows(group)
+
+    def without_chunk_class(self) -> "AttentionTiles":
+        """These tiles with the chunk class run by the decode binary (every suffix tile one class, cut at the
+        decode tile's rows): a CUDA-graph wrapper whose steps fit decode tiles launches no chunk class."""
+        return replace(self, chunk=self.decode)
 
 
 def choose_tiles(*, head_dim: int, group: int, max_q_len: int, dtype=None, fixed_env=READ_FIXED_ENV) -> AttentionTiles:
@@ -82,25 +121,29 @@ def choose_tiles(*, head_dim: int, group: int, max_q_len: int, dtype=None, fixed
 def _choose_tiles(head_dim: int, group: int, max_q_len: int, dtype, fixed_env, state: tuple) -> AttentionTiles:
     """:func:`choose_tiles` under the selection ``state`` (:func:`~prefixattn.autotune.lookup.selection_state` of
     ``fixed_env``, which it holds)."""
-    sel = select_config(head_dim=head_dim, dtype=dtype if dtype is not None else "fp16", group=group,
-                        max_q_len=max_q_len, fixed_env=fixed_env)
-    return _tiles(sel, head_dim)
+    dtype = dtype if dtype is not None else "fp16"
+    decode = select_config(head_dim=head_dim, dtype=dtype, group=group, max_q_len=1, fixed_env=fixed_env)
+    chunk = decode if max_q_len <= 1 else select_config(head_dim=head_dim, dtype=dtype, group=group,
+                                                        max_q_len=max_q_len, fixed_env=fixed_env)
+    return tiles_from_configs(decode=decode.config, chunk=chunk.config, head_dim=head_dim,
+                              is_hip=_is_hip(decode.target))
 
 
-def _tiles(sel, head_dim: int) -> AttentionTiles:
-    cfg = sel.config
-    # A config from a table names its target; otherwise (heuristic, fixed) the torch build tells AMD from NVIDIA.
-    is_hip = get_target(sel.target).is_hip if sel.target else _torch_is_hip()
+def tiles_from_configs(*, decode: AttentionConfig, chunk: AttentionConfig, head_dim: int,
+                       is_hip: bool = False) -> AttentionTiles:
+    """The class tiles of a step from its table configs: the shared and decode classes from ``decode`` (the config of
+    one query row per request: its shared tile and launch, its suffix tile and suffix-only launch), the chunk class
+    from ``chunk`` (the config of the step's longest chunk: its suffix tile and suffix-only launch)."""
     return AttentionTiles(
-        block_m_shared=cfg.shared.block_m,
-        block_n_shared=cfg.shared.block_n,
-        block_m_suffix=cfg.suffix.block_m,
-        block_n_suffix=cfg.suffix.block_n,
-        block_d=block_d(head_dim),
-        launch_shared=cfg.launch_for(True),
-        launch_suffix=cfg.launch_for(False),
-        is_hip=is_hip,
-    )
+        shared=ClassTiles(decode.shared.block_m, decode.shared.block_n, decode.launch_for(True)),
+        chunk=ClassTiles(chunk.suffix.block_m, chunk.suffix.block_n, chunk.launch_for(False)),
+        decode=ClassTiles(decode.suffix.block_m, decode.suffix.block_n, decode.launch_for(False)),
+        block_d=block_d(head_dim), is_hip=is_hip)
+
+
+def _is_hip(target_name: str | None) -> bool:
+    """A config from a table names its target; otherwise (heuristic, fixed) the torch build tells AMD from NVIDIA."""
+    return get_target(target_name).is_hip if target_name else _torch_is_hip()
 
 
 def _torch_is_hip() -> bool:

@@ -52,7 +52,8 @@ def check_workspace_args(*, workspace: PlanWorkspace | None, device_block_table:
 
 
 def metadata_to_device(work: WorkList, table: np.ndarray, width: int, device: torch.device, staged=None):
-    """``(num_items, items, gather, mrows, block_table)`` on ``device``: one int32 host buffer, one copy.
+    """``(ranges, items, gather, mrows, block_table)`` on ``device``: one int32 host buffer, one copy (``ranges``: a
+    ``[RANGE_FIELDS]`` view per work class).
 
     The block table's columns past every request's KV (``width`` on) are never read; columns the table lacks are 0.
     It joins the buffer when its ids fit in int32 (int32 tables always do: no scan), else it is copied as int64.
@@ -64,17 +65,17 @@ def metadata_to_device(work: WorkList, table: np.ndarray, width: int, device: to
         flat, table_fits = staged
     else:
         table_fits = table.dtype == np.int32 or rows * cols == 0 or int(table[:, :cols].max()) <= INT32_MAX
-    # Section starts in the buffer: [num_items, items, gather, mrows, table]; plain arithmetic (the list and
+    # Section starts in the buffer: [ranges, items, gather, mrows, table]; plain arithmetic (the list and
     # accumulate it replaced cost ~3 us a free plan() on the 2-core host).
     n_items, n_gather, n_mrows = items.shape[0], gather.shape[0], mrows.shape[0]
-    at_gather = 1 + n_items * K.ITEM_FIELDS
+    at_gather = K.RANGES_SIZE + n_items * K.ITEM_FIELDS
     at_mrows = at_gather + n_gather * K.GATHER_FIELDS
     at_table = at_mrows + n_mrows * K.MROW_FIELDS
     table_cols = width if table_fits else 0
     if staged is None:
-        flat = np.empty(max(at_table + rows * table_cols, 1), dtype=np.int32)
-        flat[0] = work.num_items
-        flat[1:at_gather] = items.ravel()
+        flat = np.empty(at_table + rows * table_cols, dtype=np.int32)
+        flat[:K.RANGES_SIZE] = work.ranges_table().ravel()
+        flat[K.RANGES_SIZE:at_gather] = items.ravel()
         flat[at_gather:at_mrows] = gather.ravel()
         flat[at_mrows:at_table] = mrows.ravel()
         if table_fits:
@@ -88,7 +89,8 @@ def metadata_to_device(work: WorkList, table: np.ndarray, width: int, device: to
         table_i64 = np.empty((rows, width), dtype=np.int64)
         _copy_table(table_i64, table, cols)
         table_dev = _to_device(table_i64, device)
-    return (view((1,), (1,), 0), view((n_items, K.ITEM_FIELDS), (K.ITEM_FIELDS, 1), 1),
+    ranges = tuple(view((K.RANGE_FIELDS,), (1,), c * K.RANGE_FIELDS) for c in range(K.NUM_CLASSES))
+    return (ranges, view((n_items, K.ITEM_FIELDS), (K.ITEM_FIELDS, 1), K.RANGES_SIZE),
             view((n_gather, K.GATHER_FIELDS), (K.GATHER_FIELDS, 1), at_gather),
             view((n_mrows, K.MROW_FIELDS), (K.MROW_FIELDS, 1), at_mrows), table_dev)
 
@@ -116,7 +118,7 @@ def _allocate_tables(work: WorkList, table: np.ndarray, width: int, *, num_qo_he
     (:func:`metadata_to_device`), new counters and workspace, none of them initialized: every launch zeroes the
     counters first (:func:`prefixattn.attention`), so zeroing them here too only cost a memset (on the CPU ~4 us a
     plan on the 2-core host; on a GPU a kernel launch)."""
-    num_items_dev, items, gather, mrows, table_dev = metadata_to_device(work, table, width, device, staged)
+    ranges, items, gather, mrows, table_dev = metadata_to_device(work, table, width, device, staged)
     ws_rows, n_mrows = work.num_ws_rows, work.mrows.shape[0]
     if ws_rows or n_mrows:  # (merge rows come with workspace rows; max() keeps every pointer valid regardless)
         counters = torch.empty((max(n_mrows, 1), num_qo_heads), dtype=torch.int32, device=device)
@@ -124,7 +126,7 @@ def _allocate_tables(work: WorkList, table: np.ndarray, width: int, *, num_qo_he
         ws_lse = torch.empty((max(ws_rows, 1), num_qo_heads), dtype=torch.float32, device=device)
     else:  # no rows merge: placeholders no launch touches
         counters, ws_o, ws_lse = _placeholders(device, num_qo_heads)
-    return dict(num_items_dev=num_items_dev, items=items, gather=gather, mrows=mrows, block_table=table_dev,
+    return dict(ranges=ranges, items=items, gather=gather, mrows=mrows, block_table=table_dev,
                 counters=counters, ws_o=ws_o, ws_lse=ws_lse)
 
 
@@ -168,7 +170,8 @@ def _workspace_tables(work: WorkList, table: np.ndarray, width: int, *, workspac
     if device_block_table is None and max_block_id > INT32_MAX:
         raise ValueError(f"block_table: expected block ids below 2**31 with a workspace (int32 table), got "
                          f"{max_block_id}")
-    tables = dict(items=work.items, gather=work.gather, mrows=work.mrows, tables_written=tables_written)
+    tables = dict(items=work.items, gather=work.gather, mrows=work.mrows, class_ends=work.class_ends,
+                  tables_written=tables_written)
     if device_block_table is not None:
         dev = workspace.load(**tables, table=None, table_width=width)
         dev["block_table"] = device_block_table

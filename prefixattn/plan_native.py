@@ -194,14 +194,15 @@ def _unpack_tree(packed: np.ndarray, n: int) -> LcpTree:
                    packed[o + 3 * m:])
 
 
-def core_params(*, causal, sharing, block_size, group, head_dim, elt_bytes, rows_per_shared, rows_per_suffix,
-                block_n_shared, block_n_suffix, num_kv_heads, num_sms, min_split_tokens) -> np.ndarray:
+def core_params(*, causal, sharing, block_size, group, head_dim, elt_bytes, rows_per_shared, rows_per_chunk,
+                rows_per_decode, block_n_shared, block_n_chunk, block_n_decode, num_kv_heads, num_sms,
+                min_split_tokens) -> np.ndarray:
     """:func:`plan_tables`' parameter array (``plan_native_core.P_*`` order) of one set of options and tiles
     (``elt_bytes``: the KV caches' element size, which the cost rule prices)."""
     core = _load()[1]
     return np.array((causal, _SHARING_CODES[sharing], block_size, group, head_dim, elt_bytes, rows_per_shared,
-                     rows_per_suffix, block_n_shared, block_n_suffix, num_kv_heads, num_sms, min_split_tokens,
-                     _constant_args(core)[2]), dtype=np.int64)
+                     rows_per_chunk, rows_per_decode, block_n_shared, block_n_chunk, block_n_decode, num_kv_heads,
+                     num_sms, min_split_tokens, _constant_args(core)[2]), dtype=np.int64)
 
 
 _NO_DEST = (np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int64))
@@ -217,7 +218,7 @@ def _dest_args(core, workspace) -> tuple:
     lay = _dest_layouts.get(workspace)
     if lay is None:
         c, lay = workspace.capacity, np.empty(core.NUM_DEST_FIELDS, dtype=np.int64)
-        for index, name in ((core.D_NUM_ITEMS, "num_items"), (core.D_ITEMS, "items"), (core.D_GATHER, "gather"),
+        for index, name in ((core.D_RANGES, "ranges"), (core.D_ITEMS, "items"), (core.D_GATHER, "gather"),
                             (core.D_MROWS, "mrows")):
             lay[index] = workspace.section_start(name)
         # The capacities PlanWorkspace.overflow checks but the table's width (a step over it is refused after the
@@ -246,10 +247,11 @@ def plan_tables(modules, tree, params, *, indptr, q_len, kv_len, shareable, tabl
     except _numba_error as e:
         return _compile_failed(e)
     (kv_start, kv_end, depth_blocks, offsets, members, flat, items, gather, mrows, fits, num_ws_rows, num_units,
-     crit, in_dest) = out
+     class_ends, crit, in_dest) = out
     nodes = SharedNodes(kv_start=kv_start, kv_end=kv_end, depth_blocks=depth_blocks, offsets=offsets,
                         members=members)
-    work = WorkList(items=items, gather=gather, mrows=mrows, num_ws_rows=num_ws_rows, num_units=num_units)
+    work = WorkList(items=items, gather=gather, mrows=mrows, num_ws_rows=num_ws_rows, num_units=num_units,
+                    class_ends=tuple(class_ends.tolist()))
     return nodes, work, crit, flat, fits, in_dest
 
 

@@ -35,7 +35,8 @@ def layout_args() -> np.ndarray:
     return np.array([K.ITEM_FIELDS, K.ITEM_KIND, K.ITEM_REQ, K.ITEM_KV_START, K.ITEM_KV_END, K.ITEM_ROW_START,
             K.ITEM_NUM_ROWS, K.ITEM_Q_POS, K.ITEM_DEST, K.ITEM_MROW, K.KIND_SHARED, K.KIND_SUFFIX,
             K.GATHER_FIELDS, K.GATHER_TOKEN, K.GATHER_WS_ROW, K.GATHER_MROW,
-            K.MROW_FIELDS, K.MROW_WS_FIRST, K.MROW_WS_STRIDE, K.MROW_NUM_STATES], dtype=np.int64)
+            K.MROW_FIELDS, K.MROW_WS_FIRST, K.MROW_WS_STRIDE, K.MROW_NUM_STATES,
+            K.RANGE_FIELDS, K.RANGE_FIRST, K.RANGE_END, K.RANGES_SIZE], dtype=np.int64)
 
 
 def rule_args() -> tuple:
@@ -262,10 +263,10 @@ def _shared_items(items, gather, lay, kv_start, kv_end, offsets, members, q_star
     return it
 
 
-#: Entries of :func:`plan_core`'s ``dest_lay``: offsets of the live item count and of the item, gather and merge-row
+#: Entries of :func:`plan_core`'s ``dest_lay``: offsets of the class ranges and of the item, gather and merge-row
 #: tables in ``dest`` (int32 elements), then the capacities the step must fit to be written there (all of them but
 #: the table's width: a step written there is never refused afterwards for them).
-(D_NUM_ITEMS, D_ITEMS, D_GATHER, D_MROWS, D_MAX_ITEMS, D_MAX_GATHER, D_MAX_MROWS, D_MAX_WS_ROWS, D_MAX_TOKENS,
+(D_RANGES, D_ITEMS, D_GATHER, D_MROWS, D_MAX_ITEMS, D_MAX_GATHER, D_MAX_MROWS, D_MAX_WS_ROWS, D_MAX_TOKENS,
  D_MAX_REQUESTS, NUM_DEST_FIELDS) = range(11)
 
 
@@ -280,21 +281,30 @@ def _fits_dest(dest_lay, n_items, num_gather, num_mrows, num_ws_rows, q_len):
 
 
 @njit(cache=True, nogil=True)
-def _table_views(dest, dest_lay, in_dest, n_items, num_gather, num_mrows, extra, item_fields, gather_fields,
-                 mrow_fields):
-    """``(flat, items, gather, mrows)``: the live item count written and the tables as views of ``dest`` at
-    ``dest_lay``'s sections (``in_dest``; ``flat`` empty), else of a new ``flat`` = ``[num_items, items, gather,
-    mrows, extra entries]``."""
+def _table_views(dest, dest_lay, in_dest, lay, class_ends, num_gather, num_mrows, extra):
+    """``(flat, items, gather, mrows)``: the class ranges written and the tables as views of ``dest`` at
+    ``dest_lay``'s sections (``in_dest``; ``flat`` empty), else of a new ``flat`` = ``[ranges, items, gather, mrows,
+    extra entries]``."""
+    item_fields, gather_fields, mrow_fields = lay[0], lay[12], lay[16]
+    range_fields, r_first, r_end, ranges_size = lay[20], lay[21], lay[22], lay[23]
+    n_items = class_ends[class_ends.shape[0] - 1]
     if in_dest:
         buf, flat = dest, dest[:0]
-        s_count, s_items, s_gather, s_mrows = (dest_lay[D_NUM_ITEMS], dest_lay[D_ITEMS], dest_lay[D_GATHER],
-                                               dest_lay[D_MROWS])
+        s_ranges, s_items, s_gather, s_mrows = (dest_lay[D_RANGES], dest_lay[D_ITEMS], dest_lay[D_GATHER],
+                                                dest_lay[D_MROWS])
     else:
-        s_count, s_items = 0, 1
+        s_ranges, s_items = 0, ranges_size
         s_gather = s_items + n_items * item_fields
         s_mrows = s_gather + num_gather * gather_fields
-        buf = flat = np.empty(max(s_mrows + num_mrows * mrow_fields + extra, 1), dtype=np.int32)
-    buf[s_count] = n_items
+        buf = flat = np.empty(s_mrows + num_mrows * mrow_fields + extra, dtype=np.int32)
+    first = 0
+    for c in range(class_ends.shape[0]):
+        rec = s_ranges + c * range_fields
+        for f in range(range_fields):
+            buf[rec + f] = 0
+        buf[rec + r_first] = first
+        buf[rec + r_end] = class_ends[c]
+        first = class_ends[c]
     items = buf[s_items:s_items + n_items * item_fields].reshape(n_items, item_fields)
     gather = buf[s_gather:s_gather + num_gather * gather_fields].reshape(num_gather, gather_fields)
     mrows = buf[s_mrows:s_mrows + num_mrows * mrow_fields].reshape(num_mrows, mrow_fields)
@@ -302,56 +312,77 @@ def _table_views(dest, dest_lay, in_dest, n_items, num_gather, num_mrows, extra,
 
 
 @njit(cache=True, nogil=True)
+def _class_split(tokens, block_n, num_kv_heads, num_sms, min_split_tokens, rule):
+    """``(budget, grain, per_piece)`` of one work class reading ``tokens`` KV tokens (one head)."""
+    budget = _split_budget(tokens, num_kv_heads, num_sms, min_split_tokens, rule)
+    grain = _grain(block_n, budget)
+    per_piece = max(1, int(budget // grain)) if budget < np.inf else 1
+    return budget, grain, per_piece
+
+
+@njit(cache=True, nogil=True)
 def work_list(lay, rule, kv_start, kv_end, offsets, members, suffix_start, q_start, q_len, kv_len, causal,
-              rows_per_shared, rows_per_suffix, block_n_shared, block_n_suffix, num_kv_heads, num_sms,
-              min_split_tokens, extra, dest, dest_lay):
-    """``(flat, items, gather, mrows, num_ws_rows, num_units, critical_path, in_dest)``:
+              rows_per_shared, rows_per_chunk, rows_per_decode, block_n_shared, block_n_chunk, block_n_decode,
+              num_kv_heads, num_sms, min_split_tokens, extra, dest, dest_lay):
+    """``(flat, items, gather, mrows, num_ws_rows, num_units, class_ends, critical_path, in_dest)``:
     :func:`prefixattn.work_list.build_work_list` and ``Plan.stats['critical_path']``, the tables written straight
     into one int32 staging buffer: ``dest`` at ``dest_lay``'s offsets (``in_dest``) when given, ``extra`` is 0 (the
-    workspace stages its table itself) and the step fits its capacities, else a new ``flat`` = ``[num_items, items,
+    workspace stages its table itself) and the step fits its capacities, else a new ``flat`` = ``[ranges, items,
     gather, mrows, extra entries]`` (:func:`prefixattn.plan_device.metadata_to_device`'s layout)."""
-    item_fields, i_kind, i_req, i_kv0, i_kv1, i_row0, i_nrows, i_qpos, i_dest, i_mrow = (
-        lay[0], lay[1], lay[2], lay[3], lay[4], lay[5], lay[6], lay[7], lay[8], lay[9])
-    kind_suffix, gather_fields, mrow_fields, m_first, m_stride, m_states = (lay[11], lay[12], lay[16], lay[17],
-                                                                            lay[18], lay[19])
+    i_kind, i_req, i_kv0, i_kv1, i_row0, i_nrows, i_qpos, i_dest, i_mrow = (
+        lay[1], lay[2], lay[3], lay[4], lay[5], lay[6], lay[7], lay[8], lay[9])
+    kind_suffix, m_first, m_stride, m_states = lay[11], lay[17], lay[18], lay[19]
     t_req, t_first, t_rows, t_tok0, t_lo, t_hi, t_qpos = _suffix_tiles(q_start, q_len, kv_len, suffix_start, causal,
-                                                                        rows_per_suffix)
+                                                                        rows_per_chunk)
     num_tiles, num_nodes, num_reqs = t_req.shape[0], kv_start.shape[0], q_len.shape[0]
-    # ---- split rule over the unsplit work
+    # ---- split rule over the unsplit work, one budget per work class
+    t_decode = np.empty(num_tiles, dtype=np.bool_)
     node_rows = np.zeros(num_nodes, dtype=np.int64)
-    tokens = 0
+    shared_tokens = chunk_tokens = decode_tokens = 0
     for k in range(num_nodes):
         for m in range(offsets[k], offsets[k + 1]):
             node_rows[k] += q_len[members[m]]
-        tokens += (kv_end[k] - kv_start[k]) * _cdiv(node_rows[k], rows_per_shared)
+        shared_tokens += (kv_end[k] - kv_start[k]) * _cdiv(node_rows[k], rows_per_shared)
     for t in range(num_tiles):
-        tokens += max(t_hi[t] - t_lo[t], 0)
-    budget = _split_budget(tokens, num_kv_heads, num_sms, min_split_tokens, rule)
-    grain_sh, grain_sf = _grain(block_n_shared, budget), _grain(block_n_suffix, budget)
-    finite = budget < np.inf
-    per_sh = max(1, int(budget // grain_sh)) if finite else 1
-    per_sf = max(1, int(budget // grain_sf)) if finite else 1
+        t_decode[t] = q_len[t_req[t]] <= rows_per_decode
+        if t_decode[t]:
+            decode_tokens += max(t_hi[t] - t_lo[t], 0)
+        else:
+            chunk_tokens += max(t_hi[t] - t_lo[t], 0)
+    budget_sh, grain_sh, per_sh = _class_split(shared_tokens, block_n_shared, num_kv_heads, num_sms,
+                                               min_split_tokens, rule)
+    budget_ch, grain_ch, per_ch = _class_split(chunk_tokens, block_n_chunk, num_kv_heads, num_sms,
+                                               min_split_tokens, rule)
+    budget_de, grain_de, per_de = _class_split(decode_tokens, block_n_decode, num_kv_heads, num_sms,
+                                               min_split_tokens, rule)
     n_pieces = np.empty(num_nodes, dtype=np.int64)
     for k in range(num_nodes):
-        n_pieces[k] = _pieces(kv_end[k] - kv_start[k], budget, per_sh, grain_sh)
+        n_pieces[k] = _pieces(kv_end[k] - kv_start[k], budget_sh, per_sh, grain_sh)
     t_pieces = np.empty(num_tiles, dtype=np.int64)
     for t in range(num_tiles):
-        t_pieces[t] = _pieces(max(t_hi[t] - t_lo[t], 0), budget, per_sf, grain_sf)
+        if t_decode[t]:
+            t_pieces[t] = _pieces(max(t_hi[t] - t_lo[t], 0), budget_de, per_de, grain_de)
+        else:
+            t_pieces[t] = _pieces(max(t_hi[t] - t_lo[t], 0), budget_ch, per_ch, grain_ch)
     # ---- states per request (shared ones numbered node by node, top-down) and merge units
     shared_states, slot_base, tile_ws_base, tile_mrow_base, num_units, num_ws_rows, num_mrows = _merge_units(
         offsets, members, n_pieces, t_req, t_rows, t_pieces, num_reqs)
-    num_shared = num_gather = num_suffix = 0
+    num_shared = num_gather = num_chunk = num_decode = 0
     for k in range(num_nodes):
         num_shared += n_pieces[k] * _cdiv(node_rows[k], rows_per_shared)
         num_gather += n_pieces[k] * node_rows[k]
     for t in range(num_tiles):
-        num_suffix += t_pieces[t]
-    n_items = num_shared + num_suffix
+        if t_decode[t]:
+            num_decode += t_pieces[t]
+        else:
+            num_chunk += t_pieces[t]
+    n_items = num_shared + num_chunk + num_decode
+    class_ends = np.empty(3, dtype=np.int64)
+    class_ends[0], class_ends[1], class_ends[2] = num_shared, num_shared + num_chunk, n_items
     # dest: a workspace's buffer, which stages its table itself (extra == 0)
     in_dest = extra == 0 and dest_lay.shape[0] > 0 and _fits_dest(dest_lay, n_items, num_gather, num_mrows,
                                                                    num_ws_rows, q_len)
-    flat, items, gather, mrows = _table_views(dest, dest_lay, in_dest, n_items, num_gather, num_mrows, extra,
-                                              item_fields, gather_fields, mrow_fields)
+    flat, items, gather, mrows = _table_views(dest, dest_lay, in_dest, lay, class_ends, num_gather, num_mrows, extra)
     for t in range(num_tiles):
         if tile_mrow_base[t] >= 0:
             for i in range(t_rows[t]):
@@ -359,13 +390,20 @@ def work_list(lay, rule, kv_start, kv_end, offsets, members, suffix_start, q_sta
                 mrows[j, m_first] = tile_ws_base[t] + i
                 mrows[j, m_stride] = t_rows[t]
                 mrows[j, m_states] = shared_states[t_req[t]] + t_pieces[t]
-    # ---- items: shared (node, piece, M tile), then suffix (tile, piece); gather rows of the shared ones
-    it = _shared_items(items, gather, lay, kv_start, kv_end, offsets, members, q_start, q_len, t_first, t_rows,
-                       tile_ws_base, tile_mrow_base, n_pieces, slot_base, grain_sh, rows_per_suffix, rows_per_shared)
+    # ---- items: shared (node, piece, M tile), then suffix (tile, piece) of the chunk and the decode class; gather
+    # rows of the shared ones
+    _shared_items(items, gather, lay, kv_start, kv_end, offsets, members, q_start, q_len, t_first, t_rows,
+                  tile_ws_base, tile_mrow_base, n_pieces, slot_base, grain_sh, rows_per_chunk, rows_per_shared)
+    it_chunk, it_decode = num_shared, num_shared + num_chunk
     for t in range(num_tiles):
         unit = tile_mrow_base[t] >= 0
+        grain = grain_de if t_decode[t] else grain_ch
         for c in range(t_pieces[t]):
-            lo, hi = _piece_bound(t_lo[t], t_hi[t], c, t_pieces[t], grain_sf)
+            lo, hi = _piece_bound(t_lo[t], t_hi[t], c, t_pieces[t], grain)
+            if t_decode[t]:
+                it, it_decode = it_decode, it_decode + 1
+            else:
+                it, it_chunk = it_chunk, it_chunk + 1
             items[it, i_kind] = kind_suffix
             items[it, i_req] = t_req[t]
             items[it, i_kv0] = lo
@@ -375,9 +413,8 @@ def work_list(lay, rule, kv_start, kv_end, offsets, members, suffix_start, q_sta
             items[it, i_qpos] = t_qpos[t]
             items[it, i_dest] = tile_ws_base[t] + (shared_states[t_req[t]] + c) * t_rows[t] if unit else -1
             items[it, i_mrow] = tile_mrow_base[t] if unit else -1
-            it += 1
-    _longest_first(items, i_kv0, i_kv1, num_shared)
-    return (flat, items, gather, mrows, num_ws_rows, num_units,
+    _longest_first(items, i_kv0, i_kv1, class_ends)
+    return (flat, items, gather, mrows, num_ws_rows, num_units, class_ends,
             _critical_path(items, i_kv0, i_kv1, num_kv_heads, num_sms), in_dest)
 
 
@@ -440,33 +477,32 @@ def _sorted_run(length, lo, hi, out):
 
 
 @njit(cache=True, nogil=True)
-def _longest_first(items, i_kv0, i_kv1, num_shared):
-    """Items by KV length, longest first, stable (LPT), in place; untouched when already in that order.
-
-    The first ``num_shared`` items (shared) and the rest (suffix) are sorted apart (:func:`_sorted_run`), then merged,
-    ties to the shared run (the lower indices). 272 items of a staggered decode step under a 2,048-token prefix
-    (lengths 2,048 and 296-311): 3.0 us with one key sort of all items, 2.2 us so (a stable argsort took ~9 us)."""
+def _longest_first(items, i_kv0, i_kv1, class_ends):
+    """Items by KV length, longest first, stable (LPT), within each work class (``class_ends``: one past each
+    class's last item), in place; a class already in that order is left untouched (a decode step's equal lengths).
+    Each class is sorted by :func:`_sorted_run` (272 items of a staggered decode step under a 2,048-token prefix,
+    lengths 2,048 and 296-311: ~2 us; a stable argsort took ~9 us)."""
     n = items.shape[0]
     length = np.empty(n, dtype=np.int64)
-    ordered = True
     for i in range(n):
         length[i] = np.int64(items[i, i_kv1]) - items[i, i_kv0]
-        if i and length[i] > length[i - 1]:
-            ordered = False
-    if ordered:
-        return
     run = np.empty(n, dtype=np.int64)
-    _sorted_run(length, 0, num_shared, run)
-    _sorted_run(length, num_shared, n, run)
-    copy = items.copy()
-    a, b = 0, num_shared
-    for i in range(n):
-        if b == n or (a < num_shared and length[run[a]] >= length[run[b]]):
-            j, a = run[a], a + 1
-        else:
-            j, b = run[b], b + 1
-        for c in range(items.shape[1]):  # element loop: a row-slice assignment per item cost ~2x
-            items[i, c] = copy[j, c]
+    lo = 0
+    for c in range(class_ends.shape[0]):
+        hi = class_ends[c]
+        ordered = True
+        for i in range(lo + 1, hi):
+            if length[i] > length[i - 1]:
+                ordered = False
+                break
+        if not ordered:
+            _sorted_run(length, lo, hi, run)
+            copy = items[lo:hi].copy()
+            for i in range(lo, hi):
+                j = run[i] - lo
+                for f in range(items.shape[1]):  # element loop: a row-slice assignment per item cost ~2x
+                    items[i, f] = copy[j, f]
+        lo = hi
 
 
 @njit(cache=True, nogil=True)
@@ -486,8 +522,9 @@ def _critical_path(items, i_kv0, i_kv1, num_kv_heads, num_sms):
 
 
 #: Entries of the ``params`` argument of :func:`plan_core` (one int64 array: one argument for numba to type-check).
-(P_CAUSAL, P_SHARING, P_BLOCK_SIZE, P_GROUP, P_HEAD_DIM, P_ELT_BYTES, P_ROWS_SHARED, P_ROWS_SUFFIX, P_BLOCK_N_SHARED,
- P_BLOCK_N_SUFFIX, P_KV_HEADS, P_SMS, P_MIN_SPLIT, P_STATE_BYTES, NUM_PARAMS) = range(15)
+(P_CAUSAL, P_SHARING, P_BLOCK_SIZE, P_GROUP, P_HEAD_DIM, P_ELT_BYTES, P_ROWS_SHARED, P_ROWS_CHUNK, P_ROWS_DECODE,
+ P_BLOCK_N_SHARED, P_BLOCK_N_CHUNK, P_BLOCK_N_DECODE, P_KV_HEADS, P_SMS, P_MIN_SPLIT, P_STATE_BYTES,
+ NUM_PARAMS) = range(17)
 _INT32_MAX = 2 ** 31 - 1
 
 
@@ -515,8 +552,8 @@ def plan_core(lay, rule, params, width, order, depth, lb, rb, parent, indptr, q_
     (``P_*``), ``width``: block-table columns to stage (the batch reads them; 0: none); ``dest``, ``dest_lay``: a
     workspace's int32 host buffer and its layout (``D_*``; empty: none), which gets the tables when they fit.
     Returns ``(kv_start, kv_end, depth_blocks, offsets, members, flat, items, gather, mrows, table_fits,
-    num_ws_rows, num_units, critical_path, in_dest)``; ``flat`` holds the block table's used columns after the
-    tables when ``table_fits`` (and the tables unless ``in_dest``).
+    num_ws_rows, num_units, class_ends, critical_path, in_dest)``; ``flat`` holds the block table's used columns
+    after the tables when ``table_fits`` (and the tables unless ``in_dest``).
     """
     kv_start, kv_end, depth_blocks, offsets, members, suffix_start = select_nodes(
         order, depth, lb, rb, parent, shareable, q_len, params[P_BLOCK_SIZE], params[P_ROWS_SHARED],
@@ -524,11 +561,11 @@ def plan_core(lay, rule, params, width, order, depth, lb, rb, parent, indptr, q_
     rows = table.shape[0]
     cols = min(width, table.shape[1])
     fits = _table_fits(table, cols)
-    flat, items, gather, mrows, num_ws_rows, num_units, crit, in_dest = work_list(
+    flat, items, gather, mrows, num_ws_rows, num_units, class_ends, crit, in_dest = work_list(
         lay, rule, kv_start, kv_end, offsets, members, suffix_start, indptr[:-1], q_len, kv_len,
-        params[P_CAUSAL] != 0, params[P_ROWS_SHARED], params[P_ROWS_SUFFIX], params[P_BLOCK_N_SHARED],
-        params[P_BLOCK_N_SUFFIX], params[P_KV_HEADS], params[P_SMS], params[P_MIN_SPLIT],
-        rows * width if fits else 0, dest, dest_lay)
+        params[P_CAUSAL] != 0, params[P_ROWS_SHARED], params[P_ROWS_CHUNK], params[P_ROWS_DECODE],
+        params[P_BLOCK_N_SHARED], params[P_BLOCK_N_CHUNK], params[P_BLOCK_N_DECODE], params[P_KV_HEADS],
+        params[P_SMS], params[P_MIN_SPLIT], rows * width if fits else 0, dest, dest_lay)
     if fits:
         base = flat.shape[0] - rows * width if rows * width else 0
         for r in range(rows):
@@ -539,4 +576,4 @@ def plan_core(lay, rule, params, width, order, depth, lb, rb, parent, indptr, q_
             for k in range(cols, width):
                 dst[k] = 0
     return (kv_start, kv_end, depth_blocks, offsets, members, flat, items, gather, mrows, fits, num_ws_rows,
-            num_units, crit, in_dest)
+            num_units, class_ends, crit, in_dest)

@@ -99,7 +99,7 @@ class Plan:
     device: torch.device
     tiles: AttentionTiles
     use_fp32_dot: bool
-    has_shared: bool  # any shared-node item (else the kernel is compiled without that branch)
+    has_shared: bool  # any shared-node item
     #: Largest block id the work list reads (-1: none). attention() refuses a cache with ``shape[0] <= max_block_id``
     #: on the host, so a plan can never make the kernel read outside the cache it is given.
     max_block_id: int
@@ -107,12 +107,12 @@ class Plan:
     tree: LcpTree = field(repr=False)
     nodes: SharedNodes = field(repr=False)
     # device tensors
-    num_items_dev: torch.Tensor = field(repr=False)  # [1] int32: live work items (programs past them exit)
+    ranges: tuple = field(repr=False)  # NUM_CLASSES views [RANGE_FIELDS] int32: each class's items (layout)
     items: torch.Tensor = field(repr=False)
     gather: torch.Tensor = field(repr=False)
     mrows: torch.Tensor = field(repr=False)
     block_table: torch.Tensor = field(repr=False)
-    counters: torch.Tensor = field(repr=False)  # [num_mrows, num_qo_heads] int32, zeroed by every launch
+    counters: torch.Tensor = field(repr=False)  # [num_mrows, num_qo_heads] int32, zeroed before a step's launches
     ws_o: torch.Tensor = field(repr=False)
     ws_lse: torch.Tensor = field(repr=False)
     stats: dict = field(default_factory=dict)
@@ -143,9 +143,15 @@ class Plan:
         return int(self.work.mrows.shape[0])
 
     @property
+    def work_classes(self) -> tuple[int, ...]:
+        """The work classes with items (``layout.CLASS_*``), in launch order: one launch each."""
+        return tuple(c for c in range(K.NUM_CLASSES) if self.work.class_range(c)[1] > self.work.class_range(c)[0])
+
+    @property
     def num_launches(self) -> int:
-        """Kernel launches one :func:`prefixattn.attention` call makes: 1, or 0 for a batch with no query rows."""
-        return 1 if self.work.num_items else 0
+        """Kernel launches one :func:`prefixattn.attention` call makes: one per work class with items (0 for a
+        batch with no query rows)."""
+        return len(self.work_classes)
 
     def kv_bytes_read(self, elt_bytes: int | None = None) -> int:
         """KV bytes the work items load (K and V, all KV heads), counting a range once per item that reads it."""
@@ -342,9 +348,10 @@ def plan(
     """Plan one engine step of prefix-shared paged attention (host; reuse the plan for every layer).
 
     Finds the KV prefixes requests share (identical leading block ids in ``block_table``, as a paged engine's prefix
-    cache produces), keeps the ones worth sharing, and builds one launch's work list: shared-node tiles (all query
-    rows of a node's requests against one copy of its KV), per-request suffix tiles, split-k chunks when the grid
-    would not fill the device, and in-kernel merges. With nothing shared it is plain paged attention: one item per
+    cache produces), keeps the ones worth sharing, and builds the step's work list: shared-node tiles (all query
+    rows of a node's requests against one copy of its KV), per-request suffix tiles (prefill-chunk tiles and decode
+    tiles), split-k chunks when a class's launch would not fill the device, and in-kernel merges. Each work class
+    runs as its own launch (:attr:`Plan.work_classes`). With nothing shared it is plain paged attention: one item per
     request tile, written straight to the output, no workspace.
 
     Parameters
@@ -548,8 +555,9 @@ def _host_tables(compiled, tree, o: PlanOptions, *, tiles: AttentionTiles, num_s
 def _tile_args(o: PlanOptions, tiles: AttentionTiles, num_sms: int) -> dict:
     """The work list's tile and split arguments."""
     group = o.group
-    return dict(rows_per_shared=tiles.rows_per_shared_tile(group), rows_per_suffix=tiles.rows_per_suffix_tile(group),
-                block_n_shared=tiles.block_n_shared, block_n_suffix=tiles.block_n_suffix,
+    return dict(rows_per_shared=tiles.rows_per_shared_tile(group), rows_per_chunk=tiles.rows_per_chunk_tile(group),
+                rows_per_decode=tiles.decode_class_rows(group), block_n_shared=tiles.shared.block_n,
+                block_n_chunk=tiles.chunk.block_n, block_n_decode=tiles.decode.block_n,
                 num_kv_heads=o.num_kv_heads, num_sms=num_sms, min_split_tokens=o.min_split_tokens)
 
 
@@ -575,8 +583,8 @@ def _core_params(o: PlanOptions, tiles: AttentionTiles, num_sms: int) -> np.ndar
 
 
 def _numpy_tables(tree, *, q_start, q_len, lens, shareable, causal, sharing, block_size, group, head_dim, elt_bytes,
-                  window_left, rows_per_shared, rows_per_suffix, block_n_shared, block_n_suffix, num_kv_heads,
-                  num_sms, min_split_tokens):
+                  window_left, rows_per_shared, rows_per_chunk, rows_per_decode, block_n_shared, block_n_chunk,
+                  block_n_decode, num_kv_heads, num_sms, min_split_tokens):
     """The numpy planner from the tree to the work list: ``(SharedNodes, WorkList)``."""
     nodes, suffix_start = select_shared_nodes(
         tree, shareable=shareable, q_len=q_len, block_size=block_size, rows_per_shared=rows_per_shared, group=group,
@@ -586,6 +594,7 @@ def _numpy_tables(tree, *, q_start, q_len, lens, shareable, causal, sharing, blo
                                                   window_left=window_left)
     work = build_work_list(
         q_start=q_start, q_len=q_len, kv_len=lens, causal=causal, nodes=nodes, suffix_start=suffix_start,
-        rows_per_shared=rows_per_shared, rows_per_suffix=rows_per_suffix, block_n_shared=block_n_shared,
-        block_n_suffix=block_n_suffix, num_kv_heads=num_kv_heads, num_sms=num_sms, min_split_tokens=min_split_tokens)
+        rows_per_shared=rows_per_shared, rows_per_chunk=rows_per_chunk, rows_per_decode=rows_per_decode,
+        block_n_shared=block_n_shared, block_n_chunk=block_n_chunk, block_n_decode=block_n_decode,
+        num_kv_heads=num_kv_heads, num_sms=num_sms, min_split_tokens=min_split_tokens)
     return nodes, work

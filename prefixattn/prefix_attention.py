@@ -1,4 +1,5 @@
-"""attention(): run a :class:`~prefixattn.planner.Plan` - one launch of the fused prefix-shared attention kernel."""
+"""attention(): run a :class:`~prefixattn.planner.Plan` - one launch of the fused prefix-shared attention kernel per
+work class of the step (shared nodes, prefill-chunk tiles, decode tiles), merged in-kernel."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import math
 
 import torch
 
-from prefixattn.kernels.layout import page_size_constexpr
+from prefixattn.kernels.layout import CLASS_CHUNK, CLASS_DECODE, CLASS_SHARED, WORK_CLASSES, page_size_constexpr
 from prefixattn.kernels.prefix_attention_kernel import prefix_attention_kernel
 from prefixattn import plan_native
 from prefixattn.attention_configs import choose_tiles
@@ -19,7 +20,7 @@ from prefixattn.runtime import device_one
 from prefixattn.validation import (FP8_KV_DTYPES, canonical_device, check_fp8_support, check_head_dim, check_heads,
                                    check_kernel_device, check_kv_scale, check_qkv, check_sinks, check_tensor,
                                    same_device, torch_dtype_name)
-from prefixattn.workspace import DEFAULT_MAX_SHARED_LEVELS, PlanWorkspace, derive_capacity
+from prefixattn.workspace import DEFAULT_MAX_SHARED_LEVELS, PlanWorkspace, class_grid_items, derive_capacity
 
 _LOG2E = 1.0 / math.log(2.0)
 
@@ -93,7 +94,8 @@ def _check_against_plan(q, k_cache, v_cache, p: Plan, out, return_lse) -> None:
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: Plan, *,
               out: torch.Tensor | None = None, return_lse: bool = False, sinks: torch.Tensor | None = None,
               k_scale: float | torch.Tensor | None = None, v_scale: float | torch.Tensor | None = None):
-    """Prefix-shared paged attention for one layer: exactly one kernel launch, no host synchronization.
+    """Prefix-shared paged attention for one layer: one kernel launch per work class of the plan
+    (:attr:`~prefixattn.planner.Plan.work_classes`), no host synchronization.
 
     Same conventions as :func:`prefixattn.reference_attention`; the metadata (``qo_indptr``, ``kv_lens``,
     ``block_table``, ``causal``, ``sm_scale``, ``logits_soft_cap``, ``window_left``) come from ``plan``.
@@ -139,32 +141,36 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pla
     if out is None:
         out = torch.empty_like(q)
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else plan.ws_lse
-    if plan.num_items:
-        # Merge counters start at 0 in every launch (a memset of num_merge_rows x num_qo_heads int32, stream
-        # ordered and CUDA-graph capturable): an interrupted launch cannot leak arrivals into the next one.
+    classes = plan.work_classes
+    if classes:
+        # Merge counters start at 0 in every step (a memset of num_merge_rows x num_qo_heads int32, stream ordered
+        # and CUDA-graph capturable): an interrupted step cannot leak arrivals into the next one.
         if plan.num_merge_rows:
             plan.counters.zero_()
-        _launch(out=out, lse=lse, q=q, k_cache=k_cache, v_cache=v_cache, p=plan, num_programs_items=plan.num_items,
-                has_shared=plan.has_shared, has_lse=return_lse, features=features)
+        ranges = [plan.work.class_range(c) for c in classes]
+        _launch(out=out, lse=lse, q=q, k_cache=k_cache, v_cache=v_cache, p=plan, classes=classes,
+                grid_items=tuple(end - first for first, end in ranges), has_lse=return_lse, features=features)
     return (out, lse) if return_lse else out
 
 
-def _launch(*, out, lse, q, k_cache, v_cache, p: Plan, num_programs_items: int, has_shared: bool,
-            has_lse: bool, features: dict, tables: dict | None = None) -> None:
-    """The one kernel launch: ``num_programs_items x num_kv_heads`` programs; programs past the plan's live items
-    (``num_items_dev``, read on the device) exit at once, so a grid sized by capacity serves any smaller plan.
-    ``features``: :func:`_feature_args`. ``tables`` replaces the plan's ``items``/``gather``/``mrows``/``counters``
-    (the workspace's whole buffers)."""
+def _launch(*, out, lse, q, k_cache, v_cache, p: Plan, classes: tuple, grid_items: tuple, has_lse: bool,
+            features: dict, tables: dict | None = None) -> None:
+    """One launch per work class in ``classes`` (``layout.CLASS_*``, in that order on the current stream), each of
+    ``grid_items[i] x num_kv_heads`` programs with its class's tiles and launch options; programs past the class's
+    live items (its ``ranges`` record, read on the device) exit at once, so a grid sized by capacity serves any
+    smaller plan. ``features``: :func:`_feature_args`. ``tables`` replaces the plan's ``ranges``/``items``/``gather``/
+    ``mrows``/``counters`` (the workspace's whole buffers)."""
     t = p.tiles
-    tb = {**dict(items=p.items, gather=p.gather, mrows=p.mrows, counters=p.counters), **(tables or {})}
+    tb = {**dict(ranges=p.ranges, items=p.items, gather=p.gather, mrows=p.mrows, counters=p.counters),
+          **(tables or {})}
     # One stride() call per tensor (a tuple) instead of one per dimension: 22 -> 7 calls, ~3 us of every launch on
     # the 2-core host (eager engines launch once per layer).
     so, sl, sw, swl, sq, sk, sv = (x.stride() for x in (out, lse, p.ws_o, p.ws_lse, q, k_cache, v_cache))
-    prefix_attention_kernel[(num_programs_items * p.num_kv_heads,)](
+    args = dict(
         out_ptr=out, lse_ptr=lse, ws_o_ptr=p.ws_o, ws_lse_ptr=p.ws_lse, counters_ptr=tb["counters"],
         q_ptr=q, k_cache_ptr=k_cache, v_cache_ptr=v_cache, sinks_ptr=features["sinks_ptr"],
         k_scale_ptr=features["k_scale_ptr"], v_scale_ptr=features["v_scale_ptr"],
-        num_items_ptr=p.num_items_dev, items_ptr=tb["items"], gather_ptr=tb["gather"], mrows_ptr=tb["mrows"],
+        items_ptr=tb["items"], gather_ptr=tb["gather"], mrows_ptr=tb["mrows"],
         block_table_ptr=p.block_table,
         num_kv_heads=p.num_kv_heads, group=p.num_qo_heads // p.num_kv_heads, head_dim=p.head_dim,
         block_size=p.block_size, qk_scale=features["qk_scale"], soft_cap_log2=features["soft_cap_log2"],
@@ -177,14 +183,18 @@ def _launch(*, out, lse, q, k_cache, v_cache, p: Plan, num_programs_items: int, 
         stride_k_blk=sk[0], stride_k_tok=sk[1], stride_k_head=sk[2], stride_k_d=sk[3],
         stride_v_blk=sv[0], stride_v_tok=sv[1], stride_v_head=sv[2], stride_v_d=sv[3],
         stride_bt_r=p.block_table.stride(0),
-        HAS_LSE=has_lse, HAS_SHARED=has_shared, HAS_SOFT_CAP=features["HAS_SOFT_CAP"],
+        HAS_LSE=has_lse, HAS_SOFT_CAP=features["HAS_SOFT_CAP"],
         HAS_WINDOW=features["HAS_WINDOW"], HAS_SINKS=features["HAS_SINKS"], HAS_KV_SCALE=features["HAS_KV_SCALE"],
         USE_NAN_GUARD=p.nan_guard, USE_FP32_DOT=p.use_fp32_dot, IS_HIP=t.is_hip,
-        PAGE_SIZE=page_size_constexpr(p.block_size),
-        BLOCK_M_SHARED=t.block_m_shared, BLOCK_N_SHARED=t.block_n_shared,
-        BLOCK_M_SUFFIX=t.block_m_suffix, BLOCK_N_SUFFIX=t.block_n_suffix, BLOCK_D=t.block_d,
-        **t.launch_options(has_shared, kv_fp8=k_cache.dtype in FP8_KV_DTYPES),
+        PAGE_SIZE=page_size_constexpr(p.block_size), BLOCK_D=t.block_d,
     )
+    kv_fp8 = k_cache.dtype in FP8_KV_DTYPES
+    ranges = tb["ranges"]
+    for work_class, items in zip(classes, grid_items):
+        ct = t.of(work_class)
+        prefix_attention_kernel[(items * p.num_kv_heads,)](
+            item_range_ptr=ranges[work_class], IS_SHARED=work_class == CLASS_SHARED, BLOCK_M=ct.block_m,
+            BLOCK_N=ct.block_n, **args, **t.launch_options(work_class, kv_fp8=kv_fp8))
 
 
 #: Options a CUDA-graph wrapper fixes at construction: the captured launch holds them (constexprs, scalars, tiles).
@@ -297,20 +307,37 @@ class PrefixSharedAttention:
         if self.use_cuda_graph:
             self._tiles = choose_tiles(head_dim=cfg["head_dim"], group=group,
                                        max_q_len=_positive_int("max_q_len", max_q_len), dtype=cfg["q_dtype"])
+            if max_q_len <= self._tiles.rows_per_decode_tile(group):
+                # Steps of decode-tile rows: no chunk launch in the graph; a longer request (any batch is still
+                # served) is cut into decode tiles.
+                self._tiles = self._tiles.without_chunk_class()
             tile_sets = [self._tiles]
         else:  # tiles follow each batch: bound the rows per tile over decode- and prefill-shaped choices
             tile_sets = [choose_tiles(head_dim=cfg["head_dim"], group=group, max_q_len=q, dtype=cfg["q_dtype"])
                          for q in (1, int(caps[0]))]
-        rows = [r for t in tile_sets for r in (t.rows_per_shared_tile(group), t.rows_per_suffix_tile(group))]
-        #: graph_grid_items() per graph size: fixed by the capacity, asked every graph step (derive_capacity cost
-        #: ~3.5 us a step on the 2-core host); one entry per size asked (an engine's capture sizes).
-        self._grid_items: dict[int, int] = {}
+        rows = [r for t in tile_sets for r in (t.rows_per_shared_tile(group), t.rows_per_chunk_tile(group),
+                                               t.rows_per_decode_tile(group))]
+        #: graph_grid_items() per graph size: fixed by the capacity, asked every graph step (the bounds cost ~3.5 us
+        #: a step on the 2-core host); one entry per size asked (an engine's capture sizes).
+        self._grid_items: dict[int, tuple] = {}
         self._bound = functools.partial(derive_capacity, num_kv_heads=cfg["num_kv_heads"], num_sms=num_sms,
                                         rows_per_tile=(min(rows), max(rows)), max_shared_levels=max_shared_levels)
         capacity = self._bound(max_tokens=caps[0], max_requests=caps[1], max_blocks_per_request=caps[2], **overrides)
         self._workspace = PlanWorkspace(capacity, num_qo_heads=cfg["num_qo_heads"], head_dim=cfg["head_dim"],
                                         device=device)
-        self._graph_has_shared = cfg.get("sharing", "auto") != "never"
+        if self.use_cuda_graph:
+            t = self._tiles
+            #: The work classes the captured launches cover, in launch order: shared nodes unless sharing is off,
+            #: prefill-chunk tiles when they have a binary of their own (max_q_len passes a decode tile's rows),
+            #: decode tiles always.
+            self._graph_classes = tuple(
+                c for c, on in ((CLASS_SHARED, cfg.get("sharing", "auto") != "never"),
+                                (CLASS_CHUNK, t.chunk != t.decode), (CLASS_DECODE, True)) if on)
+            self._class_bound = functools.partial(
+                class_grid_items, rows_per_tile=(t.rows_per_shared_tile(group), t.rows_per_chunk_tile(group),
+                                                 t.rows_per_decode_tile(group)), chunk_class=t.chunk != t.decode,
+                max_shared_levels=max_shared_levels, num_sms=num_sms, num_kv_heads=cfg["num_kv_heads"],
+                max_items=capacity.max_items)
 
     @property
     def current_plan(self) -> Plan | None:
@@ -359,39 +386,62 @@ class PrefixSharedAttention:
         self._plan = p
         return p
 
-    def graph_grid_items(self, num_tokens: int) -> int:
-        """Work items a graph-safe launch for ``num_tokens`` query rows covers: the derived item bound of a step of
-        that size (:func:`prefixattn.workspace.derive_capacity`; only requests with query rows make items, so at most
-        ``num_tokens`` of them), never more than the workspace's ``max_items``."""
+    def graph_grid_items(self, num_tokens: int) -> tuple[int, ...]:
+        """Work items each captured launch covers for a step of ``num_tokens`` query rows, one per class of
+        :attr:`graph_work_classes`: the bound for a step of that size (:func:`prefixattn.workspace.class_grid_items`;
+        only requests with query rows make items, so at most ``num_tokens`` of them), never more than the
+        workspace's ``max_items``."""
         grid = self._grid_items.get(num_tokens) if type(num_tokens) is int else None
         if grid is None:
             cap = self._workspace.capacity
-            bound = self._bound(max_tokens=num_tokens, max_requests=min(num_tokens, cap.max_requests),
-                                max_blocks_per_request=cap.max_blocks_per_request).max_items
-            grid = min(bound, cap.max_items)
+            per_class = self._class_bound(num_tokens=num_tokens, num_requests=cap.max_requests)
+            grid = tuple(per_class[c] for c in self._graph_classes)
             if type(num_tokens) is int:
                 self._grid_items[num_tokens] = grid
         return grid
 
+    @property
+    def graph_work_classes(self) -> tuple[int, ...]:
+        """With ``use_cuda_graph``: the work classes ``run()`` launches (``layout.CLASS_*``, in order), fixed at
+        construction."""
+        return self._graph_classes
+
     def _fit_graph_grid(self, p: Plan, num_tokens: int, args) -> Plan:
-        """Keep a plan within the grid of the graph that replays it: re-plan without sharing, else refuse."""
+        """Keep a plan within the grids of the graph that replays it: re-plan without sharing, else refuse."""
         if p.num_tokens > num_tokens:
             raise ValueError(f"graph_num_tokens: expected at least the step's {p.num_tokens} query rows, got "
                              f"{num_tokens}")
         grid = self.graph_grid_items(num_tokens)
-        if p.num_items > grid:
+        over = self._grid_overflow(p, grid)
+        if over is not None and over[0] == CLASS_SHARED:
             qo_indptr, kv_lens, block_table, num_blocks, device_block_table, overrides = args
             if {**self._config, **overrides}.get("sharing", "auto") != "never":
-                reason = (f"max_items: expected at most {grid} (the graph grid for {num_tokens} tokens), got "
-                          f"{p.num_items}")
+                reason = (f"max_items: expected at most {over[2]} shared items (the graph grid for {num_tokens} "
+                          f"tokens), got {over[1]}")
                 p = self._plan_in_workspace(qo_indptr, kv_lens, block_table, num_blocks, device_block_table,
                                             {**overrides, "sharing": "never"})
                 p.stats["capacity_fallback"] = reason
-            if p.num_items > grid:
-                raise ValueError(f"graph_num_tokens: expected a step within the grid of {grid} work items for "
-                                 f"{num_tokens} tokens, got {p.num_items} items even without sharing")
+                over = self._grid_overflow(p, grid)
+        if over is not None:
+            name = WORK_CLASSES[over[0]]
+            if over[2] < 0:
+                raise ValueError(f"max_q_len: expected a step without {name} items (the graph launches no {name} "
+                                 f"class: its max_q_len fits a decode tile), got {over[1]}")
+            raise ValueError(f"graph_num_tokens: expected a step within the graph's grid of {over[2]} {name} items "
+                             f"for {num_tokens} tokens, got {over[1]}")
         p.stats.update(graph_num_tokens=num_tokens, grid_items=grid)
         return p
+
+    def _grid_overflow(self, p: Plan, grid: tuple) -> tuple | None:
+        """``(class, items, grid)`` of the first class of ``p`` with more items than the graph's grid for it (grid
+        -1: the graph has no launch for that class), or None."""
+        for c in range(len(WORK_CLASSES)):
+            first, end = p.work.class_range(c)
+            if end > first:
+                cap = grid[self._graph_classes.index(c)] if c in self._graph_classes else -1
+                if end - first > cap:
+                    return c, end - first, cap
+        return None
 
     def _plan_in_workspace(self, qo_indptr, kv_lens, block_table, num_blocks, device_block_table,
                            overrides) -> Plan:
@@ -400,7 +450,7 @@ class PrefixSharedAttention:
             if fixed:
                 raise ValueError(f"{fixed[0]}: expected no per-step override with use_cuda_graph=True (the captured "
                                  f"launch holds it), got {overrides[fixed[0]]!r}")
-            if not self._graph_has_shared and overrides.get("sharing", "never") != "never":
+            if CLASS_SHARED not in self._graph_classes and overrides.get("sharing", "never") != "never":
                 raise ValueError(f"sharing: expected 'never' with use_cuda_graph=True and sharing='never' at "
                                  f"construction (the launch has no shared branch), got {overrides['sharing']!r}")
         options, per_call, default_blocks = self._step_options(overrides)
@@ -452,8 +502,8 @@ class PrefixSharedAttention:
                                     k_scale=k_scale, v_scale=v_scale)
 
     def _run_graph_safe(self, q, k_cache, v_cache, *, out, return_lse, sinks, k_scale, v_scale):
-        """One launch fixed by the capacity (or the graph's size); the counter memset is part of what a graph
-        captures."""
+        """One launch per class of :attr:`graph_work_classes`, fixed by the capacity (or the graph's size); the
+        counter memset is part of what a graph captures."""
         p, ws = self._plan, self._workspace
         _check_against_plan(q, k_cache, v_cache, p, out, return_lse)
         check_fp8_support("k_cache", k_cache)
@@ -470,8 +520,8 @@ class PrefixSharedAttention:
         ws.counters[:graph_tokens if graph_tokens is not None else ws.counters.shape[0]].zero_()
         # The workspace's whole buffers, not the plan's live views: a view with no rows has data_ptr 0, which a
         # captured launch would keep for the steps that have rows.
-        _launch(out=out, lse=lse, q=q, k_cache=k_cache, v_cache=v_cache, p=p,
-                num_programs_items=p.stats.get("grid_items", ws.capacity.max_items), has_shared=self._graph_has_shared,
-                has_lse=return_lse, features=features,
-                tables=dict(items=ws.items, gather=ws.gather, mrows=ws.mrows, counters=ws.counters))
+        grid = p.stats.get("grid_items") or self.graph_grid_items(ws.capacity.max_tokens)
+        _launch(out=out, lse=lse, q=q, k_cache=k_cache, v_cache=v_cache, p=p, classes=self._graph_classes,
+                grid_items=grid, has_lse=return_lse, features=features,
+                tables=dict(ranges=ws.ranges, items=ws.items, gather=ws.gather, mrows=ws.mrows, counters=ws.counters))
         return (out, lse) if return_lse else out

@@ -10,7 +10,8 @@ fair share for 32 decodes under an 8,192-token prefix (GQA 32:4, sm90 tiles, 132
 
 Rule (:func:`piece_budget`, :func:`split_pieces`): every range longer than the budget ``SPLIT_TOLERANCE x fair
 share`` is cut into the fewest pieces of whole KV tiles that keep each piece within the budget; pieces of one range
-are merged in the same launch. Shared nodes and suffix tiles have their own tile widths, hence their own piece counts.
+are merged by the last of them to finish. Each work class (shared nodes, chunk tiles, decode tiles) is its own launch:
+it is balanced against its own fair share, in its own KV tile width.
 """
 
 from __future__ import annotations
@@ -112,19 +113,38 @@ def critical_path(kv_lengths: np.ndarray, *, num_kv_heads: int, num_sms: int) ->
     return float(kv_lengths.max()) / fair if fair > 0 else 0.0
 
 
-def split_ranges(*, node_lengths: np.ndarray, node_m_tiles: np.ndarray, tile_lengths: np.ndarray,
-                 block_n_shared: int, block_n_suffix: int, num_kv_heads: int, num_sms: int,
-                 min_split_tokens: int) -> tuple[np.ndarray, int, np.ndarray, int]:
-    """The rule for one launch: ``(node_pieces, shared_grain, tile_pieces, suffix_grain)``.
+def split_ranges(*, node_lengths: np.ndarray, node_m_tiles: np.ndarray, tile_lengths: np.ndarray, tile_decode,
+                 block_n_shared: int, block_n_chunk: int, block_n_decode: int, num_kv_heads: int, num_sms: int,
+                 min_split_tokens: int) -> tuple[np.ndarray, int, np.ndarray, int | np.ndarray]:
+    """The rule for one step, one work class at a time: ``(node_pieces, shared_grain, tile_pieces, tile_grain)``.
 
-    ``node_lengths``/``node_m_tiles`` ``[num_nodes]``: KV tokens of each shared node and the M tiles of packed rows
-    that read it; ``tile_lengths`` ``[num_tiles]``: KV tokens of each suffix tile. Pieces are per range, against one
-    budget; the grains are the tile widths of each kind (:func:`split_grain`).
+    Each class is its own launch and has the whole GPU to itself, so each is balanced against its own fair share:
+    the shared nodes (``node_lengths``/``node_m_tiles`` ``[num_nodes]``: KV tokens of each node and the M tiles of
+    packed rows that read it), the chunk tiles and the decode tiles (``tile_lengths`` ``[num_tiles]``, KV tokens of
+    each suffix tile; ``tile_decode``: a bool per tile, or one bool for all). Grains are each class's KV tile
+    (:func:`split_grain`); ``tile_grain`` is an int when every tile is of one class, else an array per tile.
     """
-    tokens = int(tile_lengths.sum()) + (int((node_lengths * node_m_tiles).sum()) if node_lengths.shape[0] else 0)
+    shared_tokens = int((node_lengths * node_m_tiles).sum()) if node_lengths.shape[0] else 0
+    node_pieces, shared_grain = _class_pieces(node_lengths, shared_tokens, block_n_shared, num_kv_heads=num_kv_heads,
+                                              num_sms=num_sms, min_split_tokens=min_split_tokens)
+    common = dict(num_kv_heads=num_kv_heads, num_sms=num_sms, min_split_tokens=min_split_tokens)
+    if not isinstance(tile_decode, np.ndarray):  # one class of suffix tiles
+        block_n = block_n_decode if tile_decode else block_n_chunk
+        tile_pieces, grain = _class_pieces(tile_lengths, int(tile_lengths.sum()), block_n, **common)
+        return node_pieces, shared_grain, tile_pieces, grain
+    tile_pieces = np.empty(tile_lengths.shape[0], dtype=np.int64)
+    tile_grain = np.empty(tile_lengths.shape[0], dtype=np.int64)
+    for is_decode, block_n in ((False, block_n_chunk), (True, block_n_decode)):
+        of = tile_decode == is_decode
+        lengths = tile_lengths[of]
+        tile_pieces[of], tile_grain[of] = _class_pieces(lengths, int(lengths.sum()), block_n, **common)
+    return node_pieces, shared_grain, tile_pieces, tile_grain
+
+
+def _class_pieces(lengths: np.ndarray, tokens: int, block_n: int, *, num_kv_heads: int, num_sms: int,
+                  min_split_tokens: int) -> tuple[np.ndarray, int]:
+    """Pieces per range and the grain of one class whose programs read ``tokens`` KV tokens in all (one head)."""
     fair = _fair_share_of(tokens, num_kv_heads=num_kv_heads, num_sms=num_sms)  # one rounding, as one sum
     budget = piece_budget(fair, min_split_tokens=min_split_tokens)
-    shared_grain = split_grain(block_n_shared, budget)
-    suffix_grain = split_grain(block_n_suffix, budget)
-    return (split_pieces(node_lengths, budget=budget, grain=shared_grain), shared_grain,
-            split_pieces(tile_lengths, budget=budget, grain=suffix_grain), suffix_grain)
+    grain = split_grain(block_n, budget)
+    return split_pieces(lengths, budget=budget, grain=grain), grain

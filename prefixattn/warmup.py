@@ -4,12 +4,13 @@ Triton compiles a kernel the first time it is launched with a new set of compile
 for the fused attention kernel (one request would wait that long). For one model on one engine those values are
 few and known at start-up:
 
-* the fused attention kernel: the tile config :func:`prefixattn.plan` picks (it depends on the dtype, head size,
-  GQA group and the step's longest query chunk, bucketed by powers of two: :func:`attention_variants` walks every
-  bucket up to the engine's longest chunk and keeps the distinct configs), each with and without shared-prefix items
-  (``HAS_SHARED``: two binaries, two launch options), with or without the LSE output, and the block size
-  (``PAGE_SIZE``), and the KV cache's dtype: an fp8 cache (``kv_dtypes``) loads fp8 and dequantizes with the
-  per-tensor scales (``HAS_KV_SCALE``, and more warps for suffix-only launches), other binaries again;
+* the fused attention kernel: one binary per work class (shared nodes, prefill-chunk tiles, decode tiles:
+  ``IS_SHARED`` and the class's tiles and launch options), from the tile configs :func:`prefixattn.plan` picks (they
+  depend on the dtype, head size, GQA group and the step's longest query chunk, bucketed by powers of two:
+  :func:`attention_variants` walks every bucket up to the engine's longest chunk and keeps the distinct binaries),
+  with or without the LSE output, and the block size (``PAGE_SIZE``), and the KV cache's dtype: an fp8 cache
+  (``kv_dtypes``) loads fp8 and dequantizes with the per-tensor scales (``HAS_KV_SCALE``, and more warps for suffix
+  launches), other binaries again;
 * the K/V write kernel (:func:`prefixattn.write_kv`), one binary per dtype, cache dtype (fp8 quantizes: ``IS_FP8``)
   and head geometry, when the engine uses it.
 
@@ -35,11 +36,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from prefixattn.attention_configs import AttentionTiles, choose_tiles
+from prefixattn.attention_configs import ClassTiles, choose_tiles
 from prefixattn.autotune.buckets import MAX_Q_LEN_RANGE
 from prefixattn.autotune.config_space import AttentionConfig
 from prefixattn.autotune.lookup import fixed_config, planning_target, select_config
-from prefixattn.kernels.layout import page_size_constexpr
+from prefixattn.kernels.layout import CLASS_CHUNK, CLASS_DECODE, CLASS_SHARED, WORK_CLASSES, page_size_constexpr
 from prefixattn.runtime import interpreter_enabled
 from prefixattn.validation import FP8_KV_DTYPES, SUPPORTED_DTYPES, check_head_dim, check_heads, torch_dtype_name
 
@@ -58,7 +59,8 @@ KV_WRITE = "kv_write"
 class KernelVariant:
     """One kernel binary: the compile-time values a launch specializes on.
 
-    ``config`` pins the fused kernel's tiles for the warm-up launch; ``max_q_lens`` are the query-chunk buckets
+    ``work_class`` (a ``layout.CLASS_*`` index) and ``tiles`` are the attention binary's work class and its tiles
+    and launch options; ``config`` pins the tiles for the warm-up launch; ``max_q_lens`` are the query-chunk buckets
     whose steps select this binary (for the report).
     """
 
@@ -68,9 +70,9 @@ class KernelVariant:
     num_kv_heads: int
     head_dim: int
     block_size: int
-    has_shared: bool = False
+    work_class: int = CLASS_DECODE
     has_lse: bool = False
-    tiles: AttentionTiles | None = None
+    tiles: ClassTiles | None = None
     config: AttentionConfig | None = None
     max_q_lens: tuple[int, ...] = ()
     slot_dtype: torch.dtype = torch.int64
@@ -78,6 +80,8 @@ class KernelVariant:
     kv_dtype: torch.dtype | None = None
     #: ``HAS_KV_SCALE`` of an attention launch (per-tensor dequantization scales: fp8 caches).
     has_kv_scale: bool = False
+    #: An AMD binary (its launch takes the HIP knobs; the fp8 warps rule is NVIDIA's).
+    is_hip: bool = False
 
     @property
     def cache_dtype(self) -> torch.dtype:
@@ -95,12 +99,11 @@ class KernelVariant:
         if self.kernel == KV_WRITE:
             return f"{KV_WRITE} {geometry} slots {torch_dtype_name(self.slot_dtype)}"
         t = self.tiles
+        lo = t.launch.for_kv(has_shared=self.work_class == CLASS_SHARED, kv_fp8=self.kv_fp8, is_hip=self.is_hip)
         parts = [ATTENTION, geometry, f"page {page_size_constexpr(self.block_size) or 'any'}",
-                 "shared+suffix" if self.has_shared else "suffix-only", "+lse" if self.has_lse else "no-lse",
-                 *(["+kv_scale"] if self.has_kv_scale else []),
-                 f"shared {t.block_m_shared}x{t.block_n_shared} suffix {t.block_m_suffix}x{t.block_n_suffix}",
-                 "w{num_warps}/s{num_stages}".format(**t.launch_options(self.has_shared, kv_fp8=self.kv_fp8)),
-                 f"q_len {_ranges(self.max_q_lens)}"]
+                 WORK_CLASSES[self.work_class], "+lse" if self.has_lse else "no-lse",
+                 *(["+kv_scale"] if self.has_kv_scale else []), f"{t.block_m}x{t.block_n}",
+                 f"w{lo.num_warps}/s{lo.num_stages}", f"q_len {_ranges(self.max_q_lens)}"]
         return " ".join(parts)
 
 
@@ -229,7 +232,7 @@ def attention_variants(*, num_qo_heads: int, num_kv_heads: int, head_dim: int, b
 
     Returns
     -------
-    list of KernelVariant, in dtype, cache dtype, query-length and has_shared order, without duplicates.
+    list of KernelVariant, in dtype, cache dtype, query-length and work-class order, without duplicates.
     """
     dtypes = _check_config(num_qo_heads, num_kv_heads, head_dim, block_size, dtypes)
     pairs = dtype_pairs(dtypes, kv_dtypes)
@@ -240,21 +243,27 @@ def attention_variants(*, num_qo_heads: int, num_kv_heads: int, head_dim: int, b
             fp8 = kv_dtype in FP8_KV_DTYPES
             scale_switches = tuple(dict.fromkeys(bool(x) for x in fp8_kv_scales)) if fp8 else (False,)
             for q_len in query_len_buckets(max_q_len):
-                # The same two calls plan() makes (choose_tiles memoizes select_config's answer per bucket).
+                # The same calls plan() makes (choose_tiles memoizes select_config's answers per bucket).
                 tiles = choose_tiles(head_dim=head_dim, group=group, max_q_len=q_len, dtype=dtype)
-                config = select_config(head_dim=head_dim, dtype=dtype, group=group, max_q_len=q_len).config
-                for has_kv_scale, has_lse, has_shared in itertools.product(
-                        scale_switches, (False, True) if with_lse else (False,), (True, False)):
-                    key = (dtype, kv_dtype, has_kv_scale, tiles, has_shared, has_lse)
+                decode = select_config(head_dim=head_dim, dtype=dtype, group=group, max_q_len=1).config
+                chunk = select_config(head_dim=head_dim, dtype=dtype, group=group, max_q_len=q_len).config
+                # A step of this bucket runs chunk tiles only when its chunks pass a decode tile's rows (and they
+                # have a binary of their own).
+                chunks = q_len > tiles.rows_per_decode_tile(group) and tiles.chunk != tiles.decode
+                classes = (CLASS_SHARED, CLASS_DECODE) + ((CLASS_CHUNK,) if chunks else ())
+                for has_kv_scale, has_lse, work_class in itertools.product(
+                        scale_switches, (False, True) if with_lse else (False,), classes):
+                    key = (dtype, kv_dtype, has_kv_scale, work_class, tiles.of(work_class), has_lse)
                     if key in found:
                         v = found[key]
                         found[key] = dataclasses.replace(v, max_q_lens=v.max_q_lens + (q_len,))
                         continue
                     found[key] = KernelVariant(
                         kernel=ATTENTION, dtype=dtype, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
-                        head_dim=head_dim, block_size=block_size, has_shared=has_shared, has_lse=has_lse,
-                        tiles=tiles, config=config, max_q_lens=(q_len,),
-                        kv_dtype=None if kv_dtype == dtype else kv_dtype, has_kv_scale=has_kv_scale)
+                        head_dim=head_dim, block_size=block_size, work_class=work_class, has_lse=has_lse,
+                        tiles=tiles.of(work_class), config=chunk if work_class == CLASS_CHUNK else decode,
+                        max_q_lens=(q_len,), kv_dtype=None if kv_dtype == dtype else kv_dtype,
+                        has_kv_scale=has_kv_scale, is_hip=tiles.is_hip)
     return list(found.values())
 
 
@@ -332,25 +341,38 @@ def _scales(v: KernelVariant, device) -> dict:
 
 
 def _launch_attention(v: KernelVariant, layout: WarmupLayout, device: torch.device) -> None:
-    """One launch of ``v`` through plan() + attention(): 2 decode requests sharing block 0 (has_shared), or one."""
+    """One step through plan() + attention() that launches ``v``'s class: 2 decode requests sharing block 0 (the
+    shared class; their decode tiles launch too), one request of one row (decode) or of one row more than a decode
+    tile holds (chunk)."""
     import prefixattn
 
     bs = v.block_size
-    if v.has_shared:
+    rows = 1
+    if v.work_class == CLASS_CHUNK:
+        rows = v.tiles.rows(v.num_qo_heads // v.num_kv_heads) + 1
+    if v.work_class == CLASS_SHARED:
         qo_indptr, kv_lens, table = [0, 1, 2], [bs + 1, bs + 1], [[0, 1], [0, 2]]
-    else:
-        qo_indptr, kv_lens, table = [0, 1], [bs + 1], [[0, 1]]
+    else:  # the warm-up cache's blocks, reused in turn (the values are never checked: only the binary matters)
+        blocks = -(-(bs + rows) // bs)
+        qo_indptr, kv_lens, table = [0, rows], [bs + rows], [[i % _WARMUP_BLOCKS for i in range(blocks)]]
     with fixed_config(v.config):
         p = prefixattn.plan(torch.tensor(qo_indptr), torch.tensor(kv_lens), torch.tensor(table), block_size=bs,
                             num_qo_heads=v.num_qo_heads, num_kv_heads=v.num_kv_heads, head_dim=v.head_dim,
                             q_dtype=v.dtype, kv_dtype=v.cache_dtype, device=device,
-                            sharing="always" if v.has_shared else "never")
-    if p.has_shared != v.has_shared or p.tiles != v.tiles:
-        raise RuntimeError(f"the warm-up plan did not reproduce the variant (has_shared {p.has_shared}, tiles "
+                            sharing="always" if v.work_class == CLASS_SHARED else "never")
+    # A binary is its kind of item and its tiles: under the pinned config the chunk tiles run in the decode class
+    # (one binary serves both), which compiles the same binary.
+    if (v.work_class == CLASS_SHARED, v.tiles) not in launch_binaries(p):
+        raise RuntimeError(f"the warm-up plan did not reproduce the variant (classes {p.work_classes}, tiles "
                            f"{p.tiles}); nothing launched")
     q, _, _ = _rows(v, p.num_tokens, layout, device)
     k_cache, v_cache = _caches(v, layout, device)
     prefixattn.attention(q, k_cache, v_cache, p, return_lse=v.has_lse, **_scales(v, device))
+
+
+def launch_binaries(p) -> set:
+    """The attention binaries a plan's launches use: ``(shared item kind, ClassTiles)`` per work class with items."""
+    return {(c == CLASS_SHARED, p.tiles.of(c)) for c in p.work_classes}
 
 
 def _launch_kv_write(v: KernelVariant, layout: WarmupLayout, device: torch.device) -> None:

@@ -13,6 +13,7 @@ import json
 import sys
 
 from prefixattn.cli import positive_int
+from prefixattn.kernels.layout import WORK_CLASSES
 from prefixattn.validation import SUPPORTED_HEAD_DIMS, torch_dtype_name
 
 HELP = "compile every kernel variant a model configuration uses (heads, head size, dtype, block size) before serving"
@@ -79,7 +80,7 @@ def _as_json(results, mode: str, planner: dict) -> str:
         row = {"kernel": v.kernel, "dtype": torch_dtype_name(v.dtype), "num_qo_heads": v.num_qo_heads,
                "num_kv_heads": v.num_kv_heads, "head_dim": v.head_dim, "block_size": v.block_size,
                "kv_dtype": torch_dtype_name(v.cache_dtype), "has_kv_scale": v.has_kv_scale,
-               "has_shared": v.has_shared, "has_lse": v.has_lse, "max_q_lens": list(v.max_q_lens),
+               "work_class": WORK_CLASSES[v.work_class], "has_lse": v.has_lse, "max_q_lens": list(v.max_q_lens),
                "description": v.describe(), "status": r.status, "seconds": round(r.seconds, 3), "error": r.error}
         if v.config is not None:
             row["config"] = v.config.to_dict()

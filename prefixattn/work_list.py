@@ -6,8 +6,12 @@ loop.
 
 Vocabulary
 ----------
-* suffix tile: up to ``rows_per_suffix`` consecutive query rows of one request; its KV range runs from the end of the
-  request's deepest shared node to the last position its rows see (causal) or to ``kv_len``.
+* suffix tile: up to ``rows_per_chunk`` consecutive query rows of one request; its KV range runs from the end of the
+  request's deepest shared node to the last position its rows see (causal) or to ``kv_len``. A request with at most
+  ``rows_per_decode`` query rows has one tile of the decode class, the others tiles of the chunk class
+  (:data:`prefixattn.kernels.layout.WORK_CLASSES`).
+* work class: the items of one launch (shared items; chunk tiles; decode tiles), stored class by class, longest KV
+  range first within a class (LPT: the long programs start in the first wave, short ones fill the tail).
 * merge unit: the rows of one suffix tile when they get more than one partial state (shared levels, split chunks);
   state ``s`` of the unit lives at workspace rows ``ws_base + s * num_rows + row``. Rows with a single state (no
   sharing, no split) have no unit: their item writes straight to ``out``, as plain paged attention does.
@@ -79,15 +83,32 @@ class SharedNodes:
 class WorkList:
     """Host arrays of one step's work (int32, kernel column layout)."""
 
-    items: np.ndarray  # [num_items, ITEM_FIELDS], longest KV range first
+    items: np.ndarray  # [num_items, ITEM_FIELDS], class by class, longest KV range first within a class
     gather: np.ndarray  # [num_gather, GATHER_FIELDS]
     mrows: np.ndarray  # [num_mrows, MROW_FIELDS]
     num_ws_rows: int
     num_units: int  # merge units (suffix tiles whose rows merge); their rows are the merge rows
+    class_ends: tuple  # [NUM_CLASSES] ints: one past the last item of each work class (layout.CLASS_* order)
 
     @property
     def num_items(self) -> int:
         return int(self.items.shape[0])
+
+    def class_range(self, work_class: int) -> tuple[int, int]:
+        """``[first, end)`` items of ``work_class`` (a ``layout.CLASS_*`` index)."""
+        return (self.class_ends[work_class - 1] if work_class else 0), self.class_ends[work_class]
+
+    def ranges_table(self) -> np.ndarray:
+        """The kernel's ``ranges`` table ``[NUM_CLASSES, RANGE_FIELDS]`` int32 (padding entries 0)."""
+        return ranges_table(self.class_ends)
+
+
+def ranges_table(class_ends) -> np.ndarray:
+    """``ranges[NUM_CLASSES, RANGE_FIELDS]`` int32 of the item ends of each class (:mod:`prefixattn.kernels.layout`)."""
+    r = np.zeros((K.NUM_CLASSES, K.RANGE_FIELDS), dtype=_I32)
+    r[1:, K.RANGE_FIRST] = class_ends[:-1]
+    r[:, K.RANGE_END] = class_ends
+    return r
 
 
 def _piece_bounds(lo, hi, piece, pieces, block_n: int, split: bool = True):
@@ -127,10 +148,13 @@ class _Tiles:
     lo: np.ndarray
     hi: np.ndarray
     qpos: np.ndarray
+    decode: np.ndarray | bool  # per tile: the decode class (its request's rows fit one decode tile); or all/none
 
 
-def _suffix_tiles(*, q_start, q_len, kv_len, suffix_start, causal, rows_per_suffix) -> _Tiles:
-    if q_len.shape[0] and q_len.max() > rows_per_suffix:
+def _suffix_tiles(*, q_start, q_len, kv_len, suffix_start, causal, rows_per_suffix, rows_per_decode) -> _Tiles:
+    """Tiles of ``rows_per_suffix`` rows (the chunk tile; at least ``rows_per_decode``)."""
+    max_q = int(q_len.max()) if q_len.shape[0] else 0
+    if max_q > rows_per_suffix:
         tiles_per_req = -(-q_len // rows_per_suffix)
         req, rank = _expand(tiles_per_req)
         row0 = rank * rows_per_suffix
@@ -149,7 +173,10 @@ def _suffix_tiles(*, q_start, q_len, kv_len, suffix_start, causal, rows_per_suff
     else:
         hi = qpos = kv  # every row sees the whole range: the causal loop stays empty
     tok0 = q_start[req] + row0 if isinstance(row0, np.ndarray) else q_start[req]
-    return _Tiles(req=req, first=first, row0=row0, rows=rows, tok0=tok0, lo=suffix_start[req], hi=hi, qpos=qpos)
+    # A decode step (every request within a decode tile) has no chunk tile: no per-tile flags.
+    decode = True if max_q <= rows_per_decode else q_len[req] <= rows_per_decode
+    return _Tiles(req=req, first=first, row0=row0, rows=rows, tok0=tok0, lo=suffix_start[req], hi=hi, qpos=qpos,
+                  decode=decode)
 
 
 @dataclass(frozen=True)
@@ -248,9 +275,11 @@ def build_work_list(
     nodes: SharedNodes,
     suffix_start: np.ndarray,
     rows_per_shared: int,
-    rows_per_suffix: int,
+    rows_per_chunk: int,
+    rows_per_decode: int,
     block_n_shared: int,
-    block_n_suffix: int,
+    block_n_chunk: int,
+    block_n_decode: int,
     num_kv_heads: int,
     num_sms: int,
     min_split_tokens: int,
@@ -259,16 +288,18 @@ def build_work_list(
 
     ``nodes`` must be in top-down order (a node before its descendants): a request's states are numbered in that
     order (shared levels, each with its split chunks, then the suffix chunks). ``suffix_start[r]`` is the end of the
-    deepest node holding request ``r`` (0 if none).
+    deepest node holding request ``r`` (0 if none). A request with at most ``rows_per_decode`` query rows is one
+    decode tile; longer ones are cut into chunk tiles of ``rows_per_chunk`` rows (``>= rows_per_decode``).
     """
     t = _suffix_tiles(q_start=q_start, q_len=q_len, kv_len=kv_len, suffix_start=suffix_start, causal=causal,
-                      rows_per_suffix=rows_per_suffix)
+                      rows_per_suffix=rows_per_chunk, rows_per_decode=rows_per_decode)
     nr = _node_rows(q_len=q_len, nodes=nodes, rows_per_shared=rows_per_shared)
-    # Split-k decision over the unsplit work (prefixattn.split_rule: the critical path).
-    n_pieces, grain_shared, t_pieces, grain_suffix = split_ranges(
+    # Split-k decision over the unsplit work, class by class (prefixattn.split_rule: the critical path).
+    n_pieces, grain_shared, t_pieces, t_grain = split_ranges(
         node_lengths=nodes.kv_end - nodes.kv_start, node_m_tiles=nr.node_mtiles,
-        tile_lengths=np.maximum(t.hi - t.lo, 0), block_n_shared=block_n_shared, block_n_suffix=block_n_suffix,
-        num_kv_heads=num_kv_heads, num_sms=num_sms, min_split_tokens=min_split_tokens)
+        tile_lengths=np.maximum(t.hi - t.lo, 0), tile_decode=t.decode, block_n_shared=block_n_shared,
+        block_n_chunk=block_n_chunk, block_n_decode=block_n_decode, num_kv_heads=num_kv_heads, num_sms=num_sms,
+        min_split_tokens=min_split_tokens)
     states = _tile_states(t=t, nodes=nodes, n_pieces=n_pieces, t_pieces=t_pieces, num_reqs=q_len.shape[0])
     units = _merge_units(t=t, states=states)
     if len(nodes):
@@ -276,20 +307,23 @@ def build_work_list(
             t=t, nodes=nodes, node_rows=nr.node_rows, node_mtiles=nr.node_mtiles, n_pieces=n_pieces,
             grain_shared=grain_shared, mem_ql=nr.mem_ql, row_off=nr.row_off, mem_slot_base=states.mem_slot_base,
             tile_ws_base=units.tile_ws_base, tile_mrow_base=units.tile_mrow_base, q_start=q_start,
-            rows_per_suffix=rows_per_suffix, rows_per_shared=rows_per_shared)
+            rows_per_suffix=rows_per_chunk, rows_per_shared=rows_per_shared)
     else:  # plain paged attention: skip ~30 numpy calls on empty arrays
         shared_items = np.zeros((0, K.ITEM_FIELDS), dtype=_I32)
         gather = np.zeros((0, K.GATHER_FIELDS), dtype=_I32)
-    items = _assemble_items(shared_items=shared_items, t=t, states=states, units=units, grain_suffix=grain_suffix,
-                            has_nodes=bool(len(nodes)))
+    items, class_ends = _assemble_items(shared_items=shared_items, t=t, states=states, units=units, t_grain=t_grain,
+                                        has_nodes=bool(len(nodes)))
     return WorkList(items=items, gather=gather, mrows=units.mrows, num_ws_rows=units.num_ws_rows,
-                    num_units=units.num_units)
+                    num_units=units.num_units, class_ends=class_ends)
 
 
 def _assemble_items(*, shared_items: np.ndarray, t: _Tiles, states: _TileStates, units: _MergeUnits,
-                    grain_suffix: int, has_nodes: bool) -> np.ndarray:
-    """The item table: the shared items, then the suffix items (suffix tile, split chunk), longest KV range first."""
+                    t_grain, has_nodes: bool) -> tuple[np.ndarray, tuple]:
+    """The item table and each class's end: the shared items, then the suffix items (suffix tile, split chunk) of
+    the chunk class and of the decode class, longest KV range first within each class. ``t_grain``: the split grain
+    of each tile (an int, or an array per tile)."""
     t_pieces = states.pieces
+    s_decode = t.decode
     if t.req.shape[0] and t_pieces.min() == 1 and t_pieces.max() == 1:  # one item per tile: no gathers
         s_c = 0
         s_lo, s_hi, s_req, s_tok0, s_rows, s_qpos = t.lo, t.hi, t.req, t.tok0, t.rows, t.qpos
@@ -297,9 +331,12 @@ def _assemble_items(*, shared_items: np.ndarray, t: _Tiles, states: _TileStates,
         s_shared = states.shared
     else:
         s_tile, s_c = _expand(t_pieces)
+        grain = t_grain[s_tile] if isinstance(t_grain, np.ndarray) else t_grain
         s_lo, s_hi = _piece_bounds(lo=t.lo[s_tile], hi=t.hi[s_tile], piece=s_c, pieces=t_pieces[s_tile],
-                                   block_n=grain_suffix, split=bool(s_c.shape[0] and s_c.any()))
+                                   block_n=grain, split=bool(s_c.shape[0] and s_c.any()))
         s_req, s_tok0, s_rows, s_qpos = t.req[s_tile], t.tok0[s_tile], t.rows[s_tile], t.qpos[s_tile]
+        if isinstance(s_decode, np.ndarray):
+            s_decode = s_decode[s_tile]
         if units.num_units:
             s_unit = states.needs_unit[s_tile]
             s_ws_base, s_mrow_base = units.tile_ws_base[s_tile], units.tile_mrow_base[s_tile]
@@ -320,12 +357,19 @@ def _assemble_items(*, shared_items: np.ndarray, t: _Tiles, states: _TileStates,
         su[:, K.ITEM_MROW] = np.where(s_unit, s_mrow_base, -1)
     else:
         su[:, K.ITEM_DEST:K.ITEM_MROW + 1] = -1
-    # Longest KV range first (LPT): the long programs start in the first wave, short ones fill the tail. A stable
-    # sort of a range already in that order is the identity (a decode batch of equal lengths): skip it.
-    length = it[:, K.ITEM_KV_END].astype(np.int64) - it[:, K.ITEM_KV_START]
-    if length.shape[0] > 1 and (length[1:] > length[:-1]).any():
-        it = it[np.argsort(-length, kind="stable")]
-    return it
+    # Class by class (shared, chunk, decode), longest KV range first within a class (LPT). One int64 key, class in
+    # the high bits; a stable sort of a table already in that order is the identity (a decode step of equal
+    # lengths): skipped.
+    key = np.empty(num_shared + num_suffix, dtype=np.int64)
+    key[:num_shared] = K.CLASS_SHARED
+    key[num_shared:] = np.where(s_decode, K.CLASS_DECODE, K.CLASS_CHUNK)
+    num_decode = int(np.count_nonzero(key[num_shared:] == K.CLASS_DECODE))
+    key <<= 32
+    key -= it[:, K.ITEM_KV_END].astype(np.int64) - it[:, K.ITEM_KV_START]  # lengths in [0, 2^31)
+    if key.shape[0] > 1 and (key[1:] < key[:-1]).any():
+        it = it[np.argsort(key, kind="stable")]
+    n = num_shared + num_suffix
+    return it, (num_shared, n - num_decode, n)
 
 
 def _shared_items(*, t: _Tiles, nodes: SharedNodes, node_rows, node_mtiles, n_pieces, grain_shared, mem_ql, row_off,

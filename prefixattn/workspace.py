@@ -3,7 +3,7 @@
 :class:`PlanWorkspace` owns (FlashInfer's pattern: capacities given once, buffers reused every step)
 
 * one int32 host staging buffer (pinned when the device is CUDA) and one int32 device buffer of the same size, cut at
-  fixed offsets into the kernel's metadata tables (live item count, ``items``, ``gather``, ``mrows``, block table);
+  fixed offsets into the kernel's metadata tables (work-class ranges, ``items``, ``gather``, ``mrows``, block table);
 * the merge counters and the fp32 partial-state workspace (``ws_o``, ``ws_lse``), sized by capacity.
 
 :meth:`PlanWorkspace.load` writes a step's work list into the host buffer (the compiled planner writes it there itself,
@@ -15,10 +15,11 @@ on the device. Because every table sits at a fixed offset with a fixed row strid
 Capacity bounds (:func:`derive_capacity`), for a step of at most ``T`` query tokens from ``R`` requests, ``L``
 shared levels per request, ``S`` SMs, ``H`` KV heads and ``r_sh``/``r_sf`` query rows per shared/suffix tile:
 
-* split-k: a range of ``n`` tokens over a piece budget ``b`` (at least ``SPLIT_TOLERANCE`` x the launch's fair share,
-  :mod:`prefixattn.split_rule`) is cut into fewer than ``4 n / b`` pieces (whole grains ``g <= b``, ``floor(b / g)``
-  of them per piece, i.e. more than ``b / 2`` tokens each; at most 2 pieces more from rounding). Summed over the
-  items that read each range, the extra programs are below ``4 / SPLIT_TOLERANCE x S / H`` (``SPLIT_EXTRA``).
+* split-k: a range of ``n`` tokens over a piece budget ``b`` (at least ``SPLIT_TOLERANCE`` x its work class's fair
+  share, :mod:`prefixattn.split_rule`) is cut into fewer than ``4 n / b`` pieces (whole grains ``g <= b``,
+  ``floor(b / g)`` of them per piece, i.e. more than ``b / 2`` tokens each; at most 2 pieces more from rounding).
+  Summed over the items of one class that read each range, the extra programs are below ``4 / SPLIT_TOLERANCE x S /
+  H``; over the step's ``NUM_CLASSES`` classes ``SPLIT_EXTRA`` is that times ``NUM_CLASSES``.
 * items: suffix tiles ``<= R + T // r_sf``; shared tiles ``<= (R - 1) + L T // r_sh`` (at most ``R - 1`` nodes in
   a prefix tree of ``R`` leaves); plus the split extra.
 * workspace rows: every row has at most ``L + 1`` unsplit states, and each extra split program adds at most one
@@ -43,6 +44,7 @@ import torch
 
 from prefixattn.kernels import layout as K
 from prefixattn.split_rule import SPLIT_TOLERANCE
+from prefixattn.work_list import ranges_table
 
 #: Extra programs split-k may add, per ``num_sms / num_kv_heads`` (module docstring: pieces < 4 n / b, b >= 1.2 fair).
 SPLIT_EXTRA_PER_SM_PER_HEAD = 4.0 / SPLIT_TOLERANCE
@@ -92,7 +94,7 @@ def derive_capacity(*, max_tokens: int, max_requests: int, max_blocks_per_reques
     if not isinstance(max_shared_levels, int) or max_shared_levels < 0:
         raise ValueError(f"max_shared_levels: expected a non-negative int, got {max_shared_levels!r}")
     lv = max_shared_levels
-    extra = math.ceil(SPLIT_EXTRA_PER_SM_PER_HEAD * num_sms / num_kv_heads)
+    extra = K.NUM_CLASSES * class_split_extra(num_sms=num_sms, num_kv_heads=num_kv_heads)
     lo, hi = max(1, rows_per_tile[0]), max(1, rows_per_tile[1])
     derived = dict(
         max_items=r + t // lo + (r - 1 + lv * t // lo if lv else 0) + extra,
@@ -106,6 +108,29 @@ def derive_capacity(*, max_tokens: int, max_requests: int, max_blocks_per_reques
         if value is not None:
             derived[name] = _positive(name, value)
     return Capacity(max_tokens=t, max_requests=r, max_blocks_per_request=w, **derived)
+
+
+def class_split_extra(*, num_sms: int, num_kv_heads: int) -> int:
+    """Most extra items split-k adds to one work class (module docstring)."""
+    return math.ceil(SPLIT_EXTRA_PER_SM_PER_HEAD * num_sms / num_kv_heads)
+
+
+def class_grid_items(*, num_tokens: int, num_requests: int, rows_per_tile: tuple[int, int, int], chunk_class: bool,
+                     max_shared_levels: int, num_sms: int, num_kv_heads: int,
+                     max_items: int) -> tuple[int, int, int]:
+    """Items each work class of a step of at most ``num_tokens`` query rows from ``num_requests`` requests can have
+    (``(shared, chunk, decode)``, each at most ``max_items``): the grid of that class's launch in a CUDA graph.
+    ``rows_per_tile``: query rows of a shared, chunk and decode tile: a request with more rows than a decode tile is
+    cut into chunk tiles, or (``chunk_class`` False: one binary serves both) into decode tiles of the decode class.
+    See the module docstring for the rest."""
+    t, r = num_tokens, min(num_requests, num_tokens)
+    r_sh, r_ch, r_de = (max(1, x) for x in rows_per_tile)
+    extra = class_split_extra(num_sms=num_sms, num_kv_heads=num_kv_heads)
+    lv = max_shared_levels
+    shared = r - 1 + lv * t // r_sh + extra if lv else 0
+    chunk = t // r_ch + min(r, t // (r_de + 1)) + extra if chunk_class else 0
+    decode = (r if chunk_class else t // r_de + r) + extra
+    return min(shared, max_items), min(chunk, max_items), min(decode, max_items)
 
 
 #: Row-count triples whose views a workspace keeps (a bound on its memo; each entry is four tensor views).
@@ -129,7 +154,7 @@ class PlanWorkspace:
         self.device = device
         self.num_qo_heads = num_qo_heads
         # Fixed offsets (int32 elements); the block table last, so a step copies only up to its live rows.
-        sizes = dict(num_items=1, items=c.max_items * K.ITEM_FIELDS, gather=c.max_gather_rows * K.GATHER_FIELDS,
+        sizes = dict(ranges=K.RANGES_SIZE, items=c.max_items * K.ITEM_FIELDS, gather=c.max_gather_rows * K.GATHER_FIELDS,
                      mrows=c.max_merge_rows * K.MROW_FIELDS, table=c.max_requests * c.max_blocks_per_request)
         self._offsets, pos = {}, 0
         for name, size in sizes.items():
@@ -146,7 +171,8 @@ class PlanWorkspace:
         self._copied = torch.cuda.Event() if device.type == "cuda" else None
         self._copy_pending = False  # a copy was recorded and not yet waited for (one wait per step, not per writer)
         self.step = 0  # loads so far: a plan remembers its step, so a stale plan is refused
-        self.num_items = self._section(self._dev, "num_items")
+        ranges = self._section(self._dev, "ranges").view(K.NUM_CLASSES, K.RANGE_FIELDS)
+        self.ranges = tuple(ranges[c] for c in range(K.NUM_CLASSES))  # each class's record (one launch's pointer)
         self.items = self._section(self._dev, "items").view(c.max_items, K.ITEM_FIELDS)
         self.gather = self._section(self._dev, "gather").view(c.max_gather_rows, K.GATHER_FIELDS)
         self.mrows = self._section(self._dev, "mrows").view(c.max_merge_rows, K.MROW_FIELDS)
@@ -200,8 +226,8 @@ class PlanWorkspace:
         return self._host_np
 
     def section_start(self, name: str) -> int:
-        """Offset (int32 elements) of a section of the host buffer: ``num_items``, ``items``, ``gather``, ``mrows``
-        or ``table``."""
+        """Offset (int32 elements) of a section of the host buffer: ``ranges``, ``items``, ``gather``, ``mrows`` or
+        ``table``."""
         return self._offsets[name][0]
 
     def _wait_for_copy(self) -> None:
@@ -218,12 +244,14 @@ class PlanWorkspace:
         if work_list or (table and self._dev is self._host):
             self.step += 1
 
-    def load(self, *, items: np.ndarray, gather: np.ndarray, mrows: np.ndarray, table: np.ndarray | None,
-             table_width: int = 0, staged_rows: int | None = None, tables_written: bool = False) -> dict:
+    def load(self, *, items: np.ndarray, gather: np.ndarray, mrows: np.ndarray, class_ends: tuple,
+             table: np.ndarray | None, table_width: int = 0, staged_rows: int | None = None,
+             tables_written: bool = False) -> dict:
         """Write one step's int32 tables into the pinned host buffer and move them with one non-blocking copy.
 
-        ``items``, ``gather``, ``mrows``: the work list's tables, already in their sections of :meth:`host_buffer`
-        with ``tables_written`` (the compiled planner writes them there). ``table`` is the used part of the block
+        ``items``, ``gather``, ``mrows``, ``class_ends``: the work list's tables and each work class's end item,
+        already in their sections of :meth:`host_buffer` with ``tables_written`` (the compiled planner writes them
+        there). ``table`` is the used part of the block
         table ``[num_requests, <= table_width]`` (int64 or int32; the ids the kernel reads < 2**31, a cell it never
         reads is staged wrapped; columns up to ``table_width`` it lacks are staged as 0), or None: ``staged_rows``
         rows of it are in :meth:`host_table` already, or (``staged_rows`` None) the kernel reads a block table the
@@ -234,7 +262,7 @@ class PlanWorkspace:
         h, c = self._host_np, self.capacity
         n_items = items.shape[0]
         if not tables_written:
-            h[0] = n_items
+            h[:K.RANGES_SIZE] = ranges_table(class_ends).ravel()
             for start, arr in zip(self._table_starts, (items, gather, mrows)):
                 h[start:start + arr.size] = arr.ravel()
         # Copy everything up to the end of the live metadata (small, capacity-sized sections), then the live table
@@ -256,7 +284,7 @@ class PlanWorkspace:
             self._copy_pending = True
         self.step += 1
         views = self._views(n_items, gather.shape[0], mrows.shape[0])
-        return dict(num_items_dev=self.num_items, items=views[0], gather=views[1], mrows=views[2],
+        return dict(ranges=self.ranges, items=views[0], gather=views[1], mrows=views[2],
                     # Whole rows of capacity (a view with no rows would have data_ptr 0); rows past the step's
                     # requests are stale and never read.
                     block_table=None if table is None and staged_rows is None else self.block_table,

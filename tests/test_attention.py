@@ -127,9 +127,10 @@ def test_random_batches(device, case):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-def test_split_k_long_shared_prefix_and_long_suffix_one_launch(device, dtype, count_launches):
+def test_split_k_long_shared_prefix_and_long_suffix(device, dtype, count_launches):
     # 3 decode requests under a 12-block shared prefix (few rows, long KV), plus one long lone request: with 32 SMs
-    # and 16-token chunks both get split-k; merges of shared levels and chunks happen in the same launch.
+    # and 16-token chunks both get split-k; a row's shared states come from the shared class's launch, its own from
+    # a later one, and the last arriver merges.
     b = _to(make_batch(0, q_lens=[1, 1, 3, 1], extra_lens=[1, 6, 5, 150], paths=[("a", "b"), ("a", "b"), ("a",), ()],
                        level_blocks={"a": 8, "b": 4}, block_size=16, num_qo_heads=8, num_kv_heads=2, head_dim=64,
                        dtype=dtype), device)
@@ -137,13 +138,15 @@ def test_split_k_long_shared_prefix_and_long_suffix_one_launch(device, dtype, co
     kinds = p.work.items[:, K.ITEM_KIND]
     assert len(p.shared_nodes) == 2 and (kinds == K.KIND_SHARED).sum() > 2 and (kinds == K.KIND_SUFFIX).sum() > 4
     _check(b, p)
-    assert count_launches.launches == 1 and count_launches.grids == [(p.num_items * 2,)]
+    per_class = [p.work.class_range(c) for c in p.work_classes]
+    assert count_launches.launches == p.num_launches == len(per_class) >= 2
+    assert count_launches.grids == [((end - first) * 2,) for first, end in per_class]
     # The next layer reuses the plan and gets the same answer, also when the counters were left poisoned (an
-    # interrupted launch, or anyone writing them): every launch starts them from zero.
+    # interrupted step, or anyone writing them): every step starts them from zero.
     for poison in (1, -7, 2**30):
         p.counters.fill_(poison)
         _check(b, p)
-    assert count_launches.launches == 4
+    assert count_launches.launches == 4 * p.num_launches
 
 
 def test_mixed_chunked_prefill_and_decode_with_split(device):
@@ -264,25 +267,34 @@ def test_attention_does_no_other_device_work(device, monkeypatch):
 
     with RecordOps() as rec:
         attention(b.q, b.k_cache, b.v_cache, p, return_lse=True)
-    assert stub.launches == 1
+    assert stub.launches == p.num_launches == len(p.work_classes) >= 2
     assert set(rec.ops) <= {"empty", "empty_like", "empty_strided", "zero_"}, rec.ops
 
 
-def test_shared_branch_compiled_only_when_needed(device, monkeypatch):
-    """A plan without shared items launches the kernel with HAS_SHARED=False (the shared tiles then do not set the
-    register budget of decode programs) and the suffix warp count."""
+def test_one_binary_per_work_class(device, monkeypatch):
+    """Each work class is its own launch with its own binary (IS_SHARED, its tiles) and warps: a plan without shared
+    items launches the decode class alone, with the suffix warp count; with shared items the shared class goes first
+    under the shared launch's warps."""
     from prefixattn.autotune.lookup import HEURISTIC_LAUNCH, HEURISTIC_SUFFIX_LAUNCH
 
     NUM_WARPS_SHARED, NUM_WARPS_SUFFIX = HEURISTIC_LAUNCH.num_warps, HEURISTIC_SUFFIX_LAUNCH.num_warps
 
-    b = _to(random_batch(15, num_requests=4, levels=1, block_size=16, num_qo_heads=4, num_kv_heads=2, head_dim=64),
-            device)
+    b = _to(random_batch(15, num_requests=4, levels=1, block_size=16, num_qo_heads=4, num_kv_heads=2, head_dim=64,
+                         decode_fraction=1.0), device)
     stub = CountingKernel(None, run=False)
     monkeypatch.setattr(prefix_attention, "prefix_attention_kernel", stub)
-    for sharing, has_shared, warps in (("never", False, NUM_WARPS_SUFFIX), ("always", True, NUM_WARPS_SHARED)):
-        p = plan(*b.metadata, **b.heads, q_dtype=torch.float32, sharing=sharing)
-        attention(b.q, b.k_cache, b.v_cache, p)
-        assert stub.kwargs[-1]["HAS_SHARED"] is has_shared and stub.kwargs[-1]["num_warps"] == warps
+    p = plan(*b.metadata, **b.heads, q_dtype=torch.float32, sharing="never")
+    attention(b.q, b.k_cache, b.v_cache, p)
+    assert p.work_classes == (K.CLASS_DECODE,) and stub.launches == 1
+    assert stub.kwargs[-1]["IS_SHARED"] is False and stub.kwargs[-1]["num_warps"] == NUM_WARPS_SUFFIX
+    assert stub.kwargs[-1]["BLOCK_M"] == p.tiles.decode.block_m
+    p = plan(*b.metadata, **b.heads, q_dtype=torch.float32, sharing="always")
+    attention(b.q, b.k_cache, b.v_cache, p)
+    assert p.work_classes == (K.CLASS_SHARED, K.CLASS_DECODE) and stub.launches == 3
+    shared, decode = stub.kwargs[-2:]
+    assert shared["IS_SHARED"] is True and shared["num_warps"] == NUM_WARPS_SHARED
+    assert (shared["BLOCK_M"], shared["BLOCK_N"]) == (p.tiles.shared.block_m, p.tiles.shared.block_n)
+    assert decode["IS_SHARED"] is False and decode["num_warps"] == NUM_WARPS_SUFFIX
 
 
 def test_wrapper_plan_run(device):

@@ -182,6 +182,23 @@ def check_work_list(p, qo_indptr, kv_lens, block_table, *, causal=True):
     num_tokens = int(indptr[-1])
     req_of_tok = np.repeat(np.arange(len(lens)), np.diff(indptr))
     bs = p.block_size
+    group = p.num_qo_heads // p.num_kv_heads
+    q_lens = np.diff(indptr)
+    # Work classes: items stored class by class (shared, chunk, decode), longest KV range first within each; a
+    # suffix item is of the decode class exactly when its request's rows fit one decode tile.
+    ends = w.class_ends
+    assert len(ends) == K.NUM_CLASSES and list(ends) == sorted(ends) and ends[-1] == w.num_items
+    item_class = np.repeat(np.arange(K.NUM_CLASSES), np.diff(np.r_[0, ends]))
+    np.testing.assert_array_equal(w.ranges_table()[:, K.RANGE_END], ends)
+    lengths = w.items[:, K.ITEM_KV_END].astype(np.int64) - w.items[:, K.ITEM_KV_START]
+    for c in range(K.NUM_CLASSES):
+        first, end = w.class_range(c)
+        assert (np.diff(lengths[first:end]) <= 0).all(), "longest first within a class"
+    kinds = w.items[:, K.ITEM_KIND]
+    assert ((kinds == K.KIND_SHARED) == (item_class == K.CLASS_SHARED)).all()
+    suffix_reqs = w.items[item_class != K.CLASS_SHARED, K.ITEM_REQ].astype(np.int64)
+    np.testing.assert_array_equal(item_class[item_class != K.CLASS_SHARED] == K.CLASS_DECODE,
+                                  q_lens[suffix_reqs] <= p.tiles.rows_per_decode_tile(group))
     covered, ws_written, direct = [], [], []
     reports = np.zeros(w.mrows.shape[0], dtype=np.int64)
     ws_owner, mrow_tok = {}, {}
@@ -201,7 +218,7 @@ def check_work_list(p, qo_indptr, kv_lens, block_table, *, causal=True):
             mrows = item[K.ITEM_MROW] + j if item[K.ITEM_DEST] >= 0 else None
             assert (item[K.ITEM_MROW] >= 0) == (item[K.ITEM_DEST] >= 0)
             assert (req_of_tok[toks] == rep).all(), "a suffix tile holds one request's rows"
-            assert n <= p.tiles.rows_per_suffix_tile(p.num_qo_heads // p.num_kv_heads)
+            assert n <= p.tiles.rows_per_chunk_tile(group)
         pos = np.arange(lo, hi)
         visible = pos[None, :] <= (item[K.ITEM_Q_POS] + j)[:, None]
         if item[K.ITEM_KIND] == K.KIND_SHARED:
@@ -267,20 +284,19 @@ def test_work_list_split_k_and_long_prefill_tiles():
     check_work_list(p, *b.metadata)
     kinds = p.work.items[:, K.ITEM_KIND]
     assert (kinds == K.KIND_SHARED).sum() > 1, "the 64-token shared node is split"
-    assert p.work.num_units == -(-40 // p.tiles.rows_per_suffix_tile(4)) + 1
-    lengths = p.work.items[:, K.ITEM_KV_END] - p.work.items[:, K.ITEM_KV_START]
-    assert (np.diff(lengths) <= 0).all(), "longest first"
+    assert p.work.num_units == -(-40 // p.tiles.rows_per_chunk_tile(4)) + 1
+    assert p.work_classes == (K.CLASS_SHARED, K.CLASS_CHUNK, K.CLASS_DECODE)
 
 
 def test_no_sharing_is_plain_paged_attention():
     b = random_batch(3, num_requests=12, levels=0, block_size=16, num_qo_heads=8, num_kv_heads=2, head_dim=64)
     p = plan(*b.metadata, **b.heads, q_dtype=torch.float32, num_sms=1)
     q_lens = np.diff(b.qo_indptr.numpy())
-    rows = p.tiles.rows_per_suffix_tile(4)
+    rows = p.tiles.rows_per_chunk_tile(4)
     assert p.shared_nodes == [] and p.work.num_units == 0 and p.work.num_ws_rows == 0
     assert p.num_items == int((-(-q_lens // rows)).sum())
     assert (p.work.items[:, K.ITEM_DEST] == -1).all() and (p.work.items[:, K.ITEM_KIND] == K.KIND_SUFFIX).all()
-    assert p.ws_o.numel() == 1 and p.num_launches == 1
+    assert p.ws_o.numel() == 1 and p.num_launches == len(p.work_classes) and K.CLASS_SHARED not in p.work_classes
 
 
 def test_split_k_only_above_the_fair_share():
@@ -296,7 +312,7 @@ def test_split_k_only_above_the_fair_share():
     lengths = split.work.items[:, K.ITEM_KV_END] - split.work.items[:, K.ITEM_KV_START]
     floor = MIN_PIECE_OVERHEADS * PROGRAM_OVERHEAD_TOKENS
     kv = b.kv_lens.numpy()
-    assert floor < MIN_SPLIT_TOKENS and floor % split.tiles.block_n_suffix == 0
+    assert floor < MIN_SPLIT_TOKENS and floor % split.tiles.decode.block_n == 0
     assert split.num_items == int((-(-kv // floor)).sum()) and lengths.max() == floor
     assert split.stats["critical_path"] == pytest.approx(floor * 64 / (kv.sum() * 2))
     check_work_list(split, *b.metadata)

@@ -1,9 +1,9 @@
-"""plan() output is frozen: every Plan array and field, over a broad set of batches, against digests of the planner
-as it was before its host path was optimized (issue 16, main a508256).
+"""plan() output is frozen: every Plan array and field, over a broad set of batches, against digests of the planner's
+output as last intended (the commit that regenerated them says why).
 
 The digests live in ``tests/plan_golden.json`` (one entry per case, one digest per group of fields: ``meta``,
 ``work``, ``tree``, ``nodes``, ``device``), so a failure names the case and the part of the plan that changed.
-They were generated once, at a508256, with::
+They are generated with::
 
     PYTHONPATH=$PWD python tests/test_plan_equivalence.py --write
 
@@ -151,12 +151,12 @@ def plan_digests(p) -> dict:
         "meta": _digest(p.num_tokens, p.num_requests, p.num_qo_heads, p.num_kv_heads, p.head_dim, p.block_size,
                         p.causal, p.sm_scale, p.q_dtype, p.device, p.tiles, p.use_fp32_dot, p.has_shared,
                         p.max_block_id, sorted(p.stats.items())),
-        "work": _digest(w.items, w.gather, w.mrows, w.num_ws_rows, w.num_units),
+        "work": _digest(w.items, w.gather, w.mrows, w.num_ws_rows, w.num_units, tuple(w.class_ends)),
         "tree": _digest(t.order, t.lcp, t.depth, t.lb, t.rb, t.parent),
         "nodes": _digest(n.kv_start, n.kv_end, n.depth_blocks, n.offsets, n.members),
         # The merge counters by shape and dtype: the free plan() leaves them uninitialized for the launch to zero
         # (zeros when the digests were made; digested as zeros, the digests still hold).
-        "device": _digest(p.num_items_dev, p.items, p.gather, p.mrows, p.block_table, torch.zeros_like(p.counters),
+        "device": _digest(*p.ranges, p.items, p.gather, p.mrows, p.block_table, torch.zeros_like(p.counters),
                           (tuple(p.ws_o.shape), p.ws_o.dtype, tuple(p.ws_lse.shape), p.ws_lse.dtype)),
     }
 

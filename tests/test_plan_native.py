@@ -31,12 +31,14 @@ def _fields(p) -> dict:
     w, t, n = p.work, p.tree, p.nodes
     out = dict(num_tokens=p.num_tokens, num_requests=p.num_requests, tiles=p.tiles, has_shared=p.has_shared,
                max_block_id=p.max_block_id, stats=sorted(p.stats.items()), num_ws_rows=w.num_ws_rows,
-               num_units=w.num_units, use_fp32_dot=p.use_fp32_dot, sm_scale=p.sm_scale, kv_dtype=p.kv_dtype)
+               num_units=w.num_units, use_fp32_dot=p.use_fp32_dot, sm_scale=p.sm_scale, kv_dtype=p.kv_dtype,
+               class_ends=tuple(int(e) for e in w.class_ends))
     arrays = dict(items=w.items, gather=w.gather, mrows=w.mrows, order=t.order, lcp=t.lcp, depth=t.depth, lb=t.lb,
                   rb=t.rb, parent=t.parent, kv_start=n.kv_start, kv_end=n.kv_end, depth_blocks=n.depth_blocks,
                   offsets=n.offsets, members=n.members)
-    for name in ("num_items_dev", "items", "gather", "mrows", "block_table"):
+    for name in ("items", "gather", "mrows", "block_table"):
         arrays[f"dev_{name}"] = getattr(p, name).cpu().numpy()
+    arrays["dev_ranges"] = np.stack([r.cpu().numpy() for r in p.ranges])
     out.update({k: (v.dtype.str, v.shape, v.tobytes()) for k, v in arrays.items()})
     # Uninitialized in the free plan() (every launch zeroes the counters): compared by shape and dtype.
     out["ws"] = tuple((tuple(t.shape), t.dtype) for t in (p.counters, p.ws_o, p.ws_lse))
@@ -353,7 +355,7 @@ def _read_tables(p, kv_lens, block_size) -> tuple:
     """What the kernel reads of a plan: its metadata tables and the block-table cells of each request's blocks."""
     lens = kv_lens.numpy()
     cells = tuple(p.block_table[r, :-(-int(lens[r]) // block_size)].cpu().numpy().tobytes() for r in range(len(lens)))
-    return (*(t.cpu().numpy().tobytes() for t in (p.num_items_dev, p.items, p.gather, p.mrows)),
+    return (*(t.cpu().numpy().tobytes() for t in (*p.ranges, p.items, p.gather, p.mrows)),
             p.work.items.tobytes(), cells)
 
 
@@ -398,9 +400,9 @@ def test_random_steps_through_tight_workspaces_leave_no_wrong_current_plan(monke
 
 
 def test_longest_first_is_the_stable_sort_by_length():
-    """plan_core's LPT order (shared and suffix items sorted apart, each by counts when their lengths span few values
-    or by packed keys, then merged) is numpy's stable argsort of the negated lengths, whatever the split, spans,
-    ties and sizes (0 to 600 items, lengths 0 to 2^31 - 1)."""
+    """plan_core's LPT order (each work class sorted apart, by counts when its lengths span few values or by packed
+    keys) is numpy's stable argsort of the negated lengths within each class, whatever the class sizes, spans, ties
+    and sizes (0 to 600 items, lengths 0 to 2^31 - 1)."""
     from prefixattn import plan_native_core
     from prefixattn.kernels import layout as K
 
@@ -411,10 +413,12 @@ def test_longest_first_is_the_stable_sort_by_length():
         items = rng.integers(-1, 1000, size=(n, K.ITEM_FIELDS)).astype(np.int32)
         items[:, K.ITEM_KV_START] = rng.integers(0, 2 ** 31 - span, size=n)
         items[:, K.ITEM_KV_END] = items[:, K.ITEM_KV_START] + rng.integers(0, span, size=n)
-        num_shared = int(rng.integers(0, n + 1))
+        ends = np.sort(rng.integers(0, n + 1, size=K.NUM_CLASSES))
+        ends[-1] = n
         if trial % 4 == 0:  # a decode step's shape: long shared items first, then short suffix ones
-            items[:num_shared, K.ITEM_KV_END] = items[:num_shared, K.ITEM_KV_START] + 2048
+            items[:ends[0], K.ITEM_KV_END] = items[:ends[0], K.ITEM_KV_START] + 2048
         length = items[:, K.ITEM_KV_END].astype(np.int64) - items[:, K.ITEM_KV_START]
-        want = items[np.argsort(-length, kind="stable")]
-        plan_native_core._longest_first(items, K.ITEM_KV_START, K.ITEM_KV_END, num_shared)
+        cls = np.searchsorted(ends, np.arange(n), side="right")
+        want = items[np.lexsort((-length, cls))]
+        plan_native_core._longest_first(items, K.ITEM_KV_START, K.ITEM_KV_END, ends.astype(np.int64))
         np.testing.assert_array_equal(items, want, err_msg=f"trial {trial}")

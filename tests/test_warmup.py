@@ -9,6 +9,7 @@ import prefixattn
 from prefixattn import warmup as w
 from prefixattn.autotune.lookup import planning_target
 from prefixattn.cli import main
+from prefixattn.kernels.layout import CLASS_SHARED, WORK_CLASSES
 from tests.launch_count import count_launches
 
 LLAMA8B = dict(num_qo_heads=32, num_kv_heads=8, head_dim=128, block_size=16)
@@ -23,19 +24,19 @@ def test_query_len_buckets():
 
 
 def test_heuristic_variants_of_a_gqa4_model():
-    # No GPU table (target None): decode tiles while group * q_len <= 16 (q_len <= 4), prefill tiles above; each
-    # with and without shared items (their own launch options), no LSE.
+    # No GPU table (target None): one binary per work class, each with its own launch options, no LSE. The shared
+    # and decode classes serve every step; chunk tiles (64 lanes) run once a chunk passes a decode tile's 4 rows.
     vs = w.attention_variants(**LLAMA8B, dtypes=torch.bfloat16, max_q_len=8192, target=None)
-    got = [(v.has_shared, v.tiles.block_m_suffix, v.tiles.launch_options(v.has_shared)["num_warps"], v.max_q_lens)
-           for v in vs]
+    got = [(WORK_CLASSES[v.work_class], v.tiles.block_m, v.tiles.launch.num_warps, v.max_q_lens) for v in vs]
     decode, prefill = (1, 2, 4), (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
-    assert got == [(True, 16, 8, decode), (False, 16, 4, decode), (True, 64, 8, prefill), (False, 64, 4, prefill)]
+    assert got == [("shared", 128, 8, decode + prefill), ("decode", 16, 4, decode + prefill),
+                   ("chunk", 64, 4, prefill)]
     assert all(not v.has_lse and v.kernel == w.ATTENTION and v.dtype == torch.bfloat16 for v in vs)
 
 
 def test_lse_dtypes_and_kv_write_multiply_the_variants():
     base = w.kernel_variants(**LLAMA8B, dtypes=torch.float16, max_q_len=1, target=None)
-    assert len(base) == 2  # decode only: shared + suffix-only
+    assert len(base) == 2  # decode only: the shared and the decode class
     full = w.kernel_variants(**LLAMA8B, dtypes=[torch.float16, torch.float32], max_q_len=1, with_lse=True,
                              kv_write=True, target=None)
     assert len(full) == 2 * 2 * 2 + 2
@@ -58,19 +59,20 @@ def test_an_fp8_cache_lists_its_own_attention_and_kv_write_binaries():
     base = w.kernel_variants(**LLAMA8B, dtypes=torch.bfloat16, max_q_len=64, kv_write=True, target=None)
     fp8 = w.kernel_variants(**LLAMA8B, dtypes=torch.bfloat16, max_q_len=64, kv_write=True, target=None,
                             kv_dtypes=FP8)
-    assert len(fp8) == len(base) == 5  # decode / prefill tiles x shared / suffix-only, one write_kv
+    assert len(fp8) == len(base) == 4  # the shared, decode and chunk classes, one write_kv
     attn = [v for v in fp8 if v.kernel == w.ATTENTION]
     assert all(v.kv_dtype == FP8 and v.cache_dtype == FP8 and v.kv_fp8 and v.has_kv_scale for v in attn)
     assert [v.tiles for v in attn] == [v.tiles for v in base if v.kernel == w.ATTENTION]  # tiles follow q's dtype
     # fp8 suffix-only launches take more warps (LaunchOptions.for_kv): the report shows the launch they compile.
-    suffix = [v for v in attn if not v.has_shared]
-    assert all(v.tiles.launch_options(False, kv_fp8=True)["num_warps"] >= FP8_SUFFIX_MIN_WARPS for v in suffix)
+    suffix = [v for v in attn if v.work_class != CLASS_SHARED]
+    assert all(v.tiles.launch.for_kv(has_shared=False, kv_fp8=True, is_hip=False).num_warps >= FP8_SUFFIX_MIN_WARPS
+               for v in suffix)
     assert all(f"w{FP8_SUFFIX_MIN_WARPS}/" in v.describe() for v in suffix)
     (write,) = [v for v in fp8 if v.kernel == w.KV_WRITE]
     assert write.dtype == torch.bfloat16 and write.kv_dtype == FP8
     assert write.describe() == "kv_write bfloat16 kv float8_e4m3fn h32/8 d128 slots int64"
     assert attn[0].describe().startswith("prefix_attention bfloat16 kv float8_e4m3fn h32/8 d128 page 16 "
-                                         "shared+suffix no-lse +kv_scale ")
+                                         "shared no-lse +kv_scale ")
     # Both scale switches (SGLang: float scales with v_scale 1 launch without HAS_KV_SCALE), both caches at once.
     both = w.attention_variants(**LLAMA8B, dtypes=torch.bfloat16, max_q_len=1, target=None,
                                 kv_dtypes=[torch.bfloat16, FP8, torch.float8_e5m2], fp8_kv_scales=(True, False))
@@ -112,17 +114,18 @@ def test_fp8_variants_launch_fp8_caches_with_scales_in_the_interpreter(monkeypat
                                        fp8_kv_scales=(True, False), layout=w.VLLM_LAYOUT, run_in_interpreter=True)
     assert [r.status for r in report.results] == ["launched"] * 5, "\n".join(report.lines())
     e5m2 = torch.float8_e5m2
-    assert seen == [("HAS_KV_SCALE", e5m2, True)] * 2 + [("HAS_KV_SCALE", e5m2, False)] * 2 + [("IS_FP8", e5m2, True)]
+    # Per scale switch: the shared class's warm-up step (its shared and decode launches), then the decode class's.
+    assert seen == [("HAS_KV_SCALE", e5m2, True)] * 3 + [("HAS_KV_SCALE", e5m2, False)] * 3 + [("IS_FP8", e5m2, True)]
     assert "kv float8_e5m2" in "\n".join(report.lines())
 
 @pytest.mark.parametrize("target", [None, "sm90", "gfx942"])
 def test_every_plan_launches_a_listed_variant(target):
-    # The property warm-up rests on: whatever step plan() builds for this configuration, its (tiles, has_shared)
-    # is one of the listed variants.
+    # The property warm-up rests on: whatever step plan() builds for this configuration, each of its launches (work
+    # class, that class's tiles) is one of the listed variants.
     g = torch.Generator().manual_seed(0)
     cfg = dict(num_qo_heads=8, num_kv_heads=2, head_dim=64, block_size=16)
     vs = w.attention_variants(**cfg, dtypes=torch.float16, max_q_len=300, target=target)
-    listed = {(v.tiles, v.has_shared) for v in vs}
+    listed = {(v.work_class == CLASS_SHARED, v.tiles) for v in vs}
     with planning_target(target):
         for q_len in (1, 3, 5, 17, 64, 300):
             for sharing in ("always", "never"):
@@ -132,15 +135,15 @@ def test_every_plan_launches_a_listed_variant(target):
                 table = torch.tensor([[0, 1, 2 + r] + [9] * 20 for r in range(n)])  # blocks 0, 1 shared
                 p = prefixattn.plan(torch.cat([torch.zeros(1, dtype=torch.long), q.cumsum(0)]), kv, table,
                                     q_dtype=torch.float16, sharing=sharing, **cfg)
-                assert (p.tiles, p.has_shared) in listed, (q_len, sharing)
+                assert w.launch_binaries(p) <= listed, (q_len, sharing)
 
 
 def test_under_the_interpreter_nothing_is_compiled_or_launched(monkeypatch):
     with count_launches(monkeypatch) as c:
         report = prefixattn.warmup_kernels(**LLAMA8B, dtypes=torch.float16, max_q_len=64, kv_write=True)
     assert c.triton == [] and report.mode == "skipped"
-    assert len(report.results) == 5 and {r.status for r in report.results} == {"skipped"}
-    assert "5 skipped" in report.summary()
+    assert len(report.results) == 4 and {r.status for r in report.results} == {"skipped"}
+    assert "4 skipped" in report.summary()
 
 
 def test_run_in_interpreter_launches_each_variant_once(monkeypatch):
@@ -149,11 +152,14 @@ def test_run_in_interpreter_launches_each_variant_once(monkeypatch):
         report = prefixattn.warmup_kernels(**cfg, dtypes=torch.float32, max_q_len=32, with_lse=True, kv_write=True,
                                            run_in_interpreter=True)
     variants = w.kernel_variants(**cfg, dtypes=torch.float32, max_q_len=32, with_lse=True, kv_write=True)
-    assert [r.variant for r in report.results] == variants and len(variants) == 9
+    assert [r.variant for r in report.results] == variants and len(variants) == 7  # 3 classes x LSE, write_kv
     assert {r.status for r in report.results} == {"launched"} and not report.failed
+    # The shared class's warm-up step launches its decode tiles too: 4 launches per LSE switch (shared + decode,
+    # decode, chunk).
     assert c.triton == ["prefix_attention_kernel"] * 8 + ["kv_write_kernel"]
     text = "\n".join(report.lines())
-    assert "page any shared+suffix +lse" in text and "kv_write float32 h2/1 d64 slots int64" in text
+    assert "page any shared +lse" in text and "page any chunk +lse" in text
+    assert "kv_write float32 h2/1 d64 slots int64" in text
 
 
 def test_engine_layouts():
@@ -177,7 +183,7 @@ def test_engine_layouts_launch_in_the_interpreter():
 
 def test_a_failing_variant_is_reported_and_the_others_still_run(monkeypatch):
     def boom(v, layout, device):
-        if v.has_shared:
+        if v.work_class == CLASS_SHARED:
             raise RuntimeError("ptxas fatal")
     monkeypatch.setattr(w, "_launch_attention", boom)
     report = prefixattn.warmup_kernels(num_qo_heads=2, num_kv_heads=1, head_dim=64, block_size=16,

@@ -10,6 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import prefixattn
 from prefixattn import PrefixSharedAttention, attention, reference_attention
 from prefixattn import plan_native, prefix_attention
+from prefixattn.kernels import layout as K
 from prefixattn.workspace import derive_capacity
 from tests.launch_count import RecordingKernel
 from tests.prefix_batches import random_batch
@@ -77,15 +78,17 @@ def test_graph_mode_same_grid_and_buffers_for_two_batches(device, monkeypatch):
         plans.append(p)
         attn.run(q_static, k_cache, v_cache, out=out_static)
         _assert_matches_reference(out_static, q_static, k_cache, v_cache, batch, p)
-    (grid_a, args_a), (grid_b, args_b) = rec.launches
+    per_step = len(attn.graph_work_classes)
+    assert per_step == 2 and len(rec.launches) == 2 * per_step  # the shared and the decode class, every step
     assert plans[0].num_items != plans[1].num_items and plans[1].has_shared  # really different work
-    assert grid_a == grid_b == (attn.workspace.capacity.max_items * HEADS["num_kv_heads"],)
-    assert args_a == args_b
+    grid = attn.graph_grid_items(CAPS["max_tokens"])
+    assert [g for g, _ in rec.launches] == [(n * HEADS["num_kv_heads"],) for n in grid] * 2
+    assert rec.launches[:per_step] == rec.launches[per_step:]
 
 
 def test_graph_mode_lse_and_an_unshared_step(device, monkeypatch):
-    """The fixed launch (shared branch compiled in) also serves a step without shared items or merges (empty
-    gather and merge tables: the launch still gets the workspace's buffers, never a null pointer), with LSE."""
+    """The fixed launches (the shared class's too) also serve a step without shared items or merges (empty gather
+    and merge tables: the launches still get the workspace's buffers, never a null pointer), with LSE."""
     (a, b), k_cache, v_cache = _two_batches_on_one_cache(device)
     rec = RecordingKernel(prefix_attention.prefix_attention_kernel)
     monkeypatch.setattr(prefix_attention, "prefix_attention_kernel", rec)
@@ -99,10 +102,13 @@ def test_graph_mode_lse_and_an_unshared_step(device, monkeypatch):
         got, got_lse = attn.run(q, k_cache, v_cache, out=out, return_lse=True)
         _assert_matches_reference(got, q, k_cache, v_cache, batch, p, got_lse)
     assert not p.has_shared and p.work.gather.shape[0] == 0 and p.num_merge_rows == 0
-    (grid_b, args_b), (grid_a, args_a) = rec.launches
-    assert grid_a == grid_b
-    assert {k: v for k, v in args_a.items() if k != "lse_ptr"} == {k: v for k, v in args_b.items() if k != "lse_ptr"}
-    assert all(v[0] != 0 for v in args_a.values() if isinstance(v, tuple))
+    launches_b, launches_a = rec.launches[:2], rec.launches[2:]
+    assert len(rec.launches) == 4
+    for (grid_b, args_b), (grid_a, args_a) in zip(launches_b, launches_a):
+        assert grid_a == grid_b
+        assert ({k: v for k, v in args_a.items() if k != "lse_ptr"}
+                == {k: v for k, v in args_b.items() if k != "lse_ptr"})
+        assert all(v[0] != 0 for v in args_a.values() if isinstance(v, tuple))
 
 
 @pytest.mark.parametrize("use_cuda_graph", [False, True])
@@ -229,7 +235,7 @@ def test_derived_capacity_bounds_random_plans():
             p = plan(*batch.metadata, **dict(HEADS, num_qo_heads=8), q_dtype=torch.float32, sharing="always",
                      num_sms=num_sms, min_split_tokens=16)
             levels = int(np.bincount(p.nodes.members, minlength=6).max()) if len(p.nodes) else 0
-            rows = [p.tiles.rows_per_shared_tile(4), p.tiles.rows_per_suffix_tile(4)]
+            rows = [p.tiles.rows_per_shared_tile(4), p.tiles.rows_per_chunk_tile(4), p.tiles.rows_per_decode_tile(4)]
             cap = derive_capacity(max_tokens=p.num_tokens, max_requests=6, max_blocks_per_request=8, num_kv_heads=2,
                                   num_sms=num_sms, rows_per_tile=(min(rows), max(rows)), max_shared_levels=levels)
             assert p.num_items <= cap.max_items and p.work.num_ws_rows <= cap.max_ws_rows
@@ -246,7 +252,9 @@ def test_graph_num_tokens_sizes_the_grid_by_the_graph(device, monkeypatch):
     attn = PrefixSharedAttention(**HEADS, q_dtype=torch.float32, device=device, use_cuda_graph=True,
                                  sharing="always", **CAPS)
     grid = attn.graph_grid_items(rows)
-    assert attn.graph_grid_items(1) < grid < attn.workspace.capacity.max_items
+    assert len(grid) == len(attn.graph_work_classes) == 2  # shared, decode (no chunk binary at max_q_len 1)
+    small, cap = attn.graph_grid_items(1), attn.workspace.capacity.max_items
+    assert all(s <= g <= cap for s, g in zip(small, grid)) and small < grid and max(grid) < cap
     q_static, out_static = torch.zeros(rows, 4, 64, device=device), torch.zeros(rows, 4, 64, device=device)
     for batch in (a, b):
         q_static.zero_()
@@ -254,8 +262,9 @@ def test_graph_num_tokens_sizes_the_grid_by_the_graph(device, monkeypatch):
         p = attn.plan(*(t.to(device) for t in batch.metadata), graph_num_tokens=rows)
         attn.run(q_static, k_cache, v_cache, out=out_static)
         _assert_matches_reference(out_static, q_static, k_cache, v_cache, batch, p)
-    (grid_a, args_a), (grid_b, args_b) = rec.launches
-    assert grid_a == grid_b == (grid * HEADS["num_kv_heads"],) and args_a == args_b
+    launches_a, launches_b = rec.launches[:2], rec.launches[2:]
+    assert launches_a == launches_b and len(rec.launches) == 4
+    assert [g for g, _ in launches_a] == [(n * HEADS["num_kv_heads"],) for n in grid]
     with pytest.raises(ValueError, match=f"q: expected {rows} rows \\(the graph_num_tokens"):
         attn.run(torch.zeros(rows + 1, 4, 64, device=device), k_cache, v_cache)
     with pytest.raises(ValueError, match="graph_num_tokens: expected at least the step's"):
@@ -269,15 +278,18 @@ def test_graph_grid_overflow_replans_without_sharing(device, monkeypatch):
     attn = PrefixSharedAttention(**HEADS, q_dtype=torch.float32, device=device, use_cuda_graph=True,
                                  sharing="always", **CAPS)
     unshared_items = attn.plan(*metadata, sharing="never").num_items
-    assert attn.plan(*metadata).num_items > unshared_items
+    shared = attn.plan(*metadata).work
+    shared_items, decode_items = (end - first for first, end in (shared.class_range(c) for c in (0, 2)))
+    assert shared_items > 0 and attn.graph_work_classes == (K.CLASS_SHARED, K.CLASS_DECODE)
     rows = int(b.qo_indptr[-1])
-    monkeypatch.setattr(attn, "graph_grid_items", lambda num_tokens: unshared_items)
+    # Room for the unshared step's decode items, one shared item too few.
+    monkeypatch.setattr(attn, "graph_grid_items", lambda num_tokens: (shared_items - 1, unshared_items))
     p = attn.plan(*metadata, graph_num_tokens=rows)
     assert not p.has_shared and "the graph grid for" in p.stats["capacity_fallback"]
     q = b.q.to(device)
     _assert_matches_reference(attn.run(q, k_cache, v_cache), q, k_cache, v_cache, b, p)
-    monkeypatch.setattr(attn, "graph_grid_items", lambda num_tokens: unshared_items - 1)
-    with pytest.raises(ValueError, match="graph_num_tokens: expected a step within the grid"):
+    monkeypatch.setattr(attn, "graph_grid_items", lambda num_tokens: (shared_items, decode_items - 1))
+    with pytest.raises(ValueError, match="graph_num_tokens: expected a step within the graph's grid"):
         attn.plan(*metadata, graph_num_tokens=rows)
 
 
@@ -342,16 +354,16 @@ def test_a_wrapper_keeps_the_tile_config_variable_of_its_checked_options(monkeyp
     (a, _), _, _ = _two_batches_on_one_cache("cpu")
     attn = PrefixSharedAttention(**HEADS, q_dtype=torch.float32, device="cpu", **CAPS)
     base = attn.plan(*a.metadata).tiles
-    assert (base.block_m_suffix, base.block_n_suffix) != (32, 16)  # else the test shows nothing
+    assert (base.decode.block_m, base.decode.block_n) != (32, 16)  # else the test shows nothing
     monkeypatch.setenv(lookup.FIXED_ENV, json.dumps(fixed.to_dict()))
     assert attn.plan(*a.metadata).tiles == base
     for p in (attn.plan(*a.metadata, sharing="always"),
               PrefixSharedAttention(**HEADS, q_dtype=torch.float32, device="cpu", **CAPS).plan(*a.metadata),
               prefixattn.plan(*a.metadata, **HEADS, q_dtype=torch.float32)):
-        assert (p.tiles.block_m_suffix, p.tiles.block_n_suffix) == (32, 16)
+        assert (p.tiles.decode.block_m, p.tiles.decode.block_n) == (32, 16)
     monkeypatch.delenv(lookup.FIXED_ENV)
     with lookup.fixed_config(fixed):
-        assert (attn.plan(*a.metadata).tiles.block_m_suffix, attn.plan(*a.metadata).tiles.block_n_suffix) == (32, 16)
+        assert (attn.plan(*a.metadata).tiles.decode.block_m, attn.plan(*a.metadata).tiles.decode.block_n) == (32, 16)
     assert attn.plan(*a.metadata).tiles == base
 
 

@@ -260,9 +260,10 @@ def build_jobs(*, targets, kernels, dtypes, head_dims, lse=(False, True), max_co
                     if max_configs is not None:
                         pairs = pairs[:max_configs]
                     fused_names = names[cs.FUSED_KERNEL]
-                    shared_switch = (True, False) if "HAS_SHARED" in fused_names else (True,)
                     for mode, cfg in pairs:
-                        for has_shared in shared_switch:
+                        # A decode config serves the shared and the decode class, a chunked-prefill one the chunk
+                        # class (prefixattn.attention_configs.tiles_from_configs).
+                        for has_shared in (True, False) if mode != "chunked_prefill" else (False,):
                             for has_lse in lse:
                                 jobs.append(cs.fused_job(target=target, dtype=dtype, head_dim=head_dim, config=cfg,
                                                          variant=mode, has_lse=has_lse, has_shared=has_shared,

@@ -6,11 +6,13 @@ a 16-byte aligned pointer carry a divisibility hint, and on HIP a pointer into a
 instructions. The jobs here reproduce that from a representative launch (Llama-3-8B-like heads, 16-token blocks,
 contiguous tensors), so the checked binaries are the ones users run.
 
-Variants of the fused kernel: its constexpr switches are ``HAS_LSE`` and ``USE_FP32_DOT`` (tied to the fp32 dtype
-on GPUs) plus the tile sizes, and the issue-19 feature switches (``HAS_SOFT_CAP``, ``HAS_WINDOW``, ``HAS_SINKS``,
-``HAS_KV_SCALE`` with fp8 K/V pointers, ``USE_NAN_GUARD``), off in the default variants and on in :func:`feature_jobs`; decode and chunked prefill differ in the config the lookup picks for them (suffix
-tiles shaped for one row per request or for a prefill chunk). Split-k and shared/suffix merging are run-time paths
-of every binary (work items and the in-kernel last-arriver merge), so each record lists them under ``serves``.
+Variants of the fused kernel: one binary per work class (``IS_SHARED`` and the class's ``BLOCK_M``/``BLOCK_N``): the
+shared class and the decode class from a decode config (variants ``decode`` and ``decode/suffix-only``), the chunk
+class from a chunked-prefill config (``chunked_prefill/suffix-only``); its other constexpr switches are ``HAS_LSE``
+and ``USE_FP32_DOT`` (tied to the fp32 dtype on GPUs), and the feature switches (``HAS_SOFT_CAP``, ``HAS_WINDOW``,
+``HAS_SINKS``, ``HAS_KV_SCALE`` with fp8 K/V pointers, ``USE_NAN_GUARD``), off in the default variants and on in
+:func:`feature_jobs`. Split-k and merging are run-time paths of every binary (work items and the in-kernel
+last-arriver merge), so each record lists them under ``serves``.
 """
 
 from __future__ import annotations
@@ -157,7 +159,7 @@ def fused_pointer_dtypes(dtype: str, kv_dtype: str | None = None) -> dict:
     return {"out_ptr": dtype, "q_ptr": dtype, "k_cache_ptr": kv, "v_cache_ptr": kv,
             "lse_ptr": "fp32", "ws_o_ptr": "fp32", "ws_lse_ptr": "fp32",
             "sinks_ptr": "fp32", "k_scale_ptr": "fp32", "v_scale_ptr": "fp32",
-            "counters_ptr": "i32", "num_items_ptr": "i32", "items_ptr": "i32", "gather_ptr": "i32",
+            "counters_ptr": "i32", "item_range_ptr": "i32", "items_ptr": "i32", "gather_ptr": "i32",
             "mrows_ptr": "i32", "block_table_ptr": "i32"}
 
 
@@ -171,27 +173,26 @@ def _param_names(fn_path: str) -> list[str]:
 def fused_job(*, target: Target, dtype: str, head_dim: int, config: AttentionConfig, variant: str,
               has_lse: bool, has_shared: bool = True, default: bool = True, param_names=None,
               features: tuple = (), kv_dtype: str | None = None) -> CompileJob:
-    """The fused kernel with ``config`` (``param_names``: the kernel's arguments; imported when not given).
+    """The fused kernel's binary of one work class with ``config`` (``param_names``: the kernel's arguments;
+    imported when not given).
 
-    ``has_shared=False`` is a launch of suffix items only (kernels with a ``HAS_SHARED`` switch compile the shared
-    branch out; they run under ``config.suffix_launch``). ``features``: feature switches to turn on (of
-    :data:`FEATURE_SWITCHES`); ``kv_dtype``: the K/V cache element type when it differs from ``dtype`` (fp8).
+    ``has_shared=True``: the shared class (``config.shared`` tiles under ``config.launch``); False: a suffix class
+    (``config.suffix`` under ``config.suffix_launch``; the decode class of a decode config, the chunk class of a
+    chunked-prefill one). ``features``: feature switches to turn on (of :data:`FEATURE_SWITCHES`); ``kv_dtype``: the
+    K/V cache element type when it differs from ``dtype`` (fp8).
     """
     bd = block_d(head_dim)
     names = param_names if param_names is not None else _param_names(FUSED_KERNEL)
     use_fp32_dot = dtype == "fp32"  # what plan() sets on a GPU: fp32 inputs keep IEEE fp32 dots
-    constexprs = dict(HAS_LSE=has_lse, USE_FP32_DOT=use_fp32_dot, IS_HIP=target.is_hip, PAGE_SIZE=page_size_constexpr(BLOCK_SIZE), BLOCK_D=bd,
-                      **config.constexprs())
+    tiles = config.shared if has_shared else config.suffix
+    constexprs = dict(IS_SHARED=has_shared, HAS_LSE=has_lse, USE_FP32_DOT=use_fp32_dot, IS_HIP=target.is_hip,
+                      PAGE_SIZE=page_size_constexpr(BLOCK_SIZE), BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+                      BLOCK_D=bd)
     for switch in FEATURE_SWITCHES:
         if switch in names:
             constexprs[switch] = switch in features
         elif switch in features:
             raise ValueError(f"fused_job: the kernel has no {switch} switch")
-    switchable = "HAS_SHARED" in names
-    if switchable:
-        constexprs["HAS_SHARED"] = has_shared
-    elif not has_shared:
-        raise ValueError("fused_job: has_shared=False needs a kernel with a HAS_SHARED switch")
     sig, consts, attrs = build_signature(names, fused_pointer_dtypes(dtype, kv_dtype), fused_launch_values(head_dim),
                                          constexprs, target)
     bm, bn = config.shared.block_m, config.shared.block_n

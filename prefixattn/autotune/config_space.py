@@ -133,11 +133,6 @@ class AttentionConfig:
         """Launch options of a launch with (or without) shared-node items."""
         return self.launch if has_shared or self.suffix_launch is None else self.suffix_launch
 
-    def constexprs(self) -> dict:
-        """The kernel's tile constexprs (``BLOCK_D`` depends on the head size, not on the config)."""
-        return {"BLOCK_M_SHARED": self.shared.block_m, "BLOCK_N_SHARED": self.shared.block_n,
-                "BLOCK_M_SUFFIX": self.suffix.block_m, "BLOCK_N_SUFFIX": self.suffix.block_n}
-
     def to_dict(self) -> dict:
         d = {"shared": asdict(self.shared), "suffix": asdict(self.suffix), "launch": asdict(self.launch)}
         if self.suffix_launch is not None:

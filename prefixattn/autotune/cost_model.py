@@ -337,10 +337,12 @@ def ranges_from_plan(plan) -> Ranges:
     return ranges_from_work(plan.work.items, plan.work.gather, plan.work.mrows)
 
 
-def config_from_tiles(tiles) -> AttentionConfig:
-    """The config a plan's :class:`~prefixattn.attention_configs.AttentionTiles` (``plan.tiles``) came from."""
-    return AttentionConfig(Tiles(tiles.block_m_shared, tiles.block_n_shared),
-                           Tiles(tiles.block_m_suffix, tiles.block_n_suffix), tiles.launch_shared, tiles.launch_suffix)
+def config_from_tiles(tiles, suffix_class: int = K.CLASS_DECODE) -> AttentionConfig:
+    """A config of a plan's :class:`~prefixattn.attention_configs.AttentionTiles` (``plan.tiles``): its shared
+    class and one suffix class (``suffix_class``)."""
+    suffix = tiles.of(suffix_class)
+    return AttentionConfig(Tiles(tiles.shared.block_m, tiles.shared.block_n), Tiles(suffix.block_m, suffix.block_n),
+                           tiles.shared.launch, suffix.launch)
 
 
 def split_counts(r: Ranges, rule: str, *, block_n_shared: int, block_n_suffix: int, num_kv_heads: int,
@@ -353,8 +355,9 @@ def split_counts(r: Ranges, rule: str, *, block_n_shared: int, block_n_suffix: i
     if rule == "critical_path":
         node_pieces, g_sh, tile_pieces, g_sf = split_ranges(
             node_lengths=r.kv_len[shared], node_m_tiles=np.ones(int(shared.sum()), np.int64),
-            tile_lengths=r.kv_len[~shared], block_n_shared=block_n_shared, block_n_suffix=block_n_suffix,
-            num_kv_heads=num_kv_heads, num_sms=num_sms, min_split_tokens=min_split_tokens)
+            tile_lengths=r.kv_len[~shared], tile_decode=True, block_n_shared=block_n_shared,
+            block_n_chunk=block_n_suffix, block_n_decode=block_n_suffix, num_kv_heads=num_kv_heads, num_sms=num_sms,
+            min_split_tokens=min_split_tokens)
         pieces = np.zeros(r.kind.size, np.int64)
         pieces[shared], pieces[~shared] = node_pieces, tile_pieces
         return pieces, g_sh, g_sf

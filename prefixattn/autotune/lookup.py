@@ -409,7 +409,7 @@ def select_config(*, head_dim: int, dtype, group: int = 1, q_rows: int = 1, max_
     --------
     >>> sel = select_config(head_dim=128, dtype="fp16", group=4, q_rows=256, max_q_len=1, kv_len=2048,
     ...                     target="sm90")
-    >>> sel.config.constexprs()["BLOCK_M_SHARED"], sel.source
+    >>> sel.config.shared.block_m, sel.source
     """
     bucket = make_bucket(head_dim=head_dim, dtype=dtype, group=group, q_rows=q_rows, max_q_len=max_q_len,
                          kv_len=kv_len)

@@ -2,9 +2,15 @@
 numpy) and the kernel (:mod:`prefixattn.kernels.prefix_attention_kernel`, Triton) both read. No triton import here,
 so host code and tests can use the layout without loading the compiler.
 
-Tables of one launch (row-major int32, built once per step by :func:`prefixattn.plan`):
+Tables of one step (row-major int32, built once per step by :func:`prefixattn.plan`):
 
-* ``items[num_items, ITEM_FIELDS]``: one work item per row, longest KV range first. A program is (item, KV head).
+* ``ranges[NUM_CLASSES, RANGE_FIELDS]``: the items of each work class (:data:`WORK_CLASSES`). Items are stored class by
+  class, and each class runs as its own launch with its own tiles, warps and occupancy: a launch reads its class's
+  record (``[first item, end item)``) and its programs past the end exit at once, so a grid sized by capacity serves
+  every smaller step. Records are 16 bytes apart (``RANGE_FIELDS`` int32): every record's address has the same
+  alignment, so the launches of all classes share one pointer specialization.
+* ``items[num_items, ITEM_FIELDS]``: one work item per row; within a class longest KV range first (LPT). A program is
+  (item, KV head).
 * ``gather[num_gather, GATHER_FIELDS]``: the packed query rows of SHARED items (rows of many requests).
 * ``mrows[num_mrows, MROW_FIELDS]``: merge rows, one per query row that gets more than one partial state (shared
   levels, split-k chunks). State ``s`` of merge row ``r`` lives at workspace row
@@ -16,6 +22,22 @@ Tables of one launch (row-major int32, built once per step by :func:`prefixattn.
 # Work-item kinds.
 KIND_SHARED = 0  # every packed row of a shared prefix node against ONE copy of the node's KV range
 KIND_SUFFIX = 1  # a tile of one request's consecutive query rows against its own KV range (causal near the end)
+
+# Work classes: the kinds of program that get their own launch (tiles, warps, registers, so their own occupancy).
+# A one-row decode tile must not pay the registers of a 128-row prefill tile, and a suffix program not those of a
+# shared-node tile (an H100 sweep: a 256-decode step took 1184 us under the mixed step's config and 650 us under its
+# own, bench/results/gpu/nvidia-h100-80gb-hbm3-82be9f2-tiles.csv). Launched in this order on one stream.
+CLASS_SHARED = 0  # SHARED items: a shared node's packed rows against its KV range
+CLASS_CHUNK = 1  # SUFFIX items of requests with more query rows than a decode tile holds (prefill chunks)
+CLASS_DECODE = 2  # SUFFIX items of requests whose rows fit one decode tile (decode, short spec-decode verifies)
+NUM_CLASSES = 3
+WORK_CLASSES = ("shared", "chunk", "decode")
+
+# Columns of ``ranges``.
+RANGE_FIRST = 0  # first item of the class
+RANGE_END = 1  # one past its last item
+RANGE_FIELDS = 4  # 2 used + 2 padding: 16-byte records
+RANGES_SIZE = NUM_CLASSES * RANGE_FIELDS  # int32 entries of the ranges table
 
 # Columns of ``items``.
 ITEM_KIND = 0

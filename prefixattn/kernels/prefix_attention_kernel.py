@@ -1,5 +1,5 @@
-"""Horizontally-fused prefix-shared paged attention: shared-prefix tiles, per-request suffix tiles and their merge in
-ONE launch (BatchLLM section 4.4; the math of FlashInfer cascade / Hydragen, without their extra launches).
+"""Horizontally-fused prefix-shared paged attention: shared-prefix tiles, per-request suffix tiles and their merge,
+with no merge launch (BatchLLM section 4.4; the math of FlashInfer cascade / Hydragen, without their extra launches).
 
 One program = (work item, KV head). A work item (built by :func:`prefixattn.plan`, table layout in
 :mod:`prefixattn.kernels.layout`) is either
@@ -7,7 +7,11 @@ One program = (work item, KV head). A work item (built by :func:`prefixattn.plan
   copy of the node's KV range - a matrix-matrix product on tensor cores; or
 * SUFFIX: a tile of one request's contiguous query rows (x GQA group in M, decode-shaped as vLLM's unified attention)
   against that request's own KV range, causal where the range reaches its query positions.
-Both kinds run the same inner loop (:func:`_attend_range`) with their own tile sizes. An item either writes straight
+Items come in work classes (shared nodes, prefill-chunk tiles, decode tiles), and each class is its own launch of
+this kernel, compiled for that class alone (``IS_SHARED``, ``BLOCK_M``, ``BLOCK_N``, its warps and stages): a one-row
+decode tile never pays the registers, shared memory and occupancy of a 128-row tile. The launches of one step share
+the merge counters, so the partial states of a row may come from several launches.
+Both kinds run the same inner loop (:func:`_attend_range`). An item either writes straight
 to ``out`` (a request whose rows have a single state: plain paged attention) or writes an fp32 partial state
 ``(o, lse)`` to the workspace and reports it; the report that completes a (row, head) merges it
 (:func:`_report_and_merge`).
@@ -98,12 +102,12 @@ class ScoreRule(NamedTuple):
 
 
 class WorkTables(NamedTuple):
-    """The plan's int32 tables of this launch (layout: :mod:`prefixattn.kernels.layout`) and its merge counters."""
+    """The plan's int32 tables (layout: :mod:`prefixattn.kernels.layout`) and its merge counters."""
 
-    items_ptr: tl.tensor  # [num_items, ITEM_FIELDS] work items, longest first
+    items_ptr: tl.tensor  # [num_items, ITEM_FIELDS] work items, class by class
     gather_ptr: tl.tensor  # [num_gather, GATHER_FIELDS] packed rows of SHARED items
     mrows_ptr: tl.tensor  # [num_mrows, MROW_FIELDS] merge rows
-    counters_ptr: tl.tensor  # [num_mrows, num_qo_heads] arrivals; zeroed before every launch
+    counters_ptr: tl.tensor  # [num_mrows, num_qo_heads] arrivals; zeroed before a step's first launch
 
 
 @triton.jit
@@ -331,8 +335,9 @@ def _report_and_merge(
     wave first waits for its own workspace stores (``IS_HIP``: ``s_waitcnt vmcnt(0)``, which on CDNA counts stores
     too); the releasing wave's L2 write-back then publishes all of them, and the acquire's L2 invalidate makes the
     merging program read them.
-    The counters are zeroed by the launcher before every launch, so a launch that was interrupted (or counters
-    overwritten by anyone) cannot make a later one merge early.
+    The counters are zeroed by the launcher before a step's first launch (the class launches of one step count into
+    the same counters, so a row whose states come from several launches merges in the last of them), so a step that
+    was interrupted (or counters overwritten by anyone) cannot make a later one merge early.
     """
     mrow = mrow.to(tl.int64)
     num_states = tl.load(work.mrows_ptr + mrow * L.MROW_FIELDS + L.MROW_NUM_STATES, mask=mask_m, other=0)
@@ -504,15 +509,15 @@ def prefix_attention_kernel(
     lse_ptr,  # [num_tokens, num_qo_heads] fp32 (written only when HAS_LSE)
     ws_o_ptr,  # [num_ws_rows, num_qo_heads, head_dim] fp32 partial outputs
     ws_lse_ptr,  # [num_ws_rows, num_qo_heads] fp32 partial LSEs (natural log)
-    counters_ptr,  # [num_mrows, num_qo_heads] int32 arrivals; zeroed before every launch
+    counters_ptr,  # [num_mrows, num_qo_heads] int32 arrivals; zeroed before a step's first launch
     q_ptr,  # [num_tokens, num_qo_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], dtype of q or fp8
     v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], dtype of k_cache
     sinks_ptr,  # [num_qo_heads] fp32/bf16/fp16 sink logits (read only when HAS_SINKS)
     k_scale_ptr,  # [1] fp32 K dequantization scale (read only when HAS_KV_SCALE)
     v_scale_ptr,  # [1] fp32 V dequantization scale (read only when HAS_KV_SCALE)
-    num_items_ptr,  # [1] int32 live work items: programs past them exit (a grid sized by capacity stays valid)
-    items_ptr,  # [num_items, ITEM_FIELDS] int32 work items, longest first
+    item_range_ptr,  # [RANGE_FIELDS] int32: this launch's class, items [first, end); programs past it exit
+    items_ptr,  # [num_items, ITEM_FIELDS] int32 work items, class by class, longest first within a class
     gather_ptr,  # [num_gather, GATHER_FIELDS] int32 packed rows of SHARED items
     mrows_ptr,  # [num_mrows, MROW_FIELDS] int32 merge rows
     block_table_ptr,  # [num_requests, max_blocks] int32/int64
@@ -532,8 +537,8 @@ def prefix_attention_kernel(
     stride_k_blk, stride_k_tok, stride_k_head, stride_k_d,
     stride_v_blk, stride_v_tok, stride_v_head, stride_v_d,
     stride_bt_r,
+    IS_SHARED: tl.constexpr,  # the launch's class: SHARED items (else SUFFIX items)
     HAS_LSE: tl.constexpr,
-    HAS_SHARED: tl.constexpr,
     HAS_SOFT_CAP: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_SINKS: tl.constexpr,
@@ -542,18 +547,16 @@ def prefix_attention_kernel(
     USE_FP32_DOT: tl.constexpr,
     IS_HIP: tl.constexpr,  # AMD: every wave waits for its own workspace stores before reporting
     PAGE_SIZE: tl.constexpr,
-    BLOCK_M_SHARED: tl.constexpr,
-    BLOCK_N_SHARED: tl.constexpr,
-    BLOCK_M_SUFFIX: tl.constexpr,
-    BLOCK_N_SUFFIX: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # (query row x GQA head) lanes of one item
+    BLOCK_N: tl.constexpr,  # KV positions per step
     BLOCK_D: tl.constexpr,
 ):
-    """Grid ``(capacity_items * num_kv_heads,)``: the KV heads of one item are adjacent so the longest-first order of
-    the work list is the order in which programs start."""
+    """Grid ``(capacity_items * num_kv_heads,)`` for one work class: the KV heads of one item are adjacent so the
+    longest-first order of the class's items is the order in which programs start."""
     pid = tl.program_id(0)
-    item = pid // num_kv_heads
+    item = tl.load(item_range_ptr + L.RANGE_FIRST) + pid // num_kv_heads
     kv_head = pid % num_kv_heads
-    if item >= tl.load(num_items_ptr):
+    if item >= tl.load(item_range_ptr + L.RANGE_END):
         return
     num_qo_heads = num_kv_heads * group
     out = RowsHeadsDim(ptr=out_ptr, stride_t=stride_o_t, stride_h=stride_o_h, stride_d=stride_o_d)
@@ -569,24 +572,10 @@ def prefix_attention_kernel(
                  stride_v_d=stride_v_d)
     work = WorkTables(items_ptr=items_ptr, gather_ptr=gather_ptr, mrows_ptr=mrows_ptr, counters_ptr=counters_ptr)
     score = ScoreRule(qk_scale=qk_scale, soft_cap_log2=soft_cap_log2, window_left=window_left)
-    # Without shared items (HAS_SHARED=False: plain paged attention, or suffixes + split-k only) the shared branch is
-    # compiled out, so its large tiles do not set the register budget and occupancy of decode-shaped programs.
-    is_shared = False
-    if HAS_SHARED:
-        is_shared = tl.load(items_ptr + item * L.ITEM_FIELDS + L.ITEM_KIND) == L.KIND_SHARED
-    if is_shared:
-        _run_item(out=out, lse=lse, ws_o=ws_o, ws_lse=ws_lse, queries=queries, kv=kv, work=work, score=score,
-                  sinks_ptr=sinks_ptr, k_scale_ptr=k_scale_ptr, v_scale_ptr=v_scale_ptr, item=item, kv_head=kv_head,
-                  num_qo_heads=num_qo_heads, group=group, v_scale=v_scale,
-                  IS_SHARED=True, HAS_LSE=HAS_LSE, HAS_SOFT_CAP=HAS_SOFT_CAP, HAS_WINDOW=HAS_WINDOW,
-                  HAS_SINKS=HAS_SINKS, HAS_KV_SCALE=HAS_KV_SCALE, USE_NAN_GUARD=USE_NAN_GUARD,
-                  USE_FP32_DOT=USE_FP32_DOT, IS_HIP=IS_HIP,
-                  PAGE_SIZE=PAGE_SIZE, BLOCK_M=BLOCK_M_SHARED, BLOCK_N=BLOCK_N_SHARED, BLOCK_D=BLOCK_D)
-    else:
-        _run_item(out=out, lse=lse, ws_o=ws_o, ws_lse=ws_lse, queries=queries, kv=kv, work=work, score=score,
-                  sinks_ptr=sinks_ptr, k_scale_ptr=k_scale_ptr, v_scale_ptr=v_scale_ptr, item=item, kv_head=kv_head,
-                  num_qo_heads=num_qo_heads, group=group, v_scale=v_scale,
-                  IS_SHARED=False, HAS_LSE=HAS_LSE, HAS_SOFT_CAP=HAS_SOFT_CAP, HAS_WINDOW=HAS_WINDOW,
-                  HAS_SINKS=HAS_SINKS, HAS_KV_SCALE=HAS_KV_SCALE, USE_NAN_GUARD=USE_NAN_GUARD,
-                  USE_FP32_DOT=USE_FP32_DOT, IS_HIP=IS_HIP,
-                  PAGE_SIZE=PAGE_SIZE, BLOCK_M=BLOCK_M_SUFFIX, BLOCK_N=BLOCK_N_SUFFIX, BLOCK_D=BLOCK_D)
+    _run_item(out=out, lse=lse, ws_o=ws_o, ws_lse=ws_lse, queries=queries, kv=kv, work=work, score=score,
+              sinks_ptr=sinks_ptr, k_scale_ptr=k_scale_ptr, v_scale_ptr=v_scale_ptr, item=item, kv_head=kv_head,
+              num_qo_heads=num_qo_heads, group=group, v_scale=v_scale,
+              IS_SHARED=IS_SHARED, HAS_LSE=HAS_LSE, HAS_SOFT_CAP=HAS_SOFT_CAP, HAS_WINDOW=HAS_WINDOW,
+              HAS_SINKS=HAS_SINKS, HAS_KV_SCALE=HAS_KV_SCALE, USE_NAN_GUARD=USE_NAN_GUARD,
+              USE_FP32_DOT=USE_FP32_DOT, IS_HIP=IS_HIP,
+              PAGE_SIZE=PAGE_SIZE, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)

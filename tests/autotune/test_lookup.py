@@ -219,19 +219,19 @@ def test_memoized_tiles_follow_the_selection_state(monkeypatch):
 
     base = tiles()
     with lookup.fixed_config(A):
-        assert (tiles().block_m_shared, tiles().block_n_suffix) == (64, 64)
+        assert (tiles().shared.block_m, tiles().decode.block_n) == (64, 64)
         with lookup.fixed_config(B):
-            assert (tiles().block_m_shared, tiles().block_n_shared) == (B.shared.block_m, B.shared.block_n)
-        assert tiles().block_m_shared == 64
+            assert (tiles().shared.block_m, tiles().shared.block_n) == (B.shared.block_m, B.shared.block_n)
+        assert tiles().shared.block_m == 64
     assert tiles() == base
     for target in ("sm90", "sm80", "gfx942", None):
         with lookup.planning_target(target):
             cfg = lookup.select_config(head_dim=128, dtype="fp16", group=4, max_q_len=1).config
             t = tiles()
-            assert (t.block_m_shared, t.block_n_shared, t.block_m_suffix, t.block_n_suffix) == (
+            assert (t.shared.block_m, t.shared.block_n, t.decode.block_m, t.decode.block_n) == (
                 cfg.shared.block_m, cfg.shared.block_n, cfg.suffix.block_m, cfg.suffix.block_n), target
     monkeypatch.setenv(lookup.FIXED_ENV, json.dumps(C.to_dict()))
-    assert (tiles().block_m_shared, tiles().block_n_shared) == (C.shared.block_m, C.shared.block_n)
+    assert (tiles().shared.block_m, tiles().shared.block_n) == (C.shared.block_m, C.shared.block_n)
     monkeypatch.delenv(lookup.FIXED_ENV)
     assert tiles() == base
 

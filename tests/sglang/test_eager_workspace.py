@@ -38,7 +38,7 @@ def _step(eng, backend, extend, mode):
 
 
 def _addresses(p) -> dict:
-    return {name: getattr(p, name).data_ptr() for name in ("num_items_dev", "items", "gather", "mrows", "counters",
+    return {name: getattr(p, name).data_ptr() for name in ("items", "gather", "mrows", "counters",
                                                             "ws_o", "ws_lse")}
 
 

@@ -48,7 +48,7 @@ def _run_step(builder, q_lens, seq_lens, table, g):
 
 
 def _addresses(p) -> dict:
-    return {name: getattr(p, name).data_ptr() for name in ("num_items_dev", "items", "gather", "mrows", "counters",
+    return {name: getattr(p, name).data_ptr() for name in ("items", "gather", "mrows", "counters",
                                                             "ws_o", "ws_lse")}
 
 
