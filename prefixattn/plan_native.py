@@ -194,15 +194,30 @@ def _unpack_tree(packed: np.ndarray, n: int) -> LcpTree:
                    packed[o + 3 * m:])
 
 
-def core_params(*, causal, sharing, block_size, group, head_dim, elt_bytes, rows_per_shared, rows_per_chunk,
-                rows_per_decode, block_n_shared, block_n_chunk, block_n_decode, num_kv_heads, num_sms,
+def core_params(*, causal, sharing, block_size, group, head_dim, elt_bytes, overhead_tokens, rows_per_shared,
+                rows_per_chunk, rows_per_decode, block_n_shared, block_n_chunk, block_n_decode, num_kv_heads, num_sms,
                 min_split_tokens) -> np.ndarray:
     """:func:`plan_tables`' parameter array (``plan_native_core.P_*`` order) of one set of options and tiles
-    (``elt_bytes``: the KV caches' element size, which the cost rule prices)."""
+    (``elt_bytes``: the KV caches' element size, which the cost rule prices; ``overhead_tokens``: the shared
+    class's program fixed cost it charges, :func:`prefixattn.planner.sharing_pays_off`)."""
     core = _load()[1]
     return np.array((causal, _SHARING_CODES[sharing], block_size, group, head_dim, elt_bytes, rows_per_shared,
                      rows_per_chunk, rows_per_decode, block_n_shared, block_n_chunk, block_n_decode, num_kv_heads,
-                     num_sms, min_split_tokens, _constant_args(core)[2]), dtype=np.int64)
+                     num_sms, min_split_tokens, _constant_args(core)[2], overhead_tokens), dtype=np.int64)
+
+
+def cost_args(costs) -> np.ndarray | None:
+    """The work classes' :class:`~prefixattn.autotune.program_cost.ProgramCost` as :func:`plan_tables`' float64
+    ``[NUM_CLASSES, NUM_COST]`` argument (``plan_native_core.C_*`` columns); None without numba."""
+    modules = _load()
+    if not modules:
+        return None
+    core = modules[1]
+    out = np.empty((len(costs), core.NUM_COST), dtype=np.float64)
+    for i, c in enumerate(costs):
+        out[i, core.C_FIXED_US], out[i, core.C_TILE_US] = c.fixed_us, c.tile_us
+        out[i, core.C_SLOTS], out[i, core.C_FIXED_TOKENS] = c.slots_per_sm, c.fixed_tokens
+    return out
 
 
 _NO_DEST = (np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int64))
@@ -230,10 +245,11 @@ def _dest_args(core, workspace) -> tuple:
     return workspace.host_buffer(), lay
 
 
-def plan_tables(modules, tree, params, *, indptr, q_len, kv_len, shareable, table, width, workspace=None):
+def plan_tables(modules, tree, params, costs, *, indptr, q_len, kv_len, shareable, table, width, workspace=None):
     """:func:`prefixattn.planner.select_shared_nodes`, :func:`prefixattn.work_list.build_work_list` and the staging
-    buffer in one compiled call: ``(SharedNodes, WorkList, critical_path, flat, table_fits, in_workspace)`` (None
-    when it failed to compile, :func:`_compile_failed`); ``params`` from :func:`core_params`, ``flat`` is
+    buffer in one compiled call: ``(SharedNodes, WorkList, flat, table_fits, in_workspace)`` (None when it failed to
+    compile, :func:`_compile_failed`); ``params`` from :func:`core_params`, ``costs`` from
+    :func:`prefixattn.plan_native_core.cost_args`, ``flat`` is
     :func:`prefixattn.plan_device.metadata_to_device`'s host buffer (the table's used columns last when they fit
     int32). With ``workspace`` (and ``width`` 0) the work list is written into its host buffer instead when it fits
     the capacities (``in_workspace``; the WorkList's arrays are then views of that buffer).
@@ -242,17 +258,17 @@ def plan_tables(modules, tree, params, *, indptr, q_len, kv_len, shareable, tabl
     lay, rule, _ = _constant_args(core)
     dest, dest_lay = _dest_args(core, workspace)
     try:
-        out = core.plan_core(lay, rule, params, width, tree.order, tree.depth, tree.lb, tree.rb, tree.parent, indptr,
-                             q_len, kv_len, shareable, table, dest, dest_lay)
+        out = core.plan_core(lay, rule, costs, params, width, tree.order, tree.depth, tree.lb, tree.rb, tree.parent,
+                             indptr, q_len, kv_len, shareable, table, dest, dest_lay)
     except _numba_error as e:
         return _compile_failed(e)
     (kv_start, kv_end, depth_blocks, offsets, members, flat, items, gather, mrows, fits, num_ws_rows, num_units,
-     class_ends, crit, in_dest) = out
+     class_ends, modeled, in_dest) = out
     nodes = SharedNodes(kv_start=kv_start, kv_end=kv_end, depth_blocks=depth_blocks, offsets=offsets,
                         members=members)
     work = WorkList(items=items, gather=gather, mrows=mrows, num_ws_rows=num_ws_rows, num_units=num_units,
-                    class_ends=tuple(class_ends.tolist()))
-    return nodes, work, crit, flat, fits, in_dest
+                    class_ends=tuple(class_ends.tolist()), modeled_us=modeled)
+    return nodes, work, flat, fits, in_dest
 
 
 def compile_planner() -> dict:

@@ -4,10 +4,10 @@ Imported only when numba is (:mod:`prefixattn.plan_native`); every function is `
 computes what its numpy counterpart does, as loops instead of vectorized passes; the numpy code is the definition:
 
 * :func:`select_nodes`: :func:`prefixattn.planner.select_shared_nodes` and :func:`prefixattn.planner.sharing_pays_off`;
-* :func:`_split_budget`, :func:`_pieces`: :func:`prefixattn.split_rule.split_ranges` (piece budget, grains, pieces);
+* :func:`_class_split`: :func:`prefixattn.split_rule.class_split` (piece budget, grains, pieces, the wave-aware step
+  and its modeled makespan);
 * :func:`work_list`: :func:`prefixattn.work_list.build_work_list` (suffix tiles, merge units, gather rows, LPT order);
-* :func:`plan_core`: the three in one call, plus ``Plan.stats['critical_path']``
-  (:func:`prefixattn.split_rule.critical_path`).
+* :func:`plan_core`: the three in one call, plus the modeled launch times of ``Plan.stats``.
 
 Not compiled (plan() runs the numpy path for them, :mod:`prefixattn.plan_native`): ``window_left >= 0``
 (:mod:`prefixattn.window` between the node choice and the work list).
@@ -40,13 +40,14 @@ def layout_args() -> np.ndarray:
 
 
 def rule_args() -> tuple:
-    """The split rule's and the cost rule's constants as arguments (same reason as :func:`layout_args`):
-    ``((SPLIT_TOLERANCE, CRITICAL_PATH_TARGET, shortest piece floor), state bytes charged per row)``."""
+    """The split rule's and the cost rule's constants as arguments (same reason as :func:`layout_args`): the split
+    rule's (``R_*`` order) and the state bytes the cost rule charges per row."""
+    from prefixattn import split_rule as S
     from prefixattn.planner import FP32_BYTES, STATE_PASSES, STATES_CHARGED_PER_ROW
-    from prefixattn.split_rule import (CRITICAL_PATH_TARGET, MIN_PIECE_OVERHEADS, PROGRAM_OVERHEAD_TOKENS,
-                                       SPLIT_TOLERANCE)
-    return (np.array([SPLIT_TOLERANCE, CRITICAL_PATH_TARGET, MIN_PIECE_OVERHEADS * PROGRAM_OVERHEAD_TOKENS],
-                     dtype=np.float64), FP32_BYTES * STATE_PASSES * STATES_CHARGED_PER_ROW)
+    return (np.array([S.SPLIT_TOLERANCE, S.CRITICAL_PATH_TARGET, S.MIN_PIECE_OVERHEADS, S.WAVE_CANDIDATES,
+                      S.LONG_PROGRAM_FRACTION, S.WAVE_GAIN_MIN, S.WAVE_EXTRA_ITEMS_PER_SM], dtype=np.float64),
+            FP32_BYTES * STATE_PASSES * STATES_CHARGED_PER_ROW)
+
 
 
 @njit(cache=True, nogil=True)
@@ -84,7 +85,7 @@ def _sorted_members(order, lo, hi, mark, out):
 
 @njit(cache=True, nogil=True)
 def select_nodes(order, depth, lb, rb, parent, shareable, q_len, block_size, rows_per_shared, group, head_dim,
-                 elt_bytes, sharing, state_bytes):
+                 elt_bytes, sharing, state_bytes, overhead_tokens, rows_per_chunk, rows_per_decode):
     """``(kv_start, kv_end, depth_blocks, offsets, members, suffix_start)`` of
     :func:`prefixattn.planner.select_shared_nodes` (nodes top-down: by level, then post-order index)."""
     num_nodes = depth.shape[0]
@@ -101,11 +102,13 @@ def select_nodes(order, depth, lb, rb, parent, shareable, q_len, block_size, row
     # Post-order: every child before its parent, so the reverse visits parents first (the numpy level-by-level walk).
     for k in range(num_nodes - 1, -1, -1):
         min_sh = np.iinfo(np.int64).max
-        rows = 0
+        rows = extra = 0
         for i in range(lb[k], rb[k] + 1):
             r = order[i]
             min_sh = min(min_sh, shareable[r])
             rows += q_len[r]
+            if q_len[r] > rows_per_decode:  # read once per chunk tile unshared
+                extra += _cdiv(q_len[r], rows_per_chunk) - 1
         ends[k] = min(depth[k] * block_size, min_sh)
         p = parent[k]
         if p >= 0:
@@ -115,8 +118,9 @@ def select_nodes(order, depth, lb, rb, parent, shareable, q_len, block_size, row
         ok = tokens > 0
         if ok and sharing == SHARING_AUTO:
             num_requests = rb[k] - lb[k] + 1
-            saved = (num_requests - _cdiv(rows, rows_per_shared)) * tokens * 2 * head_dim * elt_bytes
-            added = rows * group * (head_dim + 1) * state_bytes
+            m_tiles = _cdiv(rows, rows_per_shared)
+            saved = (num_requests + extra - m_tiles) * tokens * 2 * head_dim * elt_bytes
+            added = rows * group * (head_dim + 1) * state_bytes + m_tiles * overhead_tokens * 2 * head_dim * elt_bytes
             ok = saved > added
         keep[k] = ok
         eff_end[k] = ends[k] if ok else start[k]
@@ -153,16 +157,27 @@ def select_nodes(order, depth, lb, rb, parent, shareable, q_len, block_size, row
     return kv_start, kv_end, depth_blocks, offsets, members, suffix_start
 
 
+#: Entries of the ``rule`` argument (:func:`rule_args`): the split rule's constants.
+(R_TOLERANCE, R_TARGET, R_MIN_PIECE_OVERHEADS, R_WAVE_CANDIDATES, R_LONG_FRACTION, R_WAVE_GAIN_MIN,
+ R_WAVE_EXTRA, NUM_RULE) = range(8)
+#: Entries of a row of the ``costs`` argument (one row per work class: its ProgramCost).
+C_FIXED_US, C_TILE_US, C_SLOTS, C_FIXED_TOKENS, NUM_COST = range(5)
+
+
 @njit(cache=True, nogil=True)
-def _split_budget(tokens, num_kv_heads, num_sms, min_split_tokens, rule):
+def _min_piece(min_split_tokens, fixed_tokens, rule):
+    return min(float(min_split_tokens), rule[R_MIN_PIECE_OVERHEADS] * fixed_tokens)
+
+
+@njit(cache=True, nogil=True)
+def _split_budget(tokens, num_kv_heads, num_sms, min_split_tokens, fixed_tokens, rule):
     """Piece budget (float; ``inf`` for an empty launch): :func:`prefixattn.split_rule.piece_budget` of the fair
     share."""
-    tolerance, target, min_piece = rule[0], rule[1], rule[2]
     fair = float(tokens) * num_kv_heads / num_sms
     if fair <= 0:
         return np.inf
-    budget = max(tolerance * fair, min(float(min_split_tokens), target * fair))
-    return max(budget, min(float(min_split_tokens), min_piece))
+    budget = max(rule[R_TOLERANCE] * fair, min(float(min_split_tokens), rule[R_TARGET] * fair))
+    return max(budget, _min_piece(min_split_tokens, fixed_tokens, rule))
 
 
 @njit(cache=True, nogil=True)
@@ -179,6 +194,89 @@ def _pieces(length, budget, per_piece, grain):
     if length <= budget:
         return 1 if length > 0 else 0
     return _cdiv(_cdiv(length, grain), per_piece)
+
+
+@njit(cache=True, nogil=True)
+def _price(lengths, m, pieces, grain, block_n, num_kv_heads, num_sms, slots, cost, long_fraction):
+    """``(makespan_us, ideal_us)``: :func:`prefixattn.split_rule.modeled_makespan` of the class's programs (one pass
+    for the longest program, one for the sums)."""
+    n = lengths.shape[0]
+    programs = 0
+    for i in range(n):
+        programs += m[i] * num_kv_heads * pieces[i]
+    # prefixattn.autotune.program_cost.residency
+    per_sm = int(cost[C_SLOTS])
+    tile = cost[C_TILE_US] * min(per_sm, max(1, _cdiv(programs, num_sms))) / per_sm
+    t_max = 0.0
+    for i in range(n):
+        if pieces[i] > 0:
+            t = cost[C_FIXED_US] + tile * _cdiv(min(_cdiv(_cdiv(lengths[i], grain), pieces[i]) * grain, lengths[i]),
+                                                block_n)
+            t_max = max(t_max, t)
+    n_long = 0
+    work_long = rest = 0.0
+    for i in range(n):
+        if pieces[i] > 0:
+            t = cost[C_FIXED_US] + tile * _cdiv(min(_cdiv(_cdiv(lengths[i], grain), pieces[i]) * grain, lengths[i]),
+                                                block_n)
+            count = m[i] * num_kv_heads * pieces[i]
+            if t >= long_fraction * t_max:
+                n_long += count
+                work_long += count * t
+            else:
+                rest += count * t
+    if n_long == 0:
+        return 0.0, 0.0
+    waves = _cdiv(n_long, slots)
+    idle = waves * slots * t_max - work_long
+    return waves * t_max + max(0.0, rest - idle) / slots, (work_long + rest) / slots
+
+
+@njit(cache=True, nogil=True)
+def _class_split(lengths, m, block_n, num_kv_heads, num_sms, min_split_tokens, cost, rule):
+    """``(pieces, grain, makespan_us, ideal_us)`` of one work class: :func:`prefixattn.split_rule.class_split`."""
+    n = lengths.shape[0]
+    tokens = longest = 0
+    for i in range(n):
+        tokens += lengths[i] * m[i]
+        longest = max(longest, lengths[i])
+    budget = _split_budget(tokens, num_kv_heads, num_sms, min_split_tokens, cost[C_FIXED_TOKENS], rule)
+    grain = _grain(block_n, budget)
+    per_piece = max(1, int(budget // grain)) if budget < np.inf else 1
+    pieces = np.empty(n, dtype=np.int64)
+    items = 0
+    for i in range(n):
+        pieces[i] = _pieces(lengths[i], budget, per_piece, grain)
+        items += m[i] * pieces[i]
+    if longest == 0:
+        return pieces, grain, 0.0, 0.0
+    slots = num_sms * int(cost[C_SLOTS])
+    best, ideal = _price(lengths, m, pieces, grain, block_n, num_kv_heads, num_sms, slots, cost,
+                         rule[R_LONG_FRACTION])
+    if budget < np.inf:
+        floor = _min_piece(min_split_tokens, cost[C_FIXED_TOKENS], rule)
+        limit = items + int(rule[R_WAVE_EXTRA]) * num_sms // num_kv_heads
+        grains_max = _cdiv(longest, grain)
+        trial = np.empty(n, dtype=np.int64)
+        for k in range(2, int(rule[R_WAVE_CANDIDATES]) + 1):
+            b = grain * _cdiv(grains_max, k)
+            if b >= budget:
+                continue
+            if b < floor:
+                break
+            per = max(1, b // grain)
+            count = 0
+            for i in range(n):
+                trial[i] = _pieces(lengths[i], b, per, grain)
+                count += m[i] * trial[i]
+            if count > limit:
+                break
+            span, work = _price(lengths, m, trial, grain, block_n, num_kv_heads, num_sms, slots, cost,
+                                rule[R_LONG_FRACTION])
+            if span < best * (1.0 - rule[R_WAVE_GAIN_MIN]):
+                pieces[:] = trial
+                best, ideal = span, work
+    return pieces, grain, best, ideal
 
 
 @njit(cache=True, nogil=True)
@@ -312,20 +410,12 @@ def _table_views(dest, dest_lay, in_dest, lay, class_ends, num_gather, num_mrows
 
 
 @njit(cache=True, nogil=True)
-def _class_split(tokens, block_n, num_kv_heads, num_sms, min_split_tokens, rule):
-    """``(budget, grain, per_piece)`` of one work class reading ``tokens`` KV tokens (one head)."""
-    budget = _split_budget(tokens, num_kv_heads, num_sms, min_split_tokens, rule)
-    grain = _grain(block_n, budget)
-    per_piece = max(1, int(budget // grain)) if budget < np.inf else 1
-    return budget, grain, per_piece
-
-
-@njit(cache=True, nogil=True)
-def work_list(lay, rule, kv_start, kv_end, offsets, members, suffix_start, q_start, q_len, kv_len, causal,
+def work_list(lay, rule, costs, kv_start, kv_end, offsets, members, suffix_start, q_start, q_len, kv_len, causal,
               rows_per_shared, rows_per_chunk, rows_per_decode, block_n_shared, block_n_chunk, block_n_decode,
               num_kv_heads, num_sms, min_split_tokens, extra, dest, dest_lay):
-    """``(flat, items, gather, mrows, num_ws_rows, num_units, class_ends, critical_path, in_dest)``:
-    :func:`prefixattn.work_list.build_work_list` and ``Plan.stats['critical_path']``, the tables written straight
+    """``(flat, items, gather, mrows, num_ws_rows, num_units, class_ends, modeled, in_dest)``:
+    :func:`prefixattn.work_list.build_work_list` (``modeled``: ``[NUM_CLASSES, 2]`` modeled makespan and ideal
+    microseconds of each class's launch, :func:`_class_split`), the tables written straight
     into one int32 staging buffer: ``dest`` at ``dest_lay``'s offsets (``in_dest``) when given, ``extra`` is 0 (the
     workspace stages its table itself) and the step fits its capacities, else a new ``flat`` = ``[ranges, items,
     gather, mrows, extra entries]`` (:func:`prefixattn.plan_device.metadata_to_device`'s layout)."""
@@ -335,35 +425,41 @@ def work_list(lay, rule, kv_start, kv_end, offsets, members, suffix_start, q_sta
     t_req, t_first, t_rows, t_tok0, t_lo, t_hi, t_qpos = _suffix_tiles(q_start, q_len, kv_len, suffix_start, causal,
                                                                         rows_per_chunk)
     num_tiles, num_nodes, num_reqs = t_req.shape[0], kv_start.shape[0], q_len.shape[0]
-    # ---- split rule over the unsplit work, one budget per work class
+    # ---- split rule over the unsplit work, one work class at a time
     t_decode = np.empty(num_tiles, dtype=np.bool_)
     node_rows = np.zeros(num_nodes, dtype=np.int64)
-    shared_tokens = chunk_tokens = decode_tokens = 0
+    node_len = np.empty(num_nodes, dtype=np.int64)
+    node_m = np.empty(num_nodes, dtype=np.int64)
     for k in range(num_nodes):
         for m in range(offsets[k], offsets[k + 1]):
             node_rows[k] += q_len[members[m]]
-        shared_tokens += (kv_end[k] - kv_start[k]) * _cdiv(node_rows[k], rows_per_shared)
+        node_len[k] = kv_end[k] - kv_start[k]
+        node_m[k] = _cdiv(node_rows[k], rows_per_shared)
+    num_decode_tiles = 0
     for t in range(num_tiles):
         t_decode[t] = q_len[t_req[t]] <= rows_per_decode
-        if t_decode[t]:
-            decode_tokens += max(t_hi[t] - t_lo[t], 0)
-        else:
-            chunk_tokens += max(t_hi[t] - t_lo[t], 0)
-    budget_sh, grain_sh, per_sh = _class_split(shared_tokens, block_n_shared, num_kv_heads, num_sms,
-                                               min_split_tokens, rule)
-    budget_ch, grain_ch, per_ch = _class_split(chunk_tokens, block_n_chunk, num_kv_heads, num_sms,
-                                               min_split_tokens, rule)
-    budget_de, grain_de, per_de = _class_split(decode_tokens, block_n_decode, num_kv_heads, num_sms,
-                                               min_split_tokens, rule)
-    n_pieces = np.empty(num_nodes, dtype=np.int64)
-    for k in range(num_nodes):
-        n_pieces[k] = _pieces(kv_end[k] - kv_start[k], budget_sh, per_sh, grain_sh)
-    t_pieces = np.empty(num_tiles, dtype=np.int64)
+        num_decode_tiles += t_decode[t]
+    # Each suffix class's tiles as their own arrays (class_of[t]: the tile's index in its class's arrays).
+    class_of = np.empty(num_tiles, dtype=np.int64)
+    len_ch = np.empty(num_tiles - num_decode_tiles, dtype=np.int64)
+    len_de = np.empty(num_decode_tiles, dtype=np.int64)
+    i_ch = i_de = 0
     for t in range(num_tiles):
         if t_decode[t]:
-            t_pieces[t] = _pieces(max(t_hi[t] - t_lo[t], 0), budget_de, per_de, grain_de)
+            class_of[t], len_de[i_de], i_de = i_de, max(t_hi[t] - t_lo[t], 0), i_de + 1
         else:
-            t_pieces[t] = _pieces(max(t_hi[t] - t_lo[t], 0), budget_ch, per_ch, grain_ch)
+            class_of[t], len_ch[i_ch], i_ch = i_ch, max(t_hi[t] - t_lo[t], 0), i_ch + 1
+    n_pieces, grain_sh, span_sh, ideal_sh = _class_split(node_len, node_m, block_n_shared, num_kv_heads, num_sms,
+                                                         min_split_tokens, costs[0], rule)
+    p_ch, grain_ch, span_ch, ideal_ch = _class_split(len_ch, np.ones(len_ch.shape[0], dtype=np.int64), block_n_chunk,
+                                                     num_kv_heads, num_sms, min_split_tokens, costs[1], rule)
+    p_de, grain_de, span_de, ideal_de = _class_split(len_de, np.ones(len_de.shape[0], dtype=np.int64),
+                                                     block_n_decode, num_kv_heads, num_sms, min_split_tokens,
+                                                     costs[2], rule)
+    t_pieces = np.empty(num_tiles, dtype=np.int64)
+    for t in range(num_tiles):
+        t_pieces[t] = p_de[class_of[t]] if t_decode[t] else p_ch[class_of[t]]
+    modeled = np.array([[span_sh, ideal_sh], [span_ch, ideal_ch], [span_de, ideal_de]])
     # ---- states per request (shared ones numbered node by node, top-down) and merge units
     shared_states, slot_base, tile_ws_base, tile_mrow_base, num_units, num_ws_rows, num_mrows = _merge_units(
         offsets, members, n_pieces, t_req, t_rows, t_pieces, num_reqs)
@@ -414,8 +510,7 @@ def work_list(lay, rule, kv_start, kv_end, offsets, members, suffix_start, q_sta
             items[it, i_dest] = tile_ws_base[t] + (shared_states[t_req[t]] + c) * t_rows[t] if unit else -1
             items[it, i_mrow] = tile_mrow_base[t] if unit else -1
     _longest_first(items, i_kv0, i_kv1, class_ends)
-    return (flat, items, gather, mrows, num_ws_rows, num_units, class_ends,
-            _critical_path(items, i_kv0, i_kv1, num_kv_heads, num_sms), in_dest)
+    return flat, items, gather, mrows, num_ws_rows, num_units, class_ends, modeled, in_dest
 
 
 @njit(cache=True, nogil=True)
@@ -505,26 +600,10 @@ def _longest_first(items, i_kv0, i_kv1, class_ends):
         lo = hi
 
 
-@njit(cache=True, nogil=True)
-def _critical_path(items, i_kv0, i_kv1, num_kv_heads, num_sms):
-    """:func:`prefixattn.split_rule.critical_path` of the items' KV lengths."""
-    n = items.shape[0]
-    if n == 0:
-        return 0.0
-    total = 0
-    longest = 0
-    for i in range(n):
-        length = np.int64(items[i, i_kv1]) - items[i, i_kv0]
-        total += length
-        longest = max(longest, length)
-    fair = float(total) * num_kv_heads / num_sms
-    return float(longest) / fair if fair > 0 else 0.0
-
-
 #: Entries of the ``params`` argument of :func:`plan_core` (one int64 array: one argument for numba to type-check).
 (P_CAUSAL, P_SHARING, P_BLOCK_SIZE, P_GROUP, P_HEAD_DIM, P_ELT_BYTES, P_ROWS_SHARED, P_ROWS_CHUNK, P_ROWS_DECODE,
  P_BLOCK_N_SHARED, P_BLOCK_N_CHUNK, P_BLOCK_N_DECODE, P_KV_HEADS, P_SMS, P_MIN_SPLIT, P_STATE_BYTES,
- NUM_PARAMS) = range(17)
+ P_OVERHEAD_TOKENS, NUM_PARAMS) = range(18)
 _INT32_MAX = 2 ** 31 - 1
 
 
@@ -544,25 +623,27 @@ def _table_fits(table, cols):
 
 
 @njit(cache=True, nogil=True)
-def plan_core(lay, rule, params, width, order, depth, lb, rb, parent, indptr, q_len, kv_len, shareable, table, dest,
-              dest_lay):
+def plan_core(lay, rule, costs, params, width, order, depth, lb, rb, parent, indptr, q_len, kv_len, shareable, table,
+              dest, dest_lay):
     """The planner from the tree to the staging buffer, in one call.
 
-    ``lay``: :func:`layout_args`, ``rule``: :func:`rule_args`'s floats, ``params``: int64 ``[NUM_PARAMS]``
+    ``lay``: :func:`layout_args`, ``rule``: :func:`rule_args`'s floats, ``costs``: :func:`cost_args`, ``params``:
+    int64 ``[NUM_PARAMS]``
     (``P_*``), ``width``: block-table columns to stage (the batch reads them; 0: none); ``dest``, ``dest_lay``: a
     workspace's int32 host buffer and its layout (``D_*``; empty: none), which gets the tables when they fit.
     Returns ``(kv_start, kv_end, depth_blocks, offsets, members, flat, items, gather, mrows, table_fits,
-    num_ws_rows, num_units, class_ends, critical_path, in_dest)``; ``flat`` holds the block table's used columns
+    num_ws_rows, num_units, class_ends, modeled, in_dest)``; ``flat`` holds the block table's used columns
     after the tables when ``table_fits`` (and the tables unless ``in_dest``).
     """
     kv_start, kv_end, depth_blocks, offsets, members, suffix_start = select_nodes(
         order, depth, lb, rb, parent, shareable, q_len, params[P_BLOCK_SIZE], params[P_ROWS_SHARED],
-        params[P_GROUP], params[P_HEAD_DIM], params[P_ELT_BYTES], params[P_SHARING], params[P_STATE_BYTES])
+        params[P_GROUP], params[P_HEAD_DIM], params[P_ELT_BYTES], params[P_SHARING], params[P_STATE_BYTES],
+        params[P_OVERHEAD_TOKENS], params[P_ROWS_CHUNK], params[P_ROWS_DECODE])
     rows = table.shape[0]
     cols = min(width, table.shape[1])
     fits = _table_fits(table, cols)
-    flat, items, gather, mrows, num_ws_rows, num_units, class_ends, crit, in_dest = work_list(
-        lay, rule, kv_start, kv_end, offsets, members, suffix_start, indptr[:-1], q_len, kv_len,
+    flat, items, gather, mrows, num_ws_rows, num_units, class_ends, modeled, in_dest = work_list(
+        lay, rule, costs, kv_start, kv_end, offsets, members, suffix_start, indptr[:-1], q_len, kv_len,
         params[P_CAUSAL] != 0, params[P_ROWS_SHARED], params[P_ROWS_CHUNK], params[P_ROWS_DECODE],
         params[P_BLOCK_N_SHARED], params[P_BLOCK_N_CHUNK], params[P_BLOCK_N_DECODE], params[P_KV_HEADS],
         params[P_SMS], params[P_MIN_SPLIT], rows * width if fits else 0, dest, dest_lay)
@@ -576,4 +657,4 @@ def plan_core(lay, rule, params, width, order, depth, lb, rb, parent, indptr, q_
             for k in range(cols, width):
                 dst[k] = 0
     return (kv_start, kv_end, depth_blocks, offsets, members, flat, items, gather, mrows, fits, num_ws_rows,
-            num_units, class_ends, crit, in_dest)
+            num_units, class_ends, modeled, in_dest)

@@ -22,13 +22,14 @@ import numpy as np
 import torch
 
 from prefixattn import plan_native
-from prefixattn.attention_configs import AttentionTiles, choose_tiles
-from prefixattn.autotune.lookup import READ_FIXED_ENV
+from prefixattn.attention_configs import DECODE_CLASS_ALL_ROWS, AttentionTiles, choose_tiles
+from prefixattn.autotune.buckets import dtype_name
+from prefixattn.autotune.lookup import READ_FIXED_ENV, current_target
+from prefixattn.autotune.program_cost import LAUNCH_GAP_US, class_costs
 from prefixattn.lcp_tree import LcpTree, block_prefix_tree
 from prefixattn.runtime import interpreter_enabled
 from prefixattn.kernels import layout as K
 from prefixattn.memo import typed_memo
-from prefixattn.split_rule import critical_path
 from prefixattn.validation import (CPU_DEVICE, SUPPORTED_DTYPES, canonical_device, check_head_dim, check_heads,
                                    check_host_metadata, check_kv_dtype, check_soft_cap, check_window_left)
 from prefixattn.plan_device import check_workspace_args, device_tables
@@ -56,21 +57,27 @@ _INT64_MAX = int(np.iinfo(np.int64).max)
 _KERNELS_INTERPRETED = interpreter_enabled()
 
 
-def sharing_pays_off(*, num_requests, num_rows, num_m_tiles, num_tokens, group, head_dim, elt_bytes):
-    """The cost rule: share a node when the KV bytes it saves exceed the partial-state bytes it adds (per KV head).
+def sharing_pays_off(*, num_requests, num_rows, num_m_tiles, num_tokens, group, head_dim, elt_bytes,
+                     overhead_tokens=0, extra_reads=0):
+    """The cost rule: share a node when the KV bytes it saves exceed the bytes' worth it adds (per KV head).
 
-    * saved: without sharing every request reads the node's KV once; shared, each M tile of packed rows reads it
-      once: ``(num_requests - num_m_tiles) * num_tokens * 2 (K and V) * head_dim * elt_bytes`` (``elt_bytes``: the
-      KV caches' element size, 1 for fp8).
+    * saved: without sharing every suffix tile of the node's requests reads its KV (one per decode request, and
+      ``extra_reads`` more for requests cut into several chunk tiles); shared, each M tile of packed rows reads it
+      once: ``(num_requests + extra_reads - num_m_tiles) * num_tokens * 2 (K and V) * head_dim * elt_bytes``
+      (``elt_bytes``: the KV caches' element size, 1 for fp8).
     * added: ``STATES_CHARGED_PER_ROW`` fp32 states ``(o, lse)`` per (row x GQA head), each written and read once:
-      ``num_rows * group * (head_dim + 1) * FP32_BYTES * STATE_PASSES * STATES_CHARGED_PER_ROW``. The merge itself
-      reads exactly those states and writes ``out``, which is written anyway.
+      ``num_rows * group * (head_dim + 1) * FP32_BYTES * STATE_PASSES * STATES_CHARGED_PER_ROW`` (the merge itself
+      reads exactly those states and writes ``out``, which is written anyway), and the fixed cost of each shared
+      program, ``overhead_tokens`` KV positions' worth (its start and epilogue:
+      :attr:`prefixattn.autotune.program_cost.ProgramCost.fixed_tokens` of the shared class, ~150 positions on
+      sm90 at head_dim 128).
 
-    Works on scalars or numpy arrays. Example: fp16, head_dim 128, GQA 8, decode: 2 requests share from 65 tokens on,
-    64 requests from 35 tokens on.
+    Works on scalars or numpy arrays. Example: fp16, head_dim 128, GQA 8, decode, no fixed cost: 2 requests share
+    from 65 tokens on, 64 requests from 35 tokens on.
     """
-    saved = (num_requests - num_m_tiles) * num_tokens * 2 * head_dim * elt_bytes
-    added = num_rows * group * (head_dim + 1) * FP32_BYTES * STATE_PASSES * STATES_CHARGED_PER_ROW
+    saved = (num_requests + extra_reads - num_m_tiles) * num_tokens * 2 * head_dim * elt_bytes
+    added = (num_rows * group * (head_dim + 1) * FP32_BYTES * STATE_PASSES * STATES_CHARGED_PER_ROW
+             + num_m_tiles * overhead_tokens * 2 * head_dim * elt_bytes)
     return saved > added
 
 
@@ -253,10 +260,14 @@ def _node_levels(parent: np.ndarray) -> np.ndarray:
 
 
 def select_shared_nodes(tree: LcpTree, *, shareable: np.ndarray, q_len: np.ndarray, block_size: int,
-                        rows_per_shared: int, group: int, head_dim: int, elt_bytes: int,
-                        sharing: str = "auto") -> tuple[SharedNodes, np.ndarray]:
+                        rows_per_shared: int, group: int, head_dim: int, elt_bytes: int, sharing: str = "auto",
+                        overhead_tokens: int = 0, rows_per_chunk: int = 1,
+                        rows_per_decode: int = DECODE_CLASS_ALL_ROWS) -> tuple[SharedNodes, np.ndarray]:
     """Walk the tree top-down, one level at a time, and keep the nodes the cost rule accepts (``sharing="auto"``),
     every node with KV (``"always"``, for tests and benchmarks) or none (``"never"``: plain paged attention).
+    ``overhead_tokens``: the shared program's fixed cost the rule charges; ``rows_per_chunk``/``rows_per_decode``: a
+    request of more rows than ``rows_per_decode`` reads an unshared node once per chunk tile of ``rows_per_chunk``
+    rows (:func:`sharing_pays_off`'s ``extra_reads``).
 
     Returns the kept nodes (top-down, requests ascending within each) and ``suffix_start[r]``: the end of the deepest
     kept node holding request ``r`` (0 if none).
@@ -278,6 +289,10 @@ def select_shared_nodes(tree: LcpTree, *, shareable: np.ndarray, q_len: np.ndarr
     ends = np.minimum(tree.depth * block_size, min_shareable)
     cum_rows = offsets(q_len[tree.order])
     rows = cum_rows[tree.rb + 1] - cum_rows[tree.lb]
+    # Unshared, a request past a decode tile's rows reads a node's KV once per chunk tile: its extra reads.
+    extra = np.where(q_len > rows_per_decode, -(-q_len // rows_per_chunk) - 1, 0)
+    cum_extra = offsets(extra[tree.order])
+    extra_reads = cum_extra[tree.rb + 1] - cum_extra[tree.lb]
     sizes = tree.rb - tree.lb + 1
     one_level = bool((tree.parent < 0).all())  # one level of sharing (disjoint nodes): the common case
     level = np.zeros(num_nodes, dtype=np.int64) if one_level else _node_levels(tree.parent)
@@ -296,7 +311,8 @@ def select_shared_nodes(tree: LcpTree, *, shareable: np.ndarray, q_len: np.ndarr
         if sharing == "auto":
             ok &= sharing_pays_off(num_requests=sizes[idx], num_rows=rows[idx],
                                    num_m_tiles=-(-rows[idx] // rows_per_shared), num_tokens=tokens, group=group,
-                                   head_dim=head_dim, elt_bytes=elt_bytes)
+                                   head_dim=head_dim, elt_bytes=elt_bytes, overhead_tokens=overhead_tokens,
+                                   extra_reads=extra_reads[idx])
         keep[idx] = ok
         if not one_level:
             effective_end[idx] = np.where(ok, ends[idx], start[idx])
@@ -472,7 +488,7 @@ def plan_with_options(options: PlanOptions, qo_indptr: torch.Tensor, kv_lens: to
         if tiles is None:
             tiles = choose_tiles(head_dim=o.head_dim, group=group, max_q_len=max(max_q_len, 1), dtype=o.q_dtype,
                                  fixed_env=fixed_env)
-        nodes, work, crit, staged_flat, written = _host_tables(
+        nodes, work, staged_flat, written = _host_tables(
             plan_native.still_compiled(compiled), tree, o, tiles=tiles, num_sms=num_sms, indptr=indptr, q_len=q_len,
             lens=lens, shareable=shareable, table=table, workspace=workspace,
             width=width if workspace is None else 0)  # a workspace's table: staged by the checks or PlanWorkspace.load
@@ -497,7 +513,7 @@ def plan_with_options(options: PlanOptions, qo_indptr: torch.Tensor, kv_lens: to
         work=work, tree=tree, nodes=nodes,
         **dev,
         stats=dict(num_shared_nodes=num_nodes, num_units=work.num_units, num_merge_rows=work.mrows.shape[0],
-                   num_ws_rows=work.num_ws_rows, num_sms=num_sms, critical_path=crit),
+                   num_ws_rows=work.num_ws_rows, num_sms=num_sms, **modeled_stats(work)),
         workspace=workspace, workspace_step=workspace.step if workspace is not None else -1,
     )
 
@@ -529,27 +545,69 @@ def _checked_inputs_and_tree(compiled, *, qo_indptr, kv_lens, block_table, block
 
 def _host_tables(compiled, tree, o: PlanOptions, *, tiles: AttentionTiles, num_sms: int, indptr, q_len, lens,
                  shareable, table, width, workspace):
-    """The shared nodes, the work list, its critical path, the compiled planner's staged buffer (None from numpy)
-    and whether the compiled planner wrote the work list into ``workspace``'s host buffer:
-    ``(SharedNodes, WorkList, critical_path, staged, written)``. ``compiled``: the compiled planner's modules, or
-    None; ``width``: the table columns to stage (0: none)."""
+    """The shared nodes, the work list, the compiled planner's staged buffer (None from numpy) and whether the
+    compiled planner wrote the work list into ``workspace``'s host buffer: ``(SharedNodes, WorkList, staged,
+    written)``. ``compiled``: the compiled planner's modules, or None; ``width``: the table columns to stage (0:
+    none)."""
+    costs = _class_costs(o, tiles)
     # The compiled path (window_left: numpy, plan_native_core's docstring); None as above.
     tables = compiled and o.window_left < 0 and plan_native.plan_tables(
-        compiled, tree, _core_params(o, tiles, num_sms), indptr=indptr, q_len=q_len, kv_len=lens,
+        compiled, tree, _core_params(o, tiles, num_sms), costs[1], indptr=indptr, q_len=q_len, kv_len=lens,
         shareable=shareable, table=table, width=width, workspace=workspace)
     if tables:
-        nodes, work, crit, flat, fits, written = tables
-        return nodes, work, crit, (flat, fits), written
+        nodes, work, flat, fits, written = tables
+        return nodes, work, (flat, fits), written
     tile_args = _tile_args(o, tiles, num_sms)
     # int64: the compiled checks pass int32 pairs through, and numpy's int32 sums with Python ints stay int32
     indptr, lens = indptr.astype(np.int64, copy=False), lens.astype(np.int64, copy=False)
     nodes, work = _numpy_tables(tree, q_start=indptr[:-1], q_len=q_len, lens=lens, shareable=shareable,
                                 causal=o.causal, sharing=o.sharing, block_size=o.block_size, group=o.group,
                                 head_dim=o.head_dim, elt_bytes=o.kv_dtype.itemsize, window_left=o.window_left,
-                                **tile_args)
-    crit = critical_path(work.items[:, K.ITEM_KV_END] - work.items[:, K.ITEM_KV_START],  # both in [0, 2^31)
-                         num_kv_heads=o.num_kv_heads, num_sms=num_sms)
-    return nodes, work, crit, None, False
+                                costs=costs[0], **tile_args)
+    return nodes, work, None, False
+
+
+#: Each step's class costs by (options, tiles, target), keyed by identity and holding the objects (as
+#: :data:`_core_params_memo`): ``(ProgramCosts, their compiled planner argument)``.
+_costs_memo: dict = {}
+
+
+def _class_costs(o: PlanOptions, tiles: AttentionTiles) -> tuple:
+    """The work classes' :class:`~prefixattn.autotune.program_cost.ProgramCost` on the planning target
+    (:func:`prefixattn.autotune.lookup.current_target`; on a host without a known GPU the tuning target's), and the
+    same as the compiled planner's float array."""
+    target = current_target()
+    key = (id(o), id(tiles), id(target))
+    hit = _costs_memo.get(key)
+    if hit is not None and hit[0] is o and hit[1] is tiles and hit[2] is target:
+        return hit[3]
+    if len(_costs_memo) >= _MAX_CORE_PARAMS:
+        _costs_memo.clear()
+    costs = class_costs(tiles, head_dim=o.head_dim, dtype=dtype_name(o.q_dtype), kv_bytes=o.kv_dtype.itemsize,
+                        target=target)
+    out = (costs, plan_native.cost_args(costs))
+    _costs_memo[key] = (o, tiles, target, out)
+    return out
+
+
+def shared_overhead_tokens(costs) -> int:
+    """The shared class's program fixed cost in KV positions, as the cost rule charges it (whole positions: the
+    compiled planner takes it as an int)."""
+    return int(round(costs[K.CLASS_SHARED].fixed_tokens))
+
+
+def modeled_stats(work: WorkList) -> dict:
+    """``Plan.stats``' modeled entries (microseconds on the planning target, modeled by
+    :mod:`prefixattn.autotune.program_cost`): each class launch's makespan, the step (their sum and a
+    ``LAUNCH_GAP_US`` between consecutive launches), and the critical path: the makespans' sum over the programs'
+    time spread evenly over the slots (1.0: every launch ends in a full wave)."""
+    spans = [float(span) for span, _ in work.modeled_us]
+    ideal = float(sum(i for _, i in work.modeled_us))
+    total = sum(spans)
+    launches = sum(1 for c in range(K.NUM_CLASSES) if work.class_ends[c] > (work.class_ends[c - 1] if c else 0))
+    return dict(modeled_class_us=tuple(round(x, 2) for x in spans),
+                modeled_step_us=round(total + max(0, launches - 1) * LAUNCH_GAP_US, 2),
+                critical_path=round(total / ideal, 4) if ideal > 0 else 0.0)
 
 
 def _tile_args(o: PlanOptions, tiles: AttentionTiles, num_sms: int) -> dict:
@@ -569,26 +627,29 @@ _MAX_CORE_PARAMS = 256
 
 
 def _core_params(o: PlanOptions, tiles: AttentionTiles, num_sms: int) -> np.ndarray:
-    key = (id(o), id(tiles), num_sms)
+    target = current_target()  # the shared class's fixed cost (the cost rule's) depends on it
+    key = (id(o), id(tiles), num_sms, id(target))
     hit = _core_params_memo.get(key)
-    if hit is not None and hit[0] is o and hit[1] is tiles:
+    if hit is not None and hit[0] is o and hit[1] is tiles and hit[3] is target:
         return hit[2]
     if len(_core_params_memo) >= _MAX_CORE_PARAMS:
         _core_params_memo.clear()
     params = plan_native.core_params(causal=o.causal, sharing=o.sharing, block_size=o.block_size, group=o.group,
                                      head_dim=o.head_dim, elt_bytes=o.kv_dtype.itemsize,  # the cache's dtype prices KV
+                                     overhead_tokens=shared_overhead_tokens(_class_costs(o, tiles)[0]),
                                      **_tile_args(o, tiles, num_sms))
-    _core_params_memo[key] = (o, tiles, params)
+    _core_params_memo[key] = (o, tiles, params, target)
     return params
 
 
 def _numpy_tables(tree, *, q_start, q_len, lens, shareable, causal, sharing, block_size, group, head_dim, elt_bytes,
                   window_left, rows_per_shared, rows_per_chunk, rows_per_decode, block_n_shared, block_n_chunk,
-                  block_n_decode, num_kv_heads, num_sms, min_split_tokens):
+                  block_n_decode, num_kv_heads, num_sms, min_split_tokens, costs):
     """The numpy planner from the tree to the work list: ``(SharedNodes, WorkList)``."""
     nodes, suffix_start = select_shared_nodes(
         tree, shareable=shareable, q_len=q_len, block_size=block_size, rows_per_shared=rows_per_shared, group=group,
-        head_dim=head_dim, elt_bytes=elt_bytes, sharing=sharing)
+        head_dim=head_dim, elt_bytes=elt_bytes, sharing=sharing, overhead_tokens=shared_overhead_tokens(costs),
+        rows_per_chunk=rows_per_chunk, rows_per_decode=rows_per_decode)
     if window_left >= 0:  # share only what every member's window covers
         nodes, suffix_start = window_shared_nodes(nodes, suffix_start, kv_len=lens, q_len=q_len,
                                                   window_left=window_left)
@@ -596,5 +657,5 @@ def _numpy_tables(tree, *, q_start, q_len, lens, shareable, causal, sharing, blo
         q_start=q_start, q_len=q_len, kv_len=lens, causal=causal, nodes=nodes, suffix_start=suffix_start,
         rows_per_shared=rows_per_shared, rows_per_chunk=rows_per_chunk, rows_per_decode=rows_per_decode,
         block_n_shared=block_n_shared, block_n_chunk=block_n_chunk, block_n_decode=block_n_decode,
-        num_kv_heads=num_kv_heads, num_sms=num_sms, min_split_tokens=min_split_tokens)
+        num_kv_heads=num_kv_heads, num_sms=num_sms, min_split_tokens=min_split_tokens, costs=costs)
     return nodes, work

@@ -1,17 +1,24 @@
-"""The split-k rule: split a KV range when its program would read more than the launch's fair share per SM.
+"""The split-k rule: split a KV range when its program would read more than its launch's fair share per SM, and
+further where the launch's waves would otherwise run ragged.
 
-Numpy only. A launch runs every work item once per KV head; a program's cost is the KV tokens it reads (a SHARED
-item reads its node's KV once for all its packed rows). The *fair share* is the launch's total KV work over the SMs,
-``sum(tokens x programs) / num_sms``; it does not change with splitting (pieces read the same tokens). The
-*critical path* is the longest program's tokens over the fair share: no schedule of the launch finishes before
-``critical_path x fair share``, and with every program at most the fair share the LPT order (longest first) fills the
-SMs evenly. Counting programs instead (split only while ``items x kv_heads < num_sms``) left one program at 13.2x the
+Numpy only. A work class is one launch that runs every work item once per KV head; a program's KV work is the tokens
+it reads (a SHARED item reads its node's KV once for all its packed rows). The *fair share* is the launch's total KV
+work over the SMs, ``sum(tokens x programs) / num_sms``; it does not change with splitting (pieces read the same
+tokens). Counting programs instead (split only while ``items x kv_heads < num_sms``) left one program at 13.2x the
 fair share for 32 decodes under an 8,192-token prefix (GQA 32:4, sm90 tiles, 132 SMs).
 
-Rule (:func:`piece_budget`, :func:`split_pieces`): every range longer than the budget ``SPLIT_TOLERANCE x fair
-share`` is cut into the fewest pieces of whole KV tiles that keep each piece within the budget; pieces of one range
-are merged by the last of them to finish. Each work class (shared nodes, chunk tiles, decode tiles) is its own launch:
-it is balanced against its own fair share, in its own KV tile width.
+Rule, per work class (each class is its own launch and has the GPU to itself):
+
+1. (:func:`piece_budget`, :func:`split_pieces`) every range longer than the budget ``SPLIT_TOLERANCE x fair share``
+   is cut into the fewest pieces of whole KV tiles that keep each piece within the budget (never below
+   ``MIN_PIECE_OVERHEADS`` x the program's fixed cost); pieces of one range are merged by the last to finish.
+2. (:func:`class_split`) the tokens alone ignore two things the H100 measurements show: a program's fixed cost (~7
+   us at one program per SM, ~300 KV positions; :mod:`prefixattn.autotune.program_cost`) and whole waves. 292 equal
+   shared programs (2.21 waves of work) ran as 3 full waves, 3 x 908 = the measured 2721 us
+   (bench/results/gpu/nvidia-h100-80gb-hbm3-ba41bb7.csv, mixed256 32768/128/256 GQA 32:4). So finer budgets are
+   tried too (the longest range in 2 .. ``WAVE_CANDIDATES`` pieces), each priced by the calibrated program cost
+   under list scheduling (:func:`modeled_makespan`), and the cheapest is kept when it gains at least
+   ``WAVE_GAIN_MIN``; a refinement adds at most ``WAVE_EXTRA_ITEMS_PER_SM x num_sms / num_kv_heads`` items.
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ import math
 
 import numpy as np
 
+from prefixattn.autotune.program_cost import residency
+
 #: The bound the issue sets on the critical path (sm90, 132 SMs, Fig. 8 shapes and FlashInfer's cascade grid).
 CRITICAL_PATH_TARGET = 1.25
 #: A program may read up to this multiple of the fair share before its range is split. Above 1: a range a little over
@@ -27,13 +36,20 @@ CRITICAL_PATH_TARGET = 1.25
 #: percent; with LPT order the other SMs absorb the excess). Below CRITICAL_PATH_TARGET: pieces are cut to at most
 #: this budget, so the target holds with 4% to spare for the fixed cost below, which the KV-only ratio ignores.
 SPLIT_TOLERANCE = 1.2
-#: Fixed cost of one program in KV tokens of one head (estimate, not measured: no GPU run yet). H100: one SM's share
-#: of DRAM bandwidth is ~25 GB/s, ~50 tokens/us at head_dim 128 bf16 (512 B per token, K and V). A program start with
-#: its first dependent loads (item row, block ids, then K) is ~0.5 us when two programs share an SM, ~25 tokens; a
-#: decode piece's partial state (GQA 4: 4 x 129 fp32, written then read by the merge) is ~8 tokens.
-PROGRAM_OVERHEAD_TOKENS = 32
-#: A piece reads at least this many times the fixed cost: below it a split mostly buys program starts and merges.
+#: A piece reads at least this many times the program's fixed cost (in KV positions of the class's binary): below
+#: it a split mostly buys program starts and merges.
 MIN_PIECE_OVERHEADS = 2
+#: Finer budgets the wave-aware step tries: the longest range in 2 .. this many pieces.
+WAVE_CANDIDATES = 16
+#: Programs within this fraction of the longest one's modeled time form the first waves of a launch (LPT order); the
+#: rest fill what those waves leave idle.
+LONG_PROGRAM_FRACTION = 0.9
+#: A finer split is kept only when it shortens the modeled launch by at least this fraction (model error is ~10%
+#: rms: smaller gains are noise, and every piece costs a partial state and its merge).
+WAVE_GAIN_MIN = 0.03
+#: The wave-aware step adds at most this many items per SM per KV head to a class (the workspace capacities bound
+#: them: prefixattn.workspace).
+WAVE_EXTRA_ITEMS_PER_SM = 8
 
 
 def fair_share(lengths: np.ndarray, programs: np.ndarray, *, num_kv_heads: int, num_sms: int) -> float:
@@ -56,16 +72,21 @@ def _fair_share_of(tokens: int, *, num_kv_heads: int, num_sms: int) -> float:
     return float(tokens) * num_kv_heads / num_sms
 
 
-def piece_budget(fair: float, *, min_split_tokens: int) -> float:
+def piece_budget(fair: float, *, min_split_tokens: int, overhead_tokens: float) -> float:
     """Most KV tokens one piece may read: ``SPLIT_TOLERANCE x fair``, raised toward ``min_split_tokens`` only as far as
     ``CRITICAL_PATH_TARGET x fair`` (that floor never breaks the target), and never below ``MIN_PIECE_OVERHEADS x
-    PROGRAM_OVERHEAD_TOKENS`` (64 tokens; or ``min_split_tokens`` if smaller, as tests ask for tiny pieces): in a
-    launch whose fair share is below ~51 tokens the target yields to the programs' fixed cost. ``inf`` for an empty
-    launch."""
+    overhead_tokens`` (the program's fixed cost in KV positions; or ``min_split_tokens`` if smaller, as tests ask for
+    tiny pieces): in a launch whose fair share is below that the target yields to the programs' fixed cost. ``inf``
+    for an empty launch."""
     if fair <= 0:
         return float("inf")
     budget = max(SPLIT_TOLERANCE * fair, min(min_split_tokens, CRITICAL_PATH_TARGET * fair))
-    return max(budget, min(min_split_tokens, MIN_PIECE_OVERHEADS * PROGRAM_OVERHEAD_TOKENS))
+    return max(budget, min_piece(min_split_tokens, overhead_tokens))
+
+
+def min_piece(min_split_tokens: int, overhead_tokens: float) -> float:
+    """The shortest piece worth a program: ``MIN_PIECE_OVERHEADS`` fixed costs, or ``min_split_tokens`` if less."""
+    return min(float(min_split_tokens), MIN_PIECE_OVERHEADS * overhead_tokens)
 
 
 def split_grain(block_n: int, budget: float) -> int:
@@ -105,46 +126,107 @@ def split_pieces(lengths: np.ndarray, *, budget: float, grain: int) -> np.ndarra
     return np.where(lengths <= budget, (lengths > 0).astype(np.int64), -(-grains // per_piece))
 
 
-def critical_path(kv_lengths: np.ndarray, *, num_kv_heads: int, num_sms: int) -> float:
-    """The longest program's KV tokens over the fair share, from the items' KV lengths (0.0 for no items)."""
-    if kv_lengths.size == 0:
-        return 0.0
-    fair = fair_share(kv_lengths, None, num_kv_heads=num_kv_heads, num_sms=num_sms)
-    return float(kv_lengths.max()) / fair if fair > 0 else 0.0
+def modeled_makespan(program_us: np.ndarray, count: np.ndarray, slots: int) -> tuple[float, float]:
+    """``(makespan, ideal)`` modeled microseconds of a launch of ``count[i]`` programs of ``program_us[i]`` each on
+    ``slots`` program slots in LPT order: the longest programs (within ``LONG_PROGRAM_FRACTION`` of the longest) run
+    in whole waves, the others fill the idle slot time of those waves and spread evenly past them; ``ideal`` is all
+    programs' time spread evenly over the slots. Equal programs give ``ceil(n / slots)`` waves exactly (what the H100
+    showed); a launch of one program is that program. Sums run left to right, as the compiled planner's loops."""
+    live = count > 0
+    if not live.any():
+        return 0.0, 0.0
+    us, n = program_us[live], count[live]
+    t_max = float(us.max())
+    long = us >= LONG_PROGRAM_FRACTION * t_max
+    work = n * us
+    work_long = float(np.cumsum(work[long])[-1])
+    rest = float(np.cumsum(work[~long])[-1]) if (~long).any() else 0.0
+    waves = -(-int(n[long].sum()) // slots)
+    idle = waves * slots * t_max - work_long
+    return waves * t_max + max(0.0, rest - idle) / slots, (work_long + rest) / slots
+
+
+def _piece_tokens(lengths: np.ndarray, pieces: np.ndarray, grain: int) -> np.ndarray:
+    """The longest piece of each range (:func:`prefixattn.work_list._piece_bounds` deals whole grains evenly)."""
+    grains = -(-lengths // grain)
+    return np.minimum(-(-grains // np.maximum(pieces, 1)) * grain, lengths)
+
+
+def class_split(lengths: np.ndarray, m_tiles, cost, *, block_n: int, num_kv_heads: int, num_sms: int,
+                min_split_tokens: int) -> tuple[np.ndarray, int, float, float]:
+    """The rule for one work class (module docstring): ``(pieces, grain, makespan_us, ideal_us)``.
+
+    ``lengths`` ``[num_ranges]``: KV tokens of each range; ``m_tiles``: the items that read each range whole (M tiles
+    of a shared node's packed rows; 1 for a suffix tile), an array or an int; ``cost``: the class's
+    :class:`~prefixattn.autotune.program_cost.ProgramCost`. ``makespan_us`` is the modeled launch
+    (:func:`modeled_makespan`), ``ideal_us`` its programs' time over the slots (both modeled).
+    """
+    lengths = lengths.astype(np.int64, copy=False)
+    m = np.asarray(m_tiles, dtype=np.int64)
+    tokens = int((lengths * m).sum()) if lengths.shape[0] else 0
+    budget = piece_budget(_fair_share_of(tokens, num_kv_heads=num_kv_heads, num_sms=num_sms),
+                          min_split_tokens=min_split_tokens, overhead_tokens=cost.fixed_tokens)
+    grain = split_grain(block_n, budget)
+    pieces = split_pieces(lengths, budget=budget, grain=grain)
+    if not lengths.shape[0] or int(lengths.max()) == 0:
+        return pieces, grain, 0.0, 0.0
+    slots = num_sms * cost.slots_per_sm
+
+    def price(p):
+        count = m * num_kv_heads * p
+        tile = cost.tile_us * residency(int(count.sum()), num_sms=num_sms, slots_per_sm=cost.slots_per_sm) / \
+            cost.slots_per_sm
+        us = cost.fixed_us + tile * -(-_piece_tokens(lengths, p, grain) // block_n)
+        return modeled_makespan(us, count, slots)
+
+    best, ideal = price(pieces)
+    if math.isfinite(budget):
+        floor = min_piece(min_split_tokens, cost.fixed_tokens)
+        limit = int((m * pieces).sum()) + WAVE_EXTRA_ITEMS_PER_SM * num_sms // num_kv_heads
+        grains_max = -(-int(lengths.max()) // grain)
+        for k in range(2, WAVE_CANDIDATES + 1):
+            b = grain * -(-grains_max // k)
+            if b >= budget:
+                continue
+            if b < floor:
+                break
+            p = split_pieces(lengths, budget=b, grain=grain)
+            if int((m * p).sum()) > limit:
+                break
+            span, work = price(p)
+            if span < best * (1.0 - WAVE_GAIN_MIN):
+                pieces, best, ideal = p, span, work
+    return pieces, grain, best, ideal
 
 
 def split_ranges(*, node_lengths: np.ndarray, node_m_tiles: np.ndarray, tile_lengths: np.ndarray, tile_decode,
                  block_n_shared: int, block_n_chunk: int, block_n_decode: int, num_kv_heads: int, num_sms: int,
-                 min_split_tokens: int) -> tuple[np.ndarray, int, np.ndarray, int | np.ndarray]:
-    """The rule for one step, one work class at a time: ``(node_pieces, shared_grain, tile_pieces, tile_grain)``.
+                 min_split_tokens: int, costs: tuple) -> tuple[np.ndarray, int, np.ndarray, int | np.ndarray, tuple]:
+    """The rule for one step, one work class at a time: ``(node_pieces, shared_grain, tile_pieces, tile_grain,
+    modeled)``.
 
-    Each class is its own launch and has the whole GPU to itself, so each is balanced against its own fair share:
-    the shared nodes (``node_lengths``/``node_m_tiles`` ``[num_nodes]``: KV tokens of each node and the M tiles of
+    The shared nodes (``node_lengths``/``node_m_tiles`` ``[num_nodes]``: KV tokens of each node and the M tiles of
     packed rows that read it), the chunk tiles and the decode tiles (``tile_lengths`` ``[num_tiles]``, KV tokens of
-    each suffix tile; ``tile_decode``: a bool per tile, or one bool for all). Grains are each class's KV tile
-    (:func:`split_grain`); ``tile_grain`` is an int when every tile is of one class, else an array per tile.
+    each suffix tile; ``tile_decode``: a bool per tile, or one bool for all) are split by :func:`class_split`, each
+    class with its own :class:`~prefixattn.autotune.program_cost.ProgramCost` (``costs``: shared, chunk, decode).
+    Grains are each class's KV tile (:func:`split_grain`); ``tile_grain`` is an int when every tile is of one class,
+    else an array per tile. ``modeled``: ``(makespan_us, ideal_us)`` per class (modeled).
     """
-    shared_tokens = int((node_lengths * node_m_tiles).sum()) if node_lengths.shape[0] else 0
-    node_pieces, shared_grain = _class_pieces(node_lengths, shared_tokens, block_n_shared, num_kv_heads=num_kv_heads,
-                                              num_sms=num_sms, min_split_tokens=min_split_tokens)
     common = dict(num_kv_heads=num_kv_heads, num_sms=num_sms, min_split_tokens=min_split_tokens)
+    node_pieces, shared_grain, *shared_model = class_split(node_lengths, node_m_tiles, costs[0],
+                                                           block_n=block_n_shared, **common)
     if not isinstance(tile_decode, np.ndarray):  # one class of suffix tiles
-        block_n = block_n_decode if tile_decode else block_n_chunk
-        tile_pieces, grain = _class_pieces(tile_lengths, int(tile_lengths.sum()), block_n, **common)
-        return node_pieces, shared_grain, tile_pieces, grain
+        block_n, cost = (block_n_decode, costs[2]) if tile_decode else (block_n_chunk, costs[1])
+        tile_pieces, grain, *model = class_split(tile_lengths, 1, cost, block_n=block_n, **common)
+        empty = (0.0, 0.0)
+        suffix = (empty, tuple(model)) if tile_decode else (tuple(model), empty)
+        return node_pieces, shared_grain, tile_pieces, grain, (tuple(shared_model), *suffix)
     tile_pieces = np.empty(tile_lengths.shape[0], dtype=np.int64)
     tile_grain = np.empty(tile_lengths.shape[0], dtype=np.int64)
-    for is_decode, block_n in ((False, block_n_chunk), (True, block_n_decode)):
+    models = [tuple(shared_model)]
+    for c, is_decode, block_n in ((1, False, block_n_chunk), (2, True, block_n_decode)):
         of = tile_decode == is_decode
-        lengths = tile_lengths[of]
-        tile_pieces[of], tile_grain[of] = _class_pieces(lengths, int(lengths.sum()), block_n, **common)
-    return node_pieces, shared_grain, tile_pieces, tile_grain
-
-
-def _class_pieces(lengths: np.ndarray, tokens: int, block_n: int, *, num_kv_heads: int, num_sms: int,
-                  min_split_tokens: int) -> tuple[np.ndarray, int]:
-    """Pieces per range and the grain of one class whose programs read ``tokens`` KV tokens in all (one head)."""
-    fair = _fair_share_of(tokens, num_kv_heads=num_kv_heads, num_sms=num_sms)  # one rounding, as one sum
-    budget = piece_budget(fair, min_split_tokens=min_split_tokens)
-    grain = split_grain(block_n, budget)
-    return split_pieces(lengths, budget=budget, grain=grain), grain
+        tile_pieces[of], tile_grain[of], *model = class_split(tile_lengths[of], 1, costs[c], block_n=block_n,
+                                                              **common)
+        models.append(tuple(model))
+    return node_pieces, shared_grain, tile_pieces, tile_grain, tuple(models)

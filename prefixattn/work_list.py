@@ -89,6 +89,8 @@ class WorkList:
     num_ws_rows: int
     num_units: int  # merge units (suffix tiles whose rows merge); their rows are the merge rows
     class_ends: tuple  # [NUM_CLASSES] ints: one past the last item of each work class (layout.CLASS_* order)
+    #: [NUM_CLASSES, 2] float64, modeled: each class's launch (makespan_us, its programs' time over the slots)
+    modeled_us: np.ndarray
 
     @property
     def num_items(self) -> int:
@@ -283,6 +285,7 @@ def build_work_list(
     num_kv_heads: int,
     num_sms: int,
     min_split_tokens: int,
+    costs: tuple,
 ) -> WorkList:
     """Turn the chosen shared nodes into the kernel's work list.
 
@@ -290,16 +293,17 @@ def build_work_list(
     order (shared levels, each with its split chunks, then the suffix chunks). ``suffix_start[r]`` is the end of the
     deepest node holding request ``r`` (0 if none). A request with at most ``rows_per_decode`` query rows is one
     decode tile; longer ones are cut into chunk tiles of ``rows_per_chunk`` rows (``>= rows_per_decode``).
+    ``costs``: each class's :class:`~prefixattn.autotune.program_cost.ProgramCost` (the split rule's model).
     """
     t = _suffix_tiles(q_start=q_start, q_len=q_len, kv_len=kv_len, suffix_start=suffix_start, causal=causal,
                       rows_per_suffix=rows_per_chunk, rows_per_decode=rows_per_decode)
     nr = _node_rows(q_len=q_len, nodes=nodes, rows_per_shared=rows_per_shared)
     # Split-k decision over the unsplit work, class by class (prefixattn.split_rule: the critical path).
-    n_pieces, grain_shared, t_pieces, t_grain = split_ranges(
+    n_pieces, grain_shared, t_pieces, t_grain, modeled = split_ranges(
         node_lengths=nodes.kv_end - nodes.kv_start, node_m_tiles=nr.node_mtiles,
         tile_lengths=np.maximum(t.hi - t.lo, 0), tile_decode=t.decode, block_n_shared=block_n_shared,
         block_n_chunk=block_n_chunk, block_n_decode=block_n_decode, num_kv_heads=num_kv_heads, num_sms=num_sms,
-        min_split_tokens=min_split_tokens)
+        min_split_tokens=min_split_tokens, costs=costs)
     states = _tile_states(t=t, nodes=nodes, n_pieces=n_pieces, t_pieces=t_pieces, num_reqs=q_len.shape[0])
     units = _merge_units(t=t, states=states)
     if len(nodes):
@@ -314,7 +318,7 @@ def build_work_list(
     items, class_ends = _assemble_items(shared_items=shared_items, t=t, states=states, units=units, t_grain=t_grain,
                                         has_nodes=bool(len(nodes)))
     return WorkList(items=items, gather=gather, mrows=units.mrows, num_ws_rows=units.num_ws_rows,
-                    num_units=units.num_units, class_ends=class_ends)
+                    num_units=units.num_units, class_ends=class_ends, modeled_us=np.array(modeled, dtype=np.float64))
 
 
 def _assemble_items(*, shared_items: np.ndarray, t: _Tiles, states: _TileStates, units: _MergeUnits,

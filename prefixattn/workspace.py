@@ -19,7 +19,8 @@ shared levels per request, ``S`` SMs, ``H`` KV heads and ``r_sh``/``r_sf`` query
   share, :mod:`prefixattn.split_rule`) is cut into fewer than ``4 n / b`` pieces (whole grains ``g <= b``,
   ``floor(b / g)`` of them per piece, i.e. more than ``b / 2`` tokens each; at most 2 pieces more from rounding).
   Summed over the items of one class that read each range, the extra programs are below ``4 / SPLIT_TOLERANCE x S /
-  H``; over the step's ``NUM_CLASSES`` classes ``SPLIT_EXTRA`` is that times ``NUM_CLASSES``.
+  H``, and the wave-aware step adds at most ``WAVE_EXTRA_ITEMS_PER_SM x S / H`` more; over the step's
+  ``NUM_CLASSES`` classes ``SPLIT_EXTRA`` is their sum times ``NUM_CLASSES``.
 * items: suffix tiles ``<= R + T // r_sf``; shared tiles ``<= (R - 1) + L T // r_sh`` (at most ``R - 1`` nodes in
   a prefix tree of ``R`` leaves); plus the split extra.
 * workspace rows: every row has at most ``L + 1`` unsplit states, and each extra split program adds at most one
@@ -43,7 +44,7 @@ import numpy as np
 import torch
 
 from prefixattn.kernels import layout as K
-from prefixattn.split_rule import SPLIT_TOLERANCE
+from prefixattn.split_rule import SPLIT_TOLERANCE, WAVE_EXTRA_ITEMS_PER_SM
 from prefixattn.work_list import ranges_table
 
 #: Extra programs split-k may add, per ``num_sms / num_kv_heads`` (module docstring: pieces < 4 n / b, b >= 1.2 fair).
@@ -112,7 +113,8 @@ def derive_capacity(*, max_tokens: int, max_requests: int, max_blocks_per_reques
 
 def class_split_extra(*, num_sms: int, num_kv_heads: int) -> int:
     """Most extra items split-k adds to one work class (module docstring)."""
-    return math.ceil(SPLIT_EXTRA_PER_SM_PER_HEAD * num_sms / num_kv_heads)
+    return (math.ceil(SPLIT_EXTRA_PER_SM_PER_HEAD * num_sms / num_kv_heads)
+            + WAVE_EXTRA_ITEMS_PER_SM * num_sms // num_kv_heads)
 
 
 def class_grid_items(*, num_tokens: int, num_requests: int, rows_per_tile: tuple[int, int, int], chunk_class: bool,

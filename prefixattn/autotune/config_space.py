@@ -244,19 +244,6 @@ def part_shared_bytes(tiles: Tiles, head_dim: int, dtype: str, num_stages: int, 
     return kv + staging
 
 
-def config_registers(cfg: AttentionConfig, head_dim: int, dtype: str, target: Target) -> int:
-    """Registers of the fused kernel: the compiler allocates for the hungrier of its two program kinds."""
-    return max(part_registers(cfg.shared, head_dim, dtype, cfg.launch.num_warps, target),
-               part_registers(cfg.suffix, head_dim, dtype, cfg.launch.num_warps, target))
-
-
-def config_shared_bytes(cfg: AttentionConfig, head_dim: int, dtype: str, target: Target) -> int:
-    """Shared memory of the fused kernel: both kinds' buffers are live in disjoint branches, so the allocator can
-    overlap them; the larger one bounds the launch."""
-    return max(part_shared_bytes(cfg.shared, head_dim, dtype, cfg.launch.num_stages, target),
-               part_shared_bytes(cfg.suffix, head_dim, dtype, cfg.launch.num_stages, target))
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Spaces and prune
 # ---------------------------------------------------------------------------------------------------------------
@@ -347,17 +334,13 @@ def prune_reason(cfg: AttentionConfig, target: Target, *, head_dim: int, dtype: 
             return f"{part} block_n {tiles.block_n} exceeds kv_len {kv_len}"
     if not resources:
         return None
-    why = _resource_reason(config_registers(cfg, head_dim, dtype, target),
-                           smem_factor * config_shared_bytes(cfg, head_dim, dtype, target), cfg.launch, target)
-    if why:
-        return why
-    if cfg.suffix_launch is not None:
-        sl = cfg.suffix_launch
-        why = _resource_reason(part_registers(cfg.suffix, head_dim, dtype, sl.num_warps, target),
-                               smem_factor * part_shared_bytes(cfg.suffix, head_dim, dtype, sl.num_stages, target),
-                               sl, target)
+    # One binary per work class: the shared tiles under the launch, the suffix tiles under the suffix launch.
+    for part, tiles, lo in (("shared", cfg.shared, cfg.launch), ("suffix", cfg.suffix, cfg.launch_for(False))):
+        why = _resource_reason(part_registers(tiles, head_dim, dtype, lo.num_warps, target),
+                               smem_factor * part_shared_bytes(tiles, head_dim, dtype, lo.num_stages, target), lo,
+                               target)
         if why:
-            return f"suffix_launch: {why}"
+            return f"{part}: {why}"
     return None
 
 

@@ -369,6 +369,13 @@ def planning_target(target):
         _state_changed()
 
 
+def current_target() -> Target | None:
+    """The target selections with ``target="auto"`` use now: the innermost :func:`planning_target`, else this
+    process's GPU (None: no known GPU)."""
+    stack = _target_stack()
+    return stack[-1] if stack else _detect()
+
+
 def _resolve_target(target) -> Target | None:
     if target == "auto":
         stack = _target_stack()
