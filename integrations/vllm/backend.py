@@ -30,6 +30,10 @@ impl's constructor with the same wording on platforms whose selector does not va
 forward. That includes an explicit ``--kv-cache-dtype`` that is neither the model's dtype nor fp8 (the kernel reads
 16/32-bit K/V in the dtype of q).
 
+Per KV cache group: the builder plans with the geometry of the layers it serves (:mod:`.layer_geometry`: a draft
+model's group has its own head count). Refusals (:mod:`.refusals`) use the GPU's compute capability (fp8 e4m3 below
+sm_89).
+
 Bad metadata: ``plan()`` checks vLLM's metadata values on the host once per step (part of the plan's own numpy pass
 over the block table, no extra device sync: the used columns are copied to the host for the planner anyway, vLLM's
 metadata having no host block table), and records the
@@ -63,14 +67,24 @@ from vllm.v1.attention.backend import (  # noqa: E402
 from vllm.v1.kv_cache_interface import KVCacheLayout  # noqa: E402
 
 import prefixattn  # noqa: E402
+from integrations.vllm.layer_geometry import group_geometry, group_kv_dtype  # noqa: E402
 from integrations.vllm.plugin import BACKEND_NAME  # noqa: E402
-from integrations.vllm.wrappers import eager_wrapper, graph_wrapper  # noqa: E402
+from integrations.vllm.refusals import (  # noqa: E402,F401
+    SUPPORTED_HEAD_SIZES,
+    SUPPORTED_KV_CACHE_DTYPES,
+    capability_unsupported,
+    current_device_capability,
+    fp8_cache_dtype,
+    fp8_unsupported,
+    kv_cache_dtype_mismatch,
+    refusal,
+    refusal_reasons,
+)
+from integrations.vllm.wrappers import builder_wrappers  # noqa: E402
 from prefixattn.warmup import MAX_DISTINCT_Q_LEN, VLLM_LAYOUT, WarmupReport, warmup_enabled  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
-#: Head sizes prefixattn runs: every multiple of 8 from 32 to 256 (prefixattn's validation accepts exactly these).
-SUPPORTED_HEAD_SIZES = prefixattn.SUPPORTED_HEAD_DIMS
 #: Every physical order of vLLM's ``[L, B, H, N, C]`` cache: the kernel reads any strides. Token-major inside a block
 #: (``B, N, H, C``, i.e. NHD) first: it is prefixattn's own ``[num_blocks, block_size, num_kv_heads, head_dim]``.
 SUPPORTED_KV_CACHE_LAYOUTS = tuple(
@@ -142,11 +156,6 @@ def plan_inputs(common: CommonAttentionMetadata, *, block_size: int,
     return PlanInputs(qo_indptr=qo_indptr, kv_lens=kv_lens, block_table=table, host_block_table=host_table)
 
 
-def _refusal(reasons: list[str]) -> ValueError:
-    # vLLM's own wording (its selector raises exactly this for a selected backend that fails validation).
-    return ValueError(f"Selected backend {BACKEND_NAME} is not valid for this configuration. Reason: {reasons}")
-
-
 class PrefixAttnBackend(AttentionBackend):
     """prefixattn's fused prefix-shared paged attention behind vLLM's attention-backend interface."""
 
@@ -157,7 +166,7 @@ class PrefixAttnBackend(AttentionBackend):
     # fp8 caches (per-tensor scales, layer._k_scale / _v_scale) are dequantized on load. An explicit float16/bfloat16
     # cache must be the model's dtype (supports_combination below), else the first forward would fail on the dtype
     # check.
-    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = list(SUPPORTED_KV_CACHE_DTYPES)
 
     @staticmethod
     def get_name() -> str:
@@ -200,8 +209,11 @@ class PrefixAttnBackend(AttentionBackend):
     @classmethod
     def supports_combination(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink, use_sparse,
                              use_mm_prefix, device_capability) -> str | None:
-        # vLLM's selector appends this reason to validate_configuration's list.
-        return kv_cache_dtype_mismatch(kv_cache_dtype, dtype) or fp8_unsupported(kv_cache_dtype)
+        # vLLM's selector appends this reason to validate_configuration's list; device_capability is the GPU's.
+        from vllm.platforms import current_platform
+
+        return (kv_cache_dtype_mismatch(kv_cache_dtype, dtype) or fp8_unsupported(kv_cache_dtype)
+                or capability_unsupported(kv_cache_dtype, device_capability, is_rocm=current_platform.is_rocm()))
 
     # Everything below keeps vLLM's default "not supported" (ALiBi-sqrt, MLA, sparse, multimodal prefix,
     # non-causal, batch invariance, PCP/DCP) or "decoder only" (attention types): the kernel implements causal
@@ -222,28 +234,23 @@ class PrefixAttnMetadataBuilder(AttentionMetadataBuilder[PrefixAttnMetadata]):
     def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config, device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.block_size = int(kv_cache_spec.block_size)
-        self.num_kv_heads = int(kv_cache_spec.num_kv_heads)
-        self.head_dim = int(kv_cache_spec.head_size)
-        if int(getattr(kv_cache_spec, "head_size_v", self.head_dim)) != self.head_dim:
-            raise _refusal(["different K and V head sizes not supported"])
-        model_config = vllm_config.model_config
-        self.num_qo_heads = int(model_config.get_num_attention_heads(vllm_config.parallel_config))
-        self.q_dtype = model_config.dtype
-        self.kv_dtype = _group_kv_dtype(kv_cache_spec, vllm_config, self.q_dtype)  # prices the plans' cost rule
-        self.sm_scale = _group_scale(vllm_config, layer_names)
-        # One plan serves the group's layers: they must agree on the window and the soft cap (vLLM puts windowed and
-        # full-attention layers in different KV cache groups, so a Gemma-2-like model gets one plan per kind).
-        self.window_left = _group_option(vllm_config, layer_names, "window_left", -1)
-        self.logits_soft_cap = _group_option(vllm_config, layer_names, "logits_soft_cap", 0.0)
+        # Heads, head size, scale, window and soft cap from the group's own layers (a draft model's group has its
+        # own head count); one plan serves the group's layers, so they must agree (vLLM puts windowed and
+        # full-attention layers in different KV cache groups: a Gemma-2-like model gets one plan per kind).
+        geometry = group_geometry(kv_cache_spec, vllm_config, layer_names)
+        self.num_qo_heads, self.num_kv_heads, self.head_dim = (geometry.num_qo_heads, geometry.num_kv_heads,
+                                                               geometry.head_dim)
+        self.sm_scale, self.window_left, self.logits_soft_cap = (geometry.sm_scale, geometry.window_left,
+                                                                 geometry.logits_soft_cap)
+        self.q_dtype = vllm_config.model_config.dtype
+        # The cache's dtype prices the plans' cost rule.
+        self.kv_dtype = group_kv_dtype(kv_cache_spec, getattr(vllm_config.cache_config, "cache_dtype", None),
+                                       self.q_dtype)
         spec = getattr(vllm_config, "speculative_config", None)
         self.exact_seq_lens_on_host = spec is None or not getattr(spec, "num_speculative_tokens", None)
         self.warmup_report = warm_up_kernels(self, vllm_config)
-        geometry = dict(num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-                        block_size=self.block_size, q_dtype=self.q_dtype, kv_dtype=self.kv_dtype,
-                        sm_scale=self.sm_scale, device=device, window_left=self.window_left,
-                        logits_soft_cap=self.logits_soft_cap)
-        self.graph_attn = graph_wrapper(vllm_config, **geometry)
-        self.eager_attn = eager_wrapper(vllm_config, **geometry)
+        self.graph_attn, self.eager_attn = builder_wrappers(vllm_config, geometry, block_size=self.block_size,
+                                                            q_dtype=self.q_dtype, kv_dtype=self.kv_dtype, device=device)
         #: Eager steps beyond the eager wrapper's capacity, planned with a per-step prefixattn.plan() instead.
         self.capacity_fallbacks = 0
 
@@ -259,7 +266,7 @@ class PrefixAttnMetadataBuilder(AttentionMetadataBuilder[PrefixAttnMetadata]):
 
     def _build(self, common: CommonAttentionMetadata, *, capture: bool) -> PrefixAttnMetadata:
         if isinstance(common.causal, torch.Tensor) or not common.causal:
-            raise _refusal(["non-causal attention not supported"])
+            raise refusal(["non-causal attention not supported"])
         inputs = plan_inputs(common, block_size=self.block_size, exact_seq_lens_on_host=self.exact_seq_lens_on_host)
         if capture or self._graph_safe_step(common):
             return self._build_graph_safe(common, inputs, capture=capture)
@@ -316,40 +323,6 @@ class PrefixAttnMetadataBuilder(AttentionMetadataBuilder[PrefixAttnMetadata]):
                                   slot_mapping=common.slot_mapping[:num_rows], graph_attn=attn)
 
 
-def _group_scale(vllm_config, layer_names: list[str]) -> float | None:
-    """The softmax scale of the group's layers (one plan serves them all); None = prefixattn's 1/sqrt(head_dim)."""
-    from vllm.config import get_layers_from_vllm_config
-    from vllm.model_executor.layers.attention import Attention
-
-    layers = get_layers_from_vllm_config(vllm_config, Attention, layer_names)
-    scales = {float(layer.impl.scale) for layer in layers.values()}
-    if len(scales) > 1:
-        raise _refusal([f"layers sharing a KV cache group use different softmax scales {sorted(scales)}"])
-    return scales.pop() if scales else None
-
-
-def _group_kv_dtype(kv_cache_spec, vllm_config, q_dtype: torch.dtype) -> torch.dtype:
-    """The torch dtype the group's K/V cache holds: vLLM allocates fp8 caches as uint8 memory (the spec's dtype),
-    whose fp8 flavour is the configured ``cache_dtype``; any other cache is read in q's dtype."""
-    if getattr(kv_cache_spec, "dtype", None) == torch.uint8:
-        fp8 = fp8_cache_dtype(getattr(vllm_config.cache_config, "cache_dtype", None))
-        if fp8 in prefixattn.FP8_KV_DTYPES:  # anything else (ROCm's e4m3fnuz) is refused at configuration
-            return fp8
-    return q_dtype
-
-
-def _group_option(vllm_config, layer_names: list[str], name: str, default):
-    """The value of impl attribute ``name`` that all of the group's layers share (``default`` without layers)."""
-    from vllm.config import get_layers_from_vllm_config
-    from vllm.model_executor.layers.attention import Attention
-
-    layers = get_layers_from_vllm_config(vllm_config, Attention, layer_names)
-    values = {getattr(layer.impl, name, default) for layer in layers.values()}
-    if len(values) > 1:
-        raise _refusal([f"layers sharing a KV cache group use different {name} values {sorted(values)}"])
-    return values.pop() if values else default
-
-
 class PrefixAttnImpl(AttentionImpl[PrefixAttnMetadata]):
     """Per-layer work: write new K/V into vLLM's paged cache, then one :func:`prefixattn.attention` launch."""
 
@@ -359,13 +332,16 @@ class PrefixAttnImpl(AttentionImpl[PrefixAttnMetadata]):
                  attn_type: str = AttentionType.DECODER, kv_sharing_target_layer_name: str | None = None,
                  **extra_impl_args) -> None:
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        # vLLM builds the impl (and calls its own selector) while the default dtype is the model's dtype.
+        # vLLM builds the impl (and calls its own selector) while the default dtype is the model's dtype; the
+        # capability is the GPU this process runs on (None without one).
+        capability, is_rocm = current_device_capability()
         reasons = refusal_reasons(head_size=head_size, kv_cache_dtype=kv_cache_dtype,
                                   model_dtype=torch.get_default_dtype(), alibi_slopes=alibi_slopes,
                                   sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-                                  attn_type=attn_type, extra_impl_args=extra_impl_args)
+                                  attn_type=attn_type, extra_impl_args=extra_impl_args,
+                                  device_capability=capability, is_rocm=is_rocm)
         if reasons:
-            raise _refusal(reasons)
+            raise refusal(reasons)
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = float(scale)
@@ -428,71 +404,6 @@ class PrefixAttnImpl(AttentionImpl[PrefixAttnMetadata]):
                            kv_cache_dtype=self.kv_cache_dtype)  # padding slots (-1) are skipped
         attn.run(query[:n], k_cache, v_cache, out=output[:n], sinks=self.sinks, **scales)
         return output
-
-
-#: The explicit cache dtypes the backend accepts, as torch dtypes ("auto" is the model's dtype by definition).
-_KV_CACHE_TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def kv_cache_dtype_mismatch(kv_cache_dtype: str | None, model_dtype: torch.dtype | None) -> str | None:
-    """The refusal reason for an explicit KV cache dtype that is not the model's (the kernel reads K/V in q's
-    dtype), or None."""
-    cache_dtype = _KV_CACHE_TORCH_DTYPES.get(kv_cache_dtype or "auto")
-    if cache_dtype is None or model_dtype is None or cache_dtype == model_dtype:
-        return None
-    return (f"kv_cache_dtype {kv_cache_dtype} differs from the model dtype {str(model_dtype).replace('torch.', '')} "
-            "(prefixattn reads K/V in the dtype of q; use --kv-cache-dtype auto)")
-
-
-def fp8_cache_dtype(kv_cache_dtype: str | None) -> torch.dtype | None:
-    """The torch fp8 dtype vLLM stores a ``kv_cache_dtype`` cache in (its tensors are uint8), or None (not fp8)."""
-    if kv_cache_dtype == "fp8_e5m2":
-        return torch.float8_e5m2
-    if kv_cache_dtype in ("fp8", "fp8_e4m3"):
-        from vllm.platforms import current_platform
-
-        return current_platform.fp8_dtype()
-    return None
-
-
-def fp8_unsupported(kv_cache_dtype: str | None) -> str | None:
-    """The refusal reason for an fp8 flavour the kernel does not read (ROCm's e4m3fnuz), or None."""
-    fp8 = fp8_cache_dtype(kv_cache_dtype)
-    if fp8 is None or fp8 in prefixattn.FP8_KV_DTYPES:
-        return None
-    return (f"kv_cache_dtype {kv_cache_dtype} is {str(fp8).replace('torch.', '')} on this platform (prefixattn reads "
-            "float8_e4m3fn and float8_e5m2 caches)")
-
-
-def refusal_reasons(*, head_size: int, kv_cache_dtype: str, model_dtype: torch.dtype | None = None,
-                    alibi_slopes=None, sliding_window=None, logits_soft_cap=None,
-                    attn_type: str = AttentionType.DECODER, extra_impl_args: dict | None = None) -> list[str]:
-    """Why a layer configuration cannot run on prefixattn (empty list: it can), in vLLM's validation wording."""
-    reasons = []
-    if head_size not in SUPPORTED_HEAD_SIZES:
-        reasons.append("head_size not supported")
-    if kv_cache_dtype not in PrefixAttnBackend.supported_kv_cache_dtypes:
-        reasons.append("kv_cache_dtype not supported")
-    elif (mismatch := kv_cache_dtype_mismatch(kv_cache_dtype, model_dtype) or fp8_unsupported(kv_cache_dtype)):
-        reasons.append(mismatch)
-    if attn_type != AttentionType.DECODER:
-        reasons.append(f"attention type {attn_type} not supported")
-    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
-                                       or sliding_window < 1):
-        reasons.append(f"sliding window {sliding_window!r} not supported (expected a positive int)")
-    if alibi_slopes is not None:
-        reasons.append("ALiBi not supported")
-    if logits_soft_cap is not None and not (isinstance(logits_soft_cap, (int, float)) and logits_soft_cap >= 0):
-        reasons.append(f"logits soft-cap {logits_soft_cap!r} not supported")
-    extra = extra_impl_args or {}
-    sinks = extra.get("sinks")
-    if sinks is not None and (not isinstance(sinks, torch.Tensor) or sinks.dim() != 1
-                              or sinks.dtype not in prefixattn.SINK_DTYPES):
-        reasons.append("attention sinks not supported (expected a 1-D fp32/bf16/fp16 tensor, one per head)")
-    for name, value in extra.items():
-        if name != "sinks" and value not in (None, False, -1):
-            reasons.append(f"{name}={value!r} not supported")
-    return reasons
 
 
 def split_kv_cache(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -564,8 +475,8 @@ def warm_up_kernels(builder: "PrefixAttnMetadataBuilder", vllm_config) -> Warmup
     projection and K/V halves of one cache (``VLLM_LAYOUT``), as in :meth:`PrefixAttnImpl.forward`. An fp8 cache
     (``--kv-cache-dtype fp8*``) warms its own binaries: fp8 loads with the layers' scale tensors (``HAS_KV_SCALE``)
     and :func:`prefixattn.write_kv`'s quantizing store (vLLM's op writes only 16/32-bit caches here). Skipped when
-    ``$PREFIXATTN_WARMUP`` is 0; nothing is compiled without a GPU. A variant that fails to compile here is a RuntimeError at start-up
-    (it would fail the first step that needs it).
+    ``$PREFIXATTN_WARMUP`` is 0; nothing is compiled without a GPU. A variant that fails to compile here is a
+    RuntimeError at start-up (it would fail the first step that needs it).
     """
     if not warmup_enabled():
         return None
