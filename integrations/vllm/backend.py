@@ -31,15 +31,14 @@ forward. That includes an explicit ``--kv-cache-dtype`` that is neither the mode
 16/32-bit K/V in the dtype of q).
 
 Per KV cache group: the builder plans with the geometry of the layers it serves (:mod:`.layer_geometry`: a draft
-model's group has its own head count). Refusals (:mod:`.refusals`) use the GPU's compute capability (fp8 e4m3 below
+model's group has its own head count) and reads the block ids on the host from vLLM's own host data without waiting
+for the device (:mod:`.host_tables`). Refusals (:mod:`.refusals`) use the GPU's compute capability (fp8 e4m3 below
 sm_89).
 
 Bad metadata: ``plan()`` checks vLLM's metadata values on the host once per step (part of the plan's own numpy pass
-over the block table, no extra device sync: the used columns are copied to the host for the planner anyway, vLLM's
-metadata having no host block table), and records the
-largest block id it reads; every layer's :func:`prefixattn.attention` compares that id with the layer cache's
-``num_blocks`` (two int comparisons per layer, no device work), so a block id outside vLLM's cache is a
-``ValueError``, never a read outside it.
+over the host block table), and records the largest block id it reads; every layer's :func:`prefixattn.attention`
+compares that id with the layer cache's ``num_blocks`` (two int comparisons per layer, no device work), so a block
+id outside vLLM's cache is a ``ValueError``, never a read outside it.
 """
 
 from __future__ import annotations
@@ -67,6 +66,7 @@ from vllm.v1.attention.backend import (  # noqa: E402
 from vllm.v1.kv_cache_interface import KVCacheLayout  # noqa: E402
 
 import prefixattn  # noqa: E402
+from integrations.vllm.host_tables import HostBlockTables, PlanInputs, plan_inputs  # noqa: E402,F401
 from integrations.vllm.layer_geometry import group_geometry, group_kv_dtype  # noqa: E402
 from integrations.vllm.plugin import BACKEND_NAME  # noqa: E402
 from integrations.vllm.refusals import (  # noqa: E402,F401
@@ -118,42 +118,6 @@ class PrefixAttnMetadata:
     #: The builder's CUDA-graph wrapper when this step runs the capacity-fixed launch (``graph_safe_forward``),
     #: else None (one :func:`prefixattn.attention` on the plan's own tensors).
     graph_attn: "prefixattn.PrefixSharedAttention | None" = None
-
-
-@dataclass(frozen=True)
-class PlanInputs:
-    """Host-side ``prefixattn.plan`` inputs derived from one ``CommonAttentionMetadata``."""
-
-    qo_indptr: torch.Tensor  # [num_reqs + 1] CPU
-    kv_lens: torch.Tensor  # [num_reqs] CPU
-    block_table: torch.Tensor  # [num_reqs, max_blocks], on vLLM's device: the kernel reads it in place
-    #: What the planner reads (plan() copies a device tensor to the host once): on a GPU only the columns the batch
-    #: uses, ``[num_reqs, ceil(max(kv_lens) / block_size)]`` (vLLM's table is ``max_model_len / block_size`` wide:
-    #: 8,192 columns, 8 MB for 256 requests, at a 128K context with 16-token blocks); on the CPU the table itself
-    #: (read in place, no copy).
-    host_block_table: torch.Tensor
-
-
-def plan_inputs(common: CommonAttentionMetadata, *, block_size: int,
-                exact_seq_lens_on_host: bool = True) -> PlanInputs:
-    """Convert vLLM's per-step metadata to ``prefixattn.plan``'s ``(qo_indptr, kv_lens, block_table)``.
-
-    vLLM's ``seq_lens`` already count the new tokens (prefixattn's ``kv_lens`` convention) and its block table rows
-    are in request order, so this is slicing to the ``num_reqs`` real requests plus picking host copies:
-    ``query_start_loc_cpu`` always; ``seq_lens_cpu_upper_bound`` when it is exact (no speculative decoding:
-    ``exact_seq_lens_on_host``), else one device-to-host copy of ``seq_lens``. vLLM's metadata has no host block
-    table: the planner copies the columns it reads (``host_block_table``) from the device table.
-    """
-    n = int(common.num_reqs)
-    qo_indptr = common.query_start_loc_cpu[: n + 1]
-    host_lens = getattr(common, "seq_lens_cpu_upper_bound", None) if exact_seq_lens_on_host else None
-    kv_lens = host_lens[:n] if host_lens is not None else common.seq_lens[:n].to("cpu")
-    table = common.block_table_tensor[:n]
-    host_table = table
-    if table.device.type != "cpu" and n:
-        used = -(-int(kv_lens.max()) // block_size)
-        host_table = table[:, :max(1, min(used, table.shape[1]))]
-    return PlanInputs(qo_indptr=qo_indptr, kv_lens=kv_lens, block_table=table, host_block_table=host_table)
 
 
 class PrefixAttnBackend(AttentionBackend):
@@ -246,8 +210,13 @@ class PrefixAttnMetadataBuilder(AttentionMetadataBuilder[PrefixAttnMetadata]):
         # The cache's dtype prices the plans' cost rule.
         self.kv_dtype = group_kv_dtype(kv_cache_spec, getattr(vllm_config.cache_config, "cache_dtype", None),
                                        self.q_dtype)
+        # seq_lens_cpu_upper_bound is exact except for asynchronous speculative decoding (optimistic drafts).
         spec = getattr(vllm_config, "speculative_config", None)
-        self.exact_seq_lens_on_host = spec is None or not getattr(spec, "num_speculative_tokens", None)
+        speculative = spec is not None and bool(getattr(spec, "num_speculative_tokens", None))
+        asynchronous = bool(getattr(getattr(vllm_config, "scheduler_config", None), "async_scheduling", False))
+        self.exact_seq_lens_on_host = not (speculative and asynchronous)
+        #: Where the planner's block ids come from (vLLM's host data: no device synchronization).
+        self.host_tables = HostBlockTables()
         self.warmup_report = warm_up_kernels(self, vllm_config)
         self.graph_attn, self.eager_attn = builder_wrappers(vllm_config, geometry, block_size=self.block_size,
                                                             q_dtype=self.q_dtype, kv_dtype=self.kv_dtype, device=device)
@@ -267,10 +236,12 @@ class PrefixAttnMetadataBuilder(AttentionMetadataBuilder[PrefixAttnMetadata]):
     def _build(self, common: CommonAttentionMetadata, *, capture: bool) -> PrefixAttnMetadata:
         if isinstance(common.causal, torch.Tensor) or not common.causal:
             raise refusal(["non-causal attention not supported"])
-        inputs = plan_inputs(common, block_size=self.block_size, exact_seq_lens_on_host=self.exact_seq_lens_on_host)
+        inputs = plan_inputs(common, block_size=self.block_size, host_tables=self.host_tables,
+                             exact_seq_lens_on_host=self.exact_seq_lens_on_host)
         if capture or self._graph_safe_step(common):
             return self._build_graph_safe(common, inputs, capture=capture)
         step_plan = self._plan_eager(inputs)
+        step_plan.stats["host_block_table"] = inputs.route
         for observe in _plan_observers:
             observe(step_plan)
         return PrefixAttnMetadata(plan=step_plan, num_query_tokens=step_plan.num_tokens,
@@ -317,6 +288,7 @@ class PrefixAttnMetadataBuilder(AttentionMetadataBuilder[PrefixAttnMetadata]):
         # vLLM's persistent device block table: the kernel reads it in place (same address at every step).
         step_plan = attn.plan(inputs.qo_indptr, kv_lens, inputs.host_block_table,
                               device_block_table=inputs.block_table, graph_num_tokens=num_rows)
+        step_plan.stats["host_block_table"] = inputs.route
         for observe in _plan_observers:
             observe(step_plan)
         return PrefixAttnMetadata(plan=step_plan, num_query_tokens=step_plan.num_tokens,

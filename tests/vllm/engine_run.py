@@ -10,8 +10,8 @@ IN.json: ``{"model", "prompts": [[token ids]], "max_tokens", "backend": "vllm"|"
 :func:`round_cpu_fp8_writes_to_nearest`; ``spawn``: the engine core runs in a process vLLM spawns, whose plans this
 process reads from a file :func:`log_plans_to` writes).
 OUT.json: the greedy token ids per prompt (caller's order), the min top-2 logprob gap,
-every plan the backend built (requests, query rows, shared nodes, the process), the backend class that ran, and
-timings.
+every plan the backend built (requests, query rows, shared nodes, the host block table's route, the process),
+the backend class that ran, and timings.
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def main(in_path: str, out_path: str) -> None:
     if cfg["backend"] == "prefixattn" and not spawn:
         from integrations.vllm.backend import add_plan_observer
 
-        add_plan_observer(lambda p: plans.append(plan_record(p)))
+        add_plan_observer(lambda p: plans.append(dict(plan_record(p), route=p.stats.get("host_block_table"))))
     if cfg.get("fp8_round_to_nearest"):
         round_cpu_fp8_writes_to_nearest()
     stage("construct LLM")

