@@ -31,9 +31,9 @@ forward. That includes an explicit ``--kv-cache-dtype`` that is neither the mode
 16/32-bit K/V in the dtype of q).
 
 Per KV cache group: the builder plans with the geometry of the layers it serves (:mod:`.layer_geometry`: a draft
-model's group has its own head count) and reads the block ids on the host from vLLM's own host data without waiting
-for the device (:mod:`.host_tables`). Refusals (:mod:`.refusals`) use the GPU's compute capability (fp8 e4m3 below
-sm_89).
+model's group has its own head count), reads the block ids on the host from vLLM's own host data without waiting for
+the device (:mod:`.host_tables`), and takes its workspaces from those allocated inside vLLM's memory profile
+(:mod:`.workspace_pool`). Refusals (:mod:`.refusals`) use the GPU's compute capability (fp8 e4m3 below sm_89).
 
 Bad metadata: ``plan()`` checks vLLM's metadata values on the host once per step (part of the plan's own numpy pass
 over the host block table), and records the largest block id it reads; every layer's :func:`prefixattn.attention`
@@ -50,6 +50,7 @@ check_vllm_version()  # before touching vLLM's classes: a clear ImportError inst
 import functools  # noqa: E402
 import importlib  # noqa: E402
 import logging  # noqa: E402
+import weakref  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from typing import Callable, ClassVar  # noqa: E402
 
@@ -80,6 +81,7 @@ from integrations.vllm.refusals import (  # noqa: E402,F401
     refusal,
     refusal_reasons,
 )
+from integrations.vllm.workspace_pool import POOL, WorkspaceKey, canonical_device  # noqa: E402
 from integrations.vllm.wrappers import builder_wrappers  # noqa: E402
 from prefixattn.warmup import MAX_DISTINCT_Q_LEN, VLLM_LAYOUT, WarmupReport, warmup_enabled  # noqa: E402
 
@@ -218,8 +220,16 @@ class PrefixAttnMetadataBuilder(AttentionMetadataBuilder[PrefixAttnMetadata]):
         #: Where the planner's block ids come from (vLLM's host data: no device synchronization).
         self.host_tables = HostBlockTables()
         self.warmup_report = warm_up_kernels(self, vllm_config)
-        self.graph_attn, self.eager_attn = builder_wrappers(vllm_config, geometry, block_size=self.block_size,
-                                                            q_dtype=self.q_dtype, kv_dtype=self.kv_dtype, device=device)
+        key = WorkspaceKey(layer_names=tuple(sorted(layer_names)), geometry=geometry, block_size=self.block_size,
+                           q_dtype=self.q_dtype, kv_dtype=self.kv_dtype, device=canonical_device(device))
+        reserved = POOL.take(key, self, vllm_config)
+        #: The workspaces were allocated inside vLLM's memory profile (:mod:`integrations.vllm.workspace_pool`).
+        self.workspaces_in_profile = reserved is not None
+        if reserved is None:
+            reserved = builder_wrappers(vllm_config, geometry, block_size=self.block_size, q_dtype=self.q_dtype,
+                                        kv_dtype=self.kv_dtype, device=device)
+            POOL.note_outside(reserved)
+        self.graph_attn, self.eager_attn = reserved
         #: Eager steps beyond the eager wrapper's capacity, planned with a per-step prefixattn.plan() instead.
         self.capacity_fallbacks = 0
 
@@ -314,6 +324,11 @@ class PrefixAttnImpl(AttentionImpl[PrefixAttnMetadata]):
                                   device_capability=capability, is_rocm=is_rocm)
         if reasons:
             raise refusal(reasons)
+        # The config vLLM builds the model with: its profiling forward reserves the builders' workspaces.
+        from vllm.config import get_current_vllm_config_or_none
+
+        config = get_current_vllm_config_or_none()
+        self._vllm_config = weakref.ref(config) if config is not None else None
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = float(scale)
@@ -335,7 +350,9 @@ class PrefixAttnImpl(AttentionImpl[PrefixAttnMetadata]):
         ``output`` ``[T, H, D]``, written in place for the ``num_query_tokens`` real rows."""
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError(f"{BACKEND_NAME} does not fuse output quantization into attention")
-        if attn_metadata is None:  # vLLM's profiling / warm-up run: no cache, nothing to attend to
+        if attn_metadata is None:  # vLLM's profiling / warm-up run: nothing to attend to
+            if kv_cache.numel() == 0:  # no KV cache yet: vLLM is measuring what memory it leaves for one
+                self._reserve_workspaces(query.device)
             return output
         scales = {}
         if self.fp8_dtype is not None:
@@ -357,6 +374,12 @@ class PrefixAttnImpl(AttentionImpl[PrefixAttnMetadata]):
                              f"(this layer's), got {p.window_left}, {p.logits_soft_cap} (its KV cache group's plan)")
         prefixattn.attention(query[:n], k_cache, v_cache, p, out=output[:n], sinks=self.sinks, **scales)
         return output
+
+    def _reserve_workspaces(self, device) -> None:
+        """Allocate the metadata builders' workspaces now, inside vLLM's memory profile (once per process)."""
+        config = self._vllm_config() if self._vllm_config is not None else None
+        if config is not None:
+            POOL.reserve(config, device=device)
 
     def graph_safe_forward(self, layer, query, key, value, k_cache, v_cache, attn_metadata: PrefixAttnMetadata,
                            output: torch.Tensor, scales: dict) -> torch.Tensor:

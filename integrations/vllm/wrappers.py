@@ -85,3 +85,8 @@ def builder_wrappers(vllm_config, geometry, *, block_size: int, q_dtype: torch.d
                    sm_scale=geometry.sm_scale, device=device, window_left=geometry.window_left,
                    logits_soft_cap=geometry.logits_soft_cap)
     return graph_wrapper(vllm_config, **options), eager_wrapper(vllm_config, **options)
+
+
+def wrappers_device_bytes(wrappers: tuple) -> int:
+    """Device memory the wrappers' workspaces hold."""
+    return sum(w.workspace.device_bytes for w in wrappers if w is not None and w.workspace is not None)

@@ -69,3 +69,13 @@ def test_layers_that_disagree_with_the_cache_spec_are_refused(vllm_config):
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=D, dtype=torch.float32)
     with pytest.raises(ValueError, match="the group's layers have num_kv_heads=2, its KV cache spec 1"):
         PrefixAttnMetadataBuilder(spec, TARGET, vllm_config, torch.device("cpu"))
+
+
+def test_the_profile_foresees_one_builder_per_head_count(vllm_config):
+    # The workspaces reserved in vLLM's memory profile follow vLLM's split of the one KV cache group (same spec)
+    # into attention groups by query heads: the draft's builder gets a workspace with its own heads.
+    from integrations.vllm.workspace_pool import expected_builders
+
+    keys = expected_builders(vllm_config, device="cpu")
+    assert sorted((k.layer_names, k.geometry.num_qo_heads) for k in keys) == [
+        (tuple(DRAFT), DRAFT_HEADS), (tuple(TARGET), TARGET_HEADS)]
