@@ -17,7 +17,8 @@ again (two int comparisons per layer, no device work). An fp8 pool (``--kv-cache
 SGLang stores the bytes as uint8 and ``get_key_buffer`` returns the fp8 view) is read by the kernel directly, upcast on
 load, with SGLang's per-tensor scale convention (``layer.k_scale``: the pool holds ``k / k_scale``, written by
 ``set_kv_buffer``; the kernel multiplies by ``layer.k_scale_float``). Any other quantized pool (FP4 and the pools
-with a ``quant_method``) or a float pool whose dtype is not the model's is refused when the backend is built.
+with a ``quant_method``) or a float pool whose dtype is not the model's is refused when the backend is built, as is
+any subclass of the plain pool (the unified-memory pool's virtual slot ids, other layouts).
 
 This module imports sglang at import time (it subclasses SGLang's ``AttentionBackend``); the plugin imports it only
 when SGLang asks for the ``prefixattn`` backend.
@@ -125,6 +126,16 @@ class PrefixAttnBackend(AttentionBackend):
             raise ValueError(
                 f"token_to_kv_pool: expected SGLang's MHATokenToKVPool (standard multi-head KV cache), got "
                 f"{type(pool).__name__}; MLA, hybrid and sliding-window pools are not supported by prefixattn"
+            )
+        if type(pool) is not MHATokenToKVPool:
+            # Its subclasses change what req_to_token holds or how the buffers are laid out: the unified-memory pool
+            # (--enable-unified-memory) stores virtual slot ids that SGLang's own backends translate
+            # (mem_cache/kv_index_translator.py) before reading, which prefixattn would read as physical pages.
+            raise ValueError(
+                f"token_to_kv_pool: expected SGLang's plain MHATokenToKVPool (physical slot ids in req_to_token, "
+                f"[num_slots, num_kv_heads, head_dim] buffers), got its subclass {type(pool).__name__}; prefixattn "
+                "does not translate virtual slot ids or other layouts (start SGLang without "
+                "--enable-unified-memory, or with another attention backend)"
             )
         _check_pool_dtype(pool, getattr(model_runner, "dtype", None))
         # An fp8 pool's KV is 1 byte per element: the planner's cost rule prices it at that size (None: q's dtype).
