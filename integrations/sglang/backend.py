@@ -40,6 +40,7 @@ from sglang.srt.layers.radix_attention import AttentionType  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc, MHATokenToKVPool  # noqa: E402
 
 import prefixattn  # noqa: E402
+from integrations.sglang.page_table import fill_page_table  # noqa: E402
 from prefixattn.warmup import MAX_DISTINCT_Q_LEN, SGLANG_LAYOUT, WarmupReport, warmup_enabled  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -323,10 +324,10 @@ class PrefixAttnBackend(AttentionBackend):
 
     def init_forward_metadata_in_graph(self, forward_batch):
         """Inside the graph: refill the static block table from ``req_to_token`` for the batch's (padded) request
-        slots - static shapes, no host work, so the replay refreshes it."""
+        slots, each its used pages - one launch fixed by the batch size, no host work, so the replay refreshes it."""
         if self._graph is not None and forward_batch.forward_mode.is_decode():
             self._graph.fill_table(self.req_to_token_pool.req_to_token, forward_batch.req_pool_indices,
-                                   int(forward_batch.batch_size))
+                                   forward_batch.seq_lens, int(forward_batch.batch_size))
 
     def init_forward_metadata_for_breakable_cuda_graph_capture(self, forward_batch):
         raise NotImplementedError(_NO_PREFILL_GRAPHS)
@@ -349,8 +350,9 @@ class GraphState:
     """The decode graphs' shared state: one capacity-fixed :class:`prefixattn.PrefixSharedAttention` per layer
     geometry (``use_cuda_graph=True``) and the static device block table they read.
 
-    The table is ``[max_bs, max_pages]`` int32 and refilled inside the graph from ``req_to_token`` (a device gather,
-    the same address at every step); the planner still reads the host copy the eager path makes.
+    The table is ``[max_bs, max_pages]`` int32 and refilled inside the graph from ``req_to_token``, each request's
+    used pages only (:func:`~integrations.sglang.page_table.fill_page_table`: the same address at every step); the
+    planner reads the host copy the eager path makes.
     """
 
     def __init__(self, *, max_bs: int, max_num_tokens: int, max_pages: int, page_size: int, sharing: str,
@@ -360,10 +362,9 @@ class GraphState:
         self.table = torch.zeros((max_bs, max_pages), dtype=torch.int32, device=device)
         self.wrappers: dict = {}  # plan key (heads, head_dim, dtype, scale, causal) -> PrefixSharedAttention
 
-    def fill_table(self, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, bs: int) -> None:
-        slots = req_to_token.index_select(0, req_pool_indices[:bs].to(torch.long))[:, ::self.page_size]
-        width = min(slots.shape[1], self.table.shape[1])
-        self.table[:bs, :width].copy_(slots[:, :width] // self.page_size if self.page_size > 1 else slots[:, :width])
+    def fill_table(self, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                   bs: int) -> None:
+        fill_page_table(self.table, req_to_token, req_pool_indices, seq_lens, bs, self.page_size)
 
     def _plan(self, attn, meta: StepMetadata):
         bs = meta.block_table.shape[0]  # the padded batch: one query row per request slot in a decode graph
