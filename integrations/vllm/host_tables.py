@@ -232,3 +232,6 @@ def plan_inputs(common, *, block_size: int, host_tables: HostBlockTables | None 
     cols = max(1, min(cols, table.shape[1]))
     host, route = (host_tables or HostBlockTables()).rows(common, n, cols)
     return PlanInputs(qo_indptr=qo_indptr, kv_lens=kv_lens, block_table=table, host_block_table=host, route=route)
+
+
+install_taps()  # on import: the backend's, while vLLM builds the model (before any KV cache block table exists)
