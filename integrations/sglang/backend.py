@@ -10,6 +10,11 @@ or a graph wrapper for captured decode steps), which finds the shared prefixes; 
 ``[num_blocks, page_size, num_kv_heads, head_dim]`` (no copy), after writing the layer's new K/V with the pool's
 own ``set_kv_buffer``.
 
+The host copy is one synchronization with the device per step: SGLang 0.5.23 keeps no host copy of ``req_to_token``
+(slot ids come from its device-side allocator and the radix cache's device tensors, and it rewrites rows on the
+device when it inserts a request into the cache), and a plan that assumed stale rows could share pages requests no
+longer share. Under SGLang's overlap scheduling the copy waits for the previous batch's forward.
+
 Bad metadata: each plan is built with ``num_blocks`` = the pool's page count, so an id outside the pool is a
 ``ValueError`` at plan time (part of the planner's numpy pass over the block table, once per step and geometry), and
 every layer's :func:`prefixattn.attention` compares the plan's largest block id with the pool view's page count
@@ -17,7 +22,8 @@ again (two int comparisons per layer, no device work). An fp8 pool (``--kv-cache
 SGLang stores the bytes as uint8 and ``get_key_buffer`` returns the fp8 view) is read by the kernel directly, upcast on
 load, with SGLang's per-tensor scale convention (``layer.k_scale``: the pool holds ``k / k_scale``, written by
 ``set_kv_buffer``; the kernel multiplies by ``layer.k_scale_float``). Any other quantized pool (FP4 and the pools
-with a ``quant_method``) or a float pool whose dtype is not the model's is refused when the backend is built.
+with a ``quant_method``) or a float pool whose dtype is not the model's is refused when the backend is built, as is
+any subclass of the plain pool (the unified-memory pool's virtual slot ids, other layouts).
 
 This module imports sglang at import time (it subclasses SGLang's ``AttentionBackend``); the plugin imports it only
 when SGLang asks for the ``prefixattn`` backend.
@@ -39,6 +45,7 @@ from sglang.srt.layers.radix_attention import AttentionType  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc, MHATokenToKVPool  # noqa: E402
 
 import prefixattn  # noqa: E402
+from integrations.sglang.page_table import fill_page_table  # noqa: E402
 from prefixattn.warmup import MAX_DISTINCT_Q_LEN, SGLANG_LAYOUT, WarmupReport, warmup_enabled  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -126,6 +133,16 @@ class PrefixAttnBackend(AttentionBackend):
                 f"token_to_kv_pool: expected SGLang's MHATokenToKVPool (standard multi-head KV cache), got "
                 f"{type(pool).__name__}; MLA, hybrid and sliding-window pools are not supported by prefixattn"
             )
+        if type(pool) is not MHATokenToKVPool:
+            # Its subclasses change what req_to_token holds or how the buffers are laid out: the unified-memory pool
+            # (--enable-unified-memory) stores virtual slot ids that SGLang's own backends translate
+            # (mem_cache/kv_index_translator.py) before reading, which prefixattn would read as physical pages.
+            raise ValueError(
+                f"token_to_kv_pool: expected SGLang's plain MHATokenToKVPool (physical slot ids in req_to_token, "
+                f"[num_slots, num_kv_heads, head_dim] buffers), got its subclass {type(pool).__name__}; prefixattn "
+                "does not translate virtual slot ids or other layouts (start SGLang without "
+                "--enable-unified-memory, or with another attention backend)"
+            )
         _check_pool_dtype(pool, getattr(model_runner, "dtype", None))
         # An fp8 pool's KV is 1 byte per element: the planner's cost rule prices it at that size (None: q's dtype).
         self.kv_dtype = pool.dtype if pool.dtype in prefixattn.FP8_KV_DTYPES else None
@@ -146,12 +163,41 @@ class PrefixAttnBackend(AttentionBackend):
         self.forward_metadata: StepMetadata | None = None
         self.warmup_report = warm_up_kernels(model_runner, pool)
         self._graph: GraphState | None = None  # init_cuda_graph_state
-        #: Eager steps (extend, mixed, decode without a graph) plan into one capacity-sized wrapper per layer geometry
-        #: (made at its first step): ``max_tokens``/``max_requests`` from the runner (:func:`eager_capacity`).
+        #: Eager steps (extend, mixed, decode without a graph) plan into one capacity-sized wrapper per layer geometry:
+        #: ``max_tokens``/``max_requests`` from the runner (:func:`eager_capacity`). Allocated here, at start-up, for
+        #: the model's layers (a geometry first seen at a step gets its wrapper then).
         self.eager_capacity = eager_capacity(model_runner, pool)
         self.eager_wrappers: dict = {}
+        self._allocate_eager_wrappers(model_runner)
         #: Eager steps beyond that capacity, planned with a per-step prefixattn.plan() instead.
         self.capacity_fallbacks = 0
+
+    def _allocate_eager_wrappers(self, model_runner) -> None:
+        """The eager wrappers of the model's layer geometries, now: an out-of-memory is a start-up error naming the
+        capacity (with ``--chunked-prefill-size -1`` it is the context length), not one at the first request."""
+        if self.eager_capacity is None:
+            return
+        q_dtype = getattr(model_runner, "dtype", None)
+        device = torch.device(self.device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())  # q's device, as steps key it
+        for layer in _attention_layers(model_runner) if q_dtype is not None else []:
+            key = plan_key(layer, q_dtype, _check_layer(layer))
+            if key in self.eager_wrappers:
+                continue
+            try:
+                self.eager_wrappers[key] = self._eager_wrapper(key, device)
+            except torch.OutOfMemoryError as err:
+                raise RuntimeError(
+                    f"prefixattn: the eager attention workspace for {self.eager_capacity['max_tokens']} tokens (layer "
+                    f"geometry {key[:3]}) does not fit in the memory SGLang left after its KV pool; lower "
+                    "--chunked-prefill-size (or set it, when it is -1) or raise the memory left outside "
+                    "--mem-fraction-static") from err
+
+    def _eager_wrapper(self, key, device) -> "prefixattn.PrefixSharedAttention":
+        opts = geometry_options(key, block_size=self.page_size, sharing=self.sharing, kv_dtype=self.kv_dtype)
+        return prefixattn.PrefixSharedAttention(**opts, **self.eager_capacity, max_blocks_per_request=0,
+                                                device=device)
 
     # ------------------------------------------------------------------------------------------------------------
     # Per step (host)
@@ -173,7 +219,8 @@ class PrefixAttnBackend(AttentionBackend):
                 "(speculative decoding and dLLM are not supported)"
             )
         if forward_batch.encoder_lens is not None:
-            raise NotImplementedError("encoder_lens: encoder-decoder models are not supported by the prefixattn backend")
+            raise NotImplementedError("encoder_lens: encoder-decoder models are not supported by the prefixattn "
+                                      "backend")
         bs = int(forward_batch.batch_size)
         kv_lens = _host_int64(forward_batch.seq_lens_cpu, forward_batch.seq_lens)[:bs]
         if mode.is_decode():
@@ -201,10 +248,7 @@ class PrefixAttnBackend(AttentionBackend):
         if meta is None:
             raise ValueError("forward_batch: expected init_forward_metadata() to run before the layers of this batch, "
                              "got no metadata (or an IDLE batch)")
-        soft_cap = float(layer.logit_cap or 0.0)
-        window = layer.sliding_window_size if layer.sliding_window_size is not None else -1
-        key = (layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim, q.dtype, float(layer.scaling), causal,
-               soft_cap, window)
+        key = plan_key(layer, q.dtype, causal)
         p = meta.plans.get(key)
         if p is None and meta.graph:
             p = self._graph.plan_new_geometry(key, meta, device=q.device)
@@ -219,9 +263,8 @@ class PrefixAttnBackend(AttentionBackend):
         opts = geometry_options(key, block_size=self.page_size, sharing=self.sharing, kv_dtype=self.kv_dtype)
         if self.eager_capacity is not None:
             attn = self.eager_wrappers.get(key)
-            if attn is None:  # once per geometry, at its first eager step
-                attn = self.eager_wrappers[key] = prefixattn.PrefixSharedAttention(
-                    **opts, **self.eager_capacity, max_blocks_per_request=0, device=device)
+            if attn is None:  # a geometry the model's layers did not show at start-up: at its first eager step
+                attn = self.eager_wrappers[key] = self._eager_wrapper(key, device)
             try:
                 return attn.plan(meta.qo_indptr, meta.kv_lens, meta.block_table,
                                  device_block_table=meta.device_block_table, num_blocks=num_blocks)
@@ -312,10 +355,10 @@ class PrefixAttnBackend(AttentionBackend):
 
     def init_forward_metadata_in_graph(self, forward_batch):
         """Inside the graph: refill the static block table from ``req_to_token`` for the batch's (padded) request
-        slots - static shapes, no host work, so the replay refreshes it."""
+        slots, each its used pages - one launch fixed by the batch size, no host work, so the replay refreshes it."""
         if self._graph is not None and forward_batch.forward_mode.is_decode():
             self._graph.fill_table(self.req_to_token_pool.req_to_token, forward_batch.req_pool_indices,
-                                   int(forward_batch.batch_size))
+                                   forward_batch.seq_lens, int(forward_batch.batch_size))
 
     def init_forward_metadata_for_breakable_cuda_graph_capture(self, forward_batch):
         raise NotImplementedError(_NO_PREFILL_GRAPHS)
@@ -323,6 +366,14 @@ class PrefixAttnBackend(AttentionBackend):
     def prepare_forward_metadata_for_breakable_cuda_graph_replay(self, capture_metadata, forward_batch, *,
                                                                  static_forward_batch=None):
         raise NotImplementedError(_NO_PREFILL_GRAPHS)
+
+
+def plan_key(layer, q_dtype: torch.dtype, causal: bool) -> tuple:
+    """A layer's plan geometry: ``(heads, KV heads, head size, q dtype, scale, causal, soft cap, window)``; layers
+    with one key share one plan per step."""
+    window = layer.sliding_window_size if layer.sliding_window_size is not None else -1
+    return (layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim, q_dtype, float(layer.scaling), causal,
+            float(layer.logit_cap or 0.0), window)
 
 
 def geometry_options(key: tuple, *, block_size: int, sharing: str, kv_dtype) -> dict:
@@ -338,8 +389,9 @@ class GraphState:
     """The decode graphs' shared state: one capacity-fixed :class:`prefixattn.PrefixSharedAttention` per layer
     geometry (``use_cuda_graph=True``) and the static device block table they read.
 
-    The table is ``[max_bs, max_pages]`` int32 and refilled inside the graph from ``req_to_token`` (a device gather,
-    the same address at every step); the planner still reads the host copy the eager path makes.
+    The table is ``[max_bs, max_pages]`` int32 and refilled inside the graph from ``req_to_token``, each request's
+    used pages only (:func:`~integrations.sglang.page_table.fill_page_table`: the same address at every step); the
+    planner reads the host copy the eager path makes.
     """
 
     def __init__(self, *, max_bs: int, max_num_tokens: int, max_pages: int, page_size: int, sharing: str,
@@ -349,10 +401,9 @@ class GraphState:
         self.table = torch.zeros((max_bs, max_pages), dtype=torch.int32, device=device)
         self.wrappers: dict = {}  # plan key (heads, head_dim, dtype, scale, causal) -> PrefixSharedAttention
 
-    def fill_table(self, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, bs: int) -> None:
-        slots = req_to_token.index_select(0, req_pool_indices[:bs].to(torch.long))[:, ::self.page_size]
-        width = min(slots.shape[1], self.table.shape[1])
-        self.table[:bs, :width].copy_(slots[:, :width] // self.page_size if self.page_size > 1 else slots[:, :width])
+    def fill_table(self, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                   bs: int) -> None:
+        fill_page_table(self.table, req_to_token, req_pool_indices, seq_lens, bs, self.page_size)
 
     def _plan(self, attn, meta: StepMetadata):
         bs = meta.block_table.shape[0]  # the padded batch: one query row per request slot in a decode graph

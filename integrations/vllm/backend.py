@@ -30,12 +30,15 @@ impl's constructor with the same wording on platforms whose selector does not va
 forward. That includes an explicit ``--kv-cache-dtype`` that is neither the model's dtype nor fp8 (the kernel reads
 16/32-bit K/V in the dtype of q).
 
+Per KV cache group: the builder plans with the geometry of the layers it serves (:mod:`.layer_geometry`: a draft
+model's group has its own head count), reads the block ids on the host from vLLM's own host data without waiting for
+the device (:mod:`.host_tables`), and takes its workspaces from those allocated inside vLLM's memory profile
+(:mod:`.workspace_pool`). Refusals (:mod:`.refusals`) use the GPU's compute capability (fp8 e4m3 below sm_89).
+
 Bad metadata: ``plan()`` checks vLLM's metadata values on the host once per step (part of the plan's own numpy pass
-over the block table, no extra device sync: the used columns are copied to the host for the planner anyway, vLLM's
-metadata having no host block table), and records the
-largest block id it reads; every layer's :func:`prefixattn.attention` compares that id with the layer cache's
-``num_blocks`` (two int comparisons per layer, no device work), so a block id outside vLLM's cache is a
-``ValueError``, never a read outside it.
+over the host block table), and records the largest block id it reads; every layer's :func:`prefixattn.attention`
+compares that id with the layer cache's ``num_blocks`` (two int comparisons per layer, no device work), so a block
+id outside vLLM's cache is a ``ValueError``, never a read outside it.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ check_vllm_version()  # before touching vLLM's classes: a clear ImportError inst
 import functools  # noqa: E402
 import importlib  # noqa: E402
 import logging  # noqa: E402
+import weakref  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from typing import Callable, ClassVar  # noqa: E402
 
@@ -63,14 +67,26 @@ from vllm.v1.attention.backend import (  # noqa: E402
 from vllm.v1.kv_cache_interface import KVCacheLayout  # noqa: E402
 
 import prefixattn  # noqa: E402
+from integrations.vllm.host_tables import HostBlockTables, PlanInputs, plan_inputs  # noqa: E402,F401
+from integrations.vllm.layer_geometry import group_geometry, group_kv_dtype  # noqa: E402
 from integrations.vllm.plugin import BACKEND_NAME  # noqa: E402
-from integrations.vllm.wrappers import eager_wrapper, graph_wrapper  # noqa: E402
+from integrations.vllm.refusals import (  # noqa: E402,F401
+    SUPPORTED_HEAD_SIZES,
+    SUPPORTED_KV_CACHE_DTYPES,
+    capability_unsupported,
+    current_device_capability,
+    fp8_cache_dtype,
+    fp8_unsupported,
+    kv_cache_dtype_mismatch,
+    refusal,
+    refusal_reasons,
+)
+from integrations.vllm.workspace_pool import POOL, WorkspaceKey, canonical_device  # noqa: E402
+from integrations.vllm.wrappers import builder_wrappers  # noqa: E402
 from prefixattn.warmup import MAX_DISTINCT_Q_LEN, VLLM_LAYOUT, WarmupReport, warmup_enabled  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
-#: Head sizes prefixattn runs: every multiple of 8 from 32 to 256 (prefixattn's validation accepts exactly these).
-SUPPORTED_HEAD_SIZES = prefixattn.SUPPORTED_HEAD_DIMS
 #: Every physical order of vLLM's ``[L, B, H, N, C]`` cache: the kernel reads any strides. Token-major inside a block
 #: (``B, N, H, C``, i.e. NHD) first: it is prefixattn's own ``[num_blocks, block_size, num_kv_heads, head_dim]``.
 SUPPORTED_KV_CACHE_LAYOUTS = tuple(
@@ -106,47 +122,6 @@ class PrefixAttnMetadata:
     graph_attn: "prefixattn.PrefixSharedAttention | None" = None
 
 
-@dataclass(frozen=True)
-class PlanInputs:
-    """Host-side ``prefixattn.plan`` inputs derived from one ``CommonAttentionMetadata``."""
-
-    qo_indptr: torch.Tensor  # [num_reqs + 1] CPU
-    kv_lens: torch.Tensor  # [num_reqs] CPU
-    block_table: torch.Tensor  # [num_reqs, max_blocks], on vLLM's device: the kernel reads it in place
-    #: What the planner reads (plan() copies a device tensor to the host once): on a GPU only the columns the batch
-    #: uses, ``[num_reqs, ceil(max(kv_lens) / block_size)]`` (vLLM's table is ``max_model_len / block_size`` wide:
-    #: 8,192 columns, 8 MB for 256 requests, at a 128K context with 16-token blocks); on the CPU the table itself
-    #: (read in place, no copy).
-    host_block_table: torch.Tensor
-
-
-def plan_inputs(common: CommonAttentionMetadata, *, block_size: int,
-                exact_seq_lens_on_host: bool = True) -> PlanInputs:
-    """Convert vLLM's per-step metadata to ``prefixattn.plan``'s ``(qo_indptr, kv_lens, block_table)``.
-
-    vLLM's ``seq_lens`` already count the new tokens (prefixattn's ``kv_lens`` convention) and its block table rows
-    are in request order, so this is slicing to the ``num_reqs`` real requests plus picking host copies:
-    ``query_start_loc_cpu`` always; ``seq_lens_cpu_upper_bound`` when it is exact (no speculative decoding:
-    ``exact_seq_lens_on_host``), else one device-to-host copy of ``seq_lens``. vLLM's metadata has no host block
-    table: the planner copies the columns it reads (``host_block_table``) from the device table.
-    """
-    n = int(common.num_reqs)
-    qo_indptr = common.query_start_loc_cpu[: n + 1]
-    host_lens = getattr(common, "seq_lens_cpu_upper_bound", None) if exact_seq_lens_on_host else None
-    kv_lens = host_lens[:n] if host_lens is not None else common.seq_lens[:n].to("cpu")
-    table = common.block_table_tensor[:n]
-    host_table = table
-    if table.device.type != "cpu" and n:
-        used = -(-int(kv_lens.max()) // block_size)
-        host_table = table[:, :max(1, min(used, table.shape[1]))]
-    return PlanInputs(qo_indptr=qo_indptr, kv_lens=kv_lens, block_table=table, host_block_table=host_table)
-
-
-def _refusal(reasons: list[str]) -> ValueError:
-    # vLLM's own wording (its selector raises exactly this for a selected backend that fails validation).
-    return ValueError(f"Selected backend {BACKEND_NAME} is not valid for this configuration. Reason: {reasons}")
-
-
 class PrefixAttnBackend(AttentionBackend):
     """prefixattn's fused prefix-shared paged attention behind vLLM's attention-backend interface."""
 
@@ -157,7 +132,7 @@ class PrefixAttnBackend(AttentionBackend):
     # fp8 caches (per-tensor scales, layer._k_scale / _v_scale) are dequantized on load. An explicit float16/bfloat16
     # cache must be the model's dtype (supports_combination below), else the first forward would fail on the dtype
     # check.
-    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = list(SUPPORTED_KV_CACHE_DTYPES)
 
     @staticmethod
     def get_name() -> str:
@@ -200,8 +175,11 @@ class PrefixAttnBackend(AttentionBackend):
     @classmethod
     def supports_combination(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink, use_sparse,
                              use_mm_prefix, device_capability) -> str | None:
-        # vLLM's selector appends this reason to validate_configuration's list.
-        return kv_cache_dtype_mismatch(kv_cache_dtype, dtype) or fp8_unsupported(kv_cache_dtype)
+        # vLLM's selector appends this reason to validate_configuration's list; device_capability is the GPU's.
+        from vllm.platforms import current_platform
+
+        return (kv_cache_dtype_mismatch(kv_cache_dtype, dtype) or fp8_unsupported(kv_cache_dtype)
+                or capability_unsupported(kv_cache_dtype, device_capability, is_rocm=current_platform.is_rocm()))
 
     # Everything below keeps vLLM's default "not supported" (ALiBi-sqrt, MLA, sparse, multimodal prefix,
     # non-causal, batch invariance, PCP/DCP) or "decoder only" (attention types): the kernel implements causal
@@ -222,28 +200,36 @@ class PrefixAttnMetadataBuilder(AttentionMetadataBuilder[PrefixAttnMetadata]):
     def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config, device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.block_size = int(kv_cache_spec.block_size)
-        self.num_kv_heads = int(kv_cache_spec.num_kv_heads)
-        self.head_dim = int(kv_cache_spec.head_size)
-        if int(getattr(kv_cache_spec, "head_size_v", self.head_dim)) != self.head_dim:
-            raise _refusal(["different K and V head sizes not supported"])
-        model_config = vllm_config.model_config
-        self.num_qo_heads = int(model_config.get_num_attention_heads(vllm_config.parallel_config))
-        self.q_dtype = model_config.dtype
-        self.kv_dtype = _group_kv_dtype(kv_cache_spec, vllm_config, self.q_dtype)  # prices the plans' cost rule
-        self.sm_scale = _group_scale(vllm_config, layer_names)
-        # One plan serves the group's layers: they must agree on the window and the soft cap (vLLM puts windowed and
-        # full-attention layers in different KV cache groups, so a Gemma-2-like model gets one plan per kind).
-        self.window_left = _group_option(vllm_config, layer_names, "window_left", -1)
-        self.logits_soft_cap = _group_option(vllm_config, layer_names, "logits_soft_cap", 0.0)
+        # Heads, head size, scale, window and soft cap from the group's own layers (a draft model's group has its
+        # own head count); one plan serves the group's layers, so they must agree (vLLM puts windowed and
+        # full-attention layers in different KV cache groups: a Gemma-2-like model gets one plan per kind).
+        geometry = group_geometry(kv_cache_spec, vllm_config, layer_names)
+        self.num_qo_heads, self.num_kv_heads, self.head_dim = (geometry.num_qo_heads, geometry.num_kv_heads,
+                                                               geometry.head_dim)
+        self.sm_scale, self.window_left, self.logits_soft_cap = (geometry.sm_scale, geometry.window_left,
+                                                                 geometry.logits_soft_cap)
+        self.q_dtype = vllm_config.model_config.dtype
+        # The cache's dtype prices the plans' cost rule.
+        self.kv_dtype = group_kv_dtype(kv_cache_spec, getattr(vllm_config.cache_config, "cache_dtype", None),
+                                       self.q_dtype)
+        # seq_lens_cpu_upper_bound is exact except for asynchronous speculative decoding (optimistic drafts).
         spec = getattr(vllm_config, "speculative_config", None)
-        self.exact_seq_lens_on_host = spec is None or not getattr(spec, "num_speculative_tokens", None)
+        speculative = spec is not None and bool(getattr(spec, "num_speculative_tokens", None))
+        asynchronous = bool(getattr(getattr(vllm_config, "scheduler_config", None), "async_scheduling", False))
+        self.exact_seq_lens_on_host = not (speculative and asynchronous)
+        #: Where the planner's block ids come from (vLLM's host data: no device synchronization).
+        self.host_tables = HostBlockTables()
         self.warmup_report = warm_up_kernels(self, vllm_config)
-        geometry = dict(num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-                        block_size=self.block_size, q_dtype=self.q_dtype, kv_dtype=self.kv_dtype,
-                        sm_scale=self.sm_scale, device=device, window_left=self.window_left,
-                        logits_soft_cap=self.logits_soft_cap)
-        self.graph_attn = graph_wrapper(vllm_config, **geometry)
-        self.eager_attn = eager_wrapper(vllm_config, **geometry)
+        key = WorkspaceKey(layer_names=tuple(sorted(layer_names)), geometry=geometry, block_size=self.block_size,
+                           q_dtype=self.q_dtype, kv_dtype=self.kv_dtype, device=canonical_device(device))
+        reserved = POOL.take(key, self, vllm_config)
+        #: The workspaces were allocated inside vLLM's memory profile (:mod:`integrations.vllm.workspace_pool`).
+        self.workspaces_in_profile = reserved is not None
+        if reserved is None:
+            reserved = builder_wrappers(vllm_config, geometry, block_size=self.block_size, q_dtype=self.q_dtype,
+                                        kv_dtype=self.kv_dtype, device=device)
+            POOL.note_outside(reserved)
+        self.graph_attn, self.eager_attn = reserved
         #: Eager steps beyond the eager wrapper's capacity, planned with a per-step prefixattn.plan() instead.
         self.capacity_fallbacks = 0
 
@@ -259,11 +245,13 @@ class PrefixAttnMetadataBuilder(AttentionMetadataBuilder[PrefixAttnMetadata]):
 
     def _build(self, common: CommonAttentionMetadata, *, capture: bool) -> PrefixAttnMetadata:
         if isinstance(common.causal, torch.Tensor) or not common.causal:
-            raise _refusal(["non-causal attention not supported"])
-        inputs = plan_inputs(common, block_size=self.block_size, exact_seq_lens_on_host=self.exact_seq_lens_on_host)
+            raise refusal(["non-causal attention not supported"])
+        inputs = plan_inputs(common, block_size=self.block_size, host_tables=self.host_tables,
+                             exact_seq_lens_on_host=self.exact_seq_lens_on_host)
         if capture or self._graph_safe_step(common):
             return self._build_graph_safe(common, inputs, capture=capture)
         step_plan = self._plan_eager(inputs)
+        step_plan.stats["host_block_table"] = inputs.route
         for observe in _plan_observers:
             observe(step_plan)
         return PrefixAttnMetadata(plan=step_plan, num_query_tokens=step_plan.num_tokens,
@@ -310,44 +298,11 @@ class PrefixAttnMetadataBuilder(AttentionMetadataBuilder[PrefixAttnMetadata]):
         # vLLM's persistent device block table: the kernel reads it in place (same address at every step).
         step_plan = attn.plan(inputs.qo_indptr, kv_lens, inputs.host_block_table,
                               device_block_table=inputs.block_table, graph_num_tokens=num_rows)
+        step_plan.stats["host_block_table"] = inputs.route
         for observe in _plan_observers:
             observe(step_plan)
         return PrefixAttnMetadata(plan=step_plan, num_query_tokens=step_plan.num_tokens,
                                   slot_mapping=common.slot_mapping[:num_rows], graph_attn=attn)
-
-
-def _group_scale(vllm_config, layer_names: list[str]) -> float | None:
-    """The softmax scale of the group's layers (one plan serves them all); None = prefixattn's 1/sqrt(head_dim)."""
-    from vllm.config import get_layers_from_vllm_config
-    from vllm.model_executor.layers.attention import Attention
-
-    layers = get_layers_from_vllm_config(vllm_config, Attention, layer_names)
-    scales = {float(layer.impl.scale) for layer in layers.values()}
-    if len(scales) > 1:
-        raise _refusal([f"layers sharing a KV cache group use different softmax scales {sorted(scales)}"])
-    return scales.pop() if scales else None
-
-
-def _group_kv_dtype(kv_cache_spec, vllm_config, q_dtype: torch.dtype) -> torch.dtype:
-    """The torch dtype the group's K/V cache holds: vLLM allocates fp8 caches as uint8 memory (the spec's dtype),
-    whose fp8 flavour is the configured ``cache_dtype``; any other cache is read in q's dtype."""
-    if getattr(kv_cache_spec, "dtype", None) == torch.uint8:
-        fp8 = fp8_cache_dtype(getattr(vllm_config.cache_config, "cache_dtype", None))
-        if fp8 in prefixattn.FP8_KV_DTYPES:  # anything else (ROCm's e4m3fnuz) is refused at configuration
-            return fp8
-    return q_dtype
-
-
-def _group_option(vllm_config, layer_names: list[str], name: str, default):
-    """The value of impl attribute ``name`` that all of the group's layers share (``default`` without layers)."""
-    from vllm.config import get_layers_from_vllm_config
-    from vllm.model_executor.layers.attention import Attention
-
-    layers = get_layers_from_vllm_config(vllm_config, Attention, layer_names)
-    values = {getattr(layer.impl, name, default) for layer in layers.values()}
-    if len(values) > 1:
-        raise _refusal([f"layers sharing a KV cache group use different {name} values {sorted(values)}"])
-    return values.pop() if values else default
 
 
 class PrefixAttnImpl(AttentionImpl[PrefixAttnMetadata]):
@@ -359,13 +314,21 @@ class PrefixAttnImpl(AttentionImpl[PrefixAttnMetadata]):
                  attn_type: str = AttentionType.DECODER, kv_sharing_target_layer_name: str | None = None,
                  **extra_impl_args) -> None:
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        # vLLM builds the impl (and calls its own selector) while the default dtype is the model's dtype.
+        # vLLM builds the impl (and calls its own selector) while the default dtype is the model's dtype; the
+        # capability is the GPU this process runs on (None without one).
+        capability, is_rocm = current_device_capability()
         reasons = refusal_reasons(head_size=head_size, kv_cache_dtype=kv_cache_dtype,
                                   model_dtype=torch.get_default_dtype(), alibi_slopes=alibi_slopes,
                                   sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-                                  attn_type=attn_type, extra_impl_args=extra_impl_args)
+                                  attn_type=attn_type, extra_impl_args=extra_impl_args,
+                                  device_capability=capability, is_rocm=is_rocm)
         if reasons:
-            raise _refusal(reasons)
+            raise refusal(reasons)
+        # The config vLLM builds the model with: its profiling forward reserves the builders' workspaces.
+        from vllm.config import get_current_vllm_config_or_none
+
+        config = get_current_vllm_config_or_none()
+        self._vllm_config = weakref.ref(config) if config is not None else None
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = float(scale)
@@ -387,7 +350,9 @@ class PrefixAttnImpl(AttentionImpl[PrefixAttnMetadata]):
         ``output`` ``[T, H, D]``, written in place for the ``num_query_tokens`` real rows."""
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError(f"{BACKEND_NAME} does not fuse output quantization into attention")
-        if attn_metadata is None:  # vLLM's profiling / warm-up run: no cache, nothing to attend to
+        if attn_metadata is None:  # vLLM's profiling / warm-up run: nothing to attend to
+            if kv_cache.numel() == 0:  # no KV cache yet: vLLM is measuring what memory it leaves for one
+                self._reserve_workspaces(query.device)
             return output
         scales = {}
         if self.fp8_dtype is not None:
@@ -410,6 +375,12 @@ class PrefixAttnImpl(AttentionImpl[PrefixAttnMetadata]):
         prefixattn.attention(query[:n], k_cache, v_cache, p, out=output[:n], sinks=self.sinks, **scales)
         return output
 
+    def _reserve_workspaces(self, device) -> None:
+        """Allocate the metadata builders' workspaces now, inside vLLM's memory profile (once per process)."""
+        config = self._vllm_config() if self._vllm_config is not None else None
+        if config is not None:
+            POOL.reserve(config, device=device)
+
     def graph_safe_forward(self, layer, query, key, value, k_cache, v_cache, attn_metadata: PrefixAttnMetadata,
                            output: torch.Tensor, scales: dict) -> torch.Tensor:
         """A step that a full CUDA graph may capture or replay: every op covers all of vLLM's padded rows (the
@@ -428,71 +399,6 @@ class PrefixAttnImpl(AttentionImpl[PrefixAttnMetadata]):
                            kv_cache_dtype=self.kv_cache_dtype)  # padding slots (-1) are skipped
         attn.run(query[:n], k_cache, v_cache, out=output[:n], sinks=self.sinks, **scales)
         return output
-
-
-#: The explicit cache dtypes the backend accepts, as torch dtypes ("auto" is the model's dtype by definition).
-_KV_CACHE_TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def kv_cache_dtype_mismatch(kv_cache_dtype: str | None, model_dtype: torch.dtype | None) -> str | None:
-    """The refusal reason for an explicit KV cache dtype that is not the model's (the kernel reads K/V in q's
-    dtype), or None."""
-    cache_dtype = _KV_CACHE_TORCH_DTYPES.get(kv_cache_dtype or "auto")
-    if cache_dtype is None or model_dtype is None or cache_dtype == model_dtype:
-        return None
-    return (f"kv_cache_dtype {kv_cache_dtype} differs from the model dtype {str(model_dtype).replace('torch.', '')} "
-            "(prefixattn reads K/V in the dtype of q; use --kv-cache-dtype auto)")
-
-
-def fp8_cache_dtype(kv_cache_dtype: str | None) -> torch.dtype | None:
-    """The torch fp8 dtype vLLM stores a ``kv_cache_dtype`` cache in (its tensors are uint8), or None (not fp8)."""
-    if kv_cache_dtype == "fp8_e5m2":
-        return torch.float8_e5m2
-    if kv_cache_dtype in ("fp8", "fp8_e4m3"):
-        from vllm.platforms import current_platform
-
-        return current_platform.fp8_dtype()
-    return None
-
-
-def fp8_unsupported(kv_cache_dtype: str | None) -> str | None:
-    """The refusal reason for an fp8 flavour the kernel does not read (ROCm's e4m3fnuz), or None."""
-    fp8 = fp8_cache_dtype(kv_cache_dtype)
-    if fp8 is None or fp8 in prefixattn.FP8_KV_DTYPES:
-        return None
-    return (f"kv_cache_dtype {kv_cache_dtype} is {str(fp8).replace('torch.', '')} on this platform (prefixattn reads "
-            "float8_e4m3fn and float8_e5m2 caches)")
-
-
-def refusal_reasons(*, head_size: int, kv_cache_dtype: str, model_dtype: torch.dtype | None = None,
-                    alibi_slopes=None, sliding_window=None, logits_soft_cap=None,
-                    attn_type: str = AttentionType.DECODER, extra_impl_args: dict | None = None) -> list[str]:
-    """Why a layer configuration cannot run on prefixattn (empty list: it can), in vLLM's validation wording."""
-    reasons = []
-    if head_size not in SUPPORTED_HEAD_SIZES:
-        reasons.append("head_size not supported")
-    if kv_cache_dtype not in PrefixAttnBackend.supported_kv_cache_dtypes:
-        reasons.append("kv_cache_dtype not supported")
-    elif (mismatch := kv_cache_dtype_mismatch(kv_cache_dtype, model_dtype) or fp8_unsupported(kv_cache_dtype)):
-        reasons.append(mismatch)
-    if attn_type != AttentionType.DECODER:
-        reasons.append(f"attention type {attn_type} not supported")
-    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
-                                       or sliding_window < 1):
-        reasons.append(f"sliding window {sliding_window!r} not supported (expected a positive int)")
-    if alibi_slopes is not None:
-        reasons.append("ALiBi not supported")
-    if logits_soft_cap is not None and not (isinstance(logits_soft_cap, (int, float)) and logits_soft_cap >= 0):
-        reasons.append(f"logits soft-cap {logits_soft_cap!r} not supported")
-    extra = extra_impl_args or {}
-    sinks = extra.get("sinks")
-    if sinks is not None and (not isinstance(sinks, torch.Tensor) or sinks.dim() != 1
-                              or sinks.dtype not in prefixattn.SINK_DTYPES):
-        reasons.append("attention sinks not supported (expected a 1-D fp32/bf16/fp16 tensor, one per head)")
-    for name, value in extra.items():
-        if name != "sinks" and value not in (None, False, -1):
-            reasons.append(f"{name}={value!r} not supported")
-    return reasons
 
 
 def split_kv_cache(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -564,8 +470,8 @@ def warm_up_kernels(builder: "PrefixAttnMetadataBuilder", vllm_config) -> Warmup
     projection and K/V halves of one cache (``VLLM_LAYOUT``), as in :meth:`PrefixAttnImpl.forward`. An fp8 cache
     (``--kv-cache-dtype fp8*``) warms its own binaries: fp8 loads with the layers' scale tensors (``HAS_KV_SCALE``)
     and :func:`prefixattn.write_kv`'s quantizing store (vLLM's op writes only 16/32-bit caches here). Skipped when
-    ``$PREFIXATTN_WARMUP`` is 0; nothing is compiled without a GPU. A variant that fails to compile here is a RuntimeError at start-up
-    (it would fail the first step that needs it).
+    ``$PREFIXATTN_WARMUP`` is 0; nothing is compiled without a GPU. A variant that fails to compile here is a
+    RuntimeError at start-up (it would fail the first step that needs it).
     """
     if not warmup_enabled():
         return None

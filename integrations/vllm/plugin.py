@@ -1,4 +1,4 @@
-"""vLLM plugin entry point: registers prefixattn's attention backend under the name ``PREFIXATTN``.
+"""vLLM plugin entry point: makes prefixattn's attention backend selectable under the name ``PREFIXATTN``.
 
 vLLM calls :func:`register` (entry point group ``vllm.general_plugins``) in every process it starts, so it is
 idempotent, cheap (it imports only vLLM's backend registry, never torch kernels or prefixattn) and never breaks vLLM:
@@ -6,6 +6,15 @@ on an unsupported vLLM the backend is still registered by name, and selecting it
 versions are supported (see :mod:`integrations.vllm.version`).
 
 Users select the backend with ``--attention-backend PREFIXATTN`` or ``LLM(..., attention_backend="PREFIXATTN")``.
+
+Spawned processes: vLLM pickles its config (the selected ``AttentionBackendEnum`` member included) into the
+engine-core and worker processes, and loads plugins there only after unpickling it. An enum member pickles by value,
+so a member added at run time cannot be unpickled in a fresh interpreter (``ValueError: '...' is not a valid
+AttentionBackendEnum``); vLLM spawns instead of forking whenever CUDA was initialised in the parent, under Ray, on
+WSL or with ``VLLM_WORKER_MULTIPROC_METHOD=spawn``. So ``PREFIXATTN`` is registered as an *alias* of vLLM's built-in
+``CUSTOM`` member (whose value every process knows), and ``CUSTOM`` resolves to prefixattn's class in every process
+the plugin loads in. If another plugin already claimed ``CUSTOM`` for its own class, ``PREFIXATTN`` falls back to a
+member of its own (works wherever vLLM forks or runs in-process) and a warning says so.
 
 Platforms that resolve a fixed backend whatever the user selects (vLLM's CPU platform always resolves ``CPU_ATTN``)
 honour the registry's overrides: ``PREFIXATTN_VLLM_OVERRIDE=CPU_ATTN`` (comma-separated names) makes those names
@@ -21,6 +30,8 @@ import os
 BACKEND_NAME = "PREFIXATTN"
 #: Import path vLLM resolves lazily when the backend is selected.
 BACKEND_CLASS_PATH = "integrations.vllm.backend.PrefixAttnBackend"
+#: vLLM's built-in placeholder member for third-party backends: ``PREFIXATTN`` is an alias of it (pickle-safe).
+CUSTOM_MEMBER = "CUSTOM"
 #: Comma-separated names of vLLM backends to resolve to prefixattn as well (e.g. ``CPU_ATTN`` on the CPU platform).
 OVERRIDE_ENV = "PREFIXATTN_VLLM_OVERRIDE"
 
@@ -41,8 +52,41 @@ def _registry():
     return registry
 
 
+def _custom_member(registry):
+    """vLLM's ``CUSTOM`` member when prefixattn may claim it (free, or already prefixattn's), else None."""
+    custom = registry.AttentionBackendEnum.__members__.get(CUSTOM_MEMBER)
+    if custom is None:
+        return None
+    if custom.is_overridden() and custom.get_path() != BACKEND_CLASS_PATH:
+        return None  # another plugin's backend: never taken over
+    return custom
+
+
+def _ensure_name(registry) -> None:
+    """``PREFIXATTN`` resolves to prefixattn's class: as an alias of ``CUSTOM`` where possible."""
+    enum = registry.AttentionBackendEnum
+    custom = _custom_member(registry)
+    if custom is not None:
+        if not custom.is_overridden():
+            registry.register_backend(custom, BACKEND_CLASS_PATH)
+        if enum.__members__.get(BACKEND_NAME) is not custom:
+            # An enum alias: the name maps to the CUSTOM member, which pickles as CUSTOM (its value, None).
+            enum._member_map_[BACKEND_NAME] = custom
+        return
+    if BACKEND_NAME not in enum.__members__:
+        logger.warning("prefixattn: vLLM's %s attention backend is registered to %s, so %s is registered as a "
+                       "backend of its own, which does not survive a spawned engine process (vLLM spawns when CUDA "
+                       "was initialised in the parent, under Ray, on WSL or with "
+                       "VLLM_WORKER_MULTIPROC_METHOD=spawn)", CUSTOM_MEMBER,
+                       enum[CUSTOM_MEMBER].get_path(), BACKEND_NAME)
+        registry.register_backend(BACKEND_NAME, BACKEND_CLASS_PATH)
+    elif enum[BACKEND_NAME].get_path() != BACKEND_CLASS_PATH:
+        # A stale registration of the name survives: ours wins, as a registry override.
+        registry.register_backend(enum[BACKEND_NAME], BACKEND_CLASS_PATH)
+
+
 def register() -> None:
-    """Register ``PREFIXATTN`` in vLLM's attention-backend registry (the ``vllm.general_plugins`` entry point).
+    """Make ``PREFIXATTN`` select prefixattn's backend in this process (the ``vllm.general_plugins`` entry point).
 
     Idempotent: a second call (vLLM may load plugins more than once per process) changes nothing. Also applies the
     overrides named in ``PREFIXATTN_VLLM_OVERRIDE``.
@@ -56,12 +100,7 @@ def register() -> None:
     registry = _registry()
     if registry is None:
         return
-    enum = registry.AttentionBackendEnum
-    if BACKEND_NAME not in enum.__members__:
-        registry.register_backend(BACKEND_NAME, BACKEND_CLASS_PATH)
-    elif enum[BACKEND_NAME].get_path() != BACKEND_CLASS_PATH:
-        # Someone registered the name first (or a stale registration survives): ours wins, as a registry override.
-        registry.register_backend(enum[BACKEND_NAME], BACKEND_CLASS_PATH)
+    _ensure_name(registry)
     for name in filter(None, (s.strip() for s in os.environ.get(OVERRIDE_ENV, "").split(","))):
         override_backend(name)
 
@@ -79,10 +118,9 @@ def override_backend(name: str) -> None:
     registry = _registry()
     if registry is None:
         return
-    if BACKEND_NAME not in registry.AttentionBackendEnum.__members__:
-        registry.register_backend(BACKEND_NAME, BACKEND_CLASS_PATH)
+    _ensure_name(registry)
     member = registry.AttentionBackendEnum[name]  # vLLM's own error for an unknown name lists the valid ones
-    if member.name == BACKEND_NAME:
+    if member is registry.AttentionBackendEnum[BACKEND_NAME]:
         return
     if not (member.is_overridden() and member.get_path() == BACKEND_CLASS_PATH):
         registry.register_backend(member, BACKEND_CLASS_PATH)

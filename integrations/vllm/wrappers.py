@@ -74,3 +74,19 @@ def eager_wrapper(vllm_config, *, num_qo_heads: int, num_kv_heads: int, head_dim
                            block_size=block_size, q_dtype=q_dtype, kv_dtype=kv_dtype, sm_scale=sm_scale,
                            device=device, window_left=window_left, logits_soft_cap=logits_soft_cap),
         max_tokens=int(max_tokens), max_requests=int(max_seqs), use_cuda_graph=False)
+
+
+def builder_wrappers(vllm_config, geometry, *, block_size: int, q_dtype: torch.dtype, kv_dtype: torch.dtype,
+                     device) -> tuple:
+    """``(graph_attn, eager_attn)`` of one metadata builder of a group with ``geometry``
+    (:class:`~integrations.vllm.layer_geometry.GroupGeometry`); either is None when vLLM's config has no use for it."""
+    options = dict(num_qo_heads=geometry.num_qo_heads, num_kv_heads=geometry.num_kv_heads,
+                   head_dim=geometry.head_dim, block_size=block_size, q_dtype=q_dtype, kv_dtype=kv_dtype,
+                   sm_scale=geometry.sm_scale, device=device, window_left=geometry.window_left,
+                   logits_soft_cap=geometry.logits_soft_cap)
+    return graph_wrapper(vllm_config, **options), eager_wrapper(vllm_config, **options)
+
+
+def wrappers_device_bytes(wrappers: tuple) -> int:
+    """Device memory the wrappers' workspaces hold."""
+    return sum(w.workspace.device_bytes for w in wrappers if w is not None and w.workspace is not None)

@@ -61,3 +61,22 @@ def test_block_ids_outside_the_pool_are_refused(page_size):
     with pytest.raises(ValueError, match=f"block_table: expected block ids in \\[0, {pool_pages}\\) .* "
                                          f"got block_table\\[0, 0\\]={pool_pages}"):
         backend.forward(q, k, v, eng.layer, fb, save_kv_cache=False)
+
+
+@pytest.mark.parametrize("pool_class", ["UnifiedMHATokenToKVPool", "PageMajorMHATokenToKVPool"])
+def test_pools_that_are_not_the_plain_mha_pool_are_refused_at_construction(pool_class):
+    # The unified-memory pool (--enable-unified-memory) subclasses MHATokenToKVPool but its req_to_token holds
+    # virtual slot ids that SGLang's own backends translate before reading: read as physical pages, they would be
+    # silently wrong output. Every subclass (other id spaces, other buffer layouts) is refused by name. The pool is
+    # SGLang's own class, made without its constructor (its virtual-memory machinery needs a GPU): the backend
+    # refuses it by type before reading anything of it.
+    import importlib
+
+    module = {"UnifiedMHATokenToKVPool": "sglang.srt.mem_cache.unified_memory_pool",
+              "PageMajorMHATokenToKVPool": "sglang.srt.mem_cache.memory_pool"}[pool_class]
+    cls = getattr(importlib.import_module(module), pool_class)
+    assert issubclass(cls, MHATokenToKVPool)
+    eng = MiniEngine()
+    with pytest.raises(ValueError, match=f"token_to_kv_pool: expected SGLang's plain MHATokenToKVPool .* got its "
+                                         f"subclass {pool_class}"):
+        PrefixAttnBackend(eng.runner(cls.__new__(cls)))

@@ -129,3 +129,28 @@ def test_prefill_graphs_and_hooks_out_of_order_are_refused():
         backend.init_forward_metadata_out_graph(eng.batch({r: 12}, ForwardMode.EXTEND), in_capture=True)
     with pytest.raises(NotImplementedError, match="--disable-prefill-cuda-graph"):
         backend.init_forward_metadata_for_breakable_cuda_graph_capture(None)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_the_in_graph_refill_copies_each_requests_used_pages_only(page_size):
+    # A gather of whole req_to_token rows is batch x max context per replay; the refill copies each request slot's
+    # ceil(seq_len / page_size) pages and leaves the rest of its row as it was (a sentinel here).
+    import types
+
+    eng = MiniEngine(page_size=page_size, max_context=256)
+    backend = PrefixAttnBackend(eng.runner(eng.make_pool()))
+    backend.init_cuda_graph_state(max_bs=GRAPH_BS, max_num_tokens=GRAPH_BS)
+    table = backend._graph.table
+    table.fill_(-7)
+    r2t = eng.req_to_token_pool.req_to_token
+    rows = torch.tensor([3, 1, 5, 0])  # row 0: SGLang's padding row, as a padded slot of a replay
+    seq_lens = torch.tensor([9, 1, 200, CUDA_GRAPH_SEQ_LEN_FILL])
+    r2t[rows[:3]] = torch.randint(1, 1000, (3, r2t.shape[1]), dtype=torch.int32) * page_size
+    view = types.SimpleNamespace(forward_mode=ForwardMode.DECODE, req_pool_indices=rows, seq_lens=seq_lens,
+                                 batch_size=4)
+    backend.init_forward_metadata_in_graph(view)
+    for r in range(4):
+        used = -(-int(seq_lens[r]) // page_size)
+        assert table[r, :used].tolist() == (r2t[rows[r], ::page_size][:used] // page_size).tolist()
+        assert (table[r, used:] == -7).all(), f"slot {r}: pages past its used length were written"
+    assert (table[4:] == -7).all()  # slots past the batch are not touched

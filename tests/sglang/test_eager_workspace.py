@@ -107,3 +107,53 @@ def test_eager_capacity_from_the_runner(monkeypatch):
     assert PrefixAttnBackend(runner).eager_capacity == dict(max_tokens=200, max_requests=8)
     runner.max_running_requests = 300
     assert PrefixAttnBackend(runner).eager_capacity == dict(max_tokens=300, max_requests=300)
+
+
+def _runner_with_a_model(eng, **server_args):
+    """A runner whose model has SGLang RadixAttention layers of two geometries (as a model's modules())."""
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    runner = eng.runner(eng.make_pool())
+    runner.dtype = torch.float32
+    runner.server_args = types.SimpleNamespace(**server_args)
+    runner.max_running_requests = 4
+    runner.model_config = types.SimpleNamespace(context_len=200)
+    windowed = RadixAttention(eng.num_heads, eng.head_dim, eng.head_dim ** -0.5, eng.num_kv_heads, layer_id=1,
+                              sliding_window_size=15)
+    runner.model = torch.nn.ModuleList([eng.layer, windowed])
+    return runner
+
+
+def test_eager_workspaces_are_allocated_at_start_up():
+    # Built with the backend (SGLang builds it at start-up, after its KV pool), one per layer geometry of the model:
+    # an out-of-memory is a start-up error, not the first request's; the steps then use exactly these.
+    eng = MiniEngine(page_size=4)
+    backend = PrefixAttnBackend(_runner_with_a_model(eng, chunked_prefill_size=64), sharing="always")
+    assert len(backend.eager_wrappers) == 2  # full attention and the 15-token window: two plans per step
+    before = dict(backend.eager_wrappers)
+    plans = _session(eng, backend)
+    assert backend.eager_wrappers == before  # no wrapper made at a step
+    (attn,) = [a for key, a in before.items() if key[-1] == -1]
+    assert all(p.workspace is attn.workspace for p in plans)
+
+
+def test_without_chunked_prefill_the_context_length_workspace_is_allocated_at_start_up():
+    # --chunked-prefill-size -1: a step may prefill a whole context, so the capacity is the context length; its
+    # workspace is allocated (or fails) when the backend is built.
+    eng = MiniEngine(page_size=4)
+    backend = PrefixAttnBackend(_runner_with_a_model(eng, chunked_prefill_size=-1, max_prefill_tokens=100))
+    assert backend.eager_capacity == dict(max_tokens=200, max_requests=4)
+    assert {a.workspace.capacity.max_tokens for a in backend.eager_wrappers.values()} == {200}
+
+
+def test_a_workspace_that_does_not_fit_is_a_start_up_error_naming_the_setting(monkeypatch):
+    import integrations.sglang.backend as backend_module
+
+    eng = MiniEngine(page_size=4)
+
+    def out_of_memory(**kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(backend_module.prefixattn, "PrefixSharedAttention", out_of_memory)
+    with pytest.raises(RuntimeError, match="eager attention workspace for 200 tokens .* --chunked-prefill-size"):
+        PrefixAttnBackend(_runner_with_a_model(eng, chunked_prefill_size=-1, max_prefill_tokens=100))

