@@ -160,7 +160,8 @@ def _runs_table(runs: dict[str, list[dict]]) -> list[str]:
         c = _checks(rows)
         ok = {b: f"{p}/{n}" for b, (p, n) in c["passed"].items()}
         v = c["values"]
-        race, mem = v.get(("gpu_check_sanitizer", "racecheck_errors")), v.get(("gpu_check_sanitizer", "memcheck_errors"))
+        race = v.get(("gpu_check_sanitizer", "racecheck_errors"))
+        mem = v.get(("gpu_check_sanitizer", "memcheck_errors"))
         sanitizer = "-" if race is None else f"{race:.0f}, {mem:.0f}"
         copy, mm = v.get(("gpu_ceiling", "copy_gbps")), v.get(("gpu_ceiling", "matmul_tflops"))
         mark = " (the timings below)" if name == HEADLINE_RUN else ""
@@ -230,9 +231,9 @@ def performance_page(runs: dict[str, list[dict]]) -> str:
         "`triton.testing.do_bench` median of plain launches (includes the host's launch overhead, which dominates "
         "below ~250 us); *graph*: median of CUDA-graph replays (`do_bench_cudagraph`), as an engine runs decode "
         "steps. *floor*: the batch's unique KV bytes at the measured copy bandwidth, or its FLOPs at the measured "
-        "matmul rate, whichever is longer. Compare ratios eager with eager. Microseconds, head_dim 128, fp16, 16-token blocks; "
-        "*no sharing*: prefixattn planned with `sharing=\"never\"` (plain paged attention); SDPA: torch "
-        "`scaled_dot_product_attention` on KV gathered beforehand (- where it would not fit in memory).",
+        "matmul rate, whichever is longer. Compare ratios eager with eager. Microseconds, head_dim 128, fp16, "
+        "16-token blocks; *no sharing*: prefixattn planned with `sharing=\"never\"` (plain paged attention); "
+        "SDPA: torch `scaled_dot_product_attention` on KV gathered beforehand (- where it would not fit in memory).",
         "",
         "prefixattn against the cascade, eager medians:",
         "",
