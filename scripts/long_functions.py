@@ -1,4 +1,4 @@
-"""List every function longer than the project's limit (README "How we write code": no function over about 80 lines
+"""List every function longer than the project's limit (docs/design.md, "Developing": no function over 80 lines
 outside the kernels), longest first, as ``path:line  length  name``.
 
     python scripts/long_functions.py                 # the whole repository, prefixattn/kernels/ excluded
