@@ -6,15 +6,21 @@ Written against flashinfer-python 0.6.0, the version scripts/gpu_wheels.sh pins 
 every call below: argument names, order and the cuda-graph buffers). Nothing here runs without a GPU except through
 the signature-faithful fake in tests/bench_support/fake_flashinfer.py.
 
-| peer | FlashInfer API | batches | prefix groups |
-|---|---|---|---|
-| ``flashinfer-cascade2`` | ``MultiLevelCascadeAttentionWrapper`` (2 levels: each group's shared blocks, then each request's rest) | any | **oracle**: handed the batch's groups |
-| ``flashinfer-decode`` | ``BatchDecodeWithPagedKVCacheWrapper``, CUDA cores | decode only | none |
-| ``flashinfer-decode-tc-fa2`` / ``-fa3`` | the same with ``use_tensor_cores=True`` (GQA), backend fa2 / fa3 (fa3: sm90) | decode only | none |
-| ``flashinfer-prefill-fa2`` / ``-fa3`` | ``BatchPrefillWithPagedKVCacheWrapper``, backend fa2 / fa3 (fa3: sm90; vLLM's Hopper choice) | any | none |
-| ``flashinfer-batch-attention`` | ``BatchAttention`` (persistent, one launch for mixed batches) | any | none |
-| ``flashinfer-pod`` | ``BatchPODWithPagedKVCacheWrapper`` (fused prefill + decode) | prefill and decode | none |
-| ``flashinfer-split`` | vLLM's FlashInfer backend: the decode wrapper (tensor cores) on the decode rows, the prefill wrapper on the rest | any | none |
+Peers (FlashInfer API; batches it takes; prefix groups):
+
+- ``flashinfer-cascade2``: ``MultiLevelCascadeAttentionWrapper``, 2 levels (each group's shared whole blocks, then
+  each request's rest); any batch; **oracle** groups: handed the batch's groups.
+- ``flashinfer-decode``: ``BatchDecodeWithPagedKVCacheWrapper`` on CUDA cores; decode batches only.
+- ``flashinfer-decode-tc-fa2`` / ``-fa3``: the same with ``use_tensor_cores=True`` (FlashInfer's choice for GQA),
+  backend fa2 / fa3 (fa3: sm90 only); decode batches only.
+- ``flashinfer-prefill-fa2`` / ``-fa3``: ``BatchPrefillWithPagedKVCacheWrapper`` (fa3 on sm90 is what vLLM's
+  FlashInfer backend runs on Hopper); any batch.
+- ``flashinfer-batch-attention``: ``BatchAttention``, persistent, one launch for mixed batches; any batch.
+- ``flashinfer-pod``: ``BatchPODWithPagedKVCacheWrapper``, fused prefill + decode; batches with both.
+- ``flashinfer-split``: vLLM's FlashInfer backend on a mixed batch: the decode wrapper (tensor cores) on the decode
+  rows, the prefill wrapper on the rest; batches with both.
+
+None of them is handed groups except the cascade.
 
 Caches are ``[num_blocks, block_size, num_kv_heads, head_dim]`` (FlashInfer's "NHD"), passed as ``(k_cache, v_cache)``.
 """

@@ -92,7 +92,8 @@ class BatchPrefillWithPagedKVCacheWrapper:
             _check_int32(name, t)
         if self._use_cuda_graph:
             if len(qo_indptr) - 1 != self._fixed_batch_size:
-                raise ValueError("The batch size should be fixed during the lifecycle of the wrapper in cuda graph mode")
+                raise ValueError("The batch size should be fixed during the lifecycle of the wrapper in cuda graph "
+                                 "mode")
             if len(paged_kv_indices) > len(self._bufs[2]):
                 raise ValueError("The length of paged_kv_indices exceeds the allocated buffer size.")
             self._bufs[0].copy_(qo_indptr)
