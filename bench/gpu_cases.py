@@ -1,6 +1,6 @@
 """What the GPU check (bench/gpu_check.py) runs: the correctness case matrix, the timing shapes and the roofline
-floor the modeled kernel times use (bench/kernel_time.py; the GPU check's own floors are bench/gpu_floors.py's). Batches come from
-tests/prefix_batches.py (correctness) and bench/shapes.py (timing).
+floor the modeled kernel times use (bench/kernel_time.py; the GPU check's own floors are bench/gpu_floors.py's).
+Batches come from tests/prefix_batches.py (correctness) and bench/shapes.py (timing).
 
 ``scale`` is 1 for ``--dry-run`` (tiny batches the Triton interpreter runs in seconds) and :data:`GPU_SCALE` on a GPU,
 where it multiplies lengths and request counts so that tiles fill, split-k chunks and merges really happen.
