@@ -2,19 +2,20 @@
 # Download, on a machine with the package index, the wheels the GPU check (scripts/gpu_check.sh) needs that the GPU
 # image lacks, into .whl/ (git-ignored), for CPython 3.12 on x86_64 Linux; fails if they pass 50 MiB in all.
 #   bash scripts/gpu_wheels.sh            # download into .whl/
-#   bash scripts/gpu_wheels.sh --verify   # also import flashinfer's cascade API from the same pins for THIS python
+#   bash scripts/gpu_wheels.sh --verify   # also import the FlashInfer APIs the peers use, same pins, for THIS python
 # The GPU image has Python 3.12, torch 2.11.0+cu130, triton 3.6.0, numpy, pytest, matplotlib, nvcc 13, ncu,
 # compute-sanitizer, and no network. On it:
 #   pip install --no-index --no-deps --target /tmp/site .whl/*.whl   (scripts/gpu_check.sh does this)
 #
-# The set: FlashInfer 0.6.0 (7.5 MB; its newest, 0.7.2.post1, is 62 MB before dependencies) has the same
-# MultiLevelCascadeAttentionWrapper and ships its CUDA sources for JIT. Of its declared dependencies only these are
+# The set: FlashInfer 0.6.0 (7.5 MB; its newest, 0.7.2.post1, is 62 MB before dependencies) ships its CUDA sources for
+# JIT and every API bench/peers/flashinfer.py calls (written against its sources: cascade, batch decode and prefill
+# wrappers, BatchAttention, BatchPODWithPagedKVCacheWrapper). Of its declared dependencies only these are
 # needed, found by importing `flashinfer` in a venv of the image's packages (torch 2.13 CPU, triton 3.6.0, numpy,
 # pytest, matplotlib) and adding one wheel per ModuleNotFoundError until `flashinfer.MultiLevelCascadeAttentionWrapper`
 # imported: apache-tvm-ffi (the JIT modules' FFI: headers, libtvm_ffi), nvidia-ml-py (pynvml), requests with urllib3,
-# idna, certifi. ninja is not imported but FlashInfer's JIT runs the `ninja` binary. The rest (nvidia-cutlass-dsl,
-# nvidia-cudnn-frontend, einops, click, tabulate, tqdm) is imported only by other FlashInfer features (CuTe DSL
-# kernels, cuDNN backends, the CLI), not by the cascade path.
+# idna, certifi. ninja is not imported but FlashInfer's JIT runs the `ninja` binary (jinja2 and filelock, which its JIT
+# imports, are in the GPU image). The rest (nvidia-cutlass-dsl, nvidia-cudnn-frontend, einops, click, tabulate, tqdm)
+# is imported only by other FlashInfer features (CuTe DSL kernels, cuDNN backends, the CLI), not by the peers.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -45,6 +46,8 @@ if [ "${1:-}" = "--verify" ]; then
   "$PYTHON" -m pip download -q --no-deps --only-binary=:all: -d "$tmp/whl" "${WHEELS[@]}"
   "$PYTHON" -m pip install -q --no-index --no-deps --target "$tmp/site" "$tmp"/whl/*.whl
   PYTHONPATH="$tmp/site" "$PYTHON" -c "import flashinfer
-name = flashinfer.MultiLevelCascadeAttentionWrapper.__name__
-print('gpu wheels: flashinfer', flashinfer.__version__, 'imports', name)"
+names = [c.__name__ for c in (flashinfer.MultiLevelCascadeAttentionWrapper, flashinfer.BatchDecodeWithPagedKVCacheWrapper,
+         flashinfer.BatchPrefillWithPagedKVCacheWrapper, flashinfer.BatchAttention,
+         flashinfer.BatchPODWithPagedKVCacheWrapper)]
+print('gpu wheels: flashinfer', flashinfer.__version__, 'imports', ', '.join(names))"
 fi
