@@ -156,8 +156,9 @@ def _meta(lay, model, device: str):
                      dtype=model.dtype, groups=lay.groups)
 
 
-def make_attend(provider: str, meta, model):
-    """``attend(layer, q) -> out`` for one provider, planned for the step (host work done here)."""
+def make_attend(provider: str, meta, model, graph: bool):
+    """``attend(layer, q) -> out`` for one provider, planned for the step (host work done here); FlashInfer's wrappers
+    in their cuda-graph mode for steps that are captured (decode), as engines build them, else without it."""
     import torch
 
     import prefixattn
@@ -171,7 +172,7 @@ def make_attend(provider: str, meta, model):
         out = torch.empty(int(meta.qo_indptr[-1]), meta.num_qo_heads, meta.head_dim, dtype=meta.dtype,
                           device=meta.device)
         return lambda li, q: prefixattn.attention(q, model.kv[li, 0], model.kv[li, 1], p, out=out)
-    peer = plan_peer(provider, meta, graph=True)
+    peer = plan_peer(provider, meta, graph=graph)
     return lambda li, q: peer.output(peer.launch(q, model.kv[li, 0], model.kv[li, 1]))
 
 
@@ -271,7 +272,7 @@ def _time_step(lay, model, timer, device, results, fi_ready, clock, dry) -> list
         if clock.left() <= 0:
             break
         try:
-            attend = make_attend(impl, meta, model)
+            attend = make_attend(impl, meta, model, graph)
             ok, err = _check(attend, io, meta, model)
             results.add(BENCHMARK, provider, label, "correct", float(ok), "bool")
             if not ok:
@@ -312,7 +313,7 @@ def _attention_time(cand, meta, model, io, timer, graph, results, label):
     from peers.flashinfer import Unavailable
 
     try:
-        attend = make_attend(cand, meta, model)
+        attend = make_attend(cand, meta, model, graph)
         ok, err = _check(attend, io, meta, model)
         if not ok:
             print(f"[model_step]   {cand:22s} WRONG attention (max abs err {err:.2e}): not a candidate", flush=True)
