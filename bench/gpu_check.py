@@ -123,7 +123,7 @@ def main(argv) -> int:
     write()
     gpu_sanitize.step_sanitizer(args, results, skips, steps.DRIVER, steps._which)
     write()
-    fi_ready = gpu_jit.ready(fi_handle, start)
+    fi_ready = gpu_jit.ready(fi_handle, start, results)
     steps.attention_ceiling(args, results, device, ceil, fi_ready)
     step_timing(args, results, skips, device, ceil, fi_ready)
     write()

@@ -135,7 +135,7 @@ def checks(rows, device: str) -> list[str]:
             lines.append(f"- {what}: {len(passed) - len(bad)}/{len(passed)} passed"
                          + (f"; FAILED: {', '.join(bad)}" if bad else ""))
     for r in rows:
-        if r["benchmark"] in ("gpu_check_sanitizer", "gpu_ceiling", "gpu_check_plan_ahead") and \
+        if r["benchmark"] in ("gpu_check_sanitizer", "gpu_ceiling", "gpu_check_plan_ahead", "flashinfer_jit") and \
                 r["metric"] not in ("passed",):
             lines.append(f"- {r['benchmark']}: {r['provider']} {r['shape']} {r['metric']} = {float(r['value']):.4g} "
                          f"{r['unit']}")

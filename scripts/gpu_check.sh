@@ -16,6 +16,10 @@ extra_path=""
 if [ "${1:-}" != "--dry-run" ]; then
   if compgen -G ".whl/*.whl" >/dev/null; then
     "$PYTHON" -m pip install -q --no-index --no-deps --upgrade --target "$SITE" .whl/*.whl
+    if [ -d .whl/flashinfer-aot ]; then  # modules built ahead of time (gpu_wheels.sh --aot): FlashInfer loads these
+      mkdir -p "$SITE/flashinfer/data/aot"
+      cp -r .whl/flashinfer-aot/. "$SITE/flashinfer/data/aot/"
+    fi
     extra_path="$SITE"
     export PATH="$SITE/bin:$PATH"  # FlashInfer's JIT runs the `ninja` of the ninja wheel
   else
