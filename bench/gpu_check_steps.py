@@ -177,4 +177,5 @@ def attention_ceiling(args, results, device: str, ceil: dict, fi_ready: dict) ->
                     "TFLOP/s")
     ceil["attention_flops_per_s"] = max(rates.values()) if rates else ceil["matmul_flops_per_s"]
     print(f"[ceilings] attention rate {ceil['attention_flops_per_s'] / 1e12:.1f} TFLOP/s ("
-          + ", ".join(f"{p} {r / 1e12:.1f}" for p, r in rates.items()) + ")", flush=True)
+          + (", ".join(f"{p} {r / 1e12:.1f}" for p, r in rates.items()) if rates else
+             "none measured: the bf16 matmul rate stands in, a lower compute floor") + ")", flush=True)

@@ -12,8 +12,9 @@ CPU machine, with a pip-installed CUDA 13.0 nvcc as ``CUDA_HOME``) builds the sa
 ``.so`` to ``DEST/<module>/<module>.so``; ``scripts/gpu_check.sh`` puts them where FlashInfer looks for AOT modules
 (``flashinfer/data/aot``), so its wrappers load them instead of compiling. The warm-up loads every AOT module first
 and, if any fails to load there, removes them all and compiles as without them (nothing has loaded them on a GPU
-yet). Measured on the 2-core CPU host (one core, niced): cascade 19 s / 0.4 MiB, batch decode 35 s / 0.6 MiB, both
-load through tvm_ffi on a CPU host; batch prefill fa3: AOT_FA3_NOTE.
+yet). Measured on the 2-core CPU host (one core, niced): cascade 19 s / 0.4 MiB, batch decode 35 s / 0.6 MiB, batch
+prefill fa3 (10 translation units) 1014 s wall / 12 CPU-minutes / 3.9 MiB; all three load through tvm_ffi on a CPU
+host. Whether they load and run on the GPU machine is not measured yet.
 """
 
 from __future__ import annotations
