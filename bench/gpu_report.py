@@ -153,6 +153,8 @@ def summary(rows, *, device: str, commit: str, versions: str, seconds: float, sk
     lines += ["", f"## Attention kernels ({kind})", ""] + kernel_table(rows)
     lines += ["", f"## Model step ({'DRY RUN' if dry else 'Llama-3.1-8B shape, 32 layers'})", ""] + model_table(rows)
     lines += ["", "## Where prefixattn loses", ""] + losses(rows)
+    lines += ["", "The simulator's calibration against these model steps (host only, minutes): "
+              "`python bench/gpu_report.py <this .csv> --steps <its -model-steps.json>`."]
     return "\n".join(lines) + "\n"
 
 
