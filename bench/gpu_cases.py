@@ -1,5 +1,6 @@
-"""What the GPU check (bench/gpu_check.py) runs: the correctness case matrix, the sanitizer batch, the timing shapes
-and each shape's floor. Batches come from tests/prefix_batches.py (correctness) and bench/shapes.py (timing).
+"""What the GPU check (bench/gpu_check.py) runs: the correctness case matrix, the timing shapes and the roofline
+floor the modeled kernel times use (bench/kernel_time.py; the GPU check's own floors are bench/gpu_floors.py's).
+Batches come from tests/prefix_batches.py (correctness) and bench/shapes.py (timing).
 
 ``scale`` is 1 for ``--dry-run`` (tiny batches the Triton interpreter runs in seconds) and :data:`GPU_SCALE` on a GPU,
 where it multiplies lengths and request counts so that tiles fill, split-k chunks and merges really happen.
@@ -44,9 +45,8 @@ class Case:
 def correctness_cases() -> list[Case]:
     """Every dtype x head_dim pair once (9 cases); scenario, GQA group and page size cycle through the pairs so each
     value of each appears at least once (5 scenarios, 3 groups, 2 page sizes), then one case per scenario at the
-    common production layout (bf16, d128, GQA 8, page 16) so every scenario also runs there. The sanitizer's case
-    goes first: compiled before the sanitizer step even when the time guard cuts this step short."""
-    cases = [sanitizer_case()]
+    common production layout (bf16, d128, GQA 8, page 16) so every scenario also runs there."""
+    cases = []
     for i, (dtype, d) in enumerate((t, d) for t in DTYPES for d in HEAD_DIMS):
         cases.append(Case(SCENARIOS[i % len(SCENARIOS)], dtype, d, GROUPS[i % len(GROUPS)], PAGES[i % len(PAGES)]))
     cases += [Case(s, torch.bfloat16, 128, 8, 16) for s in SCENARIOS]
@@ -89,17 +89,15 @@ def split_k_batch(seed: int, scale: int, heads: dict):
                       paths=paths, level_blocks={"a": 128 * scale // page, "b": 64 * scale // page}, **heads)
 
 
-def sanitizer_case() -> Case:
-    """The compute-sanitizer batch: split-k with many merge units, a variant the correctness step compiles first
-    (so the sanitized process loads it from Triton's cache instead of compiling under the sanitizer)."""
-    return Case("split_k", torch.bfloat16, 128, 8, 16)
+#: The timing shapes' dtype on a GPU: Llama-3.1's, and one dtype means one set of FlashInfer JIT modules
+#: (bench/gpu_jit.py). The dry run keeps fp16: the interpreter computes bf16 arithmetic wrongly.
+TIMING_DTYPE = "bfloat16"
 
 
 def timing_shapes(dry_run: bool) -> list[Shape]:
-    """Fig. 8 at full size (MHA 32:32), FlashInfer's published grid restricted to batch 64/256, shared 1K/8K/32K, own
-    128/512 at MHA 32:32 and GQA 32:8, then Fig. 8 GQA (32:4); the time guard drops the tail when the budget ends.
-
-    The dry run uses two tiny shapes (decode and mixed, shared prefix, MHA and GQA) of the same kinds."""
+    """In the order the time guard keeps them: Fig. 8 at GQA 32:4 (the production layout), Fig. 8 at MHA 32:32,
+    then FlashInfer's published grid restricted to batch 64/256, shared 1K/8K/32K, own 128/512 at GQA 32:8 and MHA;
+    bf16, head_dim 128. The dry run uses two tiny shapes (decode and mixed, shared prefix, MHA and GQA)."""
     if dry_run:
         common = dict(distinct=16, head_dim=64, block_size=16, per_group=0)
         return [Shape(scenario="decode", num_decode=4, num_prefill=0, shared=32, num_qo_heads=2, num_kv_heads=2,
@@ -108,8 +106,9 @@ def timing_shapes(dry_run: bool) -> list[Shape]:
                       paper="dry-run:mixed", **common)]
     grid = [s for s in flashinfer_cascade_grid()
             if s.num_decode in (64, 256) and s.shared in (1024, 8192, 32768) and s.distinct in (128, 512)]
-    grid += [dataclasses.replace(s, num_kv_heads=8, paper=s.paper + ":gqa32/8") for s in grid]
-    return fig8_shapes(scaled=False) + grid + fig8_shapes(scaled=False, gqa=True)
+    grid = [dataclasses.replace(s, num_kv_heads=8, paper=s.paper + ":gqa32/8") for s in grid] + grid
+    shapes = fig8_shapes(scaled=False, gqa=True) + fig8_shapes(scaled=False) + grid
+    return [dataclasses.replace(s, dtype=TIMING_DTYPE) for s in shapes]
 
 
 def attention_flops(batch) -> float:

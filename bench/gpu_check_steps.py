@@ -1,30 +1,26 @@
-"""The GPU check's steps (driver: bench/gpu_check.py): correctness against the fp64 reference, compute-sanitizer,
-the card's ceilings, FlashInfer's JIT warm-up. Torch, Triton and prefixattn are imported inside the functions: the
-driver sets ``TRITON_INTERPRET`` (``--dry-run``) before anything imports them. Public prefixattn API only.
+"""The GPU check's common steps (driver: bench/gpu_check.py): the step clock, correctness against the fp64
+reference, the card's ceilings. Torch, Triton and prefixattn are imported inside the functions: the driver sets
+``TRITON_INTERPRET`` (``--dry-run``) before anything imports them. Public prefixattn API only.
 """
 
 from __future__ import annotations
 
-import json
-import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-#: The driver: child processes (sanitized case, FlashInfer warm-up) run it with a flag.
+#: The driver: child processes (sanitized cases, FlashInfer warm-up) run it with a flag.
 DRIVER = Path(__file__).with_name("gpu_check.py")
-#: Seconds per step on the GPU; the driver also clips every step to its overall deadline (bench/gpu_check.py).
-BUDGET_S = {"correctness": 170, "sanitizer": 90, "ceilings": 15, "graphs": 45, "timing": 400}
-#: Each compute-sanitizer tool's share of the sanitizer step (racecheck instruments shared memory: the slower one).
-SANITIZER_TOOLS = {"racecheck": 0.55, "memcheck": 0.45}
-#: FlashInfer JIT-compiles its cascade kernels in a background process started first; past this the timing step
-#: runs without it and says why. The compile runs while the correctness and sanitizer steps use the GPU.
-FLASHINFER_JIT_LIMIT_S = 270
+#: Seconds per step on the GPU, in the order the driver runs them (by value: correctness first; the steps that need
+#: no FlashInfer before the timing and model steps that do, so its JIT compiles in the background meanwhile). The
+#: driver clips every step to its overall deadline too. Last GPU run (before the fair timing): correctness 125 s (61
+#: of it the first compile), sanitizer 22 s for one case and two tools, ceilings 0.2 s, graphs 5 s, timing 110 s; the
+#: correctness step now also compiles and checks the sanitizer's 8 cases first (estimated +40 s: 7 new variants).
+BUDGET_S = {"correctness": 170, "ceilings": 15, "graphs": 20, "plan_ahead": 10, "sanitizer": 60, "timing": 150,
+            "model_step": 70}
+#: Seconds a step leaves for the steps after it that the run must still reach: the timing step stops in time for
+#: the model step (its shapes are cut from the tail), whatever the FlashInfer JIT wait before it took.
+KEEP_FOR_LATER_S = {"timing": BUDGET_S["model_step"]}
 REPEATS = 3  # runs of each correctness case whose outputs must be bit-identical
-#: do_bench warm-up / measurement windows (ms): short, so ~50 shapes x 4 providers fit the timing budget.
-BENCH_WARMUP_MS, BENCH_REP_MS = 10, 40
-QUANTILES = (0.5, 0.2, 0.8)  # median, p20, p80
 
 
 #: Seconds the whole driver may run (scripts/gpu_check.sh has 540 s: ~25 s go to the wheel install and start-up) and
@@ -40,7 +36,8 @@ class Clock:
 
     def __init__(self, step: str, skips: list):
         self.step, self.skips = step, skips
-        self.seconds = max(0.0, min(BUDGET_S[step], DEADLINE - RESERVE_S - time.monotonic()))
+        left = DEADLINE - RESERVE_S - KEEP_FOR_LATER_S.get(step, 0) - time.monotonic()
+        self.seconds = max(0.0, min(BUDGET_S[step], left))
         self.deadline = time.monotonic() + self.seconds
 
     def left(self) -> float:
@@ -103,7 +100,11 @@ def check_case(case, scale: int, device: str, seed: int) -> dict:
 def step_correctness(args, results, skips, device: str) -> None:
     import gpu_cases
 
+    import gpu_sanitize
+
     clock = Clock("correctness", skips)
+    # The sanitizer's cases first: checked here, and compiled before the sanitized processes load them.
+    gpu_sanitize.run_all(device, not args.dry_run, results, prefix="[correctness] sanitizer case")
     cases = gpu_cases.correctness_cases()
     scale = 1 if args.dry_run else gpu_cases.GPU_SCALE
     for i, case in enumerate(cases):
@@ -126,81 +127,36 @@ def step_correctness(args, results, skips, device: str) -> None:
                             "bool" if metric in ("passed", "bit_identical", "padding_untouched") else "abs")
 
 
-def sanitize_case(device: str) -> int:
-    """Run by compute-sanitizer in a child process: the sanitizer batch once, checked; exit status 0 when correct."""
-    import gpu_cases
-
-    r = check_case(gpu_cases.sanitizer_case(), gpu_cases.GPU_SCALE, device, seed=99)
-    print(f"sanitize case: passed={r['passed']} items={r['work_items']} err={r['max_abs_err']:.2e}", flush=True)
-    return 0 if r["passed"] else 1
-
-
-def step_sanitizer(args, results, skips) -> None:
-    clock = Clock("sanitizer", skips)
-    if args.dry_run:
-        return clock.skip("dry run: compute-sanitizer instruments CUDA kernels (no GPU here)")
-    exe = _which("compute-sanitizer")
-    if exe is None:
-        return clock.skip("compute-sanitizer not found on PATH or in /usr/local/cuda/bin")
-    for tool, share in SANITIZER_TOOLS.items():
-        limit = max(1.0, min(clock.left(), clock.seconds * share))
-        # Only the fused kernel is instrumented (kns = kernel-name substring): torch's own kernels are not ours.
-        cmd = [exe, "--tool", tool, "--kernel-name", "kns=prefix_attention", "--print-limit", "20",
-               sys.executable, str(DRIVER), "--sanitize-case"]
-        start = time.monotonic()
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=limit)
-            text, code = proc.stdout + proc.stderr, proc.returncode
-        except subprocess.TimeoutExpired:
-            clock.skip(f"{tool}: did not finish within {limit:.0f} s")
-            continue
-        summary = [ln for ln in text.splitlines() if "SUMMARY" in ln or "sanitize case" in ln]
-        m = re.search(r"ERROR SUMMARY: (\d+) error", text) or re.search(r"(\d+) hazards? displayed", text)
-        errors = int(m.group(1)) if m else -1  # -1: no summary line (the tool itself failed: see the output)
-        print(f"[sanitizer] {tool}: exit {code}, errors={errors} ({time.monotonic() - start:.0f} s): "
-              + " | ".join(summary), flush=True)
-        if errors != 0 or code != 0:
-            print("\n".join(text.splitlines()[-40:]), flush=True)
-        results.add("gpu_check_sanitizer", "prefixattn", "split_k/bf16/d128/gqa8/page16", f"{tool}_errors", errors,
-                    "count")
-        results.add("gpu_check_sanitizer", "prefixattn", "split_k/bf16/d128/gqa8/page16", f"{tool}_exit_code", code,
-                    "code")
-
-
 def _which(name: str) -> str | None:
     import shutil
 
     return shutil.which(name) or next((str(p) for p in [Path("/usr/local/cuda/bin") / name] if p.exists()), None)
 
 
-def _timer(fn, dry_run: bool):
-    """(median, p20, p80) ms: ``triton.testing.do_bench`` on a GPU; one wall-clock run in the dry run."""
-    if dry_run:
-        start = time.perf_counter()
-        fn()
-        ms = (time.perf_counter() - start) * 1e3
-        return ms, ms, ms
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=BENCH_WARMUP_MS, rep=BENCH_REP_MS, quantiles=list(QUANTILES))
-
-
 def step_ceilings(args, results, skips, device: str) -> dict:
-    """Device-to-device copy bandwidth (bytes read + written per second) and bf16 matmul rate (FLOP/s)."""
+    """Read-only streaming bandwidth (the memory floor's rate), device-to-device copy (bytes read + written) and bf16
+    matmul rate (for comparison: neither is a floor)."""
     import torch
 
+    from gpu_floors import read_bandwidth
+    from gpu_measure import Timer
+
     clock = Clock("ceilings", skips)
+    timer = Timer(args.dry_run, device)
     # 1 GiB copies (far past the 50 MB L2) and 8192^3 bf16 matmuls; tiny in the dry run.
     nbytes, n = (1 << 20, 128) if args.dry_run else (1 << 30, 8192)
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    copy_ms = _timer(lambda: dst.copy_(src), args.dry_run)[0]
+    copy_us = timer.repeat(lambda: dst.copy_(src), 3, flush=False)["median"]
     a = torch.randn(n, n, device=device).to(torch.bfloat16)
     bm = torch.randn(n, n, device=device).to(torch.bfloat16)
-    mm_ms = _timer(lambda: a @ bm, args.dry_run)[0]
-    ceil = dict(copy_bytes_per_s=2 * nbytes / (copy_ms * 1e-3), matmul_flops_per_s=2 * n ** 3 / (mm_ms * 1e-3))
-    print(f"[ceilings] copy {ceil['copy_bytes_per_s'] / 1e9:.0f} GB/s (read+write), bf16 matmul "
+    mm_us = timer.repeat(lambda: a @ bm, 3, flush=False)["median"]
+    ceil = dict(copy_bytes_per_s=2 * nbytes / (copy_us * 1e-6), matmul_flops_per_s=2 * n ** 3 / (mm_us * 1e-6),
+                read_bytes_per_s=read_bandwidth(timer, device))
+    print(f"[ceilings] read-only stream {ceil['read_bytes_per_s'] / 1e9:.0f} GB/s, copy "
+          f"{ceil['copy_bytes_per_s'] / 1e9:.0f} GB/s (read+write), bf16 matmul "
           f"{ceil['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s ({clock.seconds - clock.left():.1f} s)", flush=True)
+    results.add("gpu_ceiling", "triton", "read-only stream", "read_gbps", ceil["read_bytes_per_s"] / 1e9, "GB/s")
     results.add("gpu_ceiling", "torch", f"copy {nbytes >> 20} MiB", "copy_gbps", ceil["copy_bytes_per_s"] / 1e9,
                 "GB/s")
     results.add("gpu_ceiling", "torch", f"bf16 matmul {n}^3", "matmul_tflops", ceil["matmul_flops_per_s"] / 1e12,
@@ -208,44 +164,18 @@ def step_ceilings(args, results, skips, device: str) -> dict:
     return ceil
 
 
-def start_flashinfer_jit(args):
-    """Background process that JIT-compiles FlashInfer's cascade kernels (cached on disk for this process)."""
-    if args.dry_run:
-        return None
-    cmd = [sys.executable, str(DRIVER), "--flashinfer-warmup"]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), time.monotonic()
+def attention_ceiling(args, results, device: str, ceil: dict, fi_ready: dict) -> None:
+    """The attention compute rate (after FlashInfer's JIT, so its prefill can set it): the fastest correct causal
+    prefill of gpu_floors.attention_rate_batch; adds ``attention_flops_per_s`` to ``ceil``."""
+    from gpu_floors import attention_rates
+    from gpu_measure import Timer
 
-
-def flashinfer_warmup() -> int:
-    """Child process: a small 2-level cascade at the timing shapes' dtype and head size (MHA and GQA), timed."""
-    import torch
-
-    from peers.gpu import prepare_flashinfer_cascade
-    from shapes import Shape, build_batch
-
-    start = time.monotonic()
-    for kv_heads in (32, 8):
-        shape = Shape(scenario="mixed", num_decode=4, num_prefill=1, shared=64, distinct=32, per_group=0,
-                      num_qo_heads=32, num_kv_heads=kv_heads, head_dim=128, paper="flashinfer-warmup")
-        prepare_flashinfer_cascade(build_batch(shape, device="cuda"), 2).run()
-    torch.cuda.synchronize()
-    print(json.dumps({"jit_seconds": time.monotonic() - start}), flush=True)
-    return 0
-
-
-def flashinfer_status(handle) -> str | None:
-    """None when FlashInfer is ready (its JIT finished in time), else why it cannot run here."""
-    if handle is None:
-        return "dry run: FlashInfer's kernels are CUDA-only"
-    proc, started = handle
-    try:
-        text, _ = proc.communicate(timeout=max(1.0, FLASHINFER_JIT_LIMIT_S - (time.monotonic() - started)))
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        return f"its JIT compile did not finish within {FLASHINFER_JIT_LIMIT_S} s"
-    lines = text.strip().splitlines()
-    if proc.returncode != 0 or not lines or not lines[-1].startswith("{"):
-        return "its warm-up failed: " + " | ".join(lines[-6:])[-600:]
-    print(f"[timing] FlashInfer JIT compile: {json.loads(lines[-1])['jit_seconds']:.0f} s", flush=True)
-    return None
-
+    ready = {p for p, ok in fi_ready.items() if ok is True}
+    rates = attention_rates(Timer(args.dry_run, device), device, ready)
+    for provider, rate in rates.items():
+        results.add("gpu_ceiling", provider, "causal prefill (attention rate)", "attention_tflops", rate / 1e12,
+                    "TFLOP/s")
+    ceil["attention_flops_per_s"] = max(rates.values()) if rates else ceil["matmul_flops_per_s"]
+    print(f"[ceilings] attention rate {ceil['attention_flops_per_s'] / 1e12:.1f} TFLOP/s ("
+          + (", ".join(f"{p} {r / 1e12:.1f}" for p, r in rates.items()) if rates else
+             "none measured: the bf16 matmul rate stands in, a lower compute floor") + ")", flush=True)

@@ -72,7 +72,7 @@ def test_attention_gpu_time(results, shape, provider):
 
     batch, want = _batch_and_reference(shape)
     prepared = _prepare(provider, batch)
-    out = prepared.run()
+    out = prepared.result(prepared.run())
     torch.cuda.synchronize()
     # Correctness before timing: a provider that computes something else is a failure, not a number.
     atol, rtol = TOLERANCE[batch.q.dtype]

@@ -1,5 +1,5 @@
-"""scripts/gpu_check.sh --dry-run: every step of the GPU check at tiny sizes in the interpreter (~25 s), so the script
-that runs on the short-lived GPU machine cannot rot between GPU sessions."""
+"""scripts/gpu_check.sh --dry-run: every step of the GPU check at tiny sizes in the interpreter, so the script that
+runs on the short-lived GPU machine cannot rot between GPU sessions."""
 
 from __future__ import annotations
 
@@ -30,20 +30,35 @@ def test_gpu_check_dry_run_runs_every_step(tmp_path):
                  "float32", "/d64/", "/d128/", "/d256/", "gqa1", "gqa4", "gqa8", "page1", "page16"):
         assert part in names, part
     assert all(float(r["value"]) == 1.0 for r in passed + by("gpu_check_correctness", "bit_identical"))
-    assert {r["shape"].split()[0] for r in by("gpu_ceiling", "copy_gbps") + by("gpu_ceiling", "matmul_tflops")} == {
-        "copy", "bf16"}
-    timed = {(r["provider"], r["shape"]) for r in by("attention_gpu_time", "time_us_median")}
+    assert {r["provider"] for r in by("gpu_ceiling", "read_gbps") + by("gpu_ceiling", "attention_tflops")} == {
+        "triton", "prefixattn"}
+    # The sanitizer's eight kernel classes ran (and passed) in the interpreter; the tool itself needs a GPU.
+    cases = by("gpu_check_sanitizer_cases", "passed")
+    assert len(cases) == 8 and all(float(r["value"]) == 1.0 for r in cases)
+    assert all(float(r["value"]) == 1.0 for r in by("gpu_check_plan_ahead", "passed")) and \
+        len(by("gpu_check_plan_ahead", "passed")) == 2
+    # Every timed provider has all three policies' min and median; both floors per shape.
+    timed = {(r["provider"], r["shape"]) for r in by("attention_gpu_time", "graph_flushed_us_median")}
     assert {p for p, _ in timed} == {"prefixattn", "prefixattn-nosharing", "torch-sdpa"}
-    assert len({s for _, s in timed}) == 2 and len(by("attention_gpu_time", "floor_us")) == 2
+    assert len({s for _, s in timed}) == 2
+    for metric in ("graph_warm_us_min", "eager_flushed_us_median", "over_floor_serial"):
+        assert len(by("attention_gpu_time", metric)) == len(timed), metric
+    assert len(by("attention_gpu_time", "floor_overlapped_us")) == len(by("attention_gpu_time", "floor_serial_us")) \
+        == 2
     # The graph step planned every batch on one use_cuda_graph wrapper (run eagerly: no capture on CPU) and matched.
     graphs = by("gpu_check_graphs", "passed")
     assert len(graphs) == 5 and all(float(r["value"]) == 1.0 for r in graphs)
     assert "[graphs] SKIPPED: dry run: no CUDA graph capture" in out
+    # The model step ran prefixattn with and without sharing on a decode and a mixed TokenBatcher step, checked.
+    steps = {(r["provider"], r["shape"].split()[0]) for r in by("model_step", "step_us_median")}
+    assert steps == {(p, k) for p in ("prefixattn", "prefixattn-nosharing") for k in ("decode", "mixed")}
+    assert all(float(r["value"]) == 1.0 for r in by("model_step", "correct"))
+    assert csv_path.with_name(csv_path.stem + "-model-steps.json").exists()
     # The CUDA-only steps are skipped with their reasons, not silently.
     assert "[sanitizer] SKIPPED: dry run: compute-sanitizer" in out
-    assert "flashinfer-cascade2 column: dry run: FlashInfer's kernels are CUDA-only" in out
+    assert "FlashInfer columns: dry run: FlashInfer's kernels are CUDA-only" in out
     md = csv_path.with_suffix(".md").read_text()
-    assert f"{len(passed)}/{len(passed)} cases passed" in md and "DRY RUN" in md
+    assert f"{len(passed)}/{len(passed)} passed" in md and "DRY RUN" in md and "Where prefixattn loses" in md
     assert proc.stdout.rstrip().endswith("gpu check: all checks passed")
 
 

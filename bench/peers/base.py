@@ -36,3 +36,8 @@ class Prepared:
     labels: dict = field(default_factory=dict)
     notes: str = ""
     extra: dict = field(default_factory=dict)  # provider-specific numbers reported as rows (e.g. planned bytes)
+    #: Turns ``run()``'s result into ``out`` where it is something else (a peer returning (out, lse) or two halves).
+    output: Callable | None = None
+
+    def result(self, value):
+        return value if self.output is None else self.output(value)

@@ -1,7 +1,7 @@
-"""GPU-only peers (CUDA kernels that cannot run in the interpreter): FlashInfer cascade (2 and 3 levels) and its
-non-cascade batch decode/prefill, the flash-attn cascade vLLM used to run (prefix pass + suffix pass + merge), and
-torch SDPA. Each one imports its package lazily; a missing package raises :class:`Unavailable` (the test skips that
-column with the reason).
+"""GPU-only peers (CUDA kernels that cannot run in the interpreter): FlashInfer's configurations
+(bench/peers/flashinfer.py: cascade, batch decode, batch prefill fa2/fa3, BatchAttention, POD, vLLM's split), the
+flash-attn cascade vLLM used to run (prefix pass + suffix pass + merge), and torch SDPA. Each one imports its
+package lazily; a missing package raises :class:`Unavailable` (the test skips that column with the reason).
 
 Every adapter takes the same :class:`shapes.Batch` (paged caches ``[num_blocks, block_size, num_kv_heads, head_dim]``,
 FlashInfer's "NHD" layout) and does its host-side planning in ``prepare``; ``run()`` is what is timed.
@@ -15,17 +15,14 @@ import numpy as np
 import torch
 
 from peers.base import Prepared
+from peers.flashinfer import PEERS as FLASHINFER_PEERS
+from peers.flashinfer import Unavailable
+from peers.flashinfer import prepare as prepare_flashinfer
 
-#: FlashInfer's float workspace: the size its own examples allocate (128 MiB).
-FLASHINFER_WORKSPACE_BYTES = 128 * 1024 * 1024
 #: torch SDPA runs on pre-gathered KV (a copy per request: 256 requests x a 32k prefix is ~130 GiB at full size);
 #: beyond this share of the free memory the column is skipped rather than OOM the run (the rest of the step's
 #: tensors and SDPA's own workspace need the remainder).
 SDPA_MAX_FREE_FRACTION = 0.5
-
-
-class Unavailable(Exception):
-    """The peer's package (or a feature it needs) is missing: skip, with this message as the reason."""
 
 
 def _import(module: str, why: str):
@@ -39,88 +36,11 @@ def _i32(values, device) -> torch.Tensor:
     return torch.tensor(np.asarray(values, dtype=np.int64), dtype=torch.int32, device=device)
 
 
-def _paged_level(batch, ranges, device):
-    """FlashInfer paged metadata for per-row-run KV ranges ``[(first_block, last_block_exclusive, tokens_in_last)]``
-    taken from a representative request's block-table row: (indptr, indices, last_page_len)."""
-    table = batch.block_table.cpu().numpy()
-    indices, indptr, last = [], [0], []
-    for req, lo, hi, tail in ranges:
-        indices.extend(table[req, lo:hi].tolist())
-        indptr.append(len(indices))
-        last.append(tail)
-    return _i32(indptr, device), _i32(indices, device), _i32(last, device)
-
-
 def _group_bounds(batch):
     """Row boundaries of each prefix group (groups are runs of consecutive requests) and a member of each."""
     indptr = batch.qo_indptr.cpu().numpy()
     members = [m for m, _ in batch.groups]
     return [int(indptr[m[0]]) for m in members] + [int(indptr[members[-1][-1] + 1])], [m[0] for m in members]
-
-
-def _suffix_level(batch, first_block):
-    """Each request's KV from block ``first_block`` on: (req, lo, hi, tokens in the last block)."""
-    bs = batch.shape.block_size
-    kv_lens = batch.kv_lens.cpu().numpy()
-    out = []
-    for r, kv_len in enumerate(kv_lens):
-        hi = -(-int(kv_len) // bs)
-        out.append((r, first_block, hi, int(kv_len) - (hi - 1) * bs))
-    return out
-
-
-def prepare_flashinfer_cascade(batch, num_levels: int) -> Prepared:
-    flashinfer = _import("flashinfer", "FlashInfer cascade")
-    s, device = batch.shape, batch.q.device
-    bs = s.block_size
-    shared_blocks = s.shared // bs
-    if num_levels == 3 and shared_blocks < 2:
-        raise Unavailable("3-level cascade needs a shared prefix of >= 2 blocks to split into two levels")
-    bounds, reps = _group_bounds(batch)
-    group_indptr = _i32(bounds, device)
-    # Shared levels: the group's prefix blocks (split in two halves for 3 levels: an outer and an inner prefix).
-    cuts = [0, shared_blocks] if num_levels == 2 else [0, shared_blocks // 2, shared_blocks]
-    qo, kv_indptr, kv_indices, last = [], [], [], []
-    if shared_blocks:
-        for lo, hi in zip(cuts[:-1], cuts[1:]):
-            a, b, c = _paged_level(batch, [(r, lo, hi, bs) for r in reps], device)
-            qo.append(group_indptr), kv_indptr.append(a), kv_indices.append(b), last.append(c)
-    a, b, c = _paged_level(batch, _suffix_level(batch, shared_blocks), device)
-    qo.append(batch.qo_indptr), kv_indptr.append(a), kv_indices.append(b), last.append(c)
-    workspace = torch.empty(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-    wrapper = flashinfer.MultiLevelCascadeAttentionWrapper(len(qo), workspace, "NHD")
-    wrapper.plan(qo, kv_indptr, kv_indices, last, s.num_qo_heads, s.num_kv_heads, s.head_dim, bs, causal=True,
-                 sm_scale=1.0 / math.sqrt(s.head_dim), q_data_type=batch.q.dtype)
-
-    def run():
-        return wrapper.run(batch.q, (batch.k_cache, batch.v_cache))
-
-    return Prepared(run=run, notes=f"levels={len(qo)}")
-
-
-def prepare_flashinfer_batch(batch) -> Prepared:
-    """No cascade: FlashInfer's batch decode wrapper for pure decode, its batch prefill wrapper otherwise."""
-    flashinfer = _import("flashinfer", "FlashInfer batch attention")
-    s, device = batch.shape, batch.q.device
-    workspace = torch.empty(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-    indptr, indices, last = _paged_level(batch, _suffix_level(batch, 0), device)
-    scale = 1.0 / math.sqrt(s.head_dim)
-    if (batch.q_lens == 1).all():
-        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
-        wrapper.plan(indptr, indices, last, s.num_qo_heads, s.num_kv_heads, s.head_dim, s.block_size,
-                     sm_scale=scale, q_data_type=batch.q.dtype, kv_data_type=batch.k_cache.dtype)
-        kind = "decode"
-    else:
-        wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
-        wrapper.plan(batch.qo_indptr, indptr, indices, last, s.num_qo_heads, s.num_kv_heads, s.head_dim,
-                     s.block_size, causal=True, sm_scale=scale, q_data_type=batch.q.dtype,
-                     kv_data_type=batch.k_cache.dtype)
-        kind = "prefill"
-
-    def run():
-        return wrapper.run(batch.q, (batch.k_cache, batch.v_cache))
-
-    return Prepared(run=run, notes=kind)
 
 
 def prepare_flash_attn_cascade(batch) -> Prepared:
@@ -204,9 +124,7 @@ def prepare_sdpa(batch) -> Prepared:
 
 #: GPU-only provider -> how to prepare it.
 GPU_ONLY = {
-    "flashinfer-cascade2": lambda b: prepare_flashinfer_cascade(b, 2),
-    "flashinfer-cascade3": lambda b: prepare_flashinfer_cascade(b, 3),
-    "flashinfer-batch": prepare_flashinfer_batch,
+    **{name: (lambda b, name=name: prepare_flashinfer(b, name)) for name in FLASHINFER_PEERS},
     "flash-attn-cascade": prepare_flash_attn_cascade,
     "torch-sdpa": prepare_sdpa,
 }

@@ -33,8 +33,8 @@ def test_sdpa_adapter_matches_reference(shape):
     assert prepared.notes == f"calls={1 + (shape.num_prefill > 0)}"
 
 
-@pytest.mark.parametrize("provider", ["flashinfer-cascade2", "flashinfer-cascade3", "flashinfer-batch",
-                                      "flash-attn-cascade"])
+@pytest.mark.parametrize("provider", ["flashinfer-cascade2", "flashinfer-decode", "flashinfer-prefill-fa2",
+                                      "flashinfer-batch-attention", "flash-attn-cascade"])
 def test_cuda_only_peers_skip_with_a_reason_when_missing(provider):
     needs = "vllm" if provider == "flash-attn-cascade" else "flashinfer"
     try:

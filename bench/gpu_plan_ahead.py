@@ -1,0 +1,92 @@
+"""Planning ahead (GPU check step ``plan_ahead``): engines with async scheduling plan step N+1 on the host while
+step N's table copy and kernel are still queued on the GPU. Here a spin kernel holds the stream; step N is planned
+and launched behind it, then step N+1 is planned and launched while N is still queued (recorded: ``queued``, the
+stream was busy when N+1's plan returned), and both outputs are checked against the fp64 reference: a plan that
+reuses host staging memory a queued copy has not read yet would corrupt step N. Through the free ``plan()`` and
+through a ``PrefixSharedAttention`` with capacities (one workspace for every step). The dry run (CPU) runs the same
+sequence without a queue.
+"""
+
+from __future__ import annotations
+
+#: Spin before step N: ~6 ms at ~1.7 GHz, far longer than two plans (the slowest plan() seen on a GPU host: 220 us).
+SPIN_CYCLES = 10_000_000
+APIS = ("free", "wrapper")
+
+
+def _check(out, b, k, v, device) -> tuple[bool, float]:
+    import torch
+
+    import prefixattn
+    from tests.tolerances import ATTENTION_TOL
+
+    n = int(b.qo_indptr[-1])
+    want = prefixattn.reference_attention(b.q.to(device), k, v, *(t.to(device) for t in b.metadata),
+                                          compute_dtype=torch.float64)
+    atol, rtol = ATTENTION_TOL[b.q.dtype]
+    err = (out[:n].double() - want).abs()
+    return bool(torch.isfinite(out[:n]).all() and (err <= atol + rtol * want.abs()).all()), float(err.max())
+
+
+def run(api: str, dry_run: bool, device: str) -> dict:
+    """Steps N and N+1 through ``api`` behind a spin kernel: ``{"passed", "queued", "err_n", "err_n1"}``."""
+    import torch
+
+    import prefixattn
+    from gpu_graph_check import _batches
+
+    dtype = torch.float32 if dry_run else torch.bfloat16
+    heads = dict(num_qo_heads=2, num_kv_heads=1, head_dim=64, block_size=16) if dry_run else \
+        dict(num_qo_heads=32, num_kv_heads=4, head_dim=128, block_size=16)
+    batches, k, v = _batches(1 if dry_run else 8, dtype, heads)
+    (_, b0), (_, b1) = batches[0], batches[1]
+    k, v = k.to(device), v.to(device)
+    if api == "wrapper":
+        attn = prefixattn.PrefixSharedAttention(
+            **heads, q_dtype=dtype, device=device, max_tokens=max(int(b.qo_indptr[-1]) for b in (b0, b1)),
+            max_requests=max(b.kv_lens.shape[0] for b in (b0, b1)),
+            max_blocks_per_request=max(b.block_table.shape[1] for b in (b0, b1)))
+
+        def step(b):
+            attn.plan(*b.metadata)
+            return attn.run(b.q.to(device), k, v)
+    else:
+        def step(b):
+            p = prefixattn.plan(*b.metadata, **heads, q_dtype=dtype, device=device)
+            return prefixattn.attention(b.q.to(device), k, v, p)
+
+    step(b0), step(b1)  # unobserved: first allocations may synchronize, an engine's later steps reuse them
+    gpu = not dry_run
+    if gpu:
+        torch.cuda.synchronize()
+        torch.cuda._sleep(SPIN_CYCLES)
+    out0 = step(b0)
+    out1 = step(b1)
+    queued = bool(gpu and not torch.cuda.current_stream().query())
+    if gpu:
+        torch.cuda.synchronize()
+    ok0, e0 = _check(out0, b0, k, v, device)
+    ok1, e1 = _check(out1, b1, k, v, device)
+    return dict(passed=ok0 and ok1, queued=queued, err_n=e0, err_n1=e1)
+
+
+def step_plan_ahead(args, results, skips, device: str) -> None:
+    from gpu_check_steps import Clock
+
+    clock = Clock("plan_ahead", skips)
+    for api in APIS:
+        if clock.expired([api]):
+            return
+        try:
+            r = run(api, args.dry_run, device)
+        except Exception as exc:  # a failure is a failed row with its reason
+            r = dict(passed=False, queued=False, error=f"{type(exc).__name__}: {exc}"[:300])
+        detail = r.get("error") or (f"err N {r['err_n']:.2e}, N+1 {r['err_n1']:.2e}; N+1 planned while N was "
+                                    f"{'still queued' if r['queued'] else 'NOT queued (no overlap shown)'}")
+        print(f"[plan_ahead] {'ok  ' if r['passed'] else 'FAIL'} {api}: {detail}", flush=True)
+        results.add("gpu_check_plan_ahead", f"prefixattn-{api}-plan", "step N+1 planned behind step N",
+                    "passed", float(r["passed"]), "bool")
+        results.add("gpu_check_plan_ahead", f"prefixattn-{api}-plan", "step N+1 planned behind step N",
+                    "queued", float(r["queued"]), "bool")
+    if args.dry_run:
+        clock.skip("dry run: no GPU queue (both steps ran and were checked, one after the other)")

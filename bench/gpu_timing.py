@@ -1,0 +1,193 @@
+"""The GPU check's timing step (driver: bench/gpu_check.py): every provider under the same conditions.
+
+Per shape (gpu_cases.timing_shapes), per provider: prepare (host planning, not timed), one run checked against the
+fp32 reference (a wrong output is a failure and is not timed), capture into a CUDA graph and check a replay too, then
+time the replay (L2 flushed and warm) and the eager call (L2 flushed) with bench/gpu_measure.py's :class:`Timer`.
+Providers: prefixattn, prefixattn ``sharing="never"``, every FlashInfer configuration of bench/peers/flashinfer.py
+(the cascade is handed the batch's prefix groups: oracle), torch SDPA on pre-gathered KV. ``flashinfer-best`` per
+shape is the fastest correct FlashInfer configuration by graph-replayed flushed median, with the one it was.
+
+Rows (benchmark ``attention_gpu_time``): per provider ``correct``, ``max_abs_err``, ``<policy>_us_min`` /
+``<policy>_us_median`` for the policies of gpu_measure.POLICIES, ``over_floor_overlapped`` / ``over_floor_serial``
+(headline median over each floor), ``unique_kv_gbps``; provider ``floor``: ``floor_<kind>_us``; provider
+``gpu-state``: clocks, temperature, power after the shape; ``flashinfer-best`` the best's numbers and, on the peer
+that was best, ``is_flashinfer_best`` = 1.
+"""
+
+from __future__ import annotations
+
+import time
+
+TIMING = "attention_gpu_time"
+#: The policy every ratio and floor comparison uses (gpu_measure's docstring says why).
+HEADLINE = "graph_flushed"
+OURS = ("prefixattn", "prefixattn-nosharing")
+
+
+def providers() -> list[str]:
+    from peers.flashinfer import PEERS
+
+    return [*OURS, *PEERS, "torch-sdpa"]
+
+
+def _prepare(provider: str, batch, fi_ready: dict):
+    """The provider's Prepared, or raise peers.flashinfer.Unavailable with the reason."""
+    import peers.ours
+    from peers.flashinfer import Unavailable
+    from peers.flashinfer import prepare as prepare_flashinfer
+    from peers.gpu import prepare_sdpa
+
+    if provider in OURS:
+        return peers.ours.prepare(batch, provider)
+    if provider == "torch-sdpa":
+        return prepare_sdpa(batch)
+    if provider not in fi_ready:
+        raise Unavailable(fi_ready.get("_why", "its JIT warm-up did not report it ready"))
+    if fi_ready[provider] is not True:
+        raise Unavailable(f"its JIT warm-up failed: {fi_ready[provider]}"[:300])
+    return prepare_flashinfer(batch, provider)
+
+
+def _correct(out, want, dtype) -> tuple[bool, float]:
+    import torch
+
+    from tests.tolerances import ATTENTION_TOL
+
+    atol, rtol = ATTENTION_TOL[dtype]
+    err = (out.float() - want).abs()
+    return bool(torch.isfinite(out.float()).all() and (err <= atol + rtol * want.abs()).all()), float(err.max())
+
+
+def time_provider(provider, batch, want, label, floors, timer, results, fi_ready) -> dict | None:
+    """Check, capture, check the replay, time. Returns ``{policy: {"min", "median"}}`` or None (skipped/failed)."""
+    import torch
+
+    from peers.flashinfer import Unavailable
+
+    dry = timer.dry_run
+    try:
+        prepared = _prepare(provider, batch, fi_ready)
+        out = prepared.result(prepared.run())
+        if not dry:
+            torch.cuda.synchronize()
+    except Unavailable as exc:
+        print(f"[timing]   {provider:28s} skipped: {exc}", flush=True)
+        return None
+    except Exception as exc:  # one provider failing (OOM, a peer's error) does not end the step
+        print(f"[timing]   {provider:28s} FAILED to run: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+        # Ours failing is a failure of the check; a peer failing on a shape is a column without numbers.
+        results.add(TIMING, provider, label, "correct" if provider in OURS else "ran", 0.0, "bool")
+        return None
+    ok, err = _correct(out, want, batch.q.dtype)
+    results.add(TIMING, provider, label, "max_abs_err", err, "abs")
+    for key, value in prepared.extra.items():
+        if key in ("oracle_groups", "graph_mode"):
+            results.add(TIMING, provider, label, key, value, "bool")
+    if not ok:
+        results.add(TIMING, provider, label, "correct", 0.0, "bool")
+        print(f"[timing]   {provider:28s} WRONG output (max abs err {err:.2e}): not timed", flush=True)
+        return None
+    results.add(TIMING, provider, label, "correct", 1.0, "bool")
+    graph_fn, why = None, "dry run: no CUDA graphs on CPU"
+    if not dry:
+        try:
+            from gpu_measure import capture
+
+            graph, static = capture(prepared.run)
+        except Exception as exc:  # a peer that syncs or allocates outside the pool cannot be captured: say so
+            graph, why = None, f"capture failed: {type(exc).__name__}: {exc}"[:200]
+            torch.cuda.synchronize()
+        if graph is not None:
+            graph.replay()
+            torch.cuda.synchronize()
+            replay_ok, err = _correct(prepared.result(static), want, batch.q.dtype)
+            # A wrong replay of prefixattn is a failure of the check; of a peer, a column without graph times.
+            results.add(TIMING, provider, label, "graph_replay_correct" if provider not in OURS else "graph_correct",
+                        float(replay_ok), "bool")
+            graph_fn = graph.replay if replay_ok else None
+            why = "" if replay_ok else f"the replay's output is wrong (max abs err {err:.2e})"
+    results.add(TIMING, provider, label, "graph_captured", float(graph_fn is not None), "bool")
+    runs = timer.runs_for(prepared.run)
+    times = {"eager_flushed": timer.repeat(prepared.run, runs, flush=True)}
+    if graph_fn is not None:
+        times["graph_flushed"] = timer.repeat(graph_fn, runs, flush=True)
+        times["graph_warm"] = timer.repeat(graph_fn, runs, flush=False)
+    elif dry:  # the code path of the headline rows, on the eager call (labelled DRY RUN in the summary)
+        times["graph_flushed"] = times["graph_warm"] = times["eager_flushed"]
+    _rows(results, provider, label, times, floors, batch)
+    head = times.get(HEADLINE)
+    print(f"[timing]   {provider:28s} " + "  ".join(f"{p} {t['median']:9.1f} us" for p, t in times.items())
+          + (f"  {head['median'] * 1e-6 / floors['overlapped']:5.2f}x overlapped floor" if head else
+             f"  (no graph: {why})"), flush=True)
+    return times
+
+
+def _rows(results, provider, label, times, floors, batch) -> None:
+    for policy, t in times.items():
+        for stat in ("min", "median"):
+            results.add(TIMING, provider, label, f"{policy}_us_{stat}", t[stat], "us")
+    head = times.get(HEADLINE)
+    if head:
+        for kind in ("overlapped", "serial"):
+            results.add(TIMING, provider, label, f"over_floor_{kind}", head["median"] * 1e-6 / floors[kind], "x")
+        results.add(TIMING, provider, label, "unique_kv_gbps", batch.unique_kv_bytes() / (head["median"] * 1e-6) / 1e9,
+                    "GB/s")
+
+
+def record_best(results, label, timed: dict) -> tuple[str, dict] | None:
+    """The fastest FlashInfer configuration of a shape by the headline policy: rows and (name, times)."""
+    fi = {p: t for p, t in timed.items() if p.startswith("flashinfer") and t and HEADLINE in t}
+    if not fi:
+        return None
+    name = min(fi, key=lambda p: fi[p][HEADLINE]["median"])
+    results.add(TIMING, name, label, "is_flashinfer_best", 1.0, "bool")
+    for policy, t in fi[name].items():
+        for stat in ("min", "median"):
+            results.add(TIMING, "flashinfer-best", label, f"{policy}_us_{stat}", t[stat], "us")
+    return name, fi[name]
+
+
+def step_timing(args, results, skips, device, ceil, fi_ready) -> None:
+    import torch
+
+    import gpu_cases
+    import gpu_check_steps as steps
+    from gpu_floors import shape_floors
+    from gpu_measure import Timer, record_state
+    from prefixattn import reference_attention
+    from shapes import build_batch
+
+    clock = steps.Clock("timing", skips)
+    if "_why" in fi_ready:
+        clock.skip(f"FlashInfer columns: {fi_ready['_why']}")
+    timer = Timer(args.dry_run, device)
+    shapes = gpu_cases.timing_shapes(args.dry_run)
+    for i, shape in enumerate(shapes):
+        if clock.expired([s.paper for s in shapes[i:]]):
+            return
+        label = f"{shape.paper} [{shape.name}]"
+        start = time.monotonic()
+        try:
+            batch = build_batch(shape, device=device)
+            want = reference_attention(batch.q, batch.k_cache, batch.v_cache, batch.qo_indptr, batch.kv_lens,
+                                       batch.block_table)
+        except torch.cuda.OutOfMemoryError as exc:
+            clock.skip(f"{label}: out of memory building the batch or its reference ({str(exc)[:120]})")
+            continue
+        floors = shape_floors(batch, ceil["read_bytes_per_s"], ceil["attention_flops_per_s"])
+        for kind, seconds in floors.items():
+            results.add(TIMING, "floor", label, f"floor_{kind}_us", seconds * 1e6, "us")
+        print(f"[timing] {label}: floors memory {floors['memory'] * 1e6:.1f} us, compute {floors['compute'] * 1e6:.1f}"
+              f" us", flush=True)
+        timed = {}
+        for provider in providers():
+            if clock.left() <= 0:
+                break
+            timed[provider] = time_provider(provider, batch, want, label, floors, timer, results, fi_ready)
+        best = record_best(results, label, timed)
+        state = record_state(results, TIMING, label) if not args.dry_run else {}
+        print(f"[timing]   ({time.monotonic() - start:.1f} s; best FlashInfer: {best[0] if best else '-'}; "
+              f"{state or 'no clock reading'})", flush=True)
+        del batch, want
+        if device == "cuda":
+            torch.cuda.empty_cache()

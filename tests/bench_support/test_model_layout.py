@@ -1,0 +1,52 @@
+"""bench/model_layout.py: the model step's batches come from the TokenBatcher on a case-1-shaped workload and are laid
+out as a prefix-caching engine lays them out (checked here on a CPU: the GPU run times these layouts)."""
+
+import numpy as np
+import pytest
+
+import model_layout as ml
+
+
+@pytest.fixture(scope="module")
+def run():
+    prompts, outputs = ml.workload(16, 32)
+    batcher, steps = ml.run_batcher(prompts, outputs, token_budget=64, kv_blocks=300, block_size=16)
+    return prompts, outputs, batcher, steps
+
+
+def test_every_request_runs_to_its_output_length(run):
+    prompts, outputs, batcher, steps = run
+    assert batcher.done and batcher.stats["finished"] == len(prompts)
+    decodes = sum(int((s.kinds == 0).sum()) for s in steps)
+    # The first output token comes with the last prefill chunk; each further one is a decode (no preemption here).
+    assert batcher.stats["preemptions"] == 0 and decodes == sum(outputs) - len(prompts)
+
+
+def test_layouts_share_whole_prefix_blocks_and_own_the_rest(run):
+    prompts, _, batcher, steps = run
+    picked = ml.select_steps(steps, 2)
+    assert {ml.step_kind(s) for s in picked} == {"decode", "mixed"}
+    for batch in picked:
+        lay = ml.layout(batch, batcher, prompts, 16)
+        r = len(lay.kv_lens)
+        assert lay.qo_indptr[-1] == lay.positions.shape[0] == lay.slots.shape[0]
+        assert (lay.kv_lens >= lay.q_lens).all() and lay.block_table.max() < lay.num_blocks
+        # New tokens land in distinct slots; each row's queries are the last q_len positions of its KV.
+        assert len(set(lay.slots.tolist())) == len(lay.slots)
+        for i in range(r):
+            pos = lay.positions[lay.qo_indptr[i]:lay.qo_indptr[i + 1]]
+            assert pos[0] == lay.kv_lens[i] - lay.q_lens[i] and pos[-1] == lay.kv_lens[i] - 1
+        # Groups are consecutive rows listing the same leading blocks for their shared tokens, and nothing more.
+        assert [m for g, _ in lay.groups for m in g] == list(range(r))
+        for members, tokens in lay.groups:
+            n = tokens // 16
+            lead = lay.block_table[members, :n]
+            assert (lead == lead[0]).all()
+            if len(members) > 1:
+                assert tokens and len({tuple(lay.block_table[m, n:n + 1]) for m in members}) == len(members)
+        # Decode steps sample every row; mixed steps put the decodes first.
+        if lay.kind == "decode":
+            assert (lay.q_lens == 1).all() and len(lay.sampled_rows) == r
+        else:
+            q = lay.q_lens
+            assert (np.diff((q > 1).astype(int)) >= 0).all()
