@@ -194,16 +194,15 @@ def _unpack_tree(packed: np.ndarray, n: int) -> LcpTree:
                    packed[o + 3 * m:])
 
 
-def core_params(*, causal, sharing, block_size, group, head_dim, elt_bytes, overhead_tokens, rows_per_shared,
-                rows_per_chunk, rows_per_decode, block_n_shared, block_n_chunk, block_n_decode, num_kv_heads, num_sms,
+def core_params(*, causal, sharing, block_size, group, head_dim, elt_bytes, rows_per_shared, rows_per_chunk,
+                rows_per_decode, block_n_shared, block_n_chunk, block_n_decode, num_kv_heads, num_sms,
                 min_split_tokens) -> np.ndarray:
     """:func:`plan_tables`' parameter array (``plan_native_core.P_*`` order) of one set of options and tiles
-    (``elt_bytes``: the KV caches' element size, which the cost rule prices; ``overhead_tokens``: the shared
-    class's program fixed cost it charges, :func:`prefixattn.planner.sharing_pays_off`)."""
+    (``elt_bytes``: the KV caches' element size, which the cost rule prices)."""
     core = _load()[1]
     return np.array((causal, _SHARING_CODES[sharing], block_size, group, head_dim, elt_bytes, rows_per_shared,
                      rows_per_chunk, rows_per_decode, block_n_shared, block_n_chunk, block_n_decode, num_kv_heads,
-                     num_sms, min_split_tokens, _constant_args(core)[2], overhead_tokens), dtype=np.int64)
+                     num_sms, min_split_tokens, _constant_args(core)[2]), dtype=np.int64)
 
 
 def cost_args(costs) -> np.ndarray | None:

@@ -85,7 +85,7 @@ def _sorted_members(order, lo, hi, mark, out):
 
 @njit(cache=True, nogil=True)
 def select_nodes(order, depth, lb, rb, parent, shareable, q_len, block_size, rows_per_shared, group, head_dim,
-                 elt_bytes, sharing, state_bytes, overhead_tokens, rows_per_chunk, rows_per_decode):
+                 elt_bytes, sharing, state_bytes, rows_per_chunk, rows_per_decode):
     """``(kv_start, kv_end, depth_blocks, offsets, members, suffix_start)`` of
     :func:`prefixattn.planner.select_shared_nodes` (nodes top-down: by level, then post-order index)."""
     num_nodes = depth.shape[0]
@@ -120,7 +120,7 @@ def select_nodes(order, depth, lb, rb, parent, shareable, q_len, block_size, row
             num_requests = rb[k] - lb[k] + 1
             m_tiles = _cdiv(rows, rows_per_shared)
             saved = (num_requests + extra - m_tiles) * tokens * 2 * head_dim * elt_bytes
-            added = rows * group * (head_dim + 1) * state_bytes + m_tiles * overhead_tokens * 2 * head_dim * elt_bytes
+            added = rows * group * (head_dim + 1) * state_bytes
             ok = saved > added
         keep[k] = ok
         eff_end[k] = ends[k] if ok else start[k]
@@ -603,7 +603,7 @@ def _longest_first(items, i_kv0, i_kv1, class_ends):
 #: Entries of the ``params`` argument of :func:`plan_core` (one int64 array: one argument for numba to type-check).
 (P_CAUSAL, P_SHARING, P_BLOCK_SIZE, P_GROUP, P_HEAD_DIM, P_ELT_BYTES, P_ROWS_SHARED, P_ROWS_CHUNK, P_ROWS_DECODE,
  P_BLOCK_N_SHARED, P_BLOCK_N_CHUNK, P_BLOCK_N_DECODE, P_KV_HEADS, P_SMS, P_MIN_SPLIT, P_STATE_BYTES,
- P_OVERHEAD_TOKENS, NUM_PARAMS) = range(18)
+ NUM_PARAMS) = range(17)
 _INT32_MAX = 2 ** 31 - 1
 
 
@@ -638,7 +638,7 @@ def plan_core(lay, rule, costs, params, width, order, depth, lb, rb, parent, ind
     kv_start, kv_end, depth_blocks, offsets, members, suffix_start = select_nodes(
         order, depth, lb, rb, parent, shareable, q_len, params[P_BLOCK_SIZE], params[P_ROWS_SHARED],
         params[P_GROUP], params[P_HEAD_DIM], params[P_ELT_BYTES], params[P_SHARING], params[P_STATE_BYTES],
-        params[P_OVERHEAD_TOKENS], params[P_ROWS_CHUNK], params[P_ROWS_DECODE])
+        params[P_ROWS_CHUNK], params[P_ROWS_DECODE])
     rows = table.shape[0]
     cols = min(width, table.shape[1])
     fits = _table_fits(table, cols)

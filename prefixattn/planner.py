@@ -58,7 +58,7 @@ _KERNELS_INTERPRETED = interpreter_enabled()
 
 
 def sharing_pays_off(*, num_requests, num_rows, num_m_tiles, num_tokens, group, head_dim, elt_bytes,
-                     overhead_tokens=0, extra_reads=0):
+                     extra_reads=0):
     """The cost rule: share a node when the KV bytes it saves exceed the bytes' worth it adds (per KV head).
 
     * saved: without sharing every suffix tile of the node's requests reads its KV (one per decode request, and
@@ -67,17 +67,17 @@ def sharing_pays_off(*, num_requests, num_rows, num_m_tiles, num_tokens, group, 
       (``elt_bytes``: the KV caches' element size, 1 for fp8).
     * added: ``STATES_CHARGED_PER_ROW`` fp32 states ``(o, lse)`` per (row x GQA head), each written and read once:
       ``num_rows * group * (head_dim + 1) * FP32_BYTES * STATE_PASSES * STATES_CHARGED_PER_ROW`` (the merge itself
-      reads exactly those states and writes ``out``, which is written anyway), and the fixed cost of each shared
-      program, ``overhead_tokens`` KV positions' worth (its start and epilogue:
-      :attr:`prefixattn.autotune.program_cost.ProgramCost.fixed_tokens` of the shared class, ~150 positions on
-      sm90 at head_dim 128).
+      reads exactly those states and writes ``out``, which is written anyway).
 
-    Works on scalars or numpy arrays. Example: fp16, head_dim 128, GQA 8, decode, no fixed cost: 2 requests share
-    from 65 tokens on, 64 requests from 35 tokens on.
+    A shared program's fixed cost (its start and epilogue) is not charged: in a step that does not fill the GPU it
+    runs beside the suffix programs on idle SMs, and in one that does, the split rule's makespan prices it
+    (:mod:`prefixattn.split_rule`).
+
+    Works on scalars or numpy arrays. Example: fp16, head_dim 128, GQA 8, decode: 2 requests share from 65 tokens
+    on, 64 requests from 35 tokens on.
     """
     saved = (num_requests + extra_reads - num_m_tiles) * num_tokens * 2 * head_dim * elt_bytes
-    added = (num_rows * group * (head_dim + 1) * FP32_BYTES * STATE_PASSES * STATES_CHARGED_PER_ROW
-             + num_m_tiles * overhead_tokens * 2 * head_dim * elt_bytes)
+    added = num_rows * group * (head_dim + 1) * FP32_BYTES * STATE_PASSES * STATES_CHARGED_PER_ROW
     return saved > added
 
 
@@ -261,13 +261,12 @@ def _node_levels(parent: np.ndarray) -> np.ndarray:
 
 def select_shared_nodes(tree: LcpTree, *, shareable: np.ndarray, q_len: np.ndarray, block_size: int,
                         rows_per_shared: int, group: int, head_dim: int, elt_bytes: int, sharing: str = "auto",
-                        overhead_tokens: int = 0, rows_per_chunk: int = 1,
+                        rows_per_chunk: int = 1,
                         rows_per_decode: int = DECODE_CLASS_ALL_ROWS) -> tuple[SharedNodes, np.ndarray]:
     """Walk the tree top-down, one level at a time, and keep the nodes the cost rule accepts (``sharing="auto"``),
     every node with KV (``"always"``, for tests and benchmarks) or none (``"never"``: plain paged attention).
-    ``overhead_tokens``: the shared program's fixed cost the rule charges; ``rows_per_chunk``/``rows_per_decode``: a
-    request of more rows than ``rows_per_decode`` reads an unshared node once per chunk tile of ``rows_per_chunk``
-    rows (:func:`sharing_pays_off`'s ``extra_reads``).
+    ``rows_per_chunk``/``rows_per_decode``: a request of more rows than ``rows_per_decode`` reads an unshared node
+    once per chunk tile of ``rows_per_chunk`` rows (:func:`sharing_pays_off`'s ``extra_reads``).
 
     Returns the kept nodes (top-down, requests ascending within each) and ``suffix_start[r]``: the end of the deepest
     kept node holding request ``r`` (0 if none).
@@ -311,8 +310,7 @@ def select_shared_nodes(tree: LcpTree, *, shareable: np.ndarray, q_len: np.ndarr
         if sharing == "auto":
             ok &= sharing_pays_off(num_requests=sizes[idx], num_rows=rows[idx],
                                    num_m_tiles=-(-rows[idx] // rows_per_shared), num_tokens=tokens, group=group,
-                                   head_dim=head_dim, elt_bytes=elt_bytes, overhead_tokens=overhead_tokens,
-                                   extra_reads=extra_reads[idx])
+                                   head_dim=head_dim, elt_bytes=elt_bytes, extra_reads=extra_reads[idx])
         keep[idx] = ok
         if not one_level:
             effective_end[idx] = np.where(ok, ends[idx], start[idx])
@@ -590,12 +588,6 @@ def _class_costs(o: PlanOptions, tiles: AttentionTiles) -> tuple:
     return out
 
 
-def shared_overhead_tokens(costs) -> int:
-    """The shared class's program fixed cost in KV positions, as the cost rule charges it (whole positions: the
-    compiled planner takes it as an int)."""
-    return int(round(costs[K.CLASS_SHARED].fixed_tokens))
-
-
 def modeled_stats(work: WorkList) -> dict:
     """``Plan.stats``' modeled entries (microseconds on the planning target, modeled by
     :mod:`prefixattn.autotune.program_cost`): each class launch's makespan, the step (their sum and a
@@ -627,18 +619,16 @@ _MAX_CORE_PARAMS = 256
 
 
 def _core_params(o: PlanOptions, tiles: AttentionTiles, num_sms: int) -> np.ndarray:
-    target = current_target()  # the shared class's fixed cost (the cost rule's) depends on it
-    key = (id(o), id(tiles), num_sms, id(target))
+    key = (id(o), id(tiles), num_sms)
     hit = _core_params_memo.get(key)
-    if hit is not None and hit[0] is o and hit[1] is tiles and hit[3] is target:
+    if hit is not None and hit[0] is o and hit[1] is tiles:
         return hit[2]
     if len(_core_params_memo) >= _MAX_CORE_PARAMS:
         _core_params_memo.clear()
     params = plan_native.core_params(causal=o.causal, sharing=o.sharing, block_size=o.block_size, group=o.group,
                                      head_dim=o.head_dim, elt_bytes=o.kv_dtype.itemsize,  # the cache's dtype prices KV
-                                     overhead_tokens=shared_overhead_tokens(_class_costs(o, tiles)[0]),
                                      **_tile_args(o, tiles, num_sms))
-    _core_params_memo[key] = (o, tiles, params, target)
+    _core_params_memo[key] = (o, tiles, params)
     return params
 
 
@@ -648,7 +638,7 @@ def _numpy_tables(tree, *, q_start, q_len, lens, shareable, causal, sharing, blo
     """The numpy planner from the tree to the work list: ``(SharedNodes, WorkList)``."""
     nodes, suffix_start = select_shared_nodes(
         tree, shareable=shareable, q_len=q_len, block_size=block_size, rows_per_shared=rows_per_shared, group=group,
-        head_dim=head_dim, elt_bytes=elt_bytes, sharing=sharing, overhead_tokens=shared_overhead_tokens(costs),
+        head_dim=head_dim, elt_bytes=elt_bytes, sharing=sharing,
         rows_per_chunk=rows_per_chunk, rows_per_decode=rows_per_decode)
     if window_left >= 0:  # share only what every member's window covers
         nodes, suffix_start = window_shared_nodes(nodes, suffix_start, kv_len=lens, q_len=q_len,

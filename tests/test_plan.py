@@ -127,70 +127,48 @@ def test_cost_rule_examples_from_its_docstring():
     assert sharing_pays_off(num_requests=2, num_rows=2, num_m_tiles=1, num_tokens=65, **kw)
     assert not sharing_pays_off(num_requests=64, num_rows=64, num_m_tiles=4, num_tokens=34, **kw)
     assert sharing_pays_off(num_requests=64, num_rows=64, num_m_tiles=4, num_tokens=35, **kw)
-    # A shared program's fixed cost, 150 KV positions per M tile: 2 requests now share from 215 tokens on.
-    assert not sharing_pays_off(num_requests=2, num_rows=2, num_m_tiles=1, num_tokens=214, overhead_tokens=150, **kw)
-    assert sharing_pays_off(num_requests=2, num_rows=2, num_m_tiles=1, num_tokens=215, overhead_tokens=150, **kw)
-
-
-def _overhead(**kw) -> int:
-    """The shared program's fixed cost (KV positions) the cost rule charges a plan of these options."""
-    from prefixattn.planner import shared_overhead_tokens
-
-    return shared_overhead_tokens(_class_costs(_plan([0, 1], [5], [[0, 1]], **kw)))
 
 
 def test_cost_rule_drops_a_short_level_and_gives_its_tokens_to_the_next():
     # fp16, head_dim 128, GQA 8: a 1-block (4-token) prefix of 3 decode requests does not pay off, but with the
-    # document below it two requests share its tokens from position 0 (a document long enough to pay for the
-    # shared program's fixed cost: 64.5 tokens' worth of partial states plus the fixed cost).
+    # 16-block document below it two requests share 68 tokens from position 0.
     kw = dict(block_size=4, num_qo_heads=16, num_kv_heads=2, head_dim=128, q_dtype=torch.float16)
-    blocks = -(-(65 + _overhead(**kw)) // 4)
-    doc = list(range(1, blocks + 1))
-    width, kv = blocks + 3, 4 * (blocks + 1) + 1
-    table = [[0] + doc + [1000], [0] + doc + [1001], [0, 998, 999]]
-    meta = ([0, 1, 2, 3], [kv, kv, 12], [r + [0] * (width - len(r)) for r in table])
-    p = _plan(*meta, **kw)
-    assert _nodes(p) == [(0, 4 * (blocks + 1), [0, 1])]
-    assert _nodes(_plan(*meta, sharing="never", **kw)) == []
+    doc = list(range(1, 18))
+    table = [[0] + doc + [40], [0] + doc + [41], [0, 30, 31]]
+    p = _plan([0, 1, 2, 3], [73, 73, 12], [r + [0] * (19 - len(r)) for r in table], **kw)
+    assert _nodes(p) == [(0, 72, [0, 1])]
+    assert _nodes(_plan([0, 1, 2, 3], [73, 73, 12], [r + [0] * (19 - len(r)) for r in table], sharing="never",
+                        **kw)) == []
 
 
 def test_cost_rule_prices_kv_bytes_at_the_cache_dtype():
-    # fp16 q, head_dim 128, GQA 8, 2 decode requests under a T-token prefix: with an fp16 cache the saved KV bytes
-    # (1 x T x 2 x 128 x 2) beat the added partial states (2 x 8 x 129 x 4 x 2 x 2 = 33024) and the shared program's
-    # fixed cost (F KV positions: F x 2 x 128 x 2) once T > 64.5 + F; with an fp8 cache every KV byte counts half
-    # (and a tile reads half the bytes, so the fixed cost is F8 ~ 2F positions): T must pass 129 + F8. The q rows
-    # are the same either way.
+    # fp16 q, head_dim 128, GQA 8, 2 decode requests under a 96-token prefix: with an fp16 cache the saved KV bytes
+    # (1 x 96 x 2 x 128 x 2 = 49152) beat the added partial states (2 x 8 x 129 x 4 x 2 x 2 = 33024); with an fp8
+    # cache they are half as many (24576) and the prefix stays unshared. The q rows are the same either way.
     kw = dict(block_size=16, num_qo_heads=16, num_kv_heads=2, head_dim=128, q_dtype=torch.float16)
-    f = _overhead(**kw)
-    blocks = (f + 96) // 16  # 64.5 + F < T < 129 + F
-    meta = ([0, 1, 2], [16 * blocks + 1] * 2, [list(range(blocks)) + [blocks], list(range(blocks)) + [blocks + 1]])
+    meta = ([0, 1, 2], [97, 97], [list(range(6)) + [6], list(range(6)) + [7]])
     fp16 = _plan(*meta, **kw)
-    assert _nodes(fp16) == [(0, 16 * blocks, [0, 1])] and fp16.kv_dtype == torch.float16  # default: q_dtype
-    assert _nodes(_plan(*meta, kv_dtype=torch.float16, **kw)) == [(0, 16 * blocks, [0, 1])]
+    assert _nodes(fp16) == [(0, 96, [0, 1])] and fp16.kv_dtype == torch.float16  # default: q_dtype
+    assert _nodes(_plan(*meta, kv_dtype=torch.float16, **kw)) == [(0, 96, [0, 1])]
     for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
         p = _plan(*meta, kv_dtype=fp8, **kw)
         assert _nodes(p) == [] and p.kv_dtype == fp8
-        # requests x tokens x kv heads x head_dim x (K, V) x 1 B
-        assert p.kv_bytes_read() == 2 * (16 * blocks + 1) * 2 * 128 * 2 * 1
-    # A longer prefix pays off in fp8 too.
-    long_blocks = -(-(_overhead(kv_dtype=torch.float8_e4m3fn, **kw) + 130) // 16)
-    long_meta = ([0, 1, 2], [16 * long_blocks + 2] * 2,
-                 [list(range(long_blocks + 1)), list(range(long_blocks)) + [long_blocks + 1]])
-    assert _nodes(_plan(*long_meta, kv_dtype=torch.float8_e4m3fn, **kw)) == [(0, 16 * long_blocks, [0, 1])]
+        assert p.kv_bytes_read() == 2 * 97 * 2 * 128 * 2 * 1  # requests x tokens x kv heads x head_dim x (K, V) x 1 B
+    # A longer prefix pays off in fp8 too: 144 tokens save 1 x 144 x 2 x 128 = 36864 > 33024 bytes.
+    long_meta = ([0, 1, 2], [146, 146], [list(range(10)), list(range(9)) + [10]])
+    assert _nodes(_plan(*long_meta, kv_dtype=torch.float8_e4m3fn, **kw)) == [(0, 144, [0, 1])]
 
 
-@pytest.mark.parametrize("capacities", [{}, dict(max_tokens=8, max_requests=4, max_blocks_per_request=64)])
+@pytest.mark.parametrize("capacities", [{}, dict(max_tokens=8, max_requests=4, max_blocks_per_request=16)])
 def test_the_wrapper_prices_its_cache_dtype(capacities):
     from prefixattn import PrefixSharedAttention
 
-    kw = dict(block_size=16, num_qo_heads=16, num_kv_heads=2, head_dim=128, q_dtype=torch.float16)
-    attn = PrefixSharedAttention(**kw, kv_dtype=torch.float8_e5m2, device="cpu", **capacities)
-    blocks = (_overhead(**kw) + 96) // 16  # shared at 2 bytes per element, not at 1 (see above)
-    meta = (torch.tensor([0, 1, 2]), torch.tensor([16 * blocks + 1] * 2),
-            torch.tensor([list(range(blocks + 1)), list(range(blocks)) + [blocks + 1]]))
+    attn = PrefixSharedAttention(block_size=16, num_qo_heads=16, num_kv_heads=2, head_dim=128, q_dtype=torch.float16,
+                                 kv_dtype=torch.float8_e5m2, device="cpu", **capacities)
+    meta = (torch.tensor([0, 1, 2]), torch.tensor([97, 97]), torch.tensor([list(range(7)), list(range(6)) + [7]]))
     p = attn.plan(*meta)
-    assert p.kv_dtype == torch.float8_e5m2 and _nodes(p) == []
-    assert _nodes(attn.plan(*meta, kv_dtype=torch.float16)) == [(0, 16 * blocks, [0, 1])]
+    assert p.kv_dtype == torch.float8_e5m2 and _nodes(p) == []  # unshared at 1 byte per element (see above)
+    assert _nodes(attn.plan(*meta, kv_dtype=torch.float16)) == [(0, 96, [0, 1])]
 
 
 # ---------------------------------------------------------------------------------------------------------------
