@@ -12,12 +12,13 @@ the first half of the last dim, V in the second; the physical order is whatever 
 ``kv_cache[..., :D].transpose(1, 2)`` is then prefixattn's ``[num_blocks, block_size, num_kv_heads, head_dim]``
 with some strides, which the kernel takes as they are, so every layout works.
 
-CUDA graphs (``AttentionCGSupport.UNIFORM_BATCH``): when vLLM captures full graphs, uniform (decode / spec-verify)
-steps up to the largest capture size plan into the builder's :class:`prefixattn.PrefixSharedAttention` with
-``use_cuda_graph=True`` (:func:`graph_wrapper`): a capacity-sized workspace at fixed addresses, vLLM's persistent device
-block table read in place, and a launch fixed by the capacity, so the launch captured once replays every later plan.
-``graph_safe_forward`` covers vLLM's padded rows (the K/V write skips their -1 slots). Every other step (prefill
-chunks, mixed batches, decodes without full graphs) plans into the builder's eager wrapper (:func:`eager_wrapper`:
+CUDA graphs (``AttentionCGSupport.ALWAYS``): when vLLM captures full graphs, the steps they serve (uniform decode /
+spec-verify steps up to the largest capture size; under vLLM's ``FULL`` mode mixed steps too) plan into the builder's
+:class:`prefixattn.PrefixSharedAttention` with ``use_cuda_graph=True`` (:func:`graph_wrapper`): a capacity-sized
+workspace at fixed addresses, vLLM's persistent device block table read in place, and launches fixed by the capacity
+(one per work class), so the launches captured once replay every later plan. ``graph_safe_forward`` covers vLLM's
+padded rows (the K/V write skips their -1 slots). Every other step (prefill chunks and mixed batches under
+``FULL_AND_PIECEWISE``, decodes without full graphs) plans into the builder's eager wrapper (:func:`eager_wrapper`:
 a workspace sized by ``max_num_batched_tokens`` / ``max_num_seqs``, vLLM's device block table read in place), so no
 step allocates plan memory on the device; a step beyond those limits falls back to a per-step
 :func:`prefixattn.plan` (counted in ``capacity_fallbacks``, logged once).
@@ -190,11 +191,12 @@ class PrefixAttnMetadataBuilder(AttentionMetadataBuilder[PrefixAttnMetadata]):
     """Plans each step once per KV cache group (shared by all its layers), into one of the builder's two
     capacity-sized wrappers (:mod:`integrations.vllm.wrappers`): ``graph_attn`` or ``eager_attn``."""
 
-    # Full CUDA graphs for uniform (decode / spec-verify) batches: those steps plan into a capacity-sized workspace
-    # whose launch (grid, tiles, buffer addresses) is the same at every step, so the captured launch replays any
-    # later plan (graph_wrapper). Mixed batches would replay correctly too (the fixed grid admits any plan within
-    # capacity), but with the decode-shaped fixed tiles; UNIFORM_BATCH keeps them piecewise with per-batch tiles.
-    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
+    # Full CUDA graphs for every batch: graph-safe steps plan into a capacity-sized workspace whose launches (one
+    # per work class: grids, tiles, buffer addresses) are the same at every step, so the captured launches replay
+    # any later plan (graph_wrapper). Under vLLM's FULL mode mixed batches are captured too, and the graph wrapper
+    # then has a launch of its own for prefill-chunk tiles; under FULL_AND_PIECEWISE (the default) only uniform
+    # decode batches are, and mixed ones run piecewise with per-batch tiles.
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.ALWAYS
     reorder_batch_threshold: int | None = None  # the plan takes decodes and prefills mixed, in any order
 
     def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config, device: torch.device) -> None:

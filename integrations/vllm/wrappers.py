@@ -32,9 +32,11 @@ def graph_wrapper(vllm_config, *, num_qo_heads: int, num_kv_heads: int, head_dim
     """The builder's CUDA-graph wrapper, or None when vLLM captures no full graphs.
 
     Capacities from vLLM's graph settings: ``max_tokens`` = the largest capture size (vLLM pads a replayed batch to
-    a capture size), as many requests (a padded request has >= 0 query rows), tiles for the uniform decode query
-    length ``1 + num_speculative_tokens``. No block-table section: every graph-safe step passes vLLM's persistent
-    device table (``max_blocks_per_request=0``).
+    a capture size), as many requests (a padded request has >= 0 query rows). Tiles for the uniform decode query
+    length ``1 + num_speculative_tokens`` when vLLM captures full graphs of uniform decode batches only
+    (``FULL_AND_PIECEWISE``, ``FULL_DECODE_ONLY``); for the largest capture size when it captures mixed batches too
+    (``FULL``): the graphs then launch the prefill-chunk class as well. No block-table section: every graph-safe
+    step passes vLLM's persistent device table (``max_blocks_per_request=0``).
     """
     cc = getattr(vllm_config, "compilation_config", None)
     mode = getattr(cc, "cudagraph_mode", None)
@@ -43,6 +45,8 @@ def graph_wrapper(vllm_config, *, num_qo_heads: int, num_kv_heads: int, head_dim
         return None
     spec = getattr(vllm_config, "speculative_config", None)
     decode_len = 1 + int(getattr(spec, "num_speculative_tokens", None) or 0)
+    if mode.mixed_mode() == type(mode).FULL:  # mixed batches replay these graphs too
+        decode_len = max(decode_len, int(max_size))
     return prefixattn.PrefixSharedAttention(
         **_wrapper_options(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                            block_size=block_size, q_dtype=q_dtype, kv_dtype=kv_dtype, sm_scale=sm_scale,

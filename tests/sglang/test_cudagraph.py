@@ -110,10 +110,14 @@ def test_capture_and_padded_replays_reuse_the_launch(page_size, monkeypatch):
     (p,) = ours.forward_metadata.plans.values()
     assert p.has_shared and p.num_tokens == 5  # padding slots planned with no query rows
 
-    launches = rec.launches[1:]  # the captured launch and the two replays
-    grids = {grid for grid, _ in launches}
-    args = [{k: a for k, a in args.items() if k != "out_ptr"} for _, args in launches]  # out: the graph pool's
-    assert len(grids) == 1 and args[0] == args[1] == args[2]
+    # One launch per graph work class (shared, decode) per forward: the warm-up forward's, the captured ones and
+    # the two replays'.
+    (graph_attn,) = ours._graph.wrappers.values()
+    per_step = len(graph_attn.graph_work_classes)
+    assert per_step == 2 and len(rec.launches) == 4 * per_step
+    steps = [[(grid, {k: a for k, a in args.items() if k != "out_ptr"})  # out: the graph pool's
+              for grid, args in rec.launches[i * per_step:(i + 1) * per_step]] for i in (1, 2, 3)]
+    assert steps[0] == steps[1] == steps[2]
     # Every real slot holds the same K/V as the peer's pool; padding wrote only slot 0 (SGLang's padding slot).
     torch.testing.assert_close(our_pool.get_key_buffer(0)[1:], peer_pool.get_key_buffer(0)[1:], atol=0, rtol=0)
 

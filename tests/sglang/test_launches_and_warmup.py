@@ -53,7 +53,10 @@ def test_a_layer_is_the_pools_write_and_one_attention_launch(monkeypatch):
 def test_with_a_shared_prefix_the_merge_counters_are_reset_first(monkeypatch):
     c, plan = _second_layer_launches(monkeypatch, shared=True)
     assert plan.has_shared
-    assert c.engine_ops == ["set_kv_buffer"] and c.triton == ["prefix_attention_kernel"] and c.torch_ops == ["zero_"]
+    # One launch per work class: the shared prefix's programs and the decodes'.
+    assert plan.num_launches == 2
+    assert c.engine_ops == ["set_kv_buffer"] and c.triton == ["prefix_attention_kernel"] * 2
+    assert c.torch_ops == ["zero_"]
 
 
 # ---------------------------------------------------------------------------------------------------------------

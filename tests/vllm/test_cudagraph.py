@@ -79,14 +79,18 @@ def _persistent_rows(table):
     return PERSISTENT_TABLE[:len(table)]
 
 
-def test_builder_declares_uniform_batch_graphs(vllm_config):
+def test_builder_declares_full_graphs_for_every_batch(vllm_config):
     from vllm.v1.attention.backend import AttentionCGSupport
+
+    from prefixattn.kernels import layout as K
 
     from integrations.vllm.backend import PrefixAttnMetadataBuilder
 
-    assert PrefixAttnMetadataBuilder.get_cudagraph_support(vllm_config, None) == AttentionCGSupport.UNIFORM_BATCH
+    assert PrefixAttnMetadataBuilder.get_cudagraph_support(vllm_config, None) == AttentionCGSupport.ALWAYS
+    # FULL_AND_PIECEWISE: full graphs of uniform decode batches only, so no prefill-chunk launch in them.
     attn = _builder(vllm_config).graph_attn
     assert attn is not None and attn.use_cuda_graph and attn.graph_max_q_len == 1
+    assert attn.graph_work_classes == (K.CLASS_SHARED, K.CLASS_DECODE)
     assert attn.workspace.capacity.max_tokens == CAPTURE_SIZE
 
 
@@ -126,9 +130,11 @@ def test_capture_then_padded_replay_reuses_the_launch(vllm_config, monkeypatch):
     assert meta.plan.work.items[:, 3].max() == 1  # KV cut to each dummy request's own token: a short capture run
     impl.forward(None, query, key, value, kv_cache, meta, output)
 
-    # Replay step: 5 real decodes (requests 0-3 share blocks 5, 6), padded to the capture size.
-    table = [[5, 6, 1, 0], [5, 6, 2, 0], [5, 6, 3, 0], [5, 6, 4, 0], [7, 8, 9, 0]]
-    seq_lens = [40, 35, 47, 33, 45]
+    # Replay step: 5 real decodes (requests 0-3 share blocks 5, 6, 11, 12: a prefix worth its shared program's
+    # fixed cost), padded to the capture size.
+    table = [[5, 6, 11, 12, 1, 0], [5, 6, 11, 12, 2, 0], [5, 6, 11, 12, 3, 0], [5, 6, 11, 12, 4, 0],
+             [7, 8, 9, 13, 14, 0]]
+    seq_lens = [72, 67, 79, 65, 77]
     common = _common([1] * 5, seq_lens, table, num_padded_reqs=3, num_tokens_padded=CAPTURE_SIZE)
     meta = builder.build(0, common)
     assert meta.graph_attn is builder.graph_attn and meta.plan.num_tokens == 5 and meta.plan.has_shared
@@ -139,8 +145,8 @@ def test_capture_then_padded_replay_reuses_the_launch(vllm_config, monkeypatch):
     before = kv_cache.clone()
     impl.forward(None, query, key, value, kv_cache, meta, output)
 
-    (grid_c, args_c), (grid_r, args_r) = rec.launches
-    assert grid_c == grid_r and args_c == args_r  # the captured launch is the replayed step's launch
+    captured, replayed = rec.launches[:2], rec.launches[2:]
+    assert len(rec.launches) == 4 and captured == replayed  # the captured launches are the replayed step's
     k_cache, v_cache = split_kv_cache(kv_cache, D)
     ref = prefixattn.reference_attention(query[:5], k_cache, v_cache, torch.arange(6), torch.tensor(seq_lens),
                                          torch.tensor(table))
@@ -188,7 +194,8 @@ def test_a_smaller_graph_launches_a_smaller_grid(vllm_config, monkeypatch):
     attn = builder.graph_attn
     table, seq_lens = [[5, 6, 1], [5, 6, 2], [7, 8, 3]], [40, 35, 45]
     meta = builder.build(0, _common([1] * 3, seq_lens, table, num_padded_reqs=1, num_tokens_padded=4))
-    assert meta.plan.stats["grid_items"] == attn.graph_grid_items(4) < attn.graph_grid_items(CAPTURE_SIZE)
+    small, large = attn.graph_grid_items(4), attn.graph_grid_items(CAPTURE_SIZE)
+    assert meta.plan.stats["grid_items"] == small and all(a <= b for a, b in zip(small, large)) and small != large
     g = torch.Generator().manual_seed(4)
     kv_cache = torch.randn(NUM_BLOCKS, HKV, BLOCK, 2 * D, generator=g)
     query, key, value = torch.randn(4, HQ, D, generator=g), torch.randn(4, HKV, D, generator=g), torch.randn(
@@ -196,10 +203,60 @@ def test_a_smaller_graph_launches_a_smaller_grid(vllm_config, monkeypatch):
     output = torch.full((4, HQ, D), float("nan"))
     PrefixAttnImpl(num_heads=HQ, head_size=D, scale=D ** -0.5, num_kv_heads=HKV).forward(
         None, query, key, value, kv_cache, meta, output)
-    assert rec.launches[0][0] == (attn.graph_grid_items(4) * HKV,)
+    assert [grid for grid, _ in rec.launches] == [(n * HKV,) for n in small]
     k_cache, v_cache = split_kv_cache(kv_cache, D)
     ref = prefixattn.reference_attention(query[:3], k_cache, v_cache, torch.arange(4), torch.tensor(seq_lens),
                                          torch.tensor(table))
     atol, rtol = ATTENTION_TOL[torch.float32]
     torch.testing.assert_close(output[:3], ref, atol=atol, rtol=rtol)
     assert torch.isnan(output[3:]).all()
+
+
+def test_full_mode_captures_mixed_batches(vllm_config, monkeypatch):
+    """vLLM's FULL mode replays full graphs for mixed batches too: the graph wrapper then launches the prefill-chunk
+    class as well, a mixed step is graph-safe, and it replays the launches captured for a dummy batch, matching the
+    reference."""
+    import copy
+
+    import prefixattn
+    from prefixattn import prefix_attention
+    from prefixattn.kernels import layout as K
+    from vllm.config.compilation import CUDAGraphMode
+
+    from integrations.vllm.backend import PrefixAttnImpl, split_kv_cache
+
+    size = 2 * CAPTURE_SIZE  # past a decode tile's rows (8 on the CPU heuristic at GQA 2): chunk tiles of their own
+    config = copy.deepcopy(vllm_config)
+    config.compilation_config.cudagraph_mode = CUDAGraphMode.FULL
+    config.compilation_config.cudagraph_capture_sizes = [1, 2, 4, CAPTURE_SIZE, size]
+    config.compilation_config.max_cudagraph_capture_size = size
+    rec = RecordingKernel(prefix_attention.prefix_attention_kernel)
+    monkeypatch.setattr(prefix_attention, "prefix_attention_kernel", rec)
+    builder = _builder(config)
+    attn = builder.graph_attn
+    assert attn.graph_max_q_len == size
+    assert attn.graph_work_classes == (K.CLASS_SHARED, K.CLASS_CHUNK, K.CLASS_DECODE)
+    impl = PrefixAttnImpl(num_heads=HQ, head_size=D, scale=D ** -0.5, num_kv_heads=HKV)
+    g = torch.Generator().manual_seed(5)
+    kv_cache = torch.randn(NUM_BLOCKS, HKV, BLOCK, 2 * D, generator=g)
+    query, output = torch.zeros(size, HQ, D), torch.zeros(size, HQ, D)
+    key, value = torch.zeros(size, HKV, D), torch.zeros(size, HKV, D)
+    dummy = _common([2] * CAPTURE_SIZE, [200] * CAPTURE_SIZE, [[0] * MAX_BLOCKS_PER_REQ] * CAPTURE_SIZE)
+    impl.forward(None, query, key, value, kv_cache, builder.build_for_cudagraph_capture(dummy), output)
+    # A 10-row prefill chunk and two decodes under a shared prefix (blocks 5, 6), padded to the capture size.
+    table, seq_lens, q_lens = [[5, 6, 1, 0], [5, 6, 2, 0], [5, 6, 3, 10]], [40, 35, 55], [1, 1, 10]
+    common = _common(q_lens, seq_lens, table, num_padded_reqs=1, num_tokens_padded=size)
+    meta = builder.build(0, common)
+    assert meta.graph_attn is attn and K.CLASS_CHUNK in meta.plan.work_classes
+    for t in (query, key, value):
+        t.copy_(torch.randn(t.shape, generator=g))
+    output.fill_(float("nan"))
+    impl.forward(None, query, key, value, kv_cache, meta, output)
+    captured, replayed = rec.launches[:3], rec.launches[3:]
+    assert len(rec.launches) == 6 and captured == replayed
+    k_cache, v_cache = split_kv_cache(kv_cache, D)
+    ref = prefixattn.reference_attention(query[:12], k_cache, v_cache, torch.tensor([0, 1, 2, 12]),
+                                         torch.tensor(seq_lens), torch.tensor(table))
+    atol, rtol = ATTENTION_TOL[torch.float32]
+    torch.testing.assert_close(output[:12], ref, atol=atol, rtol=rtol)
+    assert torch.isnan(output[12:]).all()
