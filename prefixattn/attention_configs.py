@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from prefixattn.autotune.config_space import AttentionConfig, LaunchOptions, block_d
+from prefixattn.autotune.config_space import AttentionConfig, LaunchOptions, block_d, fp8_block_n
 from prefixattn.autotune.lookup import READ_FIXED_ENV, select_config, selection_state
 from prefixattn.autotune.targets import get_target
 from prefixattn.kernels import layout as K
@@ -55,12 +55,15 @@ class AttentionTiles:
         return (self.shared, self.chunk, self.decode)[work_class]
 
     def launch_options(self, work_class: int, kv_fp8: bool = False) -> dict:
-        """``num_warps``, ``num_stages`` (and on AMD ``waves_per_eu``, ``matrix_instr_nonkdim``, ``kpack``) of the
-        launch of ``work_class`` (``kv_fp8``: the K/V cache is fp8,
-        :meth:`~prefixattn.autotune.config_space.LaunchOptions.for_kv`)."""
+        """``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages`` (and on AMD ``waves_per_eu``,
+        ``matrix_instr_nonkdim``, ``kpack``) of the launch of ``work_class`` (``kv_fp8``: the K/V cache is fp8:
+        :meth:`~prefixattn.autotune.config_space.LaunchOptions.for_kv` and
+        :func:`~prefixattn.autotune.config_space.fp8_block_n`)."""
         has_shared = work_class == K.CLASS_SHARED
-        lo = self.of(work_class).launch.for_kv(has_shared=has_shared, kv_fp8=kv_fp8, is_hip=self.is_hip)
-        opts = {"num_warps": lo.num_warps, "num_stages": lo.num_stages}
+        ct = self.of(work_class)
+        lo = ct.launch.for_kv(has_shared=has_shared, kv_fp8=kv_fp8, is_hip=self.is_hip)
+        block_n = fp8_block_n(ct.block_m, ct.block_n, kv_fp8=kv_fp8, block_d=self.block_d)
+        opts = {"BLOCK_M": ct.block_m, "BLOCK_N": block_n, "num_warps": lo.num_warps, "num_stages": lo.num_stages}
         if self.is_hip:
             opts.update(waves_per_eu=lo.waves_per_eu, matrix_instr_nonkdim=lo.matrix_instr_nonkdim, kpack=lo.kpack)
         return opts

@@ -191,10 +191,9 @@ def _launch(*, out, lse, q, k_cache, v_cache, p: Plan, classes: tuple, grid_item
     kv_fp8 = k_cache.dtype in FP8_KV_DTYPES
     ranges = tb["ranges"]
     for work_class, items in zip(classes, grid_items):
-        ct = t.of(work_class)
         prefix_attention_kernel[(items * p.num_kv_heads,)](
-            item_range_ptr=ranges[work_class], IS_SHARED=work_class == CLASS_SHARED, BLOCK_M=ct.block_m,
-            BLOCK_N=ct.block_n, **args, **t.launch_options(work_class, kv_fp8=kv_fp8))
+            item_range_ptr=ranges[work_class], IS_SHARED=work_class == CLASS_SHARED, **args,
+            **t.launch_options(work_class, kv_fp8=kv_fp8))
 
 
 #: Options a CUDA-graph wrapper fixes at construction: the captured launch holds them (constexprs, scalars, tiles).

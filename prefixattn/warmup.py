@@ -38,7 +38,7 @@ import torch
 
 from prefixattn.attention_configs import ClassTiles, choose_tiles
 from prefixattn.autotune.buckets import MAX_Q_LEN_RANGE
-from prefixattn.autotune.config_space import AttentionConfig
+from prefixattn.autotune.config_space import AttentionConfig, block_d, fp8_block_n
 from prefixattn.autotune.lookup import fixed_config, planning_target, select_config
 from prefixattn.kernels.layout import CLASS_CHUNK, CLASS_DECODE, CLASS_SHARED, WORK_CLASSES, page_size_constexpr
 from prefixattn.runtime import interpreter_enabled
@@ -99,10 +99,12 @@ class KernelVariant:
         if self.kernel == KV_WRITE:
             return f"{KV_WRITE} {geometry} slots {torch_dtype_name(self.slot_dtype)}"
         t = self.tiles
-        lo = t.launch.for_kv(has_shared=self.work_class == CLASS_SHARED, kv_fp8=self.kv_fp8, is_hip=self.is_hip)
+        shared = self.work_class == CLASS_SHARED
+        lo = t.launch.for_kv(has_shared=shared, kv_fp8=self.kv_fp8, is_hip=self.is_hip)
+        block_n = fp8_block_n(t.block_m, t.block_n, kv_fp8=self.kv_fp8, block_d=block_d(self.head_dim))
         parts = [ATTENTION, geometry, f"page {page_size_constexpr(self.block_size) or 'any'}",
                  WORK_CLASSES[self.work_class], "+lse" if self.has_lse else "no-lse",
-                 *(["+kv_scale"] if self.has_kv_scale else []), f"{t.block_m}x{t.block_n}",
+                 *(["+kv_scale"] if self.has_kv_scale else []), f"{t.block_m}x{block_n}",
                  f"w{lo.num_warps}/s{lo.num_stages}", f"q_len {_ranges(self.max_q_lens)}"]
         return " ".join(parts)
 

@@ -4,8 +4,9 @@ For each target, kernel variant, dtype, head size and default config it runs ``t
 reports: compile ok, registers (ptxas ``-v`` on NVIDIA; ``.vgpr_count`` (+ AGPRs) on AMD), spills (ptxas spill
 store + load bytes; ``.vgpr_spill_count`` plus scratch-memory instructions on AMD), shared memory / LDS, the pipeline
 depth of the KV loops in the TTGIR (:func:`parse_pipeline`: K/V tiles in flight, from the K/V buffer copies and the
-in-loop ``async_wait`` nums on NVIDIA, LDS buffers plus the stream pipeliner's prefetch on AMD), and whether the shared-node part
-of the fused kernel issues matrix instructions: its ``tt.dot`` ops got a tensor-core layout in the TTGIR
+in-loop ``async_wait`` nums on NVIDIA, LDS buffers plus the stream pipeliner's prefetch on AMD), and whether the
+shared-node part of the fused kernel issues matrix instructions: its ``tt.dot`` ops got a tensor-core layout in the
+TTGIR
 (``nvidia_mma`` v2 = ``mma.sync``, v3 = ``wgmma``; ``amd_mfma``) and the assembly contains them. Dots are attributed
 to the shared part by their shapes, ``[BLOCK_M_SHARED, BLOCK_D] x [BLOCK_D, BLOCK_N_SHARED]`` and
 ``[BLOCK_M_SHARED, BLOCK_N_SHARED] x [BLOCK_N_SHARED, BLOCK_D]`` (a suffix dot of the same shapes gets the same
@@ -17,6 +18,9 @@ the tables placed under the register budget uses more (``shipped_tables.DECODE_S
 (fp16/bf16, and fp32 on AMD) its shared-node part has no matrix instructions. Compiles run in worker processes with
 ``TRITON_INTERPRET=0`` (a kernel defined under the interpreter cannot be compiled), ``--jobs`` at a time. What is
 read out of the compiler's output (TTGIR, PTX, ptxas log, AMDGCN) is :mod:`prefixattn.autotune.compile_analysis`.
+
+The default run compiles every binary of every default config (:func:`build_jobs`); ``--worst-case`` is CI's
+selection (:func:`worst_case_jobs`).
 """
 
 from __future__ import annotations
@@ -241,11 +245,20 @@ def default_attention_configs(target, head_dim: int, dtype: str) -> list[tuple[s
     return list(pairs)
 
 
+def class_binaries(pairs) -> list[tuple[str, object, bool]]:
+    """``(mode, config, has_shared)`` of each work-class binary the ``(mode, config)`` pairs launch: a decode config
+    serves the shared and the decode class, a chunked-prefill config the chunk class
+    (:func:`prefixattn.attention_configs.tiles_from_configs`)."""
+    return [(mode, cfg, has_shared) for mode, cfg in pairs
+            for has_shared in ((True, False) if mode != "chunked_prefill" else (False,))]
+
+
 def build_jobs(*, targets, kernels, dtypes, head_dims, lse=(False, True), max_configs: int | None = None,
                configs: list | None = None) -> list:
-    """Every job of the check. ``configs`` (a list of AttentionConfig) replaces the defaults (marked non-default)."""
+    """Every job of the check: each binary of each default config with and without LSE and with each feature variant
+    (:func:`prefixattn.autotune.compile_specs.feature_specs`), and the merge kernels. ``configs`` (a list of
+    AttentionConfig) replaces the defaults (marked non-default)."""
     from prefixattn.autotune import compile_specs as cs
-    from prefixattn.autotune.lookup import heuristic_merge_config
 
     names = _kernel_param_names()
     jobs = []
@@ -259,23 +272,73 @@ def build_jobs(*, targets, kernels, dtypes, head_dims, lse=(False, True), max_co
                         pairs = default_attention_configs(target, head_dim, dtype)
                     if max_configs is not None:
                         pairs = pairs[:max_configs]
-                    fused_names = names[cs.FUSED_KERNEL]
-                    for mode, cfg in pairs:
-                        # A decode config serves the shared and the decode class, a chunked-prefill one the chunk
-                        # class (prefixattn.attention_configs.tiles_from_configs).
-                        for has_shared in (True, False) if mode != "chunked_prefill" else (False,):
-                            for has_lse in lse:
-                                jobs.append(cs.fused_job(target=target, dtype=dtype, head_dim=head_dim, config=cfg,
-                                                         variant=mode, has_lse=has_lse, has_shared=has_shared,
-                                                         default=configs is None, param_names=fused_names))
-                    if pairs:  # issue 19's feature variants (fp8 K/V, soft cap, window, sinks), first config
-                        jobs += cs.feature_jobs(target=target, dtype=dtype, head_dim=head_dim, config=pairs[0][1],
-                                                param_names=fused_names, default=configs is None)
+                    common = dict(target=target, dtype=dtype, head_dim=head_dim, default=configs is None,
+                                  param_names=names[cs.FUSED_KERNEL])
+                    for mode, cfg, has_shared in class_binaries(pairs):
+                        for has_lse in lse:
+                            jobs.append(cs.fused_job(config=cfg, variant=mode, has_lse=has_lse, has_shared=has_shared,
+                                                     **common))
+                        jobs += cs.feature_jobs(config=cfg, variant=mode, has_shared=has_shared, **common)
                 if "merge" in kernels:
-                    jobs += cs.merge_jobs(target=target, dtype=dtype, head_dim=head_dim,
-                                          config=heuristic_merge_config(head_dim, cs.NUM_QO_HEADS),
-                                          param_names=names)
+                    jobs += _merge_jobs(target, dtype, head_dim, names)
     return jobs
+
+
+def _merge_jobs(target, dtype: str, head_dim: int, names: dict) -> list:
+    from prefixattn.autotune import compile_specs as cs
+    from prefixattn.autotune.lookup import heuristic_merge_config
+
+    return cs.merge_jobs(target=target, dtype=dtype, head_dim=head_dim,
+                         config=heuristic_merge_config(head_dim, cs.NUM_QO_HEADS), param_names=names)
+
+
+#: CI's selection (``--worst-case``) is bf16: its conversions take more registers than fp16's (sm_90, head_dim 256,
+#: fp8 e4m3 K/V spilled 144 bytes in bf16 and 128 in fp16 with the same tiles, Triton 3.9).
+WORST_CASE_DTYPE = "bf16"
+
+
+def worst_case_jobs(targets) -> list:
+    """CI's selection, the worst case of every axis in a few minutes: every binary of every shipped bf16 config
+    (each head size, each work class, LSE on: a spill anywhere in those tables fails it); at the smallest and
+    largest head size each of those binaries with every model switch, over a 16-bit cache and over each fp8 type
+    the target compiles (:func:`prefixattn.autotune.compile_specs.feature_specs`), and the fp32 binaries with LSE;
+    the merge kernels at the largest head size. Only the full default run covers fp16, LSE off, each feature switch
+    on its own, the NaN guard, fp32 at the other head sizes and fp32 with features."""
+    from prefixattn.autotune import compile_specs as cs
+
+    names = _kernel_param_names()
+    fused = names[cs.FUSED_KERNEL]
+    extremes = (min(HEAD_DIMS), max(HEAD_DIMS))
+    jobs = []
+    for target in targets:
+        for head_dim in HEAD_DIMS:
+            common = dict(target=target, dtype=WORST_CASE_DTYPE, head_dim=head_dim, param_names=fused)
+            shipped = default_attention_configs(target, head_dim, WORST_CASE_DTYPE)
+            for mode, cfg, has_shared in class_binaries(shipped):
+                jobs.append(cs.fused_job(config=cfg, variant=mode, has_lse=True, has_shared=has_shared, **common))
+                if head_dim in extremes:
+                    jobs += cs.feature_jobs(config=cfg, variant=mode, has_shared=has_shared,
+                                            specs=cs.feature_specs(target, WORST_CASE_DTYPE, worst_case_only=True),
+                                            **common)
+        for head_dim in extremes:
+            for mode, cfg, has_shared in class_binaries(default_attention_configs(target, head_dim, "fp32")):
+                jobs.append(cs.fused_job(target=target, dtype="fp32", head_dim=head_dim, config=cfg, variant=mode,
+                                         has_lse=True, has_shared=has_shared, param_names=fused))
+        jobs += _merge_jobs(target, WORST_CASE_DTYPE, max(HEAD_DIMS), names)
+    return jobs
+
+
+@contextlib.contextmanager
+def _interpreter_off_for_children():
+    before = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = before
 
 
 def run_jobs(jobs, *, workers: int, progress=None) -> list[dict]:
@@ -283,8 +346,10 @@ def run_jobs(jobs, *, workers: int, progress=None) -> list[dict]:
     if not jobs:
         return []
     results: list = [None] * len(jobs)
-    with ProcessPoolExecutor(max_workers=max(1, workers), mp_context=get_context("spawn"),
-                             initializer=_worker_init) as pool:
+    # Spawned workers import the package before their initializer runs: they must start with the interpreter off
+    # even when this process runs it (a test under TRITON_INTERPRET=1).
+    with _interpreter_off_for_children(), ProcessPoolExecutor(
+            max_workers=max(1, workers), mp_context=get_context("spawn"), initializer=_worker_init) as pool:
         futures = {pool.submit(compile_one, job): i for i, job in enumerate(jobs)}
         from concurrent.futures import as_completed
 
@@ -310,15 +375,19 @@ def add_arguments(parser) -> None:
     parser.add_argument("--targets", default=",".join(DEFAULT_CHECK_TARGETS),
                         help=f"comma-separated targets (known: {', '.join(TARGETS)}; default %(default)s)")
     parser.add_argument("--json", dest="json_path", default=None, help="write every record to this JSON file")
-    parser.add_argument("--kernels", type=_csv("kernels"), default=list(KERNELS),
+    parser.add_argument("--worst-case", action="store_true",
+                        help="CI's selection instead of the full run: every shipped binary (bf16, LSE) and, at the "
+                             "smallest and largest head size, every feature switch at once over each fp8 type "
+                             "(cannot be combined with the options below)")
+    parser.add_argument("--kernels", type=_csv("kernels"), default=None,
                         help=f"comma-separated subset of {','.join(KERNELS)}")
-    parser.add_argument("--dtypes", type=_csv("dtypes"), default=list(DTYPE_BYTES),
+    parser.add_argument("--dtypes", type=_csv("dtypes"), default=None,
                         help="comma-separated subset of fp16,bf16,fp32")
-    parser.add_argument("--head-dims", type=int_list(HEAD_DIMS), default=list(HEAD_DIMS),
+    parser.add_argument("--head-dims", type=int_list(HEAD_DIMS), default=None,
                         help="comma-separated head sizes (default: every supported one)")
     parser.add_argument("--head-dim-per-target", type=_csv("head_dim_per_target"), default=None,
-                        help="TARGET=HEAD_DIM pairs: check only that head size on that target (CI's quick run)")
-    parser.add_argument("--lse", choices=("both", "on", "off"), default="both",
+                        help="TARGET=HEAD_DIM pairs: check only that head size on that target")
+    parser.add_argument("--lse", choices=("both", "on", "off"), default=None,
                         help="compile the fused kernel with HAS_LSE on, off or both (default both)")
     parser.add_argument("--max-configs", type=positive_int, default=None,
                         help="at most this many default configs per (target, dtype, head_dim)")
@@ -361,12 +430,19 @@ def run(args) -> int:
         print("prefixattn compile-check: TRITON_INTERPRET=1 is set; compile-check compiles real kernels: unset "
               "TRITON_INTERPRET (or set TRITON_INTERPRET=0) and run it again", file=sys.stderr)
         return 2
+    selection = ("kernels", "dtypes", "head_dims", "head_dim_per_target", "lse", "max_configs")
     try:
         targets = parse_targets(args.targets)
-        for d in args.dtypes:
+        given = [name for name in selection if getattr(args, name) is not None]
+        if args.worst_case and given:
+            raise ValueError(f"worst-case: expected no other selection, got --{given[0].replace('_', '-')} too "
+                             "(--worst-case picks head sizes, dtypes and variants itself; --targets narrows it)")
+        kernels = args.kernels or list(KERNELS)
+        dtypes = args.dtypes or list(DTYPE_BYTES)
+        for d in dtypes:
             if d not in DTYPE_BYTES:
                 raise ValueError(f"dtypes: expected a subset of {','.join(DTYPE_BYTES)}, got {d!r}")
-        for k in args.kernels:
+        for k in kernels:
             if k not in KERNELS:
                 raise ValueError(f"kernels: expected a subset of {','.join(KERNELS)}, got {k!r}")
         per_target = {}
@@ -380,11 +456,11 @@ def run(args) -> int:
     except ValueError as e:
         print(f"prefixattn compile-check: {e}", file=sys.stderr)
         return 2
-    lse = {"both": (False, True), "on": (True,), "off": (False,)}[args.lse]
-    jobs = []
-    for t in targets:
-        head_dims = [per_target[t.name]] if t.name in per_target else args.head_dims
-        jobs += build_jobs(targets=[t], kernels=args.kernels, dtypes=args.dtypes, head_dims=head_dims, lse=lse,
+    lse = {"both": (False, True), "on": (True,), "off": (False,)}[args.lse or "both"]
+    jobs = worst_case_jobs(targets) if args.worst_case else []
+    for t in targets if not args.worst_case else ():
+        head_dims = [per_target[t.name]] if t.name in per_target else (args.head_dims or list(HEAD_DIMS))
+        jobs += build_jobs(targets=[t], kernels=kernels, dtypes=dtypes, head_dims=head_dims, lse=lse,
                            max_configs=args.max_configs)
     print(f"prefixattn compile-check: {len(jobs)} compiles for {', '.join(t.name for t in targets)} "
           f"({args.jobs} processes)", flush=True)

@@ -11,8 +11,8 @@ shared class and the decode class from a decode config (variants ``decode`` and 
 class from a chunked-prefill config (``chunked_prefill/suffix-only``); its other constexpr switches are ``HAS_LSE``
 and ``USE_FP32_DOT`` (tied to the fp32 dtype on GPUs), and the feature switches (``HAS_SOFT_CAP``, ``HAS_WINDOW``,
 ``HAS_SINKS``, ``HAS_KV_SCALE`` with fp8 K/V pointers, ``USE_NAN_GUARD``), off in the default variants and on in
-:func:`feature_jobs`. Split-k and merging are run-time paths of every binary (work items and the in-kernel
-last-arriver merge), so each record lists them under ``serves``.
+:func:`feature_jobs` (for every binary). Split-k and merging are run-time paths of every binary (work items and the
+in-kernel last-arriver merge), so each record lists them under ``serves``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from prefixattn.autotune.compile_analysis import MIN_PIPELINE_DEPTH
-from prefixattn.autotune.config_space import AttentionConfig, MergeConfig, block_d
+from prefixattn.autotune.config_space import AttentionConfig, MergeConfig, block_d, fp8_block_n
 from prefixattn.autotune.targets import Target
 from prefixattn.kernels.layout import page_size_constexpr
 
@@ -185,8 +185,10 @@ def fused_job(*, target: Target, dtype: str, head_dim: int, config: AttentionCon
     names = param_names if param_names is not None else _param_names(FUSED_KERNEL)
     use_fp32_dot = dtype == "fp32"  # what plan() sets on a GPU: fp32 inputs keep IEEE fp32 dots
     tiles = config.shared if has_shared else config.suffix
+    kv_fp8 = kv_dtype in FP8_KV_TYPES
+    block_n = fp8_block_n(tiles.block_m, tiles.block_n, kv_fp8=kv_fp8, block_d=bd)
     constexprs = dict(IS_SHARED=has_shared, HAS_LSE=has_lse, USE_FP32_DOT=use_fp32_dot, IS_HIP=target.is_hip,
-                      PAGE_SIZE=page_size_constexpr(BLOCK_SIZE), BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+                      PAGE_SIZE=page_size_constexpr(BLOCK_SIZE), BLOCK_M=tiles.block_m, BLOCK_N=block_n,
                       BLOCK_D=bd)
     for switch in FEATURE_SWITCHES:
         if switch in names:
@@ -195,13 +197,13 @@ def fused_job(*, target: Target, dtype: str, head_dim: int, config: AttentionCon
             raise ValueError(f"fused_job: the kernel has no {switch} switch")
     sig, consts, attrs = build_signature(names, fused_pointer_dtypes(dtype, kv_dtype), fused_launch_values(head_dim),
                                          constexprs, target)
-    bm, bn = config.shared.block_m, config.shared.block_n
-    launch = config.launch_for(has_shared).for_kv(has_shared=has_shared, kv_fp8=kv_dtype in FP8_KV_TYPES,
-                                                  is_hip=target.is_hip)
+    bm, bn = config.shared.block_m, block_n
+    launch = config.launch_for(has_shared).for_kv(has_shared=has_shared, kv_fp8=kv_fp8, is_hip=target.is_hip)
     name = (variant + ("" if has_shared else "/suffix-only") + ("+lse" if has_lse else "")
             + "".join("+" + f.split("_", 1)[1].lower() for f in FEATURE_SWITCHES if f in features)
             + (f"+{kv_dtype}" if kv_dtype else "")
-            + (f"@w{launch.num_warps}" if launch != config.launch_for(has_shared) else ""))  # the fp8 warps rule
+            + (f"@w{launch.num_warps}s{launch.num_stages}" if launch != config.launch_for(has_shared) else "")
+            + (f"@n{block_n}" if block_n != tiles.block_n else ""))  # the fp8 rules
     serves = (variant, "split_k", "in-kernel merge") if has_shared else (variant + " without shared nodes", "split_k")
     return CompileJob(
         kernel="prefix_attention", variant=name, dtype=dtype, head_dim=head_dim,
@@ -211,9 +213,10 @@ def fused_job(*, target: Target, dtype: str, head_dim: int, config: AttentionCon
         # IEEE fp32 dots have no tensor-core path on NVIDIA (tf32 would break the fp32 tolerance): CUDA cores there.
         require_matrix=has_shared and (dtype != "fp32" or target.is_hip),
         min_pipeline_depth=required_pipeline_depth(target),
-        # The 128-register budget belongs to the tables' 16-bit decode rows; fp8 K/V launches run at more warps.
-        max_registers=0 if has_shared or variant != "decode" or kv_dtype else decode_suffix_register_budget(
-            target, dtype, head_dim, config),
+        # The 128-register budget belongs to the tables' 16-bit decode rows without features (the table builder's
+        # estimate places those); fp8 K/V launches run at more warps.
+        max_registers=(0 if has_shared or variant != "decode" or kv_dtype or features
+                       else decode_suffix_register_budget(target, dtype, head_dim, config)),
     )
 
 
@@ -230,24 +233,43 @@ def decode_suffix_register_budget(target: Target, dtype: str, head_dim: int, con
     return DECODE_SUFFIX_MAX_REGS
 
 
-def feature_jobs(*, target: Target, dtype: str, head_dim: int, config: AttentionConfig, param_names=None,
-                 default: bool = True) -> list[CompileJob]:
-    """The issue-19 variants of one (target, dtype, head size, config), on top of its default variants: fp8 e4m3
-    K/V with scales (shared + suffix launch, the production decode setting; e5m2 where the target has no e4m3),
-    fp8 e5m2 K/V (suffix-only), and soft cap + sliding window + sinks + the NaN guard (with shared items). fp32
-    inputs get only the last one (no engine pairs an fp32 model with an fp8 cache). Empty for a kernel without the
-    switches."""
+#: The switches a model turns on (Gemma 2: soft cap and window; gpt-oss: sinks and window).
+MODEL_FEATURES = ("HAS_SOFT_CAP", "HAS_WINDOW", "HAS_SINKS")
+#: The switches that do not touch the K/V element type (every dtype compiles them): the model's and the NaN guard.
+NON_FP8_FEATURES = MODEL_FEATURES + ("USE_NAN_GUARD",)
+
+
+def feature_specs(target: Target, dtype: str, *, worst_case_only: bool = False) -> list[tuple]:
+    """``(features, kv_dtype)`` of the issue-19 variants a binary is checked with: every non-fp8 switch (the model's
+    and the NaN guard); fp8 K/V with scales, each fp8 type the target compiles; and every model switch over an fp8
+    cache (a Gemma-2-like model on an fp8 cache). ``worst_case_only`` (CI's selection): every model switch, over a
+    16-bit cache and over each fp8 type. fp32 inputs get only the non-fp8 switches (no engine pairs an fp32 model
+    with an fp8 cache).
+
+    Not checked: the NaN guard (``plan(nan_guard=True)``, a debugging mode) over an fp8 cache: sm_90, head_dim 256,
+    e4m3, the chunk class's 64 x 16 tiles spill 212 bytes with it (Triton 3.9). The NaN guard over a 16-bit cache
+    is in the full run only: it spills there too (docs/tuning.md)."""
+    if dtype == "fp32":
+        return [(NON_FP8_FEATURES, None)]
+    kinds = fp8_kv_types(target)
+    with_model = [(MODEL_FEATURES + ("HAS_KV_SCALE",), kind) for kind in kinds]
+    if worst_case_only:
+        return [(MODEL_FEATURES, None)] + with_model
+    return [(NON_FP8_FEATURES, None)] + [(("HAS_KV_SCALE",), kind) for kind in kinds] + with_model[:1]
+
+
+def feature_jobs(*, target: Target, dtype: str, head_dim: int, config: AttentionConfig, variant: str,
+                 has_shared: bool, specs=None, param_names=None, default: bool = True) -> list[CompileJob]:
+    """The issue-19 variants (:func:`feature_specs`, or ``specs``) of one work class's binary (``config``,
+    ``variant``, ``has_shared`` as in :func:`fused_job`), all with LSE. Empty for a kernel without the switches."""
     names = param_names if param_names is not None else _param_names(FUSED_KERNEL)
     if not all(f in names for f in FEATURE_SWITCHES):
         return []
-    specs = [(True, ("HAS_SOFT_CAP", "HAS_WINDOW", "HAS_SINKS", "USE_NAN_GUARD"), None)]
-    if dtype != "fp32":
-        fp8 = fp8_kv_types(target)
-        specs += [(True, ("HAS_KV_SCALE",), fp8[0]), (False, ("HAS_KV_SCALE",), fp8[-1])]
-    return [fused_job(target=target, dtype=dtype, head_dim=head_dim, config=config, variant="decode", has_lse=True,
+    specs = feature_specs(target, dtype) if specs is None else specs
+    return [fused_job(target=target, dtype=dtype, head_dim=head_dim, config=config, variant=variant, has_lse=True,
                       has_shared=has_shared, default=default, param_names=names, features=features,
                       kv_dtype=kv_dtype)
-            for has_shared, features, kv_dtype in specs]
+            for features, kv_dtype in specs]
 
 
 def required_pipeline_depth(target: Target) -> int:

@@ -84,6 +84,20 @@ class Tiles:
 #: (Triton 3.9) and 127-128 (Triton 3.6), no spill (the compile-check feature jobs check it on every run). AMD is
 #: unchanged (its fp8 jobs compile without spills at the tables' options).
 FP8_SUFFIX_MIN_WARPS = 8
+#: Stages of a suffix-only NVIDIA launch over an fp8 K/V cache, at most: sm_80, bf16 q, e5m2 K/V, 16 x 64 tiles at 8
+#: warps spill 16 bytes at 4 stages (80 registers) and none at 3 (101 registers, 2 tiles in flight: the depth
+#: compile-check requires) under Triton 3.9 (compile-check).
+FP8_SUFFIX_MAX_STAGES = 3
+#: A launch over an fp8 K/V cache with tiles of :data:`FP8_LARGE_TILE_ROWS` rows or more at a padded head size
+#: (``BLOCK_D``) of :data:`FP8_LARGE_HEAD_DIM` or more takes KV tiles of at most :data:`FP8_MAX_BLOCK_N` positions:
+#: the fp8 -> 16-bit conversion of each K/V tile needs the registers. Compile-check, bf16 q, head_dim 256, LSE,
+#: Triton 3.9: sm_90 e4m3, 64 x 32 at 8 warps, 3 stages: shared class 255 registers, 80-96 bytes spilled (88 at 2
+#: stages, 560 at 16 warps), 64 x 16: 243, none; chunk class 255 and 176 bytes, 64 x 16: 236, none (244 and none
+#: with soft cap and window); gfx90a / gfx942 e4m3, chunk class 64 x 32 at 4 warps with soft cap, window and sinks:
+#: 512 VGPRs + AGPRs, 242-346 spilled, 64 x 16: 360-370, none. 16-row decode tiles fit as they are.
+FP8_LARGE_HEAD_DIM = 256
+FP8_LARGE_TILE_ROWS = 64
+FP8_MAX_BLOCK_N = 16
 
 
 @dataclass(frozen=True, order=True)
@@ -99,10 +113,12 @@ class LaunchOptions:
 
     def for_kv(self, *, has_shared: bool, kv_fp8: bool, is_hip: bool) -> "LaunchOptions":
         """These options for a launch whose K/V cache is fp8 (when ``kv_fp8``): a suffix-only NVIDIA launch gets at
-        least :data:`FP8_SUFFIX_MIN_WARPS` warps; everything else is unchanged. The one rule, used by the launch
-        (:meth:`prefixattn.attention_configs.AttentionTiles.launch_options`) and by compile-check."""
-        if kv_fp8 and not has_shared and not is_hip and self.num_warps < FP8_SUFFIX_MIN_WARPS:
-            return replace(self, num_warps=FP8_SUFFIX_MIN_WARPS)
+        least :data:`FP8_SUFFIX_MIN_WARPS` warps and at most :data:`FP8_SUFFIX_MAX_STAGES` stages; everything else is
+        unchanged. The one rule (with :func:`fp8_block_n`), used by the launch
+        (:meth:`prefixattn.attention_configs.AttentionTiles.launch_options`), the warm-up and compile-check."""
+        if kv_fp8 and not has_shared and not is_hip:
+            return replace(self, num_warps=max(self.num_warps, FP8_SUFFIX_MIN_WARPS),
+                           num_stages=min(self.num_stages, FP8_SUFFIX_MAX_STAGES))
         return self
 
     def compile_options(self, target: Target) -> dict:
@@ -112,6 +128,15 @@ class LaunchOptions:
             opts.update(waves_per_eu=self.waves_per_eu, matrix_instr_nonkdim=self.matrix_instr_nonkdim,
                         kpack=self.kpack)
         return opts
+
+
+def fp8_block_n(block_m: int, block_n: int, *, kv_fp8: bool, block_d: int) -> int:
+    """The KV tile a launch of ``block_m`` x ``block_n`` tiles takes when its K/V cache is fp8: at most
+    :data:`FP8_MAX_BLOCK_N` positions from :data:`FP8_LARGE_TILE_ROWS` rows and a padded head size (``block_d``) of
+    :data:`FP8_LARGE_HEAD_DIM` on (any KV tile computes the same result: the plan's ranges do not depend on it)."""
+    if kv_fp8 and block_m >= FP8_LARGE_TILE_ROWS and block_d >= FP8_LARGE_HEAD_DIM:
+        return min(block_n, FP8_MAX_BLOCK_N)
+    return block_n
 
 
 @dataclass(frozen=True, order=True)

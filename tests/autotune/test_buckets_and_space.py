@@ -124,3 +124,33 @@ def test_fp8_suffix_launches_take_more_warps_on_nvidia_only():
                dict(has_shared=False, kv_fp8=True, is_hip=True)):
         assert lo.for_kv(**kw) == lo, kw
     assert LaunchOptions(num_warps=16).for_kv(has_shared=False, kv_fp8=True, is_hip=False).num_warps == 16
+    assert LaunchOptions(num_stages=4).for_kv(has_shared=False, kv_fp8=True, is_hip=False).num_stages == 3
+
+
+def test_fp8_caches_take_narrower_kv_tiles_under_large_tiles_of_large_heads():
+    from prefixattn.autotune.config_space import FP8_MAX_BLOCK_N, fp8_block_n
+
+    assert fp8_block_n(64, 32, kv_fp8=True, block_d=256) == FP8_MAX_BLOCK_N == 16
+    assert fp8_block_n(128, 64, kv_fp8=True, block_d=256) == 16
+    # 16-bit caches, 16-row decode tiles, smaller heads and tiles already narrow keep theirs.
+    assert fp8_block_n(64, 32, kv_fp8=False, block_d=256) == 32
+    assert fp8_block_n(16, 64, kv_fp8=True, block_d=256) == 64
+    assert fp8_block_n(64, 32, kv_fp8=True, block_d=128) == 32
+    assert fp8_block_n(64, 16, kv_fp8=True, block_d=256) == 16
+
+
+def test_the_launch_applies_the_fp8_rules_per_work_class():
+    from prefixattn.attention_configs import tiles_from_configs
+    from prefixattn.kernels import layout as K
+
+    decode = AttentionConfig(shared=Tiles(64, 32), suffix=Tiles(16, 64), launch=LaunchOptions(8, 3),
+                             suffix_launch=LaunchOptions(4, 4))
+    chunk = AttentionConfig(shared=Tiles(64, 32), suffix=Tiles(64, 32), launch=LaunchOptions(8, 3))
+    tiles = tiles_from_configs(decode=decode, chunk=chunk, head_dim=256, is_hip=False)
+    plain = {c: tiles.launch_options(c) for c in (K.CLASS_SHARED, K.CLASS_CHUNK, K.CLASS_DECODE)}
+    fp8 = {c: tiles.launch_options(c, kv_fp8=True) for c in plain}
+    assert plain[K.CLASS_SHARED] == dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=3)
+    assert fp8[K.CLASS_SHARED] == dict(BLOCK_M=64, BLOCK_N=16, num_warps=8, num_stages=3)
+    assert fp8[K.CLASS_CHUNK] == dict(BLOCK_M=64, BLOCK_N=16, num_warps=8, num_stages=3)
+    assert plain[K.CLASS_DECODE] == dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=4)
+    assert fp8[K.CLASS_DECODE] == dict(BLOCK_M=16, BLOCK_N=64, num_warps=FP8_SUFFIX_MIN_WARPS, num_stages=3)

@@ -2,7 +2,6 @@
 
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -193,54 +192,96 @@ def test_signature_follows_launch_specialization():
     assert attrs[(2,)] == [["tt.divisibility", 16]] and (1,) not in attrs
 
 
-#: One head size per target (every supported size gets a turn across targets), the first default config, fp16.
-CI_HEAD_DIMS = {"sm80": 128, "sm90": 64, "gfx90a": 256, "gfx942": 96}
+def _shipped_binaries(target_name):
+    """(head_dim, variant prefix, config name) of every binary of the target's bf16 default configs."""
+    from prefixattn.autotune.compile_check import class_binaries, default_attention_configs
+    from prefixattn.autotune.config_space import HEAD_DIMS
+
+    target = TARGETS[target_name]
+    return {(hd, mode + ("" if has_shared else "/suffix-only"), cfg.short())
+            for hd in HEAD_DIMS
+            for mode, cfg, has_shared in class_binaries(default_attention_configs(target, hd, "bf16"))}
 
 
 @pytest.mark.compile
-def test_compile_check_one_head_dim_per_target(tmp_path):
+def test_worst_case_selection_covers_every_shipped_binary_and_feature_axis(tmp_path):
+    """CI's compile-check (``--worst-case``, ~6 minutes on 2 cores): every shipped bf16 binary, and at the extreme
+    head sizes the feature switches over each fp8 type, compile without spills at the promised pipeline depth."""
+    from prefixattn.autotune.compile_specs import fp8_kv_types
+    from prefixattn.autotune.config_space import FP8_SUFFIX_MAX_STAGES, HEAD_DIMS
+
     out = tmp_path / "report.json"
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
-    cmd = [sys.executable, "-m", "prefixattn.cli", "compile-check", "--targets", ",".join(CI_HEAD_DIMS),
-           "--head-dim-per-target", ",".join(f"{t}={d}" for t, d in CI_HEAD_DIMS.items()),
-           "--dtypes", "fp16", "--lse", "on", "--max-configs", "1", "--quiet", "--json", str(out)]
+    cmd = [sys.executable, "-m", "prefixattn.cli", "compile-check", "--worst-case", "--jobs", "2", "--quiet",
+           "--json", str(out)]
     t0 = time.perf_counter()
     run = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parents[2],
-                         timeout=1200)
+                         timeout=1800)
     elapsed = time.perf_counter() - t0
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     records = json.loads(out.read_text())["records"]
     fused = [r for r in records if r["kernel"] == "prefix_attention"]
-    merges = [r for r in records if r["kernel"] != "prefix_attention"]
-    # The kernel compiles two launch kinds per config: with shared items, and suffix-only (HAS_SHARED=False, the
-    # shared branch compiled out). Each target gets one of each; only the first has a shared part to check.
-    # Issue 19's feature variants (fp8 K/V with scales, soft cap + window + sinks + NaN guard) on every target,
-    # next to the default variants.
-    features = [r for r in fused if any(f in r["variant"] for f in ("+kv_scale", "+soft_cap"))]
-    fused = [r for r in fused if r not in features]
-    with_shared = [r for r in fused if "/suffix-only" not in r["variant"]]
-    suffix_only = [r for r in fused if "/suffix-only" in r["variant"]]
-    assert sorted((r["target"], r["head_dim"]) for r in with_shared) == sorted(CI_HEAD_DIMS.items())
-    assert sorted((r["target"], r["head_dim"]) for r in suffix_only) == sorted(CI_HEAD_DIMS.items())
-    # fp8 K/V suffix-only launches on NVIDIA run at >= FP8_SUFFIX_MIN_WARPS warps (named "@w8" when that differs
-    # from the table's launch).
+    plain = [r for r in fused if "+kv_scale" not in r["variant"] and "+soft_cap" not in r["variant"]]
+    features = [r for r in fused if r not in plain]
+    for name in ("sm80", "sm90", "gfx90a", "gfx942"):
+        target = TARGETS[name]
+        # Every binary of the shipped tables, bf16 with LSE.
+        got = {(r["head_dim"], r["variant"].removesuffix("+lse"), r["config_name"]) for r in plain
+               if r["target"] == name and r["dtype"] == "bf16"}
+        assert got == _shipped_binaries(name)
+        # At the smallest and largest head size each of them with every model switch, over a 16-bit cache and over
+        # each fp8 type (bf16); the fp32 binaries there with LSE.
+        extremes = (min(HEAD_DIMS), max(HEAD_DIMS))
+        mine = [r for r in features if r["target"] == name]
+        assert all(r["dtype"] == "bf16" and r["head_dim"] in extremes for r in mine)
+        kinds = {(r["head_dim"], r["variant"].split("+")[-1].split("@")[0]) for r in mine}
+        assert kinds == {(hd, kv) for hd in extremes for kv in ("sinks", *fp8_kv_types(target))}
+        assert all("+soft_cap+window+sinks" in r["variant"] for r in mine)
+        assert len(mine) == len([b for b in _shipped_binaries(name) if b[0] in extremes]) * (
+            1 + len(fp8_kv_types(target)))
+        fp32 = {r["head_dim"] for r in plain if r["target"] == name and r["dtype"] == "fp32"}
+        assert fp32 == set(extremes)
     for r in features:
+        # The fp8 launch rules (config_space.LaunchOptions.for_kv): suffix-only NVIDIA launches at >= 8 warps and
+        # <= 3 stages.
         if "/suffix-only" in r["variant"] and "fp8" in r["variant"] and not TARGETS[r["target"]].is_hip:
             assert r["options"]["num_warps"] >= FP8_SUFFIX_MIN_WARPS, r["variant"]
-    # sm80 has no fp8e4nv in Triton: its shared-launch fp8 variant is e5m2.
-    assert sorted((r["target"], re.sub(r"@w\d+$", "", r["variant"])) for r in features) == sorted(
-        (t, v) for t in CI_HEAD_DIMS for v in ("decode+lse+soft_cap+window+sinks+nan_guard",
-                                               "decode+lse+kv_scale+" + ("fp8e5" if t == "sm80" else "fp8e4nv"),
-                                               "decode/suffix-only+lse+kv_scale+fp8e5"))
-    assert len(merges) == 2 * len(CI_HEAD_DIMS)
+            assert r["options"]["num_stages"] <= FP8_SUFFIX_MAX_STAGES, r["variant"]
+        # ... and 64-row tiles at head_dim 256 read 16-position KV tiles (config_space.fp8_block_n).
+        tiles = r["config"]["suffix" if "/suffix-only" in r["variant"] else "shared"]
+        if "fp8" in r["variant"] and r["head_dim"] == 256 and tiles["block_m"] >= 64:
+            assert tiles["block_n"] <= 16 or r["variant"].endswith("@n16"), r["variant"]
+    assert sorted(r["kernel"] for r in records if r["kernel"] != "prefix_attention") == \
+        sorted(["merge_state_pair", "merge_states"] * 4)
     for r in records:
         assert r["ok"] and r["spills"] == 0 and r["registers"] > 0
         assert r["shared_bytes"] <= TARGETS[r["target"]].max_shared_bytes
-        if r["kernel"] == "prefix_attention":
-            assert r["pipeline"]["depth"] is not None, r["pipeline"]
-            if not TARGETS[r["target"]].is_hip:
-                assert r["pipeline"]["depth"] >= 2, r["pipeline"]
-    for r in with_shared + [r for r in features if "/suffix-only" not in r["variant"]]:
-        assert r["shared_part_matrix"] is True, r
-        assert r["matrix_instrs"]
-    print(f"compile-check CI subset: {len(records)} compiles in {elapsed:.0f} s")
+        if r["kernel"] == "prefix_attention" and not TARGETS[r["target"]].is_hip:
+            # K/V tiles in flight (required on NVIDIA; on AMD the compiler's choice, reported: a 1-stage launch has
+            # none)
+            assert r["pipeline"]["depth"] is not None and r["pipeline"]["depth"] >= 2, r["pipeline"]
+            if "/suffix-only" not in r["variant"] and r["dtype"] == "bf16":
+                assert r["shared_part_matrix"] is True and r["matrix_instrs"], r
+    print(f"compile-check --worst-case: {len(records)} compiles in {elapsed:.0f} s")
+
+
+@pytest.mark.compile
+def test_worst_case_selection_fails_on_a_spilling_table_entry(monkeypatch):
+    """A table entry that spills (sm_90, head_dim 128: 128 x 64 shared tiles at 4 warps hold a 128 x 128 fp32
+    accumulator, 128 registers per thread, on top of the scores) is in CI's selection and fails it."""
+    from prefixattn.autotune import compile_check, lookup
+    from prefixattn.autotune.config_space import AttentionConfig
+
+    spilling = AttentionConfig.from_dict({"shared": {"block_m": 128, "block_n": 64},
+                                          "suffix": {"block_m": 16, "block_n": 32},
+                                          "launch": {"num_warps": 4, "num_stages": 3}})
+    shipped = lookup.load_shipped("sm90")
+    table = {b: (spilling if b.head_dim == 128 and b.dtype == "bf16" and b.max_q_len == 1 else cfg)
+             for b, cfg in shipped.items()}
+    assert table != shipped
+    monkeypatch.setattr(lookup, "load_shipped", lambda name: table)
+    jobs = [j for j in compile_check.worst_case_jobs([TARGETS["sm90"]]) if j.config_name == spilling.short()]
+    assert [j.variant for j in jobs] == ["decode+lse", "decode/suffix-only+lse"]
+    shared, suffix = compile_check.run_jobs(jobs, workers=1)
+    assert any(why.startswith("spills") for why in compile_check.failures(shared)), shared
+    assert compile_check.failures(suffix) == []  # the suffix launch (16 x 32 tiles) was not touched
