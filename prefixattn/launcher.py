@@ -42,6 +42,8 @@ _I64_MAX = 2**63 - 1
 #: past this many (a process that keeps changing shapes re-looks them up through the JIT function).
 _MAX_COMPILED = 256
 _COMPILED: dict = {}
+#: False: every launch goes through the JIT function (to compare the two paths, or to rule the direct one out).
+ALLOW_DIRECT = True
 
 
 def _triton_version() -> tuple[int, int]:
@@ -177,7 +179,7 @@ class PreparedLaunch:
         """Launch every class on the current stream with this layer's tensors. ``kernel``: the one to launch now
         (the prepared one, or a test's stand-in put in its place since, which takes the JIT path)."""
         prm = self.params
-        direct_ok = kernel is self.kernel and self.unsupported is None and _hooks_idle()
+        direct_ok = ALLOW_DIRECT and kernel is self.kernel and self.unsupported is None and _hooks_idle()
         if direct_ok:
             device = current_device()
             direct_ok = device == self.device

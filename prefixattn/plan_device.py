@@ -133,8 +133,8 @@ def _allocate_tables(work: WorkList, table: np.ndarray, width: int, *, num_qo_he
 def _placeholders(device: torch.device, num_qo_heads: int) -> tuple:
     """The counters ``[1, num_qo_heads]`` int32 and workspace ``[1, 1, 1]``/``[1, 1]`` fp32 of plans in which no rows
     merge, one set per (device, head count). No launch reads or writes them (programs merge nothing; without
-    ``return_lse`` the kernel gets ``ws_lse`` as its unused lse pointer and attention() zeroes counters only where
-    rows merge), so every such plan can share them: 3 allocations less a plan (~6 us on the 2-core host; on a GPU 3
+    ``return_lse`` the kernel gets ``ws_lse`` as its unused lse pointer; no program reports on the counters and
+    attention() zeroes them only where rows merge), so every such plan can share them: 3 allocations less a plan (~6 us on the 2-core host; on a GPU 3
     allocator calls)."""
     return (torch.empty((1, num_qo_heads), dtype=torch.int32, device=device),
             torch.empty((1, 1, 1), dtype=torch.float32, device=device),

@@ -170,12 +170,16 @@ def _call_key(q, k_cache, v_cache, out, return_lse, sinks, k_scale, v_scale, *, 
     if type(return_lse) is not bool or not all(isinstance(t, torch.Tensor) for t in tensors):
         return None
     key = [graph, return_lse, out is None]
-    for t in tensors:
-        key += (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % SPEC_ALIGN)
-    for f in (sinks, k_scale, v_scale):
-        key.append(None if f is None else (f.shape, f.stride(), f.dtype, f.device, f.data_ptr() % SPEC_ALIGN)
-                   if isinstance(f, torch.Tensor) else f == 1.0 if f is v_scale else type(f))
-    return tuple(key)
+    try:
+        for t in tensors:
+            key += (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % SPEC_ALIGN)
+        for f in (sinks, k_scale, v_scale):
+            key.append(None if f is None else (f.shape, f.stride(), f.dtype, f.device, f.data_ptr() % SPEC_ALIGN)
+                       if isinstance(f, torch.Tensor) else bool(f == 1.0) if f is v_scale else type(f))
+        key = tuple(key)  # hashable: sizes, tuples of ints, dtypes, devices, ints, bools, types
+    except Exception:  # a tensor without strides or data, a scale no float compares with: the checks name it
+        return None
+    return key
 
 
 def _prepared(p: Plan, key) -> PreparedLaunch | None:
@@ -292,9 +296,9 @@ class PrefixSharedAttention:
     use_cuda_graph : bool
         Fix the launch by the capacity so ``run()`` can be captured once and replayed for every later plan within
         it: the grid is ``max_items x num_kv_heads`` programs (or the bound for ``plan(graph_num_tokens=...)``; those
-        past the live items exit at once), the tiles are
-        chosen once for ``max_q_len``, the shared branch is always compiled in, the counter memset covers the whole
-        capacity, and every table lives at a fixed address. Needs the capacities.
+        past the live items exit at once), the tiles are chosen once for ``max_q_len``, the shared branch is always
+        compiled in, and every table lives at a fixed address; a captured layer is its launches alone (``plan()``
+        zeroes the merge counters, outside the graph). Needs the capacities.
     max_q_len : int
         With ``use_cuda_graph``: the query length the fixed tiles are chosen for (1: decode; any batch is still
         correct, only its tile fit changes).
