@@ -13,7 +13,8 @@ Why reusing a compiled kernel is exact: the JIT function picks a binary by the c
 each argument's specialization (NVIDIA: a pointer's dtype and 16-byte alignment; an int's ``== 1``, ``% 16 == 0``
 and i32/i64/u64 range). :func:`arg_spec` computes that key, or a finer one, from the same arguments, so a binary the
 JIT function returned for one key serves every launch with that key. The caller keys prepared launches by the exact
-strides and 16-byte alignment of the per-call tensors, which refines Triton's key for them.
+strides and 16-byte alignment of the per-call tensors, which refines Triton's key for them. What else selects a
+binary (Triton's knobs and compile environment) is taken to stay as it is while the process runs.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import re
 
 import torch
 import triton
+from triton import knobs
+from triton.runtime import driver
 
 from prefixattn.kernels.layout import CLASS_SHARED
 from prefixattn.kernels.prefix_attention_kernel import prefix_attention_kernel
@@ -88,8 +91,6 @@ def arg_spec(arg, is_constexpr: bool):
 def _hooks_idle() -> bool:
     """No launch hook is installed (a profiler's): a direct launch then skips them, as the JIT path's calls of the
     empty hook chains do nothing."""
-    from triton import knobs
-
     for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook):
         if hook is not None and (type(hook).__name__ != "HookChain" or hook.calls):
             return False
@@ -98,15 +99,11 @@ def _hooks_idle() -> bool:
 
 def current_device():
     """Triton's current device (what a compiled kernel was loaded for)."""
-    from triton.runtime import driver
-
     return driver.active.get_current_device()
 
 
 def current_stream(device):
     """Triton's current stream on ``device`` (the one the JIT path launches on)."""
-    from triton.runtime import driver
-
     return driver.active.get_current_stream(device)
 
 
