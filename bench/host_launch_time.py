@@ -157,7 +157,10 @@ def measure(num_layers: int, steps: int) -> list[dict]:
             before = compiled.launches
             times = _time_layers(call, layers, steps, per_step)
             launches = (compiled.launches - before) / (steps * num_layers)
-            rows.append({"shape": name, "entry": entry, "launches_per_layer": launches, **_summary(times)})
+            # A step's first layer after its plan() prepares the launches (the wrappers plan every step here).
+            first = statistics.median(times[::num_layers])
+            rows.append({"shape": name, "entry": entry, "launches_per_layer": launches, **_summary(times),
+                         "first_layer_median_us": round(first, 2)})
     return rows
 
 
@@ -176,7 +179,8 @@ def main(argv=None) -> int:
         else:
             print(f"{args.label:8s} {row['shape']:18s} {row['entry']:10s} median {row['median_us']:7.2f} us "
                   f"(p25 {row['p25_us']:.2f}, p75 {row['p75_us']:.2f}; {row['calls']} calls, "
-                  f"{row['launches_per_layer']:.1f} launches/layer)")
+                  f"{row['launches_per_layer']:.1f} launches/layer; a step's first layer "
+                  f"{row['first_layer_median_us']:.1f})")
     return 0
 
 

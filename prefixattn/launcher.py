@@ -19,6 +19,7 @@ binary (Triton's knobs and compile environment) is taken to stay as it is while 
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 
@@ -49,6 +50,7 @@ _COMPILED: dict = {}
 ALLOW_DIRECT = True
 
 
+@functools.cache
 def _triton_version() -> tuple[int, int]:
     m = re.match(r"(\d+)\.(\d+)", triton.__version__)
     return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
@@ -88,6 +90,21 @@ def arg_spec(arg, is_constexpr: bool):
     return ("o", type(arg), arg)
 
 
+@functools.lru_cache(maxsize=1024)
+def _int_spec(value):
+    """``arg_spec`` of a plain (hashable) argument, memoized: the same ints and floats come back every step."""
+    return arg_spec(value, False)
+
+
+def spec_of(args: list, prm: "_Params") -> tuple:
+    """``arg_spec`` of every argument, grouped by the kind of parameter (pointers, constexprs, the rest): computed
+    once per prepared launch, i.e. on the first layer of every step, so kept to three passes over positions."""
+    return (tuple([(args[i].dtype, args[i].data_ptr() % SPEC_ALIGN == 0) if type(args[i]) is torch.Tensor
+                   else arg_spec(args[i], False) for i in prm.pointers]),
+            tuple([args[i] for i in prm.constexprs]),
+            tuple([_int_spec(args[i]) for i in prm.others]))
+
+
 def _hooks_idle() -> bool:
     """No launch hook is installed (a profiler's): a direct launch then skips them, as the JIT path's calls of the
     empty hook chains do nothing."""
@@ -120,6 +137,10 @@ class _Params:
                                                                       "v_cache_ptr"))
         self.sinks, self.k_scale_ptr, self.v_scale_ptr = (at(n) for n in ("sinks_ptr", "k_scale_ptr", "v_scale_ptr"))
         self.qk_scale, self.v_scale = at("qk_scale"), at("v_scale")
+        positions = range(len(self.names))
+        self.constexprs = tuple(i for i in positions if self.constexpr[i])
+        self.pointers = tuple(i for i in positions if not self.constexpr[i] and self.names[i].endswith("_ptr"))
+        self.others = tuple(i for i in positions if not self.constexpr[i] and i not in self.pointers)
 
 
 _PARAMS: dict = {}
@@ -162,8 +183,7 @@ class PreparedLaunch:
             args = [named[n] if n not in class_args else class_args[n] for n in prm.names]
             spec = None
             if self.unsupported is None:
-                spec = (id(kernel.fn), self.device, tuple(sorted(options.items())),
-                        tuple(arg_spec(a, c) for a, c in zip(args, prm.constexpr)))
+                spec = (id(kernel.fn), self.device, tuple(sorted(options.items())), spec_of(args, prm))
             self.launches.append([grid, args, options, spec, _COMPILED.get(spec) if spec is not None else None])
 
     @property
