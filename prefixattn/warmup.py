@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from prefixattn.attention_configs import ClassTiles, choose_tiles
+from prefixattn.planner.tiles import ClassTiles, choose_tiles
 from prefixattn.autotune.buckets import MAX_Q_LEN_RANGE
 from prefixattn.autotune.config_space import AttentionConfig, block_d, fp8_block_n
 from prefixattn.autotune.lookup import fixed_config, planning_target, select_config
@@ -127,7 +127,7 @@ class WarmupReport:
     #: "gpu", "interpreter" (launched there), "skipped" (interpreter or no GPU: nothing to compile), "listed"
     mode: str = "gpu"
     #: The host planner plan() runs ("numba" or "numpy") and the seconds its compile, or its load from numba's
-    #: cache, took (:func:`prefixattn.plan_native.compile_planner`); empty when it was not warmed.
+    #: cache, took (:func:`prefixattn.planner.compiled.compile_planner`); empty when it was not warmed.
     planner: dict = field(default_factory=dict)
 
     @property
@@ -428,12 +428,12 @@ def _run_one(v: KernelVariant, layout: WarmupLayout, device: torch.device, inter
 def warm_planner() -> dict:
     """Compile the compiled planner's variants (or load them from numba's on-disk cache) so that the first plan()
     does not wait for numba (tens of seconds on a 2-core host): ``{"name", "seconds"}``."""
-    from prefixattn import plan_native
+    from prefixattn.planner import compiled as compiled_planner
 
-    name = plan_native.planner_name()
+    name = compiled_planner.planner_name()
     start = time.perf_counter()
     if name == "numba":
-        plan_native.compile_planner()
+        compiled_planner.compile_planner()
     return {"name": name, "seconds": time.perf_counter() - start}
 
 

@@ -115,7 +115,7 @@ class LaunchOptions:
         """These options for a launch whose K/V cache is fp8 (when ``kv_fp8``): a suffix-only NVIDIA launch gets at
         least :data:`FP8_SUFFIX_MIN_WARPS` warps and at most :data:`FP8_SUFFIX_MAX_STAGES` stages; everything else is
         unchanged. The one rule (with :func:`fp8_block_n`), used by the launch
-        (:meth:`prefixattn.attention_configs.AttentionTiles.launch_options`), the warm-up and compile-check."""
+        (:meth:`prefixattn.planner.tiles.AttentionTiles.launch_options`), the warm-up and compile-check."""
         if kv_fp8 and not has_shared and not is_hip:
             return replace(self, num_warps=max(self.num_warps, FP8_SUFFIX_MIN_WARPS),
                            num_stages=min(self.num_stages, FP8_SUFFIX_MAX_STAGES))

@@ -8,7 +8,7 @@ Steps (numpy, vectorized over requests; Python loops only over tree change point
    (the cap at the first query position, as vLLM's cascade attention did).
 3. A cost rule (:func:`sharing_pays_off`) keeps a node only when the KV traffic it saves beats the partial-state
    traffic it adds; a dropped node gives its tokens back to its children, or to the requests' suffixes.
-4. :func:`prefixattn.work_list.build_work_list` emits the work items, split-k chunks and merge units.
+4. :func:`prefixattn.planner.work_list.build_work_list` emits the work items, split-k chunks and merge units.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from prefixattn import plan_native
-from prefixattn.attention_configs import DECODE_CLASS_ALL_ROWS, AttentionTiles, choose_tiles
+from prefixattn.planner import compiled as compiled_planner
+from prefixattn.planner.tiles import DECODE_CLASS_ALL_ROWS, AttentionTiles, choose_tiles
 from prefixattn.autotune.buckets import dtype_name
 from prefixattn.autotune.lookup import READ_FIXED_ENV, current_target
 from prefixattn.autotune.program_cost import LAUNCH_GAP_US, class_costs
@@ -32,11 +32,11 @@ from prefixattn.kernels import layout as K
 from prefixattn.memo import typed_memo
 from prefixattn.validation import (CPU_DEVICE, SUPPORTED_DTYPES, canonical_device, check_head_dim, check_heads,
                                    check_host_metadata, check_kv_dtype, check_soft_cap, check_window_left)
-from prefixattn.plan_device import check_workspace_args, device_tables
+from prefixattn.planner.device_tables import check_workspace_args, device_tables
 from prefixattn.ragged import expand, offsets
-from prefixattn.window import window_shared_nodes
-from prefixattn.work_list import SharedNode, SharedNodes, WorkList, build_work_list
-from prefixattn.workspace import PlanWorkspace
+from prefixattn.planner.window import window_shared_nodes
+from prefixattn.planner.work_list import SharedNode, SharedNodes, WorkList, build_work_list
+from prefixattn.planner.workspace import PlanWorkspace
 
 #: Bytes of one fp32 number: partial states (o, lse) are kept in fp32 whatever the input dtype.
 FP32_BYTES = 4
@@ -71,7 +71,7 @@ def sharing_pays_off(*, num_requests, num_rows, num_m_tiles, num_tokens, group, 
 
     A shared program's fixed cost (its start and epilogue) is not charged: in a step that does not fill the GPU it
     runs beside the suffix programs on idle SMs, and in one that does, the split rule's makespan prices it
-    (:mod:`prefixattn.split_rule`).
+    (:mod:`prefixattn.planner.split_rule`).
 
     Works on scalars or numpy arrays. Example: fp16, head_dim 128, GQA 8, decode: 2 requests share from 65 tokens
     on, 64 requests from 35 tokens on.
@@ -392,14 +392,14 @@ def plan(
     window_left : int, optional
         ``W >= 0`` (causal only): the query at KV position ``p`` sees keys ``p - W .. p`` (None or -1: off; vLLM's
         ``sliding_window=S`` is ``W = S - 1``). Shared prefixes are shared only where every member's window covers
-        them (:mod:`prefixattn.window`). Models that mix windowed and full layers need one plan per kind of layer.
+        them (:mod:`prefixattn.planner.window`). Models that mix windowed and full layers need one plan per kind of layer.
     alibi_slopes
         Not supported yet: anything but None raises ``ValueError``.
     device : torch.device or str, optional
         Where the work list lives; default the device of ``block_table``. Stored canonically (``cpu:0`` is
         ``cpu``, ``cuda`` is the current CUDA device), so any spelling of the tensors' device matches.
     num_sms : int, optional
-        SMs the launch spreads over (the split rule's fair share, :mod:`prefixattn.split_rule`); default from the
+        SMs the launch spreads over (the split rule's fair share, :mod:`prefixattn.planner.split_rule`); default from the
         CUDA device, else ``DEFAULT_NUM_SMS``.
     min_split_tokens : int
         Shortest split-k chunk in KV tokens (``MIN_SPLIT_TOKENS``).
@@ -410,10 +410,10 @@ def plan(
         records the largest id it reads (``Plan.max_block_id``) and :func:`prefixattn.attention` checks it against
         the cache it gets.
     tiles : AttentionTiles, optional
-        Fixed tiles instead of :func:`~prefixattn.attention_configs.choose_tiles`'s choice for this batch (a
+        Fixed tiles instead of :func:`~prefixattn.planner.tiles.choose_tiles`'s choice for this batch (a
         CUDA-graph wrapper keeps one set for every step; any tiles give the same results).
     workspace : PlanWorkspace, optional
-        Capacity-sized buffers (:mod:`prefixattn.workspace`) to write the device tables into (one non-blocking
+        Capacity-sized buffers (:mod:`prefixattn.planner.workspace`) to write the device tables into (one non-blocking
         copy, no device allocation); a step beyond a capacity raises ``ValueError`` naming it. Default: new
         tensors for this plan (device allocations), its tables staged in page-locked memory on a GPU and moved by
         one non-blocking copy on the current stream (a launch on another stream must wait for it, as for the
@@ -463,12 +463,12 @@ def plan_with_options(options: PlanOptions, qo_indptr: torch.Tensor, kv_lens: to
                       device_block_table: torch.Tensor | None = None, planner=PLANNER_FROM_ENV,
                       fixed_env=READ_FIXED_ENV) -> Plan:
     """:func:`plan` with its options checked already (:func:`checked_options`; a wrapper checks them once): the
-    per-step half. ``planner``: :func:`prefixattn.plan_native.compiled_modules`' answer (the compiled planner's
+    per-step half. ``planner``: :func:`prefixattn.planner.compiled.compiled_modules`' answer (the compiled planner's
     modules, or None: numpy), by default asked now (an environment read, ~0.8 us; a wrapper asks once);
-    ``fixed_env``: ``PREFIXATTN_TILE_CONFIG`` for the tile choice (:func:`~prefixattn.attention_configs.choose_tiles`),
+    ``fixed_env``: ``PREFIXATTN_TILE_CONFIG`` for the tile choice (:func:`~prefixattn.planner.tiles.choose_tiles`),
     likewise. The other arguments are :func:`plan`'s."""
     o = options
-    compiled = plan_native.still_compiled(plan_native.compiled_modules() if planner is PLANNER_FROM_ENV else planner)
+    compiled = compiled_planner.still_compiled(compiled_planner.compiled_modules() if planner is PLANNER_FROM_ENV else planner)
     # A workspace that stages the table: the compiled checks write it while they read it.
     stage = workspace.host_table() if compiled and workspace is not None and device_block_table is None else None
     (indptr, lens, table, max_block_id, q_len, shareable, max_q_len, width, tree,
@@ -487,7 +487,7 @@ def plan_with_options(options: PlanOptions, qo_indptr: torch.Tensor, kv_lens: to
             tiles = choose_tiles(head_dim=o.head_dim, group=group, max_q_len=max(max_q_len, 1), dtype=o.q_dtype,
                                  fixed_env=fixed_env)
         nodes, work, staged_flat, written = _host_tables(
-            plan_native.still_compiled(compiled), tree, o, tiles=tiles, num_sms=num_sms, indptr=indptr, q_len=q_len,
+            compiled_planner.still_compiled(compiled), tree, o, tiles=tiles, num_sms=num_sms, indptr=indptr, q_len=q_len,
             lens=lens, shareable=shareable, table=table, workspace=workspace,
             width=width if workspace is None else 0)  # a workspace's table: staged by the checks or PlanWorkspace.load
         num_tokens, num_nodes = int(indptr[-1]), int(nodes.kv_start.shape[0])
@@ -524,7 +524,7 @@ def _checked_inputs_and_tree(compiled, *, qo_indptr, kv_lens, block_table, block
     compiled checks fill (``table_staged``; numpy never does). ``indptr`` and ``lens`` are int64, or int32 both from
     the compiled checks (``q_len`` and ``shareable`` int64 always)."""
     # None: no compiled planner, or (PREFIXATTN_PLANNER=auto) it failed to compile: numpy, same results.
-    checked = compiled and plan_native.check_and_tree(compiled, qo_indptr, kv_lens, block_table, block_size=block_size,
+    checked = compiled and compiled_planner.check_and_tree(compiled, qo_indptr, kv_lens, block_table, block_size=block_size,
                                                       num_blocks=num_blocks, causal=causal, sharing=sharing,
                                                       stage=stage)
     if checked:
@@ -548,8 +548,8 @@ def _host_tables(compiled, tree, o: PlanOptions, *, tiles: AttentionTiles, num_s
     written)``. ``compiled``: the compiled planner's modules, or None; ``width``: the table columns to stage (0:
     none)."""
     costs = _class_costs(o, tiles)
-    # The compiled path (window_left: numpy, plan_native_core's docstring); None as above.
-    tables = compiled and o.window_left < 0 and plan_native.plan_tables(
+    # The compiled path (window_left: numpy, compiled_core's docstring); None as above.
+    tables = compiled and o.window_left < 0 and compiled_planner.plan_tables(
         compiled, tree, _core_params(o, tiles, num_sms), costs[1], indptr=indptr, q_len=q_len, kv_len=lens,
         shareable=shareable, table=table, width=width, workspace=workspace)
     if tables:
@@ -583,7 +583,7 @@ def _class_costs(o: PlanOptions, tiles: AttentionTiles) -> tuple:
         _costs_memo.clear()
     costs = class_costs(tiles, head_dim=o.head_dim, dtype=dtype_name(o.q_dtype), kv_bytes=o.kv_dtype.itemsize,
                         target=target)
-    out = (costs, plan_native.cost_args(costs))
+    out = (costs, compiled_planner.cost_args(costs))
     _costs_memo[key] = (o, tiles, target, out)
     return out
 
@@ -625,7 +625,7 @@ def _core_params(o: PlanOptions, tiles: AttentionTiles, num_sms: int) -> np.ndar
         return hit[2]
     if len(_core_params_memo) >= _MAX_CORE_PARAMS:
         _core_params_memo.clear()
-    params = plan_native.core_params(causal=o.causal, sharing=o.sharing, block_size=o.block_size, group=o.group,
+    params = compiled_planner.core_params(causal=o.causal, sharing=o.sharing, block_size=o.block_size, group=o.group,
                                      head_dim=o.head_dim, elt_bytes=o.kv_dtype.itemsize,  # the cache's dtype prices KV
                                      **_tile_args(o, tiles, num_sms))
     _core_params_memo[key] = (o, tiles, params)

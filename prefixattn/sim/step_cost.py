@@ -275,7 +275,7 @@ class CostModel:
 
     # ------------------------------------------------------------------ attention
     def sharing_pays_off(self, num_requests, num_rows, kv_tokens) -> bool:
-        """The fused kernel's cost rule (:func:`prefixattn.planner.sharing_pays_off`, restated for the simulator,
+        """The fused kernel's cost rule (:func:`prefixattn.planner.plans.sharing_pays_off`, restated for the simulator,
         which may not import torch): share a node when the KV bytes it saves beat the partial-state bytes it adds.
         A test checks the two agree."""
         m = self.model
@@ -287,7 +287,7 @@ class CostModel:
     def _split_chunk(self, lengths: np.ndarray, counts: np.ndarray) -> int | None:
         """A program-count split-k rule: split only when the unsplit programs leave SMs idle, into chunks of equal KV
         work per SM, never below ``split_k_min_tokens``. This was prefixattn's rule before the critical-path rule of
-        :mod:`prefixattn.split_rule`; the simulator keeps it so its calibrated tables stay reproducible (a known
+        :mod:`prefixattn.planner.split_rule`; the simulator keeps it so its calibrated tables stay reproducible (a known
         difference from the library, listed in the README's status)."""
         n_units = float(counts.sum())
         if n_units == 0 or n_units >= self.hw.num_sms:

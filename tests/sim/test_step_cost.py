@@ -79,7 +79,7 @@ def test_split_k_removes_the_long_prefix_tail(cm):
 
 
 def test_cost_rule_matches_the_planner(cm):
-    plan = pytest.importorskip("prefixattn.planner")  # needs torch; the sim does not
+    plan = pytest.importorskip("prefixattn.planner.plans")  # needs torch; the sim does not
     m = cm.model
     for requests, rows, tokens in [(2, 2, 16), (2, 2, 80), (64, 64, 16), (64, 64, 48), (8, 300, 1100), (400, 400, 16)]:
         ours = cm.sharing_pays_off(requests, rows, tokens)
