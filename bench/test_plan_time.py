@@ -20,9 +20,9 @@ import pytest
 
 import prefixattn
 import torch
-from prefixattn.planner import compiled as compiled_planner
 from prefixattn.autotune.lookup import planning_target
 from prefixattn.lcp_tree import clear_tree_cache
+from prefixattn.planner import compiled as compiled_planner
 import host_reference
 from shapes import Shape, build_batch, fig8_shapes
 

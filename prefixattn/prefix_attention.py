@@ -1,5 +1,5 @@
-"""attention(): run a :class:`~prefixattn.planner.plans.Plan` - one launch of the fused prefix-shared attention kernel per
-work class of the step (shared nodes, prefill-chunk tiles, decode tiles), merged in-kernel."""
+"""attention(): run a :class:`~prefixattn.planner.plans.Plan` - one launch of the fused prefix-shared attention kernel
+per work class of the step (shared nodes, prefill-chunk tiles, decode tiles), merged in-kernel."""
 
 from __future__ import annotations
 
@@ -10,17 +10,17 @@ import torch
 
 from prefixattn.kernels.layout import CLASS_CHUNK, CLASS_DECODE, CLASS_SHARED, WORK_CLASSES, page_size_constexpr
 from prefixattn.kernels.prefix_attention_kernel import prefix_attention_kernel
-from prefixattn.planner import compiled as compiled_planner
-from prefixattn.planner.tiles import choose_tiles
 from prefixattn.autotune.lookup import read_fixed_env
+from prefixattn.planner import compiled as compiled_planner
 from prefixattn.planner.device_tables import CapacityError
-from prefixattn.planner.plans import (OPTION_DEFAULTS, Plan, _default_num_sms, _positive_int, checked_options, plan,
-                                plan_with_options)
+from prefixattn.planner.options import _default_num_sms, _positive_int, checked_options
+from prefixattn.planner.plans import OPTION_DEFAULTS, Plan, plan, plan_with_options
+from prefixattn.planner.tiles import choose_tiles
+from prefixattn.planner.workspace import DEFAULT_MAX_SHARED_LEVELS, PlanWorkspace, class_grid_items, derive_capacity
 from prefixattn.runtime import device_one
 from prefixattn.validation import (FP8_KV_DTYPES, canonical_device, check_fp8_support, check_head_dim, check_heads,
                                    check_kernel_device, check_kv_scale, check_qkv, check_sinks, check_tensor,
                                    same_device, torch_dtype_name)
-from prefixattn.planner.workspace import DEFAULT_MAX_SHARED_LEVELS, PlanWorkspace, class_grid_items, derive_capacity
 
 _LOG2E = 1.0 / math.log(2.0)
 
@@ -225,9 +225,9 @@ class PrefixSharedAttention:
     """FlashInfer-style wrapper: ``plan()`` once per engine step, ``run()`` once per layer.
 
     With capacities (``max_tokens``, ``max_requests``, ``max_blocks_per_request``) the wrapper owns a
-    :class:`~prefixattn.planner.workspace.PlanWorkspace` allocated once: ``plan()`` writes each step's tables into pinned host
-    memory and moves them with one non-blocking copy, and neither ``plan()`` nor ``run()`` allocates device memory
-    (``run()`` with ``out`` given). Without capacities every plan allocates its own tensors (as :func:`plan`).
+    :class:`~prefixattn.planner.workspace.PlanWorkspace` allocated once: ``plan()`` writes each step's tables into
+    pinned host memory and moves them with one non-blocking copy, and neither ``plan()`` nor ``run()`` allocates device
+    memory (``run()`` with ``out`` given). Without capacities every plan allocates its own tensors (as :func:`plan`).
 
     Parameters
     ----------
@@ -387,9 +387,9 @@ class PrefixSharedAttention:
 
     def graph_grid_items(self, num_tokens: int) -> tuple[int, ...]:
         """Work items each captured launch covers for a step of ``num_tokens`` query rows, one per class of
-        :attr:`graph_work_classes`: the bound for a step of that size (:func:`prefixattn.planner.workspace.class_grid_items`;
-        only requests with query rows make items, so at most ``num_tokens`` of them), never more than the
-        workspace's ``max_items``."""
+        :attr:`graph_work_classes`: the bound for a step of that size
+        (:func:`prefixattn.planner.workspace.class_grid_items`; only requests with query rows make items, so at most
+        ``num_tokens`` of them), never more than the workspace's ``max_items``."""
         grid = self._grid_items.get(num_tokens) if type(num_tokens) is int else None
         if grid is None:
             cap = self._workspace.capacity

@@ -14,10 +14,9 @@ import torch
 pytest.importorskip("numba", reason="the compiled planner is optional (pip install prefixattn[fast])")
 
 from prefixattn import plan  # noqa: E402
-
-from prefixattn.planner import compiled as compiled_planner
 from prefixattn.autotune.lookup import fixed_config  # noqa: E402
 from prefixattn.lcp_tree import clear_tree_cache, lcp_interval_tree  # noqa: E402
+from prefixattn.planner import compiled as compiled_planner  # noqa: E402
 from tests.test_plan_equivalence import CASES, CONFIGS  # noqa: E402
 
 

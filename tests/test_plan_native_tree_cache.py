@@ -1,6 +1,6 @@
 """The compiled planner's tree cache (:mod:`prefixattn.lcp_tree.blocks`, kept by
-:func:`prefixattn.planner.compiled_tree.check_and_tree`): reused only where a fresh build gives the same tree (equal rows,
-or rows grown past their LCPs), its rows its own, its entry whole whatever fails; every plan equal to the numpy
+:func:`prefixattn.planner.compiled_tree.check_and_tree`): reused only where a fresh build gives the same tree (equal
+rows, or rows grown past their LCPs), its rows its own, its entry whole whatever fails; every plan equal to the numpy
 planner's. Helpers from ``tests/test_plan_native.py``; skipped without numba, as that module.
 """
 
@@ -13,9 +13,8 @@ import torch
 pytest.importorskip("numba", reason="the compiled planner is optional (pip install prefixattn[fast])")
 
 from prefixattn import plan  # noqa: E402
-
-from prefixattn.planner import compiled as compiled_planner
 from prefixattn.lcp_tree import clear_tree_cache  # noqa: E402
+from prefixattn.planner import compiled as compiled_planner  # noqa: E402
 from tests.test_plan_native import _plan_with, assert_same_plans  # noqa: E402
 
 
@@ -222,7 +221,8 @@ def _random_decode_run(seed: int, compiled, pool, long_prefix: bool = False) -> 
     not, most requests one token longer per step, fresh block ids written at crossings) planned warm by the compiled
     planner; each step checked against the numpy planner run cold on another thread (its own tree cache). Returns
     ``(steps, trees kept, trees rebuilt)``."""
-    from prefixattn.planner.plans import OPTION_DEFAULTS, checked_options, plan_with_options
+    from prefixattn.planner.options import checked_options
+    from prefixattn.planner.plans import OPTION_DEFAULTS, plan_with_options
 
     rng = np.random.default_rng(seed)
     bs, n = int(rng.choice([2, 4, 16])), int(rng.integers(2, 40))

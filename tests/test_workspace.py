@@ -10,8 +10,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import prefixattn
 from prefixattn import PrefixSharedAttention, attention, reference_attention
 from prefixattn import prefix_attention
-from prefixattn.planner import compiled as compiled_planner
 from prefixattn.kernels import layout as K
+from prefixattn.planner import compiled as compiled_planner
 from prefixattn.planner.workspace import derive_capacity
 from tests.launch_count import RecordingKernel
 from tests.prefix_batches import random_batch

@@ -25,7 +25,7 @@ from prefixattn.autotune.config_space import DTYPE_BYTES, part_registers, part_s
 from prefixattn.autotune.targets import Target, get_target
 
 #: plan() on a host without a known GPU prices steps for the tuning target, as it takes its SM count
-#: (``prefixattn.planner.plans.DEFAULT_NUM_SMS``).
+#: (``prefixattn.planner.options.DEFAULT_NUM_SMS``).
 DEFAULT_TARGET = "sm90"
 #: Program costs with this format (``bench/fit_program_cost.py`` writes it).
 COST_FORMAT = 1

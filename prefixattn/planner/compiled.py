@@ -11,16 +11,16 @@ overrides, and keeps the choice):
 
 numba is an optional dependency (``pip install prefixattn[fast]``): plan() runs everywhere without it, at numpy's
 per-call overhead (~0.5-1 us per numpy call, a few hundred calls per plan). The compiled functions are cached on disk
-(``cache=True``): the first process compiles them (:func:`compile_planner`, also run by ``prefixattn warmup``), later
-processes load them.
+(``cache=True``): the first process compiles them (:func:`prefixattn.planner.plans.compile_planner`, also run by
+``prefixattn warmup``), later processes load them.
 
 Per plan() the compiled path makes two compiled calls: the metadata value checks, per-request lengths and the block
-prefix tree or the tree cache's check (:mod:`prefixattn.planner.compiled_tree`; on a failed check the numpy checks run and
-raise their ``ValueError``), then node choice + split rule + work list + staging buffer
+prefix tree or the tree cache's check (:mod:`prefixattn.planner.compiled_tree`; on a failed check the numpy checks
+run and raise their ``ValueError``), then node choice + split rule + work list + staging buffer
 (:mod:`prefixattn.planner.compiled_core`). What stays in Python/numpy on that path:
 
-* ``window_left >= 0``: the node choice, :mod:`prefixattn.planner.window` and the work list run in numpy (the tree is still
-  compiled);
+* ``window_left >= 0``: the node choice, :mod:`prefixattn.planner.window` and the work list run in numpy (the tree is
+  still compiled);
 * argument checks (types, shapes, options), the tile choice, the device tensors and the :class:`Plan` object;
 * with a ``workspace``: :meth:`prefixattn.planner.workspace.PlanWorkspace.load` copies the compiled tables (numpy);
 * a block table that is not C-contiguous is copied first (one compiled variant per table dtype, int32 and int64).
@@ -28,9 +28,7 @@ raise their ``ValueError``), then node choice + split rule + work list + staging
 
 from __future__ import annotations
 
-import itertools
 import os
-import time
 import warnings
 import weakref
 
@@ -133,8 +131,8 @@ def check_and_tree(modules, qo_indptr, kv_lens, block_table, *, block_size, num_
     (:mod:`prefixattn.lcp_tree`), in one compiled call: ``(indptr, lens, table, max_block_id, q_len, shareable,
     max_q_len, width, tree, staged)`` (``indptr`` and ``lens`` int32 when both came so, else int64; the compiled
     calls have variants for both); None when it failed to compile (:func:`_compile_failed`). ``stage``: a
-    workspace's host block table (:meth:`prefixattn.planner.workspace.PlanWorkspace.host_table`), which gets the used columns
-    of a valid batch's table when they fit (``staged``; the same cells ``PlanWorkspace.load`` would stage)."""
+    workspace's host block table (:meth:`prefixattn.planner.workspace.PlanWorkspace.host_table`), which gets the used
+    columns of a valid batch's table when they fit (``staged``; the same cells ``PlanWorkspace.load`` would stage)."""
     # qo_indptr and kv_lens as they are when they share a dtype (the compiled calls have int32 and int64 variants)
     indptr, lens, table = host_metadata_arrays(qo_indptr, kv_lens, block_table, block_size=block_size,
                                                num_blocks=num_blocks, table_as_is=True, index_as_is=True)
@@ -245,12 +243,12 @@ def _dest_args(core, workspace) -> tuple:
 
 
 def plan_tables(modules, tree, params, costs, *, indptr, q_len, kv_len, shareable, table, width, workspace=None):
-    """:func:`prefixattn.planner.plans.select_shared_nodes`, :func:`prefixattn.planner.work_list.build_work_list` and the staging
-    buffer in one compiled call: ``(SharedNodes, WorkList, flat, table_fits, in_workspace)`` (None when it failed to
-    compile, :func:`_compile_failed`); ``params`` from :func:`core_params`, ``costs`` from
+    """:func:`prefixattn.planner.node_choice.select_shared_nodes`, :func:`prefixattn.planner.work_list.build_work_list`
+    and the staging buffer in one compiled call: ``(SharedNodes, WorkList, flat, table_fits, in_workspace)`` (None when
+    it failed to compile, :func:`_compile_failed`); ``params`` from :func:`core_params`, ``costs`` from
     :func:`prefixattn.planner.compiled_core.cost_args`, ``flat`` is
-    :func:`prefixattn.planner.device_tables.metadata_to_device`'s host buffer (the table's used columns last when they fit
-    int32). With ``workspace`` (and ``width`` 0) the work list is written into its host buffer instead when it fits
+    :func:`prefixattn.planner.device_tables.metadata_to_device`'s host buffer (the table's used columns last when they
+    fit int32). With ``workspace`` (and ``width`` 0) the work list is written into its host buffer instead when it fits
     the capacities (``in_workspace``; the WorkList's arrays are then views of that buffer).
     """
     core = modules[1]
@@ -268,27 +266,3 @@ def plan_tables(modules, tree, params, costs, *, indptr, q_len, kv_len, shareabl
     work = WorkList(items=items, gather=gather, mrows=mrows, num_ws_rows=num_ws_rows, num_units=num_units,
                     class_ends=tuple(class_ends.tolist()), modeled_us=modeled)
     return nodes, work, flat, fits, in_dest
-
-
-def compile_planner() -> dict:
-    """Compile (or load from numba's cache) every compiled planner variant plan() uses: int32 and int64 block
-    tables, int32 and int64 ``qo_indptr``/``kv_lens`` pairs, sharing and not. Returns seconds per step (``import``:
-    numba and the compiled modules, ``plans``: compile or cache load of every variant, and the plans themselves);
-    ``{}`` without numba."""
-    import torch
-
-    from prefixattn.lcp_tree import clear_tree_cache
-    from prefixattn.planner.plans import plan
-
-    t0 = time.perf_counter()
-    if not _load():
-        return {}
-    t1 = time.perf_counter()
-    for dtype, index_dtype in itertools.product((torch.int32, torch.int64), repeat=2):
-        table = torch.tensor([[0, 1, 2], [0, 1, 3], [4, 5, 6]], dtype=dtype)
-        clear_tree_cache()
-        for sharing in ("auto", "auto", "never"):  # the second plan reuses the tree: the cache's check
-            plan(torch.tensor([0, 1, 2, 3], dtype=index_dtype), torch.tensor([40, 40, 40], dtype=index_dtype), table,
-                 block_size=16, num_qo_heads=4, num_kv_heads=2, head_dim=64, sharing=sharing, device="cpu")
-    clear_tree_cache()
-    return {"import": t1 - t0, "plans": time.perf_counter() - t1}

@@ -3,10 +3,12 @@
 Imported only when numba is (:mod:`prefixattn.planner.compiled`); every function is ``@njit(cache=True)``. Each function
 computes what its numpy counterpart does, as loops instead of vectorized passes; the numpy code is the definition:
 
-* :func:`select_nodes`: :func:`prefixattn.planner.plans.select_shared_nodes` and :func:`prefixattn.planner.plans.sharing_pays_off`;
-* :func:`_class_split`: :func:`prefixattn.planner.split_rule.class_split` (piece budget, grains, pieces, the wave-aware step
-  and its modeled makespan);
-* :func:`work_list`: :func:`prefixattn.planner.work_list.build_work_list` (suffix tiles, merge units, gather rows, LPT order);
+* :func:`select_nodes`: :func:`prefixattn.planner.node_choice.select_shared_nodes` and
+  :func:`prefixattn.planner.cost_rule.sharing_pays_off`;
+* :func:`_class_split`: :func:`prefixattn.planner.split_rule.class_split` (piece budget, grains, pieces, the wave-aware
+  step and its modeled makespan);
+* :func:`work_list`: :func:`prefixattn.planner.work_list.build_work_list` (suffix tiles, merge units, gather rows, LPT
+  order);
 * :func:`plan_core`: the three in one call, plus the modeled launch times of ``Plan.stats``.
 
 Not compiled (plan() runs the numpy path for them, :mod:`prefixattn.planner.compiled`): ``window_left >= 0``
@@ -43,7 +45,7 @@ def rule_args() -> tuple:
     """The split rule's and the cost rule's constants as arguments (same reason as :func:`layout_args`): the split
     rule's (``R_*`` order) and the state bytes the cost rule charges per row."""
     from prefixattn.planner import split_rule as S
-    from prefixattn.planner.plans import FP32_BYTES, STATE_PASSES, STATES_CHARGED_PER_ROW
+    from prefixattn.planner.cost_rule import FP32_BYTES, STATE_PASSES, STATES_CHARGED_PER_ROW
     return (np.array([S.SPLIT_TOLERANCE, S.CRITICAL_PATH_TARGET, S.MIN_PIECE_OVERHEADS, S.WAVE_CANDIDATES,
                       S.LONG_PROGRAM_FRACTION, S.WAVE_GAIN_MIN, S.WAVE_EXTRA_ITEMS_PER_SM], dtype=np.float64),
             FP32_BYTES * STATE_PASSES * STATES_CHARGED_PER_ROW)
@@ -87,7 +89,7 @@ def _sorted_members(order, lo, hi, mark, out):
 def select_nodes(order, depth, lb, rb, parent, shareable, q_len, block_size, rows_per_shared, group, head_dim,
                  elt_bytes, sharing, state_bytes, rows_per_chunk, rows_per_decode):
     """``(kv_start, kv_end, depth_blocks, offsets, members, suffix_start)`` of
-    :func:`prefixattn.planner.plans.select_shared_nodes` (nodes top-down: by level, then post-order index)."""
+    :func:`prefixattn.planner.node_choice.select_shared_nodes` (nodes top-down: by level, then post-order index)."""
     num_nodes = depth.shape[0]
     num_reqs = q_len.shape[0]
     suffix_start = np.zeros(num_reqs, dtype=np.int64)
@@ -198,8 +200,8 @@ def _pieces(length, budget, per_piece, grain):
 
 @njit(cache=True, nogil=True)
 def _price(lengths, m, pieces, grain, block_n, num_kv_heads, num_sms, slots, cost, long_fraction):
-    """``(makespan_us, ideal_us)``: :func:`prefixattn.planner.split_rule.modeled_makespan` of the class's programs (one pass
-    for the longest program, one for the sums)."""
+    """``(makespan_us, ideal_us)``: :func:`prefixattn.planner.split_rule.modeled_makespan` of the class's programs (one
+    pass for the longest program, one for the sums)."""
     n = lengths.shape[0]
     programs = 0
     for i in range(n):
@@ -234,7 +236,8 @@ def _price(lengths, m, pieces, grain, block_n, num_kv_heads, num_sms, slots, cos
 
 @njit(cache=True, nogil=True)
 def _class_split(lengths, m, block_n, num_kv_heads, num_sms, min_split_tokens, cost, rule):
-    """``(pieces, grain, makespan_us, ideal_us)`` of one work class: :func:`prefixattn.planner.split_rule.class_split`."""
+    """``(pieces, grain, makespan_us, ideal_us)`` of one work class:
+    :func:`prefixattn.planner.split_rule.class_split`."""
     n = lengths.shape[0]
     tokens = longest = 0
     for i in range(n):

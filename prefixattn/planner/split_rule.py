@@ -147,7 +147,8 @@ def modeled_makespan(program_us: np.ndarray, count: np.ndarray, slots: int) -> t
 
 
 def _piece_tokens(lengths: np.ndarray, pieces: np.ndarray, grain: int) -> np.ndarray:
-    """The longest piece of each range (:func:`prefixattn.planner.work_list._piece_bounds` deals whole grains evenly)."""
+    """The longest piece of each range (:func:`prefixattn.planner.work_list._piece_bounds` deals whole grains
+    evenly)."""
     grains = -(-lengths // grain)
     return np.minimum(-(-grains // np.maximum(pieces, 1)) * grain, lengths)
 

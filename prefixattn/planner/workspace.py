@@ -31,8 +31,8 @@ A plan beyond a capacity is a ``ValueError`` naming the capacity (:meth:`PlanWor
 of bounds; :class:`prefixattn.PrefixSharedAttention` first retries such a step without sharing, which the bounds with
 ``L = 0`` always admit (unless a ``max_*`` was set below its derived value).
 
-These bounds follow :mod:`prefixattn.planner.split_rule` and :mod:`prefixattn.planner.work_list` as they are; a change to how they
-split or tile must keep them (``tests/test_workspace.py`` checks them on random plans).
+These bounds follow :mod:`prefixattn.planner.split_rule` and :mod:`prefixattn.planner.work_list` as they are; a
+change to how they split or tile must keep them (``tests/test_workspace.py`` checks them on random plans).
 """
 
 from __future__ import annotations
