@@ -115,7 +115,7 @@ _constants: list = []
 
 def _constant_args(core) -> tuple:
     if not _constants:
-        _constants.append((core.layout_args(), *core.rule_args()))
+        _constants.append((core.layout_args(), core.rule_args()))
     return _constants[0]
 
 
@@ -197,10 +197,9 @@ def core_params(*, causal, sharing, block_size, group, head_dim, elt_bytes, rows
                 min_split_tokens) -> np.ndarray:
     """:func:`plan_tables`' parameter array (``compiled_core.P_*`` order) of one set of options and tiles
     (``elt_bytes``: the KV caches' element size, which the cost rule prices)."""
-    core = _load()[1]
     return np.array((causal, _SHARING_CODES[sharing], block_size, group, head_dim, elt_bytes, rows_per_shared,
                      rows_per_chunk, rows_per_decode, block_n_shared, block_n_chunk, block_n_decode, num_kv_heads,
-                     num_sms, min_split_tokens, _constant_args(core)[2]), dtype=np.int64)
+                     num_sms, min_split_tokens), dtype=np.int64)
 
 
 def cost_args(costs) -> np.ndarray | None:
@@ -252,7 +251,7 @@ def plan_tables(modules, tree, params, costs, *, indptr, q_len, kv_len, shareabl
     the capacities (``in_workspace``; the WorkList's arrays are then views of that buffer).
     """
     core = modules[1]
-    lay, rule, _ = _constant_args(core)
+    lay, rule = _constant_args(core)
     dest, dest_lay = _dest_args(core, workspace)
     try:
         out = core.plan_core(lay, rule, costs, params, width, tree.order, tree.depth, tree.lb, tree.rb, tree.parent,

@@ -3,8 +3,8 @@
 Imported only when numba is (:mod:`prefixattn.planner.compiled`); every function is ``@njit(cache=True)``. Each function
 computes what its numpy counterpart does, as loops instead of vectorized passes; the numpy code is the definition:
 
-* :func:`select_nodes`: :func:`prefixattn.planner.node_choice.select_shared_nodes` and
-  :func:`prefixattn.planner.cost_rule.sharing_pays_off`;
+* :func:`select_nodes`: :func:`prefixattn.planner.node_choice.select_shared_nodes` (the cost rule is not restated:
+  :func:`prefixattn.planner.cost_rule.sharing_pays_off` itself, compiled);
 * :func:`_class_split`: :func:`prefixattn.planner.split_rule.class_split` (piece budget, grains, pieces, the wave-aware
   step and its modeled makespan);
 * :func:`work_list`: :func:`prefixattn.planner.work_list.build_work_list` (suffix tiles, merge units, gather rows, LPT
@@ -14,9 +14,10 @@ computes what its numpy counterpart does, as loops instead of vectorized passes;
 Not compiled (plan() runs the numpy path for them, :mod:`prefixattn.planner.compiled`): ``window_left >= 0``
 (:mod:`prefixattn.planner.window` between the node choice and the work list).
 
-Constants of other modules (table layout, split and cost rules) come in as arguments, never as globals: numba's
-on-disk cache is keyed by this file's own source, so a global from another module would stay compiled in after it
-changed. For the same reason the three compiled modules never call each other. ``tests/test_plan_native.py`` checks that
+Constants of other modules (table layout, split rule) come in as arguments, never as globals: numba's on-disk cache
+is keyed by this file's own source, so a global from another module would stay compiled in after it changed. For the
+same reason the three compiled modules never call each other. The one exception, the cost rule, is compiled from its
+numpy definition and pinned by :data:`COST_RULE_SOURCE_HASH`. ``tests/test_plan_native.py`` checks that
 both paths give equal Plan fields.
 """
 
@@ -26,8 +27,17 @@ import numpy as np
 from numba import njit
 
 from prefixattn.kernels import layout as K
+from prefixattn.planner import cost_rule, split_rule as S
 
-#: ``sharing`` modes as the compiled code takes them (planner._SHARING_MODES order).
+#: The first 16 hex digits of the sha256 of :mod:`prefixattn.planner.cost_rule`'s file, which :func:`select_nodes`
+#: compiles in (its function and constants): numba's on-disk cache keys this file's functions on this file alone, so
+#: a change to the rule must change this file too, or a cached ``select_nodes`` would keep the old rule.
+#: ``tests/test_cost_rule.py`` fails until this matches.
+COST_RULE_SOURCE_HASH = "12393037dbf5207a"
+#: :func:`prefixattn.planner.cost_rule.sharing_pays_off`, compiled: the rule's one definition, called per node.
+_sharing_pays_off = njit(nogil=True)(cost_rule.sharing_pays_off)
+
+#: ``sharing`` modes as the compiled code takes them (:mod:`prefixattn.planner.options`' ``_SHARING_MODES`` order).
 SHARING_AUTO, SHARING_ALWAYS, SHARING_NEVER = 0, 1, 2
 
 
@@ -41,14 +51,10 @@ def layout_args() -> np.ndarray:
             K.RANGE_FIELDS, K.RANGE_FIRST, K.RANGE_END, K.RANGES_SIZE], dtype=np.int64)
 
 
-def rule_args() -> tuple:
-    """The split rule's and the cost rule's constants as arguments (same reason as :func:`layout_args`): the split
-    rule's (``R_*`` order) and the state bytes the cost rule charges per row."""
-    from prefixattn.planner import split_rule as S
-    from prefixattn.planner.cost_rule import FP32_BYTES, STATE_PASSES, STATES_CHARGED_PER_ROW
-    return (np.array([S.SPLIT_TOLERANCE, S.CRITICAL_PATH_TARGET, S.MIN_PIECE_OVERHEADS, S.WAVE_CANDIDATES,
-                      S.LONG_PROGRAM_FRACTION, S.WAVE_GAIN_MIN, S.WAVE_EXTRA_ITEMS_PER_SM], dtype=np.float64),
-            FP32_BYTES * STATE_PASSES * STATES_CHARGED_PER_ROW)
+def rule_args() -> np.ndarray:
+    """The split rule's constants (``R_*`` order) as a float64 array argument (same reason as :func:`layout_args`)."""
+    return np.array([S.SPLIT_TOLERANCE, S.CRITICAL_PATH_TARGET, S.MIN_PIECE_OVERHEADS, S.WAVE_CANDIDATES,
+                     S.LONG_PROGRAM_FRACTION, S.WAVE_GAIN_MIN, S.WAVE_EXTRA_ITEMS_PER_SM], dtype=np.float64)
 
 
 
@@ -87,7 +93,7 @@ def _sorted_members(order, lo, hi, mark, out):
 
 @njit(cache=True, nogil=True)
 def select_nodes(order, depth, lb, rb, parent, shareable, q_len, block_size, rows_per_shared, group, head_dim,
-                 elt_bytes, sharing, state_bytes, rows_per_chunk, rows_per_decode):
+                 elt_bytes, sharing, rows_per_chunk, rows_per_decode):
     """``(kv_start, kv_end, depth_blocks, offsets, members, suffix_start)`` of
     :func:`prefixattn.planner.node_choice.select_shared_nodes` (nodes top-down: by level, then post-order index)."""
     num_nodes = depth.shape[0]
@@ -119,11 +125,8 @@ def select_nodes(order, depth, lb, rb, parent, shareable, q_len, block_size, row
         tokens = ends[k] - start[k]
         ok = tokens > 0
         if ok and sharing == SHARING_AUTO:
-            num_requests = rb[k] - lb[k] + 1
-            m_tiles = _cdiv(rows, rows_per_shared)
-            saved = (num_requests + extra - m_tiles) * tokens * 2 * head_dim * elt_bytes
-            added = rows * group * (head_dim + 1) * state_bytes
-            ok = saved > added
+            ok = _sharing_pays_off(rb[k] - lb[k] + 1, rows, _cdiv(rows, rows_per_shared), tokens, group, head_dim,
+                                   elt_bytes, extra)
         keep[k] = ok
         eff_end[k] = ends[k] if ok else start[k]
     # Kept nodes top-down: by level, post-order index within a level (the numpy stable sort by level).
@@ -605,8 +608,8 @@ def _longest_first(items, i_kv0, i_kv1, class_ends):
 
 #: Entries of the ``params`` argument of :func:`plan_core` (one int64 array: one argument for numba to type-check).
 (P_CAUSAL, P_SHARING, P_BLOCK_SIZE, P_GROUP, P_HEAD_DIM, P_ELT_BYTES, P_ROWS_SHARED, P_ROWS_CHUNK, P_ROWS_DECODE,
- P_BLOCK_N_SHARED, P_BLOCK_N_CHUNK, P_BLOCK_N_DECODE, P_KV_HEADS, P_SMS, P_MIN_SPLIT, P_STATE_BYTES,
- NUM_PARAMS) = range(17)
+ P_BLOCK_N_SHARED, P_BLOCK_N_CHUNK, P_BLOCK_N_DECODE, P_KV_HEADS, P_SMS, P_MIN_SPLIT,
+ NUM_PARAMS) = range(16)
 _INT32_MAX = 2 ** 31 - 1
 
 
@@ -630,7 +633,7 @@ def plan_core(lay, rule, costs, params, width, order, depth, lb, rb, parent, ind
               dest, dest_lay):
     """The planner from the tree to the staging buffer, in one call.
 
-    ``lay``: :func:`layout_args`, ``rule``: :func:`rule_args`'s floats, ``costs``: :func:`cost_args`, ``params``:
+    ``lay``: :func:`layout_args`, ``rule``: :func:`rule_args`, ``costs``: :func:`cost_args`, ``params``:
     int64 ``[NUM_PARAMS]``
     (``P_*``), ``width``: block-table columns to stage (the batch reads them; 0: none); ``dest``, ``dest_lay``: a
     workspace's int32 host buffer and its layout (``D_*``; empty: none), which gets the tables when they fit.
@@ -640,7 +643,7 @@ def plan_core(lay, rule, costs, params, width, order, depth, lb, rb, parent, ind
     """
     kv_start, kv_end, depth_blocks, offsets, members, suffix_start = select_nodes(
         order, depth, lb, rb, parent, shareable, q_len, params[P_BLOCK_SIZE], params[P_ROWS_SHARED],
-        params[P_GROUP], params[P_HEAD_DIM], params[P_ELT_BYTES], params[P_SHARING], params[P_STATE_BYTES],
+        params[P_GROUP], params[P_HEAD_DIM], params[P_ELT_BYTES], params[P_SHARING],
         params[P_ROWS_CHUNK], params[P_ROWS_DECODE])
     rows = table.shape[0]
     cols = min(width, table.shape[1])
