@@ -15,7 +15,8 @@ from prefixattn.planner.tiles import DECODE_CLASS_ALL_ROWS
 from prefixattn.planner.work_list import SharedNodes
 from prefixattn.ragged import expand, offsets
 
-
+#: The sentinel after the last sorted request: a node's ``rb + 1`` may equal the request count, and the reduceat
+#: over ``(lb, rb + 1)`` pairs needs a valid index whose value never wins a minimum.
 _INT64_MAX = int(np.iinfo(np.int64).max)
 
 
