@@ -248,7 +248,7 @@ def default_attention_configs(target, head_dim: int, dtype: str) -> list[tuple[s
 def class_binaries(pairs) -> list[tuple[str, object, bool]]:
     """``(mode, config, has_shared)`` of each work-class binary the ``(mode, config)`` pairs launch: a decode config
     serves the shared and the decode class, a chunked-prefill config the chunk class
-    (:func:`prefixattn.attention_configs.tiles_from_configs`)."""
+    (:func:`prefixattn.planner.tiles.tiles_from_configs`)."""
     return [(mode, cfg, has_shared) for mode, cfg in pairs
             for has_shared in ((True, False) if mode != "chunked_prefill" else (False,))]
 

@@ -128,7 +128,7 @@ class LaunchOptions:
         fp8 (when ``kv_fp8``): a suffix-only NVIDIA launch gets at most :data:`FP8_SUFFIX_MAX_STAGES` stages and at
         least :data:`FP8_SUFFIX_MIN_WARPS` warps, or exactly :data:`FP8_LARGE_HEAD_DECODE_WARPS` for 32-row decode
         tiles of large heads; everything else is unchanged. The one rule (with :func:`fp8_block_n`), used by the
-        launch (:meth:`prefixattn.attention_configs.AttentionTiles.launch_options`), the warm-up and compile-check."""
+        launch (:meth:`prefixattn.planner.tiles.AttentionTiles.launch_options`), the warm-up and compile-check."""
         if kv_fp8 and not has_shared and not is_hip:
             if block_d >= FP8_LARGE_HEAD_DIM and FP8_LARGE_TILE_ROWS <= block_m < FP8_LARGE_HEAD_CHUNK_ROWS:
                 warps = FP8_LARGE_HEAD_DECODE_WARPS

@@ -151,7 +151,7 @@ def test_fp8_caches_take_narrower_kv_tiles_under_large_tiles_of_large_heads():
 
 
 def test_the_launch_applies_the_fp8_rules_per_work_class():
-    from prefixattn.attention_configs import tiles_from_configs
+    from prefixattn.planner.tiles import tiles_from_configs
     from prefixattn.kernels import layout as K
 
     decode = AttentionConfig(shared=Tiles(64, 32), suffix=Tiles(16, 64), launch=LaunchOptions(8, 3),
