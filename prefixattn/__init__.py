@@ -5,8 +5,8 @@ Set ``TRITON_INTERPRET=1`` *before* importing this package to run the kernels on
 
 from prefixattn.kv_write import write_kv
 from prefixattn.merge import merge_states, merge_states_n
-from prefixattn.plan_device import CapacityError
-from prefixattn.planner import Plan, plan
+from prefixattn.planner.device_tables import CapacityError
+from prefixattn.planner.plans import Plan, plan
 from prefixattn.prefix_attention import PrefixSharedAttention, attention
 from prefixattn.reference import reference_attention
 from prefixattn.validation import (FP8_E4M3_MIN_CAPABILITY, FP8_KV_DTYPES, SINK_DTYPES, SUPPORTED_DTYPES,

@@ -1,5 +1,5 @@
-"""attention(): run a :class:`~prefixattn.planner.Plan` - one launch of the fused prefix-shared attention kernel per
-work class of the step (shared nodes, prefill-chunk tiles, decode tiles), merged in-kernel."""
+"""attention(): run a :class:`~prefixattn.planner.plans.Plan` - one launch of the fused prefix-shared attention kernel
+per work class of the step (shared nodes, prefill-chunk tiles, decode tiles), merged in-kernel."""
 
 from __future__ import annotations
 
@@ -8,20 +8,20 @@ import math
 
 import torch
 
-from prefixattn import plan_native
 from prefixattn.kernels.layout import CLASS_CHUNK, CLASS_DECODE, CLASS_SHARED, WORK_CLASSES, page_size_constexpr
 from prefixattn.kernels.prefix_attention_kernel import prefix_attention_kernel
-from prefixattn.attention_configs import choose_tiles
 from prefixattn.autotune.lookup import read_fixed_env
 from prefixattn.launcher import SPEC_ALIGN, PreparedLaunch, class_launches
-from prefixattn.plan_device import CapacityError
-from prefixattn.planner import (OPTION_DEFAULTS, Plan, _default_num_sms, _positive_int, checked_options, plan,
-                                plan_with_options)
+from prefixattn.planner import compiled as compiled_planner
+from prefixattn.planner.device_tables import CapacityError
+from prefixattn.planner.options import _default_num_sms, _positive_int, checked_options
+from prefixattn.planner.plans import OPTION_DEFAULTS, Plan, plan, plan_with_options
+from prefixattn.planner.tiles import choose_tiles
+from prefixattn.planner.workspace import DEFAULT_MAX_SHARED_LEVELS, PlanWorkspace, class_grid_items, derive_capacity
 from prefixattn.runtime import device_one
 from prefixattn.validation import (FP8_KV_DTYPES, canonical_device, check_fp8_support, check_head_dim, check_heads,
                                    check_kernel_device, check_kv_scale, check_qkv, check_sinks, check_tensor,
                                    same_device, torch_dtype_name)
-from prefixattn.workspace import DEFAULT_MAX_SHARED_LEVELS, PlanWorkspace, class_grid_items, derive_capacity
 
 _LOG2E = 1.0 / math.log(2.0)
 
@@ -96,7 +96,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pla
               out: torch.Tensor | None = None, return_lse: bool = False, sinks: torch.Tensor | None = None,
               k_scale: float | torch.Tensor | None = None, v_scale: float | torch.Tensor | None = None):
     """Prefix-shared paged attention for one layer: one kernel launch per work class of the plan
-    (:attr:`~prefixattn.planner.Plan.work_classes`), no host synchronization.
+    (:attr:`~prefixattn.planner.plans.Plan.work_classes`), no host synchronization.
 
     Same conventions as :func:`prefixattn.reference_attention`; the metadata (``qo_indptr``, ``kv_lens``,
     ``block_table``, ``causal``, ``sm_scale``, ``logits_soft_cap``, ``window_left``) come from ``plan``.
@@ -272,7 +272,7 @@ def _restated(overrides: dict, config: dict) -> bool:
 
 
 #: Capacities a step may exceed because of how much it shares (not how big it is): such a step is re-planned
-#: without sharing, which the derived capacities always admit (prefixattn.workspace).
+#: without sharing, which the derived capacities always admit (prefixattn.planner.workspace).
 _SHARING_CAPACITIES = ("max_items", "max_gather_rows", "max_merge_rows", "max_ws_rows")
 
 
@@ -280,9 +280,9 @@ class PrefixSharedAttention:
     """FlashInfer-style wrapper: ``plan()`` once per engine step, ``run()`` once per layer.
 
     With capacities (``max_tokens``, ``max_requests``, ``max_blocks_per_request``) the wrapper owns a
-    :class:`~prefixattn.workspace.PlanWorkspace` allocated once: ``plan()`` writes each step's tables into pinned host
-    memory and moves them with one non-blocking copy, and neither ``plan()`` nor ``run()`` allocates device memory
-    (``run()`` with ``out`` given). Without capacities every plan allocates its own tensors (as :func:`plan`).
+    :class:`~prefixattn.planner.workspace.PlanWorkspace` allocated once: ``plan()`` writes each step's tables into
+    pinned host memory and moves them with one non-blocking copy, and neither ``plan()`` nor ``run()`` allocates device
+    memory (``run()`` with ``out`` given). Without capacities every plan allocates its own tensors (as :func:`plan`).
 
     Parameters
     ----------
@@ -303,7 +303,7 @@ class PrefixSharedAttention:
         With ``use_cuda_graph``: the query length the fixed tiles are chosen for (1: decode; any batch is still
         correct, only its tile fit changes).
     max_shared_levels, max_items, max_gather_rows, max_merge_rows, max_ws_rows
-        Override the derived capacities (:func:`prefixattn.workspace.derive_capacity`).
+        Override the derived capacities (:func:`prefixattn.planner.workspace.derive_capacity`).
     **plan_options
         Other :func:`prefixattn.plan` options (``sharing``, ``num_sms``, ``min_split_tokens``, ...).
 
@@ -442,9 +442,9 @@ class PrefixSharedAttention:
 
     def graph_grid_items(self, num_tokens: int) -> tuple[int, ...]:
         """Work items each captured launch covers for a step of ``num_tokens`` query rows, one per class of
-        :attr:`graph_work_classes`: the bound for a step of that size (:func:`prefixattn.workspace.class_grid_items`;
-        only requests with query rows make items, so at most ``num_tokens`` of them), never more than the
-        workspace's ``max_items``."""
+        :attr:`graph_work_classes`: the bound for a step of that size
+        (:func:`prefixattn.planner.workspace.class_grid_items`; only requests with query rows make items, so at most
+        ``num_tokens`` of them), never more than the workspace's ``max_items``."""
         grid = self._grid_items.get(num_tokens) if type(num_tokens) is int else None
         if grid is None:
             cap = self._workspace.capacity
@@ -533,7 +533,7 @@ class PrefixSharedAttention:
         default_blocks = cfg.pop("num_blocks", None)  # the step's own num_blocks, when given, replaces it
         # PREFIXATTN_PLANNER and PREFIXATTN_TILE_CONFIG: read once per checked options
         per_call = {**cfg, "workspace": self._workspace, "device": self._workspace.device,
-                    "planner": plan_native.compiled_modules(), "fixed_env": read_fixed_env()}
+                    "planner": compiled_planner.compiled_modules(), "fixed_env": read_fixed_env()}
         if self.use_cuda_graph:
             per_call["tiles"] = self._tiles
         if not overrides:

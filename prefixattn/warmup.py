@@ -36,11 +36,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from prefixattn.attention_configs import ClassTiles, choose_tiles
 from prefixattn.autotune.buckets import MAX_Q_LEN_RANGE
 from prefixattn.autotune.config_space import AttentionConfig, block_d, fp8_block_n
 from prefixattn.autotune.lookup import fixed_config, planning_target, select_config
 from prefixattn.kernels.layout import CLASS_CHUNK, CLASS_DECODE, CLASS_SHARED, WORK_CLASSES, page_size_constexpr
+from prefixattn.planner.compiled import planner_name
+from prefixattn.planner.plans import compile_planner, plan
+from prefixattn.planner.tiles import ClassTiles, choose_tiles
+from prefixattn.prefix_attention import attention
 from prefixattn.runtime import interpreter_enabled
 from prefixattn.validation import FP8_KV_DTYPES, SUPPORTED_DTYPES, check_head_dim, check_heads, torch_dtype_name
 
@@ -100,8 +103,10 @@ class KernelVariant:
             return f"{KV_WRITE} {geometry} slots {torch_dtype_name(self.slot_dtype)}"
         t = self.tiles
         shared = self.work_class == CLASS_SHARED
-        lo = t.launch.for_kv(has_shared=shared, kv_fp8=self.kv_fp8, is_hip=self.is_hip)
-        block_n = fp8_block_n(t.block_m, t.block_n, kv_fp8=self.kv_fp8, block_d=block_d(self.head_dim))
+        bd = block_d(self.head_dim)
+        lo = t.launch.for_kv(has_shared=shared, kv_fp8=self.kv_fp8, is_hip=self.is_hip, block_d=bd,
+                             block_m=t.block_m)
+        block_n = fp8_block_n(t.block_m, t.block_n, kv_fp8=self.kv_fp8, block_d=bd)
         parts = [ATTENTION, geometry, f"page {page_size_constexpr(self.block_size) or 'any'}",
                  WORK_CLASSES[self.work_class], "+lse" if self.has_lse else "no-lse",
                  *(["+kv_scale"] if self.has_kv_scale else []), f"{t.block_m}x{block_n}",
@@ -127,7 +132,7 @@ class WarmupReport:
     #: "gpu", "interpreter" (launched there), "skipped" (interpreter or no GPU: nothing to compile), "listed"
     mode: str = "gpu"
     #: The host planner plan() runs ("numba" or "numpy") and the seconds its compile, or its load from numba's
-    #: cache, took (:func:`prefixattn.plan_native.compile_planner`); empty when it was not warmed.
+    #: cache, took (:func:`prefixattn.planner.plans.compile_planner`); empty when it was not warmed.
     planner: dict = field(default_factory=dict)
 
     @property
@@ -346,8 +351,6 @@ def _launch_attention(v: KernelVariant, layout: WarmupLayout, device: torch.devi
     """One step through plan() + attention() that launches ``v``'s class: 2 decode requests sharing block 0 (the
     shared class; their decode tiles launch too), one request of one row (decode) or of one row more than a decode
     tile holds (chunk)."""
-    import prefixattn
-
     bs = v.block_size
     rows = 1
     if v.work_class == CLASS_CHUNK:
@@ -358,10 +361,10 @@ def _launch_attention(v: KernelVariant, layout: WarmupLayout, device: torch.devi
         blocks = -(-(bs + rows) // bs)
         qo_indptr, kv_lens, table = [0, rows], [bs + rows], [[i % _WARMUP_BLOCKS for i in range(blocks)]]
     with fixed_config(v.config):
-        p = prefixattn.plan(torch.tensor(qo_indptr), torch.tensor(kv_lens), torch.tensor(table), block_size=bs,
-                            num_qo_heads=v.num_qo_heads, num_kv_heads=v.num_kv_heads, head_dim=v.head_dim,
-                            q_dtype=v.dtype, kv_dtype=v.cache_dtype, device=device,
-                            sharing="always" if v.work_class == CLASS_SHARED else "never")
+        p = plan(torch.tensor(qo_indptr), torch.tensor(kv_lens), torch.tensor(table), block_size=bs,
+                 num_qo_heads=v.num_qo_heads, num_kv_heads=v.num_kv_heads, head_dim=v.head_dim,
+                 q_dtype=v.dtype, kv_dtype=v.cache_dtype, device=device,
+                 sharing="always" if v.work_class == CLASS_SHARED else "never")
     # A binary is its kind of item and its tiles: under the pinned config the chunk tiles run in the decode class
     # (one binary serves both), which compiles the same binary.
     if (v.work_class == CLASS_SHARED, v.tiles) not in launch_binaries(p):
@@ -369,7 +372,7 @@ def _launch_attention(v: KernelVariant, layout: WarmupLayout, device: torch.devi
                            f"{p.tiles}); nothing launched")
     q, _, _ = _rows(v, p.num_tokens, layout, device)
     k_cache, v_cache = _caches(v, layout, device)
-    prefixattn.attention(q, k_cache, v_cache, p, return_lse=v.has_lse, **_scales(v, device))
+    attention(q, k_cache, v_cache, p, return_lse=v.has_lse, **_scales(v, device))
 
 
 def launch_binaries(p) -> set:
@@ -428,12 +431,10 @@ def _run_one(v: KernelVariant, layout: WarmupLayout, device: torch.device, inter
 def warm_planner() -> dict:
     """Compile the compiled planner's variants (or load them from numba's on-disk cache) so that the first plan()
     does not wait for numba (tens of seconds on a 2-core host): ``{"name", "seconds"}``."""
-    from prefixattn import plan_native
-
-    name = plan_native.planner_name()
+    name = planner_name()
     start = time.perf_counter()
     if name == "numba":
-        plan_native.compile_planner()
+        compile_planner()
     return {"name": name, "seconds": time.perf_counter() - start}
 
 

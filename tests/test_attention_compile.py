@@ -22,7 +22,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import torch
-from prefixattn.attention_configs import choose_tiles
+from prefixattn.planner.tiles import choose_tiles
 from prefixattn.kernels.prefix_attention_kernel import prefix_attention_kernel as kernel
 
 dtype = sys.argv[1]

@@ -9,8 +9,9 @@ import torch
 
 from prefixattn import plan
 from prefixattn.lcp_tree import lcp_interval_tree
-from prefixattn.planner import MIN_SPLIT_TOKENS, sharing_pays_off
-from prefixattn.split_rule import MIN_PIECE_OVERHEADS, min_piece
+from prefixattn.planner.cost_rule import sharing_pays_off
+from prefixattn.planner.options import MIN_SPLIT_TOKENS
+from prefixattn.planner.split_rule import MIN_PIECE_OVERHEADS, min_piece
 from prefixattn.kernels import layout as K
 from tests.prefix_batches import make_batch, random_batch
 

@@ -13,14 +13,15 @@ import torch
 
 pytest.importorskip("numba", reason="the compiled planner is optional (pip install prefixattn[fast])")
 
-from prefixattn import plan, plan_native  # noqa: E402
+from prefixattn import plan  # noqa: E402
 from prefixattn.autotune.lookup import fixed_config  # noqa: E402
 from prefixattn.lcp_tree import clear_tree_cache, lcp_interval_tree  # noqa: E402
+from prefixattn.planner import compiled as compiled_planner  # noqa: E402
 from tests.test_plan_equivalence import CASES, CONFIGS  # noqa: E402
 
 
 def _plan_with(planner, monkeypatch, *args, cold=True, **opts):
-    monkeypatch.setenv(plan_native.ENV_VAR, planner)
+    monkeypatch.setenv(compiled_planner.ENV_VAR, planner)
     if cold:
         clear_tree_cache()
     return plan(*args, **opts)
@@ -143,7 +144,7 @@ def test_compiled_tree_equals_numpy_tree(seed):
     """The tree alone on small random rows with heavy ties (identical rows, rows that are prefixes of others, runs of
     neighbours under one prefix), without and with the check's neighbour LCP hints (exact, or lowered: any lower
     bound is a valid hint)."""
-    from prefixattn import plan_native_tree
+    from prefixattn.planner import compiled_tree
 
     rng = np.random.default_rng(seed)
     n, width = int(rng.integers(2, 40)), int(rng.integers(1, 600 if seed % 5 == 0 else 70))
@@ -160,7 +161,7 @@ def test_compiled_tree_equals_numpy_tree(seed):
     hints = _adjacent_lcps(rows, lengths)
     lowered = np.minimum(hints, rng.integers(0, width + 1, n))
     for what, prev_lcp in (("no hints", np.zeros(n, dtype=np.int64)), ("hints", hints), ("lowered hints", lowered)):
-        got = plan_native_tree.lcp_interval_tree(rows, width, lengths, prev_lcp)
+        got = compiled_tree.lcp_interval_tree(rows, width, lengths, prev_lcp)
         for name, a, b in zip(("order", "lcp", "depth", "lb", "rb", "parent"),
                               (ref.order, ref.lcp, ref.depth, ref.lb, ref.rb, ref.parent), got):
             assert a.dtype == b.dtype and np.array_equal(a, b), f"{what}, {name}: {a} vs {b}"
@@ -170,7 +171,7 @@ def test_compiled_tree_equals_numpy_tree(seed):
 def test_the_checks_hints_are_the_neighbours_lcps(seed):
     """check_values' ``prev_lcp`` is the exact LCP of neighbouring rows' shareable blocks where both have at least
     ``_HINT_MIN_COLUMNS`` of them, else 0 (and empty for a narrower table: no hints at all)."""
-    from prefixattn import plan_native_tree as T
+    from prefixattn.planner import compiled_tree as T
 
     rng = np.random.default_rng(seed)
     n, block_size, cols = int(rng.integers(1, 30)), 4, T._HINT_MIN_COLUMNS + 40
@@ -195,7 +196,7 @@ def test_the_checks_hints_are_the_neighbours_lcps(seed):
 def test_strided_table_uses_the_compiled_variants(monkeypatch):
     """A column slice of a wider table (an engine's persistent table) plans like its contiguous copy, through the
     variants compiled for C-contiguous arrays (a strided one would be compiled anew, mid-serving)."""
-    from prefixattn import plan_native_core, plan_native_tree
+    from prefixattn.planner import compiled_core, compiled_tree
 
     wide = torch.tensor([[1, 2, 3, 9, 7, 7], [1, 2, 3, 8, 7, 7], [1, 2, 4, 7, 7, 7]], dtype=torch.int32)
     args = (torch.tensor([0, 1, 2, 3]), torch.tensor([60, 60, 60]), wide[:, :4])
@@ -203,7 +204,7 @@ def test_strided_table_uses_the_compiled_variants(monkeypatch):
     ref, got, again = _both(monkeypatch, "dec", args, opts)
     assert_same_plans(ref, got, "strided table")
     assert_same_plans(ref, again, "strided table (replanned)")
-    for fn in (plan_native_core.plan_core, plan_native_tree.check_and_tree):
+    for fn in (compiled_core.plan_core, compiled_tree.check_and_tree):
         assert all(a.layout == "C" for sig in fn.signatures for a in sig if hasattr(a, "layout")), fn
 
 
@@ -229,7 +230,7 @@ def test_same_errors(monkeypatch, name, args, extra, index_dtype):
     opts = dict(block_size=16, num_qo_heads=4, num_kv_heads=2, head_dim=64, **extra)
     messages = []
     for planner in ("numpy", "numba"):
-        monkeypatch.setenv(plan_native.ENV_VAR, planner)
+        monkeypatch.setenv(compiled_planner.ENV_VAR, planner)
         with pytest.raises(ValueError, match=f"^{name}: ") as err:
             plan(*args, **opts)
         messages.append(str(err.value))
@@ -237,11 +238,11 @@ def test_same_errors(monkeypatch, name, args, extra, index_dtype):
 
 
 def test_planner_choice(monkeypatch):
-    monkeypatch.setenv(plan_native.ENV_VAR, "auto")
-    assert plan_native.planner_name() == "numba"
-    monkeypatch.setenv(plan_native.ENV_VAR, "numpy")
-    assert plan_native.planner_name() == "numpy"
-    monkeypatch.setenv(plan_native.ENV_VAR, "fortran")
+    monkeypatch.setenv(compiled_planner.ENV_VAR, "auto")
+    assert compiled_planner.planner_name() == "numba"
+    monkeypatch.setenv(compiled_planner.ENV_VAR, "numpy")
+    assert compiled_planner.planner_name() == "numpy"
+    monkeypatch.setenv(compiled_planner.ENV_VAR, "fortran")
     with pytest.raises(ValueError, match="^PREFIXATTN_PLANNER: expected one of"):
         plan(torch.tensor([0, 1]), torch.tensor([4]), torch.zeros((1, 1), dtype=torch.int32), block_size=16,
              num_qo_heads=4, num_kv_heads=2, head_dim=64)
@@ -251,12 +252,12 @@ def test_warmup_compiles_the_planner(monkeypatch):
     """prefixattn.warmup_kernels (the `prefixattn warmup` command) also compiles the planner, on a CPU host too."""
     import prefixattn
 
-    monkeypatch.setenv(plan_native.ENV_VAR, "auto")
+    monkeypatch.setenv(compiled_planner.ENV_VAR, "auto")
     report = prefixattn.warmup_kernels(num_qo_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
                                        dtypes=torch.float16)
     assert report.planner["name"] == "numba" and report.planner["seconds"] >= 0
     assert any(line.strip().startswith("planner") and "numba" in line for line in report.lines())
-    monkeypatch.setenv(plan_native.ENV_VAR, "numpy")
+    monkeypatch.setenv(compiled_planner.ENV_VAR, "numpy")
     assert prefixattn.warmup_kernels(num_qo_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
                                      dtypes=torch.float16).planner["name"] == "numpy"
 
@@ -266,7 +267,7 @@ def test_workspace_plans_equal(monkeypatch, seed):
     """Plans written into a PlanWorkspace (the engines' path: the workspace stages the tables; with numba the compiled
     checks stage the block table) are equal too, each in a workspace of its own (one workspace would keep the first
     plan's table for a planner that staged none)."""
-    from prefixattn.workspace import PlanWorkspace, derive_capacity
+    from prefixattn.planner.workspace import PlanWorkspace, derive_capacity
 
     rng = np.random.default_rng(100 + seed)
     args, _ = random_metadata(rng, num_requests=12, block_size=4, max_q_len=9, levels=2,
@@ -286,7 +287,7 @@ def test_auto_falls_back_to_numpy_when_numba_fails_to_compile(monkeypatch):
     same plan; PREFIXATTN_PLANNER=numba raises it."""
     from numba.core.errors import TypingError
 
-    from prefixattn import plan_native_core
+    from prefixattn.planner import compiled_core
 
     def broken(*args):
         raise TypingError("no implementation")
@@ -295,14 +296,14 @@ def test_auto_falls_back_to_numpy_when_numba_fails_to_compile(monkeypatch):
             torch.tensor([[1, 2, 3, 9], [1, 2, 3, 8], [1, 2, 4, 7]], dtype=torch.int32))
     opts = dict(block_size=16, num_qo_heads=4, num_kv_heads=2, head_dim=64, sharing="always")
     ref = _plan_with("numpy", monkeypatch, *args, **opts)
-    monkeypatch.setattr(plan_native_core, "plan_core", broken)
+    monkeypatch.setattr(compiled_core, "plan_core", broken)
     with pytest.raises(TypingError):
         _plan_with("numba", monkeypatch, *args, **opts)
-    monkeypatch.setattr(plan_native, "_modules", plan_native._load())  # restored after the test
+    monkeypatch.setattr(compiled_planner, "_modules", compiled_planner._load())  # restored after the test
     with pytest.warns(RuntimeWarning, match="the compiled planner failed to compile"):
         got = _plan_with("auto", monkeypatch, *args, **opts)
     assert_same_plans(ref, got, "fallback")
-    assert plan_native.planner_name() == "numpy"
+    assert compiled_planner.planner_name() == "numpy"
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -310,7 +311,7 @@ def test_long_shared_prefixes_equal(monkeypatch, seed):
     """Rows sharing more than ``_HINT_MIN_COLUMNS`` blocks (the checks' LCP hints feed the tree build): interleaved
     groups, nested prefixes and a row that leaves its group's prefix early; cold, then a step where one request's
     shareable blocks change (the cache stops matching at that row)."""
-    from prefixattn import plan_native_tree as T
+    from prefixattn.planner import compiled_tree as T
 
     rng = np.random.default_rng(seed)
     n, long = int(rng.integers(3, 24)), T._HINT_MIN_COLUMNS + int(rng.integers(0, 300))
@@ -366,7 +367,7 @@ def test_random_steps_through_tight_workspaces_leave_no_wrong_current_plan(monke
     unchanged, or stale."""
     from prefixattn import PrefixSharedAttention
 
-    monkeypatch.setenv(plan_native.ENV_VAR, "numba")
+    monkeypatch.setenv(compiled_planner.ENV_VAR, "numba")
     rng = np.random.default_rng(300)
     heads = dict(num_qo_heads=8, num_kv_heads=2, head_dim=64, block_size=4)
     outcomes = []
@@ -403,7 +404,7 @@ def test_longest_first_is_the_stable_sort_by_length():
     """plan_core's LPT order (each work class sorted apart, by counts when its lengths span few values or by packed
     keys) is numpy's stable argsort of the negated lengths within each class, whatever the class sizes, spans, ties
     and sizes (0 to 600 items, lengths 0 to 2^31 - 1)."""
-    from prefixattn import plan_native_core
+    from prefixattn.planner import compiled_core
     from prefixattn.kernels import layout as K
 
     rng = np.random.default_rng(7)
@@ -420,5 +421,5 @@ def test_longest_first_is_the_stable_sort_by_length():
         length = items[:, K.ITEM_KV_END].astype(np.int64) - items[:, K.ITEM_KV_START]
         cls = np.searchsorted(ends, np.arange(n), side="right")
         want = items[np.lexsort((-length, cls))]
-        plan_native_core._longest_first(items, K.ITEM_KV_START, K.ITEM_KV_END, ends.astype(np.int64))
+        compiled_core._longest_first(items, K.ITEM_KV_START, K.ITEM_KV_END, ends.astype(np.int64))
         np.testing.assert_array_equal(items, want, err_msg=f"trial {trial}")

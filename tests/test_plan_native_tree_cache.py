@@ -1,6 +1,6 @@
 """The compiled planner's tree cache (:mod:`prefixattn.lcp_tree.blocks`, kept by
-:func:`prefixattn.plan_native_tree.check_and_tree`): reused only where a fresh build gives the same tree (equal rows,
-or rows grown past their LCPs), its rows its own, its entry whole whatever fails; every plan equal to the numpy
+:func:`prefixattn.planner.compiled_tree.check_and_tree`): reused only where a fresh build gives the same tree (equal
+rows, or rows grown past their LCPs), its rows its own, its entry whole whatever fails; every plan equal to the numpy
 planner's. Helpers from ``tests/test_plan_native.py``; skipped without numba, as that module.
 """
 
@@ -12,8 +12,9 @@ import torch
 
 pytest.importorskip("numba", reason="the compiled planner is optional (pip install prefixattn[fast])")
 
-from prefixattn import plan, plan_native  # noqa: E402
+from prefixattn import plan  # noqa: E402
 from prefixattn.lcp_tree import clear_tree_cache  # noqa: E402
+from prefixattn.planner import compiled as compiled_planner  # noqa: E402
 from tests.test_plan_native import _plan_with, assert_same_plans  # noqa: E402
 
 
@@ -124,8 +125,8 @@ def test_the_tree_cache_keeps_its_own_rows_and_no_tree_of_other_rows(monkeypatch
     _plan_with("numba", monkeypatch, *args, **opts)
     entry = lcp.cached_entry()
     rows_before = entry[0].copy()
-    monkeypatch.setenv(plan_native.ENV_VAR, "numba")
-    monkeypatch.setattr(plan_native, "_unpack_tree", lambda *a: 1 / 0)
+    monkeypatch.setenv(compiled_planner.ENV_VAR, "numba")
+    monkeypatch.setattr(compiled_planner, "_unpack_tree", lambda *a: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         plan(*other, **opts)
     assert lcp.cached_entry() is entry and np.array_equal(entry[0], rows_before)
@@ -220,7 +221,8 @@ def _random_decode_run(seed: int, compiled, pool, long_prefix: bool = False) -> 
     not, most requests one token longer per step, fresh block ids written at crossings) planned warm by the compiled
     planner; each step checked against the numpy planner run cold on another thread (its own tree cache). Returns
     ``(steps, trees kept, trees rebuilt)``."""
-    from prefixattn.planner import OPTION_DEFAULTS, checked_options, plan_with_options
+    from prefixattn.planner.options import checked_options
+    from prefixattn.planner.plans import OPTION_DEFAULTS, plan_with_options
 
     rng = np.random.default_rng(seed)
     bs, n = int(rng.choice([2, 4, 16])), int(rng.integers(2, 40))
@@ -270,7 +272,7 @@ def test_random_decode_runs_plan_as_the_numpy_planner_with_the_tree_kept_or_rebu
     runs and 60 long ones passed the same check: ~39,800 steps)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    compiled = plan_native.compiled_modules() or plan_native._load()
+    compiled = compiled_planner.compiled_modules() or compiled_planner._load()
     with ThreadPoolExecutor(max_workers=1) as pool:
         totals = np.array([_random_decode_run(seed, compiled, pool) for seed in range(150)]
                           + [_random_decode_run(seed, compiled, pool, long_prefix=True) for seed in range(6)]).sum(0)

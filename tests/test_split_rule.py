@@ -1,4 +1,4 @@
-"""The split-k rule (prefixattn.split_rule): plan-level checks, no kernel runs.
+"""The split-k rule (prefixattn.planner.split_rule): plan-level checks, no kernel runs.
 
 The full-size shapes are planned for an H100 (the sm90 table's tiles and program costs, 132 SMs) on this CPU host:
 plan() builds only host tables, so the whole grid (109 plans) takes a few seconds.
@@ -17,7 +17,7 @@ from prefixattn.autotune.lookup import planning_target
 from prefixattn.autotune.program_cost import LAUNCH_GAP_US, ProgramCost, class_costs, residency
 from prefixattn.autotune.targets import get_target
 from prefixattn.kernels import layout as K
-from prefixattn.split_rule import (CRITICAL_PATH_TARGET, MIN_PIECE_OVERHEADS, SPLIT_TOLERANCE, WAVE_GAIN_MIN,
+from prefixattn.planner.split_rule import (CRITICAL_PATH_TARGET, MIN_PIECE_OVERHEADS, SPLIT_TOLERANCE, WAVE_GAIN_MIN,
                                    class_split, modeled_makespan, piece_budget, split_grain, split_pieces)
 from tests.test_plan import check_work_list
 
@@ -174,7 +174,7 @@ def test_budget_floors():
 
 
 def test_pieces_stay_within_the_budget():
-    from prefixattn.work_list import _piece_bounds
+    from prefixattn.planner.work_list import _piece_bounds
 
     rng = np.random.default_rng(0)
     lengths = rng.integers(0, 5000, 500)

@@ -1,9 +1,9 @@
-"""prefixattn.window: a sliding window keeps in a shared node only the members all of whose rows see all of it."""
+"""prefixattn.planner.window: a sliding window keeps in a shared node only the members all of whose rows see all of it."""
 
 import numpy as np
 
-from prefixattn.window import window_shared_nodes
-from prefixattn.work_list import SharedNodes
+from prefixattn.planner.window import window_shared_nodes
+from prefixattn.planner.work_list import SharedNodes
 
 
 def _nodes(spans, members):

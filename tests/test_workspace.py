@@ -9,9 +9,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import prefixattn
 from prefixattn import PrefixSharedAttention, attention, reference_attention
-from prefixattn import plan_native, prefix_attention
+from prefixattn import prefix_attention
 from prefixattn.kernels import layout as K
-from prefixattn.workspace import derive_capacity
+from prefixattn.planner import compiled as compiled_planner
+from prefixattn.planner.workspace import derive_capacity
 from tests.launch_count import RecordingKernel
 from tests.prefix_batches import random_batch
 from tests.tolerances import ATTENTION_TOL, LSE_TOL
@@ -372,7 +373,7 @@ def test_a_wrapper_keeps_the_tile_config_variable_of_its_checked_options(monkeyp
 def _compiled_planner(monkeypatch):
     """Plan with the compiled planner (it writes into the workspace's host buffer itself; numpy copies in load())."""
     pytest.importorskip("numba", reason="the compiled planner is optional (pip install prefixattn[fast])")
-    monkeypatch.setenv(plan_native.ENV_VAR, "numba")
+    monkeypatch.setenv(compiled_planner.ENV_VAR, "numba")
 
 
 def _sized_for(device, batches):

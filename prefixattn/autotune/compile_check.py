@@ -248,7 +248,7 @@ def default_attention_configs(target, head_dim: int, dtype: str) -> list[tuple[s
 def class_binaries(pairs) -> list[tuple[str, object, bool]]:
     """``(mode, config, has_shared)`` of each work-class binary the ``(mode, config)`` pairs launch: a decode config
     serves the shared and the decode class, a chunked-prefill config the chunk class
-    (:func:`prefixattn.attention_configs.tiles_from_configs`)."""
+    (:func:`prefixattn.planner.tiles.tiles_from_configs`)."""
     return [(mode, cfg, has_shared) for mode, cfg in pairs
             for has_shared in ((True, False) if mode != "chunked_prefill" else (False,))]
 
@@ -300,8 +300,9 @@ WORST_CASE_DTYPE = "bf16"
 def worst_case_jobs(targets) -> list:
     """CI's selection, the worst case of every axis in a few minutes: every binary of every shipped bf16 config
     (each head size, each work class, LSE on: a spill anywhere in those tables fails it); at the smallest and
-    largest head size each of those binaries with every model switch, over a 16-bit cache and over each fp8 type
-    the target compiles (:func:`prefixattn.autotune.compile_specs.feature_specs`), and the fp32 binaries with LSE;
+    largest head size each of those binaries with every model switch over a 16-bit cache, and with each fp8 type the
+    target compiles, alone and under every model switch (:func:`prefixattn.autotune.compile_specs.feature_specs`),
+    and the fp32 binaries with LSE;
     the merge kernels at the largest head size. Only the full default run covers fp16, LSE off, each feature switch
     on its own, the NaN guard, fp32 at the other head sizes and fp32 with features."""
     from prefixattn.autotune import compile_specs as cs

@@ -198,7 +198,8 @@ def fused_job(*, target: Target, dtype: str, head_dim: int, config: AttentionCon
     sig, consts, attrs = build_signature(names, fused_pointer_dtypes(dtype, kv_dtype), fused_launch_values(head_dim),
                                          constexprs, target)
     bm, bn = config.shared.block_m, block_n
-    launch = config.launch_for(has_shared).for_kv(has_shared=has_shared, kv_fp8=kv_fp8, is_hip=target.is_hip)
+    launch = config.launch_for(has_shared).for_kv(has_shared=has_shared, kv_fp8=kv_fp8, is_hip=target.is_hip,
+                                                  block_d=bd, block_m=tiles.block_m)
     name = (variant + ("" if has_shared else "/suffix-only") + ("+lse" if has_lse else "")
             + "".join("+" + f.split("_", 1)[1].lower() for f in FEATURE_SWITCHES if f in features)
             + (f"+{kv_dtype}" if kv_dtype else "")
@@ -242,9 +243,11 @@ NON_FP8_FEATURES = MODEL_FEATURES + ("USE_NAN_GUARD",)
 def feature_specs(target: Target, dtype: str, *, worst_case_only: bool = False) -> list[tuple]:
     """``(features, kv_dtype)`` of the issue-19 variants a binary is checked with: every non-fp8 switch (the model's
     and the NaN guard); fp8 K/V with scales, each fp8 type the target compiles; and every model switch over an fp8
-    cache (a Gemma-2-like model on an fp8 cache). ``worst_case_only`` (CI's selection): every model switch, over a
-    16-bit cache and over each fp8 type. fp32 inputs get only the non-fp8 switches (no engine pairs an fp32 model
-    with an fp8 cache).
+    cache (a Gemma-2-like model on an fp8 cache). ``worst_case_only`` (CI's selection): every model switch over a
+    16-bit cache, and each fp8 type alone and under every model switch (more switches do not always mean more
+    registers: sm_90, head_dim 256, 32 x 32 decode tiles at 8 warps spilled over a plain fp8 cache and not under the
+    model switches, Triton 3.9). fp32 inputs get only the non-fp8 switches (no engine pairs an fp32 model with an fp8
+    cache).
 
     Not checked: the NaN guard (``plan(nan_guard=True)``, a debugging mode) over an fp8 cache: sm_90, head_dim 256,
     e4m3, the chunk class's 64 x 16 tiles spill 212 bytes with it (Triton 3.9). The NaN guard over a 16-bit cache
@@ -254,7 +257,7 @@ def feature_specs(target: Target, dtype: str, *, worst_case_only: bool = False) 
     kinds = fp8_kv_types(target)
     with_model = [(MODEL_FEATURES + ("HAS_KV_SCALE",), kind) for kind in kinds]
     if worst_case_only:
-        return [(MODEL_FEATURES, None)] + with_model
+        return [(MODEL_FEATURES, None)] + [(("HAS_KV_SCALE",), kind) for kind in kinds] + with_model
     return [(NON_FP8_FEATURES, None)] + [(("HAS_KV_SCALE",), kind) for kind in kinds] + with_model[:1]
 
 

@@ -84,6 +84,15 @@ class Tiles:
 #: (Triton 3.9) and 127-128 (Triton 3.6), no spill (the compile-check feature jobs check it on every run). AMD is
 #: unchanged (its fp8 jobs compile without spills at the tables' options).
 FP8_SUFFIX_MIN_WARPS = 8
+#: Except decode tiles with narrowed KV tiles (:data:`FP8_LARGE_TILE_ROWS` rows or more, fewer than
+#: :data:`FP8_LARGE_HEAD_CHUNK_ROWS`) at a padded head size of :data:`FP8_LARGE_HEAD_DIM`: they run at exactly this many
+#: warps. At 8 warps ptxas holds such a program to 128 registers and spills (compile-check, bf16 q, LSE, Triton 3.9,
+#: 32 x 16 tiles, 3 stages: sm_90 e4m3 44 bytes, e5m2 44-80; sm_80 e5m2 16; 32 x 32: 12-52), while at 4 warps the
+#: same binaries take 214-242 registers and spill nothing, with and without the model switches, on both. 16 x 64 tiles
+#: go the other way (4 warps: 255 registers, 104-512 bytes spilled; 8 warps: 128-179, none but sm_90 e5m2 with the
+#: model switches, 116), so they keep the rule above.
+FP8_LARGE_HEAD_DECODE_WARPS = 4
+FP8_LARGE_HEAD_CHUNK_ROWS = 64
 #: Stages of a suffix-only NVIDIA launch over an fp8 K/V cache, at most: sm_80, bf16 q, e5m2 K/V, 16 x 64 tiles at 8
 #: warps spill 16 bytes at 4 stages (80 registers) and none at 3 (101 registers, 2 tiles in flight: the depth
 #: compile-check requires) under Triton 3.9 (compile-check).
@@ -94,9 +103,11 @@ FP8_SUFFIX_MAX_STAGES = 3
 #: Triton 3.9: sm_90 e4m3, 64 x 32 at 8 warps, 3 stages: shared class 255 registers, 80-96 bytes spilled (88 at 2
 #: stages, 560 at 16 warps), 64 x 16: 243, none; chunk class 255 and 176 bytes, 64 x 16: 236, none (244 and none
 #: with soft cap and window); gfx90a / gfx942 e4m3, chunk class 64 x 32 at 4 warps with soft cap, window and sinks:
-#: 512 VGPRs + AGPRs, 242-346 spilled, 64 x 16: 360-370, none. 16-row decode tiles fit as they are.
+#: 512 VGPRs + AGPRs, 242-346 spilled, 64 x 16: 360-370, none; sm_90 / sm_80, decode class 32 x 32 at 4 warps
+#: (:data:`FP8_LARGE_HEAD_DECODE_WARPS`) with the model switches: sm_90 e4m3 255 registers, 20 bytes spilled, e5m2
+#: 128; 32 x 16: 214-242 registers, none. 16-row decode tiles fit as they are.
 FP8_LARGE_HEAD_DIM = 256
-FP8_LARGE_TILE_ROWS = 64
+FP8_LARGE_TILE_ROWS = 32
 FP8_MAX_BLOCK_N = 16
 
 
@@ -111,14 +122,19 @@ class LaunchOptions:
     matrix_instr_nonkdim: int = 0
     kpack: int = 1
 
-    def for_kv(self, *, has_shared: bool, kv_fp8: bool, is_hip: bool) -> "LaunchOptions":
-        """These options for a launch whose K/V cache is fp8 (when ``kv_fp8``): a suffix-only NVIDIA launch gets at
-        least :data:`FP8_SUFFIX_MIN_WARPS` warps and at most :data:`FP8_SUFFIX_MAX_STAGES` stages; everything else is
-        unchanged. The one rule (with :func:`fp8_block_n`), used by the launch
-        (:meth:`prefixattn.attention_configs.AttentionTiles.launch_options`), the warm-up and compile-check."""
+    def for_kv(self, *, has_shared: bool, kv_fp8: bool, is_hip: bool, block_d: int,
+               block_m: int) -> "LaunchOptions":
+        """These options for a launch of ``block_m``-row tiles at a padded head size ``block_d`` whose K/V cache is
+        fp8 (when ``kv_fp8``): a suffix-only NVIDIA launch gets at most :data:`FP8_SUFFIX_MAX_STAGES` stages and at
+        least :data:`FP8_SUFFIX_MIN_WARPS` warps, or exactly :data:`FP8_LARGE_HEAD_DECODE_WARPS` for 32-row decode
+        tiles of large heads; everything else is unchanged. The one rule (with :func:`fp8_block_n`), used by the
+        launch (:meth:`prefixattn.planner.tiles.AttentionTiles.launch_options`), the warm-up and compile-check."""
         if kv_fp8 and not has_shared and not is_hip:
-            return replace(self, num_warps=max(self.num_warps, FP8_SUFFIX_MIN_WARPS),
-                           num_stages=min(self.num_stages, FP8_SUFFIX_MAX_STAGES))
+            if block_d >= FP8_LARGE_HEAD_DIM and FP8_LARGE_TILE_ROWS <= block_m < FP8_LARGE_HEAD_CHUNK_ROWS:
+                warps = FP8_LARGE_HEAD_DECODE_WARPS
+            else:
+                warps = max(self.num_warps, FP8_SUFFIX_MIN_WARPS)
+            return replace(self, num_warps=warps, num_stages=min(self.num_stages, FP8_SUFFIX_MAX_STAGES))
         return self
 
     def compile_options(self, target: Target) -> dict:

@@ -49,7 +49,7 @@ from prefixattn.autotune.tuning_cache import TuningCache, cache_path
 #: Environment variable holding a fixed config (JSON text or a path to a JSON file).
 FIXED_ENV = "PREFIXATTN_TILE_CONFIG"
 
-# Heuristic tiles (the documented default when no table applies; the values prefixattn.attention_configs shipped
+# Heuristic tiles (the documented default when no table applies; the values prefixattn.planner.tiles shipped
 # before the lookup). Shared tiles: 128 (row x head) lanes per program, the FlashAttention-2 forward M tile, so each
 # KV tile read from HBM feeds a full tensor-core matmul; 64 keys per step keeps the 128 x 64 fp32 score tile and the
 # 128 x head_dim accumulator in registers for head_dim <= 128.
@@ -119,7 +119,7 @@ def selection_state(fixed_env=READ_FIXED_ENV) -> tuple:
     """What :func:`select_config`'s answer depends on besides its arguments, as a hashable token: this thread's
     fixed config and planning target (by identity), ``PREFIXATTN_TILE_CONFIG`` (``fixed_env``: its value as the
     caller read it, by default read now), and the generation of the selection state. Equal tokens: the same
-    selections (used to memoize :func:`~prefixattn.attention_configs.choose_tiles`, which plan() calls every
+    selections (used to memoize :func:`~prefixattn.planner.tiles.choose_tiles`, which plan() calls every
     step)."""
     fixed = getattr(_state, "stack", None)
     targets = getattr(_state, "targets", None)

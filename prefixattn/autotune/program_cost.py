@@ -25,7 +25,7 @@ from prefixattn.autotune.config_space import DTYPE_BYTES, part_registers, part_s
 from prefixattn.autotune.targets import Target, get_target
 
 #: plan() on a host without a known GPU prices steps for the tuning target, as it takes its SM count
-#: (``prefixattn.planner.DEFAULT_NUM_SMS``).
+#: (``prefixattn.planner.options.DEFAULT_NUM_SMS``).
 DEFAULT_TARGET = "sm90"
 #: Program costs with this format (``bench/fit_program_cost.py`` writes it).
 COST_FORMAT = 1
@@ -139,7 +139,7 @@ def _program_cost(kind, block_m, block_n, num_warps, num_stages, head_dim, dtype
 
 def class_costs(tiles, *, head_dim: int, dtype: str, kv_bytes: int, target: Target | None = None) -> tuple:
     """``(shared, chunk, decode)`` :class:`ProgramCost` of a step's class binaries (``tiles``: its
-    :class:`~prefixattn.attention_configs.AttentionTiles`) on ``target`` (None: :data:`DEFAULT_TARGET`)."""
+    :class:`~prefixattn.planner.tiles.AttentionTiles`) on ``target`` (None: :data:`DEFAULT_TARGET`)."""
     target = target or get_target(DEFAULT_TARGET)
     out = []
     for kind, ct in (("shared", tiles.shared), ("suffix", tiles.chunk), ("suffix", tiles.decode)):

@@ -1,4 +1,4 @@
-"""Layout of the fused kernel's int32 work tables: the one definition that the host (:mod:`prefixattn.work_list`,
+"""Layout of the fused kernel's int32 work tables: the one definition that the host (:mod:`prefixattn.planner.work_list`,
 numpy) and the kernel (:mod:`prefixattn.kernels.prefix_attention_kernel`, Triton) both read. No triton import here,
 so host code and tests can use the layout without loading the compiler.
 

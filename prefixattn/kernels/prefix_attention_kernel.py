@@ -29,7 +29,7 @@ Features, each a constexpr switch that compiles to nothing when off (issue 19):
   the tanh.
 * ``HAS_WINDOW``: the query at KV position ``p`` sees keys ``p - window_left .. p``; suffix items skip KV tiles wholly
   left of every row's window and mask only the tiles at the window's edge. Shared items need no mask: the planner
-  shares only KV that every row of every member sees (:mod:`prefixattn.window`).
+  shares only KV that every row of every member sees (:mod:`prefixattn.planner.window`).
 * ``HAS_SINKS``: one logit per query head joins each row's softmax denominator exactly once, where the row's final
   state is formed (a single-state row's store, or the last-arriver merge), never per partial state. The stored LSE
   includes the sink; a row with no visible KV gives ``(0, sink)``.

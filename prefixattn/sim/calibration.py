@@ -60,8 +60,8 @@ TABLE: tuple[Constant, ...] = (
              "one SM streaming alone draws several times its 1/num_sms share of HBM bandwidth; bounds the tail of a "
              "kernel whose last CTA reads a long KV run"),
     Constant("split_k_min_tokens", 256, "KV tokens", "engine-default",
-             "prefixattn.planner.MIN_SPLIT_TOKENS: shortest split-k chunk of this library's fused kernel (split only "
-             "when the unsplit grid leaves SMs idle; BatchLLM sec. 6.3.3 names the bad case split-k fixes)"),
+             "prefixattn.planner.options.MIN_SPLIT_TOKENS: shortest split-k chunk of this library's fused kernel "
+             "(split only when the unsplit grid leaves SMs idle; BatchLLM sec. 6.3.3 names the bad case split-k fixes)"),
     # ----------------------------------------------------------------- cost model: per-step fixed costs
     Constant("elementwise_kernels_per_layer", 5, "launches", "assumption",
              "vLLM-style layer: 2 fused add+RMSNorm, rotary, KV-cache write, SiLU-and-mul (GEMMs counted apart)"),

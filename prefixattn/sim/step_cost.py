@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from prefixattn.planner.cost_rule import sharing_pays_off
 from prefixattn.sim.calibration import Calibration
 from prefixattn.sim.presets import GIB, HardwarePreset, ModelPreset, get_hardware, get_model
 
@@ -39,10 +40,6 @@ _FLOPS_PER_MAC = 2
 _ATTN_MACS_PER_PAIR_DIM = 2
 _K_AND_V = 2
 _FP32_BYTES = 4
-#: prefixattn.plan's accounting of partial states: each written once and read once by the merge ...
-_STATE_PASSES = 2
-#: ... and two states charged per row (an upper bound that keeps marginal nodes unshared), as planner.py does.
-_STATES_CHARGED_PER_ROW = 2
 #: GEMM tile shapes considered, as multiples of (gemm_tile_m, gemm_tile_n): the square base tile, its two
 #: rectangular doublings and a half-height tile, the usual CUTLASS/cuBLAS candidates for bf16.
 _TILE_SHAPES = ((1, 1), (2, 1), (1, 2), (0.5, 1))
@@ -275,19 +272,20 @@ class CostModel:
 
     # ------------------------------------------------------------------ attention
     def sharing_pays_off(self, num_requests, num_rows, kv_tokens) -> bool:
-        """The fused kernel's cost rule (:func:`prefixattn.planner.sharing_pays_off`, restated for the simulator,
-        which may not import torch): share a node when the KV bytes it saves beat the partial-state bytes it adds.
-        A test checks the two agree."""
+        """The fused kernel's cost rule, the planner's own (:func:`prefixattn.planner.cost_rule.sharing_pays_off`,
+        numpy only): share a node when the KV bytes it saves beat the partial-state bytes it adds. The simulator's
+        tiles pack ``attn_block_m`` (row x head) pairs; its nodes keep their members' summed rows only, so the rule's
+        ``extra_reads`` (members cut into several chunk tiles) stays 0, as the simulator's recorded results assume."""
         m = self.model
         m_tiles = math.ceil(num_rows * self._group / self.calib.attn_block_m)
-        saved = (num_requests - m_tiles) * kv_tokens * _K_AND_V * m.head_dim * m.dtype_bytes
-        added = num_rows * self._group * (m.head_dim + 1) * _FP32_BYTES * _STATE_PASSES * _STATES_CHARGED_PER_ROW
-        return saved > added
+        return bool(sharing_pays_off(num_requests=num_requests, num_rows=num_rows, num_m_tiles=m_tiles,
+                                     num_tokens=kv_tokens, group=self._group, head_dim=m.head_dim,
+                                     elt_bytes=m.dtype_bytes))
 
     def _split_chunk(self, lengths: np.ndarray, counts: np.ndarray) -> int | None:
         """A program-count split-k rule: split only when the unsplit programs leave SMs idle, into chunks of equal KV
         work per SM, never below ``split_k_min_tokens``. This was prefixattn's rule before the critical-path rule of
-        :mod:`prefixattn.split_rule`; the simulator keeps it so its calibrated tables stay reproducible (a known
+        :mod:`prefixattn.planner.split_rule`; the simulator keeps it so its calibrated tables stay reproducible (a known
         difference from the library, listed in the README's status)."""
         n_units = float(counts.sum())
         if n_units == 0 or n_units >= self.hw.num_sms:

@@ -1,5 +1,7 @@
 """Shape buckets and config spaces: rounding, keys, distance, the prune's reasons."""
 
+import dataclasses
+
 import math
 
 import pytest
@@ -116,15 +118,23 @@ def test_config_dict_roundtrip_and_validation():
 
 
 def test_fp8_suffix_launches_take_more_warps_on_nvidia_only():
-    # The launch rule (compile-check measures the same options): fp8 K/V, suffix-only, NVIDIA -> >= 8 warps.
-    lo = LaunchOptions(num_warps=4, num_stages=3)
-    assert lo.for_kv(has_shared=False, kv_fp8=True, is_hip=False).num_warps == FP8_SUFFIX_MIN_WARPS
-    assert lo.for_kv(has_shared=False, kv_fp8=True, is_hip=False).num_stages == 3
+    # The launch rule (compile-check measures the same options): fp8 K/V, suffix-only, NVIDIA -> <= 3 stages and
+    # >= 8 warps, except 32-row decode tiles of 256-wide heads: 4 warps.
+    from prefixattn.autotune.config_space import FP8_LARGE_HEAD_DECODE_WARPS
+
+    lo = LaunchOptions(num_warps=4, num_stages=4)
+    fp8_suffix = dict(has_shared=False, kv_fp8=True, is_hip=False)
+    assert lo.for_kv(**fp8_suffix, block_d=128, block_m=32) == LaunchOptions(num_warps=FP8_SUFFIX_MIN_WARPS,
+                                                                             num_stages=3)
+    assert lo.for_kv(**fp8_suffix, block_d=256, block_m=64) == LaunchOptions(num_warps=FP8_SUFFIX_MIN_WARPS,
+                                                                             num_stages=3)
+    assert LaunchOptions(num_warps=8).for_kv(**fp8_suffix, block_d=256, block_m=32) == LaunchOptions(
+        num_warps=FP8_LARGE_HEAD_DECODE_WARPS, num_stages=2)
+    assert lo.for_kv(**fp8_suffix, block_d=256, block_m=16).num_warps == FP8_SUFFIX_MIN_WARPS
     for kw in (dict(has_shared=True, kv_fp8=True, is_hip=False), dict(has_shared=False, kv_fp8=False, is_hip=False),
                dict(has_shared=False, kv_fp8=True, is_hip=True)):
-        assert lo.for_kv(**kw) == lo, kw
-    assert LaunchOptions(num_warps=16).for_kv(has_shared=False, kv_fp8=True, is_hip=False).num_warps == 16
-    assert LaunchOptions(num_stages=4).for_kv(has_shared=False, kv_fp8=True, is_hip=False).num_stages == 3
+        assert lo.for_kv(**kw, block_d=256, block_m=32) == lo, kw
+    assert LaunchOptions(num_warps=16).for_kv(**fp8_suffix, block_d=64, block_m=16).num_warps == 16
 
 
 def test_fp8_caches_take_narrower_kv_tiles_under_large_tiles_of_large_heads():
@@ -132,6 +142,7 @@ def test_fp8_caches_take_narrower_kv_tiles_under_large_tiles_of_large_heads():
 
     assert fp8_block_n(64, 32, kv_fp8=True, block_d=256) == FP8_MAX_BLOCK_N == 16
     assert fp8_block_n(128, 64, kv_fp8=True, block_d=256) == 16
+    assert fp8_block_n(32, 32, kv_fp8=True, block_d=256) == 16
     # 16-bit caches, 16-row decode tiles, smaller heads and tiles already narrow keep theirs.
     assert fp8_block_n(64, 32, kv_fp8=False, block_d=256) == 32
     assert fp8_block_n(16, 64, kv_fp8=True, block_d=256) == 64
@@ -140,7 +151,7 @@ def test_fp8_caches_take_narrower_kv_tiles_under_large_tiles_of_large_heads():
 
 
 def test_the_launch_applies_the_fp8_rules_per_work_class():
-    from prefixattn.attention_configs import tiles_from_configs
+    from prefixattn.planner.tiles import tiles_from_configs
     from prefixattn.kernels import layout as K
 
     decode = AttentionConfig(shared=Tiles(64, 32), suffix=Tiles(16, 64), launch=LaunchOptions(8, 3),
@@ -154,3 +165,8 @@ def test_the_launch_applies_the_fp8_rules_per_work_class():
     assert fp8[K.CLASS_CHUNK] == dict(BLOCK_M=64, BLOCK_N=16, num_warps=8, num_stages=3)
     assert plain[K.CLASS_DECODE] == dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=4)
     assert fp8[K.CLASS_DECODE] == dict(BLOCK_M=16, BLOCK_N=64, num_warps=FP8_SUFFIX_MIN_WARPS, num_stages=3)
+    # 32-row decode tiles of a 256-wide head: narrower KV tiles at 4 warps.
+    wide = dataclasses.replace(decode, suffix=Tiles(32, 32), suffix_launch=LaunchOptions(8, 4))
+    tiles = tiles_from_configs(decode=wide, chunk=chunk, head_dim=256, is_hip=False)
+    assert tiles.launch_options(K.CLASS_DECODE, kv_fp8=True) == dict(BLOCK_M=32, BLOCK_N=16, num_warps=4,
+                                                                     num_stages=3)

@@ -13,7 +13,7 @@ from prefixattn.autotune.compile_analysis import (count_matrix_instrs, count_pri
                                                  parse_dots, parse_pipeline, parse_ptxas)
 from prefixattn.autotune.compile_check import exclusions_from_report, failures
 from prefixattn.autotune.compile_specs import build_signature
-from prefixattn.autotune.config_space import FP8_SUFFIX_MIN_WARPS
+from prefixattn.autotune.config_space import FP8_LARGE_HEAD_DECODE_WARPS, FP8_SUFFIX_MIN_WARPS
 from prefixattn.autotune.targets import TARGETS
 
 TTGIR = """
@@ -205,7 +205,7 @@ def _shipped_binaries(target_name):
 
 @pytest.mark.compile
 def test_worst_case_selection_covers_every_shipped_binary_and_feature_axis(tmp_path):
-    """CI's compile-check (``--worst-case``, ~6 minutes on 2 cores): every shipped bf16 binary, and at the extreme
+    """CI's compile-check (``--worst-case``, ~7 minutes on 2 cores): every shipped bf16 binary, and at the extreme
     head sizes the feature switches over each fp8 type, compile without spills at the promised pipeline depth."""
     from prefixattn.autotune.compile_specs import fp8_kv_types
     from prefixattn.autotune.config_space import FP8_SUFFIX_MAX_STAGES, HEAD_DIMS
@@ -229,27 +229,33 @@ def test_worst_case_selection_covers_every_shipped_binary_and_feature_axis(tmp_p
         got = {(r["head_dim"], r["variant"].removesuffix("+lse"), r["config_name"]) for r in plain
                if r["target"] == name and r["dtype"] == "bf16"}
         assert got == _shipped_binaries(name)
-        # At the smallest and largest head size each of them with every model switch, over a 16-bit cache and over
-        # each fp8 type (bf16); the fp32 binaries there with LSE.
+        # At the smallest and largest head size each of them with every model switch over a 16-bit cache, and each
+        # fp8 type alone and under every model switch (bf16); the fp32 binaries there with LSE.
         extremes = (min(HEAD_DIMS), max(HEAD_DIMS))
         mine = [r for r in features if r["target"] == name]
         assert all(r["dtype"] == "bf16" and r["head_dim"] in extremes for r in mine)
         kinds = {(r["head_dim"], r["variant"].split("+")[-1].split("@")[0]) for r in mine}
         assert kinds == {(hd, kv) for hd in extremes for kv in ("sinks", *fp8_kv_types(target))}
-        assert all("+soft_cap+window+sinks" in r["variant"] for r in mine)
-        assert len(mine) == len([b for b in _shipped_binaries(name) if b[0] in extremes]) * (
-            1 + len(fp8_kv_types(target)))
+        with_model = [r for r in mine if "+soft_cap+window+sinks" in r["variant"]]
+        alone = [r for r in mine if r not in with_model]
+        assert all("+lse+kv_scale+fp8" in r["variant"] for r in alone)
+        per_binary = len([b for b in _shipped_binaries(name) if b[0] in extremes])
+        assert len(with_model) == per_binary * (1 + len(fp8_kv_types(target)))
+        assert len(alone) == per_binary * len(fp8_kv_types(target))
         fp32 = {r["head_dim"] for r in plain if r["target"] == name and r["dtype"] == "fp32"}
         assert fp32 == set(extremes)
     for r in features:
-        # The fp8 launch rules (config_space.LaunchOptions.for_kv): suffix-only NVIDIA launches at >= 8 warps and
-        # <= 3 stages.
-        if "/suffix-only" in r["variant"] and "fp8" in r["variant"] and not TARGETS[r["target"]].is_hip:
-            assert r["options"]["num_warps"] >= FP8_SUFFIX_MIN_WARPS, r["variant"]
-            assert r["options"]["num_stages"] <= FP8_SUFFIX_MAX_STAGES, r["variant"]
-        # ... and 64-row tiles at head_dim 256 read 16-position KV tiles (config_space.fp8_block_n).
+        # The fp8 launch rules (config_space.LaunchOptions.for_kv): suffix-only NVIDIA launches at <= 3 stages and
+        # >= 8 warps, 32-row tiles at head_dim 256 at 4 ...
         tiles = r["config"]["suffix" if "/suffix-only" in r["variant"] else "shared"]
-        if "fp8" in r["variant"] and r["head_dim"] == 256 and tiles["block_m"] >= 64:
+        if "/suffix-only" in r["variant"] and "fp8" in r["variant"] and not TARGETS[r["target"]].is_hip:
+            if r["head_dim"] == 256 and 32 <= tiles["block_m"] < 64:
+                assert r["options"]["num_warps"] == FP8_LARGE_HEAD_DECODE_WARPS, r["variant"]
+            else:
+                assert r["options"]["num_warps"] >= FP8_SUFFIX_MIN_WARPS, r["variant"]
+            assert r["options"]["num_stages"] <= FP8_SUFFIX_MAX_STAGES, r["variant"]
+        # ... and tiles of 32 rows or more at head_dim 256 read 16-position KV tiles (config_space.fp8_block_n).
+        if "fp8" in r["variant"] and r["head_dim"] == 256 and tiles["block_m"] >= 32:
             assert tiles["block_n"] <= 16 or r["variant"].endswith("@n16"), r["variant"]
     assert sorted(r["kernel"] for r in records if r["kernel"] != "prefix_attention") == \
         sorted(["merge_state_pair", "merge_states"] * 4)

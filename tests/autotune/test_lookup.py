@@ -212,7 +212,7 @@ def test_fixed_config_mode(monkeypatch):
 def test_memoized_tiles_follow_the_selection_state(monkeypatch):
     # choose_tiles is memoized (plan() asks every step): a fixed config, a planning target or the fixed-config
     # variable changes the answer at once, and leaving them brings the previous answer back.
-    from prefixattn.attention_configs import choose_tiles
+    from prefixattn.planner.tiles import choose_tiles
 
     def tiles():
         return choose_tiles(head_dim=128, group=4, max_q_len=1, dtype="fp16")

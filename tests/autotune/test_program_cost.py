@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from prefixattn.attention_configs import ClassTiles
+from prefixattn.planner.tiles import ClassTiles
 from prefixattn.autotune import program_cost as pc
 from prefixattn.autotune.config_space import LaunchOptions
 from prefixattn.autotune.targets import get_target
@@ -62,7 +62,7 @@ def test_another_gpu_is_priced_by_its_bandwidth_per_sm():
 
 
 def test_class_costs_follow_the_class_tiles():
-    from prefixattn.attention_configs import AttentionTiles
+    from prefixattn.planner.tiles import AttentionTiles
 
     tiles = AttentionTiles(shared=ClassTiles(128, 64, W8S3), chunk=ClassTiles(128, 64, W8S3),
                            decode=ClassTiles(16, 32, LaunchOptions(num_warps=4, num_stages=3)), block_d=128)

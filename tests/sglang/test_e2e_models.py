@@ -103,7 +103,7 @@ def test_gemma3_window_matches_torch_native(gemma3):
         # Two plans per step: the windowed layer's (SGLang's sliding_window_size = 16 - 1) and the full layer's.
         assert _window_lefts(got) == {15, -1}
     # The full layer shares the 24 cached prefix tokens among all three requests at every decode step; the windowed
-    # layer's windows (16 keys at positions 28-33) start inside the prefix, so it shares nothing (prefixattn/window.py).
+    # layer's windows (16 keys at positions 28-33) start inside the prefix, so it shares nothing (prefixattn/planner/window.py).
     assert _shared_in_decode(gemma3["prefixattn"], -1) == [[[[0, 1, 2], 24]]] * 4
     assert _shared_in_decode(gemma3["prefixattn"], 15) == [[]] * 4
     assert all(shared and all(kv_end == 24 for _, kv_end in shared)

@@ -79,15 +79,16 @@ def test_split_k_removes_the_long_prefix_tail(cm):
 
 
 def test_cost_rule_matches_the_planner(cm):
-    plan = pytest.importorskip("prefixattn.planner")  # needs torch; the sim does not
+    rule = pytest.importorskip("prefixattn.planner.cost_rule")
+    options = pytest.importorskip("prefixattn.planner.options")  # needs torch; the sim does not
     m = cm.model
     for requests, rows, tokens in [(2, 2, 16), (2, 2, 80), (64, 64, 16), (64, 64, 48), (8, 300, 1100), (400, 400, 16)]:
         ours = cm.sharing_pays_off(requests, rows, tokens)
         m_tiles = -(-rows * (m.num_heads // m.num_kv_heads) // cm.calib.attn_block_m)
-        theirs = plan.sharing_pays_off(num_requests=requests, num_rows=rows, num_m_tiles=m_tiles, num_tokens=tokens,
+        theirs = rule.sharing_pays_off(num_requests=requests, num_rows=rows, num_m_tiles=m_tiles, num_tokens=tokens,
                                        group=m.num_heads // m.num_kv_heads, head_dim=m.head_dim, elt_bytes=2)
         assert ours == bool(theirs), (requests, rows, tokens)
-    assert cm.calib.split_k_min_tokens == plan.MIN_SPLIT_TOKENS
+    assert cm.calib.split_k_min_tokens == options.MIN_SPLIT_TOKENS
 
 
 def test_overlap_backend_never_slower(cm):

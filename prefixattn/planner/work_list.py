@@ -28,7 +28,7 @@ import numpy as np
 
 from prefixattn.kernels import layout as K
 from prefixattn.ragged import expand as _expand, offsets, run_starts
-from prefixattn.split_rule import split_ranges
+from prefixattn.planner.split_rule import split_ranges
 
 _I32 = np.int32
 
@@ -116,7 +116,7 @@ def ranges_table(class_ends) -> np.ndarray:
 def _piece_bounds(lo, hi, piece, pieces, block_n: int, split: bool = True):
     """[start, end) of piece ``piece`` of ``pieces`` over [lo, hi): whole KV tiles dealt out evenly (the last piece
     takes the partial tile), so pieces differ by at most one tile. ``split=False``: one piece per range. ``block_n``
-    is the split grain (:func:`prefixattn.split_rule.split_grain`): the KV tile, or a fraction of it."""
+    is the split grain (:func:`prefixattn.planner.split_rule.split_grain`): the KV tile, or a fraction of it."""
     if not split:
         return lo, hi
     tiles = -(-(hi - lo) // block_n)
@@ -298,7 +298,7 @@ def build_work_list(
     t = _suffix_tiles(q_start=q_start, q_len=q_len, kv_len=kv_len, suffix_start=suffix_start, causal=causal,
                       rows_per_suffix=rows_per_chunk, rows_per_decode=rows_per_decode)
     nr = _node_rows(q_len=q_len, nodes=nodes, rows_per_shared=rows_per_shared)
-    # Split-k decision over the unsplit work, class by class (prefixattn.split_rule: the critical path).
+    # Split-k decision over the unsplit work, class by class (prefixattn.planner.split_rule: the critical path).
     n_pieces, grain_shared, t_pieces, t_grain, modeled = split_ranges(
         node_lengths=nodes.kv_end - nodes.kv_start, node_m_tiles=nr.node_mtiles,
         tile_lengths=np.maximum(t.hi - t.lo, 0), tile_decode=t.decode, block_n_shared=block_n_shared,

@@ -16,15 +16,15 @@ top-down chain of nodes (which covers ``[0, suffix_start)`` without gaps):
   this node's start (the kernel skips the tiles left of each item's window and masks the edge tiles).
 
 Nodes left with no member are dropped; a node that keeps one member still reads its range once, correctly. This
-runs after the cost rule chose the nodes (:func:`prefixattn.planner.select_shared_nodes`), so a node the window
-thins out may share less than the rule assumed; never more.
+runs after the cost rule chose the nodes (:func:`prefixattn.planner.node_choice.select_shared_nodes`), so a node
+the window thins out may share less than the rule assumed; never more.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from prefixattn.work_list import SharedNodes
+from prefixattn.planner.work_list import SharedNodes
 
 
 def window_shared_nodes(nodes: SharedNodes, suffix_start: np.ndarray, *, kv_len: np.ndarray, q_len: np.ndarray,

@@ -1,8 +1,8 @@
 """A plan's device tensors: new ones for each plan (the free :func:`prefixattn.plan`) or the fixed buffers of a
-:class:`~prefixattn.workspace.PlanWorkspace` (an engine's wrapper), filled from the host tables in one copy.
+:class:`~prefixattn.planner.workspace.PlanWorkspace` (an engine's wrapper), filled from the host tables in one copy.
 
-The host tables (:class:`~prefixattn.work_list.WorkList` and the block table) come from the planner
-(:mod:`prefixattn.planner`); the kernel reads the layout :mod:`prefixattn.kernels.layout` names.
+The host tables (:class:`~prefixattn.planner.work_list.WorkList` and the block table) come from the planner
+(:mod:`prefixattn.planner.plans`); the kernel reads the layout :mod:`prefixattn.kernels.layout` names.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import torch
 
 from prefixattn.kernels import layout as K
 from prefixattn.validation import INT32_MAX, same_device
-from prefixattn.work_list import WorkList
-from prefixattn.workspace import PlanWorkspace
+from prefixattn.planner.work_list import WorkList
+from prefixattn.planner.workspace import PlanWorkspace
 
 
 def device_tables(work: WorkList, table: np.ndarray, width: int, *, workspace: PlanWorkspace | None,
@@ -61,7 +61,7 @@ def metadata_to_device(work: WorkList, table: np.ndarray, width: int, device: to
     """
     items, gather, mrows = work.items, work.gather, work.mrows
     rows, cols = table.shape[0], min(width, table.shape[1])
-    if staged is not None:  # the compiled planner wrote the buffer (plan_native.plan_tables)
+    if staged is not None:  # the compiled planner wrote the buffer (compiled_planner.plan_tables)
         flat, table_fits = staged
     else:
         table_fits = table.dtype == np.int32 or rows * cols == 0 or int(table[:, :cols].max()) <= INT32_MAX
@@ -142,7 +142,7 @@ def _placeholders(device: torch.device, num_qo_heads: int) -> tuple:
 
 
 class CapacityError(ValueError):
-    """A step that does not fit a :class:`~prefixattn.workspace.PlanWorkspace` (``capacity``: which one)."""
+    """A step that does not fit a :class:`~prefixattn.planner.workspace.PlanWorkspace` (``capacity``: which one)."""
 
     def __init__(self, message: str, capacity: str) -> None:
         super().__init__(message)

@@ -11,26 +11,24 @@ overrides, and keeps the choice):
 
 numba is an optional dependency (``pip install prefixattn[fast]``): plan() runs everywhere without it, at numpy's
 per-call overhead (~0.5-1 us per numpy call, a few hundred calls per plan). The compiled functions are cached on disk
-(``cache=True``): the first process compiles them (:func:`compile_planner`, also run by ``prefixattn warmup``), later
-processes load them.
+(``cache=True``): the first process compiles them (:func:`prefixattn.planner.plans.compile_planner`, also run by
+``prefixattn warmup``), later processes load them.
 
 Per plan() the compiled path makes two compiled calls: the metadata value checks, per-request lengths and the block
-prefix tree or the tree cache's check (:mod:`prefixattn.plan_native_tree`; on a failed check the numpy checks run and
-raise their ``ValueError``), then node choice + split rule + work list + staging buffer
-(:mod:`prefixattn.plan_native_core`). What stays in Python/numpy on that path:
+prefix tree or the tree cache's check (:mod:`prefixattn.planner.compiled_tree`; on a failed check the numpy checks
+run and raise their ``ValueError``), then node choice + split rule + work list + staging buffer
+(:mod:`prefixattn.planner.compiled_core`). What stays in Python/numpy on that path:
 
-* ``window_left >= 0``: the node choice, :mod:`prefixattn.window` and the work list run in numpy (the tree is still
-  compiled);
+* ``window_left >= 0``: the node choice, :mod:`prefixattn.planner.window` and the work list run in numpy (the tree is
+  still compiled);
 * argument checks (types, shapes, options), the tile choice, the device tensors and the :class:`Plan` object;
-* with a ``workspace``: :meth:`prefixattn.workspace.PlanWorkspace.load` copies the compiled tables (numpy);
+* with a ``workspace``: :meth:`prefixattn.planner.workspace.PlanWorkspace.load` copies the compiled tables (numpy);
 * a block table that is not C-contiguous is copied first (one compiled variant per table dtype, int32 and int64).
 """
 
 from __future__ import annotations
 
-import itertools
 import os
-import time
 import warnings
 import weakref
 
@@ -40,7 +38,7 @@ import numpy as np
 # ~1-2 us per call.
 from prefixattn.lcp_tree import LcpTree, compiled_cache, keep_compiled_tree, set_cached_blocks
 from prefixattn.validation import check_host_metadata, host_metadata_arrays
-from prefixattn.work_list import SharedNodes, WorkList
+from prefixattn.planner.work_list import SharedNodes, WorkList
 
 ENV_VAR = "PREFIXATTN_PLANNER"
 PLANNERS = ("auto", "numba", "numpy")
@@ -55,13 +53,13 @@ def _load():
         try:
             from numba.core.errors import NumbaError
 
-            from prefixattn import plan_native_core, plan_native_tree
+            from prefixattn.planner import compiled_core, compiled_tree
         except ImportError:
             _modules = False
         else:
             global _numba_error
             _numba_error = NumbaError
-            _modules = (plan_native_tree, plan_native_core)
+            _modules = (compiled_tree, compiled_core)
     return _modules
 
 
@@ -117,7 +115,7 @@ _constants: list = []
 
 def _constant_args(core) -> tuple:
     if not _constants:
-        _constants.append((core.layout_args(), *core.rule_args()))
+        _constants.append((core.layout_args(), core.rule_args()))
     return _constants[0]
 
 
@@ -133,8 +131,8 @@ def check_and_tree(modules, qo_indptr, kv_lens, block_table, *, block_size, num_
     (:mod:`prefixattn.lcp_tree`), in one compiled call: ``(indptr, lens, table, max_block_id, q_len, shareable,
     max_q_len, width, tree, staged)`` (``indptr`` and ``lens`` int32 when both came so, else int64; the compiled
     calls have variants for both); None when it failed to compile (:func:`_compile_failed`). ``stage``: a
-    workspace's host block table (:meth:`prefixattn.workspace.PlanWorkspace.host_table`), which gets the used columns
-    of a valid batch's table when they fit (``staged``; the same cells ``PlanWorkspace.load`` would stage)."""
+    workspace's host block table (:meth:`prefixattn.planner.workspace.PlanWorkspace.host_table`), which gets the used
+    columns of a valid batch's table when they fit (``staged``; the same cells ``PlanWorkspace.load`` would stage)."""
     # qo_indptr and kv_lens as they are when they share a dtype (the compiled calls have int32 and int64 variants)
     indptr, lens, table = host_metadata_arrays(qo_indptr, kv_lens, block_table, block_size=block_size,
                                                num_blocks=num_blocks, table_as_is=True, index_as_is=True)
@@ -183,7 +181,7 @@ _NO_NODES.setflags(write=False)  # as every compiled tree's arrays (one array ty
 
 
 def _unpack_tree(packed: np.ndarray, n: int) -> LcpTree:
-    """The :class:`LcpTree` of ``plan_native_tree.check_and_tree``'s packed tree (views). Slices written out, and
+    """The :class:`LcpTree` of ``compiled_tree.check_and_tree``'s packed tree (views). Slices written out, and
     no node slices for a tree without nodes (every step of a batch without sharing): 2.6 -> 1.1 us on the 2-core
     host."""
     m = (packed.shape[0] - 2 * n) // 4
@@ -197,17 +195,16 @@ def _unpack_tree(packed: np.ndarray, n: int) -> LcpTree:
 def core_params(*, causal, sharing, block_size, group, head_dim, elt_bytes, rows_per_shared, rows_per_chunk,
                 rows_per_decode, block_n_shared, block_n_chunk, block_n_decode, num_kv_heads, num_sms,
                 min_split_tokens) -> np.ndarray:
-    """:func:`plan_tables`' parameter array (``plan_native_core.P_*`` order) of one set of options and tiles
+    """:func:`plan_tables`' parameter array (``compiled_core.P_*`` order) of one set of options and tiles
     (``elt_bytes``: the KV caches' element size, which the cost rule prices)."""
-    core = _load()[1]
     return np.array((causal, _SHARING_CODES[sharing], block_size, group, head_dim, elt_bytes, rows_per_shared,
                      rows_per_chunk, rows_per_decode, block_n_shared, block_n_chunk, block_n_decode, num_kv_heads,
-                     num_sms, min_split_tokens, _constant_args(core)[2]), dtype=np.int64)
+                     num_sms, min_split_tokens), dtype=np.int64)
 
 
 def cost_args(costs) -> np.ndarray | None:
     """The work classes' :class:`~prefixattn.autotune.program_cost.ProgramCost` as :func:`plan_tables`' float64
-    ``[NUM_CLASSES, NUM_COST]`` argument (``plan_native_core.C_*`` columns); None without numba."""
+    ``[NUM_CLASSES, NUM_COST]`` argument (``compiled_core.C_*`` columns); None without numba."""
     modules = _load()
     if not modules:
         return None
@@ -225,7 +222,7 @@ _dest_layouts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _dest_args(core, workspace) -> tuple:
-    """``(dest, dest_lay)`` of ``plan_core``: ``workspace``'s host buffer and its sections (``plan_native_core.D_*``)
+    """``(dest, dest_lay)`` of ``plan_core``: ``workspace``'s host buffer and its sections (``compiled_core.D_*``)
     and capacities; empty arrays without a workspace."""
     if workspace is None:
         return _NO_DEST
@@ -245,16 +242,16 @@ def _dest_args(core, workspace) -> tuple:
 
 
 def plan_tables(modules, tree, params, costs, *, indptr, q_len, kv_len, shareable, table, width, workspace=None):
-    """:func:`prefixattn.planner.select_shared_nodes`, :func:`prefixattn.work_list.build_work_list` and the staging
-    buffer in one compiled call: ``(SharedNodes, WorkList, flat, table_fits, in_workspace)`` (None when it failed to
-    compile, :func:`_compile_failed`); ``params`` from :func:`core_params`, ``costs`` from
-    :func:`prefixattn.plan_native_core.cost_args`, ``flat`` is
-    :func:`prefixattn.plan_device.metadata_to_device`'s host buffer (the table's used columns last when they fit
-    int32). With ``workspace`` (and ``width`` 0) the work list is written into its host buffer instead when it fits
+    """:func:`prefixattn.planner.node_choice.select_shared_nodes`, :func:`prefixattn.planner.work_list.build_work_list`
+    and the staging buffer in one compiled call: ``(SharedNodes, WorkList, flat, table_fits, in_workspace)`` (None when
+    it failed to compile, :func:`_compile_failed`); ``params`` from :func:`core_params`, ``costs`` from
+    :func:`prefixattn.planner.compiled_core.cost_args`, ``flat`` is
+    :func:`prefixattn.planner.device_tables.metadata_to_device`'s host buffer (the table's used columns last when they
+    fit int32). With ``workspace`` (and ``width`` 0) the work list is written into its host buffer instead when it fits
     the capacities (``in_workspace``; the WorkList's arrays are then views of that buffer).
     """
     core = modules[1]
-    lay, rule, _ = _constant_args(core)
+    lay, rule = _constant_args(core)
     dest, dest_lay = _dest_args(core, workspace)
     try:
         out = core.plan_core(lay, rule, costs, params, width, tree.order, tree.depth, tree.lb, tree.rb, tree.parent,
@@ -268,27 +265,3 @@ def plan_tables(modules, tree, params, costs, *, indptr, q_len, kv_len, shareabl
     work = WorkList(items=items, gather=gather, mrows=mrows, num_ws_rows=num_ws_rows, num_units=num_units,
                     class_ends=tuple(class_ends.tolist()), modeled_us=modeled)
     return nodes, work, flat, fits, in_dest
-
-
-def compile_planner() -> dict:
-    """Compile (or load from numba's cache) every compiled planner variant plan() uses: int32 and int64 block
-    tables, int32 and int64 ``qo_indptr``/``kv_lens`` pairs, sharing and not. Returns seconds per step (``import``:
-    numba and the compiled modules, ``plans``: compile or cache load of every variant, and the plans themselves);
-    ``{}`` without numba."""
-    import torch
-
-    from prefixattn.lcp_tree import clear_tree_cache
-    from prefixattn.planner import plan
-
-    t0 = time.perf_counter()
-    if not _load():
-        return {}
-    t1 = time.perf_counter()
-    for dtype, index_dtype in itertools.product((torch.int32, torch.int64), repeat=2):
-        table = torch.tensor([[0, 1, 2], [0, 1, 3], [4, 5, 6]], dtype=dtype)
-        clear_tree_cache()
-        for sharing in ("auto", "auto", "never"):  # the second plan reuses the tree: the cache's check
-            plan(torch.tensor([0, 1, 2, 3], dtype=index_dtype), torch.tensor([40, 40, 40], dtype=index_dtype), table,
-                 block_size=16, num_qo_heads=4, num_kv_heads=2, head_dim=64, sharing=sharing, device="cpu")
-    clear_tree_cache()
-    return {"import": t1 - t0, "plans": time.perf_counter() - t1}

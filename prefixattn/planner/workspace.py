@@ -16,7 +16,7 @@ Capacity bounds (:func:`derive_capacity`), for a step of at most ``T`` query tok
 shared levels per request, ``S`` SMs, ``H`` KV heads and ``r_sh``/``r_sf`` query rows per shared/suffix tile:
 
 * split-k: a range of ``n`` tokens over a piece budget ``b`` (at least ``SPLIT_TOLERANCE`` x its work class's fair
-  share, :mod:`prefixattn.split_rule`) is cut into fewer than ``4 n / b`` pieces (whole grains ``g <= b``,
+  share, :mod:`prefixattn.planner.split_rule`) is cut into fewer than ``4 n / b`` pieces (whole grains ``g <= b``,
   ``floor(b / g)`` of them per piece, i.e. more than ``b / 2`` tokens each; at most 2 pieces more from rounding).
   Summed over the items of one class that read each range, the extra programs are below ``4 / SPLIT_TOLERANCE x S /
   H``, and the wave-aware step adds at most ``WAVE_EXTRA_ITEMS_PER_SM x S / H`` more; over the step's
@@ -31,8 +31,8 @@ A plan beyond a capacity is a ``ValueError`` naming the capacity (:meth:`PlanWor
 of bounds; :class:`prefixattn.PrefixSharedAttention` first retries such a step without sharing, which the bounds with
 ``L = 0`` always admit (unless a ``max_*`` was set below its derived value).
 
-These bounds follow :mod:`prefixattn.split_rule` and :mod:`prefixattn.work_list` as they are; a change to how they
-split or tile must keep them (``tests/test_workspace.py`` checks them on random plans).
+These bounds follow :mod:`prefixattn.planner.split_rule` and :mod:`prefixattn.planner.work_list` as they are; a
+change to how they split or tile must keep them (``tests/test_workspace.py`` checks them on random plans).
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ import numpy as np
 import torch
 
 from prefixattn.kernels import layout as K
-from prefixattn.split_rule import SPLIT_TOLERANCE, WAVE_EXTRA_ITEMS_PER_SM
-from prefixattn.work_list import ranges_table
+from prefixattn.planner.split_rule import SPLIT_TOLERANCE, WAVE_EXTRA_ITEMS_PER_SM
+from prefixattn.planner.work_list import ranges_table
 
 #: Extra programs split-k may add, per ``num_sms / num_kv_heads`` (module docstring: pieces < 4 n / b, b >= 1.2 fair).
 SPLIT_EXTRA_PER_SM_PER_HEAD = 4.0 / SPLIT_TOLERANCE

@@ -61,7 +61,8 @@ class AttentionTiles:
         :func:`~prefixattn.autotune.config_space.fp8_block_n`)."""
         has_shared = work_class == K.CLASS_SHARED
         ct = self.of(work_class)
-        lo = ct.launch.for_kv(has_shared=has_shared, kv_fp8=kv_fp8, is_hip=self.is_hip)
+        lo = ct.launch.for_kv(has_shared=has_shared, kv_fp8=kv_fp8, is_hip=self.is_hip, block_d=self.block_d,
+                              block_m=ct.block_m)
         block_n = fp8_block_n(ct.block_m, ct.block_n, kv_fp8=kv_fp8, block_d=self.block_d)
         opts = {"BLOCK_M": ct.block_m, "BLOCK_N": block_n, "num_warps": lo.num_warps, "num_stages": lo.num_stages}
         if self.is_hip:

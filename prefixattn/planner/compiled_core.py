@@ -1,20 +1,23 @@
 """Compiled (numba) node selection, split rule and work list: one call from the tree to the kernel's tables.
 
-Imported only when numba is (:mod:`prefixattn.plan_native`); every function is ``@njit(cache=True)``. Each function
+Imported only when numba is (:mod:`prefixattn.planner.compiled`); every function is ``@njit(cache=True)``. Each function
 computes what its numpy counterpart does, as loops instead of vectorized passes; the numpy code is the definition:
 
-* :func:`select_nodes`: :func:`prefixattn.planner.select_shared_nodes` and :func:`prefixattn.planner.sharing_pays_off`;
-* :func:`_class_split`: :func:`prefixattn.split_rule.class_split` (piece budget, grains, pieces, the wave-aware step
-  and its modeled makespan);
-* :func:`work_list`: :func:`prefixattn.work_list.build_work_list` (suffix tiles, merge units, gather rows, LPT order);
+* :func:`select_nodes`: :func:`prefixattn.planner.node_choice.select_shared_nodes` (the cost rule is not restated:
+  :func:`prefixattn.planner.cost_rule.sharing_pays_off` itself, compiled);
+* :func:`_class_split`: :func:`prefixattn.planner.split_rule.class_split` (piece budget, grains, pieces, the wave-aware
+  step and its modeled makespan);
+* :func:`work_list`: :func:`prefixattn.planner.work_list.build_work_list` (suffix tiles, merge units, gather rows, LPT
+  order);
 * :func:`plan_core`: the three in one call, plus the modeled launch times of ``Plan.stats``.
 
-Not compiled (plan() runs the numpy path for them, :mod:`prefixattn.plan_native`): ``window_left >= 0``
-(:mod:`prefixattn.window` between the node choice and the work list).
+Not compiled (plan() runs the numpy path for them, :mod:`prefixattn.planner.compiled`): ``window_left >= 0``
+(:mod:`prefixattn.planner.window` between the node choice and the work list).
 
-Constants of other modules (table layout, split and cost rules) come in as arguments, never as globals: numba's
-on-disk cache is keyed by this file's own source, so a global from another module would stay compiled in after it
-changed. For the same reason the three compiled modules never call each other. ``tests/test_plan_native.py`` checks that
+Constants of other modules (table layout, split rule) come in as arguments, never as globals: numba's on-disk cache
+is keyed by this file's own source, so a global from another module would stay compiled in after it changed. For the
+same reason the three compiled modules never call each other. The one exception, the cost rule, is compiled from its
+numpy definition and pinned by :data:`COST_RULE_SOURCE_HASH`. ``tests/test_plan_native.py`` checks that
 both paths give equal Plan fields.
 """
 
@@ -24,8 +27,17 @@ import numpy as np
 from numba import njit
 
 from prefixattn.kernels import layout as K
+from prefixattn.planner import cost_rule, split_rule as S
 
-#: ``sharing`` modes as the compiled code takes them (planner._SHARING_MODES order).
+#: The first 16 hex digits of the sha256 of :mod:`prefixattn.planner.cost_rule`'s file, which :func:`select_nodes`
+#: compiles in (its function and constants): numba's on-disk cache keys this file's functions on this file alone, so
+#: a change to the rule must change this file too, or a cached ``select_nodes`` would keep the old rule.
+#: ``tests/test_cost_rule.py`` fails until this matches.
+COST_RULE_SOURCE_HASH = "12393037dbf5207a"
+#: :func:`prefixattn.planner.cost_rule.sharing_pays_off`, compiled: the rule's one definition, called per node.
+_sharing_pays_off = njit(nogil=True)(cost_rule.sharing_pays_off)
+
+#: ``sharing`` modes as the compiled code takes them (:mod:`prefixattn.planner.options`' ``_SHARING_MODES`` order).
 SHARING_AUTO, SHARING_ALWAYS, SHARING_NEVER = 0, 1, 2
 
 
@@ -39,14 +51,10 @@ def layout_args() -> np.ndarray:
             K.RANGE_FIELDS, K.RANGE_FIRST, K.RANGE_END, K.RANGES_SIZE], dtype=np.int64)
 
 
-def rule_args() -> tuple:
-    """The split rule's and the cost rule's constants as arguments (same reason as :func:`layout_args`): the split
-    rule's (``R_*`` order) and the state bytes the cost rule charges per row."""
-    from prefixattn import split_rule as S
-    from prefixattn.planner import FP32_BYTES, STATE_PASSES, STATES_CHARGED_PER_ROW
-    return (np.array([S.SPLIT_TOLERANCE, S.CRITICAL_PATH_TARGET, S.MIN_PIECE_OVERHEADS, S.WAVE_CANDIDATES,
-                      S.LONG_PROGRAM_FRACTION, S.WAVE_GAIN_MIN, S.WAVE_EXTRA_ITEMS_PER_SM], dtype=np.float64),
-            FP32_BYTES * STATE_PASSES * STATES_CHARGED_PER_ROW)
+def rule_args() -> np.ndarray:
+    """The split rule's constants (``R_*`` order) as a float64 array argument (same reason as :func:`layout_args`)."""
+    return np.array([S.SPLIT_TOLERANCE, S.CRITICAL_PATH_TARGET, S.MIN_PIECE_OVERHEADS, S.WAVE_CANDIDATES,
+                     S.LONG_PROGRAM_FRACTION, S.WAVE_GAIN_MIN, S.WAVE_EXTRA_ITEMS_PER_SM], dtype=np.float64)
 
 
 
@@ -85,9 +93,9 @@ def _sorted_members(order, lo, hi, mark, out):
 
 @njit(cache=True, nogil=True)
 def select_nodes(order, depth, lb, rb, parent, shareable, q_len, block_size, rows_per_shared, group, head_dim,
-                 elt_bytes, sharing, state_bytes, rows_per_chunk, rows_per_decode):
+                 elt_bytes, sharing, rows_per_chunk, rows_per_decode):
     """``(kv_start, kv_end, depth_blocks, offsets, members, suffix_start)`` of
-    :func:`prefixattn.planner.select_shared_nodes` (nodes top-down: by level, then post-order index)."""
+    :func:`prefixattn.planner.node_choice.select_shared_nodes` (nodes top-down: by level, then post-order index)."""
     num_nodes = depth.shape[0]
     num_reqs = q_len.shape[0]
     suffix_start = np.zeros(num_reqs, dtype=np.int64)
@@ -117,11 +125,8 @@ def select_nodes(order, depth, lb, rb, parent, shareable, q_len, block_size, row
         tokens = ends[k] - start[k]
         ok = tokens > 0
         if ok and sharing == SHARING_AUTO:
-            num_requests = rb[k] - lb[k] + 1
-            m_tiles = _cdiv(rows, rows_per_shared)
-            saved = (num_requests + extra - m_tiles) * tokens * 2 * head_dim * elt_bytes
-            added = rows * group * (head_dim + 1) * state_bytes
-            ok = saved > added
+            ok = _sharing_pays_off(rb[k] - lb[k] + 1, rows, _cdiv(rows, rows_per_shared), tokens, group, head_dim,
+                                   elt_bytes, extra)
         keep[k] = ok
         eff_end[k] = ends[k] if ok else start[k]
     # Kept nodes top-down: by level, post-order index within a level (the numpy stable sort by level).
@@ -171,7 +176,7 @@ def _min_piece(min_split_tokens, fixed_tokens, rule):
 
 @njit(cache=True, nogil=True)
 def _split_budget(tokens, num_kv_heads, num_sms, min_split_tokens, fixed_tokens, rule):
-    """Piece budget (float; ``inf`` for an empty launch): :func:`prefixattn.split_rule.piece_budget` of the fair
+    """Piece budget (float; ``inf`` for an empty launch): :func:`prefixattn.planner.split_rule.piece_budget` of the fair
     share."""
     fair = float(tokens) * num_kv_heads / num_sms
     if fair <= 0:
@@ -190,7 +195,7 @@ def _grain(block_n, budget):
 
 @njit(cache=True, nogil=True)
 def _pieces(length, budget, per_piece, grain):
-    """Pieces of one range (:func:`prefixattn.split_rule.split_pieces`)."""
+    """Pieces of one range (:func:`prefixattn.planner.split_rule.split_pieces`)."""
     if length <= budget:
         return 1 if length > 0 else 0
     return _cdiv(_cdiv(length, grain), per_piece)
@@ -198,8 +203,8 @@ def _pieces(length, budget, per_piece, grain):
 
 @njit(cache=True, nogil=True)
 def _price(lengths, m, pieces, grain, block_n, num_kv_heads, num_sms, slots, cost, long_fraction):
-    """``(makespan_us, ideal_us)``: :func:`prefixattn.split_rule.modeled_makespan` of the class's programs (one pass
-    for the longest program, one for the sums)."""
+    """``(makespan_us, ideal_us)``: :func:`prefixattn.planner.split_rule.modeled_makespan` of the class's programs (one
+    pass for the longest program, one for the sums)."""
     n = lengths.shape[0]
     programs = 0
     for i in range(n):
@@ -234,7 +239,8 @@ def _price(lengths, m, pieces, grain, block_n, num_kv_heads, num_sms, slots, cos
 
 @njit(cache=True, nogil=True)
 def _class_split(lengths, m, block_n, num_kv_heads, num_sms, min_split_tokens, cost, rule):
-    """``(pieces, grain, makespan_us, ideal_us)`` of one work class: :func:`prefixattn.split_rule.class_split`."""
+    """``(pieces, grain, makespan_us, ideal_us)`` of one work class:
+    :func:`prefixattn.planner.split_rule.class_split`."""
     n = lengths.shape[0]
     tokens = longest = 0
     for i in range(n):
@@ -281,7 +287,7 @@ def _class_split(lengths, m, block_n, num_kv_heads, num_sms, min_split_tokens, c
 
 @njit(cache=True, nogil=True)
 def _piece_bound(lo, hi, c, pieces, grain):
-    """``[start, end)`` of piece ``c`` (:func:`prefixattn.work_list._piece_bounds`)."""
+    """``[start, end)`` of piece ``c`` (:func:`prefixattn.planner.work_list._piece_bounds`)."""
     if pieces == 1:
         return lo, hi
     tiles = _cdiv(hi - lo, grain)
@@ -290,7 +296,7 @@ def _piece_bound(lo, hi, c, pieces, grain):
 
 @njit(cache=True, nogil=True)
 def _suffix_tiles(q_start, q_len, kv_len, suffix_start, causal, rows_per_suffix):
-    """Suffix tiles (:func:`prefixattn.work_list._suffix_tiles`): ``(req, first, rows, tok0, lo, hi, qpos)``."""
+    """Suffix tiles (:func:`prefixattn.planner.work_list._suffix_tiles`): ``(req, first, rows, tok0, lo, hi, qpos)``."""
     num_reqs = q_len.shape[0]
     first = np.empty(num_reqs, dtype=np.int64)
     n = 0
@@ -323,7 +329,7 @@ def _suffix_tiles(q_start, q_len, kv_len, suffix_start, causal, rows_per_suffix)
 def _shared_items(items, gather, lay, kv_start, kv_end, offsets, members, q_start, q_len, t_first, t_rows,
                   tile_ws_base, tile_mrow_base, n_pieces, slot_base, grain, rows_per_suffix, rows_per_shared):
     """Shared items (node, piece, M tile) into ``items[:num_shared]`` and their gather rows
-    (:func:`prefixattn.work_list._shared_items`); returns the items written."""
+    (:func:`prefixattn.planner.work_list._shared_items`); returns the items written."""
     i_kind, i_req, i_kv0, i_kv1, i_row0, i_nrows, i_qpos, i_dest, i_mrow = (lay[1], lay[2], lay[3], lay[4], lay[5],
                                                                           lay[6], lay[7], lay[8], lay[9])
     kind_shared, g_tok, g_ws, g_mrow = lay[10], lay[13], lay[14], lay[15]
@@ -414,11 +420,11 @@ def work_list(lay, rule, costs, kv_start, kv_end, offsets, members, suffix_start
               rows_per_shared, rows_per_chunk, rows_per_decode, block_n_shared, block_n_chunk, block_n_decode,
               num_kv_heads, num_sms, min_split_tokens, extra, dest, dest_lay):
     """``(flat, items, gather, mrows, num_ws_rows, num_units, class_ends, modeled, in_dest)``:
-    :func:`prefixattn.work_list.build_work_list` (``modeled``: ``[NUM_CLASSES, 2]`` modeled makespan and ideal
+    :func:`prefixattn.planner.work_list.build_work_list` (``modeled``: ``[NUM_CLASSES, 2]`` modeled makespan and ideal
     microseconds of each class's launch, :func:`_class_split`), the tables written straight
     into one int32 staging buffer: ``dest`` at ``dest_lay``'s offsets (``in_dest``) when given, ``extra`` is 0 (the
     workspace stages its table itself) and the step fits its capacities, else a new ``flat`` = ``[ranges, items,
-    gather, mrows, extra entries]`` (:func:`prefixattn.plan_device.metadata_to_device`'s layout)."""
+    gather, mrows, extra entries]`` (:func:`prefixattn.planner.device_tables.metadata_to_device`'s layout)."""
     i_kind, i_req, i_kv0, i_kv1, i_row0, i_nrows, i_qpos, i_dest, i_mrow = (
         lay[1], lay[2], lay[3], lay[4], lay[5], lay[6], lay[7], lay[8], lay[9])
     kind_suffix, m_first, m_stride, m_states = lay[11], lay[17], lay[18], lay[19]
@@ -602,8 +608,8 @@ def _longest_first(items, i_kv0, i_kv1, class_ends):
 
 #: Entries of the ``params`` argument of :func:`plan_core` (one int64 array: one argument for numba to type-check).
 (P_CAUSAL, P_SHARING, P_BLOCK_SIZE, P_GROUP, P_HEAD_DIM, P_ELT_BYTES, P_ROWS_SHARED, P_ROWS_CHUNK, P_ROWS_DECODE,
- P_BLOCK_N_SHARED, P_BLOCK_N_CHUNK, P_BLOCK_N_DECODE, P_KV_HEADS, P_SMS, P_MIN_SPLIT, P_STATE_BYTES,
- NUM_PARAMS) = range(17)
+ P_BLOCK_N_SHARED, P_BLOCK_N_CHUNK, P_BLOCK_N_DECODE, P_KV_HEADS, P_SMS, P_MIN_SPLIT,
+ NUM_PARAMS) = range(16)
 _INT32_MAX = 2 ** 31 - 1
 
 
@@ -627,7 +633,7 @@ def plan_core(lay, rule, costs, params, width, order, depth, lb, rb, parent, ind
               dest, dest_lay):
     """The planner from the tree to the staging buffer, in one call.
 
-    ``lay``: :func:`layout_args`, ``rule``: :func:`rule_args`'s floats, ``costs``: :func:`cost_args`, ``params``:
+    ``lay``: :func:`layout_args`, ``rule``: :func:`rule_args`, ``costs``: :func:`cost_args`, ``params``:
     int64 ``[NUM_PARAMS]``
     (``P_*``), ``width``: block-table columns to stage (the batch reads them; 0: none); ``dest``, ``dest_lay``: a
     workspace's int32 host buffer and its layout (``D_*``; empty: none), which gets the tables when they fit.
@@ -637,7 +643,7 @@ def plan_core(lay, rule, costs, params, width, order, depth, lb, rb, parent, ind
     """
     kv_start, kv_end, depth_blocks, offsets, members, suffix_start = select_nodes(
         order, depth, lb, rb, parent, shareable, q_len, params[P_BLOCK_SIZE], params[P_ROWS_SHARED],
-        params[P_GROUP], params[P_HEAD_DIM], params[P_ELT_BYTES], params[P_SHARING], params[P_STATE_BYTES],
+        params[P_GROUP], params[P_HEAD_DIM], params[P_ELT_BYTES], params[P_SHARING],
         params[P_ROWS_CHUNK], params[P_ROWS_DECODE])
     rows = table.shape[0]
     cols = min(width, table.shape[1])

@@ -48,7 +48,7 @@ LONG_PROGRAM_FRACTION = 0.9
 #: rms: smaller gains are noise, and every piece costs a partial state and its merge).
 WAVE_GAIN_MIN = 0.03
 #: The wave-aware step adds at most this many items per SM per KV head to a class (the workspace capacities bound
-#: them: prefixattn.workspace).
+#: them: prefixattn.planner.workspace).
 WAVE_EXTRA_ITEMS_PER_SM = 8
 
 
@@ -101,7 +101,7 @@ def split_grain(block_n: int, budget: float) -> int:
 
 def split_pieces(lengths: np.ndarray, *, budget: float, grain: int) -> np.ndarray:
     """Pieces per range: the fewest that keep every piece within ``budget`` tokens when whole grains are dealt out
-    evenly (:func:`prefixattn.work_list._piece_bounds`: pieces differ by at most one grain, so ``ceil(grains /
+    evenly (:func:`prefixattn.planner.work_list._piece_bounds`: pieces differ by at most one grain, so ``ceil(grains /
     pieces) <= grains_per_piece``); 1 for a range within the budget, 0 for an empty one.
 
     Parameters
@@ -147,7 +147,8 @@ def modeled_makespan(program_us: np.ndarray, count: np.ndarray, slots: int) -> t
 
 
 def _piece_tokens(lengths: np.ndarray, pieces: np.ndarray, grain: int) -> np.ndarray:
-    """The longest piece of each range (:func:`prefixattn.work_list._piece_bounds` deals whole grains evenly)."""
+    """The longest piece of each range (:func:`prefixattn.planner.work_list._piece_bounds` deals whole grains
+    evenly)."""
     grains = -(-lengths // grain)
     return np.minimum(-(-grains // np.maximum(pieces, 1)) * grain, lengths)
 

@@ -1,7 +1,7 @@
 """Compiled (numba) metadata checks and block prefix tree: the same order, LCPs and lcp-intervals as
 :mod:`prefixattn.lcp_tree`, the same accept/refuse decisions as :func:`prefixattn.validation.check_host_metadata`.
 
-Imported only when numba is (:mod:`prefixattn.plan_native` chooses); every function is ``@njit(cache=True)``.
+Imported only when numba is (:mod:`prefixattn.planner.compiled` chooses); every function is ``@njit(cache=True)``.
 The definitions of what is computed are :func:`prefixattn.lcp_tree.sorted_rows_lcp` (lexicographic order of the
 padded rows, then the row index; LCP of sorted neighbours) and :func:`prefixattn.lcp_tree.tree_from_lcp` (the
 lcp-interval stack, nodes in post-order); ``tests/test_plan_native.py`` checks both paths give equal arrays.

@@ -1,0 +1,105 @@
+"""The numpy node choice: which nodes of the block prefix tree a step shares (:func:`select_shared_nodes`).
+
+Walks the tree top-down, one level at a time, vectorized over the nodes of a level; the sharing cost rule
+(:mod:`prefixattn.planner.cost_rule`) decides each node. The compiled planner's ``select_nodes``
+(:mod:`prefixattn.planner.compiled_core`) computes the same per node, as loops.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from prefixattn.lcp_tree import LcpTree
+from prefixattn.planner.cost_rule import sharing_pays_off
+from prefixattn.planner.tiles import DECODE_CLASS_ALL_ROWS
+from prefixattn.planner.work_list import SharedNodes
+from prefixattn.ragged import expand, offsets
+
+#: The sentinel after the last sorted request: a node's ``rb + 1`` may equal the request count, and the reduceat
+#: over ``(lb, rb + 1)`` pairs needs a valid index whose value never wins a minimum.
+_INT64_MAX = int(np.iinfo(np.int64).max)
+
+
+def _node_levels(parent: np.ndarray) -> np.ndarray:
+    """Ancestors per node (0 under the root), one vectorized step per tree level."""
+    level = np.zeros(parent.shape[0], dtype=np.int64)
+    ancestor = parent.copy()
+    while (ancestor >= 0).any():
+        has = ancestor >= 0
+        level += has
+        ancestor = np.where(has, parent[np.maximum(ancestor, 0)], -1)
+    return level
+
+
+def select_shared_nodes(tree: LcpTree, *, shareable: np.ndarray, q_len: np.ndarray, block_size: int,
+                        rows_per_shared: int, group: int, head_dim: int, elt_bytes: int, sharing: str = "auto",
+                        rows_per_chunk: int = 1,
+                        rows_per_decode: int = DECODE_CLASS_ALL_ROWS) -> tuple[SharedNodes, np.ndarray]:
+    """Walk the tree top-down, one level at a time, and keep the nodes the cost rule accepts (``sharing="auto"``),
+    every node with KV (``"always"``, for tests and benchmarks) or none (``"never"``: plain paged attention).
+    ``rows_per_chunk``/``rows_per_decode``: a request of more rows than ``rows_per_decode`` reads an unshared node
+    once per chunk tile of ``rows_per_chunk`` rows (:func:`sharing_pays_off`'s ``extra_reads``).
+
+    Returns the kept nodes (top-down, requests ascending within each) and ``suffix_start[r]``: the end of the deepest
+    kept node holding request ``r`` (0 if none).
+    """
+    num_nodes = tree.num_nodes
+    suffix_start = np.zeros(q_len.shape[0], dtype=np.int64)
+    if num_nodes == 0 or sharing == "never":
+        return SharedNodes.empty(), suffix_start
+    # Nodes are intervals [lb, rb] of the sorted order: one reduceat over (lb, rb + 1) pairs gives every node's
+    # minimum shareable length (the +inf sentinel makes rb + 1 == n a valid index).
+    n = tree.order.shape[0]
+    sorted_shareable = np.empty(n + 1, dtype=np.int64)
+    sorted_shareable[:n] = shareable[tree.order]
+    sorted_shareable[n] = _INT64_MAX
+    bounds = np.empty(2 * num_nodes, dtype=np.int64)
+    bounds[0::2] = tree.lb
+    bounds[1::2] = tree.rb + 1
+    min_shareable = np.minimum.reduceat(sorted_shareable, bounds)[::2]
+    ends = np.minimum(tree.depth * block_size, min_shareable)
+    cum_rows = offsets(q_len[tree.order])
+    rows = cum_rows[tree.rb + 1] - cum_rows[tree.lb]
+    # Unshared, a request past a decode tile's rows reads a node's KV once per chunk tile: its extra reads.
+    extra = np.where(q_len > rows_per_decode, -(-q_len // rows_per_chunk) - 1, 0)
+    cum_extra = offsets(extra[tree.order])
+    extra_reads = cum_extra[tree.rb + 1] - cum_extra[tree.lb]
+    sizes = tree.rb - tree.lb + 1
+    one_level = bool((tree.parent < 0).all())  # one level of sharing (disjoint nodes): the common case
+    level = np.zeros(num_nodes, dtype=np.int64) if one_level else _node_levels(tree.parent)
+    # A node starts where its nearest kept ancestor ends; a dropped node passes its own start down, so its tokens
+    # go back to its children or to the requests' suffixes.
+    start = np.zeros(num_nodes, dtype=np.int64)
+    effective_end = np.zeros(num_nodes, dtype=np.int64)
+    keep = np.zeros(num_nodes, dtype=bool)
+    for depth in range(int(level.max()) + 1):
+        idx = slice(None) if one_level else (level == depth).nonzero()[0]
+        if not one_level:
+            parent = tree.parent[idx]
+            start[idx] = np.where(parent >= 0, effective_end[np.maximum(parent, 0)], 0)
+        tokens = ends[idx] - start[idx]
+        ok = tokens > 0
+        if sharing == "auto":
+            ok &= sharing_pays_off(num_requests=sizes[idx], num_rows=rows[idx],
+                                   num_m_tiles=-(-rows[idx] // rows_per_shared), num_tokens=tokens, group=group,
+                                   head_dim=head_dim, elt_bytes=elt_bytes, extra_reads=extra_reads[idx])
+        keep[idx] = ok
+        if not one_level:
+            effective_end[idx] = np.where(ok, ends[idx], start[idx])
+    kept = keep.nonzero()[0]
+    if not one_level:
+        kept = kept[np.argsort(level[kept], kind="stable")]  # top-down
+    counts = sizes[kept]
+    node_of, rank = expand(counts)
+    members = tree.order[tree.lb[kept][node_of] + rank]
+    # Requests ascending within each node: one sort of (node, request) keys.
+    key = node_of * q_len.shape[0]
+    members = np.sort(key + members) - key
+    kept_ends = ends[kept]
+    if one_level:  # disjoint nodes: each request in at most one
+        suffix_start[members] = kept_ends[node_of]
+    else:
+        np.maximum.at(suffix_start, members, kept_ends[node_of])  # deeper kept nodes end later
+    nodes = SharedNodes(kv_start=start[kept], kv_end=kept_ends, depth_blocks=tree.depth[kept],
+                        offsets=offsets(counts), members=members)
+    return nodes, suffix_start

@@ -1,0 +1,101 @@
+"""plan()'s option checks: :class:`PlanOptions`, what every step of an engine shares, checked once
+(:func:`checked_options`, memoized), and the option defaults that depend on the device."""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from prefixattn.memo import typed_memo
+from prefixattn.validation import (CPU_DEVICE, SUPPORTED_DTYPES, check_head_dim, check_heads, check_kv_dtype,
+                                   check_soft_cap, check_window_left)
+
+#: SMs assumed when no GPU is visible (plan() on a CPU host, or the interpreter): an H100 SXM, the tuning target.
+DEFAULT_NUM_SMS = 132
+#: Shortest split-k chunk (KV tokens). A chunk costs a program start (~a few us) and a partial-state write + read;
+#: below ~256 tokens per chunk that overhead is comparable to the chunk's own KV read at head_dim 128.
+MIN_SPLIT_TOKENS = 256
+_SHARING_MODES = ("auto", "always", "never")
+
+
+def _check_options(*, causal, sm_scale, logits_soft_cap, window_left, alibi_slopes, sharing, q_dtype,
+                   nan_guard) -> tuple[float, int]:
+    """The feature options' checks; returns ``(logits_soft_cap, window_left)`` normalized (0.0 / -1: off)."""
+    if alibi_slopes is not None:
+        raise ValueError("alibi_slopes: ALiBi is not supported yet (expected None), got a value")
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal: expected a bool, got {type(causal).__name__}")
+    soft_cap = check_soft_cap(logits_soft_cap)
+    window_left = check_window_left(window_left, causal)
+    if not isinstance(nan_guard, bool):
+        raise ValueError(f"nan_guard: expected a bool, got {type(nan_guard).__name__}")
+    if sm_scale is not None and (isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float, np.floating))
+                                 or not math.isfinite(sm_scale)):
+        raise ValueError(f"sm_scale: expected a finite float or None, got {sm_scale!r}")
+    if sharing not in _SHARING_MODES:
+        raise ValueError(f"sharing: expected one of {_SHARING_MODES}, got {sharing!r}")
+    if q_dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"q_dtype: expected one of {[str(d) for d in SUPPORTED_DTYPES]}, got {q_dtype}")
+    return soft_cap, window_left
+
+
+class PlanOptions(NamedTuple):
+    """plan()'s options, checked and normalized (:func:`checked_options`): what every step of an engine shares."""
+
+    causal: bool
+    sm_scale: float  # the scale used: 1 / sqrt(head_dim) when not given
+    q_dtype: torch.dtype
+    kv_dtype: torch.dtype  # q_dtype when not given
+    logits_soft_cap: float  # 0.0: off
+    window_left: int  # -1: off
+    sharing: str
+    nan_guard: bool
+    block_size: int
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    min_split_tokens: int
+    num_sms: int | None  # None: from the plan's device
+
+    @property
+    def group(self) -> int:
+        return self.num_qo_heads // self.num_kv_heads
+
+
+@typed_memo(maxsize=256)  # an engine plans with the same options every step (~5 us of checks on the 2-core host)
+def checked_options(*, causal, sm_scale, logits_soft_cap, window_left, alibi_slopes, sharing, q_dtype, kv_dtype,
+                    nan_guard, block_size, num_qo_heads, num_kv_heads, head_dim, min_split_tokens,
+                    num_sms) -> PlanOptions:
+    """plan()'s option checks (its parameters of the same names): the options normalized, or the ``ValueError`` of
+    the first bad one. :data:`OPTION_DEFAULTS` holds plan()'s defaults."""
+    soft_cap, window_left = _check_options(
+        causal=causal, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap, window_left=window_left,
+        alibi_slopes=alibi_slopes, sharing=sharing, q_dtype=q_dtype, nan_guard=nan_guard)
+    kv_dtype, block_size = check_kv_dtype(kv_dtype, q_dtype), _positive_int("block_size", block_size)
+    num_qo_heads, num_kv_heads = _positive_int("num_qo_heads", num_qo_heads), _positive_int("num_kv_heads",
+                                                                                            num_kv_heads)
+    check_heads(num_qo_heads, num_kv_heads)
+    check_head_dim("head_dim", head_dim)
+    return PlanOptions(
+        causal=causal, sm_scale=1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale), q_dtype=q_dtype,
+        kv_dtype=kv_dtype, logits_soft_cap=soft_cap, window_left=window_left, sharing=sharing, nan_guard=nan_guard,
+        block_size=block_size, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, min_split_tokens=_positive_int("min_split_tokens", min_split_tokens),
+        num_sms=None if num_sms is None else _positive_int("num_sms", num_sms))
+
+
+def _positive_int(name: str, value) -> int:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    return int(value)
+
+
+def _default_num_sms(device: torch.device) -> int:
+    if device is CPU_DEVICE:  # canonical_device's CPU object: no torch attribute read (~0.5 us) per step
+        return DEFAULT_NUM_SMS
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return DEFAULT_NUM_SMS

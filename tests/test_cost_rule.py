@@ -1,0 +1,104 @@
+"""The sharing cost rule (prefixattn.planner.cost_rule) is defined once: the numpy planner, the compiled planner and
+the simulator all decide with it, and agree node by node across the rule's threshold."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from prefixattn.lcp_tree import block_prefix_tree
+from prefixattn.planner import cost_rule
+from prefixattn.planner.cost_rule import sharing_pays_off
+from prefixattn.planner.node_choice import select_shared_nodes
+
+BLOCK_SIZE = 16
+#: Node sizes (KV tokens) swept: every case below crosses its threshold inside this range.
+TOKENS = range(1, 400)
+#: (query rows per request, group, head_dim, KV element bytes, rows per shared tile, rows per chunk tile, rows per
+#: decode tile): decode batches, fp8, GQA 1 and 8, and prefill chunks that the rule's extra_reads term prices.
+CASES = [
+    ([1, 1], 8, 128, 2, 16, 16, 16),
+    ([1] * 64, 8, 128, 2, 16, 16, 16),
+    ([1] * 5, 1, 64, 1, 64, 64, 64),
+    ([40, 1, 1], 4, 128, 2, 32, 32, 16),
+    ([100, 100], 1, 128, 2, 64, 32, 16),
+]
+
+
+def _one_node_batch(num_tokens: int, q_len: list[int]):
+    """Requests whose first ``num_tokens`` KV positions are the same blocks: one node of ``num_tokens`` tokens."""
+    shared = -(-num_tokens // BLOCK_SIZE)
+    table = np.array([list(range(shared)) + [100 + r] for r in range(len(q_len))], dtype=np.int64)
+    shareable = np.full(len(q_len), num_tokens, dtype=np.int64)
+    return block_prefix_tree(table, shareable, BLOCK_SIZE), shareable, np.array(q_len, dtype=np.int64)
+
+
+def _expected(num_tokens, q_len, group, head_dim, elt_bytes, rows_shared, rows_chunk, rows_decode) -> bool:
+    rows = sum(q_len)
+    extra = sum(-(-q // rows_chunk) - 1 for q in q_len if q > rows_decode)
+    return bool(sharing_pays_off(num_requests=len(q_len), num_rows=rows, num_m_tiles=-(-rows // rows_shared),
+                                 num_tokens=num_tokens, group=group, head_dim=head_dim, elt_bytes=elt_bytes,
+                                 extra_reads=extra))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_numpy_and_compiled_planners_keep_a_node_exactly_when_the_rule_says(case):
+    compiled_core = pytest.importorskip("prefixattn.planner.compiled_core")
+    q_len, group, head_dim, elt_bytes, rows_shared, rows_chunk, rows_decode = case
+    verdicts = set()
+    for tokens in TOKENS:
+        tree, shareable, q = _one_node_batch(tokens, q_len)
+        want = _expected(tokens, q_len, group, head_dim, elt_bytes, rows_shared, rows_chunk, rows_decode)
+        verdicts.add(want)
+        nodes, _ = select_shared_nodes(tree, shareable=shareable, q_len=q, block_size=BLOCK_SIZE,
+                                       rows_per_shared=rows_shared, group=group, head_dim=head_dim,
+                                       elt_bytes=elt_bytes, rows_per_chunk=rows_chunk, rows_per_decode=rows_decode)
+        assert (nodes.kv_end.shape[0] == 1) == want, ("numpy", tokens)
+        kv_start, kv_end = compiled_core.select_nodes(
+            tree.order, tree.depth, tree.lb, tree.rb, tree.parent, shareable, q, BLOCK_SIZE, rows_shared, group,
+            head_dim, elt_bytes, compiled_core.SHARING_AUTO, rows_chunk, rows_decode)[:2]
+        assert (kv_end.shape[0] == 1) == want, ("compiled", tokens)
+        if want:
+            assert (int(kv_start[0]), int(kv_end[0])) == (0, tokens)
+    assert verdicts == {False, True}, "the sweep must cross the rule's threshold"
+
+
+def test_the_simulator_decides_with_the_same_rule():
+    step_cost = pytest.importorskip("prefixattn.sim.step_cost")
+    assert step_cost.sharing_pays_off is cost_rule.sharing_pays_off
+    cm = step_cost.CostModel("a100", "mistral-7b")
+    m = cm.model
+    group = m.num_heads // m.num_kv_heads
+    verdicts = set()
+    for requests, rows in [(2, 2), (64, 64), (8, 300), (400, 400)]:
+        for tokens in TOKENS:
+            m_tiles = -(-rows * group // cm.calib.attn_block_m)
+            want = bool(sharing_pays_off(num_requests=requests, num_rows=rows, num_m_tiles=m_tiles,
+                                         num_tokens=tokens, group=group, head_dim=m.head_dim,
+                                         elt_bytes=m.dtype_bytes))
+            verdicts.add(want)
+            assert cm.sharing_pays_off(requests, rows, tokens) == want, (requests, rows, tokens)
+    assert verdicts == {False, True}
+
+
+def test_the_rule_works_on_arrays_as_on_scalars():
+    rng = np.random.default_rng(0)
+    args = dict(num_requests=rng.integers(2, 300, 500), num_rows=rng.integers(2, 600, 500),
+                num_m_tiles=rng.integers(1, 20, 500), num_tokens=rng.integers(1, 5000, 500),
+                extra_reads=rng.integers(0, 10, 500))
+    fixed = dict(group=4, head_dim=128, elt_bytes=2)
+    vector = sharing_pays_off(**args, **fixed)
+    scalar = [sharing_pays_off(**{k: int(v[i]) for k, v in args.items()}, **fixed) for i in range(500)]
+    assert vector.tolist() == scalar
+    assert 0 < vector.sum() < 500
+
+
+def test_the_compiled_planner_pins_the_rule_it_compiled_in():
+    """numba's on-disk cache of compiled_core keys on compiled_core.py alone: after a change to cost_rule.py this
+    fails until COST_RULE_SOURCE_HASH is updated, which changes compiled_core.py and so recompiles select_nodes."""
+    compiled_core = pytest.importorskip("prefixattn.planner.compiled_core")
+    source = Path(cost_rule.__file__).read_bytes().replace(b"\r\n", b"\n")
+    assert compiled_core.COST_RULE_SOURCE_HASH == hashlib.sha256(source).hexdigest()[:16]
