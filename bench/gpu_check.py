@@ -8,6 +8,8 @@ reason; FlashInfer's JIT compiles in a background process started first (bench/g
    fp64 reference, NaN-poisoned outputs, 3 runs bit-identical;
 2. ceilings (bench/gpu_floors.py): read-only streaming bandwidth, copy bandwidth, bf16 matmul rate;
 3. CUDA graphs (bench/gpu_graph_check.py): one ``use_cuda_graph`` wrapper captured once, replayed after re-planning;
+   then the smallest decode steps run eagerly, layer after layer (bench/gpu_eager_small.py): the prepared direct
+   launch against Triton's JIT dispatch;
 4. plan ahead (bench/gpu_plan_ahead.py): step N+1 planned while step N is queued behind a spin kernel, both checked;
 5. compute-sanitizer racecheck, memcheck and synccheck on one small batch of each kernel class (bench/gpu_sanitize.py);
 6. timings (bench/gpu_timing.py): prefixattn, prefixattn ``sharing="never"``, every FlashInfer configuration and
@@ -97,6 +99,7 @@ def main(argv) -> int:
         return gpu_jit.warmup()
     import torch
 
+    from gpu_eager_small import step_eager_small
     from gpu_graph_check import step_graphs
     from gpu_plan_ahead import step_plan_ahead
     from gpu_timing import step_timing
@@ -119,6 +122,7 @@ def main(argv) -> int:
     write()
     ceil = steps.step_ceilings(args, results, skips, device)
     step_graphs(args, results, skips, device)
+    step_eager_small(args, results, skips, device)
     step_plan_ahead(args, results, skips, device)
     write()
     gpu_sanitize.step_sanitizer(args, results, skips, steps.DRIVER, steps._which)

@@ -11,6 +11,7 @@ import torch
 from prefixattn.kernels.layout import CLASS_CHUNK, CLASS_DECODE, CLASS_SHARED, WORK_CLASSES, page_size_constexpr
 from prefixattn.kernels.prefix_attention_kernel import prefix_attention_kernel
 from prefixattn.autotune.lookup import read_fixed_env
+from prefixattn.launcher import SPEC_ALIGN, PreparedLaunch, class_launches
 from prefixattn.planner import compiled as compiled_planner
 from prefixattn.planner.device_tables import CapacityError
 from prefixattn.planner.options import _default_num_sms, _positive_int, checked_options
@@ -135,38 +136,72 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pla
     >>> for layer in layers:
     ...     o = prefixattn.attention(q[layer], k_caches[layer], v_caches[layer], p)
     """
-    _check_against_plan(q, k_cache, v_cache, plan, out, return_lse)
-    check_fp8_support("k_cache", k_cache)
-    features = _feature_args(plan, q, sinks, k_scale, v_scale)
+    key = _call_key(q, k_cache, v_cache, out, return_lse, sinks, k_scale, v_scale, graph=False)
+    launch = _prepared(plan, key)
+    if launch is None:  # this plan's first call of this shape (or an input the key cannot describe): every check
+        _check_against_plan(q, k_cache, v_cache, plan, out, return_lse)
+        check_fp8_support("k_cache", k_cache)
+    features = (launch.features if launch is not None and sinks is None and k_scale is None and v_scale is None
+                else _feature_args(plan, q, sinks, k_scale, v_scale))
     if out is None:
         out = torch.empty_like(q)
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else plan.ws_lse
-    classes = plan.work_classes
-    if classes:
-        # Merge counters start at 0 in every step (a memset of num_merge_rows x num_qo_heads int32, stream ordered
-        # and CUDA-graph capturable): an interrupted step cannot leak arrivals into the next one.
-        if plan.num_merge_rows:
-            plan.counters.zero_()
+    if launch is None:
+        classes = plan.work_classes
         ranges = [plan.work.class_range(c) for c in classes]
-        _launch(out=out, lse=lse, q=q, k_cache=k_cache, v_cache=v_cache, p=plan, classes=classes,
-                grid_items=tuple(end - first for first, end in ranges), has_lse=return_lse, features=features)
+        launch = _prepare(plan, key, out=out, lse=lse, q=q, k_cache=k_cache, v_cache=v_cache, classes=classes,
+                          grid_items=tuple(end - first for first, end in ranges), has_lse=return_lse,
+                          features=features)
+    _launch(launch, plan.counters if plan.num_merge_rows else None, out, lse, q, k_cache, v_cache, features)
     return (out, lse) if return_lse else out
 
 
-def _launch(*, out, lse, q, k_cache, v_cache, p: Plan, classes: tuple, grid_items: tuple, has_lse: bool,
-            features: dict, tables: dict | None = None) -> None:
-    """One launch per work class in ``classes`` (``layout.CLASS_*``, in that order on the current stream), each of
-    ``grid_items[i] x num_kv_heads`` programs with its class's tiles and launch options; programs past the class's
-    live items (its ``ranges`` record, read on the device) exit at once, so a grid sized by capacity serves any
-    smaller plan. ``features``: :func:`_feature_args`. ``tables`` replaces the plan's ``ranges``/``items``/``gather``/
-    ``mrows``/``counters`` (the workspace's whole buffers)."""
+#: Prepared launches a plan keeps (call shapes: an engine has one or two); past it the memo starts over.
+_MAX_PREPARED = 64
+
+
+def _call_key(q, k_cache, v_cache, out, return_lse, sinks, k_scale, v_scale, *, graph: bool):
+    """What the checks and the launch's specialization read of one call's inputs: each tensor's shape, strides,
+    dtype, device and 16-byte alignment (:mod:`prefixattn.launcher`), ``return_lse``, which features are on (a
+    float ``v_scale`` of 1 switches ``HAS_KV_SCALE`` off). None for an input that is not what the key describes
+    (not a tensor, ``return_lse`` not a bool): the checks then run and name it. Reading no value of any tensor, the
+    checks are a function of this key, so a call whose key the plan has seen skips them (~9 us on the 2-core host)."""
+    tensors = (q, k_cache, v_cache) if out is None else (q, k_cache, v_cache, out)
+    if type(return_lse) is not bool or not all(isinstance(t, torch.Tensor) for t in tensors):
+        return None
+    key = [graph, return_lse, out is None]
+    try:
+        for t in tensors:
+            key += (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % SPEC_ALIGN)
+        for f in (sinks, k_scale, v_scale):
+            key.append(None if f is None else (f.shape, f.stride(), f.dtype, f.device, f.data_ptr() % SPEC_ALIGN)
+                       if isinstance(f, torch.Tensor) else bool(f == 1.0) if f is v_scale else type(f))
+        key = tuple(key)  # hashable: sizes, tuples of ints, dtypes, devices, ints, bools, types
+    except Exception:  # a tensor without strides or data, a scale no float compares with: the checks name it
+        return None
+    return key
+
+
+def _prepared(p: Plan, key) -> PreparedLaunch | None:
+    """The launch ``p`` prepared for a call with ``key``, if it is still the current plan of its workspace."""
+    if key is None or type(p) is not Plan or not (p.workspace is None or p.workspace.step == p.workspace_step):
+        return None
+    return p.launches.get(key)
+
+
+def _prepare(p: Plan, key, *, out, lse, q, k_cache, v_cache, classes: tuple, grid_items: tuple, has_lse: bool,
+             features: dict, tables: dict | None = None) -> PreparedLaunch:
+    """Assemble the launches of one call shape (``launcher.PreparedLaunch``): one per work class in ``classes``
+    (``layout.CLASS_*``, in that order on the current stream), each of ``grid_items[i] x num_kv_heads`` programs with
+    its class's tiles and launch options; programs past the class's live items (its ``ranges`` record, read on the
+    device) exit at once, so a grid sized by capacity serves any smaller plan. ``features``: :func:`_feature_args`.
+    ``tables`` replaces the plan's ``ranges``/``items``/``gather``/``mrows``/``counters`` (the workspace's whole
+    buffers). Kept on the plan under ``key`` (not kept for a None key)."""
     t = p.tiles
     tb = {**dict(ranges=p.ranges, items=p.items, gather=p.gather, mrows=p.mrows, counters=p.counters),
           **(tables or {})}
-    # One stride() call per tensor (a tuple) instead of one per dimension: 22 -> 7 calls, ~3 us of every launch on
-    # the 2-core host (eager engines launch once per layer).
     so, sl, sw, swl, sq, sk, sv = (x.stride() for x in (out, lse, p.ws_o, p.ws_lse, q, k_cache, v_cache))
-    args = dict(
+    named = dict(
         out_ptr=out, lse_ptr=lse, ws_o_ptr=p.ws_o, ws_lse_ptr=p.ws_lse, counters_ptr=tb["counters"],
         q_ptr=q, k_cache_ptr=k_cache, v_cache_ptr=v_cache, sinks_ptr=features["sinks_ptr"],
         k_scale_ptr=features["k_scale_ptr"], v_scale_ptr=features["v_scale_ptr"],
@@ -188,12 +223,32 @@ def _launch(*, out, lse, q, k_cache, v_cache, p: Plan, classes: tuple, grid_item
         USE_NAN_GUARD=p.nan_guard, USE_FP32_DOT=p.use_fp32_dot, IS_HIP=t.is_hip,
         PAGE_SIZE=page_size_constexpr(p.block_size), BLOCK_D=t.block_d,
     )
-    kv_fp8 = k_cache.dtype in FP8_KV_DTYPES
-    ranges = tb["ranges"]
-    for work_class, items in zip(classes, grid_items):
-        prefix_attention_kernel[(items * p.num_kv_heads,)](
-            item_range_ptr=ranges[work_class], IS_SHARED=work_class == CLASS_SHARED, **args,
-            **t.launch_options(work_class, kv_fp8=kv_fp8))
+    per_class = class_launches(t, classes, grid_items, tb["ranges"], p.num_kv_heads,
+                               kv_fp8=k_cache.dtype in FP8_KV_DTYPES)
+    launch = PreparedLaunch(prefix_attention_kernel, named, per_class)
+    launch.features = features
+    if key is not None:
+        if len(p.launches) >= _MAX_PREPARED:
+            p.launches.clear()
+        p.launches[key] = launch
+    return launch
+
+
+def _launch(launch: PreparedLaunch, counters, out, lse, q, k_cache, v_cache, features: dict) -> None:
+    """Run the prepared launches with this layer's tensors. Should one of them raise on the host after an earlier
+    one of the same layer was queued (a compile error, an out-of-memory launch), the merge counters (``counters``,
+    None when no row merges) are zeroed on the stream behind it: the rest of the plan's layers start from zero."""
+    try:
+        # The module's kernel as it is now (a test may have replaced it since the launch was prepared).
+        launch(prefix_attention_kernel, out, lse, q, k_cache, v_cache, features["sinks_ptr"], features["k_scale_ptr"],
+               features["v_scale_ptr"], features["qk_scale"], features["v_scale"])
+    except BaseException:
+        if counters is not None:
+            try:
+                counters.zero_()
+            except Exception:  # a device that faulted cannot run it either; the launch's own error is the news
+                pass
+        raise
 
 
 #: Options a CUDA-graph wrapper fixes at construction: the captured launch holds them (constexprs, scalars, tiles).
@@ -241,9 +296,9 @@ class PrefixSharedAttention:
     use_cuda_graph : bool
         Fix the launch by the capacity so ``run()`` can be captured once and replayed for every later plan within
         it: the grid is ``max_items x num_kv_heads`` programs (or the bound for ``plan(graph_num_tokens=...)``; those
-        past the live items exit at once), the tiles are
-        chosen once for ``max_q_len``, the shared branch is always compiled in, the counter memset covers the whole
-        capacity, and every table lives at a fixed address. Needs the capacities.
+        past the live items exit at once), the tiles are chosen once for ``max_q_len``, the shared branch is always
+        compiled in, and every table lives at a fixed address; a captured layer is its launches alone (``plan()``
+        zeroes the merge counters, outside the graph). Needs the capacities.
     max_q_len : int
         With ``use_cuda_graph``: the query length the fixed tiles are chosen for (1: decode; any batch is still
         correct, only its tile fit changes).
@@ -501,26 +556,31 @@ class PrefixSharedAttention:
                                     k_scale=k_scale, v_scale=v_scale)
 
     def _run_graph_safe(self, q, k_cache, v_cache, *, out, return_lse, sinks, k_scale, v_scale):
-        """One launch per class of :attr:`graph_work_classes`, fixed by the capacity (or the graph's size); the
-        counter memset is part of what a graph captures."""
+        """One launch per class of :attr:`graph_work_classes`, fixed by the capacity (or the graph's size); nothing
+        else on the device (the counters leave themselves at zero, :func:`attention`)."""
         p, ws = self._plan, self._workspace
-        _check_against_plan(q, k_cache, v_cache, p, out, return_lse)
-        check_fp8_support("k_cache", k_cache)
-        # sinks and tensor scales are read by pointer: capture with the tensors every replay passes (the layer's own)
-        features = _feature_args(p, q, sinks, k_scale, v_scale)
+        key = _call_key(q, k_cache, v_cache, out, return_lse, sinks, k_scale, v_scale, graph=True)
+        launch = _prepared(p, key)
         graph_tokens = p.stats.get("graph_num_tokens")
-        if graph_tokens is not None and q.shape[0] != graph_tokens:
-            raise ValueError(f"q: expected {graph_tokens} rows (the graph_num_tokens this step was planned for), got "
-                             f"{q.shape[0]}")
+        if launch is None:
+            _check_against_plan(q, k_cache, v_cache, p, out, return_lse)
+            check_fp8_support("k_cache", k_cache)
+            if graph_tokens is not None and q.shape[0] != graph_tokens:
+                raise ValueError(f"q: expected {graph_tokens} rows (the graph_num_tokens this step was planned for), "
+                                 f"got {q.shape[0]}")
+        # sinks and tensor scales are read by pointer: capture with the tensors every replay passes (the layer's own)
+        features = (launch.features if launch is not None and sinks is None and k_scale is None and v_scale is None
+                    else _feature_args(p, q, sinks, k_scale, v_scale))
         if out is None:
             out = torch.empty_like(q)
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else ws.ws_lse
-        # Merge rows <= query rows <= the graph's rows: the memset covers what any step replayed by this graph uses.
-        ws.counters[:graph_tokens if graph_tokens is not None else ws.counters.shape[0]].zero_()
-        # The workspace's whole buffers, not the plan's live views: a view with no rows has data_ptr 0, which a
-        # captured launch would keep for the steps that have rows.
-        grid = p.stats.get("grid_items") or self.graph_grid_items(ws.capacity.max_tokens)
-        _launch(out=out, lse=lse, q=q, k_cache=k_cache, v_cache=v_cache, p=p, classes=self._graph_classes,
-                grid_items=grid, has_lse=return_lse, features=features,
-                tables=dict(ranges=ws.ranges, items=ws.items, gather=ws.gather, mrows=ws.mrows, counters=ws.counters))
+        if launch is None:
+            # The workspace's whole buffers, not the plan's live views: a view with no rows has data_ptr 0, which a
+            # captured launch would keep for the steps that have rows.
+            grid = p.stats.get("grid_items") or self.graph_grid_items(ws.capacity.max_tokens)
+            launch = _prepare(p, key, out=out, lse=lse, q=q, k_cache=k_cache, v_cache=v_cache,
+                              classes=self._graph_classes, grid_items=grid, has_lse=return_lse, features=features,
+                              tables=dict(ranges=ws.ranges, items=ws.items, gather=ws.gather, mrows=ws.mrows,
+                                          counters=ws.counters))
+        _launch(launch, ws.counters, out, lse, q, k_cache, v_cache, features)
         return (out, lse) if return_lse else out

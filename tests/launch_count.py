@@ -57,7 +57,11 @@ def count_launches(monkeypatch):
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
+    from prefixattn import launcher
+
     counter = LaunchCounter()
+    # Every launch through the JIT function, where it is counted (a compiled kernel's launcher called directly is not).
+    monkeypatch.setattr(launcher, "ALLOW_DIRECT", False)
     for cls in (InterpretedFunction, JITFunction):
         original = cls.run
 
@@ -79,6 +83,15 @@ def count_engine_op(monkeypatch, counter: LaunchCounter, obj, name: str) -> None
 __all__ = ["LaunchCounter", "count_engine_op", "count_launches"]
 
 
+def launch_arguments(args: tuple, kwargs: dict) -> dict:
+    """A launch of the fused kernel as ``{parameter: value}``: the launcher passes the kernel's arguments by position
+    (in parameter order) and its launch options (``num_warps``, ...) by keyword."""
+    from prefixattn.kernels.prefix_attention_kernel import prefix_attention_kernel
+
+    names = prefix_attention_kernel.fn.__code__.co_varnames[:len(args)]
+    return {**dict(zip(names, args)), **kwargs}
+
+
 class RecordingKernel:
     """Stands in for the @triton.jit kernel: records each launch's grid, tensor addresses/strides and scalars."""
 
@@ -86,8 +99,9 @@ class RecordingKernel:
         self.kernel, self.launches = kernel, []
 
     def __getitem__(self, grid):
-        def launch(**kwargs):
-            args = {k: (v.data_ptr(), v.stride()) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-            self.launches.append((grid, args))
-            return self.kernel[grid](**kwargs)
+        def launch(*args, **kwargs):
+            named = launch_arguments(args, kwargs)
+            self.launches.append((grid, {k: (v.data_ptr(), v.stride()) if isinstance(v, torch.Tensor) else v
+                                         for k, v in named.items()}))
+            return self.kernel[grid](*args, **kwargs)
         return launch

@@ -5,7 +5,7 @@ edge) never reaches that row.
 The reference's side of these rules is tested in tests/test_bad_input.py; here the fused kernel and the merge
 kernels must agree with it: NaN in q or in a K/V row a query sees gives NaN (not the ``(0, -inf)`` of a row that saw
 nothing), a NaN LSE in a merge gives NaN (it must not erase the other state), a row with no visible KV stays
-``(0, -inf)``, and a plan whose counters an interrupted launch left non-zero still gives the right answer.
+``(0, -inf)``, and the plan after one whose counters an interrupted launch left non-zero gives the right answer.
 """
 
 import math
@@ -13,7 +13,8 @@ import math
 import pytest
 import torch
 
-from prefixattn import attention, merge_states, merge_states_n, plan, reference_attention
+from prefixattn import (PrefixSharedAttention, attention, merge_states, merge_states_n, plan, prefix_attention,
+                        reference_attention)
 from tests.prefix_batches import make_batch
 
 
@@ -125,18 +126,58 @@ def test_merge_states_n_nan_lse(device):
 @pytest.mark.parametrize("batch_kw, plan_kw", [(dict(), dict(sharing="always")),
                                                (_SPLIT, dict(num_sms=8, min_split_tokens=8))],
                          ids=["shared", "split-k"])
-def test_counters_left_by_an_interrupted_launch_do_not_poison_the_next(device, batch_kw, plan_kw):
-    # An interrupted launch (a kill, a timeout, an exception between programs) can leave merge counters non-zero;
-    # every later layer on that plan must still be right.
+def test_counters_left_by_an_interrupted_launch_do_not_poison_the_next_plan(device, batch_kw, plan_kw):
+    # An interrupted launch (a kill, a device fault, an exception between programs) can leave merge counters
+    # non-zero. The launches reset the counters they complete but never zero them first, so a later plan() must: a
+    # wrapper's workspace keeps its counters from step to step, and the next step's plan starts them from zero.
     b = _batch(device, **batch_kw)
-    p = plan(*b.metadata, **b.heads, q_dtype=b.q.dtype, **plan_kw)
-    assert p.work.num_ws_rows > 0, "the plan merges states"
+    attn = PrefixSharedAttention(**b.heads, q_dtype=b.q.dtype, max_tokens=16, max_requests=4,
+                                 max_blocks_per_request=16, device=device, **plan_kw)
     want = reference_attention(b.q, b.k_cache, b.v_cache, *b.metadata, return_lse=True)
-    p.counters.fill_(1)
-    for _ in range(2):  # this layer and the next
-        out, lse = attention(b.q, b.k_cache, b.v_cache, p, return_lse=True)
+    p = attn.plan(*b.metadata)
+    assert p.num_merge_rows > 0, "the plan merges states"
+    attn.workspace.counters.fill_(1)  # what an interrupted layer of the previous step left
+    p = attn.plan(*b.metadata)
+    for _ in range(2):  # this layer and the next: each leaves the counters at zero
+        out, lse = attn.run(b.q, b.k_cache, b.v_cache, return_lse=True)
         torch.testing.assert_close(out, want[0], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(lse, want[1], atol=1e-4, rtol=1e-4)
+        assert (p.counters == 0).all()
+    # The free plan() gives every plan its own counters, zeroed once by plan().
+    p.counters.fill_(1)
+    fresh = plan(*b.metadata, **b.heads, q_dtype=b.q.dtype, **plan_kw)
+    assert (fresh.counters == 0).all()
+    torch.testing.assert_close(attention(b.q, b.k_cache, b.v_cache, fresh), want[0], atol=1e-4, rtol=1e-4)
+
+
+def test_a_launch_that_raises_mid_layer_leaves_the_counters_at_zero(device, monkeypatch):
+    # The shared class's launch runs (its rows report), then the decode class's launch raises on the host (a compile
+    # error, an out-of-memory launch): attention() zeroes the counters behind it before the error propagates, so
+    # the plan's next layer is right. (A device fault has no such host-side moment: on CUDA it ends the context, and
+    # with it every later launch of the process; only a new context and a new plan() run again.)
+    b = _batch(device)
+    p = plan(*b.metadata, **b.heads, q_dtype=b.q.dtype, sharing="always")
+    assert len(p.work_classes) == 2 and p.num_merge_rows > 0
+    real = prefix_attention.prefix_attention_kernel
+
+    class FailSecond:
+        calls = 0
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                FailSecond.calls += 1
+                if FailSecond.calls == 2:
+                    raise RuntimeError("launch failed")
+                return real[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(prefix_attention, "prefix_attention_kernel", FailSecond())
+    with pytest.raises(RuntimeError, match="launch failed"):
+        attention(b.q, b.k_cache, b.v_cache, p)
+    assert (p.counters == 0).all(), "the first launch's reports were undone"
+    monkeypatch.setattr(prefix_attention, "prefix_attention_kernel", real)
+    want = reference_attention(b.q, b.k_cache, b.v_cache, *b.metadata)
+    torch.testing.assert_close(attention(b.q, b.k_cache, b.v_cache, p), want, atol=1e-4, rtol=1e-4)
 
 
 # The interpreter's numpy matmul warns on the inf products of the rows that do see the value (expected there).

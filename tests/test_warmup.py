@@ -10,7 +10,7 @@ from prefixattn import warmup as w
 from prefixattn.autotune.lookup import planning_target
 from prefixattn.cli import main
 from prefixattn.kernels.layout import CLASS_SHARED, WORK_CLASSES
-from tests.launch_count import count_launches
+from tests.launch_count import count_launches, launch_arguments
 
 LLAMA8B = dict(num_qo_heads=32, num_kv_heads=8, head_dim=128, block_size=16)
 
@@ -101,9 +101,11 @@ def test_fp8_variants_launch_fp8_caches_with_scales_in_the_interpreter(monkeypat
             self.kernel, self.switch = kernel, switch
 
         def __getitem__(self, grid):
-            def launch(**kwargs):
-                seen.append((self.switch, kwargs["k_cache_ptr"].dtype, kwargs[self.switch]))
-                return self.kernel[grid](**kwargs)
+            def launch(*args, **kwargs):
+                # The attention launcher passes the kernel's arguments by position, the K/V write by keyword.
+                named = launch_arguments(args, kwargs) if args else kwargs
+                seen.append((self.switch, named["k_cache_ptr"].dtype, named[self.switch]))
+                return self.kernel[grid](*args, **kwargs)
             return launch
 
     monkeypatch.setattr(attention_module, "prefix_attention_kernel",

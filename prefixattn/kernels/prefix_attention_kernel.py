@@ -107,7 +107,7 @@ class WorkTables(NamedTuple):
     items_ptr: tl.tensor  # [num_items, ITEM_FIELDS] work items, class by class
     gather_ptr: tl.tensor  # [num_gather, GATHER_FIELDS] packed rows of SHARED items
     mrows_ptr: tl.tensor  # [num_mrows, MROW_FIELDS] merge rows
-    counters_ptr: tl.tensor  # [num_mrows, num_qo_heads] arrivals; zeroed before a step's first launch
+    counters_ptr: tl.tensor  # [num_mrows, num_qo_heads] arrivals; 0 before and after every layer
 
 
 @triton.jit
@@ -335,9 +335,11 @@ def _report_and_merge(
     wave first waits for its own workspace stores (``IS_HIP``: ``s_waitcnt vmcnt(0)``, which on CDNA counts stores
     too); the releasing wave's L2 write-back then publishes all of them, and the acquire's L2 invalidate makes the
     merging program read them.
-    The counters are zeroed by the launcher before a step's first launch (the class launches of one step count into
-    the same counters, so a row whose states come from several launches merges in the last of them), so a step that
-    was interrupted (or counters overwritten by anyone) cannot make a later one merge early.
+    The counters leave themselves at zero: the merging lane's acquire is an exchange with 0 (an RMW, so it still
+    reads the end of the release sequence). The class launches of one layer count into the same counters (a row
+    whose states come from several launches merges in the last of them), and each (row, head) gets exactly
+    ``num_states`` reports a layer, so the reset comes after its last one. ``plan()`` zeroes the counters a step
+    uses once (a step that was interrupted, or counters overwritten by anyone, cannot make a later plan merge early).
     """
     mrow = mrow.to(tl.int64)
     num_states = tl.load(work.mrows_ptr + mrow * L.MROW_FIELDS + L.MROW_NUM_STATES, mask=mask_m, other=0)
@@ -351,7 +353,10 @@ def _report_and_merge(
     done = mask_m & (arrived == num_states - 1)
     num_done = tl.sum(done.to(tl.int32), 0)
     if num_done > 0:
-        tl.atomic_add(counter, 0, mask=done, sem="acquire", scope="gpu")
+        # The acquire that makes the states visible also leaves the counter at 0 for the next layer: every state of
+        # this (row, head) has arrived, so no program of this layer touches it again, and the next layer's launches
+        # are stream-ordered after this one. No memset runs per layer.
+        tl.atomic_xchg(counter, 0, mask=done, sem="acquire", scope="gpu")
         tl.debug_barrier()
         ws_first = tl.load(work.mrows_ptr + mrow * L.MROW_FIELDS + L.MROW_WS_FIRST, mask=done, other=0).to(tl.int64)
         ws_stride = tl.load(work.mrows_ptr + mrow * L.MROW_FIELDS + L.MROW_WS_STRIDE, mask=done, other=0).to(tl.int64)
@@ -509,7 +514,7 @@ def prefix_attention_kernel(
     lse_ptr,  # [num_tokens, num_qo_heads] fp32 (written only when HAS_LSE)
     ws_o_ptr,  # [num_ws_rows, num_qo_heads, head_dim] fp32 partial outputs
     ws_lse_ptr,  # [num_ws_rows, num_qo_heads] fp32 partial LSEs (natural log)
-    counters_ptr,  # [num_mrows, num_qo_heads] int32 arrivals; zeroed before a step's first launch
+    counters_ptr,  # [num_mrows, num_qo_heads] int32 arrivals; 0 on entry, left at 0 (the merging lane resets it)
     q_ptr,  # [num_tokens, num_qo_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], dtype of q or fp8
     v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], dtype of k_cache

@@ -115,13 +115,12 @@ def _copy_table(dst: np.ndarray, table: np.ndarray, cols: int) -> None:
 def _allocate_tables(work: WorkList, table: np.ndarray, width: int, *, num_qo_heads: int, head_dim: int,
                      device: torch.device, staged=None) -> dict:
     """New device tensors for one plan (the free :func:`plan`): the metadata in one copy
-    (:func:`metadata_to_device`), new counters and workspace, none of them initialized: every launch zeroes the
-    counters first (:func:`prefixattn.attention`), so zeroing them here too only cost a memset (on the CPU ~4 us a
-    plan on the 2-core host; on a GPU a kernel launch)."""
+    (:func:`metadata_to_device`), new workspace (uninitialized) and zeroed counters: the one reset of the plan's
+    counters, which every launch leaves at zero (:func:`prefixattn.attention`)."""
     ranges, items, gather, mrows, table_dev = metadata_to_device(work, table, width, device, staged)
     ws_rows, n_mrows = work.num_ws_rows, work.mrows.shape[0]
     if ws_rows or n_mrows:  # (merge rows come with workspace rows; max() keeps every pointer valid regardless)
-        counters = torch.empty((max(n_mrows, 1), num_qo_heads), dtype=torch.int32, device=device)
+        counters = torch.zeros((max(n_mrows, 1), num_qo_heads), dtype=torch.int32, device=device)
         ws_o = torch.empty((max(ws_rows, 1), num_qo_heads, head_dim), dtype=torch.float32, device=device)
         ws_lse = torch.empty((max(ws_rows, 1), num_qo_heads), dtype=torch.float32, device=device)
     else:  # no rows merge: placeholders no launch touches
@@ -134,8 +133,8 @@ def _allocate_tables(work: WorkList, table: np.ndarray, width: int, *, num_qo_he
 def _placeholders(device: torch.device, num_qo_heads: int) -> tuple:
     """The counters ``[1, num_qo_heads]`` int32 and workspace ``[1, 1, 1]``/``[1, 1]`` fp32 of plans in which no rows
     merge, one set per (device, head count). No launch reads or writes them (programs merge nothing; without
-    ``return_lse`` the kernel gets ``ws_lse`` as its unused lse pointer and attention() zeroes counters only where
-    rows merge), so every such plan can share them: 3 allocations less a plan (~6 us on the 2-core host; on a GPU 3
+    ``return_lse`` the kernel gets ``ws_lse`` as its unused lse pointer; no program reports on the counters and
+    attention() zeroes them only where rows merge), so every such plan can share them: 3 allocations less a plan (~6 us on the 2-core host; on a GPU 3
     allocator calls)."""
     return (torch.empty((1, num_qo_heads), dtype=torch.int32, device=device),
             torch.empty((1, 1, 1), dtype=torch.float32, device=device),

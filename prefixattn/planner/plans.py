@@ -83,7 +83,7 @@ class Plan:
     gather: torch.Tensor = field(repr=False)
     mrows: torch.Tensor = field(repr=False)
     block_table: torch.Tensor = field(repr=False)
-    counters: torch.Tensor = field(repr=False)  # [num_mrows, num_qo_heads] int32, zeroed before a step's launches
+    counters: torch.Tensor = field(repr=False)  # [num_mrows, num_qo_heads] int32: zeroed by plan(), kept 0 by launches
     ws_o: torch.Tensor = field(repr=False)
     ws_lse: torch.Tensor = field(repr=False)
     stats: dict = field(default_factory=dict)
@@ -95,6 +95,8 @@ class Plan:
     #: when this plan was loaded: a later plan on the same workspace overwrites the tables (:meth:`is_current`).
     workspace: PlanWorkspace | None = field(default=None, repr=False)
     workspace_step: int = -1
+    #: The launches prepared for this plan, by call shape (:mod:`prefixattn.launcher`; filled by the first layer).
+    launches: dict = field(default_factory=dict, repr=False, compare=False)
 
     def is_current(self) -> bool:
         """False once a later plan was loaded into this plan's workspace (its device tables are gone)."""

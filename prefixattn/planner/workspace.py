@@ -257,8 +257,8 @@ class PlanWorkspace:
         table ``[num_requests, <= table_width]`` (int64 or int32; the ids the kernel reads < 2**31, a cell it never
         reads is staged wrapped; columns up to ``table_width`` it lacks are staged as 0), or None: ``staged_rows``
         rows of it are in :meth:`host_table` already, or (``staged_rows`` None) the kernel reads a block table the
-        caller keeps on the device. The caller checked the sizes (:meth:`overflow`). Returns the device views of the
-        live rows (same ``data_ptr`` at every step).
+        caller keeps on the device. The caller checked the sizes (:meth:`overflow`). Zeroes the step's merge counters.
+        Returns the device views of the live rows (same ``data_ptr`` at every step).
         """
         self._wait_for_copy()
         h, c = self._host_np, self.capacity
@@ -286,6 +286,10 @@ class PlanWorkspace:
             self._copy_pending = True
         self.step += 1
         views = self._views(n_items, gather.shape[0], mrows.shape[0])
+        if mrows.shape[0]:
+            # The step's merge counters start at 0 (a memset queued behind the copy): the kernels leave them at 0
+            # after every layer, so this is the only reset, once a step; it undoes what an interrupted step left.
+            views[3].zero_()
         return dict(ranges=self.ranges, items=views[0], gather=views[1], mrows=views[2],
                     # Whole rows of capacity (a view with no rows would have data_ptr 0); rows past the step's
                     # requests are stale and never read.

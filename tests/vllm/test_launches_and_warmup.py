@@ -109,19 +109,19 @@ def test_a_layer_without_merges_is_two_launches(vllm_config, monkeypatch):
     check_result(kv_cache, inputs, output, meta, PRIVATE)
 
 
-def test_a_layer_with_a_shared_prefix_adds_the_merge_counter_reset(vllm_config, monkeypatch):
-    # attention() zeroes the plan's merge counters before its launches when rows merge (a memset: one more device
-    # op, stream ordered and graph capturable) and launches each work class; nothing else runs.
+def test_a_layer_with_a_shared_prefix_is_one_launch_per_work_class(vllm_config, monkeypatch):
+    # attention() launches each work class and nothing else: the merge counters leave themselves at zero (plan()
+    # zeroes them once a step), so no memset runs per layer.
     c, kv_cache, inputs, output, meta = run_layer(make_builder(vllm_config), SHARED, monkeypatch)
     assert meta.plan.has_shared and meta.plan.stats["num_merge_rows"] > 0 and meta.plan.num_launches == 2
-    assert c.triton == ["kv_write_kernel"] + ["prefix_attention_kernel"] * 2 and c.torch_ops == ["zero_"]
+    assert c.triton == ["kv_write_kernel"] + ["prefix_attention_kernel"] * 2 and c.torch_ops == []
     check_result(kv_cache, inputs, output, meta, SHARED)
 
 
 @pytest.mark.parametrize("kv_cache_dtype, step", [("fp8", PRIVATE), ("fp8_e5m2", SHARED)])
 def test_an_fp8_layer_is_the_same_launches(vllm_config, monkeypatch, kv_cache_dtype, step):
     # The fp8 write quantizes inside write_kv's kernel (vLLM's x / scale): still one write launch and the attention
-    # launches per layer (one per work class, plus the merge-counter reset when rows merge), no torch ops around them.
+    # launches per layer (one per work class), no torch ops around them.
     import prefixattn
 
     from integrations.vllm.backend import fp8_cache_dtype, split_kv_cache
@@ -133,7 +133,7 @@ def test_an_fp8_layer_is_the_same_launches(vllm_config, monkeypatch, kv_cache_dt
     merges = meta.plan.stats["num_merge_rows"] > 0
     assert merges == (step is SHARED)
     attention = ["prefix_attention_kernel"] * meta.plan.num_launches
-    assert c.triton == ["kv_write_kernel"] + attention and c.torch_ops == (["zero_"] if merges else [])
+    assert c.triton == ["kv_write_kernel"] + attention and c.torch_ops == []
     n = meta.num_query_tokens
     k_cache, v_cache = split_kv_cache(kv_cache.view(fp8), D)
     slots = meta.slot_mapping

@@ -1,0 +1,240 @@
+"""One layer's launches of the fused kernel (one per work class), prepared once per plan and call shape.
+
+A :class:`PreparedLaunch` holds the kernel's argument list in parameter order, assembled once from the plan (its
+tables, scalars and tiles) and the call's shape (strides, dtypes, feature switches); a call patches only the
+tensors that change from layer to layer (``out``, ``lse``, ``q``, the caches, the sink and scale pointers) and the
+two scalars a float scale changes. Each class's launch then calls the compiled kernel's own launcher
+(``CompiledKernel.run``) directly where :func:`direct_launch_unsupported` allows it: no binding of ~55 keyword
+arguments, no specialization keys, no kernel-cache lookup per layer (Triton's JIT dispatch, ~45-80 us a launch on
+the 2-core host, bench/host_launch_time.py). Otherwise, and for a call shape's first launch (which compiles or
+finds the binary), the launch goes through the JIT function with the same positional arguments.
+
+Why reusing a compiled kernel is exact: the JIT function picks a binary by the constexprs, the launch options and
+each argument's specialization (NVIDIA: a pointer's dtype and 16-byte alignment; an int's ``== 1``, ``% 16 == 0``
+and i32/i64/u64 range). :func:`arg_spec` computes that key, or a finer one, from the same arguments, so a binary the
+JIT function returned for one key serves every launch with that key. The caller keys prepared launches by the exact
+strides and 16-byte alignment of the per-call tensors, which refines Triton's key for them. What else selects a
+binary (Triton's knobs and compile environment) is taken to stay as it is while the process runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import re
+
+import torch
+import triton
+from triton import knobs
+from triton.runtime import driver
+
+from prefixattn.kernels.layout import CLASS_SHARED
+from prefixattn.kernels.prefix_attention_kernel import prefix_attention_kernel
+
+#: Triton versions whose JIT dispatch and launcher this module's direct launch follows (both ends included): the
+#: JIT function returns the ``CompiledKernel``, whose ``run(grid_x, grid_y, grid_z, stream, function,
+#: packed_metadata, launch_metadata, enter_hook, exit_hook, *args)`` takes every kernel argument in parameter order
+#: (constexprs included, which the launcher skips). Checked in the 3.6.0 and 3.9.0 wheels' ``runtime/jit.py`` and
+#: ``compiler/compiler.py``.
+DIRECT_LAUNCH_TRITON = ((3, 6), (3, 9))
+#: Pointer alignment (bytes) Triton's NVIDIA specialization records (the ``D`` attribute: divisible by 16).
+SPEC_ALIGN = 16
+#: Int ranges Triton types a non-constexpr int argument by (i32, then i64, then u64).
+_I32 = (-2**31, 2**31 - 1)
+_I64_MAX = 2**63 - 1
+#: Compiled kernels kept across plans, by (kernel, device, specialization): one per binary the engine runs. Cleared
+#: past this many (a process that keeps changing shapes re-looks them up through the JIT function).
+_MAX_COMPILED = 256
+_COMPILED: dict = {}
+#: False: every launch goes through the JIT function (to compare the two paths, or to rule the direct one out).
+ALLOW_DIRECT = True
+
+
+@functools.cache
+def _triton_version() -> tuple[int, int]:
+    m = re.match(r"(\d+)\.(\d+)", triton.__version__)
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+def direct_launch_unsupported(kernel, *, version: tuple[int, int] | None = None, hip: bool | None = None) -> str | None:
+    """Why ``kernel``'s compiled launcher may not be called directly here (None: it may).
+
+    Only a compiled JIT function (not the interpreter's), on an NVIDIA backend (AMD's specialization also reads the
+    tensors' sizes, which the prepared key does not cover), under a Triton in :data:`DIRECT_LAUNCH_TRITON`.
+    """
+    from triton.runtime.jit import JITFunction
+
+    version = _triton_version() if version is None else version
+    if not DIRECT_LAUNCH_TRITON[0] <= version <= DIRECT_LAUNCH_TRITON[1]:
+        return f"triton {version[0]}.{version[1]}: the direct launch follows Triton 3.6-3.9"
+    if not isinstance(kernel, JITFunction) or type(kernel).__name__ == "InterpretedFunction":
+        return "the kernel is not a compiled JIT function (the interpreter, or a stand-in)"
+    if torch.version.hip is not None if hip is None else hip:
+        return "AMD: Triton's specialization there reads more than dtype and alignment"
+    return None
+
+
+def arg_spec(arg, is_constexpr: bool):
+    """What of ``arg`` selects the binary (module docstring), as a hashable value equal for args Triton specializes
+    alike (or finer)."""
+    if is_constexpr:
+        return ("c", arg)
+    if isinstance(arg, torch.Tensor):
+        return (arg.dtype, arg.data_ptr() % SPEC_ALIGN == 0)
+    if isinstance(arg, bool) or arg is None:
+        return ("v", arg)
+    if isinstance(arg, int):
+        return ("i", arg == 1, arg % 16 == 0, _I32[0] <= arg <= _I32[1], arg <= _I64_MAX)
+    if isinstance(arg, float):
+        return ("f",)
+    return ("o", type(arg), arg)
+
+
+@functools.lru_cache(maxsize=1024)
+def _int_spec(value):
+    """``arg_spec`` of a plain (hashable) argument, memoized: the same ints and floats come back every step."""
+    return arg_spec(value, False)
+
+
+def spec_of(args: list, prm: "_Params") -> tuple:
+    """``arg_spec`` of every argument, grouped by the kind of parameter (pointers, constexprs, the rest): computed
+    once per prepared launch, i.e. on the first layer of every step, so kept to three passes over positions."""
+    return (tuple([(args[i].dtype, args[i].data_ptr() % SPEC_ALIGN == 0) if type(args[i]) is torch.Tensor
+                   else arg_spec(args[i], False) for i in prm.pointers]),
+            tuple([args[i] for i in prm.constexprs]),
+            tuple([_int_spec(args[i]) for i in prm.others]))
+
+
+def _hooks_idle() -> bool:
+    """No launch hook is installed (a profiler's): a direct launch then skips them, as the JIT path's calls of the
+    empty hook chains do nothing."""
+    for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook):
+        if hook is not None and (type(hook).__name__ != "HookChain" or hook.calls):
+            return False
+    return True
+
+
+def current_device():
+    """Triton's current device (what a compiled kernel was loaded for)."""
+    return driver.active.get_current_device()
+
+
+def current_stream(device):
+    """Triton's current stream on ``device`` (the one the JIT path launches on)."""
+    return driver.active.get_current_stream(device)
+
+
+class _Params:
+    """The kernel's parameters, in order, and the positions of those a call or a class changes."""
+
+    def __init__(self, fn) -> None:
+        params = inspect.signature(fn).parameters
+        self.names = tuple(params)
+        self.constexpr = tuple(p.annotation is not inspect.Parameter.empty and "constexpr" in str(p.annotation)
+                               for p in params.values())
+        at = self.names.index
+        self.out, self.lse, self.q, self.k, self.v = (at(n) for n in ("out_ptr", "lse_ptr", "q_ptr", "k_cache_ptr",
+                                                                      "v_cache_ptr"))
+        self.sinks, self.k_scale_ptr, self.v_scale_ptr = (at(n) for n in ("sinks_ptr", "k_scale_ptr", "v_scale_ptr"))
+        self.qk_scale, self.v_scale = at("qk_scale"), at("v_scale")
+        positions = range(len(self.names))
+        self.constexprs = tuple(i for i in positions if self.constexpr[i])
+        self.pointers = tuple(i for i in positions if not self.constexpr[i] and self.names[i].endswith("_ptr"))
+        self.others = tuple(i for i in positions if not self.constexpr[i] and i not in self.pointers)
+
+
+_PARAMS: dict = {}
+
+
+def _params(kernel) -> _Params:
+    """The parameters of ``kernel`` (a stand-in without its own ``fn`` takes the fused kernel's)."""
+    fn = getattr(kernel, "fn", None) or prefix_attention_kernel.fn
+    got = _PARAMS.get(fn)
+    if got is None:
+        got = _PARAMS[fn] = _Params(fn)
+    return got
+
+
+class PreparedLaunch:
+    """The launches of one layer for one plan and call shape (module docstring).
+
+    Parameters
+    ----------
+    kernel : JITFunction
+        The fused kernel (``prefix_attention_kernel``, or a test's stand-in with its ``fn``).
+    named : dict
+        Every non-class argument by parameter name, from the call that prepares it (its per-call tensors give the
+        strides and specialization every later call with the same key shares).
+    per_class : list of (grid, dict, dict)
+        One launch each, in order: its grid, its class arguments (``item_range_ptr``, ``IS_SHARED``, ``BLOCK_M``,
+        ``BLOCK_N``) and its launch options (``num_warps``, ``num_stages``, AMD's).
+
+    A direct launch runs under the device that was current when the launch was prepared (the compiled kernel is
+    loaded there); under another one the launch goes through the JIT function.
+    """
+
+    def __init__(self, kernel, named: dict, per_class: list) -> None:
+        self.kernel = kernel
+        self.params = prm = _params(kernel)
+        self.launches = []
+        self.unsupported = direct_launch_unsupported(kernel)
+        self.device = current_device() if self.unsupported is None else None
+        for grid, class_args, options in per_class:
+            args = [named[n] if n not in class_args else class_args[n] for n in prm.names]
+            spec = None
+            if self.unsupported is None:
+                spec = (id(kernel.fn), self.device, tuple(sorted(options.items())), spec_of(args, prm))
+            self.launches.append([grid, args, options, spec, _COMPILED.get(spec) if spec is not None else None])
+
+    @property
+    def direct(self) -> tuple[bool, ...]:
+        """Per launch: whether the next call launches through the compiled kernel's launcher directly."""
+        return tuple(entry[4] is not None for entry in self.launches)
+
+    def __call__(self, kernel, out, lse, q, k_cache, v_cache, sinks_ptr, k_scale_ptr, v_scale_ptr, qk_scale,
+                 v_scale) -> None:
+        """Launch every class on the current stream with this layer's tensors. ``kernel``: the one to launch now
+        (the prepared one, or a test's stand-in put in its place since, which takes the JIT path)."""
+        prm = self.params
+        direct_ok = ALLOW_DIRECT and kernel is self.kernel and self.unsupported is None and _hooks_idle()
+        if direct_ok:
+            device = current_device()
+            direct_ok = device == self.device
+            stream = current_stream(device) if direct_ok else None
+        for entry in self.launches:
+            grid, base, options, spec, compiled = entry
+            args = base.copy()  # not patched in place: the prepared list keeps no layer's tensors alive
+            args[prm.out], args[prm.lse], args[prm.q], args[prm.k], args[prm.v] = out, lse, q, k_cache, v_cache
+            args[prm.sinks], args[prm.k_scale_ptr], args[prm.v_scale_ptr] = sinks_ptr, k_scale_ptr, v_scale_ptr
+            args[prm.qk_scale], args[prm.v_scale] = qk_scale, v_scale
+            if direct_ok and compiled is not None:
+                run, function, metadata = compiled
+                run(grid[0], 1, 1, stream, function, metadata, None, None, None, *args)
+                continue
+            compiled = kernel[grid](*args, **options)
+            if direct_ok and spec is not None and _is_compiled(compiled):
+                entry[4] = _remember(spec, compiled)
+
+
+def _is_compiled(kernel) -> bool:
+    """Whether the JIT function returned a loaded ``CompiledKernel`` (not None, nor an async compile's future)."""
+    return (kernel is not None and not hasattr(kernel, "result") and getattr(kernel, "function", False) is not False
+            and hasattr(kernel, "packed_metadata") and hasattr(kernel, "run"))
+
+
+def _remember(spec, kernel) -> tuple:
+    if len(_COMPILED) >= _MAX_COMPILED:
+        _COMPILED.clear()
+    compiled = _COMPILED[spec] = (kernel.run, kernel.function, kernel.packed_metadata)
+    return compiled
+
+
+def class_launches(tiles, classes: tuple, grid_items: tuple, ranges, num_kv_heads: int, kv_fp8: bool) -> list:
+    """``per_class`` of :class:`PreparedLaunch`: each class's grid, class arguments and launch options."""
+    per_class = []
+    for work_class, items in zip(classes, grid_items):
+        options = tiles.launch_options(work_class, kv_fp8=kv_fp8)
+        class_args = dict(item_range_ptr=ranges[work_class], IS_SHARED=work_class == CLASS_SHARED,
+                          BLOCK_M=options.pop("BLOCK_M"), BLOCK_N=options.pop("BLOCK_N"))
+        per_class.append(((items * num_kv_heads,), class_args, options))
+    return per_class
