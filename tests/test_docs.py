@@ -3,9 +3,9 @@
 - ``python`` blocks run in this process (kernels in the Triton interpreter, tiny sizes), each on its own globals.
 - ``bash`` blocks run in a scratch folder, with ``prefixattn`` meaning this checkout's command line.
 - A block preceded by ``<!-- doc-test: not run: REASON -->`` (a GPU, an engine, minutes of CPU) is not run: its run
-  test is skipped with that reason, and the check test still compiles it, resolves every ``prefixattn``/
-  ``integrations`` name it imports or names in a string, parses every ``prefixattn`` command line with the real
-  argument parser, and finds every script, test file and module a command names.
+  test is skipped with that reason, and the check test still compiles it, resolves every ``prefixattn`` name it
+  imports or names in a string, parses every ``prefixattn`` command line with the real argument parser, and finds
+  every script, test file and module a command names.
 - ``text`` blocks are diagrams or output (no command lines allowed in them).
 
 Also: no link leaves the repository except to a public URL, every in-repository link and anchor resolves, the
@@ -120,7 +120,7 @@ def _resolve(dotted: str) -> str | None:
 
 
 def _own(name: str) -> bool:
-    return name.split(".")[0] in ("prefixattn", "integrations")
+    return name.split(".")[0] == "prefixattn"
 
 
 def check_python_names(source: str) -> list[str]:

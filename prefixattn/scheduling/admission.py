@@ -2,7 +2,7 @@
 
 The one definition of the reservation, the KV projection and the admit decision, used by
 :class:`prefixattn.scheduling.TokenBatcher` (and so by the simulator's BatchLLM/BlendServe/prefixattn policies) and
-by the vLLM scheduler (``integrations/vllm/scheduler.py``): each caller only describes its requests in the two
+by the vLLM scheduler (``prefixattn/integrations/vllm/scheduler.py``): each caller only describes its requests in the two
 columns below, in its own memory model; :class:`AdmissionRule` does the rest. Numpy only.
 
 Each request is described by

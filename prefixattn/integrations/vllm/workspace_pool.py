@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from integrations.vllm.layer_geometry import GroupGeometry, group_geometry, group_kv_dtype, group_layers
-from integrations.vllm.wrappers import builder_wrappers, wrappers_device_bytes
+from prefixattn.integrations.vllm.layer_geometry import GroupGeometry, group_geometry, group_kv_dtype, group_layers
+from prefixattn.integrations.vllm.wrappers import builder_wrappers, wrappers_device_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ def expected_builders(vllm_config, *, device) -> list[WorkspaceKey]:
     """One key per metadata builder of this backend vLLM will create for ``vllm_config``'s model."""
     from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
 
-    from integrations.vllm.backend import PrefixAttnImpl
+    from prefixattn.integrations.vllm.backend import PrefixAttnImpl
 
     keys = []
     q_dtype = vllm_config.model_config.dtype
