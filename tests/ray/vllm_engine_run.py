@@ -1,5 +1,5 @@
-"""One run of :class:`prefixattn.integrations.ray.engines.VLLMEngine` in a fresh process (vLLM caches its attention backend per
-process): ``python -m tests.ray.vllm_engine_run IN.json OUT.json``.
+"""One run of :class:`prefixattn.integrations.ray.engines.VLLMEngine` in a fresh process (vLLM caches its attention
+backend per process): ``python -m tests.ray.vllm_engine_run IN.json OUT.json``.
 
 IN.json: ``{"model", "rows": [{"prompt_token_ids", "max_tokens"}], "use_prefixattn": bool}``. OUT.json: the engine's
 outputs and the attention backend class vLLM's CPU platform resolved.

@@ -8,7 +8,8 @@ from importlib.metadata import entry_points
 import pytest
 
 from prefixattn.integrations.sglang import plugin
-from prefixattn.integrations.sglang.version import SUPPORTED_SGLANG_VERSION, UnsupportedSGLangVersion, check_sglang_version
+from prefixattn.integrations.sglang.version import (SUPPORTED_SGLANG_VERSION, UnsupportedSGLangVersion,
+                                                    check_sglang_version)
 
 pytestmark = pytest.mark.sglang
 

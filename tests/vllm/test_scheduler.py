@@ -245,7 +245,8 @@ def test_bad_options_are_refused():
 def test_memory_bound_engine_kwargs_are_accepted_by_vllm(tiny_llama):
     from vllm.engine.arg_utils import EngineArgs
 
-    from prefixattn.integrations.vllm.scheduler import MEMORY_BOUND_MAX_NUM_SEQS, PrefixGroupScheduler, memory_bound_engine_kwargs
+    from prefixattn.integrations.vllm.scheduler import (MEMORY_BOUND_MAX_NUM_SEQS, PrefixGroupScheduler,
+                                                        memory_bound_engine_kwargs)
 
     cfg = EngineArgs(model=tiny_llama, skip_tokenizer_init=True, max_model_len=256, kv_cache_memory_bytes=1 << 24,
                      **memory_bound_engine_kwargs()).create_engine_config()

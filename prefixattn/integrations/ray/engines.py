@@ -105,8 +105,8 @@ class VLLMEngine:
     """vLLM ``LLM`` with prefixattn's attention backend and prefix-group scheduler (when ``use_prefixattn``).
 
     Built inside the actor (the model loads once per replica). Requests are submitted in one ``generate`` call, so
-    vLLM's scheduler sees the replica's whole share and :class:`prefixattn.integrations.vllm.scheduler.PrefixGroupScheduler`
-    admits it group by group.
+    vLLM's scheduler sees the replica's whole share and
+    :class:`prefixattn.integrations.vllm.scheduler.PrefixGroupScheduler` admits it group by group.
 
     Parameters
     ----------

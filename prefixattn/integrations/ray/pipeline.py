@@ -21,8 +21,8 @@ id (a duplicate is dropped and counted, a missing one is an error), and every re
 once is listed in :attr:`BatchResult.retried` with its prefix groups.
 
 The grouping pre-pass runs on the driver by default. ``grouping="distributed"`` runs it on Ray workers instead
-(:mod:`prefixattn.integrations.ray.prepass`: bucket by a hash of the first ``bucket_tokens`` tokens, ``group_prompts`` per
-bucket in parallel, merge on the driver); it is exact for sharing of at least ``bucket_tokens`` tokens and loses
+(:mod:`prefixattn.integrations.ray.prepass`: bucket by a hash of the first ``bucket_tokens`` tokens, ``group_prompts``
+per bucket in parallel, merge on the driver); it is exact for sharing of at least ``bucket_tokens`` tokens and loses
 shallower sharing (see there). Either way the rows themselves pass through the driver: a list or JSONL input is read
 there, a Dataset input is collected there in order (``take_all``), and the results are joined there.
 """
@@ -245,8 +245,8 @@ def run_batch(data, engine, num_replicas: int, *, prompt_column: str = "prompt_t
         ids); or bare prompts.
     engine : callable
         Zero-argument factory, called once in each actor: returns an engine (``generate(prompts, rows)``, see
-        :mod:`prefixattn.integrations.ray.engines`) or a callable ``fn(prompts) -> list`` (output column ``output``). It is
-        pickled to the actors: a class, a ``functools.partial`` or a module-level function.
+        :mod:`prefixattn.integrations.ray.engines`) or a callable ``fn(prompts) -> list`` (output column ``output``). It
+        is pickled to the actors: a class, a ``functools.partial`` or a module-level function.
     num_replicas : int
         Engine replicas N (actors; one GPU each with ``num_gpus=1``).
     prompt_column : str
@@ -270,7 +270,8 @@ def run_batch(data, engine, num_replicas: int, *, prompt_column: str = "prompt_t
         More ``map_batches`` Ray arguments (e.g. ``runtime_env``, ``accelerator_type``).
     grouping : {"driver", "distributed"}
         Where the groups are computed: one ``group_prompts`` call on the driver, or the distributed pre-pass
-        (:func:`prefixattn.integrations.ray.prepass.group_prompts_distributed`; sharing shorter than ``bucket_tokens`` is lost).
+        (:func:`prefixattn.integrations.ray.prepass.group_prompts_distributed`; sharing shorter than ``bucket_tokens``
+        is lost).
     bucket_tokens : int, optional
         ``grouping="distributed"``: key length of the buckets (default
         :data:`prefixattn.integrations.ray.prepass.DEFAULT_BUCKET_TOKENS`).

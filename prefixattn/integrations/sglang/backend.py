@@ -389,8 +389,8 @@ class GraphState:
     """The decode graphs' shared state: one capacity-fixed :class:`prefixattn.PrefixSharedAttention` per layer
     geometry (``use_cuda_graph=True``) and the static device block table they read.
 
-    The table is ``[max_bs, max_pages]`` int32 and refilled inside the graph from ``req_to_token``, each request's
-    used pages only (:func:`~prefixattn.integrations.sglang.page_table.fill_page_table`: the same address at every step); the
+    The table is ``[max_bs, max_pages]`` int32 and refilled inside the graph from ``req_to_token``, each request's used
+    pages only (:func:`~prefixattn.integrations.sglang.page_table.fill_page_table`: the same address at every step); the
     planner reads the host copy the eager path makes.
     """
 

@@ -38,7 +38,8 @@ def load() -> None:
     """Register the backend, its CLI choice and the schedule-policy hooks with SGLang (idempotent).
 
     Called by SGLang's plugin loader (entry point ``prefixattn`` in group ``sglang.srt.plugins``). Raises
-    :class:`~prefixattn.integrations.sglang.version.UnsupportedSGLangVersion` for any SGLang release but the supported one.
+    :class:`~prefixattn.integrations.sglang.version.UnsupportedSGLangVersion` for any SGLang release but the supported
+    one.
     """
     global _loaded
     with _lock:

@@ -225,7 +225,8 @@ class PrefixAttnMetadataBuilder(AttentionMetadataBuilder[PrefixAttnMetadata]):
         key = WorkspaceKey(layer_names=tuple(sorted(layer_names)), geometry=geometry, block_size=self.block_size,
                            q_dtype=self.q_dtype, kv_dtype=self.kv_dtype, device=canonical_device(device))
         reserved = POOL.take(key, self, vllm_config)
-        #: The workspaces were allocated inside vLLM's memory profile (:mod:`prefixattn.integrations.vllm.workspace_pool`).
+        #: The workspaces were allocated inside vLLM's memory profile
+        #: (:mod:`prefixattn.integrations.vllm.workspace_pool`).
         self.workspaces_in_profile = reserved is not None
         if reserved is None:
             reserved = builder_wrappers(vllm_config, geometry, block_size=self.block_size, q_dtype=self.q_dtype,
