@@ -197,7 +197,8 @@ def check_command(words: list[str]) -> str | None:
     if words[:2] == ["python", "-m"] or words[0].endswith("python") and words[1:2] == ["-m"]:
         module = words[2]
         if _own(module) or module.startswith(("bench.", "scripts.")):
-            files.append(module.replace(".", "/") + ".py")
+            path = module.replace(".", "/")  # a package runs its __main__.py (python -m prefixattn.cli)
+            files.append(path + "/__main__.py" if (ROOT / path).is_dir() else path + ".py")
     missing = [f for f in files if not (ROOT / f.split("::")[0]).exists()]
     return f"`{' '.join(words)}`: no {missing} in the repository" if missing else None
 
