@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from prefixattn.autotune import lookup, shipped_tables, tuner
+from prefixattn.autotune import launch_limits, lookup, shipped_tables, tuner
 from prefixattn.autotune.buckets import make_bucket
 from prefixattn.autotune.targets import TARGETS
 from prefixattn.autotune.tuning_cache import TuningCache, cache_path
@@ -112,9 +112,9 @@ def test_shipped_builder_prefers_wide_shared_tiles_and_light_decode_launches():
     sl = cfg.launch_for(False)
     assert sl.num_stages >= 3
     assert part_registers(cfg.suffix, 128, "bf16", sl.num_warps, TARGETS["sm90"]) <= \
-        shipped_tables.DECODE_SUFFIX_MAX_REGS
+        launch_limits.DECODE_SUFFIX_MAX_REGS
     # Issue 14: decode suffix-only launches at 4 warps (<= 128 registers measured: 16x32 tiles, 126 on sm_90).
-    assert sl.num_warps == shipped_tables.DECODE_SUFFIX_WARPS
+    assert sl.num_warps == launch_limits.DECODE_SUFFIX_WARPS
 
 
 def test_suffix_launch_ties_break_toward_default_knobs():
