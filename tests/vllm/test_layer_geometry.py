@@ -74,8 +74,9 @@ def test_layers_that_disagree_with_the_cache_spec_are_refused(vllm_config):
 def test_the_profile_foresees_one_builder_per_head_count(vllm_config):
     # The workspaces reserved in vLLM's memory profile follow vLLM's split of the one KV cache group (same spec)
     # into attention groups by query heads: the draft's builder gets a workspace with its own heads.
+    from prefixattn.integrations.vllm.backend import PrefixAttnImpl
     from prefixattn.integrations.vllm.workspace_pool import expected_builders
 
-    keys = expected_builders(vllm_config, device="cpu")
+    keys = expected_builders(vllm_config, device="cpu", impl_cls=PrefixAttnImpl)
     assert sorted((k.layer_names, k.geometry.num_qo_heads) for k in keys) == [
         (tuple(DRAFT), DRAFT_HEADS), (tuple(TARGET), TARGET_HEADS)]

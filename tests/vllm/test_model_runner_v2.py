@@ -133,7 +133,7 @@ def test_builder_plans_mrv2_steps_from_host_data_only(mrv2):
     cfg, kv_cache_config = mrv2
     device = torch.device("cpu")
     # The profiling forward (attention layers without metadata, no KV cache yet) reserves the workspaces.
-    reserved = backend.POOL.reserve(cfg, device=device)
+    reserved = backend.POOL.reserve(cfg, device=device, impl_cls=backend.PrefixAttnImpl)
     assert reserved > 0
     # Builders created twice, as MRV2 does to profile CUDA-graph memory: a first set, dropped, then the real one;
     # both take the workspaces reserved in the profile.

@@ -382,7 +382,7 @@ class PrefixAttnImpl(AttentionImpl[PrefixAttnMetadata]):
         """Allocate the metadata builders' workspaces now, inside vLLM's memory profile (once per process)."""
         config = self._vllm_config() if self._vllm_config is not None else None
         if config is not None:
-            POOL.reserve(config, device=device)
+            POOL.reserve(config, device=device, impl_cls=PrefixAttnImpl)
 
     def graph_safe_forward(self, layer, query, key, value, k_cache, v_cache, attn_metadata: PrefixAttnMetadata,
                            output: torch.Tensor, scales: dict) -> torch.Tensor:
