@@ -99,6 +99,9 @@ def _top_level_names(path: Path) -> set[str]:
             names.add(node.name)
         elif isinstance(node, ast.Assign):
             names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+            if any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets) \
+                    and isinstance(node.value, ast.List):  # names a module imports on first use (PEP 562)
+                names |= {e.value for e in node.value.elts if isinstance(e, ast.Constant)}
         elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
             names.add(node.target.id)
         elif isinstance(node, (ast.Import, ast.ImportFrom)):

@@ -46,9 +46,11 @@ def test_register_imports_nothing_heavy():
         "from prefixattn.integrations.vllm.plugin import register; register()\n"
         "new = sorted(set(sys.modules) - before)\n"
         "print(json.dumps(dict(new=new, seconds=time.perf_counter() - t)))")
-    heavy = [m for m in out["new"] if m.startswith(("prefixattn", "prefixattn.integrations.vllm.backend", "triton"))]
-    assert heavy == []
-    assert set(out["new"]) <= {"integrations", "prefixattn.integrations.vllm", "prefixattn.integrations.vllm.plugin"}
+    ours = {"prefixattn", "prefixattn.integrations", "prefixattn.integrations.vllm",
+            "prefixattn.integrations.vllm.plugin"}
+    heavy = [m for m in out["new"] if m.startswith(("prefixattn", "triton")) and m not in ours]
+    assert heavy == []  # neither the backend nor the API (prefixattn/__init__.py imports its names on first use)
+    assert set(out["new"]) <= ours
 
 
 def test_vllm_loads_the_plugin_from_the_entry_point():
