@@ -186,3 +186,19 @@ def test_integrations_never_import_the_kernels():
             kernels = [n for n in _imported_names(path, module) if n == f"{PACKAGE}.kernels"
                        or n.startswith(f"{PACKAGE}.kernels.") or ".kernels." in f".{n}."]
             assert not kernels, (module, kernels)
+
+
+def test_autotune_imports_neither_sim_nor_cli_nor_integrations():
+    graph = import_graph()
+    above = (f"{PACKAGE}.sim", f"{PACKAGE}.cli", f"{PACKAGE}.integrations")
+    wrong = {m: sorted(t for t in targets if t.startswith(above))
+             for m, targets in graph.items() if m.startswith(f"{PACKAGE}.autotune")}
+    assert not any(wrong.values()), {m: t for m, t in wrong.items() if t}
+
+
+def test_only_the_command_line_imports_the_command_line():
+    cli = f"{PACKAGE}.cli"
+    graph = import_graph()
+    wrong = {m: sorted(t for t in targets if t == cli or t.startswith(f"{cli}."))
+             for m, targets in graph.items() if m != cli and not m.startswith(f"{cli}.")}
+    assert not any(wrong.values()), {m: t for m, t in wrong.items() if t}
