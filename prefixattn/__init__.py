@@ -1,20 +1,57 @@
 """prefixattn: horizontally-fused prefix-shared paged attention (Triton) and a global prefix scheduler.
 
-Set ``TRITON_INTERPRET=1`` *before* importing this package to run the kernels on CPU tensors.
+Set ``TRITON_INTERPRET=1`` *before* using this package's kernels to run them on CPU tensors.
+
+The public names below are imported on first use (PEP 562 ``__getattr__``): importing a subpackage imports only what
+it needs. vLLM loads ``prefixattn.integrations.vllm.plugin`` in every process it starts, and ``prefixattn.scheduling``
+is numpy-only; neither may pull in triton and the kernels through this file.
 """
 
-from prefixattn.kv_write import write_kv
-from prefixattn.merge import merge_states, merge_states_n
-from prefixattn.planner.device_tables import CapacityError
-from prefixattn.planner.plans import Plan, plan
-from prefixattn.prefix_attention import PrefixSharedAttention, attention
-from prefixattn.reference import reference_attention
-from prefixattn.validation import (FP8_E4M3_MIN_CAPABILITY, FP8_KV_DTYPES, SINK_DTYPES, SUPPORTED_DTYPES,
-                                   SUPPORTED_HEAD_DIMS)
-from prefixattn.warmup import kernel_variants, warmup_kernels
+from __future__ import annotations
+
+import importlib
+import importlib.util
 
 __version__ = "0.1.0"
+
+#: Public name -> the module that defines it (``__all__`` below lists the same names; tests/test_package.py checks).
+_EXPORTS = {
+    "CapacityError": "prefixattn.planner.device_tables",
+    "FP8_E4M3_MIN_CAPABILITY": "prefixattn.validation",
+    "FP8_KV_DTYPES": "prefixattn.validation",
+    "Plan": "prefixattn.planner.plans",
+    "PrefixSharedAttention": "prefixattn.prefix_attention",
+    "SINK_DTYPES": "prefixattn.validation",
+    "SUPPORTED_DTYPES": "prefixattn.validation",
+    "SUPPORTED_HEAD_DIMS": "prefixattn.validation",
+    "attention": "prefixattn.prefix_attention",
+    "kernel_variants": "prefixattn.warmup",
+    "merge_states": "prefixattn.merge",
+    "merge_states_n": "prefixattn.merge",
+    "plan": "prefixattn.planner.plans",
+    "reference_attention": "prefixattn.reference",
+    "warmup_kernels": "prefixattn.warmup",
+    "write_kv": "prefixattn.kv_write",
+}
 
 __all__ = ["CapacityError", "FP8_E4M3_MIN_CAPABILITY", "FP8_KV_DTYPES", "Plan", "PrefixSharedAttention",
            "SINK_DTYPES", "SUPPORTED_DTYPES", "SUPPORTED_HEAD_DIMS", "attention", "kernel_variants", "merge_states",
            "merge_states_n", "plan", "reference_attention", "warmup_kernels", "write_kv", "__version__"]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None and name.startswith("__"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if module is None:
+        # A submodule not imported yet (``import prefixattn; prefixattn.planner``), as an eager import offered it.
+        if importlib.util.find_spec(f"{__name__}.{name}") is None:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        return importlib.import_module(f"{__name__}.{name}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -3,9 +3,9 @@
 - ``python`` blocks run in this process (kernels in the Triton interpreter, tiny sizes), each on its own globals.
 - ``bash`` blocks run in a scratch folder, with ``prefixattn`` meaning this checkout's command line.
 - A block preceded by ``<!-- doc-test: not run: REASON -->`` (a GPU, an engine, minutes of CPU) is not run: its run
-  test is skipped with that reason, and the check test still compiles it, resolves every ``prefixattn``/
-  ``integrations`` name it imports or names in a string, parses every ``prefixattn`` command line with the real
-  argument parser, and finds every script, test file and module a command names.
+  test is skipped with that reason, and the check test still compiles it, resolves every ``prefixattn`` name it
+  imports or names in a string, parses every ``prefixattn`` command line with the real argument parser, and finds
+  every script, test file and module a command names.
 - ``text`` blocks are diagrams or output (no command lines allowed in them).
 
 Also: no link leaves the repository except to a public URL, every in-repository link and anchor resolves, the
@@ -99,6 +99,9 @@ def _top_level_names(path: Path) -> set[str]:
             names.add(node.name)
         elif isinstance(node, ast.Assign):
             names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+            if any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets) \
+                    and isinstance(node.value, ast.List):  # names a module imports on first use (PEP 562)
+                names |= {e.value for e in node.value.elts if isinstance(e, ast.Constant)}
         elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
             names.add(node.target.id)
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
@@ -120,7 +123,7 @@ def _resolve(dotted: str) -> str | None:
 
 
 def _own(name: str) -> bool:
-    return name.split(".")[0] in ("prefixattn", "integrations")
+    return name.split(".")[0] == "prefixattn"
 
 
 def check_python_names(source: str) -> list[str]:
@@ -197,7 +200,8 @@ def check_command(words: list[str]) -> str | None:
     if words[:2] == ["python", "-m"] or words[0].endswith("python") and words[1:2] == ["-m"]:
         module = words[2]
         if _own(module) or module.startswith(("bench.", "scripts.")):
-            files.append(module.replace(".", "/") + ".py")
+            path = module.replace(".", "/")  # a package runs its __main__.py (python -m prefixattn.cli)
+            files.append(path + "/__main__.py" if (ROOT / path).is_dir() else path + ".py")
     missing = [f for f in files if not (ROOT / f.split("::")[0]).exists()]
     return f"`{' '.join(words)}`: no {missing} in the repository" if missing else None
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "prefixattn"
-#: Folders that hold integration glue (before and after it moved under the package name).
-INTEGRATION_DIRS = (ROOT / "integrations", ROOT / PACKAGE / "integrations")
+#: The integration glue (vLLM, SGLang, Ray).
+INTEGRATIONS = ROOT / PACKAGE / "integrations"
 
 
 def _module_name(path: Path, base: Path) -> str:
@@ -178,11 +178,25 @@ def test_the_cost_rule_imports_nothing():
 
 
 def test_integrations_never_import_the_kernels():
-    for folder in INTEGRATION_DIRS:
-        if not folder.is_dir():
-            continue
-        base = folder.parent
-        for module, path in _modules(folder, base).items():
-            kernels = [n for n in _imported_names(path, module) if n == f"{PACKAGE}.kernels"
-                       or n.startswith(f"{PACKAGE}.kernels.") or ".kernels." in f".{n}."]
-            assert not kernels, (module, kernels)
+    modules = _modules(INTEGRATIONS, ROOT)
+    assert f"{PACKAGE}.integrations.vllm.backend" in modules
+    for module, path in modules.items():
+        kernels = [n for n in _imported_names(path, module) if n == f"{PACKAGE}.kernels"
+                   or n.startswith(f"{PACKAGE}.kernels.") or ".kernels." in f".{n}."]
+        assert not kernels, (module, kernels)
+
+
+def test_autotune_imports_neither_sim_nor_cli_nor_integrations():
+    graph = import_graph()
+    above = (f"{PACKAGE}.sim", f"{PACKAGE}.cli", f"{PACKAGE}.integrations")
+    wrong = {m: sorted(t for t in targets if t.startswith(above))
+             for m, targets in graph.items() if m.startswith(f"{PACKAGE}.autotune")}
+    assert not any(wrong.values()), {m: t for m, t in wrong.items() if t}
+
+
+def test_only_the_command_line_imports_the_command_line():
+    cli = f"{PACKAGE}.cli"
+    graph = import_graph()
+    wrong = {m: sorted(t for t in targets if t == cli or t.startswith(f"{cli}."))
+             for m, targets in graph.items() if m != cli and not m.startswith(f"{cli}.")}
+    assert not any(wrong.values()), {m: t for m, t in wrong.items() if t}

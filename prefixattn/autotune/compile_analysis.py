@@ -107,9 +107,6 @@ def parse_amdgcn(asm: str) -> dict:
             "scratch_bytes": field("private_segment_fixed_size"), "lds_bytes": field("group_segment_fixed_size")}
 
 
-#: K/V tiles a fused-kernel KV loop must keep in flight on targets with asynchronous global->shared copies (sm80+:
-#: ``cp.async``; sm90 also TMA): with one, every iteration waits a full memory round trip (~0.6-1 us) before its dot.
-MIN_PIPELINE_DEPTH = 2
 _FOR_RE = re.compile(r"\bscf\.for\b")
 _WAIT_RE = re.compile(r"ttg\.async_wait\b.*\{num = (\d+)")
 _BUFFER_RE = re.compile(r"ttg\.local_alloc\s*:\s*\(\)\s*->\s*!ttg\.memdesc<(\d+)x(\d+)x(\d+)x\w+[^>]*mutable")

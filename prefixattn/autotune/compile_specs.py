@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from prefixattn.autotune.compile_analysis import MIN_PIPELINE_DEPTH
-from prefixattn.autotune.config_space import AttentionConfig, MergeConfig, block_d, fp8_block_n
+from prefixattn.autotune.config_space import AttentionConfig, MergeConfig, block_d, fp8_block_n, part_registers
+from prefixattn.autotune.launch_limits import DECODE_SUFFIX_MAX_REGS, required_pipeline_depth
 from prefixattn.autotune.targets import Target
 from prefixattn.kernels.layout import page_size_constexpr
 
@@ -225,9 +225,6 @@ def decode_suffix_register_budget(target: Target, dtype: str, head_dim: int, con
     """Registers a decode-shaped suffix-only binary may use (issue 14: <= 128 at 4 warps, so several programs share
     an SM): the shipped-table builder's budget where it placed the config's suffix launch under it (NVIDIA; its
     estimate), else 0 (no bound: fp32 and large heads on FMA dots do not fit it)."""
-    from prefixattn.autotune.config_space import part_registers
-    from prefixattn.autotune.shipped_tables import DECODE_SUFFIX_MAX_REGS
-
     lo = config.launch_for(False)
     if target.is_hip or part_registers(config.suffix, head_dim, dtype, lo.num_warps, target) > DECODE_SUFFIX_MAX_REGS:
         return 0
@@ -273,13 +270,6 @@ def feature_jobs(*, target: Target, dtype: str, head_dim: int, config: Attention
                       has_shared=has_shared, default=default, param_names=names, features=features,
                       kv_dtype=kv_dtype)
             for features, kv_dtype in specs]
-
-
-def required_pipeline_depth(target: Target) -> int:
-    """K/V tiles in flight the fused kernel must reach on ``target``: ``MIN_PIPELINE_DEPTH`` on NVIDIA (``cp.async``
-    since sm80: the block ids are loaded a tile ahead, so the pipeliner can issue the next tile's copies before this
-    tile's dots), 0 (reported only) on AMD, where the stream pipeliner's register prefetch is the compiler's choice."""
-    return 0 if target.is_hip else MIN_PIPELINE_DEPTH
 
 
 def merge_jobs(*, target: Target, dtype: str, head_dim: int, config: MergeConfig, default: bool = True,

@@ -19,9 +19,9 @@ from pathlib import Path
 
 from prefixattn.autotune import cost_model
 from prefixattn.autotune.buckets import Bucket, make_bucket
-from prefixattn.autotune.compile_specs import required_pipeline_depth
 from prefixattn.autotune.config_space import (DTYPE_BYTES, HEAD_DIMS, LaunchOptions, attention_space,
                                               launch_space, part_registers, prune)
+from prefixattn.autotune.launch_limits import DECODE_SUFFIX_MAX_REGS, DECODE_SUFFIX_WARPS, required_pipeline_depth
 from prefixattn.autotune.targets import Target
 
 SHIPPED_FORMAT = 1
@@ -67,22 +67,6 @@ def _least_regret(candidates, buckets, target, has_shared, extra_row=None):
         scored.append((regret, cost_model._knob_distance(c), c))
     scored.sort(key=lambda s: (s[0], s[1], s[2]))
     return scored[0][2] if math.isfinite(scored[0][0]) else None
-
-
-#: Registers per thread a decode-shaped suffix-only launch may use on NVIDIA (issue 14): at most 128 leaves room for
-#: 4 programs of 4 warps (or 2 of 8) in the 64K-register file, 16 resident warps to hide the per-tile instruction
-#: chains (max, exp, row sums, barriers) the analytic model prices per program only. Without it the model picks
-#: 16x64 tiles at 4 warps (~194 registers measured on sm_90, 2 programs per SM): the same bytes in flight per SM,
-#: so the model sees them as equal and the bigger tile's fewer round trips win on small batches.
-DECODE_SUFFIX_MAX_REGS = 128
-#: Warps of a decode-shaped suffix-only launch on NVIDIA where a config fits DECODE_SUFFIX_MAX_REGS at it (issue 14:
-#: 4 warps at <= 128 registers, so 4 programs share an SM). Measured on sm_90 (compile-check, Triton 3.9, bf16,
-#: head_dim 128): 16x32 tiles at 4 warps, 3 stages: 126 registers, 0 spills, 37 KB shared memory -> 4 programs and
-#: 16 warps per SM, each program its own KV stream with its own round trips; 16x64 at 8 warps (what the model picks
-#: unconstrained): 80 registers, 72 KB -> 3 programs, 24 warps. The model prices both the same on memory (the same
-#: bytes in flight per SM) and cannot see the benefit of more independent streams; more, smaller programs also
-#: shorten the tail of a split-k launch.
-DECODE_SUFFIX_WARPS = 4
 
 
 def is_excluded(name: str, exclude) -> bool:

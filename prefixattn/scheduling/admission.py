@@ -1,8 +1,8 @@
 """Memory-centric admission (BatchLLM sec. 4.3, Algorithm 2): may one more request start next to the started ones?
 
 The one definition of the reservation, the KV projection and the admit decision, used by
-:class:`prefixattn.scheduling.TokenBatcher` (and so by the simulator's BatchLLM/BlendServe/prefixattn policies) and
-by the vLLM scheduler (``integrations/vllm/scheduler.py``): each caller only describes its requests in the two
+:class:`prefixattn.scheduling.TokenBatcher` (and so by the simulator's BatchLLM/BlendServe/prefixattn policies) and by
+the vLLM scheduler (``prefixattn/integrations/vllm/scheduler.py``): each caller only describes its requests in the two
 columns below, in its own memory model; :class:`AdmissionRule` does the rest. Numpy only.
 
 Each request is described by

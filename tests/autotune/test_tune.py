@@ -5,10 +5,11 @@ import json
 
 import pytest
 
-from prefixattn.autotune import lookup, shipped_tables, tune_cli
+from prefixattn.autotune import launch_limits, lookup, shipped_tables, tuner
 from prefixattn.autotune.buckets import make_bucket
 from prefixattn.autotune.targets import TARGETS
 from prefixattn.autotune.tuning_cache import TuningCache, cache_path
+from prefixattn.cli import tune as tune_command
 
 
 @pytest.fixture(autouse=True)
@@ -27,7 +28,7 @@ def test_tune_times_top_k_candidates_and_caches_the_fastest():
     timed = []
     # The fake clock makes the LAST candidate of each bucket the fastest (the cost model's favourite is not).
     def fake_time(bucket, cfg):
-        cands = tune_cli.candidates(bucket, target, 3)
+        cands = tuner.candidates(bucket, target, 3)
         timed.append((bucket, cfg))
         if cfg == cands[1]:
             raise RuntimeError("out of resources")  # a config the device cannot run is skipped
@@ -35,10 +36,10 @@ def test_tune_times_top_k_candidates_and_caches_the_fastest():
 
     ticks = []
     cache = TuningCache(cache_path("sm90"))
-    won = tune_cli.tune(buckets, target, fake_time, cache, top_k=3, progress=ticks.append)
+    won = tuner.tune(buckets, target, fake_time, cache, top_k=3, progress=ticks.append)
     assert len(timed) == 6 and len(ticks) == 6
     for b in buckets:
-        assert won[b][0] == tune_cli.candidates(b, target, 3)[2] and won[b][1] == 8.0
+        assert won[b][0] == tuner.candidates(b, target, 3)[2] and won[b][1] == 8.0
     reloaded = TuningCache(cache_path("sm90"))
     assert {b: e.config for b, e in reloaded.entries.items()} == {b: w[0] for b, w in won.items()}
     sel = lookup.select_config(head_dim=128, dtype="fp16", group=4, q_rows=256, max_q_len=1, kv_len=2048,
@@ -48,21 +49,21 @@ def test_tune_times_top_k_candidates_and_caches_the_fastest():
 
 def test_tune_cli_dry_run_and_no_gpu(capsys):
     parser = argparse.ArgumentParser()
-    tune_cli.add_arguments(parser)
-    assert tune_cli.run(parser.parse_args(["--dry-run", "--target", "gfx942", "--groups", "4", "--q-rows", "64",
-                                           "--max-q-lens", "1", "--kv-lens", "1024", "--top-k", "2"])) == 0
+    tune_command.add_arguments(parser)
+    assert tune_command.run(parser.parse_args(["--dry-run", "--target", "gfx942", "--groups", "4", "--q-rows", "64",
+                                               "--max-q-lens", "1", "--kv-lens", "1024", "--top-k", "2"])) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 2 and all(line.startswith("d128-") and len(line.split()) == 3 for line in lines)
-    assert tune_cli.run(parser.parse_args([])) == 2  # no GPU under the interpreter
+    assert tune_command.run(parser.parse_args([])) == 2  # no GPU under the interpreter
     assert "no GPU" in capsys.readouterr().err
-    assert tune_cli.run(parser.parse_args(["--dtypes", "fp8"])) == 2
+    assert tune_command.run(parser.parse_args(["--dtypes", "fp8"])) == 2
 
 
 def test_progress_bar_reaches_the_total(capsys):
     import io
 
     stream = io.StringIO()
-    bar = tune_cli.ProgressBar(3, stream=stream)
+    bar = tune_command.ProgressBar(3, stream=stream)
     for _ in range(3):
         bar.update("x")
     assert "3/3" in stream.getvalue() and stream.getvalue().endswith("\n")
@@ -111,9 +112,9 @@ def test_shipped_builder_prefers_wide_shared_tiles_and_light_decode_launches():
     sl = cfg.launch_for(False)
     assert sl.num_stages >= 3
     assert part_registers(cfg.suffix, 128, "bf16", sl.num_warps, TARGETS["sm90"]) <= \
-        shipped_tables.DECODE_SUFFIX_MAX_REGS
+        launch_limits.DECODE_SUFFIX_MAX_REGS
     # Issue 14: decode suffix-only launches at 4 warps (<= 128 registers measured: 16x32 tiles, 126 on sm_90).
-    assert sl.num_warps == shipped_tables.DECODE_SUFFIX_WARPS
+    assert sl.num_warps == launch_limits.DECODE_SUFFIX_WARPS
 
 
 def test_suffix_launch_ties_break_toward_default_knobs():

@@ -1,21 +1,22 @@
-"""``prefixattn bench`` (prefixattn/bench_runner.py): the pytest command it builds, and one real run end to end on a
+"""``prefixattn bench`` (prefixattn/cli/bench.py): the pytest command it builds, and one real run end to end on a
 single quick benchmark (CSV, summary, exit code)."""
 
 import argparse
 import csv
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-from prefixattn import bench_runner
+from prefixattn.cli import bench as bench_command
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def _args(*argv):
     parser = argparse.ArgumentParser()
-    bench_runner.add_arguments(parser)
+    bench_command.add_arguments(parser)
     return parser.parse_args(list(argv))
 
 
@@ -27,8 +28,8 @@ def _command(monkeypatch, tmp_path, *argv):
         return 0
 
     monkeypatch.setenv("PREFIXATTN_BENCH_RESULTS", str(tmp_path / "none.csv"))  # no CSV: nothing to summarize
-    monkeypatch.setattr(bench_runner.subprocess, "call", fake_call)
-    assert bench_runner.run(_args(*argv)) == 0
+    monkeypatch.setattr(bench_command.subprocess, "call", fake_call)
+    assert bench_command.run(_args(*argv)) == 0
     return seen["cmd"], seen["env"]
 
 
@@ -50,9 +51,39 @@ def test_unknown_options_go_to_pytest(monkeypatch):
     from prefixattn import cli
 
     seen = {}
-    monkeypatch.setattr(bench_runner, "run", lambda args: seen.setdefault("args", args.pytest_args) and 0)
+    monkeypatch.setattr(bench_command, "run", lambda args: seen.setdefault("args", args.pytest_args) and 0)
     assert cli.main(["bench", "-x", "--durations=5", "-k", "merge"]) == 0
     assert seen["args"] == ["-x", "--durations=5"]
+
+
+def test_finds_the_suite_only_in_a_prefixattn_checkout(tmp_path):
+    assert bench_command.find_bench_dir() == REPO / "bench"  # this checkout (editable install or source tree)
+    other = tmp_path / "other"  # another project's bench/ folder, or a bare one
+    (other / "bench").mkdir(parents=True)
+    for name in bench_command.SUITE_FILES:
+        (other / "bench" / name).write_text("")
+    (other / "pyproject.toml").write_text('[project]\nname = "someone-else"\n')
+    assert bench_command.find_bench_dir([other, tmp_path]) is None
+    (other / "pyproject.toml").write_text('[project]\nname = "prefixattn"\n')
+    assert bench_command.find_bench_dir([tmp_path, other]) == other / "bench"
+
+
+def test_an_install_without_the_checkout_says_what_it_needs(tmp_path):
+    # The package as a wheel installs it (no bench/ beside it), run from a folder that is no checkout.
+    site = tmp_path / "site-packages"
+    shutil.copytree(REPO / "prefixattn", site / "prefixattn", ignore=shutil.ignore_patterns("__pycache__"))
+    work = tmp_path / "work"
+    work.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    run = subprocess.run([sys.executable, "-m", "prefixattn.cli", "bench", "-k", "merge"], cwd=work, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "Traceback" not in run.stderr and run.stdout == ""
+    message = run.stderr.strip()
+    assert len(message.splitlines()) == 1 and message.startswith("prefixattn bench: the benchmark suite (bench/) is "
+                                                                  "not part of the installed package")
+    assert "source checkout" in message and "from the checkout's root" in message
+    assert str(site / "bench") in message and str(work / "bench") in message  # the copy ran, and where it looked
 
 
 def test_end_to_end_on_one_benchmark(tmp_path):

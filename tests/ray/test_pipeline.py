@@ -7,9 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from integrations.ray.engines import SimulatedEngine
-from integrations.ray.faults import FailOnce, InjectedFault
-from integrations.ray.pipeline import run_batch
+from prefixattn.integrations.ray.engines import SimulatedEngine
+from prefixattn.integrations.ray.faults import FailOnce, InjectedFault
+from prefixattn.integrations.ray.pipeline import run_batch
 from prefixattn.scheduling import group_prompts, saving_ratio
 from tests.ray.conftest import ACTOR_CPUS
 

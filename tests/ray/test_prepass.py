@@ -4,8 +4,8 @@ is at least bucket_tokens long; otherwise equal to group_prompts per first-k key
 import numpy as np
 import pytest
 
-from integrations.ray.prepass import bucket_of, group_by_key, group_prompts_distributed, prompt_key
-from integrations.ray.pipeline import run_batch
+from prefixattn.integrations.ray.prepass import bucket_of, group_by_key, group_prompts_distributed, prompt_key
+from prefixattn.integrations.ray.pipeline import run_batch
 from prefixattn.scheduling import group_prompts, saving_ratio
 from tests.ray.conftest import ACTOR_CPUS
 

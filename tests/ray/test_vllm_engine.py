@@ -38,7 +38,7 @@ def test_vllm_engine_with_prefixattn_matches_stock_vllm(tiny_llama, tmp_path):
             for i in range(6)]
     ours = _run(tmp_path, "prefixattn", model=tiny_llama, rows=rows, use_prefixattn=True)
     stock = _run(tmp_path, "stock", model=tiny_llama, rows=rows, use_prefixattn=False)
-    assert ours["backend_class"] == "integrations.vllm.backend.PrefixAttnBackend"
+    assert ours["backend_class"] == "prefixattn.integrations.vllm.backend.PrefixAttnBackend"
     assert stock["backend_class"] != ours["backend_class"]
     assert [len(o["output_token_ids"]) for o in ours["outputs"]] == [r["max_tokens"] for r in rows]
     assert [o["output_token_ids"] for o in ours["outputs"]] == [o["output_token_ids"] for o in stock["outputs"]]

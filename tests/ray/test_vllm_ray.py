@@ -10,7 +10,7 @@ import os
 import numpy as np
 import pytest
 
-from integrations.ray.pipeline import run_batch
+from prefixattn.integrations.ray.pipeline import run_batch
 from tests.ray.test_vllm_engine import _run
 
 pytestmark = [pytest.mark.ray, pytest.mark.vllm]
@@ -25,7 +25,7 @@ def tiny_vllm_engine(model: str):
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["PREFIXATTN_VLLM_OVERRIDE"] = "CPU_ATTN"
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    from integrations.ray.engines import VLLMEngine
+    from prefixattn.integrations.ray.engines import VLLMEngine
 
     return VLLMEngine(model, use_prefixattn=True, skip_tokenizer_init=True, seed=0, enforce_eager=True,
                       dtype="float32", max_model_len=512, block_size=32, max_num_seqs=16,

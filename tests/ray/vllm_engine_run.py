@@ -1,5 +1,5 @@
-"""One run of :class:`integrations.ray.engines.VLLMEngine` in a fresh process (vLLM caches its attention backend per
-process): ``python -m tests.ray.vllm_engine_run IN.json OUT.json``.
+"""One run of :class:`prefixattn.integrations.ray.engines.VLLMEngine` in a fresh process (vLLM caches its attention
+backend per process): ``python -m tests.ray.vllm_engine_run IN.json OUT.json``.
 
 IN.json: ``{"model", "rows": [{"prompt_token_ids", "max_tokens"}], "use_prefixattn": bool}``. OUT.json: the engine's
 outputs and the attention backend class vLLM's CPU platform resolved.
@@ -18,7 +18,7 @@ def main(in_path: str, out_path: str) -> None:
         os.environ["PREFIXATTN_VLLM_OVERRIDE"] = "CPU_ATTN"  # the CPU platform always resolves CPU_ATTN
     else:
         os.environ.pop("PREFIXATTN_VLLM_OVERRIDE", None)
-    from integrations.ray.engines import VLLMEngine
+    from prefixattn.integrations.ray.engines import VLLMEngine
 
     # a tiny model on 2 cores: few request slots, a small KV cache, fp32, CPU block size (a multiple of 32)
     engine = VLLMEngine(cfg["model"], use_prefixattn=cfg["use_prefixattn"], skip_tokenizer_init=True, seed=0,

@@ -179,7 +179,7 @@ def make_backend(name: str, eng, pool, model, server_args):
     runner = eng.runner(pool)
     runner.dtype = eng.dtype  # ModelRunner.dtype: the model's
     if name == "prefixattn":
-        from integrations.sglang.backend import PrefixAttnBackend
+        from prefixattn.integrations.sglang.backend import PrefixAttnBackend
 
         return PrefixAttnBackend(runner, sharing="always")  # share every common prefix: sharing is exercised
     if name == "torch_native":

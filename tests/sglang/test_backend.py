@@ -15,7 +15,7 @@ import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-from integrations.sglang.backend import PrefixAttnBackend
+from prefixattn.integrations.sglang.backend import PrefixAttnBackend
 from tests.sglang.engine import MiniEngine
 
 pytestmark = pytest.mark.sglang

@@ -9,7 +9,7 @@ import torch
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-from integrations.sglang.backend import PrefixAttnBackend
+from prefixattn.integrations.sglang.backend import PrefixAttnBackend
 from tests.sglang.engine import MiniEngine
 
 pytestmark = pytest.mark.sglang

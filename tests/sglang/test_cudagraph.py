@@ -18,7 +18,7 @@ import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
-from integrations.sglang.backend import CUDA_GRAPH_SEQ_LEN_FILL, PrefixAttnBackend
+from prefixattn.integrations.sglang.backend import CUDA_GRAPH_SEQ_LEN_FILL, PrefixAttnBackend
 from tests.launch_count import RecordingKernel
 from tests.sglang.engine import MiniEngine
 

@@ -98,7 +98,7 @@ def test_gemma3_window_matches_torch_native(gemma3):
     assert ref["min_top2_gap"] > MIN_TOP2_GAP
     for name in ("prefixattn", "prefixattn_page4"):
         got = gemma3[name]
-        assert got["backend_class"] == "integrations.sglang.backend.PrefixAttnBackend"
+        assert got["backend_class"] == "prefixattn.integrations.sglang.backend.PrefixAttnBackend"
         _assert_same_generation(got, ref)
         # Two plans per step: the windowed layer's (SGLang's sliding_window_size = 16 - 1) and the full layer's.
         assert _window_lefts(got) == {15, -1}

@@ -11,7 +11,7 @@ import torch
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 import prefixattn
-from integrations.sglang.backend import PrefixAttnBackend
+from prefixattn.integrations.sglang.backend import PrefixAttnBackend
 from tests.sglang.engine import MiniEngine
 from tests.tolerances import ATTENTION_TOL
 
@@ -87,7 +87,7 @@ def test_a_step_beyond_the_runner_limits_falls_back_to_a_per_step_plan(caplog):
 
 
 def test_eager_capacity_from_the_runner(monkeypatch):
-    import integrations.sglang.backend as backend_module
+    import prefixattn.integrations.sglang.backend as backend_module
 
     eng = MiniEngine(page_size=4)
     pool = eng.make_pool()
@@ -147,7 +147,7 @@ def test_without_chunked_prefill_the_context_length_workspace_is_allocated_at_st
 
 
 def test_a_workspace_that_does_not_fit_is_a_start_up_error_naming_the_setting(monkeypatch):
-    import integrations.sglang.backend as backend_module
+    import prefixattn.integrations.sglang.backend as backend_module
 
     eng = MiniEngine(page_size=4)
 

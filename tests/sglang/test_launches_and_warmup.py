@@ -13,7 +13,7 @@ import torch
 from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-from integrations.sglang.backend import PrefixAttnBackend
+from prefixattn.integrations.sglang.backend import PrefixAttnBackend
 from tests.launch_count import count_engine_op, count_launches
 from tests.sglang.engine import MiniEngine
 

@@ -7,8 +7,9 @@ from importlib.metadata import entry_points
 
 import pytest
 
-from integrations.sglang import plugin
-from integrations.sglang.version import SUPPORTED_SGLANG_VERSION, UnsupportedSGLangVersion, check_sglang_version
+from prefixattn.integrations.sglang import plugin
+from prefixattn.integrations.sglang.version import (SUPPORTED_SGLANG_VERSION, UnsupportedSGLangVersion,
+                                                    check_sglang_version)
 
 pytestmark = pytest.mark.sglang
 

@@ -18,9 +18,9 @@ from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixCache
 from sglang.srt.sampling.sampling_params import SamplingParams
 
-from integrations.sglang import plugin
-from integrations.sglang.schedule_policy import (OUTPUT_LEN_KEY, POLICY_NAME, output_len_inputs, policy_names,
-                                                 prefix_group_order)
+from prefixattn.integrations.sglang import plugin
+from prefixattn.integrations.sglang.schedule_policy import (OUTPUT_LEN_KEY, POLICY_NAME, output_len_inputs,
+                                                            policy_names, prefix_group_order)
 from prefixattn.scheduling import DEFAULT_ORDERING, ORDERINGS
 
 pytestmark = pytest.mark.sglang

@@ -37,7 +37,7 @@ def plan_record(p) -> dict:
 
 def log_plans_to(path: str) -> None:
     """Append one JSON line per plan this process builds to ``path``."""
-    from integrations.vllm.backend import add_plan_observer
+    from prefixattn.integrations.vllm.backend import add_plan_observer
 
     def write(p) -> None:
         with open(path, "a") as f:
@@ -98,7 +98,7 @@ def profile_like_the_gpu_worker() -> None:
     from vllm.config import set_current_vllm_config
     from vllm.v1.worker.cpu_worker import CPUWorker
 
-    from integrations.vllm.workspace_pool import POOL
+    from prefixattn.integrations.vllm.workspace_pool import POOL
 
     determine = CPUWorker.determine_available_memory
 
@@ -131,7 +131,7 @@ def main(in_path: str, out_path: str) -> None:
 
     plans = []
     if cfg["backend"] == "prefixattn" and not spawn:
-        from integrations.vllm.backend import add_plan_observer
+        from prefixattn.integrations.vllm.backend import add_plan_observer
 
         add_plan_observer(lambda p: plans.append(dict(plan_record(p), route=p.stats.get("host_block_table"))))
     if cfg.get("fp8_round_to_nearest"):
@@ -149,7 +149,7 @@ def main(in_path: str, out_path: str) -> None:
     stage("generate")
     submitted = []
     if cfg.get("offline_generate"):
-        from integrations.vllm.offline import generate
+        from prefixattn.integrations.vllm.offline import generate
 
         engine_generate = llm.generate
 
@@ -164,8 +164,8 @@ def main(in_path: str, out_path: str) -> None:
     t_gen = time.perf_counter()
     warmups, workspaces = [], {}
     if cfg["backend"] == "prefixattn" and not spawn:  # what the metadata builders' start-up warm-up reported
-        from integrations.vllm import backend as prefixattn_backend
-        from integrations.vllm.workspace_pool import POOL
+        from prefixattn.integrations.vllm import backend as prefixattn_backend
+        from prefixattn.integrations.vllm.workspace_pool import POOL
 
         warmups = [dict(mode=r.mode, variants=[x.variant.describe() for x in r.results])
                    for r in prefixattn_backend._warmed_up.values()]

@@ -15,8 +15,8 @@ def config_with_layers(model_dir: str, layers: dict[str, int], *, block_size: in
                              set_current_vllm_config)
     from vllm.model_executor.layers.attention import Attention
 
-    from integrations.vllm.backend import PrefixAttnBackend
-    from integrations.vllm.plugin import register
+    from prefixattn.integrations.vllm.backend import PrefixAttnBackend
+    from prefixattn.integrations.vllm.plugin import register
 
     register()  # as vLLM's plugin loader does: the layers look their backend up by name
     model = ModelConfig(model=model_dir, dtype="float32", skip_tokenizer_init=True, max_model_len=256)

@@ -15,7 +15,7 @@ def _validate(capability=(9, 0), **overrides) -> list[str]:
     from vllm.platforms.interface import DeviceCapability
     from vllm.v1.attention.selector import AttentionSelectorConfig
 
-    from integrations.vllm.backend import PrefixAttnBackend
+    from prefixattn.integrations.vllm.backend import PrefixAttnBackend
 
     cfg = dict(head_size=128, dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=16)
     cfg.update(overrides)
@@ -59,7 +59,7 @@ def test_fp8_e4m3_is_refused_below_sm89_at_selection(capability, kv_cache_dtype)
 def test_the_impl_refuses_fp8_e4m3_on_the_gpu_it_runs_on(monkeypatch, capability, refused):
     # Platforms whose selector does not validate: the impl's constructor checks the capability of this process's GPU
     # (None: no GPU, as on this CPU host).
-    from integrations.vllm import backend
+    from prefixattn.integrations.vllm import backend
 
     monkeypatch.setattr(backend, "current_device_capability", lambda: (capability, False))
     args = dict(num_heads=4, head_size=64, scale=0.125, num_kv_heads=2, kv_cache_dtype="fp8_e4m3")
@@ -73,7 +73,7 @@ def test_the_impl_refuses_fp8_e4m3_on_the_gpu_it_runs_on(monkeypatch, capability
 
 def test_rocm_capabilities_are_not_bound_to_nvidias():
     # ROCm numbers its GPUs its own way (gfx942 is 9.4); its e4m3fnuz flavour is refused by its own reason.
-    from integrations.vllm.refusals import capability_unsupported
+    from prefixattn.integrations.vllm.refusals import capability_unsupported
 
     assert capability_unsupported("fp8", (8, 0), is_rocm=True) is None
     assert capability_unsupported("fp8", (8, 0)) is not None
@@ -95,7 +95,7 @@ def test_unsupported_configurations_are_refused_by_vllms_selector(overrides, rea
 def test_head_sizes_match_prefixattn():
     from prefixattn.validation import SUPPORTED_HEAD_DIMS
 
-    from integrations.vllm.backend import PrefixAttnBackend
+    from prefixattn.integrations.vllm.backend import PrefixAttnBackend
 
     assert tuple(PrefixAttnBackend.get_supported_head_sizes()) == tuple(SUPPORTED_HEAD_DIMS)
 
@@ -103,7 +103,7 @@ def test_head_sizes_match_prefixattn():
 def test_every_kv_cache_layout_is_declared_token_major_first():
     from vllm.v1.kv_cache_interface import KVCacheLayout
 
-    from integrations.vllm.backend import PrefixAttnBackend
+    from prefixattn.integrations.vllm.backend import PrefixAttnBackend
 
     layouts = PrefixAttnBackend.supported_kv_cache_layouts()
     assert set(layouts) == set(KVCacheLayout) and layouts[0] is KVCacheLayout.LBNHC
@@ -121,7 +121,7 @@ def test_every_kv_cache_layout_is_declared_token_major_first():
 def test_impl_refuses_at_construction(kwargs, reason):
     # The impl is built while vLLM constructs the model (before any forward): platforms whose selector does not
     # validate (CPU) are refused here, in the same words.
-    from integrations.vllm.backend import PrefixAttnImpl
+    from prefixattn.integrations.vllm.backend import PrefixAttnImpl
 
     args = dict(num_heads=4, head_size=64, scale=0.125, num_kv_heads=2)
     args.update(kwargs)

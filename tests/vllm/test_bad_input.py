@@ -12,7 +12,7 @@ def _validate(**overrides) -> list[str]:
     from vllm.platforms.interface import DeviceCapability
     from vllm.v1.attention.selector import AttentionSelectorConfig
 
-    from integrations.vllm.backend import PrefixAttnBackend
+    from prefixattn.integrations.vllm.backend import PrefixAttnBackend
 
     cfg = dict(head_size=128, dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=16)
     cfg.update(overrides)
@@ -39,7 +39,7 @@ def test_kv_cache_dtype_equal_to_the_model_dtype_passes(dtype, kv_cache_dtype):
 def test_impl_refuses_a_kv_cache_dtype_other_than_the_model_dtype():
     # Platforms whose selector does not validate (CPU) reach the impl: vLLM builds it while the default dtype is
     # the model's dtype (as its own get_attn_backend call reads it).
-    from integrations.vllm.backend import PrefixAttnImpl
+    from prefixattn.integrations.vllm.backend import PrefixAttnImpl
 
     old = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
@@ -56,7 +56,7 @@ def test_forward_checks_block_ids_against_the_layer_cache():
     # The engine path runs prefixattn.attention(), which compares the plan's largest block id with the layer
     # cache's block count on the host: a metadata bug in the engine becomes a ValueError, not a wild read.
     import prefixattn
-    from integrations.vllm.backend import PrefixAttnImpl, PrefixAttnMetadata
+    from prefixattn.integrations.vllm.backend import PrefixAttnImpl, PrefixAttnMetadata
 
     impl = PrefixAttnImpl(num_heads=2, head_size=64, scale=0.125, num_kv_heads=1)
     p = prefixattn.plan(torch.tensor([0, 1]), torch.tensor([9]), torch.tensor([[0, 1, 5]]), block_size=4,

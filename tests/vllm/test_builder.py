@@ -30,7 +30,7 @@ def vllm_config(tiny_llama):
 def builder(vllm_config):
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    from integrations.vllm.backend import PrefixAttnMetadataBuilder
+    from prefixattn.integrations.vllm.backend import PrefixAttnMetadataBuilder
 
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HKV, head_size=D, dtype=torch.float32)
     return PrefixAttnMetadataBuilder(spec, [], vllm_config, torch.device("cpu"))
@@ -63,7 +63,7 @@ def test_builder_plans_price_the_cache_dtype(tiny_llama, cache_dtype, want):
     from vllm.config import CacheConfig, ModelConfig, VllmConfig
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    from integrations.vllm.backend import PrefixAttnMetadataBuilder
+    from prefixattn.integrations.vllm.backend import PrefixAttnMetadataBuilder
 
     model = ModelConfig(model=tiny_llama, dtype="float32", skip_tokenizer_init=True, max_model_len=256)
     config = VllmConfig(model_config=model, cache_config=CacheConfig(block_size=BLOCK, cache_dtype=cache_dtype))
@@ -75,7 +75,7 @@ def test_builder_plans_price_the_cache_dtype(tiny_llama, cache_dtype, want):
 
 
 def test_plan_inputs_from_common_metadata():
-    from integrations.vllm.backend import plan_inputs
+    from prefixattn.integrations.vllm.backend import plan_inputs
 
     inputs = plan_inputs(common_metadata(), block_size=BLOCK)
     assert inputs.qo_indptr.tolist() == [0, 1, 2, 7, 8]
@@ -99,7 +99,7 @@ def test_plan_inputs_copy_only_the_used_columns_of_an_unknown_device_table():
     planner's copy is only the columns the longest request uses (counted: it synchronizes)."""
     from dataclasses import replace
 
-    from integrations.vllm.host_tables import HostBlockTables, plan_inputs
+    from prefixattn.integrations.vllm.host_tables import HostBlockTables, plan_inputs
 
     wide = torch.zeros((len(SEQ_LENS) + 3, 512), dtype=torch.int32, device="meta")  # vLLM's rows past num_reqs
     copies = []
@@ -150,7 +150,7 @@ def _cache_in_layout(layout_name: str, g: torch.Generator) -> torch.Tensor:
 def test_impl_forward_on_vllm_cache_views(builder, layout):
     import prefixattn
 
-    from integrations.vllm.backend import PrefixAttnImpl, split_kv_cache
+    from prefixattn.integrations.vllm.backend import PrefixAttnImpl, split_kv_cache
 
     g = torch.Generator().manual_seed(0)
     kv_cache = _cache_in_layout(layout, g)
@@ -182,7 +182,7 @@ def test_impl_forward_with_window_soft_cap_and_sinks(builder):
     # builder's plan carries the group's window and soft cap, the impl passes its sinks.
     import prefixattn
 
-    from integrations.vllm.backend import PrefixAttnImpl, split_kv_cache
+    from prefixattn.integrations.vllm.backend import PrefixAttnImpl, split_kv_cache
 
     g = torch.Generator().manual_seed(2)
     kv_cache = _cache_in_layout("LBNHC", g)
@@ -215,7 +215,7 @@ def test_impl_forward_on_an_fp8_cache(builder, kv_cache_dtype, fp8):
 
     import prefixattn
 
-    from integrations.vllm.backend import PrefixAttnImpl, split_kv_cache
+    from prefixattn.integrations.vllm.backend import PrefixAttnImpl, split_kv_cache
 
     g = torch.Generator().manual_seed(3)
     kv_cache = (torch.randn(NUM_BLOCKS, HKV, BLOCK, 2 * D, generator=g) * 2).to(fp8).view(torch.uint8)
@@ -237,7 +237,7 @@ def test_impl_forward_on_an_fp8_cache(builder, kv_cache_dtype, fp8):
 
 
 def test_profiling_run_without_metadata_is_a_no_op():
-    from integrations.vllm.backend import PrefixAttnImpl
+    from prefixattn.integrations.vllm.backend import PrefixAttnImpl
 
     impl = PrefixAttnImpl(num_heads=HQ, head_size=D, scale=0.125, num_kv_heads=HKV)
     out = torch.zeros(3, HQ, D)
@@ -246,7 +246,7 @@ def test_profiling_run_without_metadata_is_a_no_op():
 
 
 def test_kv_sharing_layer_does_not_write_the_cache(builder):
-    from integrations.vllm.backend import PrefixAttnImpl
+    from prefixattn.integrations.vllm.backend import PrefixAttnImpl
 
     g = torch.Generator().manual_seed(1)
     kv_cache = _cache_in_layout("LBNHC", g)
@@ -261,7 +261,7 @@ def test_kv_sharing_layer_does_not_write_the_cache(builder):
 
 
 def test_fused_output_quantization_is_refused(builder):
-    from integrations.vllm.backend import PrefixAttnImpl
+    from prefixattn.integrations.vllm.backend import PrefixAttnImpl
 
     impl = PrefixAttnImpl(num_heads=HQ, head_size=D, scale=0.125, num_kv_heads=HKV)
     with pytest.raises(NotImplementedError, match="output quantization"):

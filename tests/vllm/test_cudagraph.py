@@ -38,7 +38,7 @@ def vllm_config(tiny_llama):
 def _builder(vllm_config):
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    from integrations.vllm.backend import PrefixAttnMetadataBuilder
+    from prefixattn.integrations.vllm.backend import PrefixAttnMetadataBuilder
 
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HKV, head_size=D, dtype=torch.float32)
     return PrefixAttnMetadataBuilder(spec, [], vllm_config, torch.device("cpu"))
@@ -84,7 +84,7 @@ def test_builder_declares_full_graphs_for_every_batch(vllm_config):
 
     from prefixattn.kernels import layout as K
 
-    from integrations.vllm.backend import PrefixAttnMetadataBuilder
+    from prefixattn.integrations.vllm.backend import PrefixAttnMetadataBuilder
 
     assert PrefixAttnMetadataBuilder.get_cudagraph_support(vllm_config, None) == AttentionCGSupport.ALWAYS
     # FULL_AND_PIECEWISE: full graphs of uniform decode batches only, so no prefill-chunk launch in them.
@@ -111,7 +111,7 @@ def test_capture_then_padded_replay_reuses_the_launch(vllm_config, monkeypatch):
     import prefixattn
     from prefixattn import prefix_attention
 
-    from integrations.vllm.backend import PrefixAttnImpl, split_kv_cache
+    from prefixattn.integrations.vllm.backend import PrefixAttnImpl, split_kv_cache
 
     rec = RecordingKernel(prefix_attention.prefix_attention_kernel)
     monkeypatch.setattr(prefix_attention, "prefix_attention_kernel", rec)
@@ -168,7 +168,7 @@ def test_mixed_batch_is_not_graph_safe(vllm_config):
 
 def test_a_stale_graph_plan_is_refused(vllm_config):
     """Two metadata built ahead of one forward (micro-batching) would share one graph workspace: refused."""
-    from integrations.vllm.backend import PrefixAttnImpl
+    from prefixattn.integrations.vllm.backend import PrefixAttnImpl
 
     builder = _builder(vllm_config)
     first = builder.build(0, _common([1, 1], [20, 33], [[1, 2, 3], [1, 4, 5]]))
@@ -186,7 +186,7 @@ def test_a_smaller_graph_launches_a_smaller_grid(vllm_config, monkeypatch):
     import prefixattn
     from prefixattn import prefix_attention
 
-    from integrations.vllm.backend import PrefixAttnImpl, split_kv_cache
+    from prefixattn.integrations.vllm.backend import PrefixAttnImpl, split_kv_cache
 
     rec = RecordingKernel(prefix_attention.prefix_attention_kernel)
     monkeypatch.setattr(prefix_attention, "prefix_attention_kernel", rec)
@@ -223,7 +223,7 @@ def test_full_mode_captures_mixed_batches(vllm_config, monkeypatch):
     from prefixattn.kernels import layout as K
     from vllm.config.compilation import CUDAGraphMode
 
-    from integrations.vllm.backend import PrefixAttnImpl, split_kv_cache
+    from prefixattn.integrations.vllm.backend import PrefixAttnImpl, split_kv_cache
 
     size = 2 * CAPTURE_SIZE  # past a decode tile's rows (8 on the CPU heuristic at GQA 2): chunk tiles of their own
     config = copy.deepcopy(vllm_config)

@@ -43,7 +43,7 @@ def runs(tiny_llama, tmp_path_factory):
     common = dict(model=tiny_llama, prompts=prompts, max_tokens=MAX_TOKENS, llm=engine_kwargs())
     # vLLM's CPU platform turns async scheduling off: PrefixGroupScheduler then builds its synchronous variant.
     scheduled = dict(common, llm=dict(engine_kwargs(),
-                                      scheduler_cls="integrations.vllm.scheduler.PrefixGroupScheduler"))
+                                      scheduler_cls="prefixattn.integrations.vllm.scheduler.PrefixGroupScheduler"))
     return dict(prompts=prompts,
                 vllm=run_engine(tmp, "vllm_cpu_attn", backend="vllm", **common),
                 # The CPU worker measures memory as the GPU worker does (a profiling forward first): see
@@ -56,7 +56,7 @@ def runs(tiny_llama, tmp_path_factory):
 
 def test_backends_are_the_intended_ones(runs):
     assert runs["vllm"]["backend_class"].endswith("cpu_attn.CPUAttentionBackend")
-    assert runs["prefixattn"]["backend_class"] == "integrations.vllm.backend.PrefixAttnBackend"
+    assert runs["prefixattn"]["backend_class"] == "prefixattn.integrations.vllm.backend.PrefixAttnBackend"
     assert runs["prefixattn"]["plans"], "the prefixattn run built no plan: its backend never ran"
     # Every step (eager: enforce_eager) planned into the builder's capacity-sized workspace, none fell back.
     assert all(p["in_workspace"] for p in runs["prefixattn"]["plans"])
@@ -102,7 +102,7 @@ def test_plans_found_both_shared_groups(runs):
 
 
 def test_offline_path_matches_and_groups_the_batch(runs):
-    from integrations.vllm.scheduler import group_order
+    from prefixattn.integrations.vllm.scheduler import group_order
 
     got, prompts = runs["offline"], runs["prompts"]
     assert got["scheduler_class"] == "PrefixGroupSyncScheduler"

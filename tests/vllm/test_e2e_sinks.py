@@ -45,7 +45,7 @@ def runs(tmp_path_factory):
 
 def test_backends_are_the_intended_ones(runs):
     assert runs["vllm"]["backend_class"].endswith("cpu_attn.CPUAttentionBackend")
-    assert runs["prefixattn"]["backend_class"] == "integrations.vllm.backend.PrefixAttnBackend"
+    assert runs["prefixattn"]["backend_class"] == "prefixattn.integrations.vllm.backend.PrefixAttnBackend"
     assert runs["prefixattn"]["plans"], "the prefixattn run built no plan: its backend never ran"
     # One plan per KV cache group: the windowed layer's (prefixattn's window_left = S - 1) and the full layer's.
     assert {p["window_left"] for p in runs["prefixattn"]["plans"]} == {WINDOW - 1, -1}

@@ -28,7 +28,7 @@ def _run_step(builder, q_lens, seq_lens, table, g):
     """Build the step's metadata, run one layer through the impl (K/V write + attention), check the reference."""
     import prefixattn
 
-    from integrations.vllm.backend import PrefixAttnImpl, split_kv_cache
+    from prefixattn.integrations.vllm.backend import PrefixAttnImpl, split_kv_cache
 
     common = _common(q_lens, seq_lens, table)
     meta = builder.build(0, common)
@@ -89,7 +89,7 @@ def test_a_step_beyond_the_scheduler_limits_falls_back_to_a_per_step_plan(vllm_c
 
 
 def test_a_stale_eager_plan_is_refused(vllm_config):
-    from integrations.vllm.backend import PrefixAttnImpl
+    from prefixattn.integrations.vllm.backend import PrefixAttnImpl
 
     builder = _builder(vllm_config)
     first = builder.build(0, _common([1, 3], [20, 33], [[1, 2, 3], [1, 4, 5]]))

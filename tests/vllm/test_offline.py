@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from integrations.vllm.offline import admission_order, generate
-from integrations.vllm.scheduler import group_order
+from prefixattn.integrations.vllm.offline import admission_order, generate
+from prefixattn.integrations.vllm.scheduler import group_order
 
 pytestmark = pytest.mark.vllm
 

@@ -102,14 +102,14 @@ def drive(sched, requests, max_tokens, *, max_steps=2000):
 
 
 def expected_order(prompts, ordering="batchllm"):
-    from integrations.vllm.scheduler import group_order
+    from prefixattn.integrations.vllm.scheduler import group_order
 
     return [str(i) for i in group_order(prompts, ordering=ordering, min_shared_tokens=BLOCK)]
 
 
 @pytest.mark.parametrize("cls_name", ["PrefixGroupScheduler", "PrefixGroupSyncScheduler"])
 def test_admits_by_prefix_group_in_batchllm_order(model_config, cls_name):
-    import integrations.vllm.scheduler as S
+    import prefixattn.integrations.vllm.scheduler as S
 
     prompts = grouped_prompts()
     sched = make_scheduler(model_config, getattr(S, cls_name), num_blocks=400)
@@ -125,7 +125,7 @@ def test_admits_by_prefix_group_in_batchllm_order(model_config, cls_name):
 
 @pytest.mark.parametrize("ordering", ["fcfs", "dfs", "batchllm"])
 def test_ordering_is_configurable(model_config, ordering):
-    from integrations.vllm.scheduler import PrefixGroupSyncScheduler
+    from prefixattn.integrations.vllm.scheduler import PrefixGroupSyncScheduler
 
     prompts = grouped_prompts(seed=1)
     sched = make_scheduler(model_config, PrefixGroupSyncScheduler, num_blocks=400, ordering=ordering)
@@ -134,7 +134,7 @@ def test_ordering_is_configurable(model_config, ordering):
 
 
 def test_tight_kv_memory_preempts_and_still_drains(model_config):
-    from integrations.vllm.scheduler import PrefixGroupScheduler
+    from prefixattn.integrations.vllm.scheduler import PrefixGroupScheduler
 
     prompts = grouped_prompts(seed=2)
     # 24 blocks of 32 tokens hold a few requests at once: admission stops on memory, decodes grow into
@@ -146,7 +146,7 @@ def test_tight_kv_memory_preempts_and_still_drains(model_config):
 
 
 def test_queue_front_and_removal_semantics():
-    from integrations.vllm.scheduler import PrefixGroupRequestQueue
+    from prefixattn.integrations.vllm.scheduler import PrefixGroupRequestQueue
 
     class Req:
         def __init__(self, name, ids, priority=0):
@@ -174,7 +174,7 @@ def test_queue_front_and_removal_semantics():
     q.remove_request(emb)
     assert [r.name for r in q] == ["a1", "b1"]
     # New arrivals are regrouped with the requests still waiting (not with those put back in front).
-    from integrations.vllm.scheduler import group_order
+    from prefixattn.integrations.vllm.scheduler import group_order
 
     q2 = PrefixGroupRequestQueue(min_shared_tokens=16)
     b3 = Req("b3", [5] * 80 + [4])
@@ -194,7 +194,7 @@ def test_queue_front_and_removal_semantics():
 
 
 def test_priority_stays_the_primary_key():
-    from integrations.vllm.scheduler import PrefixGroupRequestQueue
+    from prefixattn.integrations.vllm.scheduler import PrefixGroupRequestQueue
 
     class Req:
         def __init__(self, name, ids, priority):
@@ -208,7 +208,7 @@ def test_priority_stays_the_primary_key():
 
 
 def test_one_name_builds_the_variant_matching_async_mode(model_config):
-    from integrations.vllm.scheduler import PrefixGroupScheduler, PrefixGroupSyncScheduler
+    from prefixattn.integrations.vllm.scheduler import PrefixGroupScheduler, PrefixGroupSyncScheduler
 
     sched = make_scheduler(model_config, PrefixGroupSyncScheduler, num_blocks=64)
     built = PrefixGroupScheduler(vllm_config=sched.vllm_config, kv_cache_config=sched.kv_cache_config,
@@ -218,12 +218,12 @@ def test_one_name_builds_the_variant_matching_async_mode(model_config):
 
 
 def test_mismatched_async_mode_is_refused(model_config):
-    from integrations.vllm.scheduler import PrefixGroupScheduler
+    from prefixattn.integrations.vllm.scheduler import PrefixGroupScheduler
 
     with pytest.raises(ValueError, match="PrefixGroupSyncScheduler"):
         sched = make_scheduler(model_config, PrefixGroupScheduler, num_blocks=64)
         sched.vllm_config.scheduler_config.async_scheduling = False
-        from integrations.vllm.scheduler import _install_queue
+        from prefixattn.integrations.vllm.scheduler import _install_queue
 
         sched.waiting = type(sched.waiting)()
         _install_queue(sched)
@@ -232,7 +232,7 @@ def test_mismatched_async_mode_is_refused(model_config):
 def test_bad_options_are_refused():
     from types import SimpleNamespace
 
-    from integrations.vllm.scheduler import scheduling_options
+    from prefixattn.integrations.vllm.scheduler import scheduling_options
 
     with pytest.raises(ValueError, match=r"\['ordering'\]: expected one of"):
         scheduling_options(SimpleNamespace(additional_config={"prefixattn": {"ordering": "random"}}))
@@ -245,7 +245,8 @@ def test_bad_options_are_refused():
 def test_memory_bound_engine_kwargs_are_accepted_by_vllm(tiny_llama):
     from vllm.engine.arg_utils import EngineArgs
 
-    from integrations.vllm.scheduler import MEMORY_BOUND_MAX_NUM_SEQS, PrefixGroupScheduler, memory_bound_engine_kwargs
+    from prefixattn.integrations.vllm.scheduler import (MEMORY_BOUND_MAX_NUM_SEQS, PrefixGroupScheduler,
+                                                        memory_bound_engine_kwargs)
 
     cfg = EngineArgs(model=tiny_llama, skip_tokenizer_init=True, max_model_len=256, kv_cache_memory_bytes=1 << 24,
                      **memory_bound_engine_kwargs()).create_engine_config()

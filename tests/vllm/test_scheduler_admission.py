@@ -28,7 +28,7 @@ def model_config(tiny_llama):
 
 @pytest.mark.parametrize("memory, projection", [(False, "ends"), (True, "ends"), (True, "peak")])
 def test_memory_admission_avoids_preemption(model_config, memory, projection):
-    from integrations.vllm.scheduler import PrefixGroupSyncScheduler
+    from prefixattn.integrations.vllm.scheduler import PrefixGroupSyncScheduler
 
     prompts = offline_batch()
     max_tokens = 96
@@ -45,7 +45,7 @@ def test_memory_admission_avoids_preemption(model_config, memory, projection):
 
 
 def test_bad_admission_options_are_refused():
-    from integrations.vllm.scheduler import scheduling_options
+    from prefixattn.integrations.vllm.scheduler import scheduling_options
 
     class Cfg:
         def __init__(self, **own):
@@ -63,7 +63,7 @@ def test_max_tokens_and_estimates_weigh_the_group_order(model_config):
     estimate standing for its whole group) come first, and the queue hands requests out in exactly that order."""
     import math
 
-    from integrations.vllm.scheduler import OUTPUT_LEN_KEY, PrefixGroupSyncScheduler, group_order
+    from prefixattn.integrations.vllm.scheduler import OUTPUT_LEN_KEY, PrefixGroupSyncScheduler, group_order
 
     prompts = offline_batch(seed=3, groups=6, members=3)
     limits = [float(8 + 40 * (i % 6)) for i in range(len(prompts))]  # group g asks for 8 + 40 g tokens
@@ -121,7 +121,7 @@ def test_scheduler_and_token_batcher_admit_alike(projection, clip):
     member (vLLM's idle or still-computing prefix is cache, not held by a running request), and no preemption (a
     preempted TokenBatcher request recomputes one token less than vLLM's); both are checked and counted."""
     from prefixattn.scheduling import TokenBatcher, group_prompts, order_groups
-    from integrations.vllm.scheduler import MemoryAdmission
+    from prefixattn.integrations.vllm.scheduler import MemoryAdmission
 
     compared = {True: 0, False: 0}
     for seed in range(4):

@@ -24,7 +24,7 @@ _LOAD_THEN_BUILD = r"""
 import json, pickle, sys
 import torch
 cfg = pickle.loads(open(sys.argv[1], "rb").read())
-loaded_before_plugins = sorted(m for m in sys.modules if m.startswith(("integrations", "prefixattn")))
+loaded_before_plugins = sorted(m for m in sys.modules if m.split(".")[0] == "prefixattn")
 member = cfg.attention_config.backend.name
 from vllm.config import set_current_vllm_config
 from vllm.plugins import load_general_plugins
@@ -43,7 +43,7 @@ print(json.dumps(dict(loaded_before_plugins=loaded_before_plugins, member=member
 def test_the_engine_config_unpickles_in_a_fresh_interpreter_and_builds_the_backend(tiny_llama, tmp_path):
     from vllm.engine.arg_utils import EngineArgs
 
-    from integrations.vllm.plugin import register
+    from prefixattn.integrations.vllm.plugin import register
 
     register()
     cfg = EngineArgs(model=tiny_llama, attention_backend="PREFIXATTN", skip_tokenizer_init=True, dtype="float32",

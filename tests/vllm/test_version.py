@@ -2,7 +2,7 @@
 
 import pytest
 
-from integrations.vllm.version import (
+from prefixattn.integrations.vllm.version import (
     MAX_VLLM,
     MIN_VLLM,
     UnsupportedVLLMVersion,
@@ -44,7 +44,7 @@ def test_unsupported_version_message_names_range_and_found(version):
 
 
 
-@pytest.mark.parametrize("module", ["integrations.vllm.backend", "integrations.vllm.scheduler"])
+@pytest.mark.parametrize("module", ["prefixattn.integrations.vllm.backend", "prefixattn.integrations.vllm.scheduler"])
 def test_entry_modules_refuse_an_unsupported_vllm(module):
     # What a user of vLLM 0.34 would see when selecting PREFIXATTN or the scheduler: a clear ImportError, which
     # vLLM's selector reports as "Selected backend PREFIXATTN is not valid ... Reason: [...]".
@@ -53,7 +53,7 @@ def test_entry_modules_refuse_an_unsupported_vllm(module):
 
     from tests.vllm.engine import REPO
 
-    code = ("import integrations.vllm.version as v\n"
+    code = ("import prefixattn.integrations.vllm.version as v\n"
             "v.installed_vllm_version = lambda: '0.34.0'\n"
             "try:\n"
             f"    import {module}\n"

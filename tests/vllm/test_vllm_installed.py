@@ -16,7 +16,7 @@ def test_vllm_is_importable_and_supported(request):
     explicitly_selected = "vllm" in markexpr and "not vllm" not in markexpr
     if importlib.util.find_spec("vllm") is None and not explicitly_selected:
         pytest.skip("vllm is not installed here; the vLLM suite runs in .venv-vllm via scripts/test_vllm.sh")
-    from integrations.vllm.version import check_vllm_version
+    from prefixattn.integrations.vllm.version import check_vllm_version
 
     from vllm.version import __version__
 

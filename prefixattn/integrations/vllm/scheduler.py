@@ -12,7 +12,7 @@ admitted together: the first member computes the prefix and the rest hit its blo
 same step, or the next one under chunked prefill), and prefixattn's attention backend then runs their shared KV
 once per step.
 
-Select it with ``LLM(..., scheduler_cls="integrations.vllm.scheduler.PrefixGroupScheduler")``: vLLM's async
+Select it with ``LLM(..., scheduler_cls="prefixattn.integrations.vllm.scheduler.PrefixGroupScheduler")``: vLLM's async
 scheduler, or its synchronous one where async scheduling is off. Options come from
 ``additional_config={"prefixattn": {"ordering": "batchllm", "levels": 1}}`` or the environment
 (``PREFIXATTN_ORDERING``, ``PREFIXATTN_GROUP_LEVELS``).
@@ -49,7 +49,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from integrations.vllm.version import check_vllm_version
+from prefixattn.integrations.vllm.version import check_vllm_version
 
 check_vllm_version()
 

@@ -12,7 +12,7 @@ import argparse
 import json
 import sys
 
-from prefixattn.cli import positive_int
+from prefixattn.cli.arg_types import positive_int
 from prefixattn.kernels.layout import WORK_CLASSES
 from prefixattn.validation import SUPPORTED_HEAD_DIMS, torch_dtype_name
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from integrations.vllm.refusals import refusal
+from prefixattn.integrations.vllm.refusals import refusal
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ def group_kv_dtype(kv_cache_spec, cache_dtype: str | None, q_dtype: torch.dtype)
     """The torch dtype the group's K/V cache holds: vLLM allocates fp8 caches as uint8 memory (the spec's dtype),
     whose fp8 flavour is the configured ``cache_dtype``; any other cache is read in q's dtype."""
     import prefixattn
-    from integrations.vllm.refusals import fp8_cache_dtype
+    from prefixattn.integrations.vllm.refusals import fp8_cache_dtype
 
     if getattr(kv_cache_spec, "dtype", None) == torch.uint8:
         fp8 = fp8_cache_dtype(cache_dtype)

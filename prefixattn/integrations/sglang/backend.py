@@ -35,7 +35,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 
-from integrations.sglang.version import check_sglang_version
+from prefixattn.integrations.sglang.version import check_sglang_version
 
 check_sglang_version()  # before touching SGLang's classes: a clear error instead of an AttributeError
 
@@ -45,7 +45,7 @@ from sglang.srt.layers.radix_attention import AttentionType  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc, MHATokenToKVPool  # noqa: E402
 
 import prefixattn  # noqa: E402
-from integrations.sglang.page_table import fill_page_table  # noqa: E402
+from prefixattn.integrations.sglang.page_table import fill_page_table  # noqa: E402
 from prefixattn.warmup import MAX_DISTINCT_Q_LEN, SGLANG_LAYOUT, WarmupReport, warmup_enabled  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -389,8 +389,8 @@ class GraphState:
     """The decode graphs' shared state: one capacity-fixed :class:`prefixattn.PrefixSharedAttention` per layer
     geometry (``use_cuda_graph=True``) and the static device block table they read.
 
-    The table is ``[max_bs, max_pages]`` int32 and refilled inside the graph from ``req_to_token``, each request's
-    used pages only (:func:`~integrations.sglang.page_table.fill_page_table`: the same address at every step); the
+    The table is ``[max_bs, max_pages]`` int32 and refilled inside the graph from ``req_to_token``, each request's used
+    pages only (:func:`~prefixattn.integrations.sglang.page_table.fill_page_table`: the same address at every step); the
     planner reads the host copy the eager path makes.
     """
 

@@ -8,7 +8,7 @@ wording.
 
 from __future__ import annotations
 
-from integrations.vllm.version import check_vllm_version
+from prefixattn.integrations.vllm.version import check_vllm_version
 
 check_vllm_version()  # before touching vLLM's classes: a clear ImportError instead of an AttributeError
 
@@ -16,7 +16,7 @@ import torch  # noqa: E402
 from vllm.v1.attention.backend import AttentionType  # noqa: E402
 
 import prefixattn  # noqa: E402
-from integrations.vllm.plugin import BACKEND_NAME  # noqa: E402
+from prefixattn.integrations.vllm.plugin import BACKEND_NAME  # noqa: E402
 
 #: Head sizes prefixattn runs: every multiple of 8 from 32 to 256 (prefixattn's validation accepts exactly these).
 SUPPORTED_HEAD_SIZES = prefixattn.SUPPORTED_HEAD_DIMS

@@ -13,7 +13,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from integrations.vllm.scheduler import DEFAULT_LEVELS, DEFAULT_ORDERING, OUTPUT_LEN_KEY, group_order
+from prefixattn.integrations.vllm.scheduler import DEFAULT_LEVELS, DEFAULT_ORDERING, OUTPUT_LEN_KEY, group_order
 
 
 def _token_ids(prompt, tokenizer_fn) -> list[int] | None:
@@ -94,7 +94,7 @@ def generate(llm, prompts: Sequence[Any], sampling_params=None, *, ordering: str
 
     Examples
     --------
-    >>> from integrations.vllm.offline import generate
+    >>> from prefixattn.integrations.vllm.offline import generate
     >>> outs = generate(llm, [{"prompt_token_ids": ids} for ids in batch], SamplingParams(max_tokens=64))
     """
     prompts = list(prompts)

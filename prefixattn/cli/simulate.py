@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from prefixattn.cli import non_negative_int, output_file, positive_int
+from prefixattn.cli.arg_types import non_negative_int, output_file, positive_int
 
 HELP = "simulate offline batch inference throughput of vLLM/SGLang/BatchLLM/BlendServe/prefixattn policies (modeled)"
 

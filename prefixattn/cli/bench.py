@@ -1,4 +1,9 @@
-"""``prefixattn bench``: run the benchmark suite (``pytest bench/``) and summarize ``bench/results/latest.csv``."""
+"""``prefixattn bench``: run the benchmark suite (``pytest bench/``) and summarize ``bench/results/latest.csv``.
+
+The suite is not part of the wheel: it runs from a source checkout of prefixattn, found beside this package's source
+(an editable install, or a checkout on ``sys.path``) or in the current directory (a regular install run from a
+checkout's root). Without one the command says so and exits with status 2.
+"""
 
 from __future__ import annotations
 
@@ -12,11 +17,34 @@ from pathlib import Path
 HELP = "run the benchmark suite (pytest bench/) and print a summary of bench/results/latest.csv"
 #: Options ``prefixattn bench`` does not know go to pytest (``prefixattn bench -x --durations=20``).
 PASSTHROUGH = "pytest_args"
+#: Files of the suite's folder that a folder merely named ``bench/`` would not have.
+SUITE_FILES = ("conftest.py", "pytest.ini", "report.py")
+#: What the checkout's pyproject.toml declares (another project's ``bench/`` is not this suite).
+PROJECT_NAME_LINE = 'name = "prefixattn"'
 
 
-def _bench_dir() -> Path:
-    # The suite is not part of the wheel: it runs from a source checkout (an editable install points here).
-    return Path(__file__).resolve().parent.parent / "bench"
+def checkout_roots() -> tuple[Path, ...]:
+    """Where a checkout may be: the folder above this package's source, then the current directory."""
+    return Path(__file__).resolve().parents[2], Path.cwd()
+
+
+def find_bench_dir(roots=None) -> Path | None:
+    """``bench/`` of the first root in ``roots`` (default :func:`checkout_roots`) that is a prefixattn checkout, or
+    None."""
+    for root in checkout_roots() if roots is None else roots:
+        bench = Path(root) / "bench"
+        pyproject = Path(root) / "pyproject.toml"
+        if all((bench / name).is_file() for name in SUITE_FILES) and pyproject.is_file() \
+                and PROJECT_NAME_LINE in pyproject.read_text().splitlines():
+            return bench
+    return None
+
+
+def no_checkout_message(roots) -> str:
+    looked = ", ".join(str(Path(r) / "bench") for r in dict.fromkeys(roots))
+    return ("prefixattn bench: the benchmark suite (bench/) is not part of the installed package; it runs from a "
+            "source checkout of prefixattn: clone the repository, install it with pip install -e '.[bench]' and run "
+            f"prefixattn bench from the checkout's root (the folder with pyproject.toml and bench/). Looked in: {looked}")
 
 
 def add_arguments(parser) -> None:
@@ -43,10 +71,10 @@ def summarize(csv_path: Path) -> str:
 
 
 def run(args) -> int:
-    bench = _bench_dir()
-    if not bench.is_dir():
-        print("prefixattn bench: the benchmark suite runs from a source checkout (pip install -e .); "
-              f"no bench/ found at {bench}", file=sys.stderr)
+    roots = checkout_roots()
+    bench = find_bench_dir(roots)
+    if bench is None:
+        print(no_checkout_message(roots), file=sys.stderr)
         return 2
     env = dict(os.environ)
     env["TRITON_INTERPRET"] = "0" if args.gpu else "1"

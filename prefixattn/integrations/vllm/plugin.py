@@ -3,7 +3,7 @@
 vLLM calls :func:`register` (entry point group ``vllm.general_plugins``) in every process it starts, so it is
 idempotent, cheap (it imports only vLLM's backend registry, never torch kernels or prefixattn) and never breaks vLLM:
 on an unsupported vLLM the backend is still registered by name, and selecting it fails with a message saying which
-versions are supported (see :mod:`integrations.vllm.version`).
+versions are supported (see :mod:`prefixattn.integrations.vllm.version`).
 
 Users select the backend with ``--attention-backend PREFIXATTN`` or ``LLM(..., attention_backend="PREFIXATTN")``.
 
@@ -29,7 +29,7 @@ import os
 #: The name users select; ``PrefixAttnBackend.get_name()`` returns exactly this.
 BACKEND_NAME = "PREFIXATTN"
 #: Import path vLLM resolves lazily when the backend is selected.
-BACKEND_CLASS_PATH = "integrations.vllm.backend.PrefixAttnBackend"
+BACKEND_CLASS_PATH = "prefixattn.integrations.vllm.backend.PrefixAttnBackend"
 #: vLLM's built-in placeholder member for third-party backends: ``PREFIXATTN`` is an alias of it (pickle-safe).
 CUSTOM_MEMBER = "CUSTOM"
 #: Comma-separated names of vLLM backends to resolve to prefixattn as well (e.g. ``CPU_ATTN`` on the CPU platform).
@@ -43,7 +43,7 @@ def _registry():
     try:
         from vllm.v1.attention.backends import registry
     except ImportError as e:
-        from integrations.vllm.version import installed_vllm_version, supported_range
+        from prefixattn.integrations.vllm.version import installed_vllm_version, supported_range
 
         logger.warning("prefixattn: not registering the %s attention backend: vLLM %s has no backend registry "
                        "(%s); prefixattn supports vLLM %s", BACKEND_NAME, installed_vllm_version(), e,
@@ -93,7 +93,7 @@ def register() -> None:
 
     Examples
     --------
-    >>> from integrations.vllm.plugin import register
+    >>> from prefixattn.integrations.vllm.plugin import register
     >>> register()
     >>> LLM(model, attention_backend="PREFIXATTN")
     """

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from integrations.ray.engines import as_engine
+from prefixattn.integrations.ray.engines import as_engine
 
 MODES = ("raise", "exit")
 #: Exit status of an injected actor death (any non-zero status is a death to Ray).

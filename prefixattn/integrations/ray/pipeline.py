@@ -8,7 +8,7 @@ recomputes each shared prefix. :func:`run_batch` keeps groups whole:
    (splitting only a group that alone exceeds a replica's fair share).
 2. **Repartition by replica**: one Ray Data block per replica, its rows in prefix-tree order.
 3. **One stateful actor per replica**: ``map_batches`` over an actor pool of N actors, one block per call and one
-   call in flight per actor; each actor builds its engine once (:mod:`integrations.ray.engines`: vLLM with
+   call in flight per actor; each actor builds its engine once (:mod:`prefixattn.integrations.ray.engines`: vLLM with
    prefixattn's backend and scheduler, the simulator, or any callable) and runs the replica's whole share in one
    ``generate`` call, so the engine sees every group complete.
 4. **Join back**: outputs are joined to the input rows by request id (the row's input position) and returned in
@@ -21,8 +21,8 @@ id (a duplicate is dropped and counted, a missing one is an error), and every re
 once is listed in :attr:`BatchResult.retried` with its prefix groups.
 
 The grouping pre-pass runs on the driver by default. ``grouping="distributed"`` runs it on Ray workers instead
-(:mod:`integrations.ray.prepass`: bucket by a hash of the first ``bucket_tokens`` tokens, ``group_prompts`` per
-bucket in parallel, merge on the driver); it is exact for sharing of at least ``bucket_tokens`` tokens and loses
+(:mod:`prefixattn.integrations.ray.prepass`: bucket by a hash of the first ``bucket_tokens`` tokens, ``group_prompts``
+per bucket in parallel, merge on the driver); it is exact for sharing of at least ``bucket_tokens`` tokens and loses
 shallower sharing (see there). Either way the rows themselves pass through the driver: a list or JSONL input is read
 there, a Dataset input is collected there in order (``take_all``), and the results are joined there.
 """
@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from integrations.ray.engines import as_engine
+from prefixattn.integrations.ray.engines import as_engine
 from prefixattn.scheduling import group_prompts, saving_ratio
 from prefixattn.scheduling.partition import Partition, partition_groups, token_cost
 
@@ -245,8 +245,8 @@ def run_batch(data, engine, num_replicas: int, *, prompt_column: str = "prompt_t
         ids); or bare prompts.
     engine : callable
         Zero-argument factory, called once in each actor: returns an engine (``generate(prompts, rows)``, see
-        :mod:`integrations.ray.engines`) or a callable ``fn(prompts) -> list`` (output column ``output``). It is
-        pickled to the actors: a class, a ``functools.partial`` or a module-level function.
+        :mod:`prefixattn.integrations.ray.engines`) or a callable ``fn(prompts) -> list`` (output column ``output``). It
+        is pickled to the actors: a class, a ``functools.partial`` or a module-level function.
     num_replicas : int
         Engine replicas N (actors; one GPU each with ``num_gpus=1``).
     prompt_column : str
@@ -270,10 +270,11 @@ def run_batch(data, engine, num_replicas: int, *, prompt_column: str = "prompt_t
         More ``map_batches`` Ray arguments (e.g. ``runtime_env``, ``accelerator_type``).
     grouping : {"driver", "distributed"}
         Where the groups are computed: one ``group_prompts`` call on the driver, or the distributed pre-pass
-        (:func:`integrations.ray.prepass.group_prompts_distributed`; sharing shorter than ``bucket_tokens`` is lost).
+        (:func:`prefixattn.integrations.ray.prepass.group_prompts_distributed`; sharing shorter than ``bucket_tokens``
+        is lost).
     bucket_tokens : int, optional
         ``grouping="distributed"``: key length of the buckets (default
-        :data:`integrations.ray.prepass.DEFAULT_BUCKET_TOKENS`).
+        :data:`prefixattn.integrations.ray.prepass.DEFAULT_BUCKET_TOKENS`).
     num_buckets : int
         ``grouping="distributed"``: buckets grouped in parallel.
 
@@ -294,7 +295,7 @@ def run_batch(data, engine, num_replicas: int, *, prompt_column: str = "prompt_t
     --------
     >>> import ray
     >>> ray.init(num_cpus=2)
-    >>> from integrations.ray.engines import SimulatedEngine
+    >>> from prefixattn.integrations.ray.engines import SimulatedEngine
     >>> out = run_batch("prompts.jsonl", SimulatedEngine, num_replicas=2)
     >>> out.rows[0]["finish_time_s"], out.report()
     """
@@ -332,7 +333,7 @@ def _group(prompts: list, *, grouping: str, prompt_column: str, levels, bucket_t
     if grouping == "distributed":
         import ray.data
 
-        from integrations.ray.prepass import DEFAULT_BUCKET_TOKENS, group_prompts_distributed
+        from prefixattn.integrations.ray.prepass import DEFAULT_BUCKET_TOKENS, group_prompts_distributed
 
         pre = ray.data.from_items([{ROW_COLUMN: i, prompt_column: p} for i, p in enumerate(prompts)])
         return group_prompts_distributed(pre, prompt_column=prompt_column,

@@ -105,8 +105,8 @@ class VLLMEngine:
     """vLLM ``LLM`` with prefixattn's attention backend and prefix-group scheduler (when ``use_prefixattn``).
 
     Built inside the actor (the model loads once per replica). Requests are submitted in one ``generate`` call, so
-    vLLM's scheduler sees the replica's whole share and :class:`integrations.vllm.scheduler.PrefixGroupScheduler`
-    admits it group by group.
+    vLLM's scheduler sees the replica's whole share and
+    :class:`prefixattn.integrations.vllm.scheduler.PrefixGroupScheduler` admits it group by group.
 
     Parameters
     ----------
@@ -117,7 +117,7 @@ class VLLMEngine:
         each row when it has one.
     use_prefixattn : bool
         ``PREFIXATTN`` backend + prefix-group scheduler + prefix caching
-        (:func:`integrations.vllm.scheduler.memory_bound_engine_kwargs`); False runs stock vLLM.
+        (:func:`prefixattn.integrations.vllm.scheduler.memory_bound_engine_kwargs`); False runs stock vLLM.
     output_len_column : str, optional
         Row column with each request's ``max_tokens``.
     **llm_kwargs
@@ -130,8 +130,8 @@ class VLLMEngine:
 
         kwargs = {}
         if use_prefixattn:
-            from integrations.vllm.plugin import register
-            from integrations.vllm.scheduler import memory_bound_engine_kwargs
+            from prefixattn.integrations.vllm.plugin import register
+            from prefixattn.integrations.vllm.scheduler import memory_bound_engine_kwargs
 
             register()
             kwargs = memory_bound_engine_kwargs(async_scheduling=llm_kwargs.pop("async_scheduling", False))

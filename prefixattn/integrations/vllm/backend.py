@@ -44,7 +44,7 @@ id outside vLLM's cache is a ``ValueError``, never a read outside it.
 
 from __future__ import annotations
 
-from integrations.vllm.version import check_vllm_version
+from prefixattn.integrations.vllm.version import check_vllm_version
 
 check_vllm_version()  # before touching vLLM's classes: a clear ImportError instead of an AttributeError
 
@@ -68,10 +68,10 @@ from vllm.v1.attention.backend import (  # noqa: E402
 from vllm.v1.kv_cache_interface import KVCacheLayout  # noqa: E402
 
 import prefixattn  # noqa: E402
-from integrations.vllm.host_tables import HostBlockTables, PlanInputs, plan_inputs  # noqa: E402,F401
-from integrations.vllm.layer_geometry import group_geometry, group_kv_dtype  # noqa: E402
-from integrations.vllm.plugin import BACKEND_NAME  # noqa: E402
-from integrations.vllm.refusals import (  # noqa: E402,F401
+from prefixattn.integrations.vllm.host_tables import HostBlockTables, PlanInputs, plan_inputs  # noqa: E402,F401
+from prefixattn.integrations.vllm.layer_geometry import group_geometry, group_kv_dtype  # noqa: E402
+from prefixattn.integrations.vllm.plugin import BACKEND_NAME  # noqa: E402
+from prefixattn.integrations.vllm.refusals import (  # noqa: E402,F401
     SUPPORTED_HEAD_SIZES,
     SUPPORTED_KV_CACHE_DTYPES,
     capability_unsupported,
@@ -82,8 +82,8 @@ from integrations.vllm.refusals import (  # noqa: E402,F401
     refusal,
     refusal_reasons,
 )
-from integrations.vllm.workspace_pool import POOL, WorkspaceKey, canonical_device  # noqa: E402
-from integrations.vllm.wrappers import builder_wrappers  # noqa: E402
+from prefixattn.integrations.vllm.workspace_pool import POOL, WorkspaceKey, canonical_device  # noqa: E402
+from prefixattn.integrations.vllm.wrappers import builder_wrappers  # noqa: E402
 from prefixattn.warmup import MAX_DISTINCT_Q_LEN, VLLM_LAYOUT, WarmupReport, warmup_enabled  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -189,7 +189,7 @@ class PrefixAttnBackend(AttentionBackend):
 
 class PrefixAttnMetadataBuilder(AttentionMetadataBuilder[PrefixAttnMetadata]):
     """Plans each step once per KV cache group (shared by all its layers), into one of the builder's two
-    capacity-sized wrappers (:mod:`integrations.vllm.wrappers`): ``graph_attn`` or ``eager_attn``."""
+    capacity-sized wrappers (:mod:`prefixattn.integrations.vllm.wrappers`): ``graph_attn`` or ``eager_attn``."""
 
     # Full CUDA graphs for every batch: graph-safe steps plan into a capacity-sized workspace whose launches (one
     # per work class: grids, tiles, buffer addresses) are the same at every step, so the captured launches replay
@@ -225,7 +225,8 @@ class PrefixAttnMetadataBuilder(AttentionMetadataBuilder[PrefixAttnMetadata]):
         key = WorkspaceKey(layer_names=tuple(sorted(layer_names)), geometry=geometry, block_size=self.block_size,
                            q_dtype=self.q_dtype, kv_dtype=self.kv_dtype, device=canonical_device(device))
         reserved = POOL.take(key, self, vllm_config)
-        #: The workspaces were allocated inside vLLM's memory profile (:mod:`integrations.vllm.workspace_pool`).
+        #: The workspaces were allocated inside vLLM's memory profile
+        #: (:mod:`prefixattn.integrations.vllm.workspace_pool`).
         self.workspaces_in_profile = reserved is not None
         if reserved is None:
             reserved = builder_wrappers(vllm_config, geometry, block_size=self.block_size, q_dtype=self.q_dtype,
@@ -381,7 +382,7 @@ class PrefixAttnImpl(AttentionImpl[PrefixAttnMetadata]):
         """Allocate the metadata builders' workspaces now, inside vLLM's memory profile (once per process)."""
         config = self._vllm_config() if self._vllm_config is not None else None
         if config is not None:
-            POOL.reserve(config, device=device)
+            POOL.reserve(config, device=device, impl_cls=PrefixAttnImpl)
 
     def graph_safe_forward(self, layer, query, key, value, k_cache, v_cache, attn_metadata: PrefixAttnMetadata,
                            output: torch.Tensor, scales: dict) -> torch.Tensor:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 
-from integrations.sglang.version import check_sglang_version
+from prefixattn.integrations.sglang.version import check_sglang_version
 
 #: Name of the attention backend (``--attention-backend prefixattn``).
 ATTENTION_BACKEND_NAME = "prefixattn"
@@ -29,7 +29,7 @@ def create_prefixattn_backend(runner):
     """Attention-backend factory SGLang calls with its ModelRunner (registered under ``prefixattn``)."""
     if getattr(runner, "use_mla_backend", False):
         raise ValueError("attention_backend: prefixattn supports multi-head (MHA/GQA/MQA) attention, got an MLA model")
-    from integrations.sglang.backend import PrefixAttnBackend
+    from prefixattn.integrations.sglang.backend import PrefixAttnBackend
 
     return PrefixAttnBackend(runner)
 
@@ -38,7 +38,8 @@ def load() -> None:
     """Register the backend, its CLI choice and the schedule-policy hooks with SGLang (idempotent).
 
     Called by SGLang's plugin loader (entry point ``prefixattn`` in group ``sglang.srt.plugins``). Raises
-    :class:`~integrations.sglang.version.UnsupportedSGLangVersion` for any SGLang release but the supported one.
+    :class:`~prefixattn.integrations.sglang.version.UnsupportedSGLangVersion` for any SGLang release but the supported
+    one.
     """
     global _loaded
     with _lock:
@@ -48,7 +49,7 @@ def load() -> None:
         from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS, register_attention_backend
         from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
 
-        from integrations.sglang import schedule_policy
+        from prefixattn.integrations.sglang import schedule_policy
 
         if ATTENTION_BACKEND_NAME not in ATTENTION_BACKENDS:
             register_attention_backend(ATTENTION_BACKEND_NAME)(create_prefixattn_backend)

@@ -83,7 +83,8 @@ def eager_wrapper(vllm_config, *, num_qo_heads: int, num_kv_heads: int, head_dim
 def builder_wrappers(vllm_config, geometry, *, block_size: int, q_dtype: torch.dtype, kv_dtype: torch.dtype,
                      device) -> tuple:
     """``(graph_attn, eager_attn)`` of one metadata builder of a group with ``geometry``
-    (:class:`~integrations.vllm.layer_geometry.GroupGeometry`); either is None when vLLM's config has no use for it."""
+    (:class:`~prefixattn.integrations.vllm.layer_geometry.GroupGeometry`); either is None when vLLM's config has no use
+    for it."""
     options = dict(num_qo_heads=geometry.num_qo_heads, num_kv_heads=geometry.num_kv_heads,
                    head_dim=geometry.head_dim, block_size=block_size, q_dtype=q_dtype, kv_dtype=kv_dtype,
                    sm_scale=geometry.sm_scale, device=device, window_left=geometry.window_left,

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from integrations.vllm.layer_geometry import GroupGeometry, group_geometry, group_kv_dtype, group_layers
-from integrations.vllm.wrappers import builder_wrappers, wrappers_device_bytes
+from prefixattn.integrations.vllm.layer_geometry import GroupGeometry, group_geometry, group_kv_dtype, group_layers
+from prefixattn.integrations.vllm.wrappers import builder_wrappers, wrappers_device_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -104,17 +104,16 @@ def _attention_groups(vllm_config, group) -> dict:
     return split
 
 
-def expected_builders(vllm_config, *, device) -> list[WorkspaceKey]:
-    """One key per metadata builder of this backend vLLM will create for ``vllm_config``'s model."""
+def expected_builders(vllm_config, *, device, impl_cls: type) -> list[WorkspaceKey]:
+    """One key per metadata builder of this backend vLLM will create for ``vllm_config``'s model: the attention
+    groups whose layers' impl is an ``impl_cls`` (the backend passes its own; this module does not import it)."""
     from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
-
-    from integrations.vllm.backend import PrefixAttnImpl
 
     keys = []
     q_dtype = vllm_config.model_config.dtype
     for group in get_kv_cache_groups(vllm_config, _cache_specs(vllm_config)):
-        for (impl_cls, spec, _), names in _attention_groups(vllm_config, group).items():
-            if not issubclass(impl_cls, PrefixAttnImpl):
+        for (layer_impl, spec, _), names in _attention_groups(vllm_config, group).items():
+            if not issubclass(layer_impl, impl_cls):
                 continue  # another backend's layers
             key = WorkspaceKey(layer_names=tuple(sorted(names)), geometry=group_geometry(spec, vllm_config, names),
                                block_size=int(spec.block_size), q_dtype=q_dtype,
@@ -135,9 +134,9 @@ class WorkspacePool:
         #: device bytes of workspaces builders allocated themselves (not inside the memory profile)
         self.outside_bytes = 0
 
-    def reserve(self, vllm_config, *, device) -> int:
+    def reserve(self, vllm_config, *, device, impl_cls: type) -> int:
         """Allocate every expected builder's workspaces (once per config, before any builder); returns the bytes
-        allocated now."""
+        allocated now. ``impl_cls``: the backend's impl class (:func:`expected_builders`)."""
         if id(vllm_config) in self._built_for or (self._config is not None and self._config() is vllm_config):
             return 0
         self._entries.clear()  # another engine's config in this process
@@ -145,7 +144,7 @@ class WorkspacePool:
         # The profiling forward runs under inference mode; the workspaces are mutable runtime state, allocated as
         # normal tensors (as vLLM allocates its own persistent buffers).
         with torch.inference_mode(False):
-            for key in expected_builders(vllm_config, device=device):
+            for key in expected_builders(vllm_config, device=device, impl_cls=impl_cls):
                 wrappers = builder_wrappers(vllm_config, key.geometry, block_size=key.block_size,
                                             q_dtype=key.q_dtype, kv_dtype=key.kv_dtype, device=key.device)
                 self._entries.append(_Entry(key=key, wrappers=wrappers))
