@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The oldest supported Triton (3.6.0: the GPU image's) in its own venv .venv-triton36 (~60 s to create, ~2 min to run):
 #   - the fused kernel, merge kernel, K/V write and warm-up tests in Triton 3.6's interpreter (tests/test_attention.py,
-#     tests/test_merge_states.py, tests/test_runtime.py, tests/test_kv_write.py, tests/test_warmup.py) and the GPU
-#     check's dry run (tests/test_gpu_check_dry_run.py);
+#     tests/test_merge_states.py, tests/test_runtime.py, tests/test_kv_write.py, tests/test_warmup.py), the prepared
+#     launch against this Triton's own JIT and compiled launcher (tests/test_launcher.py, test_launcher_compile.py)
+#     and, under 3.6 only, the GPU check's dry run (tests/test_gpu_check_dry_run.py);
 #   - `prefixattn compile-check` for sm90 (bf16, head_dim 64 and 128: decode, chunked prefill, suffix-only, merges),
 #     i.e. Triton 3.6's own compiler and ptxas on the kernels the GPU machine will run.
 # numpy<2.4: Triton 3.6's interpreter calls int() on 1-element arrays, a TypeError from NumPy 2.4 on (see
@@ -29,9 +30,12 @@ fi
 "$VENV/bin/python" -m pip install -q torch==2.13.0 "$TRITON_PIN" "numpy<2.4" -e ".[test]"
 
 failed=()
+# The GPU check's dry run (~2.5 minutes) only under 3.6, the GPU image's Triton; the main suite runs it on the newest.
+dry_run=()
+[ "$version" = "3.6.0" ] && dry_run=(tests/test_gpu_check_dry_run.py)
 # Triton 3.6's interpreter warns (NumPy DeprecationWarning) at every scalar loop bound: thousands of lines, no news.
 "$VENV/bin/python" -m pytest tests/test_attention.py tests/test_merge_states.py tests/test_runtime.py \
-  tests/test_kv_write.py tests/test_warmup.py tests/test_gpu_check_dry_run.py -q \
+  tests/test_kv_write.py tests/test_warmup.py tests/test_launcher.py tests/test_launcher_compile.py "${dry_run[@]}" -q \
   -m "not slow" -W "ignore:Conversion of an array with ndim:DeprecationWarning" "$@" || failed+=(kernel-tests)
 "$VENV/bin/prefixattn" compile-check --targets sm90 --dtypes bf16 --head-dims 64,128 --jobs 2 --quiet \
   || failed+=(compile-check)
