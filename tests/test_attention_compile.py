@@ -96,7 +96,8 @@ _AMD_ORDERING = {"gfx942": {"release": "buffer_wbl2", "acquire": "buffer_inv sc1
 def test_merge_reports_are_ordered_on_amd(arch):
     """The in-launch merge on CDNA: every wave waits for its own workspace stores before the CTA barrier (a barrier
     orders LDS only; ``s_waitcnt vmcnt(0)`` counts stores on CDNA), the report is a release atomic, and only the
-    merging path pays an acquire (cache invalidate) - none after the reports themselves."""
+    merging path pays an acquire (its exchange that resets the counter, then a cache invalidate) - none after the
+    reports themselves."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
     root = Path(__file__).resolve().parents[1]
     run = subprocess.run([sys.executable, "-c", _AMD_SCRIPT, arch], capture_output=True, text=True, env=env,
@@ -105,7 +106,9 @@ def test_merge_reports_are_ordered_on_amd(arch):
     lines = [ln.strip() for ln in run.stdout.splitlines() if ln.strip() and not ln.strip().startswith((";", "."))]
     rule = _AMD_ORDERING[arch]
     reports = [i for i, ln in enumerate(lines) if "atomic_add" in ln and rule["returns"] in ln]
-    acquires = [i for i, ln in enumerate(lines) if "atomic_add" in ln and rule["returns"] not in ln]
+    # The merging lane's acquire is the exchange that resets its counter to zero (no memset per layer).
+    acquires = [i for i, ln in enumerate(lines) if "atomic_swap" in ln]
+    assert not [ln for ln in lines if "atomic_add" in ln and rule["returns"] not in ln], "every add is a report"
     # The inline-asm waits keep their ;;#ASMSTART markers in the raw text: count them there.
     # One report site: a work class's binary runs one kind of item (the shared class here).
     assert run.stdout.count(";;#ASMSTART\n\ts_waitcnt vmcnt(0)\n\t;;#ASMEND") == len(reports) == 1

@@ -151,7 +151,9 @@ def test_engine_runs_a_sliding_window_model(tmp_path):
     assert got["tokens"] == want["tokens"]
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
+# e5m2 through a whole engine is slow (~50 s): in the default run test_builder's impl forward covers it on vLLM's
+# cache views, and the engine path is the same as fp8 (e4m3) past the element type.
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", pytest.param("fp8_e5m2", marks=pytest.mark.slow)])
 def test_engine_runs_an_fp8_kv_cache(tmp_path, kv_cache_dtype):
     # Real engine, CPU platform: an fp8 KV cache, written quantized and read dequantized by prefixattn, runs end to
     # end with shared prefixes in the batch and gives vLLM's own greedy tokens at every step.
