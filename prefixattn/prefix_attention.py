@@ -141,8 +141,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pla
     if launch is None:  # this plan's first call of this shape (or an input the key cannot describe): every check
         _check_against_plan(q, k_cache, v_cache, plan, out, return_lse)
         check_fp8_support("k_cache", k_cache)
-    features = (launch.features if launch is not None and sinks is None and k_scale is None and v_scale is None
-                else _feature_args(plan, q, sinks, k_scale, v_scale))
+    features = _call_features(launch, plan, q, sinks, k_scale, v_scale)
     if out is None:
         out = torch.empty_like(q)
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else plan.ws_lse
@@ -154,6 +153,14 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pla
                           features=features)
     _launch(launch, plan.counters if plan.num_merge_rows else None, out, lse, q, k_cache, v_cache, features)
     return (out, lse) if return_lse else out
+
+
+def _call_features(launch, p: Plan, q: torch.Tensor, sinks, k_scale, v_scale) -> dict:
+    """:func:`_feature_args` of this call: the prepared launch's when the call passes no sinks and no scales (nothing
+    of them can differ from the call that prepared it), else computed (their values change per call)."""
+    if launch is not None and sinks is None and k_scale is None and v_scale is None:
+        return launch.features
+    return _feature_args(p, q, sinks, k_scale, v_scale)
 
 
 #: Prepared launches a plan keeps (call shapes: an engine has one or two); past it the memo starts over.
@@ -569,8 +576,7 @@ class PrefixSharedAttention:
                 raise ValueError(f"q: expected {graph_tokens} rows (the graph_num_tokens this step was planned for), "
                                  f"got {q.shape[0]}")
         # sinks and tensor scales are read by pointer: capture with the tensors every replay passes (the layer's own)
-        features = (launch.features if launch is not None and sinks is None and k_scale is None and v_scale is None
-                    else _feature_args(p, q, sinks, k_scale, v_scale))
+        features = _call_features(launch, p, q, sinks, k_scale, v_scale)
         if out is None:
             out = torch.empty_like(q)
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else ws.ws_lse
