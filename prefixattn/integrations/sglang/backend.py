@@ -3,22 +3,27 @@
 SGLang's radix cache gives requests that share a prompt prefix the *same* KV slot ids, so the leading entries of
 their ``req_to_token`` rows are identical. Those rows are exactly a block table: with ``page_size`` 1 every slot is
 a block of one token, with a paged pool the first slot of each page divided by ``page_size`` is the page id. Once
-per forward batch (:meth:`PrefixAttnBackend.init_forward_metadata`) the backend copies those rows to the host and
-builds one plan per layer geometry (into that geometry's capacity-sized wrapper: :meth:`PrefixAttnBackend._plan_eager`,
-or a graph wrapper for captured decode steps), which finds the shared prefixes; every layer then runs
+per forward batch (:meth:`PrefixAttnBackend.init_forward_metadata`) the backend gathers those rows on the device (the
+kernels read them there; a decode graph refills its own table inside the graph) and builds one plan per layer
+geometry (into that geometry's capacity-sized wrapper: :meth:`PrefixAttnBackend._plan_eager`, or a graph wrapper for
+captured decode steps), which finds the shared prefixes; every layer then runs
 :func:`prefixattn.attention` with that plan against the pool's buffers viewed as
 ``[num_blocks, page_size, num_kv_heads, head_dim]`` (no copy), after writing the layer's new K/V with the pool's
 own ``set_kv_buffer``.
 
-The host copy is one synchronization with the device per step: SGLang 0.5.23 keeps no host copy of ``req_to_token``
-(slot ids come from its device-side allocator and the radix cache's device tensors, and it rewrites rows on the
-device when it inserts a request into the cache), and a plan that assumed stale rows could share pages requests no
-longer share. Under SGLang's overlap scheduling the copy waits for the previous batch's forward.
+No step synchronizes with the device: the planner reads host page labels, not the page ids. SGLang 0.5.23 keeps no
+host copy of ``req_to_token`` (slot ids come from its device-side allocator), but its scheduler knows which prefix of
+each row is the radix cache's and through which tree nodes; :mod:`.host_pages` labels those pages by tree node (equal
+labels = equal slots) and every other page on its own, from the requests recorded when ``ForwardBatch.init_new``
+built the batch, so the plan never shares pages two requests no longer share, whatever was added, finished,
+preempted or reordered. A batch without that record (one SGLang's ``init_new`` did not build) has its rows copied
+from the device (``backend.host_table_copies`` counts them), as have ``seq_lens``/``extend_seq_lens`` when SGLang
+gives no CPU mirror of them.
 
-Bad metadata: each plan is built with ``num_blocks`` = the pool's page count, so an id outside the pool is a
-``ValueError`` at plan time (part of the planner's numpy pass over the block table, once per step and geometry), and
-every layer's :func:`prefixattn.attention` compares the plan's largest block id with the pool view's page count
-again (two int comparisons per layer, no device work). An fp8 pool (``--kv-cache-dtype fp8_e4m3`` / ``fp8_e5m2``:
+Bad metadata: the page ids are read on the device only, so their range is not checked on the host (SGLang's own
+allocator writes them); the labels are within the pool's page count (each plan is built with ``num_blocks``), and
+every layer's :func:`prefixattn.attention` compares the plan's largest label with the pool view's page count. An
+fp8 pool (``--kv-cache-dtype fp8_e4m3`` / ``fp8_e5m2``:
 SGLang stores the bytes as uint8 and ``get_key_buffer`` returns the fp8 view) is read by the kernel directly, upcast on
 load, with SGLang's per-tensor scale convention (``layer.k_scale``: the pool holds ``k / k_scale``, written by
 ``set_kv_buffer``; the kernel multiplies by ``layer.k_scale_float``). Any other quantized pool (FP4 and the pools
@@ -45,7 +50,8 @@ from sglang.srt.layers.radix_attention import AttentionType  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc, MHATokenToKVPool  # noqa: E402
 
 import prefixattn  # noqa: E402
-from prefixattn.integrations.sglang.page_table import fill_page_table  # noqa: E402
+from prefixattn.integrations.sglang.host_pages import HostPages  # noqa: E402
+from prefixattn.integrations.sglang.page_table import GraphState, geometry_options  # noqa: E402
 from prefixattn.warmup import MAX_DISTINCT_Q_LEN, SGLANG_LAYOUT, WarmupReport, warmup_enabled  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -75,8 +81,9 @@ class StepMetadata:
     qo_indptr : Tensor, ``[batch_size + 1]``, int64, CPU
     kv_lens : Tensor, ``[batch_size]``, int64, CPU
         SGLang's ``seq_lens``: cached prefix + this step's new tokens.
-    block_table : Tensor, ``[batch_size, max_blocks]``, CPU, ``req_to_token``'s dtype (int32)
-        Block (page) ids from ``req_to_token``; identical leading ids = a prefix shared through the radix cache.
+    block_table : Tensor, ``[batch_size, max_blocks]``, CPU, int32
+        What the planner reads: page labels, equal where two requests share a page through the radix cache
+        (:mod:`.host_pages`), or a copy of the page ids in ``req_to_token``. The kernels never read it.
     plans : dict
         ``(num_qo_heads, num_kv_heads, head_dim, dtype, sm_scale, causal) -> prefixattn.Plan``. A model whose layers
         all have one geometry (every dense model) plans once per step.
@@ -86,12 +93,14 @@ class StepMetadata:
     kv_lens: torch.Tensor
     block_table: torch.Tensor
     plans: dict = field(default_factory=dict)
-    #: ``[batch_size, >= max_blocks]`` int32 on the pool's device: the same block ids, gathered from ``req_to_token``
-    #: on the device (the host copy above is made from it); the eager wrappers' kernels read it in place.
+    #: ``[batch_size, >= max_blocks]`` int32 on the pool's device: the page ids, gathered from ``req_to_token`` on the
+    #: device; the eager wrappers' kernels read it in place (None in a graph step: the graph's own table).
     device_block_table: torch.Tensor | None = None
     #: A decode step SGLang captures or replays as a CUDA graph (``init_forward_metadata_out_graph``): its plans go
     #: into the backend's graph wrappers (:meth:`PrefixAttnBackend.init_cuda_graph_state`).
     graph: bool = False
+    #: Where ``block_table`` came from: "radix_cache" (:mod:`.host_pages`' labels) or "device_copy".
+    route: str = "device_copy"
 
     @property
     def num_tokens(self) -> int:
@@ -159,6 +168,7 @@ class PrefixAttnBackend(AttentionBackend):
         self.req_to_token_pool = model_runner.req_to_token_pool
         self.token_to_kv_pool = pool
         self.page_size = int(pool.page_size)
+        self.num_pages = (int(pool.size) + self.page_size) // self.page_size  # the buffers' rows: size + page_size
         self.sharing = sharing if sharing is not None else os.environ.get(SHARING_ENV, "auto")
         self.forward_metadata: StepMetadata | None = None
         self.warmup_report = warm_up_kernels(model_runner, pool)
@@ -171,6 +181,9 @@ class PrefixAttnBackend(AttentionBackend):
         self._allocate_eager_wrappers(model_runner)
         #: Eager steps beyond that capacity, planned with a per-step prefixattn.plan() instead.
         self.capacity_fallbacks = 0
+        self.host_pages = HostPages()
+        #: Steps whose host table was copied from the device (no radix-cache record of the batch: a synchronization).
+        self.host_table_copies = 0
 
     def _allocate_eager_wrappers(self, model_runner) -> None:
         """The eager wrappers of the model's layer geometries, now: an out-of-memory is a start-up error naming the
@@ -203,11 +216,14 @@ class PrefixAttnBackend(AttentionBackend):
     # Per step (host)
     # ------------------------------------------------------------------------------------------------------------
     def init_forward_metadata(self, forward_batch) -> None:
-        """Build this batch's host metadata (qo_indptr, kv_lens, block table); plans are made from it per geometry.
+        """Build this batch's host metadata (qo_indptr, kv_lens, page labels); plans are made from it per geometry.
 
-        The only device->host copies are ``seq_lens``/``extend_seq_lens`` when SGLang has no CPU mirror of them,
-        and the batch's ``req_to_token`` rows (the planner must see the block ids to find shared prefixes).
+        No device->host copy when SGLang built the batch (``seq_lens_cpu``, ``extend_seq_lens_cpu`` and the radix
+        cache's page labels are host data); without those mirrors or that record it copies them from the device.
         """
+        self._init_metadata(forward_batch, graph=False)
+
+    def _init_metadata(self, forward_batch, *, graph: bool, capture: bool = False) -> None:
         mode = forward_batch.forward_mode
         if mode.is_idle():
             self.forward_metadata = None
@@ -231,17 +247,38 @@ class PrefixAttnBackend(AttentionBackend):
             raise NotImplementedError(f"forward_mode: {mode.name} is not supported by the prefixattn backend")
         qo_indptr = torch.zeros(bs + 1, dtype=torch.int64)
         torch.cumsum(q_lens, dim=0, out=qo_indptr[1:])
-        max_len = int(kv_lens.max()) if bs else 0
-        # Slot ids of the first token of each page; page id = slot // page_size (page_size 1: the slot itself).
-        rows = self.req_to_token_pool.req_to_token[forward_batch.req_pool_indices[:bs], :max(max_len, 1)]
-        device_table = rows  # a gather: a new contiguous tensor
-        if self.page_size > 1:
-            device_table = torch.div(rows[:, :: self.page_size], self.page_size, rounding_mode="floor")
-        self.forward_metadata = StepMetadata(qo_indptr=qo_indptr, kv_lens=kv_lens,
-                                             # its own dtype: the planner reads int32 (half the copy of int64;
-                                             # on a CPU pool the table itself, no copy)
-                                             block_table=device_table.to("cpu"),
-                                             device_block_table=device_table)
+        self.forward_metadata = self._step_metadata(forward_batch, bs, qo_indptr, kv_lens, graph=graph,
+                                                    capture=capture)
+
+    def _step_metadata(self, forward_batch, bs: int, qo_indptr, kv_lens, *, graph: bool,
+                       capture: bool) -> StepMetadata:
+        """The step's tables: host page labels from the radix cache (:mod:`.host_pages`), else a copy of the device
+        rows; the device rows gathered for an eager step (a graph step refills its own table inside the graph). A
+        graph capture plans its placeholder batch with nothing shared (every replay plans its own batch)."""
+        width = -(-int(kv_lens.max()) // self.page_size) if bs else 0
+        labels = self.host_pages.labels(forward_batch, bs=bs, kv_lens=kv_lens.numpy(), page_size=self.page_size,
+                                        width=max(width, 1), num_pages=self.num_pages, unshared=capture)
+        device_table = None
+        if labels is None or not graph:
+            # Slot ids of the first token of each page; page id = slot // page_size (page_size 1: the slot itself).
+            rows = self.req_to_token_pool.req_to_token[forward_batch.req_pool_indices[:bs], :max(width, 1)
+                                                       * self.page_size]
+            device_table = rows  # a gather: a new contiguous tensor
+            if self.page_size > 1:
+                device_table = torch.div(rows[:, :: self.page_size], self.page_size, rounding_mode="floor")
+        if labels is not None:
+            host_table, route = torch.from_numpy(labels), "radix_cache"
+        else:
+            self.host_table_copies += 1
+            if self.host_table_copies == 1:
+                logger.warning("prefixattn: no radix-cache record of this batch's requests (a batch SGLang's "
+                               "ForwardBatch.init_new did not build, or a cache without a tree): copying its "
+                               "req_to_token rows from the device, which waits for the work queued before it "
+                               "(backend.host_table_copies counts them)")
+            # its own dtype: the planner reads int32 (on a CPU pool the table itself, no copy)
+            host_table, route = device_table.to("cpu"), "device_copy"
+        return StepMetadata(qo_indptr=qo_indptr, kv_lens=kv_lens, block_table=host_table,
+                            device_block_table=device_table, graph=graph, route=route)
 
     def _plan_for(self, layer, q: torch.Tensor, causal: bool, num_blocks: int):
         meta = self.forward_metadata
@@ -342,7 +379,7 @@ class PrefixAttnBackend(AttentionBackend):
         mode = forward_batch.forward_mode
         if not mode.is_decode():
             raise NotImplementedError(f"forward_mode {mode.name}: {_NO_PREFILL_GRAPHS}")
-        self.init_forward_metadata(forward_batch)
+        self._init_metadata(forward_batch, graph=True, capture=in_capture)
         meta = self.forward_metadata
         num_padding = int(getattr(forward_batch, "num_padding", 0) or 0)
         if num_padding:
@@ -350,7 +387,6 @@ class PrefixAttnBackend(AttentionBackend):
             q_lens[q_lens.shape[0] - num_padding:] = 0
             meta.qo_indptr = torch.zeros_like(meta.qo_indptr)
             torch.cumsum(q_lens, dim=0, out=meta.qo_indptr[1:])
-        meta.graph = True
         self._graph.plan_all(meta)
 
     def init_forward_metadata_in_graph(self, forward_batch):
@@ -374,64 +410,6 @@ def plan_key(layer, q_dtype: torch.dtype, causal: bool) -> tuple:
     window = layer.sliding_window_size if layer.sliding_window_size is not None else -1
     return (layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim, q_dtype, float(layer.scaling), causal,
             float(layer.logit_cap or 0.0), window)
-
-
-def geometry_options(key: tuple, *, block_size: int, sharing: str, kv_dtype) -> dict:
-    """The plan / wrapper options of a layer geometry ``key`` (``_plan_for``'s: heads, head size, q dtype, scale,
-    causal, soft cap, window), one mapping for the eager and the graph wrappers and the per-step plan."""
-    num_qo_heads, num_kv_heads, head_dim, q_dtype, sm_scale, causal, soft_cap, window = key
-    return dict(block_size=block_size, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                causal=causal, sm_scale=sm_scale, q_dtype=q_dtype, sharing=sharing, logits_soft_cap=soft_cap,
-                window_left=window, kv_dtype=kv_dtype)
-
-
-class GraphState:
-    """The decode graphs' shared state: one capacity-fixed :class:`prefixattn.PrefixSharedAttention` per layer
-    geometry (``use_cuda_graph=True``) and the static device block table they read.
-
-    The table is ``[max_bs, max_pages]`` int32 and refilled inside the graph from ``req_to_token``, each request's used
-    pages only (:func:`~prefixattn.integrations.sglang.page_table.fill_page_table`: the same address at every step); the
-    planner reads the host copy the eager path makes.
-    """
-
-    def __init__(self, *, max_bs: int, max_num_tokens: int, max_pages: int, page_size: int, sharing: str,
-                 device, kv_dtype: torch.dtype | None = None) -> None:
-        self.max_bs, self.max_num_tokens, self.page_size, self.sharing = max_bs, max_num_tokens, page_size, sharing
-        self.kv_dtype = kv_dtype  # the pool's fp8 dtype (prices the cost rule), None: q's dtype
-        self.table = torch.zeros((max_bs, max_pages), dtype=torch.int32, device=device)
-        self.wrappers: dict = {}  # plan key (heads, head_dim, dtype, scale, causal) -> PrefixSharedAttention
-
-    def fill_table(self, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
-                   bs: int) -> None:
-        fill_page_table(self.table, req_to_token, req_pool_indices, seq_lens, bs, self.page_size)
-
-    def _plan(self, attn, meta: StepMetadata):
-        bs = meta.block_table.shape[0]  # the padded batch: one query row per request slot in a decode graph
-        return attn.plan(meta.qo_indptr, meta.kv_lens, meta.block_table, device_block_table=self.table[:bs],
-                         graph_num_tokens=bs)
-
-    def plan_all(self, meta: StepMetadata) -> None:
-        for key, attn in self.wrappers.items():
-            meta.plans[key] = self._plan(attn, meta)
-
-    def plan_new_geometry(self, key, meta: StepMetadata, *, device):
-        """A layer geometry first seen in a graph step (the first capture's warm-up run): its wrapper and plan."""
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            raise ValueError(f"layer geometry {key}: expected it to be seen in the warm-up run before the graph "
-                             "capture (a workspace cannot be allocated inside a capture), got it first while capturing")
-        self.wrappers[key] = prefixattn.PrefixSharedAttention(
-            **geometry_options(key, block_size=self.page_size, sharing=self.sharing, kv_dtype=self.kv_dtype),
-            max_tokens=self.max_num_tokens, max_requests=self.max_bs, max_blocks_per_request=0, device=device,
-            use_cuda_graph=True)
-        meta.plans[key] = p = self._plan(self.wrappers[key], meta)
-        return p
-
-    def run(self, p, q, k_cache, v_cache, *, out, sinks=None, k_scale=None, v_scale=None) -> None:
-        attn = next((a for a in self.wrappers.values() if a.current_plan is p), None)
-        if attn is None:
-            raise ValueError("plan: expected the graph wrapper's latest plan for this step, got an older one (a "
-                             "later init_forward_metadata_out_graph overwrote its tables)")
-        attn.run(q, k_cache, v_cache, out=out, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
 
 
 def _check_pool_dtype(pool, model_dtype: torch.dtype | None) -> None:

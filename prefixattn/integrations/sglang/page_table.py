@@ -7,6 +7,8 @@ slot copies only that request's used length, as SGLang's FlashInfer backend buil
 whole rows (batch x max context, int32) made ~128 MB of temporaries and ~0.25 GB of traffic per step at batch 256
 and a 131k context. Entries past a request's used pages keep whatever an earlier replay left there: no plan reads
 them. The launch depends only on the captured batch size (grid) and the tensors' addresses: graph-safe.
+
+:class:`GraphState` holds that table and the graph wrappers (one per layer geometry) that plan into it.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+import prefixattn
 
 #: Pages each loop iteration of a program copies: 512 bytes of int32 page ids, so a decode row of a 4k context at
 #: page size 1 is 8 iterations; any power of two is correct.
@@ -72,3 +76,61 @@ def fill_page_table(table: torch.Tensor, req_to_token: torch.Tensor, req_pool_in
     _fill_page_table_kernel[(batch_size,)](
         table, req_to_token, req_pool_indices, seq_lens, table.shape[1], table.stride(0), req_to_token.stride(0),
         PAGE_SIZE=page_size, BLOCK=PAGES_PER_ITERATION)
+
+
+def geometry_options(key: tuple, *, block_size: int, sharing: str, kv_dtype) -> dict:
+    """The plan / wrapper options of a layer geometry ``key`` (``_plan_for``'s: heads, head size, q dtype, scale,
+    causal, soft cap, window), one mapping for the eager and the graph wrappers and the per-step plan."""
+    num_qo_heads, num_kv_heads, head_dim, q_dtype, sm_scale, causal, soft_cap, window = key
+    return dict(block_size=block_size, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                causal=causal, sm_scale=sm_scale, q_dtype=q_dtype, sharing=sharing, logits_soft_cap=soft_cap,
+                window_left=window, kv_dtype=kv_dtype)
+
+
+class GraphState:
+    """The decode graphs' shared state: one capacity-fixed :class:`prefixattn.PrefixSharedAttention` per layer
+    geometry (``use_cuda_graph=True``) and the static device block table they read.
+
+    The table is ``[max_bs, max_pages]`` int32 and refilled inside the graph from ``req_to_token``, each request's used
+    pages only (:func:`fill_page_table`: the same address at every step); the planner reads the step's host page
+    labels (:mod:`prefixattn.integrations.sglang.host_pages`).
+    """
+
+    def __init__(self, *, max_bs: int, max_num_tokens: int, max_pages: int, page_size: int, sharing: str,
+                 device, kv_dtype: torch.dtype | None = None) -> None:
+        self.max_bs, self.max_num_tokens, self.page_size, self.sharing = max_bs, max_num_tokens, page_size, sharing
+        self.kv_dtype = kv_dtype  # the pool's fp8 dtype (prices the cost rule), None: q's dtype
+        self.table = torch.zeros((max_bs, max_pages), dtype=torch.int32, device=device)
+        self.wrappers: dict = {}  # plan key (heads, head_dim, dtype, scale, causal) -> PrefixSharedAttention
+
+    def fill_table(self, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                   bs: int) -> None:
+        fill_page_table(self.table, req_to_token, req_pool_indices, seq_lens, bs, self.page_size)
+
+    def _plan(self, attn, meta):
+        bs = meta.block_table.shape[0]  # the padded batch: one query row per request slot in a decode graph
+        return attn.plan(meta.qo_indptr, meta.kv_lens, meta.block_table, device_block_table=self.table[:bs],
+                         graph_num_tokens=bs)
+
+    def plan_all(self, meta) -> None:
+        for key, attn in self.wrappers.items():
+            meta.plans[key] = self._plan(attn, meta)
+
+    def plan_new_geometry(self, key, meta, *, device):
+        """A layer geometry first seen in a graph step (the first capture's warm-up run): its wrapper and plan."""
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise ValueError(f"layer geometry {key}: expected it to be seen in the warm-up run before the graph "
+                             "capture (a workspace cannot be allocated inside a capture), got it first while capturing")
+        self.wrappers[key] = prefixattn.PrefixSharedAttention(
+            **geometry_options(key, block_size=self.page_size, sharing=self.sharing, kv_dtype=self.kv_dtype),
+            max_tokens=self.max_num_tokens, max_requests=self.max_bs, max_blocks_per_request=0, device=device,
+            use_cuda_graph=True)
+        meta.plans[key] = p = self._plan(self.wrappers[key], meta)
+        return p
+
+    def run(self, p, q, k_cache, v_cache, *, out, sinks=None, k_scale=None, v_scale=None) -> None:
+        attn = next((a for a in self.wrappers.values() if a.current_plan is p), None)
+        if attn is None:
+            raise ValueError("plan: expected the graph wrapper's latest plan for this step, got an older one (a "
+                             "later init_forward_metadata_out_graph overwrote its tables)")
+        attn.run(q, k_cache, v_cache, out=out, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
