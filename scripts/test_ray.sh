@@ -4,13 +4,15 @@
 #   - torch==2.13.0 first (pinned: a bare "torch" requirement would pull a multi-GB CUDA build);
 #   - ray[data] (the `ray` extra: ray, pandas, pyarrow);
 #   - prefixattn editable with the test extra.
-# Then the vLLM-on-Ray test (markers `ray` and `vllm`: a tiny vLLM-CPU model per actor) in .venv-vllm, which
-# scripts/test_vllm.sh creates: ray[data] is added there (~20 s, no other package changes). Without .venv-vllm that
-# test does not run, and this script says so.
+# PREFIXATTN_RAY_VLLM=1 then runs the vLLM-on-Ray test (markers `ray`, `vllm` and `slow`: two actors each starting a
+# tiny vLLM-CPU engine, ~4 minutes on 2 cores) in .venv-vllm, which scripts/test_vllm.sh creates: ray[data] is added
+# there (~20 s, no other package changes). By default it does not run: tests/ray/test_vllm_engine.py (vLLM suite)
+# runs VLLMEngine with prefixattn against stock vLLM, tests/ray/test_pipeline.py runs the actors with the
+# simulator's engine.
 # Extra arguments go to pytest (both runs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-python3}
+source scripts/venv.sh
 VENV=.venv-ray
 VLLM_VENV=.venv-vllm
 
@@ -18,14 +20,15 @@ VLLM_VENV=.venv-vllm
 if ! "$VENV/bin/python" -c "import ray.data" 2>/dev/null; then
   "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null
   "$VENV/bin/python" -m pip install -q torch==2.13.0
-  "$VENV/bin/python" -m pip install -q -e ".[test,ray]"
 fi
-"$VENV/bin/python" -m pip install -q -e ".[test,ray]"
+install_editable "$VENV" test,ray
 status=0
 "$VENV/bin/python" -m pytest tests/ -m "ray and not vllm" "$@" || status=$?
 
-if [ -x "$VLLM_VENV/bin/python" ] && "$VLLM_VENV/bin/python" -c "import vllm" 2>/dev/null; then
-  "$VLLM_VENV/bin/python" -m pip install -q -e ".[test,ray]"
+if [ "${PREFIXATTN_RAY_VLLM:-0}" != 1 ]; then
+  echo "test_ray.sh: the vLLM-on-Ray test (slow) did not run; PREFIXATTN_RAY_VLLM=1 runs it"
+elif [ -x "$VLLM_VENV/bin/python" ] && "$VLLM_VENV/bin/python" -c "import vllm" 2>/dev/null; then
+  install_editable "$VLLM_VENV" test,ray
   "$VLLM_VENV/bin/python" -m pytest tests/ray -m "ray and vllm" "$@" || status=$?
 else
   echo "test_ray.sh: $VLLM_VENV has no vllm: the vLLM-on-Ray test (tests/ray/test_vllm_ray.py) did NOT run;" \

@@ -10,7 +10,7 @@
 # Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-python3}
+source scripts/venv.sh
 VENV=.venv-sglang
 SGLANG_PIN=sglang==0.5.23
 SGLANG_DEPS=(orjson psutil pybase64 requests packaging pillow starlette msgspec pydantic pyzmq tqdm IPython aiohttp
@@ -25,5 +25,5 @@ if [ "$installed" != "${SGLANG_PIN#*==}" ]; then
   "$VENV/bin/python" -m pip install -q --no-deps "$SGLANG_PIN"
   "$VENV/bin/python" -m pip install -q torch==2.13.0 "${SGLANG_DEPS[@]}"
 fi
-"$VENV/bin/python" -m pip install -q -e ".[test]"
+install_editable "$VENV" test
 "$VENV/bin/python" -m pytest tests/ -m sglang "$@"

