@@ -16,8 +16,9 @@ Modules, in the order a step goes through them:
 * :mod:`~prefixattn.planner.device_tables` and :mod:`~prefixattn.planner.workspace`: the tables on the device,
   new per plan or in a capacity-sized workspace;
 * :mod:`~prefixattn.planner.compiled`, :mod:`~prefixattn.planner.compiled_tree`,
-  :mod:`~prefixattn.planner.compiled_core`: the compiled (numba) planner, which computes the same tables as
-  node_choice, split_rule and work_list in two compiled calls (tested equal: ``tests/test_plan_native.py``).
+  :mod:`~prefixattn.planner.compiled_core` (with :mod:`~prefixattn.planner.compiled_split`, the split rule): the
+  compiled (numba) planner, which computes the same tables as node_choice, split_rule and work_list in two compiled
+  calls (tested equal: ``tests/test_plan_native.py``).
 
 Why two planners. The numpy planner runs everywhere and needs nothing past numpy; the compiled one makes plan()
 cheaper per step but costs numba's import and compile. Measured on a 2-core AMD EPYC host under load (load average

@@ -17,7 +17,8 @@ per-call overhead (~0.5-1 us per numpy call, a few hundred calls per plan). The 
 Per plan() the compiled path makes two compiled calls: the metadata value checks, per-request lengths and the block
 prefix tree or the tree cache's check (:mod:`prefixattn.planner.compiled_tree`; on a failed check the numpy checks
 run and raise their ``ValueError``), then node choice + split rule + work list + staging buffer
-(:mod:`prefixattn.planner.compiled_core`). What stays in Python/numpy on that path:
+(:mod:`prefixattn.planner.compiled_core`, the split rule in :mod:`prefixattn.planner.compiled_split`). What stays in
+Python/numpy on that path:
 
 * ``window_left >= 0``: the node choice, :mod:`prefixattn.planner.window` and the work list run in numpy (the tree is
   still compiled);
@@ -44,7 +45,7 @@ ENV_VAR = "PREFIXATTN_PLANNER"
 PLANNERS = ("auto", "numba", "numpy")
 
 _numba_error: type = Exception  # numba.core.errors.NumbaError once numba is imported
-_modules = None  # (tree, core) modules once imported; False when numba cannot be imported
+_modules = None  # (tree, core, split) modules once imported; False when numba cannot be imported
 
 
 def _load():
@@ -53,13 +54,13 @@ def _load():
         try:
             from numba.core.errors import NumbaError
 
-            from prefixattn.planner import compiled_core, compiled_tree
+            from prefixattn.planner import compiled_core, compiled_split, compiled_tree
         except ImportError:
             _modules = False
         else:
             global _numba_error
             _numba_error = NumbaError
-            _modules = (compiled_tree, compiled_core)
+            _modules = (compiled_tree, compiled_core, compiled_split)
     return _modules
 
 
@@ -99,7 +100,7 @@ def planner_name(choice: str | None = None) -> str:
 
 
 def compiled_modules():
-    """``(tree, core)`` modules when the numba planner is chosen, else None."""
+    """``(tree, core, split)`` modules when the numba planner is chosen, else None."""
     return _load() if planner_name() == "numba" else None
 
 
@@ -113,9 +114,9 @@ _SHARING_CODES = {"auto": 0, "always": 1, "never": 2}
 _constants: list = []
 
 
-def _constant_args(core) -> tuple:
+def _constant_args(modules) -> tuple:
     if not _constants:
-        _constants.append((core.layout_args(), core.rule_args()))
+        _constants.append((modules[1].layout_args(), modules[2].rule_args()))
     return _constants[0]
 
 
@@ -204,15 +205,15 @@ def core_params(*, causal, sharing, block_size, group, head_dim, elt_bytes, rows
 
 def cost_args(costs) -> np.ndarray | None:
     """The work classes' :class:`~prefixattn.autotune.program_cost.ProgramCost` as :func:`plan_tables`' float64
-    ``[NUM_CLASSES, NUM_COST]`` argument (``compiled_core.C_*`` columns); None without numba."""
+    ``[NUM_CLASSES, NUM_COST]`` argument (``compiled_split.C_*`` columns); None without numba."""
     modules = _load()
     if not modules:
         return None
-    core = modules[1]
-    out = np.empty((len(costs), core.NUM_COST), dtype=np.float64)
+    split = modules[2]
+    out = np.empty((len(costs), split.NUM_COST), dtype=np.float64)
     for i, c in enumerate(costs):
-        out[i, core.C_FIXED_US], out[i, core.C_TILE_US] = c.fixed_us, c.tile_us
-        out[i, core.C_SLOTS], out[i, core.C_FIXED_TOKENS] = c.slots_per_sm, c.fixed_tokens
+        out[i, split.C_FIXED_US], out[i, split.C_TILE_US] = c.fixed_us, c.tile_us
+        out[i, split.C_SLOTS], out[i, split.C_FIXED_TOKENS] = c.slots_per_sm, c.fixed_tokens
     return out
 
 
@@ -245,13 +246,13 @@ def plan_tables(modules, tree, params, costs, *, indptr, q_len, kv_len, shareabl
     """:func:`prefixattn.planner.node_choice.select_shared_nodes`, :func:`prefixattn.planner.work_list.build_work_list`
     and the staging buffer in one compiled call: ``(SharedNodes, WorkList, flat, table_fits, in_workspace)`` (None when
     it failed to compile, :func:`_compile_failed`); ``params`` from :func:`core_params`, ``costs`` from
-    :func:`prefixattn.planner.compiled_core.cost_args`, ``flat`` is
+    :func:`cost_args`, ``flat`` is
     :func:`prefixattn.planner.device_tables.metadata_to_device`'s host buffer (the table's used columns last when they
     fit int32). With ``workspace`` (and ``width`` 0) the work list is written into its host buffer instead when it fits
     the capacities (``in_workspace``; the WorkList's arrays are then views of that buffer).
     """
     core = modules[1]
-    lay, rule = _constant_args(core)
+    lay, rule = _constant_args(modules)
     dest, dest_lay = _dest_args(core, workspace)
     try:
         out = core.plan_core(lay, rule, costs, params, width, tree.order, tree.depth, tree.lb, tree.rb, tree.parent,

@@ -1,12 +1,12 @@
-"""Compiled (numba) node selection, split rule and work list: one call from the tree to the kernel's tables.
+"""Compiled (numba) node selection and work list: one call from the tree to the kernel's tables.
 
 Imported only when numba is (:mod:`prefixattn.planner.compiled`); every function is ``@njit(cache=True)``. Each function
 computes what its numpy counterpart does, as loops instead of vectorized passes; the numpy code is the definition:
 
 * :func:`select_nodes`: :func:`prefixattn.planner.node_choice.select_shared_nodes` (the cost rule is not restated:
   :func:`prefixattn.planner.cost_rule.sharing_pays_off` itself, compiled);
-* :func:`_class_split`: :func:`prefixattn.planner.split_rule.class_split` (piece budget, grains, pieces, the wave-aware
-  step and its modeled makespan);
+* the split rule, per work class: :mod:`prefixattn.planner.compiled_split`
+  (:func:`prefixattn.planner.split_rule.split_ranges`);
 * :func:`work_list`: :func:`prefixattn.planner.work_list.build_work_list` (suffix tiles, merge units, gather rows, LPT
   order);
 * :func:`plan_core`: the three in one call, plus the modeled launch times of ``Plan.stats``.
@@ -16,9 +16,10 @@ Not compiled (plan() runs the numpy path for them, :mod:`prefixattn.planner.comp
 
 Constants of other modules (table layout, split rule) come in as arguments, never as globals: numba's on-disk cache
 is keyed by this file's own source, so a global from another module would stay compiled in after it changed. For the
-same reason the three compiled modules never call each other. The one exception, the cost rule, is compiled from its
-numpy definition and pinned by :data:`COST_RULE_SOURCE_HASH`. ``tests/test_plan_native.py`` checks that
-both paths give equal Plan fields.
+same reason a compiled function of another file is called only where that file is pinned here by its source hash:
+the cost rule (compiled from its numpy definition, :data:`COST_RULE_SOURCE_HASH`) and the compiled split rule
+(:data:`SPLIT_SOURCE_HASH`); :mod:`~prefixattn.planner.compiled_tree` and this module never call each other.
+``tests/test_plan_native.py`` checks that both paths give equal Plan fields.
 """
 
 from __future__ import annotations
@@ -27,13 +28,17 @@ import numpy as np
 from numba import njit
 
 from prefixattn.kernels import layout as K
-from prefixattn.planner import cost_rule, split_rule as S
+from prefixattn.planner import cost_rule
+from prefixattn.planner.compiled_split import cdiv, piece_bound, split_ranges
 
 #: The first 16 hex digits of the sha256 of :mod:`prefixattn.planner.cost_rule`'s file, which :func:`select_nodes`
 #: compiles in (its function and constants): numba's on-disk cache keys this file's functions on this file alone, so
 #: a change to the rule must change this file too, or a cached ``select_nodes`` would keep the old rule.
 #: ``tests/test_cost_rule.py`` fails until this matches.
 COST_RULE_SOURCE_HASH = "12393037dbf5207a"
+#: The first 16 hex digits of the sha256 of :mod:`prefixattn.planner.compiled_split`'s file, whose functions
+#: :func:`work_list` compiles in (same reason as above). ``tests/test_split_rule.py`` fails until this matches.
+SPLIT_SOURCE_HASH = "3b99352d8035ad73"
 #: :func:`prefixattn.planner.cost_rule.sharing_pays_off`, compiled: the rule's one definition, called per node.
 _sharing_pays_off = njit(nogil=True)(cost_rule.sharing_pays_off)
 
@@ -49,22 +54,6 @@ def layout_args() -> np.ndarray:
             K.GATHER_FIELDS, K.GATHER_TOKEN, K.GATHER_WS_ROW, K.GATHER_MROW,
             K.MROW_FIELDS, K.MROW_WS_FIRST, K.MROW_WS_STRIDE, K.MROW_NUM_STATES,
             K.RANGE_FIELDS, K.RANGE_FIRST, K.RANGE_END, K.RANGES_SIZE], dtype=np.int64)
-
-
-def rule_args() -> np.ndarray:
-    """The split rule's constants (``R_*`` order) as a float64 array argument (same reason as :func:`layout_args`)."""
-    return np.array([S.SPLIT_TOLERANCE, S.CRITICAL_PATH_TARGET, S.MIN_PIECE_OVERHEADS, S.WAVE_CANDIDATES,
-                     S.LONG_PROGRAM_FRACTION, S.WAVE_GAIN_MIN, S.WAVE_EXTRA_ITEMS_PER_SM], dtype=np.float64)
-
-
-
-@njit(cache=True, nogil=True)
-def _cdiv(a, b):
-    """``ceil(a / b)`` for ``b > 0``; no division when ``0 <= a <= b`` (a decode request's one tile: a 64-bit
-    division costs ~15-40 cycles, paid per request)."""
-    if 0 <= a <= b:
-        return 1 if a > 0 else 0
-    return -(-a // b)
 
 
 #: A node's members are found by scanning the request mask when the node holds at least 1/8 of the requests (the
@@ -116,7 +105,7 @@ def select_nodes(order, depth, lb, rb, parent, shareable, q_len, block_size, row
             min_sh = min(min_sh, shareable[r])
             rows += q_len[r]
             if q_len[r] > rows_per_decode:  # read once per chunk tile unshared
-                extra += _cdiv(q_len[r], rows_per_chunk) - 1
+                extra += cdiv(q_len[r], rows_per_chunk) - 1
         ends[k] = min(depth[k] * block_size, min_sh)
         p = parent[k]
         if p >= 0:
@@ -125,7 +114,7 @@ def select_nodes(order, depth, lb, rb, parent, shareable, q_len, block_size, row
         tokens = ends[k] - start[k]
         ok = tokens > 0
         if ok and sharing == SHARING_AUTO:
-            ok = _sharing_pays_off(rb[k] - lb[k] + 1, rows, _cdiv(rows, rows_per_shared), tokens, group, head_dim,
+            ok = _sharing_pays_off(rb[k] - lb[k] + 1, rows, cdiv(rows, rows_per_shared), tokens, group, head_dim,
                                    elt_bytes, extra)
         keep[k] = ok
         eff_end[k] = ends[k] if ok else start[k]
@@ -162,138 +151,6 @@ def select_nodes(order, depth, lb, rb, parent, shareable, q_len, block_size, row
     return kv_start, kv_end, depth_blocks, offsets, members, suffix_start
 
 
-#: Entries of the ``rule`` argument (:func:`rule_args`): the split rule's constants.
-(R_TOLERANCE, R_TARGET, R_MIN_PIECE_OVERHEADS, R_WAVE_CANDIDATES, R_LONG_FRACTION, R_WAVE_GAIN_MIN,
- R_WAVE_EXTRA, NUM_RULE) = range(8)
-#: Entries of a row of the ``costs`` argument (one row per work class: its ProgramCost).
-C_FIXED_US, C_TILE_US, C_SLOTS, C_FIXED_TOKENS, NUM_COST = range(5)
-
-
-@njit(cache=True, nogil=True)
-def _min_piece(min_split_tokens, fixed_tokens, rule):
-    return min(float(min_split_tokens), rule[R_MIN_PIECE_OVERHEADS] * fixed_tokens)
-
-
-@njit(cache=True, nogil=True)
-def _split_budget(tokens, num_kv_heads, num_sms, min_split_tokens, fixed_tokens, rule):
-    """Piece budget (float; ``inf`` for an empty launch): :func:`prefixattn.planner.split_rule.piece_budget` of the fair
-    share."""
-    fair = float(tokens) * num_kv_heads / num_sms
-    if fair <= 0:
-        return np.inf
-    budget = max(rule[R_TOLERANCE] * fair, min(float(min_split_tokens), rule[R_TARGET] * fair))
-    return max(budget, _min_piece(min_split_tokens, fixed_tokens, rule))
-
-
-@njit(cache=True, nogil=True)
-def _grain(block_n, budget):
-    grain = block_n
-    while grain > budget and grain % 2 == 0:
-        grain //= 2
-    return grain
-
-
-@njit(cache=True, nogil=True)
-def _pieces(length, budget, per_piece, grain):
-    """Pieces of one range (:func:`prefixattn.planner.split_rule.split_pieces`)."""
-    if length <= budget:
-        return 1 if length > 0 else 0
-    return _cdiv(_cdiv(length, grain), per_piece)
-
-
-@njit(cache=True, nogil=True)
-def _price(lengths, m, pieces, grain, block_n, num_kv_heads, num_sms, slots, cost, long_fraction):
-    """``(makespan_us, ideal_us)``: :func:`prefixattn.planner.split_rule.modeled_makespan` of the class's programs (one
-    pass for the longest program, one for the sums)."""
-    n = lengths.shape[0]
-    programs = 0
-    for i in range(n):
-        programs += m[i] * num_kv_heads * pieces[i]
-    # prefixattn.autotune.program_cost.residency
-    per_sm = int(cost[C_SLOTS])
-    tile = cost[C_TILE_US] * min(per_sm, max(1, _cdiv(programs, num_sms))) / per_sm
-    t_max = 0.0
-    for i in range(n):
-        if pieces[i] > 0:
-            t = cost[C_FIXED_US] + tile * _cdiv(min(_cdiv(_cdiv(lengths[i], grain), pieces[i]) * grain, lengths[i]),
-                                                block_n)
-            t_max = max(t_max, t)
-    n_long = 0
-    work_long = rest = 0.0
-    for i in range(n):
-        if pieces[i] > 0:
-            t = cost[C_FIXED_US] + tile * _cdiv(min(_cdiv(_cdiv(lengths[i], grain), pieces[i]) * grain, lengths[i]),
-                                                block_n)
-            count = m[i] * num_kv_heads * pieces[i]
-            if t >= long_fraction * t_max:
-                n_long += count
-                work_long += count * t
-            else:
-                rest += count * t
-    if n_long == 0:
-        return 0.0, 0.0
-    waves = _cdiv(n_long, slots)
-    idle = waves * slots * t_max - work_long
-    return waves * t_max + max(0.0, rest - idle) / slots, (work_long + rest) / slots
-
-
-@njit(cache=True, nogil=True)
-def _class_split(lengths, m, block_n, num_kv_heads, num_sms, min_split_tokens, cost, rule):
-    """``(pieces, grain, makespan_us, ideal_us)`` of one work class:
-    :func:`prefixattn.planner.split_rule.class_split`."""
-    n = lengths.shape[0]
-    tokens = longest = 0
-    for i in range(n):
-        tokens += lengths[i] * m[i]
-        longest = max(longest, lengths[i])
-    budget = _split_budget(tokens, num_kv_heads, num_sms, min_split_tokens, cost[C_FIXED_TOKENS], rule)
-    grain = _grain(block_n, budget)
-    per_piece = max(1, int(budget // grain)) if budget < np.inf else 1
-    pieces = np.empty(n, dtype=np.int64)
-    items = 0
-    for i in range(n):
-        pieces[i] = _pieces(lengths[i], budget, per_piece, grain)
-        items += m[i] * pieces[i]
-    if longest == 0:
-        return pieces, grain, 0.0, 0.0
-    slots = num_sms * int(cost[C_SLOTS])
-    best, ideal = _price(lengths, m, pieces, grain, block_n, num_kv_heads, num_sms, slots, cost,
-                         rule[R_LONG_FRACTION])
-    if budget < np.inf:
-        floor = _min_piece(min_split_tokens, cost[C_FIXED_TOKENS], rule)
-        limit = items + int(rule[R_WAVE_EXTRA]) * num_sms // num_kv_heads
-        grains_max = _cdiv(longest, grain)
-        trial = np.empty(n, dtype=np.int64)
-        for k in range(2, int(rule[R_WAVE_CANDIDATES]) + 1):
-            b = grain * _cdiv(grains_max, k)
-            if b >= budget:
-                continue
-            if b < floor:
-                break
-            per = max(1, b // grain)
-            count = 0
-            for i in range(n):
-                trial[i] = _pieces(lengths[i], b, per, grain)
-                count += m[i] * trial[i]
-            if count > limit:
-                break
-            span, work = _price(lengths, m, trial, grain, block_n, num_kv_heads, num_sms, slots, cost,
-                                rule[R_LONG_FRACTION])
-            if span < best * (1.0 - rule[R_WAVE_GAIN_MIN]):
-                pieces[:] = trial
-                best, ideal = span, work
-    return pieces, grain, best, ideal
-
-
-@njit(cache=True, nogil=True)
-def _piece_bound(lo, hi, c, pieces, grain):
-    """``[start, end)`` of piece ``c`` (:func:`prefixattn.planner.work_list._piece_bounds`)."""
-    if pieces == 1:
-        return lo, hi
-    tiles = _cdiv(hi - lo, grain)
-    return lo + (c * tiles // pieces) * grain, min(lo + ((c + 1) * tiles // pieces) * grain, hi)
-
-
 @njit(cache=True, nogil=True)
 def _suffix_tiles(q_start, q_len, kv_len, suffix_start, causal, rows_per_suffix):
     """Suffix tiles (:func:`prefixattn.planner.work_list._suffix_tiles`): ``(req, first, rows, tok0, lo, hi, qpos)``."""
@@ -302,7 +159,7 @@ def _suffix_tiles(q_start, q_len, kv_len, suffix_start, causal, rows_per_suffix)
     n = 0
     for r in range(num_reqs):
         first[r] = n
-        n += _cdiv(q_len[r], rows_per_suffix)
+        n += cdiv(q_len[r], rows_per_suffix)
     req = np.empty(n, dtype=np.int64)
     rows = np.empty(n, dtype=np.int64)
     tok0 = np.empty(n, dtype=np.int64)
@@ -352,8 +209,8 @@ def _shared_items(items, gather, lay, kv_start, kv_end, offsets, members, q_star
                     gather[g, g_mrow] = tile_mrow_base[tile] + in_tile
                     in_tile += 1
                     g += 1
-            lo, hi = _piece_bound(kv_start[k], kv_end[k], c, n_pieces[k], grain)
-            for mt in range(_cdiv(node_rows, rows_per_shared)):
+            lo, hi = piece_bound(kv_start[k], kv_end[k], c, n_pieces[k], grain)
+            for mt in range(cdiv(node_rows, rows_per_shared)):
                 items[it, i_kind] = kind_shared
                 items[it, i_req] = members[offsets[k]]  # any member: same blocks
                 items[it, i_kv0] = lo
@@ -416,23 +273,10 @@ def _table_views(dest, dest_lay, in_dest, lay, class_ends, num_gather, num_mrows
 
 
 @njit(cache=True, nogil=True)
-def work_list(lay, rule, costs, kv_start, kv_end, offsets, members, suffix_start, q_start, q_len, kv_len, causal,
-              rows_per_shared, rows_per_chunk, rows_per_decode, block_n_shared, block_n_chunk, block_n_decode,
-              num_kv_heads, num_sms, min_split_tokens, extra, dest, dest_lay):
-    """``(flat, items, gather, mrows, num_ws_rows, num_units, class_ends, modeled, in_dest)``:
-    :func:`prefixattn.planner.work_list.build_work_list` (``modeled``: ``[NUM_CLASSES, 2]`` modeled makespan and ideal
-    microseconds of each class's launch, :func:`_class_split`), the tables written straight
-    into one int32 staging buffer: ``dest`` at ``dest_lay``'s offsets (``in_dest``) when given, ``extra`` is 0 (the
-    workspace stages its table itself) and the step fits its capacities, else a new ``flat`` = ``[ranges, items,
-    gather, mrows, extra entries]`` (:func:`prefixattn.planner.device_tables.metadata_to_device`'s layout)."""
-    i_kind, i_req, i_kv0, i_kv1, i_row0, i_nrows, i_qpos, i_dest, i_mrow = (
-        lay[1], lay[2], lay[3], lay[4], lay[5], lay[6], lay[7], lay[8], lay[9])
-    kind_suffix, m_first, m_stride, m_states = lay[11], lay[17], lay[18], lay[19]
-    t_req, t_first, t_rows, t_tok0, t_lo, t_hi, t_qpos = _suffix_tiles(q_start, q_len, kv_len, suffix_start, causal,
-                                                                        rows_per_chunk)
-    num_tiles, num_nodes, num_reqs = t_req.shape[0], kv_start.shape[0], q_len.shape[0]
-    # ---- split rule over the unsplit work, one work class at a time
-    t_decode = np.empty(num_tiles, dtype=np.bool_)
+def _unsplit_work(kv_start, kv_end, offsets, members, q_len, t_req, t_lo, t_hi, rows_per_shared, rows_per_decode):
+    """What the split rule prices, before any split: ``(node_rows, node_len, node_m, tile_len, t_decode)``, each
+    node's packed rows, KV length and M tiles, and each suffix tile's KV length and class (decode or chunk)."""
+    num_nodes, num_tiles = kv_start.shape[0], t_req.shape[0]
     node_rows = np.zeros(num_nodes, dtype=np.int64)
     node_len = np.empty(num_nodes, dtype=np.int64)
     node_m = np.empty(num_nodes, dtype=np.int64)
@@ -440,68 +284,62 @@ def work_list(lay, rule, costs, kv_start, kv_end, offsets, members, suffix_start
         for m in range(offsets[k], offsets[k + 1]):
             node_rows[k] += q_len[members[m]]
         node_len[k] = kv_end[k] - kv_start[k]
-        node_m[k] = _cdiv(node_rows[k], rows_per_shared)
-    num_decode_tiles = 0
+        node_m[k] = cdiv(node_rows[k], rows_per_shared)
+    tile_len = np.empty(num_tiles, dtype=np.int64)
+    t_decode = np.empty(num_tiles, dtype=np.bool_)
     for t in range(num_tiles):
+        tile_len[t] = max(t_hi[t] - t_lo[t], 0)
         t_decode[t] = q_len[t_req[t]] <= rows_per_decode
-        num_decode_tiles += t_decode[t]
-    # Each suffix class's tiles as their own arrays (class_of[t]: the tile's index in its class's arrays).
-    class_of = np.empty(num_tiles, dtype=np.int64)
-    len_ch = np.empty(num_tiles - num_decode_tiles, dtype=np.int64)
-    len_de = np.empty(num_decode_tiles, dtype=np.int64)
-    i_ch = i_de = 0
-    for t in range(num_tiles):
-        if t_decode[t]:
-            class_of[t], len_de[i_de], i_de = i_de, max(t_hi[t] - t_lo[t], 0), i_de + 1
-        else:
-            class_of[t], len_ch[i_ch], i_ch = i_ch, max(t_hi[t] - t_lo[t], 0), i_ch + 1
-    n_pieces, grain_sh, span_sh, ideal_sh = _class_split(node_len, node_m, block_n_shared, num_kv_heads, num_sms,
-                                                         min_split_tokens, costs[0], rule)
-    p_ch, grain_ch, span_ch, ideal_ch = _class_split(len_ch, np.ones(len_ch.shape[0], dtype=np.int64), block_n_chunk,
-                                                     num_kv_heads, num_sms, min_split_tokens, costs[1], rule)
-    p_de, grain_de, span_de, ideal_de = _class_split(len_de, np.ones(len_de.shape[0], dtype=np.int64),
-                                                     block_n_decode, num_kv_heads, num_sms, min_split_tokens,
-                                                     costs[2], rule)
-    t_pieces = np.empty(num_tiles, dtype=np.int64)
-    for t in range(num_tiles):
-        t_pieces[t] = p_de[class_of[t]] if t_decode[t] else p_ch[class_of[t]]
-    modeled = np.array([[span_sh, ideal_sh], [span_ch, ideal_ch], [span_de, ideal_de]])
-    # ---- states per request (shared ones numbered node by node, top-down) and merge units
-    shared_states, slot_base, tile_ws_base, tile_mrow_base, num_units, num_ws_rows, num_mrows = _merge_units(
-        offsets, members, n_pieces, t_req, t_rows, t_pieces, num_reqs)
+    return node_rows, node_len, node_m, tile_len, t_decode
+
+
+@njit(cache=True, nogil=True)
+def _class_ends(node_rows, n_pieces, t_decode, t_pieces, rows_per_shared):
+    """``(class_ends, num_gather)``: one past each work class's last item (shared, chunk, decode: the item table's
+    sections) and the gather rows of the shared items, counted before any table is written."""
     num_shared = num_gather = num_chunk = num_decode = 0
-    for k in range(num_nodes):
-        num_shared += n_pieces[k] * _cdiv(node_rows[k], rows_per_shared)
+    for k in range(node_rows.shape[0]):
+        num_shared += n_pieces[k] * cdiv(node_rows[k], rows_per_shared)
         num_gather += n_pieces[k] * node_rows[k]
-    for t in range(num_tiles):
+    for t in range(t_decode.shape[0]):
         if t_decode[t]:
             num_decode += t_pieces[t]
         else:
             num_chunk += t_pieces[t]
-    n_items = num_shared + num_chunk + num_decode
     class_ends = np.empty(3, dtype=np.int64)
-    class_ends[0], class_ends[1], class_ends[2] = num_shared, num_shared + num_chunk, n_items
-    # dest: a workspace's buffer, which stages its table itself (extra == 0)
-    in_dest = extra == 0 and dest_lay.shape[0] > 0 and _fits_dest(dest_lay, n_items, num_gather, num_mrows,
-                                                                   num_ws_rows, q_len)
-    flat, items, gather, mrows = _table_views(dest, dest_lay, in_dest, lay, class_ends, num_gather, num_mrows, extra)
-    for t in range(num_tiles):
+    class_ends[0], class_ends[1] = num_shared, num_shared + num_chunk
+    class_ends[2] = num_shared + num_chunk + num_decode
+    return class_ends, num_gather
+
+
+@njit(cache=True, nogil=True)
+def _merge_rows(mrows, lay, t_req, t_rows, t_pieces, tile_ws_base, tile_mrow_base, shared_states):
+    """The merge-row table: one row per token of a merge unit, where its states start in the workspace, their stride
+    and how many (the kernel merges when the last of them reports)."""
+    m_first, m_stride, m_states = lay[17], lay[18], lay[19]
+    for t in range(t_req.shape[0]):
         if tile_mrow_base[t] >= 0:
             for i in range(t_rows[t]):
                 j = tile_mrow_base[t] + i
                 mrows[j, m_first] = tile_ws_base[t] + i
                 mrows[j, m_stride] = t_rows[t]
                 mrows[j, m_states] = shared_states[t_req[t]] + t_pieces[t]
-    # ---- items: shared (node, piece, M tile), then suffix (tile, piece) of the chunk and the decode class; gather
-    # rows of the shared ones
-    _shared_items(items, gather, lay, kv_start, kv_end, offsets, members, q_start, q_len, t_first, t_rows,
-                  tile_ws_base, tile_mrow_base, n_pieces, slot_base, grain_sh, rows_per_chunk, rows_per_shared)
-    it_chunk, it_decode = num_shared, num_shared + num_chunk
-    for t in range(num_tiles):
+
+
+@njit(cache=True, nogil=True)
+def _suffix_items(items, lay, class_ends, t_req, t_rows, t_tok0, t_lo, t_hi, t_qpos, t_decode, t_pieces, tile_ws_base,
+                  tile_mrow_base, shared_states, grain_chunk, grain_decode):
+    """Suffix items (tile, piece) into the chunk and decode sections of ``items`` (``class_ends``), tile order within
+    each; a tile of a merge unit writes its workspace states, after its request's shared ones."""
+    i_kind, i_req, i_kv0, i_kv1, i_row0, i_nrows, i_qpos, i_dest, i_mrow = (
+        lay[1], lay[2], lay[3], lay[4], lay[5], lay[6], lay[7], lay[8], lay[9])
+    kind_suffix = lay[11]
+    it_chunk, it_decode = class_ends[0], class_ends[1]
+    for t in range(t_req.shape[0]):
         unit = tile_mrow_base[t] >= 0
-        grain = grain_de if t_decode[t] else grain_ch
+        grain = grain_decode if t_decode[t] else grain_chunk
         for c in range(t_pieces[t]):
-            lo, hi = _piece_bound(t_lo[t], t_hi[t], c, t_pieces[t], grain)
+            lo, hi = piece_bound(t_lo[t], t_hi[t], c, t_pieces[t], grain)
             if t_decode[t]:
                 it, it_decode = it_decode, it_decode + 1
             else:
@@ -515,7 +353,42 @@ def work_list(lay, rule, costs, kv_start, kv_end, offsets, members, suffix_start
             items[it, i_qpos] = t_qpos[t]
             items[it, i_dest] = tile_ws_base[t] + (shared_states[t_req[t]] + c) * t_rows[t] if unit else -1
             items[it, i_mrow] = tile_mrow_base[t] if unit else -1
-    _longest_first(items, i_kv0, i_kv1, class_ends)
+
+
+@njit(cache=True, nogil=True)
+def work_list(lay, rule, costs, kv_start, kv_end, offsets, members, suffix_start, q_start, q_len, kv_len, causal,
+              rows_per_shared, rows_per_chunk, rows_per_decode, block_n_shared, block_n_chunk, block_n_decode,
+              num_kv_heads, num_sms, min_split_tokens, extra, dest, dest_lay):
+    """``(flat, items, gather, mrows, num_ws_rows, num_units, class_ends, modeled, in_dest)``:
+    :func:`prefixattn.planner.work_list.build_work_list` (``modeled``: ``[NUM_CLASSES, 2]`` modeled makespan and ideal
+    microseconds of each class's launch, :func:`~prefixattn.planner.compiled_split.class_split`), the tables written
+    straight into one int32 staging buffer: ``dest`` at ``dest_lay``'s offsets (``in_dest``) when given, ``extra`` is 0
+    (the workspace stages its table itself) and the step fits its capacities, else a new ``flat`` = ``[ranges, items,
+    gather, mrows, extra entries]`` (:func:`prefixattn.planner.device_tables.metadata_to_device`'s layout)."""
+    t_req, t_first, t_rows, t_tok0, t_lo, t_hi, t_qpos = _suffix_tiles(q_start, q_len, kv_len, suffix_start, causal,
+                                                                        rows_per_chunk)
+    # ---- split rule over the unsplit work, one work class at a time
+    node_rows, node_len, node_m, tile_len, t_decode = _unsplit_work(kv_start, kv_end, offsets, members, q_len, t_req,
+                                                                    t_lo, t_hi, rows_per_shared, rows_per_decode)
+    n_pieces, grain_sh, t_pieces, grain_ch, grain_de, modeled = split_ranges(
+        node_len, node_m, tile_len, t_decode, block_n_shared, block_n_chunk, block_n_decode, num_kv_heads, num_sms,
+        min_split_tokens, costs, rule)
+    # ---- states per request (shared ones numbered node by node, top-down) and merge units
+    shared_states, slot_base, tile_ws_base, tile_mrow_base, num_units, num_ws_rows, num_mrows = _merge_units(
+        offsets, members, n_pieces, t_req, t_rows, t_pieces, q_len.shape[0])
+    class_ends, num_gather = _class_ends(node_rows, n_pieces, t_decode, t_pieces, rows_per_shared)
+    # dest: a workspace's buffer, which stages its table itself (extra == 0)
+    in_dest = extra == 0 and dest_lay.shape[0] > 0 and _fits_dest(dest_lay, class_ends[2], num_gather, num_mrows,
+                                                                   num_ws_rows, q_len)
+    flat, items, gather, mrows = _table_views(dest, dest_lay, in_dest, lay, class_ends, num_gather, num_mrows, extra)
+    _merge_rows(mrows, lay, t_req, t_rows, t_pieces, tile_ws_base, tile_mrow_base, shared_states)
+    # ---- items: shared (node, piece, M tile), then suffix (tile, piece) of the chunk and the decode class; gather
+    # rows of the shared ones
+    _shared_items(items, gather, lay, kv_start, kv_end, offsets, members, q_start, q_len, t_first, t_rows,
+                  tile_ws_base, tile_mrow_base, n_pieces, slot_base, grain_sh, rows_per_chunk, rows_per_shared)
+    _suffix_items(items, lay, class_ends, t_req, t_rows, t_tok0, t_lo, t_hi, t_qpos, t_decode, t_pieces, tile_ws_base,
+                  tile_mrow_base, shared_states, grain_ch, grain_de)
+    _longest_first(items, lay[3], lay[4], class_ends)
     return flat, items, gather, mrows, num_ws_rows, num_units, class_ends, modeled, in_dest
 
 
@@ -633,12 +506,12 @@ def plan_core(lay, rule, costs, params, width, order, depth, lb, rb, parent, ind
               dest, dest_lay):
     """The planner from the tree to the staging buffer, in one call.
 
-    ``lay``: :func:`layout_args`, ``rule``: :func:`rule_args`, ``costs``: :func:`cost_args`, ``params``:
-    int64 ``[NUM_PARAMS]``
-    (``P_*``), ``width``: block-table columns to stage (the batch reads them; 0: none); ``dest``, ``dest_lay``: a
-    workspace's int32 host buffer and its layout (``D_*``; empty: none), which gets the tables when they fit.
-    Returns ``(kv_start, kv_end, depth_blocks, offsets, members, flat, items, gather, mrows, table_fits,
-    num_ws_rows, num_units, class_ends, modeled, in_dest)``; ``flat`` holds the block table's used columns
+    ``lay``: :func:`layout_args`, ``rule``: :func:`~prefixattn.planner.compiled_split.rule_args`, ``costs``:
+    :func:`~prefixattn.planner.compiled.cost_args`, ``params``: int64 ``[NUM_PARAMS]`` (``P_*``), ``width``:
+    block-table columns to stage (the batch reads them; 0: none); ``dest``, ``dest_lay``: a workspace's int32 host
+    buffer and its layout (``D_*``; empty: none), which gets the tables when they fit. Returns ``(kv_start, kv_end,
+    depth_blocks, offsets, members, flat, items, gather, mrows, table_fits, num_ws_rows, num_units, class_ends,
+    modeled, in_dest)``; ``flat`` holds the block table's used columns
     after the tables when ``table_fits`` (and the tables unless ``in_dest``).
     """
     kv_start, kv_end, depth_blocks, offsets, members, suffix_start = select_nodes(
