@@ -180,13 +180,32 @@ def check_work_list(p, qo_indptr, kv_lens, block_table, *, causal=True):
     for every head and checking (row, position) pairs per item suffices."""
     w = p.work
     indptr, lens, table = (np.asarray(x.numpy(), dtype=np.int64) for x in (qo_indptr, kv_lens, block_table))
-    num_tokens = int(indptr[-1])
     req_of_tok = np.repeat(np.arange(len(lens)), np.diff(indptr))
-    bs = p.block_size
+    _check_classes(p, np.diff(indptr))
+    covered, ws_written, direct = [], [], []
+    reports = np.zeros(w.mrows.shape[0], dtype=np.int64)
+    ws_owner, mrow_tok = {}, {}
+    for item in w.items.astype(np.int64):
+        toks, ws_rows, mrows, pairs = _check_item(p, item, table, req_of_tok)
+        covered.append(pairs)
+        if ws_rows is None:
+            direct.append(toks)
+        else:
+            ws_written.append(ws_rows)
+            for tok, row, mrow in zip(toks, ws_rows, mrows):
+                ws_owner[int(row)] = int(tok)
+                assert mrow_tok.setdefault(int(mrow), int(tok)) == tok, "a merge row is one token"
+            assert mrows.size == np.unique(mrows).size, "one report per merge row per item"
+            reports[mrows] += 1
+    _check_coverage(covered, indptr, lens, causal)
+    _check_merges(w, int(indptr[-1]), ws_written, direct, reports, ws_owner, mrow_tok)
+
+
+def _check_classes(p, q_lens):
+    """Work classes: items stored class by class (shared, chunk, decode), longest KV range first within each; a
+    suffix item is of the decode class exactly when its request's rows fit one decode tile."""
+    w = p.work
     group = p.num_qo_heads // p.num_kv_heads
-    q_lens = np.diff(indptr)
-    # Work classes: items stored class by class (shared, chunk, decode), longest KV range first within each; a
-    # suffix item is of the decode class exactly when its request's rows fit one decode tile.
     ends = w.class_ends
     assert len(ends) == K.NUM_CLASSES and list(ends) == sorted(ends) and ends[-1] == w.num_items
     item_class = np.repeat(np.arange(K.NUM_CLASSES), np.diff(np.r_[0, ends]))
@@ -200,45 +219,42 @@ def check_work_list(p, qo_indptr, kv_lens, block_table, *, causal=True):
     suffix_reqs = w.items[item_class != K.CLASS_SHARED, K.ITEM_REQ].astype(np.int64)
     np.testing.assert_array_equal(item_class[item_class != K.CLASS_SHARED] == K.CLASS_DECODE,
                                   q_lens[suffix_reqs] <= p.tiles.rows_per_decode_tile(group))
-    covered, ws_written, direct = [], [], []
-    reports = np.zeros(w.mrows.shape[0], dtype=np.int64)
-    ws_owner, mrow_tok = {}, {}
-    for item in w.items.astype(np.int64):
-        n, lo, hi, rep = item[K.ITEM_NUM_ROWS], item[K.ITEM_KV_START], item[K.ITEM_KV_END], item[K.ITEM_REQ]
-        assert 0 < n and lo < hi, "no empty item"
-        j = np.arange(n)
-        if item[K.ITEM_KIND] == K.KIND_SHARED:
-            toks = w.gather[item[K.ITEM_ROW_START] + j, K.GATHER_TOKEN].astype(np.int64)
-            ws_rows = w.gather[item[K.ITEM_ROW_START] + j, K.GATHER_WS_ROW].astype(np.int64)
-            mrows = w.gather[item[K.ITEM_ROW_START] + j, K.GATHER_MROW].astype(np.int64)
-            assert n <= p.tiles.rows_per_shared_tile(p.num_qo_heads // p.num_kv_heads)
-        else:
-            assert item[K.ITEM_KIND] == K.KIND_SUFFIX
-            toks = item[K.ITEM_ROW_START] + j
-            ws_rows = item[K.ITEM_DEST] + j if item[K.ITEM_DEST] >= 0 else None
-            mrows = item[K.ITEM_MROW] + j if item[K.ITEM_DEST] >= 0 else None
-            assert (item[K.ITEM_MROW] >= 0) == (item[K.ITEM_DEST] >= 0)
-            assert (req_of_tok[toks] == rep).all(), "a suffix tile holds one request's rows"
-            assert n <= p.tiles.rows_per_chunk_tile(group)
-        pos = np.arange(lo, hi)
-        visible = pos[None, :] <= (item[K.ITEM_Q_POS] + j)[:, None]
-        if item[K.ITEM_KIND] == K.KIND_SHARED:
-            assert visible.all(), "a shared node ends before its rows' first query position"
-        t_idx, p_idx = np.nonzero(visible)
-        t, ps = toks[t_idx], pos[p_idx]
-        # The representative's blocks ARE the row's blocks for every position the item reads for it.
-        assert (table[rep, ps // bs] == table[req_of_tok[t], ps // bs]).all()
-        covered.append(t * (1 << 32) + ps)
-        if ws_rows is None:
-            direct.append(toks)
-        else:
-            ws_written.append(ws_rows)
-            for tok, row, mrow in zip(toks, ws_rows, mrows):
-                ws_owner[int(row)] = int(tok)
-                assert mrow_tok.setdefault(int(mrow), int(tok)) == tok, "a merge row is one token"
-            assert mrows.size == np.unique(mrows).size, "one report per merge row per item"
-            reports[mrows] += 1
-    # Every visible (row, position) exactly once, nothing else.
+
+
+def _check_item(p, item, table, req_of_tok):
+    """One item's ``(tokens, workspace rows, merge rows, covered (token, position) keys)``, workspace and merge rows
+    None for an item that writes its rows' output directly; checks its rows, its visible range and its blocks."""
+    w = p.work
+    group = p.num_qo_heads // p.num_kv_heads
+    n, lo, hi, rep = item[K.ITEM_NUM_ROWS], item[K.ITEM_KV_START], item[K.ITEM_KV_END], item[K.ITEM_REQ]
+    assert 0 < n and lo < hi, "no empty item"
+    j = np.arange(n)
+    if item[K.ITEM_KIND] == K.KIND_SHARED:
+        toks = w.gather[item[K.ITEM_ROW_START] + j, K.GATHER_TOKEN].astype(np.int64)
+        ws_rows = w.gather[item[K.ITEM_ROW_START] + j, K.GATHER_WS_ROW].astype(np.int64)
+        mrows = w.gather[item[K.ITEM_ROW_START] + j, K.GATHER_MROW].astype(np.int64)
+        assert n <= p.tiles.rows_per_shared_tile(p.num_qo_heads // p.num_kv_heads)
+    else:
+        assert item[K.ITEM_KIND] == K.KIND_SUFFIX
+        toks = item[K.ITEM_ROW_START] + j
+        ws_rows = item[K.ITEM_DEST] + j if item[K.ITEM_DEST] >= 0 else None
+        mrows = item[K.ITEM_MROW] + j if item[K.ITEM_DEST] >= 0 else None
+        assert (item[K.ITEM_MROW] >= 0) == (item[K.ITEM_DEST] >= 0)
+        assert (req_of_tok[toks] == rep).all(), "a suffix tile holds one request's rows"
+        assert n <= p.tiles.rows_per_chunk_tile(group)
+    pos = np.arange(lo, hi)
+    visible = pos[None, :] <= (item[K.ITEM_Q_POS] + j)[:, None]
+    if item[K.ITEM_KIND] == K.KIND_SHARED:
+        assert visible.all(), "a shared node ends before its rows' first query position"
+    t_idx, p_idx = np.nonzero(visible)
+    t, ps = toks[t_idx], pos[p_idx]
+    # The representative's blocks ARE the row's blocks for every position the item reads for it.
+    assert (table[rep, ps // p.block_size] == table[req_of_tok[t], ps // p.block_size]).all()
+    return toks, ws_rows, mrows, t * (1 << 32) + ps
+
+
+def _check_coverage(covered, indptr, lens, causal):
+    """Every visible (row, position) exactly once, nothing else."""
     got = np.sort(np.concatenate(covered)) if covered else np.zeros(0, np.int64)
     want = []
     for r in range(len(lens)):
@@ -247,8 +263,12 @@ def check_work_list(p, qo_indptr, kv_lens, block_table, *, causal=True):
             want.append((indptr[r] + i) * (1 << 32) + np.arange(last + 1))
     want = np.sort(np.concatenate(want)) if want else np.zeros(0, np.int64)
     np.testing.assert_array_equal(got, want)
-    # Workspace: every state of every merge row written exactly once, by the row's own token; one report per state
-    # (the kernel's merge condition: the report that completes NUM_STATES merges).
+
+
+def _check_merges(w, num_tokens, ws_written, direct, reports, ws_owner, mrow_tok):
+    """Workspace: every state of every merge row written exactly once, by the row's own token; one report per state
+    (the kernel's merge condition: the report that completes NUM_STATES merges); every token in one merge row or
+    written directly, never both."""
     mrows = w.mrows.astype(np.int64)
     ws_all = np.concatenate(ws_written) if ws_written else np.zeros(0, np.int64)
     assert ws_all.size == np.unique(ws_all).size == w.num_ws_rows
