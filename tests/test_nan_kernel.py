@@ -230,3 +230,16 @@ def test_plans_without_merges_share_placeholders_no_launch_touches(device):
     out, lse = attention(b.q, b.k_cache, b.v_cache, p, return_lse=True)
     torch.testing.assert_close((out, lse), want, atol=1e-4, rtol=1e-4)
     assert (p.counters == 7).all() and p.ws_o.isnan().all() and p.ws_lse.isnan().all(), "a launch wrote them"
+
+
+@pytest.mark.parametrize("sharing", ["always", "never"])
+def test_nan_guard_redoes_only_the_lanes_that_came_out_non_finite(device, sharing):
+    # NaN in one (query row, head) lane of a suffix tile: the guard redoes that lane key by key (NaN, as in the
+    # reference) and leaves the tile's other lanes their tiled result, bit for bit the unguarded launch's.
+    b = _batch(device)
+    b.q[2, 1, 3] = math.nan  # request 1, its second query row, head 1
+    _, got, want = _run(b, sharing=sharing, nan_guard=True)
+    _, plain, _ = _run(b, sharing=sharing)
+    assert torch.isnan(want[0][2, 1]).all() and torch.isfinite(want[0][2, 0]).all()
+    _same_nan_pattern_and_values(got, want)
+    torch.testing.assert_close(got, plain, atol=0, rtol=0, equal_nan=True)

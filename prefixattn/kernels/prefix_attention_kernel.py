@@ -21,7 +21,7 @@ dtype on GPUs (tensor cores) unless ``USE_FP32_DOT``. Softmax runs in base 2 (``
 ``sm_scale * log2(e)``); LSEs are stored in natural log. NaN in q or in a visible K/V row gives NaN out: a row is
 empty (output 0, LSE -inf) only when its softmax denominator is exactly 0, never when it is NaN. A non-finite V
 value at a key a row does not see but that a masked tile loads (causal diagonal, window edge) reaches the row
-through ``0 * NaN`` in the P @ V dot unless ``USE_NAN_GUARD`` (:func:`_redo_exact`; ``plan(nan_guard=True)``).
+through ``0 * NaN`` in the P @ V dot unless ``USE_NAN_GUARD`` (:func:`_redo_bad_rows`; ``plan(nan_guard=True)``).
 
 Features, each a constexpr switch that compiles to nothing when off (issue 19):
 * ``HAS_SOFT_CAP``: each scaled logit ``s`` becomes ``c * tanh(s / c)``; the cap acts on the natural-log logit, so
@@ -146,8 +146,10 @@ def _tanh(x):
 
 
 @triton.jit
-def _redo_exact(
-    q,  # [BLOCK_M, BLOCK_D] query tile in the dot dtype
+def _redo_bad_rows(
+    acc,  # [BLOCK_M, BLOCK_D] fp32 tiled result (un-normalized)
+    bad,  # [BLOCK_M] rows whose tiled result came out non-finite
+    queries, tok, head,  # RowsHeadsDim of q; each lane's row and head
     q_pos,  # [BLOCK_M] KV position of each lane's query
     m_i,  # [BLOCK_M] final running maximum (log2 units): V never changes it
     kv,  # PagedKV
@@ -156,17 +158,20 @@ def _redo_exact(
     score,  # ScoreRule
     HAS_SOFT_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """The un-normalized output of a suffix item over [kv_lo, kv_hi), one key at a time, each key's value added only
-    to the rows that weigh it: the reference's per-key sum. Run only when the tiled result came out non-finite, so
-    that a non-finite V at a key hidden from a row (causal diagonal or window edge of a tile, where the dot gives
-    0 * NaN = NaN) cannot reach that row; rows that see it, and NaN in q or K, stay NaN. Slow (no dot), and only
-    for items whose result is non-finite anyway. Behind ``USE_NAN_GUARD``: its check alone raises the decode
-    launch's registers (see the call site)."""
+    """``acc`` with the ``bad`` lanes (query row x head) redone over [kv_lo, kv_hi) one key at a time, each key's
+    value added only to the lanes that weigh it: the reference's per-key sum. A non-finite V at a key hidden from a
+    row (causal diagonal or window edge of a tile, where the dot gives 0 * NaN = NaN) so cannot reach that row; rows
+    that see it, and NaN in q or K, stay NaN. The other lanes keep their tiled result. Slow (no dot), and only for
+    items whose result is non-finite anyway.
+
+    The redo adds into ``acc`` itself and reads each bad lane's query again per key (fp32 products, exact for
+    16-bit inputs), so no second accumulator, query tile or fp32 copy of it is live across the tiled loops: with
+    those, sm_90 at head_dim 256 (bf16, LSE, every model switch) spilled 388 bytes in the decode class (32 x 32 tiles,
+    4 warps) and 216 in the chunk class (64 x 32, 8 warps); now none (Triton 3.9)."""
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < kv.head_dim
     m_shift = tl.where(m_i == float("-inf"), 0.0, m_i)
-    qf = q.to(tl.float32)
-    acc = tl.zeros([q.shape[0], BLOCK_D], tl.float32)
+    acc = tl.where(bad[:, None], 0.0, acc)
     for key in range(kv_lo, kv_hi):
         page, slot = _page_and_slot(pos=key, block_size=kv.block_size, PAGE_SIZE=PAGE_SIZE)
         blk = tl.load(block_row_ptr + page).to(tl.int64)
@@ -174,10 +179,15 @@ def _redo_exact(
                     + kv_head.to(tl.int64) * kv.stride_k_head + offs_d * kv.stride_k_d, mask=mask_d, other=0.0)
         v = tl.load(kv.v_ptr + blk * kv.stride_v_blk + slot.to(tl.int64) * kv.stride_v_tok
                     + kv_head.to(tl.int64) * kv.stride_v_head + offs_d * kv.stride_v_d, mask=mask_d, other=0.0)
-        s = tl.sum(qf * k.to(tl.float32)[None, :], 1) * score.qk_scale
+        # The bad rows' queries, read again for each key from addresses that name the key (always true here), so
+        # neither the load nor its addresses are hoisted: no query tile or pointer tile is live across the loops.
+        live = tl.where(key < kv_hi, bad, False)  # (bad & scalar: a mask the interpreter cannot read)
+        q = tl.load(_vec_ptrs(t=queries, rows=tl.where(live, tok, 0), heads=head, offs_d=offs_d),
+                    mask=live[:, None] & mask_d[None, :], other=0.0)
+        s = tl.sum(q.to(tl.float32) * k.to(tl.float32)[None, :], 1) * score.qk_scale
         if HAS_SOFT_CAP:
             s = _tanh(x=s) * score.soft_cap_log2
-        visible = key <= q_pos
+        visible = bad & (key <= q_pos)
         if HAS_WINDOW:
             visible = visible & (key >= q_pos - score.window_left)
         p = tl.where(visible, tl.math.exp2(s - m_shift), 0.0)
@@ -470,14 +480,15 @@ def _run_item(
 
     if USE_NAN_GUARD and not IS_SHARED:
         # Masked tiles (causal diagonal, window edge) load keys hidden from some rows, and the dot gives 0 * NaN =
-        # NaN for them: an item whose result is non-finite is redone key by key (never, for finite inputs). Shared
-        # items mask nothing. A switch because even this check costs registers: sm_90, bf16, d128, suffix-only
-        # decode launch: 80 -> 138-144 registers (compile-check, Triton 3.9; an in-loop variant cost 141-231).
-        num_bad = tl.sum(tl.sum((mask_m[:, None] & ~(tl.abs(acc) < float("inf"))).to(tl.int32), 1), 0)
-        if num_bad > 0:
-            acc = _redo_exact(q=q, q_pos=q_pos, m_i=m_i, kv=kv, block_row_ptr=block_row_ptr, kv_head=kv_head,
-                              kv_lo=kv_first, kv_hi=kv_end, score=score, HAS_SOFT_CAP=HAS_SOFT_CAP,
-                              HAS_WINDOW=HAS_WINDOW, PAGE_SIZE=PAGE_SIZE, BLOCK_D=BLOCK_D)
+        # NaN for them: the lanes whose result is non-finite are redone key by key (never, for finite inputs).
+        # Shared items mask nothing. A switch because even this check costs registers: sm_90, bf16, d128, decode
+        # 16 x 64 tiles at 8 warps: 80 -> 142 registers (compile-check, Triton 3.9).
+        bad = mask_m & (tl.sum((~(tl.abs(acc) < float("inf"))).to(tl.int32), 1) > 0)
+        if tl.sum(bad.to(tl.int32), 0) > 0:
+            acc = _redo_bad_rows(acc=acc, bad=bad, queries=queries, tok=tok, head=head, q_pos=q_pos, m_i=m_i,
+                                 kv=kv, block_row_ptr=block_row_ptr, kv_head=kv_head, kv_lo=kv_first, kv_hi=kv_end,
+                                 score=score, HAS_SOFT_CAP=HAS_SOFT_CAP, HAS_WINDOW=HAS_WINDOW, PAGE_SIZE=PAGE_SIZE,
+                                 BLOCK_D=BLOCK_D)
 
     # The state of this item's rows. A row is empty (no visible KV, possible in a causal split chunk) only when its
     # denominator is exactly 0: NaN scores make it NaN, and NaN must reach the output.

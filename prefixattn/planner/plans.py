@@ -228,7 +228,7 @@ def plan(
         reads it and the plan copies no table. Its values must equal ``block_table``'s (not checked: no sync).
     nan_guard : bool
         Keep a non-finite V value at a key a row does not see (inside a causal or window-edge tile) out of that
-        row, as the reference does: items whose result is non-finite are redone key by key. Off by default: the
+        row, as the reference does: the rows whose result is non-finite are redone key by key. Off by default: the
         check alone costs registers in the decode launch (the kernel's ``USE_NAN_GUARD``).
 
     Returns
