@@ -272,10 +272,11 @@ def _attend_item(
     block_row_ptr, kv_head, kv_start, kv_end,
     score,  # ScoreRule
     IS_SHARED: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr, USE_FP32_DOT: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    WINDOW_EDGE_LOOP: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """The item's KV range [kv_start, kv_end) in up to three parts, each masked only as much as it must be: window
     edge (window mask), then keys every row sees (no mask), then the causal diagonal (causal and window masks).
+    Without ``WINDOW_EDGE_LOOP`` the window edge runs in the middle part, which masks the window then.
     Returns the state and the first KV position any row sees (the NaN guard's start)."""
     kv_lo = kv_start
     if HAS_WINDOW and not IS_SHARED:
@@ -289,7 +290,7 @@ def _attend_item(
         # Positions < q_pos0 + 1 are visible to every row of the tile: full tiles there skip the causal mask.
         kv_mid = tl.minimum(tl.maximum(q_pos0 + 1, kv_lo), kv_end)
         kv_mid = kv_lo + ((kv_mid - kv_lo) // BLOCK_N) * BLOCK_N
-    if HAS_WINDOW and not IS_SHARED:
+    if HAS_WINDOW and WINDOW_EDGE_LOOP and not IS_SHARED:
         # Keys >= the last row's window start are in every row's window: only the tiles before it need the mask.
         win_full = tl.minimum(tl.maximum(q_pos0 + num_rows - 1 - score.window_left, kv_lo), kv_mid)
         win_end = tl.minimum(kv_lo + tl.cdiv(win_full - kv_lo, BLOCK_N) * BLOCK_N, kv_mid)
@@ -302,7 +303,8 @@ def _attend_item(
         kv_lo = win_end
     acc, m_i, l_i = _attend_range(
         acc=acc, m_i=m_i, l_i=l_i, q=q, q_pos=q_pos, kv=kv, block_row_ptr=block_row_ptr, kv_head=kv_head,
-        kv_lo=kv_lo, kv_hi=kv_mid, score=score, APPLY_CAUSAL=False, APPLY_WINDOW=False,
+        kv_lo=kv_lo, kv_hi=kv_mid, score=score, APPLY_CAUSAL=False,
+        APPLY_WINDOW=HAS_WINDOW and not WINDOW_EDGE_LOOP and not IS_SHARED,
         HAS_SOFT_CAP=HAS_SOFT_CAP, USE_FP32_DOT=USE_FP32_DOT, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
     )
     if not IS_SHARED:
@@ -475,6 +477,12 @@ def _run_item(
         acc=acc, m_i=m_i, l_i=l_i, q=q, q_pos=q_pos, q_pos0=q_pos0, num_rows=num_rows, kv=kv,
         block_row_ptr=block_row_ptr, kv_head=kv_head, kv_start=kv_start, kv_end=kv_end, score=score,
         IS_SHARED=IS_SHARED, HAS_WINDOW=HAS_WINDOW, HAS_SOFT_CAP=HAS_SOFT_CAP, USE_FP32_DOT=USE_FP32_DOT,
+        # fp32 inputs mask the window edge in the middle part, not in a KV loop of its own: a third loop made ptxas
+        # spill sm_80's fp32 chunk class with the window (32 x 32 tiles, 8 warps, head_dim 128: 108-176 bytes at
+        # 128 registers; two loops: 116-164 registers, none, Triton 3.9). The mask is a few ops per score against
+        # the 2 x BLOCK_D FMAs of an IEEE fp32 score. Keyed on q's type, not USE_FP32_DOT (always on in the
+        # interpreter), so the interpreter runs both paths.
+        WINDOW_EDGE_LOOP=queries.ptr.dtype.element_ty != tl.float32,
         PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
     )
 
