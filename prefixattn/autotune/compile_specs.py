@@ -239,23 +239,21 @@ NON_FP8_FEATURES = MODEL_FEATURES + ("USE_NAN_GUARD",)
 
 def feature_specs(target: Target, dtype: str, *, worst_case_only: bool = False) -> list[tuple]:
     """``(features, kv_dtype)`` of the issue-19 variants a binary is checked with: every non-fp8 switch (the model's
-    and the NaN guard); fp8 K/V with scales, each fp8 type the target compiles; and every model switch over an fp8
-    cache (a Gemma-2-like model on an fp8 cache). ``worst_case_only`` (CI's selection): every model switch over a
-    16-bit cache, and each fp8 type alone and under every model switch (more switches do not always mean more
-    registers: sm_90, head_dim 256, 32 x 32 decode tiles at 8 warps spilled over a plain fp8 cache and not under the
-    model switches, Triton 3.9). fp32 inputs get only the non-fp8 switches (no engine pairs an fp32 model with an fp8
-    cache).
-
-    Not checked: the NaN guard (``plan(nan_guard=True)``, a debugging mode) over an fp8 cache: sm_90, head_dim 256,
-    e4m3, the chunk class's 64 x 16 tiles spill 212 bytes with it (Triton 3.9). The NaN guard over a 16-bit cache
-    is in the full run only: it spills there too (docs/tuning.md)."""
+    and the NaN guard); fp8 K/V with scales, each fp8 type the target compiles; every model switch over an fp8 cache
+    (a Gemma-2-like model on an fp8 cache); and every switch, the NaN guard's too, over each fp8 type
+    (``plan(nan_guard=True)``, a debugging mode, on an fp8 cache). ``worst_case_only`` (CI's selection): every
+    model switch over a 16-bit cache, and each fp8 type alone and under every model switch (more switches do not
+    always mean more registers: sm_90, head_dim 256, 32 x 32 decode tiles at 8 warps spilled over a plain fp8 cache
+    and not under the model switches, Triton 3.9); the NaN guard is in the full run only. fp32 inputs get only the
+    non-fp8 switches (no engine pairs an fp32 model with an fp8 cache)."""
     if dtype == "fp32":
         return [(NON_FP8_FEATURES, None)]
     kinds = fp8_kv_types(target)
     with_model = [(MODEL_FEATURES + ("HAS_KV_SCALE",), kind) for kind in kinds]
     if worst_case_only:
         return [(MODEL_FEATURES, None)] + [(("HAS_KV_SCALE",), kind) for kind in kinds] + with_model
-    return [(NON_FP8_FEATURES, None)] + [(("HAS_KV_SCALE",), kind) for kind in kinds] + with_model[:1]
+    with_all = [(NON_FP8_FEATURES + ("HAS_KV_SCALE",), kind) for kind in kinds]
+    return [(NON_FP8_FEATURES, None)] + [(("HAS_KV_SCALE",), kind) for kind in kinds] + with_model[:1] + with_all
 
 
 def feature_jobs(*, target: Target, dtype: str, head_dim: int, config: AttentionConfig, variant: str,
