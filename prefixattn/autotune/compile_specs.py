@@ -199,12 +199,13 @@ def fused_job(*, target: Target, dtype: str, head_dim: int, config: AttentionCon
                                          constexprs, target)
     bm, bn = config.shared.block_m, block_n
     launch = config.launch_for(has_shared).for_kv(has_shared=has_shared, kv_fp8=kv_fp8, is_hip=target.is_hip,
-                                                  block_d=bd, block_m=tiles.block_m)
+                                                  block_d=bd, block_m=tiles.block_m,
+                                                  nan_guard="USE_NAN_GUARD" in features)
     name = (variant + ("" if has_shared else "/suffix-only") + ("+lse" if has_lse else "")
             + "".join("+" + f.split("_", 1)[1].lower() for f in FEATURE_SWITCHES if f in features)
             + (f"+{kv_dtype}" if kv_dtype else "")
             + (f"@w{launch.num_warps}s{launch.num_stages}" if launch != config.launch_for(has_shared) else "")
-            + (f"@n{block_n}" if block_n != tiles.block_n else ""))  # the fp8 rules
+            + (f"@n{block_n}" if block_n != tiles.block_n else ""))  # the fp8 and NaN-guard rules
     serves = (variant, "split_k", "in-kernel merge") if has_shared else (variant + " without shared nodes", "split_k")
     return CompileJob(
         kernel="prefix_attention", variant=name, dtype=dtype, head_dim=head_dim,

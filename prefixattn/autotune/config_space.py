@@ -109,6 +109,13 @@ FP8_SUFFIX_MAX_STAGES = 3
 FP8_LARGE_HEAD_DIM = 256
 FP8_LARGE_TILE_ROWS = 32
 FP8_MAX_BLOCK_N = 16
+#: Warps of a suffix-only NVIDIA launch with the NaN guard (``plan(nan_guard=True)``, the kernel's ``USE_NAN_GUARD``)
+#: at a padded head size of :data:`NAN_GUARD_SMALL_HEAD_DIM` or less, at least. At 4 warps Triton 3.6's binaries kept
+#: values in local memory across the KV loops at 80-96 registers (compile-check, LSE, every non-fp8 switch: sm_80
+#: bf16/fp16, 16 x 32 decode tiles, 4 stages: 8 bytes; sm_90 fp32, 16 x 16: 24 bytes); at 8 warps 80 registers, none
+#: (Triton 3.6 and 3.9). Larger heads keep their warps: sm_90's 32 x 32 decode tiles at head_dim 256 fit at 4 warps.
+NAN_GUARD_MIN_WARPS = 8
+NAN_GUARD_SMALL_HEAD_DIM = 64
 
 
 @dataclass(frozen=True, order=True)
@@ -122,20 +129,25 @@ class LaunchOptions:
     matrix_instr_nonkdim: int = 0
     kpack: int = 1
 
-    def for_kv(self, *, has_shared: bool, kv_fp8: bool, is_hip: bool, block_d: int,
-               block_m: int) -> "LaunchOptions":
+    def for_kv(self, *, has_shared: bool, kv_fp8: bool, is_hip: bool, block_d: int, block_m: int,
+               nan_guard: bool = False) -> "LaunchOptions":
         """These options for a launch of ``block_m``-row tiles at a padded head size ``block_d`` whose K/V cache is
         fp8 (when ``kv_fp8``): a suffix-only NVIDIA launch gets at most :data:`FP8_SUFFIX_MAX_STAGES` stages and at
         least :data:`FP8_SUFFIX_MIN_WARPS` warps, or exactly :data:`FP8_LARGE_HEAD_DECODE_WARPS` for 32-row decode
-        tiles of large heads; everything else is unchanged. The one rule (with :func:`fp8_block_n`), used by the
-        launch (:meth:`prefixattn.planner.tiles.AttentionTiles.launch_options`), the warm-up and compile-check."""
+        tiles of large heads; with the NaN guard (``nan_guard``) a suffix-only NVIDIA launch at a padded head size
+        of :data:`NAN_GUARD_SMALL_HEAD_DIM` or less gets at least :data:`NAN_GUARD_MIN_WARPS` warps; everything
+        else is unchanged. The one rule (with :func:`fp8_block_n`), used by the launch
+        (:meth:`prefixattn.planner.tiles.AttentionTiles.launch_options`), the warm-up and compile-check."""
+        lo = self
         if kv_fp8 and not has_shared and not is_hip:
             if block_d >= FP8_LARGE_HEAD_DIM and FP8_LARGE_TILE_ROWS <= block_m < FP8_LARGE_HEAD_CHUNK_ROWS:
                 warps = FP8_LARGE_HEAD_DECODE_WARPS
             else:
                 warps = max(self.num_warps, FP8_SUFFIX_MIN_WARPS)
-            return replace(self, num_warps=warps, num_stages=min(self.num_stages, FP8_SUFFIX_MAX_STAGES))
-        return self
+            lo = replace(self, num_warps=warps, num_stages=min(self.num_stages, FP8_SUFFIX_MAX_STAGES))
+        if nan_guard and not has_shared and not is_hip and block_d <= NAN_GUARD_SMALL_HEAD_DIM:
+            lo = replace(lo, num_warps=max(lo.num_warps, NAN_GUARD_MIN_WARPS))
+        return lo
 
     def compile_options(self, target: Target) -> dict:
         """Keyword options for ``triton.compile`` / a kernel launch on ``target``."""
