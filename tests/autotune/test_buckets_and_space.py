@@ -137,6 +137,21 @@ def test_fp8_suffix_launches_take_more_warps_on_nvidia_only():
     assert LaunchOptions(num_warps=16).for_kv(**fp8_suffix, block_d=64, block_m=16).num_warps == 16
 
 
+def test_nan_guard_suffix_launches_of_small_heads_take_more_warps_on_nvidia_only():
+    # The NaN guard's rule, after the fp8 one: suffix-only NVIDIA launches at BLOCK_D <= 64 run at >= 8 warps.
+    from prefixattn.autotune.config_space import NAN_GUARD_MIN_WARPS, NAN_GUARD_SMALL_HEAD_DIM
+
+    lo = LaunchOptions(num_warps=4, num_stages=4)
+    guard = dict(has_shared=False, kv_fp8=False, is_hip=False, block_m=16, nan_guard=True)
+    assert lo.for_kv(**guard, block_d=NAN_GUARD_SMALL_HEAD_DIM) == LaunchOptions(num_warps=NAN_GUARD_MIN_WARPS,
+                                                                                 num_stages=4)
+    assert lo.for_kv(**guard, block_d=128) == lo
+    assert lo.for_kv(**dict(guard, has_shared=True), block_d=64) == lo
+    assert lo.for_kv(**dict(guard, is_hip=True), block_d=64) == lo
+    assert lo.for_kv(**dict(guard, nan_guard=False), block_d=64) == lo
+    assert lo.for_kv(**dict(guard, kv_fp8=True), block_d=64) == LaunchOptions(num_warps=8, num_stages=3)
+
+
 def test_fp8_caches_take_narrower_kv_tiles_under_large_tiles_of_large_heads():
     from prefixattn.autotune.config_space import FP8_MAX_BLOCK_N, fp8_block_n
 
