@@ -231,7 +231,8 @@ def _prepare(p: Plan, key, *, out, lse, q, k_cache, v_cache, classes: tuple, gri
         PAGE_SIZE=page_size_constexpr(p.block_size), BLOCK_D=t.block_d,
     )
     per_class = class_launches(t, classes, grid_items, tb["ranges"], p.num_kv_heads,
-                               kv_fp8=k_cache.dtype in FP8_KV_DTYPES, nan_guard=p.nan_guard)
+                               kv_fp8=k_cache.dtype in FP8_KV_DTYPES, nan_guard=p.nan_guard,
+                               q_fp32=q.dtype == torch.float32)
     launch = PreparedLaunch(prefix_attention_kernel, named, per_class)
     launch.features = features
     if key is not None:

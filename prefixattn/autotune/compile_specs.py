@@ -200,7 +200,7 @@ def fused_job(*, target: Target, dtype: str, head_dim: int, config: AttentionCon
     bm, bn = config.shared.block_m, block_n
     launch = config.launch_for(has_shared).for_kv(has_shared=has_shared, kv_fp8=kv_fp8, is_hip=target.is_hip,
                                                   block_d=bd, block_m=tiles.block_m,
-                                                  nan_guard="USE_NAN_GUARD" in features)
+                                                  nan_guard="USE_NAN_GUARD" in features, q_fp32=dtype == "fp32")
     name = (variant + ("" if has_shared else "/suffix-only") + ("+lse" if has_lse else "")
             + "".join("+" + f.split("_", 1)[1].lower() for f in FEATURE_SWITCHES if f in features)
             + (f"+{kv_dtype}" if kv_dtype else "")

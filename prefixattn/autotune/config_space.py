@@ -116,6 +116,14 @@ FP8_MAX_BLOCK_N = 16
 #: (Triton 3.6 and 3.9). Larger heads keep their warps: sm_90's 32 x 32 decode tiles at head_dim 256 fit at 4 warps.
 NAN_GUARD_MIN_WARPS = 8
 NAN_GUARD_SMALL_HEAD_DIM = 64
+#: Warps of a suffix-only NVIDIA launch with 16-bit q and K/V and the NaN guard whose tiles hold at most
+#: :data:`NAN_GUARD_DECODE_ROWS` rows (the decode class) at a padded head size of :data:`NAN_GUARD_MID_HEAD_DIM`:
+#: at 8 warps Triton 3.8's ptxas held sm_90's bf16 16 x 64 decode binary (LSE, every non-fp8 switch, 3 stages) at
+#: 128 registers and spilled 64 bytes (40 at 2 stages); at 4 warps 196 registers, none (Triton 3.9: 200, none).
+#: fp32 q keeps its warps: at 4 warps Triton 3.6 spilled sm_80's fp32 16 x 32 decode binary with the guard (16 bytes).
+NAN_GUARD_MID_HEAD_DIM = 128
+NAN_GUARD_DECODE_ROWS = 16
+NAN_GUARD_MID_HEAD_DECODE_WARPS = 4
 
 
 @dataclass(frozen=True, order=True)
@@ -130,14 +138,16 @@ class LaunchOptions:
     kpack: int = 1
 
     def for_kv(self, *, has_shared: bool, kv_fp8: bool, is_hip: bool, block_d: int, block_m: int,
-               nan_guard: bool = False) -> "LaunchOptions":
+               nan_guard: bool = False, q_fp32: bool = False) -> "LaunchOptions":
         """These options for a launch of ``block_m``-row tiles at a padded head size ``block_d`` whose K/V cache is
         fp8 (when ``kv_fp8``): a suffix-only NVIDIA launch gets at most :data:`FP8_SUFFIX_MAX_STAGES` stages and at
         least :data:`FP8_SUFFIX_MIN_WARPS` warps, or exactly :data:`FP8_LARGE_HEAD_DECODE_WARPS` for 32-row decode
-        tiles of large heads; with the NaN guard (``nan_guard``) a suffix-only NVIDIA launch at a padded head size
-        of :data:`NAN_GUARD_SMALL_HEAD_DIM` or less gets at least :data:`NAN_GUARD_MIN_WARPS` warps; everything
-        else is unchanged. The one rule (with :func:`fp8_block_n`), used by the launch
-        (:meth:`prefixattn.planner.tiles.AttentionTiles.launch_options`), the warm-up and compile-check."""
+        tiles of large heads. With the NaN guard (``nan_guard``) a suffix-only NVIDIA launch at a padded head size
+        of :data:`NAN_GUARD_SMALL_HEAD_DIM` or less gets at least :data:`NAN_GUARD_MIN_WARPS` warps, and one of
+        decode tiles at :data:`NAN_GUARD_MID_HEAD_DIM` with 16-bit q and K/V (``q_fp32`` false) exactly
+        :data:`NAN_GUARD_MID_HEAD_DECODE_WARPS`. Everything else is unchanged. The one rule (with
+        :func:`fp8_block_n`), used by the launch (:meth:`prefixattn.planner.tiles.AttentionTiles.launch_options`),
+        the warm-up and compile-check."""
         lo = self
         if kv_fp8 and not has_shared and not is_hip:
             if block_d >= FP8_LARGE_HEAD_DIM and FP8_LARGE_TILE_ROWS <= block_m < FP8_LARGE_HEAD_CHUNK_ROWS:
@@ -145,8 +155,12 @@ class LaunchOptions:
             else:
                 warps = max(self.num_warps, FP8_SUFFIX_MIN_WARPS)
             lo = replace(self, num_warps=warps, num_stages=min(self.num_stages, FP8_SUFFIX_MAX_STAGES))
-        if nan_guard and not has_shared and not is_hip and block_d <= NAN_GUARD_SMALL_HEAD_DIM:
-            lo = replace(lo, num_warps=max(lo.num_warps, NAN_GUARD_MIN_WARPS))
+        if nan_guard and not has_shared and not is_hip:
+            if block_d <= NAN_GUARD_SMALL_HEAD_DIM:
+                lo = replace(lo, num_warps=max(lo.num_warps, NAN_GUARD_MIN_WARPS))
+            elif (not kv_fp8 and not q_fp32 and block_d == NAN_GUARD_MID_HEAD_DIM
+                  and block_m <= NAN_GUARD_DECODE_ROWS):
+                lo = replace(lo, num_warps=NAN_GUARD_MID_HEAD_DECODE_WARPS)
         return lo
 
     def compile_options(self, target: Target) -> dict:

@@ -152,6 +152,23 @@ def test_nan_guard_suffix_launches_of_small_heads_take_more_warps_on_nvidia_only
     assert lo.for_kv(**dict(guard, kv_fp8=True), block_d=64) == LaunchOptions(num_warps=8, num_stages=3)
 
 
+def test_nan_guard_decode_launches_of_head_128_take_four_warps_with_16_bit_inputs():
+    from prefixattn.autotune.config_space import (NAN_GUARD_DECODE_ROWS, NAN_GUARD_MID_HEAD_DECODE_WARPS,
+                                                  NAN_GUARD_MID_HEAD_DIM)
+
+    lo = LaunchOptions(num_warps=8, num_stages=3)
+    guard = dict(has_shared=False, kv_fp8=False, is_hip=False, nan_guard=True, block_d=NAN_GUARD_MID_HEAD_DIM)
+    want = LaunchOptions(num_warps=NAN_GUARD_MID_HEAD_DECODE_WARPS, num_stages=3)
+    assert lo.for_kv(**guard, block_m=NAN_GUARD_DECODE_ROWS) == want
+    # Chunk tiles, fp32 q, fp8 caches (their own rule), other heads, AMD and shared launches keep theirs.
+    assert lo.for_kv(**guard, block_m=2 * NAN_GUARD_DECODE_ROWS) == lo
+    assert lo.for_kv(**guard, block_m=16, q_fp32=True) == lo
+    assert lo.for_kv(**dict(guard, kv_fp8=True), block_m=16) == lo
+    assert lo.for_kv(**dict(guard, block_d=256), block_m=16) == lo
+    assert lo.for_kv(**dict(guard, is_hip=True), block_m=16) == lo
+    assert lo.for_kv(**dict(guard, has_shared=True), block_m=16) == lo
+
+
 def test_fp8_caches_take_narrower_kv_tiles_under_large_tiles_of_large_heads():
     from prefixattn.autotune.config_space import FP8_MAX_BLOCK_N, fp8_block_n
 
