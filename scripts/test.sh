@@ -18,7 +18,9 @@ setup_venv .venv test
 # whole when it ends; the lanes' editable installs take turns (install_editable in scripts/venv.sh).
 run_versions_lane() {
   local lane_failed=()
-  .venv/bin/python -m pytest tests/ -m "not slow and not vllm and not sglang and not ray" "$@" || lane_failed+=(main)
+  # The GPU check's dry run (~1.5 minutes) runs once, in the Triton 3.6 suite: the GPU image's Triton.
+  .venv/bin/python -m pytest tests/ -m "not slow and not vllm and not sglang and not ray" \
+    --deselect tests/test_gpu_check_dry_run.py::test_gpu_check_dry_run_runs_every_step "$@" || lane_failed+=(main)
   bash scripts/test_triton36.sh || lane_failed+=(triton36)  # the oldest supported Triton: kernel tests, compile-check
   # The Triton vLLM 0.33 runs on (its torch 2.14 pins 3.8), here beside torch 2.13: the same kernel tests and
   # compile-check (~3 minutes).

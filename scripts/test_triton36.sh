@@ -30,9 +30,9 @@ fi
 install_editable "$VENV" test torch==2.13.0 "$TRITON_PIN" "numpy<2.4"
 
 failed=()
-# The GPU check's dry run (~1.5 minutes) only under 3.6, the GPU image's Triton; the main suite runs it on the newest,
-# and the tile sweep's dry run (~1.5 minutes, the same kernels over more configs) and the thousand-request batch (a
-# planner-scale case, no kernel path of its own) only there.
+# The GPU check's dry run (~1.5 minutes) only under 3.6, the GPU image's Triton (scripts/test.sh's main suite leaves
+# it to this one); the tile sweep's dry run (~1.5 minutes, the same kernels over more configs) and the
+# thousand-request batch (a planner-scale case, no kernel path of its own) only in the main suite.
 dry_run=()
 [ "$version" = "3.6.0" ] && dry_run=(tests/test_gpu_check_dry_run.py
   --deselect tests/test_gpu_check_dry_run.py::test_tile_sweep_dry_run_times_every_candidate_on_every_shape)
