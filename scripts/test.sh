@@ -13,8 +13,8 @@ source scripts/venv.sh
 failed=()
 setup_venv .venv test
 
-# Two lanes side by side, one per core, balanced by their measured times on 2 cores (each ~19 minutes): the main
-# suite then the version suites in the background, the engine suites here. The background lane's output is printed
+# Two lanes side by side, one per core (on 2 cores: ~15 and ~20 minutes, 22 in all): the main suite then the
+# version suites in the background, the engine suites here. The background lane's output is printed
 # whole when it ends; the lanes' editable installs take turns (install_editable in scripts/venv.sh).
 run_versions_lane() {
   local lane_failed=()
