@@ -3,9 +3,6 @@ the simulator all decide with it, and agree node by node across the rule's thres
 
 from __future__ import annotations
 
-import hashlib
-from pathlib import Path
-
 import numpy as np
 import pytest
 
@@ -100,5 +97,4 @@ def test_the_compiled_planner_pins_the_rule_it_compiled_in():
     """numba's on-disk cache of compiled_core keys on compiled_core.py alone: after a change to cost_rule.py this
     fails until COST_RULE_SOURCE_HASH is updated, which changes compiled_core.py and so recompiles select_nodes."""
     compiled_core = pytest.importorskip("prefixattn.planner.compiled_core")
-    source = Path(cost_rule.__file__).read_bytes().replace(b"\r\n", b"\n")
-    assert compiled_core.COST_RULE_SOURCE_HASH == hashlib.sha256(source).hexdigest()[:16]
+    assert compiled_core.COST_RULE_SOURCE_HASH == compiled_core.source_hash(cost_rule)

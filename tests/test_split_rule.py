@@ -6,9 +6,6 @@ plan() builds only host tables, so the whole grid (109 plans) takes a few second
 
 from __future__ import annotations
 
-import hashlib
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
@@ -214,5 +211,4 @@ def test_the_compiled_core_pins_the_compiled_split_rule():
     compiled_core = pytest.importorskip("prefixattn.planner.compiled_core")
     from prefixattn.planner import compiled_split
 
-    source = Path(compiled_split.__file__).read_bytes().replace(b"\r\n", b"\n")
-    assert compiled_core.SPLIT_SOURCE_HASH == hashlib.sha256(source).hexdigest()[:16]
+    assert compiled_core.SPLIT_SOURCE_HASH == compiled_core.source_hash(compiled_split)

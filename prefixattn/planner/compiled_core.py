@@ -24,6 +24,9 @@ the cost rule (compiled from its numpy definition, :data:`COST_RULE_SOURCE_HASH`
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
+
 import numpy as np
 from numba import njit
 
@@ -39,6 +42,12 @@ COST_RULE_SOURCE_HASH = "5d899eafa66eb5c5"
 #: The first 16 hex digits of the sha256 of :mod:`prefixattn.planner.compiled_split`'s file, whose functions
 #: :func:`work_list` compiles in (same reason as above). ``tests/test_split_rule.py`` fails until this matches.
 SPLIT_SOURCE_HASH = "3b99352d8035ad73"
+
+
+def source_hash(module) -> str:
+    """What the pins above hold for ``module``: the first 16 hex digits of the sha256 of its file (line endings
+    normalized). The tests compare each pin with it."""
+    return hashlib.sha256(Path(module.__file__).read_bytes().replace(b"\r\n", b"\n")).hexdigest()[:16]
 #: :func:`prefixattn.planner.cost_rule.sharing_pays_off`, compiled: the rule's one definition, called per node.
 _sharing_pays_off = njit(nogil=True)(cost_rule.sharing_pays_off)
 
