@@ -5,7 +5,7 @@
 #     launch against this Triton's own JIT and compiled launcher (tests/test_launcher.py, test_launcher_compile.py)
 #     and, under 3.6 only, the GPU check's dry run (tests/test_gpu_check_dry_run.py);
 #   - `prefixattn compile-check` for sm90 (bf16, head_dim 64 and 128: decode, chunked prefill, suffix-only, merges),
-#     i.e. Triton 3.6's own compiler and ptxas on the kernels the GPU machine will run.
+#     i.e. Triton 3.6's own compiler and ptxas on the kernels the GPU machine will run, and for gfx942 (head_dim 128).
 # numpy<2.4: Triton 3.6's interpreter calls int() on 1-element arrays, a TypeError from NumPy 2.4 on (see
 # prefixattn/runtime.py; Triton >= 3.7 is fine with any NumPy). The main suite (scripts/test.sh) runs the newest Triton.
 # TRITON_PIN=triton==3.8.0 runs the same suite on another Triton (in .venv-triton38; scripts/test.sh runs 3.8.0, vLLM
@@ -40,8 +40,9 @@ dry_run=()
 "$VENV/bin/python" -m pytest tests/test_attention.py tests/test_merge_states.py tests/test_runtime.py \
   tests/test_kv_write.py tests/test_warmup.py tests/test_launcher.py tests/test_launcher_compile.py "${dry_run[@]}" -q \
   --deselect tests/test_attention.py::test_thousand_tiny_requests -m "not slow" -W "ignore:Conversion of an array with ndim:DeprecationWarning" "$@" || failed+=(kernel-tests)
-"$VENV/bin/prefixattn" compile-check --targets sm90 --dtypes bf16 --head-dims 64,128 --jobs 2 --quiet \
-  || failed+=(compile-check)
+# gfx942 at one head size: Triton 3.6 lowered an atomic exchange to a buffer atomic LLVM lacks there (every binary).
+"$VENV/bin/prefixattn" compile-check --targets sm90,gfx942 --dtypes bf16 --head-dims 64,128 \
+  --head-dim-per-target gfx942=128 --jobs 2 --quiet || failed+=(compile-check)
 if [ ${#failed[@]} -gt 0 ]; then
   echo "triton $version suite: FAILED: ${failed[*]}" >&2
   exit 1

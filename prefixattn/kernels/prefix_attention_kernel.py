@@ -197,6 +197,14 @@ def _redo_bad_rows(
 
 
 @triton.jit
+def _past_gap(start, gap_lo, gap, HAS_GAP: tl.constexpr):
+    """KV position of the loop's tile ``start`` when the loop skips ``gap`` positions from ``gap_lo``."""
+    if HAS_GAP:
+        return tl.where(start >= gap_lo, start + gap, start)
+    return start
+
+
+@triton.jit
 def _attend_range(
     acc, m_i, l_i,  # running state: [BLOCK_M, BLOCK_D] fp32, [BLOCK_M] fp32 (log2 units), [BLOCK_M] fp32
     q,  # [BLOCK_M, BLOCK_D] query tile in the dot dtype (scores are scaled after the dot: one rounding less)
@@ -204,12 +212,15 @@ def _attend_range(
     kv,  # PagedKV
     block_row_ptr,  # [max_blocks] the block-table row of the item's representative request
     kv_head, kv_lo, kv_hi,
+    gap_lo, gap_hi,  # KV positions [gap_lo, gap_hi) inside the range to skip (used only when HAS_GAP)
     score,  # ScoreRule
-    APPLY_CAUSAL: tl.constexpr, APPLY_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr,
+    APPLY_CAUSAL: tl.constexpr, APPLY_WINDOW: tl.constexpr, HAS_GAP: tl.constexpr, HAS_SOFT_CAP: tl.constexpr,
     USE_FP32_DOT: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Online softmax over KV positions [kv_lo, kv_hi), fp32 accumulation; the only copy of the attention math.
-    ``APPLY_CAUSAL`` hides keys after each lane's query, ``APPLY_WINDOW`` keys before ``q_pos - window_left``."""
+    ``APPLY_CAUSAL`` hides keys after each lane's query, ``APPLY_WINDOW`` keys before ``q_pos - window_left``.
+    ``HAS_GAP`` skips [gap_lo, gap_hi) (both ``BLOCK_N``-aligned from ``kv_lo``): one masked loop for the two ends
+    of an item's range."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < kv.head_dim
@@ -219,15 +230,21 @@ def _attend_range(
     # issued in the same iteration, so the software pipeliner keeps two K/V tiles in flight at num_stages=3
     # (sm_90, bf16, head_dim 128: async_wait num=2 in the loop; with the ids loaded in-loop it kept one tile and
     # waited with num=0 at the top of every iteration, a full memory round trip per tile).
-    blk_next = _load_block_ids(block_row_ptr=block_row_ptr, pos=kv_lo + offs_n, kv_hi=kv_hi,
-                               block_size=kv.block_size, PAGE_SIZE=PAGE_SIZE)
-    for start in range(kv_lo, kv_hi, BLOCK_N):
-        pos = start + offs_n
+    gap = 0
+    if HAS_GAP:
+        gap = gap_hi - gap_lo
+    blk_next = _load_block_ids(block_row_ptr=block_row_ptr,
+                               pos=_past_gap(start=kv_lo, gap_lo=gap_lo, gap=gap, HAS_GAP=HAS_GAP) + offs_n,
+                               kv_hi=kv_hi, block_size=kv.block_size, PAGE_SIZE=PAGE_SIZE)
+    for start in range(kv_lo, kv_hi - gap, BLOCK_N):
+        pos = _past_gap(start=start, gap_lo=gap_lo, gap=gap, HAS_GAP=HAS_GAP) + offs_n
         in_range = pos < kv_hi
         # 64-bit: block id x block stride passes 2^31 elements on large caches (vllm#47671, sglang#20389).
         blk = blk_next.to(tl.int64)
-        blk_next = _load_block_ids(block_row_ptr=block_row_ptr, pos=pos + BLOCK_N, kv_hi=kv_hi,
-                                   block_size=kv.block_size, PAGE_SIZE=PAGE_SIZE)
+        blk_next = _load_block_ids(
+            block_row_ptr=block_row_ptr,
+            pos=_past_gap(start=start + BLOCK_N, gap_lo=gap_lo, gap=gap, HAS_GAP=HAS_GAP) + offs_n, kv_hi=kv_hi,
+            block_size=kv.block_size, PAGE_SIZE=PAGE_SIZE)
         _, slot = _page_and_slot(pos=pos, block_size=kv.block_size, PAGE_SIZE=PAGE_SIZE)
         slot = slot.to(tl.int64)
         k_off = blk * kv.stride_k_blk + slot * kv.stride_k_tok + k_head
@@ -244,9 +261,12 @@ def _attend_range(
         if HAS_SOFT_CAP:
             s = _tanh(x=s) * score.soft_cap_log2  # qk_scale = sm_scale / c here: the cap acts before the base-2 scaling
         visible = in_range[None, :]
-        if APPLY_CAUSAL:
+        if APPLY_CAUSAL and APPLY_WINDOW:
+            # 0 <= q_pos - pos <= window_left as one unsigned compare (a negative distance wraps past any window).
+            visible = visible & ((q_pos[:, None] - pos[None, :]).to(tl.uint32) <= score.window_left.to(tl.uint32))
+        elif APPLY_CAUSAL:
             visible = visible & (pos[None, :] <= q_pos[:, None])
-        if APPLY_WINDOW:
+        elif APPLY_WINDOW:
             visible = visible & (pos[None, :] >= q_pos[:, None] - score.window_left)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -272,12 +292,15 @@ def _attend_item(
     block_row_ptr, kv_head, kv_start, kv_end,
     score,  # ScoreRule
     IS_SHARED: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr, USE_FP32_DOT: tl.constexpr,
-    WINDOW_EDGE_LOOP: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """The item's KV range [kv_start, kv_end) in up to three parts, each masked only as much as it must be: window
-    edge (window mask), then keys every row sees (no mask), then the causal diagonal (causal and window masks).
-    Without ``WINDOW_EDGE_LOOP`` the window edge runs in the middle part, which masks the window then.
-    Returns the state and the first KV position any row sees (the NaN guard's start)."""
+    """The item's KV range [kv_start, kv_end) in at most two KV loops, each masked only as much as it must be: the
+    keys every row sees (no mask), then the window edge and the causal diagonal (causal and window masks) in one
+    loop that skips the middle. One masked loop for both ends, not a loop each: a third KV loop kept more values
+    live across the loops, and ptxas spilled (compile-check, Triton 3.6, window over an fp8 cache: sm_80 fp16 chunk
+    class 64 x 16 tiles at 8 warps, head_dim 256: 56 bytes at 255 registers; gfx90a fp16 128 x 64 at 4 warps,
+    head_dim 128: 21-24 VGPRs; sm_80 fp32 chunk class 32 x 32 at 8 warps, head_dim 80-128, Triton 3.9: 108-176
+    bytes). Returns the state and the first KV position any row sees (the NaN guard's start)."""
     kv_lo = kv_start
     if HAS_WINDOW and not IS_SHARED:
         # KV left of the first row's window is seen by no row of the item: skip those tiles.
@@ -285,34 +308,33 @@ def _attend_item(
     kv_first = kv_lo
     if IS_SHARED:
         # A shared node ends at or before its requests' first query position: no row is masked.
-        kv_mid = kv_end
+        acc, m_i, l_i = _attend_range(
+            acc=acc, m_i=m_i, l_i=l_i, q=q, q_pos=q_pos, kv=kv, block_row_ptr=block_row_ptr, kv_head=kv_head,
+            kv_lo=kv_lo, kv_hi=kv_end, gap_lo=kv_end, gap_hi=kv_end, score=score, APPLY_CAUSAL=False,
+            APPLY_WINDOW=False, HAS_GAP=False, HAS_SOFT_CAP=HAS_SOFT_CAP, USE_FP32_DOT=USE_FP32_DOT,
+            PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+        )
     else:
         # Positions < q_pos0 + 1 are visible to every row of the tile: full tiles there skip the causal mask.
         kv_mid = tl.minimum(tl.maximum(q_pos0 + 1, kv_lo), kv_end)
         kv_mid = kv_lo + ((kv_mid - kv_lo) // BLOCK_N) * BLOCK_N
-    if HAS_WINDOW and WINDOW_EDGE_LOOP and not IS_SHARED:
-        # Keys >= the last row's window start are in every row's window: only the tiles before it need the mask.
-        win_full = tl.minimum(tl.maximum(q_pos0 + num_rows - 1 - score.window_left, kv_lo), kv_mid)
-        win_end = tl.minimum(kv_lo + tl.cdiv(win_full - kv_lo, BLOCK_N) * BLOCK_N, kv_mid)
+        mid_lo = kv_lo
+        if HAS_WINDOW:
+            # Keys >= the last row's window start are in every row's window: only the tiles before it need the mask.
+            win_full = tl.minimum(tl.maximum(q_pos0 + num_rows - 1 - score.window_left, kv_lo), kv_mid)
+            mid_lo = tl.minimum(kv_lo + tl.cdiv(win_full - kv_lo, BLOCK_N) * BLOCK_N, kv_mid)
         acc, m_i, l_i = _attend_range(
             acc=acc, m_i=m_i, l_i=l_i, q=q, q_pos=q_pos, kv=kv, block_row_ptr=block_row_ptr, kv_head=kv_head,
-            kv_lo=kv_lo, kv_hi=win_end, score=score, APPLY_CAUSAL=False, APPLY_WINDOW=True,
-            HAS_SOFT_CAP=HAS_SOFT_CAP, USE_FP32_DOT=USE_FP32_DOT, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N,
-            BLOCK_D=BLOCK_D,
+            kv_lo=mid_lo, kv_hi=kv_mid, gap_lo=kv_mid, gap_hi=kv_mid, score=score, APPLY_CAUSAL=False,
+            APPLY_WINDOW=False, HAS_GAP=False, HAS_SOFT_CAP=HAS_SOFT_CAP, USE_FP32_DOT=USE_FP32_DOT,
+            PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
         )
-        kv_lo = win_end
-    acc, m_i, l_i = _attend_range(
-        acc=acc, m_i=m_i, l_i=l_i, q=q, q_pos=q_pos, kv=kv, block_row_ptr=block_row_ptr, kv_head=kv_head,
-        kv_lo=kv_lo, kv_hi=kv_mid, score=score, APPLY_CAUSAL=False,
-        APPLY_WINDOW=HAS_WINDOW and not WINDOW_EDGE_LOOP and not IS_SHARED,
-        HAS_SOFT_CAP=HAS_SOFT_CAP, USE_FP32_DOT=USE_FP32_DOT, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
-    )
-    if not IS_SHARED:
+        # Without a window the edge is empty: the masked loop starts at the diagonal.
         acc, m_i, l_i = _attend_range(
             acc=acc, m_i=m_i, l_i=l_i, q=q, q_pos=q_pos, kv=kv, block_row_ptr=block_row_ptr, kv_head=kv_head,
-            kv_lo=kv_mid, kv_hi=kv_end, score=score, APPLY_CAUSAL=True, APPLY_WINDOW=HAS_WINDOW,
-            HAS_SOFT_CAP=HAS_SOFT_CAP, USE_FP32_DOT=USE_FP32_DOT, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N,
-            BLOCK_D=BLOCK_D,
+            kv_lo=kv_lo if HAS_WINDOW else kv_mid, kv_hi=kv_end, gap_lo=mid_lo, gap_hi=kv_mid, score=score,
+            APPLY_CAUSAL=True, APPLY_WINDOW=HAS_WINDOW, HAS_GAP=HAS_WINDOW, HAS_SOFT_CAP=HAS_SOFT_CAP,
+            USE_FP32_DOT=USE_FP32_DOT, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
         )
     return acc, m_i, l_i, kv_first
 
@@ -347,8 +369,8 @@ def _report_and_merge(
     wave first waits for its own workspace stores (``IS_HIP``: ``s_waitcnt vmcnt(0)``, which on CDNA counts stores
     too); the releasing wave's L2 write-back then publishes all of them, and the acquire's L2 invalidate makes the
     merging program read them.
-    The counters leave themselves at zero: the merging lane's acquire is an exchange with 0 (an RMW, so it still
-    reads the end of the release sequence). The class launches of one layer count into the same counters (a row
+    The counters leave themselves at zero: the merging lane's acquire is a compare-and-swap from ``num_states`` to 0
+    (an RMW that always succeeds there, so it still reads the end of the release sequence). The class launches of one layer count into the same counters (a row
     whose states come from several launches merges in the last of them), and each (row, head) gets exactly
     ``num_states`` reports a layer, so the reset comes after its last one. ``plan()`` zeroes the counters a step
     uses once (a step that was interrupted, or counters overwritten by anyone, cannot make a later plan merge early).
@@ -367,8 +389,11 @@ def _report_and_merge(
     if num_done > 0:
         # The acquire that makes the states visible also leaves the counter at 0 for the next layer: every state of
         # this (row, head) has arrived, so no program of this layer touches it again, and the next layer's launches
-        # are stream-ordered after this one. No memset runs per layer.
-        tl.atomic_xchg(counter, 0, mask=done, sem="acquire", scope="gpu")
+        # are stream-ordered after this one. No memset runs per layer. A compare-and-swap from num_states (what every
+        # arrival left), not an exchange: Triton 3.6 lowers an exchange to a gfx942 buffer atomic LLVM has no
+        # intrinsic for (llvm.amdgcn.raw.ptr.buffer.atomic.exch: "failed to translate module to LLVM IR"), and an
+        # add of -num_states became a compare-and-swap loop on gfx90a (Triton 3.9).
+        tl.atomic_cas(counter, tl.where(done, num_states, -1), tl.zeros_like(num_states), sem="acquire", scope="gpu")
         tl.debug_barrier()
         ws_first = tl.load(work.mrows_ptr + mrow * L.MROW_FIELDS + L.MROW_WS_FIRST, mask=done, other=0).to(tl.int64)
         ws_stride = tl.load(work.mrows_ptr + mrow * L.MROW_FIELDS + L.MROW_WS_STRIDE, mask=done, other=0).to(tl.int64)
@@ -458,8 +483,6 @@ def _run_item(
         to_workspace = True
     else:
         tok = row_start + row
-        dest = tl.load(it + L.ITEM_DEST)
-        to_workspace = dest >= 0
 
     q = tl.load(_vec_ptrs(t=queries, rows=tok, heads=head, offs_d=offs_d), mask=mask_md, other=0.0)
     if USE_FP32_DOT:
@@ -477,12 +500,6 @@ def _run_item(
         acc=acc, m_i=m_i, l_i=l_i, q=q, q_pos=q_pos, q_pos0=q_pos0, num_rows=num_rows, kv=kv,
         block_row_ptr=block_row_ptr, kv_head=kv_head, kv_start=kv_start, kv_end=kv_end, score=score,
         IS_SHARED=IS_SHARED, HAS_WINDOW=HAS_WINDOW, HAS_SOFT_CAP=HAS_SOFT_CAP, USE_FP32_DOT=USE_FP32_DOT,
-        # fp32 inputs mask the window edge in the middle part, not in a KV loop of its own: a third loop made ptxas
-        # spill sm_80's fp32 chunk class with the window (32 x 32 tiles, 8 warps, head_dim 128: 108-176 bytes at
-        # 128 registers; two loops: 116-164 registers, none, Triton 3.9). The mask is a few ops per score against
-        # the 2 x BLOCK_D FMAs of an IEEE fp32 score. Keyed on q's type, not USE_FP32_DOT (always on in the
-        # interpreter), so the interpreter runs both paths.
-        WINDOW_EDGE_LOOP=queries.ptr.dtype.element_ty != tl.float32,
         PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
     )
 
@@ -505,6 +522,12 @@ def _run_item(
     if HAS_KV_SCALE:
         o = o * (v_scale * tl.load(v_scale_ptr))  # linear: partial states merge the same either way
     lse_row = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)
+    if not IS_SHARED:
+        # Loaded after the KV loops, as the merge row is: a value held across them takes a register from every
+        # iteration (ptxas spilled it, 4 bytes, on sm_80's fp16 chunk class at head_dim 256, 64 x 16 tiles, over
+        # an e5m2 cache with the model switches, Triton 3.6).
+        dest = tl.load(it + L.ITEM_DEST)
+        to_workspace = dest >= 0
     if to_workspace:
         if IS_SHARED:
             ws_row = tl.load(g + L.GATHER_WS_ROW, mask=mask_m, other=0).to(tl.int64)
