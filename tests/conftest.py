@@ -24,3 +24,13 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def device() -> str:
     return "cuda" if _has_gpu() else "cpu"
+
+
+@pytest.fixture
+def node_rule_only(monkeypatch):
+    """``sharing="auto"`` with the per-node cost rule alone, for tests that pin the node rule, the split rule or the
+    planner's output: the step-level check (:mod:`prefixattn.planner.sharing_check`, tested in
+    tests/test_sharing_check.py) plans many of their small batches unshared on the modeled H100."""
+    from prefixattn.planner import plans
+
+    monkeypatch.setattr(plans, "shared_launch_may_lose", lambda *args, **kwargs: False)

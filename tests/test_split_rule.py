@@ -144,7 +144,7 @@ def test_residency():
 
 @pytest.mark.parametrize("paper, kv_heads", [("cascade:16/1024/128", 4), ("cascade:16/8192/512", 8),
                                              ("cascade:64/32768/128", 4)])
-def test_split_plans_cover_every_position_once(paper, kv_heads):
+def test_split_plans_cover_every_position_once(paper, kv_heads, node_rule_only):
     # Full-size plans that split their shared node: the host simulation of the kernel's bookkeeping (coverage,
     # workspace rows, merge counts) holds.
     shape = next(s for s in SHAPES if s.paper == paper and s.num_kv_heads == kv_heads)

@@ -31,9 +31,8 @@ def sharing_pays_off(num_requests, num_rows, num_m_tiles, num_tokens, group, hea
       reads exactly those states and writes ``out``, which is written anyway).
 
     Not charged: the shared launch itself (its programs' start and epilogue, and the gap before the next work
-    class's launch, which waits for it). In a step that fills the GPU the split rule's makespan prices the programs
-    (:mod:`prefixattn.planner.split_rule`); in a short step the launch can cost more than its nodes save (modeled,
-    sm90: 32 decodes of GQA 32:4 under a 256-token prefix, 54.9 us shared against 49.2 us with ``sharing="never"``).
+    class's launch, which waits for it): a step-level check prices it on the whole work list
+    (:mod:`prefixattn.planner.sharing_check`).
 
     Parameters
     ----------

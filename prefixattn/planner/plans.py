@@ -32,6 +32,7 @@ from prefixattn.planner.compiled import (check_and_tree, compiled_modules, core_
 from prefixattn.planner.device_tables import check_workspace_args, device_tables
 from prefixattn.planner.node_choice import select_shared_nodes
 from prefixattn.planner.options import MIN_SPLIT_TOKENS, PlanOptions, _default_num_sms, checked_options
+from prefixattn.planner.sharing_check import shared_launch_may_lose, unshared_is_faster
 from prefixattn.planner.stats import modeled_stats
 from prefixattn.planner.tiles import AttentionTiles, choose_tiles
 from prefixattn.planner.window import window_shared_nodes
@@ -207,8 +208,10 @@ def plan(
     min_split_tokens : int
         Shortest split-k chunk in KV tokens (``MIN_SPLIT_TOKENS``).
     sharing : {"auto", "always", "never"}
-        ``"auto"`` applies the cost rule (:func:`prefixattn.planner.cost_rule.sharing_pays_off`); the others force
-        every/no candidate node.
+        ``"auto"`` applies the cost rule (:func:`prefixattn.planner.cost_rule.sharing_pays_off`) per node, then
+        drops all sharing in a step whose modeled time is lower without it (a short step, where the shared launch
+        costs more than it saves: :mod:`prefixattn.planner.sharing_check`; ``stats["sharing_declined"]``); the
+        others force every/no candidate node.
     num_blocks : int, optional
         Number of blocks in the cache, to refuse an out-of-range id here, at plan time. Without it the plan still
         records the largest id it reads (``Plan.max_block_id``) and :func:`prefixattn.attention` checks it against
@@ -290,10 +293,21 @@ def plan_with_options(options: PlanOptions, qo_indptr: torch.Tensor, kv_lens: to
         if tiles is None:
             tiles = choose_tiles(head_dim=o.head_dim, group=group, max_q_len=max(max_q_len, 1), dtype=o.q_dtype,
                                  fixed_env=fixed_env)
+        tables = dict(tiles=tiles, num_sms=num_sms, indptr=indptr, q_len=q_len, lens=lens, shareable=shareable,
+                      table=table)
         nodes, work, staged_flat, written = _host_tables(
-            still_compiled(compiled), tree, o, tiles=tiles, num_sms=num_sms, indptr=indptr, q_len=q_len,
-            lens=lens, shareable=shareable, table=table, workspace=workspace,
-            width=width if workspace is None else 0)  # a workspace's table: staged by the checks or PlanWorkspace.load
+            still_compiled(compiled), tree, o, workspace=workspace,
+            width=width if workspace is None else 0, **tables)  # a workspace's table: staged by the checks or .load
+        declined = o.sharing == "auto" and shared_launch_may_lose(
+            nodes, work, _class_costs(o, tiles)[0], num_kv_heads=o.num_kv_heads, num_sms=num_sms)
+        if declined:  # a short step: the unshared plan, in scratch buffers, and the faster of the two (modeled)
+            unshared = _unshared_options(o)
+            declined = unshared_is_faster(work, _host_tables(still_compiled(compiled), tree, unshared,
+                                                             workspace=None, width=0, **tables)[1])
+            if declined:
+                nodes, work, staged_flat, written = _host_tables(
+                    still_compiled(compiled), tree, unshared, workspace=workspace,
+                    width=width if workspace is None else 0, **tables)
         num_tokens, num_nodes = int(indptr[-1]), int(nodes.kv_start.shape[0])
         dev = device_tables(work, table, width, workspace=workspace, device_block_table=device_block_table,
                              device=device, staged=staged_flat, num_qo_heads=o.num_qo_heads, head_dim=o.head_dim,
@@ -315,7 +329,8 @@ def plan_with_options(options: PlanOptions, qo_indptr: torch.Tensor, kv_lens: to
         work=work, tree=tree, nodes=nodes,
         **dev,
         stats=dict(num_shared_nodes=num_nodes, num_units=work.num_units, num_merge_rows=work.mrows.shape[0],
-                   num_ws_rows=work.num_ws_rows, num_sms=num_sms, **modeled_stats(work)),
+                   num_ws_rows=work.num_ws_rows, num_sms=num_sms, sharing_declined=declined,
+                   **modeled_stats(work)),
         workspace=workspace, workspace_step=workspace.step if workspace is not None else -1,
     )
 
@@ -367,6 +382,22 @@ def _host_tables(compiled, tree, o: PlanOptions, *, tiles: AttentionTiles, num_s
                                 head_dim=o.head_dim, elt_bytes=o.kv_dtype.itemsize, window_left=o.window_left,
                                 costs=costs[0], **tile_args)
     return nodes, work, None, False
+
+
+#: ``sharing="never"`` twins of the options :func:`plan_with_options` declined sharing for, by identity (holding
+#: the objects, as :data:`_core_params_memo`): the twin's compiled-planner parameters are memoized by its identity.
+_unshared_memo: dict = {}
+
+
+def _unshared_options(o: PlanOptions) -> PlanOptions:
+    hit = _unshared_memo.get(id(o))
+    if hit is not None and hit[0] is o:
+        return hit[1]
+    if len(_unshared_memo) >= _MAX_CORE_PARAMS:
+        _unshared_memo.clear()
+    twin = o._replace(sharing="never")
+    _unshared_memo[id(o)] = (o, twin)
+    return twin
 
 
 #: Each step's class costs by (options, tiles, target), keyed by identity and holding the objects (as

@@ -1,0 +1,95 @@
+"""sharing="auto" plans a short step without sharing when that is faster (modeled): the shared class's own launch
+can cost more than the reads its nodes save (prefixattn.planner.sharing_check)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import prefixattn
+from prefixattn import PrefixSharedAttention, reference_attention
+from prefixattn.autotune.lookup import planning_target
+from prefixattn.autotune.program_cost import class_costs
+from prefixattn.autotune.targets import get_target
+from prefixattn.planner import plans, sharing_check
+from tests.tolerances import ATTENTION_TOL
+
+BLOCK_SIZE = 16
+#: The GPU check's decode shapes on an H100 (modeled): GQA 32:4, head_dim 128, fp16, 132 SMs.
+GPU_SHAPE = dict(num_qo_heads=32, num_kv_heads=4, head_dim=128, q_dtype=torch.float16, num_sms=132)
+
+
+def _decode_batch(num_requests: int, shared: int, own: int):
+    """``num_requests`` decodes whose first ``shared`` KV positions are the same blocks, then ``own`` each."""
+    own_blocks = -(-own // BLOCK_SIZE)
+    rows = [list(range(shared // BLOCK_SIZE)) + [1000 + r * own_blocks + j for j in range(own_blocks)]
+            for r in range(num_requests)]
+    return (torch.arange(num_requests + 1), torch.full((num_requests,), shared + own),
+            torch.tensor(rows, dtype=torch.int64))
+
+
+def _plan(batch, sharing):
+    with planning_target("sm90"):
+        return prefixattn.plan(*batch, block_size=BLOCK_SIZE, sharing=sharing, **GPU_SHAPE)
+
+
+@pytest.fixture(params=["numpy", "numba"])
+def planner(request, monkeypatch):
+    if request.param == "numba":
+        pytest.importorskip("numba")
+    monkeypatch.setenv("PREFIXATTN_PLANNER", request.param)
+    return request.param
+
+
+def test_a_short_step_runs_unshared_where_sharing_is_slower(planner):
+    """32 decodes under a 256-token prefix with 2,048 own positions each: the node passes the byte rule, but its
+    launch costs more than it saves; the step runs as sharing="never" would."""
+    batch = _decode_batch(32, 256, 2048)
+    auto, never, always = (_plan(batch, s) for s in ("auto", "never", "always"))
+    assert always.has_shared and always.stats["modeled_step_us"] > never.stats["modeled_step_us"]
+    assert auto.stats["sharing_declined"] and not auto.has_shared
+    assert auto.stats["modeled_step_us"] == never.stats["modeled_step_us"]
+    np.testing.assert_array_equal(auto.work.items, never.work.items)
+
+
+def test_a_long_shared_prefix_keeps_sharing_without_a_second_plan(planner, monkeypatch):
+    """32 decodes under an 8,192-token prefix: the screen does not fire (no second plan), sharing stays."""
+    seen = []
+    monkeypatch.setattr(plans, "unshared_is_faster", lambda *a: seen.append(1) or False)
+    auto = _plan(_decode_batch(32, 8192, 128), "auto")
+    assert auto.has_shared and not auto.stats["sharing_declined"] and not seen
+
+
+def test_the_screen_prices_the_launch_against_the_reads_saved():
+    """The screen fires when the shared launch outweighs UNSHARED_CHECK_RATIO of the estimated savings: a longer
+    node saves more and silences it."""
+    fired = []
+    for shared in (256, 1024, 8192):
+        p = _plan(_decode_batch(32, shared, 128), "always")
+        costs = class_costs(p.tiles, head_dim=128, dtype="fp16", kv_bytes=2, target=get_target("sm90"))
+        fired.append(sharing_check.shared_launch_may_lose(p.nodes, p.work, costs, num_kv_heads=4, num_sms=132))
+    assert fired[0] and not fired[-1]
+    assert fired == sorted(fired, reverse=True)
+
+
+@pytest.mark.parametrize("use_cuda_graph", [False, True])
+def test_a_declined_step_through_a_wrapper_matches_the_reference(device, use_cuda_graph):
+    """The wrapper's workspace gets the unshared plan (the sharing plan it wrote first is replaced), and the
+    kernels give the reference's result."""
+    torch.manual_seed(0)
+    heads = dict(num_qo_heads=4, num_kv_heads=2, head_dim=64)
+    n, shared, own = 4, 32, 16
+    metadata = [t.to(device) for t in _decode_batch(n, shared, own)]
+    num_blocks = 1000 + n * own // BLOCK_SIZE
+    k_cache = torch.randn(num_blocks, BLOCK_SIZE, 2, 64, device=device)
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(n, 4, 64, device=device)
+    attn = PrefixSharedAttention(**heads, block_size=BLOCK_SIZE, q_dtype=torch.float32, device=device,
+                                 use_cuda_graph=use_cuda_graph, max_tokens=8, max_requests=n,
+                                 max_blocks_per_request=4, max_q_len=1)
+    p = attn.plan(*metadata)
+    assert p.stats["sharing_declined"] and not p.has_shared
+    want = reference_attention(q, k_cache, v_cache, *metadata, causal=True, sm_scale=p.sm_scale)
+    atol, rtol = ATTENTION_TOL[q.dtype]
+    torch.testing.assert_close(attn.run(q, k_cache, v_cache)[:n], want, atol=atol, rtol=rtol)
