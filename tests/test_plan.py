@@ -130,7 +130,7 @@ def test_cost_rule_examples_from_its_docstring():
     assert sharing_pays_off(num_requests=64, num_rows=64, num_m_tiles=4, num_tokens=35, **kw)
 
 
-def test_cost_rule_drops_a_short_level_and_gives_its_tokens_to_the_next(node_rule_only):
+def test_cost_rule_drops_a_short_level_and_gives_its_tokens_to_the_next():
     # fp16, head_dim 128, GQA 8: a 1-block (4-token) prefix of 3 decode requests does not pay off, but with the
     # 16-block document below it two requests share 68 tokens from position 0.
     kw = dict(block_size=4, num_qo_heads=16, num_kv_heads=2, head_dim=128, q_dtype=torch.float16)
@@ -142,7 +142,7 @@ def test_cost_rule_drops_a_short_level_and_gives_its_tokens_to_the_next(node_rul
                         **kw)) == []
 
 
-def test_cost_rule_prices_kv_bytes_at_the_cache_dtype(node_rule_only):
+def test_cost_rule_prices_kv_bytes_at_the_cache_dtype():
     # fp16 q, head_dim 128, GQA 8, 2 decode requests under a 96-token prefix: with an fp16 cache the saved KV bytes
     # (1 x 96 x 2 x 128 x 2 = 49152) beat the added partial states (2 x 8 x 129 x 4 x 2 x 2 = 33024); with an fp8
     # cache they are half as many (24576) and the prefix stays unshared. The q rows are the same either way.
@@ -161,7 +161,7 @@ def test_cost_rule_prices_kv_bytes_at_the_cache_dtype(node_rule_only):
 
 
 @pytest.mark.parametrize("capacities", [{}, dict(max_tokens=8, max_requests=4, max_blocks_per_request=16)])
-def test_the_wrapper_prices_its_cache_dtype(capacities, node_rule_only):
+def test_the_wrapper_prices_its_cache_dtype(capacities):
     from prefixattn import PrefixSharedAttention
 
     attn = PrefixSharedAttention(block_size=16, num_qo_heads=16, num_kv_heads=2, head_dim=128, q_dtype=torch.float16,

@@ -10,8 +10,6 @@ They are generated with::
 Regenerate them only for an intended change of the plan's output (a new cost rule, new tiles, a new device layout),
 and say so in the commit. Tiles are pinned with ``fixed_config`` (the shipped tables can be retuned without
 touching the planner), so what is frozen here is the planner: tree, cost rule, split rule, work list, conversions.
-The per-node cost rule decides alone (the ``node_rule_only`` fixture): the step-level check, which plans many of these
-small batches unshared, has its own tests (tests/test_sharing_check.py).
 """
 
 from __future__ import annotations
@@ -179,7 +177,6 @@ def run_case_twice(config_key, thunk) -> tuple[dict, dict]:
 
 
 CASES = _cases()
-pytestmark = pytest.mark.usefixtures("node_rule_only")
 
 
 @pytest.fixture(scope="module")
@@ -240,9 +237,6 @@ def test_a_table_changed_in_place_is_replanned():
 if __name__ == "__main__":
     if sys.argv[1:] != ["--write"]:
         sys.exit("usage: PYTHONPATH=$PWD python tests/test_plan_equivalence.py --write  (regenerates the golden file)")
-    from prefixattn.planner import plans
-
-    plans.shared_launch_may_lose = lambda *args, **kwargs: False  # as the node_rule_only fixture
     table = {name: run_case(key, thunk) for name, key, thunk in CASES}
     GOLDEN.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
     print(f"wrote {len(table)} cases to {GOLDEN}")

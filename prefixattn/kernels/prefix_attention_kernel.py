@@ -261,12 +261,9 @@ def _attend_range(
         if HAS_SOFT_CAP:
             s = _tanh(x=s) * score.soft_cap_log2  # qk_scale = sm_scale / c here: the cap acts before the base-2 scaling
         visible = in_range[None, :]
-        if APPLY_CAUSAL and APPLY_WINDOW:
-            # 0 <= q_pos - pos <= window_left as one unsigned compare (a negative distance wraps past any window).
-            visible = visible & ((q_pos[:, None] - pos[None, :]).to(tl.uint32) <= score.window_left.to(tl.uint32))
-        elif APPLY_CAUSAL:
+        if APPLY_CAUSAL:
             visible = visible & (pos[None, :] <= q_pos[:, None])
-        elif APPLY_WINDOW:
+        if APPLY_WINDOW:
             visible = visible & (pos[None, :] >= q_pos[:, None] - score.window_left)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
