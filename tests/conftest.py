@@ -28,9 +28,9 @@ def device() -> str:
 
 @pytest.fixture
 def node_rule_only(monkeypatch):
-    """``sharing="auto"`` with the per-node cost rule alone, for tests that pin the node rule, the split rule or the
-    planner's output: the step-level check (:mod:`prefixattn.planner.sharing_check`, tested in
-    tests/test_sharing_check.py) plans many of their small batches unshared on the modeled H100."""
+    """``sharing="auto"`` with the per-node cost rule alone under a planning target, for tests that pin the node or
+    split rule on full-size plans: the step-level check (:mod:`prefixattn.planner.sharing_check`, tested in
+    tests/test_sharing_check.py) may plan them unshared on the modeled GPU."""
     from prefixattn.planner import plans
 
     monkeypatch.setattr(plans, "shared_launch_may_lose", lambda *args, **kwargs: False)

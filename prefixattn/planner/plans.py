@@ -209,9 +209,9 @@ def plan(
         Shortest split-k chunk in KV tokens (``MIN_SPLIT_TOKENS``).
     sharing : {"auto", "always", "never"}
         ``"auto"`` applies the cost rule (:func:`prefixattn.planner.cost_rule.sharing_pays_off`) per node, then
-        drops all sharing in a step whose modeled time is lower without it (a short step, where the shared launch
-        costs more than it saves: :mod:`prefixattn.planner.sharing_check`; ``stats["sharing_declined"]``); the
-        others force every/no candidate node.
+        drops all sharing in a step whose modeled time on the planning GPU is lower without it (a short step, where
+        the shared launch costs more than it saves: :mod:`prefixattn.planner.sharing_check`;
+        ``stats["sharing_declined"]``; never without a known GPU); the others force every/no candidate node.
     num_blocks : int, optional
         Number of blocks in the cache, to refuse an out-of-range id here, at plan time. Without it the plan still
         records the largest id it reads (``Plan.max_block_id``) and :func:`prefixattn.attention` checks it against
@@ -298,7 +298,8 @@ def plan_with_options(options: PlanOptions, qo_indptr: torch.Tensor, kv_lens: to
         nodes, work, staged_flat, written = _host_tables(
             still_compiled(compiled), tree, o, workspace=workspace,
             width=width if workspace is None else 0, **tables)  # a workspace's table: staged by the checks or .load
-        declined = o.sharing == "auto" and shared_launch_may_lose(
+        # Priced on the planning GPU; a host with no known GPU (the interpreter) has no launches to price.
+        declined = o.sharing == "auto" and current_target() is not None and shared_launch_may_lose(
             nodes, work, _class_costs(o, tiles)[0], num_kv_heads=o.num_kv_heads, num_sms=num_sms)
         if declined:  # a short step: the unshared plan, in scratch buffers, and the faster of the two (modeled)
             unshared = _unshared_options(o)
