@@ -367,10 +367,11 @@ def _report_and_merge(
     too); the releasing wave's L2 write-back then publishes all of them, and the acquire's L2 invalidate makes the
     merging program read them.
     The counters leave themselves at zero: the merging lane's acquire is a compare-and-swap from ``num_states`` to 0
-    (an RMW that always succeeds there, so it still reads the end of the release sequence). The class launches of one layer count into the same counters (a row
-    whose states come from several launches merges in the last of them), and each (row, head) gets exactly
-    ``num_states`` reports a layer, so the reset comes after its last one. ``plan()`` zeroes the counters a step
-    uses once (a step that was interrupted, or counters overwritten by anyone, cannot make a later plan merge early).
+    (an RMW that always succeeds there, so it still reads the end of the release sequence). The class launches of
+    one layer count into the same counters (a row whose states come from several launches merges in the last of
+    them), and each (row, head) gets exactly ``num_states`` reports a layer, so the reset comes after its last one.
+    ``plan()`` zeroes the counters a step uses once (a step that was interrupted, or counters overwritten by anyone,
+    cannot make a later plan merge early).
     """
     mrow = mrow.to(tl.int64)
     num_states = tl.load(work.mrows_ptr + mrow * L.MROW_FIELDS + L.MROW_NUM_STATES, mask=mask_m, other=0)
