@@ -481,8 +481,6 @@ def _run_item(
         to_workspace = True
     else:
         tok = row_start + row
-        dest = tl.load(it + L.ITEM_DEST)
-        to_workspace = dest >= 0
 
     q = tl.load(_vec_ptrs(t=queries, rows=tok, heads=head, offs_d=offs_d), mask=mask_md, other=0.0)
     if USE_FP32_DOT:
@@ -522,6 +520,12 @@ def _run_item(
     if HAS_KV_SCALE:
         o = o * (v_scale * tl.load(v_scale_ptr))  # linear: partial states merge the same either way
     lse_row = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)
+    if not IS_SHARED:
+        # Loaded after the KV loops, as the merge row is: held across them, Triton 3.9 spilled sm_80's e5m2 chunk
+        # class at head_dim 256 with the model switches (8 bytes; 64 x 16 tiles, 8 warps). Triton 3.6 spills
+        # sm_80's e5m2 decode class at head_dim 80-128 this way (12 bytes) and not the other (docs/tuning.md).
+        dest = tl.load(it + L.ITEM_DEST)
+        to_workspace = dest >= 0
     if to_workspace:
         if IS_SHARED:
             ws_row = tl.load(g + L.GATHER_WS_ROW, mask=mask_m, other=0).to(tl.int64)
