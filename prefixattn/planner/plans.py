@@ -301,14 +301,16 @@ def plan_with_options(options: PlanOptions, qo_indptr: torch.Tensor, kv_lens: to
         # Priced on the planning GPU; a host with no known GPU (the interpreter) has no launches to price.
         declined = o.sharing == "auto" and current_target() is not None and shared_launch_may_lose(
             nodes, work, _class_costs(o, tiles)[0], num_kv_heads=o.num_kv_heads, num_sms=num_sms)
-        if declined:  # a short step: the unshared plan, in scratch buffers, and the faster of the two (modeled)
+        if declined:  # a short step: the unshared plan too, and the faster of the two (modeled)
             unshared = _unshared_options(o)
-            declined = unshared_is_faster(work, _host_tables(still_compiled(compiled), tree, unshared,
-                                                             workspace=None, width=0, **tables)[1])
+            # Outside the workspace, which holds the sharing plan's tables until the comparison is made; without
+            # one, this is the plan itself.
+            alt = _host_tables(still_compiled(compiled), tree, unshared, workspace=None,
+                               width=width if workspace is None else 0, **tables)
+            declined = unshared_is_faster(work, alt[1])
             if declined:
-                nodes, work, staged_flat, written = _host_tables(
-                    still_compiled(compiled), tree, unshared, workspace=workspace,
-                    width=width if workspace is None else 0, **tables)
+                nodes, work, staged_flat, written = alt if workspace is None else _host_tables(
+                    still_compiled(compiled), tree, unshared, workspace=workspace, width=0, **tables)
         num_tokens, num_nodes = int(indptr[-1]), int(nodes.kv_start.shape[0])
         dev = device_tables(work, table, width, workspace=workspace, device_block_table=device_block_table,
                              device=device, staged=staged_flat, num_qo_heads=o.num_qo_heads, head_dim=o.head_dim,
