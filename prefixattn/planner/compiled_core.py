@@ -48,6 +48,8 @@ def source_hash(module) -> str:
     """What the pins above hold for ``module``: the first 16 hex digits of the sha256 of its file (line endings
     normalized). The tests compare each pin with it."""
     return hashlib.sha256(Path(module.__file__).read_bytes().replace(b"\r\n", b"\n")).hexdigest()[:16]
+
+
 #: :func:`prefixattn.planner.cost_rule.sharing_pays_off`, compiled: the rule's one definition, called per node.
 _sharing_pays_off = njit(nogil=True)(cost_rule.sharing_pays_off)
 
