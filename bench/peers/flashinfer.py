@@ -37,6 +37,11 @@ from peers.base import Prepared
 
 #: FlashInfer's float workspace: the size its own examples allocate (128 MiB).
 WORKSPACE_BYTES = 128 * 1024 * 1024
+#: The float workspace of the wrappers that keep fp32 partial outputs of split KV there: batch prefill asked for up to
+#: 2,348 MiB (``batch_prefill_tmp_v``, a mixed MHA shape) and ``BatchAttention`` for 1,188 MiB
+#: (``holistic_partial_o``, MHA decode) on the GPU check's shapes, and failed to run with 128 MiB and its own 384
+#: (bench/results/gpu/nvidia-h200-74e5177.log): 4 GiB leaves room for both and for longer shapes.
+SPLIT_WORKSPACE_BYTES = 4 * 1024**3
 #: The backends FlashInfer's wrappers take by name; fa3 is FlashInfer's Hopper (sm90) kernel family.
 FA3_MAJOR = 9
 
@@ -256,7 +261,7 @@ class Prefill(Peer):
         indptr, indices, last, _ = paged_lists(meta, requests)
         qo = meta.qo_indptr[int(requests[0]):int(requests[-1]) + 2]
         qo = qo - qo[:1]
-        workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=meta.device)
+        workspace = torch.empty(SPLIT_WORKSPACE_BYTES, dtype=torch.uint8, device=meta.device)
         buffers = {}
         if graph:
             q_buf, i_buf, x_buf, l_buf = _graph_buffers(qo, indptr, indices, last)
@@ -282,6 +287,9 @@ class BatchAttention(Peer):
         fi = _import_flashinfer()
         indptr, indices, _, tokens = paged_lists(meta, range(len(meta.q_lens)))
         self.wrapper = fi.BatchAttention("NHD", device=str(meta.device))
+        # Its own 384 MiB float workspace is too small for MHA batches (SPLIT_WORKSPACE_BYTES); plan() reads this one.
+        self.wrapper.float_workspace_buffer = torch.empty(SPLIT_WORKSPACE_BYTES, dtype=torch.uint8,
+                                                          device=meta.device)
         self.wrapper.plan(meta.qo_indptr, indptr, indices, tokens, meta.num_qo_heads, meta.num_kv_heads,
                           meta.head_dim, meta.head_dim, meta.block_size, causal=True, sm_scale=meta.sm_scale,
                           q_data_type=meta.dtype, kv_data_type=meta.dtype)

@@ -233,6 +233,7 @@ class BatchAttention:
     def __init__(self, kv_layout="NHD", device="cuda"):
         self._kv_layout = kv_layout
         self._device = torch.device(device)
+        self.float_workspace_buffer = torch.empty(0, dtype=torch.uint8)  # FlashInfer's: 384 MiB; plan() reads it
 
     def plan(self, qo_indptr, kv_indptr, kv_indices, kv_len_arr, num_qo_heads, num_kv_heads, head_dim_qk,
              head_dim_vo, page_size, causal=False, sm_scale=None, logits_soft_cap=None, q_data_type=torch.bfloat16,
