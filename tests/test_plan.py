@@ -317,7 +317,7 @@ def test_no_sharing_is_plain_paged_attention():
     assert p.shared_nodes == [] and p.work.num_units == 0 and p.work.num_ws_rows == 0
     assert p.num_items == int((-(-q_lens // rows)).sum())
     assert (p.work.items[:, K.ITEM_DEST] == -1).all() and (p.work.items[:, K.ITEM_KIND] == K.KIND_SUFFIX).all()
-    assert p.ws_o.numel() == 1 and p.num_launches == len(p.work_classes) and K.CLASS_SHARED not in p.work_classes
+    assert p.ws_o.shape[0] == 1 and p.num_launches == len(p.work_classes) and K.CLASS_SHARED not in p.work_classes  # placeholder
 
 
 def _class_costs(p):

@@ -33,7 +33,8 @@ MERGE_N_KERNEL = "prefixattn.kernels.merge_states:merge_states_kernel"
 NUM_QO_HEADS = 32
 NUM_KV_HEADS = 8
 BLOCK_SIZE = 16
-#: A block-table row length that is not a multiple of 16, so no divisibility hint is assumed for it.
+#: A block-table row length that is not a multiple of 16: no divisibility hint, as at run time (the kernel does not
+#: specialize its row stride, UNSPECIALIZED_ARGS).
 MAX_BLOCKS = 129
 #: Merge states per token in the n-way merge (its loop bound; any value above 1 gives the same code).
 NUM_STATES = 3

@@ -39,6 +39,17 @@ RANGE_END = 1  # one past its last item
 RANGE_FIELDS = 4  # 2 used + 2 padding: 16-byte records
 RANGES_SIZE = NUM_CLASSES * RANGE_FIELDS  # int32 entries of the ranges table
 
+# The metadata tables share one int32 buffer (ranges, items, gather, mrows, block table): each section starts at a
+# multiple of SECTION_ALIGN entries (16 bytes). Triton specializes a pointer argument on its 16-byte alignment, so a
+# section whose start moved with the step's item count made a later step compile another binary (H200, the warm-up
+# test: a mixed step after the warm-up compiled 2 more).
+SECTION_ALIGN = 4
+
+
+def section_end(end: int) -> int:
+    """``end`` (int32 entries) rounded up to the next section start."""
+    return -(-end // SECTION_ALIGN) * SECTION_ALIGN
+
 # Columns of ``items``.
 ITEM_KIND = 0
 ITEM_REQ = 1  # block-table row whose blocks hold the item's KV range (any member of a shared node)

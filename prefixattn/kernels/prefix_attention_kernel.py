@@ -548,7 +548,13 @@ def _run_item(
             tl.store(_lse_ptrs(t=lse, rows=tok, heads=head), lse_row, mask=mask_m)
 
 
-@triton.jit
+#: Integer arguments Triton must not specialize on their value (``== 1``, ``% 16 == 0``): the block table's row
+#: length is the step's widest request in blocks under the free plan(), so specializing on it made steps of another
+#: width compile another binary mid-run (compile-check compiles it unspecialized too: MAX_BLOCKS = 129).
+UNSPECIALIZED_ARGS = ("stride_bt_r",)
+
+
+@triton.jit(do_not_specialize=UNSPECIALIZED_ARGS)
 def prefix_attention_kernel(
     out_ptr,  # [num_tokens, num_qo_heads, head_dim], dtype of q
     lse_ptr,  # [num_tokens, num_qo_heads] fp32 (written only when HAS_LSE)

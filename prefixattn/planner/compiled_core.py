@@ -64,7 +64,7 @@ def layout_args() -> np.ndarray:
             K.ITEM_NUM_ROWS, K.ITEM_Q_POS, K.ITEM_DEST, K.ITEM_MROW, K.KIND_SHARED, K.KIND_SUFFIX,
             K.GATHER_FIELDS, K.GATHER_TOKEN, K.GATHER_WS_ROW, K.GATHER_MROW,
             K.MROW_FIELDS, K.MROW_WS_FIRST, K.MROW_WS_STRIDE, K.MROW_NUM_STATES,
-            K.RANGE_FIELDS, K.RANGE_FIRST, K.RANGE_END, K.RANGES_SIZE], dtype=np.int64)
+            K.RANGE_FIELDS, K.RANGE_FIRST, K.RANGE_END, K.RANGES_SIZE, K.SECTION_ALIGN], dtype=np.int64)
 
 
 #: A node's members are found by scanning the request mask when the node holds at least 1/8 of the requests (the
@@ -264,11 +264,16 @@ def _table_views(dest, dest_lay, in_dest, lay, class_ends, num_gather, num_mrows
         buf, flat = dest, dest[:0]
         s_ranges, s_items, s_gather, s_mrows = (dest_lay[D_RANGES], dest_lay[D_ITEMS], dest_lay[D_GATHER],
                                                 dest_lay[D_MROWS])
-    else:
+    else:  # sections at multiples of lay[24] entries (K.SECTION_ALIGN), the padding zeroed
+        align = lay[24]
         s_ranges, s_items = 0, ranges_size
-        s_gather = s_items + n_items * item_fields
-        s_mrows = s_gather + num_gather * gather_fields
-        buf = flat = np.empty(s_mrows + num_mrows * mrow_fields + extra, dtype=np.int32)
+        s_gather = -(-(s_items + n_items * item_fields) // align) * align
+        s_mrows = -(-(s_gather + num_gather * gather_fields) // align) * align
+        end = -(-(s_mrows + num_mrows * mrow_fields) // align) * align
+        buf = flat = np.empty(end + extra, dtype=np.int32)
+        buf[s_items + n_items * item_fields:s_gather] = 0
+        buf[s_gather + num_gather * gather_fields:s_mrows] = 0
+        buf[s_mrows + num_mrows * mrow_fields:end] = 0
     first = 0
     for c in range(class_ends.shape[0]):
         rec = s_ranges + c * range_fields

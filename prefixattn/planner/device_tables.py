@@ -65,19 +65,25 @@ def metadata_to_device(work: WorkList, table: np.ndarray, width: int, device: to
         flat, table_fits = staged
     else:
         table_fits = table.dtype == np.int32 or rows * cols == 0 or int(table[:, :cols].max()) <= INT32_MAX
-    # Section starts in the buffer: [ranges, items, gather, mrows, table]; plain arithmetic (the list and
-    # accumulate it replaced cost ~3 us a free plan() on the 2-core host).
+    # Section starts in the buffer: [ranges, items, gather, mrows, table], each 16-byte aligned (K.SECTION_ALIGN);
+    # plain arithmetic (the list and accumulate it replaced cost ~3 us a free plan() on the 2-core host).
     n_items, n_gather, n_mrows = items.shape[0], gather.shape[0], mrows.shape[0]
-    at_gather = K.RANGES_SIZE + n_items * K.ITEM_FIELDS
-    at_mrows = at_gather + n_gather * K.GATHER_FIELDS
-    at_table = at_mrows + n_mrows * K.MROW_FIELDS
+    end_items = K.RANGES_SIZE + n_items * K.ITEM_FIELDS
+    at_gather = K.section_end(end_items)
+    at_mrows = K.section_end(at_gather + n_gather * K.GATHER_FIELDS)
+    at_table = K.section_end(at_mrows + n_mrows * K.MROW_FIELDS)
     table_cols = width if table_fits else 0
     if staged is None:
         flat = np.empty(at_table + rows * table_cols, dtype=np.int32)
         flat[:K.RANGES_SIZE] = work.ranges_table().ravel()
-        flat[K.RANGES_SIZE:at_gather] = items.ravel()
-        flat[at_gather:at_mrows] = gather.ravel()
-        flat[at_mrows:at_table] = mrows.ravel()
+        flat[K.RANGES_SIZE:end_items] = items.ravel()
+        flat[end_items:at_gather] = 0  # the padding before each section
+        end_gather = at_gather + n_gather * K.GATHER_FIELDS
+        flat[at_gather:end_gather] = gather.ravel()
+        flat[end_gather:at_mrows] = 0
+        end_mrows = at_mrows + n_mrows * K.MROW_FIELDS
+        flat[at_mrows:end_mrows] = mrows.ravel()
+        flat[end_mrows:at_table] = 0
         if table_fits:
             _copy_table(flat[at_table:at_table + rows * width].reshape(rows, width), table, cols)
     # Views of one tensor: every table shares its storage (the interpreter copies a pointer argument's whole
@@ -124,21 +130,23 @@ def _allocate_tables(work: WorkList, table: np.ndarray, width: int, *, num_qo_he
         ws_o = torch.empty((max(ws_rows, 1), num_qo_heads, head_dim), dtype=torch.float32, device=device)
         ws_lse = torch.empty((max(ws_rows, 1), num_qo_heads), dtype=torch.float32, device=device)
     else:  # no rows merge: placeholders no launch touches
-        counters, ws_o, ws_lse = _placeholders(device, num_qo_heads)
+        counters, ws_o, ws_lse = _placeholders(device, num_qo_heads, head_dim)
     return dict(ranges=ranges, items=items, gather=gather, mrows=mrows, block_table=table_dev,
                 counters=counters, ws_o=ws_o, ws_lse=ws_lse)
 
 
 @functools.lru_cache(maxsize=None)
-def _placeholders(device: torch.device, num_qo_heads: int) -> tuple:
-    """The counters ``[1, num_qo_heads]`` int32 and workspace ``[1, 1, 1]``/``[1, 1]`` fp32 of plans in which no rows
-    merge, one set per (device, head count). No launch reads or writes them (programs merge nothing; without
-    ``return_lse`` the kernel gets ``ws_lse`` as its unused lse pointer; no program reports on the counters and
-    attention() zeroes them only where rows merge), so every such plan can share them: 3 allocations less a plan (~6 us on the 2-core host; on a GPU 3
-    allocator calls)."""
+def _placeholders(device: torch.device, num_qo_heads: int, head_dim: int) -> tuple:
+    """The counters ``[1, num_qo_heads]`` int32 and workspace ``[1, num_qo_heads, head_dim]``/``[1, num_qo_heads]``
+    fp32 of plans in which no rows merge, one set per (device, head count, head size). No launch reads or writes them
+    (programs merge nothing; without ``return_lse`` the kernel gets ``ws_lse`` as its unused lse pointer; no program
+    reports on the counters and attention() zeroes them only where rows merge), so every such plan can share them: 3
+    allocations less a plan (~6 us on the 2-core host; on a GPU 3 allocator calls). Shaped like a real workspace
+    row, so their strides are a real workspace's: Triton specializes an int argument on ``== 1`` and ``% 16``, and
+    ``[1, 1]`` placeholders (strides 1) made a step without merges compile other binaries than one with them."""
     return (torch.empty((1, num_qo_heads), dtype=torch.int32, device=device),
-            torch.empty((1, 1, 1), dtype=torch.float32, device=device),
-            torch.empty((1, 1), dtype=torch.float32, device=device))
+            torch.empty((1, num_qo_heads, head_dim), dtype=torch.float32, device=device),
+            torch.empty((1, num_qo_heads), dtype=torch.float32, device=device))
 
 
 class CapacityError(ValueError):

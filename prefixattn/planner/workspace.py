@@ -161,7 +161,7 @@ class PlanWorkspace:
         self._offsets, pos = {}, 0
         for name, size in sizes.items():
             self._offsets[name] = (pos, size)
-            pos += size
+            pos = K.section_end(pos + size)  # every section 16-byte aligned (K.SECTION_ALIGN)
         self._table_starts = tuple(self._offsets[name][0] for name in ("items", "gather", "mrows"))
         self._host = torch.zeros(pos, dtype=torch.int32, pin_memory=device.type == "cuda")
         self._host_np = self._host.numpy()
