@@ -27,7 +27,7 @@ END = "<!-- perf-table: end -->"
 
 #: The GPU check (bench/gpu_check.py) whose timings the headline and the full table show: the newest one. Add a new
 #: run's CSV to bench/results/gpu/, name it here, then ``python bench/perf_page.py --write``.
-HEADLINE_RUN = "nvidia-h100-80gb-hbm3-ba41bb7"
+HEADLINE_RUN = "nvidia-h200-74e5177"
 #: The newest run of the harness before the fair one (FlashInfer's cascade timed eagerly only, fp16): its table stays
 #: on the performance page, under its own heading, while it is the only H100 timing.
 EARLIER_RUN = "nvidia-h100-80gb-hbm3-ba41bb7"
@@ -142,6 +142,19 @@ def fair_summary_lines(rows: list[dict]) -> list[str]:
     return lines
 
 
+def peer_failures(rows: list[dict]) -> str:
+    """The FlashInfer configurations that failed to run on some shapes (not in "FlashInfer best" there), or ''."""
+    failed: dict = defaultdict(int)
+    for r in rows:
+        if r["benchmark"] == TIMING and r["metric"] == "ran" and float(r["value"]) == 0.0:
+            failed[r["provider"]] += 1
+    if not failed:
+        return ""
+    names = ", ".join(f"`{p}` on {n}" for p, n in sorted(failed.items()))
+    return (f"FlashInfer configurations that failed to run, so are not in \"FlashInfer best\" there: {names} shapes "
+            "(their errors are in the run's `.log`).")
+
+
 def fair_readme_table(rows: list[dict]) -> str:
     """The README's headline block from a fair run."""
     by_shape = {r["full"]: r for r in _gpu_report().kernel_rows(rows)}
@@ -160,7 +173,9 @@ def fair_readme_table(rows: list[dict]) -> str:
                      f"{_us(r.get('best'))} ({r.get('best_name') or '-'}) | "
                      f"{'-' if speedup is None else f'{speedup:.2f}x'} | "
                      f"{'-' if ours is None or not floor else f'{ours / floor:.2f}x'} |")
-    return "\n".join(lines + ["", f"Over all {len(by_shape)} shapes of that run:", ""] + fair_summary_lines(rows))
+    failures = peer_failures(rows)
+    return "\n".join(lines + ["", f"Over all {len(by_shape)} shapes of that run:", ""] + fair_summary_lines(rows)
+                     + (["", failures] if failures else []))
 
 
 def summary_lines(table: dict) -> list[str]:
@@ -329,6 +344,7 @@ def _fair_sections(rows: list[dict]) -> list[str]:
         "",
         *fair_summary_lines(rows),
         "",
+        *([peer_failures(rows), ""] if peer_failures(rows) else []),
         *_fair_full_table(rows),
         "",
         "## Model step",
