@@ -123,6 +123,11 @@ def _speedup(r: dict) -> float | None:
     return r["best"] / r["ours"] if r["best"] is not None and r["ours"] else None
 
 
+def _span(xs: list[float]) -> str:
+    lo, hi = f"{min(xs):.2f}", f"{max(xs):.2f}"
+    return f"{lo}x" if lo == hi else f"{lo}-{hi}x"
+
+
 def fair_summary_lines(rows: list[dict]) -> list[str]:
     """Where prefixattn is faster than FlashInfer's best configuration (graph replays, L2 flushed), by kind of step."""
     lines = []
@@ -133,9 +138,9 @@ def fair_summary_lines(rows: list[dict]) -> list[str]:
         wins, losses = [x for x in ratios if x >= 1.0], [x for x in ratios if x < 1.0]
         text = f"- {kind}: faster than FlashInfer's best on {len(wins)} of {len(ratios)} shapes"
         if wins:
-            text += f" ({min(wins):.2f}-{max(wins):.2f}x speedup)"
+            text += f" ({_span(wins)} speedup)"
         if losses:
-            text += f", slower on {len(losses)} ({min(losses):.2f}-{max(losses):.2f}x)"
+            text += f", slower on {len(losses)} ({_span(losses)})"
         if len(picked) > len(ratios):
             text += f"; {len(picked) - len(ratios)} without a time of both"
         lines.append(text)
