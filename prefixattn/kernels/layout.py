@@ -50,6 +50,7 @@ def section_end(end: int) -> int:
     """``end`` (int32 entries) rounded up to the next section start."""
     return -(-end // SECTION_ALIGN) * SECTION_ALIGN
 
+
 # Columns of ``items``.
 ITEM_KIND = 0
 ITEM_REQ = 1  # block-table row whose blocks hold the item's KV range (any member of a shared node)
