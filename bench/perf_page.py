@@ -160,6 +160,18 @@ def peer_failures(rows: list[dict]) -> str:
             "(their errors are in the run's `.log`).")
 
 
+def sharing_losses(rows: list[dict]) -> list[str]:
+    """Shapes with a shared prefix where prefixattn was slower than its own ``sharing="never"`` (shapes without one
+    plan alike both ways: their differences are the run's noise)."""
+    out = []
+    for r in _gpu_report().kernel_rows(rows):
+        if _BATCH.search(r["full"]).group(4) != "0" and r["ours"] and r["never"] and r["ours"] > r["never"]:
+            d = describe(r["full"])
+            out.append(f"- {d['step']}, {d['tokens']}, {d['per']} per prefix, heads {d['heads']}: "
+                       f"{_us(r['ours'])} us shared, {_us(r['never'])} us unshared ({r['ours'] / r['never']:.2f}x)")
+    return out or ["- nowhere in this run"]
+
+
 def fair_readme_table(rows: list[dict]) -> str:
     """The README's headline block from a fair run."""
     by_shape = {r["full"]: r for r in _gpu_report().kernel_rows(rows)}
@@ -363,6 +375,10 @@ def _fair_sections(rows: list[dict]) -> list[str]:
         "Where prefixattn loses in this run:",
         "",
         *report.losses(rows),
+        "",
+        "Where sharing lost to prefixattn's own `sharing=\"never\"` plan of the same batch:",
+        "",
+        *sharing_losses(rows),
         "",
     ]
 
