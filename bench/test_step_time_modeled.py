@@ -29,8 +29,8 @@ import torch
 
 import gpu_cases
 import prefixattn
-from prefixattn.autotune.lookup import planning_target
 from perf_page import HEADLINE_RUN
+from prefixattn.autotune.lookup import planning_target
 from prefixattn.autotune.program_cost import calibration
 from shapes import build_batch
 
