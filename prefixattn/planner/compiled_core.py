@@ -267,9 +267,9 @@ def _table_views(dest, dest_lay, in_dest, lay, class_ends, num_gather, num_mrows
     else:  # sections at multiples of lay[24] entries (K.SECTION_ALIGN), the padding zeroed
         align = lay[24]
         s_ranges, s_items = 0, ranges_size
-        s_gather = -(-(s_items + n_items * item_fields) // align) * align
-        s_mrows = -(-(s_gather + num_gather * gather_fields) // align) * align
-        end = -(-(s_mrows + num_mrows * mrow_fields) // align) * align
+        s_gather = cdiv(s_items + n_items * item_fields, align) * align
+        s_mrows = cdiv(s_gather + num_gather * gather_fields, align) * align
+        end = cdiv(s_mrows + num_mrows * mrow_fields, align) * align
         buf = flat = np.empty(end + extra, dtype=np.int32)
         buf[s_items + n_items * item_fields:s_gather] = 0
         buf[s_gather + num_gather * gather_fields:s_mrows] = 0
