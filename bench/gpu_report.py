@@ -37,7 +37,8 @@ def _f(v, digits: int = 1) -> str:
     return f"{v:,.{digits}f}" if abs(v) < 1e5 else f"{v:,.0f}"
 
 
-def _ratio(a, b) -> str:
+def ratio_cell(a, b) -> str:
+    """``a / b`` as a table cell (``-`` where either is missing or ``b`` is 0)."""
     return "-" if a is None or b is None or not b else f"{a / b:.2f}x"
 
 
@@ -68,8 +69,9 @@ def kernel_table(rows) -> list[str]:
     for r in kernel_rows(rows):
         lines.append(
             f"| {r['shape']} | {_f(r['ours'])} | {_f(r['best'])} ({r['best_name'] or '-'}) | "
-            f"{_ratio(r['best'], r['ours'])} | {_ratio(r['ours'], r['floor_o'])} / {_ratio(r['ours'], r['floor_s'])} | "
-            f"{_ratio(r['best'], r['floor_o'])} / {_ratio(r['best'], r['floor_s'])} | "
+            f"{ratio_cell(r['best'], r['ours'])} | "
+            f"{ratio_cell(r['ours'], r['floor_o'])} / {ratio_cell(r['ours'], r['floor_s'])} | "
+            f"{ratio_cell(r['best'], r['floor_o'])} / {ratio_cell(r['best'], r['floor_s'])} | "
             f"{_f(r['ours_warm'])} / {_f(r['best_warm'])} | {_f(r['ours_eager'])} / {_f(r['best_eager'])} | "
             f"{_f(r['never'])} | {_f(r['cascade'])} | {_f(r['sm_clock'], 0)}, {_f(r['temp'], 0)} |")
     return lines
@@ -99,7 +101,7 @@ def model_table(rows) -> list[str]:
     for r in model_rows(rows):
         lines.append(f"| {r['step']}{' (graph)' if r['graph'] else ''} | {_f(ms(r['ours']), 2)} | "
                      f"{_f(ms(r['never']), 2)} | {_f(ms(r['best']), 2)} ({r['best_name'] or '-'}) | "
-                     f"{_f(ms(r['cascade']), 2)} | {_ratio(r['best'], r['ours'])} | {pct(r['share_ours'])} / "
+                     f"{_f(ms(r['cascade']), 2)} | {ratio_cell(r['best'], r['ours'])} | {pct(r['share_ours'])} / "
                      f"{pct(r['share_best'])} | {_f(r['tok_ours'], 0)} / {_f(r['tok_best'], 0)} |")
     return lines
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import importlib.util
 import re
 import sys
@@ -105,8 +106,9 @@ def _ratio(t: dict, a: str, b: str) -> float | None:
     return x / y if x is not None and y else None
 
 
+@functools.cache
 def _gpu_report():
-    """bench/gpu_report.py (the fair tables), loaded by path as tests/test_docs.py loads this module."""
+    """bench/gpu_report.py (the fair tables), loaded once, by path as tests/test_docs.py loads this module."""
     spec = importlib.util.spec_from_file_location("gpu_report", Path(__file__).with_name("gpu_report.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -180,16 +182,15 @@ def fair_readme_table(rows: list[dict]) -> str:
              "run, median of 3 repetitions. *speedup*: FlashInfer's time over prefixattn's (above 1: prefixattn is "
              "faster); *floor*: the distinct KV, q and out bytes at the measured read-only streaming rate or the "
              "attention FLOPs at the measured causal-prefill rate, whichever is longer.", "",
-             "| step | KV tokens per request | requests per prefix | heads q:kv | prefixattn | FlashInfer best (config) "
-             "| speedup | prefixattn / floor |",
+             "| step | KV tokens per request | requests per prefix | heads q:kv | prefixattn "
+             "| FlashInfer best (config) | speedup | prefixattn / floor |",
              "|---|---|---|---|---:|---:|---:|---:|"]
+    cell = _gpu_report().ratio_cell
     for shape in README_SHAPES:
         r, d = by_shape.get(shape, {}), describe(shape)
-        ours, floor, speedup = r.get("ours"), r.get("floor_o"), (_speedup(r) if r else None)
-        lines.append(f"| {d['step']} | {d['tokens']} | {d['per']} | {d['heads']} | {_us(ours)} | "
-                     f"{_us(r.get('best'))} ({r.get('best_name') or '-'}) | "
-                     f"{'-' if speedup is None else f'{speedup:.2f}x'} | "
-                     f"{'-' if ours is None or not floor else f'{ours / floor:.2f}x'} |")
+        lines.append(f"| {d['step']} | {d['tokens']} | {d['per']} | {d['heads']} | {_us(r.get('ours'))} | "
+                     f"{_us(r.get('best'))} ({r.get('best_name') or '-'}) | {cell(r.get('best'), r.get('ours'))} | "
+                     f"{cell(r.get('ours'), r.get('floor_o'))} |")
     failures = peer_failures(rows)
     return "\n".join(lines + ["", f"Over all {len(by_shape)} shapes of that run:", ""] + fair_summary_lines(rows)
                      + (["", failures] if failures else []))
@@ -333,12 +334,13 @@ def _fair_full_table(rows: list[dict]) -> list[str]:
              "| no sharing | FlashInfer best (config) | cascade | speedup | prefixattn / floor | warm L2 (ours / best) "
              "| eager (ours / best) |",
              "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    cell = _gpu_report().ratio_cell
     for r in _gpu_report().kernel_rows(rows):
-        d, speedup, floor = describe(r["full"]), _speedup(r), r["floor_o"]
-        over = "-" if r["ours"] is None or not floor else f"{r['ours'] / floor:.2f}x"
-        lines.append(f"| {d['source']} | {d['step']} | {d['tokens']} | {d['per']} | {d['heads']} | {_us(floor)} | "
+        d = describe(r["full"])
+        lines.append(f"| {d['source']} | {d['step']} | {d['tokens']} | {d['per']} | {d['heads']} | "
+                     f"{_us(r['floor_o'])} | "
                      f"{_us(r['ours'])} | {_us(r['never'])} | {_us(r['best'])} ({r['best_name'] or '-'}) | "
-                     f"{_us(r['cascade'])} | {'-' if speedup is None else f'{speedup:.2f}x'} | {over} | "
+                     f"{_us(r['cascade'])} | {cell(r['best'], r['ours'])} | {cell(r['ours'], r['floor_o'])} | "
                      f"{_us(r['ours_warm'])} / {_us(r['best_warm'])} | {_us(r['ours_eager'])} / "
                      f"{_us(r['best_eager'])} |")
     return lines
@@ -361,7 +363,7 @@ def _fair_sections(rows: list[dict]) -> list[str]:
         "",
         *fair_summary_lines(rows),
         "",
-        *([peer_failures(rows), ""] if peer_failures(rows) else []),
+        *([failures, ""] if (failures := peer_failures(rows)) else []),
         *_fair_full_table(rows),
         "",
         "## Model step",
