@@ -128,6 +128,34 @@ def test_random_batches_equal(monkeypatch, seed):
     assert_same_plans(ref, again, f"seed {seed} (replanned)")
 
 
+def test_random_batches_with_requests_apart_equal(monkeypatch):
+    """sharing="auto"'s plan with requests apart (SHARING_APART, priced on an sm90 target): forced to win wherever
+    the screen fires, it is the same plan from both planners, cold and replanned; and the screen fires on some of
+    these batches (prefill chunks of up to 300 rows under shared chains)."""
+    from prefixattn.autotune.lookup import planning_target
+    from prefixattn.planner import plans
+
+    monkeypatch.setattr(plans, "modeled_faster", lambda *a: True)
+    monkeypatch.setattr(plans, "shared_launch_may_lose", lambda *a, **k: False)
+    apart = 0
+    for seed in range(40):
+        rng = np.random.default_rng(1000 + seed)
+        block_size = int(rng.choice([3, 16]))
+        args, _ = random_metadata(rng, num_requests=int(rng.integers(2, 30)), block_size=block_size,
+                                  max_q_len=300, levels=int(rng.integers(1, 4)), table_dtype=np.int32)
+        opts = dict(block_size=block_size, sharing="auto", q_dtype=torch.float16, num_sms=int(rng.integers(2, 132)),
+                    **[dict(num_qo_heads=8, num_kv_heads=8, head_dim=64),
+                       dict(num_qo_heads=32, num_kv_heads=4, head_dim=128)][seed % 2])
+        with planning_target("sm90"):  # the shipped tables: a chunk class apart from the decode class
+            ref = _plan_with("numpy", monkeypatch, *args, **opts)
+            got = _plan_with("numba", monkeypatch, *args, **opts)
+            again = _plan_with("numba", monkeypatch, *args, cold=False, **opts)
+        assert_same_plans(ref, got, f"seed {seed}")
+        assert_same_plans(ref, again, f"seed {seed} (replanned)")
+        apart += ref.stats["requests_apart"]
+    assert apart > 5, apart
+
+
 def _adjacent_lcps(rows: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """``prev_lcp[r]``: leading columns rows ``r - 1`` and ``r`` share within both lengths (the compiled check's
     hints), by brute force."""

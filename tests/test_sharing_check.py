@@ -1,5 +1,6 @@
 """sharing="auto" plans a short step without sharing when that is faster (modeled): the shared class's own launch
-can cost more than the reads its nodes save (prefixattn.planner.sharing_check)."""
+can cost more than the reads its nodes save; and a mixed step with its prefill chunks out of the shared nodes when
+that is faster (prefixattn.planner.sharing_check)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from prefixattn.autotune.lookup import current_target, planning_target
 from prefixattn.autotune.program_cost import class_costs
 from prefixattn.autotune.targets import get_target
 from prefixattn.planner import plans, sharing_check
+from prefixattn.planner.tiles import choose_tiles
 from tests.tolerances import ATTENTION_TOL
 
 BLOCK_SIZE = 16
@@ -29,9 +31,31 @@ def _decode_batch(num_requests: int, shared: int, own: int):
             torch.tensor(rows, dtype=torch.int64))
 
 
-def _plan(batch, sharing):
+def _mixed_batch(num_decodes: int, num_chunks: int, chunk_rows: int, shared: int, own: int, per_prefix: int):
+    """The GPU check's mixed steps: ``num_chunks`` prefill chunks of ``chunk_rows`` (first) and ``num_decodes``
+    decodes, each with ``shared`` KV positions of its prefix group's (``per_prefix`` requests a group), then ``own``
+    positions (a chunk: then its rows)."""
+    n = num_chunks + num_decodes
+    rows, q_len, kv_len = [], [], []
+    next_block = -(-n // per_prefix) * (shared // BLOCK_SIZE)  # past the groups' shared blocks
+    for r in range(n):
+        q = chunk_rows if r < num_chunks else 1
+        kv = shared + own + (q if r < num_chunks else 0)
+        own_blocks = -(-kv // BLOCK_SIZE) - shared // BLOCK_SIZE
+        group_base = (r // per_prefix) * (shared // BLOCK_SIZE)
+        rows.append(list(range(group_base, group_base + shared // BLOCK_SIZE))
+                    + list(range(next_block, next_block + own_blocks)))
+        next_block += own_blocks
+        q_len.append(q)
+        kv_len.append(kv)
+    width = max(len(row) for row in rows)
+    table = torch.tensor([row + [0] * (width - len(row)) for row in rows], dtype=torch.int64)
+    return torch.tensor([0] + q_len).cumsum(0), torch.tensor(kv_len), table
+
+
+def _plan(batch, sharing, **shape):
     with planning_target("sm90"):
-        return prefixattn.plan(*batch, block_size=BLOCK_SIZE, sharing=sharing, **GPU_SHAPE)
+        return prefixattn.plan(*batch, block_size=BLOCK_SIZE, sharing=sharing, **(shape or GPU_SHAPE))
 
 
 @pytest.fixture(params=["numpy", "numba"])
@@ -56,7 +80,7 @@ def test_a_short_step_runs_unshared_where_sharing_is_slower(planner):
 def test_a_long_shared_prefix_keeps_sharing_without_a_second_plan(planner, monkeypatch):
     """32 decodes under an 8,192-token prefix: the screen does not fire (no second plan), sharing stays."""
     seen = []
-    monkeypatch.setattr(plans, "unshared_is_faster", lambda *a: seen.append(1) or False)
+    monkeypatch.setattr(plans, "modeled_faster", lambda *a: seen.append(1) or False)
     auto = _plan(_decode_batch(32, 8192, 128), "auto")
     assert auto.has_shared and not auto.stats["sharing_declined"] and not seen
 
@@ -96,3 +120,63 @@ def test_a_declined_step_through_a_wrapper_matches_the_reference(device, use_cud
     want = reference_attention(q, k_cache, v_cache, *metadata, causal=True, sm_scale=p.sm_scale)
     atol, rtol = ATTENTION_TOL[q.dtype]
     torch.testing.assert_close(attn.run(q, k_cache, v_cache)[:n], want, atol=atol, rtol=rtol)
+
+
+#: The GPU check's MHA shapes (modeled on sm90): 32 heads, head_dim 128, fp16, 132 SMs.
+MHA_SHAPE = dict(GPU_SHAPE, num_kv_heads=32)
+
+
+def test_long_chunks_stay_out_of_the_node_where_that_is_faster(planner, monkeypatch):
+    """7 chunks of 2,048 rows and 256 decodes under one 256-token prefix (MHA): the node pays for the decodes; the
+    chunks gain no reads from it and merged 14,592 rows (measured on an H200: 10% slower than no sharing). The plan
+    keeps them apart: the node holds the 256 decodes, and its modeled step beats both the plan with the chunks in and
+    the unshared one."""
+    batch = _mixed_batch(256, 7, 2048, 256, 2048, per_prefix=263)
+    auto = _plan(batch, "auto", **MHA_SHAPE)
+    assert auto.stats["requests_apart"] and not auto.stats["sharing_declined"]
+    assert auto.nodes.members.tolist() == list(range(7, 263))
+    assert auto.stats["num_merge_rows"] == 256
+    never = _plan(batch, "never", **MHA_SHAPE)
+    monkeypatch.setattr(plans, "requests_may_stay_apart", lambda *a, **k: False)
+    chunks_in = _plan(batch, "auto", **MHA_SHAPE)
+    assert set(range(7)) <= set(chunks_in.nodes.members.tolist())
+    assert auto.stats["modeled_step_us"] < min(chunks_in.stats["modeled_step_us"], never.stats["modeled_step_us"])
+
+
+def test_short_chunks_stay_in_the_nodes_where_that_is_faster(planner, monkeypatch):
+    """7 chunks of 128 rows and 256 decodes under 8,192-token prefixes, 64 requests each (MHA): apart, each chunk's
+    tiles would read its whole prefix in a few long programs (modeled slower); the plan with both is priced and the
+    chunks stay in their nodes."""
+    priced = []
+    monkeypatch.setattr(plans, "modeled_faster", lambda *a: priced.append(1) or sharing_check.modeled_faster(*a))
+    auto = _plan(_mixed_batch(256, 7, 128, 8192, 128, per_prefix=64), "auto", **MHA_SHAPE)
+    assert priced and not auto.stats["requests_apart"]
+    assert set(range(7)) <= set(auto.nodes.members.tolist())
+
+
+def test_a_step_with_requests_apart_through_a_wrapper_matches_the_reference(device, monkeypatch):
+    """The plan with requests apart, forced to win (the wrapper replans it into its workspace): a chunk of one full
+    chunk tile (as tall as a shared M tile here: no gain from the node) beside decodes under one prefix; the kernels
+    give the reference's result."""
+    monkeypatch.setattr(plans, "modeled_faster", lambda *a: True)
+    monkeypatch.setattr(plans, "shared_launch_may_lose", lambda *a, **k: False)
+    torch.manual_seed(0)
+    heads = dict(num_qo_heads=4, num_kv_heads=2, head_dim=64)
+    with planning_target("sm90"):
+        tiles = choose_tiles(head_dim=64, group=2, max_q_len=64, dtype=torch.float32)
+    chunk_rows = tiles.rows_per_chunk_tile(2)
+    assert tiles.rows_per_shared_tile(2) <= chunk_rows < 64
+    metadata = [t.to(device) for t in _mixed_batch(5, 1, chunk_rows, 64, 16, per_prefix=6)]
+    num_blocks = int(metadata[2].max()) + 1
+    k_cache = torch.randn(num_blocks, BLOCK_SIZE, 2, 64, device=device)
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(int(metadata[0][-1]), 4, 64, device=device)
+    attn = PrefixSharedAttention(**heads, block_size=BLOCK_SIZE, q_dtype=torch.float32, device=device,
+                                 max_tokens=int(metadata[0][-1]), max_requests=6, max_blocks_per_request=32,
+                                 max_q_len=chunk_rows)
+    with planning_target("sm90"):
+        p = attn.plan(*metadata)
+    assert p.stats["requests_apart"] and p.nodes.members.tolist() == [1, 2, 3, 4, 5]
+    want = reference_attention(q, k_cache, v_cache, *metadata, causal=True, sm_scale=p.sm_scale)
+    atol, rtol = ATTENTION_TOL[q.dtype]
+    torch.testing.assert_close(attn.run(q, k_cache, v_cache), want, atol=atol, rtol=rtol)

@@ -39,6 +39,7 @@ import numpy as np
 # ~1-2 us per call.
 from prefixattn.lcp_tree import LcpTree, compiled_cache, keep_compiled_tree, set_cached_blocks
 from prefixattn.validation import check_host_metadata, host_metadata_arrays
+from prefixattn.planner.options import SHARING_APART
 from prefixattn.planner.work_list import SharedNodes, WorkList
 
 ENV_VAR = "PREFIXATTN_PLANNER"
@@ -110,7 +111,7 @@ def still_compiled(modules):
     return modules if _modules else None
 
 
-_SHARING_CODES = {"auto": 0, "always": 1, "never": 2}
+_SHARING_CODES = {"auto": 0, "always": 1, "never": 2, SHARING_APART: 3}
 _constants: list = []
 
 

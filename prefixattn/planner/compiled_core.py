@@ -3,8 +3,8 @@
 Imported only when numba is (:mod:`prefixattn.planner.compiled`); every function is ``@njit(cache=True)``. Each function
 computes what its numpy counterpart does, as loops instead of vectorized passes; the numpy code is the definition:
 
-* :func:`select_nodes`: :func:`prefixattn.planner.node_choice.select_shared_nodes` (the cost rule is not restated:
-  :func:`prefixattn.planner.cost_rule.sharing_pays_off` itself, compiled);
+* :func:`select_nodes`: :func:`prefixattn.planner.node_choice.select_shared_nodes` (the cost rules are not restated:
+  :mod:`prefixattn.planner.cost_rule`'s functions themselves, compiled);
 * the split rule, per work class: :mod:`prefixattn.planner.compiled_split`
   (:func:`prefixattn.planner.split_rule.split_ranges`);
 * :func:`work_list`: :func:`prefixattn.planner.work_list.build_work_list` (suffix tiles, merge units, gather rows, LPT
@@ -38,7 +38,7 @@ from prefixattn.planner.compiled_split import cdiv, piece_bound, split_ranges
 #: compiles in (its function and constants): numba's on-disk cache keys this file's functions on this file alone, so
 #: a change to the rule must change this file too, or a cached ``select_nodes`` would keep the old rule.
 #: ``tests/test_cost_rule.py`` fails until this matches.
-COST_RULE_SOURCE_HASH = "a3bbe37cf3c0028b"
+COST_RULE_SOURCE_HASH = "3192b78a9d5c186f"
 #: The first 16 hex digits of the sha256 of :mod:`prefixattn.planner.compiled_split`'s file, whose functions
 #: :func:`work_list` compiles in (same reason as above). ``tests/test_split_rule.py`` fails until this matches.
 SPLIT_SOURCE_HASH = "3b99352d8035ad73"
@@ -52,9 +52,14 @@ def source_hash(module) -> str:
 
 #: :func:`prefixattn.planner.cost_rule.sharing_pays_off`, compiled: the rule's one definition, called per node.
 _sharing_pays_off = njit(nogil=True)(cost_rule.sharing_pays_off)
+#: :func:`prefixattn.planner.cost_rule.request_sharing_pays_off` and its ``unshared_reads``, compiled, called per
+#: request.
+_request_sharing_pays_off = njit(nogil=True)(cost_rule.request_sharing_pays_off)
+_unshared_reads = njit(nogil=True)(cost_rule.unshared_reads)
 
-#: ``sharing`` modes as the compiled code takes them (:mod:`prefixattn.planner.options`' ``_SHARING_MODES`` order).
-SHARING_AUTO, SHARING_ALWAYS, SHARING_NEVER = 0, 1, 2
+#: ``sharing`` modes as the compiled code takes them (:mod:`prefixattn.planner.options`' ``_SHARING_MODES`` order,
+#: then its ``SHARING_APART``).
+SHARING_AUTO, SHARING_ALWAYS, SHARING_NEVER, SHARING_APART = 0, 1, 2, 3
 
 
 def layout_args() -> np.ndarray:
@@ -73,16 +78,21 @@ _SCAN_MIN_SHARE = 8
 
 
 @njit(cache=True, nogil=True)
-def _sorted_members(order, lo, hi, mark, out):
-    """``out[:] = sorted(order[lo:hi + 1])`` (distinct request indices below ``mark.shape[0]``): a sort for a small
-    node, a scan over a request mask for a large one (a node of all 256 requests: ~0.5 us instead of ~4 us)."""
+def _sorted_members(order, lo, hi, joins, mark, out):
+    """``out[:] = sorted(r for r in order[lo:hi + 1] if joins[r])`` (distinct request indices below
+    ``mark.shape[0]``): a sort for a small node, a scan over a request mask for a large one (a node of all 256
+    requests: ~0.5 us instead of ~4 us)."""
     size = hi - lo + 1
     if size * _SCAN_MIN_SHARE < mark.shape[0]:
-        out[:] = order[lo:hi + 1]
+        j = 0
+        for i in range(lo, hi + 1):
+            if joins[order[i]]:
+                out[j] = order[i]
+                j += 1
         out.sort()
         return
     for i in range(lo, hi + 1):
-        mark[order[i]] = True
+        mark[order[i]] = joins[order[i]]
     j = 0
     for r in range(mark.shape[0]):
         if mark[r]:
@@ -102,7 +112,14 @@ def select_nodes(order, depth, lb, rb, parent, shareable, q_len, block_size, row
     if num_nodes == 0 or sharing == SHARING_NEVER:
         z = np.zeros(0, dtype=np.int64)
         return z, z, z, np.zeros(1, dtype=np.int64), z, suffix_start
+    joins = np.ones(num_reqs, dtype=np.bool_)
+    if sharing == SHARING_APART:
+        for r in range(num_reqs):
+            reads = _unshared_reads(q_len[r], rows_per_chunk, rows_per_decode)
+            joins[r] = _request_sharing_pays_off(q_len[r], reads, shareable[r], rows_per_shared, group, head_dim,
+                                                 elt_bytes)
     ends = np.empty(num_nodes, dtype=np.int64)
+    size = np.zeros(num_nodes, dtype=np.int64)
     start = np.zeros(num_nodes, dtype=np.int64)
     eff_end = np.zeros(num_nodes, dtype=np.int64)
     level = np.zeros(num_nodes, dtype=np.int64)
@@ -113,20 +130,22 @@ def select_nodes(order, depth, lb, rb, parent, shareable, q_len, block_size, row
         rows = extra = 0
         for i in range(lb[k], rb[k] + 1):
             r = order[i]
+            if not joins[r]:
+                continue
+            size[k] += 1
             min_sh = min(min_sh, shareable[r])
             rows += q_len[r]
-            if q_len[r] > rows_per_decode:  # read once per chunk tile unshared
-                extra += cdiv(q_len[r], rows_per_chunk) - 1
+            extra += _unshared_reads(q_len[r], rows_per_chunk, rows_per_decode) - 1
         ends[k] = min(depth[k] * block_size, min_sh)
         p = parent[k]
         if p >= 0:
             start[k] = eff_end[p]
             level[k] = level[p] + 1
         tokens = ends[k] - start[k]
-        ok = tokens > 0
-        if ok and sharing == SHARING_AUTO:
-            ok = _sharing_pays_off(rb[k] - lb[k] + 1, rows, cdiv(rows, rows_per_shared), tokens, group, head_dim,
-                                   elt_bytes, extra)
+        ok = tokens > 0 and size[k] > 0
+        if ok and (sharing == SHARING_AUTO or sharing == SHARING_APART):
+            ok = _sharing_pays_off(size[k], rows, cdiv(rows, rows_per_shared), tokens, group, head_dim, elt_bytes,
+                                   extra)
         keep[k] = ok
         eff_end[k] = ends[k] if ok else start[k]
     # Kept nodes top-down: by level, post-order index within a level (the numpy stable sort by level).
@@ -146,7 +165,7 @@ def select_nodes(order, depth, lb, rb, parent, shareable, q_len, block_size, row
     offsets = np.zeros(num_kept + 1, dtype=np.int64)
     for j in range(num_kept):
         k = kept[j]
-        offsets[j + 1] = offsets[j] + rb[k] - lb[k] + 1
+        offsets[j + 1] = offsets[j] + size[k]
     members = np.empty(offsets[num_kept], dtype=np.int64)
     kv_start = np.empty(num_kept, dtype=np.int64)
     kv_end = np.empty(num_kept, dtype=np.int64)
@@ -156,7 +175,7 @@ def select_nodes(order, depth, lb, rb, parent, shareable, q_len, block_size, row
         k = kept[j]
         kv_start[j], kv_end[j], depth_blocks[j] = start[k], ends[k], depth[k]
         seg = members[offsets[j]:offsets[j + 1]]
-        _sorted_members(order, lb[k], rb[k], mark, seg)  # requests ascending within each node
+        _sorted_members(order, lb[k], rb[k], joins, mark, seg)  # requests ascending within each node
         for r in seg:
             suffix_start[r] = max(suffix_start[r], ends[k])  # deeper kept nodes end later
     return kv_start, kv_end, depth_blocks, offsets, members, suffix_start

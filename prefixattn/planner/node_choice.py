@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 from prefixattn.lcp_tree import LcpTree
-from prefixattn.planner.cost_rule import sharing_pays_off
+from prefixattn.planner.cost_rule import request_sharing_pays_off, sharing_pays_off, unshared_reads
+from prefixattn.planner.options import SHARING_APART
 from prefixattn.planner.tiles import DECODE_CLASS_ALL_ROWS
 from prefixattn.planner.work_list import SharedNodes
 from prefixattn.ragged import expand, offsets
@@ -37,6 +38,8 @@ def select_shared_nodes(tree: LcpTree, *, shareable: np.ndarray, q_len: np.ndarr
                         rows_per_decode: int = DECODE_CLASS_ALL_ROWS) -> tuple[SharedNodes, np.ndarray]:
     """Walk the tree top-down, one level at a time, and keep the nodes the cost rule accepts (``sharing="auto"``),
     every node with KV (``"always"``, for tests and benchmarks) or none (``"never"``: plain paged attention).
+    Under ``SHARING_APART`` (:mod:`prefixattn.planner.options`) a request that gains from no node
+    (:func:`request_sharing_pays_off`) joins none: each node is decided, and holds, only its other requests.
     ``rows_per_chunk``/``rows_per_decode``: a request of more rows than ``rows_per_decode`` reads an unshared node
     once per chunk tile of ``rows_per_chunk`` rows (:func:`sharing_pays_off`'s ``extra_reads``).
 
@@ -47,24 +50,33 @@ def select_shared_nodes(tree: LcpTree, *, shareable: np.ndarray, q_len: np.ndarr
     suffix_start = np.zeros(q_len.shape[0], dtype=np.int64)
     if num_nodes == 0 or sharing == "never":
         return SharedNodes.empty(), suffix_start
+    if sharing == SHARING_APART:
+        joins = request_sharing_pays_off(q_len=q_len, reads=unshared_reads(q_len, rows_per_chunk, rows_per_decode),
+                                         shareable=shareable, rows_per_shared=rows_per_shared, group=group,
+                                         head_dim=head_dim, elt_bytes=elt_bytes)
+    else:
+        joins = np.ones(q_len.shape[0], dtype=bool)
     # Nodes are intervals [lb, rb] of the sorted order: one reduceat over (lb, rb + 1) pairs gives every node's
     # minimum shareable length (the +inf sentinel makes rb + 1 == n a valid index).
     n = tree.order.shape[0]
     sorted_shareable = np.empty(n + 1, dtype=np.int64)
-    sorted_shareable[:n] = shareable[tree.order]
+    sorted_shareable[:n] = np.where(joins, shareable, _INT64_MAX)[tree.order]  # a request that joins no node: no cap
     sorted_shareable[n] = _INT64_MAX
     bounds = np.empty(2 * num_nodes, dtype=np.int64)
     bounds[0::2] = tree.lb
     bounds[1::2] = tree.rb + 1
     min_shareable = np.minimum.reduceat(sorted_shareable, bounds)[::2]
     ends = np.minimum(tree.depth * block_size, min_shareable)
-    cum_rows = offsets(q_len[tree.order])
-    rows = cum_rows[tree.rb + 1] - cum_rows[tree.lb]
+
+    def node_sums(per_request: np.ndarray) -> np.ndarray:
+        """Sum of ``per_request`` over each node's joining requests."""
+        cum = offsets(np.where(joins, per_request, 0)[tree.order])
+        return cum[tree.rb + 1] - cum[tree.lb]
+
+    rows = node_sums(q_len)
     # Unshared, a request past a decode tile's rows reads a node's KV once per chunk tile: its extra reads.
-    extra = np.where(q_len > rows_per_decode, -(-q_len // rows_per_chunk) - 1, 0)
-    cum_extra = offsets(extra[tree.order])
-    extra_reads = cum_extra[tree.rb + 1] - cum_extra[tree.lb]
-    sizes = tree.rb - tree.lb + 1
+    extra_reads = node_sums(unshared_reads(q_len, rows_per_chunk, rows_per_decode) - 1)
+    sizes = node_sums(np.ones_like(q_len))
     one_level = bool((tree.parent < 0).all())  # one level of sharing (disjoint nodes): the common case
     level = np.zeros(num_nodes, dtype=np.int64) if one_level else _node_levels(tree.parent)
     # A node starts where its nearest kept ancestor ends; a dropped node passes its own start down, so its tokens
@@ -78,8 +90,8 @@ def select_shared_nodes(tree: LcpTree, *, shareable: np.ndarray, q_len: np.ndarr
             parent = tree.parent[idx]
             start[idx] = np.where(parent >= 0, effective_end[np.maximum(parent, 0)], 0)
         tokens = ends[idx] - start[idx]
-        ok = tokens > 0
-        if sharing == "auto":
+        ok = (tokens > 0) & (sizes[idx] > 0)
+        if sharing in ("auto", SHARING_APART):
             ok &= sharing_pays_off(num_requests=sizes[idx], num_rows=rows[idx],
                                    num_m_tiles=-(-rows[idx] // rows_per_shared), num_tokens=tokens, group=group,
                                    head_dim=head_dim, elt_bytes=elt_bytes, extra_reads=extra_reads[idx])
@@ -89,9 +101,11 @@ def select_shared_nodes(tree: LcpTree, *, shareable: np.ndarray, q_len: np.ndarr
     kept = keep.nonzero()[0]
     if not one_level:
         kept = kept[np.argsort(level[kept], kind="stable")]  # top-down
-    counts = sizes[kept]
-    node_of, rank = expand(counts)
+    node_of, rank = expand(tree.rb[kept] - tree.lb[kept] + 1)
     members = tree.order[tree.lb[kept][node_of] + rank]
+    joined = joins[members]
+    members, node_of = members[joined], node_of[joined]
+    counts = sizes[kept]
     # Requests ascending within each node: one sort of (node, request) keys.
     key = node_of * q_len.shape[0]
     members = np.sort(key + members) - key

@@ -19,6 +19,10 @@ DEFAULT_NUM_SMS = 132
 #: below ~256 tokens per chunk that overhead is comparable to the chunk's own KV read at head_dim 128.
 MIN_SPLIT_TOKENS = 256
 _SHARING_MODES = ("auto", "always", "never")
+#: Not a user's mode: ``"auto"`` with the requests that gain from no node kept out of every node
+#: (:func:`prefixattn.planner.cost_rule.request_sharing_pays_off`). ``sharing="auto"`` plans it beside the plain rule
+#: where that rule put such requests in a node, and keeps the faster plan (modeled; :mod:`.sharing_check`).
+SHARING_APART = "auto-apart"
 
 
 def _check_options(*, causal, sm_scale, logits_soft_cap, window_left, alibi_slopes, sharing, q_dtype,

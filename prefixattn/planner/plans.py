@@ -31,8 +31,9 @@ from prefixattn.planner.compiled import (check_and_tree, compiled_modules, core_
                                         plan_tables, still_compiled)
 from prefixattn.planner.device_tables import check_workspace_args, device_tables
 from prefixattn.planner.node_choice import select_shared_nodes
-from prefixattn.planner.options import MIN_SPLIT_TOKENS, PlanOptions, _default_num_sms, checked_options
-from prefixattn.planner.sharing_check import shared_launch_may_lose, unshared_is_faster
+from prefixattn.planner.options import (MIN_SPLIT_TOKENS, SHARING_APART, PlanOptions, _default_num_sms,
+                                       checked_options)
+from prefixattn.planner.sharing_check import modeled_faster, requests_may_stay_apart, shared_launch_may_lose
 from prefixattn.planner.stats import modeled_stats
 from prefixattn.planner.tiles import AttentionTiles, choose_tiles
 from prefixattn.planner.window import window_shared_nodes
@@ -208,10 +209,12 @@ def plan(
     min_split_tokens : int
         Shortest split-k chunk in KV tokens (``MIN_SPLIT_TOKENS``).
     sharing : {"auto", "always", "never"}
-        ``"auto"`` applies the cost rule (:func:`prefixattn.planner.cost_rule.sharing_pays_off`) per node, then
-        drops all sharing in a step whose modeled time on the planning GPU is lower without it (a short step, where
-        the shared launch costs more than it saves: :mod:`prefixattn.planner.sharing_check`;
-        ``stats["sharing_declined"]``; never without a known GPU); the others force every/no candidate node.
+        ``"auto"`` applies the cost rule (:func:`prefixattn.planner.cost_rule.sharing_pays_off`) per node; on a
+        known planning GPU it then keeps requests that gain from no node (prefill chunks of full chunk tiles) out of
+        the nodes where the step's modeled time is lower so (``stats["requests_apart"]``), and drops all sharing in a
+        step whose modeled time is lower without it (a short step, where the shared launch costs more than it saves;
+        ``stats["sharing_declined"]``): :mod:`prefixattn.planner.sharing_check`. The others force every/no candidate
+        node.
     num_blocks : int, optional
         Number of blocks in the cache, to refuse an out-of-range id here, at plan time. Without it the plan still
         records the largest id it reads (``Plan.max_block_id``) and :func:`prefixattn.attention` checks it against
@@ -295,22 +298,21 @@ def plan_with_options(options: PlanOptions, qo_indptr: torch.Tensor, kv_lens: to
                                  fixed_env=fixed_env)
         tables = dict(tiles=tiles, num_sms=num_sms, indptr=indptr, q_len=q_len, lens=lens, shareable=shareable,
                       table=table)
-        nodes, work, staged_flat, written = _host_tables(
-            still_compiled(compiled), tree, o, workspace=workspace,
-            width=width if workspace is None else 0, **tables)  # a workspace's table: staged by the checks or .load
+        planned = _host_tables(still_compiled(compiled), tree, o, workspace=workspace,
+                               width=width if workspace is None else 0, **tables)  # a workspace's table: staged
         # Priced on the planning GPU; a host with no known GPU (the interpreter) has no launches to price.
-        declined = o.sharing == "auto" and current_target() is not None and shared_launch_may_lose(
-            nodes, work, _class_costs(o, tiles)[0], num_kv_heads=o.num_kv_heads, num_sms=num_sms)
+        priced = o.sharing == "auto" and current_target() is not None
+        apart = priced and requests_may_stay_apart(
+            tree, q_len=q_len, max_q_len=max_q_len, shareable=shareable, group=group, head_dim=o.head_dim,
+            elt_bytes=o.kv_dtype.itemsize, **_request_rule_tiles(o, tiles))
+        if apart:  # requests that gain from no node share one: the plan with them apart too, the faster (modeled)
+            planned, apart = _faster_twin(compiled, tree, o, SHARING_APART, planned, workspace, width, tables)
+        nodes, work, staged_flat, written = planned
+        declined = priced and shared_launch_may_lose(nodes, work, _class_costs(o, tiles)[0],
+                                                     num_kv_heads=o.num_kv_heads, num_sms=num_sms)
         if declined:  # a short step: the unshared plan too, and the faster of the two (modeled)
-            unshared = _unshared_options(o)
-            # Outside the workspace, which holds the sharing plan's tables until the comparison is made; without
-            # one, this is the plan itself.
-            alt = _host_tables(still_compiled(compiled), tree, unshared, workspace=None,
-                               width=width if workspace is None else 0, **tables)
-            declined = unshared_is_faster(work, alt[1])
-            if declined:
-                nodes, work, staged_flat, written = alt if workspace is None else _host_tables(
-                    still_compiled(compiled), tree, unshared, workspace=workspace, width=0, **tables)
+            planned, declined = _faster_twin(compiled, tree, o, "never", planned, workspace, width, tables)
+            nodes, work, staged_flat, written = planned
         num_tokens, num_nodes = int(indptr[-1]), int(nodes.kv_start.shape[0])
         dev = device_tables(work, table, width, workspace=workspace, device_block_table=device_block_table,
                              device=device, staged=staged_flat, num_qo_heads=o.num_qo_heads, head_dim=o.head_dim,
@@ -332,7 +334,7 @@ def plan_with_options(options: PlanOptions, qo_indptr: torch.Tensor, kv_lens: to
         work=work, tree=tree, nodes=nodes,
         **dev,
         stats=dict(num_shared_nodes=num_nodes, num_units=work.num_units, num_merge_rows=work.mrows.shape[0],
-                   num_ws_rows=work.num_ws_rows, num_sms=num_sms, sharing_declined=declined,
+                   num_ws_rows=work.num_ws_rows, num_sms=num_sms, sharing_declined=declined, requests_apart=apart,
                    **modeled_stats(work)),
         workspace=workspace, workspace_step=workspace.step if workspace is not None else -1,
     )
@@ -387,19 +389,34 @@ def _host_tables(compiled, tree, o: PlanOptions, *, tiles: AttentionTiles, num_s
     return nodes, work, None, False
 
 
-#: ``sharing="never"`` twins of the options :func:`plan_with_options` declined sharing for, by identity (holding
-#: the objects, as :data:`_core_params_memo`): the twin's compiled-planner parameters are memoized by its identity.
-_unshared_memo: dict = {}
+def _faster_twin(compiled, tree, o: PlanOptions, sharing: str, planned: tuple, workspace, width: int,
+                 tables: dict) -> tuple:
+    """``(planned or its twin's plan, whether the twin won)``: the step planned again with ``sharing``, and kept where
+    its modeled step time is lower. The twin is planned outside the workspace, which holds ``planned``'s tables until
+    the comparison is made, and again into it if it wins (without a workspace, the twin's plan is the plan)."""
+    twin = _twin_options(o, sharing)
+    alt = _host_tables(still_compiled(compiled), tree, twin, workspace=None,
+                       width=width if workspace is None else 0, **tables)
+    if not modeled_faster(alt[1], planned[1]):
+        return planned, False
+    return (alt if workspace is None else _host_tables(still_compiled(compiled), tree, twin, workspace=workspace,
+                                                        width=0, **tables)), True
 
 
-def _unshared_options(o: PlanOptions) -> PlanOptions:
-    hit = _unshared_memo.get(id(o))
+#: The twins of the options :func:`plan_with_options` priced another ``sharing`` for (``"never"``,
+#: ``SHARING_APART``), by (identity, mode), holding the objects as :data:`_core_params_memo`: the twin's
+#: compiled-planner parameters are memoized by its identity.
+_twin_memo: dict = {}
+
+
+def _twin_options(o: PlanOptions, sharing: str) -> PlanOptions:
+    hit = _twin_memo.get((id(o), sharing))
     if hit is not None and hit[0] is o:
         return hit[1]
-    if len(_unshared_memo) >= _MAX_CORE_PARAMS:
-        _unshared_memo.clear()
-    twin = o._replace(sharing="never")
-    _unshared_memo[id(o)] = (o, twin)
+    if len(_twin_memo) >= _MAX_CORE_PARAMS:
+        _twin_memo.clear()
+    twin = o._replace(sharing=sharing)
+    _twin_memo[(id(o), sharing)] = (o, twin)
     return twin
 
 
@@ -427,11 +444,15 @@ def _class_costs(o: PlanOptions, tiles: AttentionTiles) -> tuple:
 
 
 
+def _request_rule_tiles(o: PlanOptions, tiles: AttentionTiles) -> dict:
+    """The tile rows :func:`prefixattn.planner.cost_rule.request_sharing_pays_off` takes."""
+    return dict(rows_per_shared=tiles.rows_per_shared_tile(o.group), rows_per_chunk=tiles.rows_per_chunk_tile(o.group),
+                rows_per_decode=tiles.decode_class_rows(o.group))
+
+
 def _tile_args(o: PlanOptions, tiles: AttentionTiles, num_sms: int) -> dict:
     """The work list's tile and split arguments."""
-    group = o.group
-    return dict(rows_per_shared=tiles.rows_per_shared_tile(group), rows_per_chunk=tiles.rows_per_chunk_tile(group),
-                rows_per_decode=tiles.decode_class_rows(group), block_n_shared=tiles.shared.block_n,
+    return dict(**_request_rule_tiles(o, tiles), block_n_shared=tiles.shared.block_n,
                 block_n_chunk=tiles.chunk.block_n, block_n_decode=tiles.decode.block_n,
                 num_kv_heads=o.num_kv_heads, num_sms=num_sms, min_split_tokens=o.min_split_tokens)
 
