@@ -105,8 +105,9 @@ class KernelVariant:
         shared = self.work_class == CLASS_SHARED
         bd = block_d(self.head_dim)
         lo = t.launch.for_kv(has_shared=shared, kv_fp8=self.kv_fp8, is_hip=self.is_hip, block_d=bd,
-                             block_m=t.block_m)
-        block_n = fp8_block_n(t.block_m, t.block_n, kv_fp8=self.kv_fp8, block_d=bd)
+                             block_m=t.block_m, block_n=t.block_n)
+        block_n = fp8_block_n(t.block_m, t.block_n, kv_fp8=self.kv_fp8, block_d=bd, has_shared=shared,
+                              is_hip=self.is_hip, nan_guard=False)
         parts = [ATTENTION, geometry, f"page {page_size_constexpr(self.block_size) or 'any'}",
                  WORK_CLASSES[self.work_class], "+lse" if self.has_lse else "no-lse",
                  *(["+kv_scale"] if self.has_kv_scale else []), f"{t.block_m}x{block_n}",

@@ -66,7 +66,8 @@ def test_an_fp8_cache_lists_its_own_attention_and_kv_write_binaries():
     # fp8 suffix-only launches take more warps (LaunchOptions.for_kv): the report shows the launch they compile.
     suffix = [v for v in attn if v.work_class != CLASS_SHARED]
     assert all(v.tiles.launch.for_kv(has_shared=False, kv_fp8=True, is_hip=False, block_d=128,
-                                     block_m=v.tiles.block_m).num_warps >= FP8_SUFFIX_MIN_WARPS for v in suffix)
+                                     block_m=v.tiles.block_m, block_n=v.tiles.block_n).num_warps
+               >= FP8_SUFFIX_MIN_WARPS for v in suffix)
     assert all(f"w{FP8_SUFFIX_MIN_WARPS}/" in v.describe() for v in suffix)
     (write,) = [v for v in fp8 if v.kernel == w.KV_WRITE]
     assert write.dtype == torch.bfloat16 and write.kv_dtype == FP8

@@ -187,7 +187,9 @@ def fused_job(*, target: Target, dtype: str, head_dim: int, config: AttentionCon
     use_fp32_dot = dtype == "fp32"  # what plan() sets on a GPU: fp32 inputs keep IEEE fp32 dots
     tiles = config.shared if has_shared else config.suffix
     kv_fp8 = kv_dtype in FP8_KV_TYPES
-    block_n = fp8_block_n(tiles.block_m, tiles.block_n, kv_fp8=kv_fp8, block_d=bd)
+    nan_guard = "USE_NAN_GUARD" in features
+    block_n = fp8_block_n(tiles.block_m, tiles.block_n, kv_fp8=kv_fp8, block_d=bd, has_shared=has_shared,
+                          is_hip=target.is_hip, nan_guard=nan_guard)
     constexprs = dict(IS_SHARED=has_shared, HAS_LSE=has_lse, USE_FP32_DOT=use_fp32_dot, IS_HIP=target.is_hip,
                       PAGE_SIZE=page_size_constexpr(BLOCK_SIZE), BLOCK_M=tiles.block_m, BLOCK_N=block_n,
                       BLOCK_D=bd)
@@ -200,8 +202,8 @@ def fused_job(*, target: Target, dtype: str, head_dim: int, config: AttentionCon
                                          constexprs, target)
     bm, bn = config.shared.block_m, block_n
     launch = config.launch_for(has_shared).for_kv(has_shared=has_shared, kv_fp8=kv_fp8, is_hip=target.is_hip,
-                                                  block_d=bd, block_m=tiles.block_m,
-                                                  nan_guard="USE_NAN_GUARD" in features, q_fp32=dtype == "fp32")
+                                                  block_d=bd, block_m=tiles.block_m, block_n=tiles.block_n,
+                                                  nan_guard=nan_guard, q_fp32=dtype == "fp32")
     name = (variant + ("" if has_shared else "/suffix-only") + ("+lse" if has_lse else "")
             + "".join("+" + f.split("_", 1)[1].lower() for f in FEATURE_SWITCHES if f in features)
             + (f"+{kv_dtype}" if kv_dtype else "")

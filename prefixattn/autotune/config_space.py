@@ -84,6 +84,11 @@ class Tiles:
 #: (Triton 3.9) and 127-128 (Triton 3.6), no spill (the compile-check feature jobs check it on every run). AMD is
 #: unchanged (its fp8 jobs compile without spills at the tables' options).
 FP8_SUFFIX_MIN_WARPS = 8
+#: Except tiles of at most this many rows and KV positions, which keep their table's warps: sm_80's bf16 16 x 16
+#: decode tiles at head_dim 128 over e5m2 (LSE, 3 stages) at 8 warps: ptxas held them at 80 registers and spilled 12
+#: bytes (Triton 3.6 without the model switches, 3.9 with them); at 4 warps 124-128 registers, none (both, with and
+#: without; compile-check).
+FP8_NARROW_TILE = 16
 #: Except decode tiles with narrowed KV tiles (:data:`FP8_LARGE_TILE_ROWS` rows or more, fewer than
 #: :data:`FP8_LARGE_HEAD_CHUNK_ROWS`) at a padded head size of :data:`FP8_LARGE_HEAD_DIM`: they run at exactly this many
 #: warps. At 8 warps ptxas holds such a program to 128 registers and spills (compile-check, bf16 q, LSE, Triton 3.9,
@@ -109,6 +114,17 @@ FP8_SUFFIX_MAX_STAGES = 3
 FP8_LARGE_HEAD_DIM = 256
 FP8_LARGE_TILE_ROWS = 32
 FP8_MAX_BLOCK_N = 16
+#: KV positions of a suffix-only NVIDIA launch's tile over an fp8 K/V cache at a padded head size of
+#: :data:`FP8_MID_HEAD_DIM`, at most (compile-check, LSE, 8 warps, 3 stages): sm_90 bf16 16 x 64 decode tiles over
+#: e5m2: Triton 3.9 128 registers and 40 bytes spilled, 16 x 32: 99 and none (Triton 3.6: 172 and 128, none); its
+#: 128 x 64 chunk tiles over e4m3 with every switch and the NaN guard: 255 and 20 bytes (Triton 3.9), 128 x 32: 219,
+#: none (both).
+FP8_MID_HEAD_DIM = 128
+FP8_MID_HEAD_SUFFIX_MAX_BLOCK_N = 32
+#: The same launches' decode tiles (:data:`NAN_GUARD_DECODE_ROWS` rows at most) with the NaN guard, at most: sm_90
+#: fp16 16 x 32 tiles over e4m3 or e5m2 with every switch: Triton 3.6 128 registers, 8 bytes spilled; 16 x 16: 122,
+#: none (Triton 3.9: 98).
+FP8_NAN_GUARD_DECODE_MAX_BLOCK_N = 16
 #: Warps of a suffix-only NVIDIA launch with the NaN guard (``plan(nan_guard=True)``, the kernel's ``USE_NAN_GUARD``)
 #: at a padded head size of :data:`NAN_GUARD_SMALL_HEAD_DIM` or less, at least. At 4 warps Triton 3.6's binaries kept
 #: values in local memory across the KV loops at 80-96 registers (compile-check, LSE, every non-fp8 switch: sm_80
@@ -124,6 +140,10 @@ NAN_GUARD_SMALL_HEAD_DIM = 64
 NAN_GUARD_MID_HEAD_DIM = 128
 NAN_GUARD_DECODE_ROWS = 16
 NAN_GUARD_MID_HEAD_DECODE_WARPS = 4
+#: Except tiles of at most this many KV positions, which take at least :data:`NAN_GUARD_MIN_WARPS`: sm_80's fp16 16 x
+#: 16 decode tiles (LSE, every non-fp8 switch, 3 stages) at 4 warps: Triton 3.6 128 registers, 16 bytes spilled; at 8
+#: warps 124 (Triton 3.9: 98), none.
+NAN_GUARD_NARROW_BLOCK_N = 16
 
 
 @dataclass(frozen=True, order=True)
@@ -137,21 +157,25 @@ class LaunchOptions:
     matrix_instr_nonkdim: int = 0
     kpack: int = 1
 
-    def for_kv(self, *, has_shared: bool, kv_fp8: bool, is_hip: bool, block_d: int, block_m: int,
+    def for_kv(self, *, has_shared: bool, kv_fp8: bool, is_hip: bool, block_d: int, block_m: int, block_n: int,
                nan_guard: bool = False, q_fp32: bool = False) -> "LaunchOptions":
-        """These options for a launch of ``block_m``-row tiles at a padded head size ``block_d`` whose K/V cache is
-        fp8 (when ``kv_fp8``): a suffix-only NVIDIA launch gets at most :data:`FP8_SUFFIX_MAX_STAGES` stages and at
-        least :data:`FP8_SUFFIX_MIN_WARPS` warps, or exactly :data:`FP8_LARGE_HEAD_DECODE_WARPS` for 32-row decode
-        tiles of large heads. With the NaN guard (``nan_guard``) a suffix-only NVIDIA launch at a padded head size
-        of :data:`NAN_GUARD_SMALL_HEAD_DIM` or less gets at least :data:`NAN_GUARD_MIN_WARPS` warps, and one of
-        decode tiles at :data:`NAN_GUARD_MID_HEAD_DIM` with 16-bit q and K/V (``q_fp32`` false) exactly
-        :data:`NAN_GUARD_MID_HEAD_DECODE_WARPS`. Everything else is unchanged. The one rule (with
-        :func:`fp8_block_n`), used by the launch (:meth:`prefixattn.planner.tiles.AttentionTiles.launch_options`),
-        the warm-up and compile-check."""
+        """These options for a launch of ``block_m`` x ``block_n`` tiles (the table's KV tile, before
+        :func:`fp8_block_n`) at a padded head size ``block_d`` whose K/V cache is fp8 (when ``kv_fp8``): a
+        suffix-only NVIDIA launch gets at most :data:`FP8_SUFFIX_MAX_STAGES` stages and at least
+        :data:`FP8_SUFFIX_MIN_WARPS` warps (tiles of at most :data:`FP8_NARROW_TILE` rows and positions keep theirs),
+        or exactly :data:`FP8_LARGE_HEAD_DECODE_WARPS` for 32-row decode tiles of large heads. With the NaN guard
+        (``nan_guard``) a suffix-only NVIDIA launch at a padded head size of :data:`NAN_GUARD_SMALL_HEAD_DIM` or less
+        gets at least :data:`NAN_GUARD_MIN_WARPS` warps, and one of decode tiles at :data:`NAN_GUARD_MID_HEAD_DIM`
+        with 16-bit q and K/V (``q_fp32`` false) exactly :data:`NAN_GUARD_MID_HEAD_DECODE_WARPS` (at least
+        :data:`NAN_GUARD_MIN_WARPS` with KV tiles of :data:`NAN_GUARD_NARROW_BLOCK_N` positions or fewer).
+        Everything else is unchanged. The one rule (with :func:`fp8_block_n`), used by the launch
+        (:meth:`prefixattn.planner.tiles.AttentionTiles.launch_options`), the warm-up and compile-check."""
         lo = self
         if kv_fp8 and not has_shared and not is_hip:
             if block_d >= FP8_LARGE_HEAD_DIM and FP8_LARGE_TILE_ROWS <= block_m < FP8_LARGE_HEAD_CHUNK_ROWS:
                 warps = FP8_LARGE_HEAD_DECODE_WARPS
+            elif block_m <= FP8_NARROW_TILE and block_n <= FP8_NARROW_TILE:
+                warps = self.num_warps
             else:
                 warps = max(self.num_warps, FP8_SUFFIX_MIN_WARPS)
             lo = replace(self, num_warps=warps, num_stages=min(self.num_stages, FP8_SUFFIX_MAX_STAGES))
@@ -160,7 +184,9 @@ class LaunchOptions:
                 lo = replace(lo, num_warps=max(lo.num_warps, NAN_GUARD_MIN_WARPS))
             elif (not kv_fp8 and not q_fp32 and block_d == NAN_GUARD_MID_HEAD_DIM
                   and block_m <= NAN_GUARD_DECODE_ROWS):
-                lo = replace(lo, num_warps=NAN_GUARD_MID_HEAD_DECODE_WARPS)
+                narrow = block_n <= NAN_GUARD_NARROW_BLOCK_N
+                lo = replace(lo, num_warps=max(lo.num_warps, NAN_GUARD_MIN_WARPS) if narrow
+                             else NAN_GUARD_MID_HEAD_DECODE_WARPS)
         return lo
 
     def compile_options(self, target: Target) -> dict:
@@ -172,12 +198,21 @@ class LaunchOptions:
         return opts
 
 
-def fp8_block_n(block_m: int, block_n: int, *, kv_fp8: bool, block_d: int) -> int:
+def fp8_block_n(block_m: int, block_n: int, *, kv_fp8: bool, block_d: int, has_shared: bool, is_hip: bool,
+                nan_guard: bool) -> int:
     """The KV tile a launch of ``block_m`` x ``block_n`` tiles takes when its K/V cache is fp8: at most
     :data:`FP8_MAX_BLOCK_N` positions from :data:`FP8_LARGE_TILE_ROWS` rows and a padded head size (``block_d``) of
-    :data:`FP8_LARGE_HEAD_DIM` on (any KV tile computes the same result: the plan's ranges do not depend on it)."""
-    if kv_fp8 and block_m >= FP8_LARGE_TILE_ROWS and block_d >= FP8_LARGE_HEAD_DIM:
+    :data:`FP8_LARGE_HEAD_DIM` on; a suffix-only NVIDIA launch at :data:`FP8_MID_HEAD_DIM` at most
+    :data:`FP8_MID_HEAD_SUFFIX_MAX_BLOCK_N`, or :data:`FP8_NAN_GUARD_DECODE_MAX_BLOCK_N` for decode tiles with the NaN
+    guard (any KV tile computes the same result: the plan's ranges do not depend on it)."""
+    if not kv_fp8:
+        return block_n
+    if block_m >= FP8_LARGE_TILE_ROWS and block_d >= FP8_LARGE_HEAD_DIM:
         return min(block_n, FP8_MAX_BLOCK_N)
+    if block_d == FP8_MID_HEAD_DIM and not has_shared and not is_hip:
+        if nan_guard and block_m <= NAN_GUARD_DECODE_ROWS:
+            return min(block_n, FP8_NAN_GUARD_DECODE_MAX_BLOCK_N)
+        return min(block_n, FP8_MID_HEAD_SUFFIX_MAX_BLOCK_N)
     return block_n
 
 

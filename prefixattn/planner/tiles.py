@@ -64,8 +64,9 @@ class AttentionTiles:
         has_shared = work_class == K.CLASS_SHARED
         ct = self.of(work_class)
         lo = ct.launch.for_kv(has_shared=has_shared, kv_fp8=kv_fp8, is_hip=self.is_hip, block_d=self.block_d,
-                              block_m=ct.block_m, nan_guard=nan_guard, q_fp32=q_fp32)
-        block_n = fp8_block_n(ct.block_m, ct.block_n, kv_fp8=kv_fp8, block_d=self.block_d)
+                              block_m=ct.block_m, block_n=ct.block_n, nan_guard=nan_guard, q_fp32=q_fp32)
+        block_n = fp8_block_n(ct.block_m, ct.block_n, kv_fp8=kv_fp8, block_d=self.block_d, has_shared=has_shared,
+                              is_hip=self.is_hip, nan_guard=nan_guard)
         opts = {"BLOCK_M": ct.block_m, "BLOCK_N": block_n, "num_warps": lo.num_warps, "num_stages": lo.num_stages}
         if self.is_hip:
             opts.update(waves_per_eu=lo.waves_per_eu, matrix_instr_nonkdim=lo.matrix_instr_nonkdim, kpack=lo.kpack)

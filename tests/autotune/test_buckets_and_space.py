@@ -123,7 +123,7 @@ def test_fp8_suffix_launches_take_more_warps_on_nvidia_only():
     from prefixattn.autotune.config_space import FP8_LARGE_HEAD_DECODE_WARPS
 
     lo = LaunchOptions(num_warps=4, num_stages=4)
-    fp8_suffix = dict(has_shared=False, kv_fp8=True, is_hip=False)
+    fp8_suffix = dict(has_shared=False, kv_fp8=True, is_hip=False, block_n=64)
     assert lo.for_kv(**fp8_suffix, block_d=128, block_m=32) == LaunchOptions(num_warps=FP8_SUFFIX_MIN_WARPS,
                                                                              num_stages=3)
     assert lo.for_kv(**fp8_suffix, block_d=256, block_m=64) == LaunchOptions(num_warps=FP8_SUFFIX_MIN_WARPS,
@@ -133,7 +133,7 @@ def test_fp8_suffix_launches_take_more_warps_on_nvidia_only():
     assert lo.for_kv(**fp8_suffix, block_d=256, block_m=16).num_warps == FP8_SUFFIX_MIN_WARPS
     for kw in (dict(has_shared=True, kv_fp8=True, is_hip=False), dict(has_shared=False, kv_fp8=False, is_hip=False),
                dict(has_shared=False, kv_fp8=True, is_hip=True)):
-        assert lo.for_kv(**kw, block_d=256, block_m=32) == lo, kw
+        assert lo.for_kv(**kw, block_d=256, block_m=32, block_n=64) == lo, kw
     assert LaunchOptions(num_warps=16).for_kv(**fp8_suffix, block_d=64, block_m=16).num_warps == 16
 
 
@@ -142,7 +142,7 @@ def test_nan_guard_suffix_launches_of_small_heads_take_more_warps_on_nvidia_only
     from prefixattn.autotune.config_space import NAN_GUARD_MIN_WARPS, NAN_GUARD_SMALL_HEAD_DIM
 
     lo = LaunchOptions(num_warps=4, num_stages=4)
-    guard = dict(has_shared=False, kv_fp8=False, is_hip=False, block_m=16, nan_guard=True)
+    guard = dict(has_shared=False, kv_fp8=False, is_hip=False, block_m=16, block_n=64, nan_guard=True)
     assert lo.for_kv(**guard, block_d=NAN_GUARD_SMALL_HEAD_DIM) == LaunchOptions(num_warps=NAN_GUARD_MIN_WARPS,
                                                                                  num_stages=4)
     assert lo.for_kv(**guard, block_d=128) == lo
@@ -157,7 +157,8 @@ def test_nan_guard_decode_launches_of_head_128_take_four_warps_with_16_bit_input
                                                   NAN_GUARD_MID_HEAD_DIM)
 
     lo = LaunchOptions(num_warps=8, num_stages=3)
-    guard = dict(has_shared=False, kv_fp8=False, is_hip=False, nan_guard=True, block_d=NAN_GUARD_MID_HEAD_DIM)
+    guard = dict(has_shared=False, kv_fp8=False, is_hip=False, nan_guard=True, block_d=NAN_GUARD_MID_HEAD_DIM,
+                 block_n=64)
     want = LaunchOptions(num_warps=NAN_GUARD_MID_HEAD_DECODE_WARPS, num_stages=3)
     assert lo.for_kv(**guard, block_m=NAN_GUARD_DECODE_ROWS) == want
     # Chunk tiles, fp32 q, fp8 caches (their own rule), other heads, AMD and shared launches keep theirs.
@@ -167,19 +168,50 @@ def test_nan_guard_decode_launches_of_head_128_take_four_warps_with_16_bit_input
     assert lo.for_kv(**dict(guard, block_d=256), block_m=16) == lo
     assert lo.for_kv(**dict(guard, is_hip=True), block_m=16) == lo
     assert lo.for_kv(**dict(guard, has_shared=True), block_m=16) == lo
+    # Narrow KV tiles take at least NAN_GUARD_MIN_WARPS instead.
+    from prefixattn.autotune.config_space import NAN_GUARD_MIN_WARPS, NAN_GUARD_NARROW_BLOCK_N
+
+    narrow = dict(guard, block_n=NAN_GUARD_NARROW_BLOCK_N, block_m=NAN_GUARD_DECODE_ROWS)
+    assert LaunchOptions(4, 3).for_kv(**narrow) == LaunchOptions(num_warps=NAN_GUARD_MIN_WARPS, num_stages=3)
+    assert LaunchOptions(16, 3).for_kv(**narrow) == LaunchOptions(num_warps=16, num_stages=3)
+
+
+def test_fp8_suffix_launches_of_narrow_tiles_keep_their_warps():
+    from prefixattn.autotune.config_space import FP8_NARROW_TILE
+
+    fp8_suffix = dict(has_shared=False, kv_fp8=True, is_hip=False, block_d=128)
+    lo = LaunchOptions(num_warps=4, num_stages=4)
+    assert lo.for_kv(**fp8_suffix, block_m=FP8_NARROW_TILE, block_n=FP8_NARROW_TILE) == LaunchOptions(4, 3)
+    assert lo.for_kv(**fp8_suffix, block_m=FP8_NARROW_TILE, block_n=2 * FP8_NARROW_TILE).num_warps == 8
+    assert lo.for_kv(**fp8_suffix, block_m=2 * FP8_NARROW_TILE, block_n=FP8_NARROW_TILE).num_warps == 8
 
 
 def test_fp8_caches_take_narrower_kv_tiles_under_large_tiles_of_large_heads():
     from prefixattn.autotune.config_space import FP8_MAX_BLOCK_N, fp8_block_n
 
-    assert fp8_block_n(64, 32, kv_fp8=True, block_d=256) == FP8_MAX_BLOCK_N == 16
-    assert fp8_block_n(128, 64, kv_fp8=True, block_d=256) == 16
-    assert fp8_block_n(32, 32, kv_fp8=True, block_d=256) == 16
+    nvidia = dict(has_shared=True, is_hip=False, nan_guard=False)
+    assert fp8_block_n(64, 32, kv_fp8=True, block_d=256, **nvidia) == FP8_MAX_BLOCK_N == 16
+    assert fp8_block_n(128, 64, kv_fp8=True, block_d=256, **nvidia) == 16
+    assert fp8_block_n(32, 32, kv_fp8=True, block_d=256, **nvidia) == 16
+    assert fp8_block_n(32, 32, kv_fp8=True, block_d=256, **dict(nvidia, is_hip=True)) == 16
     # 16-bit caches, 16-row decode tiles, smaller heads and tiles already narrow keep theirs.
-    assert fp8_block_n(64, 32, kv_fp8=False, block_d=256) == 32
-    assert fp8_block_n(16, 64, kv_fp8=True, block_d=256) == 64
-    assert fp8_block_n(64, 32, kv_fp8=True, block_d=128) == 32
-    assert fp8_block_n(64, 16, kv_fp8=True, block_d=256) == 16
+    assert fp8_block_n(64, 32, kv_fp8=False, block_d=256, **nvidia) == 32
+    assert fp8_block_n(16, 64, kv_fp8=True, block_d=256, **nvidia) == 64
+    assert fp8_block_n(64, 32, kv_fp8=True, block_d=128, **nvidia) == 32
+    assert fp8_block_n(64, 16, kv_fp8=True, block_d=256, **nvidia) == 16
+
+
+def test_fp8_suffix_launches_of_head_128_take_narrower_kv_tiles_on_nvidia_only():
+    from prefixattn.autotune.config_space import (FP8_MID_HEAD_DIM, FP8_MID_HEAD_SUFFIX_MAX_BLOCK_N,
+                                                  FP8_NAN_GUARD_DECODE_MAX_BLOCK_N, fp8_block_n)
+
+    suffix = dict(kv_fp8=True, block_d=FP8_MID_HEAD_DIM, has_shared=False, is_hip=False, nan_guard=False)
+    assert fp8_block_n(16, 64, **suffix) == FP8_MID_HEAD_SUFFIX_MAX_BLOCK_N == 32
+    assert fp8_block_n(128, 64, **suffix) == 32
+    assert fp8_block_n(16, 64, **dict(suffix, nan_guard=True)) == FP8_NAN_GUARD_DECODE_MAX_BLOCK_N == 16
+    assert fp8_block_n(128, 64, **dict(suffix, nan_guard=True)) == 32  # chunk tiles: the plain limit
+    for other in (dict(has_shared=True), dict(is_hip=True), dict(kv_fp8=False), dict(block_d=64)):
+        assert fp8_block_n(16, 64, **dict(suffix, **other)) == 64, other
 
 
 def test_the_launch_applies_the_fp8_rules_per_work_class():
