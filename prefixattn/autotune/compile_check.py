@@ -175,7 +175,22 @@ def exclusions_from_report(report_path: Path, target_name: str) -> dict:
                         if "suffix-only" not in r.get("variant", ""):
                             # The launch with shared items is the same binary whatever the suffix-only options.
                             out[(head_dim, dt)].update(_same_binary_patterns(r))
+                        else:
+                            out[(head_dim, dt)].update(_same_suffix_binary_patterns(r))
     return out
+
+
+def _same_suffix_binary_patterns(record: dict) -> set:
+    """Names (``fnmatch`` patterns) of the configs a failed suffix-only launch rules out: every config with the same
+    suffix tiles under the same suffix launch (its own ``_sfw`` options, or its shared launch's when it has none),
+    whatever its shared tiles; after a spill at more stages too (as :func:`_same_binary_patterns`)."""
+    m = re.fullmatch(r"sh\d+x\d+_(sf\d+x\d+)_w(\d+)_s(\d+)(?:_sfw(\d+)_s(\d+))?", record["config_name"])
+    if not m:
+        return set()
+    tiles = m.group(1)
+    warps, stages = (int(m.group(4)), int(m.group(5))) if m.group(4) else (int(m.group(2)), int(m.group(3)))
+    more = range(stages, max(NUM_STAGES_CUDA) + 1) if record.get("spills") else (stages,)
+    return {p for s in more for p in (f"sh*_{tiles}_w{warps}_s{s}", f"sh*_{tiles}_w*_s*_sfw{warps}_s{s}")}
 
 
 def _same_binary_patterns(record: dict) -> set:

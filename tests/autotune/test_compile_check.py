@@ -167,8 +167,17 @@ def test_exclusions_from_a_report_cover_the_twins_of_a_failed_config(tmp_path):
     records = [dict(base, target="sm90", dtype="fp32", head_dim=64, variant="decode/suffix-only", spills=8,
                     config_name="sh64x32_sf16x16_w8_s3_sfw4_s3")]
     report.write_text(json.dumps({"records": records}))
-    assert exclusions_from_report(report, "sm90") == {(64, "fp32"): {"sh64x32_sf16x16_w8_s3_sfw4_s3"}}
     from prefixattn.autotune.shipped_tables import is_excluded
+
+    # A failed suffix-only launch rules out every config with the same suffix binary: its tiles under the same
+    # suffix launch (own _sfw options, or the shared launch's), whatever the shared tiles; after a spill, deeper too.
+    excluded = exclusions_from_report(report, "sm90")[(64, "fp32")]
+    assert "sh64x32_sf16x16_w8_s3_sfw4_s3" in excluded
+    for same in ("sh32x64_sf16x16_w8_s4_sfw4_s3", "sh16x16_sf16x16_w4_s3", "sh64x32_sf16x16_w8_s3_sfw4_s4"):
+        assert is_excluded(same, excluded), same
+    for other in ("sh64x32_sf16x16_w8_s3", "sh64x32_sf16x32_w8_s3_sfw4_s3", "sh64x32_sf16x16_w8_s3_sfw4_s2",
+                  "sh64x32_sf16x16_w8_s3_sfw8_s3"):
+        assert not is_excluded(other, excluded), other
 
     assert is_excluded("sh64x32_sf16x16_w8_s3_sfw4_s4", {"sh64x32_sf16x16_w8_s3_sfw*"})
     assert not is_excluded("sh64x32_sf16x16_w8_s3", {"sh64x32_sf16x16_w8_s3_sfw*"})
