@@ -522,8 +522,7 @@ def _run_item(
     lse_row = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)
     if not IS_SHARED:
         # Loaded after the KV loops, as the merge row is: held across them, Triton 3.9 spilled sm_80's e5m2 chunk
-        # class at head_dim 256 with the model switches (8 bytes; 64 x 16 tiles, 8 warps). Triton 3.6 spills
-        # sm_80's e5m2 decode class at head_dim 80-128 this way (12 bytes) and not the other (docs/tuning.md).
+        # class at head_dim 256 with the model switches (8 bytes; 64 x 16 tiles, 8 warps).
         dest = tl.load(it + L.ITEM_DEST)
         to_workspace = dest >= 0
     if to_workspace:
