@@ -56,8 +56,6 @@ def shared_launch_may_lose(nodes: SharedNodes, work: WorkList, costs: tuple, *, 
     return shared_us > UNSHARED_CHECK_RATIO * saved_us
 
 
-
-
 def requests_may_stay_apart(tree: LcpTree, *, q_len: np.ndarray, max_q_len: int, shareable: np.ndarray,
                             rows_per_shared: int, rows_per_chunk: int, rows_per_decode: int, group: int,
                             head_dim: int, elt_bytes: int) -> bool:
