@@ -32,6 +32,15 @@ def _node_levels(parent: np.ndarray) -> np.ndarray:
     return level
 
 
+def joining_requests(*, q_len: np.ndarray, shareable: np.ndarray, rows_per_shared: int, rows_per_chunk: int,
+                      rows_per_decode: int, group: int, head_dim: int, elt_bytes: int) -> np.ndarray:
+    """Which requests may join a node under ``SHARING_APART``: :func:`request_sharing_pays_off` at each one's
+    :func:`unshared_reads` (bool per request; ``q_len``, ``shareable``: int64)."""
+    return request_sharing_pays_off(q_len=q_len, reads=unshared_reads(q_len, rows_per_chunk, rows_per_decode),
+                                    shareable=shareable, rows_per_shared=rows_per_shared, group=group,
+                                    head_dim=head_dim, elt_bytes=elt_bytes)
+
+
 def select_shared_nodes(tree: LcpTree, *, shareable: np.ndarray, q_len: np.ndarray, block_size: int,
                         rows_per_shared: int, group: int, head_dim: int, elt_bytes: int, sharing: str = "auto",
                         rows_per_chunk: int = 1,
@@ -51,9 +60,9 @@ def select_shared_nodes(tree: LcpTree, *, shareable: np.ndarray, q_len: np.ndarr
     if num_nodes == 0 or sharing == "never":
         return SharedNodes.empty(), suffix_start
     if sharing == SHARING_APART:
-        joins = request_sharing_pays_off(q_len=q_len, reads=unshared_reads(q_len, rows_per_chunk, rows_per_decode),
-                                         shareable=shareable, rows_per_shared=rows_per_shared, group=group,
-                                         head_dim=head_dim, elt_bytes=elt_bytes)
+        joins = joining_requests(q_len=q_len, shareable=shareable, rows_per_shared=rows_per_shared,
+                                 rows_per_chunk=rows_per_chunk, rows_per_decode=rows_per_decode, group=group,
+                                 head_dim=head_dim, elt_bytes=elt_bytes)
     else:
         joins = np.ones(q_len.shape[0], dtype=bool)
     # Nodes are intervals [lb, rb] of the sorted order: one reduceat over (lb, rb + 1) pairs gives every node's

@@ -27,7 +27,7 @@ import numpy as np
 from prefixattn.autotune.program_cost import LAUNCH_GAP_US
 from prefixattn.kernels import layout as K
 from prefixattn.lcp_tree import LcpTree
-from prefixattn.planner.cost_rule import request_sharing_pays_off, unshared_reads
+from prefixattn.planner.node_choice import joining_requests
 from prefixattn.planner.stats import modeled_stats
 from prefixattn.planner.work_list import SharedNodes, WorkList
 from prefixattn.ragged import offsets
@@ -60,7 +60,7 @@ def requests_may_stay_apart(tree: LcpTree, *, q_len: np.ndarray, max_q_len: int,
                             rows_per_shared: int, rows_per_chunk: int, rows_per_decode: int, group: int,
                             head_dim: int, elt_bytes: int) -> bool:
     """Whether a top-level node of ``tree`` holds both a request that gains from no node
-    (:func:`~prefixattn.planner.cost_rule.request_sharing_pays_off`) and one that may: then the plan with the
+    (:func:`~prefixattn.planner.node_choice.joining_requests`) and one that may: then the plan with the
     former apart (``SHARING_APART``) can differ, and is priced too. ``q_len``, ``shareable``: int64 per request;
     ``max_q_len``: ``q_len``'s largest.
 
@@ -70,9 +70,9 @@ def requests_may_stay_apart(tree: LcpTree, *, q_len: np.ndarray, max_q_len: int,
     """
     if tree.num_nodes == 0 or max_q_len <= rows_per_decode:
         return False
-    joins = request_sharing_pays_off(q_len=q_len, reads=unshared_reads(q_len, rows_per_chunk, rows_per_decode),
-                                     shareable=shareable, rows_per_shared=rows_per_shared, group=group,
-                                     head_dim=head_dim, elt_bytes=elt_bytes)
+    joins = joining_requests(q_len=q_len, shareable=shareable, rows_per_shared=rows_per_shared,
+                             rows_per_chunk=rows_per_chunk, rows_per_decode=rows_per_decode, group=group,
+                             head_dim=head_dim, elt_bytes=elt_bytes)
     roots = tree.parent < 0
     cum = offsets(joins[tree.order].astype(np.int64))
     lb, rb = tree.lb[roots], tree.rb[roots]
