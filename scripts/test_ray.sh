@@ -18,8 +18,8 @@ VLLM_VENV=.venv-vllm
 
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 if ! "$VENV/bin/python" -c "import ray.data" 2>/dev/null; then
-  "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null
-  "$VENV/bin/python" -m pip install -q torch==2.13.0
+  pip_install "$VENV" --upgrade pip >/dev/null
+  pip_install "$VENV" torch==2.13.0
 fi
 install_editable "$VENV" test,ray
 status=0

@@ -20,10 +20,10 @@ SGLANG_DEPS=(orjson psutil pybase64 requests packaging pillow starlette msgspec 
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 installed=$("$VENV/bin/python" -m pip show sglang 2>/dev/null | sed -n 's/^Version: //p' || true)  # pip show fails when absent
 if [ "$installed" != "${SGLANG_PIN#*==}" ]; then
-  "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null
-  "$VENV/bin/python" -m pip install -q torch==2.13.0
-  "$VENV/bin/python" -m pip install -q --no-deps "$SGLANG_PIN"
-  "$VENV/bin/python" -m pip install -q torch==2.13.0 "${SGLANG_DEPS[@]}"
+  pip_install "$VENV" --upgrade pip >/dev/null
+  pip_install "$VENV" torch==2.13.0
+  pip_install "$VENV" --no-deps "$SGLANG_PIN"
+  pip_install "$VENV" torch==2.13.0 "${SGLANG_DEPS[@]}"
 fi
 install_editable "$VENV" test
 "$VENV/bin/python" -m pytest tests/ -m sglang "$@"

