@@ -8,6 +8,7 @@ nothing), a NaN LSE in a merge gives NaN (it must not erase the other state), a 
 ``(0, -inf)``, and the plan after one whose counters an interrupted launch left non-zero gives the right answer.
 """
 
+import contextlib
 import math
 
 import pytest
@@ -15,6 +16,8 @@ import torch
 
 from prefixattn import (PrefixSharedAttention, attention, merge_states, merge_states_n, plan, prefix_attention,
                         reference_attention)
+from prefixattn.autotune.lookup import fixed_config
+from prefixattn.kernels.prefix_attention_kernel import NAN_REDO_BY_LANE_TILE
 from tests.prefix_batches import make_batch
 
 
@@ -243,3 +246,38 @@ def test_nan_guard_redoes_only_the_lanes_that_came_out_non_finite(device, sharin
     assert torch.isnan(want[0][2, 1]).all() and torch.isfinite(want[0][2, 0]).all()
     _same_nan_pattern_and_values(got, want)
     torch.testing.assert_close(got, plain, atol=0, rtol=0, equal_nan=True)
+
+
+#: Suffix tiles of 128 x 16 at head_dim 80 (padded to 128): 128 x 128 lanes x dims, the kernel's lane-by-lane redo
+#: (NAN_REDO_BY_LANE_TILE); the interpreter's default tiles take the all-at-once one.
+_LANE_BY_LANE_TILES = {"shared": {"block_m": 16, "block_n": 16}, "suffix": {"block_m": 128, "block_n": 16},
+                       "launch": {"num_warps": 4, "num_stages": 2}}
+
+
+# The interpreter's numpy matmul warns on the NaN products of the row that does see the value (expected there).
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("tiles", [None, _LANE_BY_LANE_TILES], ids=["all-lanes", "lane-by-lane"])
+def test_nan_guard_redo_spans_pages_and_tiles_with_soft_cap_and_gqa(device, tiles):
+    # One 5-row chunk over 42 keys in 4-key pages (several KV tiles), 4 query heads per KV head, a padded head size
+    # (80 -> 128) and a soft cap: a NaN V at the last key, which only the last row sees, is loaded by the diagonal
+    # tile for every row. The redo (lane by lane, key by key) gives the reference: NaN in that row's heads of that KV
+    # head, at that dimension only; every other lane finite. (Not over an fp8 cache here: the Triton 3.6
+    # and 3.9 interpreters convert fp8 NaN and inf to finite values, e5m2 NaN to 114688.)
+    b = _batch(device, q_lens=[5], extra_lens=[42], paths=[()], level_blocks={}, num_qo_heads=8, num_kv_heads=2,
+               head_dim=80)
+    last = 42 - 1
+    b.v_cache[int(b.block_table[0, last // 4]), last % 4, 1, 11] = math.nan
+    with contextlib.nullcontext() if tiles is None else fixed_config(tiles):
+        p = plan(*b.metadata, **b.heads, q_dtype=b.q.dtype, logits_soft_cap=20.0, nan_guard=True)
+    lane_by_lane = p.tiles.chunk.block_m * p.tiles.block_d >= NAN_REDO_BY_LANE_TILE.value
+    assert lane_by_lane == (tiles is not None), "the redo this case is for"
+    got = attention(b.q, b.k_cache, b.v_cache, p, return_lse=True)
+    want = reference_attention(b.q, b.k_cache, b.v_cache, *b.metadata, return_lse=True, logits_soft_cap=20.0)
+    assert torch.isnan(want[0][4, 4:, 11]).all() and torch.isfinite(want[0][:4]).all()
+    assert torch.isfinite(want[0][4, :4]).all() and torch.isfinite(want[1]).all()
+    _same_nan_pattern_and_values(got, want)
+    # Without the guard the value leaks into the rows that do not see it: the redo is what kept them finite.
+    with contextlib.nullcontext() if tiles is None else fixed_config(tiles):
+        unguarded = plan(*b.metadata, **b.heads, q_dtype=b.q.dtype, logits_soft_cap=20.0)
+    leaky = attention(b.q, b.k_cache, b.v_cache, unguarded)
+    assert not torch.isfinite(leaky[:4, 4:, 11]).all()

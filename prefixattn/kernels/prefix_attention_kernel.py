@@ -54,6 +54,14 @@ from prefixattn.kernels.merge_states import _weight
 
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+#: Suffix tiles of at least this many (lane x padded head dim) elements redo the NaN guard's bad lanes one at a time
+#: (:func:`_redo_lane_by_lane`), smaller tiles all at once (:func:`_redo_bad_rows`). All at once keeps a query and
+#: a product tile beside the accumulator: Triton 3.6's ptxas spilled sm_80's chunk class at head_dim 256 (64 x 16
+#: tiles, 8 warps, every model switch, e5m2 cache: 255 registers, 108 bytes bf16 / 140 fp16; none with the redo
+#: removed); lane by lane, none (Triton 3.6 and 3.9). Smaller tiles keep the all-at-once redo: lane by lane, ptxas
+#: held decode binaries at 64-80 registers and spilled 12-56 bytes (sm_80 16 x 32 and 16 x 16 at head_dim 64,
+#: sm_90 fp32 16 x 32 at head_dim 80-128 and an e5m2 16 x 64 at head_dim 64; compile-check, Triton 3.6 / 3.9).
+NAN_REDO_BY_LANE_TILE: tl.constexpr = tl.constexpr(64 * 256)
 
 
 class RowsHeadsDim(NamedTuple):
@@ -193,6 +201,72 @@ def _redo_bad_rows(
         p = tl.where(visible, tl.math.exp2(s - m_shift), 0.0)
         # p != 0 is true for NaN: a NaN weight still reaches its row; a zero weight never multiplies V.
         acc += tl.where((p != 0.0)[:, None], p[:, None] * v.to(tl.float32)[None, :], 0.0)
+    return acc
+
+
+@triton.jit
+def _redo_lane_by_lane(
+    acc,  # [BLOCK_M, BLOCK_D] fp32 tiled result (un-normalized)
+    bad,  # [BLOCK_M] rows whose tiled result came out non-finite
+    m_i,  # [BLOCK_M] final running maximum (log2 units): V never changes it
+    queries,  # RowsHeadsDim of q
+    kv,  # PagedKV
+    it,  # [ITEM_FIELDS] the work item
+    kv_head, group,
+    score,  # ScoreRule
+    HAS_SOFT_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """:func:`_redo_bad_rows` for tiles of :data:`NAN_REDO_BY_LANE_TILE` elements or more: one bad lane at a time, key
+    by key, so that beside ``acc`` only ``BLOCK_D`` vectors are live (the lane's query, one K and V row, its sum),
+    never a ``BLOCK_M x BLOCK_D`` query or product tile; the item's fields are read again here, so nothing the redo
+    needs is held across the KV loops. Its cost: a pass over the item's keys per bad lane."""
+    # The item read again, volatile (a plain load merges with the one before the KV loops): nothing the redo needs
+    # is held across them.
+    row_start = tl.load(it + L.ITEM_ROW_START, volatile=True)
+    q_pos0 = tl.load(it + L.ITEM_Q_POS, volatile=True)
+    kv_lo = tl.load(it + L.ITEM_KV_START, volatile=True)
+    kv_hi = tl.load(it + L.ITEM_KV_END, volatile=True)
+    block_row_ptr = kv.block_table_ptr + tl.load(it + L.ITEM_REQ, volatile=True).to(tl.int64) * kv.stride_bt_r
+    if HAS_WINDOW:
+        kv_lo = tl.minimum(tl.maximum(kv_lo, q_pos0 - score.window_left), kv_hi)  # as in _attend_item
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < kv.head_dim
+    m_shift = tl.where(m_i == float("-inf"), 0.0, m_i)
+    for lane in range(0, BLOCK_M):
+        this = offs_m == lane
+        if tl.sum((this & bad).to(tl.int32), 0) > 0:
+            # The lane's row, head and maximum (the last picked out of the tile's vector: a sum over one lane).
+            lane_tok = (row_start + lane // group).to(tl.int64)
+            lane_head = (kv_head * group + lane % group).to(tl.int64)
+            lane_pos = q_pos0 + lane // group
+            lane_m = tl.sum(tl.where(this, m_shift, 0.0), 0)
+            q = tl.load(queries.ptr + lane_tok * queries.stride_t + lane_head * queries.stride_h
+                        + offs_d * queries.stride_d, mask=mask_d, other=0.0).to(tl.float32)
+            k_head = kv_head.to(tl.int64) * kv.stride_k_head
+            v_head = kv_head.to(tl.int64) * kv.stride_v_head
+            row = tl.zeros([BLOCK_D], tl.float32)
+            for key in range(kv_lo, kv_hi):
+                page, slot = _page_and_slot(pos=key, block_size=kv.block_size, PAGE_SIZE=PAGE_SIZE)
+                blk = tl.load(block_row_ptr + page).to(tl.int64)
+                slot = slot.to(tl.int64)
+                k = tl.load(kv.k_ptr + blk * kv.stride_k_blk + slot * kv.stride_k_tok + k_head
+                            + offs_d * kv.stride_k_d, mask=mask_d, other=0.0)
+                v = tl.load(kv.v_ptr + blk * kv.stride_v_blk + slot * kv.stride_v_tok + v_head
+                            + offs_d * kv.stride_v_d, mask=mask_d, other=0.0)
+                # fp32 products: exact for 16-bit and fp8 inputs.
+                s = tl.sum(k.to(tl.float32) * q, 0) * score.qk_scale
+                if HAS_SOFT_CAP:
+                    s = _tanh(x=s) * score.soft_cap_log2
+                visible = key <= lane_pos
+                if HAS_WINDOW:
+                    visible = visible & (key >= lane_pos - score.window_left)
+                p = tl.where(visible, tl.math.exp2(s - lane_m), 0.0)
+                # p != 0 is true for NaN: a NaN weight still reaches the row; a zero weight never multiplies V.
+                if p != 0.0:
+                    row += p * v.to(tl.float32)
+            acc = tl.where(this[:, None], row[None, :], acc)
     return acc
 
 
@@ -507,7 +581,15 @@ def _run_item(
         # Shared items mask nothing. A switch because even this check costs registers: sm_90, bf16, d128, decode
         # 16 x 64 tiles at 8 warps: 80 -> 142 registers (compile-check, Triton 3.9).
         bad = mask_m & (tl.sum((~(tl.abs(acc) < float("inf"))).to(tl.int32), 1) > 0)
-        if tl.sum(bad.to(tl.int32), 0) > 0:
+        if BLOCK_M * BLOCK_D >= NAN_REDO_BY_LANE_TILE:
+            # Each lane's token again (volatile, or the load merges with the one before the loops): the 64-bit
+            # tokens held across the KV loops spilled (the binary of NAN_REDO_BY_LANE_TILE's note: 100 bytes).
+            tok = (tl.load(it + L.ITEM_ROW_START, volatile=True) + row).to(tl.int64)
+            if tl.sum(bad.to(tl.int32), 0) > 0:
+                acc = _redo_lane_by_lane(acc=acc, bad=bad, m_i=m_i, queries=queries, kv=kv, it=it, kv_head=kv_head,
+                                         group=group, score=score, HAS_SOFT_CAP=HAS_SOFT_CAP, HAS_WINDOW=HAS_WINDOW,
+                                         PAGE_SIZE=PAGE_SIZE, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D)
+        elif tl.sum(bad.to(tl.int32), 0) > 0:
             acc = _redo_bad_rows(acc=acc, bad=bad, queries=queries, tok=tok, head=head, q_pos=q_pos, m_i=m_i,
                                  kv=kv, block_row_ptr=block_row_ptr, kv_head=kv_head, kv_lo=kv_first, kv_hi=kv_end,
                                  score=score, HAS_SOFT_CAP=HAS_SOFT_CAP, HAS_WINDOW=HAS_WINDOW, PAGE_SIZE=PAGE_SIZE,
