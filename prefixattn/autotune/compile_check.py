@@ -313,9 +313,9 @@ def worst_case_jobs(targets) -> list:
     (each head size, each work class, LSE on: a spill anywhere in those tables fails it); at the smallest and
     largest head size each of those binaries with every model switch over a 16-bit cache, and with each fp8 type the
     target compiles, alone and under every model switch (:func:`prefixattn.autotune.compile_specs.feature_specs`),
-    and the fp32 binaries with LSE;
-    the merge kernels at the largest head size. Only the full default run covers fp16, LSE off, each feature switch
-    on its own, the NaN guard, fp32 at the other head sizes and fp32 with features."""
+    the suffix-only ones also under every switch and the NaN guard over each fp8 type, and the fp32 binaries with
+    LSE; the merge kernels at the largest head size. Only the full default run covers fp16, LSE off, each feature
+    switch on its own, the NaN guard over a 16-bit cache, fp32 at the other head sizes and fp32 with features."""
     from prefixattn.autotune import compile_specs as cs
 
     names = _kernel_param_names()
@@ -329,9 +329,10 @@ def worst_case_jobs(targets) -> list:
             for mode, cfg, has_shared in class_binaries(shipped):
                 jobs.append(cs.fused_job(config=cfg, variant=mode, has_lse=True, has_shared=has_shared, **common))
                 if head_dim in extremes:
-                    jobs += cs.feature_jobs(config=cfg, variant=mode, has_shared=has_shared,
-                                            specs=cs.feature_specs(target, WORST_CASE_DTYPE, worst_case_only=True),
-                                            **common)
+                    specs = cs.feature_specs(target, WORST_CASE_DTYPE, worst_case_only=True)
+                    if not has_shared:
+                        specs += cs.guarded_fp8_specs(target)
+                    jobs += cs.feature_jobs(config=cfg, variant=mode, has_shared=has_shared, specs=specs, **common)
         for head_dim in extremes:
             for mode, cfg, has_shared in class_binaries(default_attention_configs(target, head_dim, "fp32")):
                 jobs.append(cs.fused_job(target=target, dtype="fp32", head_dim=head_dim, config=cfg, variant=mode,

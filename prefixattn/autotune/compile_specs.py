@@ -248,16 +248,22 @@ def feature_specs(target: Target, dtype: str, *, worst_case_only: bool = False) 
     (``plan(nan_guard=True)``, a debugging mode, on an fp8 cache). ``worst_case_only`` (CI's selection): every
     model switch over a 16-bit cache, and each fp8 type alone and under every model switch (more switches do not
     always mean more registers: sm_90, head_dim 256, 32 x 32 decode tiles at 8 warps spilled over a plain fp8 cache
-    and not under the model switches, Triton 3.9); the NaN guard is in the full run only. fp32 inputs get only the
-    non-fp8 switches (no engine pairs an fp32 model with an fp8 cache)."""
+    and not under the model switches, Triton 3.9); CI adds :func:`guarded_fp8_specs` for suffix-only binaries. fp32
+    inputs get only the non-fp8 switches (no engine pairs an fp32 model with an fp8 cache)."""
     if dtype == "fp32":
         return [(NON_FP8_FEATURES, None)]
     kinds = fp8_kv_types(target)
     with_model = [(MODEL_FEATURES + ("HAS_KV_SCALE",), kind) for kind in kinds]
     if worst_case_only:
         return [(MODEL_FEATURES, None)] + [(("HAS_KV_SCALE",), kind) for kind in kinds] + with_model
-    with_all = [(NON_FP8_FEATURES + ("HAS_KV_SCALE",), kind) for kind in kinds]
-    return [(NON_FP8_FEATURES, None)] + [(("HAS_KV_SCALE",), kind) for kind in kinds] + with_model[:1] + with_all
+    return ([(NON_FP8_FEATURES, None)] + [(("HAS_KV_SCALE",), kind) for kind in kinds] + with_model[:1]
+            + guarded_fp8_specs(target))
+
+
+def guarded_fp8_specs(target: Target) -> list[tuple]:
+    """``(features, kv_dtype)``: every switch, the NaN guard's too, over each fp8 type the target compiles: the most
+    a suffix-only binary holds (the guard compiles to nothing in a launch with shared items)."""
+    return [(NON_FP8_FEATURES + ("HAS_KV_SCALE",), kind) for kind in fp8_kv_types(target)]
 
 
 def feature_jobs(*, target: Target, dtype: str, head_dim: int, config: AttentionConfig, variant: str,

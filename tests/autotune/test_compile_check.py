@@ -239,18 +239,24 @@ def test_worst_case_selection_covers_every_shipped_binary_and_feature_axis(tmp_p
                if r["target"] == name and r["dtype"] == "bf16"}
         assert got == _shipped_binaries(name)
         # At the smallest and largest head size each of them with every model switch over a 16-bit cache, and each
-        # fp8 type alone and under every model switch (bf16); the fp32 binaries there with LSE.
+        # fp8 type alone and under every model switch, the suffix-only ones also under every switch and the NaN
+        # guard over each fp8 type (bf16); the fp32 binaries there with LSE.
         extremes = (min(HEAD_DIMS), max(HEAD_DIMS))
         mine = [r for r in features if r["target"] == name]
         assert all(r["dtype"] == "bf16" and r["head_dim"] in extremes for r in mine)
         kinds = {(r["head_dim"], r["variant"].split("+")[-1].split("@")[0]) for r in mine}
         assert kinds == {(hd, kv) for hd in extremes for kv in ("sinks", *fp8_kv_types(target))}
-        with_model = [r for r in mine if "+soft_cap+window+sinks" in r["variant"]]
-        alone = [r for r in mine if r not in with_model]
+        guarded = [r for r in mine if "+soft_cap+window+sinks+kv_scale+nan_guard+fp8" in r["variant"]]
+        with_model = [r for r in mine if "+soft_cap+window+sinks" in r["variant"] and r not in guarded]
+        alone = [r for r in mine if r not in with_model and r not in guarded]
         assert all("+lse+kv_scale+fp8" in r["variant"] for r in alone)
-        per_binary = len([b for b in _shipped_binaries(name) if b[0] in extremes])
+        at_extremes = [b for b in _shipped_binaries(name) if b[0] in extremes]
+        per_binary = len(at_extremes)
         assert len(with_model) == per_binary * (1 + len(fp8_kv_types(target)))
         assert len(alone) == per_binary * len(fp8_kv_types(target))
+        assert all("/suffix-only" in r["variant"] for r in guarded)
+        suffix_only = len([b for b in at_extremes if b[1].endswith("/suffix-only")])
+        assert len(guarded) == suffix_only * len(fp8_kv_types(target))
         fp32 = {r["head_dim"] for r in plain if r["target"] == name and r["dtype"] == "fp32"}
         assert fp32 == set(extremes)
     for r in features:
