@@ -214,7 +214,7 @@ def _shipped_binaries(target_name):
 
 @pytest.mark.compile
 def test_worst_case_selection_covers_every_shipped_binary_and_feature_axis(tmp_path):
-    """CI's compile-check (``--worst-case``, ~7 minutes on 2 cores): every shipped bf16 binary, and at the extreme
+    """CI's compile-check (``--worst-case``, ~8 minutes on 2 cores): every shipped bf16 binary, and at the extreme
     head sizes the feature switches over each fp8 type, compile without spills at the promised pipeline depth."""
     from prefixattn.autotune.compile_specs import fp8_kv_types
     from prefixattn.autotune.config_space import FP8_SUFFIX_MAX_STAGES, HEAD_DIMS
