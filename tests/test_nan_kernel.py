@@ -17,7 +17,7 @@ import torch
 from prefixattn import (PrefixSharedAttention, attention, merge_states, merge_states_n, plan, prefix_attention,
                         reference_attention)
 from prefixattn.autotune.lookup import fixed_config
-from prefixattn.kernels.prefix_attention_kernel import NAN_REDO_BY_LANE_TILE
+from prefixattn.kernels.nan_redo import NAN_REDO_BY_LANE_TILE
 from tests.prefix_batches import make_batch
 
 

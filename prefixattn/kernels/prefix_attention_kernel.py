@@ -21,7 +21,8 @@ dtype on GPUs (tensor cores) unless ``USE_FP32_DOT``. Softmax runs in base 2 (``
 ``sm_scale * log2(e)``); LSEs are stored in natural log. NaN in q or in a visible K/V row gives NaN out: a row is
 empty (output 0, LSE -inf) only when its softmax denominator is exactly 0, never when it is NaN. A non-finite V
 value at a key a row does not see but that a masked tile loads (causal diagonal, window edge) reaches the row
-through ``0 * NaN`` in the P @ V dot unless ``USE_NAN_GUARD`` (:func:`_redo_bad_rows`; ``plan(nan_guard=True)``).
+through ``0 * NaN`` in the P @ V dot unless ``USE_NAN_GUARD`` (:mod:`prefixattn.kernels.nan_redo`;
+``plan(nan_guard=True)``).
 
 Features, each a constexpr switch that compiles to nothing when off (issue 19):
 * ``HAS_SOFT_CAP``: each scaled logit ``s`` becomes ``c * tanh(s / c)``; the cap acts on the natural-log logit, so
@@ -36,238 +37,20 @@ Features, each a constexpr switch that compiles to nothing when off (issue 19):
 * ``HAS_KV_SCALE``: per-tensor K/V scales read by pointer (fp8 caches): ``k_scale`` joins ``qk_scale``, ``v_scale``
   multiplies each item's output state (both linear, so no per-tile cost). fp8 K/V are upcast right after the load.
 
-The kernel packs its pointers and strides into named tuples once (:class:`RowsHeadsDim`, :class:`RowsHeads`,
-:class:`PagedKV`, :class:`ScoreRule`, :class:`WorkTables`), and its helpers take one group where they took a dozen
-arguments. A tuple exists only in the frontend (it is its elements): the TTGIR holds the same ops as with the
-elements passed one by one, and the PTX / AMDGCN the same instructions once debug info is set aside (sm90 and
-gfx942, fp16 and fp32, every compile-check variant, Triton 3.6 and 3.9). Named tuples as jit-function arguments
-compile and interpret alike on Triton 3.6-3.9.
+The kernel packs its pointers and strides into named tuples once (:mod:`prefixattn.kernels.operands`: the tuples
+and the address and score arithmetic every part shares).
 """
-
-from typing import NamedTuple
 
 import triton
 import triton.language as tl
 
 from prefixattn.kernels import layout as L
 from prefixattn.kernels.merge_states import _weight
+from prefixattn.kernels.nan_redo import NAN_REDO_BY_LANE_TILE, _redo_bad_rows, _redo_lane_by_lane
+from prefixattn.kernels.operands import (PagedKV, RowsHeads, RowsHeadsDim, ScoreRule, WorkTables, _first_key_in_window,
+                                         _load_block_ids, _lse_ptrs, _page_and_slot, _tanh, _vec_ptrs)
 
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
-LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
-#: Suffix tiles of at least this many (lane x padded head dim) elements redo the NaN guard's bad lanes one at a time
-#: (:func:`_redo_lane_by_lane`), smaller tiles all at once (:func:`_redo_bad_rows`). All at once keeps a query and
-#: a product tile beside the accumulator: Triton 3.6's ptxas spilled sm_80's chunk class at head_dim 256 (64 x 16
-#: tiles, 8 warps, every model switch, e5m2 cache: 255 registers, 108 bytes bf16 / 140 fp16; none with the redo
-#: removed); lane by lane, none (Triton 3.6 and 3.9). Smaller tiles keep the all-at-once redo: lane by lane, ptxas
-#: held decode binaries at 64-80 registers and spilled 12-56 bytes (sm_80 16 x 32 and 16 x 16 at head_dim 64,
-#: sm_90 fp32 16 x 32 at head_dim 80-128 and an e5m2 16 x 64 at head_dim 64; compile-check, Triton 3.6 / 3.9).
-NAN_REDO_BY_LANE_TILE: tl.constexpr = tl.constexpr(64 * 256)
-
-
-class RowsHeadsDim(NamedTuple):
-    """A ``[rows, heads, head_dim]`` tensor (q, out, the workspace's partial outputs)."""
-
-    ptr: tl.tensor
-    stride_t: tl.tensor
-    stride_h: tl.tensor
-    stride_d: tl.tensor
-
-
-class RowsHeads(NamedTuple):
-    """A ``[rows, heads]`` fp32 tensor (the LSEs, the workspace's partial LSEs)."""
-
-    ptr: tl.tensor
-    stride_t: tl.tensor
-    stride_h: tl.tensor
-
-
-class PagedKV(NamedTuple):
-    """The paged K/V cache: K and V ``[num_blocks, block_size, num_kv_heads, head_dim]`` (dtype of q or fp8) and the
-    block table ``[num_requests, max_blocks]`` that maps a request's KV positions to blocks."""
-
-    k_ptr: tl.tensor
-    v_ptr: tl.tensor
-    block_table_ptr: tl.tensor
-    stride_bt_r: tl.tensor
-    block_size: tl.tensor
-    head_dim: tl.tensor
-    stride_k_blk: tl.tensor
-    stride_k_tok: tl.tensor
-    stride_k_head: tl.tensor
-    stride_k_d: tl.tensor
-    stride_v_blk: tl.tensor
-    stride_v_tok: tl.tensor
-    stride_v_head: tl.tensor
-    stride_v_d: tl.tensor
-
-
-class ScoreRule(NamedTuple):
-    """How a q.k dot becomes a base-2 logit, and which keys a query sees."""
-
-    qk_scale: tl.tensor  # sm_scale * log2(e); with a soft cap sm_scale / c (x the K scale)
-    soft_cap_log2: tl.tensor  # c * log2(e) (used only when HAS_SOFT_CAP)
-    window_left: tl.tensor  # W: the query at position p sees keys p - W .. p (used only when HAS_WINDOW)
-
-
-class WorkTables(NamedTuple):
-    """The plan's int32 tables (layout: :mod:`prefixattn.kernels.layout`) and its merge counters."""
-
-    items_ptr: tl.tensor  # [num_items, ITEM_FIELDS] work items, class by class
-    gather_ptr: tl.tensor  # [num_gather, GATHER_FIELDS] packed rows of SHARED items
-    mrows_ptr: tl.tensor  # [num_mrows, MROW_FIELDS] merge rows
-    counters_ptr: tl.tensor  # [num_mrows, num_qo_heads] arrivals; 0 before and after every layer
-
-
-@triton.jit
-def _vec_ptrs(t, rows, heads, offs_d):
-    """``[len(rows), BLOCK_D]`` pointers to the head vectors ``t[rows[i], heads[i], :]`` of a RowsHeadsDim."""
-    return t.ptr + rows[:, None] * t.stride_t + heads[:, None] * t.stride_h + offs_d[None, :] * t.stride_d
-
-
-@triton.jit
-def _lse_ptrs(t, rows, heads):
-    """Pointers to ``t[rows[i], heads[i]]`` of a RowsHeads."""
-    return t.ptr + rows * t.stride_t + heads * t.stride_h
-
-
-@triton.jit
-def _page_and_slot(pos, block_size, PAGE_SIZE: tl.constexpr):
-    """Block-table column and slot of KV positions ``pos``. ``PAGE_SIZE`` > 0 is the block size as a compile-time
-    constant (a shift and a mask for the sizes engines use); 0 reads the run-time ``block_size``."""
-    if PAGE_SIZE > 0:
-        return pos // PAGE_SIZE, pos % PAGE_SIZE
-    else:
-        return pos // block_size, pos % block_size
-
-
-@triton.jit
-def _load_block_ids(block_row_ptr, pos, kv_hi, block_size, PAGE_SIZE: tl.constexpr):
-    """Physical block ids of KV positions ``pos`` (0 past ``kv_hi``: never dereferenced unmasked)."""
-    page, _ = _page_and_slot(pos=pos, block_size=block_size, PAGE_SIZE=PAGE_SIZE)
-    return tl.load(block_row_ptr + page, mask=pos < kv_hi, other=0)
-
-
-@triton.jit
-def _tanh(x):
-    """tanh from exp2 (portable across Triton versions and backends): +-1 at the extremes, NaN stays NaN."""
-    return 1.0 - 2.0 / (tl.math.exp2(x * (2.0 * LOG2E)) + 1.0)
-
-
-@triton.jit
-def _redo_bad_rows(
-    acc,  # [BLOCK_M, BLOCK_D] fp32 tiled result (un-normalized)
-    bad,  # [BLOCK_M] rows whose tiled result came out non-finite
-    queries, tok, head,  # RowsHeadsDim of q; each lane's row and head
-    q_pos,  # [BLOCK_M] KV position of each lane's query
-    m_i,  # [BLOCK_M] final running maximum (log2 units): V never changes it
-    kv,  # PagedKV
-    block_row_ptr,  # [max_blocks]
-    kv_head, kv_lo, kv_hi,
-    score,  # ScoreRule
-    HAS_SOFT_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    """``acc`` with the ``bad`` lanes (query row x head) redone over [kv_lo, kv_hi) one key at a time, each key's
-    value added only to the lanes that weigh it: the reference's per-key sum. A non-finite V at a key hidden from a
-    row (causal diagonal or window edge of a tile, where the dot gives 0 * NaN = NaN) so cannot reach that row; rows
-    that see it, and NaN in q or K, stay NaN. The other lanes keep their tiled result. Slow (no dot), and only for
-    items whose result is non-finite anyway.
-
-    The redo adds into ``acc`` itself and reads each bad lane's query again per key (fp32 products, exact for
-    16-bit inputs), so no second accumulator, query tile or fp32 copy of it is live across the tiled loops: with
-    those, sm_90 at head_dim 256 (bf16, LSE, every model switch) spilled 388 bytes in the decode class (32 x 32 tiles,
-    4 warps) and 216 in the chunk class (64 x 32, 8 warps); now none (Triton 3.9)."""
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < kv.head_dim
-    m_shift = tl.where(m_i == float("-inf"), 0.0, m_i)
-    acc = tl.where(bad[:, None], 0.0, acc)
-    for key in range(kv_lo, kv_hi):
-        page, slot = _page_and_slot(pos=key, block_size=kv.block_size, PAGE_SIZE=PAGE_SIZE)
-        blk = tl.load(block_row_ptr + page).to(tl.int64)
-        k = tl.load(kv.k_ptr + blk * kv.stride_k_blk + slot.to(tl.int64) * kv.stride_k_tok
-                    + kv_head.to(tl.int64) * kv.stride_k_head + offs_d * kv.stride_k_d, mask=mask_d, other=0.0)
-        v = tl.load(kv.v_ptr + blk * kv.stride_v_blk + slot.to(tl.int64) * kv.stride_v_tok
-                    + kv_head.to(tl.int64) * kv.stride_v_head + offs_d * kv.stride_v_d, mask=mask_d, other=0.0)
-        # The bad rows' queries, read again for each key from addresses that name the key (always true here), so
-        # neither the load nor its addresses are hoisted: no query tile or pointer tile is live across the loops.
-        live = tl.where(key < kv_hi, bad, False)  # (bad & scalar: a mask the interpreter cannot read)
-        q = tl.load(_vec_ptrs(t=queries, rows=tl.where(live, tok, 0), heads=head, offs_d=offs_d),
-                    mask=live[:, None] & mask_d[None, :], other=0.0)
-        s = tl.sum(q.to(tl.float32) * k.to(tl.float32)[None, :], 1) * score.qk_scale
-        if HAS_SOFT_CAP:
-            s = _tanh(x=s) * score.soft_cap_log2
-        visible = bad & (key <= q_pos)
-        if HAS_WINDOW:
-            visible = visible & (key >= q_pos - score.window_left)
-        p = tl.where(visible, tl.math.exp2(s - m_shift), 0.0)
-        # p != 0 is true for NaN: a NaN weight still reaches its row; a zero weight never multiplies V.
-        acc += tl.where((p != 0.0)[:, None], p[:, None] * v.to(tl.float32)[None, :], 0.0)
-    return acc
-
-
-@triton.jit
-def _redo_lane_by_lane(
-    acc,  # [BLOCK_M, BLOCK_D] fp32 tiled result (un-normalized)
-    bad,  # [BLOCK_M] rows whose tiled result came out non-finite
-    m_i,  # [BLOCK_M] final running maximum (log2 units): V never changes it
-    queries,  # RowsHeadsDim of q
-    kv,  # PagedKV
-    it,  # [ITEM_FIELDS] the work item
-    kv_head, group,
-    score,  # ScoreRule
-    HAS_SOFT_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """:func:`_redo_bad_rows` for tiles of :data:`NAN_REDO_BY_LANE_TILE` elements or more: one bad lane at a time, key
-    by key, so that beside ``acc`` only ``BLOCK_D`` vectors are live (the lane's query, one K and V row, its sum),
-    never a ``BLOCK_M x BLOCK_D`` query or product tile; the item's fields are read again here, so nothing the redo
-    needs is held across the KV loops. Its cost: a pass over the item's keys per bad lane."""
-    # The item read again, volatile (a plain load merges with the one before the KV loops): nothing the redo needs
-    # is held across them.
-    row_start = tl.load(it + L.ITEM_ROW_START, volatile=True)
-    q_pos0 = tl.load(it + L.ITEM_Q_POS, volatile=True)
-    kv_lo = tl.load(it + L.ITEM_KV_START, volatile=True)
-    kv_hi = tl.load(it + L.ITEM_KV_END, volatile=True)
-    block_row_ptr = kv.block_table_ptr + tl.load(it + L.ITEM_REQ, volatile=True).to(tl.int64) * kv.stride_bt_r
-    if HAS_WINDOW:
-        kv_lo = tl.minimum(tl.maximum(kv_lo, q_pos0 - score.window_left), kv_hi)  # as in _attend_item
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < kv.head_dim
-    m_shift = tl.where(m_i == float("-inf"), 0.0, m_i)
-    for lane in range(0, BLOCK_M):
-        this = offs_m == lane
-        if tl.sum((this & bad).to(tl.int32), 0) > 0:
-            # The lane's row, head and maximum (the last picked out of the tile's vector: a sum over one lane).
-            lane_tok = (row_start + lane // group).to(tl.int64)
-            lane_head = (kv_head * group + lane % group).to(tl.int64)
-            lane_pos = q_pos0 + lane // group
-            lane_m = tl.sum(tl.where(this, m_shift, 0.0), 0)
-            q = tl.load(queries.ptr + lane_tok * queries.stride_t + lane_head * queries.stride_h
-                        + offs_d * queries.stride_d, mask=mask_d, other=0.0).to(tl.float32)
-            k_head = kv_head.to(tl.int64) * kv.stride_k_head
-            v_head = kv_head.to(tl.int64) * kv.stride_v_head
-            row = tl.zeros([BLOCK_D], tl.float32)
-            for key in range(kv_lo, kv_hi):
-                page, slot = _page_and_slot(pos=key, block_size=kv.block_size, PAGE_SIZE=PAGE_SIZE)
-                blk = tl.load(block_row_ptr + page).to(tl.int64)
-                slot = slot.to(tl.int64)
-                k = tl.load(kv.k_ptr + blk * kv.stride_k_blk + slot * kv.stride_k_tok + k_head
-                            + offs_d * kv.stride_k_d, mask=mask_d, other=0.0)
-                v = tl.load(kv.v_ptr + blk * kv.stride_v_blk + slot * kv.stride_v_tok + v_head
-                            + offs_d * kv.stride_v_d, mask=mask_d, other=0.0)
-                # fp32 products: exact for 16-bit and fp8 inputs.
-                s = tl.sum(k.to(tl.float32) * q, 0) * score.qk_scale
-                if HAS_SOFT_CAP:
-                    s = _tanh(x=s) * score.soft_cap_log2
-                visible = key <= lane_pos
-                if HAS_WINDOW:
-                    visible = visible & (key >= lane_pos - score.window_left)
-                p = tl.where(visible, tl.math.exp2(s - lane_m), 0.0)
-                # p != 0 is true for NaN: a NaN weight still reaches the row; a zero weight never multiplies V.
-                if p != 0.0:
-                    row += p * v.to(tl.float32)
-            acc = tl.where(this[:, None], row[None, :], acc)
-    return acc
 
 
 @triton.jit
@@ -375,7 +158,7 @@ def _attend_item(
     kv_lo = kv_start
     if HAS_WINDOW and not IS_SHARED:
         # KV left of the first row's window is seen by no row of the item: skip those tiles.
-        kv_lo = tl.minimum(tl.maximum(kv_start, q_pos0 - score.window_left), kv_end)
+        kv_lo = _first_key_in_window(kv_start=kv_start, kv_end=kv_end, q_pos0=q_pos0, window_left=score.window_left)
     kv_first = kv_lo
     if IS_SHARED:
         # A shared node ends at or before its requests' first query position: no row is masked.
