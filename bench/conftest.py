@@ -78,3 +78,12 @@ def results(request):
     out = Path(os.environ.get("PREFIXATTN_BENCH_RESULTS") or RESULTS_DIR / "latest.csv")
     collected.write(out)
     print(f"\nprefixattn bench: wrote {len(collected.rows)} rows to {out}")
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_memcheck():
+    """Interpreted launches are bounds-checked as in the tests (tests/memcheck.py)."""
+    from tests.memcheck import checked
+
+    with checked():
+        yield

@@ -89,7 +89,6 @@ def main(argv) -> int:
     # Before anything imports triton: the interpreter is chosen when a kernel module is imported.
     os.environ["TRITON_INTERPRET"] = "1" if args.dry_run else "0"
     sys.path[1:1] = [str(ROOT)]  # prefixattn and tests.* from this checkout (bench/ is sys.path[0])
-    import gpu_check_steps as steps
     import gpu_jit
     import gpu_sanitize
 
@@ -97,6 +96,16 @@ def main(argv) -> int:
         return 0 if gpu_sanitize.run_all("cuda", True) else 1
     if args.flashinfer_warmup:
         return gpu_jit.warmup()
+    from tests.memcheck import checked
+
+    with checked():  # interpreted (dry-run) launches are bounds-checked as in the tests
+        return _check(args)
+
+
+def _check(args) -> int:
+    import gpu_check_steps as steps
+    import gpu_jit
+    import gpu_sanitize
     import torch
 
     from gpu_eager_small import step_eager_small

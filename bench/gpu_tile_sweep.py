@@ -297,9 +297,16 @@ def main(argv) -> int:
     sys.path[1:1] = [str(ROOT)]
     ONLY.update(configs=args.only_configs and args.only_configs.split(","),
                 shapes=args.only_shapes and args.only_shapes.split(","))
-    if args.compile_worker is not None:
-        pairs = [tuple(int(x) for x in p.split(":")) for p in args.compile_worker.split(",") if p]
-        return compile_worker(args.suite, pairs, args.device)
+    from tests.memcheck import checked
+
+    with checked():  # interpreted (dry-run) launches are bounds-checked as in the tests
+        if args.compile_worker is not None:
+            pairs = [tuple(int(x) for x in p.split(":")) for p in args.compile_worker.split(",") if p]
+            return compile_worker(args.suite, pairs, args.device)
+        return _sweep_main(args)
+
+
+def _sweep_main(args) -> int:
     start = time.monotonic()
     import torch
 

@@ -34,3 +34,13 @@ def node_rule_only(monkeypatch):
     from prefixattn.planner import plans
 
     monkeypatch.setattr(plans, "shared_launch_may_lose", lambda *args, **kwargs: False)
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_memcheck():
+    """Every interpreted launch of every test is bounds-checked (tests/memcheck.py): a stray access fails the test
+    that made it instead of corrupting the process's heap."""
+    from tests.memcheck import checked
+
+    with checked():
+        yield

@@ -86,9 +86,12 @@ sys.stdout.write(ck.asm["amdgcn"])
 
 #: What each CDNA target emits for an agent-scope release before an atomic and for an acquire after one (the
 #: AMDGPU memory model): gfx942's L2 is per XCD, so release writes it back and acquire invalidates it; gfx90a's L2 is
-#: device-coherent, so only the per-CU L1 is invalidated on acquire.
-_AMD_ORDERING = {"gfx942": {"release": "buffer_wbl2", "acquire": "buffer_inv sc1", "returns": " sc0"},
-                 "gfx90a": {"release": None, "acquire": "buffer_wbinvl1_vol", "returns": " glc"}}
+#: device-coherent, so only the per-CU L1 is invalidated on acquire. ``reset``: the counter's reset, an AND with 0
+#: (LLVM makes it a swap of 0 on gfx90a).
+_AMD_ORDERING = {"gfx942": {"release": "buffer_wbl2", "acquire": "buffer_inv sc1", "returns": " sc0",
+                            "reset": "buffer_atomic_and"},
+                 "gfx90a": {"release": None, "acquire": "buffer_wbinvl1_vol", "returns": " glc",
+                            "reset": "global_atomic_swap"}}
 
 
 @pytest.mark.compile
@@ -96,7 +99,7 @@ _AMD_ORDERING = {"gfx942": {"release": "buffer_wbl2", "acquire": "buffer_inv sc1
 def test_merge_reports_are_ordered_on_amd(arch):
     """The in-launch merge on CDNA: every wave waits for its own workspace stores before the CTA barrier (a barrier
     orders LDS only; ``s_waitcnt vmcnt(0)`` counts stores on CDNA), the report is a release atomic, and only the
-    merging path pays an acquire (its compare-and-swap that resets the counter, then a cache invalidate) - none after
+    merging path pays an acquire (its AND with 0 that resets the counter, then a cache invalidate) - none after
     the reports themselves."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
     root = Path(__file__).resolve().parents[1]
@@ -106,8 +109,9 @@ def test_merge_reports_are_ordered_on_amd(arch):
     lines = [ln.strip() for ln in run.stdout.splitlines() if ln.strip() and not ln.strip().startswith((";", "."))]
     rule = _AMD_ORDERING[arch]
     reports = [i for i, ln in enumerate(lines) if "atomic_add" in ln and rule["returns"] in ln]
-    # The merging lane's acquire is the compare-and-swap that resets its counter to zero (no memset per layer).
-    acquires = [i for i, ln in enumerate(lines) if "atomic_cmpswap" in ln]
+    # The merging lane's acquire is the atomic that resets its counter to zero (no memset per layer).
+    acquires = [i for i, ln in enumerate(lines) if rule["reset"] in ln]
+    assert not [ln for ln in lines if "atomic" in ln and "atomic_add" not in ln and rule["reset"] not in ln]
     assert not [ln for ln in lines if "atomic_add" in ln and rule["returns"] not in ln], "every add is a report"
     # The inline-asm waits keep their ;;#ASMSTART markers in the raw text: count them there.
     # One report site: a work class's binary runs one kind of item (the shared class here).

@@ -223,8 +223,8 @@ def _report_and_merge(
     wave first waits for its own workspace stores (``IS_HIP``: ``s_waitcnt vmcnt(0)``, which on CDNA counts stores
     too); the releasing wave's L2 write-back then publishes all of them, and the acquire's L2 invalidate makes the
     merging program read them.
-    The counters leave themselves at zero: the merging lane's acquire is a compare-and-swap from ``num_states`` to 0
-    (an RMW that always succeeds there, so it still reads the end of the release sequence). The class launches of
+    The counters leave themselves at zero: the merging lane's acquire is an AND with 0 (an RMW, so it still reads
+    the end of the release sequence). The class launches of
     one layer count into the same counters (a row whose states come from several launches merges in the last of
     them), and each (row, head) gets exactly ``num_states`` reports a layer, so the reset comes after its last one.
     ``plan()`` zeroes the counters a step uses once (a step that was interrupted, or counters overwritten by anyone,
@@ -244,11 +244,14 @@ def _report_and_merge(
     if num_done > 0:
         # The acquire that makes the states visible also leaves the counter at 0 for the next layer: every state of
         # this (row, head) has arrived, so no program of this layer touches it again, and the next layer's launches
-        # are stream-ordered after this one. No memset runs per layer. A compare-and-swap from num_states (what every
-        # arrival left), not an exchange: Triton 3.6 lowers an exchange to a gfx942 buffer atomic LLVM has no
-        # intrinsic for (llvm.amdgcn.raw.ptr.buffer.atomic.exch: "failed to translate module to LLVM IR"), and an
-        # add of -num_states became a compare-and-swap loop on gfx90a (Triton 3.9).
-        tl.atomic_cas(counter, tl.where(done, num_states, -1), tl.zeros_like(num_states), sem="acquire", scope="gpu")
+        # are stream-ordered after this one. No memset runs per layer. An AND with 0, masked to the merging lanes:
+        # one native atomic on every target (sm_80/90 atom.and, gfx90a global_atomic_swap, gfx942 buffer_atomic_and;
+        # Triton 3.6 and 3.9). Not an exchange: Triton 3.6 lowers one to a gfx942 buffer atomic LLVM has no intrinsic
+        # for (llvm.amdgcn.raw.ptr.buffer.atomic.exch: "failed to translate module to LLVM IR"); not an add of
+        # -num_states: a compare-and-swap loop on gfx90a (Triton 3.9); not a compare-and-swap: it has no mask, and a
+        # dead lane's counter may lie past the table (a suffix item's rows past its last), where a swap zeroes any
+        # word that holds the comparand (tests/memcheck.py caught it).
+        tl.atomic_and(counter, 0, mask=done, sem="acquire", scope="gpu")
         tl.debug_barrier()
         ws_first = tl.load(work.mrows_ptr + mrow * L.MROW_FIELDS + L.MROW_WS_FIRST, mask=done, other=0).to(tl.int64)
         ws_stride = tl.load(work.mrows_ptr + mrow * L.MROW_FIELDS + L.MROW_WS_STRIDE, mask=done, other=0).to(tl.int64)
