@@ -11,6 +11,7 @@ import torch
 from prefixattn.kernels.layout import CLASS_CHUNK, CLASS_DECODE, CLASS_SHARED, WORK_CLASSES, page_size_constexpr
 from prefixattn.kernels.prefix_attention_kernel import prefix_attention_kernel
 from prefixattn.autotune.lookup import read_fixed_env
+from prefixattn.autotune.targets import writes_own_l2_fences
 from prefixattn.launcher import SPEC_ALIGN, PreparedLaunch, class_launches
 from prefixattn.planner import compiled as compiled_planner
 from prefixattn.planner.device_tables import CapacityError
@@ -196,6 +197,17 @@ def _prepared(p: Plan, key) -> PreparedLaunch | None:
     return p.launches.get(key)
 
 
+def _own_l2_fences(device: torch.device) -> bool:
+    """The kernel's ``USE_L2_FENCES`` on a ROCm ``device`` (:func:`~prefixattn.autotune.targets.writes_own_l2_fences`
+    of its gfx ISA)."""
+    return _own_l2_fences_at(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _own_l2_fences_at(index: int) -> bool:
+    return writes_own_l2_fences(torch.cuda.get_device_properties(index).gcnArchName.split(":")[0])
+
+
 def _prepare(p: Plan, key, *, out, lse, q, k_cache, v_cache, classes: tuple, grid_items: tuple, has_lse: bool,
              features: dict, tables: dict | None = None) -> PreparedLaunch:
     """Assemble the launches of one call shape (``launcher.PreparedLaunch``): one per work class in ``classes``
@@ -228,6 +240,7 @@ def _prepare(p: Plan, key, *, out, lse, q, k_cache, v_cache, classes: tuple, gri
         HAS_LSE=has_lse, HAS_SOFT_CAP=features["HAS_SOFT_CAP"],
         HAS_WINDOW=features["HAS_WINDOW"], HAS_SINKS=features["HAS_SINKS"], HAS_KV_SCALE=features["HAS_KV_SCALE"],
         USE_NAN_GUARD=p.nan_guard, USE_FP32_DOT=p.use_fp32_dot, IS_HIP=t.is_hip,
+        USE_L2_FENCES=t.is_hip and q.is_cuda and _own_l2_fences(q.device),
         PAGE_SIZE=page_size_constexpr(p.block_size), BLOCK_D=t.block_d,
     )
     per_class = class_launches(t, classes, grid_items, tb["ranges"], p.num_kv_heads,

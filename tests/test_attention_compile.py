@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from prefixattn.autotune.targets import writes_own_l2_fences
+
 _SCRIPT = r"""
 import json, os, sys
 os.environ["TRITON_INTERPRET"] = "0"
@@ -33,8 +35,8 @@ pointers = {"out_ptr": dtype, "lse_ptr": "*fp32", "ws_o_ptr": "*fp32", "ws_lse_p
             "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
 # The tiles a plan would pick for a Llama-like decode step; tensor-core dots as on a real GPU.
 constexprs = dict(IS_SHARED=True, HAS_LSE=True, HAS_SOFT_CAP=False, HAS_WINDOW=False, HAS_SINKS=False,
-                  HAS_KV_SCALE=False, USE_NAN_GUARD=False, USE_FP32_DOT=False, IS_HIP=False, PAGE_SIZE=16,
-                  BLOCK_M=tiles.shared.block_m, BLOCK_N=tiles.shared.block_n, BLOCK_D=tiles.block_d)
+                  HAS_KV_SCALE=False, USE_NAN_GUARD=False, USE_FP32_DOT=False, IS_HIP=False, USE_L2_FENCES=False,
+                  PAGE_SIZE=16, BLOCK_M=tiles.shared.block_m, BLOCK_N=tiles.shared.block_n, BLOCK_D=tiles.block_d)
 # Every integer scalar, strides included, as i32: the worst case, where only an explicit cast gives 64 bits.
 floats = ("qk_scale", "soft_cap_log2", "v_scale")
 signature = {name: pointers.get(name, "constexpr" if name in constexprs else "fp32" if name in floats else "i32")
@@ -100,7 +102,8 @@ def test_merge_reports_are_ordered_on_amd(arch):
     """The in-launch merge on CDNA: every wave waits for its own workspace stores before the CTA barrier (a barrier
     orders LDS only; ``s_waitcnt vmcnt(0)`` counts stores on CDNA), the report is a release atomic, and only the
     merging path pays an acquire (its AND with 0 that resets the counter, then a cache invalidate) - none after
-    the reports themselves."""
+    the reports themselves. Under a Triton that misplaces the fences of gfx942's buffer atomics (before 3.9), the
+    kernel writes them itself; Triton's own misplaced ones stay, so there the reports do pay an invalidate."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
     root = Path(__file__).resolve().parents[1]
     run = subprocess.run([sys.executable, "-c", _AMD_SCRIPT, arch], capture_output=True, text=True, env=env,
@@ -108,6 +111,7 @@ def test_merge_reports_are_ordered_on_amd(arch):
     assert run.returncode == 0, run.stderr[-4000:]
     lines = [ln.strip() for ln in run.stdout.splitlines() if ln.strip() and not ln.strip().startswith((";", "."))]
     rule = _AMD_ORDERING[arch]
+    fences_by_hand = writes_own_l2_fences(arch)
     reports = [i for i, ln in enumerate(lines) if "atomic_add" in ln and rule["returns"] in ln]
     # The merging lane's acquire is the atomic that resets its counter to zero (no memset per layer).
     acquires = [i for i, ln in enumerate(lines) if rule["reset"] in ln]
@@ -124,7 +128,8 @@ def test_merge_reports_are_ordered_on_amd(arch):
         assert not [ln for ln in since if "_store" in ln], "no store between the barrier and the report"
         if rule["release"]:
             assert any(ln.startswith(rule["release"]) for ln in since), "release writes L2 back"
-        assert not any(rule["acquire"] in ln for ln in lines[i:i + 12]), "reports pay no acquire"
+        if not fences_by_hand:
+            assert not any(rule["acquire"] in ln for ln in lines[i:i + 12]), "reports pay no acquire"
     assert len(acquires) == 1
     for i in acquires:
         # The invalidate follows the acquire atomic before the CTA barrier that lets the other waves read states.

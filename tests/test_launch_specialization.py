@@ -85,3 +85,18 @@ def test_the_compiled_kernel_does_not_specialize_the_table_row_stride(name):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[True]", out.stdout
+
+
+def test_a_rocm_device_launches_with_the_merge_fences_of_its_gfx_isa(monkeypatch):
+    """``USE_L2_FENCES`` of a launch on a ROCm device: the device's gfx ISA (``gcnArchName`` without its feature
+    suffix) asked of :func:`~prefixattn.autotune.targets.writes_own_l2_fences`, once per device."""
+    from types import SimpleNamespace
+
+    from prefixattn import prefix_attention as pa
+
+    asked = []
+    monkeypatch.setattr(pa.torch.cuda, "get_device_properties",
+                        lambda index: SimpleNamespace(gcnArchName=["gfx942:sramecc+:xnack-", "gfx90a"][index]))
+    monkeypatch.setattr(pa, "writes_own_l2_fences", lambda arch: asked.append(arch) or arch == "gfx942")
+    assert pa._own_l2_fences_at.__wrapped__(0) is True and pa._own_l2_fences_at.__wrapped__(1) is False
+    assert asked == ["gfx942", "gfx90a"]

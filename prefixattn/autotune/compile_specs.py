@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from prefixattn.autotune.config_space import AttentionConfig, MergeConfig, block_d, fp8_block_n, part_registers
 from prefixattn.autotune.launch_limits import DECODE_SUFFIX_MAX_REGS, required_pipeline_depth
-from prefixattn.autotune.targets import Target
+from prefixattn.autotune.targets import Target, writes_own_l2_fences
 from prefixattn.kernels.layout import page_size_constexpr
 
 FUSED_KERNEL = "prefixattn.kernels.prefix_attention_kernel:prefix_attention_kernel"
@@ -191,8 +191,8 @@ def fused_job(*, target: Target, dtype: str, head_dim: int, config: AttentionCon
     block_n = fp8_block_n(tiles.block_m, tiles.block_n, kv_fp8=kv_fp8, block_d=bd, has_shared=has_shared,
                           is_hip=target.is_hip, nan_guard=nan_guard)
     constexprs = dict(IS_SHARED=has_shared, HAS_LSE=has_lse, USE_FP32_DOT=use_fp32_dot, IS_HIP=target.is_hip,
-                      PAGE_SIZE=page_size_constexpr(BLOCK_SIZE), BLOCK_M=tiles.block_m, BLOCK_N=block_n,
-                      BLOCK_D=bd)
+                      USE_L2_FENCES=writes_own_l2_fences(target.arch), PAGE_SIZE=page_size_constexpr(BLOCK_SIZE),
+                      BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_D=bd)
     for switch in FEATURE_SWITCHES:
         if switch in names:
             constexprs[switch] = switch in features

@@ -10,6 +10,7 @@ Nothing here imports torch or triton: :func:`detect_target` imports torch lazily
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 #: Registers one NVIDIA thread may address (PTX/SASS encodes 8-bit register numbers, R255 is the zero register).
@@ -179,3 +180,29 @@ def detect_target() -> Target | None:
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     gcn = getattr(props, "gcnArchName", None) if getattr(torch.version, "hip", None) else None
     return target_for(capability=(props.major, props.minor), gcn_arch=gcn)
+
+
+#: gfx ISAs whose merge counters Triton turns into buffer atomics (CDNA3 and CDNA4; gfx90a keeps global atomics).
+#: Their agent-scope fences are ``buffer_wbl2 sc1`` (release: the XCD's L2 written back) and ``buffer_inv sc1``
+#: (acquire: invalidated), as in LLVM's AMDGPU memory model for gfx942 and gfx950.
+BUFFER_ATOMIC_ARCHS = ("gfx942", "gfx950")
+#: The first Triton release whose buffer atomics carry their fences the right way round. Before it (3.6 and 3.8 in
+#: compile-check; triton-lang/triton#11081) a release atomic gets the acquire's invalidate after it and an acquire
+#: atomic the release's write-back before it: the in-launch merge could read partial states older than its reports.
+FENCED_BUFFER_ATOMICS_SINCE = (3, 9)
+
+
+def writes_own_l2_fences(arch: int | str, triton_version: str | None = None) -> bool:
+    """Whether the fused kernel writes its merge's release and acquire fences itself (its ``USE_L2_FENCES``): on
+    ``arch`` (a gfx ISA; a CUDA compute capability never) under a Triton (``triton_version``, default the installed
+    one, imported lazily) that misplaces the fences of buffer atomics."""
+    if arch not in BUFFER_ATOMIC_ARCHS:
+        return False
+    if triton_version is None:
+        import triton
+
+        triton_version = triton.__version__
+    found = re.match(r"(\d+)\.(\d+)", triton_version)
+    if found is None:
+        raise ValueError(f"triton_version: expected 'MAJOR.MINOR[...]', got {triton_version!r}")
+    return (int(found[1]), int(found[2])) < FENCED_BUFFER_ATOMICS_SINCE

@@ -206,7 +206,8 @@ def _report_and_merge(
     mrow,  # [BLOCK_M] merge row of each lane
     mask_m,  # [BLOCK_M] live lanes
     num_qo_heads, head_dim,
-    HAS_LSE: tl.constexpr, HAS_SINKS: tl.constexpr, IS_HIP: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_LSE: tl.constexpr, HAS_SINKS: tl.constexpr, IS_HIP: tl.constexpr, USE_L2_FENCES: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """Report this program's states (already stored) on their (merge row, head) counters, all lanes at once, and
     merge every (row, head) whose count this report completes, in one masked pass.
@@ -222,7 +223,8 @@ def _report_and_merge(
     On AMD a CTA barrier orders LDS only and a release atomic waits for the issuing wave's own stores only, so every
     wave first waits for its own workspace stores (``IS_HIP``: ``s_waitcnt vmcnt(0)``, which on CDNA counts stores
     too); the releasing wave's L2 write-back then publishes all of them, and the acquire's L2 invalidate makes the
-    merging program read them.
+    merging program read them. Triton before 3.9 misplaces the fences of gfx942/gfx950's buffer atomics; there
+    ``USE_L2_FENCES`` writes both by hand.
     The counters leave themselves at zero: the merging lane's acquire is an AND with 0 (an RMW, so it still reads
     the end of the release sequence). The class launches of
     one layer count into the same counters (a row whose states come from several launches merges in the last of
@@ -238,6 +240,10 @@ def _report_and_merge(
         tl.inline_asm_elementwise("s_waitcnt vmcnt(0)", "=v,v", [mask_m.to(tl.int32)], dtype=tl.int32,
                                   is_pure=False, pack=1)
     tl.debug_barrier()
+    if USE_L2_FENCES:
+        # The release by hand (autotune.targets.writes_own_l2_fences): the XCD's L2 written back before the report.
+        tl.inline_asm_elementwise("buffer_wbl2 sc1\n\ts_waitcnt vmcnt(0)", "=v,v", [mask_m.to(tl.int32)],
+                                  dtype=tl.int32, is_pure=False, pack=1)
     arrived = tl.atomic_add(counter, 1, mask=mask_m, sem="release", scope="gpu")
     done = mask_m & (arrived == num_states - 1)
     num_done = tl.sum(done.to(tl.int32), 0)
@@ -252,6 +258,12 @@ def _report_and_merge(
         # dead lane's counter may lie past the table (a suffix item's rows past its last), where a swap zeroes any
         # word that holds the comparand (tests/memcheck.py caught it).
         tl.atomic_and(counter, 0, mask=done, sem="acquire", scope="gpu")
+        if USE_L2_FENCES:
+            # The acquire by hand: once the reset has returned (vmcnt counts it), the XCD's L2 invalidated. An asm
+            # with side effects stays after the atomic; its value as the input would have waited for Triton's
+            # broadcast of it to the CTA (a barrier on Triton 3.8).
+            tl.inline_asm_elementwise("s_waitcnt vmcnt(0)\n\tbuffer_inv sc1", "=v,v", [done.to(tl.int32)],
+                                      dtype=tl.int32, is_pure=False, pack=1)
         tl.debug_barrier()
         ws_first = tl.load(work.mrows_ptr + mrow * L.MROW_FIELDS + L.MROW_WS_FIRST, mask=done, other=0).to(tl.int64)
         ws_stride = tl.load(work.mrows_ptr + mrow * L.MROW_FIELDS + L.MROW_WS_STRIDE, mask=done, other=0).to(tl.int64)
@@ -315,8 +327,8 @@ def _run_item(
     item, kv_head, num_qo_heads, group, v_scale,
     IS_SHARED: tl.constexpr, HAS_LSE: tl.constexpr, HAS_SOFT_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SINKS: tl.constexpr, HAS_KV_SCALE: tl.constexpr, USE_NAN_GUARD: tl.constexpr, USE_FP32_DOT: tl.constexpr,
-    IS_HIP: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    IS_HIP: tl.constexpr, USE_L2_FENCES: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """One work item for one KV head: its rows' state over its KV range, stored to ``out`` or to the workspace and
     reported (the report that completes a row merges it)."""
@@ -404,7 +416,8 @@ def _run_item(
         tl.store(_lse_ptrs(t=ws_lse, rows=ws_row, heads=head), lse_row, mask=mask_m)
         _report_and_merge(out=out, lse=lse, ws_o=ws_o, ws_lse=ws_lse, work=work, sinks_ptr=sinks_ptr, tok=tok,
                           head=head, mrow=mrow, mask_m=mask_m, num_qo_heads=num_qo_heads, head_dim=kv.head_dim,
-                          HAS_LSE=HAS_LSE, HAS_SINKS=HAS_SINKS, IS_HIP=IS_HIP, BLOCK_D=BLOCK_D)
+                          HAS_LSE=HAS_LSE, HAS_SINKS=HAS_SINKS, IS_HIP=IS_HIP, USE_L2_FENCES=USE_L2_FENCES,
+                          BLOCK_D=BLOCK_D)
     else:
         # The request's rows have this single state: plain paged attention, straight to the output.
         if HAS_SINKS:
@@ -464,6 +477,7 @@ def prefix_attention_kernel(
     USE_NAN_GUARD: tl.constexpr,  # non-finite V at keys a row does not see never reaches it (plan(nan_guard=True))
     USE_FP32_DOT: tl.constexpr,
     IS_HIP: tl.constexpr,  # AMD: every wave waits for its own workspace stores before reporting
+    USE_L2_FENCES: tl.constexpr,  # the merge's fences by hand (autotune.targets.writes_own_l2_fences)
     PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,  # (query row x GQA head) lanes of one item
     BLOCK_N: tl.constexpr,  # KV positions per step
@@ -495,5 +509,5 @@ def prefix_attention_kernel(
               num_qo_heads=num_qo_heads, group=group, v_scale=v_scale,
               IS_SHARED=IS_SHARED, HAS_LSE=HAS_LSE, HAS_SOFT_CAP=HAS_SOFT_CAP, HAS_WINDOW=HAS_WINDOW,
               HAS_SINKS=HAS_SINKS, HAS_KV_SCALE=HAS_KV_SCALE, USE_NAN_GUARD=USE_NAN_GUARD,
-              USE_FP32_DOT=USE_FP32_DOT, IS_HIP=IS_HIP,
+              USE_FP32_DOT=USE_FP32_DOT, IS_HIP=IS_HIP, USE_L2_FENCES=USE_L2_FENCES,
               PAGE_SIZE=PAGE_SIZE, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)

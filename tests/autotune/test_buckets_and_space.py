@@ -9,7 +9,7 @@ import pytest
 from prefixattn.autotune.buckets import Bucket, distance, dtype_name, make_bucket, nearest
 from prefixattn.autotune.config_space import (FP8_SUFFIX_MIN_WARPS, AttentionConfig, LaunchOptions, Tiles,
                                               attention_space, launch_space, prune, prune_reason)
-from prefixattn.autotune.targets import TARGETS, get_target, parse_targets, target_for
+from prefixattn.autotune.targets import TARGETS, get_target, parse_targets, target_for, writes_own_l2_fences
 
 
 def test_make_bucket_rounds_counts_up_to_powers_of_two_and_clamps():
@@ -67,6 +67,19 @@ def test_target_table_has_the_six_targets_and_their_knobs():
     assert [t.name for t in parse_targets("sm80, gfx942,sm80")] == ["sm80", "gfx942"]
     with pytest.raises(ValueError, match="target: expected one of"):
         get_target("sm70")
+
+
+@pytest.mark.parametrize("arch, version, want", [
+    ("gfx942", "3.6.0", True), ("gfx950", "3.8.0+rocm7.1", True), ("gfx942", "3.9.0", False),
+    ("gfx942", "3.10.1", False), ("gfx90a", "3.6.0", False), (90, "3.6.0", False)])
+def test_the_kernel_writes_its_own_merge_fences_only_where_triton_misplaces_them(arch, version, want):
+    """gfx942/gfx950 use buffer atomics, whose fences Triton before 3.9 put the wrong way round (triton#11081)."""
+    assert writes_own_l2_fences(arch, version) is want
+
+
+def test_a_triton_version_without_major_and_minor_is_refused():
+    with pytest.raises(ValueError, match="triton_version: expected 'MAJOR.MINOR"):
+        writes_own_l2_fences("gfx942", "nightly")
 
 
 def test_launch_space_has_hip_knobs_only_on_hip():
