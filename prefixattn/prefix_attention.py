@@ -11,7 +11,7 @@ import torch
 from prefixattn.kernels.layout import CLASS_CHUNK, CLASS_DECODE, CLASS_SHARED, WORK_CLASSES, page_size_constexpr
 from prefixattn.kernels.prefix_attention_kernel import prefix_attention_kernel
 from prefixattn.autotune.lookup import read_fixed_env
-from prefixattn.autotune.targets import writes_own_l2_fences
+from prefixattn.autotune.targets import gfx_isa, writes_own_l2_fences
 from prefixattn.launcher import SPEC_ALIGN, PreparedLaunch, class_launches
 from prefixattn.planner import compiled as compiled_planner
 from prefixattn.planner.device_tables import CapacityError
@@ -205,7 +205,7 @@ def _own_l2_fences(device: torch.device) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _own_l2_fences_at(index: int) -> bool:
-    return writes_own_l2_fences(torch.cuda.get_device_properties(index).gcnArchName.split(":")[0])
+    return writes_own_l2_fences(gfx_isa(torch.cuda.get_device_properties(index).gcnArchName))
 
 
 def _prepare(p: Plan, key, *, out, lse, q, k_cache, v_cache, classes: tuple, grid_items: tuple, has_lse: bool,

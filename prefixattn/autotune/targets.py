@@ -152,14 +152,18 @@ def parse_targets(spec: str) -> list[Target]:
     return [get_target(n) for n in dict.fromkeys(names)]
 
 
+def gfx_isa(gcn_arch: str) -> str:
+    """The gfx ISA of a HIP ``gcnArchName``, its feature suffix dropped (``"gfx942:sramecc+:xnack-"``: ``"gfx942"``)."""
+    return gcn_arch.split(":")[0].strip()
+
+
 def target_for(capability: tuple[int, int] | None = None, gcn_arch: str | None = None) -> Target | None:
     """The table row for a CUDA compute capability or a HIP ``gcnArchName`` (``"gfx942:sramecc+:xnack-"``).
 
     Returns None for a device the table does not know (the caller falls back to the heuristic).
     """
     if gcn_arch:
-        base = gcn_arch.split(":")[0].strip()
-        return TARGETS.get(base)
+        return TARGETS.get(gfx_isa(gcn_arch))
     if capability:
         return TARGETS.get(f"sm{capability[0]}{capability[1]}")
     return None
