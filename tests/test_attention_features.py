@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from prefixattn import attention, plan, reference_attention
+from prefixattn.kernels import layout as K
 from tests.prefix_batches import make_batch
 from tests.tolerances import ATTENTION_TOL, LSE_TOL
 
@@ -201,3 +202,37 @@ def test_fp8_e4m3_is_refused_on_gpus_before_sm89(monkeypatch):
     validation.check_fp8_support("k_cache", SimpleNamespace(dtype=torch.float8_e5m2, device=cache.device))
     monkeypatch.setattr(validation, "_capability", lambda index: (9, 0))
     validation.check_fp8_support("k_cache", cache)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_whole_tiles_then_the_tail(device, dtype):
+    # The KV loops run whole BLOCK_N tiles unmasked, then the tiles with masked keys: shared nodes of exactly whole
+    # tiles (no tail), of whole tiles and a tail, and shorter than a tile; chunks whose diagonal starts mid-tile.
+    n = 32 if dtype == torch.float32 else 64  # the heuristic tiles' BLOCK_N at head_dim 64 (asserted below)
+    block_size = 4
+    b = _to(make_batch(5, q_lens=[1, 7, 1, 3, 1, 2], extra_lens=[3, n + 9, 1, 5, 2, 4],
+                       paths=[("x",), ("x",), ("y",), ("y",), ("z",), ("z",)],
+                       level_blocks={"x": 2 * n // block_size, "y": (n + 8) // block_size, "z": 2},
+                       block_size=block_size, num_qo_heads=4, num_kv_heads=2, head_dim=64, dtype=dtype), device)
+    p, got, want = _run(b, plan_kw=dict(sharing="always", min_split_tokens=4 * n))
+    assert p.tiles.shared.block_n == n
+    items = p.work.items[p.work.items[:, K.ITEM_KIND] == K.KIND_SHARED]
+    lengths = set((items[:, K.ITEM_KV_END] - items[:, K.ITEM_KV_START]).tolist())
+    assert {2 * n, n + 8, 8} <= lengths, lengths
+    _compare(got, want, dtype)
+
+
+def test_zero_sm_scale_weighs_every_key_alike(device):
+    # A scale of 0 is allowed (>= 0): every visible key gets the same weight, in masked and unmasked tiles alike.
+    b = _shared_batch(device, dtype=torch.float32)
+    _, got, want = _run(b, plan_kw=dict(_SPLIT, sm_scale=0.0), ref_kw=dict(sm_scale=0.0))
+    _compare(got, want, torch.float32)
+
+
+def test_a_negative_tensor_k_scale_gives_nan(device):
+    # plan() refuses a negative sm_scale; a tensor K scale is read on the device, so a negative one makes the output
+    # NaN rather than a softmax of the wrong sign.
+    b = _shared_batch(device, dtype=torch.float32)
+    p = plan(*b.metadata, **b.heads, q_dtype=torch.float32, **_SPLIT)
+    out = attention(b.q, b.k_cache, b.v_cache, p, k_scale=torch.tensor([-0.5], device=device))
+    assert out.isnan().all()

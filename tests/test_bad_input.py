@@ -230,7 +230,7 @@ def test_order_groups_with_a_list_is_a_value_error():
 
 
 
-@pytest.mark.parametrize("bad", [True, math.inf, "0.1"])
+@pytest.mark.parametrize("bad", [True, math.inf, "0.1", -0.125])
 def test_plan_sm_scale(bad):
-    with pytest.raises(ValueError, match="sm_scale: expected a finite float or None"):
+    with pytest.raises(ValueError, match=r"sm_scale: expected a finite float >= 0 or None"):
         _one_request([[0, 1, 2]], sm_scale=bad)

@@ -86,12 +86,16 @@ def _lse_ptrs(t, rows, heads):
 
 @triton.jit
 def _page_and_slot(pos, block_size, PAGE_SIZE: tl.constexpr):
-    """Block-table column and slot of KV positions ``pos``. ``PAGE_SIZE`` > 0 is the block size as a compile-time
-    constant (a shift and a mask for the sizes engines use); 0 reads the run-time ``block_size``."""
+    """Block-table column and slot of KV positions ``pos`` (int32, never negative). ``PAGE_SIZE`` > 0 is the block
+    size as a compile-time constant (a shift and a mask for the sizes engines use); 0 reads the run-time
+    ``block_size``. Unsigned: a signed division rounds toward zero and costs a fix-up of the sign per position
+    (sm_90 SASS: SHF + LEA.HI + SHF for the column, + LOP3 + IADD for the slot, on every K/V address of a tile)."""
+    upos = tl.cast(pos, tl.uint32)
     if PAGE_SIZE > 0:
-        return pos // PAGE_SIZE, pos % PAGE_SIZE
+        return (upos // PAGE_SIZE).to(tl.int32), (upos % PAGE_SIZE).to(tl.int32)
     else:
-        return pos // block_size, pos % block_size
+        size = tl.cast(block_size, tl.uint32)
+        return (upos // size).to(tl.int32), (upos % size).to(tl.int32)
 
 
 @triton.jit

@@ -37,8 +37,10 @@ def _check_options(*, causal, sm_scale, logits_soft_cap, window_left, alibi_slop
     if not isinstance(nan_guard, bool):
         raise ValueError(f"nan_guard: expected a bool, got {type(nan_guard).__name__}")
     if sm_scale is not None and (isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float, np.floating))
-                                 or not math.isfinite(sm_scale)):
-        raise ValueError(f"sm_scale: expected a finite float or None, got {sm_scale!r}")
+                                 or not math.isfinite(sm_scale) or sm_scale < 0):
+        # The kernel scales each row's raw maximum score, which is the maximum of the scaled ones only for a scale
+        # >= 0 (prefixattn.kernels.prefix_attention_kernel._attend_range).
+        raise ValueError(f"sm_scale: expected a finite float >= 0 or None, got {sm_scale!r}")
     if sharing not in _SHARING_MODES:
         raise ValueError(f"sharing: expected one of {_SHARING_MODES}, got {sharing!r}")
     if q_dtype not in SUPPORTED_DTYPES:

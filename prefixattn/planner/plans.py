@@ -185,7 +185,7 @@ def plan(
     causal : bool
         Query row ``i`` of request ``r`` sees KV positions ``<= kv_len - q_len + i`` (else all of them).
     sm_scale : float, optional
-        Logit scale, default ``1 / sqrt(head_dim)``.
+        Logit scale (finite, >= 0), default ``1 / sqrt(head_dim)``.
     q_dtype : torch.dtype
         dtype of q (fp16/bf16/fp32): picks the tiles and the dot precision.
     kv_dtype : torch.dtype, optional
