@@ -208,6 +208,7 @@ def fused_job(*, target: Target, dtype: str, head_dim: int, config: AttentionCon
             + "".join("+" + f.split("_", 1)[1].lower() for f in FEATURE_SWITCHES if f in features)
             + (f"+{kv_dtype}" if kv_dtype else "")
             + (f"@w{launch.num_warps}s{launch.num_stages}" if launch != config.launch_for(has_shared) else "")
+            + (f"r{launch.maxnreg}" if launch.maxnreg else "")
             + (f"@n{block_n}" if block_n != tiles.block_n else ""))  # the fp8 and NaN-guard rules
     serves = (variant, "split_k", "in-kernel merge") if has_shared else (variant + " without shared nodes", "split_k")
     return CompileJob(

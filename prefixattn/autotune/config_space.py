@@ -144,18 +144,29 @@ NAN_GUARD_MID_HEAD_DECODE_WARPS = 4
 #: 16 decode tiles (LSE, every non-fp8 switch, 3 stages) at 4 warps: Triton 3.6 128 registers, 16 bytes spilled; at 8
 #: warps 124 (Triton 3.9: 98), none.
 NAN_GUARD_NARROW_BLOCK_N = 16
+#: Registers per thread, at most, of a suffix-only NVIDIA launch with the NaN guard over an fp8 K/V cache whose
+#: decode tiles (:data:`NAN_GUARD_DECODE_ROWS` rows at most) have a padded head size of
+#: :data:`NAN_GUARD_SMALL_HEAD_DIM` or less (so :data:`NAN_GUARD_MIN_WARPS` warps or more). Left to itself ptxas
+#: held sm_80's bf16/fp16 16 x 32 decode binary (LSE, every switch, e5m2, 8 warps, 3 stages) at 80 registers and
+#: spilled 24-32 bytes (Triton 3.9, compile-check; 2 stages alike); capped at 128 it takes 120 and spills nothing:
+#: 2 programs per SM, as before the KV loop lost its masks on whole tiles (122 registers). The cap is no floor:
+#: ptxas fills it (the same launch without the guard: 80 registers uncapped, 122 capped), so no other launch has it.
+NAN_GUARD_FP8_MAX_REGS = 128
 
 
 @dataclass(frozen=True, order=True)
 class LaunchOptions:
     """Per-launch compile options. HIP-only knobs (``waves_per_eu``, ``matrix_instr_nonkdim``, ``kpack``) keep their
-    Triton defaults (0, 0 = let the compiler pick, 1) on CUDA and are never passed there."""
+    Triton defaults (0, 0 = let the compiler pick, 1) on CUDA and are never passed there; the NVIDIA-only
+    ``maxnreg`` (registers per thread, at most; 0 = ptxas picks) is set by :meth:`for_kv`'s rules, never by a
+    table, and never passed to AMD."""
 
     num_warps: int = 4
     num_stages: int = 2
     waves_per_eu: int = 0
     matrix_instr_nonkdim: int = 0
     kpack: int = 1
+    maxnreg: int = 0
 
     def for_kv(self, *, has_shared: bool, kv_fp8: bool, is_hip: bool, block_d: int, block_m: int, block_n: int,
                nan_guard: bool = False, q_fp32: bool = False) -> "LaunchOptions":
@@ -167,8 +178,9 @@ class LaunchOptions:
         (``nan_guard``) a suffix-only NVIDIA launch at a padded head size of :data:`NAN_GUARD_SMALL_HEAD_DIM` or less
         gets at least :data:`NAN_GUARD_MIN_WARPS` warps, and one of decode tiles at :data:`NAN_GUARD_MID_HEAD_DIM`
         with 16-bit q and K/V (``q_fp32`` false) exactly :data:`NAN_GUARD_MID_HEAD_DECODE_WARPS` (at least
-        :data:`NAN_GUARD_MIN_WARPS` with KV tiles of :data:`NAN_GUARD_NARROW_BLOCK_N` positions or fewer).
-        Everything else is unchanged. The one rule (with :func:`fp8_block_n`), used by the launch
+        :data:`NAN_GUARD_MIN_WARPS` with KV tiles of :data:`NAN_GUARD_NARROW_BLOCK_N` positions or fewer); the
+        small-head decode tiles of such a launch over an fp8 cache at most :data:`NAN_GUARD_FP8_MAX_REGS` registers
+        (``maxnreg``). Everything else is unchanged. The one rule (with :func:`fp8_block_n`), used by the launch
         (:meth:`prefixattn.planner.tiles.AttentionTiles.launch_options`), the warm-up and compile-check."""
         lo = self
         if kv_fp8 and not has_shared and not is_hip:
@@ -182,6 +194,8 @@ class LaunchOptions:
         if nan_guard and not has_shared and not is_hip:
             if block_d <= NAN_GUARD_SMALL_HEAD_DIM:
                 lo = replace(lo, num_warps=max(lo.num_warps, NAN_GUARD_MIN_WARPS))
+                if kv_fp8 and block_m <= NAN_GUARD_DECODE_ROWS:
+                    lo = replace(lo, maxnreg=NAN_GUARD_FP8_MAX_REGS)
             elif (not kv_fp8 and not q_fp32 and block_d == NAN_GUARD_MID_HEAD_DIM
                   and block_m <= NAN_GUARD_DECODE_ROWS):
                 narrow = block_n <= NAN_GUARD_NARROW_BLOCK_N
@@ -195,7 +209,16 @@ class LaunchOptions:
         if target.is_hip:
             opts.update(waves_per_eu=self.waves_per_eu, matrix_instr_nonkdim=self.matrix_instr_nonkdim,
                         kpack=self.kpack)
+        elif self.maxnreg:
+            opts["maxnreg"] = self.maxnreg
         return opts
+
+    def to_dict(self) -> dict:
+        """The fields a table or cache stores (``maxnreg`` only where a rule set it)."""
+        d = asdict(self)
+        if not self.maxnreg:
+            del d["maxnreg"]
+        return d
 
 
 def fp8_block_n(block_m: int, block_n: int, *, kv_fp8: bool, block_d: int, has_shared: bool, is_hip: bool,
@@ -236,9 +259,9 @@ class AttentionConfig:
         return self.launch if has_shared or self.suffix_launch is None else self.suffix_launch
 
     def to_dict(self) -> dict:
-        d = {"shared": asdict(self.shared), "suffix": asdict(self.suffix), "launch": asdict(self.launch)}
+        d = {"shared": asdict(self.shared), "suffix": asdict(self.suffix), "launch": self.launch.to_dict()}
         if self.suffix_launch is not None:
-            d["suffix_launch"] = asdict(self.suffix_launch)
+            d["suffix_launch"] = self.suffix_launch.to_dict()
         return d
 
     @classmethod

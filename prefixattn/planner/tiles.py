@@ -57,8 +57,8 @@ class AttentionTiles:
     def launch_options(self, work_class: int, kv_fp8: bool = False, nan_guard: bool = False,
                        q_fp32: bool = False) -> dict:
         """``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages`` (and on AMD ``waves_per_eu``,
-        ``matrix_instr_nonkdim``, ``kpack``) of the launch of ``work_class`` (``kv_fp8``: the K/V cache is fp8;
-        ``nan_guard``: the plan's NaN guard; ``q_fp32``: q is fp32:
+        ``matrix_instr_nonkdim``, ``kpack``; on NVIDIA ``maxnreg`` where a rule set it) of the launch of
+        ``work_class`` (``kv_fp8``: the K/V cache is fp8; ``nan_guard``: the plan's NaN guard; ``q_fp32``: q is fp32:
         :meth:`~prefixattn.autotune.config_space.LaunchOptions.for_kv` and
         :func:`~prefixattn.autotune.config_space.fp8_block_n`)."""
         has_shared = work_class == K.CLASS_SHARED
@@ -70,6 +70,8 @@ class AttentionTiles:
         opts = {"BLOCK_M": ct.block_m, "BLOCK_N": block_n, "num_warps": lo.num_warps, "num_stages": lo.num_stages}
         if self.is_hip:
             opts.update(waves_per_eu=lo.waves_per_eu, matrix_instr_nonkdim=lo.matrix_instr_nonkdim, kpack=lo.kpack)
+        elif lo.maxnreg:
+            opts["maxnreg"] = lo.maxnreg
         return opts
 
     def rows_per_shared_tile(self, group: int) -> int:

@@ -162,7 +162,33 @@ def test_nan_guard_suffix_launches_of_small_heads_take_more_warps_on_nvidia_only
     assert lo.for_kv(**dict(guard, has_shared=True), block_d=64) == lo
     assert lo.for_kv(**dict(guard, is_hip=True), block_d=64) == lo
     assert lo.for_kv(**dict(guard, nan_guard=False), block_d=64) == lo
-    assert lo.for_kv(**dict(guard, kv_fp8=True), block_d=64) == LaunchOptions(num_warps=8, num_stages=3)
+    # Over an fp8 cache its decode tiles are capped at NAN_GUARD_FP8_MAX_REGS (ptxas spilled at its own 80);
+    # chunk tiles, larger heads and launches without the guard are not.
+    from prefixattn.autotune.config_space import NAN_GUARD_DECODE_ROWS, NAN_GUARD_FP8_MAX_REGS
+
+    fp8 = dict(guard, kv_fp8=True)
+    assert lo.for_kv(**fp8, block_d=64) == LaunchOptions(num_warps=8, num_stages=3, maxnreg=NAN_GUARD_FP8_MAX_REGS)
+    assert lo.for_kv(**dict(fp8, block_m=2 * NAN_GUARD_DECODE_ROWS), block_d=64).maxnreg == 0
+    assert lo.for_kv(**fp8, block_d=128).maxnreg == 0
+    assert lo.for_kv(**dict(fp8, nan_guard=False), block_d=64).maxnreg == 0
+    assert lo.for_kv(**dict(fp8, is_hip=True), block_d=64).maxnreg == 0
+
+
+def test_maxnreg_reaches_nvidia_launches_only_and_stays_out_of_tables():
+    capped = LaunchOptions(num_warps=8, num_stages=3, maxnreg=128)
+    assert capped.compile_options(TARGETS["sm80"]) == {"num_warps": 8, "num_stages": 3, "maxnreg": 128}
+    assert "maxnreg" not in capped.compile_options(TARGETS["gfx942"])
+    assert "maxnreg" not in LaunchOptions(num_warps=8).compile_options(TARGETS["sm90"])
+    assert "maxnreg" not in LaunchOptions().to_dict() and capped.to_dict()["maxnreg"] == 128
+    from prefixattn.planner.tiles import tiles_from_configs
+    from prefixattn.kernels import layout as K
+
+    cfg = _cfg(sm=64, sn=64, fm=16, fn=32, num_warps=4, num_stages=3)
+    for is_hip in (False, True):
+        tiles = tiles_from_configs(decode=cfg, chunk=cfg, head_dim=64, is_hip=is_hip)
+        opts = tiles.launch_options(K.CLASS_DECODE, kv_fp8=True, nan_guard=True)
+        assert opts.get("maxnreg") == (None if is_hip else 128), is_hip
+        assert "maxnreg" not in tiles.launch_options(K.CLASS_DECODE, kv_fp8=True)
 
 
 def test_nan_guard_decode_launches_of_head_128_take_four_warps_with_16_bit_inputs():

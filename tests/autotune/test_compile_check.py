@@ -188,6 +188,11 @@ def test_exclusions_from_a_report_cover_the_twins_of_a_failed_config(tmp_path):
     excluded = exclusions_from_report(report, "sm90")[(64, "fp32")]
     assert is_excluded("sh128x64_sf128x64_w8_s4_sfw8_s3", excluded) and is_excluded("sh128x64_sf128x64_w8_s4", excluded)
     assert not is_excluded("sh128x64_sf128x64_w8_s2", excluded) and not is_excluded("sh128x32_sf128x64_w8_s3", excluded)
+    # A binary whose launch a rule changed (@...) failed under the rule's options, not the table's: no exclusion.
+    records = [dict(base, target="sm80", dtype="bf16", head_dim=64, spills=24, config_name="sh128x64_sf16x32_w8_s3",
+                    variant="decode/suffix-only+lse+nan_guard+fp8e5@w8s3")]
+    report.write_text(json.dumps({"records": records}))
+    assert exclusions_from_report(report, "sm80") == {}
 
 
 def test_signature_follows_launch_specialization():
