@@ -161,14 +161,16 @@ def failures(record: dict) -> list[str]:
 
 def exclusions_from_report(report_path: Path, target_name: str) -> dict:
     """(head_dim, dtype) -> names of default configs that failed a compile-check report for ``target_name``.
-    A binary whose launch a rule changed (``@`` in its variant: ``for_kv`` and ``fp8_block_n`` of
-    :mod:`prefixattn.autotune.config_space`) does not count against its config: the table's options did not fail,
-    the rule's did, and the rule is where to mend it."""
+    A binary whose launch a rule changed (:data:`~prefixattn.autotune.compile_specs.RULE_MARK` in its variant:
+    ``for_kv`` and ``fp8_block_n`` of :mod:`prefixattn.autotune.config_space`) does not count against its config:
+    the table's options did not fail, the rule's did, and the rule is where to mend it."""
+    from prefixattn.autotune.compile_specs import RULE_MARK
+
     data = json.loads(Path(report_path).read_text())
     out: dict = {}
     for r in data["records"]:
-        if (r["target"] == target_name and r["kernel"] == "prefix_attention" and "@" not in r.get("variant", "")
-                and failures(r)):
+        if (r["target"] == target_name and r["kernel"] == "prefix_attention"
+                and RULE_MARK not in r.get("variant", "") and failures(r)):
             # Head sizes with the same padded BLOCK_D compile to the same binary, and fp16/bf16 use the same
             # registers and shared memory: a failure with one excludes the config for its twins too.
             dtypes = {"fp16", "bf16"} if r["dtype"] in ("fp16", "bf16") else {r["dtype"]}

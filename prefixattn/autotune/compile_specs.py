@@ -52,6 +52,10 @@ FP8_KV_TYPES = ("fp8e4nv", "fp8e5")
 #: Triton compiles fp8e4nv (OCP e4m3) for NVIDIA from sm_89 on; sm_80 takes only e5m2 ("type fp8e4nv not supported
 #: in this architecture", Triton 3.9), which prefixattn.attention() refuses there with a ValueError.
 FP8_E4M3_MIN_CUDA_ARCH = 89
+#: Starts the part of a fused job's variant name that a launch rule added (``config_space``'s ``for_kv`` warps,
+#: stages and register cap; ``fp8_block_n``'s KV tile): such a binary's failure is the rule's, not its table config's
+#: (:func:`prefixattn.autotune.compile_check.exclusions_from_report`).
+RULE_MARK = "@"
 
 
 def fp8_kv_types(target: Target) -> tuple:
@@ -207,9 +211,10 @@ def fused_job(*, target: Target, dtype: str, head_dim: int, config: AttentionCon
     name = (variant + ("" if has_shared else "/suffix-only") + ("+lse" if has_lse else "")
             + "".join("+" + f.split("_", 1)[1].lower() for f in FEATURE_SWITCHES if f in features)
             + (f"+{kv_dtype}" if kv_dtype else "")
-            + (f"@w{launch.num_warps}s{launch.num_stages}" if launch != config.launch_for(has_shared) else "")
+            + (f"{RULE_MARK}w{launch.num_warps}s{launch.num_stages}" if launch != config.launch_for(has_shared)
+               else "")
             + (f"r{launch.maxnreg}" if launch.maxnreg else "")
-            + (f"@n{block_n}" if block_n != tiles.block_n else ""))  # the fp8 and NaN-guard rules
+            + (f"{RULE_MARK}n{block_n}" if block_n != tiles.block_n else ""))  # the fp8 and NaN-guard rules
     serves = (variant, "split_k", "in-kernel merge") if has_shared else (variant + " without shared nodes", "split_k")
     return CompileJob(
         kernel="prefix_attention", variant=name, dtype=dtype, head_dim=head_dim,
