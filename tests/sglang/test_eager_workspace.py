@@ -87,16 +87,16 @@ def test_a_step_beyond_the_runner_limits_falls_back_to_a_per_step_plan(caplog):
 
 
 def test_eager_capacity_from_the_runner(monkeypatch):
-    import prefixattn.integrations.sglang.backend as backend_module
+    import prefixattn.integrations.sglang.startup as startup
 
     eng = MiniEngine(page_size=4)
     pool = eng.make_pool()
     runner = eng.runner(pool)  # a bare runner outside a server: the pool's slots and the request pool's size
-    monkeypatch.setattr(backend_module, "_published_schedule", lambda: None)
+    monkeypatch.setattr(startup, "_published_schedule", lambda: None)
     assert PrefixAttnBackend(runner).eager_capacity == dict(max_tokens=pool.size,
                                                             max_requests=eng.req_to_token_pool.size)
     # --chunked-prefill-size unset: the size SGLang resolved at start-up
-    monkeypatch.setattr(backend_module, "_published_schedule",
+    monkeypatch.setattr(startup, "_published_schedule",
                         lambda: types.SimpleNamespace(chunked_prefill_size=96, max_prefill_tokens=16384))
     runner.server_args = types.SimpleNamespace(chunked_prefill_size=None, max_prefill_tokens=None)
     runner.max_running_requests = 8
