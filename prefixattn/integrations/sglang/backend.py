@@ -3,13 +3,12 @@
 SGLang's radix cache gives requests that share a prompt prefix the *same* KV slot ids, so the leading entries of
 their ``req_to_token`` rows are identical. Those rows are exactly a block table: with ``page_size`` 1 every slot is
 a block of one token, with a paged pool the first slot of each page divided by ``page_size`` is the page id. Once
-per forward batch (:meth:`PrefixAttnBackend.init_forward_metadata`) the backend gathers those rows on the device (the
-kernels read them there; a decode graph refills its own table inside the graph) and builds one plan per layer
-geometry (into that geometry's capacity-sized wrapper: :meth:`PrefixAttnBackend._plan_eager`, or a graph wrapper for
-captured decode steps), which finds the shared prefixes; every layer then runs
-:func:`prefixattn.attention` with that plan against the pool's buffers viewed as
-``[num_blocks, page_size, num_kv_heads, head_dim]`` (no copy), after writing the layer's new K/V with the pool's
-own ``set_kv_buffer``.
+per forward batch (:meth:`PrefixAttnBackend.init_forward_metadata`) the backend gathers those rows on the device
+(the kernels read them there; a graph step refills its graph's own table) and builds one plan per layer geometry
+(into that geometry's capacity-sized wrapper: :meth:`PrefixAttnBackend._plan_eager`, or a graph wrapper for captured
+steps), which finds the shared prefixes; every layer then runs :func:`prefixattn.attention` with that plan against
+the pool's buffers viewed as ``[num_blocks, page_size, num_kv_heads, head_dim]`` (no copy), after writing the
+layer's new K/V with the pool's own ``set_kv_buffer``.
 
 No step synchronizes with the device: the planner reads host page labels, not the page ids. SGLang 0.5.23 keeps no
 host copy of ``req_to_token`` (slot ids come from its device-side allocator), but its scheduler knows which prefix of
@@ -61,12 +60,13 @@ logger = logging.getLogger(__name__)
 #: shares every prefix two requests have in common, "never" runs plain paged attention); for experiments.
 SHARING_ENV = "PREFIXATTN_SGLANG_SHARING"
 
-#: Where SGLang still has to run without graphs: its "full" prefill graph backend and breakable-graph captured
-#: metadata would replay extend batches through hooks this backend does not implement.
-_NO_PREFILL_GRAPHS = (
-    "the prefixattn backend captures decode CUDA graphs only; prefill (EXTEND) batches run eagerly - under SGLang's "
-    "default 'breakable' prefill graphs attention already runs outside the captured segments. For this prefill graph "
-    "backend start SGLang with --disable-prefill-cuda-graph"
+#: Breakable prefill graphs with captured attention metadata (SGLang's opt-in
+#: ``use_captured_forward_metadata_for_breakable_cuda_graph``, off here as in its own FlashInfer/Triton backends)
+#: would call hooks this backend does not implement; its breakable graphs run attention eagerly without them.
+_NO_CAPTURED_BREAKABLE_METADATA = (
+    "the prefixattn backend does not keep captured attention metadata across breakable prefill graph segments; "
+    "attention runs eagerly between them (SGLang's default), or is captured whole under "
+    "--cuda-graph-backend-prefill full"
 )
 #: Padded requests of a replayed decode graph get this seq_len (SGLang fills its padded ``seq_lens`` with it); the
 #: backend plans them with no query rows, so it only has to be a valid KV length.
@@ -97,15 +97,23 @@ class StepMetadata:
     #: ``[batch_size, >= max_blocks]`` int32 on the pool's device: the page ids, gathered from ``req_to_token`` on the
     #: device; the eager wrappers' kernels read it in place (None in a graph step: the graph's own table).
     device_block_table: torch.Tensor | None = None
-    #: A decode step SGLang captures or replays as a CUDA graph (``init_forward_metadata_out_graph``): its plans go
-    #: into the backend's graph wrappers (:meth:`PrefixAttnBackend.init_cuda_graph_state`).
-    graph: bool = False
+    #: A step SGLang captures or replays as a CUDA graph (``init_forward_metadata_out_graph``): the graph kind's state
+    #: (decode: :meth:`PrefixAttnBackend.init_cuda_graph_state`; "full" prefill graphs: made at their first capture)
+    #: whose wrappers its plans go into. None: an eager step.
+    graph_state: GraphState | None = None
+    #: Rows of the ``q`` a graph step's forward gets: its captured size (padded request slots in a decode graph, the
+    #: token bucket in a prefill graph).
+    graph_num_tokens: int | None = None
     #: Where ``block_table`` came from: "radix_cache" (:mod:`.host_pages`' labels) or "device_copy".
     route: str = "device_copy"
 
     @property
     def num_tokens(self) -> int:
         return int(self.qo_indptr[-1])
+
+    @property
+    def graph(self) -> bool:
+        return self.graph_state is not None
 
 
 class PrefixAttnBackend(AttentionBackend):
@@ -118,15 +126,19 @@ class PrefixAttnBackend(AttentionBackend):
         Passed to :func:`prefixattn.plan`; default from ``$PREFIXATTN_SGLANG_SHARING``, else "auto".
 
     CUDA graphs: decode graphs are captured and replayed (:meth:`init_cuda_graph_state`,
-    :meth:`init_forward_metadata_out_graph`, :meth:`init_forward_metadata_in_graph`); prefill runs eagerly.
+    :meth:`init_forward_metadata_out_graph`, :meth:`init_forward_metadata_in_graph`), and so are extend and mixed
+    batches under SGLang's "full" prefill graphs (``--cuda-graph-backend-prefill full``:
+    :meth:`init_forward_metadata_out_graph` alone); under its default "breakable" prefill graphs attention runs
+    eagerly between the captured segments.
 
-    Not supported (each raises ``ValueError`` or ``NotImplementedError`` naming the feature): SGLang's "full"
-    prefill CUDA graphs (the default "breakable" ones run attention eagerly), speculative decoding (target verify /
-    draft extend), encoder-decoder and cross attention, chunked attention, MLA and hybrid/SWA pools, quantized KV
-    pools other than fp8 e4m3/e5m2 (FP4, ROCm's e4m3fnuz), ``qk_head_dim != v_head_dim``. fp8 e4m3/e5m2 pools
-    with per-tensor scales (``layer.k_scale``/``v_scale``), sliding windows (``layer.sliding_window_size``,
-    FlashInfer's ``window_left``) on the standard pool (``--disable-hybrid-swa-memory``), logit soft-capping
-    (``layer.logit_cap``) and attention sinks (the ``sinks`` keyword of the forward calls) run in the kernel.
+    Not supported (each raises ``ValueError`` or ``NotImplementedError`` naming the feature): the breakable graphs'
+    captured attention metadata (an opt-in SGLang's FlashInfer and Triton backends do not take either), speculative
+    decoding (target verify / draft extend), encoder-decoder and cross attention, chunked attention, MLA and
+    hybrid/SWA pools, quantized KV pools other than fp8 e4m3/e5m2 (FP4, ROCm's e4m3fnuz),
+    ``qk_head_dim != v_head_dim``. fp8 e4m3/e5m2 pools with per-tensor scales (``layer.k_scale``/``v_scale``),
+    sliding windows (``layer.sliding_window_size``, FlashInfer's ``window_left``) on the standard pool
+    (``--disable-hybrid-swa-memory``), logit soft-capping (``layer.logit_cap``) and attention sinks (the ``sinks``
+    keyword of the forward calls) run in the kernel.
 
     Examples
     --------
@@ -174,6 +186,7 @@ class PrefixAttnBackend(AttentionBackend):
         self.forward_metadata: StepMetadata | None = None
         self.warmup_report = warm_up_kernels(model_runner, pool)
         self._graph: GraphState | None = None  # init_cuda_graph_state
+        self._prefill_graph: GraphState | None = None  # the first "full" prefill graph capture
         #: Eager steps (extend, mixed, decode without a graph) plan into one capacity-sized wrapper per layer geometry:
         #: ``max_tokens``/``max_requests`` from the runner (:func:`eager_capacity`). Allocated here, at start-up, for
         #: the model's layers (a geometry first seen at a step gets its wrapper then).
@@ -222,9 +235,10 @@ class PrefixAttnBackend(AttentionBackend):
         No device->host copy when SGLang built the batch (``seq_lens_cpu``, ``extend_seq_lens_cpu`` and the radix
         cache's page labels are host data); without those mirrors or that record it copies them from the device.
         """
-        self._init_metadata(forward_batch, graph=False)
+        self._init_metadata(forward_batch)
 
-    def _init_metadata(self, forward_batch, *, graph: bool, capture: bool = False) -> None:
+    def _init_metadata(self, forward_batch, *, graph_state: GraphState | None = None, capture: bool = False,
+                       graph_num_tokens: int | None = None) -> None:
         mode = forward_batch.forward_mode
         if mode.is_idle():
             self.forward_metadata = None
@@ -246,19 +260,27 @@ class PrefixAttnBackend(AttentionBackend):
             q_lens = _host_int64(forward_batch.extend_seq_lens_cpu, forward_batch.extend_seq_lens)[:bs]
         else:
             raise NotImplementedError(f"forward_mode: {mode.name} is not supported by the prefixattn backend")
+        live = None  # requests before the padding slots: bs - num_padding (host_pages)
+        if graph_state is not None and q_lens.shape[0] < bs:
+            # A prefill graph's slot-padded view: SGLang's host mirror lists the live requests only, the sentinel
+            # slots after them compute nothing (their seq_lens are 0).
+            live = q_lens.shape[0]
+            q_lens = torch.cat([q_lens, q_lens.new_zeros(bs - live)])
         qo_indptr = torch.zeros(bs + 1, dtype=torch.int64)
         torch.cumsum(q_lens, dim=0, out=qo_indptr[1:])
-        self.forward_metadata = self._step_metadata(forward_batch, bs, qo_indptr, kv_lens, graph=graph,
-                                                    capture=capture)
+        meta = self._step_metadata(forward_batch, bs, qo_indptr, kv_lens, graph=graph_state is not None,
+                                   capture=capture, live=live)
+        meta.graph_state, meta.graph_num_tokens = graph_state, graph_num_tokens
+        self.forward_metadata = meta
 
-    def _step_metadata(self, forward_batch, bs: int, qo_indptr, kv_lens, *, graph: bool,
-                       capture: bool) -> StepMetadata:
+    def _step_metadata(self, forward_batch, bs: int, qo_indptr, kv_lens, *, graph: bool, capture: bool,
+                       live: int | None = None) -> StepMetadata:
         """The step's tables: host page labels from the radix cache (:mod:`.host_pages`), else a copy of the device
-        rows; the device rows gathered for an eager step (a graph step refills its own table inside the graph). A
-        graph capture plans its placeholder batch with nothing shared (every replay plans its own batch)."""
+        rows; the device rows gathered for an eager step (a graph step refills its own table). A graph capture plans
+        its placeholder batch with nothing shared (every replay plans its own batch)."""
         width = -(-int(kv_lens.max()) // self.page_size) if bs else 0
         labels = self.host_pages.labels(forward_batch, bs=bs, kv_lens=kv_lens.numpy(), page_size=self.page_size,
-                                        width=max(width, 1), num_pages=self.num_pages, unshared=capture)
+                                        width=max(width, 1), num_pages=self.num_pages, unshared=capture, live=live)
         device_table = None
         if labels is None or not graph:
             # Slot ids of the first token of each page; page id = slot // page_size (page_size 1: the slot itself).
@@ -279,7 +301,7 @@ class PrefixAttnBackend(AttentionBackend):
             # its own dtype: the planner reads int32 (on a CPU pool the table itself, no copy)
             host_table, route = device_table.to("cpu"), "device_copy"
         return StepMetadata(qo_indptr=qo_indptr, kv_lens=kv_lens, block_table=host_table,
-                            device_block_table=device_table, graph=graph, route=route)
+                            device_block_table=device_table, route=route)
 
     def _plan_for(self, layer, q: torch.Tensor, causal: bool, num_blocks: int):
         meta = self.forward_metadata
@@ -289,7 +311,7 @@ class PrefixAttnBackend(AttentionBackend):
         key = plan_key(layer, q.dtype, causal)
         p = meta.plans.get(key)
         if p is None and meta.graph:
-            p = self._graph.plan_new_geometry(key, meta, device=q.device)
+            p = meta.graph_state.plan_new_geometry(key, meta, device=q.device)
         if p is None:
             p = meta.plans[key] = self._plan_eager(key, meta, q.device, num_blocks)
         return p
@@ -341,8 +363,9 @@ class PrefixAttnBackend(AttentionBackend):
         v_cache = self._paged(self.token_to_kv_pool.get_value_buffer(layer.layer_id), "value")
         p = self._plan_for(layer, q3, causal, num_blocks=k_cache.shape[0])
         if self.forward_metadata.graph:
-            # The wrapper's capacity-fixed launch over all padded rows: what the decode graph captures.
-            self._graph.run(p, q3, k_cache, v_cache, out=o.view(-1, num_heads, head_dim), sinks=sinks, **scales)
+            # The wrapper's capacity-fixed launch over all padded rows: what the graph captures.
+            self.forward_metadata.graph_state.run(p, q3, k_cache, v_cache, out=o.view(-1, num_heads, head_dim),
+                                                  sinks=sinks, **scales)
             return o
         prefixattn.attention(q3, k_cache, v_cache, p, out=o.view(-1, num_heads, head_dim), sinks=sinks, **scales)
         return o
@@ -357,7 +380,7 @@ class PrefixAttnBackend(AttentionBackend):
         return buf.unflatten(0, (-1, self.page_size))
 
     # ------------------------------------------------------------------------------------------------------------
-    # Decode CUDA graphs (SGLang's out-graph / in-graph protocol); prefill runs eagerly
+    # CUDA graphs: decode (SGLang's out-graph / in-graph protocol) and "full" prefill graphs (out-graph only)
     # ------------------------------------------------------------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
         """Capacities of every graph SGLang will capture (largest batch and token count) and the static device block
@@ -371,16 +394,18 @@ class PrefixAttnBackend(AttentionBackend):
         return CUDA_GRAPH_SEQ_LEN_FILL
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
-        """Host side of a captured / replayed decode step, before ``graph.capture()`` or ``graph.replay()``: the
-        batch's host metadata (padded requests, SGLang's ``num_padding``, get no query rows) planned into every graph
-        wrapper (one per layer geometry; the first capture's warm-up run creates them)."""
+        """Host side of a captured / replayed step, before ``graph.capture()`` or ``graph.replay()``: the batch's host
+        metadata planned into every graph wrapper of its kind (one per layer geometry; the first capture's warm-up
+        run creates them). Decode: padded requests (SGLang's ``num_padding``) get no query rows. Extend / mixed
+        (SGLang's "full" prefill graphs): :meth:`_prefill_graph_step`."""
+        if not forward_batch.forward_mode.is_decode():
+            self._prefill_graph_step(forward_batch, in_capture)
+            return
         if self._graph is None:
             raise ValueError("init_cuda_graph_state: expected it to run before a CUDA-graph step (SGLang's graph "
                              "runner calls it first), got no graph state")
-        mode = forward_batch.forward_mode
-        if not mode.is_decode():
-            raise NotImplementedError(f"forward_mode {mode.name}: {_NO_PREFILL_GRAPHS}")
-        self._init_metadata(forward_batch, graph=True, capture=in_capture)
+        bs = int(forward_batch.batch_size)
+        self._init_metadata(forward_batch, graph_state=self._graph, capture=in_capture, graph_num_tokens=bs)
         meta = self.forward_metadata
         num_padding = int(getattr(forward_batch, "num_padding", 0) or 0)
         if num_padding:
@@ -390,6 +415,38 @@ class PrefixAttnBackend(AttentionBackend):
             torch.cumsum(q_lens, dim=0, out=meta.qo_indptr[1:])
         self._graph.plan_all(meta)
 
+    def _prefill_graph_step(self, forward_batch, in_capture: bool) -> None:
+        """An extend or mixed step of SGLang's "full" prefill graphs (its ``PrefillCudaGraphRunner``).
+
+        The runner captures each token bucket (largest first) as a batch of ``batch_size`` request slots: live
+        requests, then zero-length sentinels; a replay hands a slot-padded view of the live batch whose ``input_ids``
+        is the bucket, and calls no in-graph hook. So the first capture sizes this kind's wrappers (its bucket and
+        slots: the largest; tiles for a query that long), and the static page table is refilled here, outside the
+        graph, on the stream the replay follows. Sharing is planned per replay as in a decode graph; a step beyond
+        the captured grids is re-planned without sharing (:meth:`prefixattn.PrefixSharedAttention.plan`).
+        """
+        if forward_batch.input_ids is None:
+            raise ValueError("forward_batch.input_ids: expected the prefill graph's token bucket (its length is the "
+                             "captured q's rows), got None")
+        num_tokens, bs = int(forward_batch.input_ids.shape[0]), int(forward_batch.batch_size)
+        state = self._prefill_graph
+        if state is None:
+            if not in_capture:
+                raise ValueError("init_forward_metadata_out_graph: expected a prefill graph's capture "
+                                 "(in_capture=True) before its replays, got a replay with no prefill graph captured")
+            pages = -(-int(self.req_to_token_pool.req_to_token.shape[1]) // self.page_size)
+            state = self._prefill_graph = GraphState(
+                max_bs=bs, max_num_tokens=num_tokens, max_pages=pages, page_size=self.page_size, sharing=self.sharing,
+                device=self.device, kv_dtype=self.kv_dtype, max_q_len=num_tokens)
+        if num_tokens > state.max_num_tokens or bs > state.max_bs:
+            raise ValueError(f"forward_batch: expected a prefill graph of at most {state.max_num_tokens} tokens and "
+                             f"{state.max_bs} request slots (the first capture's: SGLang captures the largest bucket "
+                             f"first), got {num_tokens} tokens and {bs} slots")
+        self._init_metadata(forward_batch, graph_state=state, capture=in_capture, graph_num_tokens=num_tokens)
+        state.fill_table(self.req_to_token_pool.req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens,
+                         bs)
+        state.plan_all(self.forward_metadata)
+
     def init_forward_metadata_in_graph(self, forward_batch):
         """Inside the graph: refill the static block table from ``req_to_token`` for the batch's (padded) request
         slots, each its used pages - one launch fixed by the batch size, no host work, so the replay refreshes it."""
@@ -398,11 +455,11 @@ class PrefixAttnBackend(AttentionBackend):
                                    forward_batch.seq_lens, int(forward_batch.batch_size))
 
     def init_forward_metadata_for_breakable_cuda_graph_capture(self, forward_batch):
-        raise NotImplementedError(_NO_PREFILL_GRAPHS)
+        raise NotImplementedError(_NO_CAPTURED_BREAKABLE_METADATA)
 
     def prepare_forward_metadata_for_breakable_cuda_graph_replay(self, capture_metadata, forward_batch, *,
                                                                  static_forward_batch=None):
-        raise NotImplementedError(_NO_PREFILL_GRAPHS)
+        raise NotImplementedError(_NO_CAPTURED_BREAKABLE_METADATA)
 
 
 def plan_key(layer, q_dtype: torch.dtype, causal: bool) -> tuple:

@@ -215,11 +215,12 @@ class HostPages:
 
     @staticmethod
     def labels(forward_batch, *, bs: int, kv_lens: np.ndarray, page_size: int, width: int, num_pages: int,
-               unshared: bool = False) -> np.ndarray | None:
+               unshared: bool = False, live: int | None = None) -> np.ndarray | None:
         """``[bs, width]`` labels for ``forward_batch`` (padded rows of a replay view included), or None when no
         record of it, or no tree, is there to vouch for shared pages, or the labels would not fit below
         ``num_pages`` (the pool's page count, which plans check ids against). ``unshared``: every page its own
-        label."""
+        label. ``live``: the requests before the padding rows (default: ``bs`` less the batch's ``num_padding``, a
+        decode graph's count; a prefill graph's view has sentinel slots instead)."""
         used = -(-np.asarray(kv_lens, dtype=np.int64) // page_size)
         if unshared:
             out = page_labels([], [], used, page_size=page_size, width=width, rows=bs)
@@ -227,7 +228,7 @@ class HostPages:
         rec = _record_for(forward_batch)
         if rec is None:
             return None
-        real = bs - int(getattr(forward_batch, "num_padding", 0) or 0)
+        real = live if live is not None else bs - int(getattr(forward_batch, "num_padding", 0) or 0)
         if len(rec.rows) != real:
             return None
         pool_rows = getattr(forward_batch, "req_pool_indices_cpu", None)  # extend batches: the rows, on the host

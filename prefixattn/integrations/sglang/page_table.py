@@ -1,12 +1,13 @@
-"""The decode CUDA graphs' static page table, refilled inside the graph from SGLang's ``req_to_token``.
+"""The CUDA graphs' static page table, refilled from SGLang's ``req_to_token`` before each captured forward.
 
-Every replay of a decode graph must see the batch's current pages at the same addresses, so the graph itself copies
-them: for each request slot ``r`` of the (padded) batch, its used pages ``ceil(seq_lens[r] / page_size)`` from
-``req_to_token[req_pool_indices[r]]`` (the first slot of each page divided by ``page_size``). One program per request
-slot copies only that request's used length, as SGLang's FlashInfer backend builds its indices: a torch gather of
-whole rows (batch x max context, int32) made ~128 MB of temporaries and ~0.25 GB of traffic per step at batch 256
-and a 131k context. Entries past a request's used pages keep whatever an earlier replay left there: no plan reads
-them. The launch depends only on the captured batch size (grid) and the tensors' addresses: graph-safe.
+Every replay of a graph must see the batch's current pages at the same addresses, so a decode graph copies them
+itself (a prefill graph's replay has them copied just before it): for each request slot ``r`` of the (padded) batch,
+its used pages ``ceil(seq_lens[r] / page_size)`` from ``req_to_token[req_pool_indices[r]]`` (the first slot of each
+page divided by ``page_size``). One program per request slot copies only that request's used length, as SGLang's
+FlashInfer backend builds its indices: a torch gather of whole rows (batch x max context, int32) made ~128 MB of
+temporaries and ~0.25 GB of traffic per step at batch 256 and a 131k context. Entries past a request's used pages
+keep whatever an earlier replay left there: no plan reads them. The launch depends only on the captured batch size
+(grid) and the tensors' addresses: graph-safe.
 
 :class:`GraphState` holds that table and the graph wrappers (one per layer geometry) that plan into it.
 """
@@ -88,17 +89,21 @@ def geometry_options(key: tuple, *, block_size: int, sharing: str, kv_dtype) -> 
 
 
 class GraphState:
-    """The decode graphs' shared state: one capacity-fixed :class:`prefixattn.PrefixSharedAttention` per layer
-    geometry (``use_cuda_graph=True``) and the static device block table they read.
+    """One kind of graph's shared state (decode graphs, or SGLang's "full" prefill graphs): one capacity-fixed
+    :class:`prefixattn.PrefixSharedAttention` per layer geometry (``use_cuda_graph=True``) and the static device
+    block table they read.
 
-    The table is ``[max_bs, max_pages]`` int32 and refilled inside the graph from ``req_to_token``, each request's used
-    pages only (:func:`fill_page_table`: the same address at every step); the planner reads the step's host page
-    labels (:mod:`prefixattn.integrations.sglang.host_pages`).
+    The table is ``[max_bs, max_pages]`` int32 and refilled from ``req_to_token`` before each captured forward, each
+    request's used pages only (:func:`fill_page_table`: the same address at every step): inside a decode graph,
+    before a prefill graph's replay (SGLang's prefill runner has no in-graph hook). The planner reads the step's host
+    page labels (:mod:`prefixattn.integrations.sglang.host_pages`). ``max_q_len``: the query length the wrappers'
+    fixed tiles are chosen for (1 for decode graphs; a prefill graph's largest token count).
     """
 
     def __init__(self, *, max_bs: int, max_num_tokens: int, max_pages: int, page_size: int, sharing: str,
-                 device, kv_dtype: torch.dtype | None = None) -> None:
+                 device, kv_dtype: torch.dtype | None = None, max_q_len: int = 1) -> None:
         self.max_bs, self.max_num_tokens, self.page_size, self.sharing = max_bs, max_num_tokens, page_size, sharing
+        self.max_q_len = max_q_len
         self.kv_dtype = kv_dtype  # the pool's fp8 dtype (prices the cost rule), None: q's dtype
         self.table = torch.zeros((max_bs, max_pages), dtype=torch.int32, device=device)
         self.wrappers: dict = {}  # plan key (heads, head_dim, dtype, scale, causal) -> PrefixSharedAttention
@@ -108,9 +113,9 @@ class GraphState:
         fill_page_table(self.table, req_to_token, req_pool_indices, seq_lens, bs, self.page_size)
 
     def _plan(self, attn, meta):
-        bs = meta.block_table.shape[0]  # the padded batch: one query row per request slot in a decode graph
+        bs = meta.block_table.shape[0]  # the padded batch's request slots
         return attn.plan(meta.qo_indptr, meta.kv_lens, meta.block_table, device_block_table=self.table[:bs],
-                         graph_num_tokens=bs)
+                         graph_num_tokens=meta.graph_num_tokens)
 
     def plan_all(self, meta) -> None:
         for key, attn in self.wrappers.items():
@@ -124,7 +129,7 @@ class GraphState:
         self.wrappers[key] = prefixattn.PrefixSharedAttention(
             **geometry_options(key, block_size=self.page_size, sharing=self.sharing, kv_dtype=self.kv_dtype),
             max_tokens=self.max_num_tokens, max_requests=self.max_bs, max_blocks_per_request=0, device=device,
-            use_cuda_graph=True)
+            use_cuda_graph=True, max_q_len=self.max_q_len)
         meta.plans[key] = p = self._plan(self.wrappers[key], meta)
         return p
 
