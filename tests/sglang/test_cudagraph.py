@@ -233,6 +233,11 @@ def test_graph_hooks_out_of_order_and_beyond_the_first_capture_are_refused():
     runner = PrefillGraphRunner(backend, slots=2, bucket=16, context=256)
     with pytest.raises(ValueError, match="expected a prefill graph's capture .* before its replays"):
         backend.init_forward_metadata_out_graph(runner.capture_batch)
+    runner.capture_batch.forward_mode = ForwardMode.TARGET_VERIFY  # refused before it sizes a prefill graph
+    with pytest.raises(NotImplementedError, match="got TARGET_VERIFY"):
+        backend.init_forward_metadata_out_graph(runner.capture_batch, in_capture=True)
+    assert backend._prefill_graph is None
+    runner.capture_batch.forward_mode = ForwardMode.EXTEND
     backend.init_forward_metadata_out_graph(runner.capture_batch, in_capture=True)
     bigger = PrefillGraphRunner(backend, slots=2, bucket=32, context=256)
     with pytest.raises(ValueError, match="at most 16 tokens and 2 request slots .* got 32 tokens and 2 slots"):

@@ -243,15 +243,7 @@ class PrefixAttnBackend(AttentionBackend):
         if mode.is_idle():
             self.forward_metadata = None
             return
-        if mode.is_target_verify() or mode.is_draft_extend_v2() or mode.is_dllm_extend() \
-                or forward_batch.spec_info is not None:
-            raise NotImplementedError(
-                f"forward_mode: the prefixattn backend supports DECODE, EXTEND and MIXED batches, got {mode.name} "
-                "(speculative decoding and dLLM are not supported)"
-            )
-        if forward_batch.encoder_lens is not None:
-            raise NotImplementedError("encoder_lens: encoder-decoder models are not supported by the prefixattn "
-                                      "backend")
+        _check_batch_kind(forward_batch)
         bs = int(forward_batch.batch_size)
         kv_lens = _host_int64(forward_batch.seq_lens_cpu, forward_batch.seq_lens)[:bs]
         if mode.is_decode():
@@ -425,6 +417,7 @@ class PrefixAttnBackend(AttentionBackend):
         graph, on the stream the replay follows. Sharing is planned per replay as in a decode graph; a step beyond
         the captured grids is re-planned without sharing (:meth:`prefixattn.PrefixSharedAttention.plan`).
         """
+        _check_batch_kind(forward_batch)  # before the first capture sizes anything
         if forward_batch.input_ids is None:
             raise ValueError("forward_batch.input_ids: expected the prefill graph's token bucket (its length is the "
                              "captured q's rows), got None")
@@ -487,6 +480,20 @@ def _check_pool_dtype(pool, model_dtype: torch.dtype | None) -> None:
         raise ValueError(f"kv_cache_dtype: expected the model dtype {_dtype_name(model_dtype)} or fp8 (prefixattn "
                          f"reads a float K/V cache in the dtype of q; use --kv-cache-dtype auto, fp8_e4m3 or "
                          f"fp8_e5m2), got {_dtype_name(pool_dtype)}")
+
+
+def _check_batch_kind(forward_batch) -> None:
+    """Refuse batches of a kind the backend does not run (speculative decoding, dLLM, encoder-decoder)."""
+    mode = forward_batch.forward_mode
+    if mode.is_target_verify() or mode.is_draft_extend_v2() or mode.is_dllm_extend() \
+            or forward_batch.spec_info is not None:
+        raise NotImplementedError(
+            f"forward_mode: the prefixattn backend supports DECODE, EXTEND and MIXED batches, got {mode.name} "
+            "(speculative decoding and dLLM are not supported)"
+        )
+    if forward_batch.encoder_lens is not None:
+        raise NotImplementedError("encoder_lens: encoder-decoder models are not supported by the prefixattn "
+                                  "backend")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
