@@ -230,11 +230,12 @@ def _remember(spec, kernel) -> tuple:
 
 
 def class_launches(tiles, classes: tuple, grid_items: tuple, ranges, num_kv_heads: int, kv_fp8: bool,
-                   nan_guard: bool = False, q_fp32: bool = False) -> list:
+                   nan_guard: bool = False, q_fp32: bool = False, model_switches: bool = False) -> list:
     """``per_class`` of :class:`PreparedLaunch`: each class's grid, class arguments and launch options."""
     per_class = []
     for work_class, items in zip(classes, grid_items):
-        options = tiles.launch_options(work_class, kv_fp8=kv_fp8, nan_guard=nan_guard, q_fp32=q_fp32)
+        options = tiles.launch_options(work_class, kv_fp8=kv_fp8, nan_guard=nan_guard, q_fp32=q_fp32,
+                                       model_switches=model_switches)
         class_args = dict(item_range_ptr=ranges[work_class], IS_SHARED=work_class == CLASS_SHARED,
                           BLOCK_M=options.pop("BLOCK_M"), BLOCK_N=options.pop("BLOCK_N"))
         per_class.append(((items * num_kv_heads,), class_args, options))

@@ -10,6 +10,7 @@ import torch
 
 from prefixattn.kernels.layout import CLASS_CHUNK, CLASS_DECODE, CLASS_SHARED, WORK_CLASSES, page_size_constexpr
 from prefixattn.kernels.prefix_attention_kernel import prefix_attention_kernel
+from prefixattn.autotune.config_space import MODEL_SWITCHES
 from prefixattn.autotune.lookup import read_fixed_env
 from prefixattn.autotune.targets import gfx_isa, writes_own_l2_fences
 from prefixattn.launcher import SPEC_ALIGN, PreparedLaunch, class_launches
@@ -245,7 +246,8 @@ def _prepare(p: Plan, key, *, out, lse, q, k_cache, v_cache, classes: tuple, gri
     )
     per_class = class_launches(t, classes, grid_items, tb["ranges"], p.num_kv_heads,
                                kv_fp8=k_cache.dtype in FP8_KV_DTYPES, nan_guard=p.nan_guard,
-                               q_fp32=q.dtype == torch.float32)
+                               q_fp32=q.dtype == torch.float32,
+                               model_switches=any(features[f] for f in MODEL_SWITCHES))
     launch = PreparedLaunch(prefix_attention_kernel, named, per_class)
     launch.features = features
     if key is not None:

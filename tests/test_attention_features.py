@@ -178,7 +178,13 @@ def test_window_shares_only_what_every_member_sees(device):
     _compare(got, want, torch.float32)
 
 
-def test_all_features_together(device):
+def test_all_features_together(device, monkeypatch):
+    from prefixattn import prefix_attention
+    from prefixattn.autotune.config_space import FP8_DECODE_NARROW_BLOCK_N, FP8_SWITCHED_DECODE_MAX_REGS
+    from tests.launch_count import RecordingKernel
+
+    rec = RecordingKernel(prefix_attention.prefix_attention_kernel)
+    monkeypatch.setattr(prefix_attention, "prefix_attention_kernel", rec)
     b = _shared_batch(device, dtype=torch.bfloat16, head_dim=72, q_lens=[1, 6, 3], extra_lens=[2, 9, 6],
                       level_blocks={"a": 4})
     b.k_cache, b.v_cache = b.k_cache.to(torch.float8_e4m3fn), b.v_cache.to(torch.float8_e4m3fn)
@@ -186,6 +192,11 @@ def test_all_features_together(device):
                    v_scale=1.5)
     _, got, want = _run(b, plan_kw=dict(logits_soft_cap=2.0, window_left=7, **_SPLIT), attn_kw=attn_kw)
     _compare(got, want, torch.bfloat16)
+    # The launch carries the model switches' fp8 rule (head_dim 72 pads to 128; NVIDIA's tables): 16-position KV
+    # tiles at most 128 registers for the decode class (LaunchOptions.for_kv, fp8_block_n).
+    decode = [args for _, args in rec.launches if args["BLOCK_M"] <= 16 and not args["IS_SHARED"]]
+    assert decode and all(a["BLOCK_N"] == FP8_DECODE_NARROW_BLOCK_N for a in decode)
+    assert all(a.get("maxnreg") == FP8_SWITCHED_DECODE_MAX_REGS for a in decode)
 
 
 def test_fp8_e4m3_is_refused_on_gpus_before_sm89(monkeypatch):

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from prefixattn.autotune.config_space import AttentionConfig, MergeConfig, block_d, fp8_block_n, part_registers
+from prefixattn.autotune.config_space import (MODEL_SWITCHES, AttentionConfig, MergeConfig, block_d, fp8_block_n,
+                                              part_registers)
 from prefixattn.autotune.launch_limits import DECODE_SUFFIX_MAX_REGS, required_pipeline_depth
 from prefixattn.autotune.targets import Target, writes_own_l2_fences
 from prefixattn.kernels.layout import page_size_constexpr
@@ -192,8 +193,9 @@ def fused_job(*, target: Target, dtype: str, head_dim: int, config: AttentionCon
     tiles = config.shared if has_shared else config.suffix
     kv_fp8 = kv_dtype in FP8_KV_TYPES
     nan_guard = "USE_NAN_GUARD" in features
+    model_switches = any(f in features for f in MODEL_FEATURES)
     block_n = fp8_block_n(tiles.block_m, tiles.block_n, kv_fp8=kv_fp8, block_d=bd, has_shared=has_shared,
-                          is_hip=target.is_hip, nan_guard=nan_guard)
+                          is_hip=target.is_hip, nan_guard=nan_guard, model_switches=model_switches)
     constexprs = dict(IS_SHARED=has_shared, HAS_LSE=has_lse, USE_FP32_DOT=use_fp32_dot, IS_HIP=target.is_hip,
                       USE_L2_FENCES=writes_own_l2_fences(target.arch), PAGE_SIZE=page_size_constexpr(BLOCK_SIZE),
                       BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_D=bd)
@@ -207,7 +209,8 @@ def fused_job(*, target: Target, dtype: str, head_dim: int, config: AttentionCon
     bm, bn = config.shared.block_m, block_n
     launch = config.launch_for(has_shared).for_kv(has_shared=has_shared, kv_fp8=kv_fp8, is_hip=target.is_hip,
                                                   block_d=bd, block_m=tiles.block_m, block_n=tiles.block_n,
-                                                  nan_guard=nan_guard, q_fp32=dtype == "fp32")
+                                                  nan_guard=nan_guard, q_fp32=dtype == "fp32",
+                                                  model_switches=model_switches)
     name = (variant + ("" if has_shared else "/suffix-only") + ("+lse" if has_lse else "")
             + "".join("+" + f.split("_", 1)[1].lower() for f in FEATURE_SWITCHES if f in features)
             + (f"+{kv_dtype}" if kv_dtype else "")
@@ -242,7 +245,7 @@ def decode_suffix_register_budget(target: Target, dtype: str, head_dim: int, con
 
 
 #: The switches a model turns on (Gemma 2: soft cap and window; gpt-oss: sinks and window).
-MODEL_FEATURES = ("HAS_SOFT_CAP", "HAS_WINDOW", "HAS_SINKS")
+MODEL_FEATURES = MODEL_SWITCHES
 #: The switches that do not touch the K/V element type (every dtype compiles them): the model's and the NaN guard.
 NON_FP8_FEATURES = MODEL_FEATURES + ("USE_NAN_GUARD",)
 

@@ -121,10 +121,22 @@ FP8_MAX_BLOCK_N = 16
 #: none (both).
 FP8_MID_HEAD_DIM = 128
 FP8_MID_HEAD_SUFFIX_MAX_BLOCK_N = 32
-#: The same launches' decode tiles (:data:`NAN_GUARD_DECODE_ROWS` rows at most) with the NaN guard, at most: sm_90
-#: fp16 16 x 32 tiles over e4m3 or e5m2 with every switch: Triton 3.6 128 registers, 8 bytes spilled; 16 x 16: 122,
-#: none (Triton 3.9: 98).
-FP8_NAN_GUARD_DECODE_MAX_BLOCK_N = 16
+#: The same launches' decode tiles (:data:`NAN_GUARD_DECODE_ROWS` rows at most) with the NaN guard or a model switch
+#: (soft cap, window, sinks), at most. The NaN guard: sm_90 fp16 16 x 32 tiles over e4m3 or e5m2 with every switch:
+#: Triton 3.6 128 registers, 8 bytes spilled; 16 x 16: 122, none (Triton 3.9: 98). A model switch: see
+#: :data:`FP8_SWITCHED_DECODE_MAX_REGS`.
+FP8_DECODE_NARROW_BLOCK_N = 16
+#: Registers per thread, at most, of those decode tiles under a model switch without the NaN guard. sm_90 bf16 16 x 32
+#: tiles (LSE, scales, 8 warps, 3 stages), Triton 3.6: e4m3 with a window 128 registers and 8 bytes spilled (with
+#: every switch too), e4m3 with sinks and e5m2 with any switch 128, none, without a switch 124; Triton 3.9: 122-128,
+#: none; another machine's build of the same source held e4m3 with every switch at 127 and none: ptxas's 128-register
+#: line (2 programs per SM at 8 warps), crossed by how it happens to allocate. 16 x 16 tiles left to ptxas: e4m3
+#: without a switch 80 and 8 bytes (it aims at 3 programs per SM); capped at 128: 90-100 (3.6) and 92-94 (3.9) with
+#: and without the switches, e4m3 and e5m2, none (compile-check). 2 programs per SM either way.
+FP8_SWITCHED_DECODE_MAX_REGS = 128
+#: The kernel's model switches (a model's attention features, as opposed to the NaN guard): ``model_switches`` of
+#: :meth:`LaunchOptions.for_kv` and :func:`fp8_block_n` says a launch has one of them on.
+MODEL_SWITCHES = ("HAS_SOFT_CAP", "HAS_WINDOW", "HAS_SINKS")
 #: Warps of a suffix-only NVIDIA launch with the NaN guard (``plan(nan_guard=True)``, the kernel's ``USE_NAN_GUARD``)
 #: at a padded head size of :data:`NAN_GUARD_SMALL_HEAD_DIM` or less, at least. At 4 warps Triton 3.6's binaries kept
 #: values in local memory across the KV loops at 80-96 registers (compile-check, LSE, every non-fp8 switch: sm_80
@@ -169,18 +181,21 @@ class LaunchOptions:
     maxnreg: int = 0
 
     def for_kv(self, *, has_shared: bool, kv_fp8: bool, is_hip: bool, block_d: int, block_m: int, block_n: int,
-               nan_guard: bool = False, q_fp32: bool = False) -> "LaunchOptions":
+               nan_guard: bool = False, q_fp32: bool = False, model_switches: bool = False) -> "LaunchOptions":
         """These options for a launch of ``block_m`` x ``block_n`` tiles (the table's KV tile, before
         :func:`fp8_block_n`) at a padded head size ``block_d`` whose K/V cache is fp8 (when ``kv_fp8``): a
         suffix-only NVIDIA launch gets at most :data:`FP8_SUFFIX_MAX_STAGES` stages and at least
-        :data:`FP8_SUFFIX_MIN_WARPS` warps (tiles of at most :data:`FP8_NARROW_TILE` rows and positions keep theirs),
-        or exactly :data:`FP8_LARGE_HEAD_DECODE_WARPS` for 32-row decode tiles of large heads. With the NaN guard
-        (``nan_guard``) a suffix-only NVIDIA launch at a padded head size of :data:`NAN_GUARD_SMALL_HEAD_DIM` or less
-        gets at least :data:`NAN_GUARD_MIN_WARPS` warps, and one of decode tiles at :data:`NAN_GUARD_MID_HEAD_DIM`
-        with 16-bit q and K/V (``q_fp32`` false) exactly :data:`NAN_GUARD_MID_HEAD_DECODE_WARPS` (at least
-        :data:`NAN_GUARD_MIN_WARPS` with KV tiles of :data:`NAN_GUARD_NARROW_BLOCK_N` positions or fewer); the
-        small-head decode tiles of such a launch over an fp8 cache at most :data:`NAN_GUARD_FP8_MAX_REGS` registers
-        (``maxnreg``). Everything else is unchanged. The one rule (with :func:`fp8_block_n`), used by the launch
+        :data:`FP8_SUFFIX_MIN_WARPS` warps (tiles of at most :data:`FP8_NARROW_TILE` rows and positions keep
+        theirs), or exactly :data:`FP8_LARGE_HEAD_DECODE_WARPS` for 32-row decode tiles of large heads. With the NaN
+        guard (``nan_guard``) a suffix-only NVIDIA launch at a padded head size of :data:`NAN_GUARD_SMALL_HEAD_DIM`
+        or less gets at least :data:`NAN_GUARD_MIN_WARPS` warps, and one of decode tiles at
+        :data:`NAN_GUARD_MID_HEAD_DIM` with 16-bit q and K/V (``q_fp32`` false) exactly
+        :data:`NAN_GUARD_MID_HEAD_DECODE_WARPS` (at least :data:`NAN_GUARD_MIN_WARPS` with KV tiles of
+        :data:`NAN_GUARD_NARROW_BLOCK_N` positions or fewer); the small-head decode tiles of such a launch over an
+        fp8 cache at most :data:`NAN_GUARD_FP8_MAX_REGS` registers (``maxnreg``). Without the guard, a suffix-only
+        NVIDIA launch of decode tiles over an fp8 cache at :data:`FP8_MID_HEAD_DIM` under a model switch
+        (``model_switches``: soft cap, window or sinks) at most :data:`FP8_SWITCHED_DECODE_MAX_REGS`. Everything
+        else is unchanged. The one rule (with :func:`fp8_block_n`), used by the launch
         (:meth:`prefixattn.planner.tiles.AttentionTiles.launch_options`), the warm-up and compile-check."""
         lo = self
         if kv_fp8 and not has_shared and not is_hip:
@@ -191,6 +206,9 @@ class LaunchOptions:
             else:
                 warps = max(self.num_warps, FP8_SUFFIX_MIN_WARPS)
             lo = replace(self, num_warps=warps, num_stages=min(self.num_stages, FP8_SUFFIX_MAX_STAGES))
+            if (model_switches and not nan_guard and block_d == FP8_MID_HEAD_DIM
+                    and block_m <= NAN_GUARD_DECODE_ROWS):
+                lo = replace(lo, maxnreg=FP8_SWITCHED_DECODE_MAX_REGS)
         if nan_guard and not has_shared and not is_hip:
             if block_d <= NAN_GUARD_SMALL_HEAD_DIM:
                 lo = replace(lo, num_warps=max(lo.num_warps, NAN_GUARD_MIN_WARPS))
@@ -222,19 +240,20 @@ class LaunchOptions:
 
 
 def fp8_block_n(block_m: int, block_n: int, *, kv_fp8: bool, block_d: int, has_shared: bool, is_hip: bool,
-                nan_guard: bool) -> int:
+                nan_guard: bool, model_switches: bool = False) -> int:
     """The KV tile a launch of ``block_m`` x ``block_n`` tiles takes when its K/V cache is fp8: at most
     :data:`FP8_MAX_BLOCK_N` positions from :data:`FP8_LARGE_TILE_ROWS` rows and a padded head size (``block_d``) of
     :data:`FP8_LARGE_HEAD_DIM` on; a suffix-only NVIDIA launch at :data:`FP8_MID_HEAD_DIM` at most
-    :data:`FP8_MID_HEAD_SUFFIX_MAX_BLOCK_N`, or :data:`FP8_NAN_GUARD_DECODE_MAX_BLOCK_N` for decode tiles with the NaN
-    guard (any KV tile computes the same result: the plan's ranges do not depend on it)."""
+    :data:`FP8_MID_HEAD_SUFFIX_MAX_BLOCK_N`, or :data:`FP8_DECODE_NARROW_BLOCK_N` for decode tiles with the NaN
+    guard or a model switch (``model_switches``: soft cap, window or sinks; any KV tile computes the same result:
+    the plan's ranges do not depend on it)."""
     if not kv_fp8:
         return block_n
     if block_m >= FP8_LARGE_TILE_ROWS and block_d >= FP8_LARGE_HEAD_DIM:
         return min(block_n, FP8_MAX_BLOCK_N)
     if block_d == FP8_MID_HEAD_DIM and not has_shared and not is_hip:
-        if nan_guard and block_m <= NAN_GUARD_DECODE_ROWS:
-            return min(block_n, FP8_NAN_GUARD_DECODE_MAX_BLOCK_N)
+        if (nan_guard or model_switches) and block_m <= NAN_GUARD_DECODE_ROWS:
+            return min(block_n, FP8_DECODE_NARROW_BLOCK_N)
         return min(block_n, FP8_MID_HEAD_SUFFIX_MAX_BLOCK_N)
     return block_n
 

@@ -55,18 +55,20 @@ class AttentionTiles:
         return (self.shared, self.chunk, self.decode)[work_class]
 
     def launch_options(self, work_class: int, kv_fp8: bool = False, nan_guard: bool = False,
-                       q_fp32: bool = False) -> dict:
+                       q_fp32: bool = False, model_switches: bool = False) -> dict:
         """``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages`` (and on AMD ``waves_per_eu``,
         ``matrix_instr_nonkdim``, ``kpack``; on NVIDIA ``maxnreg`` where a rule set it) of the launch of
-        ``work_class`` (``kv_fp8``: the K/V cache is fp8; ``nan_guard``: the plan's NaN guard; ``q_fp32``: q is fp32:
+        ``work_class`` (``kv_fp8``: the K/V cache is fp8; ``nan_guard``: the plan's NaN guard; ``q_fp32``: q is fp32;
+        ``model_switches``: the launch has soft-capping, a window or sinks:
         :meth:`~prefixattn.autotune.config_space.LaunchOptions.for_kv` and
         :func:`~prefixattn.autotune.config_space.fp8_block_n`)."""
         has_shared = work_class == K.CLASS_SHARED
         ct = self.of(work_class)
         lo = ct.launch.for_kv(has_shared=has_shared, kv_fp8=kv_fp8, is_hip=self.is_hip, block_d=self.block_d,
-                              block_m=ct.block_m, block_n=ct.block_n, nan_guard=nan_guard, q_fp32=q_fp32)
+                              block_m=ct.block_m, block_n=ct.block_n, nan_guard=nan_guard, q_fp32=q_fp32,
+                              model_switches=model_switches)
         block_n = fp8_block_n(ct.block_m, ct.block_n, kv_fp8=kv_fp8, block_d=self.block_d, has_shared=has_shared,
-                              is_hip=self.is_hip, nan_guard=nan_guard)
+                              is_hip=self.is_hip, nan_guard=nan_guard, model_switches=model_switches)
         opts = {"BLOCK_M": ct.block_m, "BLOCK_N": block_n, "num_warps": lo.num_warps, "num_stages": lo.num_stages}
         if self.is_hip:
             opts.update(waves_per_eu=lo.waves_per_eu, matrix_instr_nonkdim=lo.matrix_instr_nonkdim, kpack=lo.kpack)

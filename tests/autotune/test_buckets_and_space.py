@@ -242,15 +242,36 @@ def test_fp8_caches_take_narrower_kv_tiles_under_large_tiles_of_large_heads():
 
 def test_fp8_suffix_launches_of_head_128_take_narrower_kv_tiles_on_nvidia_only():
     from prefixattn.autotune.config_space import (FP8_MID_HEAD_DIM, FP8_MID_HEAD_SUFFIX_MAX_BLOCK_N,
-                                                  FP8_NAN_GUARD_DECODE_MAX_BLOCK_N, fp8_block_n)
+                                                  FP8_DECODE_NARROW_BLOCK_N, fp8_block_n)
 
     suffix = dict(kv_fp8=True, block_d=FP8_MID_HEAD_DIM, has_shared=False, is_hip=False, nan_guard=False)
     assert fp8_block_n(16, 64, **suffix) == FP8_MID_HEAD_SUFFIX_MAX_BLOCK_N == 32
     assert fp8_block_n(128, 64, **suffix) == 32
-    assert fp8_block_n(16, 64, **dict(suffix, nan_guard=True)) == FP8_NAN_GUARD_DECODE_MAX_BLOCK_N == 16
+    assert fp8_block_n(16, 64, **dict(suffix, nan_guard=True)) == FP8_DECODE_NARROW_BLOCK_N == 16
     assert fp8_block_n(128, 64, **dict(suffix, nan_guard=True)) == 32  # chunk tiles: the plain limit
     for other in (dict(has_shared=True), dict(is_hip=True), dict(kv_fp8=False), dict(block_d=64)):
         assert fp8_block_n(16, 64, **dict(suffix, **other)) == 64, other
+
+
+def test_fp8_decode_launches_of_head_128_under_a_model_switch_take_16_position_tiles_and_128_registers():
+    # Triton 3.6 spilled sm_90's 16 x 32 binary over e4m3 with a window at ptxas's 128-register line; 16-position
+    # tiles capped at 128 compile with room to spare (FP8_SWITCHED_DECODE_MAX_REGS). Chunk tiles, other head sizes,
+    # 16-bit caches, AMD and launches with shared items keep their options; the NaN guard's own rule is unchanged.
+    from prefixattn.autotune.config_space import (FP8_DECODE_NARROW_BLOCK_N, FP8_MID_HEAD_DIM,
+                                                  FP8_SWITCHED_DECODE_MAX_REGS, fp8_block_n)
+
+    suffix = dict(kv_fp8=True, block_d=FP8_MID_HEAD_DIM, has_shared=False, is_hip=False, nan_guard=False,
+                  model_switches=True)
+    lo = LaunchOptions(num_warps=4, num_stages=3)
+    assert fp8_block_n(16, 32, **suffix) == FP8_DECODE_NARROW_BLOCK_N
+    assert lo.for_kv(**suffix, block_m=16, block_n=32) == LaunchOptions(8, 3, maxnreg=FP8_SWITCHED_DECODE_MAX_REGS)
+    assert lo.for_kv(**dict(suffix, model_switches=False), block_m=16, block_n=32).maxnreg == 0
+    assert fp8_block_n(16, 32, **dict(suffix, model_switches=False)) == 32
+    assert fp8_block_n(128, 64, **suffix) == 32 and lo.for_kv(**suffix, block_m=128, block_n=64).maxnreg == 0
+    assert lo.for_kv(**dict(suffix, nan_guard=True), block_m=16, block_n=32).maxnreg == 0
+    for other in (dict(has_shared=True), dict(is_hip=True), dict(kv_fp8=False), dict(block_d=64)):
+        assert lo.for_kv(**dict(suffix, **other), block_m=16, block_n=32).maxnreg == 0, other
+        assert fp8_block_n(16, 32, **dict(suffix, **other)) == 32, other
 
 
 def test_the_launch_applies_the_fp8_rules_per_work_class():
