@@ -193,7 +193,7 @@ def fused_job(*, target: Target, dtype: str, head_dim: int, config: AttentionCon
     tiles = config.shared if has_shared else config.suffix
     kv_fp8 = kv_dtype in FP8_KV_TYPES
     nan_guard = "USE_NAN_GUARD" in features
-    model_switches = any(f in features for f in MODEL_FEATURES)
+    model_switches = any(f in features for f in MODEL_SWITCHES)
     block_n = fp8_block_n(tiles.block_m, tiles.block_n, kv_fp8=kv_fp8, block_d=bd, has_shared=has_shared,
                           is_hip=target.is_hip, nan_guard=nan_guard, model_switches=model_switches)
     constexprs = dict(IS_SHARED=has_shared, HAS_LSE=has_lse, USE_FP32_DOT=use_fp32_dot, IS_HIP=target.is_hip,
@@ -244,10 +244,8 @@ def decode_suffix_register_budget(target: Target, dtype: str, head_dim: int, con
     return DECODE_SUFFIX_MAX_REGS
 
 
-#: The switches a model turns on (Gemma 2: soft cap and window; gpt-oss: sinks and window).
-MODEL_FEATURES = MODEL_SWITCHES
 #: The switches that do not touch the K/V element type (every dtype compiles them): the model's and the NaN guard.
-NON_FP8_FEATURES = MODEL_FEATURES + ("USE_NAN_GUARD",)
+NON_FP8_FEATURES = MODEL_SWITCHES + ("USE_NAN_GUARD",)
 
 
 def feature_specs(target: Target, dtype: str, *, worst_case_only: bool = False) -> list[tuple]:
@@ -262,9 +260,9 @@ def feature_specs(target: Target, dtype: str, *, worst_case_only: bool = False) 
     if dtype == "fp32":
         return [(NON_FP8_FEATURES, None)]
     kinds = fp8_kv_types(target)
-    with_model = [(MODEL_FEATURES + ("HAS_KV_SCALE",), kind) for kind in kinds]
+    with_model = [(MODEL_SWITCHES + ("HAS_KV_SCALE",), kind) for kind in kinds]
     if worst_case_only:
-        return [(MODEL_FEATURES, None)] + [(("HAS_KV_SCALE",), kind) for kind in kinds] + with_model
+        return [(MODEL_SWITCHES, None)] + [(("HAS_KV_SCALE",), kind) for kind in kinds] + with_model
     return ([(NON_FP8_FEATURES, None)] + [(("HAS_KV_SCALE",), kind) for kind in kinds] + with_model[:1]
             + guarded_fp8_specs(target))
 

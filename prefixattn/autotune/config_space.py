@@ -134,8 +134,9 @@ FP8_DECODE_NARROW_BLOCK_N = 16
 #: without a switch 80 and 8 bytes (it aims at 3 programs per SM); capped at 128: 90-100 (3.6) and 92-94 (3.9) with
 #: and without the switches, e4m3 and e5m2, none (compile-check). 2 programs per SM either way.
 FP8_SWITCHED_DECODE_MAX_REGS = 128
-#: The kernel's model switches (a model's attention features, as opposed to the NaN guard): ``model_switches`` of
-#: :meth:`LaunchOptions.for_kv` and :func:`fp8_block_n` says a launch has one of them on.
+#: The kernel's model switches, the ones a model turns on (Gemma 2: soft cap and window; gpt-oss: sinks and window),
+#: as opposed to the NaN guard: ``model_switches`` of :meth:`LaunchOptions.for_kv` and :func:`fp8_block_n` says a
+#: launch has one of them on.
 MODEL_SWITCHES = ("HAS_SOFT_CAP", "HAS_WINDOW", "HAS_SINKS")
 #: Warps of a suffix-only NVIDIA launch with the NaN guard (``plan(nan_guard=True)``, the kernel's ``USE_NAN_GUARD``)
 #: at a padded head size of :data:`NAN_GUARD_SMALL_HEAD_DIM` or less, at least. At 4 warps Triton 3.6's binaries kept

@@ -377,10 +377,13 @@ class PrefixAttnBackend(AttentionBackend):
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
         """Capacities of every graph SGLang will capture (largest batch and token count) and the static device block
         table that :meth:`init_forward_metadata_in_graph` refills inside the graph."""
+        self._graph = self._graph_state(int(max_bs), int(max_num_tokens))
+
+    def _graph_state(self, max_bs: int, max_num_tokens: int, max_q_len: int = 1) -> GraphState:
+        """A graph kind's state at these capacities, its page table as wide as a ``req_to_token`` row."""
         pages = -(-int(self.req_to_token_pool.req_to_token.shape[1]) // self.page_size)
-        self._graph = GraphState(max_bs=int(max_bs), max_num_tokens=int(max_num_tokens), max_pages=pages,
-                                 page_size=self.page_size, sharing=self.sharing, device=self.device,
-                                 kv_dtype=self.kv_dtype)
+        return GraphState(max_bs=max_bs, max_num_tokens=max_num_tokens, max_pages=pages, page_size=self.page_size,
+                          sharing=self.sharing, device=self.device, kv_dtype=self.kv_dtype, max_q_len=max_q_len)
 
     def get_cuda_graph_seq_len_fill_value(self):
         return CUDA_GRAPH_SEQ_LEN_FILL
@@ -427,10 +430,7 @@ class PrefixAttnBackend(AttentionBackend):
             if not in_capture:
                 raise ValueError("init_forward_metadata_out_graph: expected a prefill graph's capture "
                                  "(in_capture=True) before its replays, got a replay with no prefill graph captured")
-            pages = -(-int(self.req_to_token_pool.req_to_token.shape[1]) // self.page_size)
-            state = self._prefill_graph = GraphState(
-                max_bs=bs, max_num_tokens=num_tokens, max_pages=pages, page_size=self.page_size, sharing=self.sharing,
-                device=self.device, kv_dtype=self.kv_dtype, max_q_len=num_tokens)
+            state = self._prefill_graph = self._graph_state(bs, num_tokens, max_q_len=num_tokens)
         if num_tokens > state.max_num_tokens or bs > state.max_bs:
             raise ValueError(f"forward_batch: expected a prefill graph of at most {state.max_num_tokens} tokens and "
                              f"{state.max_bs} request slots (the first capture's: SGLang captures the largest bucket "
