@@ -12,7 +12,7 @@ from prefixattn import PrefixSharedAttention, attention, reference_attention
 from prefixattn import prefix_attention
 from prefixattn.kernels import layout as K
 from prefixattn.planner import compiled as compiled_planner
-from prefixattn.planner.workspace import derive_capacity
+from prefixattn.planner.workspace import HostStaging, derive_capacity
 from tests.launch_count import RecordingKernel
 from tests.prefix_batches import random_batch
 from tests.tolerances import ATTENTION_TOL, LSE_TOL
@@ -464,8 +464,40 @@ def test_one_wait_for_the_previous_copy_per_step(device_table):
 
     (a, _), _, _ = _two_batches_on_one_cache("cpu")
     attn = PrefixSharedAttention(**HEADS, q_dtype=torch.float32, device="cpu", **CAPS)
-    event = attn.workspace._copied = CountingEvent()  # a CPU workspace has none: stand in for CUDA's
+    staging = attn.workspace._staging  # a CPU workspace's one buffer, given an event to stand in for CUDA's
+    event = CountingEvent()
+    staging._events = [event]
     extra = dict(device_block_table=a.block_table.clone()) if device_table else {}
     for _ in range(3):
         attn.plan(*a.metadata, **extra)
     assert (event.records, event.waits) == (3, 2)
+
+
+def test_staging_buffers_take_turns_so_a_step_waits_for_the_copy_before_last():
+    """Two host buffers used in turn (a CUDA workspace's): writing step N+1's tables waits for the copy of step N-1,
+    not of step N, so the host can plan a step while the GPU still has the previous one queued."""
+    events = []
+
+    class Event:
+        def __init__(self):
+            self.waits = self.records = 0
+            events.append(self)
+
+        def synchronize(self):
+            self.waits += 1
+
+        def record(self):
+            self.records += 1
+
+    staging = HostStaging(8, slots=2, pinned=False, event=Event)
+    used = []
+    for step in range(4):
+        staging.wait()
+        staging.array[:] = step
+        used.append(staging.buffer.data_ptr())
+        staging.copied()
+    assert used[0] == used[2] != used[1] == used[3]
+    assert [(e.records, e.waits) for e in events] == [(2, 1), (2, 1)]  # steps 2 and 3 waited for steps 0 and 1
+    assert staging.arrays[0].tolist() == [2] * 8 and staging.arrays[1].tolist() == [3] * 8
+    with pytest.raises(ValueError, match="slots: expected at least 1, got 0"):
+        HostStaging(8, slots=0, pinned=False)

@@ -2,8 +2,9 @@
 
 :class:`PlanWorkspace` owns (FlashInfer's pattern: capacities given once, buffers reused every step)
 
-* one int32 host staging buffer (pinned when the device is CUDA) and one int32 device buffer of the same size, cut at
-  fixed offsets into the kernel's metadata tables (work-class ranges, ``items``, ``gather``, ``mrows``, block table);
+* int32 host staging buffers (two, pinned, used in turn when the device is CUDA: :class:`HostStaging`) and one int32
+  device buffer of the same size, cut at fixed offsets into the kernel's metadata tables (work-class ranges,
+  ``items``, ``gather``, ``mrows``, block table);
 * the merge counters and the fp32 partial-state workspace (``ws_o``, ``ws_lse``), sized by capacity.
 
 :meth:`PlanWorkspace.load` writes a step's work list into the host buffer (the compiled planner writes it there itself,
@@ -137,6 +138,62 @@ def class_grid_items(*, num_tokens: int, num_requests: int, rows_per_tile: tuple
 
 #: Row-count triples whose views a workspace keeps (a bound on its memo; each entry is four tensor views).
 _MAX_LIVE_VIEWS = 1024
+#: Pinned host staging buffers a CUDA workspace uses in turn. With one, planning step N+1 waited until step N's copy
+#: had read the buffer, i.e. until the GPU reached step N: an engine that plans ahead (vLLM's async scheduling) could
+#: not plan while the GPU worked. With two, it waits for step N-1's copy, which step N's queued work follows.
+STAGING_SLOTS = 2
+
+
+class HostStaging:
+    """The int32 host buffers a workspace's tables are written into and copied from, one per step in turn.
+
+    Buffer ``slot`` is written by a step's planner, copied to the device by one non-blocking copy, then left to that
+    copy while the next step writes the next buffer; a buffer is written again only once the copy that read it is
+    done (an event per buffer). On the CPU one buffer (the device buffer itself: no copy, kernels run synchronously).
+
+    Parameters
+    ----------
+    size : int
+        int32 elements per buffer.
+    slots : int
+        Buffers used in turn (>= 1).
+    pinned : bool
+        Page-locked buffers (CUDA): a copy from pageable memory would wait for the work queued on its stream.
+    event : callable, optional
+        Makes the event recorded after each copy (``torch.cuda.Event``); None: no copy to wait for.
+    """
+
+    def __init__(self, size: int, *, slots: int, pinned: bool, event=None) -> None:
+        if slots < 1:
+            raise ValueError(f"slots: expected at least 1, got {slots}")
+        self.buffers = [torch.zeros(size, dtype=torch.int32, pin_memory=pinned) for _ in range(slots)]
+        self.arrays = [b.numpy() for b in self.buffers]
+        self._events = [event() if event is not None else None for _ in range(slots)]
+        self._pending = [False] * slots  # a copy from that buffer was recorded and not yet waited for
+        self.slot = 0
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        """This step's buffer (valid once :meth:`wait` returned)."""
+        return self.buffers[self.slot]
+
+    @property
+    def array(self) -> np.ndarray:
+        return self.arrays[self.slot]
+
+    def wait(self) -> None:
+        """Block until the last copy from this step's buffer has read it (a no-op when none is pending)."""
+        if self._pending[self.slot]:
+            self._events[self.slot].synchronize()
+            self._pending[self.slot] = False
+
+    def copied(self) -> None:
+        """This step's copy from the buffer is queued: record its event and move on to the next buffer."""
+        event = self._events[self.slot]
+        if event is not None:
+            event.record()
+            self._pending[self.slot] = True
+            self.slot = (self.slot + 1) % len(self.buffers)
 
 
 class PlanWorkspace:
@@ -163,15 +220,14 @@ class PlanWorkspace:
             self._offsets[name] = (pos, size)
             pos = K.section_end(pos + size)  # every section 16-byte aligned (K.SECTION_ALIGN)
         self._table_starts = tuple(self._offsets[name][0] for name in ("items", "gather", "mrows"))
-        self._host = torch.zeros(pos, dtype=torch.int32, pin_memory=device.type == "cuda")
-        self._host_np = self._host.numpy()
+        cuda = device.type == "cuda"
+        self._staging = HostStaging(pos, slots=STAGING_SLOTS if cuda else 1, pinned=cuda,
+                                    event=torch.cuda.Event if cuda else None)
         # On the CPU the staging buffer is the device buffer: nothing to copy (kernels there run synchronously, so no
         # launch still reads the previous step's tables). A CPU tensor copy of ~0.3 MB also took 7-15 ms per step on
         # the loaded 2-core host (torch parallelizes it over both cores and waits for the busy one), numpy's 12 us.
-        self._dev = self._host if device.type == "cpu" else torch.zeros(pos, dtype=torch.int32, device=device)
-        # The previous step's copy must be done reading the pinned buffer before it is overwritten.
-        self._copied = torch.cuda.Event() if device.type == "cuda" else None
-        self._copy_pending = False  # a copy was recorded and not yet waited for (one wait per step, not per writer)
+        self._on_host = device.type == "cpu"
+        self._dev = self._staging.buffer if self._on_host else torch.zeros(pos, dtype=torch.int32, device=device)
         self.step = 0  # loads so far: a plan remembers its step, so a stale plan is refused
         ranges = self._section(self._dev, "ranges").view(K.NUM_CLASSES, K.RANGE_FIELDS)
         self.ranges = tuple(ranges[c] for c in range(K.NUM_CLASSES))  # each class's record (one launch's pointer)
@@ -179,7 +235,8 @@ class PlanWorkspace:
         self.gather = self._section(self._dev, "gather").view(c.max_gather_rows, K.GATHER_FIELDS)
         self.mrows = self._section(self._dev, "mrows").view(c.max_merge_rows, K.MROW_FIELDS)
         self.block_table = self._section(self._dev, "table").view(c.max_requests, c.max_blocks_per_request)
-        self._host_table = self._section(self._host_np, "table").reshape(c.max_requests, c.max_blocks_per_request)
+        self._host_tables = [self._section(a, "table").reshape(c.max_requests, c.max_blocks_per_request)
+                             for a in self._staging.arrays]
         self.counters = torch.zeros((max(c.max_merge_rows, 1), num_qo_heads), dtype=torch.int32, device=device)
         self.ws_o = torch.empty((c.max_ws_rows, num_qo_heads, head_dim), dtype=torch.float32, device=device)
         self.ws_lse = torch.empty((c.max_ws_rows, num_qo_heads), dtype=torch.float32, device=device)
@@ -218,32 +275,26 @@ class PlanWorkspace:
         """The host block table ``[max_requests, max_blocks_per_request]`` int32 that :meth:`load` copies, for a
         planner that stages the table itself (``load(staged_rows=...)``), once the previous step's copy is done
         reading it. A step refused after writing it calls :meth:`refused_after_writing`."""
-        self._wait_for_copy()
-        return self._host_table
+        self._staging.wait()
+        return self._host_tables[self._staging.slot]
 
     def host_buffer(self) -> np.ndarray:
         """The whole int32 host buffer (sections at :meth:`section_start`), for a planner that writes the tables
         there itself (``load(tables_written=True)``); as :meth:`host_table`."""
-        self._wait_for_copy()
-        return self._host_np
+        self._staging.wait()
+        return self._staging.array
 
     def section_start(self, name: str) -> int:
         """Offset (int32 elements) of a section of the host buffer: ``ranges``, ``items``, ``gather``, ``mrows`` or
         ``table``."""
         return self._offsets[name][0]
 
-    def _wait_for_copy(self) -> None:
-        """Wait until the previous step's copy has finished reading the host buffer (before it is overwritten)."""
-        if self._copy_pending:
-            self._copied.synchronize()
-            self._copy_pending = False
-
     def refused_after_writing(self, *, table: bool, work_list: bool) -> None:
         """A step refused after the planner wrote its ``table`` (:meth:`host_table`) or its ``work_list``
         (:meth:`host_buffer`) here: the plans loaded so far become stale (:meth:`prefixattn.Plan.is_current`) where
         that changed what they read. Their ``Plan.work`` views the work list's sections; on a CPU device the whole
         host buffer is their device tables. (On CUDA a staged table alone changes nothing they read.)"""
-        if work_list or (table and self._dev is self._host):
+        if work_list or (table and self._on_host):
             self.step += 1
 
     def load(self, *, items: np.ndarray, gather: np.ndarray, mrows: np.ndarray, class_ends: tuple,
@@ -260,8 +311,8 @@ class PlanWorkspace:
         caller keeps on the device. The caller checked the sizes (:meth:`overflow`). Zeroes the step's merge counters.
         Returns the device views of the live rows (same ``data_ptr`` at every step).
         """
-        self._wait_for_copy()
-        h, c = self._host_np, self.capacity
+        self._staging.wait()
+        h, c = self._staging.array, self.capacity
         n_items = items.shape[0]
         if not tables_written:
             h[:K.RANGES_SIZE] = ranges_table(class_ends).ravel()
@@ -273,17 +324,15 @@ class PlanWorkspace:
         rows = staged_rows or 0
         if table is not None and table.shape[0] and max(table.shape[1], table_width):
             rows, cols = table.shape
-            view = self._host_table[:rows]
+            view = self._host_tables[self._staging.slot][:rows]
             view[:, :cols] = table
             if table_width > cols:  # an empty slice's assignment still costs ~0.5 us
                 view[:, cols:table_width] = 0
         if rows:
             end = self._offsets["table"][0] + rows * c.max_blocks_per_request
-        if self._dev is not self._host:
-            self._dev[:end].copy_(self._host[:end], non_blocking=True)
-        if self._copied is not None:
-            self._copied.record()
-            self._copy_pending = True
+        if not self._on_host:
+            self._dev[:end].copy_(self._staging.buffer[:end], non_blocking=True)
+        self._staging.copied()
         self.step += 1
         views = self._views(n_items, gather.shape[0], mrows.shape[0])
         if mrows.shape[0]:
