@@ -9,7 +9,10 @@ the signature-faithful fake in tests/bench_support/fake_flashinfer.py.
 Peers (FlashInfer API; batches it takes; prefix groups):
 
 - ``flashinfer-cascade2``: ``MultiLevelCascadeAttentionWrapper``, 2 levels (each group's shared whole blocks, then
-  each request's rest); any batch; **oracle** groups: handed the batch's groups.
+  each request's rest); any batch; **oracle** groups: handed the batch's groups. Its inner wrappers take backend
+  "auto" (fa3 on sm90: no KV split).
+- ``flashinfer-cascade2-fa2``: the same two levels on fa2 batch prefill wrappers (KV split), merged as the wrapper
+  merges them: the cascade on its fastest path; oracle groups.
 - ``flashinfer-decode``: ``BatchDecodeWithPagedKVCacheWrapper`` on CUDA cores; decode batches only.
 - ``flashinfer-decode-tc-fa2`` / ``-fa3``: the same with ``use_tensor_cores=True`` (FlashInfer's choice for GQA),
   backend fa2 / fa3 (fa3: sm90 only); decode batches only.
@@ -20,7 +23,7 @@ Peers (FlashInfer API; batches it takes; prefix groups):
 - ``flashinfer-split``: vLLM's FlashInfer backend on a mixed batch: the decode wrapper (tensor cores) on the decode
   rows, the prefill wrapper on the rest; batches with both.
 
-None of them is handed groups except the cascade.
+None of them is handed groups except the two cascades.
 
 Caches are ``[num_blocks, block_size, num_kv_heads, head_dim]`` (FlashInfer's "NHD"), passed as ``(k_cache, v_cache)``.
 """
@@ -167,60 +170,107 @@ class Peer:
         return result
 
 
+def cascade_levels(meta: PagedMeta) -> list:
+    """The 2-level cascade's paged lists, one ``(qo_indptr, kv_indptr, kv_indices, last_page_len)`` per level, as
+    FlashInfer's cascade layout wants them: level 0 is each group's shared whole blocks (every row of the group against
+    them, non-causal), level 1 each request's remaining KV (causal). One level (a plain causal batch prefill) when no
+    group shares a block. Groups are the batch's own (oracle); Unavailable where the layout cannot express them."""
+    if not meta.groups:
+        raise Unavailable("the cascade needs the batch's prefix groups (none given)")
+    bs = meta.block_size
+    indptr = meta.qo_indptr.cpu().numpy()
+    q_lens, kv_lens = meta.q_lens, meta.kv_lens.cpu().numpy()
+    # A group sharing nothing is its requests alone; each such request's level 0 is its own whole blocks that all of
+    # its rows see (the same bytes, read through the cascade's first level).
+    groups = [(list(m), int(t)) for m, t in meta.groups if t] + \
+        [([r], 0) for m, t in meta.groups if not t for r in m]
+    groups.sort(key=lambda g: g[0][0])
+    members = [m for m, _ in groups]
+    if [r for m in members for r in m] != list(range(len(q_lens))):
+        raise Unavailable("the cascade needs each group's requests consecutive, in request order")
+    seen = [min(int(kv_lens[r]) - int(q_lens[r]) for r in m) // bs for m in members]
+    shared = [t // bs if t else seen[i] for i, (_, t) in enumerate(groups)]
+    # Level 0 is non-causal: every row of the group must see all of its shared blocks.
+    if any(b > v for b, v in zip(shared, seen)):
+        raise Unavailable("a group's query rows start inside its shared prefix")
+    levels = []
+    if any(t for _, t in groups):
+        if not all(shared):
+            raise Unavailable("a request whose rows all start in its first block (a zero-length cascade level is not "
+                              "used here)")
+        a, b, c, _ = paged_lists(meta, [m[0] for m in members], last_blocks=shared)
+        levels.append((_i32([int(indptr[m[0]]) for m in members] + [int(indptr[-1])], meta.device), a, b, c))
+    else:
+        shared = [0] * len(members)
+    first = np.repeat(shared, [len(m) for m in members])
+    a, b, c, _ = paged_lists(meta, range(len(q_lens)), first_blocks=first)
+    levels.append((meta.qo_indptr, a, b, c))
+    return levels
+
+
+def _prefill_wrapper(fi, meta: PagedMeta, workspace, lists, *, graph: bool, backend: str, causal: bool):
+    """A planned ``BatchPrefillWithPagedKVCacheWrapper`` over paged ``lists`` (qo_indptr, kv_indptr, kv_indices,
+    last_page_len), with its cuda-graph buffers when ``graph``."""
+    buffers = {}
+    if graph:
+        q_buf, i_buf, x_buf, l_buf = _graph_buffers(*lists)
+        buffers = dict(use_cuda_graph=True, qo_indptr_buf=q_buf, paged_kv_indptr_buf=i_buf, paged_kv_indices_buf=x_buf,
+                       paged_kv_last_page_len_buf=l_buf)
+    wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend=backend, **buffers)
+    wrapper.plan(*lists, meta.num_qo_heads, meta.num_kv_heads, meta.head_dim, meta.block_size, causal=causal,
+                 sm_scale=meta.sm_scale, q_data_type=meta.dtype, kv_data_type=meta.dtype)
+    return wrapper
+
+
 class Cascade(Peer):
-    """``MultiLevelCascadeAttentionWrapper``, 2 levels: level 0 is each group's shared whole blocks (read once for
-    all its rows, non-causal), level 1 each request's remaining KV (causal); FlashInfer merges the two states. One
-    level (plain batch prefill) when no group shares a block. Groups are the batch's own (oracle)."""
+    """The 2-level cascade of :func:`cascade_levels` (groups handed to it: oracle).
+
+    ``backend="auto"``: FlashInfer's own ``MultiLevelCascadeAttentionWrapper``, which builds its inner prefill wrappers
+    with backend "auto" (fa3 on sm90, whose plan does not split KV: 1.1-17x slower than fa2 on the H200 run's
+    shapes, bench/results/gpu/nvidia-h200-74e5177.log). ``backend="fa2"``: the same levels as two
+    ``BatchPrefillWithPagedKVCacheWrapper(backend="fa2")`` (KV split across CTAs) over one float workspace, merged by
+    ``merge_state_in_place`` exactly as the wrapper's ``run`` merges them (last level first, then each earlier one),
+    into output and LSE buffers allocated once (the wrapper allocates and zero-fills them per call)."""
 
     oracle_groups = True
 
-    def __init__(self, meta: PagedMeta, *, graph: bool):
+    def __init__(self, meta: PagedMeta, *, graph: bool, backend: str = "auto"):
         fi = _import_flashinfer()
-        if not meta.groups:
-            raise Unavailable("the cascade needs the batch's prefix groups (none given)")
-        bs = meta.block_size
-        indptr = meta.qo_indptr.cpu().numpy()
-        q_lens, kv_lens = meta.q_lens, meta.kv_lens.cpu().numpy()
-        # A group sharing nothing is its requests alone; each such request's level 0 is its own whole blocks that all
-        # of its rows see (the same bytes, read through the cascade's first level).
-        groups = [(list(m), int(t)) for m, t in meta.groups if t] + \
-            [([r], 0) for m, t in meta.groups if not t for r in m]
-        groups.sort(key=lambda g: g[0][0])
-        members = [m for m, _ in groups]
-        if [r for m in members for r in m] != list(range(len(q_lens))):
-            raise Unavailable("the cascade needs each group's requests consecutive, in request order")
-        seen = [min(int(kv_lens[r]) - int(q_lens[r]) for r in m) // bs for m in members]
-        shared = [t // bs if t else seen[i] for i, (_, t) in enumerate(groups)]
-        # Level 0 is non-causal: every row of the group must see all of its shared blocks.
-        if any(b > v for b, v in zip(shared, seen)):
-            raise Unavailable("a group's query rows start inside its shared prefix")
-        qo, kv_indptr, kv_indices, last = [], [], [], []
-        if any(t for _, t in groups):
-            if not all(shared):
-                raise Unavailable("a request whose rows all start in its first block (a zero-length cascade level "
-                                  "is not used here)")
-            a, b, c, _ = paged_lists(meta, [m[0] for m in members], last_blocks=shared)
-            qo.append(_i32([int(indptr[m[0]]) for m in members] + [int(indptr[-1])], meta.device))
-            kv_indptr.append(a), kv_indices.append(b), last.append(c)
-        else:
-            shared = [0] * len(members)
-        first = np.repeat(shared, [len(m) for m in members])
-        a, b, c, _ = paged_lists(meta, range(len(q_lens)), first_blocks=first)
-        qo.append(meta.qo_indptr), kv_indptr.append(a), kv_indices.append(b), last.append(c)
-        workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=meta.device)
-        buffers = {}
-        if graph:
-            buffers = dict(use_cuda_graph=True, qo_indptr_buf_arr=_graph_buffers(*qo),
-                           paged_kv_indptr_buf_arr=_graph_buffers(*kv_indptr),
-                           paged_kv_indices_buf_arr=_graph_buffers(*kv_indices),
-                           paged_kv_last_page_len_buf_arr=_graph_buffers(*last))
-        self.wrapper = fi.MultiLevelCascadeAttentionWrapper(len(qo), workspace, "NHD", **buffers)
-        self.wrapper.plan(qo, kv_indptr, kv_indices, last, meta.num_qo_heads, meta.num_kv_heads, meta.head_dim, bs,
-                          causal=True, sm_scale=meta.sm_scale, q_data_type=meta.dtype, kv_data_type=meta.dtype)
-        self.notes = f"levels={len(qo)};oracle prefix groups"
+        levels = cascade_levels(meta)
+        self.fi, self.wrappers, self.partials = fi, None, None
+        self.notes = f"levels={len(levels)};backend={backend};oracle prefix groups"
+        workspace = torch.empty(SPLIT_WORKSPACE_BYTES, dtype=torch.uint8, device=meta.device)
+        if backend == "auto":
+            buffers = {}
+            if graph:
+                qo, ip, ix, last = zip(*levels)
+                buffers = dict(use_cuda_graph=True, qo_indptr_buf_arr=_graph_buffers(*qo),
+                               paged_kv_indptr_buf_arr=_graph_buffers(*ip),
+                               paged_kv_indices_buf_arr=_graph_buffers(*ix),
+                               paged_kv_last_page_len_buf_arr=_graph_buffers(*last))
+            self.wrapper = fi.MultiLevelCascadeAttentionWrapper(len(levels), workspace, "NHD", **buffers)
+            self.wrapper.plan(*(list(x) for x in zip(*levels)), meta.num_qo_heads, meta.num_kv_heads, meta.head_dim,
+                              meta.block_size, causal=True, sm_scale=meta.sm_scale, q_data_type=meta.dtype,
+                              kv_data_type=meta.dtype)
+            return
+        _need_fa3(meta, backend)
+        # Causal on the last level only, as the wrapper plans them.
+        self.wrappers = [_prefill_wrapper(fi, meta, workspace, lists, graph=graph, backend=backend,
+                                          causal=i == len(levels) - 1) for i, lists in enumerate(levels)]
+        rows = int(meta.qo_indptr[-1])
+        self.partials = [(torch.empty(rows, meta.num_qo_heads, meta.head_dim, dtype=meta.dtype, device=meta.device),
+                          torch.empty(rows, meta.num_qo_heads, dtype=torch.float32, device=meta.device))
+                         for _ in levels]
 
     def launch(self, q, k_cache, v_cache):
-        return self.wrapper.run(q, (k_cache, v_cache))
+        if self.wrappers is None:
+            return self.wrapper.run(q, (k_cache, v_cache))
+        (out, lse), kv = self.partials[-1], (k_cache, v_cache)
+        self.wrappers[-1].run(q, kv, out=out, lse=lse, return_lse=True)
+        for wrapper, (out_i, lse_i) in zip(self.wrappers[:-1], self.partials[:-1]):
+            wrapper.run(q, kv, out=out_i, lse=lse_i, return_lse=True)
+            self.fi.merge_state_in_place(out, lse, out_i, lse_i)
+        return out
 
 
 class Decode(Peer):
@@ -262,15 +312,8 @@ class Prefill(Peer):
         qo = meta.qo_indptr[int(requests[0]):int(requests[-1]) + 2]
         qo = qo - qo[:1]
         workspace = torch.empty(SPLIT_WORKSPACE_BYTES, dtype=torch.uint8, device=meta.device)
-        buffers = {}
-        if graph:
-            q_buf, i_buf, x_buf, l_buf = _graph_buffers(qo, indptr, indices, last)
-            buffers = dict(use_cuda_graph=True, qo_indptr_buf=q_buf, paged_kv_indptr_buf=i_buf,
-                           paged_kv_indices_buf=x_buf, paged_kv_last_page_len_buf=l_buf)
-        self.wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend=backend, **buffers)
-        self.wrapper.plan(qo, indptr, indices, last, meta.num_qo_heads, meta.num_kv_heads, meta.head_dim,
-                          meta.block_size, causal=True, sm_scale=meta.sm_scale, q_data_type=meta.dtype,
-                          kv_data_type=meta.dtype)
+        self.wrapper = _prefill_wrapper(fi, meta, workspace, (qo, indptr, indices, last), graph=graph,
+                                        backend=backend, causal=True)
         self.notes = f"backend={backend}"
 
     def launch(self, q, k_cache, v_cache, out=None):
@@ -361,6 +404,7 @@ class Split(Peer):
 #: Peer name -> constructor ``(meta, graph=...)``.
 PEERS = {
     "flashinfer-cascade2": Cascade,
+    "flashinfer-cascade2-fa2": lambda m, graph: Cascade(m, graph=graph, backend="fa2"),
     "flashinfer-decode": lambda m, graph: Decode(m, graph=graph, tensor_cores=False),
     "flashinfer-decode-tc-fa2": lambda m, graph: Decode(m, graph=graph, tensor_cores=True, backend="fa2"),
     "flashinfer-decode-tc-fa3": lambda m, graph: Decode(m, graph=graph, tensor_cores=True, backend="fa3"),
@@ -370,8 +414,10 @@ PEERS = {
     "flashinfer-pod": Pod,
     "flashinfer-split": Split,
 }
+#: The peers handed the batch's prefix groups (oracle).
+CASCADES = ("flashinfer-cascade2", "flashinfer-cascade2-fa2")
 #: Peers whose wrapper shares nothing between requests: the candidates for "FlashInfer best, no sharing".
-NO_SHARING = tuple(p for p in PEERS if p != "flashinfer-cascade2")
+NO_SHARING = tuple(p for p in PEERS if p not in CASCADES)
 
 
 def plan_peer(name: str, meta: PagedMeta, *, graph: bool = True) -> Peer:

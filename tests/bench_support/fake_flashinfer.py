@@ -52,6 +52,10 @@ def _attend(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, kv_lens, *, c
     return out.to(q.dtype), lse
 
 
+#: BatchPrefillWithPagedKVCacheWrapper's backends (prefill.py at v0.6.0).
+PREFILL_BACKENDS = ("auto", "fa2", "fa3", "cudnn", "trtllm-gen")
+
+
 def _lens(indptr, last_page_len, page_size):
     # flashinfer.page.get_seq_lens
     return torch.clamp(indptr[1:] - indptr[:-1] - 1, min=0) * page_size + last_page_len
@@ -66,6 +70,8 @@ class BatchPrefillWithPagedKVCacheWrapper:
     def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False, qo_indptr_buf=None,
                  paged_kv_indptr_buf=None, paged_kv_indices_buf=None, paged_kv_last_page_len_buf=None,
                  custom_mask_buf=None, mask_indptr_buf=None, backend="auto", jit_args=None, jit_kwargs=None):
+        if backend not in PREFILL_BACKENDS:
+            raise ValueError(f"fake flashinfer: backend {backend!r} is not one of {PREFILL_BACKENDS}")
         self._kv_layout, self._backend, self._use_cuda_graph = kv_layout, backend, use_cuda_graph
         if use_cuda_graph:
             for name, buf in (("qo_indptr_buf", qo_indptr_buf), ("paged_kv_indptr_buf", paged_kv_indptr_buf),
@@ -124,6 +130,11 @@ class BatchPrefillWithPagedKVCacheWrapper:
                 raise ValueError("fake flashinfer: out has the wrong shape or dtype")
             out.copy_(o)
             o = out
+        if return_lse and lse is not None:  # flashinfer's check_shape_dtype_device on a given lse
+            if tuple(lse.shape) != tuple(q.shape[:2]) or lse.dtype != torch.float32:
+                raise ValueError("fake flashinfer: lse has the wrong shape or dtype")
+            lse.copy_(s)
+            s = lse
         return (o, s) if return_lse else o
 
 

@@ -50,14 +50,27 @@ def test_every_peer_computes_the_batch_through_flashinfers_api(fake, shape, grap
         prepared = fake.prepare(batch, name, graph=graph)
         got = prepared.result(prepared.run())
         torch.testing.assert_close(got.float(), want, atol=1e-4, rtol=1e-4, msg=lambda m: f"{name}: {m}")
-        assert prepared.extra["oracle_groups"] == float(name == "flashinfer-cascade2")
+        assert prepared.extra["oracle_groups"] == float(name in fake.CASCADES)
 
 
-def test_cascade_levels_follow_the_groups(fake):
-    shared = fake.prepare(build_batch(SHAPES[0]), "flashinfer-cascade2")
+@pytest.mark.parametrize("name", ["flashinfer-cascade2", "flashinfer-cascade2-fa2"])
+def test_cascade_levels_follow_the_groups(fake, name):
+    shared = fake.prepare(build_batch(SHAPES[0]), name)
     assert shared.notes.startswith("levels=2")
     # No group shares a block: one level, a plain causal batch prefill.
-    assert fake.prepare(build_batch(SHAPES[2]), "flashinfer-cascade2").notes.startswith("levels=1")
+    assert fake.prepare(build_batch(SHAPES[2]), name).notes.startswith("levels=1")
+
+
+def test_fa2_cascade_plans_fa2_prefill_levels_and_merges_into_its_own_buffers(fake):
+    """The fastest cascade: FlashInfer's two levels on fa2 batch prefill wrappers (KV split), causal on the last level
+    only, merged in place into output buffers allocated once (a replay rewrites the same tensors)."""
+    batch = build_batch(SHAPES[0])
+    peer = fake.plan_peer("flashinfer-cascade2-fa2", fake.meta_of(batch), graph=True)
+    assert [w._backend for w in peer.wrappers] == ["fa2", "fa2"]
+    assert [w._causal for w in peer.wrappers] == [False, True]
+    out = peer.launch(batch.q, batch.k_cache, batch.v_cache)
+    assert out.data_ptr() == peer.partials[-1][0].data_ptr()
+    assert peer.launch(batch.q, batch.k_cache, batch.v_cache).data_ptr() == out.data_ptr()
 
 
 def test_fa3_needs_hopper(fake, monkeypatch):
