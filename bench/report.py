@@ -180,20 +180,21 @@ def _plan_section(rows) -> list[str]:
     shapes = list(dict.fromkeys(shape for shape, _ in table))
     if not shapes:
         return []
-    lines = ["## prefixattn at full size: planned KV bytes (plan() only, host; the kernel is not run)", "",
-             "Planned KV bytes / unique KV bytes of the full-size batch (the bytes the work items load; equal to the "
-             "measured bytes on every scaled batch above). Query tiles: a shared prefix whose query rows "
+    lines = ["## prefixattn at full size: KV bytes its tiles load (plan() only, host; the kernel is not run)", "",
+             "KV bytes the planned work items' tiles load / unique KV bytes of the full-size batch (loads into the "
+             "SM, equal to the interpreter's count on every scaled batch above; not HBM reads: tiles of one KV range "
+             "that run in one wave meet in L2, which only a GPU's counters measure). Query tiles: a shared prefix whose query rows "
              "(requests x query heads per KV head) exceed one tile is read once per tile, and a prefill chunk's KV "
              "once per tile of its rows, so on mixed batches no tiled kernel reaches the bound. Tiles: the shipped "
              "sm90 (H100) table, as on that GPU (test_plan_time.PLAN_TARGET), not the CPU heuristic.", "",
-             "| shape | prefixattn planned / unique | query rows per suffix tile | work items | shared nodes "
-             f"| plan time (us, median; planner {'/'.join(sorted(planners))}) | sharing=never planned / unique |",
+             "| shape | prefixattn tile loads / unique | query rows per suffix tile | work items | shared nodes "
+             f"| plan time (us, median; planner {'/'.join(sorted(planners))}) | sharing=never tile loads / unique |",
              "|---|---|---|---|---|---|---|"]
     for shape in shapes:
         ours, never = table.get((shape, OURS), {}), table.get((shape, OURS + "-nosharing"), {})
 
         def ratio(m):
-            return f"{m['planned_kv_bytes'] / m['unique_kv_bytes']:.2f}x" if "planned_kv_bytes" in m else "-"
+            return f"{m['tile_kv_load_bytes'] / m['unique_kv_bytes']:.2f}x" if "tile_kv_load_bytes" in m else "-"
 
         lines.append(f"| {shape} | {ratio(ours)} | {_fmt(ours.get('rows_per_chunk_tile', 0))} | "
                      f"{_fmt(ours.get('work_items', 0))} | "

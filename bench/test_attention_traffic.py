@@ -58,6 +58,6 @@ def test_attention_traffic(results, provider, shape):
     assert m["correct"], f"{provider} output differs from the fp32 reference on {shape.name} " \
                          f"(max abs err {m['max_abs_err']:.3g})"
     assert m["kv_bytes"] >= m["unique_kv_bytes"], "read less KV than the batch holds: counter or kernel is wrong"
-    if "planned_kv_bytes" in m.get("extra", {}):
+    if "tile_kv_load_bytes" in m.get("extra", {}):
         # Plan.kv_bytes_read() is documented as the KV bytes the work items load: the counter must agree exactly.
-        assert m["kv_bytes"] == m["extra"]["planned_kv_bytes"]
+        assert m["kv_bytes"] == m["extra"]["tile_kv_load_bytes"]

@@ -77,7 +77,7 @@ def test_plan_time(results, shape, sharing):
     for metric, value in (("plan_us_median", statistics.median(times) * 1e6),
                           ("plan_us_p20", _percentile(times, 20) * 1e6), ("plan_us_p80", _percentile(times, 80) * 1e6)):
         results.add(BENCHMARK, provider, label, metric, value, "us", device="host-cpu")
-    results.add(BENCHMARK, provider, label, "planned_kv_bytes", planned, "bytes", device="host-cpu")
+    results.add(BENCHMARK, provider, label, "tile_kv_load_bytes", planned, "bytes", device="host-cpu")
     results.add(BENCHMARK, provider, label, "unique_kv_bytes", unique, "bytes", device="host-cpu")
     results.add(BENCHMARK, provider, label, "work_items", p.num_items, "count", device="host-cpu")
     results.add(BENCHMARK, provider, label, "shared_nodes", len(p.shared_nodes), "count", device="host-cpu")

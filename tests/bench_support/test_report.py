@@ -79,7 +79,7 @@ def test_full_size_plan_section():
     rows = [dict(benchmark=report.PLAN, provider=provider, shape=shape, device="host-cpu", metric=metric,
                  value=str(value), unit="", commit="abc", versions="v")
             for provider, planned in (("prefixattn", 8500), ("prefixattn-nosharing", 128500))
-            for metric, value in (("planned_kv_bytes", planned), ("unique_kv_bytes", UNIQUE), ("work_items", 272),
+            for metric, value in (("tile_kv_load_bytes", planned), ("unique_kv_bytes", UNIQUE), ("work_items", 272),
                                   ("shared_nodes", 1), ("plan_us_median", 4213.4), ("rows_per_chunk_tile", 16))]
     line = next(line for line in report.summary(rows).splitlines() if line.startswith(f"| {shape}"))
     assert line == f"| {shape} | 8.50x | 16 | 272 | 1 | 4,213 | 128.50x |"
