@@ -1,5 +1,5 @@
-"""What the GPU check (bench/gpu_check.py) runs: the correctness case matrix, the timing shapes and the roofline
-floor the modeled kernel times use (bench/kernel_time.py; the GPU check's own floors are bench/gpu_floors.py's).
+"""What the GPU check (bench/gpu_check.py) runs: the correctness case matrix, the timing shapes and the attention
+FLOPs its compute floors count (the floors themselves: bench/gpu_floors.py).
 Batches come from tests/prefix_batches.py (correctness) and bench/shapes.py (timing).
 
 ``scale`` is 1 for ``--dry-run`` (tiny batches the Triton interpreter runs in seconds) and :data:`GPU_SCALE` on a GPU,
@@ -112,19 +112,15 @@ def timing_shapes(dry_run: bool) -> list[Shape]:
 
 
 def attention_flops(batch) -> float:
-    """Multiply-add FLOPs of causal attention on the batch: QK^T and PV, 2 FLOPs per MAC, each query row against the
-    KV positions it sees (``kv_len - q_len + i + 1``)."""
+    """:func:`causal_attention_flops` of a :class:`shapes.Batch`."""
     s = batch.shape
-    q_lens = batch.q_lens.astype(np.int64)
-    kv_lens = batch.kv_lens.cpu().numpy().astype(np.int64)
+    return causal_attention_flops(batch.q_lens, batch.kv_lens.cpu().numpy(), s.num_qo_heads, s.head_dim)
+
+
+def causal_attention_flops(q_lens, kv_lens, num_qo_heads: int, head_dim: int) -> float:
+    """Multiply-add FLOPs of causal attention: QK^T and PV, 2 FLOPs per MAC, each query row against the KV positions
+    it sees (``kv_len - q_len + i + 1``); ``q_lens``, ``kv_lens`` ``[R]`` per request."""
+    q_lens, kv_lens = np.asarray(q_lens, dtype=np.int64), np.asarray(kv_lens, dtype=np.int64)
     # Sum over rows i < q_len of (kv_len - q_len + i + 1) = q_len * (kv_len - q_len) + q_len * (q_len + 1) / 2.
     visible = q_lens * (kv_lens - q_lens) + q_lens * (q_lens + 1) // 2
-    return float(visible.sum()) * s.num_qo_heads * s.head_dim * 2 * 2
-
-
-def floor_seconds(batch, copy_bytes_per_s: float, matmul_flops_per_s: float) -> tuple[float, str]:
-    """The shape's floor on this card: every distinct KV byte read once at the measured copy bandwidth, or the
-    attention FLOPs at the measured bf16 matmul rate, whichever is longer; and which one bounds it."""
-    memory = batch.unique_kv_bytes() / copy_bytes_per_s
-    compute = attention_flops(batch) / matmul_flops_per_s
-    return (memory, "memory") if memory >= compute else (compute, "compute")
+    return float(visible.sum()) * num_qo_heads * head_dim * 2 * 2

@@ -6,21 +6,29 @@ reason; FlashInfer's JIT compiles in a background process started first (bench/g
 1. correctness: the sanitizer's cases (bench/gpu_sanitize.py) and every kernel variant (decode, chunked prefill,
    mixed, split-k, multi-level sharing; MHA, GQA 4/8; head_dim 64/128/256; page 1/16; fp16/bf16/fp32) against the
    fp64 reference, NaN-poisoned outputs, 3 runs bit-identical;
-2. ceilings (bench/gpu_floors.py): read-only streaming bandwidth, copy bandwidth, bf16 matmul rate;
+2. ceilings (bench/gpu_floors.py): the HBM floor's rate (the best of a read-only kernel's sweep and the copy), the
+   card's spec peak and L2 size, a bf16 matmul rate;
 3. CUDA graphs (bench/gpu_graph_check.py): one ``use_cuda_graph`` wrapper captured once, replayed after re-planning;
    then the smallest decode steps run eagerly, layer after layer (bench/gpu_eager_small.py): the prepared direct
    launch against Triton's JIT dispatch;
-4. plan ahead (bench/gpu_plan_ahead.py): step N+1 planned while step N is queued behind a spin kernel, both checked;
+4. plan ahead (bench/gpu_plan_ahead.py): step N+1 planned while step N is queued behind a spin kernel, both checked,
+   the overlap measured;
 5. compute-sanitizer racecheck, memcheck and synccheck on one small batch of each kernel class (bench/gpu_sanitize.py);
-6. timings (bench/gpu_timing.py): prefixattn, prefixattn ``sharing="never"``, every FlashInfer configuration and
-   torch SDPA, graph-replayed and eager, L2 flushed and warm, 3 repetitions, against the read and attention-rate
-   floors (the attention rate is measured first, with FlashInfer's prefill when its JIT is ready), SM clock and
-   temperature per shape;
-7. a Llama-3.1-8B-shaped model step (bench/model_step.py) on batches from prefixattn's TokenBatcher;
-8. ``bench/results/gpu/<gpu>-<commit>.csv`` (the bench CSV schema, bench/conftest.py), ``.md`` (the fair tables of
+6. timings (bench/gpu_timing.py): prefixattn (and each of its work classes alone), prefixattn ``sharing="never"``,
+   every FlashInfer configuration (both cascades, fa2 and FlashInfer's own) and torch SDPA, graph-replayed and
+   eager, L2 flushed and warm, 3 repetitions, against the memory and attention-rate floors (the attention rate is
+   measured first, with FlashInfer's prefill when its JIT is ready), the best rate of the floor's bytes, providers
+   reading from L2 flagged, SM clock and temperature per shape;
+7. Llama-3.1-8B-shaped model steps (bench/model_step.py) on batches from prefixattn's TokenBatcher over three
+   workloads (long documents, BatchLLM case 1, one long prompt), each with its bound;
+8. HBM bytes (bench/gpu_bytes.py): Nsight Compute's DRAM counters per kernel on a subset of the shapes;
+9. whole batches to completion (bench/gpu_whole_batch.py) under prefixattn's scheduler and an engine's default;
+10. ``bench/results/gpu/<gpu>-<commit>.csv`` (the bench CSV schema, bench/conftest.py), ``.md`` (the tables of
    bench/gpu_report.py) and ``-model-steps.json`` (the measured steps the simulator is calibrated against).
 
-The exit status is 1 when any correctness case, sanitizer run or prefixattn output check failed.
+``--steps`` runs a subset (a second call on the same machine for what the first skipped for time) and ``--tag``
+names its files apart (``<gpu>-<commit>-<tag>.csv``). The exit status is 1 when any correctness case, sanitizer run
+or output check failed.
 """
 
 from __future__ import annotations
@@ -50,14 +58,15 @@ def device_slug(device: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
 
 
-def write_outputs(results, out_dir: Path, skips, seconds: float, steps_json: list | None = None) -> tuple[Path, Path]:
+def write_outputs(results, out_dir: Path, skips, seconds: float, steps_json: list | None = None,
+                  tag: str = "") -> tuple[Path, Path]:
     """The CSV (every row), the summary markdown (bench/gpu_report.py) and the measured model steps; rewritten after
-    every step so a cut-off run keeps its rows."""
+    every step so a cut-off run keeps its rows. ``tag``: appended to the names (``<gpu>-<commit>-<tag>.csv``)."""
     import json
 
     import gpu_report
 
-    csv_path = out_dir / f"{device_slug(results.device)}-{results.commit}.csv"
+    csv_path = out_dir / f"{device_slug(results.device)}-{results.commit}{'-' + tag if tag else ''}.csv"
     results.write(csv_path)
     if steps_json:
         csv_path.with_name(csv_path.stem + "-model-steps.json").write_text(json.dumps(steps_json))
@@ -78,14 +87,37 @@ def _failed(results) -> list[str]:
     return bad
 
 
+def _step_list(text: str | None) -> tuple:
+    """``--steps``: comma-separated names of :data:`gpu_check_steps.STEPS`, run in that table's order."""
+    from gpu_check_steps import STEPS
+
+    if text is None:
+        return STEPS
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in STEPS]
+    if bad or not names:
+        raise SystemExit(f"--steps: expected names from {', '.join(STEPS)}, got {text!r}")
+    return tuple(n for n in STEPS if n in names)
+
+
 def main(argv) -> int:
     ap = argparse.ArgumentParser(prog="bench/gpu_check.py", description=__doc__.splitlines()[0])
     ap.add_argument("--dry-run", action="store_true", help="every step at tiny sizes in the Triton interpreter (CPU)")
     ap.add_argument("--out", default=None, help="results folder (default bench/results/gpu; bench/results/dry-run "
                                                 "with --dry-run)")
+    ap.add_argument("--steps", default=None, help="run only these steps (comma-separated, from: "
+                                                  "correctness, ceilings, graphs, eager_small, plan_ahead, sanitizer, "
+                                                  "timing, model_step, hbm_bytes, whole_batch), e.g. a second call on "
+                                                  "the same machine for what the first skipped for time")
+    ap.add_argument("--tag", default="", help="appended to the result files' names (a second call's files beside the "
+                                              "first's: <gpu>-<commit>-<tag>.csv)")
     ap.add_argument("--sanitize-cases", action="store_true", help=argparse.SUPPRESS)  # child of compute-sanitizer
     ap.add_argument("--flashinfer-warmup", action="store_true", help=argparse.SUPPRESS)  # background JIT child
+    ap.add_argument("--hbm-bytes-child", default=None, help=argparse.SUPPRESS)  # child of ncu (bench/gpu_bytes.py)
     args = ap.parse_args(argv)
+    if args.tag and not re.fullmatch(r"[a-z0-9][a-z0-9-]*", args.tag):
+        raise SystemExit(f"--tag: expected lower-case letters, digits and dashes, got {args.tag!r}")
+    args.steps = _step_list(args.steps)
     # Before anything imports triton: the interpreter is chosen when a kernel module is imported.
     os.environ["TRITON_INTERPRET"] = "1" if args.dry_run else "0"
     sys.path[1:1] = [str(ROOT)]  # prefixattn and tests.* from this checkout (bench/ is sys.path[0])
@@ -96,10 +128,24 @@ def main(argv) -> int:
         return 0 if gpu_sanitize.run_all("cuda", True) else 1
     if args.flashinfer_warmup:
         return gpu_jit.warmup()
+    if args.hbm_bytes_child:
+        import gpu_bytes
+
+        return gpu_bytes.child(args.hbm_bytes_child)
     from tests.memcheck import checked
 
     with checked():  # interpreted (dry-run) launches are bounds-checked as in the tests
+        if args.dry_run:
+            _fake_flashinfer()
         return _check(args)
+
+
+def _fake_flashinfer() -> None:
+    """The dry run's FlashInfer: the signature-faithful stand-in of the tests (tests/bench_support/fake_flashinfer.py),
+    so the peers' code paths, "FlashInfer best" and the cascades run too; its numbers are the interpreter's."""
+    from tests.bench_support import fake_flashinfer
+
+    sys.modules["flashinfer"] = fake_flashinfer.module()
 
 
 def _check(args) -> int:
@@ -108,10 +154,12 @@ def _check(args) -> int:
     import gpu_sanitize
     import torch
 
+    from gpu_bytes import step_hbm_bytes
     from gpu_eager_small import step_eager_small
     from gpu_graph_check import step_graphs
     from gpu_plan_ahead import step_plan_ahead
     from gpu_timing import step_timing
+    from gpu_whole_batch import step_whole_batch
     from model_step import step_model
 
     if not args.dry_run and not torch.cuda.is_available():
@@ -121,26 +169,45 @@ def _check(args) -> int:
     start = time.monotonic()
     steps.DEADLINE = start + steps.TOTAL_S
     device = "cpu" if args.dry_run else "cuda"
-    fi_handle = gpu_jit.start(steps.DRIVER, args.dry_run)
+    run = set(args.steps)
+    needs_flashinfer = bool(run & {"timing", "model_step", "hbm_bytes", "whole_batch"})
+    fi_handle = gpu_jit.start(steps.DRIVER, args.dry_run) if needs_flashinfer else None
     results, skips = _results_class()(), []
     out_dir = Path(args.out) if args.out else BENCH / "results" / ("dry-run" if args.dry_run else "gpu")
-    print(f"gpu check: {results.device}; {results.versions}; commit {results.commit}", flush=True)
+    print(f"gpu check: {results.device}; {results.versions}; commit {results.commit}; steps {', '.join(args.steps)}",
+          flush=True)
     write = lambda steps_json=None: write_outputs(results, out_dir, skips, time.monotonic() - start,  # noqa: E731
-                                                  steps_json)
-    steps.step_correctness(args, results, skips, device)
+                                                  steps_json, tag=args.tag)
+    if "correctness" in run:
+        steps.step_correctness(args, results, skips, device)
+        write()
+    ceil = steps.step_ceilings(args, results, skips, device) if run & steps.NEED_CEILINGS else None
+    if "graphs" in run:
+        step_graphs(args, results, skips, device)
+    if "eager_small" in run:
+        step_eager_small(args, results, skips, device)
+    if "plan_ahead" in run:
+        step_plan_ahead(args, results, skips, device)
     write()
-    ceil = steps.step_ceilings(args, results, skips, device)
-    step_graphs(args, results, skips, device)
-    step_eager_small(args, results, skips, device)
-    step_plan_ahead(args, results, skips, device)
-    write()
-    gpu_sanitize.step_sanitizer(args, results, skips, steps.DRIVER, steps._which)
-    write()
-    fi_ready = gpu_jit.ready(fi_handle, start, results)
-    steps.attention_ceiling(args, results, device, ceil, fi_ready)
-    step_timing(args, results, skips, device, ceil, fi_ready)
-    write()
-    measured_steps = step_model(args, results, skips, device, fi_ready)
+    if "sanitizer" in run:
+        gpu_sanitize.step_sanitizer(args, results, skips, steps.DRIVER, steps._which)
+        write()
+    measured_steps = None
+    if needs_flashinfer:
+        fi_ready = gpu_jit.ready(fi_handle, start, results, dry_run=args.dry_run)
+        if run & steps.NEED_ATTENTION_RATE:
+            steps.attention_ceiling(args, results, device, ceil, fi_ready)
+        if "timing" in run:
+            step_timing(args, results, skips, device, ceil, fi_ready)
+            write()
+        if "model_step" in run:
+            measured_steps = step_model(args, results, skips, device, fi_ready, ceil)
+            write(measured_steps)
+        if "hbm_bytes" in run:
+            step_hbm_bytes(args, results, skips, steps.DRIVER, steps._which, fi_ready)
+            write(measured_steps)
+        if "whole_batch" in run:
+            step_whole_batch(args, results, skips, device, fi_ready)
     csv_path, md_path = write(measured_steps)
     bad = _failed(results)
     print(f"\ngpu check: {time.monotonic() - start:.0f} s; results {csv_path}; summary {md_path}")

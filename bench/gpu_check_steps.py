@@ -8,21 +8,29 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-#: The driver: child processes (sanitized cases, FlashInfer warm-up) run it with a flag.
+#: The driver: child processes (sanitized cases, FlashInfer warm-up, the HBM-bytes child) run it with a flag.
 DRIVER = Path(__file__).with_name("gpu_check.py")
-#: Seconds per step on the GPU, in the order the driver runs them (by value: correctness first; the steps that need
-#: no FlashInfer before the timing and model steps that do, so its JIT compiles in the background meanwhile). The
-#: driver clips every step to its overall deadline too. Last GPU run (before the fair timing): correctness 125 s (61
-#: of it the first compile), sanitizer 22 s for one case and two tools, ceilings 0.2 s, graphs 5 s, timing 110 s; the
-#: correctness step now also compiles and checks the sanitizer's 8 cases first (estimated +40 s: 7 new variants).
-BUDGET_S = {"correctness": 170, "ceilings": 15, "graphs": 20, "eager_small": 15, "plan_ahead": 10, "sanitizer": 60,
-            "timing": 150, "model_step": 70}
+#: The steps, in the order the driver runs them: by value, the mandatory evidence first (correctness; the ceilings
+#: and floors; the timing shapes with the fa2 cascade and per-class times; the model steps), the prefixattn-only steps
+#: before the timing so FlashInfer's JIT compiles meanwhile, then what a second call on the same machine may run
+#: (``--steps``) when the first had no time left: Nsight Compute's HBM bytes and whole batches run to completion.
+STEPS = ("correctness", "ceilings", "graphs", "eager_small", "plan_ahead", "sanitizer", "timing", "model_step",
+         "hbm_bytes", "whole_batch")
+#: Steps that need the ceilings (the HBM and attention rates their floors use) and the attention rate.
+NEED_CEILINGS = frozenset({"ceilings", "timing", "model_step"})
+NEED_ATTENTION_RATE = frozenset({"timing", "model_step"})
+#: Seconds per step on the GPU, in the order the driver runs them. The driver clips every step to its overall
+#: deadline too. H200 run at 74e5177 (345 s in all): correctness ~140 s (55 of it the first compile), ceilings 2 s,
+#: graphs 5 s, sanitizer ~40 s, timing 106 s for 52 shapes (~2 s each with 11 providers), model step ~50 s for 4
+#: steps. Estimated on top since: the read-kernel sweep (+~15 s: 5 compiles, 25 timed configs), the fa2 cascade and
+#: the per-class graphs (+~1 s a shape), two more model-step workloads (+~50 s). What does not fit is skipped with
+#: its reason, for a second call (``--steps``).
+BUDGET_S = {"correctness": 170, "ceilings": 30, "graphs": 20, "eager_small": 15, "plan_ahead": 10, "sanitizer": 60,
+            "timing": 170, "model_step": 110, "hbm_bytes": 90, "whole_batch": 120}
 #: Seconds a step leaves for the steps after it that the run must still reach: the timing step stops in time for
 #: the model step (its shapes are cut from the tail), whatever the FlashInfer JIT wait before it took.
 KEEP_FOR_LATER_S = {"timing": BUDGET_S["model_step"]}
 REPEATS = 3  # runs of each correctness case whose outputs must be bit-identical
-
-
 #: Seconds the whole driver may run (scripts/gpu_check.sh has 540 s: ~25 s go to the wheel install and start-up) and
 #: the part of it kept for writing the results.
 TOTAL_S, RESERVE_S = 505, 10
@@ -134,16 +142,17 @@ def _which(name: str) -> str | None:
 
 
 def step_ceilings(args, results, skips, device: str) -> dict:
-    """Read-only streaming bandwidth (the memory floor's rate), device-to-device copy (bytes read + written) and bf16
-    matmul rate (for comparison: neither is a floor)."""
+    """The HBM floor's rate: the best of the read-only kernel's sweep and the device-to-device copy's bytes moved (read
+    + written) per second, with the card's spec peak beside it; the L2 size; a bf16 matmul rate (for comparison: no
+    floor)."""
     import torch
 
-    from gpu_floors import read_bandwidth
+    from gpu_floors import read_sweep, spec_hbm_bytes_per_s
     from gpu_measure import Timer
 
     clock = Clock("ceilings", skips)
     timer = Timer(args.dry_run, device)
-    # 1 GiB copies (far past the 50 MB L2) and 8192^3 bf16 matmuls; tiny in the dry run.
+    # 1 GiB copies (far past the L2) and 8192^3 bf16 matmuls; tiny in the dry run.
     nbytes, n = (1 << 20, 128) if args.dry_run else (1 << 30, 8192)
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
@@ -151,17 +160,46 @@ def step_ceilings(args, results, skips, device: str) -> dict:
     a = torch.randn(n, n, device=device).to(torch.bfloat16)
     bm = torch.randn(n, n, device=device).to(torch.bfloat16)
     mm_us = timer.repeat(lambda: a @ bm, 3, flush=False)["median"]
+    read = read_sweep(timer, device)
     ceil = dict(copy_bytes_per_s=2 * nbytes / (copy_us * 1e-6), matmul_flops_per_s=2 * n ** 3 / (mm_us * 1e-6),
-                read_bytes_per_s=read_bandwidth(timer, device))
-    print(f"[ceilings] read-only stream {ceil['read_bytes_per_s'] / 1e9:.0f} GB/s, copy "
-          f"{ceil['copy_bytes_per_s'] / 1e9:.0f} GB/s (read+write), bf16 matmul "
-          f"{ceil['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s ({clock.seconds - clock.left():.1f} s)", flush=True)
+                read_bytes_per_s=read["bytes_per_s"])
+    ceil["hbm_bytes_per_s"] = max(ceil["read_bytes_per_s"], ceil["copy_bytes_per_s"])
+    ceil["l2_bytes"] = l2_bytes(device)
+    spec = spec_hbm_bytes_per_s(results.device)
+    lanes, unroll, warps, per_sm = read["config"]
+    print(f"[ceilings] HBM floor {ceil['hbm_bytes_per_s'] / 1e9:.0f} GB/s (best of: read-only stream "
+          f"{ceil['read_bytes_per_s'] / 1e9:.0f} GB/s, {read['tried']} configs, best {lanes} lanes x {unroll} loads, "
+          f"{warps} warps, {per_sm} programs/SM; copy {ceil['copy_bytes_per_s'] / 1e9:.0f} GB/s read+write); spec "
+          f"peak {'-' if spec is None else f'{spec / 1e9:.0f} GB/s'}; L2 {ceil['l2_bytes'] / 2**20:.0f} MiB; bf16 "
+          f"matmul {ceil['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s ({clock.seconds - clock.left():.1f} s)", flush=True)
     results.add("gpu_ceiling", "triton", "read-only stream", "read_gbps", ceil["read_bytes_per_s"] / 1e9, "GB/s")
+    results.add("gpu_ceiling", "triton", "read-only stream", "read_configs_tried", read["tried"], "count")
     results.add("gpu_ceiling", "torch", f"copy {nbytes >> 20} MiB", "copy_gbps", ceil["copy_bytes_per_s"] / 1e9,
                 "GB/s")
+    results.add("gpu_ceiling", "floor", "HBM (best of read-only and copy)", "hbm_gbps", ceil["hbm_bytes_per_s"] / 1e9,
+                "GB/s")
+    if spec is not None:
+        results.add("gpu_ceiling", "spec", "HBM (datasheet)", "spec_gbps", spec / 1e9, "GB/s")
+    results.add("gpu_ceiling", "device", "L2 cache", "l2_mib", ceil["l2_bytes"] / 2 ** 20, "MiB")
     results.add("gpu_ceiling", "torch", f"bf16 matmul {n}^3", "matmul_tflops", ceil["matmul_flops_per_s"] / 1e12,
                 "TFLOP/s")
     return ceil
+
+
+#: L2 bytes where the device does not say (the dry run's CPU): an H100's 50 MiB, so the dry run's rows are in range.
+DEFAULT_L2_BYTES = 50 * 2 ** 20
+
+
+def l2_bytes(device: str) -> int:
+    """The device's L2 cache in bytes (``torch.cuda.get_device_properties().L2_cache_size``), else
+    :data:`DEFAULT_L2_BYTES`."""
+    import torch
+
+    if device == "cuda":
+        size = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0)
+        if size:
+            return int(size)
+    return DEFAULT_L2_BYTES
 
 
 def attention_ceiling(args, results, device: str, ceil: dict, fi_ready: dict) -> None:

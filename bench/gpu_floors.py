@@ -1,13 +1,16 @@
-"""The card's ceilings as an attention kernel meets them, and each shape's floors (GPU check step ``floors``).
+"""The card's ceilings as an attention kernel meets them, and each shape's floors (GPU check step ``ceilings``).
 
-- **Read bandwidth**: a read-only streaming kernel (:func:`_stream_read_kernel`, every byte of a 1 GiB buffer loaded
-  once, 16 bytes per lane, one int32 written per program) - what a KV-reading kernel can reach. The device-to-device
-  copy (read + write bytes) and a bf16 matmul rate are kept beside it for comparison, not used as floors.
+- **HBM rate** (the memory floor's): the best of a tuned read-only streaming kernel (:func:`read_sweep`: vector width
+  and loads in flight per program, programs per SM, over a buffer 17x the H200's L2, each config checked) and the
+  device-to-device copy's bytes moved (read + written) per second. A lone read-only kernel was beaten in its own run
+  (H200 at 74e5177: 3,913 GB/s read-only, 4,233 GB/s copy, and FlashInfer read 4.54 TB/s of distinct bytes), so
+  neither alone is the floor. The card's spec-sheet peak is printed beside it; a bf16 matmul rate is kept for
+  comparison.
 - **Attention compute rate**: causal prefill attention over one long dense request (GQA 32:8, head_dim 128, bf16),
   timed for prefixattn and, when its JIT is ready, FlashInfer's batch prefill (fa3 on sm90, else fa2); the fastest
-  is the rate (an attention kernel's reachable FLOP/s, not a dense GEMM's).
-- **Per-shape floors**: memory = (distinct KV bytes + q + out) / read bandwidth; compute = the batch's attention
-  FLOPs / the attention rate; ``overlapped`` = max of the two (perfect overlap), ``serial`` = their sum (none).
+  correct one is the rate (an attention kernel's reachable FLOP/s, not a dense GEMM's).
+- **Per-shape floors**: memory = (distinct KV bytes + q + out) / the HBM rate; compute = the batch's attention FLOPs
+  / the attention rate; ``overlapped`` = max of the two (perfect overlap), ``serial`` = their sum (none).
 """
 
 from __future__ import annotations
@@ -15,12 +18,21 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-#: Bytes the read-bandwidth kernel streams (20x an H100's L2: the first and last waves' L2 hits are noise).
+#: Bytes the read kernel streams (17x an H200's 60 MB L2, 20x an H100's: the first and last waves' L2 hits are noise).
 READ_BYTES, DRY_READ_BYTES = 1 << 30, 1 << 16
-#: int32 lanes per program per iteration: 4096 x 4 bytes = 16 KiB, 16 bytes per lane at 8 warps.
-READ_BLOCK = 4096
-#: Programs per SM of the persistent read grid (enough loads in flight to cover HBM latency).
-READ_PROGRAMS_PER_SM = 8
+#: The read kernel's configs: (int32 lanes per program per load, loads in flight per iteration, warps). 4,096 lanes at
+#: 8 warps are 16 bytes per thread per load (one 128-bit load); the unrolled ones keep 2-8 such loads in flight per
+#: thread, the 4-warp ones fit more programs per SM. Each config is a compile (~1 s on a GPU host), so few.
+READ_CONFIGS = ((4096, 1, 8), (4096, 4, 8), (8192, 2, 8), (2048, 4, 4), (1024, 8, 4))
+#: Programs per SM of the persistent read grid, tried for every config (a launch parameter: no recompile).
+READ_PROGRAMS_PER_SM = (1, 2, 4, 8, 16)
+#: The dry run's share of the sweep: the code path, not a measurement.
+DRY_READ_CONFIGS, DRY_READ_PROGRAMS_PER_SM = READ_CONFIGS[:2], (1, 2)
+#: Spec-sheet HBM bandwidth by device name (substring, checked in order), printed beside the measured floor:
+#: NVIDIA's datasheets (H200 SXM 4.8 TB/s, H100 SXM 3.35, H100 PCIe 2.0, A100 80GB SXM 2.039, A100 40GB 1.555) and
+#: AMD's (MI300X 5.3).
+SPEC_HBM_BYTES_PER_S = (("H200", 4.8e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12), ("A100-SXM4-80GB", 2.039e12),
+                        ("A100 80GB PCIe", 1.935e12), ("A100", 1.555e12), ("MI300X", 5.3e12))
 #: Long causal prefill for the attention rate: tokens (GPU / dry run) and heads (q, kv), head_dim.
 RATE_TOKENS, DRY_RATE_TOKENS = 16384, 64
 RATE_HEADS, DRY_RATE_HEADS = (32, 8), (2, 1)
@@ -39,42 +51,59 @@ def _xor(a, b):
 def _stream_read_kernel(partial_ptr,  # [num_programs] int32 out: one value per program (keeps the loads alive)
                         x_ptr,  # [n] int32 in: the streamed buffer
                         n,
-                        BLOCK: tl.constexpr):
+                        BLOCK: tl.constexpr, UNROLL: tl.constexpr):
     pid = tl.program_id(0)
-    step = tl.num_programs(0) * BLOCK
+    step = tl.num_programs(0) * BLOCK * UNROLL
     acc = tl.zeros((BLOCK,), dtype=tl.int32)
-    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    offs = pid * BLOCK * UNROLL + tl.arange(0, BLOCK)
     for start in range(0, n, step):
-        idx = start + offs
-        acc ^= tl.load(x_ptr + idx, mask=idx < n, other=0)
+        for u in tl.static_range(UNROLL):  # UNROLL independent loads in flight before the XORs need them
+            idx = start + u * BLOCK + offs
+            acc ^= tl.load(x_ptr + idx, mask=idx < n, other=0)
     tl.store(partial_ptr + pid, tl.reduce(acc, 0, _xor))
 
 
-def stream_read(x, num_programs: int):
-    """Launch the read kernel over int32 ``x``: returns the per-program partials."""
+def stream_read(x, num_programs: int, config=READ_CONFIGS[0]):
+    """Launch the read kernel over int32 ``x`` with ``config`` (lanes, unroll, warps): the per-program partials."""
     import torch
 
+    block, unroll, warps = config
     partial = torch.empty(num_programs, dtype=torch.int32, device=x.device)
-    _stream_read_kernel[(num_programs,)](partial, x, x.numel(), BLOCK=READ_BLOCK)
+    _stream_read_kernel[(num_programs,)](partial, x, x.numel(), BLOCK=block, UNROLL=unroll, num_warps=warps)
     return partial
 
 
-def read_bandwidth(timer, device: str) -> float:
-    """Bytes per second the read-only kernel streams (checked: its partials XOR to the buffer's XOR)."""
+def read_sweep(timer, device: str) -> dict:
+    """Every (config, programs per SM) of the read kernel over one buffer, each checked (its partials XOR to the
+    buffer's XOR) then timed (L2 not flushed: the buffer is 17x the L2). ``{"bytes_per_s": best, "config": (lanes,
+    unroll, warps, programs per SM), "tried": n}``; a wrong config is an error (a kernel bug, not a slow config)."""
     import numpy as np
     import torch
 
     nbytes = DRY_READ_BYTES if timer.dry_run else READ_BYTES
     x = torch.randint(-2 ** 31, 2 ** 31 - 1, (nbytes // 4,), dtype=torch.int32, device=device)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device == "cuda" else 1
-    programs = sms * READ_PROGRAMS_PER_SM
-    got = stream_read(x, programs)
     want = int(np.bitwise_xor.reduce(x.cpu().numpy()))
-    if int(np.bitwise_xor.reduce(got.cpu().numpy())) != want:
-        raise RuntimeError("read-bandwidth kernel: its partials do not XOR to the buffer's XOR")
-    us = timer.repeat(lambda: stream_read(x, programs), timer.runs_for(lambda: stream_read(x, programs)),
-                      flush=False)["median"]
-    return nbytes / (us * 1e-6)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device == "cuda" else 1
+    configs = DRY_READ_CONFIGS if timer.dry_run else READ_CONFIGS
+    per_sm = DRY_READ_PROGRAMS_PER_SM if timer.dry_run else READ_PROGRAMS_PER_SM
+    best, tried = None, 0
+    for config in configs:
+        for k in per_sm:
+            programs = sms * k
+            got = stream_read(x, programs, config)
+            if int(np.bitwise_xor.reduce(got.cpu().numpy())) != want:
+                raise RuntimeError(f"read kernel {config} x {k} per SM: its partials do not XOR to the buffer's XOR")
+            fn = lambda: stream_read(x, programs, config)  # noqa: E731
+            us = timer.repeat(fn, timer.runs_for(fn), flush=False)["median"]
+            tried += 1
+            if best is None or us < best[0]:
+                best = (us, (*config, k))
+    return dict(bytes_per_s=nbytes / (best[0] * 1e-6), config=best[1], tried=tried)
+
+
+def spec_hbm_bytes_per_s(device_name: str) -> float | None:
+    """The spec-sheet HBM bandwidth of a device by its name (:data:`SPEC_HBM_BYTES_PER_S`), or None."""
+    return next((rate for key, rate in SPEC_HBM_BYTES_PER_S if key in device_name), None)
 
 
 def attention_rate_batch(dry_run: bool, device: str):
@@ -138,11 +167,13 @@ def attention_rates(timer, device: str, flashinfer_ready: set) -> dict:
     return rates
 
 
-def shape_floors(batch, read_bytes_per_s: float, attention_flops_per_s: float) -> dict:
-    """Seconds: ``memory``, ``compute``, ``overlapped`` (max) and ``serial`` (sum) for one batch."""
+def shape_floors(batch, hbm_bytes_per_s: float, attention_flops_per_s: float) -> dict:
+    """Seconds: ``memory``, ``compute``, ``overlapped`` (max) and ``serial`` (sum) for one batch; ``bytes``: the
+    distinct bytes the memory floor counts (KV once, q in, out out)."""
     from gpu_cases import attention_flops
 
-    nbytes = batch.unique_kv_bytes() + 2 * batch.q.numel() * batch.q.element_size()  # KV once, q in, out out
-    memory = nbytes / read_bytes_per_s
+    nbytes = batch.unique_kv_bytes() + 2 * batch.q.numel() * batch.q.element_size()
+    memory = nbytes / hbm_bytes_per_s
     compute = attention_flops(batch) / attention_flops_per_s
-    return dict(memory=memory, compute=compute, overlapped=max(memory, compute), serial=memory + compute)
+    return dict(memory=memory, compute=compute, overlapped=max(memory, compute), serial=memory + compute,
+                bytes=nbytes)

@@ -58,11 +58,13 @@ class Timer:
 
             self.flush_buf = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device)
 
-    def _runs_ms(self, fn, runs: int, flush: bool) -> list[float]:
+    def _runs_ms(self, fn, runs: int, flush: bool, before=None) -> list[float]:
         import torch
 
         events = []
         for _ in range(runs):
+            if before is not None:
+                before()
             if flush:
                 self.flush_buf.zero_()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -73,21 +75,24 @@ class Timer:
         torch.cuda.synchronize()
         return [s.elapsed_time(e) for s, e in events]
 
-    def runs_for(self, fn) -> int:
+    def runs_for(self, fn, before=None) -> int:
         """Timed runs per repetition for ``fn``: from one flushed run's time."""
         if self.dry_run:
             return 1
-        one = self._runs_ms(fn, 1, flush=True)[0]
+        one = self._runs_ms(fn, 1, flush=True, before=before)[0]
         return int(min(max(math.ceil(TARGET_REP_MS / max(one, 1e-3)), RUNS_RANGE[0]), RUNS_RANGE[1]))
 
-    def repeat(self, fn, runs: int, flush: bool) -> dict:
-        """``{"min": us, "median": us}`` over :data:`REPEATS` repetitions' median runs."""
+    def repeat(self, fn, runs: int, flush: bool, before=None) -> dict:
+        """``{"min": us, "median": us}`` over :data:`REPEATS` repetitions' median runs. ``before()`` runs ahead of
+        each run, outside its events (state a run consumes, such as merge counters, reset untimed)."""
         if self.dry_run:
+            if before is not None:
+                before()
             start = time.perf_counter()
             fn()
             us = (time.perf_counter() - start) * 1e6
             return dict(min=us, median=us)
-        reps = [statistics.median(self._runs_ms(fn, runs, flush)) * 1e3 for _ in range(REPEATS)]
+        reps = [statistics.median(self._runs_ms(fn, runs, flush, before)) * 1e3 for _ in range(REPEATS)]
         return dict(min=min(reps), median=statistics.median(reps))
 
 

@@ -47,14 +47,23 @@ def _best_name(per_provider: dict) -> str | None:
 
 
 def kernel_rows(rows) -> list[dict]:
-    """Per timing shape: prefixattn's and FlashInfer best's numbers and floors (None where absent)."""
+    """Per timing shape: prefixattn's and FlashInfer best's numbers, both cascades, the floors, the best rate of the
+    floor's bytes, the providers under the HBM floor (L2), prefixattn's classes alone (None where absent)."""
     out = []
     for shape, prov in _index(rows)[TIMING].items():
         ours, best, floor = prov.get("prefixattn", {}), prov.get("flashinfer-best", {}), prov.get("floor", {})
         out.append(dict(shape=shape.split(" [")[0], full=shape, ours=ours.get(HEAD), best=best.get(HEAD),
                         best_name=_best_name(prov), never=prov.get("prefixattn-nosharing", {}).get(HEAD),
                         cascade=prov.get("flashinfer-cascade2", {}).get(HEAD),
+                        cascade_fa2=prov.get("flashinfer-cascade2-fa2", {}).get(HEAD),
                         floor_o=floor.get("floor_overlapped_us"), floor_s=floor.get("floor_serial_us"),
+                        floor_m=floor.get("floor_memory_us"), floor_c=floor.get("floor_compute_us"),
+                        best_rate=floor.get("best_unique_gbps"),
+                        best_rate_name=next((p for p, m in prov.items() if m.get("is_best_unique_rate") == 1.0), None),
+                        under_floor=[p for p, m in prov.items() if m.get("under_hbm_floor") == 1.0],
+                        classes={k[len("class_"):-len("_us_median")]: v for k, v in ours.items()
+                                 if k.startswith("class_") and k.endswith("_us_median")},
+                        classes_sum=ours.get("classes_sum_us"),
                         ours_warm=ours.get("graph_warm_us_median"), best_warm=best.get("graph_warm_us_median"),
                         ours_eager=ours.get("eager_flushed_us_median"), best_eager=best.get("eager_flushed_us_median"),
                         sm_clock=prov.get("gpu-state", {}).get("sm_clock_mhz"),
@@ -65,7 +74,7 @@ def kernel_rows(rows) -> list[dict]:
 def kernel_table(rows) -> list[str]:
     lines = ["| shape | prefixattn us | FlashInfer best us (config) | prefixattn speedup | prefixattn over floor "
              "(overlapped / serial) | best over floor | warm L2 us (ours / best) | eager us (ours / best) | "
-             "never-share us | cascade us | SM MHz, C |", "|" + "---|" * 11]
+             "never-share us | cascade fa2 / auto us | SM MHz, C |", "|" + "---|" * 11]
     for r in kernel_rows(rows):
         lines.append(
             f"| {r['shape']} | {_f(r['ours'])} | {_f(r['best'])} ({r['best_name'] or '-'}) | "
@@ -73,7 +82,70 @@ def kernel_table(rows) -> list[str]:
             f"{ratio_cell(r['ours'], r['floor_o'])} / {ratio_cell(r['ours'], r['floor_s'])} | "
             f"{ratio_cell(r['best'], r['floor_o'])} / {ratio_cell(r['best'], r['floor_s'])} | "
             f"{_f(r['ours_warm'])} / {_f(r['best_warm'])} | {_f(r['ours_eager'])} / {_f(r['best_eager'])} | "
-            f"{_f(r['never'])} | {_f(r['cascade'])} | {_f(r['sm_clock'], 0)}, {_f(r['temp'], 0)} |")
+            f"{_f(r['never'])} | {_f(r['cascade_fa2'])} / {_f(r['cascade'])} | {_f(r['sm_clock'], 0)}, "
+            f"{_f(r['temp'], 0)} |")
+    return lines
+
+
+def floor_table(rows) -> list[str]:
+    """Per shape: the floors, the best rate any correct provider reached on the floor's bytes, the providers faster
+    than the HBM floor allows (reading from L2), prefixattn's work classes each alone."""
+    kernel = kernel_rows(rows)
+    if not any(r["best_rate"] is not None for r in kernel):  # runs before the HBM floor's sweep have no such rows
+        return []
+    lines = ["| shape | floor memory / compute us | best rate of the floor's bytes, GB/s (provider) | under the HBM "
+             "floor (L2) | prefixattn classes alone us | their sum / whole |", "|" + "---|" * 6]
+    for r in kernel:
+        classes = ", ".join(f"{n} {_f(v)}" for n, v in r["classes"].items()) or "-"
+        lines.append(f"| {r['shape']} | {_f(r['floor_m'])} / {_f(r['floor_c'])} | {_f(r['best_rate'], 0)} "
+                     f"({r['best_rate_name'] or '-'}) | {', '.join(r['under_floor']) or '-'} | {classes} | "
+                     f"{ratio_cell(r['classes_sum'], r['ours'])} |")
+    return lines
+
+
+def not_run(rows) -> list[str]:
+    """Per provider, each reason it did not run and on how many shapes (rows ``not_run``, the reason in ``unit``)."""
+    counts: dict = defaultdict(int)
+    for r in rows:
+        if r["benchmark"] == TIMING and r["metric"] == "not_run":
+            counts[(r["provider"], r["unit"].removeprefix("reason: "))] += 1
+    return [f"- `{p}` on {n} shape{'s' if n > 1 else ''}: {why}" for (p, why), n in sorted(counts.items())]
+
+
+def bytes_table(rows) -> list[str]:
+    """Nsight Compute's DRAM bytes per (shape, provider) over the shape's distinct bytes (step ``hbm_bytes``)."""
+    table = _index(rows).get("hbm_bytes", {})
+    if not table:
+        return []
+    lines = ["| shape | provider | DRAM read MB | read / distinct | DRAM written MB | kernels | prefixattn tile loads "
+             "/ distinct |", "|" + "---|" * 7]
+    for shape, prov in table.items():
+        unique = prov.get("floor", {}).get("unique_bytes")
+        tiles = prov.get("prefixattn", {}).get("tile_kv_load_bytes")
+        for provider, m in prov.items():
+            if "dram_read_bytes" not in m:
+                continue
+            lines.append(f"| {shape.split(' [')[0]} | {provider} | {_f(m['dram_read_bytes'] / 1e6)} | "
+                         f"{ratio_cell(m['dram_read_bytes'], unique)} | {_f(m.get('dram_write_bytes', 0) / 1e6)} | "
+                         f"{_f(m.get('kernels'), 0)} | "
+                         f"{ratio_cell(tiles, unique) if provider == 'prefixattn' else ''} |")
+    return lines
+
+
+def whole_batch_table(rows) -> list[str]:
+    """Whole batches run to completion per policy (step ``whole_batch``): wall time, tokens/s, the shares."""
+    table = _index(rows).get("whole_batch", {})
+    if not table:
+        return []
+    lines = ["| workload | prefixattn s | prefixattn's schedule + FlashInfer s | arrival order + LRU cache + "
+             "FlashInfer s | kernel's share | scheduler's share | total |", "|" + "---|" * 7]
+    for name, prov in table.items():
+        wall = [prov.get(p, {}).get("wall_s") for p in ("prefixattn", "prefixattn-scheduler+flashinfer",
+                                                        "arrival+flashinfer")]
+        ratio = prov.get("ratio", {})
+        share = lambda k: "-" if k not in ratio else f"{ratio[k]:.2f}x"  # noqa: E731
+        lines.append(f"| {name} | " + " | ".join(_f(w, 2) for w in wall)
+                     + f" | {share('kernel_share')} | {share('scheduler_share')} | {share('total')} |")
     return lines
 
 
@@ -85,25 +157,41 @@ def model_rows(rows) -> list[dict]:
                         never=get("prefixattn-nosharing", "step_us_median"),
                         best=get("flashinfer-best", "step_us_median"), best_name=_best_name(prov),
                         cascade=get("flashinfer-cascade2", "step_us_median"),
+                        cascade_fa2=get("flashinfer-cascade2-fa2", "step_us_median"),
+                        bound=get("prefixattn", "bound_us"), l2=get("floor", "l2_reread_fraction"),
                         share_ours=get("prefixattn", "attention_share"),
                         share_best=get("flashinfer-best", "attention_share"),
                         tok_ours=get("prefixattn", "tokens_per_s"), tok_best=get("flashinfer-best", "tokens_per_s"),
-                        graph=get("prefixattn", "graph")))
+                        graph=get("prefixattn", "graph"),
+                        classes={m[len("class_"):-len("_layer_us")]: v for m, v in prov.get("prefixattn", {}).items()
+                                 if m.startswith("class_") and m.endswith("_layer_us")},
+                        layer=get("prefixattn", "layer_us")))
     return out
 
 
 def model_table(rows) -> list[str]:
-    lines = ["| step | prefixattn ms | never-share ms | FlashInfer best, no sharing ms (config) | "
-             "FlashInfer cascade ms | speedup vs best | attention share (ours / best) | tokens/s (ours / best) |",
-             "|" + "---|" * 8]
+    lines = ["| step | prefixattn ms | bound ms | never-share ms | FlashInfer best, no sharing ms (config) | "
+             "cascade fa2 / auto ms | speedup vs best | attention share (ours / best) | unshared reads an L2 could "
+             "serve | tokens/s (ours / best) |", "|" + "---|" * 10]
     ms = lambda v: None if v is None else v / 1e3  # noqa: E731
     pct = lambda v: "-" if v is None else f"{v:.0%}"  # noqa: E731
     for r in model_rows(rows):
         lines.append(f"| {r['step']}{' (graph)' if r['graph'] else ''} | {_f(ms(r['ours']), 2)} | "
-                     f"{_f(ms(r['never']), 2)} | {_f(ms(r['best']), 2)} ({r['best_name'] or '-'}) | "
-                     f"{_f(ms(r['cascade']), 2)} | {ratio_cell(r['best'], r['ours'])} | {pct(r['share_ours'])} / "
-                     f"{pct(r['share_best'])} | {_f(r['tok_ours'], 0)} / {_f(r['tok_best'], 0)} |")
+                     f"{_f(ms(r['bound']), 2)} | {_f(ms(r['never']), 2)} | {_f(ms(r['best']), 2)} "
+                     f"({r['best_name'] or '-'}) | {_f(ms(r['cascade_fa2']), 2)} / {_f(ms(r['cascade']), 2)} | "
+                     f"{ratio_cell(r['best'], r['ours'])} | {pct(r['share_ours'])} / {pct(r['share_best'])} | "
+                     f"{pct(r['l2'])} | {_f(r['tok_ours'], 0)} / {_f(r['tok_best'], 0)} |")
     return lines
+
+
+def model_class_lines(rows) -> list[str]:
+    """prefixattn's work classes alone on one layer of each model step, beside the whole layer."""
+    out = []
+    for r in model_rows(rows):
+        if r["classes"]:
+            out.append(f"- {r['step']}: one layer {_f(r['layer'])} us; alone: "
+                       + ", ".join(f"{n} {_f(v)} us" for n, v in r["classes"].items()))
+    return out
 
 
 def losses(rows) -> list[str]:
@@ -145,16 +233,35 @@ def checks(rows, device: str) -> list[str]:
 
 
 def summary(rows, *, device: str, commit: str, versions: str, seconds: float, skips) -> str:
-    """The GPU check's .md: checks, skips, the fair kernel table, the model step, the losses."""
+    """The GPU check's .md: where prefixattn loses first, then the checks, skips, the fair kernel table, the floors,
+    the configurations not run, the model steps and the measured bytes."""
     dry = device == "cpu-interpreter"
-    lines = [f"# GPU check: {device}", "", f"commit {commit}; {versions}; {seconds:.0f} s", ""] + checks(rows, device)
+    lines = [f"# GPU check: {device}", "", f"commit {commit}; {versions}; {seconds:.0f} s", ""]
+    lines += ["## Where prefixattn loses", ""] + losses(rows) + [""] + checks(rows, device)
     if skips:
         lines += ["", "## Skipped", ""] + [f"- {step}: {reason}" for step, reason in skips]
-    kind = ("DRY RUN, CPU interpreter: one interpreted run's wall clock stands for every statistic, not kernel "
-            "times" if dry else "medians of 3 repetitions; CUDA-graph replay, L2 flushed before each run")
+    kind = ("DRY RUN, CPU interpreter, FlashInfer's stand-in: one interpreted run's wall clock stands for every "
+            "statistic, not kernel times" if dry else
+            "medians of 3 repetitions; CUDA-graph replay, L2 flushed before each run")
     lines += ["", f"## Attention kernels ({kind})", ""] + kernel_table(rows)
-    lines += ["", f"## Model step ({'DRY RUN' if dry else 'Llama-3.1-8B shape, 32 layers'})", ""] + model_table(rows)
-    lines += ["", "## Where prefixattn loses", ""] + losses(rows)
+    if floor := floor_table(rows):
+        lines += ["", "## Floors, the best rate reached, L2, prefixattn's classes alone", "",
+                  "The memory floor's bytes are the distinct KV, q and out; a provider faster than that at the HBM "
+                  "floor's rate by more than 3% read part of them from L2. prefixattn's work classes each run alone "
+                  "in a graph of their own.", ""] + floor
+    if missing := not_run(rows):
+        lines += ["", "## Configurations that did not run (not in \"FlashInfer best\" there)", ""] + missing
+    lines += ["", f"## Model steps ({'DRY RUN' if dry else 'Llama-3.1-8B shape, 32 layers'})", "",
+              "*bound*: the step with attention at its sharing floor (distinct KV + q + out per layer at the HBM rate, "
+              "or the attention FLOPs at the attention rate).", ""] + model_table(rows)
+    if classes := model_class_lines(rows):
+        lines += ["", "prefixattn's work classes alone, one layer (graph-replayed, L2 flushed):", ""] + classes
+    if batches := whole_batch_table(rows):
+        lines += ["", "## Whole batches to completion (eager steps, host planning included)", "",
+                  "Shares above 1 are prefixattn's gain: *kernel's* = FlashInfer over prefixattn on prefixattn's "
+                  "schedule; *scheduler's* = arrival order over prefixattn's order, both on FlashInfer.", ""] + batches
+    if measured := bytes_table(rows):
+        lines += ["", "## HBM bytes (Nsight Compute, caches flushed before each kernel)", ""] + measured
     lines += ["", "The simulator's calibration against these model steps (host only, minutes): "
               "`python bench/gpu_report.py <this .csv> --steps <its -model-steps.json>`."]
     return "\n".join(lines) + "\n"

@@ -4,14 +4,18 @@ Per shape (gpu_cases.timing_shapes), per provider: prepare (host planning, not t
 fp32 reference (a wrong output is a failure and is not timed), capture into a CUDA graph and check a replay too, then
 time the replay (L2 flushed and warm) and the eager call (L2 flushed) with bench/gpu_measure.py's :class:`Timer`.
 Providers: prefixattn, prefixattn ``sharing="never"``, every FlashInfer configuration of bench/peers/flashinfer.py
-(the cascade is handed the batch's prefix groups: oracle), torch SDPA on pre-gathered KV. ``flashinfer-best`` per
+(the cascades are handed the batch's prefix groups: oracle), torch SDPA on pre-gathered KV. ``flashinfer-best`` per
 shape is the fastest correct FlashInfer configuration by graph-replayed flushed median, with the one it was.
+prefixattn's work classes are each timed alone too, in a graph of their own.
 
 Rows (benchmark ``attention_gpu_time``): per provider ``correct``, ``max_abs_err``, ``<policy>_us_min`` /
 ``<policy>_us_median`` for the policies of gpu_measure.POLICIES, ``over_floor_overlapped`` / ``over_floor_serial``
-(headline median over each floor), ``unique_kv_gbps``; provider ``floor``: ``floor_<kind>_us``; provider
-``gpu-state``: clocks, temperature, power after the shape; ``flashinfer-best`` the best's numbers and, on the peer
-that was best, ``is_flashinfer_best`` = 1.
+(headline median over each floor), ``unique_kv_gbps``, ``unique_gbps`` (the memory floor's bytes over the headline
+time) and ``under_hbm_floor`` (faster than the HBM floor allows: read from L2); ``not_run`` (value 1, the reason in
+``unit``) where a provider did not run; prefixattn's ``class_<name>_us_min`` / ``_median`` and ``classes_sum_us``;
+provider ``floor``: ``floor_<kind>_us`` and ``best_unique_gbps`` (``is_best_unique_rate`` on the provider that
+reached it); provider ``gpu-state``: clocks, temperature, power after the shape; ``flashinfer-best`` the best's
+numbers and, on the peer that was best, ``is_flashinfer_best`` = 1.
 """
 
 from __future__ import annotations
@@ -22,6 +26,13 @@ TIMING = "attention_gpu_time"
 #: The policy every ratio and floor comparison uses (gpu_measure's docstring says why).
 HEADLINE = "graph_flushed"
 OURS = ("prefixattn", "prefixattn-nosharing")
+#: A correct provider this much faster than the HBM floor allows is flagged as reading from L2 (``under_hbm_floor``):
+#: run-to-run spread of the graph-replayed medians stays within ~1-2% (bench/results/gpu/nvidia-h200-74e5177.csv,
+#: min against median), so 3% is outside the noise.
+L2_MARGIN = 0.03
+#: A provider that did not run on a shape gets a row with this metric, its reason in the ``unit`` column (the CSV
+#: schema has no text column): ``reason: <why>``, at most NOT_RUN_CHARS characters.
+NOT_RUN, NOT_RUN_UNIT, NOT_RUN_CHARS = "not_run", "reason: ", 240
 
 
 def providers() -> list[str]:
@@ -72,11 +83,14 @@ def time_provider(provider, batch, want, label, floors, timer, results, fi_ready
             torch.cuda.synchronize()
     except Unavailable as exc:
         print(f"[timing]   {provider:28s} skipped: {exc}", flush=True)
+        results.add(TIMING, provider, label, NOT_RUN, 1.0, f"{NOT_RUN_UNIT}{exc}"[:NOT_RUN_CHARS])
         return None
     except Exception as exc:  # one provider failing (OOM, a peer's error) does not end the step
-        print(f"[timing]   {provider:28s} FAILED to run: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+        why = f"{type(exc).__name__}: {str(exc)[:200]}"
+        print(f"[timing]   {provider:28s} FAILED to run: {why}", flush=True)
         # Ours failing is a failure of the check; a peer failing on a shape is a column without numbers.
         results.add(TIMING, provider, label, "correct" if provider in OURS else "ran", 0.0, "bool")
+        results.add(TIMING, provider, label, NOT_RUN, 1.0, f"{NOT_RUN_UNIT}failed: {why}"[:NOT_RUN_CHARS])
         return None
     ok, err = _correct(out, want, batch.q.dtype)
     results.add(TIMING, provider, label, "max_abs_err", err, "abs")
@@ -119,7 +133,38 @@ def time_provider(provider, batch, want, label, floors, timer, results, fi_ready
     print(f"[timing]   {provider:28s} " + "  ".join(f"{p} {t['median']:9.1f} us" for p, t in times.items())
           + (f"  {head['median'] * 1e-6 / floors['overlapped']:5.2f}x overlapped floor" if head else
              f"  (no graph: {why})"), flush=True)
+    if prepared.parts and (graph_fn is not None or dry):
+        time_parts(prepared, timer, results, provider, label)
     return times
+
+
+def time_parts(prepared, timer, results, provider: str, label: str) -> dict:
+    """Each of ``prepared.parts`` (prefixattn: a work class) alone, in a CUDA graph of its own (eagerly in the dry
+    run), L2 flushed, ``prepared.reset`` before every run: rows ``class_<name>_us_min`` / ``_median`` and
+    ``classes_sum_us`` (the medians' sum, beside the whole call's time). Returns ``{name: {"min", "median"}}``."""
+    from gpu_measure import capture
+
+    reset, out = prepared.reset, {}
+    for name, fn in prepared.parts.items():
+        try:
+            run = fn
+            if not timer.dry_run:
+                if reset is not None:
+                    reset()
+                run = capture(fn)[0].replay
+            out[name] = timer.repeat(run, timer.runs_for(run, before=reset), flush=True, before=reset)
+        except Exception as exc:  # noqa: BLE001 - a class that cannot be timed alone leaves the others' times
+            print(f"[timing]     class {name} alone: FAILED: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+            continue
+        for stat in ("min", "median"):
+            results.add(TIMING, provider, label, f"class_{name}_us_{stat}", out[name][stat], "us")
+    if reset is not None:
+        reset()  # the plan's next call starts from zeroed counters, as every call of a whole plan leaves them
+    if out:
+        results.add(TIMING, provider, label, "classes_sum_us", sum(t["median"] for t in out.values()), "us")
+        print(f"[timing]     {provider} classes alone: " + ", ".join(f"{n} {t['median']:.1f} us"
+                                                             for n, t in out.items()), flush=True)
+    return out
 
 
 def _rows(results, provider, label, times, floors, batch) -> None:
@@ -128,10 +173,31 @@ def _rows(results, provider, label, times, floors, batch) -> None:
             results.add(TIMING, provider, label, f"{policy}_us_{stat}", t[stat], "us")
     head = times.get(HEADLINE)
     if head:
+        seconds = head["median"] * 1e-6
         for kind in ("overlapped", "serial"):
-            results.add(TIMING, provider, label, f"over_floor_{kind}", head["median"] * 1e-6 / floors[kind], "x")
-        results.add(TIMING, provider, label, "unique_kv_gbps", batch.unique_kv_bytes() / (head["median"] * 1e-6) / 1e9,
-                    "GB/s")
+            results.add(TIMING, provider, label, f"over_floor_{kind}", seconds / floors[kind], "x")
+        results.add(TIMING, provider, label, "unique_kv_gbps", batch.unique_kv_bytes() / seconds / 1e9, "GB/s")
+        results.add(TIMING, provider, label, "unique_gbps", floors["bytes"] / seconds / 1e9, "GB/s")
+        results.add(TIMING, provider, label, "under_hbm_floor", float(under_hbm_floor(seconds, floors)), "bool")
+
+
+def under_hbm_floor(seconds: float, floors: dict) -> bool:
+    """Whether a correct provider beat the HBM floor's time by more than :data:`L2_MARGIN`: it read part of the
+    shape's distinct bytes from L2 (or its own unique bytes are fewer than the floor counts)."""
+    return seconds < (1.0 - L2_MARGIN) * floors["memory"]
+
+
+def record_best_rate(results, label: str, timed: dict, floors: dict) -> tuple[str, float] | None:
+    """The highest rate of the floor's distinct bytes any correct provider reached (headline policy): rows
+    ``best_unique_gbps`` (provider ``floor``) and ``is_best_unique_rate`` on that provider."""
+    heads = {p: t[HEADLINE]["median"] for p, t in timed.items() if t and HEADLINE in t}
+    if not heads:
+        return None
+    name = min(heads, key=heads.get)
+    rate = floors["bytes"] / (heads[name] * 1e-6) / 1e9
+    results.add(TIMING, "floor", label, "best_unique_gbps", rate, "GB/s")
+    results.add(TIMING, name, label, "is_best_unique_rate", 1.0, "bool")
+    return name, rate
 
 
 def record_best(results, label, timed: dict) -> tuple[str, dict] | None:
@@ -174,9 +240,9 @@ def step_timing(args, results, skips, device, ceil, fi_ready) -> None:
         except torch.cuda.OutOfMemoryError as exc:
             clock.skip(f"{label}: out of memory building the batch or its reference ({str(exc)[:120]})")
             continue
-        floors = shape_floors(batch, ceil["read_bytes_per_s"], ceil["attention_flops_per_s"])
-        for kind, seconds in floors.items():
-            results.add(TIMING, "floor", label, f"floor_{kind}_us", seconds * 1e6, "us")
+        floors = shape_floors(batch, ceil["hbm_bytes_per_s"], ceil["attention_flops_per_s"])
+        for kind in ("memory", "compute", "overlapped", "serial"):
+            results.add(TIMING, "floor", label, f"floor_{kind}_us", floors[kind] * 1e6, "us")
         print(f"[timing] {label}: floors memory {floors['memory'] * 1e6:.1f} us, compute {floors['compute'] * 1e6:.1f}"
               f" us", flush=True)
         timed = {}
@@ -185,6 +251,7 @@ def step_timing(args, results, skips, device, ceil, fi_ready) -> None:
                 break
             timed[provider] = time_provider(provider, batch, want, label, floors, timer, results, fi_ready)
         best = record_best(results, label, timed)
+        record_best_rate(results, label, timed, floors)
         state = record_state(results, TIMING, label) if not args.dry_run else {}
         print(f"[timing]   ({time.monotonic() - start:.1f} s; best FlashInfer: {best[0] if best else '-'}; "
               f"{state or 'no clock reading'})", flush=True)

@@ -1,10 +1,11 @@
 """Engine steps for the model step (bench/model_step.py), from prefixattn's own scheduler.
 
-A BatchLLM case-1-shaped workload (:func:`prefixattn.sim.workloads.batchllm_case1`: a 16-token instruction shared by
-all, documents of ~1,100 tokens shared by ~7 requests, ~400 distinct tokens, ~200 output tokens; every prompt and
-output subsampled by ``scale`` for smaller runs, which keeps the sharing structure) is grouped (two levels), ordered
-(BatchLLM's order) and batched step by step by :class:`prefixattn.scheduling.TokenBatcher`; requests end at their
-workload output length (no sampling: outputs are forced to the workload's lengths).
+A workload of :mod:`prefixattn.sim.workloads` (BatchLLM case 1: a 16-token instruction shared by all, documents of
+~1,100 tokens shared by ~7 requests, ~400 distinct tokens; ``docs-qa-8k``: ~8K-token documents each shared by 32-64
+~100-token questions; ``shared-prompt-4k``: one ~4K-token prompt shared by every request; ~200 output tokens each;
+every prompt and output subsampled by ``scale`` for smaller runs, which keeps the sharing structure) is grouped (two
+levels), ordered (BatchLLM's order) and batched step by step by :class:`prefixattn.scheduling.TokenBatcher`; requests
+end at their workload output length (no sampling: outputs are forced to the workload's lengths).
 
 Each step is laid out on a paged KV cache as a prefix-caching engine lays it out: block ``j`` of a request holds
 positions ``j * block_size ...``; a block entirely inside a shared prefix level is one physical block for every request
@@ -57,11 +58,12 @@ class StepLayout:
         return out
 
 
-def workload(num_requests: int, scale: int, seed: int = 0):
-    """(prompts, output lengths) of BatchLLM case 1, every sequence subsampled by ``scale``."""
-    from prefixattn.sim.workloads import batchllm_case1
+def workload(name: str, num_requests: int, scale: int, seed: int = 0):
+    """(prompts, output lengths) of a named workload (:data:`prefixattn.sim.workloads.WORKLOADS`: BatchLLM case 1
+    ``batchllm-case1``, ``docs-qa-8k``, ``shared-prompt-4k``), every sequence subsampled by ``scale``."""
+    from prefixattn.sim.workloads import get_workload
 
-    w = batchllm_case1(num_requests=num_requests, seed=seed)
+    w = get_workload(name, num_requests=num_requests, seed=seed)
     prompts = [r.prompt[::scale].astype(np.int64) for r in w.requests]
     outputs = [max(1, r.output_len // scale) for r in w.requests]
     return prompts, outputs
@@ -140,6 +142,22 @@ def layout(batch, batcher: TokenBatcher, prompts, block_size: int) -> StepLayout
     return StepLayout(step=int(batch.step), kind=kind, qo_indptr=indptr.astype(np.int32),
                       kv_lens=kv_lens.astype(np.int32), block_table=table, num_blocks=len(ids), positions=positions,
                       slots=slots, sampled_rows=sampled, groups=groups, shared_runs=runs)
+
+
+def kv_traffic(lay: StepLayout, block_size: int, bytes_per_token: int, l2_bytes: int) -> dict:
+    """One layer's KV bytes of a step: ``read`` (every request reads its whole KV: no sharing), ``unique`` (every
+    cached position once), ``l2_reread`` (the part of ``read`` that re-reads the prefix of a group of >= 2 requests
+    whose prefix fits in ``l2_bytes``: what an unshared kernel serves from L2 when the group's rows run together)
+    and ``l2_reread_fraction`` (``l2_reread / read``). ``bytes_per_token``: K and V of all KV heads of one layer."""
+    kv_lens = lay.kv_lens.astype(np.int64)
+    used = np.clip(kv_lens[:, None] - np.arange(lay.block_table.shape[1]) * block_size, 0, block_size)
+    per_block = np.zeros(lay.num_blocks, dtype=np.int64)
+    np.maximum.at(per_block, lay.block_table.astype(np.int64).ravel(), used.ravel())
+    read = int(kv_lens.sum()) * bytes_per_token
+    reread = sum((len(m) - 1) * t * bytes_per_token for m, t in lay.groups
+                 if len(m) > 1 and t and t * bytes_per_token <= l2_bytes)
+    return dict(read=read, unique=int(per_block.sum()) * bytes_per_token, l2_reread=reread,
+                l2_reread_fraction=reread / read if read else 0.0)
 
 
 def run_batcher(prompts, outputs, *, token_budget: int, kv_blocks: int, block_size: int):

@@ -4,16 +4,23 @@ an engine: random bf16 weights, no tokenizer, no sampling, outputs forced to the
 The decoder stack: hidden 4096, 32 query / 8 KV heads of 128, MLP 14336 (SiLU-gated), RMSNorm, rotary, vocabulary
 128256, all 32 layers (:data:`LLAMA_31_8B`); each layer writes its new K/V into its paged cache
 (:func:`prefixattn.write_kv`, the same for every provider) and runs the provider's attention. Steps come from
-bench/model_layout.py (prefixattn's TokenBatcher on a BatchLLM case-1-shaped workload): decode steps are captured
-whole into a CUDA graph and replayed (as engines run decode), mixed steps run eagerly.
+bench/model_layout.py (prefixattn's TokenBatcher) on the workloads of :data:`WORKLOADS`, in that order (the time
+guard keeps the first): ~8K-token documents each shared by 32-64 questions, BatchLLM case 1 (~1K-token documents
+shared by ~7 requests: the workload where an unshared kernel finds the prefix in L2) and one ~4K-token prompt shared
+by every request. Decode steps are captured whole into a CUDA graph and replayed (as engines run decode), mixed
+steps run eagerly.
 
-Providers: ``prefixattn`` (free ``plan()`` once per step, one launch per layer), ``prefixattn-nosharing``
-(``sharing="never"``), ``flashinfer-best`` (FlashInfer without sharing, what vLLM runs: the fastest of the
-configurations of bench/peers/flashinfer.py that take the step, chosen by their attention time, the choice recorded)
-and ``flashinfer-cascade2`` (oracle prefix groups). Per step and provider: the step time, the attention time (the
-same 32 attention calls alone, timed the same way), attention's share, and tokens/s; every provider's attention is
-checked against the reference on the step's metadata first. The dry run does the same on a 2-layer model of tiny
-width (one layer) in the interpreter, eagerly.
+Providers: ``prefixattn`` (free ``plan()`` once per step, one launch per work class per layer),
+``prefixattn-nosharing`` (``sharing="never"``), ``flashinfer-best`` (FlashInfer without sharing, what vLLM runs: the
+fastest of the configurations of bench/peers/flashinfer.py that take the step, chosen by their attention time, the
+choice recorded) and both cascades (oracle prefix groups; FlashInfer's wrapper and its fa2 levels). Per step and
+provider: the step time, the attention time (the same 32 attention calls alone, timed the same way), attention's
+share, tokens/s and the ``bound``: the step with attention at the sharing floor (the step's distinct KV + q + out per
+layer at the HBM rate, or its attention FLOPs at the attention rate). prefixattn's work classes are timed alone on
+one layer (graph-replayed, L2 flushed). Per step: one layer's KV bytes read without sharing, its distinct KV bytes,
+the L2 size, and how much of the unshared reads re-read a group prefix that fits in L2 (model_layout.kv_traffic).
+Every provider's attention is checked against the reference on the step's metadata first. The dry run does the same
+on a 2-layer model of tiny width (one layer) in the interpreter, eagerly.
 """
 
 from __future__ import annotations
@@ -41,21 +48,27 @@ class ModelShape:
 #: meta-llama/Llama-3.1-8B config.json (the simulator's preset of the same name has the same shapes).
 LLAMA_31_8B = ModelShape("llama-3.1-8b", 32, 4096, 32, 8, 128, 14336, 128256)
 DRY_MODEL = ModelShape("llama-shaped-tiny", 1, 64, 2, 1, 32, 128, 256)
-#: The workload and batching per run: (requests, length scale, token budget, KV blocks). The GPU run's KV blocks
-#: (12,000 x 16 tokens, 23 GiB over 32 layers) hold ~260 running requests of ~1,550 tokens beside the 16 GB of weights
-#: on an 80 GB card; the token budget is vLLM's and BatchLLM's 2048.
-GPU_WORKLOAD = (384, 1, 2048, 12000)
-DRY_WORKLOAD = (12, 32, 64, 200)
+#: The workloads and their batching, in the order the time guard keeps them: name (prefixattn.sim.workloads) ->
+#: (requests, length scale, token budget, KV blocks, steps per kind) on a GPU. 12,000 blocks of 16 tokens (23 GiB
+#: over 32 layers) sit beside the 16 GB of weights on an 80 GB card: case 1 runs ~260 requests of ~1,550 tokens at
+#: once, docs-qa-8k ~5 documents with their questions (~22K tokens a document), shared-prompt-4k all 256 requests
+#: (~81K distinct tokens). The token budget is vLLM's and BatchLLM's 2048. Steps per kind (decode, mixed): the
+#: largest, then ones from the middle of the run.
+WORKLOADS = {"docs-qa-8k": (288, 1, 2048, 12000, 1), "batchllm-case1": (384, 1, 2048, 12000, 2),
+             "shared-prompt-4k": (256, 1, 2048, 12000, 1)}
+#: The dry run: every workload, lengths / 32, one step of each kind.
+DRY_WORKLOAD, DRY_STEPS_PER_KIND = (12, 32, 64, 200), 1
 BLOCK_SIZE = 16
-#: Steps timed per kind (decode, mixed): the largest and one from the middle of the run; one in the dry run.
-STEPS_PER_KIND, DRY_STEPS_PER_KIND = 2, 1
 #: FlashInfer configurations tried per step kind for "flashinfer-best" (no sharing).
 FI_CANDIDATES = {"decode": ("flashinfer-decode", "flashinfer-decode-tc-fa2", "flashinfer-decode-tc-fa3"),
                  "mixed": ("flashinfer-prefill-fa2", "flashinfer-prefill-fa3", "flashinfer-split",
                            "flashinfer-batch-attention", "flashinfer-pod")}
+#: The providers timed on every step beside "flashinfer-best".
+PROVIDERS = ("prefixattn", "prefixattn-nosharing", "flashinfer-cascade2", "flashinfer-cascade2-fa2")
 #: Simulator kernel kind of each provider (prefixattn.sim.step_cost): the calibration's input.
 SIM_KERNEL = {"prefixattn": ("fused", True), "prefixattn-nosharing": ("fused", True),
-              "flashinfer-best": ("paged", False), "flashinfer-cascade2": ("cascade", False)}
+              "flashinfer-best": ("paged", False), "flashinfer-cascade2": ("cascade", False),
+              "flashinfer-cascade2-fa2": ("cascade", True)}
 
 
 class Model:
@@ -158,7 +171,8 @@ def _meta(lay, model, device: str):
 
 def make_attend(provider: str, meta, model, graph: bool):
     """``attend(layer, q) -> out`` for one provider, planned for the step (host work done here); FlashInfer's wrappers
-    in their cuda-graph mode for steps that are captured (decode), as engines build them, else without it."""
+    in their cuda-graph mode for steps that are captured (decode), as engines build them, else without it.
+    prefixattn's ``attend.plan`` is its plan (its work classes are timed alone)."""
     import torch
 
     import prefixattn
@@ -171,7 +185,12 @@ def make_attend(provider: str, meta, model, graph: bool):
                             sharing="never" if provider == "prefixattn-nosharing" else "auto")
         out = torch.empty(int(meta.qo_indptr[-1]), meta.num_qo_heads, meta.head_dim, dtype=meta.dtype,
                           device=meta.device)
-        return lambda li, q: prefixattn.attention(q, model.kv[li, 0], model.kv[li, 1], p, out=out)
+
+        def attend(li, q):
+            return prefixattn.attention(q, model.kv[li, 0], model.kv[li, 1], p, out=out)
+
+        attend.plan, attend.out = p, out
+        return attend
     peer = plan_peer(provider, meta, graph=graph)
     return lambda li, q: peer.output(peer.launch(q, model.kv[li, 0], model.kv[li, 1]))
 
@@ -203,13 +222,14 @@ def _timed(fn, timer, graph: bool):
     return t["min"], t["median"]
 
 
-def _label(lay) -> str:
-    return f"{lay.kind} step {lay.step}: {len(lay.kv_lens)} requests, {lay.num_tokens} tokens"
+def _label(workload: str, lay) -> str:
+    return f"{workload} {lay.kind} step {lay.step}: {len(lay.kv_lens)} requests, {lay.num_tokens} tokens"
 
 
-def step_model(args, results, skips, device: str, fi_ready: dict) -> list:
-    """Time the selected steps for every provider; rows ``model_step``; returns the measured steps (JSON-able) for
-    the simulator's calibration (prefixattn/sim/fit.py)."""
+def step_model(args, results, skips, device: str, fi_ready: dict, ceil: dict) -> list:
+    """Time the selected steps of every workload (:data:`WORKLOADS`, in order) for every provider; rows
+    ``model_step``; returns the measured steps (JSON-able) for the simulator's calibration (prefixattn/sim/fit.py).
+    ``ceil``: the run's ceilings (``hbm_bytes_per_s``, ``attention_flops_per_s``, ``l2_bytes``) for the bounds."""
     import torch
 
     import model_layout
@@ -219,26 +239,31 @@ def step_model(args, results, skips, device: str, fi_ready: dict) -> list:
     clock = Clock("model_step", skips)
     dry = args.dry_run
     shape = DRY_MODEL if dry else LLAMA_31_8B
-    n_req, scale, budget, blocks = DRY_WORKLOAD if dry else GPU_WORKLOAD
     start = time.monotonic()
-    prompts, outputs = model_layout.workload(n_req, scale)
-    batcher, all_steps = model_layout.run_batcher(prompts, outputs, token_budget=budget, kv_blocks=blocks,
-                                                  block_size=BLOCK_SIZE)
-    layouts = [model_layout.layout(b, batcher, prompts, BLOCK_SIZE)
-               for b in model_layout.select_steps(all_steps, DRY_STEPS_PER_KIND if dry else STEPS_PER_KIND)]
-    print(f"[model_step] {shape.name}: {n_req} requests (lengths / {scale}), {len(all_steps)} TokenBatcher steps "
-          f"({time.monotonic() - start:.1f} s host); timing steps {[lay.step for lay in layouts]}", flush=True)
+    todo = []  # (workload, layout): every workload's steps laid out first, so one model holds the largest
+    for name, (n_req, scale, budget, blocks, per_kind) in WORKLOADS.items():
+        if dry:
+            n_req, scale, budget, blocks = DRY_WORKLOAD
+            per_kind = DRY_STEPS_PER_KIND
+        prompts, outputs = model_layout.workload(name, n_req, scale)
+        batcher, all_steps = model_layout.run_batcher(prompts, outputs, token_budget=budget, kv_blocks=blocks,
+                                                      block_size=BLOCK_SIZE)
+        picked = model_layout.select_steps(all_steps, per_kind)
+        todo += [(name, model_layout.layout(b, batcher, prompts, BLOCK_SIZE)) for b in picked]
+        print(f"[model_step] {shape.name}, {name}: {n_req} requests (lengths / {scale}), {len(all_steps)} "
+              f"TokenBatcher steps; timing steps {[b.step for b in picked]}", flush=True)
+    print(f"[model_step] laid out in {time.monotonic() - start:.1f} s (host)", flush=True)
     try:
-        model = Model(shape, torch.float32 if dry else torch.bfloat16, device, max(lay.num_blocks for lay in layouts))
+        model = Model(shape, torch.float32 if dry else torch.bfloat16, device, max(lay.num_blocks for _, lay in todo))
     except torch.cuda.OutOfMemoryError as exc:
         clock.skip(f"out of memory building the {shape.name} weights and caches: {str(exc)[:200]}")
         return []
     timer = Timer(dry, device)
     measured = []
-    for i, lay in enumerate(layouts):
-        if clock.expired([_label(x) for x in layouts[i:]]):
+    for i, (name, lay) in enumerate(todo):
+        if clock.expired([_label(w, x) for w, x in todo[i:]]):
             break
-        measured += _time_step(lay, model, timer, device, results, fi_ready, clock, dry)
+        measured += _time_step(name, lay, model, timer, device, results, fi_ready, clock, dry, ceil)
     if dry:
         clock.skip("dry run: eager interpreter steps (no CUDA graphs), times are not GPU times")
     del model
@@ -247,15 +272,60 @@ def step_model(args, results, skips, device: str, fi_ready: dict) -> list:
     return measured
 
 
-def _time_step(lay, model, timer, device, results, fi_ready, clock, dry) -> list:
-    io, meta, label = _io(lay, model, device), _meta(lay, model, device), _label(lay)
+def _floor_rows(workload, lay, model, results, label, ceil) -> float:
+    """The step's attention floor (seconds, all layers) and its KV traffic rows (provider ``floor``)."""
+    from gpu_cases import causal_attention_flops
+    from model_layout import kv_traffic
+
+    s = model.s
+    elt = model.kv.element_size()
+    per_token = 2 * s.kv_heads * s.head_dim * elt  # K and V, one layer
+    kv = kv_traffic(lay, BLOCK_SIZE, per_token, ceil["l2_bytes"])
+    q_out = 2 * lay.num_tokens * s.q_heads * s.head_dim * elt
+    memory = (kv["unique"] + q_out) / ceil["hbm_bytes_per_s"]
+    compute = causal_attention_flops(lay.q_lens, lay.kv_lens, s.q_heads, s.head_dim) / ceil["attention_flops_per_s"]
+    floor = s.layers * max(memory, compute)
+    for metric, value, unit in (("attention_floor_us", floor * 1e6, "us"),
+                                ("kv_read_mib_per_layer", kv["read"] / 2 ** 20, "MiB"),
+                                ("kv_unique_mib_per_layer", kv["unique"] / 2 ** 20, "MiB"),
+                                ("l2_mib", ceil["l2_bytes"] / 2 ** 20, "MiB"),
+                                ("l2_reread_fraction", kv["l2_reread_fraction"], "fraction")):
+        results.add(BENCHMARK, "floor", label, metric, value, unit)
+    print(f"[model_step] {label}: attention floor {floor * 1e3:.2f} ms; per layer {kv['read'] / 2 ** 20:,.0f} MiB read "
+          f"unshared, {kv['unique'] / 2 ** 20:,.0f} MiB distinct, {kv['l2_reread_fraction']:.0%} of the reads re-read "
+          f"a group prefix that fits in the {ceil['l2_bytes'] / 2 ** 20:.0f} MiB L2", flush=True)
+    return floor
+
+
+def _time_classes(attend, io, model, timer, results, label, provider) -> None:
+    """prefixattn's work classes alone on layer 0 (CUDA-graph replays, eager in the dry run; L2 flushed): rows
+    ``class_<name>_layer_us`` beside ``layer_us`` (all classes, the same way)."""
+    from gpu_measure import capture
+    from peers.ours import class_runs, counters_reset
+
+    p, q = attend.plan, io["q"]
+    parts = {"all": lambda: attend(0, q), **class_runs(p, q, model.kv[0, 0], model.kv[0, 1], attend.out)}
+    reset = counters_reset(p)
+    for name, fn in parts.items():
+        before = None if name == "all" else reset
+        run = fn
+        if not timer.dry_run:
+            if before is not None:
+                before()
+            run = capture(fn)[0].replay
+        t = timer.repeat(run, timer.runs_for(run, before=before), flush=True, before=before)
+        metric = "layer_us" if name == "all" else f"class_{name}_layer_us"
+        results.add(BENCHMARK, provider, label, metric, t["median"], "us")
+    if reset is not None:
+        reset()
+
+
+def _time_step(workload, lay, model, timer, device, results, fi_ready, clock, dry, ceil) -> list:
+    io, meta, label = _io(lay, model, device), _meta(lay, model, device), _label(workload, lay)
     graph = lay.kind == "decode" and not dry
     fi_ok = {p for p, ok in fi_ready.items() if ok is True}
-    attends = {}
-    for provider in ("prefixattn", "prefixattn-nosharing", "flashinfer-cascade2"):
-        if provider.startswith("flashinfer") and provider not in fi_ok:
-            continue
-        attends[provider] = provider
+    attention_floor = _floor_rows(workload, lay, model, results, label, ceil)
+    attends = {p: p for p in PROVIDERS if not p.startswith("flashinfer") or p in fi_ok}
     # FlashInfer best without sharing: the fastest correct candidate by attention time.
     best, best_t = None, None
     for cand in FI_CANDIDATES[lay.kind]:
@@ -276,38 +346,49 @@ def _time_step(lay, model, timer, device, results, fi_ready, clock, dry) -> list
             ok, err = _check(attend, io, meta, model)
             results.add(BENCHMARK, provider, label, "correct", float(ok), "bool")
             if not ok:
-                print(f"[model_step]   {provider:22s} WRONG attention (max abs err {err:.2e}): not timed", flush=True)
+                print(f"[model_step]   {provider:24s} WRONG attention (max abs err {err:.2e}): not timed", flush=True)
                 continue
             step_t = _timed(lambda: model.forward(io, attend), timer, graph)
             attn_t = _timed(lambda: model.attention_only(io, attend), timer, graph)
+            if provider.startswith("prefixattn"):
+                _time_classes(attend, io, model, timer, results, label, provider)
         except Exception as exc:  # one provider failing does not end the step
-            print(f"[model_step]   {provider:22s} FAILED: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+            print(f"[model_step]   {provider:24s} FAILED: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
             # Ours failing is a failure of the check; a peer failing is a column without numbers.
             results.add(BENCHMARK, provider, label, "correct" if provider.startswith("prefixattn") else "ran", 0.0,
                         "bool")
             continue
         tokens_s = lay.num_tokens / (step_t[1] * 1e-6)
+        bound_us = step_t[1] - attn_t[1] + attention_floor * 1e6
         for metric, value, unit in (("step_us_min", step_t[0], "us"), ("step_us_median", step_t[1], "us"),
                                     ("attention_us_min", attn_t[0], "us"), ("attention_us_median", attn_t[1], "us"),
                                     ("attention_share", attn_t[1] / step_t[1], "fraction"),
+                                    ("bound_us", bound_us, "us"),
                                     ("tokens_per_s", tokens_s, "tokens/s"),
                                     ("output_tokens_per_s", len(lay.sampled_rows) / (step_t[1] * 1e-6), "tokens/s"),
                                     ("graph", float(graph), "bool")):
             results.add(BENCHMARK, provider, label, metric, value, unit)
-        print(f"[model_step]   {provider:22s}{'(' + impl + ')' if impl != provider else '':28s} step "
+        print(f"[model_step]   {provider:24s}{'(' + impl + ')' if impl != provider else '':28s} step "
               f"{step_t[1] / 1e3:8.2f} ms, attention {attn_t[1] / 1e3:8.2f} ms ({attn_t[1] / step_t[1]:.0%}), "
-              f"{tokens_s:,.0f} tokens/s", flush=True)
-        kernel, split_k = SIM_KERNEL[provider]
-        measured.append(dict(step=lay.step, kind=lay.kind, provider=provider, impl=impl, kernel=kernel,
-                             split_k=split_k, step_s=step_t[1] * 1e-6, attention_s=attn_t[1] * 1e-6,
-                             q_lens=lay.q_lens.tolist(), kv_lens=lay.kv_lens.tolist(),
-                             num_sampled=int(len(lay.sampled_rows)),
-                             shared_lens=lay.shared_lens.tolist() if provider != "prefixattn-nosharing" and
-                             kernel != "paged" else [0] * len(lay.kv_lens),
-                             shared_runs=lay.shared_runs if provider != "prefixattn-nosharing" and
-                             kernel != "paged" else [],
-                             model=model.s.name, device=results.device, graph=graph))
+              f"{tokens_s:,.0f} tokens/s; bound {bound_us / 1e3:.2f} ms", flush=True)
+        measured.append(_record(workload, lay, provider, impl, step_t, attn_t, model, results, graph, ceil))
     return measured
+
+
+def _record(workload, lay, provider, impl, step_t, attn_t, model, results, graph, ceil) -> dict:
+    """One measured step as the simulator's calibration reads it (prefixattn/sim/fit.py): ``shared_lens`` /
+    ``shared_runs`` what the provider shares (nothing for the unshared ones), ``group_lens`` / ``group_runs`` the
+    step's prefix groups whatever it shares."""
+    kernel, split_k = SIM_KERNEL[provider]
+    shares = provider != "prefixattn-nosharing" and kernel != "paged"
+    groups = lay.shared_lens.tolist()
+    return dict(step=lay.step, kind=lay.kind, workload=workload, provider=provider, impl=impl, kernel=kernel,
+                split_k=split_k, step_s=step_t[1] * 1e-6, attention_s=attn_t[1] * 1e-6, q_lens=lay.q_lens.tolist(),
+                kv_lens=lay.kv_lens.tolist(), num_sampled=int(len(lay.sampled_rows)),
+                shared_lens=groups if shares else [0] * len(lay.kv_lens),
+                shared_runs=lay.shared_runs if shares else [], group_lens=groups, group_runs=lay.shared_runs,
+                model=model.s.name, device=results.device, graph=graph, l2_bytes=int(ceil["l2_bytes"]),
+                hbm_bytes_per_s=float(ceil["hbm_bytes_per_s"]))
 
 
 def _attention_time(cand, meta, model, io, timer, graph, results, label):

@@ -57,13 +57,18 @@ _BATCH = re.compile(r"\[(\w+)/(?:(\d+)p\+)?(\d+)d/(\d+)-(\d+)-(\w+)/h(\d+):(\d+)
 
 
 def load_runs(folder: Path = RESULTS) -> dict[str, list[dict]]:
-    """``{run name: rows}`` for every GPU-check CSV (the bench schema); tile-sweep CSVs have their own columns."""
+    """``{run name: rows}`` for every GPU-check CSV (the bench schema); tile-sweep CSVs have their own columns. A
+    second call's CSV (``<run>-<tag>.csv``, ``gpu_check.py --tag``) joins the rows of ``<run>``."""
     runs = {}
     for path in sorted(folder.glob("*.csv")):
         with path.open() as f:
             reader = csv.DictReader(f)
             if reader.fieldnames and "benchmark" in reader.fieldnames:
                 runs[path.stem] = list(reader)
+    for name in sorted(runs, key=len, reverse=True):
+        base = next((other for other in runs if other != name and name.startswith(other + "-")), None)
+        if base is not None:
+            runs[base] += runs.pop(name)
     return runs
 
 
@@ -330,51 +335,39 @@ def _legacy_sections(rows: list[dict], heading: str) -> list[str]:
 
 
 def _fair_full_table(rows: list[dict]) -> list[str]:
+    kernel = _gpu_report().kernel_rows(rows)
+    fa2 = any(r["cascade_fa2"] is not None for r in kernel)  # runs before the fa2 cascade have no such column
     lines = ["| source | step | KV tokens per request | requests per prefix | heads q:kv | floor | prefixattn "
-             "| no sharing | FlashInfer best (config) | cascade | speedup | prefixattn / floor | warm L2 (ours / best) "
-             "| eager (ours / best) |",
+             "| no sharing | FlashInfer best (config) | " + ("cascade fa2 / auto" if fa2 else "cascade")
+             + " | speedup | prefixattn / floor | warm L2 (ours / best) | eager (ours / best) |",
              "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     cell = _gpu_report().ratio_cell
-    for r in _gpu_report().kernel_rows(rows):
+    for r in kernel:
         d = describe(r["full"])
+        cascade = f"{_us(r['cascade_fa2'])} / {_us(r['cascade'])}" if fa2 else _us(r["cascade"])
         lines.append(f"| {d['source']} | {d['step']} | {d['tokens']} | {d['per']} | {d['heads']} | "
                      f"{_us(r['floor_o'])} | "
                      f"{_us(r['ours'])} | {_us(r['never'])} | {_us(r['best'])} ({r['best_name'] or '-'}) | "
-                     f"{_us(r['cascade'])} | {cell(r['best'], r['ours'])} | {cell(r['ours'], r['floor_o'])} | "
+                     f"{cascade} | {cell(r['best'], r['ours'])} | {cell(r['ours'], r['floor_o'])} | "
                      f"{_us(r['ours_warm'])} / {_us(r['best_warm'])} | {_us(r['ours_eager'])} / "
                      f"{_us(r['best_eager'])} |")
     return lines
 
 
+def _optional(heading: str, text: str, body: list[str]) -> list[str]:
+    """A section only where the run has its rows (earlier runs measured less)."""
+    return [heading, "", *([text, ""] if text else []), *body, ""] if body else []
+
+
 def _fair_sections(rows: list[dict]) -> list[str]:
-    """The fair harness's timings: every provider graph-replayed with the L2 flushed; the model step."""
+    """The fair harness's timings: where prefixattn loses first, then every provider graph-replayed with the L2
+    flushed, the floors and L2, the configurations that did not run, the model steps, the measured bytes."""
     report = _gpu_report()
+    failures = peer_failures(rows)
     return [
-        f"## Attention time: {provenance(rows)}",
+        "## Where prefixattn loses",
         "",
-        f"Peer: {FAIR_PEER}, each with its CUDA-graph buffers where it has them. Every provider's output is checked "
-        "against the reference, captured in a CUDA graph and checked again, then timed as graph replays with the L2 "
-        "flushed before each run (in a model step every layer's KV was evicted by the other layers), median of 3 "
-        "repetitions; warm-L2 replays and eager launches beside them. *floor*: the distinct KV, q and out bytes at "
-        "the measured read-only streaming rate or the attention FLOPs at the measured causal-prefill rate, "
-        "whichever is longer. *speedup*: FlashInfer's best over prefixattn. Microseconds, head_dim 128, bf16, "
-        "16-token blocks; *no sharing*: prefixattn planned with `sharing=\"never\"`. The SM clock and temperature "
-        "of each shape are in the run's `.md`.",
-        "",
-        *fair_summary_lines(rows),
-        "",
-        *([failures, ""] if (failures := peer_failures(rows)) else []),
-        *_fair_full_table(rows),
-        "",
-        "## Model step",
-        "",
-        "A Llama-3.1-8B-shaped decoder (random bf16 weights, all 32 layers) on batches from prefixattn's "
-        "TokenBatcher over a BatchLLM case-1-shaped workload ([gpu-check.md](gpu-check.md)); decode steps "
-        "graph-replayed, mixed steps eager:",
-        "",
-        *report.model_table(rows),
-        "",
-        "Where prefixattn loses in this run:",
+        f"In the run below ({provenance(rows)}), against FlashInfer's best configuration of each shape and step:",
         "",
         *report.losses(rows),
         "",
@@ -382,6 +375,41 @@ def _fair_sections(rows: list[dict]) -> list[str]:
         "",
         *sharing_losses(rows),
         "",
+        f"## Attention time: {provenance(rows)}",
+        "",
+        f"Peer: {FAIR_PEER}, each with its CUDA-graph buffers where it has them. Every provider's output is checked "
+        "against the reference, captured in a CUDA graph and checked again, then timed as graph replays with the L2 "
+        "flushed before each run (in a model step every layer's KV was evicted by the other layers), median of 3 "
+        "repetitions; warm-L2 replays and eager launches beside them. *floor*: the distinct KV, q and out bytes at "
+        "the measured HBM rate or the attention FLOPs at the measured causal-prefill rate, whichever is longer. "
+        "*speedup*: FlashInfer's best over prefixattn. Microseconds, head_dim 128, bf16, 16-token blocks; *no "
+        "sharing*: prefixattn planned with `sharing=\"never\"`. The SM clock and temperature of each shape are in "
+        "the run's `.md`.",
+        "",
+        *fair_summary_lines(rows),
+        "",
+        *([failures, ""] if failures else []),
+        *_fair_full_table(rows),
+        "",
+        *_optional("## Floors, the best rate reached, L2, prefixattn's classes alone",
+                   "The memory floor's bytes are the distinct KV, q and out; a provider faster than that at the HBM "
+                   "floor's rate by more than 3% read part of them from L2. prefixattn's work classes each run alone "
+                   "in a graph of their own.", report.floor_table(rows)),
+        *_optional("## Configurations that did not run", "", report.not_run(rows)),
+        "## Model step",
+        "",
+        "A Llama-3.1-8B-shaped decoder (random bf16 weights, all 32 layers) on batches from prefixattn's "
+        "TokenBatcher ([gpu-check.md](gpu-check.md)); decode steps graph-replayed, mixed steps eager:",
+        "",
+        *report.model_table(rows),
+        "",
+        *_optional("### prefixattn's work classes alone, one layer", "", report.model_class_lines(rows)),
+        *_optional("## Whole batches to completion",
+                   "Each workload's batch run until every request finished (eager steps, each planned on the host; "
+                   "outputs an eighth of the workload's): prefixattn's scheduler with prefixattn, the same steps "
+                   "with FlashInfer's best configuration, and an engine's default (arrival order, LRU prefix cache) "
+                   "with FlashInfer. Shares above 1 are prefixattn's gain.", report.whole_batch_table(rows)),
+        *_optional("## HBM bytes (Nsight Compute, caches flushed before each kernel)", "", report.bytes_table(rows)),
     ]
 
 

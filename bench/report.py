@@ -183,10 +183,11 @@ def _plan_section(rows) -> list[str]:
     lines = ["## prefixattn at full size: KV bytes its tiles load (plan() only, host; the kernel is not run)", "",
              "KV bytes the planned work items' tiles load / unique KV bytes of the full-size batch (loads into the "
              "SM, equal to the interpreter's count on every scaled batch above; not HBM reads: tiles of one KV range "
-             "that run in one wave meet in L2, which only a GPU's counters measure). Query tiles: a shared prefix whose query rows "
-             "(requests x query heads per KV head) exceed one tile is read once per tile, and a prefill chunk's KV "
-             "once per tile of its rows, so on mixed batches no tiled kernel reaches the bound. Tiles: the shipped "
-             "sm90 (H100) table, as on that GPU (test_plan_time.PLAN_TARGET), not the CPU heuristic.", "",
+             "that run in one wave meet in L2, which only a GPU's counters measure). Query tiles: a shared prefix "
+             "whose query rows (requests x query heads per KV head) exceed one tile is read once per tile, and a "
+             "prefill chunk's KV once per tile of its rows, so on mixed batches no tiled kernel reaches the bound. "
+             "Tiles: the shipped sm90 (H100) table, as on that GPU (test_plan_time.PLAN_TARGET), not the CPU "
+             "heuristic.", "",
              "| shape | prefixattn tile loads / unique | query rows per suffix tile | work items | shared nodes "
              f"| plan time (us, median; planner {'/'.join(sorted(planners))}) | sharing=never tile loads / unique |",
              "|---|---|---|---|---|---|---|"]

@@ -4,6 +4,7 @@ runs on the short-lived GPU machine cannot rot between GPU sessions."""
 from __future__ import annotations
 
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -31,32 +32,68 @@ def test_gpu_check_dry_run_runs_every_step(tmp_path):
         assert part in names, part
     assert all(float(r["value"]) == 1.0 for r in passed + by("gpu_check_correctness", "bit_identical"))
     assert {r["provider"] for r in by("gpu_ceiling", "read_gbps") + by("gpu_ceiling", "attention_tflops")} == {
-        "triton", "prefixattn"}
+        "triton", "prefixattn", "flashinfer-prefill-fa2"}
+    # The HBM floor is the best of the read kernel's sweep and the copy.
+    [hbm] = by("gpu_ceiling", "hbm_gbps")
+    assert float(hbm["value"]) == max(float(r["value"]) for r in by("gpu_ceiling", "read_gbps") +
+                                      by("gpu_ceiling", "copy_gbps"))
+    assert float(by("gpu_ceiling", "read_configs_tried")[0]["value"]) > 1
     # The sanitizer's eight kernel classes ran (and passed) in the interpreter; the tool itself needs a GPU.
     cases = by("gpu_check_sanitizer_cases", "passed")
     assert len(cases) == 8 and all(float(r["value"]) == 1.0 for r in cases)
-    assert all(float(r["value"]) == 1.0 for r in by("gpu_check_plan_ahead", "passed")) and \
-        len(by("gpu_check_plan_ahead", "passed")) == 2
-    # Every timed provider has all three policies' min and median; both floors per shape.
+    ahead = by("gpu_check_plan_ahead", "passed")
+    assert len(ahead) == 2 and all(float(r["value"]) == 1.0 for r in ahead)
+    assert len(by("gpu_check_plan_ahead", "host_us")) == len(by("gpu_check_plan_ahead", "overlap_us")) == 2
+    # Every timed provider has all three policies' min and median; both floors per shape. The FlashInfer peers run on
+    # the stand-in (the cascade on fa2 among them); those a shape does not suit say why, in their not_run row.
     timed = {(r["provider"], r["shape"]) for r in by("attention_gpu_time", "graph_flushed_us_median")}
-    assert {p for p, _ in timed} == {"prefixattn", "prefixattn-nosharing", "torch-sdpa"}
-    assert len({s for _, s in timed}) == 2
-    for metric in ("graph_warm_us_min", "eager_flushed_us_median", "over_floor_serial"):
+    providers = {p for p, _ in timed}
+    assert {"prefixattn", "prefixattn-nosharing", "torch-sdpa", "flashinfer-cascade2", "flashinfer-cascade2-fa2",
+            "flashinfer-prefill-fa2", "flashinfer-best"} <= providers
+    shapes = {s for _, s in timed}
+    assert len(shapes) == 2
+    for metric in ("graph_warm_us_min", "eager_flushed_us_median"):
         assert len(by("attention_gpu_time", metric)) == len(timed), metric
-    assert len(by("attention_gpu_time", "floor_overlapped_us")) == len(by("attention_gpu_time", "floor_serial_us")) \
-        == 2
+    for metric in ("over_floor_serial", "unique_gbps", "under_hbm_floor"):
+        assert len(by("attention_gpu_time", metric)) == len(timed) - len(shapes), metric  # not on flashinfer-best
+    not_run = {(r["provider"], r["unit"]) for r in by("attention_gpu_time", "not_run")}
+    assert ("flashinfer-prefill-fa3", "reason: FlashInfer's fa3 backend runs on sm90 (Hopper) only") in not_run
+    for metric in ("floor_memory_us", "floor_compute_us", "floor_overlapped_us", "floor_serial_us",
+                   "best_unique_gbps"):
+        assert len(by("attention_gpu_time", metric)) == 2, metric
+    # Each of prefixattn's work classes timed alone, their sum beside the whole.
+    for provider in ("prefixattn", "prefixattn-nosharing"):
+        classes = {r["metric"] for r in rows if r["provider"] == provider and r["metric"].startswith("class_")}
+        assert "class_decode_us_median" in classes, provider
+        assert len([r for r in by("attention_gpu_time", "classes_sum_us") if r["provider"] == provider]) == 2
     # The graph step planned every batch on one use_cuda_graph wrapper (run eagerly: no capture on CPU) and matched.
     graphs = by("gpu_check_graphs", "passed")
     assert len(graphs) == 5 and all(float(r["value"]) == 1.0 for r in graphs)
     assert "[graphs] SKIPPED: dry run: no CUDA graph capture" in out
-    # The model step ran prefixattn with and without sharing on a decode and a mixed TokenBatcher step, checked.
-    steps = {(r["provider"], r["shape"].split()[0]) for r in by("model_step", "step_us_median")}
-    assert steps == {(p, k) for p in ("prefixattn", "prefixattn-nosharing") for k in ("decode", "mixed")}
+    # The model step ran every workload's decode and mixed step for every provider, checked, with its bound, the
+    # step's KV traffic against the L2, and prefixattn's classes timed alone on one layer.
+    steps = {(r["provider"], r["shape"].split(" step")[0]) for r in by("model_step", "step_us_median")}
+    workloads = ("docs-qa-8k", "batchllm-case1", "shared-prompt-4k")
+    assert {(p, f"{w} {k}") for p in ("prefixattn", "prefixattn-nosharing", "flashinfer-best", "flashinfer-cascade2",
+                                       "flashinfer-cascade2-fa2") for w in workloads for k in ("decode", "mixed")} \
+        == steps
     assert all(float(r["value"]) == 1.0 for r in by("model_step", "correct"))
-    assert csv_path.with_name(csv_path.stem + "-model-steps.json").exists()
+    assert len(by("model_step", "bound_us")) == len(by("model_step", "step_us_median"))
+    assert len(by("model_step", "l2_reread_fraction")) == len(by("model_step", "attention_floor_us")) == 6
+    assert {r["provider"] for r in by("model_step", "class_decode_layer_us")} == {"prefixattn", "prefixattn-nosharing"}
+    records = json.loads(csv_path.with_name(csv_path.stem + "-model-steps.json").read_text())
+    assert {r["workload"] for r in records} == set(workloads)
+    assert all(len(r["group_lens"]) == len(r["kv_lens"]) and r["l2_bytes"] > 0 for r in records)
+    # Every workload's whole batch ran to completion under each policy, checked, with the kernel's and the
+    # scheduler's shares.
+    wall = {(r["provider"], r["shape"]) for r in by("whole_batch", "wall_s")}
+    assert wall == {(p, w) for p in ("prefixattn", "prefixattn-scheduler+flashinfer", "arrival+flashinfer")
+                    for w in workloads}
+    assert all(float(r["value"]) == 1.0 for r in by("whole_batch", "correct"))
+    assert len(by("whole_batch", "kernel_share")) == len(by("whole_batch", "scheduler_share")) == 3
     # The CUDA-only steps are skipped with their reasons, not silently.
     assert "[sanitizer] SKIPPED: dry run: compute-sanitizer" in out
-    assert "FlashInfer columns: dry run: FlashInfer's kernels are CUDA-only" in out
+    assert "[hbm_bytes] SKIPPED: dry run: no DRAM counters on a CPU" in out
     md = csv_path.with_suffix(".md").read_text()
     assert f"{len(passed)}/{len(passed)} passed" in md and "DRY RUN" in md and "Where prefixattn loses" in md
     assert proc.stdout.rstrip().endswith("gpu check: all checks passed")

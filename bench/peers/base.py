@@ -38,6 +38,10 @@ class Prepared:
     extra: dict = field(default_factory=dict)  # provider-specific numbers reported as rows (e.g. planned bytes)
     #: Turns ``run()``'s result into ``out`` where it is something else (a peer returning (out, lse) or two halves).
     output: Callable | None = None
+    #: Parts of the provider's work, each run alone (prefixattn: one per work class), timed beside the whole.
+    parts: dict = field(default_factory=dict)
+    #: Run before each timed run of a part (state a part consumes, such as merge counters); None: nothing.
+    reset: Callable | None = None
 
     def result(self, value):
         return value if self.output is None else self.output(value)

@@ -1,5 +1,12 @@
-"""prefixattn: plan once on the host, one fused launch. ``prefixattn-nosharing`` plans with ``sharing="never"``:
-the same kernel as plain paged attention, our own no-sharing baseline."""
+"""prefixattn: plan once on the host, one launch per work class. ``prefixattn-nosharing`` plans with
+``sharing="never"``: the same kernel as plain paged attention, our own no-sharing baseline.
+
+``Prepared.parts`` runs each work class of the plan alone (the per-class times of the GPU check). One class alone
+is no public call: it launches the class's prepared launch through :mod:`prefixattn.prefix_attention`'s own
+``_prepare``/``_launch`` (what ``attention()`` runs for every class in turn). A row whose partial states come from
+several classes is merged by whichever class reports its last state: a class run alone reports only its own, so it
+never completes such a merge, and its merge counters must start from zero before every run (``Prepared.reset``).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +14,8 @@ import torch
 
 import prefixattn
 from peers.base import Prepared
+from prefixattn import prefix_attention as _attention
+from prefixattn.kernels.layout import WORK_CLASSES
 
 
 def prepare(batch, provider: str = "prefixattn") -> Prepared:
@@ -22,5 +31,26 @@ def prepare(batch, provider: str = "prefixattn") -> Prepared:
 
     return Prepared(run=run, labels=dict(out=out, workspace_o=p.ws_o, workspace_lse=p.ws_lse),
                     notes=f"shared_nodes={len(p.shared_nodes)};items={p.num_items}",
-                    extra=dict(planned_kv_bytes=p.kv_bytes_read(), work_items=p.num_items,
-                               shared_nodes=len(p.shared_nodes)))
+                    extra=dict(tile_kv_load_bytes=p.kv_bytes_read(), work_items=p.num_items,
+                               shared_nodes=len(p.shared_nodes)),
+                    parts=class_runs(p, batch.q, batch.k_cache, batch.v_cache, out), reset=counters_reset(p))
+
+
+def class_runs(p, q, k_cache, v_cache, out) -> dict:
+    """``{work class name: run}``: each work class of plan ``p`` launched alone on ``q`` and the caches, writing
+    ``out`` (and the plan's workspace); run ``counters_reset(p)`` before each."""
+    features = _attention._feature_args(p, q, None, None, None)
+    runs = {}
+    for work_class in p.work_classes:
+        first, end = p.work.class_range(work_class)
+        launch = _attention._prepare(p, None, out=out, lse=p.ws_lse, q=q, k_cache=k_cache, v_cache=v_cache,
+                                     classes=(work_class,), grid_items=(end - first,), has_lse=False,
+                                     features=features)
+        runs[WORK_CLASSES[work_class]] = (lambda launch=launch: _attention._launch(
+            launch, None, out, p.ws_lse, q, k_cache, v_cache, features))
+    return runs
+
+
+def counters_reset(p):
+    """Zero plan ``p``'s merge counters (a class run alone leaves the merges of other classes' rows incomplete)."""
+    return (lambda: p.counters.zero_()) if p.num_merge_rows else None

@@ -329,6 +329,56 @@ def shared_prefix_workload(num_requests: int, prefix_len: int, distinct_len: int
     return w
 
 
+# ---------------------------------------------------------------------------------------------------- long shared
+#: ASSUMPTION. The GPU check's long-context workloads, where sharing is what a kernel exists for (a prefix whose
+#: per-layer KV an unshared kernel cannot keep in L2 for every group of a wave): documents of ~8K tokens each asked
+#: 32-64 questions of ~100 tokens with ~200-token answers; one ~4K-token prompt (instructions, few-shot examples)
+#: shared by every request, ~100-token inputs and ~200-token answers. Lengths log-normal around these means (a
+#: document's sigma small: long documents of one corpus are of similar length), outputs N(200, 20).
+DOCS_QA_DOC_LEN, DOCS_QA_QUESTIONS, DOCS_QA_QUESTION_LEN = 8192, (32, 64), 100
+SHARED_PROMPT_LEN, SHARED_PROMPT_DISTINCT_LEN = 4096, 100
+LONG_SHARED_OUTPUT_LEN = 200
+_DOC_SIGMA, _SHORT_SIGMA, _OUTPUT_SIGMA = 0.1, 0.3, 20
+
+
+def document_qa(num_requests: int = 256, seed: int = 0, doc_len: int = DOCS_QA_DOC_LEN,
+                questions: tuple = DOCS_QA_QUESTIONS, question_len: int = DOCS_QA_QUESTION_LEN,
+                output_len: int = LONG_SHARED_OUTPUT_LEN) -> Workload:
+    """Long documents, each shared by many questions: per document ``U(questions)`` requests of the document plus
+    a question (see :data:`DOCS_QA_DOC_LEN`); random arrival order."""
+    rng = np.random.default_rng(seed)
+    src = _TokenSource(rng)
+    requests = []
+    while len(requests) < num_requests:
+        doc = src.run(int(_lengths(rng, doc_len, _DOC_SIGMA, 1, low=16)[0]))
+        for _ in range(int(rng.integers(questions[0], questions[1] + 1))):
+            if len(requests) == num_requests:
+                break
+            question = src.run(int(_lengths(rng, question_len, _SHORT_SIGMA, 1, low=8)[0]))
+            requests.append(Request(0, np.concatenate([doc, question]), _output_len(rng, output_len)))
+    info = dict(source="assumption: long-document QA (prefixattn's GPU check)", doc_len=doc_len,
+                questions=questions, question_len=question_len, output_len=output_len)
+    return _finish("docs-qa-8k", requests, info, True, rng)
+
+
+def shared_prompt(num_requests: int = 256, seed: int = 0, prompt_len: int = SHARED_PROMPT_LEN,
+                  distinct_len: int = SHARED_PROMPT_DISTINCT_LEN, output_len: int = LONG_SHARED_OUTPUT_LEN) -> Workload:
+    """One long prompt shared by every request, then each request's own input (see :data:`SHARED_PROMPT_LEN`)."""
+    rng = np.random.default_rng(seed)
+    src = _TokenSource(rng)
+    prompt = src.run(prompt_len)
+    requests = [Request(0, np.concatenate([prompt, src.run(int(_lengths(rng, distinct_len, _SHORT_SIGMA, 1,
+                                                                         low=8)[0]))]), _output_len(rng, output_len))
+                for _ in range(num_requests)]
+    info = dict(source="assumption: one shared prompt (prefixattn's GPU check)", prompt_len=prompt_len,
+                distinct_len=distinct_len, output_len=output_len)
+    return _finish("shared-prompt-4k", requests, info, False, rng)
+
+
+def _output_len(rng, mean: int) -> int:
+    return int(max(1, round(rng.normal(mean, _OUTPUT_SIGMA))))
+
+
 # ---------------------------------------------------------------------------------------------------- JSONL
 def load_jsonl(path, seed: int = 0, default_output_len: int | None = None) -> Workload:
     """Load requests from a JSON-lines file, one request per line.
@@ -457,6 +507,8 @@ WORKLOADS = {
     **{f"batchllm-micro-{p}-{d}-sd{sd}": _micro(p, d, sd)
        for p, d in ((2000, 200), (1000, 1000), (200, 2000)) for sd in (4, 16)},
     **{f"blendserve-trace{t}": (lambda t: lambda **kw: blendserve_trace(t, **kw))(t) for t in _TRACES},
+    "docs-qa-8k": document_qa,
+    "shared-prompt-4k": shared_prompt,
 }
 
 #: The paper setting (model, gpu) each seed workload was evaluated on.
@@ -465,6 +517,9 @@ PAPER_SETTINGS = {
     "batchllm-case2": ("qwen2-7b", "mi250x-gcd"),
     **{name: ("llama-3.1-8b", "a100") for name in WORKLOADS if name.startswith("blendserve")},
     **{name: ("mistral-7b", "a100") for name in WORKLOADS if name.startswith("batchllm-micro")},
+    # No paper: the GPU check's model and card.
+    "docs-qa-8k": ("llama-3.1-8b", "h200"),
+    "shared-prompt-4k": ("llama-3.1-8b", "h200"),
 }
 
 

@@ -50,3 +50,44 @@ def test_readme_section_from_a_csv(tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.startswith("## Performance (measured on NVIDIA H100 80GB HBM3, commit abc1234)")
     assert "Where prefixattn loses:" in out and "mixed256:8192/128/64" in out
+
+
+def test_floors_l2_flags_classes_not_run_and_bytes_tables():
+    t, shape = "attention_gpu_time", "decode256:8192/128/64 [x]"
+    rows = _rows() + [
+        _row(t, "floor", shape, "floor_memory_us", 40.0), _row(t, "floor", shape, "floor_compute_us", 20.0),
+        _row(t, "floor", shape, "best_unique_gbps", 4500.0), _row(t, "flashinfer-decode", shape,
+                                                                  "is_best_unique_rate", 1.0),
+        _row(t, "flashinfer-decode", shape, "under_hbm_floor", 1.0),
+        _row(t, "prefixattn", shape, "under_hbm_floor", 0.0),
+        _row(t, "prefixattn", shape, "graph_flushed_us_median", 80.0),
+        _row(t, "prefixattn", shape, "class_shared_us_median", 30.0),
+        _row(t, "prefixattn", shape, "class_decode_us_median", 55.0),
+        _row(t, "prefixattn", shape, "classes_sum_us", 85.0),
+        dict(_row(t, "flashinfer-pod", shape, "not_run", 1.0), unit="reason: needs both decode and prefill requests"),
+        dict(_row(t, "flashinfer-pod", "y", "not_run", 1.0), unit="reason: needs both decode and prefill requests"),
+        _row("hbm_bytes", "floor", shape, "unique_bytes", 1e9), _row("hbm_bytes", "prefixattn", shape,
+                                                                    "tile_kv_load_bytes", 2e9),
+        _row("hbm_bytes", "prefixattn", shape, "dram_read_bytes", 1.1e9),
+        _row("hbm_bytes", "prefixattn", shape, "kernels", 2)]
+    floor = "\n".join(gpu_report.floor_table(rows))
+    assert ("| decode256:8192/128/64 | 40.0 / 20.0 | 4,500 (flashinfer-decode) | flashinfer-decode | shared 30.0, "
+            "decode 55.0 | 1.06x |") in floor
+    assert gpu_report.not_run(rows) == ["- `flashinfer-pod` on 2 shapes: needs both decode and prefill requests"]
+    assert "| decode256:8192/128/64 | prefixattn | 1,100.0 | 1.10x | 0.0 | 2 | 2.00x |" in "\n".join(
+        gpu_report.bytes_table(rows))
+    summary = gpu_report.summary(rows, device="NVIDIA H200", commit="abc1234", versions="v", seconds=1.0, skips=[])
+    assert summary.index("## Where prefixattn loses") < summary.index("## Attention kernels")
+
+
+def test_a_second_calls_tagged_csv_joins_its_run(tmp_path):
+    import perf_page
+
+    for name, metric in (("nvidia-h200-abc1234", "step_us_median"), ("nvidia-h200-abc1234-extra", "wall_s")):
+        with (tmp_path / f"{name}.csv").open("w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(_rows()[0]))
+            w.writeheader()
+            w.writerow(_row("whole_batch" if metric == "wall_s" else "model_step", "prefixattn", "s", metric, 1.0))
+    runs = perf_page.load_runs(tmp_path)
+    assert list(runs) == ["nvidia-h200-abc1234"]
+    assert [r["metric"] for r in runs["nvidia-h200-abc1234"]] == ["step_us_median", "wall_s"]

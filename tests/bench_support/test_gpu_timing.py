@@ -47,7 +47,7 @@ def test_timing_step_times_every_peer_and_names_flashinfers_best(fake):
     batch = build_batch(shape)
     want = reference_attention(batch.q, batch.k_cache, batch.v_cache, batch.qo_indptr, batch.kv_lens,
                                batch.block_table)
-    floors = dict(memory=1e-3, compute=1e-3, overlapped=1e-3, serial=2e-3)
+    floors = dict(memory=1e-3, compute=1e-3, overlapped=1e-3, serial=2e-3, bytes=1e6)
     rows, timer, timed = Rows(), Timer(True, "cpu"), {}
     for provider in ["prefixattn", *fake]:
         timed[provider] = gpu_timing.time_provider(provider, batch, want, "t", floors, timer, rows, fake)
@@ -55,14 +55,23 @@ def test_timing_step_times_every_peer_and_names_flashinfers_best(fake):
     skipped = {p for p, t in timed.items() if t is None}
     assert skipped == {"flashinfer-decode", "flashinfer-decode-tc-fa2", "flashinfer-decode-tc-fa3"}
     assert all(v == 1.0 for v in rows.get("flashinfer-pod", "correct") + rows.get("prefixattn", "correct"))
-    assert rows.get("flashinfer-cascade2", "oracle_groups") == [1.0]
+    assert rows.get("flashinfer-cascade2", "oracle_groups") == rows.get("flashinfer-cascade2-fa2", "oracle_groups") \
+        == [1.0]
+    # Each of prefixattn's work classes timed alone, their sum beside the whole.
+    assert rows.get("prefixattn", "class_chunk_us_median") and rows.get("prefixattn", "class_decode_us_median")
+    assert rows.get("prefixattn", "classes_sum_us") == [sum(rows.get("prefixattn", "class_chunk_us_median") +
+                                                            rows.get("prefixattn", "class_decode_us_median") +
+                                                            rows.get("prefixattn", "class_shared_us_median"))]
+    # Peers a batch does not suit have a not_run row with the reason.
+    assert [r["unit"] for r in rows.rows if r["provider"] == "flashinfer-decode" and r["metric"] == "not_run"] == [
+        "reason: the decode wrapper takes decode batches only (one query row per request)"]
     best = gpu_timing.record_best(rows, "t", timed)
     assert best[0].startswith("flashinfer-") and rows.get(best[0], "is_flashinfer_best") == [1.0]
     assert len(rows.get("flashinfer-best", "graph_flushed_us_median")) == 1
 
 
 def test_model_step_picks_flashinfers_best_and_runs_the_cascade_on_scheduler_batches(fake):
-    prompts, outputs = model_layout.workload(12, 32)
+    prompts, outputs = model_layout.workload("batchllm-case1", 12, 32)
     batcher, steps = model_layout.run_batcher(prompts, outputs, token_budget=64, kv_blocks=200, block_size=16)
     mixed = [s for s in model_layout.select_steps(steps, 1) if model_layout.step_kind(s) == "mixed"][0]
     lay = model_layout.layout(mixed, batcher, prompts, 16)
@@ -71,9 +80,12 @@ def test_model_step_picks_flashinfers_best_and_runs_the_cascade_on_scheduler_bat
     model = model_step.Model(model_step.DRY_MODEL, torch.float32, "cpu", lay.num_blocks)
     rows = Rows()
     clock = types.SimpleNamespace(left=lambda: 1.0)
-    measured = model_step._time_step(lay, model, Timer(True, "cpu"), "cpu", rows, fake, clock, True)
+    ceil = dict(hbm_bytes_per_s=1e12, attention_flops_per_s=1e14, l2_bytes=50 * 2 ** 20)
+    measured = model_step._time_step("batchllm-case1", lay, model, Timer(True, "cpu"), "cpu", rows, fake, clock, True,
+                                     ceil)
     providers = {m["provider"] for m in measured}
-    assert providers == {"prefixattn", "prefixattn-nosharing", "flashinfer-best", "flashinfer-cascade2"}
+    assert providers == {"prefixattn", "prefixattn-nosharing", "flashinfer-best", "flashinfer-cascade2",
+                         "flashinfer-cascade2-fa2"}
     assert all(v == 1.0 for r in rows.rows if r["metric"] == "correct" for v in [r["value"]])
     [best] = [r["provider"] for r in rows.rows if r["metric"] == "is_flashinfer_best"]
     assert best in model_step.FI_CANDIDATES["mixed"]

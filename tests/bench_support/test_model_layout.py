@@ -1,5 +1,5 @@
-"""bench/model_layout.py: the model step's batches come from the TokenBatcher on a case-1-shaped workload and are laid
-out as a prefix-caching engine lays them out (checked here on a CPU: the GPU run times these layouts)."""
+"""bench/model_layout.py: the model step's batches come from the TokenBatcher on each of its workloads and are laid out
+as a prefix-caching engine lays them out (checked here on a CPU: the GPU run times these layouts)."""
 
 import numpy as np
 import pytest
@@ -7,9 +7,9 @@ import pytest
 import model_layout as ml
 
 
-@pytest.fixture(scope="module")
-def run():
-    prompts, outputs = ml.workload(16, 32)
+@pytest.fixture(scope="module", params=["batchllm-case1", "docs-qa-8k", "shared-prompt-4k"])
+def run(request):
+    prompts, outputs = ml.workload(request.param, 16, 32)
     batcher, steps = ml.run_batcher(prompts, outputs, token_budget=64, kv_blocks=300, block_size=16)
     return prompts, outputs, batcher, steps
 
@@ -50,3 +50,14 @@ def test_layouts_share_whole_prefix_blocks_and_own_the_rest(run):
         else:
             q = lay.q_lens
             assert (np.diff((q > 1).astype(int)) >= 0).all()
+
+
+def test_kv_traffic_counts_each_cached_position_once_and_the_l2_rereads_of_groups():
+    """Two requests share a 32-token prefix (two blocks), each has 8 tokens of its own: unshared reads 80 tokens,
+    distinct 48; the second member's 32-token re-read of the prefix fits an L2 of 32 tokens' bytes, not of 31."""
+    lay = ml.StepLayout(step=1, kind="decode", qo_indptr=np.array([0, 1, 2]), kv_lens=np.array([40, 40]),
+                        block_table=np.array([[0, 1, 2], [0, 1, 3]]), num_blocks=4, positions=np.array([39, 39]),
+                        slots=np.array([0, 0]), sampled_rows=np.array([0, 1]), groups=[([0, 1], 32)])
+    t = ml.kv_traffic(lay, 16, 10, l2_bytes=320)
+    assert (t["read"], t["unique"], t["l2_reread"]) == (800, 480, 320) and t["l2_reread_fraction"] == 0.4
+    assert ml.kv_traffic(lay, 16, 10, l2_bytes=310)["l2_reread"] == 0
