@@ -44,6 +44,21 @@ def test_gpu_check_dry_run_runs_every_step(tmp_path):
     ahead = by("gpu_check_plan_ahead", "passed")
     assert len(ahead) == 2 and all(float(r["value"]) == 1.0 for r in ahead)
     assert len(by("gpu_check_plan_ahead", "host_us")) == len(by("gpu_check_plan_ahead", "overlap_us")) == 2
+    _check_timing(rows, by)
+    # The graph step planned every batch on one use_cuda_graph wrapper (run eagerly: no capture on CPU) and matched.
+    graphs = by("gpu_check_graphs", "passed")
+    assert len(graphs) == 5 and all(float(r["value"]) == 1.0 for r in graphs)
+    assert "[graphs] SKIPPED: dry run: no CUDA graph capture" in out
+    _check_model_steps_and_batches(by, csv_path)
+    # The CUDA-only steps are skipped with their reasons, not silently.
+    assert "[sanitizer] SKIPPED: dry run: compute-sanitizer" in out
+    assert "[hbm_bytes] SKIPPED: dry run: no DRAM counters on a CPU" in out
+    md = csv_path.with_suffix(".md").read_text()
+    assert f"{len(passed)}/{len(passed)} passed" in md and "DRY RUN" in md and "Where prefixattn loses" in md
+    assert proc.stdout.rstrip().endswith("gpu check: all checks passed")
+
+
+def _check_timing(rows, by) -> None:
     # Every timed provider has all three policies' min and median; both floors per shape. The FlashInfer peers run on
     # the stand-in (the cascade on fa2 among them); those a shape does not suit say why, in their not_run row.
     timed = {(r["provider"], r["shape"]) for r in by("attention_gpu_time", "graph_flushed_us_median")}
@@ -66,10 +81,9 @@ def test_gpu_check_dry_run_runs_every_step(tmp_path):
         classes = {r["metric"] for r in rows if r["provider"] == provider and r["metric"].startswith("class_")}
         assert "class_decode_us_median" in classes, provider
         assert len([r for r in by("attention_gpu_time", "classes_sum_us") if r["provider"] == provider]) == 2
-    # The graph step planned every batch on one use_cuda_graph wrapper (run eagerly: no capture on CPU) and matched.
-    graphs = by("gpu_check_graphs", "passed")
-    assert len(graphs) == 5 and all(float(r["value"]) == 1.0 for r in graphs)
-    assert "[graphs] SKIPPED: dry run: no CUDA graph capture" in out
+
+
+def _check_model_steps_and_batches(by, csv_path) -> None:
     # The model step ran every workload's decode and mixed step for every provider, checked, with its bound, the
     # step's KV traffic against the L2, and prefixattn's classes timed alone on one layer.
     steps = {(r["provider"], r["shape"].split(" step")[0]) for r in by("model_step", "step_us_median")}
@@ -91,12 +105,6 @@ def test_gpu_check_dry_run_runs_every_step(tmp_path):
                     for w in workloads}
     assert all(float(r["value"]) == 1.0 for r in by("whole_batch", "correct"))
     assert len(by("whole_batch", "kernel_share")) == len(by("whole_batch", "scheduler_share")) == 3
-    # The CUDA-only steps are skipped with their reasons, not silently.
-    assert "[sanitizer] SKIPPED: dry run: compute-sanitizer" in out
-    assert "[hbm_bytes] SKIPPED: dry run: no DRAM counters on a CPU" in out
-    md = csv_path.with_suffix(".md").read_text()
-    assert f"{len(passed)}/{len(passed)} passed" in md and "DRY RUN" in md and "Where prefixattn loses" in md
-    assert proc.stdout.rstrip().endswith("gpu check: all checks passed")
 
 
 def test_tile_sweep_dry_run_times_every_candidate_on_every_shape(tmp_path):
