@@ -239,9 +239,9 @@ def _time_graph(s: _Setup, results) -> None:
     for line in profile_lines(lambda: s.plan(b), runs=TIMED_PLANS):
         print(f"[graphs] plan() profile: {line}", flush=True)
     # Which planner planned (numba is optional, and a failed compile falls back to numpy): the host time depends on it.
-    from prefixattn.planner import compiled as compiled_planner
+    from prefixattn.planner.backend import planner_name
 
-    compiled = compiled_planner.still_compiled(compiled_planner.compiled_modules()) is not None
+    compiled = planner_name() == "numba"
     print(f"[graphs] {name}: replay {replay:.1f} us, eager run() {eager:.1f} us, plan() {plan_us:.1f} us on the host "
           f"({'compiled' if compiled else 'numpy'} planner)", flush=True)
     for metric, value in (("replay_us", replay), ("eager_run_us", eager), ("plan_host_us", plan_us)):

@@ -22,7 +22,7 @@ import prefixattn
 import torch
 from prefixattn.autotune.lookup import planning_target
 from prefixattn.lcp_tree import clear_tree_cache
-from prefixattn.planner import compiled as compiled_planner
+from prefixattn.planner.backend import planner_name
 import host_reference
 from shapes import Shape, build_batch, fig8_shapes
 
@@ -46,7 +46,7 @@ PLAN_TARGET = "sm90"
 
 def provider_name(base: str) -> str:
     """``base[planner]``: the rows name the planner plan() ran (``PREFIXATTN_PLANNER``: the compiled one or numpy)."""
-    return f"{base}[{compiled_planner.planner_name()}]"
+    return f"{base}[{planner_name()}]"
 
 
 def _percentile(values, q):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 
 import torch
 
@@ -14,7 +15,7 @@ from prefixattn.autotune.config_space import MODEL_SWITCHES
 from prefixattn.autotune.lookup import read_fixed_env
 from prefixattn.autotune.targets import gfx_isa, writes_own_l2_fences
 from prefixattn.launcher import SPEC_ALIGN, PreparedLaunch, class_launches
-from prefixattn.planner import compiled as compiled_planner
+from prefixattn.planner.backend import backend as planner_backend
 from prefixattn.planner.device_tables import CapacityError
 from prefixattn.planner.options import _default_num_sms, _positive_int, checked_options
 from prefixattn.planner.plans import OPTION_DEFAULTS, Plan, plan, plan_with_options
@@ -165,7 +166,11 @@ def _call_features(launch, p: Plan, q: torch.Tensor, sinks, k_scale, v_scale) ->
     return _feature_args(p, q, sinks, k_scale, v_scale)
 
 
-#: Prepared launches a plan keeps (call shapes: an engine has one or two); past it the memo starts over.
+#: The launches prepared per plan and call shape (an engine has one or two shapes): the launcher's memo, not the
+#: plan's. Keyed by the plan's id, holding a weak reference to it (a recycled id never matches; a weak-keyed
+#: dictionary's lookup makes a weak reference per call, ~0.3 us of every layer); past _MAX_PREPARED plans it starts
+#: over (a free plan() per step leaves one entry per step).
+_prepared_launches: dict = {}
 _MAX_PREPARED = 64
 
 
@@ -192,10 +197,12 @@ def _call_key(q, k_cache, v_cache, out, return_lse, sinks, k_scale, v_scale, *, 
 
 
 def _prepared(p: Plan, key) -> PreparedLaunch | None:
-    """The launch ``p`` prepared for a call with ``key``, if it is still the current plan of its workspace."""
+    """The launch prepared for plan ``p`` and a call with ``key``, if ``p`` is still the current plan of its
+    workspace."""
     if key is None or type(p) is not Plan or not (p.workspace is None or p.workspace.step == p.workspace_step):
         return None
-    return p.launches.get(key)
+    hit = _prepared_launches.get(id(p))
+    return hit[1].get(key) if hit is not None and hit[0]() is p else None
 
 
 def _own_l2_fences(device: torch.device) -> bool:
@@ -216,7 +223,7 @@ def _prepare(p: Plan, key, *, out, lse, q, k_cache, v_cache, classes: tuple, gri
     its class's tiles and launch options; programs past the class's live items (its ``ranges`` record, read on the
     device) exit at once, so a grid sized by capacity serves any smaller plan. ``features``: :func:`_feature_args`.
     ``tables`` replaces the plan's ``ranges``/``items``/``gather``/``mrows``/``counters`` (the workspace's whole
-    buffers). Kept on the plan under ``key`` (not kept for a None key)."""
+    buffers). Kept for the plan under ``key`` (:data:`_prepared_launches`; not kept for a None key)."""
     t = p.tiles
     tb = {**dict(ranges=p.ranges, items=p.items, gather=p.gather, mrows=p.mrows, counters=p.counters),
           **(tables or {})}
@@ -251,9 +258,14 @@ def _prepare(p: Plan, key, *, out, lse, q, k_cache, v_cache, classes: tuple, gri
     launch = PreparedLaunch(prefix_attention_kernel, named, per_class)
     launch.features = features
     if key is not None:
-        if len(p.launches) >= _MAX_PREPARED:
-            p.launches.clear()
-        p.launches[key] = launch
+        hit = _prepared_launches.get(id(p))
+        if hit is None or hit[0]() is not p:
+            if len(_prepared_launches) >= _MAX_PREPARED:
+                _prepared_launches.clear()
+            hit = _prepared_launches[id(p)] = (weakref.ref(p), {})
+        if len(hit[1]) >= _MAX_PREPARED:
+            hit[1].clear()
+        hit[1][key] = launch
     return launch
 
 
@@ -546,17 +558,17 @@ class PrefixSharedAttention:
 
     def _step_options(self, overrides: dict) -> tuple:
         """``(PlanOptions, other plan() arguments, num_blocks of the options or None)`` of a step with ``overrides``.
-        Without overrides (an engine's steps) they are checked once and kept, with the planner ``PREFIXATTN_PLANNER``
-        picks then and ``PREFIXATTN_TILE_CONFIG`` as it is then: passing ~20 options by keyword and checking them
-        cost ~4 us a step on the 2-core host, reading each variable ~0.7 us."""
+        Without overrides (an engine's steps) they are checked once and kept, with the process's planner back-end
+        and ``PREFIXATTN_TILE_CONFIG`` as it is then: passing ~20 options by keyword and checking them cost ~4 us a
+        step on the 2-core host, reading a variable ~0.7 us."""
         if not overrides and self._checked is not None:
             return self._checked
         cfg = {**self._config, **overrides}
         options = checked_options(**{name: cfg.pop(name, default) for name, default in OPTION_DEFAULTS.items()})
         default_blocks = cfg.pop("num_blocks", None)  # the step's own num_blocks, when given, replaces it
-        # PREFIXATTN_PLANNER and PREFIXATTN_TILE_CONFIG: read once per checked options
+        # The planner back-end and PREFIXATTN_TILE_CONFIG: asked once per checked options
         per_call = {**cfg, "workspace": self._workspace, "device": self._workspace.device,
-                    "planner": compiled_planner.compiled_modules(), "fixed_env": read_fixed_env()}
+                    "planner": planner_backend(), "fixed_env": read_fixed_env()}
         if self.use_cuda_graph:
             per_call["tiles"] = self._tiles
         if not overrides:

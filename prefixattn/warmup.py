@@ -40,7 +40,7 @@ from prefixattn.autotune.buckets import MAX_Q_LEN_RANGE
 from prefixattn.autotune.config_space import AttentionConfig, block_d, fp8_block_n
 from prefixattn.autotune.lookup import fixed_config, planning_target, select_config
 from prefixattn.kernels.layout import CLASS_CHUNK, CLASS_DECODE, CLASS_SHARED, WORK_CLASSES, page_size_constexpr
-from prefixattn.planner.compiled import planner_name
+from prefixattn.planner.backend import planner_name
 from prefixattn.planner.plans import compile_planner, plan
 from prefixattn.planner.tiles import ClassTiles, choose_tiles
 from prefixattn.prefix_attention import attention

@@ -29,11 +29,11 @@ def device() -> str:
 @pytest.fixture
 def node_rule_only(monkeypatch):
     """``sharing="auto"`` with the per-node cost rule alone under a planning target, for tests that pin the node or
-    split rule on full-size plans: the step-level check (:mod:`prefixattn.planner.sharing_check`, tested in
-    tests/test_sharing_check.py) may plan them unshared on the modeled GPU."""
-    from prefixattn.planner import plans
+    split rule on full-size plans: the step-level check (:mod:`prefixattn.planner.choose`, tested in
+    tests/test_choose.py) may plan them unshared on the modeled GPU."""
+    from prefixattn.planner import choose
 
-    monkeypatch.setattr(plans, "shared_launch_may_lose", lambda *args, **kwargs: False)
+    monkeypatch.setattr(choose, "shared_launch_may_lose", lambda *args, **kwargs: False)
 
 
 @pytest.fixture(autouse=True)

@@ -50,10 +50,10 @@ def _expected(num_tokens, q_len, group, head_dim, elt_bytes, rows_shared, rows_c
 @pytest.mark.parametrize("apart", [False, True], ids=["auto", "apart"])
 @pytest.mark.parametrize("case", CASES)
 def test_numpy_and_compiled_planners_keep_a_node_exactly_when_the_rule_says(case, apart):
-    compiled_core = pytest.importorskip("prefixattn.planner.compiled_core")
+    compiled = pytest.importorskip("prefixattn.planner.compiled.node_choice")
     q_len, group, head_dim, elt_bytes, rows_shared, rows_chunk, rows_decode = case
     sharing = SHARING_APART if apart else "auto"
-    code = compiled_core.SHARING_APART if apart else compiled_core.SHARING_AUTO
+    code = compiled.SHARING_APART if apart else compiled.SHARING_AUTO
     verdicts = set()
     for tokens in TOKENS:
         tree, shareable, q = _one_node_batch(tokens, q_len)
@@ -65,7 +65,7 @@ def test_numpy_and_compiled_planners_keep_a_node_exactly_when_the_rule_says(case
                                        elt_bytes=elt_bytes, sharing=sharing, rows_per_chunk=rows_chunk,
                                        rows_per_decode=rows_decode)
         assert (nodes.kv_end.shape[0] == 1) == want, ("numpy", tokens)
-        kv_start, kv_end, _, _, compiled_members, _ = compiled_core.select_nodes(
+        kv_start, kv_end, _, _, compiled_members, _ = compiled.select_nodes(
             tree.order, tree.depth, tree.lb, tree.rb, tree.parent, shareable, q, BLOCK_SIZE, rows_shared, group,
             head_dim, elt_bytes, code, rows_chunk, rows_decode)
         assert (kv_end.shape[0] == 1) == want, ("compiled", tokens)
@@ -160,7 +160,9 @@ def test_the_rule_works_on_arrays_as_on_scalars():
 
 
 def test_the_compiled_planner_pins_the_rule_it_compiled_in():
-    """numba's on-disk cache of compiled_core keys on compiled_core.py alone: after a change to cost_rule.py this
-    fails until COST_RULE_SOURCE_HASH is updated, which changes compiled_core.py and so recompiles select_nodes."""
-    compiled_core = pytest.importorskip("prefixattn.planner.compiled_core")
-    assert compiled_core.COST_RULE_SOURCE_HASH == compiled_core.source_hash(cost_rule)
+    """numba's on-disk cache keys the compiled node choice on its own file alone: after a change to cost_rule.py this
+    fails until COST_RULE_SOURCE_HASH is updated, which changes that file and so recompiles select_nodes."""
+    node_choice = pytest.importorskip("prefixattn.planner.compiled.node_choice")
+    from prefixattn.planner.compiled import source_hash
+
+    assert node_choice.COST_RULE_SOURCE_HASH == source_hash(cost_rule)

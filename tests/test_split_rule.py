@@ -202,13 +202,3 @@ def test_modeled_stats_edge_cases():
     p = plan(torch.tensor([0, 0]), torch.tensor([5]), torch.tensor([[0, 1]]), block_size=4, num_qo_heads=2,
              num_kv_heads=1, head_dim=64, q_dtype=torch.float32)
     assert p.num_items == 0 and p.stats["critical_path"] == 0.0 and p.stats["modeled_step_us"] == 0.0
-
-
-def test_the_compiled_core_pins_the_compiled_split_rule():
-    """numba's on-disk cache of compiled_core keys on compiled_core.py alone, and its work_list compiles in
-    compiled_split's functions: after a change to compiled_split.py this fails until SPLIT_SOURCE_HASH is updated,
-    which changes compiled_core.py and so recompiles work_list."""
-    compiled_core = pytest.importorskip("prefixattn.planner.compiled_core")
-    from prefixattn.planner import compiled_split
-
-    assert compiled_core.SPLIT_SOURCE_HASH == compiled_core.source_hash(compiled_split)

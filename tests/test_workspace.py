@@ -11,7 +11,7 @@ import prefixattn
 from prefixattn import PrefixSharedAttention, attention, reference_attention
 from prefixattn import prefix_attention
 from prefixattn.kernels import layout as K
-from prefixattn.planner import compiled as compiled_planner
+from prefixattn.planner.backend import using
 from prefixattn.planner.workspace import HostStaging, derive_capacity
 from tests.launch_count import RecordingKernel
 from tests.prefix_batches import random_batch
@@ -114,9 +114,9 @@ def test_graph_mode_lse_and_an_unshared_step(device, monkeypatch):
 
 @pytest.mark.parametrize("use_cuda_graph", [False, True])
 def test_workspace_plan_allocates_nothing_and_copies_once(device, monkeypatch, use_cuda_graph):
-    """plan() on a wrapper with capacities: one host->device copy (none on the CPU), no device allocation; run() with ``out``: no
-    allocation either (the kernel itself stubbed while recording: the interpreter copies tensors). The tables are
-    views of the workspace's buffers."""
+    """plan() on a wrapper with capacities: one host->device copy (none on the CPU), no device allocation; run() with
+    ``out``: no allocation either (the kernel itself stubbed while recording: the interpreter copies tensors). The
+    tables are views of the workspace's buffers."""
     (a, _), k_cache, v_cache = _two_batches_on_one_cache(device)
     attn = PrefixSharedAttention(**HEADS, q_dtype=torch.float32, device=device, sharing="always",
                                  use_cuda_graph=use_cuda_graph, **CAPS)
@@ -370,10 +370,12 @@ def test_a_wrapper_keeps_the_tile_config_variable_of_its_checked_options(monkeyp
     assert attn.plan(*a.metadata).tiles == base
 
 
-def _compiled_planner(monkeypatch):
-    """Plan with the compiled planner (it writes into the workspace's host buffer itself; numpy copies in load())."""
+@pytest.fixture
+def compiled_planner():
+    """Plan with the compiled back-end (it writes into the workspace's host buffer itself; numpy copies in load())."""
     pytest.importorskip("numba", reason="the compiled planner is optional (pip install prefixattn[fast])")
-    monkeypatch.setenv(compiled_planner.ENV_VAR, "numba")
+    with using("numba"):
+        yield
 
 
 def _sized_for(device, batches):
@@ -385,12 +387,12 @@ def _sized_for(device, batches):
     return attn, items
 
 
-def test_a_step_failing_after_staging_its_table_leaves_no_current_plan(device, monkeypatch):
-    """The compiled checks stage the table into the workspace's host buffer, which on a CPU device is the table the
-    current plan reads, and the compiled planner writes the work list there: a step refused after that (too many
-    items even without sharing; a read id past int32) makes the earlier plan stale, a clear error instead of a plan
-    over another batch's tables; a step refused by the checks themselves wrote nothing and leaves it current."""
-    _compiled_planner(monkeypatch)
+def test_a_step_failing_after_writing_its_work_list_leaves_no_current_plan(device, compiled_planner):
+    """The compiled work list writes into the workspace's host buffer, which on a CPU device holds the tables the
+    current plan reads: a step refused after that (a read id past int32) makes the earlier plan stale, a clear error
+    instead of a plan over another batch's tables; a step refused before anything was written (by the checks, or for
+    too many items even without sharing: a work list over a capacity is not written, the table is staged only after
+    the capacity checks) leaves it current."""
     (a, b), k_cache, v_cache = _two_batches_on_one_cache(device)
     attn, items = _sized_for(device, (a, b))
     assert items[1] > items[0]  # the capacity fits a, not b
@@ -410,9 +412,8 @@ def test_a_step_failing_after_staging_its_table_leaves_no_current_plan(device, m
     _assert_matches_reference(attn.run(q, k_cache, v_cache), q, k_cache, v_cache, a, p)
     with pytest.raises(ValueError, match="max_items: expected at most"):
         attn.plan(*(t.to(device) for t in b.metadata))
-    with pytest.raises(ValueError, match="plan: expected the latest plan of its workspace"):
-        attn.run(q, k_cache, v_cache)
-    p = fresh_plan()
+    assert p.is_current()
+    _assert_matches_reference(attn.run(q, k_cache, v_cache), q, k_cache, v_cache, a, p)
     past_int32 = a.block_table.to(torch.int64)
     past_int32[0, 0] = 2**31  # read: refused after the work list was written
     with pytest.raises(ValueError, match=r"block_table: expected block ids below 2\*\*31"):
@@ -421,11 +422,10 @@ def test_a_step_failing_after_staging_its_table_leaves_no_current_plan(device, m
 
 
 def test_the_compiled_planner_writes_the_work_list_in_place_and_bad_steps_leave_the_plan_current(device,
-                                                                                                monkeypatch):
+                                                                                                compiled_planner):
     """With the compiled planner the work list is written straight into the workspace's host buffer (the plan's host
     tables are views of it); a device table too small for another batch and a step over a capacity are refused
     before anything is written there, so the current plan stays current and correct."""
-    _compiled_planner(monkeypatch)
     (a, b), k_cache, v_cache = _two_batches_on_one_cache(device)
     attn, items = _sized_for(device, (a, b))
     assert items[1] > items[0]  # the capacity fits a, not b

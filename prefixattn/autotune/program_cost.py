@@ -21,6 +21,7 @@ import json
 import math
 from dataclasses import dataclass
 
+from prefixattn.autotune.buckets import dtype_name
 from prefixattn.autotune.config_space import DTYPE_BYTES, part_registers, part_shared_bytes
 from prefixattn.autotune.targets import Target, get_target
 
@@ -137,12 +138,26 @@ def _program_cost(kind, block_m, block_n, num_warps, num_stages, head_dim, dtype
                        source=source)
 
 
-def class_costs(tiles, *, head_dim: int, dtype: str, kv_bytes: int, target: Target | None = None) -> tuple:
+#: :func:`class_costs`' results by (tiles, head_dim, dtype, kv_bytes, target), tiles and target by identity and held
+#: (the planner asks with the same objects step after step: a lookup instead of three cost fits a plan).
+_class_costs_memo: dict = {}
+_MAX_CLASS_COSTS = 256
+
+
+def class_costs(tiles, *, head_dim: int, dtype, kv_bytes: int, target: Target | None = None) -> tuple:
     """``(shared, chunk, decode)`` :class:`ProgramCost` of a step's class binaries (``tiles``: its
-    :class:`~prefixattn.planner.tiles.AttentionTiles`) on ``target`` (None: :data:`DEFAULT_TARGET`)."""
-    target = target or get_target(DEFAULT_TARGET)
-    out = []
-    for kind, ct in (("shared", tiles.shared), ("suffix", tiles.chunk), ("suffix", tiles.decode)):
-        out.append(program_cost(kind, ct.block_m, ct.block_n, ct.launch, head_dim=head_dim, dtype=dtype,
-                                kv_bytes=kv_bytes, target=target))
-    return tuple(out)
+    :class:`~prefixattn.planner.tiles.AttentionTiles`; ``dtype``: q's, a name or a torch dtype) on ``target`` (None:
+    :data:`DEFAULT_TARGET`)."""
+    key = (id(tiles), head_dim, dtype, kv_bytes, id(target))
+    hit = _class_costs_memo.get(key)
+    if hit is not None and hit[0] is tiles and hit[1] is target:
+        return hit[2]
+    name = dtype_name(dtype)
+    on = target or get_target(DEFAULT_TARGET)
+    out = tuple(program_cost(kind, ct.block_m, ct.block_n, ct.launch, head_dim=head_dim, dtype=name,
+                             kv_bytes=kv_bytes, target=on)
+                for kind, ct in (("shared", tiles.shared), ("suffix", tiles.chunk), ("suffix", tiles.decode)))
+    if len(_class_costs_memo) >= _MAX_CLASS_COSTS:
+        _class_costs_memo.clear()
+    _class_costs_memo[key] = (tiles, target, out)
+    return out

@@ -29,7 +29,7 @@ One tree builder, :func:`tree_from_lcp` (:mod:`~prefixattn.lcp_tree.nodes`, whic
 emits the lcp-intervals; :class:`LcpTree` (the planner's: those nodes, post-order, inclusive bounds, parent ``-1``
 under the implicit root) holds them as they are, :class:`PrefixTree` (the scheduler's: root 0, one leaf per row,
 exclusive bounds) adds the root and the leaves (:func:`prefix_tree_from_lcp`). The compiled planner mirrors the
-planner's path in numba (:mod:`prefixattn.planner.compiled_tree`).
+planner's path in numba (:mod:`prefixattn.planner.compiled.tree`).
 
 Entry points: :func:`block_prefix_tree` (the planner, with a per-thread tree cache: :func:`cached_entry`,
 :func:`remember_tree`, :func:`clear_tree_cache`; the compiled planner's :func:`compiled_cache`,

@@ -24,7 +24,7 @@ def block_prefix_tree(block_table: np.ndarray, shareable_lens: np.ndarray, block
     Returns
     -------
     LcpTree over the rows ``block_table[r, :ceil(shareable_lens[r] / block_size)]``; a node's ``depth`` is in blocks.
-    The compiled planner builds the same tree (:func:`prefixattn.planner.compiled_tree.check_and_tree`) and shares the
+    The compiled planner builds the same tree (:func:`prefixattn.planner.compiled.tree.block_tree`) and shares the
     tree cache below, its rows copied by the compiled call (:func:`compiled_cache`, :func:`keep_compiled_tree`).
     """
     shareable_lens = np.asarray(shareable_lens, dtype=np.int64)
@@ -98,7 +98,7 @@ def set_cached_blocks(num_blocks: np.ndarray, max_id: int) -> None:
 COMPILED_CACHE_MAX_ENTRIES = 1 << 16
 
 #: An entry's ``max_id`` when it is not known (the numpy planner's entries): the compiled checks then range-check the
-#: cached ids like any other (:func:`prefixattn.planner.compiled_tree.check_values`' ``cache_max``).
+#: cached ids like any other (:func:`prefixattn.planner.compiled.checks.check_values`' ``cache_max``).
 UNKNOWN_MAX_ID = np.iinfo(np.int64).max
 
 #: Per thread, the last tree with nodes, with the rows and block counts it was built from. An engine's decode loop
@@ -106,7 +106,7 @@ UNKNOWN_MAX_ID = np.iinfo(np.int64).max
 #: size 16, 15 of 16 steps when the requests' lengths are aligned); a tree costs ~40 numpy calls (~150 us on the
 #: 2-core host) and, for long prefixes, a pass over the rows; the check is two comparisons. Reused only on equal rows
 #: (the tree depends on nothing else; the compiled planner also when rows only grew past every LCP, as in an engine's
-#: decode steps: :func:`prefixattn.planner.compiled_tree.check_and_tree`), never across threads. ``state``:
+#: decode steps: :func:`prefixattn.planner.compiled.tree.block_tree`), never across threads. ``state``:
 #: ``(entry, spare, in_use)``, the entry ``(rows, num_blocks, tree, max_id)`` or None (``max_id``: the largest of
 #: each row's first ``num_blocks[r]`` ids, or ``UNKNOWN_MAX_ID``) and the compiled planner's two row
 #: buffers (:func:`compiled_cache`), in one attribute so that each change is one assignment.

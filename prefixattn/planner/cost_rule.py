@@ -2,8 +2,8 @@
 (:func:`sharing_pays_off`), and whether a request can gain from any node at all (:func:`request_sharing_pays_off`).
 
 The one definition of both: the numpy planner (:mod:`prefixattn.planner.node_choice`) calls them on arrays, the
-compiled planner (:mod:`prefixattn.planner.compiled_core`) compiles them with ``numba.njit`` and calls them per node
-and per request, and the simulator (:mod:`prefixattn.sim.step_cost`) calls the node rule per shared run. Their
+compiled planner (:mod:`prefixattn.planner.compiled.node_choice`) compiles them with ``numba.njit`` and calls them per
+node and per request, and the simulator (:mod:`prefixattn.sim.step_cost`) calls the node rule per shared run. Their
 parameters are positional-or-keyword (numba compiles no keyword-only parameters); call them with keywords.
 """
 
@@ -39,7 +39,7 @@ def sharing_pays_off(num_requests, num_rows, num_m_tiles, num_tokens, group, hea
 
     Not charged: the shared launch itself (its programs' start and epilogue, and the gap before the next work
     class's launch, which waits for it): a step-level check prices it on the whole work list
-    (:mod:`prefixattn.planner.sharing_check`).
+    (:mod:`prefixattn.planner.choose`).
 
     Parameters
     ----------
@@ -66,7 +66,7 @@ def sharing_pays_off(num_requests, num_rows, num_m_tiles, num_tokens, group, hea
 def request_sharing_pays_off(q_len, reads, shareable, rows_per_shared, group, head_dim, elt_bytes):
     """Whether a request can gain from any shared node: its own terms of :func:`sharing_pays_off`, at its whole
     shareable length (the most KV any node holding it can share). The planner's ``SHARING_APART`` mode keeps a request
-    that fails it out of every node (:mod:`prefixattn.planner.sharing_check` says when that plan runs).
+    that fails it out of every node (:mod:`prefixattn.planner.choose` says when that plan runs).
 
     * saved: unshared, the request reads each shared token ``reads`` times (:func:`unshared_reads`); shared, its rows
       fill ``q_len / rows_per_shared`` of the M tiles that read it.

@@ -18,22 +18,23 @@ from prefixattn.planner.work_list import WorkList
 from prefixattn.planner.workspace import PlanWorkspace
 
 
-def device_tables(work: WorkList, table: np.ndarray, width: int, *, workspace: PlanWorkspace | None,
-                   device_block_table: torch.Tensor | None, device: torch.device, staged, num_qo_heads: int,
-                   head_dim: int, num_tokens: int, max_block_id: int, table_staged: bool = False,
-                   tables_written: bool = False) -> dict:
+def device_tables(work: WorkList, inputs, *, workspace: PlanWorkspace | None,
+                  device_block_table: torch.Tensor | None, device: torch.device, staged, num_qo_heads: int,
+                  head_dim: int, tables_written: bool = False, stage_table=None) -> dict:
     """The plan's device tensors: new ones (:func:`_allocate_tables`) or ``workspace``'s buffers
-    (:func:`_workspace_tables`). ``max_block_id``: the largest id the work list reads (the checks'; -1: none);
-    ``table_staged``/``tables_written``: the compiled planner already wrote the block table / the work list into
-    ``workspace``'s host buffer. The caller checked ``workspace`` and ``device_block_table``
-    (:func:`check_workspace_args`) and marks the workspace's plans stale when this
-    raises after a write (:meth:`PlanWorkspace.refused_after_writing`)."""
+    (:func:`_workspace_tables`). ``inputs``: the checks' (:class:`~prefixattn.planner.checks.Inputs`: the block table,
+    the columns the batch reads, the largest id it reads); ``staged``: the buffer the compiled work list wrote (or
+    None); ``tables_written``: the compiled work list wrote into ``workspace``'s host buffer; ``stage_table``: the
+    back-end's staging of the block table into the workspace's host table (``stage_table(stage, table, rows, width,
+    max_block_id) -> bool``; False: the workspace copies it). The caller checked ``workspace`` and
+    ``device_block_table`` (:func:`check_workspace_args`) and marks the workspace's plans stale when this raises
+    after a write (:meth:`PlanWorkspace.refused_after_writing`)."""
     if workspace is None:
-        return _allocate_tables(work, table, width, num_qo_heads=num_qo_heads, head_dim=head_dim, device=device,
-                                staged=staged)
-    return _workspace_tables(work, table, width, workspace=workspace, num_tokens=num_tokens,
-                             device_block_table=device_block_table, max_block_id=max_block_id,
-                             table_staged=table_staged, tables_written=tables_written)
+        return _allocate_tables(work, inputs.table, inputs.width, num_qo_heads=num_qo_heads, head_dim=head_dim,
+                                device=device, staged=staged)
+    return _workspace_tables(work, inputs.table, inputs.width, workspace=workspace, num_tokens=inputs.num_tokens,
+                             device_block_table=device_block_table, max_block_id=inputs.max_block_id,
+                             tables_written=tables_written, stage_table=stage_table)
 
 
 def check_workspace_args(*, workspace: PlanWorkspace | None, device_block_table: torch.Tensor | None,
@@ -61,7 +62,7 @@ def metadata_to_device(work: WorkList, table: np.ndarray, width: int, device: to
     """
     items, gather, mrows = work.items, work.gather, work.mrows
     rows, cols = table.shape[0], min(width, table.shape[1])
-    if staged is not None:  # the compiled planner wrote the buffer (compiled_planner.plan_tables)
+    if staged is not None:  # the compiled work list wrote the buffer
         flat, table_fits = staged
     else:
         table_fits = table.dtype == np.int32 or rows * cols == 0 or int(table[:, :cols].max()) <= INT32_MAX
@@ -158,12 +159,12 @@ class CapacityError(ValueError):
 
 
 def _workspace_tables(work: WorkList, table: np.ndarray, width: int, *, workspace: PlanWorkspace, num_tokens: int,
-                      device_block_table: torch.Tensor | None, max_block_id: int, table_staged: bool,
-                      tables_written: bool) -> dict:
+                      device_block_table: torch.Tensor | None, max_block_id: int, tables_written: bool,
+                      stage_table) -> dict:
     """The step's tables in ``workspace``'s fixed buffers: capacity checks, then one non-blocking copy. The block
     table's first ``width`` columns (the batch's used blocks; columns the table lacks are 0) are staged unless the
-    kernel reads ``device_block_table`` or the compiled checks staged them (``table_staged``); the work list is
-    written unless the compiled planner wrote it (``tables_written``)."""
+    kernel reads ``device_block_table``: by the back-end (``stage_table``), else by the workspace's own copy; the
+    work list is written unless the compiled work list wrote it (``tables_written``)."""
     rows, cols = table.shape[0], min(width, table.shape[1])
     reason = workspace.overflow(num_requests=rows, num_tokens=num_tokens,
                                 table_width=width if device_block_table is None else 0,
@@ -183,7 +184,7 @@ def _workspace_tables(work: WorkList, table: np.ndarray, width: int, *, workspac
         dev = workspace.load(**tables, table=None, table_width=width)
         dev["block_table"] = device_block_table
         return dev
-    if table_staged:
+    if stage_table is not None and stage_table(workspace.host_table(), table, rows, width, max_block_id):
         return workspace.load(**tables, table=None, table_width=width, staged_rows=rows)
     used = table[:, :cols]  # a view: staged straight into the pinned buffer (no int64 copy first)
     return workspace.load(**tables, table=used, table_width=width)

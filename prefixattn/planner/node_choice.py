@@ -2,7 +2,7 @@
 
 Walks the tree top-down, one level at a time, vectorized over the nodes of a level; the sharing cost rule
 (:mod:`prefixattn.planner.cost_rule`) decides each node. The compiled planner's ``select_nodes``
-(:mod:`prefixattn.planner.compiled_core`) computes the same per node, as loops.
+(:mod:`prefixattn.planner.compiled.node_choice`) computes the same per node, as loops.
 """
 
 from __future__ import annotations
@@ -126,3 +126,34 @@ def select_shared_nodes(tree: LcpTree, *, shareable: np.ndarray, q_len: np.ndarr
     nodes = SharedNodes(kv_start=start[kept], kv_end=kept_ends, depth_blocks=tree.depth[kept],
                         offsets=offsets(counts), members=members)
     return nodes, suffix_start
+
+
+def request_rule_tiles(o, tiles) -> dict:
+    """The tile rows :func:`prefixattn.planner.cost_rule.request_sharing_pays_off` takes, for a plan's options ``o``
+    and ``tiles``."""
+    return dict(rows_per_shared=tiles.rows_per_shared_tile(o.group), rows_per_chunk=tiles.rows_per_chunk_tile(o.group),
+                rows_per_decode=tiles.decode_class_rows(o.group))
+
+
+def requests_may_stay_apart(tree: LcpTree, *, q_len: np.ndarray, max_q_len: int, shareable: np.ndarray,
+                            rows_per_shared: int, rows_per_chunk: int, rows_per_decode: int, group: int,
+                            head_dim: int, elt_bytes: int) -> bool:
+    """Whether a top-level node of ``tree`` holds both a request that gains from no node
+    (:func:`joining_requests`) and one that may: then the plan with the former apart (``SHARING_APART``) can differ,
+    and :mod:`prefixattn.planner.choose` prices it too. ``q_len``, ``shareable``: int64 per request;
+    ``max_q_len``: ``q_len``'s largest.
+
+    Only steps with a chunk (a request of more than ``rows_per_decode`` rows) are looked at: a decode request fails
+    the request rule only at a few shareable tokens (fp16, head_dim 128: at most 4 at MHA, 36 at GQA 8), under nodes
+    too short for the node rule to keep for its neighbours either, and decode steps skip the check's host time.
+    """
+    if tree.num_nodes == 0 or max_q_len <= rows_per_decode:
+        return False
+    joins = joining_requests(q_len=q_len, shareable=shareable, rows_per_shared=rows_per_shared,
+                             rows_per_chunk=rows_per_chunk, rows_per_decode=rows_per_decode, group=group,
+                             head_dim=head_dim, elt_bytes=elt_bytes)
+    roots = tree.parent < 0
+    cum = offsets(joins[tree.order].astype(np.int64))
+    lb, rb = tree.lb[roots], tree.rb[roots]
+    joined = cum[rb + 1] - cum[lb]
+    return bool(((joined > 0) & (joined < rb - lb + 1)).any())

@@ -21,7 +21,7 @@ MIN_SPLIT_TOKENS = 256
 _SHARING_MODES = ("auto", "always", "never")
 #: Not a user's mode: ``"auto"`` with the requests that gain from no node kept out of every node
 #: (:func:`prefixattn.planner.cost_rule.request_sharing_pays_off`). ``sharing="auto"`` plans it beside the plain rule
-#: where that rule put such requests in a node, and keeps the faster plan (modeled; :mod:`.sharing_check`).
+#: where that rule put such requests in a node, and keeps the faster plan (modeled; :mod:`.choose`).
 SHARING_APART = "auto-apart"
 
 

@@ -1,15 +1,23 @@
-"""plan(): find the KV prefixes a batch shares and turn them into one launch's work list (host, once per step).
+"""plan(): find the KV prefixes a batch shares and turn them into the step's work list (host, once per step).
 
-Steps (numpy, vectorized over requests; Python loops only over tree change points and shared nodes):
-1. Each request with queries has a *shareable* KV length: ``kv_len - q_len`` when causal (positions every one of
-   its query rows sees), ``kv_len`` otherwise.
-2. A block-level prefix tree over the requests' block-id rows (:mod:`prefixattn.lcp_tree`): a node with >= 2
-   requests shares KV ``[parent_end, end)``, ``end = min(depth * block_size, min shareable length of its requests)``
-   (the cap at the first query position, as vLLM's cascade attention did).
-3. A cost rule (:func:`prefixattn.planner.cost_rule.sharing_pays_off`) keeps a node only when the KV traffic it
-   saves beats the partial-state traffic it adds; a dropped node gives its tokens back to its children, or to the
-   requests' suffixes (:mod:`prefixattn.planner.node_choice`).
-4. :func:`prefixattn.planner.work_list.build_work_list` emits the work items, split-k chunks and merge units.
+One straight pipeline (:func:`plan_with_options`), each stage called once a step, each computed by the process's
+back-end (numpy, or numba where installed: :mod:`prefixattn.planner.backend`):
+
+1. checks (:mod:`~prefixattn.planner.checks`): the metadata checked; each request's *shareable* KV length
+   (``kv_len - q_len`` when causal: the positions every one of its query rows sees; ``kv_len`` otherwise);
+2. tree (:mod:`~prefixattn.planner.tree`): a block-level prefix tree over the requests' block-id rows; a node with
+   >= 2 requests shares KV ``[parent_end, end)``, ``end = min(depth * block_size, min shareable length of its
+   requests)`` (the cap at the first query position, as vLLM's cascade attention did);
+3. nodes (:mod:`~prefixattn.planner.node_choice`): a cost rule (:mod:`~prefixattn.planner.cost_rule`) keeps a node
+   only when the KV traffic it saves beats the partial-state traffic it adds; a dropped node gives its tokens back to
+   its children, or to the requests' suffixes (:mod:`~prefixattn.planner.window` under a sliding window);
+4. choose (:mod:`~prefixattn.planner.choose`): that plan, the same with the requests that gain from no node apart,
+   or no sharing, by their modeled step times (the split stage, :mod:`~prefixattn.planner.split_rule`, prices each
+   candidate without building its work list);
+5. work list (:mod:`~prefixattn.planner.work_list`): the chosen candidate's work items, split-k pieces and merge
+   units, once;
+6. device tables (:mod:`~prefixattn.planner.device_tables`): the tables on the device, new per plan or in a
+   capacity-sized workspace (:mod:`~prefixattn.planner.workspace`).
 """
 
 from __future__ import annotations
@@ -22,32 +30,28 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from prefixattn.autotune.buckets import dtype_name
 from prefixattn.autotune.lookup import READ_FIXED_ENV, current_target
 from prefixattn.autotune.program_cost import class_costs
 from prefixattn.kernels import layout as K
-from prefixattn.lcp_tree import LcpTree, block_prefix_tree, clear_tree_cache
-from prefixattn.planner.compiled import (check_and_tree, compiled_modules, core_params, cost_args, numba_available,
-                                        plan_tables, still_compiled)
+from prefixattn.lcp_tree import LcpTree, clear_tree_cache
+from prefixattn.planner.backend import NUMPY, backend, fall_back_to_numpy, using
+from prefixattn.planner.choose import choose
+from prefixattn.planner.compiled import CompileFailed
 from prefixattn.planner.device_tables import check_workspace_args, device_tables
-from prefixattn.planner.node_choice import select_shared_nodes
-from prefixattn.planner.options import (MIN_SPLIT_TOKENS, SHARING_APART, PlanOptions, _default_num_sms,
-                                       checked_options)
-from prefixattn.planner.sharing_check import modeled_faster, requests_may_stay_apart, shared_launch_may_lose
+from prefixattn.planner.options import MIN_SPLIT_TOKENS, PlanOptions, _default_num_sms, checked_options
 from prefixattn.planner.stats import modeled_stats
 from prefixattn.planner.tiles import AttentionTiles, choose_tiles
-from prefixattn.planner.window import window_shared_nodes
-from prefixattn.planner.work_list import SharedNode, SharedNodes, WorkList, build_work_list
+from prefixattn.planner.work_list import SharedNode, SharedNodes, WorkList
 from prefixattn.planner.workspace import PlanWorkspace
 from prefixattn.runtime import interpreter_enabled
-from prefixattn.validation import canonical_device, check_host_metadata
+from prefixattn.validation import canonical_device
 
 #: Whether the kernels run in Triton's interpreter, as when they were imported (``triton.jit`` decides it then, from
 #: ``TRITON_INTERPRET``): read once, not per plan (an environment read costs ~0.8 us on the 2-core host).
 _KERNELS_INTERPRETED = interpreter_enabled()
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: the launcher keys its prepared launches on the plan
 class Plan:
     """One step's work list on the device, reusable by every layer (:func:`prefixattn.attention`).
 
@@ -88,7 +92,9 @@ class Plan:
     counters: torch.Tensor = field(repr=False)  # [num_mrows, num_qo_heads] int32: zeroed by plan(), kept 0 by launches
     ws_o: torch.Tensor = field(repr=False)
     ws_lse: torch.Tensor = field(repr=False)
-    stats: dict = field(default_factory=dict)
+    #: ``stats`` but the modeled entries, which the first read of ``stats`` adds (:func:`modeled_stats`: ~3 us of
+    #: Python a plan, on the 2-core host, that an engine's step never reads).
+    counts: dict = field(default_factory=dict, repr=False)
     logits_soft_cap: float = 0.0  # c > 0: scaled logits become c * tanh(s / c); 0: off
     window_left: int = -1  # W >= 0: the query at position p sees keys p - W .. p; -1: off
     nan_guard: bool = False  # the kernel's USE_NAN_GUARD (hidden non-finite V never leaks into a row)
@@ -97,8 +103,15 @@ class Plan:
     #: when this plan was loaded: a later plan on the same workspace overwrites the tables (:meth:`is_current`).
     workspace: PlanWorkspace | None = field(default=None, repr=False)
     workspace_step: int = -1
-    #: The launches prepared for this plan, by call shape (:mod:`prefixattn.launcher`; filled by the first layer).
-    launches: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def stats(self) -> dict:
+        """The plan's counts (``num_shared_nodes``, ``num_units``, ``num_merge_rows``, ``num_ws_rows``, ``num_sms``,
+        ``sharing_declined``, ``requests_apart``) and modeled times (:func:`~prefixattn.planner.stats.modeled_stats`:
+        ``modeled_class_us``, ``modeled_step_us``, ``critical_path``); a wrapper adds its own entries."""
+        if "modeled_step_us" not in self.counts:
+            self.counts.update(modeled_stats(self.work.modeled_us, self.work.class_ends))
+        return self.counts
 
     def is_current(self) -> bool:
         """False once a later plan was loaded into this plan's workspace (its device tables are gone)."""
@@ -213,7 +226,7 @@ def plan(
         known planning GPU it then keeps requests that gain from no node (prefill chunks of full chunk tiles) out of
         the nodes where the step's modeled time is lower so (``stats["requests_apart"]``), and drops all sharing in a
         step whose modeled time is lower without it (a short step, where the shared launch costs more than it saves;
-        ``stats["sharing_declined"]``): :mod:`prefixattn.planner.sharing_check`. The others force every/no candidate
+        ``stats["sharing_declined"]``): :mod:`prefixattn.planner.choose`. The others force every/no candidate
         node.
     num_blocks : int, optional
         Number of blocks in the cache, to refuse an out-of-range id here, at plan time. Without it the plan still
@@ -263,254 +276,90 @@ OPTION_DEFAULTS = {name: param.default for name, param in inspect.signature(plan
                    if name in inspect.signature(checked_options).parameters}
 
 
-#: :func:`plan_with_options`' default ``planner``: the one ``PREFIXATTN_PLANNER`` picks at that call.
-PLANNER_FROM_ENV = "env"
-
-
 def plan_with_options(options: PlanOptions, qo_indptr: torch.Tensor, kv_lens: torch.Tensor,
                       block_table: torch.Tensor, *, device=None, num_blocks: int | None = None,
                       tiles: AttentionTiles | None = None, workspace: PlanWorkspace | None = None,
-                      device_block_table: torch.Tensor | None = None, planner=PLANNER_FROM_ENV,
+                      device_block_table: torch.Tensor | None = None, planner=None,
                       fixed_env=READ_FIXED_ENV) -> Plan:
     """:func:`plan` with its options checked already (:func:`checked_options`; a wrapper checks them once): the
-    per-step half. ``planner``: :func:`prefixattn.planner.compiled.compiled_modules`' answer (the compiled planner's
-    modules, or None: numpy), by default asked now (an environment read, ~0.8 us; a wrapper asks once);
-    ``fixed_env``: ``PREFIXATTN_TILE_CONFIG`` for the tile choice (:func:`~prefixattn.planner.tiles.choose_tiles`),
-    likewise. The other arguments are :func:`plan`'s."""
-    o = options
-    compiled = still_compiled(compiled_modules() if planner is PLANNER_FROM_ENV else planner)
-    # A workspace that stages the table: the compiled checks write it while they read it.
-    stage = workspace.host_table() if compiled and workspace is not None and device_block_table is None else None
-    (indptr, lens, table, max_block_id, q_len, shareable, max_q_len, width, tree,
-     table_staged) = _checked_inputs_and_tree(
-        compiled, qo_indptr=qo_indptr, kv_lens=kv_lens, block_table=block_table, block_size=o.block_size,
-        num_blocks=num_blocks, causal=o.causal, sharing=o.sharing, stage=stage)
+    per-step half, the pipeline of the module docstring. ``planner``: the back-end (default: the process's,
+    :func:`prefixattn.planner.backend.backend`); ``fixed_env``: ``PREFIXATTN_TILE_CONFIG`` for the tile choice
+    (:func:`~prefixattn.planner.tiles.choose_tiles`), read once by a wrapper. The other arguments are :func:`plan`'s."""
+    args = (options, qo_indptr, kv_lens, block_table, device, num_blocks, tiles, workspace, device_block_table,
+            fixed_env)
+    try:
+        return _pipeline(planner or backend(), *args)
+    except CompileFailed as failed:  # the compiled back-end failed to compile (PREFIXATTN_PLANNER=auto): numpy
+        fall_back_to_numpy(failed.__cause__)
+        return _pipeline(NUMPY, *args)
+
+
+def _pipeline(be, o: PlanOptions, qo_indptr, kv_lens, block_table, device, num_blocks, tiles, workspace,
+              device_block_table, fixed_env) -> Plan:
+    inputs = be.check(qo_indptr, kv_lens, block_table, block_size=o.block_size, num_blocks=num_blocks,
+                      causal=o.causal, sharing=o.sharing)
+    tree = be.tree(inputs, block_size=o.block_size, sharing=o.sharing)
     written = False
     try:
         device = canonical_device("device", device if device is not None else block_table.device)
-        # Before the compiled planner writes the work list into the workspace.
         check_workspace_args(workspace=workspace, device_block_table=device_block_table, device=device,
-                             num_requests=lens.shape[0], width=width)
+                             num_requests=inputs.num_requests, width=inputs.width)
         num_sms = o.num_sms or _default_num_sms(device)
-        group = o.group
         if tiles is None:
-            tiles = choose_tiles(head_dim=o.head_dim, group=group, max_q_len=max(max_q_len, 1), dtype=o.q_dtype,
-                                 fixed_env=fixed_env)
-        tables = dict(tiles=tiles, num_sms=num_sms, indptr=indptr, q_len=q_len, lens=lens, shareable=shareable,
-                      table=table)
-        planned = _host_tables(still_compiled(compiled), tree, o, workspace=workspace,
-                               width=width if workspace is None else 0, **tables)  # a workspace's table: staged
-        # Priced on the planning GPU; a host with no known GPU (the interpreter) has no launches to price.
-        priced = o.sharing == "auto" and current_target() is not None
-        apart = priced and requests_may_stay_apart(
-            tree, q_len=q_len, max_q_len=max_q_len, shareable=shareable, group=group, head_dim=o.head_dim,
-            elt_bytes=o.kv_dtype.itemsize, **_request_rule_tiles(o, tiles))
-        if apart:  # requests that gain from no node share one: the plan with them apart too, the faster (modeled)
-            planned, apart = _faster_twin(compiled, tree, o, SHARING_APART, planned, workspace, width, tables)
-        nodes, work, staged_flat, written = planned
-        declined = priced and shared_launch_may_lose(nodes, work, _class_costs(o, tiles)[0],
-                                                     num_kv_heads=o.num_kv_heads, num_sms=num_sms)
-        if declined:  # a short step: the unshared plan too, and the faster of the two (modeled)
-            planned, declined = _faster_twin(compiled, tree, o, "never", planned, workspace, width, tables)
-            nodes, work, staged_flat, written = planned
-        num_tokens, num_nodes = int(indptr[-1]), int(nodes.kv_start.shape[0])
-        dev = device_tables(work, table, width, workspace=workspace, device_block_table=device_block_table,
-                             device=device, staged=staged_flat, num_qo_heads=o.num_qo_heads, head_dim=o.head_dim,
-                             num_tokens=num_tokens, max_block_id=max_block_id, table_staged=table_staged,
-                             tables_written=written)
+            tiles = choose_tiles(head_dim=o.head_dim, group=o.group, max_q_len=max(inputs.max_q_len, 1),
+                                 dtype=o.q_dtype, fixed_env=fixed_env)
+        # Priced on the planning GPU (a host with no known GPU, the interpreter, has no launches to price: the tuning
+        # target's costs, for the modeled stats).
+        target = current_target()
+        costs = class_costs(tiles, head_dim=o.head_dim, dtype=o.q_dtype, kv_bytes=o.kv_dtype.itemsize, target=target)
+        chosen = choose(be, tree, inputs, o, tiles, num_sms=num_sms, costs=costs,
+                        priced=o.sharing == "auto" and target is not None)
+        work, staged, written = be.work_list(chosen.nodes, chosen.split, inputs, o, tiles, workspace=workspace,
+                                             width=inputs.width if workspace is None else 0)
+        dev = device_tables(work, inputs, workspace=workspace, device_block_table=device_block_table, device=device,
+                            staged=staged, num_qo_heads=o.num_qo_heads, head_dim=o.head_dim, tables_written=written,
+                            stage_table=be.stage_table)
     except BaseException:
         if workspace is not None:  # a refused step that wrote into the workspace: the earlier plans' tables changed
-            workspace.refused_after_writing(table=table_staged, work_list=written)
+            workspace.refused_after_writing(table=False, work_list=written)
         raise
+    nodes, num_nodes = chosen.nodes, len(chosen.nodes)
     return Plan(
-        num_tokens=num_tokens, num_requests=int(lens.shape[0]), num_qo_heads=o.num_qo_heads,
+        num_tokens=inputs.num_tokens, num_requests=inputs.num_requests, num_qo_heads=o.num_qo_heads,
         num_kv_heads=o.num_kv_heads, head_dim=o.head_dim, block_size=o.block_size, causal=o.causal,
         sm_scale=o.sm_scale, q_dtype=o.q_dtype, kv_dtype=o.kv_dtype, device=device, tiles=tiles,
         # The interpreter's dot on fp16/bf16 is numpy's (bf16 on raw bits); fp32 inputs need IEEE fp32 (tf32 would
         # miss the 1e-4 tolerance).
         use_fp32_dot=_KERNELS_INTERPRETED or o.q_dtype == torch.float32,
-        has_shared=num_nodes > 0, max_block_id=max_block_id,
+        has_shared=num_nodes > 0, max_block_id=inputs.max_block_id,
         logits_soft_cap=o.logits_soft_cap, window_left=o.window_left, nan_guard=o.nan_guard,
         work=work, tree=tree, nodes=nodes,
         **dev,
-        stats=dict(num_shared_nodes=num_nodes, num_units=work.num_units, num_merge_rows=work.mrows.shape[0],
-                   num_ws_rows=work.num_ws_rows, num_sms=num_sms, sharing_declined=declined, requests_apart=apart,
-                   **modeled_stats(work)),
+        counts=dict(num_shared_nodes=num_nodes, num_units=work.num_units, num_merge_rows=work.mrows.shape[0],
+                    num_ws_rows=work.num_ws_rows, num_sms=num_sms, sharing_declined=chosen.declined,
+                    requests_apart=chosen.apart),
         workspace=workspace, workspace_step=workspace.step if workspace is not None else -1,
     )
 
 
-def _checked_inputs_and_tree(compiled, *, qo_indptr, kv_lens, block_table, block_size: int,
-                             num_blocks: int | None, causal: bool, sharing: str, stage=None) -> tuple:
-    """The checked host metadata and the block prefix tree: ``(indptr, lens, table, max_block_id, q_len, shareable,
-    max_q_len, width, tree, table_staged)``, from the compiled planner's checks (``compiled``: its modules, or None)
-    when it is there, else from numpy (same results, same errors). ``stage``: a workspace's host table, which the
-    compiled checks fill (``table_staged``; numpy never does). ``indptr`` and ``lens`` are int64, or int32 both from
-    the compiled checks (``q_len`` and ``shareable`` int64 always)."""
-    # None: no compiled planner, or (PREFIXATTN_PLANNER=auto) it failed to compile: numpy, same results.
-    checked = compiled and check_and_tree(compiled, qo_indptr, kv_lens, block_table, block_size=block_size,
-                                                      num_blocks=num_blocks, causal=causal, sharing=sharing,
-                                                      stage=stage)
-    if checked:
-        return checked
-    indptr, lens, table, max_block_id = check_host_metadata(qo_indptr, kv_lens, block_table,
-                                                            block_size=block_size, num_blocks=num_blocks,
-                                                            table_as_is=True)
-    q_len = indptr[1:] - indptr[:-1]
-    shareable = np.where(q_len > 0, lens - q_len if causal else lens, 0)
-    max_q_len = int(q_len.max()) if q_len.shape[0] else 1
-    width = max(-(-int(lens.max()) // block_size) if lens.shape[0] else 0, 1)  # blocks of the longest request
-    # sharing="never" needs no tree (an empty one keeps Plan.tree well-formed).
-    tree = block_prefix_tree(table, shareable if sharing != "never" else np.zeros_like(shareable), block_size)
-    return indptr, lens, table, max_block_id, q_len, shareable, max_q_len, width, tree, False
-
-
-def _host_tables(compiled, tree, o: PlanOptions, *, tiles: AttentionTiles, num_sms: int, indptr, q_len, lens,
-                 shareable, table, width, workspace):
-    """The shared nodes, the work list, the compiled planner's staged buffer (None from numpy) and whether the
-    compiled planner wrote the work list into ``workspace``'s host buffer: ``(SharedNodes, WorkList, staged,
-    written)``. ``compiled``: the compiled planner's modules, or None; ``width``: the table columns to stage (0:
-    none)."""
-    costs = _class_costs(o, tiles)
-    # The compiled path (window_left: numpy, compiled_core's docstring); None as above.
-    tables = compiled and o.window_left < 0 and plan_tables(
-        compiled, tree, _core_params(o, tiles, num_sms), costs[1], indptr=indptr, q_len=q_len, kv_len=lens,
-        shareable=shareable, table=table, width=width, workspace=workspace)
-    if tables:
-        nodes, work, flat, fits, written = tables
-        return nodes, work, (flat, fits), written
-    tile_args = _tile_args(o, tiles, num_sms)
-    # int64: the compiled checks pass int32 pairs through, and numpy's int32 sums with Python ints stay int32
-    indptr, lens = indptr.astype(np.int64, copy=False), lens.astype(np.int64, copy=False)
-    nodes, work = _numpy_tables(tree, q_start=indptr[:-1], q_len=q_len, lens=lens, shareable=shareable,
-                                causal=o.causal, sharing=o.sharing, block_size=o.block_size, group=o.group,
-                                head_dim=o.head_dim, elt_bytes=o.kv_dtype.itemsize, window_left=o.window_left,
-                                costs=costs[0], **tile_args)
-    return nodes, work, None, False
-
-
-def _faster_twin(compiled, tree, o: PlanOptions, sharing: str, planned: tuple, workspace, width: int,
-                 tables: dict) -> tuple:
-    """``(planned or its twin's plan, whether the twin won)``: the step planned again with ``sharing``, and kept where
-    its modeled step time is lower. The twin is planned outside the workspace, which holds ``planned``'s tables until
-    the comparison is made, and again into it if it wins (without a workspace, the twin's plan is the plan)."""
-    twin = _twin_options(o, sharing)
-    alt = _host_tables(still_compiled(compiled), tree, twin, workspace=None,
-                       width=width if workspace is None else 0, **tables)
-    if not modeled_faster(alt[1], planned[1]):
-        return planned, False
-    return (alt if workspace is None else _host_tables(still_compiled(compiled), tree, twin, workspace=workspace,
-                                                        width=0, **tables)), True
-
-
-#: The twins of the options :func:`plan_with_options` priced another ``sharing`` for (``"never"``,
-#: ``SHARING_APART``), by (identity, mode), holding the objects as :data:`_core_params_memo`: the twin's
-#: compiled-planner parameters are memoized by its identity.
-_twin_memo: dict = {}
-
-
-def _twin_options(o: PlanOptions, sharing: str) -> PlanOptions:
-    hit = _twin_memo.get((id(o), sharing))
-    if hit is not None and hit[0] is o:
-        return hit[1]
-    if len(_twin_memo) >= _MAX_CORE_PARAMS:
-        _twin_memo.clear()
-    twin = o._replace(sharing=sharing)
-    _twin_memo[(id(o), sharing)] = (o, twin)
-    return twin
-
-
-#: Each step's class costs by (options, tiles, target), keyed by identity and holding the objects (as
-#: :data:`_core_params_memo`): ``(ProgramCosts, their compiled planner argument)``.
-_costs_memo: dict = {}
-
-
-def _class_costs(o: PlanOptions, tiles: AttentionTiles) -> tuple:
-    """The work classes' :class:`~prefixattn.autotune.program_cost.ProgramCost` on the planning target
-    (:func:`prefixattn.autotune.lookup.current_target`; on a host without a known GPU the tuning target's), and the
-    same as the compiled planner's float array."""
-    target = current_target()
-    key = (id(o), id(tiles), id(target))
-    hit = _costs_memo.get(key)
-    if hit is not None and hit[0] is o and hit[1] is tiles and hit[2] is target:
-        return hit[3]
-    if len(_costs_memo) >= _MAX_CORE_PARAMS:
-        _costs_memo.clear()
-    costs = class_costs(tiles, head_dim=o.head_dim, dtype=dtype_name(o.q_dtype), kv_bytes=o.kv_dtype.itemsize,
-                        target=target)
-    out = (costs, cost_args(costs))
-    _costs_memo[key] = (o, tiles, target, out)
-    return out
-
-
-
-def _request_rule_tiles(o: PlanOptions, tiles: AttentionTiles) -> dict:
-    """The tile rows :func:`prefixattn.planner.cost_rule.request_sharing_pays_off` takes."""
-    return dict(rows_per_shared=tiles.rows_per_shared_tile(o.group), rows_per_chunk=tiles.rows_per_chunk_tile(o.group),
-                rows_per_decode=tiles.decode_class_rows(o.group))
-
-
-def _tile_args(o: PlanOptions, tiles: AttentionTiles, num_sms: int) -> dict:
-    """The work list's tile and split arguments."""
-    return dict(**_request_rule_tiles(o, tiles), block_n_shared=tiles.shared.block_n,
-                block_n_chunk=tiles.chunk.block_n, block_n_decode=tiles.decode.block_n,
-                num_kv_heads=o.num_kv_heads, num_sms=num_sms, min_split_tokens=o.min_split_tokens)
-
-
-#: The compiled planner's parameter arrays by (options, tiles, SMs), keyed by identity (both come from memos: the
-#: same objects step after step) and holding the objects, so a recycled id never matches: ~2 us a step less than
-#: building the key from their values.
-_core_params_memo: dict = {}
-_MAX_CORE_PARAMS = 256
-
-
-def _core_params(o: PlanOptions, tiles: AttentionTiles, num_sms: int) -> np.ndarray:
-    key = (id(o), id(tiles), num_sms)
-    hit = _core_params_memo.get(key)
-    if hit is not None and hit[0] is o and hit[1] is tiles:
-        return hit[2]
-    if len(_core_params_memo) >= _MAX_CORE_PARAMS:
-        _core_params_memo.clear()
-    params = core_params(causal=o.causal, sharing=o.sharing, block_size=o.block_size, group=o.group,
-                                     head_dim=o.head_dim, elt_bytes=o.kv_dtype.itemsize,  # the cache's dtype prices KV
-                                     **_tile_args(o, tiles, num_sms))
-    _core_params_memo[key] = (o, tiles, params)
-    return params
-
-
-def _numpy_tables(tree, *, q_start, q_len, lens, shareable, causal, sharing, block_size, group, head_dim, elt_bytes,
-                  window_left, rows_per_shared, rows_per_chunk, rows_per_decode, block_n_shared, block_n_chunk,
-                  block_n_decode, num_kv_heads, num_sms, min_split_tokens, costs):
-    """The numpy planner from the tree to the work list: ``(SharedNodes, WorkList)``."""
-    nodes, suffix_start = select_shared_nodes(
-        tree, shareable=shareable, q_len=q_len, block_size=block_size, rows_per_shared=rows_per_shared, group=group,
-        head_dim=head_dim, elt_bytes=elt_bytes, sharing=sharing,
-        rows_per_chunk=rows_per_chunk, rows_per_decode=rows_per_decode)
-    if window_left >= 0:  # share only what every member's window covers
-        nodes, suffix_start = window_shared_nodes(nodes, suffix_start, kv_len=lens, q_len=q_len,
-                                                  window_left=window_left)
-    work = build_work_list(
-        q_start=q_start, q_len=q_len, kv_len=lens, causal=causal, nodes=nodes, suffix_start=suffix_start,
-        rows_per_shared=rows_per_shared, rows_per_chunk=rows_per_chunk, rows_per_decode=rows_per_decode,
-        block_n_shared=block_n_shared, block_n_chunk=block_n_chunk, block_n_decode=block_n_decode,
-        num_kv_heads=num_kv_heads, num_sms=num_sms, min_split_tokens=min_split_tokens, costs=costs)
-    return nodes, work
-
-
 def compile_planner() -> dict:
-    """Compile (or load from numba's cache) every compiled planner variant plan() uses: int32 and int64 block
-    tables, int32 and int64 ``qo_indptr``/``kv_lens`` pairs, sharing and not. Returns seconds per step (``import``:
-    numba and the compiled modules, ``plans``: compile or cache load of every variant, and the plans themselves);
-    ``{}`` without numba."""
+    """Compile (or load from numba's cache) every variant of the compiled back-end's stages that plan() uses: int32
+    and int64 block tables, int32 and int64 ``qo_indptr``/``kv_lens`` pairs, sharing and not. Returns seconds per
+    step (``import``: numba and the compiled modules, ``plans``: compile or cache load of every variant, and the
+    plans themselves); ``{}`` without numba."""
+    from prefixattn.planner import compiled
+
     t0 = time.perf_counter()
-    if not numba_available():
+    if compiled.backend(strict=True) is None:
         return {}
     t1 = time.perf_counter()
-    for dtype, index_dtype in itertools.product((torch.int32, torch.int64), repeat=2):
-        table = torch.tensor([[0, 1, 2], [0, 1, 3], [4, 5, 6]], dtype=dtype)
-        clear_tree_cache()
-        for sharing in ("auto", "auto", "never"):  # the second plan reuses the tree: the cache's check
-            plan(torch.tensor([0, 1, 2, 3], dtype=index_dtype), torch.tensor([40, 40, 40], dtype=index_dtype), table,
-                 block_size=16, num_qo_heads=4, num_kv_heads=2, head_dim=64, sharing=sharing, device="cpu")
+    with using("numba"):
+        for dtype, index_dtype in itertools.product((torch.int32, torch.int64), repeat=2):
+            table = torch.tensor([[0, 1, 2], [0, 1, 3], [4, 5, 6]], dtype=dtype)
+            clear_tree_cache()
+            for sharing in ("auto", "auto", "never"):  # the second plan reuses the tree: the cache's check
+                plan(torch.tensor([0, 1, 2, 3], dtype=index_dtype), torch.tensor([40, 40, 40], dtype=index_dtype),
+                     table, block_size=16, num_qo_heads=4, num_kv_heads=2, head_dim=64, sharing=sharing,
+                     device="cpu")
     clear_tree_cache()
     return {"import": t1 - t0, "plans": time.perf_counter() - t1}

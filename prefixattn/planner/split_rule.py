@@ -1,11 +1,15 @@
 """The split-k rule: split a KV range when its program would read more than its launch's fair share per SM, and
 further where the launch's waves would otherwise run ragged.
 
-Numpy only. A work class is one launch that runs every work item once per KV head; a program's KV work is the tokens
-it reads (a SHARED item reads its node's KV once for all its packed rows). The *fair share* is the launch's total KV
-work over the SMs, ``sum(tokens x programs) / num_sms``; it does not change with splitting (pieces read the same
-tokens). Counting programs instead (split only while ``items x kv_heads < num_sms``) left one program at 13.2x the
-fair share for 32 decodes under an 8,192-token prefix (GQA 32:4, sm90 tiles, 132 SMs).
+The planner's stage after the node choice: :func:`split_work` cuts one candidate's nodes and its requests' suffix tiles
+into pieces and prices the launches (modeled), without building the work list, so that the choice between sharing plans
+(:mod:`prefixattn.planner.choose`) compares prices and only the chosen one is built
+(:mod:`prefixattn.planner.work_list`). Numpy; the compiled split (:mod:`prefixattn.planner.compiled.split_rule`)
+computes the same. A work class is one launch that runs every work item once per KV head; a program's KV work is the
+tokens it reads (a SHARED item reads its node's KV once for all its packed rows). The *fair share* is the launch's total
+KV work over the SMs, ``sum(tokens x programs) / num_sms``; it does not change with splitting (pieces read the same
+tokens). Counting programs instead (split only while ``items x kv_heads < num_sms``) left one program at 13.2x the fair
+share for 32 decodes under an 8,192-token prefix (GQA 32:4, sm90 tiles, 132 SMs).
 
 Rule, per work class (each class is its own launch and has the GPU to itself):
 
@@ -24,10 +28,12 @@ Rule, per work class (each class is its own launch and has the GPU to itself):
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
 from prefixattn.autotune.program_cost import residency
+from prefixattn.ragged import expand as _expand, offsets
 
 #: The bound the issue sets on the critical path (sm90, 132 SMs, Fig. 8 shapes and FlashInfer's cascade grid).
 CRITICAL_PATH_TARGET = 1.25
@@ -202,16 +208,16 @@ def class_split(lengths: np.ndarray, m_tiles, cost, *, block_n: int, num_kv_head
 
 def split_ranges(*, node_lengths: np.ndarray, node_m_tiles: np.ndarray, tile_lengths: np.ndarray, tile_decode,
                  block_n_shared: int, block_n_chunk: int, block_n_decode: int, num_kv_heads: int, num_sms: int,
-                 min_split_tokens: int, costs: tuple) -> tuple[np.ndarray, int, np.ndarray, int | np.ndarray, tuple]:
-    """The rule for one step, one work class at a time: ``(node_pieces, shared_grain, tile_pieces, tile_grain,
+                 min_split_tokens: int, costs: tuple) -> tuple[np.ndarray, int, np.ndarray, tuple, tuple]:
+    """The rule for one step, one work class at a time: ``(node_pieces, shared_grain, tile_pieces, tile_grains,
     modeled)``.
 
     The shared nodes (``node_lengths``/``node_m_tiles`` ``[num_nodes]``: KV tokens of each node and the M tiles of
     packed rows that read it), the chunk tiles and the decode tiles (``tile_lengths`` ``[num_tiles]``, KV tokens of
     each suffix tile; ``tile_decode``: a bool per tile, or one bool for all) are split by :func:`class_split`, each
     class with its own :class:`~prefixattn.autotune.program_cost.ProgramCost` (``costs``: shared, chunk, decode).
-    Grains are each class's KV tile (:func:`split_grain`); ``tile_grain`` is an int when every tile is of one class,
-    else an array per tile. ``modeled``: ``(makespan_us, ideal_us)`` per class (modeled).
+    Grains are each class's KV tile (:func:`split_grain`); ``tile_grains``: the chunk class's and the decode
+    class's. ``modeled``: ``(makespan_us, ideal_us)`` per class (modeled).
     """
     common = dict(num_kv_heads=num_kv_heads, num_sms=num_sms, min_split_tokens=min_split_tokens)
     node_pieces, shared_grain, *shared_model = class_split(node_lengths, node_m_tiles, costs[0],
@@ -221,13 +227,144 @@ def split_ranges(*, node_lengths: np.ndarray, node_m_tiles: np.ndarray, tile_len
         tile_pieces, grain, *model = class_split(tile_lengths, 1, cost, block_n=block_n, **common)
         empty = (0.0, 0.0)
         suffix = (empty, tuple(model)) if tile_decode else (tuple(model), empty)
-        return node_pieces, shared_grain, tile_pieces, grain, (tuple(shared_model), *suffix)
+        grains = (block_n_chunk, grain) if tile_decode else (grain, block_n_decode)
+        return node_pieces, shared_grain, tile_pieces, grains, (tuple(shared_model), *suffix)
     tile_pieces = np.empty(tile_lengths.shape[0], dtype=np.int64)
-    tile_grain = np.empty(tile_lengths.shape[0], dtype=np.int64)
-    models = [tuple(shared_model)]
+    grains, models = [], [tuple(shared_model)]
     for c, is_decode, block_n in ((1, False, block_n_chunk), (2, True, block_n_decode)):
         of = tile_decode == is_decode
-        tile_pieces[of], tile_grain[of], *model = class_split(tile_lengths[of], 1, costs[c], block_n=block_n,
-                                                              **common)
+        tile_pieces[of], grain, *model = class_split(tile_lengths[of], 1, costs[c], block_n=block_n, **common)
+        grains.append(grain)
         models.append(tuple(model))
-    return node_pieces, shared_grain, tile_pieces, tile_grain, tuple(models)
+    return node_pieces, shared_grain, tile_pieces, tuple(grains), tuple(models)
+
+
+@dataclass(slots=True)
+class Tiles:
+    """Suffix tiles (one per ``rows_per_chunk`` rows of each request with queries) as flat arrays: each tile's
+    request, its first row within the request, its rows, its first token, its KV range ``[lo, hi)`` and the KV
+    position its first row sees; ``first[r]``: the first tile of request ``r``; ``decode``: per tile, whether it is
+    of the decode class (its request's rows fit one decode tile), or one bool for all."""
+
+    req: np.ndarray
+    first: np.ndarray
+    row0: np.ndarray | int
+    rows: np.ndarray
+    tok0: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+    qpos: np.ndarray
+    decode: np.ndarray | bool
+
+
+def suffix_tiles(*, q_start, q_len, kv_len, suffix_start, causal, rows_per_suffix, rows_per_decode) -> Tiles:
+    """Tiles of ``rows_per_suffix`` rows (the chunk tile; at least ``rows_per_decode``); a tile's KV range runs from
+    its request's ``suffix_start`` to the last position its rows see (causal) or to ``kv_len``."""
+    max_q = int(q_len.max()) if q_len.shape[0] else 0
+    if max_q > rows_per_suffix:
+        tiles_per_req = -(-q_len // rows_per_suffix)
+        req, rank = _expand(tiles_per_req)
+        row0 = rank * rows_per_suffix
+        rows = np.minimum(rows_per_suffix, q_len[req] - row0)
+    else:  # decode and short chunks: one tile per request with queries
+        tiles_per_req = (q_len > 0).astype(np.int64)
+        req, row0 = tiles_per_req.nonzero()[0], 0
+        rows = q_len[req]
+    first = tiles_per_req.cumsum() - tiles_per_req
+    kv = kv_len[req]
+    if causal:
+        qpos = kv - q_len[req]
+        if isinstance(row0, np.ndarray):
+            qpos += row0
+        hi = qpos + rows
+    else:
+        hi = qpos = kv  # every row sees the whole range: the causal loop stays empty
+    tok0 = q_start[req] + row0 if isinstance(row0, np.ndarray) else q_start[req]
+    # A decode step (every request within a decode tile) has no chunk tile: no per-tile flags.
+    decode = True if max_q <= rows_per_decode else q_len[req] <= rows_per_decode
+    return Tiles(req=req, first=first, row0=row0, rows=rows, tok0=tok0, lo=suffix_start[req], hi=hi, qpos=qpos,
+                 decode=decode)
+
+
+@dataclass(slots=True)
+class NodeRows:
+    """The shared nodes' packed query rows: per node its rows (its members' query rows) and the M tiles of them;
+    per membership (node-major) its query rows and the packed-row offsets (None without nodes, and from the compiled
+    split, whose work list counts them itself)."""
+
+    node_rows: np.ndarray
+    node_mtiles: np.ndarray
+    mem_ql: np.ndarray | None = None
+    row_off: np.ndarray | None = None
+
+
+def node_rows(*, q_len: np.ndarray, nodes, rows_per_shared: int) -> NodeRows:
+    """:class:`NodeRows` of ``nodes`` (:class:`~prefixattn.planner.work_list.SharedNodes`)."""
+    if len(nodes):
+        mem_ql = q_len[nodes.members]
+        row_off = offsets(mem_ql)  # packed rows: members' query rows, node by node
+        rows = row_off[nodes.offsets[1:]] - row_off[nodes.offsets[:-1]]
+    else:
+        mem_ql = row_off = None
+        rows = nodes.offsets[1:] - nodes.offsets[:-1]
+    return NodeRows(node_rows=rows, node_mtiles=-(-rows // rows_per_shared), mem_ql=mem_ql, row_off=row_off)
+
+
+@dataclass(slots=True)
+class Split:
+    """One sharing candidate cut into pieces and priced: its suffix tiles and node rows, the pieces of each node and
+    tile, the grains (the shared class's; ``tile_grains``: the chunk class's and the decode class's), each work
+    class's modeled launch ``modeled`` ``[NUM_CLASSES, 2]`` (makespan and ideal microseconds) and the item count of
+    each class as the work list will hold them (``class_ends``: one past each class's last item). ``packed``: what
+    the compiled split hands the compiled work list (its packed tiles, nodes and scalars; None from numpy)."""
+
+    tiles: Tiles
+    rows: NodeRows
+    node_pieces: np.ndarray
+    shared_grain: int
+    tile_pieces: np.ndarray
+    tile_grains: tuple
+    modeled: np.ndarray
+    class_ends: tuple
+    reads_saved: int  # KV positions per KV head the nodes save (shared_reads_saved)
+    packed: object = None
+
+
+def tile_args(o, tiles) -> dict:
+    """:func:`split_work`'s tile arguments for a plan's options ``o`` and ``tiles`` (either back-end's split): rows per
+    tile of each class and each class's KV tile."""
+    return dict(rows_per_shared=tiles.rows_per_shared_tile(o.group), rows_per_chunk=tiles.rows_per_chunk_tile(o.group),
+                rows_per_decode=tiles.decode_class_rows(o.group), block_n_shared=tiles.shared.block_n,
+                block_n_chunk=tiles.chunk.block_n, block_n_decode=tiles.decode.block_n)
+
+
+def split_work(nodes, suffix_start: np.ndarray, *, q_start, q_len, kv_len, causal: bool, rows_per_shared: int,
+               rows_per_chunk: int, rows_per_decode: int, block_n_shared: int, block_n_chunk: int,
+               block_n_decode: int, num_kv_heads: int, num_sms: int, min_split_tokens: int, costs: tuple) -> Split:
+    """The split stage for one candidate (``nodes``, ``suffix_start``: the node choice's): its suffix tiles, the
+    nodes' packed rows, :func:`split_ranges` over them and the resulting item counts per class."""
+    t = suffix_tiles(q_start=q_start, q_len=q_len, kv_len=kv_len, suffix_start=suffix_start, causal=causal,
+                     rows_per_suffix=rows_per_chunk, rows_per_decode=rows_per_decode)
+    nr = node_rows(q_len=q_len, nodes=nodes, rows_per_shared=rows_per_shared)
+    n_pieces, grain_shared, t_pieces, t_grains, modeled = split_ranges(
+        node_lengths=nodes.kv_end - nodes.kv_start, node_m_tiles=nr.node_mtiles,
+        tile_lengths=np.maximum(t.hi - t.lo, 0), tile_decode=t.decode, block_n_shared=block_n_shared,
+        block_n_chunk=block_n_chunk, block_n_decode=block_n_decode, num_kv_heads=num_kv_heads, num_sms=num_sms,
+        min_split_tokens=min_split_tokens, costs=costs)
+    num_shared = int((n_pieces * nr.node_mtiles).sum())
+    if isinstance(t.decode, np.ndarray):
+        num_decode = int(t_pieces[t.decode].sum())
+    else:
+        num_decode = int(t_pieces.sum()) if t.decode else 0
+    n = num_shared + int(t_pieces.sum())
+    return Split(tiles=t, rows=nr, node_pieces=n_pieces, shared_grain=grain_shared, tile_pieces=t_pieces,
+                 tile_grains=t_grains, modeled=np.array(modeled, dtype=np.float64),
+                 class_ends=(num_shared, n - num_decode, n), reads_saved=shared_reads_saved(nodes))
+
+
+def shared_reads_saved(nodes) -> int:
+    """KV positions (per KV head) the shared ``nodes`` save against reading each member's prefix on its own: every
+    member beyond a node's first reads the node's KV once less."""
+    if not len(nodes):
+        return 0
+    return int(np.dot(nodes.kv_end - nodes.kv_start, nodes.offsets[1:] - nodes.offsets[:-1] - 1))

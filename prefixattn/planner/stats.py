@@ -1,21 +1,39 @@
-"""``Plan.stats``' modeled entries: the launches' modeled times of a work list (:func:`modeled_stats`)."""
+"""``Plan.stats``' modeled entries: the launches' modeled times of a work list or of a split candidate, and the
+comparison of two candidates by them."""
 
 from __future__ import annotations
 
 from prefixattn.autotune.program_cost import LAUNCH_GAP_US
 from prefixattn.kernels import layout as K
-from prefixattn.planner.work_list import WorkList
 
 
-def modeled_stats(work: WorkList) -> dict:
-    """``Plan.stats``' modeled entries (microseconds on the planning target, modeled by
-    :mod:`prefixattn.autotune.program_cost`): each class launch's makespan, the step (their sum and a
-    ``LAUNCH_GAP_US`` between consecutive launches), and the critical path: the makespans' sum over the programs'
-    time spread evenly over the slots (1.0: every launch ends in a full wave)."""
-    spans = [float(span) for span, _ in work.modeled_us]
-    ideal = float(sum(i for _, i in work.modeled_us))
-    total = sum(spans)
-    launches = sum(1 for c in range(K.NUM_CLASSES) if work.class_ends[c] > (work.class_ends[c - 1] if c else 0))
-    return dict(modeled_class_us=tuple(round(x, 2) for x in spans),
-                modeled_step_us=round(total + max(0, launches - 1) * LAUNCH_GAP_US, 2),
+def modeled_step_us(modeled, class_ends) -> float:
+    """The step's modeled time (microseconds on the planning target, :mod:`prefixattn.autotune.program_cost`): each
+    class launch's makespan (``modeled[c][0]``; ``modeled``: ``[NUM_CLASSES, 2]`` float64 array) summed, plus a
+    ``LAUNCH_GAP_US`` between consecutive launches (the classes with items: ``class_ends``, one past each class's
+    last item), rounded to 0.01 us."""
+    spans = modeled[:, 0].tolist()  # Python floats: indexing numpy's scalars costs ~0.3 us each
+    return _step_us(spans, class_ends)
+
+
+def _step_us(spans: list, class_ends) -> float:
+    launches = (class_ends[0] > 0) + (class_ends[1] > class_ends[0]) + (class_ends[2] > class_ends[1])
+    return round(spans[K.CLASS_SHARED] + spans[K.CLASS_CHUNK] + spans[K.CLASS_DECODE]
+                 + max(0, int(launches) - 1) * LAUNCH_GAP_US, 2)
+
+
+def modeled_stats(modeled, class_ends) -> dict:
+    """``Plan.stats``' modeled entries (``modeled``, ``class_ends``: :func:`modeled_step_us`'): each class launch's
+    makespan, the step (:func:`modeled_step_us`), and the critical path: the makespans' sum over the programs' time
+    spread evenly over the slots (1.0: every launch ends in a full wave)."""
+    spans, ideals = modeled.T.tolist()
+    ideal, total = sum(ideals), sum(spans)
+    return dict(modeled_class_us=tuple(round(x, 2) for x in spans), modeled_step_us=_step_us(spans, class_ends),
                 critical_path=round(total / ideal, 4) if ideal > 0 else 0.0)
+
+
+def modeled_faster(candidate, current) -> bool:
+    """Whether split candidate ``candidate``'s modeled step time (:func:`modeled_step_us`) is below ``current``'s
+    (:class:`~prefixattn.planner.split_rule.Split` each)."""
+    return (modeled_step_us(candidate.modeled, candidate.class_ends)
+            < modeled_step_us(current.modeled, current.class_ends))

@@ -70,3 +70,13 @@ def window_shared_nodes(nodes: SharedNodes, suffix_start: np.ndarray, *, kv_len:
     return SharedNodes(kv_start=nodes.kv_start[kept_nodes], kv_end=nodes.kv_end[kept_nodes],
                        depth_blocks=nodes.depth_blocks[kept_nodes], offsets=np.r_[0, np.cumsum(new_counts)],
                        members=req[stay]), new_suffix
+
+
+def windowed(nodes: SharedNodes, suffix_start: np.ndarray, inputs, o) -> tuple[SharedNodes, np.ndarray]:
+    """The window stage as the pipeline calls it after either back-end's node choice: :func:`window_shared_nodes`
+    under a sliding window (``o.window_left >= 0``; ``inputs``: the checks'), the nodes as they are without one."""
+    if o.window_left < 0:
+        return nodes, suffix_start
+    # int64: the compiled checks pass int32 lengths through, and numpy's int32 sums with Python ints stay int32
+    return window_shared_nodes(nodes, suffix_start, kv_len=inputs.lens.astype(np.int64, copy=False),
+                               q_len=inputs.q_len, window_left=o.window_left)

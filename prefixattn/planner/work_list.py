@@ -1,8 +1,10 @@
 """The flat work list of one step: shared-node tiles, per-request suffix tiles, split-k chunks and merge units.
 
-Numpy only, built on the host by :func:`prefixattn.plan`; the table layout (column indices) is
-:mod:`prefixattn.kernels.layout`, shared with the kernel. Vectorized over requests, shared nodes and tiles: no Python
-loop.
+The planner's stage after the choice (:mod:`prefixattn.planner.choose`): the chosen candidate's nodes and split
+(:mod:`prefixattn.planner.split_rule`) become the kernel's tables. Numpy, built on the host by :func:`prefixattn.plan`
+(the compiled work list, :mod:`prefixattn.planner.compiled.work_list`, writes the same tables); the table layout (column
+indices) is :mod:`prefixattn.kernels.layout`, shared with the kernel. Vectorized over requests, shared nodes and tiles:
+no Python loop.
 
 Vocabulary
 ----------
@@ -27,8 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from prefixattn.kernels import layout as K
-from prefixattn.ragged import expand as _expand, offsets, run_starts
-from prefixattn.planner.split_rule import split_ranges
+from prefixattn.ragged import expand as _expand, run_starts
+from prefixattn.planner.split_rule import Split, Tiles
 
 _I32 = np.int32
 
@@ -139,72 +141,6 @@ def _slot_bases(*, mem_req: np.ndarray, mem_pieces: np.ndarray) -> np.ndarray:
 
 
 @dataclass(frozen=True)
-class _Tiles:
-    """Suffix tiles (one per ``rows_per_suffix`` rows of each request with queries) as flat arrays."""
-
-    req: np.ndarray  # request of each tile
-    first: np.ndarray  # [num_reqs] first tile of each request
-    row0: np.ndarray | int  # first row of the tile within its request
-    rows: np.ndarray
-    tok0: np.ndarray
-    lo: np.ndarray
-    hi: np.ndarray
-    qpos: np.ndarray
-    decode: np.ndarray | bool  # per tile: the decode class (its request's rows fit one decode tile); or all/none
-
-
-def _suffix_tiles(*, q_start, q_len, kv_len, suffix_start, causal, rows_per_suffix, rows_per_decode) -> _Tiles:
-    """Tiles of ``rows_per_suffix`` rows (the chunk tile; at least ``rows_per_decode``)."""
-    max_q = int(q_len.max()) if q_len.shape[0] else 0
-    if max_q > rows_per_suffix:
-        tiles_per_req = -(-q_len // rows_per_suffix)
-        req, rank = _expand(tiles_per_req)
-        row0 = rank * rows_per_suffix
-        rows = np.minimum(rows_per_suffix, q_len[req] - row0)
-    else:  # decode and short chunks: one tile per request with queries
-        tiles_per_req = (q_len > 0).astype(np.int64)
-        req, row0 = tiles_per_req.nonzero()[0], 0
-        rows = q_len[req]
-    first = tiles_per_req.cumsum() - tiles_per_req
-    kv = kv_len[req]
-    if causal:
-        qpos = kv - q_len[req]
-        if isinstance(row0, np.ndarray):
-            qpos += row0
-        hi = qpos + rows
-    else:
-        hi = qpos = kv  # every row sees the whole range: the causal loop stays empty
-    tok0 = q_start[req] + row0 if isinstance(row0, np.ndarray) else q_start[req]
-    # A decode step (every request within a decode tile) has no chunk tile: no per-tile flags.
-    decode = True if max_q <= rows_per_decode else q_len[req] <= rows_per_decode
-    return _Tiles(req=req, first=first, row0=row0, rows=rows, tok0=tok0, lo=suffix_start[req], hi=hi, qpos=qpos,
-                  decode=decode)
-
-
-@dataclass(frozen=True)
-class _NodeRows:
-    """The shared nodes' packed query rows: one entry per (node, member request), nodes in top-down order."""
-
-    mem_ql: np.ndarray | None  # [num_memberships] query rows of each member (None without nodes)
-    row_off: np.ndarray | None  # [num_memberships + 1] packed-row offsets: members' query rows, node by node
-    node_rows: np.ndarray  # [num_nodes] packed rows of each node
-    node_mtiles: np.ndarray  # [num_nodes] M tiles of those rows
-
-
-def _node_rows(*, q_len: np.ndarray, nodes: SharedNodes, rows_per_shared: int) -> _NodeRows:
-    node_size = nodes.offsets[1:] - nodes.offsets[:-1]
-    if len(nodes):
-        mem_ql = q_len[nodes.members]
-        row_off = offsets(mem_ql)  # packed rows: members' query rows, node by node
-        node_rows = row_off[nodes.offsets[1:]] - row_off[nodes.offsets[:-1]]
-    else:
-        mem_ql = row_off = None
-        node_rows = node_size
-    return _NodeRows(mem_ql=mem_ql, row_off=row_off, node_rows=node_rows,
-                     node_mtiles=-(-node_rows // rows_per_shared))
-
-
-@dataclass(frozen=True)
 class _TileStates:
     """Per suffix tile: its partial states and whether its rows merge."""
 
@@ -214,7 +150,7 @@ class _TileStates:
     mem_slot_base: np.ndarray | None  # per membership: its first shared state (None without nodes)
 
 
-def _tile_states(*, t: _Tiles, nodes: SharedNodes, n_pieces: np.ndarray, t_pieces: np.ndarray,
+def _tile_states(*, t: Tiles, nodes: SharedNodes, n_pieces: np.ndarray, t_pieces: np.ndarray,
                  num_reqs: int) -> _TileStates:
     """States per request and which tiles merge. A request's shared states are numbered node by node (top-down):
     its slot base in node k is the number of pieces of the earlier nodes that hold it."""
@@ -242,7 +178,7 @@ class _MergeUnits:
     tile_mrow_base: np.ndarray | None  # [num_tiles] first merge row of each tile's unit, -1 if none
 
 
-def _merge_units(*, t: _Tiles, states: _TileStates) -> _MergeUnits:
+def _merge_units(*, t: Tiles, states: _TileStates) -> _MergeUnits:
     unit_tiles = states.needs_unit.nonzero()[0]
     num_units = unit_tiles.shape[0]
     if not num_units:  # no tile merges
@@ -268,64 +204,36 @@ def _merge_units(*, t: _Tiles, states: _TileStates) -> _MergeUnits:
                        tile_ws_base=tile_ws_base, tile_mrow_base=tile_mrow_base)
 
 
-def build_work_list(
-    *,
-    q_start: np.ndarray,
-    q_len: np.ndarray,
-    kv_len: np.ndarray,
-    causal: bool,
-    nodes: SharedNodes,
-    suffix_start: np.ndarray,
-    rows_per_shared: int,
-    rows_per_chunk: int,
-    rows_per_decode: int,
-    block_n_shared: int,
-    block_n_chunk: int,
-    block_n_decode: int,
-    num_kv_heads: int,
-    num_sms: int,
-    min_split_tokens: int,
-    costs: tuple,
-) -> WorkList:
-    """Turn the chosen shared nodes into the kernel's work list.
-
-    ``nodes`` must be in top-down order (a node before its descendants): a request's states are numbered in that
-    order (shared levels, each with its split chunks, then the suffix chunks). ``suffix_start[r]`` is the end of the
-    deepest node holding request ``r`` (0 if none). A request with at most ``rows_per_decode`` query rows is one
-    decode tile; longer ones are cut into chunk tiles of ``rows_per_chunk`` rows (``>= rows_per_decode``).
-    ``costs``: each class's :class:`~prefixattn.autotune.program_cost.ProgramCost` (the split rule's model).
-    """
-    t = _suffix_tiles(q_start=q_start, q_len=q_len, kv_len=kv_len, suffix_start=suffix_start, causal=causal,
-                      rows_per_suffix=rows_per_chunk, rows_per_decode=rows_per_decode)
-    nr = _node_rows(q_len=q_len, nodes=nodes, rows_per_shared=rows_per_shared)
-    # Split-k decision over the unsplit work, class by class (prefixattn.planner.split_rule: the critical path).
-    n_pieces, grain_shared, t_pieces, t_grain, modeled = split_ranges(
-        node_lengths=nodes.kv_end - nodes.kv_start, node_m_tiles=nr.node_mtiles,
-        tile_lengths=np.maximum(t.hi - t.lo, 0), tile_decode=t.decode, block_n_shared=block_n_shared,
-        block_n_chunk=block_n_chunk, block_n_decode=block_n_decode, num_kv_heads=num_kv_heads, num_sms=num_sms,
-        min_split_tokens=min_split_tokens, costs=costs)
-    states = _tile_states(t=t, nodes=nodes, n_pieces=n_pieces, t_pieces=t_pieces, num_reqs=q_len.shape[0])
+def build_work_list(nodes: SharedNodes, split: Split, *, q_start: np.ndarray, q_len: np.ndarray,
+                    rows_per_shared: int, rows_per_chunk: int) -> WorkList:
+    """The work list of the chosen candidate: its nodes (top-down: a node before its descendants; a request's states
+    are numbered in that order, shared levels with their split pieces, then the suffix pieces) and its split
+    (:func:`prefixattn.planner.split_rule.split_work`: the suffix tiles, every node's and tile's pieces, the modeled
+    launches)."""
+    t, nr = split.tiles, split.rows
+    states = _tile_states(t=t, nodes=nodes, n_pieces=split.node_pieces, t_pieces=split.tile_pieces,
+                          num_reqs=q_len.shape[0])
     units = _merge_units(t=t, states=states)
     if len(nodes):
         shared_items, gather = _shared_items(
-            t=t, nodes=nodes, node_rows=nr.node_rows, node_mtiles=nr.node_mtiles, n_pieces=n_pieces,
-            grain_shared=grain_shared, mem_ql=nr.mem_ql, row_off=nr.row_off, mem_slot_base=states.mem_slot_base,
+            t=t, nodes=nodes, node_rows=nr.node_rows, node_mtiles=nr.node_mtiles, n_pieces=split.node_pieces,
+            grain_shared=split.shared_grain, mem_ql=nr.mem_ql, row_off=nr.row_off, mem_slot_base=states.mem_slot_base,
             tile_ws_base=units.tile_ws_base, tile_mrow_base=units.tile_mrow_base, q_start=q_start,
             rows_per_suffix=rows_per_chunk, rows_per_shared=rows_per_shared)
     else:  # plain paged attention: skip ~30 numpy calls on empty arrays
         shared_items = np.zeros((0, K.ITEM_FIELDS), dtype=_I32)
         gather = np.zeros((0, K.GATHER_FIELDS), dtype=_I32)
-    items, class_ends = _assemble_items(shared_items=shared_items, t=t, states=states, units=units, t_grain=t_grain,
-                                        has_nodes=bool(len(nodes)))
+    items, class_ends = _assemble_items(shared_items=shared_items, t=t, states=states, units=units,
+                                        grains=split.tile_grains, has_nodes=bool(len(nodes)))
     return WorkList(items=items, gather=gather, mrows=units.mrows, num_ws_rows=units.num_ws_rows,
-                    num_units=units.num_units, class_ends=class_ends, modeled_us=np.array(modeled, dtype=np.float64))
+                    num_units=units.num_units, class_ends=class_ends, modeled_us=split.modeled)
 
 
-def _assemble_items(*, shared_items: np.ndarray, t: _Tiles, states: _TileStates, units: _MergeUnits,
-                    t_grain, has_nodes: bool) -> tuple[np.ndarray, tuple]:
+def _assemble_items(*, shared_items: np.ndarray, t: Tiles, states: _TileStates, units: _MergeUnits,
+                    grains: tuple, has_nodes: bool) -> tuple[np.ndarray, tuple]:
     """The item table and each class's end: the shared items, then the suffix items (suffix tile, split chunk) of
-    the chunk class and of the decode class, longest KV range first within each class. ``t_grain``: the split grain
-    of each tile (an int, or an array per tile)."""
+    the chunk class and of the decode class, longest KV range first within each class. ``grains``: the split grain
+    of the chunk class and of the decode class."""
     t_pieces = states.pieces
     s_decode = t.decode
     if t.req.shape[0] and t_pieces.min() == 1 and t_pieces.max() == 1:  # one item per tile: no gathers
@@ -335,12 +243,14 @@ def _assemble_items(*, shared_items: np.ndarray, t: _Tiles, states: _TileStates,
         s_shared = states.shared
     else:
         s_tile, s_c = _expand(t_pieces)
-        grain = t_grain[s_tile] if isinstance(t_grain, np.ndarray) else t_grain
+        if isinstance(s_decode, np.ndarray):
+            s_decode = s_decode[s_tile]
+            grain = np.where(s_decode, grains[1], grains[0])
+        else:
+            grain = grains[1] if s_decode else grains[0]
         s_lo, s_hi = _piece_bounds(lo=t.lo[s_tile], hi=t.hi[s_tile], piece=s_c, pieces=t_pieces[s_tile],
                                    block_n=grain, split=bool(s_c.shape[0] and s_c.any()))
         s_req, s_tok0, s_rows, s_qpos = t.req[s_tile], t.tok0[s_tile], t.rows[s_tile], t.qpos[s_tile]
-        if isinstance(s_decode, np.ndarray):
-            s_decode = s_decode[s_tile]
         if units.num_units:
             s_unit = states.needs_unit[s_tile]
             s_ws_base, s_mrow_base = units.tile_ws_base[s_tile], units.tile_mrow_base[s_tile]
@@ -376,7 +286,7 @@ def _assemble_items(*, shared_items: np.ndarray, t: _Tiles, states: _TileStates,
     return it, (num_shared, n - num_decode, n)
 
 
-def _shared_items(*, t: _Tiles, nodes: SharedNodes, node_rows, node_mtiles, n_pieces, grain_shared, mem_ql, row_off,
+def _shared_items(*, t: Tiles, nodes: SharedNodes, node_rows, node_mtiles, n_pieces, grain_shared, mem_ql, row_off,
                   mem_slot_base, tile_ws_base, tile_mrow_base, q_start, rows_per_suffix, rows_per_shared):
     """Shared items (node, split chunk, M tile of packed rows) and their gather rows (int32 tables)."""
     mem_req = nodes.members

@@ -1,6 +1,6 @@
 """sharing="auto" plans a short step without sharing when that is faster (modeled): the shared class's own launch
 can cost more than the reads its nodes save; and a mixed step with its prefill chunks out of the shared nodes when
-that is faster (prefixattn.planner.sharing_check)."""
+that is faster (prefixattn.planner.choose)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ from prefixattn import PrefixSharedAttention, reference_attention
 from prefixattn.autotune.lookup import current_target, planning_target
 from prefixattn.autotune.program_cost import class_costs
 from prefixattn.autotune.targets import get_target
-from prefixattn.planner import plans, sharing_check
+from prefixattn.planner import choose
+from prefixattn.planner.backend import using
+from prefixattn.planner.split_rule import shared_reads_saved
 from prefixattn.planner.tiles import choose_tiles
 from tests.tolerances import ATTENTION_TOL
 
@@ -59,11 +61,11 @@ def _plan(batch, sharing, **shape):
 
 
 @pytest.fixture(params=["numpy", "numba"])
-def planner(request, monkeypatch):
+def planner(request):
     if request.param == "numba":
         pytest.importorskip("numba")
-    monkeypatch.setenv("PREFIXATTN_PLANNER", request.param)
-    return request.param
+    with using(request.param):
+        yield request.param
 
 
 def test_a_short_step_runs_unshared_where_sharing_is_slower(planner):
@@ -80,7 +82,7 @@ def test_a_short_step_runs_unshared_where_sharing_is_slower(planner):
 def test_a_long_shared_prefix_keeps_sharing_without_a_second_plan(planner, monkeypatch):
     """32 decodes under an 8,192-token prefix: the screen does not fire (no second plan), sharing stays."""
     seen = []
-    monkeypatch.setattr(plans, "modeled_faster", lambda *a: seen.append(1) or False)
+    monkeypatch.setattr(choose, "modeled_faster", lambda *a: seen.append(1) or False)
     auto = _plan(_decode_batch(32, 8192, 128), "auto")
     assert auto.has_shared and not auto.stats["sharing_declined"] and not seen
 
@@ -92,7 +94,8 @@ def test_the_screen_prices_the_launch_against_the_reads_saved():
     for shared in (256, 1024, 8192):
         p = _plan(_decode_batch(32, shared, 128), "always")
         costs = class_costs(p.tiles, head_dim=128, dtype="fp16", kv_bytes=2, target=get_target("sm90"))
-        fired.append(sharing_check.shared_launch_may_lose(p.nodes, p.work, costs, num_kv_heads=4, num_sms=132))
+        fired.append(choose.shared_launch_may_lose(shared_reads_saved(p.nodes), p.work.modeled_us, costs,
+                                                   num_kv_heads=4, num_sms=132))
     assert fired[0] and not fired[-1]
     assert fired == sorted(fired, reverse=True)
 
@@ -137,7 +140,7 @@ def test_long_chunks_stay_out_of_the_node_where_that_is_faster(planner, monkeypa
     assert auto.nodes.members.tolist() == list(range(7, 263))
     assert auto.stats["num_merge_rows"] == 256
     never = _plan(batch, "never", **MHA_SHAPE)
-    monkeypatch.setattr(plans, "requests_may_stay_apart", lambda *a, **k: False)
+    monkeypatch.setattr(choose, "requests_may_stay_apart", lambda *a, **k: False)
     chunks_in = _plan(batch, "auto", **MHA_SHAPE)
     assert set(range(7)) <= set(chunks_in.nodes.members.tolist())
     assert auto.stats["modeled_step_us"] < min(chunks_in.stats["modeled_step_us"], never.stats["modeled_step_us"])
@@ -148,7 +151,8 @@ def test_short_chunks_stay_in_the_nodes_where_that_is_faster(planner, monkeypatc
     tiles would read its whole prefix in a few long programs (modeled slower); the plan with both is priced and the
     chunks stay in their nodes."""
     priced = []
-    monkeypatch.setattr(plans, "modeled_faster", lambda *a: priced.append(1) or sharing_check.modeled_faster(*a))
+    original = choose.modeled_faster
+    monkeypatch.setattr(choose, "modeled_faster", lambda *a: priced.append(1) or original(*a))
     auto = _plan(_mixed_batch(256, 7, 128, 8192, 128, per_prefix=64), "auto", **MHA_SHAPE)
     assert priced and not auto.stats["requests_apart"]
     assert set(range(7)) <= set(auto.nodes.members.tolist())
@@ -158,8 +162,8 @@ def test_a_step_with_requests_apart_through_a_wrapper_matches_the_reference(devi
     """The plan with requests apart, forced to win (the wrapper replans it into its workspace): a chunk of one full
     chunk tile (as tall as a shared M tile here: no gain from the node) beside decodes under one prefix; the kernels
     give the reference's result."""
-    monkeypatch.setattr(plans, "modeled_faster", lambda *a: True)
-    monkeypatch.setattr(plans, "shared_launch_may_lose", lambda *a, **k: False)
+    monkeypatch.setattr(choose, "modeled_faster", lambda *a: True)
+    monkeypatch.setattr(choose, "shared_launch_may_lose", lambda *a, **k: False)
     torch.manual_seed(0)
     heads = dict(num_qo_heads=4, num_kv_heads=2, head_dim=64)
     with planning_target("sm90"):

@@ -1,7 +1,7 @@
 """The compiled planner's tree cache (:mod:`prefixattn.lcp_tree.blocks`, kept by
-:func:`prefixattn.planner.compiled_tree.check_and_tree`): reused only where a fresh build gives the same tree (equal
-rows, or rows grown past their LCPs), its rows its own, its entry whole whatever fails; every plan equal to the numpy
-planner's. Helpers from ``tests/test_plan_native.py``; skipped without numba, as that module.
+:func:`prefixattn.planner.compiled.tree.block_tree`): reused only where a fresh build gives the same tree (equal rows,
+or rows grown past their LCPs), its rows its own, its entry whole whatever fails; every plan equal to the numpy
+planner's. Helpers from ``tests/test_plan_compiled.py``; skipped without numba, as that module.
 """
 
 from __future__ import annotations
@@ -14,13 +14,14 @@ pytest.importorskip("numba", reason="the compiled planner is optional (pip insta
 
 from prefixattn import plan  # noqa: E402
 from prefixattn.lcp_tree import clear_tree_cache  # noqa: E402
-from prefixattn.planner import compiled as compiled_planner  # noqa: E402
-from tests.test_plan_native import _plan_with, assert_same_plans  # noqa: E402
+from prefixattn.planner import compiled  # noqa: E402
+from prefixattn.planner.backend import NUMPY, using  # noqa: E402
+from tests.test_plan_compiled import _plan_with, assert_same_plans  # noqa: E402
 
 
 @pytest.mark.parametrize("change", ["shared block", "last shared column", "unchanged", "fewer columns",
                                     "one fewer shared block"])
-def test_a_warm_tree_cache_follows_the_table(monkeypatch, change):
+def test_a_warm_tree_cache_follows_the_table(change):
     """The compiled checks compare the cached tree's rows while they read the table: a changed id anywhere in the
     shared columns (or a different width) must build a new tree, an unchanged step reuses it; both equal a cold plan."""
     import prefixattn.lcp_tree as lcp
@@ -31,7 +32,7 @@ def test_a_warm_tree_cache_follows_the_table(monkeypatch, change):
     lens = np.full(n, (shared + 3) * block_size)
     args = (torch.arange(n + 1), torch.from_numpy(lens), torch.from_numpy(table.astype(np.int32)))
     opts = dict(block_size=block_size, num_qo_heads=8, num_kv_heads=2, head_dim=64, sharing="always")
-    _plan_with("numba", monkeypatch, *args, **opts)  # fills the cache
+    _plan_with("numba", *args, **opts)  # fills the cache
     cached = lcp.cached_entry()[2]
     table2, lens2 = table.copy(), lens.copy()
     if change == "shared block":
@@ -43,14 +44,14 @@ def test_a_warm_tree_cache_follows_the_table(monkeypatch, change):
     elif change == "one fewer shared block":
         lens2[:] = (shared + 2) * block_size - 3  # the last shareable block is now the row's last, partly queried
     args2 = (args[0], torch.from_numpy(lens2), torch.from_numpy(table2.astype(np.int32)))
-    warm = _plan_with("numba", monkeypatch, *args2, cold=False, **opts)
+    warm = _plan_with("numba", *args2, cold=False, **opts)
     assert (warm.tree is cached) == (change in ("unchanged", "fewer columns"))
-    assert_same_plans(_plan_with("numpy", monkeypatch, *args2, **opts), warm, change)
+    assert_same_plans(_plan_with("numpy", *args2, **opts), warm, change)
 
 
 @pytest.mark.parametrize("case", ["every row matches", "a late row differs", "num_blocks at a cached id",
                                   "after the numpy planner's entry", "a grown block holds the largest id"])
-def test_cached_ids_count_in_max_block_id_and_are_checked_again_below_num_blocks(monkeypatch, case):
+def test_cached_ids_count_in_max_block_id_and_are_checked_again_below_num_blocks(case):
     """While every row equals its cached row, the compiled checks range-check only the ids past the cached ones and
     count the entry's largest id (here in row 0's cached blocks only) in max_block_id. A row off the cache makes the
     rows before it count their cached ids; a num_blocks at or below the entry's largest id, or an entry of the numpy
@@ -65,11 +66,11 @@ def test_cached_ids_count_in_max_block_id_and_are_checked_again_below_num_blocks
     lens = np.full(n, (shared + 3) * block_size)  # 9 shareable blocks (one query row), 9 used
     args = (torch.arange(n + 1), torch.from_numpy(lens), torch.from_numpy(table.astype(np.int32)))
     opts = dict(block_size=block_size, num_qo_heads=8, num_kv_heads=2, head_dim=64, sharing="always")
-    _plan_with("numpy" if case == "after the numpy planner's entry" else "numba", monkeypatch, *args, **opts)
+    _plan_with("numpy" if case == "after the numpy planner's entry" else "numba", *args, **opts)
     assert lcp.cached_entry()[3] == (lcp.UNKNOWN_MAX_ID if case == "after the numpy planner's entry" else 500)
     if case in ("num_blocks at a cached id", "after the numpy planner's entry"):
         with pytest.raises(ValueError, match="block_table"):
-            _plan_with("numba", monkeypatch, *args, cold=False, **opts, num_blocks=500)
+            _plan_with("numba", *args, cold=False, **opts, num_blocks=500)
         return
     largest = 500
     if case == "a late row differs":
@@ -80,13 +81,13 @@ def test_cached_ids_count_in_max_block_id_and_are_checked_again_below_num_blocks
         lens[0] += block_size
         args = (args[0], torch.from_numpy(lens), torch.from_numpy(table.astype(np.int32)))
         tree = lcp.cached_entry()[2]
-        assert _plan_with("numba", monkeypatch, *args, cold=False, **opts).tree is tree  # kept: grown in place
+        assert _plan_with("numba", *args, cold=False, **opts).tree is tree  # kept: grown in place
         assert lcp.cached_entry()[3] == 900
         with pytest.raises(ValueError, match="block_table"):
-            _plan_with("numba", monkeypatch, *args, cold=False, **opts, num_blocks=900)
-    warm = _plan_with("numba", monkeypatch, *args, cold=False, **opts, num_blocks=largest + 1)
+            _plan_with("numba", *args, cold=False, **opts, num_blocks=900)
+    warm = _plan_with("numba", *args, cold=False, **opts, num_blocks=largest + 1)
     assert warm.max_block_id == largest
-    assert_same_plans(_plan_with("numpy", monkeypatch, *args, **opts, num_blocks=largest + 1), warm, case)
+    assert_same_plans(_plan_with("numpy", *args, **opts, num_blocks=largest + 1), warm, case)
 
 
 def test_the_tree_cache_keeps_its_own_rows_and_no_tree_of_other_rows(monkeypatch):
@@ -101,15 +102,15 @@ def test_the_tree_cache_keeps_its_own_rows_and_no_tree_of_other_rows(monkeypatch
                                              100 + rng.permutation(n * 5).reshape(n, 5)], axis=1).astype(np.int32))
     args = (torch.arange(n + 1), torch.full((n,), (shared + 3) * block_size), table)
     opts = dict(block_size=block_size, num_qo_heads=8, num_kv_heads=2, head_dim=64, sharing="always")
-    first = _plan_with("numba", monkeypatch, *args, **opts)
+    first = _plan_with("numba", *args, **opts)
     rows, _, tree, _ = lcp.cached_entry()
     assert tree is first.tree and rows.shape == (n, shared + 3) and np.array_equal(rows, table.numpy()[:, :shared + 3])
     # In place, as an engine reuses its table: the cache's rows are its own, so the tree is rebuilt.
     table[n // 2, 2] = 77
-    moved = _plan_with("numba", monkeypatch, *args, cold=False, **opts)
+    moved = _plan_with("numba", *args, cold=False, **opts)
     assert moved.tree is not tree
-    assert_same_plans(_plan_with("numpy", monkeypatch, *args, **opts), moved, "table changed in place")
-    entry = _plan_with("numba", monkeypatch, *args, **opts) and lcp.cached_entry()
+    assert_same_plans(_plan_with("numpy", *args, **opts), moved, "table changed in place")
+    entry = _plan_with("numba", *args, **opts) and lcp.cached_entry()
     # A refused step (an id past num_blocks) and a batch past the buffer (not kept) leave the entry as it was.
     with pytest.raises(ValueError, match="block_table"):
         plan(*args, **opts, num_blocks=10)
@@ -117,27 +118,26 @@ def test_the_tree_cache_keeps_its_own_rows_and_no_tree_of_other_rows(monkeypatch
     big = plan(torch.arange(big_n + 1), torch.full((big_n,), 8 * block_size),
                torch.zeros((big_n, 8), dtype=torch.int32), **opts)
     assert big.tree.num_nodes and lcp.cached_entry() is entry
-    assert _plan_with("numba", monkeypatch, *args, cold=False, **opts).tree is entry[2]
+    assert _plan_with("numba", *args, cold=False, **opts).tree is entry[2]
     # A failure after the call copied the rows of another batch: the entry and its rows are as they were, and the
     # next steps (the entry's batch, then the other one) plan right from there.
     other = (args[0], args[1], table.flip(0).contiguous())
-    refs = [_plan_with("numpy", monkeypatch, *a, **opts) for a in (args, other)]  # cold: before the entry below
-    _plan_with("numba", monkeypatch, *args, **opts)
+    refs = [_plan_with("numpy", *a, **opts) for a in (args, other)]  # cold: before the entry below
+    _plan_with("numba", *args, **opts)
     entry = lcp.cached_entry()
     rows_before = entry[0].copy()
-    monkeypatch.setenv(compiled_planner.ENV_VAR, "numba")
-    monkeypatch.setattr(compiled_planner, "_unpack_tree", lambda *a: 1 / 0)
-    with pytest.raises(ZeroDivisionError):
+    monkeypatch.setattr(compiled, "_unpack_tree", lambda *a: 1 / 0)
+    with using("numba"), pytest.raises(ZeroDivisionError):
         plan(*other, **opts)
     assert lcp.cached_entry() is entry and np.array_equal(entry[0], rows_before)
     monkeypatch.undo()
-    again = _plan_with("numba", monkeypatch, *args, cold=False, **opts)
+    again = _plan_with("numba", *args, cold=False, **opts)
     assert again.tree is entry[2]
     assert_same_plans(refs[0], again, "the entry's batch after a failed step")
-    assert_same_plans(refs[1], _plan_with("numba", monkeypatch, *other, cold=False, **opts), "after a failed step")
+    assert_same_plans(refs[1], _plan_with("numba", *other, cold=False, **opts), "after a failed step")
 
 
-def test_tree_cache_buffers_across_table_dtypes(monkeypatch):
+def test_tree_cache_buffers_across_table_dtypes():
     """Steps switching between int32 and int64 tables (the spare buffer is replaced by one of the new dtype; the
     cache compares only a table of its entry's dtype) and between batches: a step reuses the last tree exactly when
     its table has the last step's dtype and rows, and every plan equals the numpy planner's (computed first, cold)."""
@@ -153,18 +153,18 @@ def test_tree_cache_buffers_across_table_dtypes(monkeypatch):
         t = batches[step[0]]
         return torch.arange(n + 1), torch.full((n,), t.shape[1] * 4), torch.from_numpy(t.astype(step[1]))
 
-    refs = [_plan_with("numpy", monkeypatch, *args(step), **opts) for step in steps]
+    refs = [_plan_with("numpy", *args(step), **opts) for step in steps]
     clear_tree_cache()
     last = None
     for k, step in enumerate(steps):
-        warm = _plan_with("numba", monkeypatch, *args(step), cold=False, **opts)
+        warm = _plan_with("numba", *args(step), cold=False, **opts)
         assert (last is not None and warm.tree is last.tree) == (k > 0 and steps[k - 1] == step), f"step {k}"
         assert_same_plans(refs[k], warm, f"step {k}")
         last = warm
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_decode_steps_with_staggered_lengths_keep_the_tree_while_rows_grow_past_their_lcps(monkeypatch, seed):
+def test_decode_steps_with_staggered_lengths_keep_the_tree_while_rows_grow_past_their_lcps(seed):
     """Decode steps as an engine runs them: requests one token longer per step, each at its own offset in its
     block, a fresh block id written into a row when it crosses a block boundary (cells past a row's blocks 0).
     Groups under nested prefixes, some requests ending exactly at their prefix's end (growing there can change the
@@ -198,12 +198,12 @@ def test_decode_steps_with_staggered_lengths_keep_the_tree_while_rows_grow_past_
                 fresh += 1
         inputs.append((torch.arange(n + 1), torch.from_numpy(lens.copy()), torch.from_numpy(table.copy())))
     opts = dict(block_size=bs, num_qo_heads=8, num_kv_heads=2, head_dim=64, sharing="always")
-    refs = [_plan_with("numpy", monkeypatch, *a, **opts) for a in inputs]
+    refs = [_plan_with("numpy", *a, **opts) for a in inputs]
     clear_tree_cache()
     kept_while_growing = rebuilt = 0
     last = None
     for k, a in enumerate(inputs):
-        got = _plan_with("numba", monkeypatch, *a, cold=False, **opts)
+        got = _plan_with("numba", *a, cold=False, **opts)
         assert_same_plans(refs[k], got, f"step {k}")
         shareable_blocks = -(-(a[1].numpy() - 1) // bs)  # causal decode: kv_len - 1 shareable tokens
         # The entry always holds this step's block counts (the kept tree's rows grew with them).
@@ -246,7 +246,7 @@ def _random_decode_run(seed: int, compiled, pool, long_prefix: bool = False) -> 
 
     def reference(args):
         clear_tree_cache()
-        return plan_with_options(o, *args, planner=None)
+        return plan_with_options(o, *args, planner=NUMPY)
 
     clear_tree_cache()
     for step in range(steps):
@@ -272,8 +272,9 @@ def test_random_decode_runs_plan_as_the_numpy_planner_with_the_tree_kept_or_rebu
     runs and 60 long ones passed the same check: ~39,800 steps)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    compiled = compiled_planner.compiled_modules() or compiled_planner._load()
+    compiled_backend = compiled.backend(strict=True)
     with ThreadPoolExecutor(max_workers=1) as pool:
-        totals = np.array([_random_decode_run(seed, compiled, pool) for seed in range(150)]
-                          + [_random_decode_run(seed, compiled, pool, long_prefix=True) for seed in range(6)]).sum(0)
+        totals = np.array([_random_decode_run(seed, compiled_backend, pool) for seed in range(150)]
+                          + [_random_decode_run(seed, compiled_backend, pool, long_prefix=True)
+                             for seed in range(6)]).sum(0)
     assert totals[1] > totals[0] // 4 and totals[2] > totals[0] // 20, totals
