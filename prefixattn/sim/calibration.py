@@ -9,7 +9,8 @@ Each entry has a ``kind``:
 ``assumption``
     chosen a priori, with the reason in ``source``; **not** tuned to make any paper's ratio come out;
 ``fit``
-    fitted to a measurement (``source`` names the measurement). There are none yet: see ``README`` of the simulator.
+    fitted to a measurement (``source`` names the measurement). The table holds none: :mod:`prefixattn.sim.fit` fits
+    constants to a GPU run and applies them as overrides, labelled fitted in its report.
 
 Nothing else in :mod:`prefixattn.sim` holds a tunable number: the cost model and the policies read them from a
 :class:`Calibration` (one object, built from :data:`TABLE`, optionally with overrides for what-if runs). The
@@ -47,6 +48,18 @@ TABLE: tuple[Constant, ...] = (
     Constant("triton_attention_factor", 0.85, "multiplier", "assumption",
              "BatchLLM sec. 6.3.3: Triton FlashAttention is slower than the CUDA one even after autotuning (no figure "
              "value in the text); applied to every Triton attention kernel (BatchLLM's and prefixattn's)"),
+    Constant("l2_bw_efficiency", 0.6, "fraction of the preset's L2 ceiling", "assumption",
+             "cache microbenchmarks reach roughly half to three quarters of a cache's peak read bandwidth; binds "
+             "only where prefix groups re-read their KV from L2 (the preset's ceiling is at least the HBM peak)"),
+    Constant("l2_usable_fraction", 0.5, "fraction of l2_bytes", "assumption",
+             "the L2 is two partitions and each caches the lines its own SMs read (NVIDIA A100 whitepaper: each L2 "
+             "partition localizes and caches data for memory accesses from SMs in the GPCs directly connected to it), "
+             "so a prefix read by SMs on both sides is held twice: half the L2 holds distinct prefix lines"),
+    Constant("cascade_attention_factor", 1.0, "multiplier", "assumption",
+             "a cascade without KV splitting (FlashInfer's fa3 prefill wrappers; split_k=False) streams KV at this "
+             "factor times the paged kernels' byte rates; 1 assumes it streams like them, a fit to a run where it "
+             "streams decode-shaped levels slower finds less; FLOP rates are not scaled (fa3 is a fast prefill "
+             "kernel) and a cascade with split_k (fa2 wrappers) always streams at the paged rates"),
     Constant("overlap_efficiency", 0.85, "multiplier", "assumption",
              "only for the NanoFlow-style overlapped backend: compute and memory operators sharing SMs interfere; "
              "BlendServe sec. 5.2 reports a polynomial interference fit without its coefficients"),

@@ -105,6 +105,29 @@ class Timeline:
     memory_s: list = field(default_factory=list)
 
 
+def _fill_groups(shape: StepShape, keys: list, ends: list, qs: list) -> None:
+    """The step's prefix groups, whatever the kernel shares (the cost model's L2 reuse reads them): sequences whose
+    deepest held prefix node (``keys``, an int key per sequence, -1 for none; ``ends`` its end) is the same, where
+    >= 2 of them run in the step, numbered in batch order. Nested groups count at their deepest node (sequences
+    sharing only an outer node are not grouped together: an understatement of reuse)."""
+    k = np.asarray(keys, dtype=np.int64)
+    uniq, first, inverse, counts = np.unique(k, return_index=True, return_inverse=True, return_counts=True)
+    ok = (uniq >= 0) & (counts >= 2)
+    if not ok.any():
+        return
+    number = np.full(uniq.shape[0], -1, dtype=np.int64)
+    chosen = np.nonzero(ok)[0]
+    number[chosen[np.argsort(first[chosen], kind="stable")]] = np.arange(chosen.shape[0])
+    ids = number[inverse.reshape(-1)]
+    grouped = ids >= 0
+    e = np.asarray(ends, dtype=np.int64)
+    shape.group_ids, shape.group_lens = ids, np.where(grouped, e, 0)
+    rows = np.bincount(ids[grouped], weights=np.asarray(qs, dtype=np.float64)[grouped], minlength=chosen.shape[0])
+    prefix = np.zeros(chosen.shape[0], dtype=np.int64)
+    prefix[ids[grouped]] = e[grouped]
+    shape.group_runs = [SharedRun(int(t), int(r)) for t, r in zip(prefix, rows)]
+
+
 class Engine:
     """Runs one policy over one workload on the cost model.
 
@@ -267,6 +290,7 @@ class Engine:
         shared_kernel = self.policy.kernel != "paged"
         nodes: dict = {}
         reads = []  # per sequence: the (key, end) of the prefix nodes its KV reads, outermost first
+        deep_keys, deep_ends = [], []  # per sequence: the deepest prefix node its KV holds (key, end; -1, 0: none)
         for seq, k in plan:
             c = seq.computed
             qs.append(k)
@@ -274,22 +298,25 @@ class Engine:
             # a token is sampled when the step computes the newest token of the sequence
             if not seq.is_holder and c + k == seq.prompt_len + seq.generated:
                 sampled += 1
-            if shared_kernel:
-                mine = []
-                for key, start, end in seq.path:
-                    if c < end:
-                        break
+            mine = []
+            for key, start, end in seq.path:
+                if c < end:
+                    break
+                if shared_kernel:
                     node = nodes.get(key)
                     if node is None:
                         nodes[key] = [end - start, k, 1, len(mine) + 1]
                     else:
                         node[1] += k
                         node[2] += 1
-                    mine.append((key, end))
-                reads.append(mine)
+                mine.append((key, end))
+            reads.append(mine)
+            deep_keys.append(mine[-1][0] if mine else -1)
+            deep_ends.append(mine[-1][1] if mine else 0)
         kv = np.array(kvs, dtype=np.int64)
         shape = StepShape(q_lens=np.array(qs, dtype=np.int64), kv_lens=kv + offset if offset else kv,
                           num_sampled=sampled)
+        _fill_groups(shape, deep_keys, deep_ends, qs)
         if nodes:
             fused = self.policy.kernel == "fused"
             pays = self.cost.sharing_pays_off

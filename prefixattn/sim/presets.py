@@ -1,8 +1,9 @@
 """Hardware and model presets for the simulator, each with the public source of its numbers.
 
 Hardware numbers are the vendors' spec-sheet peaks (dense, no sparsity). Model numbers are the published
-``config.json`` of each checkpoint. The one value here that is not on a spec sheet, the kernel launch overhead, is
-labelled as an assumption in its ``sources`` entry; efficiency factors live in :mod:`prefixattn.sim.calibration`.
+``config.json`` of each checkpoint. Values that are not on a spec sheet (the kernel launch overhead, most L2
+bandwidth ceilings) are labelled as assumptions in their ``sources`` entry; efficiency factors live in
+:mod:`prefixattn.sim.calibration`.
 """
 
 from __future__ import annotations
@@ -31,6 +32,11 @@ class HardwarePreset:
         Streaming multiprocessors (NVIDIA) or compute units (AMD).
     launch_overhead_s : float
         Device-side gap per kernel launch (assumption, see ``sources``).
+    l2_bytes : int
+        The last-level cache every SM shares (L2; AMD MI300X: the Infinity Cache), bytes.
+    l2_bandwidth : float
+        A ceiling on that cache's read bandwidth, bytes/s (the calibration's ``l2_bw_efficiency`` is a fraction
+        of it; it is at least ``hbm_bandwidth``, since HBM reads pass through it).
     vendor : str
         ``"nvidia"`` or ``"amd"``.
     sources : dict
@@ -43,8 +49,15 @@ class HardwarePreset:
     memory_bytes: int
     num_sms: int
     launch_overhead_s: float
+    l2_bytes: int
+    l2_bandwidth: float
     vendor: str
     sources: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.l2_bandwidth >= self.hbm_bandwidth:
+            raise ValueError(f"l2_bandwidth: expected >= hbm_bandwidth ({self.hbm_bandwidth:g}) for {self.name}, got "
+                             f"{self.l2_bandwidth!r}")
 
     @property
     def memory_gib(self) -> float:
@@ -53,49 +66,81 @@ class HardwarePreset:
 
 _NV_LAUNCH = ("assumption: ~4 us device-side gap between back-to-back eager kernel launches, the order of magnitude "
               "commonly measured for CUDA launch latency; not a spec-sheet number")
+MIB = 1024 ** 2
+#: NVIDIA A100 Tensor Core GPU Architecture whitepaper: "A100 L2 cache read bandwidth is 5120 Bytes/clk" (2.3x V100).
+_NV_L2_BYTES_PER_CLK = 5120
+_A100_BOOST_HZ = 1.41e9
+#: Hopper's L2 read bandwidth is not published: A100's bytes per clock at the H100 SXM5 boost clock (1,980 MHz).
+_HOPPER_BOOST_HZ = 1.98e9
+_HOPPER_L2_BW = ("assumption: no published figure for Hopper; A100's 5,120 B/clk (A100 whitepaper) at the H100 SXM5 "
+                 "boost clock of 1,980 MHz = 10.1 TB/s, a ceiling for the fitted l2_bw_efficiency")
 _AMD_LAUNCH = ("assumption: ~8 us, ROCm/HIP launches are commonly measured at about twice CUDA's latency; BatchLLM "
                "sec. 5 uses AOTriton on AMD precisely to cut launch cost; not a spec-sheet number")
+
+#: One MI250X GCD's L2 and a ceiling on its bandwidth (AMD publishes no L2 bandwidth for CDNA 2).
+_CDNA2_L2_BYTES = 8 * MIB
+_CDNA2_L2_SOURCE = "AMD CDNA 2 white paper: 8 MB L2 per GCD"
+_CDNA2_L2_CHANNELS = 32
+_CDNA2_L2_BYTES_PER_CLK_PER_CHANNEL = 64
+_CDNA2_BOOST_HZ = 1.7e9
+_CDNA2_L2_BW = _CDNA2_L2_CHANNELS * _CDNA2_L2_BYTES_PER_CLK_PER_CHANNEL * _CDNA2_BOOST_HZ
+_CDNA2_L2_BW_SOURCE = ("assumption: 32 L2 channels (ROCm Compute Profiler, L2 cache: 32 on MI2XX) x 64 B/clk each "
+                       "(assumed, not published) at the 1,700 MHz peak engine clock = 3.5 TB/s per GCD")
 
 HARDWARE: dict[str, HardwarePreset] = {
     "a100-80gb": HardwarePreset(
         name="a100-80gb", peak_flops=312 * _TERA, hbm_bandwidth=2039e9, memory_bytes=80 * 10 ** 9, num_sms=108,
-        launch_overhead_s=4e-6, vendor="nvidia",
+        launch_overhead_s=4e-6, l2_bytes=40 * MIB, l2_bandwidth=_NV_L2_BYTES_PER_CLK * _A100_BOOST_HZ, vendor="nvidia",
         sources={"peak_flops": "NVIDIA A100 datasheet: 312 TFLOPS BF16/FP16 tensor (dense)",
                  "hbm_bandwidth": "NVIDIA A100 80GB SXM datasheet: 2,039 GB/s HBM2e",
                  "memory_bytes": "NVIDIA A100 datasheet: 80 GB", "num_sms": "NVIDIA Ampere GA100 whitepaper: 108 SMs",
-                 "launch_overhead_s": _NV_LAUNCH}),
+                 "launch_overhead_s": _NV_LAUNCH, "l2_bytes": "NVIDIA A100 whitepaper: 40 MB L2 cache",
+                 "l2_bandwidth": "NVIDIA A100 whitepaper: 5,120 B/clk L2 read bandwidth, at the 1,410 MHz boost "
+                                 "clock = 7.2 TB/s"}),
     "h100-sxm": HardwarePreset(
         name="h100-sxm", peak_flops=989.4 * _TERA, hbm_bandwidth=3.35e12, memory_bytes=80 * 10 ** 9, num_sms=132,
-        launch_overhead_s=4e-6, vendor="nvidia",
+        launch_overhead_s=4e-6, l2_bytes=50 * MIB, l2_bandwidth=_NV_L2_BYTES_PER_CLK * _HOPPER_BOOST_HZ,
+        vendor="nvidia",
         sources={"peak_flops": "NVIDIA H100 SXM datasheet: 1,979 TFLOPS BF16 with sparsity = 989.4 dense",
                  "hbm_bandwidth": "NVIDIA H100 SXM datasheet: 3.35 TB/s HBM3", "memory_bytes": "datasheet: 80 GB",
-                 "num_sms": "NVIDIA Hopper whitepaper: 132 SMs (SXM5)", "launch_overhead_s": _NV_LAUNCH}),
+                 "num_sms": "NVIDIA Hopper whitepaper: 132 SMs (SXM5)", "launch_overhead_s": _NV_LAUNCH,
+                 "l2_bytes": "NVIDIA Hopper whitepaper: 50 MB L2 cache (H100 SXM5)", "l2_bandwidth": _HOPPER_L2_BW}),
     "h200": HardwarePreset(
         name="h200", peak_flops=989.4 * _TERA, hbm_bandwidth=4.8e12, memory_bytes=141 * 10 ** 9, num_sms=132,
-        launch_overhead_s=4e-6, vendor="nvidia",
+        launch_overhead_s=4e-6, l2_bytes=60 * MIB, l2_bandwidth=_NV_L2_BYTES_PER_CLK * _HOPPER_BOOST_HZ,
+        vendor="nvidia",
         sources={"peak_flops": "NVIDIA H200 SXM datasheet: 1,979 TFLOPS BF16 with sparsity = 989.4 dense",
                  "hbm_bandwidth": "NVIDIA H200 datasheet: 4.8 TB/s HBM3e", "memory_bytes": "datasheet: 141 GB",
-                 "num_sms": "same GH100 die as H100 SXM: 132 SMs", "launch_overhead_s": _NV_LAUNCH}),
+                 "num_sms": "same GH100 die as H100 SXM: 132 SMs", "launch_overhead_s": _NV_LAUNCH,
+                 "l2_bytes": "60 MiB: the L2 the GPU check reads from the H200 (torch.cuda.get_device_properties); "
+                             "the full GH100 die holds 60 MB (Hopper whitepaper)",
+                 "l2_bandwidth": _HOPPER_L2_BW}),
     # MI250X is two GCDs in one package; each GCD is a separate device to the runtime. The package numbers are the
     # spec sheet's; `mi250x-gcd` is what one process (one GPU in vLLM) actually drives.
     "mi250x": HardwarePreset(
         name="mi250x", peak_flops=383 * _TERA, hbm_bandwidth=3.2768e12, memory_bytes=128 * GIB, num_sms=220,
-        launch_overhead_s=8e-6, vendor="amd",
+        launch_overhead_s=8e-6, l2_bytes=2 * _CDNA2_L2_BYTES, l2_bandwidth=2 * _CDNA2_L2_BW, vendor="amd",
         sources={"peak_flops": "AMD Instinct MI250X datasheet: 383 TFLOPS peak FP16/BF16 (package, 2 GCDs)",
                  "hbm_bandwidth": "AMD MI250X datasheet: 3.2768 TB/s HBM2e", "memory_bytes": "datasheet: 128 GB",
-                 "num_sms": "datasheet: 220 compute units", "launch_overhead_s": _AMD_LAUNCH}),
+                 "num_sms": "datasheet: 220 compute units", "launch_overhead_s": _AMD_LAUNCH,
+                 "l2_bytes": "two GCDs' L2 (" + _CDNA2_L2_SOURCE + "); each GCD caches only its own requests",
+                 "l2_bandwidth": "two GCDs' (" + _CDNA2_L2_BW_SOURCE + ")"}),
     "mi250x-gcd": HardwarePreset(
         name="mi250x-gcd", peak_flops=191.5 * _TERA, hbm_bandwidth=1.6384e12, memory_bytes=64 * GIB, num_sms=110,
-        launch_overhead_s=8e-6, vendor="amd",
+        launch_overhead_s=8e-6, l2_bytes=_CDNA2_L2_BYTES, l2_bandwidth=_CDNA2_L2_BW, vendor="amd",
         sources={"peak_flops": "half of the MI250X package (one of its two GCDs): 191.5 TFLOPS",
                  "hbm_bandwidth": "half of 3.2768 TB/s", "memory_bytes": "64 GB per GCD",
-                 "num_sms": "110 CUs per GCD", "launch_overhead_s": _AMD_LAUNCH}),
+                 "num_sms": "110 CUs per GCD", "launch_overhead_s": _AMD_LAUNCH, "l2_bytes": _CDNA2_L2_SOURCE,
+                 "l2_bandwidth": _CDNA2_L2_BW_SOURCE}),
     "mi300x": HardwarePreset(
         name="mi300x", peak_flops=1307.4 * _TERA, hbm_bandwidth=5.3e12, memory_bytes=192 * 10 ** 9, num_sms=304,
-        launch_overhead_s=8e-6, vendor="amd",
+        launch_overhead_s=8e-6, l2_bytes=256 * MIB, l2_bandwidth=17.2 * _TERA, vendor="amd",
         sources={"peak_flops": "AMD Instinct MI300X datasheet: 1,307.4 TFLOPS peak FP16/BF16 dense",
                  "hbm_bandwidth": "AMD MI300X datasheet: 5.3 TB/s HBM3", "memory_bytes": "datasheet: 192 GB",
-                 "num_sms": "datasheet: 304 compute units", "launch_overhead_s": _AMD_LAUNCH}),
+                 "num_sms": "datasheet: 304 compute units", "launch_overhead_s": _AMD_LAUNCH,
+                 "l2_bytes": "AMD CDNA 3 white paper: 256 MB Infinity Cache shared by all XCDs (each XCD's 4 MB L2 "
+                             "caches only its own CUs)",
+                 "l2_bandwidth": "AMD CDNA 3 white paper: Infinity Cache peak bandwidth 17.2 TB/s"}),
 }
 
 #: Short names users type. "mi200" is what the BatchLLM paper calls its AMD GPU; one GCD is one vLLM device.

@@ -17,6 +17,23 @@ CTAs (work units), so a kernel with one long CTA pays its tail. Attention comes 
     single CTA holds the step. Nodes are shared only where prefixattn's cost rule says it pays
     (:meth:`CostModel.sharing_pays_off`).
 
+L2 reuse of prefix groups (:mod:`prefixattn.sim.l2_reuse`): a step's groups (``StepShape.group_lens`` /
+``group_runs``, what the batch shares, whether or not the kernel shares it) let rows of one group re-read their
+prefix from L2 instead of HBM where the launch issues them close together. The issue order is a property of the
+kernel kind (:data:`KERNEL_ROW_ORDER`): ``paged`` and the ``cascade``'s suffix launch walk the batch in its order
+(rows held sorted by group: members adjacent); the ``fused`` kernel issues its unshared items longest first (members
+spread over the launch, only those of similar length meet in L2); the ``fused`` and ``cascade`` kernels' shared nodes
+read the prefix once by construction. Re-read bytes cost L2 bandwidth (``l2_bandwidth x l2_bw_efficiency``): a CTA
+takes the longest of its compute, its HBM bytes and the bytes L2 delivers to it (HBM fills plus group re-reads; the
+re-reads of a KV head by further query tiles stay outside both, as assumed throughout). Without groups the L2 term
+does not bind while the L2 rate is at least the attention HBM rate (the defaults and the fit's bounds keep it so), so
+such a step is costed by its HBM bytes alone.
+
+A ``cascade`` without ``split_k`` is one whose backend does not split KV (FlashInfer's fa3 prefill wrappers, what its
+multi-level cascade picks on Hopper): its launches stream at ``cascade_attention_factor`` times the paged kernels'
+byte rates (1 by default; a fitted value where that backend streams decode-shaped levels slower). Its FLOP rate is
+the paged kernels' (fa3 is a fast prefill kernel). With ``split_k`` (the fa2 wrappers) it streams at the paged rates.
+
 Every constant comes from :class:`prefixattn.sim.calibration.Calibration`; the only literals below are unit facts
 (2 FLOPs per multiply-add, K and V, 4-byte fp32).
 """
@@ -30,9 +47,14 @@ import numpy as np
 
 from prefixattn.planner.cost_rule import sharing_pays_off
 from prefixattn.sim.calibration import Calibration
+from prefixattn.sim.l2_reuse import group_ids_from_lens, issue_order, l2_reuse_tokens
 from prefixattn.sim.presets import GIB, HardwarePreset, ModelPreset, get_hardware, get_model
 
 KERNEL_KINDS = ("paged", "cascade", "fused")
+#: The order each kernel kind issues its per-sequence work in (:mod:`prefixattn.sim.l2_reuse`): FlashInfer's and
+#: vLLM's paged kernels (and the cascade's suffix launch) walk the batch as given; prefixattn's planner issues the
+#: items of a work class longest first (LPT, ``prefixattn.planner.compiled.work_list._longest_first``).
+KERNEL_ROW_ORDER = {"paged": "batch", "cascade": "batch", "fused": "longest-first"}
 BACKENDS = ("sequential", "overlap")
 
 _FLOPS_PER_MAC = 2
@@ -82,6 +104,15 @@ class StepShape:
         ``[num_seqs]`` tokens of each sequence's KV read through ``shared_nodes`` (0 where none).
     shared_nodes : list of SharedRun
         Nodes read once for their members (cascade / fused kernels only).
+    group_lens : np.ndarray, optional
+        ``[num_seqs]`` tokens of each sequence's KV inside its prefix group's shared prefix (0 where it is in no group
+        of >= 2 sequences this step), whatever the kernel shares: the groups the batch holds. Drives L2 reuse.
+    group_runs : list of SharedRun
+        The groups of >= 2 sequences: prefix tokens and query rows (a record of the step; the cost reads
+        ``group_lens`` and ``group_ids``).
+    group_ids : np.ndarray, optional
+        ``[num_seqs]`` int group of each sequence (-1: none). Without it, each run of equal nonzero ``group_lens``
+        in batch order is one group (:func:`prefixattn.sim.l2_reuse.group_ids_from_lens`).
     """
 
     q_lens: np.ndarray
@@ -89,6 +120,17 @@ class StepShape:
     num_sampled: int
     shared_lens: np.ndarray | None = None
     shared_nodes: list = field(default_factory=list)
+    group_lens: np.ndarray | None = None
+    group_runs: list = field(default_factory=list)
+    group_ids: np.ndarray | None = None
+
+    def groups(self) -> np.ndarray | None:
+        """``[num_seqs]`` int64 group of each sequence (-1: none), or None when the step records no groups."""
+        if self.group_lens is None or not np.any(np.asarray(self.group_lens) > 0):
+            return None
+        if self.group_ids is not None:
+            return np.asarray(self.group_ids, dtype=np.int64)
+        return group_ids_from_lens(self.group_lens)
 
     @property
     def num_tokens(self) -> int:
@@ -119,21 +161,25 @@ class StepCost:
 
 @dataclass
 class _Units:
-    """Attention work units (CTAs) in count-weighted form: ``count[i]`` CTAs each doing ``flops[i]``/``bytes[i]``."""
+    """Attention work units (CTAs) in count-weighted form: ``count[i]`` CTAs each doing ``flops[i]``, reading
+    ``bytes[i]`` from HBM and taking ``l2[i]`` from L2 (its HBM fills plus group re-reads served by L2)."""
 
     count: list = field(default_factory=list)
     flops: list = field(default_factory=list)
     bytes: list = field(default_factory=list)
+    l2: list = field(default_factory=list)
 
-    def add(self, count, flops, nbytes) -> None:
+    def add(self, count, flops, nbytes, l2_bytes=None) -> None:
         self.count.append(np.asarray(count, dtype=np.float64).ravel())
         self.flops.append(np.asarray(flops, dtype=np.float64).ravel())
         self.bytes.append(np.asarray(nbytes, dtype=np.float64).ravel())
+        self.l2.append(self.bytes[-1] if l2_bytes is None else np.asarray(l2_bytes, dtype=np.float64).ravel())
 
     def extend(self, other: "_Units") -> None:
         self.count += other.count
         self.flops += other.flops
         self.bytes += other.bytes
+        self.l2 += other.l2
 
     def empty(self) -> bool:
         return not self.count or all(c.size == 0 for c in self.count)
@@ -169,11 +215,15 @@ class CostModel:
         self._bw = hw.hbm_bandwidth * c.hbm_efficiency
         self._attn_flops = hw.peak_flops * c.attn_prefill_efficiency
         self._attn_bw = hw.hbm_bandwidth * c.attn_decode_bw_efficiency
+        self._l2_bw = hw.l2_bandwidth * c.l2_bw_efficiency
+        self._l2_capacity = hw.l2_bytes * c.l2_usable_fraction
         self._slots = hw.num_sms * c.attn_ctas_per_sm
         m = self.model
         self._group = m.num_heads // m.num_kv_heads
         #: bytes of one KV head of one token in one layer (K and V)
         self._kv_head_bytes = _K_AND_V * m.head_dim * m.dtype_bytes
+        #: bytes of one token in one layer over all KV heads (what a row streams through L2 per token)
+        self._kv_token_bytes = self._kv_head_bytes * m.num_kv_heads
         self._attn_flops_per_pair = _ATTN_MACS_PER_PAIR_DIM * _FLOPS_PER_MAC * m.head_dim * m.num_heads
         # elementwise traffic per token per layer: 2x(add+RMSNorm: read x and residual, write both), rotary on q and
         # k (read+write), KV-cache write, SiLU-and-mul (read 2I, write I)
@@ -293,8 +343,10 @@ class CostModel:
         total = float((lengths * counts).sum())
         return int(max(self.calib.split_k_min_tokens, math.ceil(total / self.hw.num_sms)))
 
-    def _seq_units(self, q: np.ndarray, kv: np.ndarray, skip: np.ndarray, split: int | None) -> _Units:
-        """CTAs of per-sequence attention: query rows ``q`` against KV positions ``[skip, kv)`` (causal in-chunk)."""
+    def _seq_units(self, q: np.ndarray, kv: np.ndarray, skip: np.ndarray, split: int | None,
+                   reuse: np.ndarray | None = None) -> _Units:
+        """CTAs of per-sequence attention: query rows ``q`` against KV positions ``[skip, kv)`` (causal in-chunk);
+        ``reuse`` (``[rows]``, optional) tokens of each row's reads that L2 serves instead of HBM."""
         units = _Units()
         if q.size == 0:
             return units
@@ -313,9 +365,26 @@ class CostModel:
         count = self.model.num_kv_heads * m_tiles * k_parts
         flops = pairs * self._attn_flops_per_pair / count
         # DRAM traffic: each KV head is streamed once; further query tiles of the same head re-read it from L2
-        nbytes = (own / k_parts) * self._kv_head_bytes / m_tiles
-        units.add(count, flops, nbytes)
+        # (counted in neither level); group re-reads served by L2 leave HBM and stay on L2's side
+        through_l2 = (own / k_parts) * self._kv_head_bytes / m_tiles
+        if reuse is None:
+            units.add(count, flops, through_l2)
+        else:
+            units.add(count, flops, ((own - reuse[keep]) / k_parts) * self._kv_head_bytes / m_tiles, through_l2)
         return units
+
+    def _reuse(self, step: StepShape, mask: np.ndarray, skip: np.ndarray, kernel: str) -> np.ndarray | None:
+        """``[rows in mask]`` tokens of each row's reads that L2 serves in a launch over the ``mask`` rows (their
+        group prefix re-read after a nearby member, :mod:`prefixattn.sim.l2_reuse`); None without groups."""
+        ids = step.groups()
+        if ids is None:
+            return None
+        kv = step.kv_lens[mask].astype(np.float64)
+        own = np.maximum(kv - skip[mask], 0.0)
+        in_group = np.clip(np.minimum(np.asarray(step.group_lens, dtype=np.float64)[mask], kv) - skip[mask], 0.0,
+                           None)
+        order = issue_order(own, KERNEL_ROW_ORDER[kernel])
+        return l2_reuse_tokens(own, in_group, ids[mask], order, self._kv_token_bytes, self._l2_capacity)
 
     def _node_units(self, nodes: list, split: int | None) -> _Units:
         """CTAs of shared nodes: all member queries against the node's KV, read once per query tile."""
@@ -331,20 +400,23 @@ class CostModel:
         units.add(count, flops, (p / k_parts) * self._kv_head_bytes / m_tiles)
         return units
 
-    def _kernel_time(self, units: _Units, flop_factor: float) -> tuple[float, float, float]:
+    def _kernel_time(self, units: _Units, flop_factor: float, bw_factor: float = 1.0) -> tuple[float, float, float]:
         """(time, compute_s, memory_s) of one launch over ``units``: max of the busy waves and the longest CTA.
 
         ``flop_factor`` scales the attainable FLOP rate only (Triton's attention gap is in the tensor-core pipeline,
-        BatchLLM sec. 6.3.3; streaming KV is bandwidth-bound either way).
+        BatchLLM sec. 6.3.3; streaming KV is bandwidth-bound either way); ``bw_factor`` scales the byte rates (HBM
+        and L2) of a kernel that streams below the paged kernels' rate (the cascade's ``cascade_attention_factor``).
         """
         if units.empty():
             return 0.0, 0.0, 0.0
         count = np.concatenate(units.count)
         flops = np.concatenate(units.flops)
         nbytes = np.concatenate(units.bytes)
-        f_rate, b_rate = self._attn_flops * flop_factor, self._attn_bw
-        # one CTA's time when every slot is busy (it gets 1/slots of the machine)
-        slot_t = np.maximum(flops / (f_rate / self._slots), nbytes / (b_rate / self._slots))
+        l2 = np.concatenate(units.l2)
+        f_rate, b_rate, l_rate = self._attn_flops * flop_factor, self._attn_bw * bw_factor, self._l2_bw * bw_factor
+        # one CTA's time when every slot is busy (it gets 1/slots of the machine): compute, HBM or L2, the slowest
+        slot_t = np.maximum(np.maximum(flops / (f_rate / self._slots), nbytes / (b_rate / self._slots)),
+                            l2 / (l_rate / self._slots))
         n_units = float(count.sum())
         busy = float((slot_t * count).sum()) / self._slots
         if n_units >= self._slots:
@@ -352,7 +424,9 @@ class CostModel:
             busy *= math.ceil(n_units / self._slots) * self._slots / n_units
         # the longest CTA alone: one SM's compute, a boosted share of bandwidth
         sms = self.hw.num_sms
-        alone = np.maximum(flops / (f_rate / sms), nbytes / (b_rate * self.calib.sm_bandwidth_boost / sms))
+        boost = self.calib.sm_bandwidth_boost
+        alone = np.maximum(np.maximum(flops / (f_rate / sms), nbytes / (b_rate * boost / sms)),
+                           l2 / (l_rate * boost / sms))
         total = max(busy, float(alone.max()))
         return total, float((flops * count).sum()) / f_rate, float((nbytes * count).sum()) / b_rate
 
@@ -374,12 +448,16 @@ class CostModel:
         is_decode = q == 1
         zeros = np.zeros_like(kv)
         c = self.calib
+        # a cascade that does not split KV (FlashInfer's fa3 backend) may stream below the paged kernels' byte rates
+        factor = c.cascade_attention_factor if kernel == "cascade" and not split_k else 1.0
         if kernel == "paged" or (kernel == "cascade" and not step.shared_nodes):
             t = cpt = mem = 0.0
             launches = 0
             for mask in (~is_decode, is_decode):
                 if mask.any():
-                    tt, cc, mm = self._kernel_time(self._seq_units(q[mask], kv[mask], zeros[mask], None), 1.0)
+                    units = self._seq_units(q[mask], kv[mask], zeros[mask], None,
+                                            self._reuse(step, mask, zeros, kernel))
+                    tt, cc, mm = self._kernel_time(units, 1.0, factor)
                     t, cpt, mem, launches = t + tt, cpt + cc, mem + mm, launches + 1
             return t * n_layers, cpt * n_layers, mem * n_layers, launches * n_layers
         shared = step.shared_lens if step.shared_lens is not None and step.shared_nodes else zeros
@@ -394,19 +472,25 @@ class CostModel:
                 units = self._node_units([n for n in nodes if n.level == lvl], None)
                 units = self._maybe_split(units, lambda sp, lv=lvl: self._node_units(
                     [n for n in nodes if n.level == lv], sp))
-                tt, cc, mm = self._kernel_time(units, 1.0)
+                tt, cc, mm = self._kernel_time(units, 1.0, factor)
                 t, cpt, mem = t + tt + self._merge_time(2 * rows_shared, rows_shared), cpt + cc, mem + mm
             for mask in (~is_decode, is_decode):
                 if mask.any():
-                    tt, cc, mm = self._kernel_time(self._seq_units(q[mask], kv[mask], shared[mask], None), 1.0)
+                    units = self._seq_units(q[mask], kv[mask], shared[mask], None,
+                                            self._reuse(step, mask, shared, kernel))
+                    tt, cc, mm = self._kernel_time(units, 1.0, factor)
                     t, cpt, mem = t + tt, cpt + cc, mem + mm
             launches = 2 * len(levels) + int((~is_decode).any()) + int(is_decode.any())
             return t * n_layers, cpt * n_layers, mem * n_layers, launches * n_layers
         # fused: shared-node tiles and suffix tiles (prefill and decode) in one launch, merged in-kernel by the last
-        # arriving program (no merge launch); the partial states cost traffic
+        # arriving program (no merge launch); the partial states cost traffic. Groups the kernel does not share are
+        # read per member, in its longest-first order
+        everything = np.ones_like(is_decode)
+        reuse = self._reuse(step, everything, shared, kernel)
+
         def build(sp):
             units = self._node_units(nodes, sp)
-            units.extend(self._seq_units(q, kv, shared, sp))
+            units.extend(self._seq_units(q, kv, shared, sp, reuse))
             return units
 
         units = build(None)
@@ -426,8 +510,8 @@ class CostModel:
         if units.empty():
             return (units, None) if with_chunk else units
         counts = np.concatenate(units.count)
-        # KV tokens of each unit (bytes / per-token bytes, undoing the per-M-tile share of DRAM traffic)
-        lengths = np.concatenate([b for b in units.bytes]) / self._kv_head_bytes
+        # KV tokens of each unit (bytes through L2 / per-token bytes: what it reads, wherever from)
+        lengths = np.concatenate(units.l2) / self._kv_head_bytes
         chunk = self._split_chunk(lengths, counts)
         if chunk is None:
             return (units, None) if with_chunk else units

@@ -1,11 +1,12 @@
 """The calibration table is the one place constants come from, and every entry carries a source."""
 
 import ast
+import dataclasses
 import inspect
 
 import pytest
 
-from prefixattn.sim import calibration, engine, kvpool, step_cost
+from prefixattn.sim import calibration, engine, held_out, kvpool, l2_reuse, step_cost
 from prefixattn.sim.calibration import TABLE, Calibration
 from prefixattn.sim.policies import sglang, vllm
 from prefixattn.sim.presets import HARDWARE, MODELS
@@ -36,7 +37,7 @@ def test_every_constant_has_kind_and_source():
         assert len(c.source) > 20, c.name
 
 
-@pytest.mark.parametrize("module", [step_cost, engine, kvpool, vllm, sglang])
+@pytest.mark.parametrize("module", [step_cost, engine, kvpool, vllm, sglang, l2_reuse, held_out])
 def test_no_tunable_literals_outside_the_table(module):
     assert [(line, v) for line, v in _numeric_literals(module) if v not in _ALLOWED] == []
 
@@ -65,8 +66,13 @@ def test_overrides_are_checked_and_marked():
 
 def test_presets_have_sources():
     for hw in HARDWARE.values():
-        assert set(hw.sources) >= {"peak_flops", "hbm_bandwidth", "memory_bytes", "num_sms", "launch_overhead_s"}
+        assert set(hw.sources) >= {"peak_flops", "hbm_bandwidth", "memory_bytes", "num_sms", "launch_overhead_s",
+                                   "l2_bytes", "l2_bandwidth"}
         assert "assumption" in hw.sources["launch_overhead_s"]
+        # HBM reads pass through the L2, so its ceiling is at least HBM's peak (the fit's lower bound relies on it)
+        assert hw.l2_bandwidth >= hw.hbm_bandwidth and hw.l2_bytes > 0
+    with pytest.raises(ValueError, match="l2_bandwidth"):
+        dataclasses.replace(HARDWARE["h200"], l2_bandwidth=1e12)
     for m in MODELS.values():
         assert m.source and m.num_heads % m.num_kv_heads == 0
     # parameter counts from the configs: ~7.2B Mistral, ~8.0B Llama-3, ~7.6B Qwen2
