@@ -1,4 +1,4 @@
-"""The GPU check's CUDA-graph step (issue 16; driver: bench/gpu_check.py): one ``use_cuda_graph=True``
+"""The GPU check's CUDA-graph step (driver: bench/gpu_check.py): one ``use_cuda_graph=True``
 :class:`prefixattn.PrefixSharedAttention` in the engines' pattern (capacities, the engine's persistent device block
 table read in place, ``graph_num_tokens``), its ``run()`` captured once on the first batch, then re-planned and
 replayed for four other batches (other sizes and sharing shapes) and the first batch's requests again, each against

@@ -38,19 +38,17 @@ FAIR_PEER = ("FlashInfer 0.6.0, its fastest correct configuration per shape (2-l
              "batch decode, batch prefill fa2/fa3, `BatchAttention`, POD, vLLM's decode + prefill split)")
 TIMING = "attention_gpu_time"
 OURS, NEVER, CASCADE, SDPA = "prefixattn", "prefixattn-nosharing", "flashinfer-cascade2", "torch-sdpa"
-#: The README's rows: decode steps where sharing wins big and small (MHA and GQA, long and short prefixes), one
-#: without sharing, and the rows where the cascade is faster. All take >= ~250 us eagerly, where the time is the
-#: kernel's and not the host's launch overhead (the full table on docs/performance.md has every shape).
+#: The README's rows, five, wins and losses both: a long prefix shared by every request (GQA, the biggest kind of
+#: win), groups of 64 at MHA (a small win), no sharing at all (FlashInfer's decode is faster), the one step with
+#: prefill chunks where prefixattn is faster, and the one where it loses most (sharing lost to no sharing there too).
+#: All take >= ~250 us eagerly, where the time is the kernel's and not the host's launch overhead (the full table on
+#: docs/performance.md has every shape).
 README_SHAPES = (
-    "decode256:8192/128/64 [decode/256d/8192-128-64/h32:32/d128]",
-    "flashinfer:64/32768/512 [decode/64d/32768-512-all/h32:32/d128]",
     "flashinfer:256/8192/512:gqa32/8 [decode/256d/8192-512-all/h32:8/d128]",
-    "decode256:32768/128/256 [decode/256d/32768-128-all/h32:4/d128]",
+    "decode256:8192/128/64 [decode/256d/8192-128-64/h32:32/d128]",
     "decode256:0/256/1 [decode/256d/0-256-1/h32:32/d128]",
-    "flashinfer:256/32768/128 [decode/256d/32768-128-all/h32:32/d128]",
-    "mixed256:256/2048/all [mixed/7p+256d/256-2048-all/h32:4/d128]",
-    "mixed256:2048/256/16 [mixed/7p+256d/2048-256-16/h32:32/d128]",
-    "mixed256:32768/128/256 [mixed/7p+256d/32768-128-256/h32:4/d128]",
+    "mixed256:8192/128/64 [mixed/7p+256d/8192-128-64/h32:4/d128]",
+    "mixed256:256/2048/all [mixed/7p+256d/256-2048-all/h32:32/d128]",
 )
 #: ``[<scenario>/<prefill>p+<decode>d/<shared>-<own>-<requests per prefix>/h<q heads>:<kv heads>/d<head dim>]``
 _BATCH = re.compile(r"\[(\w+)/(?:(\d+)p\+)?(\d+)d/(\d+)-(\d+)-(\w+)/h(\d+):(\d+)/d(\d+)\]")
@@ -182,11 +180,10 @@ def sharing_losses(rows: list[dict]) -> list[str]:
 def fair_readme_table(rows: list[dict]) -> str:
     """The README's headline block from a fair run."""
     by_shape = {r["full"]: r for r in _gpu_report().kernel_rows(rows)}
-    lines = [f"Measured on one {provenance(rows)}; {FAIR_PEER}. Microseconds per attention call (one layer), "
-             "head_dim 128, bf16, 16-token blocks; every provider CUDA-graph replayed with the L2 flushed before each "
-             "run, median of 3 repetitions. *speedup*: FlashInfer's time over prefixattn's (above 1: prefixattn is "
-             "faster); *floor*: the distinct KV, q and out bytes at the measured read-only streaming rate or the "
-             "attention FLOPs at the measured causal-prefill rate, whichever is longer.", "",
+    lines = [f"One {provenance(rows)}. Microseconds per attention call (one layer; bf16, head_dim 128, 16-token "
+             "blocks), CUDA-graph replays with the L2 flushed, median of 3. *FlashInfer best*: FlashInfer 0.6.0's "
+             "fastest correct configuration of the shape; *speedup* above 1: prefixattn is faster; *floor*: the "
+             "shape's HBM or compute bound, whichever is longer.", "",
              "| step | KV tokens per request | requests per prefix | heads q:kv | prefixattn "
              "| FlashInfer best (config) | speedup | prefixattn / floor |",
              "|---|---|---|---|---:|---:|---:|---:|"]

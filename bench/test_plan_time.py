@@ -1,7 +1,7 @@
 """prefixattn.plan() on full-size BatchLLM Fig. 8 steps (host only, no kernel): plan time, and the KV bytes the
 plan's work items will read vs the unique-KV lower bound (sharing "auto" vs "never"), decode and mixed batches.
 
-Plus issue 16's plan-time targets on this host (reported, never asserted): 256 decode requests with and without a
+Plus the plan-time targets on this host (reported, never asserted): 256 decode requests with and without a
 2,048-token shared prefix, cold (one plan of a step) and as a decode loop (each step the same requests, one token
 longer, as an engine plans them: a new block where a request crosses a block boundary).
 
@@ -89,7 +89,7 @@ def test_plan_time(results, shape, sharing):
         assert not p.shared_nodes
 
 
-#: Issue 16's headline batches: 256 decodes at GQA 32:4, head_dim 128, block 16, 2,304 KV tokens each, without
+#: The plan-time targets' batches: 256 decodes at GQA 32:4, head_dim 128, block 16, 2,304 KV tokens each, without
 #: sharing and under one 2,048-token prefix shared by all.
 DECODE256 = Shape(scenario="decode", num_decode=256, num_prefill=0, shared=0, distinct=2304, per_group=1,
                   num_qo_heads=32, num_kv_heads=4, head_dim=128, paper="decode256:0/2304/1")
@@ -169,7 +169,7 @@ def _time_loop(plan, steps) -> tuple:
 @pytest.mark.parametrize("api", PLAN_APIS)
 @pytest.mark.parametrize("shape", HEADLINE_SHAPES, ids=lambda s: s.paper)
 def test_plan_time_decode256(results, shape, api):
-    """Issue 16's targets: <= 100 us per cold plan of 256 decodes, <= 50 us per step of a decode loop (reported), the
+    """The plan-time targets: <= 100 us per cold plan of 256 decodes, <= 50 us per step of a decode loop (reported), the
     loop with the requests' lengths aligned (the tree cache holds 15 of 16 steps under the shared prefix) and
     staggered (a request crosses a block boundary at nearly every step: the tree is rebuilt at nearly every step)."""
     batch = build_batch(shape, metadata_only=True)

@@ -30,7 +30,8 @@ _LOG2E = 1.0 / math.log(2.0)
 
 
 def _feature_args(p: Plan, q: torch.Tensor, sinks, k_scale, v_scale) -> dict:
-    """Kernel arguments of the issue-19 features for one launch: scalars, pointers and their constexpr switches.
+    """Kernel arguments of the features (soft cap, window, sinks, KV scales) for one launch: scalars, pointers and
+    their constexpr switches.
 
     Float scales fold into the scalars (``k_scale`` into ``qk_scale``); tensor scales are read by pointer in the
     kernel (CUDA-graph safe, no host synchronization). A soft cap acts on the natural-log logit, so ``qk_scale`` is

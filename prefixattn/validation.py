@@ -376,7 +376,7 @@ def _host_array(name: str, t: torch.Tensor) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Feature options (issue 19): soft-capping, sliding window, sinks, KV scales. Shared by plan(), attention() and the
+# Feature options: soft-capping, sliding window, sinks, KV scales. Shared by plan(), attention() and the
 # reference, so the three accept and refuse exactly the same values.
 # ---------------------------------------------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""Before/after equality harness for scheduler refactors (issue #18: no behaviour change).
+"""Before/after equality harness for scheduler refactors that must not change behaviour.
 
 Records, on a fixed set of inputs, the outputs of the scheduler pieces that a refactor may touch: grouping and
 ordering, TokenBatcher step sequences (every StepBatch array, the stats, the prefix levels), partition results (scalar

@@ -1,4 +1,4 @@
-"""Issue 19's kernel features against the reference: any head size (multiple of 8, 32..256), logit soft-capping,
+"""The kernel's features against the reference: any head size (multiple of 8, 32..256), logit soft-capping,
 attention sinks, fp8 KV caches with per-tensor scales and sliding windows, each next to shared prefixes and split-k
 merges (interpreter on CPU: small grids)."""
 

@@ -1,4 +1,4 @@
-"""Hostile input at the public API (issue 17): out-of-cache block ids, huge lengths, device spellings, NaN in the
+"""Hostile input at the public API: out-of-cache block ids, huge lengths, device spellings, NaN in the
 reference, and user errors that used to surface as something other than a ValueError."""
 
 import math

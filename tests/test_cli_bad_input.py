@@ -1,4 +1,4 @@
-"""Bad command-line input (issue 17, item 5): exit code 2 and a message naming the argument, what was expected and
+"""Bad command-line input: exit code 2 and a message naming the argument, what was expected and
 what arrived; never a traceback, never a silently different run."""
 
 import json

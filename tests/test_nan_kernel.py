@@ -1,4 +1,4 @@
-"""NaN in, NaN out through the kernels, and merge counters that survive a failed launch (issue 17, items 2 and 3);
+"""NaN in, NaN out through the kernels, and merge counters that survive a failed launch;
 with ``plan(nan_guard=True)`` a non-finite V value at a key a row does not see (causal diagonal, sliding-window
 edge) never reaches that row.
 

@@ -1,4 +1,4 @@
-"""Property-based hostile metadata (issue 17): plan() + attention() give a clear ValueError or the reference's
+"""Property-based hostile metadata: plan() + attention() give a clear ValueError or the reference's
 result; never another exception, never a crash, never a read outside the cache.
 
 Out-of-bounds reads are caught in the interpreter by placing each cache inside a larger guard tensor filled with NaN

@@ -24,7 +24,7 @@ value at a key a row does not see but that a masked tile loads (causal diagonal,
 through ``0 * NaN`` in the P @ V dot unless ``USE_NAN_GUARD`` (:mod:`prefixattn.kernels.nan_redo`;
 ``plan(nan_guard=True)``).
 
-Features, each a constexpr switch that compiles to nothing when off (issue 19):
+Features, each a constexpr switch that compiles to nothing when off:
 * ``HAS_SOFT_CAP``: each scaled logit ``s`` becomes ``c * tanh(s / c)``; the cap acts on the natural-log logit, so
   the host passes ``qk_scale = sm_scale / c`` and ``soft_cap_log2 = c * log2(e)`` and the base-2 conversion follows
   the tanh.

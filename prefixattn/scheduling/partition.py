@@ -33,7 +33,8 @@ Why two placements and not "a scalar cost is a two-resource cost with zeros": th
 scalar cost gets other assignments. Its greedy breaks ties by pressure, its refinement also lowers replicas below the
 maximum and stops at a coarser gain, and its fine pieces recompute far more prefix (on the inputs of
 ``scripts/scheduler_equality.py``, N = 2 to 16: makespans from 23% lower to 111% higher, up to 16x the recomputed
-tokens with a prefill-only cost). Issue 18 asked for no behaviour change: one entry path, two placements.
+tokens with a prefill-only cost). So a scalar cost keeps its own placement and results: one entry path, two
+placements.
 
 Baselines: :func:`shard_requests` (round-robin, random) and :func:`sharded_saving_ratio`, the saving ratio N
 independent engines reach when each groups only its own share of the batch.

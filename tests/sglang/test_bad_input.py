@@ -1,4 +1,4 @@
-"""Issue 17 in SGLang: a KV pool the kernel cannot read (quantized other than fp8 e4m3/e5m2, or a float pool not in
+"""Hostile input in SGLang: a KV pool the kernel cannot read (quantized other than fp8 e4m3/e5m2, or a float pool not in
 the model's dtype) is refused when the backend is built, not at the first forward; the engine path's block ids are
 checked against the pool."""
 

@@ -35,7 +35,7 @@ def test_any_block_size(block_size):
 
 
 def test_sliding_window_sinks_and_fp8_validate():
-    # Issue 19: the kernel runs left windows (one plan per KV cache group), attention sinks and fp8 caches.
+    # The feature switches: the kernel runs left windows (one plan per KV cache group), attention sinks and fp8 caches.
     assert _validate(has_sliding_window=True) == [] and _validate(has_sink=True) == []
     for kv_cache_dtype in ("fp8", "fp8_e4m3", "fp8_e5m2"):
         assert _validate(kv_cache_dtype=kv_cache_dtype) == []

@@ -1,4 +1,4 @@
-"""Issue 17 in vLLM: a KV cache dtype other than the model's is refused at configuration (it used to pass and crash
+"""Hostile input in vLLM: a KV cache dtype other than the model's is refused at configuration (it used to pass and crash
 at the first forward with ``k_cache: expected the dtype of q``), and the engine path's block ids are checked
 against the layer's cache."""
 
