@@ -2,10 +2,10 @@
 from a CSV (``python bench/gpu_report.py bench/results/gpu/<gpu>-<commit>.csv [--steps ...-model-steps.json]``).
 
 The fair columns: prefixattn against FlashInfer's best configuration for the shape, both graph-replayed with the L2
-flushed (bench/gpu_measure.py says why that policy); each against both floors (bench/gpu_floors.py); warm-L2 and eager
-times beside them; the model step's speedup over FlashInfer without sharing (what vLLM runs). Every shape or step
-where prefixattn is slower is listed under "Where prefixattn loses". With ``--steps``, the simulator's calibration
-(prefixattn/sim/fit.py) is appended.
+flushed (bench/gpu_check/measure.py says why that policy); each against both floors (bench/gpu_check/floors.py);
+warm-L2 and eager times beside them; the model step's speedup over FlashInfer without sharing (what vLLM runs). Every
+shape or step where prefixattn is slower is listed under "Where prefixattn loses". With ``--steps``, the simulator's
+calibration (prefixattn/sim/fit.py) is appended.
 """
 
 from __future__ import annotations

@@ -27,8 +27,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import gpu_cases
 import prefixattn
+from gpu_check.cases import timing_shapes
 from perf_page import HEADLINE_RUN
 from prefixattn.autotune.lookup import planning_target
 from prefixattn.autotune.program_cost import calibration
@@ -83,7 +83,7 @@ def test_step_time_modeled(results):
              f"{'shape':34s} {'measured':>9s} {'mod.then':>9s} {'err':>6s} {'mod.now':>9s} {'now/then':>8s} "
              f"{'never':>8s} {'FI eager':>9s} {'floor':>8s} {'now/floor':>9s} {'latest':>8s} {'mod/latest':>10s} "
              f"{'FI best':>8s}   (latest: {HEADLINE_RUN})"]
-    for s in gpu_cases.timing_shapes(False):
+    for s in timing_shapes(False):
         label = _label(s)
         batch = build_batch(s, metadata_only=True)
         now = _plan(batch, s, "auto").stats["modeled_step_us"] + graph_us

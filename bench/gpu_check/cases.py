@@ -1,5 +1,5 @@
-"""What the GPU check (bench/gpu_check.py) runs: the correctness case matrix, the timing shapes and the attention
-FLOPs its compute floors count (the floors themselves: bench/gpu_floors.py).
+"""What the GPU check (driver.py) runs: the correctness case matrix, the timing shapes and the attention
+FLOPs its compute floors count (the floors themselves: floors.py).
 Batches come from tests/prefix_batches.py (correctness) and bench/shapes.py (timing).
 
 ``scale`` is 1 for ``--dry-run`` (tiny batches the Triton interpreter runs in seconds) and :data:`GPU_SCALE` on a GPU,
@@ -90,7 +90,7 @@ def split_k_batch(seed: int, scale: int, heads: dict):
 
 
 #: The timing shapes' dtype on a GPU: Llama-3.1's, and one dtype means one set of FlashInfer JIT modules
-#: (bench/gpu_jit.py). The dry run keeps fp16: the interpreter computes bf16 arithmetic wrongly.
+#: (flashinfer_jit.py). The dry run keeps fp16: the interpreter computes bf16 arithmetic wrongly.
 TIMING_DTYPE = "bfloat16"
 
 

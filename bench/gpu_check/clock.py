@@ -1,4 +1,4 @@
-"""The GPU check's common steps (driver: bench/gpu_check.py): the step clock, correctness against the fp64
+"""The GPU check's common steps (driver: :mod:`gpu_check.driver`): the step clock, correctness against the fp64
 reference, the card's ceilings. Torch, Triton and prefixattn are imported inside the functions: the driver sets
 ``TRITON_INTERPRET`` (``--dry-run``) before anything imports them. Public prefixattn API only.
 """
@@ -6,10 +6,7 @@ reference, the card's ceilings. Torch, Triton and prefixattn are imported inside
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
-#: The driver: child processes (sanitized cases, FlashInfer warm-up, the HBM-bytes child) run it with a flag.
-DRIVER = Path(__file__).with_name("gpu_check.py")
 #: The steps, in the order the driver runs them: by value, the mandatory evidence first (correctness; the ceilings
 #: and floors; the timing shapes with the fa2 cascade and per-class times; the model steps), the prefixattn-only steps
 #: before the timing so FlashInfer's JIT compiles meanwhile, then what a second call on the same machine may run
@@ -73,8 +70,8 @@ def check_case(case, scale: int, device: str, seed: int) -> dict:
     """One correctness case: NaN-poisoned out and q padding, REPEATS runs bit-identical, fp64 reference."""
     import torch
 
-    import gpu_cases
     import prefixattn
+    from gpu_check import cases as gpu_cases
     from tests.tolerances import ATTENTION_TOL, LSE_TOL
 
     b, options = gpu_cases.build_case(case, scale, seed)
@@ -106,9 +103,8 @@ def check_case(case, scale: int, device: str, seed: int) -> dict:
 
 
 def step_correctness(args, results, skips, device: str) -> None:
-    import gpu_cases
-
-    import gpu_sanitize
+    from gpu_check import cases as gpu_cases
+    from gpu_check import sanitizer as gpu_sanitize
 
     clock = Clock("correctness", skips)
     # The sanitizer's cases first: checked here, and compiled before the sanitized processes load them.
@@ -135,20 +131,14 @@ def step_correctness(args, results, skips, device: str) -> None:
                             "bool" if metric in ("passed", "bit_identical", "padding_untouched") else "abs")
 
 
-def _which(name: str) -> str | None:
-    import shutil
-
-    return shutil.which(name) or next((str(p) for p in [Path("/usr/local/cuda/bin") / name] if p.exists()), None)
-
-
 def step_ceilings(args, results, skips, device: str) -> dict:
     """The HBM floor's rate: the best of the read-only kernel's sweep and the device-to-device copy's bytes moved (read
     + written) per second, with the card's spec peak beside it; the L2 size; a bf16 matmul rate (for comparison: no
     floor)."""
     import torch
 
-    from gpu_floors import read_sweep, spec_hbm_bytes_per_s
-    from gpu_measure import Timer
+    from gpu_check.floors import read_sweep, spec_hbm_bytes_per_s
+    from gpu_check.measure import Timer
 
     clock = Clock("ceilings", skips)
     timer = Timer(args.dry_run, device)
@@ -204,9 +194,9 @@ def l2_bytes(device: str) -> int:
 
 def attention_ceiling(args, results, device: str, ceil: dict, fi_ready: dict) -> None:
     """The attention compute rate (after FlashInfer's JIT, so its prefill can set it): the fastest correct causal
-    prefill of gpu_floors.attention_rate_batch; adds ``attention_flops_per_s`` to ``ceil``."""
-    from gpu_floors import attention_rates
-    from gpu_measure import Timer
+    prefill of floors.attention_rate_batch; adds ``attention_flops_per_s`` to ``ceil``."""
+    from gpu_check.floors import attention_rates
+    from gpu_check.measure import Timer
 
     ready = {p for p, ok in fi_ready.items() if ok is True}
     rates = attention_rates(Timer(args.dry_run, device), device, ready)

@@ -170,7 +170,7 @@ def attention_rates(timer, device: str, flashinfer_ready: set) -> dict:
 def shape_floors(batch, hbm_bytes_per_s: float, attention_flops_per_s: float) -> dict:
     """Seconds: ``memory``, ``compute``, ``overlapped`` (max) and ``serial`` (sum) for one batch; ``bytes``: the
     distinct bytes the memory floor counts (KV once, q in, out out)."""
-    from gpu_cases import attention_flops
+    from gpu_check.cases import attention_flops
 
     nbytes = batch.unique_kv_bytes() + 2 * batch.q.numel() * batch.q.element_size()
     memory = nbytes / hbm_bytes_per_s

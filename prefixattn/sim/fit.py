@@ -1,7 +1,7 @@
 """The simulator's GPU cost model calibrated against measured model steps.
 
-The GPU check's model step (bench/model_step.py) times real Llama-3.1-8B-shaped steps per attention provider and
-writes them, with each step's shape, to ``<gpu>-<commit>-model-steps.json``. :func:`fit` chooses the efficiency
+The GPU check's model step (bench/gpu_check/model_step.py) times real Llama-3.1-8B-shaped steps per attention provider
+and writes them, with each step's shape, to ``<gpu>-<commit>-model-steps.json``. :func:`fit` chooses the efficiency
 constants of :mod:`prefixattn.sim.calibration` (:data:`FIT_CONSTANTS`) that make :class:`CostModel` reproduce those
 step times and their attention times (least squares on log ratios, bounded coordinate search), and reports the error
 before and after. :func:`table1` re-runs BatchLLM Table 1 case 1 with the default and the fitted constants, beside
