@@ -3,9 +3,9 @@
 Steps, in order of value, each with a time budget (:mod:`gpu_check.clock`) that skips the rest of it with the
 reason; FlashInfer's JIT compiles in a background process started first (:mod:`gpu_check.flashinfer_jit`):
 
-1. correctness: the sanitizer's cases (:mod:`gpu_check.sanitizer`) and every kernel variant (decode, chunked prefill,
-   mixed, split-k, multi-level sharing; MHA, GQA 4/8; head_dim 64/128/256; page 1/16; fp16/bf16/fp32) against the
-   fp64 reference, NaN-poisoned outputs, 3 runs bit-identical;
+1. correctness (:mod:`gpu_check.correctness`): the sanitizer's cases (:mod:`gpu_check.sanitizer`) and every kernel
+   variant (decode, chunked prefill, mixed, split-k, multi-level sharing; MHA, GQA 4/8; head_dim 64/128/256; page
+   1/16; fp16/bf16/fp32) against the fp64 reference, NaN-poisoned outputs, 3 runs bit-identical;
 2. ceilings (:mod:`gpu_check.floors`): the HBM floor's rate (the best of a read-only kernel's sweep and the copy), the
    card's spec peak and L2 size, a bf16 matmul rate;
 3. CUDA graphs (:mod:`gpu_check.graphs`): one ``use_cuda_graph`` wrapper captured once, replayed after re-planning;
@@ -161,9 +161,10 @@ def _fake_flashinfer() -> None:
 def _check(args) -> int:
     import torch
 
-    from gpu_check import clock as steps
-    from gpu_check import flashinfer_jit, sanitizer
+    from gpu_check import clock, flashinfer_jit, sanitizer
+    from gpu_check.correctness import step_correctness
     from gpu_check.eager_small import step_eager_small
+    from gpu_check.floors import attention_ceiling, step_ceilings
     from gpu_check.graphs import step_graphs
     from gpu_check.hbm_bytes import step_hbm_bytes
     from gpu_check.model_step import step_model
@@ -176,7 +177,7 @@ def _check(args) -> int:
               file=sys.stderr)
         return 2
     start = time.monotonic()
-    steps.DEADLINE = start + steps.TOTAL_S
+    clock.DEADLINE = start + clock.TOTAL_S
     device = "cpu" if args.dry_run else "cuda"
     run = set(args.steps)
     needs_flashinfer = bool(run & {"timing", "model_step", "hbm_bytes", "whole_batch"})
@@ -188,9 +189,9 @@ def _check(args) -> int:
     write = lambda steps_json=None: write_outputs(results, out_dir, skips, time.monotonic() - start,  # noqa: E731
                                                   steps_json, tag=args.tag)
     if "correctness" in run:
-        steps.step_correctness(args, results, skips, device)
+        step_correctness(args, results, skips, device)
         write()
-    ceil = steps.step_ceilings(args, results, skips, device) if run & steps.NEED_CEILINGS else None
+    ceil = step_ceilings(args, results, skips, device) if run & clock.NEED_CEILINGS else None
     if "graphs" in run:
         step_graphs(args, results, skips, device)
     if "eager_small" in run:
@@ -204,8 +205,8 @@ def _check(args) -> int:
     measured_steps = None
     if needs_flashinfer:
         fi_ready = flashinfer_jit.ready(fi_handle, start, results, dry_run=args.dry_run)
-        if run & steps.NEED_ATTENTION_RATE:
-            steps.attention_ceiling(args, results, device, ceil, fi_ready)
+        if run & clock.NEED_ATTENTION_RATE:
+            attention_ceiling(args, results, device, ceil, fi_ready)
         if "timing" in run:
             step_timing(args, results, skips, device, ceil, fi_ready)
             write()
