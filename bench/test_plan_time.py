@@ -24,7 +24,7 @@ from prefixattn.autotune.lookup import planning_target
 from prefixattn.lcp_tree import clear_tree_cache
 from prefixattn.planner import compiled as compiled_planner
 import host_reference
-from shapes import Shape, build_batch, fig8_shapes
+from batches.shapes import Shape, build_batch, fig8_shapes
 
 BENCHMARK = "plan_time"
 #: Timed plan() calls per shape after warm-up: enough for stable percentiles of a ~1 ms call.

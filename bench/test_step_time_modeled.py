@@ -28,11 +28,11 @@ import pytest
 import torch
 
 import prefixattn
+from batches.shapes import build_batch
 from gpu_check.cases import timing_shapes
 from perf_page import HEADLINE_RUN
 from prefixattn.autotune.lookup import planning_target
 from prefixattn.autotune.program_cost import calibration
-from shapes import build_batch
 
 BENCHMARK = "step_time_modeled"
 RESULTS_GPU = Path(__file__).parent / "results" / "gpu"

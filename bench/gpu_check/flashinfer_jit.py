@@ -126,8 +126,8 @@ def warmup() -> int:
     GQA 32:8), each reported as it becomes ready."""
     import torch
 
+    from batches.shapes import Shape, build_batch
     from peers.flashinfer import PEERS, Unavailable, prepare
-    from shapes import Shape, build_batch
 
     start = time.monotonic()
     print(json.dumps({"aot": _load_aot_or_drop(), "since_start_s": time.monotonic() - start}), flush=True)

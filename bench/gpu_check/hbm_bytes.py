@@ -99,7 +99,7 @@ def child(mode: str) -> int:
     """The profiled process: every shape's providers once unprofiled, then each once after a marker, profiled."""
     import torch
 
-    from shapes import build_batch
+    from batches.shapes import build_batch
 
     dry = mode == "dry"
     device = "cpu" if dry else "cuda"

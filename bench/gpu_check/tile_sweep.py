@@ -92,7 +92,7 @@ def plain_shapes(dry_run: bool) -> list:
     """No shared prefix, fp16, head_dim 128, 32 query heads, at GQA 1, 4 and 8: decode (128 requests x 4K tokens and
     32 x 16K: ~9 GB of MHA cache each, so the reference and the compile workers fit the card), 7 prefill chunks of 2K
     tokens with 256 decodes of 2K, and 8 prompts of 1K tokens."""
-    from shapes import Shape
+    from batches.shapes import Shape
 
     if dry_run:
         return [Shape(scenario="decode", num_decode=3, num_prefill=0, shared=0, distinct=20, per_group=0,
@@ -160,7 +160,7 @@ def compile_worker(suite: str, pairs: list[tuple[int, int]], device: str) -> int
     import torch
 
     import prefixattn
-    from shapes import build_batch
+    from batches.shapes import build_batch
 
     configs = configs_of(suite)
     for j, shape in enumerate(shapes(suite, dry_run=device == "cpu")):
@@ -230,7 +230,7 @@ def sweep(suite: str, dry_run: bool, out_csv: Path, deadline: float) -> list[dic
     import torch
 
     import prefixattn
-    from shapes import build_batch
+    from batches.shapes import build_batch
     from tests.tolerances import ATTENTION_TOL
 
     device = "cpu" if dry_run else "cuda"

@@ -216,12 +216,12 @@ def record_best(results, label, timed: dict) -> tuple[str, dict] | None:
 def step_timing(args, results, skips, device, ceil, fi_ready) -> None:
     import torch
 
+    from batches.shapes import build_batch
     from gpu_check import cases
     from gpu_check.clock import Clock
     from gpu_check.floors import shape_floors
     from gpu_check.measure import Timer, record_state
     from prefixattn import reference_attention
-    from shapes import build_batch
 
     clock = Clock("timing", skips)
     if "_why" in fi_ready:

@@ -7,10 +7,10 @@ import types
 
 import pytest
 
+from batches.shapes import Shape, build_batch
 from gpu_check import clock as step_clock
 from gpu_check import model_layout, model_step, timing
 from gpu_check.measure import Timer
-from shapes import Shape, build_batch
 
 from prefixattn import reference_attention
 
