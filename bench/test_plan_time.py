@@ -116,7 +116,7 @@ def _decode_steps(batch, num_steps: int, staggered: bool = False):
         batch.num_blocks + fresh.size
 
 
-#: The headline rows get their own benchmark name: the report lists them as they are (bench/report.py's generic
+#: The headline rows get their own benchmark name: the report lists them as they are (bench/render/suite.py's generic
 #: section), apart from the full-size grid's table.
 TARGETS_BENCHMARK = "plan_time_targets"
 

@@ -1,7 +1,7 @@
 """Modeled step times of every shape of the GPU check, next to the committed measurements (host only, no kernel):
 the calibrated program-cost model (prefixattn.autotune.program_cost, fitted by bench/fit_program_cost.py) priced on
 today's plans for an H100, the same model's held-out check on the plans the measured H100 commit ran, and the newest
-GPU check's fair measurements (bench/perf_page.py's ``HEADLINE_RUN``).
+GPU check's fair measurements (``HEADLINE_RUN`` of bench/render/performance.py).
 
 Columns, per shape (microseconds; "modeled" everywhere it is not a measurement):
 
@@ -30,9 +30,9 @@ import torch
 import prefixattn
 from batches.shapes import build_batch
 from gpu_check.cases import timing_shapes
-from perf_page import HEADLINE_RUN
 from prefixattn.autotune.lookup import planning_target
 from prefixattn.autotune.program_cost import calibration
+from render.performance import HEADLINE_RUN
 
 BENCHMARK = "step_time_modeled"
 RESULTS_GPU = Path(__file__).parent / "results" / "gpu"

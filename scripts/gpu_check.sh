@@ -2,7 +2,7 @@
 # GPU evidence in one call, from the repository root of the GPU machine (no network needed):
 #   bash scripts/gpu_wheels.sh       # first, on a machine with the package index: FlashInfer & co. into .whl/
 #   bash scripts/gpu_check.sh        # on the GPU machine: <= 9 minutes; writes bench/results/gpu/<gpu>-<commit>.csv,
-#                                    # .md (bench/gpu_report.py's fair tables) and -model-steps.json
+#                                    # .md (bench/render/gpu.py's fair tables) and -model-steps.json
 #   bash scripts/gpu_check.sh --dry-run [--out DIR]   # any CPU machine: every step at tiny sizes, interpreter
 # Needs the image's python3 (torch, triton, numpy, pytest), nvcc + compute-sanitizer on PATH or in /usr/local/cuda/bin,
 # and the wheels of .whl/, installed here with --no-index --no-deps into a throwaway folder on PYTHONPATH (nothing is

@@ -25,7 +25,7 @@ reason; FlashInfer's JIT compiles in a background process started first (:mod:`g
 8. HBM bytes (:mod:`gpu_check.hbm_bytes`): Nsight Compute's DRAM counters per kernel on a subset of the shapes;
 9. whole batches to completion (:mod:`gpu_check.whole_batch`) under prefixattn's scheduler and an engine's default;
 10. ``bench/results/gpu/<gpu>-<commit>.csv`` (the bench CSV schema, bench/conftest.py), ``.md`` (the tables of
-   bench/gpu_report.py) and ``-model-steps.json`` (the measured steps the simulator is calibrated against).
+   :mod:`render.gpu`) and ``-model-steps.json`` (the measured steps the simulator is calibrated against).
 
 ``--steps`` runs a subset (a second call on the same machine for what the first skipped for time) and ``--tag``
 names its files apart (``<gpu>-<commit>-<tag>.csv``). The exit status is 1 when any correctness case, sanitizer run
@@ -64,18 +64,18 @@ def device_slug(device: str) -> str:
 
 def write_outputs(results, out_dir: Path, skips, seconds: float, steps_json: list | None = None,
                   tag: str = "") -> tuple[Path, Path]:
-    """The CSV (every row), the summary markdown (bench/gpu_report.py) and the measured model steps; rewritten after
-    every step so a cut-off run keeps its rows. ``tag``: appended to the names (``<gpu>-<commit>-<tag>.csv``)."""
+    """The CSV (every row), the summary markdown (:func:`render.gpu.summary`) and the measured model steps; rewritten
+    after every step so a cut-off run keeps its rows. ``tag``: appended to the names (``<gpu>-<commit>-<tag>.csv``)."""
     import json
 
-    import gpu_report
+    from render.gpu import summary
 
     csv_path = out_dir / f"{device_slug(results.device)}-{results.commit}{'-' + tag if tag else ''}.csv"
     results.write(csv_path)
     if steps_json:
         csv_path.with_name(csv_path.stem + "-model-steps.json").write_text(json.dumps(steps_json))
-    text = gpu_report.summary(results.rows, device=results.device, commit=results.commit,
-                              versions=results.versions, seconds=seconds, skips=skips)
+    text = summary(results.rows, device=results.device, commit=results.commit, versions=results.versions,
+                   seconds=seconds, skips=skips)
     md_path = csv_path.with_suffix(".md")
     md_path.write_text(text)
     return csv_path, md_path

@@ -1,5 +1,6 @@
 """The GPU check's report: the summary markdown next to its CSV, and the README's performance section regenerated
-from a CSV (``python bench/gpu_report.py bench/results/gpu/<gpu>-<commit>.csv [--steps ...-model-steps.json]``).
+from a CSV (:func:`main`: ``python bench/gpu_report.py bench/results/gpu/<gpu>-<commit>.csv [--steps
+...-model-steps.json]``).
 
 The fair columns: prefixattn against FlashInfer's best configuration for the shape, both graph-replayed with the L2
 flushed (bench/gpu_check/measure.py says why that policy); each against both floors (bench/gpu_check/floors.py);
@@ -11,35 +12,13 @@ calibration (prefixattn/sim/fit.py) is appended.
 from __future__ import annotations
 
 import argparse
-import csv
-import sys
 from collections import defaultdict
 from pathlib import Path
 
+from render.table import fixed, head, index, ratio_cell, read_rows
+
 TIMING, MODEL = "attention_gpu_time", "model_step"
 HEAD = "graph_flushed_us_median"
-
-
-def _index(rows) -> dict:
-    """{benchmark: {shape: {provider: {metric: float}}}} in first-seen shape order."""
-    out: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(dict)))
-    for r in rows:
-        try:
-            out[r["benchmark"]][r["shape"]][r["provider"]][r["metric"]] = float(r["value"])
-        except ValueError:
-            continue
-    return out
-
-
-def _f(v, digits: int = 1) -> str:
-    if v is None:
-        return "-"
-    return f"{v:,.{digits}f}" if abs(v) < 1e5 else f"{v:,.0f}"
-
-
-def ratio_cell(a, b) -> str:
-    """``a / b`` as a table cell (``-`` where either is missing or ``b`` is 0)."""
-    return "-" if a is None or b is None or not b else f"{a / b:.2f}x"
 
 
 def _best_name(per_provider: dict) -> str | None:
@@ -50,7 +29,7 @@ def kernel_rows(rows) -> list[dict]:
     """Per timing shape: prefixattn's and FlashInfer best's numbers, both cascades, the floors, the best rate of the
     floor's bytes, the providers under the HBM floor (L2), prefixattn's classes alone (None where absent)."""
     out = []
-    for shape, prov in _index(rows)[TIMING].items():
+    for shape, prov in index(rows)[TIMING].items():
         ours, best, floor = prov.get("prefixattn", {}), prov.get("flashinfer-best", {}), prov.get("floor", {})
         out.append(dict(shape=shape.split(" [")[0], full=shape, ours=ours.get(HEAD), best=best.get(HEAD),
                         best_name=_best_name(prov), never=prov.get("prefixattn-nosharing", {}).get(HEAD),
@@ -72,18 +51,19 @@ def kernel_rows(rows) -> list[dict]:
 
 
 def kernel_table(rows) -> list[str]:
-    lines = ["| shape | prefixattn us | FlashInfer best us (config) | prefixattn speedup | prefixattn over floor "
-             "(overlapped / serial) | best over floor | warm L2 us (ours / best) | eager us (ours / best) | "
-             "never-share us | cascade fa2 / auto us | SM MHz, C |", "|" + "---|" * 11]
+    lines = head("shape", "prefixattn us", "FlashInfer best us (config)", "prefixattn speedup",
+                 "prefixattn over floor (overlapped / serial)", "best over floor", "warm L2 us (ours / best)",
+                 "eager us (ours / best)", "never-share us", "cascade fa2 / auto us", "SM MHz, C")
     for r in kernel_rows(rows):
         lines.append(
-            f"| {r['shape']} | {_f(r['ours'])} | {_f(r['best'])} ({r['best_name'] or '-'}) | "
+            f"| {r['shape']} | {fixed(r['ours'])} | {fixed(r['best'])} ({r['best_name'] or '-'}) | "
             f"{ratio_cell(r['best'], r['ours'])} | "
             f"{ratio_cell(r['ours'], r['floor_o'])} / {ratio_cell(r['ours'], r['floor_s'])} | "
             f"{ratio_cell(r['best'], r['floor_o'])} / {ratio_cell(r['best'], r['floor_s'])} | "
-            f"{_f(r['ours_warm'])} / {_f(r['best_warm'])} | {_f(r['ours_eager'])} / {_f(r['best_eager'])} | "
-            f"{_f(r['never'])} | {_f(r['cascade_fa2'])} / {_f(r['cascade'])} | {_f(r['sm_clock'], 0)}, "
-            f"{_f(r['temp'], 0)} |")
+            f"{fixed(r['ours_warm'])} / {fixed(r['best_warm'])} | "
+            f"{fixed(r['ours_eager'])} / {fixed(r['best_eager'])} | "
+            f"{fixed(r['never'])} | {fixed(r['cascade_fa2'])} / {fixed(r['cascade'])} | {fixed(r['sm_clock'], 0)}, "
+            f"{fixed(r['temp'], 0)} |")
     return lines
 
 
@@ -93,11 +73,11 @@ def floor_table(rows) -> list[str]:
     kernel = kernel_rows(rows)
     if not any(r["best_rate"] is not None for r in kernel):  # runs before the HBM floor's sweep have no such rows
         return []
-    lines = ["| shape | floor memory / compute us | best rate of the floor's bytes, GB/s (provider) | under the HBM "
-             "floor (L2) | prefixattn classes alone us | their sum / whole |", "|" + "---|" * 6]
+    lines = head("shape", "floor memory / compute us", "best rate of the floor's bytes, GB/s (provider)",
+                 "under the HBM floor (L2)", "prefixattn classes alone us", "their sum / whole")
     for r in kernel:
-        classes = ", ".join(f"{n} {_f(v)}" for n, v in r["classes"].items()) or "-"
-        lines.append(f"| {r['shape']} | {_f(r['floor_m'])} / {_f(r['floor_c'])} | {_f(r['best_rate'], 0)} "
+        classes = ", ".join(f"{n} {fixed(v)}" for n, v in r["classes"].items()) or "-"
+        lines.append(f"| {r['shape']} | {fixed(r['floor_m'])} / {fixed(r['floor_c'])} | {fixed(r['best_rate'], 0)} "
                      f"({r['best_rate_name'] or '-'}) | {', '.join(r['under_floor']) or '-'} | {classes} | "
                      f"{ratio_cell(r['classes_sum'], r['ours'])} |")
     return lines
@@ -114,44 +94,44 @@ def not_run(rows) -> list[str]:
 
 def bytes_table(rows) -> list[str]:
     """Nsight Compute's DRAM bytes per (shape, provider) over the shape's distinct bytes (step ``hbm_bytes``)."""
-    table = _index(rows).get("hbm_bytes", {})
+    table = index(rows).get("hbm_bytes", {})
     if not table:
         return []
-    lines = ["| shape | provider | DRAM read MB | read / distinct | DRAM written MB | kernels | prefixattn tile loads "
-             "/ distinct |", "|" + "---|" * 7]
+    lines = head("shape", "provider", "DRAM read MB", "read / distinct", "DRAM written MB", "kernels",
+                 "prefixattn tile loads / distinct")
     for shape, prov in table.items():
         unique = prov.get("floor", {}).get("unique_bytes")
         tiles = prov.get("prefixattn", {}).get("tile_kv_load_bytes")
         for provider, m in prov.items():
             if "dram_read_bytes" not in m:
                 continue
-            lines.append(f"| {shape.split(' [')[0]} | {provider} | {_f(m['dram_read_bytes'] / 1e6)} | "
-                         f"{ratio_cell(m['dram_read_bytes'], unique)} | {_f(m.get('dram_write_bytes', 0) / 1e6)} | "
-                         f"{_f(m.get('kernels'), 0)} | "
+            lines.append(f"| {shape.split(' [')[0]} | {provider} | {fixed(m['dram_read_bytes'] / 1e6)} | "
+                         f"{ratio_cell(m['dram_read_bytes'], unique)} | {fixed(m.get('dram_write_bytes', 0) / 1e6)} | "
+                         f"{fixed(m.get('kernels'), 0)} | "
                          f"{ratio_cell(tiles, unique) if provider == 'prefixattn' else ''} |")
     return lines
 
 
 def whole_batch_table(rows) -> list[str]:
     """Whole batches run to completion per policy (step ``whole_batch``): wall time, tokens/s, the shares."""
-    table = _index(rows).get("whole_batch", {})
+    table = index(rows).get("whole_batch", {})
     if not table:
         return []
-    lines = ["| workload | prefixattn s | prefixattn's schedule + FlashInfer s | arrival order + LRU cache + "
-             "FlashInfer s | kernel's share | scheduler's share | total |", "|" + "---|" * 7]
+    lines = head("workload", "prefixattn s", "prefixattn's schedule + FlashInfer s",
+                 "arrival order + LRU cache + FlashInfer s", "kernel's share", "scheduler's share", "total")
     for name, prov in table.items():
         wall = [prov.get(p, {}).get("wall_s") for p in ("prefixattn", "prefixattn-scheduler+flashinfer",
                                                         "arrival+flashinfer")]
         ratio = prov.get("ratio", {})
         share = lambda k: "-" if k not in ratio else f"{ratio[k]:.2f}x"  # noqa: E731
-        lines.append(f"| {name} | " + " | ".join(_f(w, 2) for w in wall)
+        lines.append(f"| {name} | " + " | ".join(fixed(w, 2) for w in wall)
                      + f" | {share('kernel_share')} | {share('scheduler_share')} | {share('total')} |")
     return lines
 
 
 def model_rows(rows) -> list[dict]:
     out = []
-    for shape, prov in _index(rows)[MODEL].items():
+    for shape, prov in index(rows)[MODEL].items():
         get = lambda p, m: prov.get(p, {}).get(m)  # noqa: E731
         out.append(dict(step=shape, ours=get("prefixattn", "step_us_median"),
                         never=get("prefixattn-nosharing", "step_us_median"),
@@ -170,17 +150,17 @@ def model_rows(rows) -> list[dict]:
 
 
 def model_table(rows) -> list[str]:
-    lines = ["| step | prefixattn ms | bound ms | never-share ms | FlashInfer best, no sharing ms (config) | "
-             "cascade fa2 / auto ms | speedup vs best | attention share (ours / best) | unshared reads an L2 could "
-             "serve | tokens/s (ours / best) |", "|" + "---|" * 10]
+    lines = head("step", "prefixattn ms", "bound ms", "never-share ms", "FlashInfer best, no sharing ms (config)",
+                 "cascade fa2 / auto ms", "speedup vs best", "attention share (ours / best)",
+                 "unshared reads an L2 could serve", "tokens/s (ours / best)")
     ms = lambda v: None if v is None else v / 1e3  # noqa: E731
     pct = lambda v: "-" if v is None else f"{v:.0%}"  # noqa: E731
     for r in model_rows(rows):
-        lines.append(f"| {r['step']}{' (graph)' if r['graph'] else ''} | {_f(ms(r['ours']), 2)} | "
-                     f"{_f(ms(r['bound']), 2)} | {_f(ms(r['never']), 2)} | {_f(ms(r['best']), 2)} "
-                     f"({r['best_name'] or '-'}) | {_f(ms(r['cascade_fa2']), 2)} / {_f(ms(r['cascade']), 2)} | "
+        lines.append(f"| {r['step']}{' (graph)' if r['graph'] else ''} | {fixed(ms(r['ours']), 2)} | "
+                     f"{fixed(ms(r['bound']), 2)} | {fixed(ms(r['never']), 2)} | {fixed(ms(r['best']), 2)} "
+                     f"({r['best_name'] or '-'}) | {fixed(ms(r['cascade_fa2']), 2)} / {fixed(ms(r['cascade']), 2)} | "
                      f"{ratio_cell(r['best'], r['ours'])} | {pct(r['share_ours'])} / {pct(r['share_best'])} | "
-                     f"{pct(r['l2'])} | {_f(r['tok_ours'], 0)} / {_f(r['tok_best'], 0)} |")
+                     f"{pct(r['l2'])} | {fixed(r['tok_ours'], 0)} / {fixed(r['tok_best'], 0)} |")
     return lines
 
 
@@ -189,8 +169,8 @@ def model_class_lines(rows) -> list[str]:
     out = []
     for r in model_rows(rows):
         if r["classes"]:
-            out.append(f"- {r['step']}: one layer {_f(r['layer'])} us; alone: "
-                       + ", ".join(f"{n} {_f(v)} us" for n, v in r["classes"].items()))
+            out.append(f"- {r['step']}: one layer {fixed(r['layer'])} us; alone: "
+                       + ", ".join(f"{n} {fixed(v)} us" for n, v in r["classes"].items()))
     return out
 
 
@@ -201,8 +181,8 @@ def losses(rows) -> list[str]:
         if r["ours"] is None:
             out.append(f"- {r['shape']}: no graph-replayed prefixattn time")
         elif r["best"] is not None and r["ours"] > r["best"]:
-            out.append(f"- {r['shape']}: prefixattn {_f(r['ours'])} us vs FlashInfer {r['best_name']} "
-                       f"{_f(r['best'])} us ({r['ours'] / r['best']:.2f}x slower)")
+            out.append(f"- {r['shape']}: prefixattn {fixed(r['ours'])} us vs FlashInfer {r['best_name']} "
+                       f"{fixed(r['best'])} us ({r['ours'] / r['best']:.2f}x slower)")
     for r in model_rows(rows):
         if r["ours"] is not None and r["best"] is not None and r["ours"] > r["best"]:
             out.append(f"- model {r['step']}: prefixattn {r['ours'] / 1e3:.2f} ms vs FlashInfer {r['best_name']} "
@@ -295,7 +275,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", help="its -model-steps.json: append the simulator's calibration")
     ap.add_argument("--table1-requests", type=int, default=3000, help="Table 1's workload size with --steps")
     args = ap.parse_args(argv)
-    rows = list(csv.DictReader(Path(args.csv).open()))
+    rows = read_rows(args.csv)
     fit_md = ""
     if args.steps:
         import json
@@ -310,7 +290,3 @@ def main(argv=None) -> int:
             fit_md = fit.markdown(result, table, device=records[0]["device"])
     print(readme_section(rows, source=args.csv, fit_markdown=fit_md), end="")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

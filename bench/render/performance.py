@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import argparse
 import csv
-import functools
-import importlib.util
 import re
 import sys
 from collections import defaultdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from render import gpu
+from render.table import head, index, ratio_cell, us
+
+ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results" / "gpu"
 PAGE = ROOT / "docs" / "performance.md"
 README = ROOT / "README.md"
@@ -58,7 +59,7 @@ _BATCH = re.compile(r"\[(\w+)/(?:(\d+)p\+)?(\d+)d/(\d+)-(\d+)-(\w+)/h(\d+):(\d+)
 
 def load_runs(folder: Path = RESULTS) -> dict[str, list[dict]]:
     """``{run name: rows}`` for every GPU-check CSV (the bench schema); tile-sweep CSVs have their own columns. A
-    second call's CSV (``<run>-<tag>.csv``, ``gpu_check.py --tag``) joins the rows of ``<run>``."""
+    second call's CSV (``<run>-<tag>.csv``, the GPU check's ``--tag``) joins the rows of ``<run>``."""
     runs = {}
     for path in sorted(folder.glob("*.csv")):
         with path.open() as f:
@@ -70,10 +71,6 @@ def load_runs(folder: Path = RESULTS) -> dict[str, list[dict]]:
         if base is not None:
             runs[base] += runs.pop(name)
     return runs
-
-
-def _us(v: float | None) -> str:
-    return "-" if v is None else (f"{v:.1f}" if v < 1e4 else f"{v:,.0f}")
 
 
 def describe(shape: str) -> dict:
@@ -91,39 +88,25 @@ def _batch(shape: str) -> str:
     return _BATCH.search(shape).group(0)
 
 
-def timings(rows: list[dict]) -> dict[str, dict]:
-    """``{shape: {(provider, metric): value}}`` of the attention timings, in the run's order."""
-    table: dict = defaultdict(dict)
-    for r in rows:
-        if r["benchmark"] == TIMING:
-            table[r["shape"]][(r["provider"], r["metric"])] = float(r["value"])
-    return table
-
-
 def provenance(rows: list[dict]) -> str:
     r = rows[0]
     versions = r["versions"].replace(";", ", ").replace("=", " ")
     return f"{r['device']}, commit {r['commit']}, {versions}"
 
 
+def _value(t: dict, provider: str, metric: str) -> float | None:
+    """One number of a shape's ``{provider: {metric: value}}`` (:func:`render.table.index`), or None."""
+    return t.get(provider, {}).get(metric)
+
+
 def _ratio(t: dict, a: str, b: str) -> float | None:
-    x, y = t.get((a, "time_us_median")), t.get((b, "time_us_median"))
+    x, y = _value(t, a, "time_us_median"), _value(t, b, "time_us_median")
     return x / y if x is not None and y else None
-
-
-@functools.cache
-def _gpu_report():
-    """bench/gpu_report.py (the fair tables), loaded once, by path as tests/test_docs.py loads this module."""
-    spec = importlib.util.spec_from_file_location("gpu_report", Path(__file__).with_name("gpu_report.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def is_fair(rows: list[dict]) -> bool:
     """Whether a run is the fair harness's (every provider graph-replayed with the L2 flushed) or an earlier one's."""
-    head = _gpu_report().HEAD
-    return any(r["benchmark"] == TIMING and r["metric"] == head for r in rows)
+    return any(r["benchmark"] == TIMING and r["metric"] == gpu.HEAD for r in rows)
 
 
 def _speedup(r: dict) -> float | None:
@@ -138,7 +121,7 @@ def _span(xs: list[float]) -> str:
 def fair_summary_lines(rows: list[dict]) -> list[str]:
     """Where prefixattn is faster than FlashInfer's best configuration (graph replays, L2 flushed), by kind of step."""
     lines = []
-    kernel = _gpu_report().kernel_rows(rows)
+    kernel = gpu.kernel_rows(rows)
     for kind, mixed in (("decode steps", False), ("steps with prefill chunks", True)):
         picked = [r for r in kernel if (_BATCH.search(r["full"]).group(2) is not None) == mixed]  # prefill chunks
         ratios = [x for r in picked if (x := _speedup(r)) is not None]
@@ -171,31 +154,29 @@ def sharing_losses(rows: list[dict]) -> list[str]:
     """Shapes with a shared prefix where prefixattn was slower than its own ``sharing="never"`` (shapes without one
     plan alike both ways: their differences are the run's noise)."""
     out = []
-    for r in _gpu_report().kernel_rows(rows):
+    for r in gpu.kernel_rows(rows):
         if _BATCH.search(r["full"]).group(4) != "0" and r["ours"] and r["never"] and r["ours"] > r["never"]:
             d = describe(r["full"])
             out.append(f"- {d['step']}, {d['tokens']}, {d['per']} per prefix, heads {d['heads']}: "
-                       f"{_us(r['ours'])} us shared, {_us(r['never'])} us unshared ({r['ours'] / r['never']:.2f}x)")
+                       f"{us(r['ours'])} us shared, {us(r['never'])} us unshared ({r['ours'] / r['never']:.2f}x)")
     return out or ["- nowhere in this run"]
 
 
 def fair_readme_table(rows: list[dict]) -> str:
     """The README's headline block from a fair run."""
-    by_shape = {r["full"]: r for r in _gpu_report().kernel_rows(rows)}
+    by_shape = {r["full"]: r for r in gpu.kernel_rows(rows)}
     lines = [f"Measured on one {provenance(rows)}; {FAIR_PEER}. Microseconds per attention call (one layer), "
              "head_dim 128, bf16, 16-token blocks; every provider CUDA-graph replayed with the L2 flushed before each "
              "run, median of 3 repetitions. *speedup*: FlashInfer's time over prefixattn's (above 1: prefixattn is "
              "faster); *floor*: the distinct KV, q and out bytes at the measured read-only streaming rate or the "
              "attention FLOPs at the measured causal-prefill rate, whichever is longer.", "",
-             "| step | KV tokens per request | requests per prefix | heads q:kv | prefixattn "
-             "| FlashInfer best (config) | speedup | prefixattn / floor |",
-             "|---|---|---|---|---:|---:|---:|---:|"]
-    cell = _gpu_report().ratio_cell
+             *head("step", "KV tokens per request", "requests per prefix", "heads q:kv", "prefixattn",
+                   "FlashInfer best (config)", "speedup", "prefixattn / floor", right=4)]
     for shape in README_SHAPES:
         r, d = by_shape.get(shape, {}), describe(shape)
-        lines.append(f"| {d['step']} | {d['tokens']} | {d['per']} | {d['heads']} | {_us(r.get('ours'))} | "
-                     f"{_us(r.get('best'))} ({r.get('best_name') or '-'}) | {cell(r.get('best'), r.get('ours'))} | "
-                     f"{cell(r.get('ours'), r.get('floor_o'))} |")
+        lines.append(f"| {d['step']} | {d['tokens']} | {d['per']} | {d['heads']} | {us(r.get('ours'))} | "
+                     f"{us(r.get('best'))} ({r.get('best_name') or '-'}) | "
+                     f"{ratio_cell(r.get('best'), r.get('ours'))} | {ratio_cell(r.get('ours'), r.get('floor_o'))} |")
     failures = peer_failures(rows)
     return "\n".join(lines + ["", f"Over all {len(by_shape)} shapes of that run:", ""] + fair_summary_lines(rows)
                      + (["", failures] if failures else []))
@@ -222,23 +203,21 @@ def readme_table(runs: dict[str, list[dict]]) -> str:
     rows = runs[HEADLINE_RUN]
     if is_fair(rows):
         return fair_readme_table(rows)
-    table = timings(rows)
+    table = index(rows)[TIMING]
     lines = [f"Measured on one {provenance(rows)}; {PEER}. Microseconds per attention call (one layer), "
              "head_dim 128, fp16; *eager*: `triton.testing.do_bench` median, *graph*: CUDA-graph replay median "
              "(the cascade wrapper runs eagerly only, so the ratio compares eager with eager); 16-token blocks.", "",
-             "| step | KV tokens per request | requests per prefix | heads q:kv | prefixattn eager | prefixattn graph "
-             "| FlashInfer cascade eager | prefixattn / cascade |",
-             "|---|---|---|---|---:|---:|---:|---:|"]
+             *head("step", "KV tokens per request", "requests per prefix", "heads q:kv", "prefixattn eager",
+                   "prefixattn graph", "FlashInfer cascade eager", "prefixattn / cascade", right=4)]
     for shape in README_SHAPES:
         t, d = table[shape], describe(shape)
-        ratio = _ratio(t, OURS, CASCADE)
-        cell = "-" if ratio is None else f"{ratio:.2f}x"
+        cell = ratio_cell(_value(t, OURS, "time_us_median"), _value(t, CASCADE, "time_us_median"))
         # The Fig. 8 list and FlashInfer's grid share a batch or two: show the run's other timing of the same batch.
         twins = [_ratio(table[s], OURS, CASCADE) for s in table if s != shape and _batch(s) == _batch(shape)]
         cell += "".join(f" ({r:.2f}x timed again)" for r in twins if r is not None)
         lines.append(f"| {d['step']} | {d['tokens']} | {d['per']} | {d['heads']} | "
-                     f"{_us(t.get((OURS, 'time_us_median')))} | {_us(t.get((OURS, 'time_us_cudagraph')))} | "
-                     f"{_us(t.get((CASCADE, 'time_us_median')))} | {cell} |")
+                     f"{us(_value(t, OURS, 'time_us_median'))} | {us(_value(t, OURS, 'time_us_cudagraph'))} | "
+                     f"{us(_value(t, CASCADE, 'time_us_median'))} | {cell} |")
     return "\n".join(lines + ["", f"Over all {len(table)} shapes of that run (eager medians):", ""]
                      + summary_lines(table))
 
@@ -260,9 +239,9 @@ def _checks(rows: list[dict]) -> dict:
 
 
 def _runs_table(runs: dict[str, list[dict]]) -> list[str]:
-    lines = ["| run (CSV, `.md` summary and `.log` beside it) | device | commit | versions | kernel cases correct "
-             "| CUDA-graph batches correct | sanitizer errors (race, mem) | copy GB/s | bf16 matmul TFLOP/s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = head("run (CSV, `.md` summary and `.log` beside it)", "device", "commit", "versions",
+                 "kernel cases correct", "CUDA-graph batches correct", "sanitizer errors (race, mem)", "copy GB/s",
+                 "bf16 matmul TFLOP/s")
     for name, rows in runs.items():
         c = _checks(rows)
         ok = {b: f"{p}/{n}" for b, (p, n) in c["passed"].items()}
@@ -274,46 +253,44 @@ def _runs_table(runs: dict[str, list[dict]]) -> list[str]:
         mark = " (the timings below)" if name == HEADLINE_RUN else ""
         lines.append(f"| [{name}](../bench/results/gpu/{name}.csv){mark} | {rows[0]['device']} | {rows[0]['commit']} | "
                      f"{rows[0]['versions'].replace(';', ', ')} | {ok.get('gpu_check_correctness', '-')} | "
-                     f"{ok.get('gpu_check_graphs', '-')} | {sanitizer} | {_us(copy)} | {_us(mm)} |")
+                     f"{ok.get('gpu_check_graphs', '-')} | {sanitizer} | {us(copy)} | {us(mm)} |")
     return lines
 
 
 def _graph_lines(runs: dict[str, list[dict]]) -> list[str]:
-    lines = ["| run | batch | replay us | eager `run()` us | `plan()` on the GPU host us |", "|---|---|---:|---:|---:|"]
+    lines = head("run", "batch", "replay us", "eager `run()` us", "`plan()` on the GPU host us", right=3)
     for name, rows in runs.items():
         by_batch: dict = defaultdict(dict)
         for r in rows:
             if r["benchmark"] == "gpu_check_graphs" and r["provider"] == "prefixattn-graph" and r["unit"] == "us":
                 by_batch[r["shape"]][r["metric"]] = float(r["value"])
         for batch, m in by_batch.items():
-            lines.append(f"| {rows[0]['commit']} | {batch} | {_us(m.get('replay_us'))} | {_us(m.get('eager_run_us'))} "
-                         f"| {_us(m.get('plan_host_us'))} |")
+            lines.append(f"| {rows[0]['commit']} | {batch} | {us(m.get('replay_us'))} | {us(m.get('eager_run_us'))} "
+                         f"| {us(m.get('plan_host_us'))} |")
     return lines
 
 
 def _full_table(table: dict) -> list[str]:
-    lines = ["| source | step | KV tokens per request | requests per prefix | heads q:kv | floor | prefixattn eager "
-             "| prefixattn graph | no sharing eager | no sharing graph | cascade eager | SDPA eager | SDPA graph "
-             "| prefixattn / floor (eager) | prefixattn / cascade (eager) |",
-             "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = head("source", "step", "KV tokens per request", "requests per prefix", "heads q:kv", "floor",
+                 "prefixattn eager", "prefixattn graph", "no sharing eager", "no sharing graph", "cascade eager",
+                 "SDPA eager", "SDPA graph", "prefixattn / floor (eager)", "prefixattn / cascade (eager)", right=10)
     for shape, t in table.items():
         d = describe(shape)
-        floor = t.get(("floor", "floor_us"))
-        ours = t.get((OURS, "time_us_median"))
-        over_floor = "-" if ours is None or not floor else f"{ours / floor:.2f}x"
-        ratio = _ratio(t, OURS, CASCADE)
-        cells = [_us(t.get(key)) for key in ((OURS, "time_us_median"), (OURS, "time_us_cudagraph"),
-                                            (NEVER, "time_us_median"), (NEVER, "time_us_cudagraph"),
-                                            (CASCADE, "time_us_median"), (SDPA, "time_us_median"),
-                                            (SDPA, "time_us_cudagraph"))]
-        lines.append(f"| {d['source']} | {d['step']} | {d['tokens']} | {d['per']} | {d['heads']} | {_us(floor)} | "
-                     + " | ".join(cells) + f" | {over_floor} | {'-' if ratio is None else f'{ratio:.2f}x'} |")
+        floor = _value(t, "floor", "floor_us")
+        ours = _value(t, OURS, "time_us_median")
+        cells = [us(_value(t, *key)) for key in ((OURS, "time_us_median"), (OURS, "time_us_cudagraph"),
+                                                 (NEVER, "time_us_median"), (NEVER, "time_us_cudagraph"),
+                                                 (CASCADE, "time_us_median"), (SDPA, "time_us_median"),
+                                                 (SDPA, "time_us_cudagraph"))]
+        lines.append(f"| {d['source']} | {d['step']} | {d['tokens']} | {d['per']} | {d['heads']} | {us(floor)} | "
+                     + " | ".join(cells) + f" | {ratio_cell(ours, floor)} | "
+                     f"{ratio_cell(ours, _value(t, CASCADE, 'time_us_median'))} |")
     return lines
 
 
 def _legacy_sections(rows: list[dict], heading: str) -> list[str]:
     """An earlier harness's timings: prefixattn eager and graph-replayed, FlashInfer's cascade eager only."""
-    table = timings(rows)
+    table = index(rows)[TIMING]
     return [
         f"## {heading}: {provenance(rows)}",
         "",
@@ -335,22 +312,20 @@ def _legacy_sections(rows: list[dict], heading: str) -> list[str]:
 
 
 def _fair_full_table(rows: list[dict]) -> list[str]:
-    kernel = _gpu_report().kernel_rows(rows)
+    kernel = gpu.kernel_rows(rows)
     fa2 = any(r["cascade_fa2"] is not None for r in kernel)  # runs before the fa2 cascade have no such column
-    lines = ["| source | step | KV tokens per request | requests per prefix | heads q:kv | floor | prefixattn "
-             "| no sharing | FlashInfer best (config) | " + ("cascade fa2 / auto" if fa2 else "cascade")
-             + " | speedup | prefixattn / floor | warm L2 (ours / best) | eager (ours / best) |",
-             "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    cell = _gpu_report().ratio_cell
+    lines = head("source", "step", "KV tokens per request", "requests per prefix", "heads q:kv", "floor", "prefixattn",
+                 "no sharing", "FlashInfer best (config)", "cascade fa2 / auto" if fa2 else "cascade", "speedup",
+                 "prefixattn / floor", "warm L2 (ours / best)", "eager (ours / best)", right=9)
     for r in kernel:
         d = describe(r["full"])
-        cascade = f"{_us(r['cascade_fa2'])} / {_us(r['cascade'])}" if fa2 else _us(r["cascade"])
+        cascade = f"{us(r['cascade_fa2'])} / {us(r['cascade'])}" if fa2 else us(r["cascade"])
         lines.append(f"| {d['source']} | {d['step']} | {d['tokens']} | {d['per']} | {d['heads']} | "
-                     f"{_us(r['floor_o'])} | "
-                     f"{_us(r['ours'])} | {_us(r['never'])} | {_us(r['best'])} ({r['best_name'] or '-'}) | "
-                     f"{cascade} | {cell(r['best'], r['ours'])} | {cell(r['ours'], r['floor_o'])} | "
-                     f"{_us(r['ours_warm'])} / {_us(r['best_warm'])} | {_us(r['ours_eager'])} / "
-                     f"{_us(r['best_eager'])} |")
+                     f"{us(r['floor_o'])} | "
+                     f"{us(r['ours'])} | {us(r['never'])} | {us(r['best'])} ({r['best_name'] or '-'}) | "
+                     f"{cascade} | {ratio_cell(r['best'], r['ours'])} | {ratio_cell(r['ours'], r['floor_o'])} | "
+                     f"{us(r['ours_warm'])} / {us(r['best_warm'])} | {us(r['ours_eager'])} / "
+                     f"{us(r['best_eager'])} |")
     return lines
 
 
@@ -362,14 +337,13 @@ def _optional(heading: str, text: str, body: list[str]) -> list[str]:
 def _fair_sections(rows: list[dict]) -> list[str]:
     """The fair harness's timings: where prefixattn loses first, then every provider graph-replayed with the L2
     flushed, the floors and L2, the configurations that did not run, the model steps, the measured bytes."""
-    report = _gpu_report()
     failures = peer_failures(rows)
     return [
         "## Where prefixattn loses",
         "",
         f"In the run below ({provenance(rows)}), against FlashInfer's best configuration of each shape and step:",
         "",
-        *report.losses(rows),
+        *gpu.losses(rows),
         "",
         "Where sharing lost to prefixattn's own `sharing=\"never\"` plan of the same batch:",
         "",
@@ -394,22 +368,22 @@ def _fair_sections(rows: list[dict]) -> list[str]:
         *_optional("## Floors, the best rate reached, L2, prefixattn's classes alone",
                    "The memory floor's bytes are the distinct KV, q and out; a provider faster than that at the HBM "
                    "floor's rate by more than 3% read part of them from L2. prefixattn's work classes each run alone "
-                   "in a graph of their own.", report.floor_table(rows)),
-        *_optional("## Configurations that did not run", "", report.not_run(rows)),
+                   "in a graph of their own.", gpu.floor_table(rows)),
+        *_optional("## Configurations that did not run", "", gpu.not_run(rows)),
         "## Model step",
         "",
         "A Llama-3.1-8B-shaped decoder (random bf16 weights, all 32 layers) on batches from prefixattn's "
         "TokenBatcher ([gpu-check.md](gpu-check.md)); decode steps graph-replayed, mixed steps eager:",
         "",
-        *report.model_table(rows),
+        *gpu.model_table(rows),
         "",
-        *_optional("### prefixattn's work classes alone, one layer", "", report.model_class_lines(rows)),
+        *_optional("### prefixattn's work classes alone, one layer", "", gpu.model_class_lines(rows)),
         *_optional("## Whole batches to completion",
                    "Each workload's batch run until every request finished (eager steps, each planned on the host; "
                    "outputs an eighth of the workload's): prefixattn's scheduler with prefixattn, the same steps "
                    "with FlashInfer's best configuration, and an engine's default (arrival order, LRU prefix cache) "
-                   "with FlashInfer. Shares above 1 are prefixattn's gain.", report.whole_batch_table(rows)),
-        *_optional("## HBM bytes (Nsight Compute, caches flushed before each kernel)", "", report.bytes_table(rows)),
+                   "with FlashInfer. Shares above 1 are prefixattn's gain.", gpu.whole_batch_table(rows)),
+        *_optional("## HBM bytes (Nsight Compute, caches flushed before each kernel)", "", gpu.bytes_table(rows)),
     ]
 
 

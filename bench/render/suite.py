@@ -1,5 +1,5 @@
-"""Turn ``bench/results/latest.csv`` into a short markdown summary and PNG plots (``prefixattn bench`` calls
-:func:`write`; ``python bench/report.py [CSV]`` does it by hand).
+"""The pytest benchmark suite's report: ``bench/results/latest.csv`` as a short markdown summary and PNG plots
+(``prefixattn bench`` calls :func:`write` through bench/report.py; ``python bench/report.py [CSV]`` does it by hand).
 
 The summary leads with the memory-traffic headline - KV bytes per provider over the unique-KV lower bound, and the
 issue's targets (reported, never asserted) - then one compact table per other benchmark. Every number comes from the
@@ -8,11 +8,11 @@ CSV; modeled rows say "modeled".
 
 from __future__ import annotations
 
-import csv
 import re
-import sys
 from collections import defaultdict
 from pathlib import Path
+
+from render.table import head, pivot, read_rows, short
 
 TRAFFIC = "attention_traffic"
 MODELED = "attention_modeled"
@@ -25,41 +25,18 @@ MAX_GENERIC_ROWS = 40
 OURS = "prefixattn"
 
 
-def load(csv_path: Path) -> list[dict]:
-    with Path(csv_path).open() as f:
-        return list(csv.DictReader(f))
-
-
 def _shared_tokens(shape_label: str) -> int | None:
     """Shared-prefix length from a traffic shape label ``"<scenario><n>:<shared>/<distinct>/<group> [...]"``."""
     m = re.match(r"\w+?\d+:(\d+)/", shape_label)
     return int(m.group(1)) if m else None
 
 
-def _fmt(v: float) -> str:
-    if v == int(v) and abs(v) < 1e15:
-        return f"{int(v):,}"
-    return f"{v:.3g}"
-
-
-def _pivot(rows, benchmark, metric):
-    """{shape: {provider: value}} and the provider order of first appearance."""
-    table: dict = defaultdict(dict)
-    providers: list = []
-    for r in rows:
-        if r["benchmark"] == benchmark and r["metric"] == metric:
-            table[r["shape"]][r["provider"]] = float(r["value"])
-            if r["provider"] not in providers:
-                providers.append(r["provider"])
-    return table, providers
-
-
 def traffic_targets(rows) -> list[dict]:
     """Per traffic shape: prefixattn's KV/unique, the best peer's KV, and each of the issue's targets as
     True (met), False (not met) or None (does not apply to this shape)."""
-    kv, _ = _pivot(rows, TRAFFIC, "kv_bytes")
-    unique, _ = _pivot(rows, TRAFFIC, "unique_kv_bytes")
-    launches, _ = _pivot(rows, TRAFFIC, "launches")
+    kv, _ = pivot(rows, TRAFFIC, "kv_bytes")
+    unique, _ = pivot(rows, TRAFFIC, "unique_kv_bytes")
+    launches, _ = pivot(rows, TRAFFIC, "launches")
     out = []
     for shape, by_provider in kv.items():
         if OURS not in by_provider:
@@ -103,9 +80,8 @@ def _targets_lines(targets) -> list[str]:
              f"3. batches without sharing: <= {TARGET_NO_SHARING_OVER_BEST_PEER}x the KV bytes of the best peer: met "
              f"on {_count(targets, 'within_best_peer')}",
              f"4. one launch per call: met on {sum(t['one_launch'] for t in targets)}/{len(targets)}", "",
-             f"| shape | prefixattn / unique | best peer / unique | 1. <= {TARGET_SHARED_OVER_UNIQUE}x unique "
-             f"| 2. below every peer | 3. <= {TARGET_NO_SHARING_OVER_BEST_PEER}x best peer | 4. launches |",
-             "|---|---|---|---|---|---|---|"]
+             *head("shape", "prefixattn / unique", "best peer / unique", f"1. <= {TARGET_SHARED_OVER_UNIQUE}x unique",
+                   "2. below every peer", f"3. <= {TARGET_NO_SHARING_OVER_BEST_PEER}x best peer", "4. launches")]
     for t in targets:
         if t["best_peer"]:
             peer = f"{t['over_unique'] / t['over_best_peer']:.2f}x ({t['best_peer']})"
@@ -120,15 +96,14 @@ def _targets_lines(targets) -> list[str]:
 
 
 def _traffic_section(rows) -> list[str]:
-    ratio, providers = _pivot(rows, TRAFFIC, "kv_over_unique")
-    launches, _ = _pivot(rows, TRAFFIC, "launches")
+    ratio, providers = pivot(rows, TRAFFIC, "kv_over_unique")
+    launches, _ = pivot(rows, TRAFFIC, "launches")
     if not ratio:
         return []
     lines = ["## Memory traffic (measured in the Triton interpreter)", "",
              "KV bytes read / unique-KV lower bound (each distinct KV position read once), and launches per call. "
              "Same batch, same interpreter, every kernel unmodified; scaled-down BatchLLM Fig. 8 shapes "
-             "(paper setting, then the batch run).", "",
-             "| shape | " + " | ".join(providers) + " |", "|---|" + "---|" * len(providers)]
+             "(paper setting, then the batch run).", "", *head("shape", *providers)]
     for shape, by_provider in ratio.items():
         cells = []
         for p in providers:
@@ -155,10 +130,9 @@ def _modeled_section(rows) -> list[str]:
              "`prefixattn.sim.step_cost.measured_kernel_time`: max(FLOPs / peak, bytes / HBM bandwidth) + launches x "
              "launch overhead, on the bytes and launches measured above. The batches are the scaled-down ones "
              "(megabytes of KV), so the launch term dominates: these rows rank launch counts more than traffic. "
-             f"unit: {modeled[0]['unit']}", "",
-             "| shape | device | " + " | ".join(providers) + " |", "|---|---|" + "---|" * len(providers)]
+             f"unit: {modeled[0]['unit']}", "", *head("shape", "device", *providers)]
     for (shape, device), by_provider in table.items():
-        lines.append(f"| {shape} | {device} | " + " | ".join(_fmt(by_provider[p]) if p in by_provider else "-"
+        lines.append(f"| {shape} | {device} | " + " | ".join(short(by_provider[p]) if p in by_provider else "-"
                                                              for p in providers) + " |")
     return lines + [""]
 
@@ -188,27 +162,27 @@ def _plan_section(rows) -> list[str]:
              "prefill chunk's KV once per tile of its rows, so on mixed batches no tiled kernel reaches the bound. "
              "Tiles: the shipped sm90 (H100) table, as on that GPU (test_plan_time.PLAN_TARGET), not the CPU "
              "heuristic.", "",
-             "| shape | prefixattn tile loads / unique | query rows per suffix tile | work items | shared nodes "
-             f"| plan time (us, median; planner {'/'.join(sorted(planners))}) | sharing=never tile loads / unique |",
-             "|---|---|---|---|---|---|---|"]
+             *head("shape", "prefixattn tile loads / unique", "query rows per suffix tile", "work items",
+                   "shared nodes", f"plan time (us, median; planner {'/'.join(sorted(planners))})",
+                   "sharing=never tile loads / unique")]
     for shape in shapes:
         ours, never = table.get((shape, OURS), {}), table.get((shape, OURS + "-nosharing"), {})
 
         def ratio(m):
             return f"{m['tile_kv_load_bytes'] / m['unique_kv_bytes']:.2f}x" if "tile_kv_load_bytes" in m else "-"
 
-        lines.append(f"| {shape} | {ratio(ours)} | {_fmt(ours.get('rows_per_chunk_tile', 0))} | "
-                     f"{_fmt(ours.get('work_items', 0))} | "
-                     f"{_fmt(ours.get('shared_nodes', 0))} | {_fmt(round(ours.get('plan_us_median', 0)))} | "
+        lines.append(f"| {shape} | {ratio(ours)} | {short(ours.get('rows_per_chunk_tile', 0))} | "
+                     f"{short(ours.get('work_items', 0))} | "
+                     f"{short(ours.get('shared_nodes', 0))} | {short(round(ours.get('plan_us_median', 0)))} | "
                      f"{ratio(never)} |")
     return lines + [""]
 
 
 def _generic_section(rows, benchmark) -> list[str]:
     sel = [r for r in rows if r["benchmark"] == benchmark]
-    lines = [f"## {benchmark}", "", "| provider | shape | device | metric | value | unit |", "|---|---|---|---|---|---|"]
+    lines = [f"## {benchmark}", "", *head("provider", "shape", "device", "metric", "value", "unit")]
     for r in sel[:MAX_GENERIC_ROWS]:
-        lines.append(f"| {r['provider']} | {r['shape']} | {r['device']} | {r['metric']} | {_fmt(float(r['value']))} "
+        lines.append(f"| {r['provider']} | {r['shape']} | {r['device']} | {r['metric']} | {short(float(r['value']))} "
                      f"| {r['unit']} |")
     if len(sel) > MAX_GENERIC_ROWS:
         lines.append(f"| ... | {len(sel) - MAX_GENERIC_ROWS} more rows in latest.csv | | | | |")
@@ -237,7 +211,7 @@ def plot(rows, out_dir: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     written = []
-    ratio, providers = _pivot(rows, TRAFFIC, "kv_over_unique")
+    ratio, providers = pivot(rows, TRAFFIC, "kv_over_unique")
     layouts = defaultdict(list)
     for shape in ratio:
         m = re.search(r"/(h\d+:\d+)/", shape)
@@ -292,7 +266,7 @@ def write(csv_path: Path, out_dir: Path | None = None) -> tuple[Path, list[Path]
     csv_path = Path(csv_path)
     out_dir = Path(out_dir or csv_path.parent)
     out_dir.mkdir(parents=True, exist_ok=True)
-    rows = load(csv_path)
+    rows = read_rows(csv_path)
     md = out_dir / "summary.md"
     md.write_text(summary(rows) + "\n")
     try:
@@ -302,8 +276,9 @@ def write(csv_path: Path, out_dir: Path | None = None) -> tuple[Path, list[Path]
     return md, pngs
 
 
-if __name__ == "__main__":
-    path = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).parent / "results" / "latest.csv"
-    md, pngs = write(path)
+def main(argv: list[str], default_csv: Path) -> int:
+    """``python bench/report.py [CSV]``: :func:`write` for the CSV (else ``default_csv``), then print the summary."""
+    md, pngs = write(Path(argv[0]) if argv else default_csv)
     print(md.read_text())
     print("plots:", ", ".join(str(p) for p in pngs) or "none")
+    return 0
