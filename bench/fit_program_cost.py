@@ -48,7 +48,7 @@ SWEEPS = (("shared", "82be9f2", f"{SLUG}-82be9f2-tiles.csv", "eager"),
 VALIDATION = ("ba41bb7", f"{SLUG}-ba41bb7.csv")
 TARGET = "sm90"
 NUM_SMS = 132
-#: The sweeps' kernels: fp16, head_dim 128 (gpu_tile_sweep.py).
+#: The sweeps' kernels: fp16, head_dim 128 (gpu_check/tile_sweep.py).
 HEAD_DIM, DTYPE = 128, "fp16"
 #: Rows faster than this measured the host more than the kernel (eager launches of tiny shapes): left out of the fit.
 MIN_MEASURED_US = 60.0
@@ -86,6 +86,7 @@ def dump(suite: str, csv_name: str, out: Path) -> None:
     sys.path[:0] = [str(tree / "bench"), str(tree)]
     import torch
 
+    # The checkout's own modules, by their names then (bench/ was flat: bench/gpu_tile_sweep.py, bench/shapes.py).
     import gpu_tile_sweep
     import prefixattn
     from prefixattn.autotune.lookup import fixed_config
@@ -124,6 +125,7 @@ def dump_validation(csv_name: str, out: Path) -> None:
     sys.path[:0] = [str(tree / "bench"), str(tree)]
     import torch
 
+    # The checkout's own modules, by their names then (bench/ was flat: bench/gpu_cases.py, bench/shapes.py).
     import gpu_cases
     import prefixattn
     from prefixattn.autotune.config_space import AttentionConfig, Tiles
@@ -309,9 +311,9 @@ def fit(evidences: list[dict]) -> dict:
     from prefixattn.autotune.config_space import AttentionConfig
 
     sys.path.insert(0, str(BENCH))
-    import gpu_tile_sweep
+    from gpu_check import tile_sweep
 
-    configs = {c.short(): c for suite in gpu_tile_sweep.SUITES for c in gpu_tile_sweep.SUITES[suite][0]()}
+    configs = {c.short(): c for suite in tile_sweep.SUITES for c in tile_sweep.SUITES[suite][0]()}
     groups: dict = {}
     binaries: dict = {}
     for ev, (_, _, _, timing) in zip(evidences, SWEEPS):

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import numpy as np  # noqa: E402
 
-from prefix_workloads import batchllm_case1_packed, blendserve_mix  # noqa: E402
+from batches.prompts import batchllm_case1_packed, blendserve_mix  # noqa: E402
 
 from prefixattn.scheduling import group_prompts, order_groups  # noqa: E402
 

@@ -122,7 +122,7 @@ def compare(num_requests: int, repeats: int) -> dict:
     + insert (median of ``repeats`` runs) on BatchLLM case-1 prompts, all in this process."""
     import statistics
 
-    from prefix_workloads import batchllm_case1
+    from batches.prompts import batchllm_case1
 
     prompts = batchllm_case1(num_requests)
     lists = [p.tolist() for p in prompts]

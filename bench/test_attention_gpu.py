@@ -17,10 +17,10 @@ import os
 import pytest
 import torch
 
+from batches.shapes import build_batch, fig8_shapes, flashinfer_cascade_grid
 from peers.base import ENGINE_OF, MODULE_OF
 from peers.gpu import GPU_ONLY, Unavailable
 from peers.measure import TOLERANCE
-from shapes import build_batch, fig8_shapes, flashinfer_cascade_grid
 
 _ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
 pytestmark = [pytest.mark.gpu,

@@ -17,14 +17,15 @@ import pytest
 
 from prefixattn.sim.step_cost import measured_kernel_time
 
+from batches.shapes import TRAFFIC_SHAPES, in_default_traffic_grid
 from peers.base import CPU_PROVIDERS
 from peers.cache import measurements, start_selected
-from shapes import TRAFFIC_SHAPES, in_default_traffic_grid
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="models time from interpreter-measured traffic (TRITON_INTERPRET=1)")
 
-#: The whole grid; the shapes outside the default part are marked slow (shapes.TRAFFIC_DEFAULT says which and why).
+#: The whole grid; the shapes outside the default part are marked slow (batches.shapes.TRAFFIC_DEFAULT says which
+#: and why).
 SHAPES = [pytest.param(s, id=s.name, marks=() if in_default_traffic_grid(s) else pytest.mark.slow)
           for s in TRAFFIC_SHAPES]
 BENCHMARK = "attention_modeled"
@@ -36,7 +37,7 @@ _MATMULS = 2  # QK^T and PV
 def attention_flops(shape) -> float:
     """FLOPs the batch needs (every visible (query, key) pair, QK^T and PV, all query heads): the same for every
     provider, so modeled differences come from measured bytes and launches only."""
-    from shapes import build_batch
+    from batches.shapes import build_batch
 
     b = build_batch(shape, metadata_only=True)
     q = b.q_lens.astype(np.float64)

@@ -1,6 +1,6 @@
 """Measured memory traffic on the CPU interpreter: prefixattn vs the engines' own Triton kernels on the same batches.
 
-Every provider runs the same scaled-down BatchLLM Fig. 8 batch (bench/shapes.py) under the interpreter traffic
+Every provider runs the same scaled-down BatchLLM Fig. 8 batch (bench/batches/shapes.py) under the interpreter traffic
 counter (bench/traffic); rows per (provider, shape): ``kv_bytes`` (K and V bytes loaded, masked lanes excluded),
 ``unique_kv_bytes`` (each distinct KV position of the batch read once: the lower bound), ``launches``, and
 details. Peers run where their engine is installed (bench/peers/remote.py); a missing engine skips its column only.
@@ -16,14 +16,15 @@ from __future__ import annotations
 import os
 import pytest
 
+from batches.shapes import TRAFFIC_SHAPES, in_default_traffic_grid
 from peers.base import CPU_PROVIDERS
 from peers.cache import measurements, start_selected
-from shapes import TRAFFIC_SHAPES, in_default_traffic_grid
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="measures traffic in the Triton interpreter (TRITON_INTERPRET=1, no --gpu)")
 
-#: The whole grid; the shapes outside the default part are marked slow (shapes.TRAFFIC_DEFAULT says which and why).
+#: The whole grid; the shapes outside the default part are marked slow (batches.shapes.TRAFFIC_DEFAULT says which
+#: and why).
 SHAPES = [pytest.param(s, id=s.name, marks=() if in_default_traffic_grid(s) else pytest.mark.slow)
           for s in TRAFFIC_SHAPES]
 BENCHMARK = "attention_traffic"

@@ -24,7 +24,7 @@ from prefixattn.autotune.lookup import planning_target
 from prefixattn.lcp_tree import clear_tree_cache
 from prefixattn.planner.backend import planner_name
 import host_reference
-from shapes import Shape, build_batch, fig8_shapes
+from batches.shapes import Shape, build_batch, fig8_shapes
 
 BENCHMARK = "plan_time"
 #: Timed plan() calls per shape after warm-up: enough for stable percentiles of a ~1 ms call.
@@ -116,7 +116,7 @@ def _decode_steps(batch, num_steps: int, staggered: bool = False):
         batch.num_blocks + fresh.size
 
 
-#: The headline rows get their own benchmark name: the report lists them as they are (bench/report.py's generic
+#: The headline rows get their own benchmark name: the report lists them as they are (bench/render/suite.py's generic
 #: section), apart from the full-size grid's table.
 TARGETS_BENCHMARK = "plan_time_targets"
 

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from prefix_workloads import batchllm_case1
+from batches.prompts import batchllm_case1
 
 from prefixattn.scheduling import PrefixGroup, TokenBatcher, group_prompts, optimal_saving_ratio, saving_ratio
 

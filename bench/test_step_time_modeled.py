@@ -1,7 +1,7 @@
 """Modeled step times of every shape of the GPU check, next to the committed measurements (host only, no kernel):
 the calibrated program-cost model (prefixattn.autotune.program_cost, fitted by bench/fit_program_cost.py) priced on
 today's plans for an H100, the same model's held-out check on the plans the measured H100 commit ran, and the newest
-GPU check's fair measurements (bench/perf_page.py's ``HEADLINE_RUN``).
+GPU check's fair measurements (``HEADLINE_RUN`` of bench/render/performance.py).
 
 Columns, per shape (microseconds; "modeled" everywhere it is not a measurement):
 
@@ -27,12 +27,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import gpu_cases
 import prefixattn
-from perf_page import HEADLINE_RUN
+from batches.shapes import build_batch
+from gpu_check.cases import timing_shapes
 from prefixattn.autotune.lookup import planning_target
 from prefixattn.autotune.program_cost import calibration
-from shapes import build_batch
+from render.performance import HEADLINE_RUN
 
 BENCHMARK = "step_time_modeled"
 RESULTS_GPU = Path(__file__).parent / "results" / "gpu"
@@ -83,7 +83,7 @@ def test_step_time_modeled(results):
              f"{'shape':34s} {'measured':>9s} {'mod.then':>9s} {'err':>6s} {'mod.now':>9s} {'now/then':>8s} "
              f"{'never':>8s} {'FI eager':>9s} {'floor':>8s} {'now/floor':>9s} {'latest':>8s} {'mod/latest':>10s} "
              f"{'FI best':>8s}   (latest: {HEADLINE_RUN})"]
-    for s in gpu_cases.timing_shapes(False):
+    for s in timing_shapes(False):
         label = _label(s)
         batch = build_batch(s, metadata_only=True)
         now = _plan(batch, s, "auto").stats["modeled_step_us"] + graph_us

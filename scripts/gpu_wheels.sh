@@ -46,8 +46,9 @@ if [ "$total" -gt $((LIMIT_MIB * 1024 * 1024)) ]; then
 fi
 
 if [ "${1:-}" = "--aot" ]; then
-  # FlashInfer's JIT modules of the peers (bench/gpu_jit.py:specs) built for sm90a on this machine, with this python
-  # (it needs torch) and the same FlashInfer and tvm-ffi pins; scripts/gpu_check.sh installs them as AOT modules.
+  # FlashInfer's JIT modules of the peers (bench/gpu_check/flashinfer_jit.py:specs) built for sm90a on this machine,
+  # with this python (it needs torch) and the same FlashInfer and tvm-ffi pins; scripts/gpu_check.sh installs them as
+  # AOT modules.
   tmp=$(mktemp -d)
   trap 'rm -rf "$tmp"' EXIT
   "$PYTHON" -m pip download -q --no-deps --only-binary=:all: -d "$tmp/whl" "${WHEELS[@]}" "${CUDA_WHEELS[@]}"
@@ -60,7 +61,8 @@ if [ "${1:-}" = "--aot" ]; then
   rm -rf "$DEST/flashinfer-aot"
   start=$SECONDS
   CUDA_HOME="$cu" FLASHINFER_CUDA_ARCH_LIST="9.0a" FLASHINFER_WORKSPACE_BASE="$tmp/ws" PATH="$tmp/site/bin:$PATH" \
-    MAX_JOBS="${MAX_JOBS:-$(nproc)}" PYTHONPATH="$tmp/site" "$PYTHON" bench/gpu_jit.py --aot-build "$DEST/flashinfer-aot"
+    MAX_JOBS="${MAX_JOBS:-$(nproc)}" PYTHONPATH="$tmp/site:$PWD/bench" "$PYTHON" -m gpu_check.flashinfer_jit \
+    --aot-build "$DEST/flashinfer-aot"
   total=$(du -cb "$DEST"/*.whl "$DEST/flashinfer-aot" | tail -1 | cut -f1)
   echo "gpu wheels: FlashInfer AOT modules built in $((SECONDS - start)) s; .whl/ now $((total / 1024)) KiB"
   if [ "$total" -gt $((LIMIT_MIB * 1024 * 1024)) ]; then

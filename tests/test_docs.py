@@ -295,5 +295,6 @@ def test_performance_page_and_readme_table_are_current():
     perf_page = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(perf_page)
     runs = perf_page.load_runs()
-    assert perf_page.HEADLINE_RUN in runs, "bench/perf_page.py: HEADLINE_RUN names no CSV in bench/results/gpu/"
+    assert perf_page.HEADLINE_RUN in runs, ("bench/render/performance.py: HEADLINE_RUN names no CSV in "
+                                            "bench/results/gpu/")
     assert not perf_page.stale(runs), "run `python bench/perf_page.py --write` and commit the result"

@@ -108,11 +108,13 @@ def _check_model_steps_and_batches(by, csv_path) -> None:
 
 
 def test_tile_sweep_dry_run_times_every_candidate_on_every_shape(tmp_path):
-    """bench/gpu_tile_sweep.py (the evidence behind configs/sm90.measured.json): both suites, tiny shapes in the
+    """bench/gpu_check/tile_sweep.py (the evidence behind configs/sm90.measured.json): both suites, tiny shapes in the
     interpreter; every (shape, candidate) row is checked against the reference, and each family gets a ranking."""
+    path = [str(ROOT / "bench"), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))  # the gpu_check package, as scripts/gpu_check.sh sets it
     for suite, per_shape in (("shared", 16), ("plain", 10)):
-        proc = subprocess.run([sys.executable, "bench/gpu_tile_sweep.py", "--dry-run", "--suite", suite, "--out",
-                               str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        proc = subprocess.run([sys.executable, "-m", "gpu_check.tile_sweep", "--dry-run", "--suite", suite, "--out",
+                               str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         out = proc.stdout + proc.stderr
         assert proc.returncode == 0, out[-4000:]
         [csv_path] = tmp_path.glob(f"cpu-interpreter-*-tiles{'' if suite == 'shared' else '-plain'}.csv")

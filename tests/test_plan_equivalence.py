@@ -32,10 +32,10 @@ if str(ROOT / "bench") not in sys.path:
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from batches.shapes import build_batch, fig8_shapes  # noqa: E402
 from prefixattn import plan  # noqa: E402
 from prefixattn.autotune.lookup import fixed_config  # noqa: E402
 from prefixattn.lcp_tree import clear_tree_cache  # noqa: E402
-from shapes import build_batch, fig8_shapes  # noqa: E402
 from tests.prefix_batches import random_batch  # noqa: E402
 
 GOLDEN = Path(__file__).with_name("plan_golden.json")
@@ -199,7 +199,7 @@ def test_plan_output_unchanged(golden, name, config_key, thunk):
 def test_decode_loop_matches_cold_plans(per_group):
     """A decode loop (each step every request one token longer, a new block on a boundary) planned step after step
     (the planner may reuse its last tree) gives the plans of cold plans of the same steps."""
-    from shapes import Shape
+    from batches.shapes import Shape
 
     shape = Shape(scenario="decode", num_decode=12, num_prefill=0, shared=64, distinct=13, per_group=per_group,
                   num_qo_heads=8, num_kv_heads=2, head_dim=64, block_size=4)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from bench.shapes import DTYPES, Shape, build_batch, fig8_shapes
+from bench.batches.shapes import DTYPES, Shape, build_batch, fig8_shapes
 from prefixattn import plan
 from prefixattn.autotune.buckets import dtype_name
 from prefixattn.autotune.lookup import planning_target

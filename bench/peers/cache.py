@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
+from batches.shapes import build_batch
 from peers.base import ENGINE_OF
 from peers.measure import measure
 from peers.remote import Worker, engine_python
-from shapes import build_batch
 
 _SINGLETON = None
 

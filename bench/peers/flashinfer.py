@@ -93,7 +93,7 @@ class PagedMeta:
 
 
 def meta_of(batch) -> PagedMeta:
-    """A :class:`shapes.Batch`'s metadata (its groups are the oracle prefix groups)."""
+    """A :class:`batches.shapes.Batch`'s metadata (its groups are the oracle prefix groups)."""
     s = batch.shape
     return PagedMeta(qo_indptr=batch.qo_indptr.to(torch.int32), kv_lens=batch.kv_lens.to(torch.int32),
                      block_table=batch.block_table.to(torch.int32), block_size=s.block_size,
@@ -428,8 +428,8 @@ def plan_peer(name: str, meta: PagedMeta, *, graph: bool = True) -> Peer:
 
 
 def prepare(batch, name: str, *, graph: bool = True) -> Prepared:
-    """The bench's provider interface for a :class:`shapes.Batch`: ``run()`` launches the peer on the batch's q and
-    caches; ``output`` turns its result into ``out``."""
+    """The bench's provider interface for a :class:`batches.shapes.Batch`: ``run()`` launches the peer on the batch's
+    q and caches; ``output`` turns its result into ``out``."""
     peer = plan_peer(name, meta_of(batch), graph=graph)
 
     def run():

@@ -3,8 +3,8 @@
 flash-attn cascade vLLM used to run (prefix pass + suffix pass + merge), and torch SDPA. Each one imports its
 package lazily; a missing package raises :class:`Unavailable` (the test skips that column with the reason).
 
-Every adapter takes the same :class:`shapes.Batch` (paged caches ``[num_blocks, block_size, num_kv_heads, head_dim]``,
-FlashInfer's "NHD" layout) and does its host-side planning in ``prepare``; ``run()`` is what is timed.
+Every adapter takes the same :class:`batches.shapes.Batch` (paged caches ``[num_blocks, block_size, num_kv_heads,
+head_dim]``, FlashInfer's "NHD" layout) and does its host-side planning in ``prepare``; ``run()`` is what is timed.
 """
 
 from __future__ import annotations

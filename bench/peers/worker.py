@@ -14,7 +14,7 @@ import traceback
 
 def main(argv: list[str]) -> int:
     from peers.measure import measure
-    from shapes import Shape, build_batch
+    from batches.shapes import Shape, build_batch
 
     providers = argv
     for line in sys.stdin:

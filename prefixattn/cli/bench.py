@@ -92,7 +92,8 @@ def run(args) -> int:
     latest = Path(env.get("PREFIXATTN_BENCH_RESULTS") or bench / "results" / "latest.csv")  # see bench/conftest.py
     report = bench / "report.py"
     if latest.exists() and report.exists():
-        # The suite's own report (bench/report.py): traffic headline, targets, per-benchmark tables, PNG plots.
+        # The suite's own report (bench/report.py, over bench/render/suite.py): traffic headline, targets,
+        # per-benchmark tables, PNG plots.
         spec = importlib.util.spec_from_file_location("prefixattn_bench_report", report)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)

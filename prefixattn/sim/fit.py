@@ -1,17 +1,16 @@
 """The simulator's GPU cost model calibrated against measured model steps, and judged on steps it was not fitted to.
 
-The GPU check's model step (bench/model_step.py) times real Llama-3.1-8B-shaped steps per attention provider and
-writes them, with each step's shape, to ``<gpu>-<commit>-model-steps.json``. :func:`fit` chooses the constants of
+The GPU check's model step (bench/gpu_check/model_step.py) times real Llama-3.1-8B-shaped steps per attention provider
+and writes them, with each step's shape, to ``<gpu>-<commit>-model-steps.json``. :func:`fit` chooses the constants of
 :mod:`prefixattn.sim.calibration` listed in :data:`FIT_CONSTANTS`, each inside its physical bounds (:func:`bounds`),
-that make :class:`CostModel` reproduce those step times and their attention times (least squares on log ratios,
-bounded golden-section coordinate search), and reports the error before and after and which constants sit at a bound.
+that make :class:`CostModel` reproduce those step times and their attention times (least squares on log ratios, bounded
+golden-section coordinate search), and reports the error before and after and which constants sit at a bound.
 :func:`held_out` judges the model the way it is used, on steps it has not seen: leave one step out, fit on the other
 steps' records, predict every provider of the left-out step, and check the step-time error and whether the model names
-the faster provider of each pair in :data:`PAIRS` wherever the measured margin exceeds :data:`MARGIN`
-(:mod:`prefixattn.sim.held_out`).
-:func:`table1` re-runs BatchLLM Table 1 case 1 with the default and the fitted constants, beside the paper's ratios.
-The constants are fractions of the spec-sheet peaks, so a fit on one GPU carries to another only as an assumption
-(Table 1 is an A100 run); the report says so.
+the faster provider of each pair in :data:`PAIRS` wherever the measured margin exceeds its ``MARGIN``
+(:mod:`prefixattn.sim.held_out`). :func:`table1` re-runs BatchLLM Table 1 case 1 with the default and the fitted
+constants, beside the paper's ratios. The constants are fractions of the spec-sheet peaks, so a fit on one GPU carries
+to another only as an assumption (Table 1 is an A100 run); the report says so.
 
 Command: ``python -m prefixattn.sim.fit STEPS.json [--table1-requests N]`` (markdown on stdout). Modeled numbers are
 labelled modeled; measured ones name their device.

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from shapes import Shape, build_batch
+from batches.shapes import Shape, build_batch
 
 from prefixattn import reference_attention
 

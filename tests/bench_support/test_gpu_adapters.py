@@ -4,9 +4,9 @@ against the fp32 reference, and the CUDA-only peers turning a missing package in
 import pytest
 import torch
 
+from batches.shapes import Shape, build_batch
 from peers.gpu import GPU_ONLY, Unavailable, prepare_sdpa
 from peers.measure import TOLERANCE
-from shapes import Shape, build_batch
 
 from prefixattn import reference_attention
 

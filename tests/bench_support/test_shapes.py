@@ -1,11 +1,12 @@
-"""bench/shapes.py: the unique-KV lower bound every traffic ratio divides by, the batch layout, and the default
-(not slow) part of the traffic grid."""
+"""bench/batches/shapes.py: the unique-KV lower bound every traffic ratio divides by, the batch layout, and the
+default (not slow) part of the traffic grid."""
 
 import numpy as np
 import pytest
 import torch
 
-from shapes import FIG8_SETTINGS, NO_SHARING_SETTINGS, TRAFFIC_SHAPES, Shape, build_batch, in_default_traffic_grid
+from batches.shapes import (FIG8_SETTINGS, NO_SHARING_SETTINGS, TRAFFIC_SHAPES, Shape, build_batch,
+                            in_default_traffic_grid)
 
 ODD = Shape(scenario="mixed", num_decode=5, num_prefill=2, shared=32, distinct=9, per_group=3, num_qo_heads=4,
             num_kv_heads=2, head_dim=8)

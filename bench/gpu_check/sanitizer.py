@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 import time
 
 CASES = ("decode", "mixed", "split_k", "multi_level", "window", "sinks", "fp8", "graph_replay")
@@ -22,7 +21,7 @@ TOOLS = {"racecheck": 0.4, "memcheck": 0.3, "synccheck": 0.3}
 #: Substring of the kernels instrumented: prefixattn's attention kernels (torch's own kernels are not ours; their
 #: instrumentation would only slow the run). A renamed kernel must keep it, or this constant must change.
 KERNEL_FILTER = "kns=prefix_attention"
-#: Batch scale of the cases on a GPU (gpu_cases.build_case): small, so three instrumented passes over eight cases fit
+#: Batch scale of the cases on a GPU (cases.build_case): small, so three instrumented passes over eight cases fit
 #: the step (the first GPU run's one split-k case at scale 8 took 13 s under racecheck, 9 s under memcheck); split-k
 #: still splits at this size (64 SMs assumed, 16-token chunks).
 GPU_CASE_SCALE = 2
@@ -32,27 +31,27 @@ FP8_SCALES = (0.5, 0.25)
 
 
 def _case(name: str, gpu: bool):
-    """The gpu_cases.Case whose batch the case runs (its scenario, production layout on a GPU)."""
+    """The cases.Case whose batch the case runs (its scenario, production layout on a GPU)."""
     import torch
 
-    import gpu_cases
+    from gpu_check import cases
 
     dtype = torch.bfloat16 if gpu else torch.float32  # the interpreter's bf16 arithmetic is wrong
     head_dim = 128 if gpu else 32
     scenario = {"window": "mixed", "sinks": "mixed", "fp8": "decode", "graph_replay": "decode"}.get(name, name)
-    return gpu_cases.Case(scenario, dtype, head_dim, 8 if gpu else 4, 16)
+    return cases.Case(scenario, dtype, head_dim, 8 if gpu else 4, 16)
 
 
 def run_case(name: str, device: str, gpu: bool) -> dict:
     """One sanitizer case, checked against the fp64 reference: ``{"passed", "max_abs_err"}``."""
     import torch
 
-    import gpu_cases
+    from gpu_check import cases
     import prefixattn
     from tests.tolerances import ATTENTION_TOL
 
     case = _case(name, gpu)
-    b, options = gpu_cases.build_case(case, GPU_CASE_SCALE if gpu else 1, seed=CASES.index(name))
+    b, options = cases.build_case(case, GPU_CASE_SCALE if gpu else 1, seed=CASES.index(name))
     q, k, v = (t.to(device) for t in (b.q, b.k_cache, b.v_cache))
     meta = tuple(t.to(device) for t in b.metadata)
     run_kw, ref_kw = {}, {}
@@ -129,8 +128,9 @@ def run_all(device: str, gpu: bool, results=None, prefix: str = "sanitize case")
 
 
 def step_sanitizer(args, results, skips, driver, which) -> None:
-    """One compute-sanitizer child per tool over all cases; rows ``gpu_check_sanitizer``."""
-    from gpu_check_steps import Clock
+    """One compute-sanitizer child per tool over all cases (``driver``: the command that runs the driver, given
+    ``--sanitize-cases``; ``which``: finds the tool); rows ``gpu_check_sanitizer``."""
+    from gpu_check.clock import Clock
 
     clock = Clock("sanitizer", skips)
     if args.dry_run:
@@ -141,8 +141,8 @@ def step_sanitizer(args, results, skips, driver, which) -> None:
         return clock.skip("compute-sanitizer not found on PATH or in /usr/local/cuda/bin")
     for tool, share in TOOLS.items():
         limit = max(1.0, min(clock.left(), clock.seconds * share))
-        cmd = [exe, "--tool", tool, "--kernel-name", KERNEL_FILTER, "--print-limit", "20", sys.executable,
-               str(driver), "--sanitize-cases"]
+        cmd = [exe, "--tool", tool, "--kernel-name", KERNEL_FILTER, "--print-limit", "20", *driver,
+               "--sanitize-cases"]
         start = time.monotonic()
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=limit)

@@ -1,4 +1,4 @@
-"""The GPU check's eager small-shape step (driver: bench/gpu_check.py): the smallest decode steps, where a layer is
+"""The GPU check's eager small-shape step (driver: driver.py): the smallest decode steps, where a layer is
 host-bound when it runs eagerly (not inside a CUDA graph), timed per layer as an engine's eager loop runs them.
 
 For each shape, ``LAYERS`` layers of ``attention()`` (free plan) and of ``PrefixSharedAttention.run()`` (an eager
@@ -66,7 +66,7 @@ def step_eager_small(args, results, skips, device: str) -> None:
     import torch
 
     import prefixattn
-    from gpu_check_steps import Clock
+    from gpu_check.clock import Clock
     from prefixattn import launcher
 
     clock = Clock("eager_small", skips)

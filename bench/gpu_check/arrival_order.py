@@ -1,6 +1,6 @@
 """What an engine does by default, in miniature: requests in arrival order, chunked prefill, an LRU prefix cache.
 
-The whole-batch runs (bench/gpu_whole_batch.py) compare prefixattn's scheduler (TokenBatcher: groups, BatchLLM's
+The whole-batch runs (whole_batch.py) compare prefixattn's scheduler (TokenBatcher: groups, BatchLLM's
 order) with this: vLLM's schedule as its V1 scheduler runs it by default. Each step, under a token budget, the
 running requests first in arrival order (a decode is one token, an unfinished prefill its next chunk), then waiting
 requests in arrival order while the budget and the blocks last. A request admitted first looks its prompt up in the
@@ -19,7 +19,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from model_layout import StepLayout
+from gpu_check.model_layout import StepLayout
 
 
 #: Requests running at once: vLLM's default ``max_num_seqs``.

@@ -1,10 +1,12 @@
-"""Tile-config sweep on a GPU: the GPU check's timing shapes (bench/gpu_cases.py) under a set of candidate configs of
+"""Tile-config sweep on a GPU: the GPU check's timing shapes (cases.py) under a set of candidate configs of
 the fused kernel, each checked against the reference and timed: the evidence behind a target's measured overrides
 (``prefixattn/autotune/configs/<target>.measured.json``); ``prefixattn tune`` times synthetic steps instead.
 
-    python bench/gpu_tile_sweep.py [--out DIR] [--budget SECONDS]   # on the GPU machine, ~4 minutes
-    python bench/gpu_tile_sweep.py --suite plain                    # no sharing: the suffix-only launch's tiles
-    python bench/gpu_tile_sweep.py --dry-run                        # any CPU machine: tiny shapes, interpreter
+    PYTHONPATH=bench python -m gpu_check.tile_sweep [--out DIR] [--budget SECONDS]   # on the GPU machine, ~4 minutes
+    PYTHONPATH=bench python -m gpu_check.tile_sweep --suite plain    # no sharing: the suffix-only launch's tiles
+    PYTHONPATH=bench python -m gpu_check.tile_sweep --dry-run        # any CPU machine: tiny shapes, interpreter
+
+(from the repository root).
 
 Suites: ``shared`` (default), the timing shapes, eager ``do_bench`` as the GPU check times them (shapes under
 ~150 us measure the host's launch overhead more than the kernel: rank on the larger ones); ``plain``, batches without
@@ -30,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent
+BENCH = Path(__file__).resolve().parents[1]
 ROOT = BENCH.parent
 #: Compile workers of phase 1: each holds one full-size batch at a time (up to ~10 GB for 256 requests x 2.3K tokens
 #: at MHA 32:32), so 6 fit an 80 GB card with room for the cache allocator.
@@ -90,7 +92,7 @@ def plain_shapes(dry_run: bool) -> list:
     """No shared prefix, fp16, head_dim 128, 32 query heads, at GQA 1, 4 and 8: decode (128 requests x 4K tokens and
     32 x 16K: ~9 GB of MHA cache each, so the reference and the compile workers fit the card), 7 prefill chunks of 2K
     tokens with 256 decodes of 2K, and 8 prompts of 1K tokens."""
-    from shapes import Shape
+    from batches.shapes import Shape
 
     if dry_run:
         return [Shape(scenario="decode", num_decode=3, num_prefill=0, shared=0, distinct=20, per_group=0,
@@ -108,8 +110,14 @@ def plain_shapes(dry_run: bool) -> list:
     return out
 
 
-SUITES = {"shared": (candidates, lambda dry_run: __import__("gpu_cases").timing_shapes(dry_run)),
-          "plain": (plain_candidates, plain_shapes)}
+def timing_shapes(dry_run: bool) -> list:
+    """The GPU check's timing shapes (imported here: the caller sets ``TRITON_INTERPRET`` before torch loads)."""
+    from gpu_check.cases import timing_shapes as shapes_of_the_check
+
+    return shapes_of_the_check(dry_run)
+
+
+SUITES = {"shared": (candidates, timing_shapes), "plain": (plain_candidates, plain_shapes)}
 
 
 #: ``--only-configs`` / ``--only-shapes`` (set by main, read by the workers too): a sweep of part of a suite.
@@ -152,7 +160,7 @@ def compile_worker(suite: str, pairs: list[tuple[int, int]], device: str) -> int
     import torch
 
     import prefixattn
-    from shapes import build_batch
+    from batches.shapes import build_batch
 
     configs = configs_of(suite)
     for j, shape in enumerate(shapes(suite, dry_run=device == "cpu")):
@@ -185,8 +193,10 @@ def compile_all(suite: str, dry_run: bool, workers: int, limit_s: float) -> None
     pairs = [(i, j) for i in range(len(configs_of(suite))) for j in range(len(shapes(suite, dry_run)))]
     device = "cpu" if dry_run else "cuda"
     only = [f"--only-{k}={','.join(v)}" for k, v in ONLY.items() if v is not None]
-    procs = [subprocess.Popen([sys.executable, str(Path(__file__)), "--suite", suite, *only, "--compile-worker",
-                               ",".join(f"{i}:{j}" for i, j in pairs[w::workers]), "--device", device],
+    # The workers inherit the working directory and PYTHONPATH that found this package.
+    procs = [subprocess.Popen([sys.executable, "-m", "gpu_check.tile_sweep", "--suite", suite, *only,
+                               "--compile-worker", ",".join(f"{i}:{j}" for i, j in pairs[w::workers]),
+                               "--device", device],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for w in range(min(workers, len(pairs)))]
     start = time.monotonic()
@@ -220,7 +230,7 @@ def sweep(suite: str, dry_run: bool, out_csv: Path, deadline: float) -> list[dic
     import torch
 
     import prefixattn
-    from shapes import build_batch
+    from batches.shapes import build_batch
     from tests.tolerances import ATTENTION_TOL
 
     device = "cpu" if dry_run else "cuda"
@@ -282,7 +292,7 @@ def ranking(rows: list[dict]) -> dict[str, list[tuple[float, str, int]]]:
 
 
 def main(argv) -> int:
-    ap = argparse.ArgumentParser(prog="bench/gpu_tile_sweep.py", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m gpu_check.tile_sweep", description=__doc__.splitlines()[0])
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes in the Triton interpreter (CPU)")
     ap.add_argument("--out", default=None, help="results folder (default bench/results/gpu; dry-run: bench/results)")
     ap.add_argument("--budget", type=float, default=480.0, help="seconds for both phases (default %(default)s)")
@@ -313,7 +323,7 @@ def _sweep_main(args) -> int:
     if not args.dry_run and not torch.cuda.is_available():
         print("tile sweep: no CUDA device here (use --dry-run on a CPU machine)", file=sys.stderr)
         return 2
-    from gpu_check import _results_class, device_slug
+    from gpu_check.driver import _results_class, device_slug
 
     info = _results_class()()  # the device, versions and commit, as the GPU check names its files
     out_dir = Path(args.out) if args.out else BENCH / "results" / ("gpu" if not args.dry_run else "")

@@ -46,7 +46,7 @@ def run(api: str, dry_run: bool, device: str) -> dict:
     import torch
 
     import prefixattn
-    from gpu_graph_check import _batches
+    from gpu_check.graphs import _batches
 
     dtype = torch.float32 if dry_run else torch.bfloat16
     heads = dict(num_qo_heads=2, num_kv_heads=1, head_dim=64, block_size=16) if dry_run else \
@@ -103,7 +103,7 @@ def run(api: str, dry_run: bool, device: str) -> dict:
 
 
 def step_plan_ahead(args, results, skips, device: str) -> None:
-    from gpu_check_steps import Clock
+    from gpu_check.clock import Clock
 
     clock = Clock("plan_ahead", skips)
     for api in APIS:

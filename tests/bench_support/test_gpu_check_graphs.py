@@ -1,8 +1,8 @@
-"""The GPU check's graph-step helpers (bench/gpu_graph_check.py) that its dry run skips with the timings: the plan()
+"""The GPU check's graph-step helpers (bench/gpu_check/graphs.py) that its dry run skips with the timings: the plan()
 profile and the free plan() the stream-wait check calls, checked on the CPU so a GPU session does not find them
 broken."""
 
-from gpu_graph_check import _Setup, profile_lines
+from gpu_check.graphs import _Setup, profile_lines
 
 
 def test_profile_lines_rank_the_plan_step_by_own_time():

@@ -20,12 +20,11 @@ import csv
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
 
 BENCHMARK = "hbm_bytes"
-#: Shapes measured (timing-shape labels, gpu_cases.timing_shapes): the GQA shape whose tiles load 8.5x its distinct KV
+#: Shapes measured (timing-shape labels, cases.timing_shapes): the GQA shape whose tiles load 8.5x its distinct KV
 #: (compute-bound: do its bytes come from L2?), a long-prefix decode step, the no-sharing decode step that pays the
 #: per-program tax, the mixed step POD wins, and a FlashInfer-grid decode step at GQA 32:8.
 SHAPES = ("decode256:32768/128/256 [decode/256d/32768-128-all/h32:4/d128]",
@@ -56,9 +55,9 @@ def _marker_kernel():
 
 
 def _shapes(dry_run: bool) -> list:
-    import gpu_cases
+    from gpu_check import cases
 
-    shapes = gpu_cases.timing_shapes(dry_run)
+    shapes = cases.timing_shapes(dry_run)
     if dry_run:
         return shapes
     by_label = {f"{s.paper} [{s.name}]": s for s in shapes}
@@ -100,7 +99,7 @@ def child(mode: str) -> int:
     """The profiled process: every shape's providers once unprofiled, then each once after a marker, profiled."""
     import torch
 
-    from shapes import build_batch
+    from batches.shapes import build_batch
 
     dry = mode == "dry"
     device = "cpu" if dry else "cuda"
@@ -184,7 +183,7 @@ def attribute(kernels: list[dict], sequence: list) -> dict:
 
 def step_hbm_bytes(args, results, skips, driver, which, fi_ready: dict) -> None:
     """Run the child under ncu (the dry run: in-process, no counters) and record the rows."""
-    from gpu_check_steps import Clock
+    from gpu_check.clock import Clock
 
     clock = Clock("hbm_bytes", skips)
     if args.dry_run:
@@ -197,7 +196,7 @@ def step_hbm_bytes(args, results, skips, driver, which, fi_ready: dict) -> None:
         log, seq = os.path.join(tmp, "ncu.csv"), os.path.join(tmp, "sequence.json")
         cmd = [ncu, "--profile-from-start", "off", "--clock-control", "none", "--cache-control", "all", "--metrics",
                ",".join(METRICS), "--csv", "--page", "raw", "--print-units", "base", "--log-file", log,
-               sys.executable, str(driver), "--hbm-bytes-child", "gpu"]
+               *driver, "--hbm-bytes-child", "gpu"]
         start = time.monotonic()
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(1.0, clock.left()),

@@ -1,4 +1,4 @@
-"""The GPU check's CUDA-graph step (driver: bench/gpu_check.py): one ``use_cuda_graph=True``
+"""The GPU check's CUDA-graph step (driver: driver.py): one ``use_cuda_graph=True``
 :class:`prefixattn.PrefixSharedAttention` in the engines' pattern (capacities, the engine's persistent device block
 table read in place, ``graph_num_tokens``), its ``run()`` captured once on the first batch, then re-planned and
 replayed for four other batches (other sizes and sharing shapes) and the first batch's requests again, each against
@@ -131,7 +131,7 @@ def _allocations() -> int:
 def step_graphs(args, results, skips, device: str) -> None:
     """Capture once, re-plan and replay every batch (dry run: an eager run each), check, time; rows
     ``gpu_check_graphs``. A failure is a failed row with its reason; what it leaves undone is skipped with it."""
-    from gpu_check_steps import Clock
+    from gpu_check.clock import Clock
 
     clock = Clock("graphs", skips)
     try:

@@ -4,7 +4,7 @@ an engine: random bf16 weights, no tokenizer, no sampling, outputs forced to the
 The decoder stack: hidden 4096, 32 query / 8 KV heads of 128, MLP 14336 (SiLU-gated), RMSNorm, rotary, vocabulary
 128256, all 32 layers (:data:`LLAMA_31_8B`); each layer writes its new K/V into its paged cache
 (:func:`prefixattn.write_kv`, the same for every provider) and runs the provider's attention. Steps come from
-bench/model_layout.py (prefixattn's TokenBatcher) on the workloads of :data:`WORKLOADS`, in that order (the time
+model_layout.py (prefixattn's TokenBatcher) on the workloads of :data:`WORKLOADS`, in that order (the time
 guard keeps the first): ~8K-token documents each shared by 32-64 questions, BatchLLM case 1 (~1K-token documents
 shared by ~7 requests: the workload where an unshared kernel finds the prefix in L2) and one ~4K-token prompt shared
 by every request. Decode steps are captured whole into a CUDA graph and replayed (as engines run decode), mixed
@@ -214,7 +214,7 @@ def _timed(fn, timer, graph: bool):
     """(min, median) us of ``fn``: a captured graph's replays (decode steps) or eager calls, L2 warm (a step streams
     16 GB of weights: no flush changes what it finds in L2)."""
     if graph:
-        from gpu_measure import capture
+        from gpu_check.measure import capture
 
         g, _ = capture(fn)
         fn = g.replay
@@ -232,9 +232,9 @@ def step_model(args, results, skips, device: str, fi_ready: dict, ceil: dict) ->
     ``ceil``: the run's ceilings (``hbm_bytes_per_s``, ``attention_flops_per_s``, ``l2_bytes``) for the bounds."""
     import torch
 
-    import model_layout
-    from gpu_check_steps import Clock
-    from gpu_measure import Timer
+    from gpu_check import model_layout
+    from gpu_check.clock import Clock
+    from gpu_check.measure import Timer
 
     clock = Clock("model_step", skips)
     dry = args.dry_run
@@ -274,8 +274,8 @@ def step_model(args, results, skips, device: str, fi_ready: dict, ceil: dict) ->
 
 def _floor_rows(workload, lay, model, results, label, ceil) -> float:
     """The step's attention floor (seconds, all layers) and its KV traffic rows (provider ``floor``)."""
-    from gpu_cases import causal_attention_flops
-    from model_layout import kv_traffic
+    from gpu_check.cases import causal_attention_flops
+    from gpu_check.model_layout import kv_traffic
 
     s = model.s
     elt = model.kv.element_size()
@@ -300,7 +300,7 @@ def _floor_rows(workload, lay, model, results, label, ceil) -> float:
 def _time_classes(attend, io, model, timer, results, label, provider) -> None:
     """prefixattn's work classes alone on layer 0 (CUDA-graph replays, eager in the dry run; L2 flushed): rows
     ``class_<name>_layer_us`` beside ``layer_us`` (all classes, the same way)."""
-    from gpu_measure import capture
+    from gpu_check.measure import capture
     from peers.ours import class_runs, counters_reset
 
     p, q = attend.plan, io["q"]

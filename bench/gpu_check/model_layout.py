@@ -1,4 +1,4 @@
-"""Engine steps for the model step (bench/model_step.py), from prefixattn's own scheduler.
+"""Engine steps for the model step (model_step.py), from prefixattn's own scheduler.
 
 A workload of :mod:`prefixattn.sim.workloads` (BatchLLM case 1: a 16-token instruction shared by all, documents of
 ~1,100 tokens shared by ~7 requests, ~400 distinct tokens; ``docs-qa-8k``: ~8K-token documents each shared by 32-64

@@ -1,10 +1,11 @@
-"""bench/report.py: the targets are judged per shape from the CSV rows, and the summary states each one."""
+"""bench/render/suite.py (bench/report.py): the targets are judged per shape from the CSV rows, and the summary
+states each one."""
 
 import csv
 
 import pytest
 
-import report
+from render import suite
 
 SHARED_MET = "decode32:2048/256/16 [decode/4d/64-16-2/h2:2/d64]"
 SHARED_MISSED = "mixed256:256/2048/all [mixed/7p+16d/16-64-all/h2:2/d64]"
@@ -19,7 +20,7 @@ def _rows(kv_by_shape, launches=1):
         for provider, kv in by_provider.items():
             for metric, value in (("kv_bytes", kv), ("unique_kv_bytes", UNIQUE), ("kv_over_unique", kv / UNIQUE),
                                   ("launches", launches if provider == "prefixattn" else 2)):
-                rows.append(dict(benchmark=report.TRAFFIC, provider=provider, shape=shape, device="cpu-interpreter",
+                rows.append(dict(benchmark=suite.TRAFFIC, provider=provider, shape=shape, device="cpu-interpreter",
                                  metric=metric, value=str(value), unit="x", commit="abc", versions="v"))
     return rows
 
@@ -36,7 +37,7 @@ ROWS = _rows({
 
 
 def test_targets_per_shape():
-    by_shape = {t["shape"]: t for t in report.traffic_targets(ROWS)}
+    by_shape = {t["shape"]: t for t in suite.traffic_targets(ROWS)}
     met = by_shape[SHARED_MET]
     assert (met["within_unique"], met["below_peers"], met["within_best_peer"], met["met"]) == (True, True, None, True)
     missed = by_shape[SHARED_MISSED]
@@ -51,12 +52,12 @@ def test_targets_per_shape():
 
 def test_plain_batch_over_the_best_peer_is_missed():
     rows = _rows({PLAIN: {"prefixattn": 1030, "sglang-triton": 1000}}, launches=2)
-    (t,) = report.traffic_targets(rows)
+    (t,) = suite.traffic_targets(rows)
     assert t["within_best_peer"] is False and t["met"] is False and t["one_launch"] is False
 
 
 def test_summary_states_each_target_with_its_shapes(tmp_path):
-    text = report.summary(ROWS)
+    text = suite.summary(ROWS)
     assert "met on 2/3" in text  # target 1: the missed mixed batch
     assert "1 and 2 together: 2/3" in text
     assert "<= 1.02x the KV bytes of the best peer: met on 1/1" in text
@@ -69,17 +70,17 @@ def test_summary_states_each_target_with_its_shapes(tmp_path):
         writer = csv.DictWriter(f, fieldnames=list(ROWS[0]))
         writer.writeheader()
         writer.writerows(ROWS)
-    md, pngs = report.write(path)
+    md, pngs = suite.write(path)
     assert md.read_text().startswith("# prefixattn bench")
     assert all(p.exists() and p.suffix == ".png" for p in pngs)
 
 
 def test_full_size_plan_section():
     shape = "decode256:32768/128/256 [decode/256d/32768-128-all/h32:4/d128]"
-    rows = [dict(benchmark=report.PLAN, provider=provider, shape=shape, device="host-cpu", metric=metric,
+    rows = [dict(benchmark=suite.PLAN, provider=provider, shape=shape, device="host-cpu", metric=metric,
                  value=str(value), unit="", commit="abc", versions="v")
             for provider, planned in (("prefixattn", 8500), ("prefixattn-nosharing", 128500))
             for metric, value in (("tile_kv_load_bytes", planned), ("unique_kv_bytes", UNIQUE), ("work_items", 272),
                                   ("shared_nodes", 1), ("plan_us_median", 4213.4), ("rows_per_chunk_tile", 16))]
-    line = next(line for line in report.summary(rows).splitlines() if line.startswith(f"| {shape}"))
+    line = next(line for line in suite.summary(rows).splitlines() if line.startswith(f"| {shape}"))
     assert line == f"| {shape} | 8.50x | 16 | 272 | 1 | 4,213 | 128.50x |"

@@ -1,10 +1,11 @@
-"""bench/arrival_order.py: the engine-default schedule of the whole-batch runs (arrival order, chunked prefill, an LRU
-prefix cache, recompute preemption) runs every request to its output length over valid physical blocks."""
+"""bench/gpu_check/arrival_order.py: the engine-default schedule of the whole-batch runs (arrival order, chunked
+prefill, an LRU prefix cache, recompute preemption) runs every request to its output length over valid physical
+blocks."""
 
 import numpy as np
 import pytest
 
-import arrival_order as ao
+from gpu_check import arrival_order as ao
 
 
 def _prompts(n_groups=3, per_group=4, prefix=40, own=9, seed=0):

@@ -18,6 +18,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from gpu_check.clock import Clock
+
 #: Bytes the read kernel streams (17x an H200's 60 MB L2, 20x an H100's: the first and last waves' L2 hits are noise).
 READ_BYTES, DRY_READ_BYTES = 1 << 30, 1 << 16
 #: The read kernel's configs: (int32 lanes per program per load, loads in flight per iteration, warps). 4,096 lanes at
@@ -170,10 +172,86 @@ def attention_rates(timer, device: str, flashinfer_ready: set) -> dict:
 def shape_floors(batch, hbm_bytes_per_s: float, attention_flops_per_s: float) -> dict:
     """Seconds: ``memory``, ``compute``, ``overlapped`` (max) and ``serial`` (sum) for one batch; ``bytes``: the
     distinct bytes the memory floor counts (KV once, q in, out out)."""
-    from gpu_cases import attention_flops
+    from gpu_check.cases import attention_flops
 
     nbytes = batch.unique_kv_bytes() + 2 * batch.q.numel() * batch.q.element_size()
     memory = nbytes / hbm_bytes_per_s
     compute = attention_flops(batch) / attention_flops_per_s
     return dict(memory=memory, compute=compute, overlapped=max(memory, compute), serial=memory + compute,
                 bytes=nbytes)
+
+
+def step_ceilings(args, results, skips, device: str) -> dict:
+    """The HBM floor's rate: the best of the read-only kernel's sweep and the device-to-device copy's bytes moved (read
+    + written) per second, with the card's spec peak beside it; the L2 size; a bf16 matmul rate (for comparison: no
+    floor)."""
+    import torch
+
+    from gpu_check.measure import Timer
+
+    clock = Clock("ceilings", skips)
+    timer = Timer(args.dry_run, device)
+    # 1 GiB copies (far past the L2) and 8192^3 bf16 matmuls; tiny in the dry run.
+    nbytes, n = (1 << 20, 128) if args.dry_run else (1 << 30, 8192)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    copy_us = timer.repeat(lambda: dst.copy_(src), 3, flush=False)["median"]
+    a = torch.randn(n, n, device=device).to(torch.bfloat16)
+    bm = torch.randn(n, n, device=device).to(torch.bfloat16)
+    mm_us = timer.repeat(lambda: a @ bm, 3, flush=False)["median"]
+    read = read_sweep(timer, device)
+    ceil = dict(copy_bytes_per_s=2 * nbytes / (copy_us * 1e-6), matmul_flops_per_s=2 * n ** 3 / (mm_us * 1e-6),
+                read_bytes_per_s=read["bytes_per_s"])
+    ceil["hbm_bytes_per_s"] = max(ceil["read_bytes_per_s"], ceil["copy_bytes_per_s"])
+    ceil["l2_bytes"] = l2_bytes(device)
+    spec = spec_hbm_bytes_per_s(results.device)
+    lanes, unroll, warps, per_sm = read["config"]
+    print(f"[ceilings] HBM floor {ceil['hbm_bytes_per_s'] / 1e9:.0f} GB/s (best of: read-only stream "
+          f"{ceil['read_bytes_per_s'] / 1e9:.0f} GB/s, {read['tried']} configs, best {lanes} lanes x {unroll} loads, "
+          f"{warps} warps, {per_sm} programs/SM; copy {ceil['copy_bytes_per_s'] / 1e9:.0f} GB/s read+write); spec "
+          f"peak {'-' if spec is None else f'{spec / 1e9:.0f} GB/s'}; L2 {ceil['l2_bytes'] / 2**20:.0f} MiB; bf16 "
+          f"matmul {ceil['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s ({clock.seconds - clock.left():.1f} s)", flush=True)
+    results.add("gpu_ceiling", "triton", "read-only stream", "read_gbps", ceil["read_bytes_per_s"] / 1e9, "GB/s")
+    results.add("gpu_ceiling", "triton", "read-only stream", "read_configs_tried", read["tried"], "count")
+    results.add("gpu_ceiling", "torch", f"copy {nbytes >> 20} MiB", "copy_gbps", ceil["copy_bytes_per_s"] / 1e9,
+                "GB/s")
+    results.add("gpu_ceiling", "floor", "HBM (best of read-only and copy)", "hbm_gbps", ceil["hbm_bytes_per_s"] / 1e9,
+                "GB/s")
+    if spec is not None:
+        results.add("gpu_ceiling", "spec", "HBM (datasheet)", "spec_gbps", spec / 1e9, "GB/s")
+    results.add("gpu_ceiling", "device", "L2 cache", "l2_mib", ceil["l2_bytes"] / 2 ** 20, "MiB")
+    results.add("gpu_ceiling", "torch", f"bf16 matmul {n}^3", "matmul_tflops", ceil["matmul_flops_per_s"] / 1e12,
+                "TFLOP/s")
+    return ceil
+
+
+#: L2 bytes where the device does not say (the dry run's CPU): an H100's 50 MiB, so the dry run's rows are in range.
+DEFAULT_L2_BYTES = 50 * 2 ** 20
+
+
+def l2_bytes(device: str) -> int:
+    """The device's L2 cache in bytes (``torch.cuda.get_device_properties().L2_cache_size``), else
+    :data:`DEFAULT_L2_BYTES`."""
+    import torch
+
+    if device == "cuda":
+        size = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0)
+        if size:
+            return int(size)
+    return DEFAULT_L2_BYTES
+
+
+def attention_ceiling(args, results, device: str, ceil: dict, fi_ready: dict) -> None:
+    """The attention compute rate (after FlashInfer's JIT, so its prefill can set it): the fastest correct causal
+    prefill of :func:`attention_rate_batch`; adds ``attention_flops_per_s`` to ``ceil``."""
+    from gpu_check.measure import Timer
+
+    ready = {p for p, ok in fi_ready.items() if ok is True}
+    rates = attention_rates(Timer(args.dry_run, device), device, ready)
+    for provider, rate in rates.items():
+        results.add("gpu_ceiling", provider, "causal prefill (attention rate)", "attention_tflops", rate / 1e12,
+                    "TFLOP/s")
+    ceil["attention_flops_per_s"] = max(rates.values()) if rates else ceil["matmul_flops_per_s"]
+    print(f"[ceilings] attention rate {ceil['attention_flops_per_s'] / 1e12:.1f} TFLOP/s ("
+          + (", ".join(f"{p} {r / 1e12:.1f}" for p, r in rates.items()) if rates else
+             "none measured: the bf16 matmul rate stands in, a lower compute floor") + ")", flush=True)

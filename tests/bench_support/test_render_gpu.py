@@ -1,8 +1,12 @@
-"""bench/gpu_report.py: the README's fair tables and "where prefixattn loses" come from the GPU check's CSV rows."""
+"""bench/render/gpu.py (bench/gpu_report.py): the README's fair tables and "where prefixattn loses" come from the GPU
+check's CSV rows."""
 
 import csv
+import subprocess
+import sys
+from pathlib import Path
 
-import gpu_report
+from render import gpu
 
 
 def _row(benchmark, provider, shape, metric, value):
@@ -29,14 +33,14 @@ def _rows():
 
 def test_fair_table_and_losses():
     rows = _rows()
-    kernels = {r["shape"]: r for r in gpu_report.kernel_rows(rows)}
+    kernels = {r["shape"]: r for r in gpu.kernel_rows(rows)}
     assert kernels["decode256:2048/256/16"]["best_name"] == "flashinfer-decode-tc-fa3"
-    table = "\n".join(gpu_report.kernel_table(rows))
+    table = "\n".join(gpu.kernel_table(rows))
     assert "| decode256:2048/256/16 | 100.0 | 150.0 (flashinfer-decode-tc-fa3) | 1.50x | 2.00x / 1.43x |" in table
-    losses = gpu_report.losses(rows)
+    losses = gpu.losses(rows)
     assert losses == ["- mixed256:8192/128/64: prefixattn 900.0 us vs FlashInfer flashinfer-split 600.0 us (1.50x "
                       "slower)"]
-    model = "\n".join(gpu_report.model_table(rows))
+    model = "\n".join(gpu.model_table(rows))
     assert "(graph) | 12.00 |" in model and "15.00 (flashinfer-decode)" in model and "| 1.25x |" in model
 
 
@@ -46,7 +50,7 @@ def test_readme_section_from_a_csv(tmp_path, capsys):
         w = csv.DictWriter(f, fieldnames=list(_rows()[0]))
         w.writeheader()
         w.writerows(_rows())
-    assert gpu_report.main([str(path)]) == 0
+    assert gpu.main([str(path)]) == 0
     out = capsys.readouterr().out
     assert out.startswith("## Performance (measured on NVIDIA H100 80GB HBM3, commit abc1234)")
     assert "Where prefixattn loses:" in out and "mixed256:8192/128/64" in out
@@ -70,24 +74,41 @@ def test_floors_l2_flags_classes_not_run_and_bytes_tables():
                                                                     "tile_kv_load_bytes", 2e9),
         _row("hbm_bytes", "prefixattn", shape, "dram_read_bytes", 1.1e9),
         _row("hbm_bytes", "prefixattn", shape, "kernels", 2)]
-    floor = "\n".join(gpu_report.floor_table(rows))
+    floor = "\n".join(gpu.floor_table(rows))
     assert ("| decode256:8192/128/64 | 40.0 / 20.0 | 4,500 (flashinfer-decode) | flashinfer-decode | shared 30.0, "
             "decode 55.0 | 1.06x |") in floor
-    assert gpu_report.not_run(rows) == ["- `flashinfer-pod` on 2 shapes: needs both decode and prefill requests"]
+    assert gpu.not_run(rows) == ["- `flashinfer-pod` on 2 shapes: needs both decode and prefill requests"]
     assert "| decode256:8192/128/64 | prefixattn | 1,100.0 | 1.10x | 0.0 | 2 | 2.00x |" in "\n".join(
-        gpu_report.bytes_table(rows))
-    summary = gpu_report.summary(rows, device="NVIDIA H200", commit="abc1234", versions="v", seconds=1.0, skips=[])
+        gpu.bytes_table(rows))
+    summary = gpu.summary(rows, device="NVIDIA H200", commit="abc1234", versions="v", seconds=1.0, skips=[])
     assert summary.index("## Where prefixattn loses") < summary.index("## Attention kernels")
 
 
 def test_a_second_calls_tagged_csv_joins_its_run(tmp_path):
-    import perf_page
+    from render import performance
 
     for name, metric in (("nvidia-h200-abc1234", "step_us_median"), ("nvidia-h200-abc1234-extra", "wall_s")):
         with (tmp_path / f"{name}.csv").open("w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(_rows()[0]))
             w.writeheader()
             w.writerow(_row("whole_batch" if metric == "wall_s" else "model_step", "prefixattn", "s", metric, 1.0))
-    runs = perf_page.load_runs(tmp_path)
+    runs = performance.load_runs(tmp_path)
     assert list(runs) == ["nvidia-h200-abc1234"]
     assert [r["metric"] for r in runs["nvidia-h200-abc1234"]] == ["step_us_median", "wall_s"]
+
+
+def test_the_documented_commands_are_the_renderers(tmp_path):
+    """bench/gpu_report.py and bench/report.py, the commands the docs and the generated pages name, run the renderers
+    of bench/render/ from any working directory."""
+    bench = Path(__file__).resolve().parents[2] / "bench"
+    path = tmp_path / "latest.csv"
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(_rows()[0]))
+        w.writeheader()
+        w.writerows(_rows())
+    readme = subprocess.run([sys.executable, str(bench / "gpu_report.py"), str(path)], cwd=tmp_path,
+                            capture_output=True, text=True, check=True).stdout
+    assert readme == gpu.readme_section(_rows(), source=str(path))
+    subprocess.run([sys.executable, str(bench / "report.py"), str(path)], cwd=tmp_path, capture_output=True,
+                   check=True)
+    assert (tmp_path / "summary.md").read_text().startswith("# prefixattn bench")

@@ -1,15 +1,15 @@
-"""The GPU check's timing step (driver: bench/gpu_check.py): every provider under the same conditions.
+"""The GPU check's timing step (driver: driver.py): every provider under the same conditions.
 
-Per shape (gpu_cases.timing_shapes), per provider: prepare (host planning, not timed), one run checked against the
+Per shape (cases.timing_shapes), per provider: prepare (host planning, not timed), one run checked against the
 fp32 reference (a wrong output is a failure and is not timed), capture into a CUDA graph and check a replay too, then
-time the replay (L2 flushed and warm) and the eager call (L2 flushed) with bench/gpu_measure.py's :class:`Timer`.
+time the replay (L2 flushed and warm) and the eager call (L2 flushed) with measure.py's :class:`Timer`.
 Providers: prefixattn, prefixattn ``sharing="never"``, every FlashInfer configuration of bench/peers/flashinfer.py
 (the cascades are handed the batch's prefix groups: oracle), torch SDPA on pre-gathered KV. ``flashinfer-best`` per
 shape is the fastest correct FlashInfer configuration by graph-replayed flushed median, with the one it was.
 prefixattn's work classes are each timed alone too, in a graph of their own.
 
 Rows (benchmark ``attention_gpu_time``): per provider ``correct``, ``max_abs_err``, ``<policy>_us_min`` /
-``<policy>_us_median`` for the policies of gpu_measure.POLICIES, ``over_floor_overlapped`` / ``over_floor_serial``
+``<policy>_us_median`` for the policies of measure.POLICIES, ``over_floor_overlapped`` / ``over_floor_serial``
 (headline median over each floor), ``unique_kv_gbps``, ``unique_gbps`` (the memory floor's bytes over the headline
 time) and ``under_hbm_floor`` (faster than the HBM floor allows: read from L2); ``not_run`` (value 1, the reason in
 ``unit``) where a provider did not run; prefixattn's ``class_<name>_us_min`` / ``_median`` and ``classes_sum_us``;
@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 
 TIMING = "attention_gpu_time"
-#: The policy every ratio and floor comparison uses (gpu_measure's docstring says why).
+#: The policy every ratio and floor comparison uses (measure.py's docstring says why).
 HEADLINE = "graph_flushed"
 OURS = ("prefixattn", "prefixattn-nosharing")
 #: A correct provider this much faster than the HBM floor allows is flagged as reading from L2 (``under_hbm_floor``):
@@ -105,7 +105,7 @@ def time_provider(provider, batch, want, label, floors, timer, results, fi_ready
     graph_fn, why = None, "dry run: no CUDA graphs on CPU"
     if not dry:
         try:
-            from gpu_measure import capture
+            from gpu_check.measure import capture
 
             graph, static = capture(prepared.run)
         except Exception as exc:  # a peer that syncs or allocates outside the pool cannot be captured: say so
@@ -142,7 +142,7 @@ def time_parts(prepared, timer, results, provider: str, label: str) -> dict:
     """Each of ``prepared.parts`` (prefixattn: a work class) alone, in a CUDA graph of its own (eagerly in the dry
     run), L2 flushed, ``prepared.reset`` before every run: rows ``class_<name>_us_min`` / ``_median`` and
     ``classes_sum_us`` (the medians' sum, beside the whole call's time). Returns ``{name: {"min", "median"}}``."""
-    from gpu_measure import capture
+    from gpu_check.measure import capture
 
     reset, out = prepared.reset, {}
     for name, fn in prepared.parts.items():
@@ -216,18 +216,18 @@ def record_best(results, label, timed: dict) -> tuple[str, dict] | None:
 def step_timing(args, results, skips, device, ceil, fi_ready) -> None:
     import torch
 
-    import gpu_cases
-    import gpu_check_steps as steps
-    from gpu_floors import shape_floors
-    from gpu_measure import Timer, record_state
+    from batches.shapes import build_batch
+    from gpu_check import cases
+    from gpu_check.clock import Clock
+    from gpu_check.floors import shape_floors
+    from gpu_check.measure import Timer, record_state
     from prefixattn import reference_attention
-    from shapes import build_batch
 
-    clock = steps.Clock("timing", skips)
+    clock = Clock("timing", skips)
     if "_why" in fi_ready:
         clock.skip(f"FlashInfer columns: {fi_ready['_why']}")
     timer = Timer(args.dry_run, device)
-    shapes = gpu_cases.timing_shapes(args.dry_run)
+    shapes = cases.timing_shapes(args.dry_run)
     for i, shape in enumerate(shapes):
         if clock.expired([s.paper for s in shapes[i:]]):
             return

@@ -1,6 +1,6 @@
-"""What the GPU check (bench/gpu_check.py) runs: the correctness case matrix, the timing shapes and the attention
-FLOPs its compute floors count (the floors themselves: bench/gpu_floors.py).
-Batches come from tests/prefix_batches.py (correctness) and bench/shapes.py (timing).
+"""What the GPU check (driver.py) runs: the correctness case matrix, the timing shapes and the attention
+FLOPs its compute floors count (the floors themselves: floors.py).
+Batches come from tests/prefix_batches.py (correctness) and bench/batches/shapes.py (timing).
 
 ``scale`` is 1 for ``--dry-run`` (tiny batches the Triton interpreter runs in seconds) and :data:`GPU_SCALE` on a GPU,
 where it multiplies lengths and request counts so that tiles fill, split-k chunks and merges really happen.
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from shapes import Shape, fig8_shapes, flashinfer_cascade_grid
+from batches.shapes import Shape, fig8_shapes, flashinfer_cascade_grid
 from tests.prefix_batches import make_batch, random_batch
 
 #: GPU batches are this many times longer / larger than the dry run's (still seconds of reference time each).
@@ -90,7 +90,7 @@ def split_k_batch(seed: int, scale: int, heads: dict):
 
 
 #: The timing shapes' dtype on a GPU: Llama-3.1's, and one dtype means one set of FlashInfer JIT modules
-#: (bench/gpu_jit.py). The dry run keeps fp16: the interpreter computes bf16 arithmetic wrongly.
+#: (flashinfer_jit.py). The dry run keeps fp16: the interpreter computes bf16 arithmetic wrongly.
 TIMING_DTYPE = "bfloat16"
 
 
@@ -112,7 +112,7 @@ def timing_shapes(dry_run: bool) -> list[Shape]:
 
 
 def attention_flops(batch) -> float:
-    """:func:`causal_attention_flops` of a :class:`shapes.Batch`."""
+    """:func:`causal_attention_flops` of a :class:`batches.shapes.Batch`."""
     s = batch.shape
     return causal_attention_flops(batch.q_lens, batch.kv_lens.cpu().numpy(), s.num_qo_heads, s.head_dim)
 

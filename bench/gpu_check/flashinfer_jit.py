@@ -7,17 +7,17 @@ all of them still uses those that are.
 Measured before this module: the 2-level cascade alone took 96-115 s to JIT-compile on the first GPU host (three
 runs), while the correctness and sanitizer steps ran.
 
-Ahead of time, optionally: ``python bench/gpu_jit.py --aot-build DEST`` (run by ``scripts/gpu_wheels.sh --aot`` on a
-CPU machine, with a pip-installed CUDA 13.0 nvcc as ``CUDA_HOME``) builds the same modules for sm90a and copies each
-``.so`` to ``DEST/<module>/<module>.so``; ``scripts/gpu_check.sh`` puts them where FlashInfer looks for AOT modules
-(``flashinfer/data/aot``), so its wrappers load them instead of compiling. The warm-up loads every AOT module first
-and, if any fails to load there, removes them all and compiles as without them (nothing has loaded them on a GPU
-yet). Measured on the 2-core CPU host (one build job, niced, other jobs running), FlashInfer 0.6.0, CUDA 13.0 pip
-wheels, sm90a: cascade 19 s / 0.4 MiB; batch decode 35 s / 0.6 MiB; batch prefill fa3 (10 translation units) 1014 s
-wall, 12 CPU-minutes, 3.9 MiB; batch prefill fa2 + BatchAttention + POD (10 + 6 + 18 units) 2468 s wall, 29
-CPU-minutes, 5.0 / 0.8 / **75.1 MiB**. All six load through ``tvm_ffi.load_module`` on a CPU host. POD alone is over
-the 64 MiB a GPU call carries, so it is not built ahead of time (:data:`AOT_EXCLUDED`: the background build compiles
-it there); the other five are 10.7 MiB. Whether they load and run on the GPU machine is not measured yet.
+Ahead of time, optionally: ``python -m gpu_check.flashinfer_jit --aot-build DEST`` with bench/ on ``PYTHONPATH`` (run by
+``scripts/gpu_wheels.sh --aot`` on a CPU machine, with a pip-installed CUDA 13.0 nvcc as ``CUDA_HOME``) builds the same
+modules for sm90a and copies each ``.so`` to ``DEST/<module>/<module>.so``; ``scripts/gpu_check.sh`` puts them where
+FlashInfer looks for AOT modules (``flashinfer/data/aot``), so its wrappers load them instead of compiling. The warm-up
+loads every AOT module first and, if any fails to load there, removes them all and compiles as without them (nothing has
+loaded them on a GPU yet). Measured on the 2-core CPU host (one build job, niced, other jobs running), FlashInfer 0.6.0,
+CUDA 13.0 pip wheels, sm90a: cascade 19 s / 0.4 MiB; batch decode 35 s / 0.6 MiB; batch prefill fa3 (10 translation
+units) 1014 s wall, 12 CPU-minutes, 3.9 MiB; batch prefill fa2 + BatchAttention + POD (10 + 6 + 18 units) 2468 s wall,
+29 CPU-minutes, 5.0 / 0.8 / **75.1 MiB**. All six load through ``tvm_ffi.load_module`` on a CPU host. POD alone is over
+the 64 MiB a GPU call carries, so it is not built ahead of time (:data:`AOT_EXCLUDED`: the background build compiles it
+there); the other five are 10.7 MiB. Whether they load and run on the GPU machine is not measured yet.
 """
 
 from __future__ import annotations
@@ -126,8 +126,8 @@ def warmup() -> int:
     GQA 32:8), each reported as it becomes ready."""
     import torch
 
+    from batches.shapes import Shape, build_batch
     from peers.flashinfer import PEERS, Unavailable, prepare
-    from shapes import Shape, build_batch
 
     start = time.monotonic()
     print(json.dumps({"aot": _load_aot_or_drop(), "since_start_s": time.monotonic() - start}), flush=True)
@@ -159,13 +159,14 @@ def warmup() -> int:
 
 
 def start(driver, dry_run: bool):
-    """The background warm-up process (None in the dry run: FlashInfer's kernels are CUDA-only); its output goes to a
+    """The background warm-up process (None in the dry run: FlashInfer's kernels are CUDA-only): ``driver`` (the
+    command that runs the driver, :data:`gpu_check.driver.DRIVER`) with ``--flashinfer-warmup``. Its output goes to a
     file, read when the timing step asks (a pipe nobody reads could fill and stall it)."""
     if dry_run:
         return None
     log = tempfile.TemporaryFile(mode="w+")
     env = dict(os.environ, MAX_JOBS=os.environ.get("MAX_JOBS", str(MAX_JOBS)))
-    proc = subprocess.Popen([sys.executable, str(driver), "--flashinfer-warmup"], stdout=log,
+    proc = subprocess.Popen([*driver, "--flashinfer-warmup"], stdout=log,
                             stderr=subprocess.STDOUT, text=True, env=env)
     return proc, log
 
@@ -217,5 +218,6 @@ def ready(handle, run_start: float, results=None, *, dry_run: bool = False) -> d
 
 if __name__ == "__main__":
     if len(sys.argv) != 3 or sys.argv[1] != "--aot-build":
-        sys.exit("usage: python bench/gpu_jit.py --aot-build DEST   (CPU host; CUDA_HOME: a CUDA 13.0 nvcc)")
+        sys.exit("usage: PYTHONPATH=bench python -m gpu_check.flashinfer_jit --aot-build DEST   (CPU host; CUDA_HOME: "
+                 "a CUDA 13.0 nvcc)")
     sys.exit(aot_build(sys.argv[2]))

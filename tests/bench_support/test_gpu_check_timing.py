@@ -7,12 +7,10 @@ import types
 
 import pytest
 
-import gpu_check_steps
-import gpu_timing
-import model_layout
-import model_step
-from gpu_measure import Timer
-from shapes import Shape, build_batch
+from batches.shapes import Shape, build_batch
+from gpu_check import clock as step_clock
+from gpu_check import model_layout, model_step, timing
+from gpu_check.measure import Timer
 
 from prefixattn import reference_attention
 
@@ -37,7 +35,7 @@ def fake(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "flashinfer", fake_flashinfer.module())
     monkeypatch.setattr(fi, "device_major", lambda device: fi.FA3_MAJOR)
-    monkeypatch.setattr(gpu_check_steps, "DEADLINE", float("inf"))
+    monkeypatch.setattr(step_clock, "DEADLINE", float("inf"))
     return {name: True for name in fi.PEERS}
 
 
@@ -50,7 +48,7 @@ def test_timing_step_times_every_peer_and_names_flashinfers_best(fake):
     floors = dict(memory=1e-3, compute=1e-3, overlapped=1e-3, serial=2e-3, bytes=1e6)
     rows, timer, timed = Rows(), Timer(True, "cpu"), {}
     for provider in ["prefixattn", *fake]:
-        timed[provider] = gpu_timing.time_provider(provider, batch, want, "t", floors, timer, rows, fake)
+        timed[provider] = timing.time_provider(provider, batch, want, "t", floors, timer, rows, fake)
     # Decode-only peers skip a mixed batch with their reason; every other peer is correct and timed.
     skipped = {p for p, t in timed.items() if t is None}
     assert skipped == {"flashinfer-decode", "flashinfer-decode-tc-fa2", "flashinfer-decode-tc-fa3"}
@@ -65,7 +63,7 @@ def test_timing_step_times_every_peer_and_names_flashinfers_best(fake):
     # Peers a batch does not suit have a not_run row with the reason.
     assert [r["unit"] for r in rows.rows if r["provider"] == "flashinfer-decode" and r["metric"] == "not_run"] == [
         "reason: the decode wrapper takes decode batches only (one query row per request)"]
-    best = gpu_timing.record_best(rows, "t", timed)
+    best = timing.record_best(rows, "t", timed)
     assert best[0].startswith("flashinfer-") and rows.get(best[0], "is_flashinfer_best") == [1.0]
     assert len(rows.get("flashinfer-best", "graph_flushed_us_median")) == 1
 

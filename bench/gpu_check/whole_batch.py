@@ -3,12 +3,12 @@ the gain, apart.
 
 Each workload of :data:`BATCHES` (prefixattn.sim.workloads; outputs divided by :data:`OUTPUT_DIVISOR` to fit the
 step's budget) runs every step until every request has finished, through the model step's Llama-3.1-8B-shaped
-decoder (bench/model_step.py), under three policies (:data:`POLICIES`):
+decoder (model_step.py), under three policies (:data:`POLICIES`):
 
-1. ``prefixattn``: prefixattn's scheduler (TokenBatcher: prefix groups, BatchLLM's order; bench/model_layout.py)
+1. ``prefixattn``: prefixattn's scheduler (TokenBatcher: prefix groups, BatchLLM's order; model_layout.py)
    and prefixattn's attention;
 2. ``prefixattn-scheduler+flashinfer``: the same steps, FlashInfer's best configuration without sharing;
-3. ``arrival+flashinfer``: what an engine does by default (bench/arrival_order.py: arrival order, chunked prefill,
+3. ``arrival+flashinfer``: what an engine does by default (arrival_order.py: arrival order, chunked prefill,
    an LRU prefix cache), FlashInfer's best configuration without sharing.
 
 2 over 1 is the kernel's share, 3 over 2 the scheduler's. FlashInfer's configuration per step kind is the one the
@@ -30,7 +30,7 @@ BENCHMARK = "whole_batch"
 #: requests, 128 requests under the one prompt.
 BATCHES = {"docs-qa-8k": 192, "batchllm-case1": 256, "shared-prompt-4k": 128}
 #: Outputs / this: ~25-token answers keep the three workloads' steps (two schedules, three policies: ~600 step
-#: forwards, counted with bench/arrival_order.py and the TokenBatcher on the host) within the step's two minutes at
+#: forwards, counted with arrival_order.py and the TokenBatcher on the host) within the step's two minutes at
 #: 20-60 ms a step; the prompts, and so the sharing, are whole.
 OUTPUT_DIVISOR = 8
 #: The dry run: requests, length scale, token budget, KV blocks (the model step's dry sizes, fewer requests).
@@ -58,7 +58,7 @@ def _flashinfer_choice(results, fi_ok: set) -> dict:
 def _attend(provider: str, lay, model, device: str, choices: dict):
     """(attend, the configuration used) for one step: prefixattn, or FlashInfer's first configuration that takes
     the step."""
-    import model_step
+    from gpu_check import model_step
     from peers.flashinfer import Unavailable
 
     if provider == "prefixattn":
@@ -78,7 +78,7 @@ def run_batch(layouts: list, provider: str, model, device: str, choices: dict) -
     the reference."""
     import torch
 
-    import model_step
+    from gpu_check import model_step
 
     ios = [model_step._io(lay, model, device) for lay in layouts]  # on the device before the clock starts
     checked, correct, used = set(), True, set()
@@ -103,10 +103,8 @@ def step_whole_batch(args, results, skips, device: str, fi_ready: dict) -> None:
     """Each workload's batch under each policy, to completion; rows ``whole_batch``."""
     import torch
 
-    import arrival_order
-    import model_layout
-    import model_step
-    from gpu_check_steps import Clock
+    from gpu_check import arrival_order, model_layout, model_step
+    from gpu_check.clock import Clock
 
     clock = Clock("whole_batch", skips)
     dry = args.dry_run

@@ -1,10 +1,10 @@
-"""bench/model_layout.py: the model step's batches come from the TokenBatcher on each of its workloads and are laid out
-as a prefix-caching engine lays them out (checked here on a CPU: the GPU run times these layouts)."""
+"""bench/gpu_check/model_layout.py: the model step's batches come from the TokenBatcher on each of its workloads and are
+laid out as a prefix-caching engine lays them out (checked here on a CPU: the GPU run times these layouts)."""
 
 import numpy as np
 import pytest
 
-import model_layout as ml
+from gpu_check import model_layout as ml
 
 
 @pytest.fixture(scope="module", params=["batchllm-case1", "docs-qa-8k", "shared-prompt-4k"])

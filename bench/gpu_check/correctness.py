@@ -1,0 +1,84 @@
+"""The GPU check's correctness step: every kernel variant of :func:`gpu_check.cases.correctness_cases` against the
+fp64 reference, with NaN-poisoned outputs and padding rows, :data:`REPEATS` runs bit-identical; the sanitizer's cases
+(:mod:`gpu_check.sanitizer`) run first. Torch and prefixattn are imported inside the functions: the driver sets
+``TRITON_INTERPRET`` (``--dry-run``) before anything imports them. Public prefixattn API only.
+"""
+
+from __future__ import annotations
+
+import time
+
+from gpu_check.clock import Clock
+
+REPEATS = 3  # runs of each correctness case whose outputs must be bit-identical
+
+
+def _bits(t):
+    import torch
+
+    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+def check_case(case, scale: int, device: str, seed: int) -> dict:
+    """One correctness case: NaN-poisoned out and q padding, REPEATS runs bit-identical, fp64 reference."""
+    import torch
+
+    import prefixattn
+    from gpu_check.cases import PAD_ROWS, build_case
+    from tests.tolerances import ATTENTION_TOL, LSE_TOL
+
+    b, options = build_case(case, scale, seed)
+    q, k, v = (t.to(device) for t in (b.q, b.k_cache, b.v_cache))
+    meta = tuple(t.to(device) for t in b.metadata)
+    p = prefixattn.plan(*meta, **b.heads, q_dtype=case.dtype, **options)
+    n = p.num_tokens
+    q = torch.cat([q, torch.full((PAD_ROWS, *q.shape[1:]), float("nan"), dtype=q.dtype, device=device)])
+    outs = []
+    for _ in range(REPEATS):
+        out = torch.full_like(q, float("nan"))
+        got, lse = prefixattn.attention(q, k, v, p, out=out, return_lse=True)
+        outs.append((got.clone(), lse.clone()))
+    want, want_lse = prefixattn.reference_attention(q[:n], k, v, *meta, return_lse=True, compute_dtype=torch.float64)
+    got, lse = outs[0]
+    atol, rtol = ATTENTION_TOL[case.dtype]
+    err = (got[:n].double() - want).abs()
+    lse_err = (lse[:n].double() - want_lse).abs().nan_to_num(0.0)  # -inf == -inf rows (no visible KV) give NaN
+    ok_out = bool(torch.isfinite(got[:n]).all() and (err <= atol + rtol * want.abs()).all())
+    ok_lse = bool((lse_err <= LSE_TOL[0] + LSE_TOL[1] * want_lse.abs().nan_to_num(0.0)).all()
+                  and torch.equal(torch.isinf(lse[:n]), torch.isinf(want_lse)))
+    pad_ok = bool(torch.isnan(got[n:]).all())
+    # Valid rows only: lse rows past num_tokens are never written (attention() allocates lse uninitialized).
+    same = all(torch.equal(_bits(o[:n]), _bits(got[:n])) and torch.equal(_bits(s[:n]), _bits(lse[:n]))
+               for o, s in outs[1:])
+    return dict(passed=ok_out and ok_lse and pad_ok and same, max_abs_err=float(err.max()) if n else 0.0,
+                lse_max_abs_err=float(lse_err.max()) if n else 0.0, padding_untouched=pad_ok, bit_identical=same,
+                shared_nodes=len(p.shared_nodes), work_items=p.num_items, tokens=n)
+
+
+def step_correctness(args, results, skips, device: str) -> None:
+    from gpu_check import sanitizer
+    from gpu_check.cases import GPU_SCALE, correctness_cases
+
+    clock = Clock("correctness", skips)
+    # The sanitizer's cases first: checked here, and compiled before the sanitized processes load them.
+    sanitizer.run_all(device, not args.dry_run, results, prefix="[correctness] sanitizer case")
+    cases = correctness_cases()
+    scale = 1 if args.dry_run else GPU_SCALE
+    for i, case in enumerate(cases):
+        if clock.expired([c.name for c in cases[i:]]):
+            return
+        start = time.monotonic()
+        try:
+            r = check_case(case, scale, device, seed=i)
+        except Exception as exc:  # a crash is a failed case with its reason, not the end of the run
+            r = dict(passed=False, error=f"{type(exc).__name__}: {exc}"[:300])
+        seconds = time.monotonic() - start
+        status = "ok  " if r["passed"] else "FAIL"
+        detail = r.get("error") or (f"err={r['max_abs_err']:.2e} lse_err={r['lse_max_abs_err']:.2e} "
+                                    f"bit_identical={r['bit_identical']} padding_untouched={r['padding_untouched']} "
+                                    f"items={r['work_items']} shared_nodes={r['shared_nodes']}")
+        print(f"[correctness] {status} {case.name:42s} {detail} ({seconds:.1f} s)", flush=True)
+        for metric in ("passed", "bit_identical", "padding_untouched", "max_abs_err", "lse_max_abs_err"):
+            if metric in r:
+                results.add("gpu_check_correctness", "prefixattn", case.name, metric, float(r[metric]),
+                            "bool" if metric in ("passed", "bit_identical", "padding_untouched") else "abs")
