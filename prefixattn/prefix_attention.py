@@ -206,6 +206,13 @@ def _prepared(p: Plan, key) -> PreparedLaunch | None:
     return hit[1].get(key) if hit is not None and hit[0]() is p else None
 
 
+def prepared_launches(p: Plan) -> dict:
+    """The launches prepared for plan ``p`` so far, by call key (inspection and tests; empty before its first
+    :func:`attention` call or once the memo started over)."""
+    hit = _prepared_launches.get(id(p))
+    return dict(hit[1]) if hit is not None and hit[0]() is p else {}
+
+
 def _own_l2_fences(device: torch.device) -> bool:
     """The kernel's ``USE_L2_FENCES`` on a ROCm ``device`` (:func:`~prefixattn.autotune.targets.writes_own_l2_fences`
     of its gfx ISA)."""

@@ -15,6 +15,7 @@ from triton.backends.compiler import BaseBackend
 
 from prefixattn import attention, launcher, plan, prefix_attention
 from prefixattn.kernels.prefix_attention_kernel import prefix_attention_kernel
+from prefixattn.prefix_attention import prepared_launches
 from tests.launch_count import launch_arguments
 from tests.prefix_batches import make_batch
 
@@ -85,7 +86,7 @@ def test_direct_path_passes_the_jit_arguments_patched_with_the_layer(direct):
     for q, k, v, out in layers[1:]:
         attention(q, k, v, p, out=out)
         assert len(direct.launches) == 2, "later layers launch directly"
-    [launch] = p.launches.values()
+    [launch] = prepared_launches(p).values()
     assert launch.direct == (True, True)
     for (grid, jit_args), compiled in zip(first, (direct.compiled[key] for key in direct.compiled)):
         assert len(compiled.runs) == 2
@@ -115,7 +116,7 @@ def test_a_new_call_shape_or_alignment_goes_through_the_jit_first(direct):
     odd = store[1:].view(q.shape).copy_(q)
     assert odd.data_ptr() % launcher.SPEC_ALIGN != 0
     attention(odd, k, v, p, out=out)
-    assert len(direct.launches) == 2 and len(p.launches) == 2
+    assert len(direct.launches) == 2 and len(prepared_launches(p)) == 2
     # Another plan with the same shapes finds the compiled kernel the first one used: no JIT launch.
     again = plan(*b.metadata, **b.heads, q_dtype=torch.float16, sharing="never")
     attention(q, k, v, again, out=out)
@@ -149,7 +150,7 @@ def test_interpreter_launches_take_the_jit_path(device):
     p = plan(*b.metadata, **b.heads, q_dtype=torch.float16, sharing="always")
     for q, k, v, out in layers:
         attention(q, k, v, p, out=out)
-    [launch] = p.launches.values()
+    [launch] = prepared_launches(p).values()
     assert launch.unsupported is not None and launch.direct == (False, False)
 
 
