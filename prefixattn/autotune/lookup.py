@@ -40,7 +40,6 @@ from pathlib import Path
 
 from prefixattn.autotune import cost_model
 from prefixattn.autotune.buckets import Bucket, distance, make_bucket
-from prefixattn.autotune.shipped_tables import SHIPPED_FORMAT
 from prefixattn.autotune.config_space import (HEAD_DIMS, MIN_DOT_DIM, AttentionConfig, LaunchOptions, MergeConfig, Tiles,
                                               attention_space, block_d, pow2_at_least, prune, prune_reason)
 from prefixattn.autotune.targets import Target, detect_target, get_target
@@ -48,6 +47,8 @@ from prefixattn.autotune.tuning_cache import TuningCache, cache_path
 
 #: Environment variable holding a fixed config (JSON text or a path to a JSON file).
 FIXED_ENV = "PREFIXATTN_TILE_CONFIG"
+#: The shipped tables' format (``configs/<target>.json`` and ``configs/<target>.measured.json``).
+SHIPPED_FORMAT = 1
 
 # Heuristic tiles (the documented default when no table applies; the values prefixattn.planner.tiles shipped
 # before the lookup). Shared tiles: 128 (row x head) lanes per program, the FlashAttention-2 forward M tile, so each

@@ -297,3 +297,18 @@ def test_the_shipped_sm90_measurements_reach_the_selection():
         assert sel.source == "shipped" and (key in raw["buckets"]) == measured, (group, max_q_len, key)
         source = raw if measured else analytic
         assert sel.config == AttentionConfig.from_dict(source["configs"][source["buckets"][key]]), (group, max_q_len)
+
+
+@pytest.mark.parametrize("target", ["sm80", "sm90", "gfx90a", "gfx942", "sm89", "gfx950"])
+def test_shipped_tables_cover_every_head_dim_and_dtype(target):
+    table = lookup.load_shipped(target)
+    path = lookup.shipped_path(target)
+    raw = json.loads(path.read_text())
+    assert raw["target"] == target and set(raw["buckets"].values()) <= set(raw["configs"])
+    for head_dim in (64, 80, 96, 128, 256):
+        for dtype in ("fp16", "bf16", "fp32"):
+            for max_q_len in (1, 300):
+                sel = lookup.select_config(head_dim=head_dim, dtype=dtype, group=8, q_rows=100,
+                                           max_q_len=max_q_len, kv_len=3000, target=target)
+                assert sel.source == "shipped", (head_dim, dtype, sel)
+                assert sel.config in table.values()

@@ -1,8 +1,8 @@
 """What a fused-kernel launch must reach and may use on a target: K/V tiles in flight, and the register budget of a
 decode-shaped suffix-only launch.
 
-The shipped-table builder (:mod:`prefixattn.autotune.shipped_tables`) places configs within these limits; the compile
-check (:mod:`prefixattn.autotune.compile_specs`, :mod:`prefixattn.autotune.compile_check`) fails a binary that does
+The shipped-table builder (:mod:`prefixattn.tuning.table_builder`) places configs within these limits; the compile
+check (:mod:`prefixattn.tuning.compile_specs`, :mod:`prefixattn.tuning.compile_check`) fails a binary that does
 not keep them.
 """
 

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 
 from prefixattn.autotune.config_space import (MODEL_SWITCHES, AttentionConfig, MergeConfig, block_d, fp8_block_n,
                                               part_registers)
-from prefixattn.autotune.launch_limits import DECODE_SUFFIX_MAX_REGS, required_pipeline_depth
 from prefixattn.autotune.targets import Target, writes_own_l2_fences
 from prefixattn.kernels.layout import page_size_constexpr
+from prefixattn.tuning.launch_limits import DECODE_SUFFIX_MAX_REGS, required_pipeline_depth
 
 FUSED_KERNEL = "prefixattn.kernels.prefix_attention_kernel:prefix_attention_kernel"
 MERGE_PAIR_KERNEL = "prefixattn.kernels.merge_states:merge_state_pair_kernel"
@@ -55,7 +55,7 @@ FP8_KV_TYPES = ("fp8e4nv", "fp8e5")
 FP8_E4M3_MIN_CUDA_ARCH = 89
 #: Starts the part of a fused job's variant name that a launch rule added (``config_space``'s ``for_kv`` warps,
 #: stages and register cap; ``fp8_block_n``'s KV tile): such a binary's failure is the rule's, not its table config's
-#: (:func:`prefixattn.autotune.compile_check.exclusions_from_report`).
+#: (:func:`prefixattn.tuning.compile_check.exclusions_from_report`).
 RULE_MARK = "@"
 
 

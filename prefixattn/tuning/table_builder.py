@@ -21,10 +21,10 @@ from prefixattn.autotune import cost_model
 from prefixattn.autotune.buckets import Bucket, make_bucket
 from prefixattn.autotune.config_space import (DTYPE_BYTES, HEAD_DIMS, LaunchOptions, attention_space,
                                               launch_space, part_registers, prune)
-from prefixattn.autotune.launch_limits import DECODE_SUFFIX_MAX_REGS, DECODE_SUFFIX_WARPS, required_pipeline_depth
+from prefixattn.autotune.lookup import SHIPPED_FORMAT
 from prefixattn.autotune.targets import Target
+from prefixattn.tuning.launch_limits import DECODE_SUFFIX_MAX_REGS, DECODE_SUFFIX_WARPS, required_pipeline_depth
 
-SHIPPED_FORMAT = 1
 #: The bucket grid of a shipped table: GQA groups of common models (MHA, Llama-3-8B's 4, up to 16), query tokens per
 #: shared node from a small group to a big one, decode vs a prefill chunk, shared KV from a short system prompt to a
 #: long document.
@@ -64,7 +64,7 @@ def _least_regret(candidates, buckets, target, has_shared, extra_row=None):
     for c, row in zip(candidates, costs):
         finite = all(math.isfinite(x) for x in row) and all(math.isfinite(b) for b in best)
         regret = sum(x / b for x, b in zip(row, best)) if finite else math.inf
-        scored.append((regret, cost_model._knob_distance(c), c))
+        scored.append((regret, cost_model.knob_distance(c), c))
     scored.sort(key=lambda s: (s[0], s[1], s[2]))
     return scored[0][2] if math.isfinite(scored[0][0]) else None
 
