@@ -88,7 +88,7 @@ def _write_shipped(args) -> int:
                 exclude.setdefault(key, set()).update(bad)
         table = table_builder.build_table(target, exclude=exclude)
         out = table_builder.write_table(table, args.shipped_dir)
-        print(f"prefixattn tune: wrote {out} ({len(table['configs'])} configs, {len(table['buckets'])} buckets)")
+        print(f"prefixattn tune: wrote {out} ({len(table['tiles'])} tiles, {len(table['shared'])} buckets)")
     lookup.clear_caches()
     return 0
 

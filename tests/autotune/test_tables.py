@@ -1,13 +1,16 @@
 """The tile-table format (prefixattn.autotune.tables): rows by work class, written and read back, and what it refuses."""
 
 import json
+from pathlib import Path
 
 import pytest
 
+from prefixattn.autotune import lookup
 from prefixattn.autotune.buckets import make_bucket
 from prefixattn.autotune.config_space import AttentionConfig, LaunchOptions, Tiles
 from prefixattn.autotune.tables import (TABLE_FORMAT, read_table, table_json, table_rows, tile_name,
                                         write_table)
+from prefixattn.autotune.targets import TARGETS
 
 W8S3 = LaunchOptions(num_warps=8, num_stages=3)
 W4S3 = LaunchOptions(num_warps=4, num_stages=3)
@@ -94,3 +97,13 @@ def test_unreadable_json_raises_naming_the_file(tmp_path):
     with pytest.raises(ValueError) as raised:
         read_table(path, "sm90")
     assert str(raised.value).startswith(f"{path}: expected a format-2 tile table as JSON")
+
+
+def test_every_shipped_table_reads_as_format_2():
+    configs = Path(lookup.__file__).parent / "configs"
+    tables = [p for p in sorted(configs.glob("*.json")) if not p.name.endswith(".program_cost.json")]
+    assert {p.name for p in tables} >= {f"{t}.json" for t in TARGETS} | {"sm90.measured.json"}
+    for path in tables:
+        raw = json.loads(path.read_text())
+        rows = read_table(path, raw["target"])
+        assert rows and raw["format"] == TABLE_FORMAT, path.name

@@ -6,6 +6,7 @@ import pytest
 
 from prefixattn.autotune import lookup
 from prefixattn.autotune.buckets import make_bucket
+from prefixattn.autotune.tables import TABLE_FORMAT, read_table
 from prefixattn.autotune.targets import TARGETS
 from prefixattn.autotune.tuning_cache import TuningCache, cache_path
 from prefixattn.cli import tune as tune_command
@@ -74,6 +75,21 @@ def test_best_cover_skips_excluded_configs():
     first = table_builder.best_cover(target, 128, "fp16", "decode")
     second = table_builder.best_cover(target, 128, "fp16", "decode", frozenset({first.short()}))
     assert first is not None and second is not None and second != first
+
+
+def test_the_builder_writes_each_class_its_tile(tmp_path):
+    target = TARGETS["sm90"]
+    table = table_builder.build_table(target, head_dims=(128,), dtypes=("bf16",), exclude={(128, "bf16"): {"x"}})
+    assert table["format"] == TABLE_FORMAT and table["excluded_after_compile_check"] == {"d128-bf16": ["x"]}
+    rows = read_table(table_builder.write_table(table, tmp_path), "sm90")
+    assert len(rows) == len(table["shared"]) == len(table["decode"]) + len(table["chunk"]) > 0
+    for mode in table_builder.GRID_MAX_Q_LEN:
+        cfg = table_builder.best_cover(target, 128, "bf16", mode, frozenset({"x"}))
+        for bucket in table_builder.grid(128, "bf16", mode):
+            row = rows[bucket]
+            assert (row.shared, row.launch_for(True), row.suffix, row.launch_for(False)) == (
+                cfg.shared, cfg.launch_for(True), cfg.suffix, cfg.launch_for(False)), (mode, bucket)
+    assert table_builder.exclusions_from_table(tmp_path / "sm90.json") == {(128, "bf16"): {"x"}}
 
 
 def test_shipped_builder_prefers_wide_shared_tiles_and_light_decode_launches():
