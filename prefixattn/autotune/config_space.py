@@ -78,9 +78,9 @@ class Tiles:
 
 
 #: Warps of a suffix-only launch over an fp8 K/V cache on NVIDIA. The tables' decode rows are tuned for 16-bit K/V
-#: at 4 warps (<= 128 registers, issue 14); the fp8 -> 16-bit conversion of each K/V tile costs registers on top:
-#: sm_90, bf16/fp16 q, 4 warps: 137 (d64, 16x64) and 168 (d128, 16x32) registers under Triton 3.9, and an 8-byte
-#: spill at d64 under Triton 3.6 (compile-check, 2026-11-23). At 8 warps the same tiles take 100-106 registers
+#: at 4 warps (<= 128 registers, so 4 programs share an SM); the fp8 -> 16-bit conversion of each K/V tile costs
+#: registers on top: sm_90, bf16/fp16 q, 4 warps: 137 (d64, 16x64) and 168 (d128, 16x32) registers under Triton 3.9,
+#: and an 8-byte spill at d64 under Triton 3.6 (compile-check). At 8 warps the same tiles take 100-106 registers
 #: (Triton 3.9) and 127-128 (Triton 3.6), no spill (the compile-check feature jobs check it on every run). AMD is
 #: unchanged (its fp8 jobs compile without spills at the tables' options).
 FP8_SUFFIX_MIN_WARPS = 8
@@ -162,8 +162,8 @@ NAN_GUARD_NARROW_BLOCK_N = 16
 #: :data:`NAN_GUARD_SMALL_HEAD_DIM` or less (so :data:`NAN_GUARD_MIN_WARPS` warps or more). Left to itself ptxas
 #: held sm_80's bf16/fp16 16 x 32 decode binary (LSE, every switch, e5m2, 8 warps, 3 stages) at 80 registers and
 #: spilled 24-32 bytes (Triton 3.9, compile-check; 2 stages alike); capped at 128 it takes 120 and spills nothing:
-#: 2 programs per SM, as before the KV loop lost its masks on whole tiles (122 registers). The cap is no floor:
-#: ptxas fills it (the same launch without the guard: 80 registers uncapped, 122 capped), so no other launch has it.
+#: 2 programs per SM at 8 warps. The cap is no floor: ptxas fills it (the same launch without the guard: 80
+#: registers uncapped, 122 capped), so no other launch has it.
 NAN_GUARD_FP8_MAX_REGS = 128
 
 

@@ -101,7 +101,8 @@ def test_shipped_builder_prefers_wide_shared_tiles_and_light_decode_launches():
     assert sl.num_stages >= 3
     assert part_registers(cfg.suffix, 128, "bf16", sl.num_warps, TARGETS["sm90"]) <= \
         launch_limits.DECODE_SUFFIX_MAX_REGS
-    # Issue 14: decode suffix-only launches at 4 warps (<= 128 registers measured: 16x32 tiles, 126 on sm_90).
+    # Decode suffix-only launches at 4 warps, so 4 programs share an SM (<= 128 registers measured: 16x32 tiles, 126
+    # on sm_90).
     assert sl.num_warps == launch_limits.DECODE_SUFFIX_WARPS
 
 
