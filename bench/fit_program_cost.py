@@ -163,8 +163,8 @@ def _compile(configs: dict, used: set) -> dict:
     from concurrent.futures import ProcessPoolExecutor
     from multiprocessing import get_context
 
-    from prefixattn.autotune.compile_check import _worker_init, compile_one
-    from prefixattn.autotune.compile_specs import fused_job
+    from prefixattn.tuning.compile_check import _worker_init, compile_one
+    from prefixattn.tuning.compile_specs import fused_job
     from prefixattn.autotune.targets import get_target
 
     target = get_target(TARGET)

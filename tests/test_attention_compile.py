@@ -73,9 +73,9 @@ os.environ["TRITON_INTERPRET"] = "0"
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from prefixattn.autotune.compile_specs import fused_job
 from prefixattn.autotune.lookup import select_config
 from prefixattn.autotune.targets import get_target
+from prefixattn.tuning.compile_specs import fused_job
 from prefixattn.kernels.prefix_attention_kernel import prefix_attention_kernel as fn
 
 t = get_target(sys.argv[1])

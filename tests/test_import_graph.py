@@ -186,11 +186,23 @@ def test_integrations_never_import_the_kernels():
         assert not kernels, (module, kernels)
 
 
-def test_autotune_imports_neither_sim_nor_cli_nor_integrations():
+def test_autotune_imports_neither_the_tools_nor_sim_nor_cli_nor_integrations():
     graph = import_graph()
-    above = (f"{PACKAGE}.sim", f"{PACKAGE}.cli", f"{PACKAGE}.integrations")
+    above = (f"{PACKAGE}.tuning", f"{PACKAGE}.sim", f"{PACKAGE}.cli", f"{PACKAGE}.integrations")
     wrong = {m: sorted(t for t in targets if t.startswith(above))
              for m, targets in graph.items() if m.startswith(f"{PACKAGE}.autotune")}
+    assert not any(wrong.values()), {m: t for m, t in wrong.items() if t}
+
+
+def test_only_the_command_line_imports_the_offline_tools():
+    """What a launch or a plan reads lives in autotune/; the tools that make and check it (tuning/) sit above every
+    run-time module."""
+    tools = f"{PACKAGE}.tuning"
+    graph = import_graph()
+    assert f"{tools}.compile_check" in graph
+    wrong = {m: sorted(t for t in targets if t == tools or t.startswith(f"{tools}."))
+             for m, targets in graph.items()
+             if not m.startswith((f"{tools}.", f"{PACKAGE}.cli.")) and m not in (tools, f"{PACKAGE}.cli")}
     assert not any(wrong.values()), {m: t for m, t in wrong.items() if t}
 
 

@@ -22,8 +22,8 @@ os.environ["TRITON_INTERPRET"] = "0"
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from prefixattn.autotune.compile_specs import build_signature
 from prefixattn.autotune.targets import get_target
+from prefixattn.tuning.compile_specs import build_signature
 from prefixattn.kernels.kv_write_kernel import kv_write_kernel as kernel
 from prefixattn.kv_write import kv_write_tiles
 
@@ -48,8 +48,8 @@ ck = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs
                     target=GPUTarget(t.backend, t.arch, t.warp_size), options=dict(num_warps=4))
 out = {"ttgir": ck.asm["ttgir"]}
 if t.backend == "cuda":
-    from prefixattn.autotune.compile_analysis import parse_ptxas
-    from prefixattn.autotune.compile_check import _ptxas_log
+    from prefixattn.tuning.compile_analysis import parse_ptxas
+    from prefixattn.tuning.compile_check import _ptxas_log
 
     out["ptxas"] = parse_ptxas(_ptxas_log(ck.asm["ptx"], t.arch))
 print(json.dumps(out))

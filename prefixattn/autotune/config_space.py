@@ -78,9 +78,9 @@ class Tiles:
 
 
 #: Warps of a suffix-only launch over an fp8 K/V cache on NVIDIA. The tables' decode rows are tuned for 16-bit K/V
-#: at 4 warps (<= 128 registers, issue 14); the fp8 -> 16-bit conversion of each K/V tile costs registers on top:
-#: sm_90, bf16/fp16 q, 4 warps: 137 (d64, 16x64) and 168 (d128, 16x32) registers under Triton 3.9, and an 8-byte
-#: spill at d64 under Triton 3.6 (compile-check, 2026-11-23). At 8 warps the same tiles take 100-106 registers
+#: at 4 warps (<= 128 registers, so 4 programs share an SM); the fp8 -> 16-bit conversion of each K/V tile costs
+#: registers on top: sm_90, bf16/fp16 q, 4 warps: 137 (d64, 16x64) and 168 (d128, 16x32) registers under Triton 3.9,
+#: and an 8-byte spill at d64 under Triton 3.6 (compile-check). At 8 warps the same tiles take 100-106 registers
 #: (Triton 3.9) and 127-128 (Triton 3.6), no spill (the compile-check feature jobs check it on every run). AMD is
 #: unchanged (its fp8 jobs compile without spills at the tables' options).
 FP8_SUFFIX_MIN_WARPS = 8
@@ -162,8 +162,8 @@ NAN_GUARD_NARROW_BLOCK_N = 16
 #: :data:`NAN_GUARD_SMALL_HEAD_DIM` or less (so :data:`NAN_GUARD_MIN_WARPS` warps or more). Left to itself ptxas
 #: held sm_80's bf16/fp16 16 x 32 decode binary (LSE, every switch, e5m2, 8 warps, 3 stages) at 80 registers and
 #: spilled 24-32 bytes (Triton 3.9, compile-check; 2 stages alike); capped at 128 it takes 120 and spills nothing:
-#: 2 programs per SM, as before the KV loop lost its masks on whole tiles (122 registers). The cap is no floor:
-#: ptxas fills it (the same launch without the guard: 80 registers uncapped, 122 capped), so no other launch has it.
+#: 2 programs per SM at 8 warps. The cap is no floor: ptxas fills it (the same launch without the guard: 80
+#: registers uncapped, 122 capped), so no other launch has it.
 NAN_GUARD_FP8_MAX_REGS = 128
 
 
@@ -231,6 +231,13 @@ class LaunchOptions:
         elif self.maxnreg:
             opts["maxnreg"] = self.maxnreg
         return opts
+
+    def short(self) -> str:
+        """Compact name for tables and logs: ``w8_s3`` (+ the HIP knobs when set: ``_wpe2_nk16_kp1``)."""
+        s = f"w{self.num_warps}_s{self.num_stages}"
+        if self.waves_per_eu or self.matrix_instr_nonkdim or self.kpack != 1:
+            s += f"_wpe{self.waves_per_eu}_nk{self.matrix_instr_nonkdim}_kp{self.kpack}"
+        return s
 
     def to_dict(self) -> dict:
         """The fields a table or cache stores (``maxnreg`` only where a rule set it)."""
@@ -301,15 +308,9 @@ class AttentionConfig:
     def short(self) -> str:
         """Compact name for tables and logs: ``sh128x64_sf16x64_w4_s2`` (+ HIP knobs when set)."""
         s = (f"sh{self.shared.block_m}x{self.shared.block_n}_sf{self.suffix.block_m}x{self.suffix.block_n}"
-             f"_w{self.launch.num_warps}_s{self.launch.num_stages}")
-        lo = self.launch
-        if lo.waves_per_eu or lo.matrix_instr_nonkdim or lo.kpack != 1:
-            s += f"_wpe{lo.waves_per_eu}_nk{lo.matrix_instr_nonkdim}_kp{lo.kpack}"
-        sl = self.suffix_launch
-        if sl is not None and sl != lo:
-            s += f"_sfw{sl.num_warps}_s{sl.num_stages}"
-            if sl.waves_per_eu or sl.matrix_instr_nonkdim or sl.kpack != 1:
-                s += f"_wpe{sl.waves_per_eu}_nk{sl.matrix_instr_nonkdim}_kp{sl.kpack}"
+             f"_{self.launch.short()}")
+        if self.suffix_launch is not None and self.suffix_launch != self.launch:
+            s += f"_sf{self.suffix_launch.short()}"
         return s
 
 
@@ -330,24 +331,31 @@ def _is_pow2(x) -> bool:
 
 def check_config(cfg: AttentionConfig) -> None:
     """Structural checks every config must pass (powers of two, dot minimums); ValueError names the field."""
-    for part in ("shared", "suffix"):
-        tiles = getattr(cfg, part)
-        for name in ("block_m", "block_n"):
-            v = getattr(tiles, name)
-            if not _is_pow2(v) or v < MIN_DOT_DIM:
-                raise ValueError(f"config.{part}.{name}: expected a power of two >= {MIN_DOT_DIM}, got {v!r}")
-    for name, lo in (("launch", cfg.launch), ("suffix_launch", cfg.suffix_launch)):
-        if lo is None:
-            continue
-        if not _is_pow2(lo.num_warps) or lo.num_warps > 16:
-            raise ValueError(f"config.{name}.num_warps: expected a power of two <= 16, got {lo.num_warps!r}")
-        if not isinstance(lo.num_stages, int) or lo.num_stages < 1:
-            raise ValueError(f"config.{name}.num_stages: expected an int >= 1, got {lo.num_stages!r}")
-        if lo.matrix_instr_nonkdim not in (0, 16, 32):
-            raise ValueError(f"config.{name}.matrix_instr_nonkdim: expected 0, 16 or 32, "
-                             f"got {lo.matrix_instr_nonkdim!r}")
-        if lo.kpack not in (1, 2):
-            raise ValueError(f"config.{name}.kpack: expected 1 or 2, got {lo.kpack!r}")
+    check_tiles(cfg.shared, "config.shared")
+    check_tiles(cfg.suffix, "config.suffix")
+    check_launch(cfg.launch, "config.launch")
+    if cfg.suffix_launch is not None:
+        check_launch(cfg.suffix_launch, "config.suffix_launch")
+
+
+def check_tiles(tiles: Tiles, where: str) -> None:
+    """``tiles`` are powers of two of at least the dot minimum; ValueError names the field under ``where``."""
+    for name in ("block_m", "block_n"):
+        v = getattr(tiles, name)
+        if not _is_pow2(v) or v < MIN_DOT_DIM:
+            raise ValueError(f"{where}.{name}: expected a power of two >= {MIN_DOT_DIM}, got {v!r}")
+
+
+def check_launch(lo: LaunchOptions, where: str) -> None:
+    """``lo`` holds values Triton takes; ValueError names the field under ``where``."""
+    if not _is_pow2(lo.num_warps) or lo.num_warps > 16:
+        raise ValueError(f"{where}.num_warps: expected a power of two <= 16, got {lo.num_warps!r}")
+    if not isinstance(lo.num_stages, int) or lo.num_stages < 1:
+        raise ValueError(f"{where}.num_stages: expected an int >= 1, got {lo.num_stages!r}")
+    if lo.matrix_instr_nonkdim not in (0, 16, 32):
+        raise ValueError(f"{where}.matrix_instr_nonkdim: expected 0, 16 or 32, got {lo.matrix_instr_nonkdim!r}")
+    if lo.kpack not in (1, 2):
+        raise ValueError(f"{where}.kpack: expected 1 or 2, got {lo.kpack!r}")
 
 
 # ---------------------------------------------------------------------------------------------------------------

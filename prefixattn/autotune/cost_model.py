@@ -188,7 +188,7 @@ def estimate_seconds(cfg: AttentionConfig, bucket: Bucket, target: Target, *, re
             + _part_seconds(cfg.suffix, suffix, bucket, cfg.launch_for(False), target, occ_suffix))
 
 
-def _knob_distance(cfg: AttentionConfig) -> tuple:
+def knob_distance(cfg: AttentionConfig) -> tuple:
     """Tie-break toward Triton's defaults: configs the model cannot tell apart should change as little as possible.
     The suffix-only launch counts after the shared one (without it, configs differing only in ``suffix_launch`` tie
     and the name order picks: 2 warps and ``num_stages`` 1 on gfx942 decode, the first name in sort order)."""
@@ -202,5 +202,5 @@ def _knob_distance(cfg: AttentionConfig) -> tuple:
 def rank(configs, bucket: Bucket, target: Target) -> list[tuple[float, AttentionConfig]]:
     """``(seconds, config)`` best first; ties broken toward default knobs, then by config order (deterministic)."""
     scored = [(estimate_seconds(c, bucket, target), c) for c in configs]
-    scored.sort(key=lambda sc: (sc[0], _knob_distance(sc[1]), sc[1]))
+    scored.sort(key=lambda sc: (sc[0], knob_distance(sc[1]), sc[1]))
     return scored

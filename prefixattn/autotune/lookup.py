@@ -13,10 +13,10 @@ timed hot path. The chain, first match wins:
    among entries of the same head size, dtype, GQA group and mode (decode: one query token per request, or not).
    ``plan()`` knows neither the rows per shared node nor the shared KV length before it builds its tree, so exact
    buckets would rarely match.
-4. **shipped**: the package's ``configs/<target>.json`` with its GPU-measured overrides
-   (``configs/<target>.measured.json``, where a target has them), nearest bucket (same head size and dtype, or
-   another head size with the same padded ``BLOCK_D``, or, for a head size no table lists, the nearest larger
-   ``BLOCK_D``; bf16 and fp16 stand in for each other).
+4. **shipped**: the rows of the package's tile table ``configs/<target>.json`` with its GPU-measured overrides
+   (``configs/<target>.measured.json``, where a target has them; :mod:`~prefixattn.autotune.tables`), nearest
+   bucket (same head size and dtype, or another head size with the same padded ``BLOCK_D``, or, for a head size no
+   table lists, the nearest larger ``BLOCK_D``; bf16 and fp16 stand in for each other).
 5. **user-cache** nearest bucket (a device family without a shipped table).
 6. **cost-model**: the analytic model's best survivor of the pruned space (:mod:`~prefixattn.autotune.cost_model`).
 7. **heuristic**, if nothing survives.
@@ -40,19 +40,18 @@ from pathlib import Path
 
 from prefixattn.autotune import cost_model
 from prefixattn.autotune.buckets import Bucket, distance, make_bucket
-from prefixattn.autotune.shipped_tables import SHIPPED_FORMAT
 from prefixattn.autotune.config_space import (HEAD_DIMS, MIN_DOT_DIM, AttentionConfig, LaunchOptions, MergeConfig, Tiles,
                                               attention_space, block_d, pow2_at_least, prune, prune_reason)
+from prefixattn.autotune.tables import read_table
 from prefixattn.autotune.targets import Target, detect_target, get_target
 from prefixattn.autotune.tuning_cache import TuningCache, cache_path
 
 #: Environment variable holding a fixed config (JSON text or a path to a JSON file).
 FIXED_ENV = "PREFIXATTN_TILE_CONFIG"
 
-# Heuristic tiles (the documented default when no table applies; the values prefixattn.planner.tiles shipped
-# before the lookup). Shared tiles: 128 (row x head) lanes per program, the FlashAttention-2 forward M tile, so each
-# KV tile read from HBM feeds a full tensor-core matmul; 64 keys per step keeps the 128 x 64 fp32 score tile and the
-# 128 x head_dim accumulator in registers for head_dim <= 128.
+# Heuristic tiles (the documented default when no table applies). Shared tiles: 128 (row x head) lanes per program,
+# the FlashAttention-2 forward M tile, so each KV tile read from HBM feeds a full tensor-core matmul; 64 keys per step
+# keeps the 128 x 64 fp32 score tile and the 128 x head_dim accumulator in registers for head_dim <= 128.
 HEURISTIC_BLOCK_M_SHARED = 128
 HEURISTIC_BLOCK_N = 64
 #: head_dim above this doubles the accumulator: halve the KV tile to keep the register budget.
@@ -219,8 +218,9 @@ def shipped_path(target_name: str, measured: bool = False):
 
 
 def load_shipped(target_name: str) -> dict[Bucket, AttentionConfig]:
-    """The shipped table of ``target_name``: the analytic buckets with the measured ones over them (empty when the
-    package has neither). A broken shipped file is a packaging bug, so it raises instead of warning."""
+    """The shipped rows of ``target_name`` (:func:`~prefixattn.autotune.tables.read_table`): the analytic table's
+    with the measured ones over them, bucket by bucket (empty when the package has neither). A broken shipped file is
+    a packaging bug, so it raises (a ValueError naming the file) instead of warning."""
     return _load_shipped(target_name)
 
 
@@ -228,14 +228,8 @@ def load_shipped(target_name: str) -> dict[Bucket, AttentionConfig]:
 def _load_shipped(target_name: str) -> dict[Bucket, AttentionConfig]:
     table: dict[Bucket, AttentionConfig] = {}
     for path in (shipped_path(target_name), shipped_path(target_name, measured=True)):
-        if not path.is_file():
-            continue
-        data = json.loads(path.read_text())
-        if data.get("format") != SHIPPED_FORMAT or data.get("target") != target_name:
-            raise ValueError(f"{path}: expected format {SHIPPED_FORMAT} for target {target_name!r}, got format "
-                             f"{data.get('format')!r} for {data.get('target')!r}")
-        configs = {name: AttentionConfig.from_dict(c) for name, c in data["configs"].items()}
-        table.update({Bucket.from_key(key): configs[name] for key, name in data["buckets"].items()})
+        if path.is_file():
+            table.update(read_table(path, target_name))
     return table
 
 

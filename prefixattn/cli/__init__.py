@@ -2,9 +2,9 @@
 
 A subcommand module (``prefixattn/cli/<command>.py``) exposes ``HELP`` (one line), ``add_arguments(parser)`` and
 ``run(args) -> int``: it parses and prints, and drives library code that lives where it belongs (``prefixattn.warmup``,
-``prefixattn.autotune``, ``prefixattn.sim``); nothing outside this package imports it. One that sets
-``PASSTHROUGH = "<dest>"`` also receives the options it does not know in ``args.<dest>`` (``prefixattn bench -x``
-hands ``-x`` to pytest).
+``prefixattn.autotune``, ``prefixattn.tuning``, ``prefixattn.sim``); nothing outside this package imports it. One
+that sets ``PASSTHROUGH = "<dest>"`` also receives the options it does not know in ``args.<dest>``
+(``prefixattn bench -x`` hands ``-x`` to pytest).
 
 Argument types shared by the subcommands are in :mod:`prefixattn.cli.arg_types`.
 """

@@ -1,6 +1,6 @@
 """``prefixattn compile-check``: compile every kernel variant for GPU targets on this machine (no GPU needed).
 
-What is compiled and what fails the check is :mod:`prefixattn.autotune.compile_check`; this module parses the
+What is compiled and what fails the check is :mod:`prefixattn.tuning.compile_check`; this module parses the
 command line, prints a row per compile and the summary, and writes the JSON report. Exit status 1 when any compile
 fails the check, 2 for a bad argument.
 """
@@ -13,10 +13,10 @@ import sys
 import time
 from pathlib import Path
 
-from prefixattn.autotune.compile_check import KERNELS, build_jobs, failures, run_jobs, worst_case_jobs
 from prefixattn.autotune.config_space import DTYPE_BYTES, HEAD_DIMS
 from prefixattn.autotune.targets import DEFAULT_CHECK_TARGETS, TARGETS, get_target, parse_targets
 from prefixattn.cli.arg_types import int_list, positive_int
+from prefixattn.tuning.compile_check import KERNELS, build_jobs, failures, run_jobs, worst_case_jobs
 
 HELP = ("compile every kernel variant for sm80/sm90/gfx90a/gfx942 without a GPU; report registers, spills, "
         "shared memory, pipeline depth and matrix instructions")

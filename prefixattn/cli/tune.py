@@ -1,7 +1,7 @@
 """``prefixattn tune``: time candidate configs on this GPU and store the winners in the user tuning cache.
 
-What a tuning run does is :mod:`prefixattn.autotune.tuner`. ``--write-shipped`` instead rebuilds the package's shipped
-tables from the analytic model (no GPU needed, :mod:`prefixattn.autotune.shipped_tables`); pass ``--exclude-report``
+What a tuning run does is :mod:`prefixattn.tuning.tuner`. ``--write-shipped`` instead rebuilds the package's shipped
+tables from the analytic model (no GPU needed, :mod:`prefixattn.tuning.table_builder`); pass ``--exclude-report``
 with a ``prefixattn compile-check --json`` report to skip configs that failed it.
 """
 
@@ -15,10 +15,10 @@ from prefixattn.autotune import lookup
 from prefixattn.autotune.buckets import make_bucket
 from prefixattn.autotune.config_space import DTYPE_BYTES, HEAD_DIMS
 from prefixattn.autotune.targets import TARGETS, detect_target, get_target, parse_targets
-from prefixattn.autotune.tuner import (DEFAULT_GROUPS, DEFAULT_KV_LENS, DEFAULT_MAX_Q_LENS, DEFAULT_Q_ROWS,
-                                       DEFAULT_TOP_K, candidates, gpu_time_fn, tune)
 from prefixattn.autotune.tuning_cache import TuningCache, cache_path
 from prefixattn.cli.arg_types import int_list, positive_int
+from prefixattn.tuning.tuner import (DEFAULT_GROUPS, DEFAULT_KV_LENS, DEFAULT_MAX_Q_LENS, DEFAULT_Q_ROWS,
+                                     DEFAULT_TOP_K, candidates, gpu_time_fn, tune)
 
 HELP = "time tile configs on this GPU and cache the fastest per shape bucket (or rebuild the shipped tables)"
 #: The package's shipped tables (``--write-shipped`` writes here by default).
@@ -76,19 +76,19 @@ def add_arguments(parser) -> None:
 
 
 def _write_shipped(args) -> int:
-    from prefixattn.autotune import compile_check, shipped_tables
+    from prefixattn.tuning import compile_check, table_builder
 
     names = list(TARGETS) if args.write_shipped == "all" else [t.name for t in parse_targets(args.write_shipped)]
     for name in names:
         target = get_target(name)
         path = args.shipped_dir / f"{name}.json"
-        exclude = shipped_tables.exclusions_from_table(path)
+        exclude = table_builder.exclusions_from_table(path)
         if args.exclude_report:
             for key, bad in compile_check.exclusions_from_report(args.exclude_report, name).items():
                 exclude.setdefault(key, set()).update(bad)
-        table = shipped_tables.build_table(target, exclude=exclude)
-        out = shipped_tables.write_table(table, args.shipped_dir)
-        print(f"prefixattn tune: wrote {out} ({len(table['configs'])} configs, {len(table['buckets'])} buckets)")
+        table = table_builder.build_table(target, exclude=exclude)
+        out = table_builder.write_table(table, args.shipped_dir)
+        print(f"prefixattn tune: wrote {out} ({len(table['tiles'])} tiles, {len(table['shared'])} buckets)")
     lookup.clear_caches()
     return 0
 

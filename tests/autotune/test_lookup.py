@@ -1,13 +1,15 @@
 """The selection chain: fixed -> user cache -> shipped (nearest bucket) -> cost model -> heuristic."""
 
+import itertools
 import json
 import warnings
 
 import pytest
 
 from prefixattn.autotune import lookup
-from prefixattn.autotune.buckets import make_bucket
-from prefixattn.autotune.config_space import AttentionConfig, LaunchOptions, Tiles, prune_reason
+from prefixattn.autotune.buckets import Bucket, make_bucket
+from prefixattn.autotune.config_space import HEAD_DIMS, AttentionConfig, LaunchOptions, Tiles, prune_reason
+from prefixattn.autotune.tables import read_table, suffix_class, table_json, write_table
 from prefixattn.autotune.targets import TARGETS
 from prefixattn.autotune.tuning_cache import TuningCache, TuningCacheWarning, cache_path
 
@@ -250,17 +252,16 @@ def test_selection_is_memoized_no_table_reread(monkeypatch):
     assert calls == ["sm90"]
 
 
-def _table_file(path, target, buckets, configs):
-    path.write_text(json.dumps({"format": 1, "target": target, "buckets": buckets,
-                                "configs": {name: c.to_dict() for name, c in configs.items()}}))
-    return path
+def _table_file(path, target, rows):
+    """A tile table of ``rows`` (bucket key -> config) for ``target`` at ``path``."""
+    return write_table(table_json({Bucket.from_key(k): cfg for k, cfg in rows.items()}, target=target), path)
 
 
 def test_measured_overrides_replace_the_analytic_buckets_they_name(monkeypatch, tmp_path):
-    analytic = _table_file(tmp_path / "sm90.json", "sm90", {"d128-fp16-g4-q16-l1-kv1024": "a",
-                                                            "d128-fp16-g4-q16-l512-kv1024": "a"}, {"a": A})
-    measured = _table_file(tmp_path / "sm90.measured.json", "sm90", {"d128-fp16-g4-q16-l1-kv1024": "b",
-                                                                     "d128-fp16-g8-q16-l1-kv1024": "b"}, {"b": B})
+    analytic = _table_file(tmp_path / "sm90.json", "sm90", {"d128-fp16-g4-q16-l1-kv1024": A,
+                                                            "d128-fp16-g4-q16-l512-kv1024": A})
+    measured = _table_file(tmp_path / "sm90.measured.json", "sm90", {"d128-fp16-g4-q16-l1-kv1024": B,
+                                                                     "d128-fp16-g8-q16-l1-kv1024": B})
     paths = {False: analytic, True: measured}
     monkeypatch.setattr(lookup, "shipped_path", lambda name, measured=False: paths[measured])
     table = lookup.load_shipped("sm90")
@@ -274,26 +275,39 @@ def test_measured_overrides_replace_the_analytic_buckets_they_name(monkeypatch, 
 
 
 def test_a_measured_table_for_another_target_is_refused(monkeypatch, tmp_path):
-    analytic = _table_file(tmp_path / "sm90.json", "sm90", {"d128-fp16-g4-q16-l1-kv1024": "a"}, {"a": A})
-    wrong = _table_file(tmp_path / "sm90.measured.json", "sm80", {"d128-fp16-g4-q16-l1-kv1024": "b"}, {"b": B})
+    analytic = _table_file(tmp_path / "sm90.json", "sm90", {"d128-fp16-g4-q16-l1-kv1024": A})
+    wrong = _table_file(tmp_path / "sm90.measured.json", "sm80", {"d128-fp16-g4-q16-l1-kv1024": B})
     monkeypatch.setattr(lookup, "shipped_path", lambda name, measured=False: wrong if measured else analytic)
-    with pytest.raises(ValueError, match="for target 'sm90'.*'sm80'"):
+    with pytest.raises(ValueError, match="sm90.measured.json: expected the table of target 'sm90', got one for 'sm80'"):
         lookup.load_shipped("sm90")
 
 
 def test_the_shipped_sm90_measurements_reach_the_selection():
     """configs/sm90.measured.json (H100 sweep): its decode buckets win over the analytic table's, the buckets it does
-    not name (chunked prefill, group 16) keep the analytic configs, and every config it names passes the checks."""
-    raw = json.loads(lookup.shipped_path("sm90", measured=True).read_text())
-    analytic = json.loads(lookup.shipped_path("sm90").read_text())
-    assert raw["target"] == "sm90" and "measured" in raw["source"] and set(raw["buckets"].values()) == set(
-        raw["configs"])
-    for name, cfg in raw["configs"].items():
-        assert AttentionConfig.from_dict(cfg).short() == name  # the name says what the config is
-    for group, max_q_len, measured in ((1, 1, True), (4, 1, True), (8, 1, True), (16, 1, False), (1, 300, False),
-                                       (8, 300, False)):
+    not name (chunked prefill, group 16) keep the analytic rows."""
+    measured_path, analytic_path = lookup.shipped_path("sm90", measured=True), lookup.shipped_path("sm90")
+    raw = json.loads(measured_path.read_text())
+    assert raw["target"] == "sm90" and "measured" in raw["source"] and raw["decode"] and not raw["chunk"]
+    measured, analytic = read_table(measured_path, "sm90"), read_table(analytic_path, "sm90")
+    for group, max_q_len, is_measured in ((1, 1, True), (4, 1, True), (8, 1, True), (16, 1, False), (1, 300, False),
+                                          (8, 300, False)):
         sel = lookup.select_config(head_dim=128, dtype="bf16", group=group, max_q_len=max_q_len, target="sm90")
-        key = sel.matched.key()
-        assert sel.source == "shipped" and (key in raw["buckets"]) == measured, (group, max_q_len, key)
-        source = raw if measured else analytic
-        assert sel.config == AttentionConfig.from_dict(source["configs"][source["buckets"][key]]), (group, max_q_len)
+        assert sel.source == "shipped" and (sel.matched in measured) == is_measured, (group, max_q_len, sel.matched)
+        assert sel.config == (measured if is_measured else analytic)[sel.matched], (group, max_q_len)
+
+
+@pytest.mark.parametrize("target", ["sm80", "sm90", "gfx90a", "gfx942", "sm89", "gfx950"])
+def test_shipped_tables_cover_every_head_dim_and_dtype(target):
+    table = lookup.load_shipped(target)
+    raw = json.loads(lookup.shipped_path(target).read_text())
+    assert raw["target"] == target
+    for head_dim, dtype in itertools.product(HEAD_DIMS, ("fp16", "bf16", "fp32")):
+        rows = [b for b in table if (b.head_dim, b.dtype) == (head_dim, dtype)]
+        assert {suffix_class(b) for b in rows} == {"decode", "chunk"}, (head_dim, dtype)  # a row of each kind
+    for head_dim in (64, 80, 96, 128, 256):
+        for dtype in ("fp16", "bf16", "fp32"):
+            for max_q_len in (1, 300):
+                sel = lookup.select_config(head_dim=head_dim, dtype=dtype, group=8, q_rows=100,
+                                           max_q_len=max_q_len, kv_len=3000, target=target)
+                assert sel.source == "shipped", (head_dim, dtype, sel)
+                assert sel.config in table.values()

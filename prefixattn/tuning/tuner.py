@@ -9,7 +9,7 @@ fixed_config`, and writes the fastest to the cache (after every bucket, so an in
 The lookup then prefers these entries over the shipped table (``source == "user-cache"``).
 
 The command is ``prefixattn tune`` (:mod:`prefixattn.cli.tune`); ``--write-shipped`` there rebuilds the shipped
-tables instead (:mod:`prefixattn.autotune.shipped_tables`).
+tables instead (:mod:`prefixattn.tuning.table_builder`).
 """
 from __future__ import annotations
 

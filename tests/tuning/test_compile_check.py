@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from prefixattn.autotune.compile_analysis import (count_matrix_instrs, count_private_memory_ops, parse_amdgcn,
-                                                 parse_dots, parse_pipeline, parse_ptxas)
-from prefixattn.autotune.compile_check import exclusions_from_report, failures
-from prefixattn.autotune.compile_specs import build_signature
 from prefixattn.autotune.config_space import FP8_LARGE_HEAD_DECODE_WARPS, FP8_SUFFIX_MIN_WARPS
 from prefixattn.autotune.targets import TARGETS
+from prefixattn.tuning.compile_analysis import (count_matrix_instrs, count_private_memory_ops, parse_amdgcn,
+                                               parse_dots, parse_pipeline, parse_ptxas)
+from prefixattn.tuning.compile_check import exclusions_from_report, failures
+from prefixattn.tuning.compile_specs import build_signature
 
 TTGIR = """
 #blocked2 = #ttg.blocked<{sizePerThread = [1, 4], threadsPerWarp = [8, 4], warpsPerCTA = [4, 1], order = [1, 0]}>
@@ -167,7 +167,7 @@ def test_exclusions_from_a_report_cover_the_twins_of_a_failed_config(tmp_path):
     records = [dict(base, target="sm90", dtype="fp32", head_dim=64, variant="decode/suffix-only", spills=8,
                     config_name="sh64x32_sf16x16_w8_s3_sfw4_s3")]
     report.write_text(json.dumps({"records": records}))
-    from prefixattn.autotune.shipped_tables import is_excluded
+    from prefixattn.tuning.table_builder import is_excluded
 
     # A failed suffix-only launch rules out every config with the same suffix binary: its tiles under the same
     # suffix launch (own _sfw options, or the shared launch's), whatever the shared tiles; after a spill, deeper too.
@@ -208,8 +208,8 @@ def test_signature_follows_launch_specialization():
 
 def _shipped_binaries(target_name):
     """(head_dim, variant prefix, config name) of every binary of the target's bf16 default configs."""
-    from prefixattn.autotune.compile_check import class_binaries, default_attention_configs
     from prefixattn.autotune.config_space import HEAD_DIMS
+    from prefixattn.tuning.compile_check import class_binaries, default_attention_configs
 
     target = TARGETS[target_name]
     return {(hd, mode + ("" if has_shared else "/suffix-only"), cfg.short())
@@ -221,8 +221,8 @@ def _shipped_binaries(target_name):
 def test_worst_case_selection_covers_every_shipped_binary_and_feature_axis(tmp_path):
     """CI's compile-check (``--worst-case``, ~8 minutes on 2 cores): every shipped bf16 binary, and at the extreme
     head sizes the feature switches over each fp8 type, compile without spills at the promised pipeline depth."""
-    from prefixattn.autotune.compile_specs import fp8_kv_types
     from prefixattn.autotune.config_space import FP8_SUFFIX_MAX_STAGES, HEAD_DIMS
+    from prefixattn.tuning.compile_specs import fp8_kv_types
 
     out = tmp_path / "report.json"
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
@@ -295,8 +295,9 @@ def test_worst_case_selection_covers_every_shipped_binary_and_feature_axis(tmp_p
 def test_worst_case_selection_fails_on_a_spilling_table_entry(monkeypatch):
     """A table entry that spills (sm_90, head_dim 128: 128 x 64 shared tiles at 4 warps hold a 128 x 128 fp32
     accumulator, 128 registers per thread, on top of the scores) is in CI's selection and fails it."""
-    from prefixattn.autotune import compile_check, lookup
+    from prefixattn.autotune import lookup
     from prefixattn.autotune.config_space import AttentionConfig
+    from prefixattn.tuning import compile_check
 
     spilling = AttentionConfig.from_dict({"shared": {"block_m": 128, "block_n": 64},
                                           "suffix": {"block_m": 16, "block_n": 32},

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 
 from prefixattn.autotune.config_space import (MODEL_SWITCHES, AttentionConfig, MergeConfig, block_d, fp8_block_n,
                                               part_registers)
-from prefixattn.autotune.launch_limits import DECODE_SUFFIX_MAX_REGS, required_pipeline_depth
 from prefixattn.autotune.targets import Target, writes_own_l2_fences
 from prefixattn.kernels.layout import page_size_constexpr
+from prefixattn.tuning.launch_limits import DECODE_SUFFIX_MAX_REGS, required_pipeline_depth
 
 FUSED_KERNEL = "prefixattn.kernels.prefix_attention_kernel:prefix_attention_kernel"
 MERGE_PAIR_KERNEL = "prefixattn.kernels.merge_states:merge_state_pair_kernel"
@@ -46,7 +46,8 @@ _ALIGN = 16
 #: Representative feature values: Gemma 2's attention soft cap (50) and Mistral's 4096-token window (W = S - 1).
 REPRESENTATIVE_SOFT_CAP = 50.0
 REPRESENTATIVE_WINDOW_LEFT = 4095
-#: The kernel's feature switches (issue 19), all off in the default variants.
+#: The kernel's feature switches (a model's soft cap, window and sinks, fp8 K/V scales, the NaN guard), all off in
+#: the default variants.
 FEATURE_SWITCHES = ("HAS_SOFT_CAP", "HAS_WINDOW", "HAS_SINKS", "HAS_KV_SCALE", "USE_NAN_GUARD")
 #: Triton's names of the fp8 KV-cache element types: torch.float8_e4m3fn and torch.float8_e5m2.
 FP8_KV_TYPES = ("fp8e4nv", "fp8e5")
@@ -55,7 +56,7 @@ FP8_KV_TYPES = ("fp8e4nv", "fp8e5")
 FP8_E4M3_MIN_CUDA_ARCH = 89
 #: Starts the part of a fused job's variant name that a launch rule added (``config_space``'s ``for_kv`` warps,
 #: stages and register cap; ``fp8_block_n``'s KV tile): such a binary's failure is the rule's, not its table config's
-#: (:func:`prefixattn.autotune.compile_check.exclusions_from_report`).
+#: (:func:`prefixattn.tuning.compile_check.exclusions_from_report`).
 RULE_MARK = "@"
 
 
@@ -235,9 +236,10 @@ def fused_job(*, target: Target, dtype: str, head_dim: int, config: AttentionCon
 
 
 def decode_suffix_register_budget(target: Target, dtype: str, head_dim: int, config: AttentionConfig) -> int:
-    """Registers a decode-shaped suffix-only binary may use (issue 14: <= 128 at 4 warps, so several programs share
-    an SM): the shipped-table builder's budget where it placed the config's suffix launch under it (NVIDIA; its
-    estimate), else 0 (no bound: fp32 and large heads on FMA dots do not fit it)."""
+    """Registers a decode-shaped suffix-only binary may use (``DECODE_SUFFIX_MAX_REGS`` of
+    :mod:`~prefixattn.tuning.launch_limits`, so several programs share an SM): the shipped-table builder's budget where
+    it placed the config's suffix launch under it (NVIDIA; its estimate), else 0 (no bound: fp32 and large heads on FMA
+    dots do not fit it)."""
     lo = config.launch_for(False)
     if target.is_hip or part_registers(config.suffix, head_dim, dtype, lo.num_warps, target) > DECODE_SUFFIX_MAX_REGS:
         return 0
@@ -249,7 +251,7 @@ NON_FP8_FEATURES = MODEL_SWITCHES + ("USE_NAN_GUARD",)
 
 
 def feature_specs(target: Target, dtype: str, *, worst_case_only: bool = False) -> list[tuple]:
-    """``(features, kv_dtype)`` of the issue-19 variants a binary is checked with: every non-fp8 switch (the model's
+    """``(features, kv_dtype)`` of the feature variants a binary is checked with: every non-fp8 switch (the model's
     and the NaN guard); fp8 K/V with scales, each fp8 type the target compiles; every model switch over an fp8 cache
     (a Gemma-2-like model on an fp8 cache); and every switch, the NaN guard's too, over each fp8 type
     (``plan(nan_guard=True)``, a debugging mode, on an fp8 cache). ``worst_case_only`` (CI's selection): every
@@ -275,7 +277,7 @@ def guarded_fp8_specs(target: Target) -> list[tuple]:
 
 def feature_jobs(*, target: Target, dtype: str, head_dim: int, config: AttentionConfig, variant: str,
                  has_shared: bool, specs=None, param_names=None, default: bool = True) -> list[CompileJob]:
-    """The issue-19 variants (:func:`feature_specs`, or ``specs``) of one work class's binary (``config``,
+    """The feature variants (:func:`feature_specs`, or ``specs``) of one work class's binary (``config``,
     ``variant``, ``has_shared`` as in :func:`fused_job`), all with LSE. Empty for a kernel without the switches."""
     names = param_names if param_names is not None else _param_names(FUSED_KERNEL)
     if not all(f in names for f in FEATURE_SWITCHES):

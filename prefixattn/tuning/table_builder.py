@@ -1,12 +1,14 @@
-"""Building the shipped tables (``configs/<target>.json``) without a GPU: analytic choice, compile-verified.
+"""Building the shipped tile tables (``configs/<target>.json``) without a GPU: analytic choice, compile-verified.
 
 For each target, head size, dtype and mode (decode: one query token per request; chunked prefill) the builder picks
 ONE config for all the mode's buckets: the survivor of the pruned space with the least total relative slowdown
 ``sum over buckets of estimate(config, bucket) / estimate(best config for that bucket, bucket)`` under the analytic
 cost model. One config per mode keeps the set of binaries small enough to compile-check every one of them for every
 target (``prefixattn compile-check``); configs a compile report shows spilling or over the shared-memory limit are
-excluded and the next best is taken. Tables measured on GPUs (``prefixattn tune``) can replace these files with
-per-bucket winners: the format maps every bucket to a config by name.
+excluded and the next best is taken. The table is written by work class (:mod:`prefixattn.autotune.tables`): a
+decode config's shared and decode tiles in the decode rows, a chunked-prefill config's chunk tile and the shared
+tile it was ranked with in the chunk rows. Measurements on a GPU override rows bucket by bucket in
+``configs/<target>.measured.json`` (the same format, written by hand from a sweep's results, never by the builder).
 """
 
 from __future__ import annotations
@@ -17,14 +19,13 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
-from prefixattn.autotune import cost_model
+from prefixattn.autotune import cost_model, tables
 from prefixattn.autotune.buckets import Bucket, make_bucket
 from prefixattn.autotune.config_space import (DTYPE_BYTES, HEAD_DIMS, LaunchOptions, attention_space,
                                               launch_space, part_registers, prune)
-from prefixattn.autotune.launch_limits import DECODE_SUFFIX_MAX_REGS, DECODE_SUFFIX_WARPS, required_pipeline_depth
 from prefixattn.autotune.targets import Target
+from prefixattn.tuning.launch_limits import DECODE_SUFFIX_MAX_REGS, DECODE_SUFFIX_WARPS, required_pipeline_depth
 
-SHIPPED_FORMAT = 1
 #: The bucket grid of a shipped table: GQA groups of common models (MHA, Llama-3-8B's 4, up to 16), query tokens per
 #: shared node from a small group to a big one, decode vs a prefill chunk, shared KV from a short system prompt to a
 #: long document.
@@ -64,7 +65,7 @@ def _least_regret(candidates, buckets, target, has_shared, extra_row=None):
     for c, row in zip(candidates, costs):
         finite = all(math.isfinite(x) for x in row) and all(math.isfinite(b) for b in best)
         regret = sum(x / b for x, b in zip(row, best)) if finite else math.inf
-        scored.append((regret, cost_model._knob_distance(c), c))
+        scored.append((regret, cost_model.knob_distance(c), c))
     scored.sort(key=lambda s: (s[0], s[1], s[2]))
     return scored[0][2] if math.isfinite(scored[0][0]) else None
 
@@ -146,21 +147,19 @@ def _ranked(pool, buckets, target, extra_row=None):
 
 def build_table(target: Target, *, head_dims=HEAD_DIMS, dtypes=tuple(DTYPE_BYTES), exclude: dict | None = None,
                 source: str = "analytic cost model (prefixattn.autotune.cost_model), compile-checked") -> dict:
-    """The shipped table of ``target``. ``exclude`` maps (head_dim, dtype) to config names to skip."""
+    """The shipped table of ``target`` (:func:`prefixattn.autotune.tables.table_json`): :func:`best_cover`'s config of
+    each head size, dtype and mode in every bucket of the mode's grid. ``exclude`` maps (head_dim, dtype) to names
+    of configs to skip (:meth:`~prefixattn.autotune.config_space.AttentionConfig.short`), recorded in the table."""
     exclude = exclude or {}
-    configs, buckets = {}, {}
+    rows: dict = {}
     for head_dim in head_dims:
         for dtype in dtypes:
             for mode in GRID_MAX_Q_LEN:
                 cfg = best_cover(target, head_dim, dtype, mode, frozenset(exclude.get((head_dim, dtype), ())))
-                if cfg is None:
-                    continue
-                configs[cfg.short()] = cfg.to_dict()
-                for b in grid(head_dim, dtype, mode):
-                    buckets[b.key()] = cfg.short()
+                if cfg is not None:
+                    rows.update({b: cfg for b in grid(head_dim, dtype, mode)})
     excluded = {f"d{hd}-{dt}": sorted(names) for (hd, dt), names in sorted(exclude.items()) if names}
-    return {"format": SHIPPED_FORMAT, "target": target.name, "source": source, "configs": configs,
-            "buckets": buckets, "excluded_after_compile_check": excluded}
+    return tables.table_json(rows, target=target.name, source=source, excluded_after_compile_check=excluded)
 
 
 def exclusions_from_table(path: Path) -> dict:
@@ -175,7 +174,5 @@ def exclusions_from_table(path: Path) -> dict:
 
 
 def write_table(table: dict, directory: Path) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"{table['target']}.json"
-    path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
-    return path
+    """Write ``table`` (:func:`build_table`) as ``directory/<target>.json``; returns the path."""
+    return tables.write_table(table, Path(directory) / f"{table['target']}.json")

@@ -18,7 +18,7 @@ decode suffix-only binary the tables placed under the register budget uses more
 (``launch_limits.DECODE_SUFFIX_MAX_REGS``), or (fp16/bf16, and fp32 on AMD) its shared-node part has no matrix
 instructions. Compiles run in worker processes with ``TRITON_INTERPRET=0`` (a kernel defined under the interpreter
 cannot be compiled), ``workers`` at a time (:func:`run_jobs`). What is read out of the compiler's output (TTGIR, PTX,
-ptxas log, AMDGCN) is :mod:`prefixattn.autotune.compile_analysis`.
+ptxas log, AMDGCN) is :mod:`prefixattn.tuning.compile_analysis`.
 
 The default run compiles every binary of every default config (:func:`build_jobs`); ``--worst-case`` is CI's
 selection (:func:`worst_case_jobs`). The command is ``prefixattn compile-check`` (:mod:`prefixattn.cli.compile_check`).
@@ -39,10 +39,10 @@ from dataclasses import asdict
 from multiprocessing import get_context
 from pathlib import Path
 
-from prefixattn.autotune.compile_analysis import (count_matrix_instrs, count_private_memory_ops, parse_amdgcn,
-                                                 parse_dots, parse_pipeline, parse_ptxas)
 from prefixattn.autotune.config_space import HEAD_DIMS, NUM_STAGES_CUDA, block_d
 from prefixattn.autotune.targets import TARGETS
+from prefixattn.tuning.compile_analysis import (count_matrix_instrs, count_private_memory_ops, parse_amdgcn,
+                                               parse_dots, parse_pipeline, parse_ptxas)
 
 KERNELS = ("prefix_attention", "merge")
 
@@ -161,10 +161,10 @@ def failures(record: dict) -> list[str]:
 
 def exclusions_from_report(report_path: Path, target_name: str) -> dict:
     """(head_dim, dtype) -> names of default configs that failed a compile-check report for ``target_name``.
-    A binary whose launch a rule changed (:data:`~prefixattn.autotune.compile_specs.RULE_MARK` in its variant:
+    A binary whose launch a rule changed (:data:`~prefixattn.tuning.compile_specs.RULE_MARK` in its variant:
     ``for_kv`` and ``fp8_block_n`` of :mod:`prefixattn.autotune.config_space`) does not count against its config:
     the table's options did not fail, the rule's did, and the rule is where to mend it."""
-    from prefixattn.autotune.compile_specs import RULE_MARK
+    from prefixattn.tuning.compile_specs import RULE_MARK
 
     data = json.loads(Path(report_path).read_text())
     out: dict = {}
@@ -223,7 +223,7 @@ def _kernel_param_names() -> dict:
     import ast
     import importlib.util
 
-    from prefixattn.autotune import compile_specs as cs
+    from prefixattn.tuning import compile_specs as cs
 
     names = {}
     for fn in (cs.FUSED_KERNEL, cs.MERGE_PAIR_KERNEL, cs.MERGE_N_KERNEL):
@@ -273,9 +273,9 @@ def class_binaries(pairs) -> list[tuple[str, object, bool]]:
 def build_jobs(*, targets, kernels, dtypes, head_dims, lse=(False, True), max_configs: int | None = None,
                configs: list | None = None) -> list:
     """Every job of the check: each binary of each default config with and without LSE and with each feature variant
-    (:func:`prefixattn.autotune.compile_specs.feature_specs`), and the merge kernels. ``configs`` (a list of
+    (:func:`prefixattn.tuning.compile_specs.feature_specs`), and the merge kernels. ``configs`` (a list of
     AttentionConfig) replaces the defaults (marked non-default)."""
-    from prefixattn.autotune import compile_specs as cs
+    from prefixattn.tuning import compile_specs as cs
 
     names = _kernel_param_names()
     jobs = []
@@ -302,8 +302,8 @@ def build_jobs(*, targets, kernels, dtypes, head_dims, lse=(False, True), max_co
 
 
 def _merge_jobs(target, dtype: str, head_dim: int, names: dict) -> list:
-    from prefixattn.autotune import compile_specs as cs
     from prefixattn.autotune.lookup import heuristic_merge_config
+    from prefixattn.tuning import compile_specs as cs
 
     return cs.merge_jobs(target=target, dtype=dtype, head_dim=head_dim,
                          config=heuristic_merge_config(head_dim, cs.NUM_QO_HEADS), param_names=names)
@@ -318,11 +318,11 @@ def worst_case_jobs(targets) -> list:
     """CI's selection, the worst case of every axis in a few minutes: every binary of every shipped bf16 config
     (each head size, each work class, LSE on: a spill anywhere in those tables fails it); at the smallest and
     largest head size each of those binaries with every model switch over a 16-bit cache, and with each fp8 type the
-    target compiles, alone and under every model switch (:func:`prefixattn.autotune.compile_specs.feature_specs`),
+    target compiles, alone and under every model switch (:func:`prefixattn.tuning.compile_specs.feature_specs`),
     the suffix-only ones also under every switch and the NaN guard over each fp8 type, and the fp32 binaries with
     LSE; the merge kernels at the largest head size. Only the full default run covers fp16, LSE off, each feature
     switch on its own, the NaN guard over a 16-bit cache, fp32 at the other head sizes and fp32 with features."""
-    from prefixattn.autotune import compile_specs as cs
+    from prefixattn.tuning import compile_specs as cs
 
     names = _kernel_param_names()
     fused = names[cs.FUSED_KERNEL]

@@ -1,15 +1,16 @@
 """`prefixattn tune` plumbing with a fake timing function (no GPU here), and the shipped-table builder."""
 
 import argparse
-import json
 
 import pytest
 
-from prefixattn.autotune import launch_limits, lookup, shipped_tables, tuner
+from prefixattn.autotune import lookup
 from prefixattn.autotune.buckets import make_bucket
+from prefixattn.autotune.tables import TABLE_FORMAT, read_table
 from prefixattn.autotune.targets import TARGETS
 from prefixattn.autotune.tuning_cache import TuningCache, cache_path
 from prefixattn.cli import tune as tune_command
+from prefixattn.tuning import launch_limits, table_builder, tuner
 
 
 @pytest.fixture(autouse=True)
@@ -71,55 +72,43 @@ def test_progress_bar_reaches_the_total(capsys):
 
 def test_best_cover_skips_excluded_configs():
     target = TARGETS["gfx950"]
-    first = shipped_tables.best_cover(target, 128, "fp16", "decode")
-    second = shipped_tables.best_cover(target, 128, "fp16", "decode", frozenset({first.short()}))
+    first = table_builder.best_cover(target, 128, "fp16", "decode")
+    second = table_builder.best_cover(target, 128, "fp16", "decode", frozenset({first.short()}))
     assert first is not None and second is not None and second != first
 
 
-@pytest.mark.parametrize("target", ["sm80", "sm90", "gfx90a", "gfx942", "sm89", "gfx950"])
-def test_shipped_tables_cover_every_head_dim_and_dtype(target):
-    table = lookup.load_shipped(target)
-    path = lookup.shipped_path(target)
-    raw = json.loads(path.read_text())
-    assert raw["target"] == target and set(raw["buckets"].values()) <= set(raw["configs"])
-    for head_dim in (64, 80, 96, 128, 256):
-        for dtype in ("fp16", "bf16", "fp32"):
-            for max_q_len in (1, 300):
-                sel = lookup.select_config(head_dim=head_dim, dtype=dtype, group=8, q_rows=100,
-                                           max_q_len=max_q_len, kv_len=3000, target=target)
-                assert sel.source == "shipped", (head_dim, dtype, sel)
-                assert sel.config in table.values()
-
-
-def test_cost_model_counts_dependent_round_trips():
-    from prefixattn.autotune import cost_model
-
-    sm90, mi300 = TARGETS["sm90"], TARGETS["gfx942"]
-    # What compile-check reads from the compiled loops: sm_90 num_stages 3 -> 2 tiles in flight; gfx942's stream
-    # pipeliner at num_stages 2 -> one LDS tile + one prefetched through registers.
-    assert cost_model.tiles_in_flight(3, sm90) == 2 and cost_model.tiles_in_flight(1, sm90) == 1
-    assert cost_model.tiles_in_flight(2, mi300) == 2
-    # A 2,048-token prefix: 128 round trips with 16-key tiles one at a time, 16 with 64-key tiles two at a time.
-    assert cost_model.round_trips(2048 // 16, 1) == 128 and cost_model.round_trips(2048 // 64, 2) == 16
-    assert cost_model.round_trips(0, 2) == 0
+def test_the_builder_writes_each_class_its_tile(tmp_path):
+    target = TARGETS["sm90"]
+    table = table_builder.build_table(target, head_dims=(128,), dtypes=("bf16",), exclude={(128, "bf16"): {"x"}})
+    assert table["format"] == TABLE_FORMAT and table["excluded_after_compile_check"] == {"d128-bf16": ["x"]}
+    rows = read_table(table_builder.write_table(table, tmp_path), "sm90")
+    assert len(rows) == len(table["shared"]) == len(table["decode"]) + len(table["chunk"]) > 0
+    for mode in table_builder.GRID_MAX_Q_LEN:
+        cfg = table_builder.best_cover(target, 128, "bf16", mode, frozenset({"x"}))
+        for bucket in table_builder.grid(128, "bf16", mode):
+            row = rows[bucket]
+            assert (row.shared, row.launch_for(True), row.suffix, row.launch_for(False)) == (
+                cfg.shared, cfg.launch_for(True), cfg.suffix, cfg.launch_for(False)), (mode, bucket)
+    assert table_builder.exclusions_from_table(tmp_path / "sm90.json") == {(128, "bf16"): {"x"}}
 
 
 def test_shipped_builder_prefers_wide_shared_tiles_and_light_decode_launches():
     from prefixattn.autotune.config_space import part_registers
 
-    cfg = shipped_tables.best_cover(TARGETS["sm90"], 128, "bf16", "decode")
+    cfg = table_builder.best_cover(TARGETS["sm90"], 128, "bf16", "decode")
     assert cfg.shared.block_n >= 64 and cfg.launch.num_stages >= 3
     sl = cfg.launch_for(False)
     assert sl.num_stages >= 3
     assert part_registers(cfg.suffix, 128, "bf16", sl.num_warps, TARGETS["sm90"]) <= \
         launch_limits.DECODE_SUFFIX_MAX_REGS
-    # Decode suffix-only launches at 4 warps, so 4 programs share an SM (<= 128 registers: 16x32 tiles, 126 on sm_90).
+    # Decode suffix-only launches at 4 warps, so 4 programs share an SM (<= 128 registers measured: 16x32 tiles, 126
+    # on sm_90).
     assert sl.num_warps == launch_limits.DECODE_SUFFIX_WARPS
 
 
 def test_suffix_launch_ties_break_toward_default_knobs():
     # gfx942 decode: suffix-only launch options the model cannot tell apart (LDS-bound, one program per CU) go to
     # Triton's defaults (4 warps, num_stages 2), not to the first name in sort order (2 warps, num_stages 1).
-    cfg = shipped_tables.best_cover(TARGETS["gfx942"], 128, "bf16", "decode")
+    cfg = table_builder.best_cover(TARGETS["gfx942"], 128, "bf16", "decode")
     sl = cfg.launch_for(False)
     assert (sl.num_warps, sl.num_stages) == (4, 2)

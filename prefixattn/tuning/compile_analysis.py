@@ -4,7 +4,7 @@ The TTGIR's dots and their layouts (:func:`parse_dots`) and its KV loops' pipeli
 the matrix instructions of the PTX or AMDGCN (:func:`count_matrix_instrs`), the ptxas ``-v`` log
 (:func:`parse_ptxas`), the AMDGCN kernel descriptor (:func:`parse_amdgcn`) and its scratch-memory instructions
 (:func:`count_private_memory_ops`). The module imports only ``re``: unit-testable on stored text.
-:mod:`prefixattn.autotune.compile_check` compiles the kernels and applies these.
+:mod:`prefixattn.tuning.compile_check` compiles the kernels and applies these.
 """
 
 from __future__ import annotations
