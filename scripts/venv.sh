@@ -39,4 +39,9 @@ install_editable() {  # $1 = venv dir, $2 = extras (comma-separated); further ar
   else
     pip_install "$venv" "$@" -e ".[$extras]"
   fi
+  # numba caches the compiled planner beside its sources (this checkout's __pycache__), one index per function, and
+  # a numba of another version rewrites that index: the venvs here pin different numbas (vLLM's its own), so every
+  # switch between them compiled the planner again (~70 s on 2 cores, in each vLLM engine process the suites start).
+  # Each venv keeps its own cache; the scripts run a venv's suite right after its install.
+  export NUMBA_CACHE_DIR="$(cd "$venv" && pwd)/numba-cache"
 }
