@@ -28,7 +28,7 @@ import numpy as np
 
 from prefixattn.planner.checks import Inputs, check_inputs
 from prefixattn.planner.node_choice import select_shared_nodes
-from prefixattn.planner.split_rule import Split, split_work, tile_args
+from prefixattn.planner.split_rule import Split, split_work
 from prefixattn.planner.tree import block_tree
 from prefixattn.planner.window import windowed
 from prefixattn.planner.work_list import SharedNodes, WorkList, build_work_list
@@ -52,25 +52,23 @@ class NumpyBackend:
 
     def nodes(self, tree, inputs: Inputs, o, tiles, *, sharing: str) -> tuple[SharedNodes, np.ndarray]:
         nodes, suffix_start = select_shared_nodes(
-            tree, shareable=inputs.shareable, q_len=inputs.q_len, block_size=o.block_size,
-            rows_per_shared=tiles.rows_per_shared_tile(o.group), group=o.group, head_dim=o.head_dim,
-            elt_bytes=o.kv_dtype.itemsize, sharing=sharing, rows_per_chunk=tiles.rows_per_chunk_tile(o.group),
-            rows_per_decode=tiles.decode_class_rows(o.group))
+            tree, shareable=inputs.shareable, q_len=inputs.q_len, block_size=o.block_size, group=o.group,
+            head_dim=o.head_dim, elt_bytes=o.kv_dtype.itemsize, sharing=sharing, **tiles.tile_rows(o.group).rule_args)
         return windowed(nodes, suffix_start, inputs, o)
 
     def split(self, nodes: SharedNodes, suffix_start: np.ndarray, inputs: Inputs, o, tiles, *, num_sms: int,
               costs: tuple) -> Split:
         return split_work(nodes, suffix_start, q_start=inputs.indptr[:-1], q_len=inputs.q_len, kv_len=inputs.lens,
                           causal=o.causal, num_sms=num_sms, min_split_tokens=o.min_split_tokens,
-                          num_kv_heads=o.num_kv_heads, costs=costs, **tile_args(o, tiles))
+                          num_kv_heads=o.num_kv_heads, costs=costs, **tiles.tile_rows(o.group).split_args)
 
     def work_list(self, nodes: SharedNodes, split: Split, inputs: Inputs, o, tiles, *, workspace,
                   width: int) -> tuple[WorkList, object, bool]:
         """``(work list, staged, written)``: numpy builds the tables; the device-table stage copies them (nothing
         staged, nothing written into ``workspace``)."""
+        rows = tiles.tile_rows(o.group)
         work = build_work_list(nodes, split, q_start=inputs.indptr[:-1], q_len=inputs.q_len,
-                               rows_per_shared=tiles.rows_per_shared_tile(o.group),
-                               rows_per_chunk=tiles.rows_per_chunk_tile(o.group))
+                               rows_per_shared=rows.rows_per_shared_tile, rows_per_chunk=rows.rows_per_chunk_tile)
         return work, None, False
 
     def stage_table(self, stage: np.ndarray, table: np.ndarray, num_requests: int, width: int,

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from prefixattn.autotune.program_cost import LAUNCH_GAP_US
 from prefixattn.kernels import layout as K
 from prefixattn.lcp_tree import LcpTree
-from prefixattn.planner.node_choice import request_rule_tiles, requests_may_stay_apart
+from prefixattn.planner.node_choice import requests_may_stay_apart
 from prefixattn.planner.options import SHARING_APART
 from prefixattn.planner.split_rule import Split
 from prefixattn.planner.stats import modeled_faster
@@ -70,7 +70,7 @@ def choose(backend, tree: LcpTree, inputs, o, tiles, *, num_sms: int, costs: tup
     apart = declined = False
     if priced and requests_may_stay_apart(tree, q_len=inputs.q_len, max_q_len=inputs.max_q_len,
                                           shareable=inputs.shareable, group=o.group, head_dim=o.head_dim,
-                                          elt_bytes=o.kv_dtype.itemsize, **request_rule_tiles(o, tiles)):
+                                          elt_bytes=o.kv_dtype.itemsize, **tiles.tile_rows(o.group).rule_args):
         alt = candidate(SHARING_APART)  # the plan with them apart too: the faster (modeled)
         if modeled_faster(alt[2], split):
             (nodes, suffix_start, split), apart = alt, True

@@ -128,13 +128,6 @@ def select_shared_nodes(tree: LcpTree, *, shareable: np.ndarray, q_len: np.ndarr
     return nodes, suffix_start
 
 
-def request_rule_tiles(o, tiles) -> dict:
-    """The tile rows :func:`prefixattn.planner.cost_rule.request_sharing_pays_off` takes, for a plan's options ``o``
-    and ``tiles``."""
-    return dict(rows_per_shared=tiles.rows_per_shared_tile(o.group), rows_per_chunk=tiles.rows_per_chunk_tile(o.group),
-                rows_per_decode=tiles.decode_class_rows(o.group))
-
-
 def requests_may_stay_apart(tree: LcpTree, *, q_len: np.ndarray, max_q_len: int, shareable: np.ndarray,
                             rows_per_shared: int, rows_per_chunk: int, rows_per_decode: int, group: int,
                             head_dim: int, elt_bytes: int) -> bool:

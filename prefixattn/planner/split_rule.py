@@ -311,31 +311,55 @@ def node_rows(*, q_len: np.ndarray, nodes, rows_per_shared: int) -> NodeRows:
 
 
 @dataclass(slots=True)
-class Split:
-    """One sharing candidate cut into pieces and priced: its suffix tiles and node rows, the pieces of each node and
-    tile, the grains (the shared class's; ``tile_grains``: the chunk class's and the decode class's), each work
-    class's modeled launch ``modeled`` ``[NUM_CLASSES, 2]`` (makespan and ideal microseconds) and the item count of
-    each class as the work list will hold them (``class_ends``: one past each class's last item). ``packed``: what
-    the compiled split hands the compiled work list (its packed tiles, nodes and scalars; None from numpy)."""
+class SplitPieces:
+    """A candidate's suffix tiles and node rows, and the pieces of each node and tile (what the numpy work list
+    reads; the compiled one reads :attr:`Split.packed`)."""
 
     tiles: Tiles
     rows: NodeRows
     node_pieces: np.ndarray
-    shared_grain: int
     tile_pieces: np.ndarray
+
+
+@dataclass(slots=True)
+class Split:
+    """One sharing candidate cut into pieces and priced: the grains (the shared class's; ``tile_grains``: the chunk
+    class's and the decode class's), each work class's modeled launch ``modeled`` ``[NUM_CLASSES, 2]`` (makespan and
+    ideal microseconds), the item count of each class as the work list will hold them (``class_ends``: one past each
+    class's last item) and its :class:`SplitPieces` (``tiles``, ``rows``, ``node_pieces``, ``tile_pieces`` read
+    through). ``pieces_of``: the pieces, or a function that builds them when first read (the compiled split: its
+    work list reads ``packed``, its packed tiles, nodes and scalars, and a step that reads no piece builds none;
+    None from numpy)."""
+
+    shared_grain: int
     tile_grains: tuple
     modeled: np.ndarray
     class_ends: tuple
     reads_saved: int  # KV positions per KV head the nodes save (shared_reads_saved)
+    pieces_of: object
     packed: object = None
 
+    @property
+    def pieces(self) -> SplitPieces:
+        if not isinstance(self.pieces_of, SplitPieces):
+            self.pieces_of = self.pieces_of()
+        return self.pieces_of
 
-def tile_args(o, tiles) -> dict:
-    """:func:`split_work`'s tile arguments for a plan's options ``o`` and ``tiles`` (either back-end's split): rows per
-    tile of each class and each class's KV tile."""
-    return dict(rows_per_shared=tiles.rows_per_shared_tile(o.group), rows_per_chunk=tiles.rows_per_chunk_tile(o.group),
-                rows_per_decode=tiles.decode_class_rows(o.group), block_n_shared=tiles.shared.block_n,
-                block_n_chunk=tiles.chunk.block_n, block_n_decode=tiles.decode.block_n)
+    @property
+    def tiles(self) -> Tiles:
+        return self.pieces.tiles
+
+    @property
+    def rows(self) -> NodeRows:
+        return self.pieces.rows
+
+    @property
+    def node_pieces(self) -> np.ndarray:
+        return self.pieces.node_pieces
+
+    @property
+    def tile_pieces(self) -> np.ndarray:
+        return self.pieces.tile_pieces
 
 
 def split_work(nodes, suffix_start: np.ndarray, *, q_start, q_len, kv_len, causal: bool, rows_per_shared: int,
@@ -357,8 +381,8 @@ def split_work(nodes, suffix_start: np.ndarray, *, q_start, q_len, kv_len, causa
     else:
         num_decode = int(t_pieces.sum()) if t.decode else 0
     n = num_shared + int(t_pieces.sum())
-    return Split(tiles=t, rows=nr, node_pieces=n_pieces, shared_grain=grain_shared, tile_pieces=t_pieces,
-                 tile_grains=t_grains, modeled=np.array(modeled, dtype=np.float64),
+    return Split(pieces_of=SplitPieces(tiles=t, rows=nr, node_pieces=n_pieces, tile_pieces=t_pieces),
+                 shared_grain=grain_shared, tile_grains=t_grains, modeled=np.array(modeled, dtype=np.float64),
                  class_ends=(num_shared, n - num_decode, n), reads_saved=shared_reads_saved(nodes))
 
 

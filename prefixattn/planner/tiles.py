@@ -7,7 +7,7 @@ class launches pass, so that every tuned value (tiles, ``num_warps``, ``num_stag
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from prefixattn.autotune.config_space import AttentionConfig, LaunchOptions, block_d, fp8_block_n
 from prefixattn.autotune.lookup import READ_FIXED_ENV, select_config, selection_state
@@ -49,6 +49,8 @@ class AttentionTiles:
     decode: ClassTiles
     block_d: int
     is_hip: bool = False
+    #: :meth:`tile_rows` per GQA group (every plan's stages read them: ~1 us per method call on a 2-core host).
+    _rows: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
     def of(self, work_class: int) -> ClassTiles:
         """The tiles of ``work_class`` (a ``layout.CLASS_*`` index)."""
@@ -94,10 +96,38 @@ class AttentionTiles:
         tile, or every request when the chunk and decode classes share one binary (then one launch serves both)."""
         return DECODE_CLASS_ALL_ROWS if self.chunk == self.decode else self.decode.rows(group)
 
+    def tile_rows(self, group: int) -> "TileRows":
+        """The rows per tile and KV tiles of the planner's stages for GQA ``group`` (computed once per group)."""
+        rows = self._rows.get(group)
+        if rows is None:
+            rows = self._rows[group] = TileRows(self, group)
+        return rows
+
     def without_chunk_class(self) -> "AttentionTiles":
         """These tiles with the chunk class run by the decode binary (every suffix tile one class, cut at the
         decode tile's rows): a CUDA-graph wrapper whose steps fit decode tiles launches no chunk class."""
         return replace(self, chunk=self.decode)
+
+
+class TileRows:
+    """What the planner's stages read of :class:`AttentionTiles` for one GQA group
+    (:meth:`AttentionTiles.tile_rows`): the attributes are the methods' values, ``split_args`` the split stage's tile
+    arguments (:func:`prefixattn.planner.split_rule.split_work`) and ``rule_args`` the request rule's
+    (:func:`prefixattn.planner.cost_rule.request_sharing_pays_off`). Shared by every plan with these tiles: read,
+    never write."""
+
+    __slots__ = ("rows_per_shared_tile", "rows_per_chunk_tile", "rows_per_decode_tile", "decode_class_rows",
+                 "split_args", "rule_args")
+
+    def __init__(self, tiles: AttentionTiles, group: int) -> None:
+        self.rows_per_shared_tile = tiles.rows_per_shared_tile(group)
+        self.rows_per_chunk_tile = tiles.rows_per_chunk_tile(group)
+        self.rows_per_decode_tile = tiles.rows_per_decode_tile(group)
+        self.decode_class_rows = tiles.decode_class_rows(group)
+        self.rule_args = dict(rows_per_shared=self.rows_per_shared_tile, rows_per_chunk=self.rows_per_chunk_tile,
+                              rows_per_decode=self.decode_class_rows)
+        self.split_args = dict(self.rule_args, block_n_shared=tiles.shared.block_n,
+                               block_n_chunk=tiles.chunk.block_n, block_n_decode=tiles.decode.block_n)
 
 
 def choose_tiles(*, head_dim: int, group: int, max_q_len: int, dtype=None, fixed_env=READ_FIXED_ENV) -> AttentionTiles:

@@ -33,7 +33,7 @@ import numpy as np
 from prefixattn.lcp_tree import LcpTree, compiled_cache, keep_compiled_tree, set_cached_blocks
 from prefixattn.planner.checks import Inputs
 from prefixattn.planner.options import SHARING_APART
-from prefixattn.planner.split_rule import NodeRows, Split, Tiles, tile_args
+from prefixattn.planner.split_rule import NodeRows, Split, SplitPieces, Tiles
 from prefixattn.planner.window import windowed
 from prefixattn.planner.work_list import SharedNodes, WorkList
 from prefixattn.validation import check_host_metadata, host_metadata_arrays
@@ -71,13 +71,14 @@ _NO_DEST = (np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int64))
 
 
 class _TreeHints:
-    """What the compiled checks hand the compiled tree: the cache entry they compared (or None), whether its rows
-    still match, its table's dtype was the batch's, the shareable blocks per request and the LCP hints."""
+    """What the compiled checks hand the compiled tree: the cache entry they compared (or None) and its buffer for
+    the next rows (``keep``: :func:`prefixattn.lcp_tree.compiled_cache`), whether its rows still match, its table's
+    dtype was the batch's, the shareable blocks per request and the LCP hints."""
 
-    __slots__ = ("entry", "same_rows", "use_cache", "sh_blocks", "prev_lcp")
+    __slots__ = ("entry", "keep", "same_rows", "use_cache", "sh_blocks", "prev_lcp")
 
-    def __init__(self, entry, same_rows, use_cache, sh_blocks, prev_lcp):
-        self.entry, self.same_rows, self.use_cache = entry, same_rows, use_cache
+    def __init__(self, entry, keep, same_rows, use_cache, sh_blocks, prev_lcp):
+        self.entry, self.keep, self.same_rows, self.use_cache = entry, keep, same_rows, use_cache
         self.sh_blocks, self.prev_lcp = sh_blocks, prev_lcp
 
 
@@ -92,8 +93,10 @@ class CompiledBackend:
         self._error, self._strict = numba_error, strict
         self._lay, self._rule = self.work.layout_args(), self.split_rule.rule_args()
         self._costs: dict = {}  # ProgramCost tuples (by identity, holding them) -> their float64 array
-        #: the work list's ``dest_lay`` per workspace (weak keys: a dropped wrapper's buffers are freed)
+        #: the work list's ``dest_lay`` per workspace (weak keys: a dropped wrapper's buffers are freed), and the last
+        #: one read (a weak reference and its layout: one call where the dictionary's lookup cost ~1.5 us a step)
         self._dest_layouts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._last_dest = (lambda: None, None)
 
     def _failed(self, error: Exception):
         """A numba compile error (an incompatible numba or numpy): raised under ``PREFIXATTN_PLANNER=numba``, else
@@ -128,13 +131,12 @@ class CompiledBackend:
             raise AssertionError("the compiled metadata checks refused a batch the numpy checks accept")
         return Inputs(indptr=indptr, lens=lens, table=table, max_block_id=max_id, q_len=q_len, shareable=shareable,
                       max_q_len=max_q_len, width=width,
-                      tree_hints=_TreeHints(entry, same_rows, use_cache, sh_blocks, prev_lcp))
+                      tree_hints=_TreeHints(entry, keep, same_rows, use_cache, sh_blocks, prev_lcp))
 
     # ---- stage 2: the block prefix tree (and its cache)
     def tree(self, inputs: Inputs, *, block_size: int, sharing: str) -> LcpTree:
         h = inputs.tree_hints
-        entry, keep = compiled_cache(inputs.table.dtype)
-        use = h.use_cache
+        entry, keep, use = h.entry, h.keep, h.use_cache
         try:
             tree_width, status, packed, kept, entry_max = self.tree_mod.block_tree(
                 inputs.table, h.sh_blocks, h.prev_lcp, h.same_rows, entry[0] if use else _NO_CACHE[inputs.table.dtype],
@@ -157,11 +159,12 @@ class CompiledBackend:
 
     # ---- stage 3: the node choice
     def nodes(self, tree: LcpTree, inputs: Inputs, o, tiles, *, sharing: str) -> tuple[SharedNodes, np.ndarray]:
+        rows = tiles.tile_rows(o.group)
         try:
             kv_start, kv_end, depth_blocks, offsets, members, suffix_start = self.node_choice.select_nodes(
                 tree.order, tree.depth, tree.lb, tree.rb, tree.parent, inputs.shareable, inputs.q_len, o.block_size,
-                tiles.rows_per_shared_tile(o.group), o.group, o.head_dim, o.kv_dtype.itemsize, _SHARING_CODES[sharing],
-                tiles.rows_per_chunk_tile(o.group), tiles.decode_class_rows(o.group))
+                rows.rows_per_shared_tile, o.group, o.head_dim, o.kv_dtype.itemsize, _SHARING_CODES[sharing],
+                rows.rows_per_chunk_tile, rows.decode_class_rows)
         except self._error as e:
             self._failed(e)
         nodes = SharedNodes(kv_start=kv_start, kv_end=kv_end, depth_blocks=depth_blocks, offsets=offsets,
@@ -171,7 +174,7 @@ class CompiledBackend:
     # ---- stage 4: the split rule (per candidate)
     def split(self, nodes: SharedNodes, suffix_start: np.ndarray, inputs: Inputs, o, tiles, *, num_sms: int,
               costs: tuple) -> Split:
-        t = tile_args(o, tiles)
+        t = tiles.tile_rows(o.group).split_args
         try:
             packed, node_split, scalars, modeled = self.split_rule.split_work(
                 nodes.kv_start, nodes.kv_end, nodes.offsets, nodes.members, suffix_start, inputs.indptr[:-1],
@@ -180,15 +183,21 @@ class CompiledBackend:
                 o.min_split_tokens, self._cost_args(costs), self._rule)
         except self._error as e:
             self._failed(e)
-        s = self.split_rule
         n, grain_sh, grain_ch, grain_de, end_sh, end_ch, end_de, saved = scalars.tolist()  # S_* order
-        tile = Tiles(req=packed[s.T_REQ, :n], first=packed[s.T_FIRST, :inputs.lens.shape[0]], row0=0,
+        num_requests = inputs.lens.shape[0]
+        return Split(shared_grain=grain_sh, tile_grains=(grain_ch, grain_de), modeled=modeled,
+                     class_ends=(end_sh, end_ch, end_de), reads_saved=saved, packed=(packed, node_split, scalars),
+                     pieces_of=lambda: self._pieces(packed, node_split, n, num_requests))
+
+    def _pieces(self, packed: np.ndarray, node_split: np.ndarray, n: int, num_requests: int) -> SplitPieces:
+        """The :class:`SplitPieces` of the compiled split's packed arrays (``n`` tiles): views, built only when read
+        (the compiled work list reads the packed arrays; 9 slices and the NodeRows cost ~4 us a step)."""
+        s = self.split_rule
+        tile = Tiles(req=packed[s.T_REQ, :n], first=packed[s.T_FIRST, :num_requests], row0=0,
                      rows=packed[s.T_ROWS, :n], tok0=packed[s.T_TOK0, :n], lo=packed[s.T_LO, :n],
                      hi=packed[s.T_HI, :n], qpos=packed[s.T_QPOS, :n], decode=packed[s.T_DECODE, :n] != 0)
-        return Split(tiles=tile, rows=NodeRows(node_rows=node_split[s.N_ROWS], node_mtiles=node_split[s.N_MTILES]),
-                     node_pieces=node_split[s.N_PIECES], shared_grain=grain_sh, tile_pieces=packed[s.T_PIECES, :n],
-                     tile_grains=(grain_ch, grain_de), modeled=modeled, class_ends=(end_sh, end_ch, end_de),
-                     reads_saved=saved, packed=(packed, node_split, scalars))
+        return SplitPieces(tiles=tile, rows=NodeRows(node_rows=node_split[s.N_ROWS], node_mtiles=node_split[s.N_MTILES]),
+                           node_pieces=node_split[s.N_PIECES], tile_pieces=packed[s.T_PIECES, :n])
 
     def _cost_args(self, costs: tuple) -> np.ndarray:
         """The work classes' :class:`~prefixattn.autotune.program_cost.ProgramCost` as the split's float64 ``[3,
@@ -218,12 +227,13 @@ class CompiledBackend:
         rows, cols = table.shape[0], min(width, table.shape[1])
         dest, dest_lay = self._dest_args(workspace)
         packed, node_split, scalars = split.packed
+        tile_rows = tiles.tile_rows(o.group)
         try:
             fits = bool(width) and self.device._table_fits(table, cols)
             flat, items, gather, mrows, num_ws_rows, num_units, in_dest = self.work.work_list(
                 self._lay, nodes.kv_start, nodes.kv_end, nodes.offsets, nodes.members, inputs.indptr[:-1],
-                inputs.q_len, packed, node_split, scalars, tiles.rows_per_shared_tile(o.group),
-                tiles.rows_per_chunk_tile(o.group), rows * width if fits else 0, dest, dest_lay)
+                inputs.q_len, packed, node_split, scalars, tile_rows.rows_per_shared_tile, tile_rows.rows_per_chunk_tile,
+                rows * width if fits else 0, dest, dest_lay)
             if fits:
                 self.device.table_into_flat(flat, table, width)
         except self._error as e:
@@ -237,6 +247,9 @@ class CompiledBackend:
         (``compiled.work_list.D_*``); empty arrays without a workspace."""
         if workspace is None:
             return _NO_DEST
+        ref, lay = self._last_dest
+        if ref() is workspace:
+            return workspace.host_buffer(), lay
         lay = self._dest_layouts.get(workspace)
         w = self.work
         if lay is None:
@@ -250,6 +263,7 @@ class CompiledBackend:
             lay[w.D_MAX_MROWS], lay[w.D_MAX_WS_ROWS] = c.max_merge_rows, c.max_ws_rows
             lay[w.D_MAX_TOKENS], lay[w.D_MAX_REQUESTS] = c.max_tokens, c.max_requests
             self._dest_layouts[workspace] = lay
+        self._last_dest = (weakref.ref(workspace), lay)
         return workspace.host_buffer(), lay
 
     # ---- the device tables' staging of the block table
