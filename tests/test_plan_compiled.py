@@ -232,7 +232,7 @@ def test_strided_table_uses_the_compiled_variants():
     ref, got, again = _both("dec", args, opts)
     assert_same_plans(ref, got, "strided table")
     assert_same_plans(ref, again, "strided table (replanned)")
-    for fn in (C.check_values, T.block_tree, N.select_nodes, S.split_work, W.work_list):
+    for fn in (C.check_values, T.block_tree, N.select_nodes, S.split_work, W.build_work_list):
         assert all(a.layout == "C" for sig in fn.signatures for a in sig if hasattr(a, "layout")), fn
 
 
@@ -328,7 +328,7 @@ def test_auto_falls_back_to_numpy_when_numba_fails_to_compile(monkeypatch):
             torch.tensor([[1, 2, 3, 9], [1, 2, 3, 8], [1, 2, 4, 7]], dtype=torch.int32))
     opts = dict(block_size=16, num_qo_heads=4, num_kv_heads=2, head_dim=64, sharing="always")
     ref = _plan_with("numpy", *args, **opts)
-    monkeypatch.setattr(W, "work_list", broken)
+    monkeypatch.setattr(W, "build_work_list", broken)
     with pytest.raises(TypingError):
         _plan_with("numba", *args, **opts)
     clear_tree_cache()

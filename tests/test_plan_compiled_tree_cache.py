@@ -16,6 +16,7 @@ from prefixattn import plan  # noqa: E402
 from prefixattn.lcp_tree import clear_tree_cache  # noqa: E402
 from prefixattn.planner import compiled  # noqa: E402
 from prefixattn.planner.backend import NUMPY, using  # noqa: E402
+from prefixattn.planner.compiled import tree as compiled_tree  # noqa: E402
 from tests.test_plan_compiled import _plan_with, assert_same_plans  # noqa: E402
 
 
@@ -126,7 +127,7 @@ def test_the_tree_cache_keeps_its_own_rows_and_no_tree_of_other_rows(monkeypatch
     _plan_with("numba", *args, **opts)
     entry = lcp.cached_entry()
     rows_before = entry[0].copy()
-    monkeypatch.setattr(compiled, "_unpack_tree", lambda *a: 1 / 0)
+    monkeypatch.setattr(compiled_tree, "_unpack_tree", lambda *a: 1 / 0)
     with using("numba"), pytest.raises(ZeroDivisionError):
         plan(*other, **opts)
     assert lcp.cached_entry() is entry and np.array_equal(entry[0], rows_before)

@@ -1,11 +1,12 @@
 """The planner's back-end: who computes each stage of :func:`prefixattn.plan`, chosen once per process.
 
-A back-end has one method per stage (:mod:`prefixattn.planner.plans` calls each once a step, in this order):
+A back-end has one callable per stage (:mod:`prefixattn.planner.plans` calls each once a step, in this order):
 ``check`` (:mod:`~prefixattn.planner.checks`), ``tree`` (:mod:`~prefixattn.planner.tree`), ``nodes``
 (:mod:`~prefixattn.planner.node_choice`, then :mod:`~prefixattn.planner.window` under a sliding window), ``split``
 (:mod:`~prefixattn.planner.split_rule`; called per candidate by :mod:`~prefixattn.planner.choose`), ``work_list``
-(:mod:`~prefixattn.planner.work_list`) and ``stage_table`` (the block table into a workspace's host buffer). Two
-back-ends compute the same results:
+(:mod:`~prefixattn.planner.work_list`) and ``stage_table`` (the block table into a workspace's host buffer), and
+``compile_errors``, what its stages raise when they cannot be compiled (``strict``: raised, not answered by planning
+in numpy). Two back-ends compute the same results:
 
 * numpy (:class:`NumpyBackend`): runs everywhere, the definition the other is tested against;
 * compiled (:class:`prefixattn.planner.compiled.CompiledBackend`): numba, optional (``pip install
@@ -41,6 +42,8 @@ class NumpyBackend:
     """The numpy stages (module docstring)."""
 
     name = "numpy"
+    compile_errors = ()  # nothing to compile
+    strict = True
 
     def check(self, qo_indptr, kv_lens, block_table, *, block_size: int, num_blocks: int | None, causal: bool,
               sharing: str) -> Inputs:

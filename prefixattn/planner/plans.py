@@ -36,7 +36,6 @@ from prefixattn.kernels import layout as K
 from prefixattn.lcp_tree import LcpTree, clear_tree_cache
 from prefixattn.planner.backend import NUMPY, backend, fall_back_to_numpy, using
 from prefixattn.planner.choose import choose
-from prefixattn.planner.compiled import CompileFailed
 from prefixattn.planner.device_tables import check_workspace_args, device_tables
 from prefixattn.planner.options import MIN_SPLIT_TOKENS, PlanOptions, _default_num_sms, checked_options
 from prefixattn.planner.stats import modeled_stats
@@ -287,10 +286,13 @@ def plan_with_options(options: PlanOptions, qo_indptr: torch.Tensor, kv_lens: to
     (:func:`~prefixattn.planner.tiles.choose_tiles`), read once by a wrapper. The other arguments are :func:`plan`'s."""
     args = (options, qo_indptr, kv_lens, block_table, device, num_blocks, tiles, workspace, device_block_table,
             fixed_env)
+    be = planner or backend()
     try:
-        return _pipeline(planner or backend(), *args)
-    except CompileFailed as failed:  # the compiled back-end failed to compile (PREFIXATTN_PLANNER=auto): numpy
-        fall_back_to_numpy(failed.__cause__)
+        return _pipeline(be, *args)
+    except be.compile_errors as error:  # the compiled back-end failed to compile (an incompatible numba)
+        if be.strict:
+            raise
+        fall_back_to_numpy(error)  # PREFIXATTN_PLANNER=auto: numpy from now on, this step too
         return _pipeline(NUMPY, *args)
 
 

@@ -19,6 +19,10 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from prefixattn.lcp_tree import compiled_cache
+from prefixattn.planner.checks import Inputs
+from prefixattn.validation import check_host_metadata, host_metadata_arrays
+
 #: Columns of the first chunk of the mismatch scan, and of the last scalar scan (a multiple of the SIMD width).
 _CHUNK = 16
 #: Shortest shareable overlap of neighbouring rows (columns) for which the checks find their LCP, the tree build's
@@ -216,3 +220,54 @@ def _cached_ids_max(table, cache_blocks, n):
         if cache_blocks[r]:
             top = max(top, np.int64(_row_bounds(table[r, :cache_blocks[r]])[1]))
     return top
+
+
+# ---- the stage's Python side
+
+
+class TreeHints:
+    """What :func:`check` hands the compiled tree (:func:`prefixattn.planner.compiled.tree.tree`): the cache entry
+    it compared (or None) and the buffer for the next rows (``keep``: :func:`prefixattn.lcp_tree.compiled_cache`),
+    whether its rows still match, its table's dtype was the batch's, the shareable blocks per request and the LCP
+    hints."""
+
+    __slots__ = ("entry", "keep", "same_rows", "use_cache", "sh_blocks", "prev_lcp")
+
+    def __init__(self, entry, keep, same_rows, use_cache, sh_blocks, prev_lcp):
+        self.entry, self.keep, self.same_rows, self.use_cache = entry, keep, same_rows, use_cache
+        self.sh_blocks, self.prev_lcp = sh_blocks, prev_lcp
+
+
+#: The cache arguments when no cache entry is compared (one per table dtype: one compiled variant each).
+NO_CACHE = {np.dtype(np.int32): np.zeros((0, 0), dtype=np.int32), np.dtype(np.int64): np.zeros((0, 0), dtype=np.int64)}
+NO_BLOCKS = np.zeros(0, dtype=np.int64)
+
+
+def check(qo_indptr, kv_lens, block_table, *, block_size: int, num_blocks: int | None, causal: bool,
+          sharing: str) -> Inputs:
+    """The check stage: :func:`prefixattn.planner.checks.check_inputs` (its messages: the numpy checks run when
+    :func:`check_values` refuses); ``indptr`` and ``lens`` int32 when both came so (the compiled stages have variants
+    for both)."""
+    indptr, lens, table = host_metadata_arrays(qo_indptr, kv_lens, block_table, block_size=block_size,
+                                               num_blocks=num_blocks, table_as_is=True, index_as_is=True)
+    if not table.flags.c_contiguous:  # a column slice of an engine's table: one copy, not a new compiled variant
+        table = np.ascontiguousarray(table)
+    entry, keep = compiled_cache(table.dtype)
+    # Same dtype only (another would compile another variant); the compiled check compares the row counts.
+    use_cache = entry is not None and entry[0].dtype == table.dtype
+    ok, max_id, q_len, shareable, sh_blocks, max_q_len, width, same_rows, prev_lcp = check_values(
+        indptr, lens, table, block_size, _block_shift(block_size), -1 if num_blocks is None else int(num_blocks),
+        causal, sharing == "never", entry[0] if use_cache else NO_CACHE[table.dtype],
+        entry[1] if use_cache else NO_BLOCKS, entry[3] if use_cache else -1)
+    if not ok:
+        check_host_metadata(qo_indptr, kv_lens, block_table, block_size=block_size, num_blocks=num_blocks,
+                            table_as_is=True)  # raises the message
+        raise AssertionError("the compiled metadata checks refused a batch the numpy checks accept")
+    return Inputs(indptr=indptr, lens=lens, table=table, max_block_id=max_id, q_len=q_len, shareable=shareable,
+                  max_q_len=max_q_len, width=width,
+                  tree_hints=TreeHints(entry, keep, same_rows, use_cache, sh_blocks, prev_lcp))
+
+
+def _block_shift(block_size: int) -> int:
+    """``log2(block_size)`` for a power of two, else -1."""
+    return block_size.bit_length() - 1 if block_size & (block_size - 1) == 0 else -1

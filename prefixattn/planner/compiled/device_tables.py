@@ -14,7 +14,7 @@ _INT32_MAX = 2 ** 31 - 1
 
 
 @njit(cache=True, nogil=True)
-def _table_fits(table, cols):
+def table_fits(table, cols):
     """Every entry of ``table[:, :cols]`` fits int32 (int32 tables: no scan)."""
     if table.itemsize == 4 or cols == 0:
         return True
@@ -51,7 +51,7 @@ def table_into_flat(flat, table, width):
     of int32 ``flat``, when every id there fits int32 (int32 tables always do): whether they did."""
     rows = table.shape[0]
     cols = min(width, table.shape[1])
-    if not _table_fits(table, cols):
+    if not table_fits(table, cols):
         return False
     base = flat.shape[0] - rows * width
     for r in range(rows):

@@ -13,6 +13,9 @@ import numpy as np
 from numba import njit
 
 from prefixattn.planner import cost_rule
+from prefixattn.planner.options import SHARING_APART as APART
+from prefixattn.planner.window import windowed
+from prefixattn.planner.work_list import SharedNodes
 
 #: The first 16 hex digits of the sha256 of :mod:`prefixattn.planner.cost_rule`'s file, which :func:`select_nodes`
 #: compiles in (its functions and constants).
@@ -138,3 +141,23 @@ def select_nodes(order, depth, lb, rb, parent, shareable, q_len, block_size, row
         for r in seg:
             suffix_start[r] = max(suffix_start[r], ends[k])  # deeper kept nodes end later
     return kv_start, kv_end, depth_blocks, offsets, members, suffix_start
+
+
+# ---- the stage's Python side
+
+#: ``sharing`` as :func:`select_nodes` takes it.
+SHARING_CODES = {"auto": SHARING_AUTO, "always": SHARING_ALWAYS, "never": SHARING_NEVER, APART: SHARING_APART}
+
+
+def nodes(tree, inputs, o, tiles, *, sharing: str) -> tuple[SharedNodes, np.ndarray]:
+    """The node stage: :func:`prefixattn.planner.node_choice.select_shared_nodes`, then the numpy window stage
+    (:func:`prefixattn.planner.window.windowed`). ``o``: the plan's options; ``tiles``: its
+    :class:`~prefixattn.planner.tiles.AttentionTiles`."""
+    rows = tiles.tile_rows(o.group)
+    kv_start, kv_end, depth_blocks, offsets, members, suffix_start = select_nodes(
+        tree.order, tree.depth, tree.lb, tree.rb, tree.parent, inputs.shareable, inputs.q_len, o.block_size,
+        rows.rows_per_shared_tile, o.group, o.head_dim, o.kv_dtype.itemsize, SHARING_CODES[sharing],
+        rows.rows_per_chunk_tile, rows.decode_class_rows)
+    chosen = SharedNodes(kv_start=kv_start, kv_end=kv_end, depth_blocks=depth_blocks, offsets=offsets,
+                         members=members)
+    return windowed(chosen, suffix_start, inputs, o)

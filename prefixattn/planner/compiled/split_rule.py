@@ -16,6 +16,7 @@ import numpy as np
 from numba import njit
 
 from prefixattn.planner import split_rule as S
+from prefixattn.planner.split_rule import NodeRows, Split, SplitPieces, Tiles
 
 #: Entries of the ``rule`` argument (:func:`rule_args`): the split rule's constants.
 (R_TOLERANCE, R_TARGET, R_MIN_PIECE_OVERHEADS, R_WAVE_CANDIDATES, R_LONG_FRACTION, R_WAVE_GAIN_MIN,
@@ -314,3 +315,57 @@ def _class_ends(out, node_m, n_pieces, t_decode, t_pieces):
             num_chunk += t_pieces[t]
     out[0], out[1] = num_shared, num_shared + num_chunk
     out[2] = num_shared + num_chunk + num_decode
+
+
+# ---- the stage's Python side
+
+#: The rule's constants as :func:`split_work` takes them.
+RULE = rule_args()
+
+
+def split(nodes, suffix_start: np.ndarray, inputs, o, tiles, *, num_sms: int, costs: tuple) -> Split:
+    """The split stage for one candidate: :func:`prefixattn.planner.split_rule.split_work` (``nodes``,
+    ``suffix_start``: the node stage's; ``o``: the plan's options; ``tiles``: its
+    :class:`~prefixattn.planner.tiles.AttentionTiles`; ``costs``: each class's
+    :class:`~prefixattn.autotune.program_cost.ProgramCost`)."""
+    t = tiles.tile_rows(o.group).split_args
+    packed, node_split, scalars, modeled = split_work(
+        nodes.kv_start, nodes.kv_end, nodes.offsets, nodes.members, suffix_start, inputs.indptr[:-1], inputs.q_len,
+        inputs.lens, o.causal, t["rows_per_shared"], t["rows_per_chunk"], t["rows_per_decode"], t["block_n_shared"],
+        t["block_n_chunk"], t["block_n_decode"], o.num_kv_heads, num_sms, o.min_split_tokens, cost_args(costs), RULE)
+    n, grain_sh, grain_ch, grain_de, end_sh, end_ch, end_de, saved = scalars.tolist()  # S_* order
+    num_requests = inputs.lens.shape[0]
+    return Split(shared_grain=grain_sh, tile_grains=(grain_ch, grain_de), modeled=modeled,
+                 class_ends=(end_sh, end_ch, end_de), reads_saved=saved, packed=(packed, node_split, scalars),
+                 pieces_of=lambda: _unpack_pieces(packed, node_split, n, num_requests))
+
+
+def _unpack_pieces(packed: np.ndarray, node_split: np.ndarray, n: int, num_requests: int) -> SplitPieces:
+    """The :class:`SplitPieces` of :func:`split_work`'s packed arrays (``n`` tiles): views, built only when read (the
+    compiled work list reads the packed arrays; 9 slices and the NodeRows cost ~4 us a step)."""
+    tile = Tiles(req=packed[T_REQ, :n], first=packed[T_FIRST, :num_requests], row0=0, rows=packed[T_ROWS, :n],
+                 tok0=packed[T_TOK0, :n], lo=packed[T_LO, :n], hi=packed[T_HI, :n], qpos=packed[T_QPOS, :n],
+                 decode=packed[T_DECODE, :n] != 0)
+    return SplitPieces(tiles=tile, rows=NodeRows(node_rows=node_split[N_ROWS], node_mtiles=node_split[N_MTILES]),
+                       node_pieces=node_split[N_PIECES], tile_pieces=packed[T_PIECES, :n])
+
+
+#: :func:`cost_args` per costs tuple (by identity, holding the tuple), cleared when it reaches this many.
+_COST_MEMO_MAX = 256
+_cost_memo: dict = {}
+
+
+def cost_args(costs: tuple) -> np.ndarray:
+    """The work classes' :class:`~prefixattn.autotune.program_cost.ProgramCost` as :func:`split_work`'s float64
+    ``[3, NUM_COST]`` argument (``C_*`` columns), memoized by identity (the planner's costs come from a memo)."""
+    hit = _cost_memo.get(id(costs))
+    if hit is not None and hit[0] is costs:
+        return hit[1]
+    out = np.empty((len(costs), NUM_COST), dtype=np.float64)
+    for i, c in enumerate(costs):
+        out[i, C_FIXED_US], out[i, C_TILE_US] = c.fixed_us, c.tile_us
+        out[i, C_SLOTS], out[i, C_FIXED_TOKENS] = c.slots_per_sm, c.fixed_tokens
+    if len(_cost_memo) >= _COST_MEMO_MAX:
+        _cost_memo.clear()
+    _cost_memo[id(costs)] = (costs, out)
+    return out

@@ -12,17 +12,21 @@ matches).
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 from numba import njit
 
 from prefixattn.kernels import layout as K
+from prefixattn.planner.compiled.device_tables import table_fits, table_into_flat
 from prefixattn.planner.compiled.split_rule import (N_PIECES, N_ROWS, S_END_DECODE, S_END_SHARED, S_GRAIN_CHUNK,
                                                     S_GRAIN_DECODE, S_GRAIN_SHARED, S_TILES, T_DECODE, T_FIRST, T_HI,
                                                     T_LO, T_PIECES, T_QPOS, T_REQ, T_ROWS, T_TOK0, cdiv)
+from prefixattn.planner.work_list import WorkList
 
 #: The first 16 hex digits of the sha256 of :mod:`prefixattn.planner.compiled.split_rule`'s file, whose ``cdiv`` and
 #: packed rows and entries this file compiles in (module docstring).
-SPLIT_SOURCE_HASH = "68f67b6579777eba"
+SPLIT_SOURCE_HASH = "ac730ddc5c229747"
 
 
 def layout_args() -> np.ndarray:
@@ -35,8 +39,8 @@ def layout_args() -> np.ndarray:
 
 
 @njit(cache=True, nogil=True)
-def work_list(lay, kv_start, kv_end, offsets, members, q_start, q_len, tiles, node_split, scalars, rows_per_shared,
-              rows_per_chunk, extra, dest, dest_lay):
+def build_work_list(lay, kv_start, kv_end, offsets, members, q_start, q_len, tiles, node_split, scalars,
+                    rows_per_shared, rows_per_chunk, extra, dest, dest_lay):
     """``(flat, items, gather, mrows, num_ws_rows, num_units, in_dest)``: the chosen candidate's nodes and split
     (:mod:`prefixattn.planner.compiled.split_rule`'s ``split_work``: packed ``tiles``, ``node_split``, ``scalars``)
     as the kernel's tables, written straight into one int32 staging buffer: ``dest`` at ``dest_lay``'s offsets
@@ -302,3 +306,60 @@ def _longest_first(items, i_kv0, i_kv1, class_ends):
                 for f in range(items.shape[1]):  # element loop: a row-slice assignment per item cost ~2x
                     items[i, f] = copy[j, f]
         lo = hi
+
+
+# ---- the stage's Python side
+
+#: The kernel's table layout as :func:`build_work_list` takes it.
+LAYOUT = layout_args()
+_NO_DEST = (np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int64))
+#: ``dest_lay`` per workspace (weak keys: a dropped wrapper's buffers are freed), and the last one read (a weak
+#: reference and its layout: one call where the dictionary's lookup cost ~1.5 us a step).
+_dest_layouts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_last_dest = [lambda: None, None]
+
+
+def work_list(nodes, split, inputs, o, tiles, *, workspace, width: int) -> tuple[WorkList, object, bool]:
+    """The work-list stage: ``(work list, staged, written)``. With ``workspace`` (``width`` 0: it stages its table
+    itself) the tables go straight into its host buffer when the step fits its capacities (``written``); else into
+    one new int32 buffer with the block table's first ``width`` columns after them when its ids fit int32
+    (``staged``: the buffer and whether the table is in it, as
+    :func:`prefixattn.planner.device_tables.metadata_to_device` reads it)."""
+    table = inputs.table
+    rows, cols = table.shape[0], min(width, table.shape[1])
+    dest, dest_lay = _dest_args(workspace)
+    packed, node_split, scalars = split.packed
+    tile_rows = tiles.tile_rows(o.group)
+    fits = bool(width) and table_fits(table, cols)
+    flat, items, gather, mrows, num_ws_rows, num_units, in_dest = build_work_list(
+        LAYOUT, nodes.kv_start, nodes.kv_end, nodes.offsets, nodes.members, inputs.indptr[:-1], inputs.q_len,
+        packed, node_split, scalars, tile_rows.rows_per_shared_tile, tile_rows.rows_per_chunk_tile,
+        rows * width if fits else 0, dest, dest_lay)
+    if fits:
+        table_into_flat(flat, table, width)
+    work = WorkList(items=items, gather=gather, mrows=mrows, num_ws_rows=num_ws_rows, num_units=num_units,
+                    class_ends=split.class_ends, modeled_us=split.modeled)
+    return work, (None if in_dest else (flat, fits)), in_dest
+
+
+def _dest_args(workspace) -> tuple:
+    """``(dest, dest_lay)`` of :func:`build_work_list`: ``workspace``'s host buffer and its sections and capacities
+    (``D_*``); empty arrays without a workspace."""
+    if workspace is None:
+        return _NO_DEST
+    ref, lay = _last_dest
+    if ref() is workspace:
+        return workspace.host_buffer(), lay
+    lay = _dest_layouts.get(workspace)
+    if lay is None:
+        c, lay = workspace.capacity, np.empty(NUM_DEST_FIELDS, dtype=np.int64)
+        for index, name in ((D_RANGES, "ranges"), (D_ITEMS, "items"), (D_GATHER, "gather"), (D_MROWS, "mrows")):
+            lay[index] = workspace.section_start(name)
+        # The capacities PlanWorkspace.overflow checks but the table's width (a step over it is refused after the
+        # write: PlanWorkspace.refused_after_writing).
+        lay[D_MAX_ITEMS], lay[D_MAX_GATHER] = c.max_items, c.max_gather_rows
+        lay[D_MAX_MROWS], lay[D_MAX_WS_ROWS] = c.max_merge_rows, c.max_ws_rows
+        lay[D_MAX_TOKENS], lay[D_MAX_REQUESTS] = c.max_tokens, c.max_requests
+        _dest_layouts[workspace] = lay
+    _last_dest[:] = [weakref.ref(workspace), lay]
+    return workspace.host_buffer(), lay
