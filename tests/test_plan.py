@@ -13,6 +13,7 @@ from prefixattn.planner.cost_rule import sharing_pays_off
 from prefixattn.planner.options import MIN_SPLIT_TOKENS
 from prefixattn.planner.split_rule import MIN_PIECE_OVERHEADS, min_piece
 from prefixattn.kernels import layout as K
+from prefixattn.planner.work_list import prefix_runs
 from tests.prefix_batches import make_batch, random_batch
 
 HEADS = dict(num_qo_heads=4, num_kv_heads=2, head_dim=64)
@@ -181,7 +182,7 @@ def check_work_list(p, qo_indptr, kv_lens, block_table, *, causal=True):
     w = p.work
     indptr, lens, table = (np.asarray(x.numpy(), dtype=np.int64) for x in (qo_indptr, kv_lens, block_table))
     req_of_tok = np.repeat(np.arange(len(lens)), np.diff(indptr))
-    _check_classes(p, np.diff(indptr))
+    _check_classes(p, np.diff(indptr), table, lens)
     covered, ws_written, direct = [], [], []
     reports = np.zeros(w.mrows.shape[0], dtype=np.int64)
     ws_owner, mrow_tok = {}, {}
@@ -201,9 +202,10 @@ def check_work_list(p, qo_indptr, kv_lens, block_table, *, causal=True):
     _check_merges(w, int(indptr[-1]), ws_written, direct, reports, ws_owner, mrow_tok)
 
 
-def _check_classes(p, q_lens):
-    """Work classes: items stored class by class (shared, chunk, decode), longest KV range first within each; a
-    suffix item is of the decode class exactly when its request's rows fit one decode tile."""
+def _check_classes(p, q_lens, table, lens):
+    """Work classes: items stored class by class (shared, chunk, decode), longest KV range first within each, but
+    the suffix items of a prefix run of >= 2 requests together (runs longest first by their longest item, longest
+    first inside one); a suffix item is of the decode class exactly when its request's rows fit one decode tile."""
     w = p.work
     group = p.num_qo_heads // p.num_kv_heads
     ends = w.class_ends
@@ -211,9 +213,21 @@ def _check_classes(p, q_lens):
     item_class = np.repeat(np.arange(K.NUM_CLASSES), np.diff(np.r_[0, ends]))
     np.testing.assert_array_equal(w.ranges_table()[:, K.RANGE_END], ends)
     lengths = w.items[:, K.ITEM_KV_END].astype(np.int64) - w.items[:, K.ITEM_KV_START]
+    runs = prefix_runs(table, lens, p.nodes.members, p.block_size)
+    in_run = np.bincount(runs, minlength=runs.shape[0])[runs] > 1
+    req = w.items[:, K.ITEM_REQ].astype(np.int64)
+    # Each item's group: its request's run, else its own (a negative id).
+    item_group = np.where(in_run[req] & (item_class != K.CLASS_SHARED), runs[req], -1 - np.arange(w.num_items))
     for c in range(K.NUM_CLASSES):
         first, end = w.class_range(c)
-        assert (np.diff(lengths[first:end]) <= 0).all(), "longest first within a class"
+        g, ln = item_group[first:end], lengths[first:end]
+        if not g.size:
+            continue
+        starts = np.flatnonzero(np.r_[True, g[1:] != g[:-1]])
+        assert np.unique(g).size == starts.size, "a run's items together"
+        for a, b in zip(starts, np.r_[starts[1:], g.size]):
+            assert (np.diff(ln[a:b]) <= 0).all(), "longest first inside a run"
+        assert (np.diff(ln[starts]) <= 0).all(), "runs longest first"
     kinds = w.items[:, K.ITEM_KIND]
     assert ((kinds == K.KIND_SHARED) == (item_class == K.CLASS_SHARED)).all()
     suffix_reqs = w.items[item_class != K.CLASS_SHARED, K.ITEM_REQ].astype(np.int64)
@@ -400,3 +414,22 @@ def test_shared_prefix_is_read_once():
     assert p.kv_bytes_read() == (64 + n * 9) * per_token
     never = plan(*b.metadata, **b.heads, q_dtype=torch.float16, sharing="never")
     assert never.kv_bytes_read() == n * (64 + 9) * per_token
+
+
+def test_prefix_runs_join_neighbours_sharing_half_the_shorter_ones_blocks():
+    """Neighbouring requests join a run when they hold the same block at the middle of the shorter one's blocks and
+    neither is in a shared node; a decode step planned unshared keeps a run's items together."""
+    table = np.array([[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 6, 7], [1, 9, 6, 7], [8, 9, 0, 0], [1, 2, 3, 0]])
+    lens = np.array([64, 60, 64, 49, 17, 40])  # blocks 4, 4, 4, 4, 2, 3 (block size 16)
+    # middle columns: (4-1)//2 = 1 for 0-1, 1-2, 2-3; (2-1)//2 = 0 for 3-4; (2-1)//2 = 0 for 4-5
+    assert prefix_runs(table, lens, np.array([], dtype=np.int64), 16).tolist() == [0, 0, 0, 3, 4, 5]
+    assert prefix_runs(table, lens, np.array([1]), 16).tolist() == [0, 1, 2, 3, 4, 5]  # 1 reads its prefix once
+    assert prefix_runs(table, np.array([64, 0, 64, 49, 17, 40]), np.array([], dtype=np.int64), 16).tolist() == [
+        0, 1, 2, 3, 4, 5]  # no KV: in no run
+    # Runs of two documents interleaved by length: longest first would alternate them, runs keep them apart.
+    docs = np.array([[10, 11, 12, 20 + r] for r in range(4)] + [[30, 31, 32, 40 + r] for r in range(4)])
+    kv = torch.tensor([64, 50, 62, 52, 63, 51, 61, 53])
+    p = plan(torch.arange(9), kv, torch.from_numpy(docs), block_size=16, num_qo_heads=4, num_kv_heads=4,
+             head_dim=64, sharing="never", device="cpu")
+    reqs = p.work.items[:, K.ITEM_REQ].tolist()
+    assert reqs == [0, 2, 3, 1, 4, 6, 7, 5] and sorted(kv.tolist(), reverse=True) != kv[reqs].tolist()

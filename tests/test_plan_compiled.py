@@ -435,22 +435,56 @@ def test_random_steps_through_tight_workspaces_leave_no_wrong_current_plan():
 def test_longest_first_is_the_stable_sort_by_length():
     """The compiled work list's LPT order (each work class sorted apart, by counts when its lengths span few values or
     by packed keys) is numpy's stable argsort of the negated lengths within each class, whatever the class sizes, spans,
-    ties and sizes (0 to 600 items, lengths 0 to 2^31 - 1)."""
+    ties and sizes (0 to 600 items, lengths 0 to 2^31 - 1); with prefix runs of >= 2 requests, numpy's run-major
+    order (a run's suffix items together at its longest item; shared items and items in no run alone)."""
     from prefixattn.kernels import layout as K
+    from prefixattn.planner.work_list import _run_major_order
 
     rng = np.random.default_rng(7)
+    runs_seen = 0
     for trial in range(400):
         n = int(rng.integers(0, 600))
         span = int(rng.choice([1, 16, 300, 5000, 2 ** 31 - 1]))
         items = rng.integers(-1, 1000, size=(n, K.ITEM_FIELDS)).astype(np.int32)
         items[:, K.ITEM_KV_START] = rng.integers(0, 2 ** 31 - span, size=n)
         items[:, K.ITEM_KV_END] = items[:, K.ITEM_KV_START] + rng.integers(0, span, size=n)
+        num_reqs = int(rng.integers(1, 40))
+        items[:, K.ITEM_REQ] = rng.integers(0, num_reqs, size=n)
+        runs = np.arange(num_reqs)
+        if trial % 3:  # neighbouring requests in runs
+            runs[rng.random(num_reqs) < 0.5] = 0
+            runs = np.maximum.accumulate(runs)
         ends = np.sort(rng.integers(0, n + 1, size=K.NUM_CLASSES))
         ends[-1] = n
         if trial % 4 == 0:  # a decode step's shape: long shared items first, then short suffix ones
             items[:ends[0], K.ITEM_KV_END] = items[:ends[0], K.ITEM_KV_START] + 2048
         length = items[:, K.ITEM_KV_END].astype(np.int64) - items[:, K.ITEM_KV_START]
         cls = np.searchsorted(ends, np.arange(n), side="right")
-        want = items[np.lexsort((-length, cls))]
-        W._longest_first(items, K.ITEM_KV_START, K.ITEM_KV_END, ends.astype(np.int64))
+        req = items[:, K.ITEM_REQ]
+        in_run = (np.bincount(runs, minlength=num_reqs)[runs] > 1)[req] & (cls > 0)
+        if in_run.any():
+            runs_seen += 1
+            want = items[_run_major_order(cls, length, np.where(in_run, runs[req], num_reqs + np.arange(n)))]
+        else:
+            want = items[np.lexsort((-length, cls))]
+        W._longest_first(items, K.ITEM_KV_START, K.ITEM_KV_END, K.ITEM_REQ, ends.astype(np.int64), runs)
         np.testing.assert_array_equal(items, want, err_msg=f"trial {trial}")
+    assert runs_seen > 100, runs_seen
+
+
+def test_prefix_runs_equal():
+    """The compiled prefix runs are numpy's (random tables whose neighbours share prefixes of any length, members
+    of shared nodes, empty requests; int32 and int64 tables and lengths)."""
+    from prefixattn.planner.work_list import prefix_runs
+
+    rng = np.random.default_rng(3)
+    for trial in range(300):
+        n = int(rng.integers(0, 40))
+        width = int(rng.integers(1, 12))
+        table = rng.integers(0, 4, size=(n, width))
+        table[:, 1:] = np.where(rng.random((n, width - 1)) < 0.8, table[:, 1:], rng.integers(0, 50, (n, width - 1)))
+        lens = rng.integers(0, width * 16 + 1, size=n)
+        members = np.flatnonzero(rng.random(n) < 0.2)
+        dtype = (np.int32, np.int64)[trial % 2]
+        want = prefix_runs(table.astype(dtype), lens.astype(dtype), members, 16)
+        np.testing.assert_array_equal(W.prefix_runs(table.astype(dtype), lens.astype(dtype), members, 16), want)

@@ -32,7 +32,7 @@ from prefixattn.planner.node_choice import select_shared_nodes
 from prefixattn.planner.split_rule import Split, split_work
 from prefixattn.planner.tree import block_tree
 from prefixattn.planner.window import windowed
-from prefixattn.planner.work_list import SharedNodes, WorkList, build_work_list
+from prefixattn.planner.work_list import SharedNodes, WorkList, build_work_list, prefix_runs
 
 ENV_VAR = "PREFIXATTN_PLANNER"
 PLANNERS = ("auto", "numba", "numpy")
@@ -71,7 +71,8 @@ class NumpyBackend:
         staged, nothing written into ``workspace``)."""
         rows = tiles.tile_rows(o.group)
         work = build_work_list(nodes, split, q_start=inputs.indptr[:-1], q_len=inputs.q_len,
-                               rows_per_shared=rows.rows_per_shared_tile, rows_per_chunk=rows.rows_per_chunk_tile)
+                               rows_per_shared=rows.rows_per_shared_tile, rows_per_chunk=rows.rows_per_chunk_tile,
+                               runs=prefix_runs(inputs.table, inputs.lens, nodes.members, o.block_size))
         return work, None, False
 
     def stage_table(self, stage: np.ndarray, table: np.ndarray, num_requests: int, width: int,

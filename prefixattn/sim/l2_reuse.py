@@ -10,25 +10,29 @@ again. A group whose prefix alone is larger than the capacity never hits: the ea
 The order is a property of the kernel (:data:`ROW_ORDERS`): a kernel that walks the batch in its order keeps a group's
 rows adjacent when the batch holds them sorted by group (as the engines and the GPU check's model steps do); one that
 issues its items longest first spreads a group over the launch, and only members whose lengths land them close
-together still meet in L2.
+together still meet in L2; prefixattn's planner issues longest first but a group's rows together, at the place of
+its longest row (``runs-longest-first``: :func:`prefixattn.planner.work_list.prefix_runs`).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-#: Issue orders of the launches: ``batch`` (row order as given) and ``longest-first`` (by KV read, stable).
-ROW_ORDERS = ("batch", "longest-first")
+#: Issue orders of the launches: ``batch`` (row order as given), ``longest-first`` (by KV read, stable) and
+#: ``runs-longest-first`` (longest first, a group's rows together at the place of its longest row).
+ROW_ORDERS = ("batch", "longest-first", "runs-longest-first")
 
 
-def issue_order(own_tokens: np.ndarray, order: str) -> np.ndarray:
+def issue_order(own_tokens: np.ndarray, order: str, group_ids: np.ndarray | None = None) -> np.ndarray:
     """Row indices in the order a launch issues them.
 
     Parameters
     ----------
     own_tokens : np.ndarray
         ``[n]`` KV tokens each row's CTAs read in this launch (float or int).
-    order : {"batch", "longest-first"}
+    order : {"batch", "longest-first", "runs-longest-first"}
+    group_ids : np.ndarray, optional
+        ``[n]`` int group of each row (-1: none), for ``runs-longest-first`` (None: every row alone).
 
     Returns
     -------
@@ -37,9 +41,20 @@ def issue_order(own_tokens: np.ndarray, order: str) -> np.ndarray:
     """
     if order not in ROW_ORDERS:
         raise ValueError(f"order: expected one of {ROW_ORDERS}, got {order!r}")
+    n = own_tokens.shape[0]
     if order == "batch":
-        return np.arange(own_tokens.shape[0], dtype=np.int64)
-    return np.argsort(-np.asarray(own_tokens, dtype=np.float64), kind="stable").astype(np.int64)
+        return np.arange(n, dtype=np.int64)
+    own = np.asarray(own_tokens, dtype=np.float64)
+    if order == "longest-first" or group_ids is None:
+        return np.argsort(-own, kind="stable").astype(np.int64)
+    ids = np.asarray(group_ids, dtype=np.int64)
+    if ids.shape != (n,):
+        raise ValueError(f"group_ids: expected shape ({n},) like own_tokens, got {ids.shape}")
+    group = np.where(ids >= 0, ids, ids.max(initial=0) + 1 + np.arange(n))  # a row in no group: alone
+    _, inverse = np.unique(group, return_inverse=True)
+    longest = np.full(inverse.max(initial=-1) + 1, -np.inf)
+    np.maximum.at(longest, inverse, own)
+    return np.lexsort((np.arange(n), -own, group, -longest[inverse])).astype(np.int64)
 
 
 def group_ids_from_lens(group_lens: np.ndarray) -> np.ndarray:

@@ -21,9 +21,9 @@ L2 reuse of prefix groups (:mod:`prefixattn.sim.l2_reuse`): a step's groups (``S
 ``group_runs``, what the batch shares, whether or not the kernel shares it) let rows of one group re-read their
 prefix from L2 instead of HBM where the launch issues them close together. The issue order is a property of the
 kernel kind (:data:`KERNEL_ROW_ORDER`): ``paged`` and the ``cascade``'s suffix launch walk the batch in its order
-(rows held sorted by group: members adjacent); the ``fused`` kernel issues its unshared items longest first (members
-spread over the launch, only those of similar length meet in L2); the ``fused`` and ``cascade`` kernels' shared nodes
-read the prefix once by construction. Re-read bytes cost L2 bandwidth (``l2_bandwidth x l2_bw_efficiency``): a CTA
+(rows held sorted by group: members adjacent); the ``fused`` kernel issues its unshared items longest first with a
+group's rows together (the planner's prefix runs); the ``fused`` and ``cascade`` kernels' shared nodes read the prefix
+once by construction. Re-read bytes cost L2 bandwidth (``l2_bandwidth x l2_bw_efficiency``): a CTA
 takes the longest of its compute, its HBM bytes and the bytes L2 delivers to it (HBM fills plus group re-reads; the
 re-reads of a KV head by further query tiles stay outside both, as assumed throughout). Without groups the L2 term
 does not bind while the L2 rate is at least the attention HBM rate (the defaults and the fit's bounds keep it so), so
@@ -53,8 +53,8 @@ from prefixattn.sim.presets import GIB, HardwarePreset, ModelPreset, get_hardwar
 KERNEL_KINDS = ("paged", "cascade", "fused")
 #: The order each kernel kind issues its per-sequence work in (:mod:`prefixattn.sim.l2_reuse`): FlashInfer's and
 #: vLLM's paged kernels (and the cascade's suffix launch) walk the batch as given; prefixattn's planner issues the
-#: items of a work class longest first (LPT, ``prefixattn.planner.compiled.work_list._longest_first``).
-KERNEL_ROW_ORDER = {"paged": "batch", "cascade": "batch", "fused": "longest-first"}
+#: items of a work class longest first, a prefix run's items together (``prefixattn.planner.work_list``).
+KERNEL_ROW_ORDER = {"paged": "batch", "cascade": "batch", "fused": "runs-longest-first"}
 BACKENDS = ("sequential", "overlap")
 
 _FLOPS_PER_MAC = 2
@@ -383,7 +383,7 @@ class CostModel:
         own = np.maximum(kv - skip[mask], 0.0)
         in_group = np.clip(np.minimum(np.asarray(step.group_lens, dtype=np.float64)[mask], kv) - skip[mask], 0.0,
                            None)
-        order = issue_order(own, KERNEL_ROW_ORDER[kernel])
+        order = issue_order(own, KERNEL_ROW_ORDER[kernel], ids[mask])
         return l2_reuse_tokens(own, in_group, ids[mask], order, self._kv_token_bytes, self._l2_capacity)
 
     def _node_units(self, nodes: list, split: int | None) -> _Units:

@@ -83,14 +83,20 @@ def test_shared_nodes_read_the_prefix_once_whatever_the_l2(cm):
         assert cm.step_cost(shape, kernel).attention == cm.step_cost(_plain(shape), kernel).attention
 
 
-def test_the_fused_kernels_longest_first_order_loses_reuse_the_batch_order_keeps(cm):
-    # 24 groups of 4 whose members' own lengths differ widely: sorted longest first, a group's members land far apart
+def test_the_fused_kernels_run_order_keeps_the_reuse_plain_longest_first_loses(cm):
+    # 24 groups of 4 whose members' own lengths differ widely: sorted plainly longest first, a group's members land
+    # far apart; the planner's order keeps each group's rows together, as the batch order does
     own = np.random.default_rng(0).permutation(np.arange(96) * 40)
     shape = _grouped(prefix=1000, own=own, members=4, n_groups=24)
     paged, fused = _hbm_tokens(cm, shape, "paged"), _hbm_tokens(cm, shape, "fused")
     unshared = _hbm_tokens(cm, _plain(shape), "fused")
     assert paged == pytest.approx(unshared - 24 * 3 * 1000)
-    assert paged < fused <= unshared
+    assert fused == pytest.approx(paged)
+    kv, ids = shape.kv_lens.astype(np.float64), shape.groups()
+    grp = np.asarray(shape.group_lens, dtype=np.float64)
+    reuse = {order: l2_reuse_tokens(kv, grp, ids, issue_order(kv, order, ids), cm._kv_token_bytes,
+                                    cm._l2_capacity).sum() for order in ("longest-first", "runs-longest-first")}
+    assert reuse["runs-longest-first"] == 24 * 3 * 1000 > reuse["longest-first"]
 
 
 def test_cascade_factor_scales_its_byte_rate_only(cm):
@@ -111,6 +117,9 @@ def test_reuse_distance_and_group_ids():
     assert got.tolist() == [0.0, 0.0, 0.0, 800.0]
     assert l2_reuse_tokens(own, grp, ids, np.arange(4), 1.0, 2000.0).tolist() == [0.0, 0.0, 800.0, 800.0]
     assert issue_order(np.array([1.0, 3.0, 2.0, 3.0]), "longest-first").tolist() == [1, 3, 2, 0]
+    # a group at its longest row, longest first inside; rows in no group alone
+    runs = issue_order(np.array([1.0, 3.0, 2.0, 3.0, 5.0]), "runs-longest-first", np.array([0, -1, 0, 1, 1]))
+    assert runs.tolist() == [4, 3, 1, 2, 0]
     assert group_ids_from_lens(np.array([16, 16, 0, 900, 900, 900, 16])).tolist() == [0, 0, -1, 2, 2, 2, 3]
     with pytest.raises(ValueError, match="group_ids"):
         l2_reuse_tokens(own, grp, ids[:3], np.arange(4), 1.0, 1.0)

@@ -40,12 +40,13 @@ def layout_args() -> np.ndarray:
 
 @njit(cache=True, nogil=True)
 def build_work_list(lay, kv_start, kv_end, offsets, members, q_start, q_len, tiles, node_split, scalars,
-                    rows_per_shared, rows_per_chunk, extra, dest, dest_lay):
+                    rows_per_shared, rows_per_chunk, extra, dest, dest_lay, runs):
     """``(flat, items, gather, mrows, num_ws_rows, num_units, in_dest)``: the chosen candidate's nodes and split
     (:mod:`prefixattn.planner.compiled.split_rule`'s ``split_work``: packed ``tiles``, ``node_split``, ``scalars``)
     as the kernel's tables, written straight into one int32 staging buffer: ``dest`` at ``dest_lay``'s offsets
     (``in_dest``) when given, ``extra`` is 0 (the workspace stages its table itself) and the step fits its
-    capacities, else a new ``flat`` = ``[ranges, items, gather, mrows, extra entries]``."""
+    capacities, else a new ``flat`` = ``[ranges, items, gather, mrows, extra entries]``. ``runs``: the requests'
+    prefix runs (:func:`prefix_runs`)."""
     num_tiles = scalars[S_TILES]
     grain_sh, grain_ch, grain_de = scalars[S_GRAIN_SHARED], scalars[S_GRAIN_CHUNK], scalars[S_GRAIN_DECODE]
     class_ends = scalars[S_END_SHARED:S_END_DECODE + 1]
@@ -68,7 +69,7 @@ def build_work_list(lay, kv_start, kv_end, offsets, members, q_start, q_len, til
                   tile_ws_base, tile_mrow_base, n_pieces, slot_base, grain_sh, rows_per_chunk, rows_per_shared)
     _suffix_items(items, lay, class_ends, tiles, num_tiles, t_pieces, tile_ws_base, tile_mrow_base, shared_states,
                   grain_ch, grain_de)
-    _longest_first(items, lay[3], lay[4], class_ends)
+    _longest_first(items, lay[3], lay[4], lay[2], class_ends, runs)
     return flat, items, gather, mrows, num_ws_rows, num_units, in_dest
 
 
@@ -280,32 +281,105 @@ def _sorted_run(length, lo, hi, out):
 
 
 @njit(cache=True, nogil=True)
-def _longest_first(items, i_kv0, i_kv1, class_ends):
+def _longest_first(items, i_kv0, i_kv1, i_req, class_ends, runs):
     """Items by KV length, longest first, stable (LPT), within each work class (``class_ends``: one past each
-    class's last item), in place; a class already in that order is left untouched (a decode step's equal lengths).
-    Each class is sorted by :func:`_sorted_run` (272 items of a staggered decode step under a 2,048-token prefix,
-    lengths 2,048 and 296-311: ~2 us; a stable argsort took ~9 us)."""
+    class's last item), in place; a prefix run's items together (:func:`_run_major`, in a class holding a run of
+    >= 2 requests); a class already in order is left untouched (a decode step's equal lengths). Each class is
+    sorted by :func:`_sorted_run` (272 items of a staggered decode step under a 2,048-token prefix, lengths 2,048
+    and 296-311: ~2 us; a stable argsort took ~9 us)."""
     n = items.shape[0]
     length = np.empty(n, dtype=np.int64)
     for i in range(n):
         length[i] = np.int64(items[i, i_kv1]) - items[i, i_kv0]
-    run = np.empty(n, dtype=np.int64)
+    num_reqs = runs.shape[0]
+    run_size = np.zeros(num_reqs, dtype=np.int64)
+    for r in range(num_reqs):
+        run_size[runs[r]] += 1
+    order = np.empty(n, dtype=np.int64)
     lo = 0
     for c in range(class_ends.shape[0]):
         hi = class_ends[c]
-        ordered = True
-        for i in range(lo + 1, hi):
-            if length[i] > length[i - 1]:
-                ordered = False
-                break
+        grouped = False
+        if c > 0:  # the suffix classes (a shared item reads its node once: in no run)
+            for i in range(lo, hi):
+                if run_size[runs[items[i, i_req]]] > 1:
+                    grouped = True
+                    break
+        ordered = not grouped
+        if ordered:
+            for i in range(lo + 1, hi):
+                if length[i] > length[i - 1]:
+                    ordered = False
+                    break
         if not ordered:
-            _sorted_run(length, lo, hi, run)
+            _sorted_run(length, lo, hi, order)
+            if grouped:
+                _run_major(items, i_req, length, runs, run_size, lo, hi, order)
             copy = items[lo:hi].copy()
             for i in range(lo, hi):
-                j = run[i] - lo
+                j = order[i] - lo
                 for f in range(items.shape[1]):  # element loop: a row-slice assignment per item cost ~2x
                     items[i, f] = copy[j, f]
         lo = hi
+
+
+@njit(cache=True, nogil=True)
+def _run_major(items, i_req, length, runs, run_size, lo, hi, order):
+    """``order[lo:hi]`` (longest first, stable) regrouped: the items of a run of >= 2 requests (``run_size``) one
+    group, every other item one of its own; each group at the place of its longest item, groups of equal longest
+    by id (the run's first request, else the number of requests + the item's index), the LPT order inside a group
+    (:func:`prefixattn.planner.work_list._run_major_order`): a counting sort over the groups' ranks."""
+    num_reqs = runs.shape[0]
+    group = np.empty(hi - lo, dtype=np.int64)
+    for i in range(lo, hi):
+        g = runs[items[i, i_req]]
+        group[i - lo] = g if run_size[g] > 1 else num_reqs + i
+    longest = np.full(num_reqs + hi, -1, dtype=np.int64)
+    for i in range(lo, hi):
+        longest[group[i - lo]] = max(longest[group[i - lo]], length[i])
+    keys = np.empty(hi - lo, dtype=np.int64)
+    num_groups = 0
+    for i in range(lo, hi):
+        g = group[i - lo]
+        if longest[g] >= 0:  # the group's first item: its key, once
+            keys[num_groups] = (-longest[g] << 32) | g
+            longest[g] = -1
+            num_groups += 1
+    keys = np.sort(keys[:num_groups])
+    rank = np.empty(num_reqs + hi, dtype=np.int64)  # read only at this class's groups, all set here
+    for k in range(num_groups):
+        rank[keys[k] & 0xFFFFFFFF] = k
+    count = np.zeros(num_groups + 1, dtype=np.int64)
+    for i in range(lo, hi):
+        count[rank[group[i - lo]] + 1] += 1
+    for k in range(num_groups):
+        count[k + 1] += count[k]
+    lpt = order[lo:hi].copy()
+    for j in range(hi - lo):
+        k = rank[group[lpt[j] - lo]]
+        order[lo + count[k]] = lpt[j]
+        count[k] += 1
+
+
+@njit(cache=True, nogil=True)
+def prefix_runs(table, kv_len, members, block_size):
+    """:func:`prefixattn.planner.work_list.prefix_runs`, as one loop."""
+    n = kv_len.shape[0]
+    run = np.empty(n, dtype=np.int64)
+    alone = np.zeros(n, dtype=np.bool_)
+    for m in members:
+        alone[m] = True
+    previous = 0
+    for r in range(n):
+        blocks = (np.int64(kv_len[r]) + block_size - 1) // block_size
+        run[r] = r
+        shorter = min(blocks, previous)
+        if r > 0 and shorter > 0 and not alone[r] and not alone[r - 1]:
+            col = (shorter - 1) // 2
+            if table[r, col] == table[r - 1, col]:
+                run[r] = run[r - 1]
+        previous = blocks
+    return run
 
 
 # ---- the stage's Python side
@@ -334,7 +408,7 @@ def work_list(nodes, split, inputs, o, tiles, *, workspace, width: int) -> tuple
     flat, items, gather, mrows, num_ws_rows, num_units, in_dest = build_work_list(
         LAYOUT, nodes.kv_start, nodes.kv_end, nodes.offsets, nodes.members, inputs.indptr[:-1], inputs.q_len,
         packed, node_split, scalars, tile_rows.rows_per_shared_tile, tile_rows.rows_per_chunk_tile,
-        rows * width if fits else 0, dest, dest_lay)
+        rows * width if fits else 0, dest, dest_lay, prefix_runs(table, inputs.lens, nodes.members, o.block_size))
     if fits:
         table_into_flat(flat, table, width)
     work = WorkList(items=items, gather=gather, mrows=mrows, num_ws_rows=num_ws_rows, num_units=num_units,
