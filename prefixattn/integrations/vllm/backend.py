@@ -69,7 +69,11 @@ from vllm.v1.kv_cache_interface import KVCacheLayout  # noqa: E402
 
 import prefixattn  # noqa: E402
 from prefixattn.integrations.vllm.host_tables import HostBlockTables, PlanInputs, plan_inputs  # noqa: E402,F401
-from prefixattn.integrations.vllm.layer_geometry import group_geometry, group_kv_dtype  # noqa: E402
+from prefixattn.integrations.vllm.layer_geometry import (  # noqa: E402
+    group_geometry,
+    group_kv_dtype,
+    vllm_window_left,
+)
 from prefixattn.integrations.vllm.plugin import BACKEND_NAME  # noqa: E402
 from prefixattn.integrations.vllm.refusals import (  # noqa: E402,F401
     SUPPORTED_HEAD_SIZES,
@@ -339,8 +343,7 @@ class PrefixAttnImpl(AttentionImpl[PrefixAttnMetadata]):
         self.kv_cache_dtype = kv_cache_dtype
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
-        # vLLM's sliding_window=S attends to the last S keys: prefixattn's left window W = S - 1.
-        self.window_left = -1 if sliding_window is None else int(sliding_window) - 1
+        self.window_left = vllm_window_left(sliding_window)
         self.logits_soft_cap = float(logits_soft_cap or 0.0)
         self.sinks = extra_impl_args.get("sinks")  # [num_heads] learned logits (gpt-oss), loaded with the weights
         self.fp8_dtype = fp8_cache_dtype(kv_cache_dtype)  # vLLM's fp8 cache is uint8 memory holding this dtype
