@@ -1,6 +1,6 @@
 """The backend as vLLM's own attention-backend tests (tests/v1/attention) build it: no model, so no layers in the
-static forward context (the builder gets a placeholder layer name). The builder then takes the window from its KV
-cache spec."""
+static forward context (the builder gets a placeholder layer name) and no model loader setting torch's default
+dtype. The builder then takes the window from its KV cache spec, and the impl the model dtype from vLLM's config."""
 
 import pytest
 import torch
@@ -90,3 +90,38 @@ def test_a_builder_without_layers_plans_with_its_cache_specs_window(tiny_llama, 
     layer = "model.layers.0.self_attn.attn"
     with_layers = config_with_layers(tiny_llama, {layer: HQ}, block_size=BLOCK)
     assert PrefixAttnMetadataBuilder(spec, [layer], with_layers, torch.device("cpu")).window_left == -1
+
+
+def test_the_impl_reads_the_model_dtype_from_vllms_config(tiny_llama):
+    # An fp16 model with an explicit fp16 cache, torch's default dtype left at fp32: the impl is not refused, and the
+    # step runs end to end in fp16.
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from prefixattn.integrations.vllm.backend import PrefixAttnImpl, PrefixAttnMetadataBuilder
+
+    assert torch.get_default_dtype() == torch.float32
+    config = _config(tiny_llama, "float16")
+    assert config.model_config.dtype == torch.float16
+    with set_current_vllm_config(config):
+        impl = PrefixAttnImpl(num_heads=HQ, head_size=D, scale=D ** -0.5, num_kv_heads=HKV, kv_cache_dtype="float16")
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HKV, head_size=D, dtype=torch.float16)
+    builder = PrefixAttnMetadataBuilder(spec, ["placeholder"], config, torch.device("cpu"))
+    _forward_matches_reference(builder, impl, torch.float16, seed=1)
+
+
+def test_without_a_config_the_forward_checks_the_cache_dtype():
+    # No config, no model dtype: torch's default dtype is not the model's outside vLLM's model loader, so the impl
+    # does not refuse an explicit 16-bit cache on it; the forward still refuses a cache that is not q's dtype.
+    import prefixattn
+
+    from prefixattn.integrations.vllm.backend import PrefixAttnImpl, PrefixAttnMetadata
+
+    impl = PrefixAttnImpl(num_heads=HQ, head_size=D, scale=0.125, num_kv_heads=HKV, kv_cache_dtype="bfloat16")
+    p = prefixattn.plan(torch.tensor([0, 1]), torch.tensor([9]), torch.tensor([[0, 1, 2]]), block_size=4,
+                        num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D, q_dtype=torch.float32)
+    meta = PrefixAttnMetadata(plan=p, num_query_tokens=1, slot_mapping=torch.tensor([8]))
+    kv_cache = torch.zeros(4, HKV, 4, 2 * D, dtype=torch.bfloat16)
+    q = torch.randn(1, HQ, D)
+    with pytest.raises(ValueError, match="k_cache: expected the dtype of q"):
+        impl.forward(None, q, None, None, kv_cache, meta, torch.empty_like(q))
