@@ -36,20 +36,19 @@ def test_kv_cache_dtype_equal_to_the_model_dtype_passes(dtype, kv_cache_dtype):
     assert _validate(dtype=dtype, kv_cache_dtype=kv_cache_dtype) == []
 
 
-def test_impl_refuses_a_kv_cache_dtype_other_than_the_model_dtype():
-    # Platforms whose selector does not validate (CPU) reach the impl: vLLM builds it while the default dtype is
-    # the model's dtype (as its own get_attn_backend call reads it).
+def test_impl_refuses_a_kv_cache_dtype_other_than_the_model_dtype(tiny_llama):
+    # Platforms whose selector does not validate (CPU) reach the impl: vLLM builds it under its config, whose
+    # model dtype it reads (torch's default dtype, fp32 here, is not the model's).
+    from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
+
     from prefixattn.integrations.vllm.backend import PrefixAttnImpl
 
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
+    model = ModelConfig(model=tiny_llama, dtype="bfloat16", skip_tokenizer_init=True, max_model_len=256)
+    with set_current_vllm_config(VllmConfig(model_config=model)):
         with pytest.raises(ValueError, match="Selected backend PREFIXATTN is not valid for this configuration") as e:
             PrefixAttnImpl(num_heads=4, head_size=64, scale=0.125, num_kv_heads=2, kv_cache_dtype="float16")
         assert "kv_cache_dtype float16 differs from the model dtype bfloat16" in str(e.value)
         PrefixAttnImpl(num_heads=4, head_size=64, scale=0.125, num_kv_heads=2, kv_cache_dtype="bfloat16")
-    finally:
-        torch.set_default_dtype(old)
 
 
 def test_forward_checks_block_ids_against_the_layer_cache():

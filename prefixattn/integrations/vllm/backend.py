@@ -69,12 +69,17 @@ from vllm.v1.kv_cache_interface import KVCacheLayout  # noqa: E402
 
 import prefixattn  # noqa: E402
 from prefixattn.integrations.vllm.host_tables import HostBlockTables, PlanInputs, plan_inputs  # noqa: E402,F401
-from prefixattn.integrations.vllm.layer_geometry import group_geometry, group_kv_dtype  # noqa: E402
+from prefixattn.integrations.vllm.layer_geometry import (  # noqa: E402
+    group_geometry,
+    group_kv_dtype,
+    vllm_window_left,
+)
 from prefixattn.integrations.vllm.plugin import BACKEND_NAME  # noqa: E402
 from prefixattn.integrations.vllm.refusals import (  # noqa: E402,F401
     SUPPORTED_HEAD_SIZES,
     SUPPORTED_KV_CACHE_DTYPES,
     capability_unsupported,
+    configured_model_dtype,
     current_device_capability,
     fp8_cache_dtype,
     fp8_unsupported,
@@ -317,20 +322,20 @@ class PrefixAttnImpl(AttentionImpl[PrefixAttnMetadata]):
                  attn_type: str = AttentionType.DECODER, kv_sharing_target_layer_name: str | None = None,
                  **extra_impl_args) -> None:
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        # vLLM builds the impl (and calls its own selector) while the default dtype is the model's dtype; the
-        # capability is the GPU this process runs on (None without one).
+        # The config vLLM builds the model with: it gives the model dtype (which an explicit 16-bit KV cache must
+        # match), and its profiling forward reserves the builders' workspaces.
+        from vllm.config import get_current_vllm_config_or_none
+
+        config = get_current_vllm_config_or_none()
+        # The capability is the GPU this process runs on (None without one).
         capability, is_rocm = current_device_capability()
         reasons = refusal_reasons(head_size=head_size, kv_cache_dtype=kv_cache_dtype,
-                                  model_dtype=torch.get_default_dtype(), alibi_slopes=alibi_slopes,
+                                  model_dtype=configured_model_dtype(config), alibi_slopes=alibi_slopes,
                                   sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
                                   attn_type=attn_type, extra_impl_args=extra_impl_args,
                                   device_capability=capability, is_rocm=is_rocm)
         if reasons:
             raise refusal(reasons)
-        # The config vLLM builds the model with: its profiling forward reserves the builders' workspaces.
-        from vllm.config import get_current_vllm_config_or_none
-
-        config = get_current_vllm_config_or_none()
         self._vllm_config = weakref.ref(config) if config is not None else None
         self.num_heads = num_heads
         self.head_size = head_size
@@ -339,8 +344,7 @@ class PrefixAttnImpl(AttentionImpl[PrefixAttnMetadata]):
         self.kv_cache_dtype = kv_cache_dtype
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
-        # vLLM's sliding_window=S attends to the last S keys: prefixattn's left window W = S - 1.
-        self.window_left = -1 if sliding_window is None else int(sliding_window) - 1
+        self.window_left = vllm_window_left(sliding_window)
         self.logits_soft_cap = float(logits_soft_cap or 0.0)
         self.sinks = extra_impl_args.get("sinks")  # [num_heads] learned logits (gpt-oss), loaded with the weights
         self.fp8_dtype = fp8_cache_dtype(kv_cache_dtype)  # vLLM's fp8 cache is uint8 memory holding this dtype

@@ -7,8 +7,8 @@ value a plan depends on is read from the builder's own layers (as FlashInfer's b
 model-wide config: query heads from the layers' impls, KV heads
 and head size from the group's cache spec (and checked against the layers), softmax scale, left window and soft cap
 from the layers (all of a group's layers must agree: one plan serves them all). Attention sinks are per layer and
-passed by each layer's impl at its forward: no group value. A builder without layers (vLLM's unit-test style
-construction) falls back to the model config for the query heads.
+passed by each layer's impl at its forward: no group value. A builder without registered layers (vLLM's unit-test
+style construction) falls back to the model config for the query heads and to its cache spec for the window.
 """
 
 from __future__ import annotations
@@ -32,6 +32,22 @@ class GroupGeometry:
     #: prefixattn's left window (vLLM's ``sliding_window=S`` is ``S - 1``), -1: off
     window_left: int
     logits_soft_cap: float
+
+
+def vllm_window_left(sliding_window: int | None) -> int:
+    """prefixattn's left window for vLLM's ``sliding_window``.
+
+    Parameters
+    ----------
+    sliding_window : int or None
+        vLLM's window: a query attends to the last ``sliding_window`` keys, its own included. None: no window.
+
+    Returns
+    -------
+    int
+        ``sliding_window - 1`` (the keys to the query's left), or -1 (off) for None.
+    """
+    return -1 if sliding_window is None else int(sliding_window) - 1
 
 
 def group_layers(vllm_config, layer_names: list[str]) -> dict:
@@ -67,14 +83,18 @@ def group_geometry(kv_cache_spec, vllm_config, layer_names: list[str]) -> GroupG
         layer_value = _one_value(layers, what, lambda impl, a=what: int(getattr(impl, a)), spec_value)
         if layer_value != spec_value:
             raise refusal([f"the group's layers have {what}={layer_value}, its KV cache spec {spec_value}"])
-    model_heads = None
+    model_heads, spec_window = None, -1
     if not layers:
         model_heads = int(vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config))
+        # SlidingWindowSpec carries the window, as does a FullAttentionSpec of a windowed layer (vLLM's hybrid
+        # allocator off); a plan without it is refused by the windowed layers' forward.
+        spec_window = vllm_window_left(getattr(kv_cache_spec, "sliding_window", None))
     num_qo_heads = _one_value(layers, "num_heads", lambda impl: int(impl.num_heads), model_heads)
     return GroupGeometry(
         num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
         sm_scale=_one_value(layers, "softmax scale", lambda impl: float(impl.scale), None),
-        window_left=_one_value(layers, "window_left", lambda impl: int(getattr(impl, "window_left", -1)), -1),
+        window_left=_one_value(layers, "window_left", lambda impl: int(getattr(impl, "window_left", -1)),
+                               spec_window),
         logits_soft_cap=_one_value(layers, "logits_soft_cap",
                                    lambda impl: float(getattr(impl, "logits_soft_cap", 0.0)), 0.0))
 

@@ -123,6 +123,25 @@ def refusal_reasons(*, head_size: int, kv_cache_dtype: str, model_dtype: torch.d
     return reasons
 
 
+def configured_model_dtype(vllm_config) -> torch.dtype | None:
+    """The model dtype of a vLLM config, as vLLM's own CPU backend reads it (``model_config.dtype``).
+
+    Parameters
+    ----------
+    vllm_config : vllm.config.VllmConfig or None
+        The config current while vLLM builds the model (``get_current_vllm_config_or_none()``).
+
+    Returns
+    -------
+    torch.dtype or None
+        None without a config or model config (an impl built outside vLLM's model construction): torch's default
+        dtype is no stand-in, since only vLLM's model loader sets it to the model's. The cache-dtype refusal is then
+        skipped, and the first forward's dtype check still rejects a cache that is not in the dtype of q.
+    """
+    dtype = getattr(getattr(vllm_config, "model_config", None), "dtype", None)
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
 def current_device_capability() -> tuple[tuple[int, int] | None, bool]:
     """``(capability, is_rocm)`` of this process's platform (None: no GPU): the impl's constructor checks the GPU
     it runs on."""
