@@ -2,11 +2,11 @@
 :func:`prefixattn.planner.checks.check_inputs` (:func:`prefixattn.validation.check_host_metadata`), in one pass over
 the used block table.
 
-Imported only when numba is (:mod:`prefixattn.planner.compiled`); every function is ``@njit(cache=True)``.
-:func:`check_values` answers only "valid or not" plus what a valid batch yields: on invalid input plan() runs the
-numpy checks, which raise the ``ValueError`` with its message (one definition of every message). The conditions are
-the same: ``qo_indptr[0] == 0``, non-decreasing, its last entry and every ``kv_lens`` entry in ``[0, 2^31)``,
-``kv_lens >= q_len``, enough table columns, every used block id in ``[0, num_blocks)``.
+Imported only when numba is (:mod:`prefixattn.planner.compiled`); every function is ``@njit(cache=True)`` but the
+stage's Python side at the end. :func:`check_values` answers only "valid or not" plus what a valid batch yields: on
+invalid input plan() runs the numpy checks, which raise the ``ValueError`` with its message (one definition of every
+message). The conditions are the same: ``qo_indptr[0] == 0``, non-decreasing, its last entry and every ``kv_lens`` entry
+in ``[0, 2^31)``, ``kv_lens >= q_len``, enough table columns, every used block id in ``[0, num_blocks)``.
 
 The same pass reads what the compiled tree (:mod:`prefixattn.planner.compiled.tree`) needs from the rows: whether the
 tree cache's rows still match (their ids were checked when cached: not range-checked again) and, for long rows, each

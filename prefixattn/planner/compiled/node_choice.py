@@ -1,10 +1,10 @@
 """Compiled (numba) node choice: :func:`prefixattn.planner.node_choice.select_shared_nodes` as loops.
 
-Imported only when numba is (:mod:`prefixattn.planner.compiled`); every function is ``@njit(cache=True)``. The cost
-rules are not restated: :mod:`prefixattn.planner.cost_rule`'s functions themselves, compiled. numba's on-disk cache
-keys this file's functions on this file alone, so a change to the rule must change this file too, or a cached
-:func:`select_nodes` would keep the old rule: :data:`COST_RULE_SOURCE_HASH` pins it (``tests/test_cost_rule.py``
-fails until it matches).
+Imported only when numba is (:mod:`prefixattn.planner.compiled`); every function is ``@njit(cache=True)`` but the
+stage's Python side at the end. The cost rules are not restated: :mod:`prefixattn.planner.cost_rule`'s functions
+themselves, compiled. numba's on-disk cache keys this file's functions on this file alone, so a change to the rule must
+change this file too, or a cached :func:`select_nodes` would keep the old rule: :data:`COST_RULE_SOURCE_HASH` pins it
+(``tests/test_cost_rule.py`` fails until it matches).
 """
 
 from __future__ import annotations

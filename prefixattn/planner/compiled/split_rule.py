@@ -1,13 +1,13 @@
 """Compiled (numba) split stage: :func:`prefixattn.planner.split_rule.split_work` as loops (the suffix tiles, the
 nodes' packed rows, the split rule one work class at a time and the item count of each class).
 
-Imported only when numba is (:mod:`prefixattn.planner.compiled`); every function is ``@njit(cache=True)`` and
-computes what its numpy counterpart does: :func:`class_split` is :func:`prefixattn.planner.split_rule.class_split`
-(piece budget, grains, pieces, the wave-aware step and its modeled makespan), :func:`split_ranges` is
-:func:`~prefixattn.planner.split_rule.split_ranges`, :func:`split_work` is
+Imported only when numba is (:mod:`prefixattn.planner.compiled`); every function is ``@njit(cache=True)`` but the
+stage's Python side at the end; each computes what its numpy counterpart does: :func:`class_split` is
+:func:`prefixattn.planner.split_rule.class_split` (piece budget, grains, pieces, the wave-aware step and its modeled
+makespan), :func:`split_ranges` is :func:`~prefixattn.planner.split_rule.split_ranges`, :func:`split_work` is
 :func:`~prefixattn.planner.split_rule.split_work`. The split rule's constants come in as an argument
-(:func:`rule_args`), never as globals (numba's on-disk cache is keyed by a function's own file). The compiled work
-list (:mod:`prefixattn.planner.compiled.work_list`) compiles in :func:`cdiv` and pins this file for it.
+(:func:`rule_args`), never as globals (numba's on-disk cache is keyed by a function's own file). The compiled work list
+(:mod:`prefixattn.planner.compiled.work_list`) compiles in :func:`cdiv` and pins this file for it.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """Compiled (numba) block prefix tree: the same order, LCPs and lcp-intervals as
 :func:`prefixattn.planner.tree.block_tree` (:mod:`prefixattn.lcp_tree`), and the same tree cache.
 
-Imported only when numba is (:mod:`prefixattn.planner.compiled`); every function is ``@njit(cache=True)``. The
-definitions of what is computed are :func:`prefixattn.lcp_tree.sorted_rows_lcp` (lexicographic order of the padded
-rows, then the row index; LCP of sorted neighbours) and :func:`prefixattn.lcp_tree.tree_from_lcp` (the lcp-interval
-stack, nodes in post-order); ``tests/test_plan_compiled.py`` checks both give equal arrays.
+Imported only when numba is (:mod:`prefixattn.planner.compiled`); every function is ``@njit(cache=True)`` but the
+stage's Python side at the end. The definitions of what is computed are :func:`prefixattn.lcp_tree.sorted_rows_lcp`
+(lexicographic order of the padded rows, then the row index; LCP of sorted neighbours) and
+:func:`prefixattn.lcp_tree.tree_from_lcp` (the lcp-interval stack, nodes in post-order); ``tests/test_plan_compiled.py``
+checks both give equal arrays.
 
 Algorithm (the numpy one, per segment instead of per round): rows are grouped by their first entry; each group of
 tied rows is compared with its first row (the leader) over the columns not yet known equal, which places every other
@@ -29,7 +30,7 @@ from prefixattn.planner.compiled.checks import NO_BLOCKS, NO_CACHE, _differ, _mi
 
 #: The first 16 hex digits of the sha256 of :mod:`prefixattn.planner.compiled.checks`' file, whose row primitives
 #: this file's functions compile in (see the module docstring).
-CHECKS_SOURCE_HASH = "b2e153151ba42b31"
+CHECKS_SOURCE_HASH = "7766ad06f26007df"
 #: Padding past a row's end: below every real id (ids are >= 0), as in prefixattn.lcp_tree.sort_dense.
 _PAD = -1
 _INT64_MAX = np.iinfo(np.int64).max

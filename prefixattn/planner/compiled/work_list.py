@@ -2,12 +2,12 @@
 straight into their staging buffer (a workspace's host buffer when the step fits its capacities, else one new int32
 buffer laid out as :func:`prefixattn.planner.device_tables.metadata_to_device` lays it out).
 
-Imported only when numba is (:mod:`prefixattn.planner.compiled`); every function is ``@njit(cache=True)``. The table
-layout (:mod:`prefixattn.kernels.layout`) comes in as an argument (:func:`layout_args`), never as globals: numba's
-on-disk cache is keyed by this file alone and would keep a compiled global after the layout changed. For the same reason
-what it compiles in from another file, the split rule's :func:`cdiv` and the rows and entries of its packed results
-(``T_*``, ``N_*``, ``S_*``), comes with a pin: :data:`SPLIT_SOURCE_HASH` (``tests/test_plan_compiled.py`` fails until it
-matches).
+Imported only when numba is (:mod:`prefixattn.planner.compiled`); every function is ``@njit(cache=True)`` but the
+stage's Python side at the end. The table layout (:mod:`prefixattn.kernels.layout`) comes in as an argument
+(:func:`layout_args`), never as globals: numba's on-disk cache is keyed by this file alone and would keep a compiled
+global after the layout changed. For the same reason what it compiles in from another file, the split rule's
+:func:`cdiv` and the rows and entries of its packed results (``T_*``, ``N_*``, ``S_*``), comes with a pin:
+:data:`SPLIT_SOURCE_HASH` (``tests/test_plan_compiled.py`` fails until it matches).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from prefixattn.planner.work_list import WorkList
 
 #: The first 16 hex digits of the sha256 of :mod:`prefixattn.planner.compiled.split_rule`'s file, whose ``cdiv`` and
 #: packed rows and entries this file compiles in (module docstring).
-SPLIT_SOURCE_HASH = "ac730ddc5c229747"
+SPLIT_SOURCE_HASH = "29d6cc33b0c59247"
 
 
 def layout_args() -> np.ndarray:
