@@ -327,9 +327,9 @@ class Split:
     class's and the decode class's), each work class's modeled launch ``modeled`` ``[NUM_CLASSES, 2]`` (makespan and
     ideal microseconds), the item count of each class as the work list will hold them (``class_ends``: one past each
     class's last item) and its :class:`SplitPieces` (``tiles``, ``rows``, ``node_pieces``, ``tile_pieces`` read
-    through). ``pieces_of``: the pieces, or a function that builds them when first read (the compiled split: its
-    work list reads ``packed``, its packed tiles, nodes and scalars, and a step that reads no piece builds none;
-    None from numpy)."""
+    through). ``packed``: the compiled split's packed tiles, nodes and scalars, what the compiled work list reads
+    (None from numpy); ``pieces_of``: the pieces, or (the compiled split) a function that builds them from
+    ``packed`` when first read, so a step that reads none builds none."""
 
     shared_grain: int
     tile_grains: tuple
