@@ -63,7 +63,17 @@ def _row(r: dict) -> str:
     status = "ok" if not failures(r) else "FAIL"
     return (f"{status:4s} {r['target']:7s} {r['kernel']:17s} {r['variant']:21s} {r['dtype']:5s} d{r['head_dim']:<4d}"
             f" {r['config_name']:38s} regs={regs!s:>8s} spills={r.get('spills')!s:>5s} {_pipeline_cell(r):24s} "
-            f"smem={r.get('shared_bytes')!s:>6s} shared_mma={mma:3s} [{instrs}] {r.get('compile_s')}s")
+            f"smem={r.get('shared_bytes')!s:>6s} shared_mma={mma:3s} [{instrs}]{_hopper_cell(r)} {r.get('compile_s')}s")
+
+
+def _hopper_cell(r: dict) -> str:
+    """`` tma=0 maxnreg=0 wgmma_wait=0`` on sm_90 and later (TMA loads, setmaxnreg, the depths warpgroup MMAs are
+    waited at: :func:`~prefixattn.tuning.compile_analysis.hopper_features`), else empty."""
+    h = r.get("hopper")
+    if not h:
+        return ""
+    waits = ",".join(str(w) for w in h["wgmma_waits"]) or "-"
+    return f" tma={h['tma']} maxnreg={h['setmaxnreg']} wgmma_wait={waits}"
 
 
 def _pipeline_cell(r: dict) -> str:

@@ -1,7 +1,8 @@
 """What ``prefixattn compile-check`` reads out of a compiled kernel: pure functions of the compiler's text output.
 
 The TTGIR's dots and their layouts (:func:`parse_dots`) and its KV loops' pipeline depth (:func:`parse_pipeline`),
-the matrix instructions of the PTX or AMDGCN (:func:`count_matrix_instrs`), the ptxas ``-v`` log
+the matrix instructions of the PTX or AMDGCN (:func:`count_matrix_instrs`), the Hopper features of sm_90 PTX
+(:func:`hopper_features`), the ptxas ``-v`` log
 (:func:`parse_ptxas`), the AMDGCN kernel descriptor (:func:`parse_amdgcn`) and its scratch-memory instructions
 (:func:`count_private_memory_ops`). The module imports only ``re``: unit-testable on stored text.
 :mod:`prefixattn.tuning.compile_check` compiles the kernels and applies these.
@@ -56,6 +57,23 @@ def count_matrix_instrs(asm: str, backend: str) -> dict:
     for name in re.findall(pattern, asm):
         counts[name] = counts.get(name, 0) + 1
     return counts
+
+
+#: The sm_90 PTX a Hopper-grade matrix class is made of: TMA loads (``cp.async.bulk.tensor``), register
+#: reallocation between warp-specialized partitions (``setmaxnreg``), asynchronous warpgroup MMAs; and what a
+#: portable binary uses instead, per-thread asynchronous copies (``cp.async.ca``/``cp.async.cg``).
+_HOPPER_PTX = {"tma": re.compile(r"\bcp\.async\.bulk\.tensor\b"), "setmaxnreg": re.compile(r"\bsetmaxnreg\b"),
+               "wgmma": re.compile(r"\bwgmma\.mma_async\b"), "cp_async": re.compile(r"\bcp\.async\.c[ag]\b")}
+_WGMMA_WAIT = re.compile(r"\bwgmma\.wait_group(?:\.\w+)*\s+(\d+)\s*;")
+
+
+def hopper_features(ptx: str) -> dict:
+    """Counts of the Hopper features in sm_90 PTX (``tma``, ``setmaxnreg``, ``wgmma``, ``cp_async``: see
+    ``_HOPPER_PTX``) and ``wgmma_waits``, the distinct ``wgmma.wait_group`` depths (``[0]``: every warpgroup MMA
+    is waited for before the next instruction needs it, so softmax never overlaps one)."""
+    out = {name: len(pattern.findall(ptx)) for name, pattern in _HOPPER_PTX.items()}
+    out["wgmma_waits"] = sorted({int(n) for n in _WGMMA_WAIT.findall(ptx)})
+    return out
 
 
 def parse_ptxas(log: str) -> dict:

@@ -7,7 +7,9 @@ depth of the KV loops in the TTGIR (:func:`parse_pipeline`: K/V tiles in flight,
 in-loop ``async_wait`` nums on NVIDIA, LDS buffers plus the stream pipeliner's prefetch on AMD), and whether the
 shared-node part of the fused kernel issues matrix instructions: its ``tt.dot`` ops got a tensor-core layout in the
 TTGIR
-(``nvidia_mma`` v2 = ``mma.sync``, v3 = ``wgmma``; ``amd_mfma``) and the assembly contains them. Dots are attributed
+(``nvidia_mma`` v2 = ``mma.sync``, v3 = ``wgmma``; ``amd_mfma``) and the assembly contains them. On sm_90 and later
+it also reports the Hopper features the binary uses (:func:`hopper_features`: TMA, ``setmaxnreg``, ``wgmma`` and the
+depths it is waited at, per-thread ``cp.async``), reported, not yet checked. Dots are attributed
 to the shared part by their shapes, ``[BLOCK_M_SHARED, BLOCK_D] x [BLOCK_D, BLOCK_N_SHARED]`` and
 ``[BLOCK_M_SHARED, BLOCK_N_SHARED] x [BLOCK_N_SHARED, BLOCK_D]`` (a suffix dot of the same shapes gets the same
 layout, so sharing a shape cannot hide a fallback).
@@ -41,10 +43,12 @@ from pathlib import Path
 
 from prefixattn.autotune.config_space import HEAD_DIMS, NUM_STAGES_CUDA, block_d
 from prefixattn.autotune.targets import TARGETS
-from prefixattn.tuning.compile_analysis import (count_matrix_instrs, count_private_memory_ops, parse_amdgcn,
-                                               parse_dots, parse_pipeline, parse_ptxas)
+from prefixattn.tuning.compile_analysis import (count_matrix_instrs, count_private_memory_ops, hopper_features,
+                                               parse_amdgcn, parse_dots, parse_pipeline, parse_ptxas)
 
 KERNELS = ("prefix_attention", "merge")
+#: The first NVIDIA arch with TMA, warpgroup MMAs and setmaxnreg (sm_90): its records report :func:`hopper_features`.
+HOPPER_ARCH = 90
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -119,6 +123,8 @@ def compile_one(job) -> dict:
         record["spills"] = (stats["vgpr_spills"] or 0) + record["private_memory_ops"]
     record["register_limit"] = target.max_regs_per_thread
     record["matrix_instrs"] = count_matrix_instrs(asm, target.backend)
+    if target.backend == "cuda" and target.arch >= HOPPER_ARCH:
+        record["hopper"] = hopper_features(asm)
     dots = parse_dots(ck.asm["ttgir"])
     record["dots"] = dots
     record["pipeline"] = parse_pipeline(ck.asm["ttgir"])

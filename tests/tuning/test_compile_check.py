@@ -11,8 +11,8 @@ import pytest
 
 from prefixattn.autotune.config_space import FP8_LARGE_HEAD_DECODE_WARPS, FP8_SUFFIX_MIN_WARPS
 from prefixattn.autotune.targets import TARGETS
-from prefixattn.tuning.compile_analysis import (count_matrix_instrs, count_private_memory_ops, parse_amdgcn,
-                                               parse_dots, parse_pipeline, parse_ptxas)
+from prefixattn.tuning.compile_analysis import (count_matrix_instrs, count_private_memory_ops, hopper_features,
+                                               parse_amdgcn, parse_dots, parse_pipeline, parse_ptxas)
 from prefixattn.tuning.compile_check import exclusions_from_report, failures
 from prefixattn.tuning.compile_specs import build_signature
 
@@ -100,6 +100,19 @@ def test_parse_pipeline_sees_amd_register_prefetch():
     assert parse_pipeline(unpiped)["depth"] == 1 and not parse_pipeline(unpiped)["prefetch"]
     # No loop staging tiles (the merge kernels): nothing to pipeline.
     assert parse_pipeline("%a = tt.load %p : tensor<64x!tt.ptr<f32>, #b>\n")["depth"] is None
+
+
+def test_hopper_features():
+    # Today's sm_90 fused kernel (Triton 3.9): per-thread cp.async copies, every wgmma waited for at once.
+    portable = ("cp.async.cg.shared.global [%r1], [%rd2], 16;\ncp.async.commit_group;\n"
+                "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {...};\nwgmma.wait_group.sync.aligned 0;\n")
+    assert hopper_features(portable) == {"tma": 0, "setmaxnreg": 0, "wgmma": 1, "cp_async": 1, "wgmma_waits": [0]}
+    specialized = ("cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%r1], [%rd2];\n"
+                   "setmaxnreg.dec.sync.aligned.u32 40;\nsetmaxnreg.inc.sync.aligned.u32 232;\n"
+                   "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {...};\nwgmma.wait_group.sync.aligned 1;\n"
+                   "wgmma.wait_group.sync.aligned 0;\n")
+    assert hopper_features(specialized) == {"tma": 1, "setmaxnreg": 2, "wgmma": 1, "cp_async": 0,
+                                            "wgmma_waits": [0, 1]}
 
 
 def test_matrix_instruction_counts():
