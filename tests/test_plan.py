@@ -426,6 +426,8 @@ def test_prefix_runs_join_neighbours_sharing_half_the_shorter_ones_blocks():
     assert prefix_runs(table, lens, np.array([1]), 16).tolist() == [0, 1, 2, 3, 4, 5]  # 1 reads its prefix once
     assert prefix_runs(table, np.array([64, 0, 64, 49, 17, 40]), np.array([], dtype=np.int64), 16).tolist() == [
         0, 1, 2, 3, 4, 5]  # no KV: in no run
+    assert prefix_runs(np.zeros((3, 0), dtype=np.int32), np.zeros(3, dtype=np.int64), np.zeros(0, dtype=np.int64),
+                       16).tolist() == [0, 1, 2]  # a table without columns (no request has KV)
     # Runs of two documents interleaved by length: longest first would alternate them, runs keep them apart.
     docs = np.array([[10, 11, 12, 20 + r] for r in range(4)] + [[30, 31, 32, 40 + r] for r in range(4)])
     kv = torch.tensor([64, 50, 62, 52, 63, 51, 61, 53])

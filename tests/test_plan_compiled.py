@@ -480,9 +480,11 @@ def test_prefix_runs_equal():
     rng = np.random.default_rng(3)
     for trial in range(300):
         n = int(rng.integers(0, 40))
-        width = int(rng.integers(1, 12))
+        width = int(rng.integers(0, 12))
         table = rng.integers(0, 4, size=(n, width))
-        table[:, 1:] = np.where(rng.random((n, width - 1)) < 0.8, table[:, 1:], rng.integers(0, 50, (n, width - 1)))
+        if width:
+            table[:, 1:] = np.where(rng.random((n, width - 1)) < 0.8, table[:, 1:],
+                                    rng.integers(0, 50, (n, width - 1)))
         lens = rng.integers(0, width * 16 + 1, size=n)
         members = np.flatnonzero(rng.random(n) < 0.2)
         dtype = (np.int32, np.int64)[trial % 2]

@@ -228,8 +228,9 @@ def prefix_runs(table: np.ndarray, kv_len: np.ndarray, members: np.ndarray, bloc
     col = np.maximum(shorter - 1, 0) // 2
     alone = np.zeros(n, dtype=bool)
     alone[members] = True
-    rows = np.arange(1, n)
-    joins = (shorter > 0) & ~alone[1:] & ~alone[:-1] & (table[rows, col] == table[rows - 1, col])
+    rows = np.flatnonzero((shorter > 0) & ~alone[1:] & ~alone[:-1]) + 1  # only these have a column to compare
+    joins = np.zeros(n - 1, dtype=bool)
+    joins[rows - 1] = table[rows, col[rows - 1]] == table[rows - 1, col[rows - 1]]
     if not joins.any():
         return run
     run[1:][joins] = 0
