@@ -95,6 +95,9 @@ def _check_model_steps_and_batches(by, csv_path) -> None:
     assert len(by("model_step", "bound_us")) == len(by("model_step", "step_us_median"))
     assert len(by("model_step", "l2_reread_fraction")) == len(by("model_step", "attention_floor_us")) == 6
     assert {r["provider"] for r in by("model_step", "class_decode_layer_us")} == {"prefixattn", "prefixattn-nosharing"}
+    # How together each prefixattn plan issues a group's prefix re-reads, per step.
+    assert sorted(r["provider"] for r in by("model_step", "group_item_span")) == \
+        ["prefixattn"] * 6 + ["prefixattn-nosharing"] * 6
     records = json.loads(csv_path.with_name(csv_path.stem + "-model-steps.json").read_text())
     assert {r["workload"] for r in records} == set(workloads)
     assert all(len(r["group_lens"]) == len(r["kv_lens"]) and r["l2_bytes"] > 0 for r in records)

@@ -160,6 +160,26 @@ def kv_traffic(lay: StepLayout, block_size: int, bytes_per_token: int, l2_bytes:
                 l2_reread_fraction=reread / read if read else 0.0)
 
 
+def group_item_span(items: np.ndarray, class_ends, groups: list) -> float:
+    """How far apart a plan issues the members of a prefix group that each read the group's prefix: per group of
+    >= 2 requests and work class, the span of the positions of its items that start at KV position 0 over their
+    count (1.0: adjacent, as a kernel walking a group-sorted batch issues them); the median over groups, NaN where
+    no group has two such items. ``items``: the plan's work list (``prefixattn.kernels.layout`` columns);
+    ``class_ends``: one past each class's last item; ``groups``: :attr:`StepLayout.groups`."""
+    from prefixattn.kernels import layout as K
+
+    spans, lo = [], 0
+    for hi in class_ends:
+        it = items[lo:hi]
+        from_start = it[:, K.ITEM_KV_START] == 0
+        for members, _ in groups:
+            pos = np.flatnonzero(from_start & np.isin(it[:, K.ITEM_REQ], members))
+            if pos.size > 1:
+                spans.append((pos[-1] - pos[0] + 1) / pos.size)
+        lo = hi
+    return float(np.median(spans)) if spans else float("nan")
+
+
 def run_batcher(prompts, outputs, *, token_budget: int, kv_blocks: int, block_size: int):
     """Every step of the workload through the TokenBatcher (requests end at their output lengths): (the batcher, its
     StepBatches). Lay a step out with :func:`layout` (only the selected ones: laying out every step costs seconds)."""

@@ -321,6 +321,8 @@ def _time_classes(attend, io, model, timer, results, label, provider) -> None:
 
 
 def _time_step(workload, lay, model, timer, device, results, fi_ready, clock, dry, ceil) -> list:
+    from gpu_check.model_layout import group_item_span
+
     io, meta, label = _io(lay, model, device), _meta(lay, model, device), _label(workload, lay)
     graph = lay.kind == "decode" and not dry
     fi_ok = {p for p, ok in fi_ready.items() if ok is True}
@@ -352,6 +354,10 @@ def _time_step(workload, lay, model, timer, device, results, fi_ready, clock, dr
             attn_t = _timed(lambda: model.attention_only(io, attend), timer, graph)
             if provider.startswith("prefixattn"):
                 _time_classes(attend, io, model, timer, results, label, provider)
+                # How together it issues a group's re-reads of its prefix (L2 reuse: the prefix runs' order).
+                results.add(BENCHMARK, provider, label, "group_item_span",
+                            group_item_span(attend.plan.work.items, attend.plan.work.class_ends, lay.groups),
+                            "positions per item")
         except Exception as exc:  # one provider failing does not end the step
             print(f"[model_step]   {provider:24s} FAILED: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
             # Ours failing is a failure of the check; a peer failing is a column without numbers.

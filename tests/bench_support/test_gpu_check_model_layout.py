@@ -61,3 +61,29 @@ def test_kv_traffic_counts_each_cached_position_once_and_the_l2_rereads_of_group
     t = ml.kv_traffic(lay, 16, 10, l2_bytes=320)
     assert (t["read"], t["unique"], t["l2_reread"]) == (800, 480, 320) and t["l2_reread_fraction"] == 0.4
     assert ml.kv_traffic(lay, 16, 10, l2_bytes=310)["l2_reread"] == 0
+
+
+def test_group_item_span_of_the_plans_without_sharing_is_adjacent_where_longest_first_is_not():
+    """The model step's ``group_item_span``: (span of a group's prefix re-reads / their count) per group and class,
+    the median. On a BatchLLM case 1 decode step planned without sharing, the prefix runs keep every group's items
+    adjacent; the same items longest first (the order before the runs) spread them."""
+    import torch
+
+    import prefixattn
+    from prefixattn.kernels import layout as K
+
+    items = np.zeros((6, K.ITEM_FIELDS), dtype=np.int32)
+    items[:, K.ITEM_REQ] = [0, 2, 1, 3, 4, 5]
+    assert ml.group_item_span(items, (0, 0, 6), [([0, 1], 32), ([2, 3], 32)]) == 1.5
+    assert np.isnan(ml.group_item_span(items, (0, 0, 6), []))
+    prompts, outputs = ml.workload("batchllm-case1", 48, 1)
+    batcher, steps = ml.run_batcher(prompts, outputs, token_budget=2048, kv_blocks=4000, block_size=16)
+    lay = ml.layout(max((s for s in steps if ml.step_kind(s) == "decode"), key=lambda s: len(s.kinds)), batcher,
+                    prompts, 16)
+    p = prefixattn.plan(*(torch.from_numpy(a) for a in (lay.qo_indptr, lay.kv_lens, lay.block_table)),
+                        block_size=16, num_qo_heads=32, num_kv_heads=8, head_dim=128, q_dtype=torch.bfloat16,
+                        num_blocks=lay.num_blocks, sharing="never", device="cpu")
+    assert ml.group_item_span(p.work.items, p.work.class_ends, lay.groups) == 1.0
+    lengths = p.work.items[:, K.ITEM_KV_END] - p.work.items[:, K.ITEM_KV_START]
+    longest_first = p.work.items[np.argsort(-lengths, kind="stable")]  # one class: a decode step unshared
+    assert ml.group_item_span(longest_first, p.work.class_ends, lay.groups) > 2
