@@ -1,4 +1,5 @@
-"""Small numpy helpers for ragged (run-length) arrays, shared by the planner's modules.
+"""Small numpy helpers for ragged (run-length) arrays and grouped orders, shared by the planner's modules (and the
+simulator's model of the planner's issue order).
 
 Written for the host planner's per-call cost: each is one or two numpy calls on small arrays (``np.r_`` and
 ``np.diff(..., append=)`` go through Python-level machinery that costs 5-20 us per call on the 2-core host).
@@ -57,3 +58,17 @@ def expand(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return np.arange(counts.shape[0], dtype=np.int64).repeat(counts), ragged_arange(counts)
     owner = counts.nonzero()[0]
     return owner, np.zeros(owner.shape[0], dtype=np.int64)
+
+
+def runs_longest_first(length: np.ndarray, group: np.ndarray, within: np.ndarray | None = None) -> np.ndarray:
+    """The order that issues the longest first with each group's entries together: every group at the place of its
+    longest entry (groups of equal longest by id), longest first inside a group, ties by index; ``within``
+    (optional, non-negative ints): a key before all (each value ordered apart, ascending). ``length``: ``[n]``,
+    non-negative; ``group``: ``[n]`` non-negative int64 ids below 2^32 (an entry alone: an id of its own).
+    Returns the ``[n]`` permutation (the planner's prefix runs and the simulator's ``runs-longest-first``)."""
+    key = group if within is None else (within.astype(np.int64) << 32) + group
+    _, inverse = np.unique(key, return_inverse=True)
+    longest = np.zeros(inverse.max(initial=-1) + 1, dtype=length.dtype)
+    np.maximum.at(longest, inverse, length)
+    keys = (np.arange(length.shape[0]), -length, group, -longest[inverse])
+    return np.lexsort(keys if within is None else keys + (within,))

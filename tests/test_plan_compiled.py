@@ -438,7 +438,7 @@ def test_longest_first_is_the_stable_sort_by_length():
     ties and sizes (0 to 600 items, lengths 0 to 2^31 - 1); with prefix runs of >= 2 requests, numpy's run-major
     order (a run's suffix items together at its longest item; shared items and items in no run alone)."""
     from prefixattn.kernels import layout as K
-    from prefixattn.planner.work_list import _run_major_order
+    from prefixattn.ragged import runs_longest_first
 
     rng = np.random.default_rng(7)
     runs_seen = 0
@@ -464,7 +464,7 @@ def test_longest_first_is_the_stable_sort_by_length():
         in_run = (np.bincount(runs, minlength=num_reqs)[runs] > 1)[req] & (cls > 0)
         if in_run.any():
             runs_seen += 1
-            want = items[_run_major_order(cls, length, np.where(in_run, runs[req], num_reqs + np.arange(n)))]
+            want = items[runs_longest_first(length, np.where(in_run, runs[req], num_reqs + np.arange(n)), cls)]
         else:
             want = items[np.lexsort((-length, cls))]
         W._longest_first(items, K.ITEM_KV_START, K.ITEM_KV_END, K.ITEM_REQ, ends.astype(np.int64), runs)

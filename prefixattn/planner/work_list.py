@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from prefixattn.kernels import layout as K
-from prefixattn.ragged import expand as _expand, run_starts
+from prefixattn.ragged import expand as _expand, run_starts, runs_longest_first
 from prefixattn.planner.split_rule import Split, Tiles
 
 _I32 = np.int32
@@ -319,23 +319,12 @@ def _assemble_items(*, shared_items: np.ndarray, t: Tiles, states: _TileStates, 
         if in_run.any():
             group = runs.shape[0] + np.arange(n)  # alone: a group of its own, after every run's id
             group[num_shared:] = np.where(in_run[s_req], runs[s_req], group[num_shared:])
-            return it[_run_major_order(key, length, group)], (num_shared, n - num_decode, n)
+            return it[runs_longest_first(length, group, key)], (num_shared, n - num_decode, n)
     key <<= 32
     key -= length
     if key.shape[0] > 1 and (key[1:] < key[:-1]).any():
         it = it[np.argsort(key, kind="stable")]
     return it, (num_shared, n - num_decode, n)
-
-
-def _run_major_order(cls: np.ndarray, length: np.ndarray, group: np.ndarray) -> np.ndarray:
-    """The item order of :func:`_assemble_items` with prefix runs: by class, then each group at the place of its
-    longest item (longest first; groups of equal longest by id: a run's first request, or the number of requests + the
-    index of an item in no run, a group of its own), then longest first inside a group, stable. ``cls``: each item's
-    class; ``length``: its KV range."""
-    _, inverse = np.unique((cls << 32) + group, return_inverse=True)  # one slot per (class, group)
-    longest = np.zeros(inverse.max() + 1, dtype=np.int64)
-    np.maximum.at(longest, inverse, length)
-    return np.lexsort((np.arange(cls.shape[0]), -length, group, -longest[inverse], cls))
 
 
 def _shared_items(*, t: Tiles, nodes: SharedNodes, node_rows, node_mtiles, n_pieces, grain_shared, mem_ql, row_off,

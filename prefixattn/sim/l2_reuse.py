@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from prefixattn.ragged import runs_longest_first
+
 #: Issue orders of the launches: ``batch`` (row order as given), ``longest-first`` (by KV read, stable) and
 #: ``runs-longest-first`` (longest first, a group's rows together at the place of its longest row).
 ROW_ORDERS = ("batch", "longest-first", "runs-longest-first")
@@ -51,10 +53,7 @@ def issue_order(own_tokens: np.ndarray, order: str, group_ids: np.ndarray | None
     if ids.shape != (n,):
         raise ValueError(f"group_ids: expected shape ({n},) like own_tokens, got {ids.shape}")
     group = np.where(ids >= 0, ids, ids.max(initial=0) + 1 + np.arange(n))  # a row in no group: alone
-    _, inverse = np.unique(group, return_inverse=True)
-    longest = np.full(inverse.max(initial=-1) + 1, -np.inf)
-    np.maximum.at(longest, inverse, own)
-    return np.lexsort((np.arange(n), -own, group, -longest[inverse])).astype(np.int64)
+    return runs_longest_first(own, group).astype(np.int64)
 
 
 def group_ids_from_lens(group_lens: np.ndarray) -> np.ndarray:

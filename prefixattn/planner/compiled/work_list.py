@@ -328,7 +328,7 @@ def _run_major(items, i_req, length, runs, run_size, lo, hi, order):
     """``order[lo:hi]`` (longest first, stable) regrouped: the items of a run of >= 2 requests (``run_size``) one
     group, every other item one of its own; each group at the place of its longest item, groups of equal longest
     by id (the run's first request, else the number of requests + the item's index), the LPT order inside a group
-    (:func:`prefixattn.planner.work_list._run_major_order`): a counting sort over the groups' ranks."""
+    (:func:`prefixattn.ragged.runs_longest_first`): a counting sort over the groups' ranks."""
     num_reqs = runs.shape[0]
     group = np.empty(hi - lo, dtype=np.int64)
     for i in range(lo, hi):
