@@ -28,15 +28,19 @@ _EXPORTS = {
     "kernel_variants": "prefixattn.warmup",
     "merge_states": "prefixattn.merge",
     "merge_states_n": "prefixattn.merge",
+    "mla_attention": "prefixattn.mla",
     "plan": "prefixattn.planner.plans",
+    "plan_mla": "prefixattn.mla",
     "reference_attention": "prefixattn.reference",
+    "reference_mla_attention": "prefixattn.reference",
     "warmup_kernels": "prefixattn.warmup",
     "write_kv": "prefixattn.kv_write",
 }
 
 __all__ = ["CapacityError", "FP8_E4M3_MIN_CAPABILITY", "FP8_KV_DTYPES", "Plan", "PrefixSharedAttention",
            "SINK_DTYPES", "SUPPORTED_DTYPES", "SUPPORTED_HEAD_DIMS", "attention", "kernel_variants", "merge_states",
-           "merge_states_n", "plan", "reference_attention", "warmup_kernels", "write_kv", "__version__"]
+           "merge_states_n", "mla_attention", "plan", "plan_mla", "reference_attention", "reference_mla_attention",
+           "warmup_kernels", "write_kv", "__version__"]
 
 
 def __getattr__(name: str):

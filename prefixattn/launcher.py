@@ -124,19 +124,21 @@ def current_stream(device):
     return driver.active.get_current_stream(device)
 
 
+#: The fused kernel's parameters a call patches (the tensors that change from layer to layer, and the two scalars a
+#: float scale changes), in the order :meth:`PreparedLaunch.__call__` takes their values.
+FUSED_PER_CALL = ("out_ptr", "lse_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr", "sinks_ptr", "k_scale_ptr",
+                  "v_scale_ptr", "qk_scale", "v_scale")
+
+
 class _Params:
     """The kernel's parameters, in order, and the positions of those a call or a class changes."""
 
-    def __init__(self, fn) -> None:
+    def __init__(self, fn, per_call: tuple) -> None:
         params = inspect.signature(fn).parameters
         self.names = tuple(params)
         self.constexpr = tuple(p.annotation is not inspect.Parameter.empty and "constexpr" in str(p.annotation)
                                for p in params.values())
-        at = self.names.index
-        self.out, self.lse, self.q, self.k, self.v = (at(n) for n in ("out_ptr", "lse_ptr", "q_ptr", "k_cache_ptr",
-                                                                      "v_cache_ptr"))
-        self.sinks, self.k_scale_ptr, self.v_scale_ptr = (at(n) for n in ("sinks_ptr", "k_scale_ptr", "v_scale_ptr"))
-        self.qk_scale, self.v_scale = at("qk_scale"), at("v_scale")
+        self.per_call = tuple(self.names.index(n) for n in per_call)
         positions = range(len(self.names))
         self.constexprs = tuple(i for i in positions if self.constexpr[i])
         self.pointers = tuple(i for i in positions if not self.constexpr[i] and self.names[i].endswith("_ptr"))
@@ -146,12 +148,12 @@ class _Params:
 _PARAMS: dict = {}
 
 
-def _params(kernel) -> _Params:
+def _params(kernel, per_call: tuple) -> _Params:
     """The parameters of ``kernel`` (a stand-in without its own ``fn`` takes the fused kernel's)."""
     fn = getattr(kernel, "fn", None) or prefix_attention_kernel.fn
-    got = _PARAMS.get(fn)
+    got = _PARAMS.get((fn, per_call))
     if got is None:
-        got = _PARAMS[fn] = _Params(fn)
+        got = _PARAMS[(fn, per_call)] = _Params(fn, per_call)
     return got
 
 
@@ -168,14 +170,17 @@ class PreparedLaunch:
     per_class : list of (grid, dict, dict)
         One launch each, in order: its grid, its class arguments (``item_range_ptr``, ``IS_SHARED``, ``BLOCK_M``,
         ``BLOCK_N``) and its launch options (``num_warps``, ``num_stages``, AMD's).
+    per_call : tuple of str
+        The parameters each call patches, in the order ``__call__`` takes their values (default: the fused kernel's,
+        :data:`FUSED_PER_CALL`).
 
     A direct launch runs under the device that was current when the launch was prepared (the compiled kernel is
     loaded there); under another one the launch goes through the JIT function.
     """
 
-    def __init__(self, kernel, named: dict, per_class: list) -> None:
+    def __init__(self, kernel, named: dict, per_class: list, per_call: tuple = FUSED_PER_CALL) -> None:
         self.kernel = kernel
-        self.params = prm = _params(kernel)
+        self.params = prm = _params(kernel, per_call)
         self.launches = []
         self.unsupported = direct_launch_unsupported(kernel)
         self.device = current_device() if self.unsupported is None else None
@@ -191,11 +196,11 @@ class PreparedLaunch:
         """Per launch: whether the next call launches through the compiled kernel's launcher directly."""
         return tuple(entry[4] is not None for entry in self.launches)
 
-    def __call__(self, kernel, out, lse, q, k_cache, v_cache, sinks_ptr, k_scale_ptr, v_scale_ptr, qk_scale,
-                 v_scale) -> None:
-        """Launch every class on the current stream with this layer's tensors. ``kernel``: the one to launch now
-        (the prepared one, or a test's stand-in put in its place since, which takes the JIT path)."""
-        prm = self.params
+    def __call__(self, kernel, *values) -> None:
+        """Launch every class on the current stream with this layer's ``values`` of the ``per_call`` parameters.
+        ``kernel``: the one to launch now (the prepared one, or a test's stand-in put in its place since, which
+        takes the JIT path)."""
+        patch = tuple(zip(self.params.per_call, values))
         direct_ok = ALLOW_DIRECT and kernel is self.kernel and self.unsupported is None and _hooks_idle()
         if direct_ok:
             device = current_device()
@@ -204,9 +209,8 @@ class PreparedLaunch:
         for entry in self.launches:
             grid, base, options, spec, compiled = entry
             args = base.copy()  # not patched in place: the prepared list keeps no layer's tensors alive
-            args[prm.out], args[prm.lse], args[prm.q], args[prm.k], args[prm.v] = out, lse, q, k_cache, v_cache
-            args[prm.sinks], args[prm.k_scale_ptr], args[prm.v_scale_ptr] = sinks_ptr, k_scale_ptr, v_scale_ptr
-            args[prm.qk_scale], args[prm.v_scale] = qk_scale, v_scale
+            for i, value in patch:
+                args[i] = value
             if direct_ok and compiled is not None:
                 run, function, metadata = compiled
                 run(grid[0], 1, 1, stream, function, metadata, None, None, None, *args)

@@ -55,6 +55,13 @@ def _feature_args(p: Plan, q: torch.Tensor, sinks, k_scale, v_scale) -> dict:
     )
 
 
+def check_plan_current(p: Plan) -> None:
+    """``p`` is the latest plan of its workspace (a later plan() overwrites the tables it reads)."""
+    if not p.is_current():
+        raise ValueError(f"plan: expected the latest plan of its workspace (step {p.workspace.step}), got the plan of "
+                         f"step {p.workspace_step}: a later plan() overwrote its tables")
+
+
 def _check_against_plan(q, k_cache, v_cache, p: Plan, out, return_lse) -> None:
     """Shapes, dtypes and devices only: no value of any tensor is read (no host synchronization).
 
@@ -64,9 +71,10 @@ def _check_against_plan(q, k_cache, v_cache, p: Plan, out, return_lse) -> None:
     """
     if not isinstance(p, Plan):
         raise ValueError(f"plan: expected a prefixattn Plan (from prefixattn.plan), got {type(p).__name__}")
-    if not p.is_current():
-        raise ValueError(f"plan: expected the latest plan of its workspace (step {p.workspace.step}), got the plan of "
-                         f"step {p.workspace_step}: a later plan() overwrote its tables")
+    check_plan_current(p)
+    if p.rope_dim:
+        raise ValueError("plan: expected a plan from prefixattn.plan, got an MLA plan (prefixattn.plan_mla): run it "
+                         "with prefixattn.mla_attention")
     num_qo_heads, num_kv_heads, head_dim, block_size = check_qkv(q, k_cache, v_cache)
     check_kernel_device("q", q)
     for name, got, want in (("num_qo_heads (q dim 1)", num_qo_heads, p.num_qo_heads),
@@ -265,16 +273,22 @@ def _prepare(p: Plan, key, *, out, lse, q, k_cache, v_cache, classes: tuple, gri
                                model_switches=any(features[f] for f in MODEL_SWITCHES))
     launch = PreparedLaunch(prefix_attention_kernel, named, per_class)
     launch.features = features
-    if key is not None:
-        hit = _prepared_launches.get(id(p))
-        if hit is None or hit[0]() is not p:
-            if len(_prepared_launches) >= _MAX_PREPARED:
-                _prepared_launches.clear()
-            hit = _prepared_launches[id(p)] = (weakref.ref(p), {})
-        if len(hit[1]) >= _MAX_PREPARED:
-            hit[1].clear()
-        hit[1][key] = launch
+    remember_launch(p, key, launch)
     return launch
+
+
+def remember_launch(p: Plan, key, launch: PreparedLaunch) -> None:
+    """Keep ``launch`` for plan ``p`` and calls with ``key`` (:data:`_prepared_launches`; not kept for a None key)."""
+    if key is None:
+        return
+    hit = _prepared_launches.get(id(p))
+    if hit is None or hit[0]() is not p:
+        if len(_prepared_launches) >= _MAX_PREPARED:
+            _prepared_launches.clear()
+        hit = _prepared_launches[id(p)] = (weakref.ref(p), {})
+    if len(hit[1]) >= _MAX_PREPARED:
+        hit[1].clear()
+    hit[1][key] = launch
 
 
 def _launch(launch: PreparedLaunch, counters, out, lse, q, k_cache, v_cache, features: dict) -> None:

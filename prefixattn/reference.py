@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from prefixattn.validation import (check_kv_scale, check_metadata, check_qkv, check_sinks, check_soft_cap,
-                                   check_window_left)
+                                   check_tensor, check_window_left)
 
 
 def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, qo_indptr: torch.Tensor,
@@ -197,3 +197,42 @@ def _weighted_values(probs: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     terms = probs.unsqueeze(-1) * v.permute(1, 0, 2).unsqueeze(1)  # [h, q, k, d]
     terms = torch.where((probs != 0).unsqueeze(-1), terms, 0.0)  # NaN != 0: NaN weights stay
     return terms.sum(dim=2).transpose(0, 1)
+
+
+def reference_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, qo_indptr: torch.Tensor, kv_lens: torch.Tensor,
+                            block_table: torch.Tensor, *, kv_lora_rank: int, sm_scale: float, causal: bool = True,
+                            return_lse: bool = False, compute_dtype: torch.dtype = torch.float32, kv_scale=None):
+    """Multi-head latent attention in the absorbed form (:func:`prefixattn.mla_attention`'s conventions), exactly in
+    ``compute_dtype``: multi-query attention of ``q`` against one KV head whose keys are the cache rows and whose
+    values are their first ``kv_lora_rank`` columns (the latent).
+
+    Parameters
+    ----------
+    q : Tensor, ``[num_tokens, num_heads, kv_lora_rank + rope_dim]``, fp16/bf16/fp32
+    kv_cache : Tensor, ``[num_blocks, block_size, kv_lora_rank + rope_dim]``, dtype of q or fp8
+    qo_indptr, kv_lens, block_table, causal, return_lse, compute_dtype
+        As :func:`reference_attention`.
+    kv_lora_rank : int
+        The latent width: the output's last dimension.
+    sm_scale : float
+        The model's logit scale.
+    kv_scale : float or 1-element fp32 Tensor, optional
+        Dequantization scale of an fp8 cache (keys and values alike).
+
+    Returns
+    -------
+    out : Tensor, ``[num_tokens, num_heads, kv_lora_rank]``, ``compute_dtype`` (and ``lse`` ``[num_tokens,
+    num_heads]`` with ``return_lse``)
+    """
+    for name, t in (("q", q), ("kv_cache", kv_cache)):
+        check_tensor(name, t, ndim=3)
+    if not 0 < kv_lora_rank < kv_cache.shape[-1]:
+        raise ValueError(f"kv_lora_rank: expected a width in [1, {kv_cache.shape[-1] - 1}] (kv_cache dim 2 holds the "
+                         f"latent and the rotary key), got {kv_lora_rank!r}")
+    k_cache = kv_cache.unsqueeze(2)
+    v_cache = k_cache.clone()
+    v_cache[..., kv_lora_rank:] = 0  # the value is the latent alone: the rotary columns' output is cut below
+    got = reference_attention(q, k_cache, v_cache, qo_indptr, kv_lens, block_table, causal=causal, sm_scale=sm_scale,
+                              return_lse=True, compute_dtype=compute_dtype, k_scale=kv_scale, v_scale=kv_scale)
+    out = got[0][..., :kv_lora_rank]
+    return (out, got[1]) if return_lse else out

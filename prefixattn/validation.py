@@ -32,6 +32,12 @@ SUPPORTED_HEAD_DIMS = tuple(range(MIN_HEAD_DIM, MAX_HEAD_DIM + 1, HEAD_DIM_MULTI
 #: fp8 KV-cache dtypes (the engines' ``fp8``/``fp8_e4m3`` and ``fp8_e5m2``): dequantized on load with per-tensor
 #: scales, fp32 accumulation. q stays fp16/bf16/fp32.
 FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+#: MLA's latent width (``kv_lora_rank``) and rotary key width (``rope_dim``) the MLA kernel runs, both multiples of
+#: ``HEAD_DIM_MULTIPLE``: DeepSeek-V2/V3/R1 and Kimi-K2 use 512 + 64. The latent bound keeps the accumulator of a
+#: 16-lane decode tile (16 x 512 fp32) within a 4-warp program's registers; the rotary lanes pad to at least 16 (the
+#: smallest dot).
+MLA_MAX_KV_LORA_RANK = 512
+MLA_MAX_ROPE_DIM = 128
 #: Dtypes a KV cache may have: the dtype of q, or fp8 (:data:`FP8_KV_DTYPES`).
 KV_CACHE_DTYPES = SUPPORTED_DTYPES + FP8_KV_DTYPES
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -138,6 +144,16 @@ def check_head_dim(name: str, head_dim: int) -> None:
     if isinstance(head_dim, bool) or head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"{name}: expected a head_dim that is a multiple of {HEAD_DIM_MULTIPLE} in "
                          f"[{MIN_HEAD_DIM}, {MAX_HEAD_DIM}], got {head_dim!r}")
+
+
+def check_mla_dims(kv_lora_rank, rope_dim) -> None:
+    """The latent and rotary widths of an MLA cache (:data:`MLA_MAX_KV_LORA_RANK`, :data:`MLA_MAX_ROPE_DIM`)."""
+    for name, value, most in (("kv_lora_rank", kv_lora_rank, MLA_MAX_KV_LORA_RANK),
+                              ("rope_dim", rope_dim, MLA_MAX_ROPE_DIM)):
+        if (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 < value <= most
+                or value % HEAD_DIM_MULTIPLE):
+            raise ValueError(f"{name}: expected a multiple of {HEAD_DIM_MULTIPLE} in [{HEAD_DIM_MULTIPLE}, {most}], "
+                             f"got {value!r}")
 
 
 def check_heads(num_qo_heads: int, num_kv_heads: int) -> None:

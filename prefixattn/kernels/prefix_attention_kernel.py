@@ -383,7 +383,6 @@ def _run_item(
     if IS_SHARED:
         g = work.gather_ptr + (row_start + row) * L.GATHER_FIELDS
         tok = tl.load(g + L.GATHER_TOKEN, mask=mask_m, other=0).to(tl.int64)
-        to_workspace = True
     else:
         tok = row_start + row
 
@@ -429,14 +428,49 @@ def _run_item(
                                  score=score, HAS_SOFT_CAP=HAS_SOFT_CAP, HAS_WINDOW=HAS_WINDOW, PAGE_SIZE=PAGE_SIZE,
                                  BLOCK_D=BLOCK_D)
 
-    # The state of this item's rows. A row is empty (no visible KV, possible in a causal split chunk) only when its
-    # denominator is exactly 0: NaN scores make it NaN, and NaN must reach the output.
-    empty = l_i == 0.0
-    o = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None])
+    o, lse_row = _normalized_state(acc=acc, m_i=m_i, l_i=l_i)
     if HAS_KV_SCALE:
         o = o * (v_scale * tl.load(v_scale_ptr))  # linear: partial states merge the same either way
-    lse_row = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)
     if not IS_SHARED:
+        g = it  # no gather rows: _store_state reads it only for SHARED items
+    _store_state(out=out, lse=lse, ws_o=ws_o, ws_lse=ws_lse, work=work, sinks_ptr=sinks_ptr, it=it, g=g, o=o,
+                 lse_row=lse_row, tok=tok, head=head, row=row, mask_m=mask_m, mask_md=mask_md, offs_d=offs_d,
+                 num_qo_heads=num_qo_heads, head_dim=kv.head_dim, IS_SHARED=IS_SHARED, HAS_LSE=HAS_LSE,
+                 HAS_SINKS=HAS_SINKS, IS_HIP=IS_HIP, USE_L2_FENCES=USE_L2_FENCES, BLOCK_D=BLOCK_D)
+
+
+@triton.jit
+def _normalized_state(acc, m_i, l_i):
+    """The ``(o, lse)`` (natural log) of an online-softmax state (:func:`_attend_range`'s). A row is empty (no
+    visible KV, possible in a causal split chunk) only when its denominator is exactly 0: NaN scores make it NaN, and
+    NaN must reach the output."""
+    empty = l_i == 0.0
+    o = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None])
+    return o, tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)
+
+
+@triton.jit
+def _store_state(
+    out, lse, ws_o, ws_lse,  # RowsHeadsDim / RowsHeads: the outputs and the workspace's partial states
+    work,  # WorkTables
+    sinks_ptr,  # [num_qo_heads] (read only when HAS_SINKS)
+    it,  # the item's row of the items table
+    g,  # [BLOCK_M] the lanes' rows of the gather table (SHARED items; unread otherwise)
+    o,  # [BLOCK_M, BLOCK_D] fp32 the item's normalized state of its lanes
+    lse_row,  # [BLOCK_M] fp32 its LSE (natural log)
+    tok, head, row, mask_m,  # [BLOCK_M] each lane's token, query head, row in the item, and the live lanes
+    mask_md,  # [BLOCK_M, BLOCK_D] the live lanes' live dims
+    offs_d,  # [BLOCK_D]
+    num_qo_heads, head_dim,
+    IS_SHARED: tl.constexpr, HAS_LSE: tl.constexpr, HAS_SINKS: tl.constexpr, IS_HIP: tl.constexpr,
+    USE_L2_FENCES: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """An item's state of its rows, after its KV loops: to the workspace and reported (the report that completes a
+    row merges it, :func:`_report_and_merge`), or, for a request whose rows have this single state, straight to
+    ``out`` (plain paged attention). The one epilogue of every attention kernel (the MLA kernel's too)."""
+    if IS_SHARED:
+        to_workspace = True
+    else:
         # Loaded after the KV loops, as the merge row is: held across them, Triton 3.9 spilled sm_80's e5m2 chunk
         # class at head_dim 256 with the model switches (8 bytes; 64 x 16 tiles, 8 warps).
         dest = tl.load(it + L.ITEM_DEST)
@@ -451,11 +485,10 @@ def _run_item(
         tl.store(_vec_ptrs(t=ws_o, rows=ws_row, heads=head, offs_d=offs_d), o, mask=mask_md)
         tl.store(_lse_ptrs(t=ws_lse, rows=ws_row, heads=head), lse_row, mask=mask_m)
         _report_and_merge(out=out, lse=lse, ws_o=ws_o, ws_lse=ws_lse, work=work, sinks_ptr=sinks_ptr, tok=tok,
-                          head=head, mrow=mrow, mask_m=mask_m, num_qo_heads=num_qo_heads, head_dim=kv.head_dim,
+                          head=head, mrow=mrow, mask_m=mask_m, num_qo_heads=num_qo_heads, head_dim=head_dim,
                           HAS_LSE=HAS_LSE, HAS_SINKS=HAS_SINKS, IS_HIP=IS_HIP, USE_L2_FENCES=USE_L2_FENCES,
                           BLOCK_D=BLOCK_D)
     else:
-        # The request's rows have this single state: plain paged attention, straight to the output.
         if HAS_SINKS:
             sink = tl.load(sinks_ptr + head, mask=mask_m, other=float("-inf")).to(tl.float32)
             o, lse_row = _with_sink(o=o, lse=lse_row, sink=sink)

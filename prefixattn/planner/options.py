@@ -11,7 +11,7 @@ import torch
 
 from prefixattn.memo import typed_memo
 from prefixattn.validation import (CPU_DEVICE, SUPPORTED_DTYPES, check_head_dim, check_heads, check_kv_dtype,
-                                   check_soft_cap, check_window_left)
+                                   check_mla_dims, check_soft_cap, check_window_left)
 
 #: SMs assumed when no GPU is visible (plan() on a CPU host, or the interpreter): an H100 SXM, the tuning target.
 DEFAULT_NUM_SMS = 132
@@ -65,18 +65,28 @@ class PlanOptions(NamedTuple):
     head_dim: int
     min_split_tokens: int
     num_sms: int | None  # None: from the plan's device
+    #: > 0: an MLA plan (:func:`prefixattn.plan_mla`): ``head_dim`` is the latent width (``kv_lora_rank``), this the
+    #: rotary key width, ``num_kv_heads`` the head blocks (programs per item) of ``group`` query heads each.
+    rope_dim: int = 0
 
     @property
     def group(self) -> int:
         return self.num_qo_heads // self.num_kv_heads
 
+    @property
+    def cost_head_dim(self) -> int:
+        """The head size the program-cost model prices a KV position at (K and V, ``head_dim`` each): MLA's
+        programs read one latent row of ``head_dim + rope_dim`` per position, serving as K and V."""
+        return self.head_dim if not self.rope_dim else -(-(self.head_dim + self.rope_dim) // 2)
+
 
 @typed_memo(maxsize=256)  # an engine plans with the same options every step (~5 us of checks on the 2-core host)
 def checked_options(*, causal, sm_scale, logits_soft_cap, window_left, alibi_slopes, sharing, q_dtype, kv_dtype,
                     nan_guard, block_size, num_qo_heads, num_kv_heads, head_dim, min_split_tokens,
-                    num_sms) -> PlanOptions:
+                    num_sms, rope_dim=0) -> PlanOptions:
     """plan()'s option checks (its parameters of the same names): the options normalized, or the ``ValueError`` of
-    the first bad one. :data:`OPTION_DEFAULTS` holds plan()'s defaults."""
+    the first bad one. :data:`OPTION_DEFAULTS` holds plan()'s defaults. ``rope_dim > 0``: an MLA plan's
+    (:func:`prefixattn.plan_mla`), whose ``head_dim`` is the latent width and whose ``sm_scale`` must be given."""
     soft_cap, window_left = _check_options(
         causal=causal, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap, window_left=window_left,
         alibi_slopes=alibi_slopes, sharing=sharing, q_dtype=q_dtype, nan_guard=nan_guard)
@@ -84,13 +94,19 @@ def checked_options(*, causal, sm_scale, logits_soft_cap, window_left, alibi_slo
     num_qo_heads, num_kv_heads = _positive_int("num_qo_heads", num_qo_heads), _positive_int("num_kv_heads",
                                                                                             num_kv_heads)
     check_heads(num_qo_heads, num_kv_heads)
-    check_head_dim("head_dim", head_dim)
+    if rope_dim:
+        check_mla_dims(head_dim, rope_dim)
+        if sm_scale is None:
+            # 1 / sqrt of the model's query-key head size (DeepSeek-V3: 128 + 64), which the latent does not carry.
+            raise ValueError("sm_scale: expected the MLA model's softmax scale (a float), got None")
+    else:
+        check_head_dim("head_dim", head_dim)
     return PlanOptions(
         causal=causal, sm_scale=1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale), q_dtype=q_dtype,
         kv_dtype=kv_dtype, logits_soft_cap=soft_cap, window_left=window_left, sharing=sharing, nan_guard=nan_guard,
         block_size=block_size, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
         head_dim=head_dim, min_split_tokens=_positive_int("min_split_tokens", min_split_tokens),
-        num_sms=None if num_sms is None else _positive_int("num_sms", num_sms))
+        num_sms=None if num_sms is None else _positive_int("num_sms", num_sms), rope_dim=int(rope_dim))
 
 
 def _positive_int(name: str, value) -> int:

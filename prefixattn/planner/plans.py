@@ -39,7 +39,7 @@ from prefixattn.planner.choose import choose
 from prefixattn.planner.device_tables import check_workspace_args, device_tables
 from prefixattn.planner.options import MIN_SPLIT_TOKENS, PlanOptions, _default_num_sms, checked_options
 from prefixattn.planner.stats import modeled_stats
-from prefixattn.planner.tiles import AttentionTiles, choose_tiles
+from prefixattn.planner.tiles import AttentionTiles, choose_tiles, mla_tiles
 from prefixattn.planner.work_list import SharedNode, SharedNodes, WorkList
 from prefixattn.planner.workspace import PlanWorkspace
 from prefixattn.runtime import interpreter_enabled
@@ -98,10 +98,19 @@ class Plan:
     window_left: int = -1  # W >= 0: the query at position p sees keys p - W .. p; -1: off
     nan_guard: bool = False  # the kernel's USE_NAN_GUARD (hidden non-finite V never leaks into a row)
     kv_dtype: torch.dtype | None = None  # the caches' dtype the cost rule priced (None: q_dtype)
+    #: > 0: an MLA plan (:func:`prefixattn.plan_mla`, run by :func:`prefixattn.mla_attention`): ``head_dim`` is the
+    #: latent width (``kv_lora_rank``), this the rotary key width, and ``num_kv_heads`` counts head blocks (the
+    #: programs of an item, :attr:`heads_per_program` query heads each; the latent cache has one head).
+    rope_dim: int = 0
     #: The capacity-sized buffers the tables live in (None: this plan's own tensors) and the workspace's step count
     #: when this plan was loaded: a later plan on the same workspace overwrites the tables (:meth:`is_current`).
     workspace: PlanWorkspace | None = field(default=None, repr=False)
     workspace_step: int = -1
+
+    @property
+    def heads_per_program(self) -> int:
+        """Query heads one program's rows pack (the GQA group; an MLA plan's head block)."""
+        return self.num_qo_heads // self.num_kv_heads
 
     @property
     def stats(self) -> dict:
@@ -141,11 +150,13 @@ class Plan:
         return len(self.work_classes)
 
     def kv_bytes_read(self, elt_bytes: int | None = None) -> int:
-        """KV bytes the work items load (K and V, all KV heads), counting a range once per item that reads it."""
+        """KV bytes the work items load (K and V, all KV heads; an MLA plan's latent rows, once per head block),
+        counting a range once per item that reads it."""
         elt = elt_bytes or (self.kv_dtype or self.q_dtype).itemsize
         items = self.work.items
         tokens = int((items[:, K.ITEM_KV_END].astype(np.int64) - items[:, K.ITEM_KV_START]).sum())
-        return tokens * self.num_kv_heads * self.head_dim * 2 * elt
+        row = self.head_dim + self.rope_dim if self.rope_dim else self.head_dim * 2
+        return tokens * self.num_kv_heads * row * elt
 
 
 
@@ -307,13 +318,16 @@ def _pipeline(be, o: PlanOptions, qo_indptr, kv_lens, block_table, device, num_b
         check_workspace_args(workspace=workspace, device_block_table=device_block_table, device=device,
                              num_requests=inputs.num_requests, width=inputs.width)
         num_sms = o.num_sms or _default_num_sms(device)
-        if tiles is None:
+        if tiles is None and o.rope_dim:
+            tiles = mla_tiles(kv_lora_rank=o.head_dim, dtype=o.q_dtype, kv_fp8=o.kv_dtype.itemsize == 1)
+        elif tiles is None:
             tiles = choose_tiles(head_dim=o.head_dim, group=o.group, max_q_len=max(inputs.max_q_len, 1),
                                  dtype=o.q_dtype, fixed_env=fixed_env)
         # Priced on the planning GPU (a host with no known GPU, the interpreter, has no launches to price: the tuning
         # target's costs, for the modeled stats).
         target = current_target()
-        costs = class_costs(tiles, head_dim=o.head_dim, dtype=o.q_dtype, kv_bytes=o.kv_dtype.itemsize, target=target)
+        costs = class_costs(tiles, head_dim=o.cost_head_dim, dtype=o.q_dtype, kv_bytes=o.kv_dtype.itemsize,
+                            target=target)
         chosen = choose(be, tree, inputs, o, tiles, num_sms=num_sms, costs=costs,
                         priced=o.sharing == "auto" and target is not None)
         work, staged, written = be.work_list(chosen.nodes, chosen.split, inputs, o, tiles, workspace=workspace,
@@ -334,7 +348,7 @@ def _pipeline(be, o: PlanOptions, qo_indptr, kv_lens, block_table, device, num_b
         # miss the 1e-4 tolerance).
         use_fp32_dot=_KERNELS_INTERPRETED or o.q_dtype == torch.float32,
         has_shared=num_nodes > 0, max_block_id=inputs.max_block_id,
-        logits_soft_cap=o.logits_soft_cap, window_left=o.window_left, nan_guard=o.nan_guard,
+        logits_soft_cap=o.logits_soft_cap, window_left=o.window_left, nan_guard=o.nan_guard, rope_dim=o.rope_dim,
         work=work, tree=tree, nodes=nodes,
         **dev,
         counts=dict(num_shared_nodes=num_nodes, num_units=work.num_units, num_merge_rows=work.mrows.shape[0],

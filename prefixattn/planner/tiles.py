@@ -7,9 +7,12 @@ class launches pass, so that every tuned value (tiles, ``num_warps``, ``num_stag
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
-from prefixattn.autotune.config_space import AttentionConfig, LaunchOptions, block_d, fp8_block_n
+from prefixattn.autotune.buckets import dtype_name
+from prefixattn.autotune.config_space import (AttentionConfig, LaunchOptions, block_d, fp8_block_n,
+                                              mla_class_tiles)
 from prefixattn.autotune.lookup import READ_FIXED_ENV, select_config, selection_state
 from prefixattn.autotune.targets import get_target
 from prefixattn.kernels import layout as K
@@ -180,6 +183,33 @@ def tiles_from_configs(*, decode: AttentionConfig, chunk: AttentionConfig, head_
         chunk=ClassTiles(chunk.suffix.block_m, chunk.suffix.block_n, chunk.launch_for(False)),
         decode=ClassTiles(decode.suffix.block_m, decode.suffix.block_n, decode.launch_for(False)),
         block_d=block_d(head_dim), is_hip=is_hip)
+
+
+#: Query heads one MLA program packs into its rows at most (its head block; :func:`mla_heads_per_program`): a
+#: decode tile's 16 lanes are one row's 16 heads.
+MLA_MAX_HEADS_PER_PROGRAM = 16
+
+
+def mla_heads_per_program(num_heads: int) -> int:
+    """Query heads per MLA program (a divisor of ``num_heads``, so every head block is whole): DeepSeek-V3's 128 heads
+    (or 16 per GPU under tensor parallelism 8) run 16 a program, 8 or 4 heads all in one."""
+    return math.gcd(num_heads, MLA_MAX_HEADS_PER_PROGRAM)
+
+
+@typed_memo(maxsize=64)  # one object per shape: the planner's tile-row and cost memos key on it
+def mla_tiles(*, kv_lora_rank: int, dtype=None, kv_fp8: bool = False, is_hip: bool | None = None) -> AttentionTiles:
+    """The class tiles of an MLA plan (:func:`~prefixattn.autotune.config_space.mla_class_tiles`): BLOCK_D is the
+    padded latent width; the rotary lanes are the launch's (:func:`prefixattn.mla.mla_attention`)."""
+    is_hip = _torch_is_hip() if is_hip is None else is_hip
+    decode, chunk, shared = mla_class_tiles(fp32=dtype is not None and dtype_name(dtype) == "fp32", kv_fp8=kv_fp8,
+                                            is_hip=is_hip)
+
+    def cls(tile) -> ClassTiles:
+        block_m, block_n, warps, stages = tile
+        return ClassTiles(block_m, block_n, LaunchOptions(num_warps=warps, num_stages=stages))
+
+    return AttentionTiles(shared=cls(shared), chunk=cls(chunk), decode=cls(decode), block_d=block_d(kv_lora_rank),
+                          is_hip=is_hip)
 
 
 def _is_hip(target_name: str | None) -> bool:

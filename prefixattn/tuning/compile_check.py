@@ -46,7 +46,7 @@ from prefixattn.autotune.targets import TARGETS
 from prefixattn.tuning.compile_analysis import (count_matrix_instrs, count_private_memory_ops, hopper_features,
                                                parse_amdgcn, parse_dots, parse_pipeline, parse_ptxas)
 
-KERNELS = ("prefix_attention", "merge")
+KERNELS = ("prefix_attention", "merge", "mla_attention")
 #: The first NVIDIA arch with TMA, warpgroup MMAs and setmaxnreg (sm_90): its records report :func:`hopper_features`.
 HOPPER_ARCH = 90
 
@@ -232,7 +232,7 @@ def _kernel_param_names() -> dict:
     from prefixattn.tuning import compile_specs as cs
 
     names = {}
-    for fn in (cs.FUSED_KERNEL, cs.MERGE_PAIR_KERNEL, cs.MERGE_N_KERNEL):
+    for fn in (cs.FUSED_KERNEL, cs.MERGE_PAIR_KERNEL, cs.MERGE_N_KERNEL, cs.MLA_KERNEL):
         module, attr = fn.split(":")
         spec = importlib.util.find_spec(module)
         if spec is None or spec.origin is None:
@@ -304,7 +304,19 @@ def build_jobs(*, targets, kernels, dtypes, head_dims, lse=(False, True), max_co
                         jobs += cs.feature_jobs(config=cfg, variant=mode, has_shared=has_shared, **common)
                 if "merge" in kernels:
                     jobs += _merge_jobs(target, dtype, head_dim, names)
+            if "mla_attention" in kernels and cs.MLA_KERNEL in names:  # its own head sizes (DeepSeek-V3's)
+                fp8 = cs.fp8_kv_types(target) if dtype != "fp32" else ()
+                jobs += _mla_jobs(target, dtype, names, fp8=fp8)
     return jobs
+
+
+def _mla_jobs(target, dtype: str, names: dict, *, fp8: tuple) -> list:
+    """The MLA kernel's class binaries over a ``dtype`` latent cache and over each fp8 latent type of ``fp8``."""
+    from prefixattn.tuning import compile_specs as cs
+
+    kinds = (None,) + tuple(fp8)
+    return [job for kind in kinds
+            for job in cs.mla_jobs(target=target, dtype=dtype, kv_dtype=kind, param_names=names[cs.MLA_KERNEL])]
 
 
 def _merge_jobs(target, dtype: str, head_dim: int, names: dict) -> list:
@@ -327,7 +339,9 @@ def worst_case_jobs(targets) -> list:
     target compiles, alone and under every model switch (:func:`prefixattn.tuning.compile_specs.feature_specs`),
     the suffix-only ones also under every switch and the NaN guard over each fp8 type, and the fp32 binaries with
     LSE; the merge kernels at the largest head size. Only the full default run covers fp16, LSE off, each feature
-    switch on its own, the NaN guard over a 16-bit cache, fp32 at the other head sizes and fp32 with features."""
+    switch on its own, the NaN guard over a 16-bit cache, fp32 at the other head sizes and fp32 with features. And
+    the MLA kernel's class binaries (bf16, and over an e5m2 latent); its fp32 binaries and e4m3 latents only in the
+    full run."""
     from prefixattn.tuning import compile_specs as cs
 
     names = _kernel_param_names()
@@ -350,6 +364,9 @@ def worst_case_jobs(targets) -> list:
                 jobs.append(cs.fused_job(target=target, dtype="fp32", head_dim=head_dim, config=cfg, variant=mode,
                                          has_lse=True, has_shared=has_shared, param_names=fused))
         jobs += _merge_jobs(target, WORST_CASE_DTYPE, max(HEAD_DIMS), names)
+        # e5m2: every target compiles it, and its upcasts took more registers than e4m3's in MLA's decode tiles
+        # (sm_90, 16 x 32 tiles: 220 against 172 spilled bytes).
+        jobs += _mla_jobs(target, WORST_CASE_DTYPE, names, fp8=cs.fp8_kv_types(target)[-1:])
     return jobs
 
 

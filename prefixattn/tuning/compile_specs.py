@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from prefixattn.autotune.config_space import (MODEL_SWITCHES, AttentionConfig, MergeConfig, block_d, fp8_block_n,
-                                              part_registers)
+from prefixattn.autotune.config_space import (MODEL_SWITCHES, AttentionConfig, LaunchOptions, MergeConfig, block_d,
+                                              fp8_block_n, mla_class_tiles, part_registers)
 from prefixattn.autotune.targets import Target, writes_own_l2_fences
 from prefixattn.kernels.layout import page_size_constexpr
 from prefixattn.tuning.launch_limits import DECODE_SUFFIX_MAX_REGS, required_pipeline_depth
@@ -28,6 +28,7 @@ from prefixattn.tuning.launch_limits import DECODE_SUFFIX_MAX_REGS, required_pip
 FUSED_KERNEL = "prefixattn.kernels.prefix_attention_kernel:prefix_attention_kernel"
 MERGE_PAIR_KERNEL = "prefixattn.kernels.merge_states:merge_state_pair_kernel"
 MERGE_N_KERNEL = "prefixattn.kernels.merge_states:merge_states_kernel"
+MLA_KERNEL = "prefixattn.kernels.mla_attention_kernel:mla_attention_kernel"
 
 #: Representative launch: 32 query heads over 8 KV heads (GQA 4, Llama-3-8B / Mistral-7B), 16-token KV blocks.
 #: GQA 4 keeps ``group`` an ordinary int (an MHA launch with group 1 compiles a second binary with group = 1).
@@ -319,4 +320,56 @@ def merge_jobs(*, target: Target, dtype: str, head_dim: int, config: MergeConfig
                                config_name=f"h{config.block_h}_w{config.num_warps}", config=config.to_dict(), fn=fn,
                                signature=sig, constexprs=consts, attrs=attrs, options=options, default=default,
                                serves=("split_k merge", "cascade merge")))
+    return jobs
+
+
+#: Representative MLA launch: DeepSeek-V3 (kv_lora_rank 512, rope 64) at its 128 query heads (data-parallel
+#: attention: 8 head blocks of 16), vLLM's 64-token MLA cache blocks.
+MLA_NUM_HEADS = 128
+MLA_HEADS_PER_PROGRAM = 16
+MLA_KV_LORA_RANK = 512
+MLA_ROPE_DIM = 64
+MLA_BLOCK_SIZE = 64
+#: The MLA kernel's rotary lanes at MLA_ROPE_DIM (a power of two, at least the smallest dot).
+MLA_BLOCK_R = 64
+
+
+def mla_jobs(*, target: Target, dtype: str, kv_dtype: str | None = None, param_names=None) -> list[CompileJob]:
+    """The MLA kernel's three class binaries (shared, chunk, decode: ``config_space.mla_class_tiles``) for the
+    representative launch, with LSE; ``kv_dtype``: an fp8 latent cache (with its scale)."""
+    names = param_names if param_names is not None else _param_names(MLA_KERNEL)
+    d, width = MLA_KV_LORA_RANK, MLA_KV_LORA_RANK + MLA_ROPE_DIM
+    q = _contiguous_strides([64, MLA_NUM_HEADS, width])
+    o = _contiguous_strides([64, MLA_NUM_HEADS, d])
+    lse = _contiguous_strides([64, MLA_NUM_HEADS])
+    kv = _contiguous_strides([1000, MLA_BLOCK_SIZE, width])
+    values = dict(num_head_blocks=MLA_NUM_HEADS // MLA_HEADS_PER_PROGRAM, group=MLA_HEADS_PER_PROGRAM,
+                  kv_lora_rank=d, rope_dim=MLA_ROPE_DIM, block_size=MLA_BLOCK_SIZE, qk_scale=0.1, kv_scale=1.0,
+                  stride_o_t=o[0], stride_o_h=o[1], stride_o_d=o[2], stride_lse_t=lse[0], stride_lse_h=lse[1],
+                  stride_ws_t=o[0], stride_ws_h=o[1], stride_ws_d=o[2], stride_wl_t=lse[0], stride_wl_h=lse[1],
+                  stride_q_t=q[0], stride_q_h=q[1], stride_q_d=q[2],
+                  stride_kv_blk=kv[0], stride_kv_tok=kv[1], stride_kv_d=kv[2], stride_bt_r=MAX_BLOCKS)
+    kv_type = kv_dtype or dtype
+    pointers = {"out_ptr": dtype, "q_ptr": dtype, "kv_cache_ptr": kv_type, "lse_ptr": "fp32", "ws_o_ptr": "fp32",
+                "ws_lse_ptr": "fp32", "kv_scale_ptr": "fp32", "counters_ptr": "i32", "item_range_ptr": "i32",
+                "items_ptr": "i32", "gather_ptr": "i32", "mrows_ptr": "i32", "block_table_ptr": "i32"}
+    decode, chunk, shared = mla_class_tiles(fp32=dtype == "fp32", kv_fp8=kv_dtype is not None, is_hip=target.is_hip)
+    jobs = []
+    for variant, tile, has_shared in (("shared", shared, True), ("chunk", chunk, False), ("decode", decode, False)):
+        block_m, block_n, warps, stages = tile
+        constexprs = dict(IS_SHARED=has_shared, HAS_LSE=True, HAS_KV_SCALE=kv_dtype is not None,
+                          USE_FP32_DOT=dtype == "fp32", IS_HIP=target.is_hip,
+                          USE_L2_FENCES=writes_own_l2_fences(target.arch),
+                          PAGE_SIZE=page_size_constexpr(MLA_BLOCK_SIZE), BLOCK_M=block_m, BLOCK_N=block_n,
+                          BLOCK_C=block_d(d), BLOCK_R=MLA_BLOCK_R)
+        sig, consts, attrs = build_signature(names, pointers, values, constexprs, target)
+        launch = LaunchOptions(num_warps=warps, num_stages=stages)
+        jobs.append(CompileJob(
+            kernel="mla_attention", variant=variant + "+lse" + (f"+{kv_dtype}" if kv_dtype else ""), dtype=dtype,
+            head_dim=d, target=target.name, config_name=f"{block_m}x{block_n}_w{warps}_s{stages}",
+            config={"block_m": block_m, "block_n": block_n, "num_warps": warps, "num_stages": stages}, fn=MLA_KERNEL,
+            signature=sig, constexprs=consts, attrs=attrs, options=launch.compile_options(target),
+            shared_dots=((block_m, block_d(d), block_n), (block_m, block_n, block_d(d))) if has_shared else (),
+            serves=("mla " + variant, "split_k") + (("in-kernel merge",) if has_shared else ()),
+            require_matrix=has_shared and (dtype != "fp32" or target.is_hip)))
     return jobs

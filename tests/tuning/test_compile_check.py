@@ -233,7 +233,8 @@ def _shipped_binaries(target_name):
 @pytest.mark.compile
 def test_worst_case_selection_covers_every_shipped_binary_and_feature_axis(tmp_path):
     """CI's compile-check (``--worst-case``, ~8 minutes on 2 cores): every shipped bf16 binary, and at the extreme
-    head sizes the feature switches over each fp8 type, compile without spills at the promised pipeline depth."""
+    head sizes the feature switches over each fp8 type, compile without spills at the promised pipeline depth; so do
+    the MLA kernel's."""
     from prefixattn.autotune.config_space import FP8_SUFFIX_MAX_STAGES, HEAD_DIMS
     from prefixattn.tuning.compile_specs import fp8_kv_types
 
@@ -290,11 +291,18 @@ def test_worst_case_selection_covers_every_shipped_binary_and_feature_axis(tmp_p
         # ... and tiles of 32 rows or more at head_dim 256 read 16-position KV tiles (config_space.fp8_block_n).
         if "fp8" in r["variant"] and r["head_dim"] == 256 and tiles["block_m"] >= 32:
             assert tiles["block_n"] <= 16 or r["variant"].endswith("@n16"), r["variant"]
-    assert sorted(r["kernel"] for r in records if r["kernel"] != "prefix_attention") == \
+    assert sorted(r["kernel"] for r in records if r["kernel"] not in ("prefix_attention", "mla_attention")) == \
         sorted(["merge_state_pair", "merge_states"] * 4)
+    # The MLA kernel's three class binaries on every target, bf16 over a bf16 and an e5m2 latent.
+    assert sorted((r["target"], r["variant"]) for r in records if r["kernel"] == "mla_attention") == sorted(
+        (name, f"{cls}+lse{kv}") for name in ("sm80", "sm90", "gfx90a", "gfx942")
+        for cls in ("shared", "chunk", "decode") for kv in ("", "+fp8e5"))
     for r in records:
         assert r["ok"] and r["spills"] == 0 and r["registers"] > 0
         assert r["shared_bytes"] <= TARGETS[r["target"]].max_shared_bytes
+        if r["kernel"] == "mla_attention" and not TARGETS[r["target"]].is_hip:
+            assert r["pipeline"]["depth"] >= 2, r["pipeline"]
+            assert r["variant"] != "shared+lse" or r["shared_part_matrix"] is True, r
         if r["kernel"] == "prefix_attention" and not TARGETS[r["target"]].is_hip:
             # K/V tiles in flight (required on NVIDIA; on AMD the compiler's choice, reported: a 1-stage launch has
             # none)
