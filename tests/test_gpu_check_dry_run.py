@@ -50,6 +50,12 @@ def test_gpu_check_dry_run_runs_every_step(tmp_path):
     assert len(graphs) == 5 and all(float(r["value"]) == 1.0 for r in graphs)
     assert "[graphs] SKIPPED: dry run: no CUDA graph capture" in out
     _check_model_steps_and_batches(by, csv_path)
+    # The MLA step: each provider on each shape, checked against the fp64 reference, beside the memory floor.
+    mla = {(r["provider"], r["shape"]) for r in by("mla", "correct")}
+    assert {p for p, _ in mla} == {"prefixattn", "prefixattn-nosharing", "flashinfer-mla"} and len(mla) == 6
+    assert all(float(r["value"]) == 1.0 for r in by("mla", "correct"))
+    assert len(by("mla", "floor_memory_us")) == 2 and "## MLA decode steps (DRY RUN)" in \
+        csv_path.with_suffix(".md").read_text()
     # The CUDA-only steps are skipped with their reasons, not silently.
     assert "[sanitizer] SKIPPED: dry run: compute-sanitizer" in out
     assert "[hbm_bytes] SKIPPED: dry run: no DRAM counters on a CPU" in out

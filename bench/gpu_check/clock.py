@@ -11,20 +11,22 @@ import time
 #: The steps, in the order the driver runs them: by value, the mandatory evidence first (correctness; the ceilings
 #: and floors; the timing shapes with the fa2 cascade and per-class times; the model steps), the prefixattn-only steps
 #: before the timing so FlashInfer's JIT compiles meanwhile, then what a second call on the same machine may run
-#: (``--steps``) when the first had no time left: Nsight Compute's HBM bytes and whole batches run to completion.
+#: (``--steps``) when the first had no time left: MLA, Nsight Compute's HBM bytes and whole batches run to
+#: completion.
 STEPS = ("correctness", "ceilings", "graphs", "eager_small", "plan_ahead", "sanitizer", "timing", "model_step",
-         "hbm_bytes", "whole_batch")
+         "mla", "hbm_bytes", "whole_batch")
 #: Steps that need the ceilings (the HBM and attention rates their floors use) and the attention rate.
-NEED_CEILINGS = frozenset({"ceilings", "timing", "model_step"})
+NEED_CEILINGS = frozenset({"ceilings", "timing", "model_step", "mla"})
 NEED_ATTENTION_RATE = frozenset({"timing", "model_step"})
 #: Seconds per step on the GPU, in the order the driver runs them. The driver clips every step to its overall
 #: deadline too. H200 run at 74e5177 (345 s in all): correctness ~140 s (55 of it the first compile), ceilings 2 s,
 #: graphs 5 s, sanitizer ~40 s, timing 106 s for 52 shapes (~2 s each with 11 providers), model step ~50 s for 4
 #: steps. Estimated on top since: the read-kernel sweep (+~15 s: 5 compiles, 25 timed configs), the fa2 cascade and
 #: the per-class graphs (+~1 s a shape), two more model-step workloads (+~50 s). What does not fit is skipped with
-#: its reason, for a second call (``--steps``).
+#: its reason, for a second call (``--steps``). MLA (not yet run): ~20 s for its kernel's first compiles, then 5
+#: shapes x 3 providers, the slowest FlashInfer runs ~2 ms (1024 requests x 8K tokens of 1,152 latent bytes).
 BUDGET_S = {"correctness": 170, "ceilings": 30, "graphs": 20, "eager_small": 15, "plan_ahead": 10, "sanitizer": 60,
-            "timing": 170, "model_step": 110, "hbm_bytes": 90, "whole_batch": 120}
+            "timing": 170, "model_step": 110, "mla": 90, "hbm_bytes": 90, "whole_batch": 120}
 #: Seconds a step leaves for the steps after it that the run must still reach: the timing step stops in time for
 #: the model step (its shapes are cut from the tail), whatever the FlashInfer JIT wait before it took.
 KEEP_FOR_LATER_S = {"timing": BUDGET_S["model_step"]}

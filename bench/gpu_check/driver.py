@@ -22,9 +22,11 @@ reason; FlashInfer's JIT compiles in a background process started first (:mod:`g
    reading from L2 flagged, SM clock and temperature per shape;
 7. Llama-3.1-8B-shaped model steps (:mod:`gpu_check.model_step`) on batches from prefixattn's TokenBatcher over
    three workloads (long documents, BatchLLM case 1, one long prompt), each with its bound;
-8. HBM bytes (:mod:`gpu_check.hbm_bytes`): Nsight Compute's DRAM counters per kernel on a subset of the shapes;
-9. whole batches to completion (:mod:`gpu_check.whole_batch`) under prefixattn's scheduler and an engine's default;
-10. ``bench/results/gpu/<gpu>-<commit>.csv`` (the bench CSV schema, bench/conftest.py), ``.md`` (the tables of
+8. MLA (:mod:`gpu_check.mla`): DeepSeek-V3-shaped decode steps under shared prompts, prefixattn against
+   FlashInfer's MLA wrapper, with the memory floor;
+9. HBM bytes (:mod:`gpu_check.hbm_bytes`): Nsight Compute's DRAM counters per kernel on a subset of the shapes;
+10. whole batches to completion (:mod:`gpu_check.whole_batch`) under prefixattn's scheduler and an engine's default;
+11. ``bench/results/gpu/<gpu>-<commit>.csv`` (the bench CSV schema, bench/conftest.py), ``.md`` (the tables of
    :mod:`render.gpu`) and ``-model-steps.json`` (the measured steps the simulator is calibrated against).
 
 ``--steps`` runs a subset (a second call on the same machine for what the first skipped for time) and ``--tag``
@@ -118,7 +120,8 @@ def main(argv) -> int:
                                                 "with --dry-run)")
     ap.add_argument("--steps", default=None, help="run only these steps (comma-separated, from: "
                                                   "correctness, ceilings, graphs, eager_small, plan_ahead, sanitizer, "
-                                                  "timing, model_step, hbm_bytes, whole_batch), e.g. a second call on "
+                                                  "timing, model_step, mla, hbm_bytes, whole_batch), e.g. a second "
+                                                  "call on "
                                                   "the same machine for what the first skipped for time")
     ap.add_argument("--tag", default="", help="appended to the result files' names (a second call's files beside the "
                                               "first's: <gpu>-<commit>-<tag>.csv)")
@@ -167,6 +170,7 @@ def _check(args) -> int:
     from gpu_check.floors import attention_ceiling, step_ceilings
     from gpu_check.graphs import step_graphs
     from gpu_check.hbm_bytes import step_hbm_bytes
+    from gpu_check.mla import step_mla
     from gpu_check.model_step import step_model
     from gpu_check.plan_ahead import step_plan_ahead
     from gpu_check.timing import step_timing
@@ -180,7 +184,7 @@ def _check(args) -> int:
     clock.DEADLINE = start + clock.TOTAL_S
     device = "cpu" if args.dry_run else "cuda"
     run = set(args.steps)
-    needs_flashinfer = bool(run & {"timing", "model_step", "hbm_bytes", "whole_batch"})
+    needs_flashinfer = bool(run & {"timing", "model_step", "mla", "hbm_bytes", "whole_batch"})
     fi_handle = flashinfer_jit.start(DRIVER, args.dry_run) if needs_flashinfer else None
     results, skips = _results_class()(), []
     out_dir = Path(args.out) if args.out else BENCH / "results" / ("dry-run" if args.dry_run else "gpu")
@@ -212,6 +216,9 @@ def _check(args) -> int:
             write()
         if "model_step" in run:
             measured_steps = step_model(args, results, skips, device, fi_ready, ceil)
+            write(measured_steps)
+        if "mla" in run:
+            step_mla(args, results, skips, device, fi_ready, ceil)
             write(measured_steps)
         if "hbm_bytes" in run:
             step_hbm_bytes(args, results, skips, DRIVER, which, fi_ready)

@@ -33,6 +33,8 @@ import time
 JIT_LIMIT_S = 300
 #: The dtype and head size every FlashInfer peer is compiled for (timing shapes and model step).
 DTYPE, HEAD_DIM = "bfloat16", 128
+#: The MLA step's latent and rotary widths (DeepSeek-V3; gpu_check.mla).
+MLA_CKV_DIM, MLA_KPE_DIM = 512, 64
 #: Modules not built ahead of time, by name prefix, and why: they go to the background build on the GPU machine.
 AOT_EXCLUDED = {"batch_pod_": "75 MiB for sm90a (measured), over the 64 MiB a GPU call carries"}
 #: Modules the background build compiles last (name prefix -> the peer that needs them): POD's 18 translation units
@@ -46,10 +48,11 @@ MAX_JOBS = 12
 
 def specs():
     """FlashInfer 0.6.0's JIT specs for the peers at DTYPE/HEAD_DIM, with the arguments each wrapper passes (read
-    from decode.py, prefill.py, attention.py, pod.py, cascade.py): no RoPE, no window, no soft cap, no fp16 QK."""
+    from decode.py, prefill.py, attention.py, pod.py, cascade.py, mla.py): no RoPE, no window, no soft cap, no fp16
+    QK; and the MLA wrapper's at MLA_CKV_DIM/MLA_KPE_DIM."""
     import torch
-    from flashinfer.jit import (gen_batch_attention_module, gen_batch_decode_module, gen_batch_pod_module,
-                                gen_batch_prefill_module)
+    from flashinfer.jit import (gen_batch_attention_module, gen_batch_decode_module, gen_batch_mla_module,
+                                gen_batch_pod_module, gen_batch_prefill_module)
     from flashinfer.jit.cascade import gen_cascade_module
 
     dt, idx, none = getattr(torch, DTYPE), torch.int32, 0
@@ -59,6 +62,8 @@ def specs():
     out.append(gen_batch_attention_module(dt, dt, dt, idx, HEAD_DIM, HEAD_DIM, none, False, False))
     out.append(gen_batch_pod_module(dt, dt, dt, HEAD_DIM, none, False, False, False, idx, none, False, False))
     out.append(gen_cascade_module())
+    # The MLA step's wrapper (mla.py: backend "auto" is fa3 on sm90a), DeepSeek-V3's 512 + 64, bf16.
+    out.append(gen_batch_mla_module("fa3", dt, dt, dt, idx, MLA_CKV_DIM, MLA_KPE_DIM, False))
     return out
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from render.table import fixed, head, index, ratio_cell, read_rows
 
-TIMING, MODEL = "attention_gpu_time", "model_step"
+TIMING, MODEL, MLA = "attention_gpu_time", "model_step", "mla"
 HEAD = "graph_flushed_us_median"
 
 
@@ -174,6 +174,29 @@ def model_class_lines(rows) -> list[str]:
     return out
 
 
+def mla_rows(rows) -> list[dict]:
+    """Per MLA shape (step ``mla``): each provider's graph-replayed flushed median, correctness, the memory floor."""
+    out = []
+    for shape, prov in index(rows).get(MLA, {}).items():
+        get = lambda p, m: prov.get(p, {}).get(m)  # noqa: E731
+        out.append(dict(shape=shape, ours=get("prefixattn", HEAD), never=get("prefixattn-nosharing", HEAD),
+                        flashinfer=get("flashinfer-mla", HEAD), floor=get("floor", "floor_memory_us"),
+                        warm=get("prefixattn", "graph_warm_us_median"),
+                        correct=all(m.get("correct", 1.0) == 1.0 and m.get("graph_correct", 1.0) == 1.0
+                                    for m in prov.values())))
+    return out
+
+
+def mla_table(rows) -> list[str]:
+    lines = head("shape", "prefixattn us", "never-share us", "FlashInfer MLA us", "speedup vs FlashInfer",
+                 "speedup vs never-share", "prefixattn over memory floor", "warm L2 us", "correct")
+    for r in mla_rows(rows):
+        lines.append(f"| {r['shape']} | {fixed(r['ours'])} | {fixed(r['never'])} | {fixed(r['flashinfer'])} | "
+                     f"{ratio_cell(r['flashinfer'], r['ours'])} | {ratio_cell(r['never'], r['ours'])} | "
+                     f"{ratio_cell(r['ours'], r['floor'])} | {fixed(r['warm'])} | {'yes' if r['correct'] else 'NO'} |")
+    return lines
+
+
 def losses(rows) -> list[str]:
     """Every shape and model step where prefixattn is slower than FlashInfer's best (or has no number)."""
     out = []
@@ -187,6 +210,10 @@ def losses(rows) -> list[str]:
         if r["ours"] is not None and r["best"] is not None and r["ours"] > r["best"]:
             out.append(f"- model {r['step']}: prefixattn {r['ours'] / 1e3:.2f} ms vs FlashInfer {r['best_name']} "
                        f"{r['best'] / 1e3:.2f} ms ({r['ours'] / r['best']:.2f}x slower)")
+    for r in mla_rows(rows):
+        if r["ours"] is not None and r["flashinfer"] is not None and r["ours"] > r["flashinfer"]:
+            out.append(f"- MLA {r['shape']}: prefixattn {fixed(r['ours'])} us vs FlashInfer MLA "
+                       f"{fixed(r['flashinfer'])} us ({r['ours'] / r['flashinfer']:.2f}x slower)")
     return out or ["- nowhere in this run"]
 
 
@@ -236,6 +263,12 @@ def summary(rows, *, device: str, commit: str, versions: str, seconds: float, sk
               "or the attention FLOPs at the attention rate).", ""] + model_table(rows)
     if classes := model_class_lines(rows):
         lines += ["", "prefixattn's work classes alone, one layer (graph-replayed, L2 flushed):", ""] + classes
+    if mla_rows(rows):
+        lines += ["", f"## MLA decode steps ({'DRY RUN' if dry else 'DeepSeek-V3 shape, bf16, one layer'})", "",
+                  "prefixattn's `mla_attention` against FlashInfer's MLA wrapper (absorbed, no sharing), "
+                  "graph-replayed, L2 flushed; the memory floor is the distinct latent bytes with q and out at the HBM "
+                  "floor's rate.",
+                  ""] + mla_table(rows)
     if batches := whole_batch_table(rows):
         lines += ["", "## Whole batches to completion (eager steps, host planning included)", "",
                   "Shares above 1 are prefixattn's gain: *kernel's* = FlashInfer over prefixattn on prefixattn's "

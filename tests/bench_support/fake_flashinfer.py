@@ -1,6 +1,6 @@
 """A stand-in for the parts of ``flashinfer`` (0.6.0, the version scripts/gpu_wheels.sh pins) that bench/peers/
 flashinfer.py calls, so the adapters run on a CPU: every constructor, ``plan`` and ``run`` has the parameter names,
-order and defaults of the real one (flashinfer/decode.py, prefill.py, cascade.py, attention.py, pod.py at tag
+order and defaults of the real one (flashinfer/decode.py, prefill.py, cascade.py, attention.py, pod.py, mla.py at tag
 v0.6.0), repeats its argument checks (cuda-graph buffers, fixed batch size, ``out`` shape), keeps the metadata where
 the real wrapper keeps it (copied into the graph buffers in cuda-graph mode) and computes attention from the paged
 lists exactly as FlashInfer defines them (pages ``indices[indptr[i]:indptr[i+1]]``, the last holding
@@ -291,12 +291,48 @@ class BatchPODWithPagedKVCacheWrapper:
         return ((out_p, out_d), (lse_p, lse_d)) if return_lse else (out_p, out_d)
 
 
+class BatchMLAPagedAttentionWrapper:
+    """mla.py at v0.6.0 (the fa2/fa3 path): the absorbed form, keys ``[ckv | kpe]``, values ``ckv``."""
+
+    def __init__(self, float_workspace_buffer, use_cuda_graph=False, qo_indptr=None, kv_indptr=None, kv_indices=None,
+                 kv_len_arr=None, backend="auto"):
+        if use_cuda_graph and any(b is None for b in (qo_indptr, kv_indptr, kv_indices, kv_len_arr)):
+            raise ValueError("fake flashinfer: use_cuda_graph needs qo_indptr, kv_indptr, kv_indices, kv_len_arr")
+        self._use_cuda_graph = use_cuda_graph
+        self._bufs = (qo_indptr, kv_indptr, kv_indices, kv_len_arr)
+
+    def plan(self, qo_indptr, kv_indptr, kv_indices, kv_len_arr, num_heads, head_dim_ckv, head_dim_kpe, page_size,
+             causal, sm_scale, q_data_type, kv_data_type, use_profiler=False):
+        lists = (qo_indptr, kv_indptr, kv_indices, kv_len_arr)
+        if self._use_cuda_graph:
+            for buf, t in zip(self._bufs, lists):
+                buf[:len(t)].copy_(t)
+            lists = tuple(buf[:len(t)] for buf, t in zip(self._bufs, lists))
+        self._lists, self._num_heads, self._dims = lists, num_heads, (head_dim_ckv, head_dim_kpe)
+        self._page_size, self._causal, self._sm_scale = page_size, causal, sm_scale
+
+    def run(self, q_nope, q_pe, ckv_cache, kpe_cache, out=None, lse=None, return_lse=False, profiler_buffer=None,
+            kv_len=None, page_table=None, return_lse_base_on_e=False):
+        if q_nope.shape[1:] != (self._num_heads, self._dims[0]) or kpe_cache.shape[-1] != self._dims[1]:
+            raise ValueError("fake flashinfer: q_nope/kpe_cache do not match the plan's heads and head dims")
+        keys = torch.cat([ckv_cache, kpe_cache], dim=-1)[:, :, None]
+        values = torch.cat([ckv_cache, torch.zeros_like(kpe_cache)], dim=-1)[:, :, None]
+        qo, ip, ix, lens = self._lists
+        o, s = _attend(torch.cat([q_nope, q_pe], dim=-1), keys, values, qo, ip, ix, lens, causal=self._causal,
+                       sm_scale=self._sm_scale)
+        o = o[..., :self._dims[0]]
+        if out is not None:
+            out.copy_(o)
+            o = out
+        return (o, s) if return_lse else o
+
+
 def module() -> types.ModuleType:
     """A fresh ``flashinfer`` module object holding the fakes (install it in ``sys.modules``)."""
     mod = types.ModuleType("flashinfer")
     mod.__version__ = "0.6.0+fake"
     for obj in (BatchPrefillWithPagedKVCacheWrapper, BatchDecodeWithPagedKVCacheWrapper,
                 MultiLevelCascadeAttentionWrapper, BatchAttention, BatchPODWithPagedKVCacheWrapper,
-                merge_state_in_place):
+                BatchMLAPagedAttentionWrapper, merge_state_in_place):
         setattr(mod, obj.__name__, obj)
     return mod

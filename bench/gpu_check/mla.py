@@ -1,0 +1,158 @@
+"""The GPU check's MLA step (driver: driver.py): DeepSeek-V3-shaped decode steps (latent 512 + rope 64, bf16, 64-token
+pages) under a shared prompt, prefixattn's ``mla_attention`` (``sharing="auto"`` and ``"never"``) against FlashInfer's
+``BatchMLAPagedAttentionWrapper`` (the absorbed form, no sharing: what an engine runs today).
+
+Each provider's output is checked against the fp64 reference on the first and last :data:`SAMPLE` requests and after
+its graph replays, then timed as every provider of the timing step is (:mod:`gpu_check.measure`): graph replay with
+the L2 flushed (the headline) and warm, 3 repetitions. Beside them, the memory floor: the distinct latent bytes (the
+prefix once, each request's own tokens) plus q and out, at the HBM floor's rate. The TyphoonMLA-style baseline
+(the shared prefix up-projected once and attended in the naive form) is not built yet.
+"""
+
+from __future__ import annotations
+
+BENCH = "mla"
+#: DeepSeek-V3's latent and rotary widths; vLLM's MLA page size.
+RANK, ROPE, PAGE = 512, 64, 64
+#: 1 / sqrt(qk_nope_head_dim + qk_rope_head_dim) of DeepSeek-V3 (128 + 64).
+SM_SCALE = 192 ** -0.5
+#: (name, query heads, requests, shared prompt tokens, own tokens per request): the issue's targets. 16 heads is
+#: DeepSeek-V3 under tensor parallelism 8, 128 all of them (data-parallel attention).
+SHAPES = (("mla-h16-b256-s8192-o128", 16, 256, 8192, 128), ("mla-h16-b256-s4096-o512", 16, 256, 4096, 512),
+          ("mla-h16-b256-s32768-o128", 16, 256, 32768, 128), ("mla-h16-b256-s0-o512", 16, 256, 0, 512),
+          ("mla-h128-b1024-s8192-o128", 128, 1024, 8192, 128))
+#: The dry run's (interpreter): the same kinds, tiny.
+DRY_SHAPES = (("mla-dry-h16-b4-s128-o16", 16, 4, 128, 16), ("mla-dry-h32-b3-s0-o40", 32, 3, 0, 40))
+#: Requests at each end of the batch checked against the fp64 reference.
+SAMPLE = 4
+PROVIDERS = ("prefixattn", "prefixattn-nosharing", "flashinfer-mla")
+
+
+def _batch(heads: int, requests: int, shared: int, own: int, device: str) -> dict:
+    """One decode row per request: the first ``shared`` tokens on shared pages, ``own`` on its own (ids shuffled)."""
+    import torch
+
+    g = torch.Generator().manual_seed(heads * 7919 + requests)
+    shared_pages, own_pages = -(-shared // PAGE), -(-own // PAGE)
+    num_pages = shared_pages + requests * own_pages
+    ids = torch.randperm(num_pages, generator=g).to(torch.int32)
+    table = torch.cat([ids[:shared_pages].expand(requests, -1),
+                       ids[shared_pages:].view(requests, own_pages)], dim=1).contiguous()
+    kv_lens = torch.full((requests,), shared + own, dtype=torch.int32)
+    cache = (torch.randn((num_pages, PAGE, RANK + ROPE), generator=g) / 2).to(torch.bfloat16).to(device)
+    q = torch.randn((requests, heads, RANK + ROPE), generator=g).to(torch.bfloat16).to(device)
+    unique = (shared + requests * own) * (RANK + ROPE) * 2 + q.numel() * 2 + requests * heads * RANK * 2
+    return dict(qo_indptr=torch.arange(requests + 1, dtype=torch.int32), kv_lens=kv_lens, table=table, q=q,
+                cache=cache, heads=heads, unique_bytes=unique)
+
+
+def _want(b: dict) -> tuple:
+    """The fp64 reference on the sampled requests: ``(rows, out)``."""
+    import torch
+
+    import prefixattn
+
+    n = b["table"].shape[0]
+    rows = torch.tensor(sorted(set(range(min(SAMPLE, n))) | set(range(max(0, n - SAMPLE), n))))
+    dev = b["q"].device
+    out = prefixattn.reference_mla_attention(
+        b["q"][rows.to(dev)].float(), b["cache"].float(), torch.arange(len(rows) + 1, device=dev),
+        b["kv_lens"][rows].to(dev), b["table"][rows].to(dev), kv_lora_rank=RANK, sm_scale=SM_SCALE,
+        compute_dtype=torch.float64)
+    return rows, out.cpu()
+
+
+def _provider(name: str, b: dict, device: str):
+    """A callable that runs ``name`` on the batch into a fixed output (graph-capturable), and that output; raises
+    ``RuntimeError`` with the reason where the provider cannot run here."""
+    import torch
+
+    import prefixattn
+
+    out = torch.empty((b["q"].shape[0], b["heads"], RANK), dtype=torch.bfloat16, device=device)
+    meta = (b["qo_indptr"].to(device), b["kv_lens"].to(device), b["table"].to(device))
+    if name.startswith("prefixattn"):
+        p = prefixattn.plan_mla(*meta, block_size=PAGE, num_heads=b["heads"], sm_scale=SM_SCALE,
+                                q_dtype=torch.bfloat16, sharing="never" if name.endswith("nosharing") else "auto")
+        return (lambda: prefixattn.mla_attention(b["q"], b["cache"], p, out=out)), out, p
+    try:
+        from flashinfer import BatchMLAPagedAttentionWrapper
+    except ImportError as exc:
+        raise RuntimeError(f"FlashInfer's MLA wrapper is not importable here ({exc})") from exc
+    table = b["table"]
+    kv_indptr = torch.arange(0, table.numel() + 1, table.shape[1], dtype=torch.int32)
+    bufs = [t.to(device) for t in (b["qo_indptr"], kv_indptr, table.flatten(), b["kv_lens"])]
+    workspace = torch.empty(128 << 20, dtype=torch.uint8, device=device)
+    w = BatchMLAPagedAttentionWrapper(workspace, use_cuda_graph=True, qo_indptr=bufs[0], kv_indptr=bufs[1],
+                                      kv_indices=bufs[2], kv_len_arr=bufs[3])
+    w.plan(*bufs, b["heads"], RANK, ROPE, PAGE, False, SM_SCALE, torch.bfloat16, torch.bfloat16)
+    q_nope, q_pe = b["q"][..., :RANK], b["q"][..., RANK:]
+    ckv, kpe = b["cache"][..., :RANK], b["cache"][..., RANK:]
+    return (lambda: w.run(q_nope, q_pe, ckv, kpe, out=out)), out, None
+
+
+def _correct(out, rows, want) -> tuple[bool, float]:
+    from tests.tolerances import ATTENTION_TOL
+    import torch
+
+    got = out[rows.to(out.device)].double().cpu()
+    atol, rtol = ATTENTION_TOL[torch.bfloat16]
+    err = (got - want).abs()
+    return bool(torch.isfinite(got).all() and (err <= atol + rtol * want.abs()).all()), float(err.max())
+
+
+def step_mla(args, results, skips, device: str, fi_ready: dict, ceil: dict | None) -> None:
+    import torch
+
+    from gpu_check.clock import Clock
+    from gpu_check.measure import Timer, capture, record_state
+
+    clock = Clock("mla", skips)
+    timer = Timer(args.dry_run, device)
+    shapes = DRY_SHAPES if args.dry_run else SHAPES
+    hbm = (ceil or {}).get("hbm_bytes_per_s")
+    for i, (name, heads, requests, shared, own) in enumerate(shapes):
+        if clock.expired([s[0] for s in shapes[i:]]):
+            return
+        b = _batch(heads, requests, shared, own, device)
+        rows, want = _want(b)
+        if hbm:
+            results.add(BENCH, "floor", name, "floor_memory_us", b["unique_bytes"] / hbm * 1e6, "us")
+        for provider in PROVIDERS:
+            try:
+                if provider == "flashinfer-mla" and "_why" in fi_ready:
+                    # Its module was to be built by the warm-up; compiling it here would take the step's budget.
+                    raise RuntimeError(f"FlashInfer's warm-up did not finish: {fi_ready['_why']}")
+                run, out, p = _provider(provider, b, device)
+                run()
+            except RuntimeError as exc:
+                results.add(BENCH, provider, name, "not_run", 1.0, f"reason: {exc}"[:200])
+                print(f"[mla] {name} {provider}: not run: {exc}", flush=True)
+                continue
+            ok, err = _correct(out, rows, want)
+            results.add(BENCH, provider, name, "correct", float(ok), "bool")
+            results.add(BENCH, provider, name, "max_abs_err", err, "abs")
+            if p is not None:
+                results.add(BENCH, provider, name, "shared_nodes", float(p.stats["num_shared_nodes"]), "count")
+            if args.dry_run:
+                times = {"graph_flushed": timer.repeat(run, 1, flush=False)}
+            else:
+                out.fill_(float("nan"))
+                graph, _ = capture(run)
+                graph.replay()
+                torch.cuda.synchronize()
+                ok, _ = _correct(out, rows, want)
+                results.add(BENCH, provider, name, "graph_correct", float(ok), "bool")
+                runs = timer.runs_for(graph.replay)
+                times = {"graph_flushed": timer.repeat(graph.replay, runs, flush=True),
+                         "graph_warm": timer.repeat(graph.replay, runs, flush=False)}
+            for policy, t in times.items():
+                for stat, us in t.items():
+                    results.add(BENCH, provider, name, f"{policy}_us_{stat}", us, "us")
+            print(f"[mla] {name} {provider}: {times['graph_flushed']['median']:.1f} us, correct {ok} "
+                  f"(max err {err:.2g})", flush=True)
+        if not args.dry_run:
+            record_state(results, BENCH, name)
+        del b
+    if args.dry_run:
+        clock.skip("dry run: one interpreted run per provider stands for every statistic, no CUDA graph")
