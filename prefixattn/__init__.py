@@ -19,6 +19,7 @@ _EXPORTS = {
     "CapacityError": "prefixattn.planner.device_tables",
     "FP8_E4M3_MIN_CAPABILITY": "prefixattn.validation",
     "FP8_KV_DTYPES": "prefixattn.validation",
+    "MLAPrefixSharedAttention": "prefixattn.mla",
     "Plan": "prefixattn.planner.plans",
     "PrefixSharedAttention": "prefixattn.prefix_attention",
     "SINK_DTYPES": "prefixattn.validation",
@@ -37,8 +38,9 @@ _EXPORTS = {
     "write_kv": "prefixattn.kv_write",
 }
 
-__all__ = ["CapacityError", "FP8_E4M3_MIN_CAPABILITY", "FP8_KV_DTYPES", "Plan", "PrefixSharedAttention",
-           "SINK_DTYPES", "SUPPORTED_DTYPES", "SUPPORTED_HEAD_DIMS", "attention", "kernel_variants", "merge_states",
+__all__ = ["CapacityError", "FP8_E4M3_MIN_CAPABILITY", "FP8_KV_DTYPES", "MLAPrefixSharedAttention", "Plan",
+           "PrefixSharedAttention", "SINK_DTYPES", "SUPPORTED_DTYPES", "SUPPORTED_HEAD_DIMS", "attention",
+           "kernel_variants", "merge_states",
            "merge_states_n", "mla_attention", "plan", "plan_mla", "reference_attention", "reference_mla_attention",
            "warmup_kernels", "write_kv", "__version__"]
 

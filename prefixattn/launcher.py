@@ -1,4 +1,5 @@
-"""One layer's launches of the fused kernel (one per work class), prepared once per plan and call shape.
+"""One layer's launches of an attention kernel (one per work class), prepared once per plan and call shape, and the
+memo of them per plan (:func:`prepared`, :func:`remember_launch`).
 
 A :class:`PreparedLaunch` holds the kernel's argument list in parameter order, assembled once from the plan (its
 tables, scalars and tiles) and the call's shape (strides, dtypes, feature switches); a call patches only the
@@ -22,14 +23,17 @@ from __future__ import annotations
 import functools
 import inspect
 import re
+import weakref
 
 import torch
 import triton
 from triton import knobs
 from triton.runtime import driver
 
+from prefixattn.autotune.targets import gfx_isa, writes_own_l2_fences
 from prefixattn.kernels.layout import CLASS_SHARED
 from prefixattn.kernels.prefix_attention_kernel import prefix_attention_kernel
+from prefixattn.planner.plans import Plan
 
 #: Triton versions whose JIT dispatch and launcher this module's direct launch follows (both ends included): the
 #: JIT function returns the ``CompiledKernel``, whose ``run(grid_x, grid_y, grid_z, stream, function,
@@ -244,3 +248,74 @@ def class_launches(tiles, classes: tuple, grid_items: tuple, ranges, num_kv_head
                           BLOCK_M=options.pop("BLOCK_M"), BLOCK_N=options.pop("BLOCK_N"))
         per_class.append(((items * num_kv_heads,), class_args, options))
     return per_class
+
+
+#: The launches prepared per plan and call shape (an engine has one or two shapes): the launcher's memo, not the
+#: plan's. Keyed by the plan's id, holding a weak reference to it (a recycled id never matches; a weak-keyed
+#: dictionary's lookup makes a weak reference per call, ~0.3 us of every layer); past _MAX_PREPARED plans it starts
+#: over (a free plan() per step leaves one entry per step).
+_prepared_launches: dict = {}
+_MAX_PREPARED = 64
+
+
+def call_key(q, k_cache, v_cache, out, return_lse, sinks, k_scale, v_scale, *, graph: bool):
+    """What the checks and the launch's specialization read of one call's inputs: each tensor's shape, strides,
+    dtype, device and 16-byte alignment (this module's :func:`arg_spec`), ``return_lse``, which features are on (a
+    float ``v_scale`` of 1 switches ``HAS_KV_SCALE`` off). None for an input that is not what the key describes
+    (not a tensor, ``return_lse`` not a bool): the checks then run and name it. Reading no value of any tensor, the
+    checks are a function of this key, so a call whose key the plan has seen skips them (~9 us on the 2-core host)."""
+    tensors = (q, k_cache, v_cache) if out is None else (q, k_cache, v_cache, out)
+    if type(return_lse) is not bool or not all(isinstance(t, torch.Tensor) for t in tensors):
+        return None
+    key = [graph, return_lse, out is None]
+    try:
+        for t in tensors:
+            key += (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % SPEC_ALIGN)
+        for f in (sinks, k_scale, v_scale):
+            key.append(None if f is None else (f.shape, f.stride(), f.dtype, f.device, f.data_ptr() % SPEC_ALIGN)
+                       if isinstance(f, torch.Tensor) else bool(f == 1.0) if f is v_scale else type(f))
+        key = tuple(key)  # hashable: sizes, tuples of ints, dtypes, devices, ints, bools, types
+    except Exception:  # a tensor without strides or data, a scale no float compares with: the checks name it
+        return None
+    return key
+
+
+def prepared(p: Plan, key) -> PreparedLaunch | None:
+    """The launch prepared for plan ``p`` and a call with ``key``, if ``p`` is still the current plan of its
+    workspace."""
+    if key is None or type(p) is not Plan or not (p.workspace is None or p.workspace.step == p.workspace_step):
+        return None
+    hit = _prepared_launches.get(id(p))
+    return hit[1].get(key) if hit is not None and hit[0]() is p else None
+
+
+def prepared_launches(p: Plan) -> dict:
+    """The launches prepared for plan ``p`` so far, by call key (inspection and tests; empty before its first
+    :func:`attention` call or once the memo started over)."""
+    hit = _prepared_launches.get(id(p))
+    return dict(hit[1]) if hit is not None and hit[0]() is p else {}
+
+
+def own_l2_fences(device: torch.device) -> bool:
+    """The kernels' ``USE_L2_FENCES`` on a ROCm ``device`` (:func:`~prefixattn.autotune.targets.writes_own_l2_fences`
+    of its gfx ISA)."""
+    return _own_l2_fences_at(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _own_l2_fences_at(index: int) -> bool:
+    return writes_own_l2_fences(gfx_isa(torch.cuda.get_device_properties(index).gcnArchName))
+
+
+def remember_launch(p: Plan, key, launch: PreparedLaunch) -> None:
+    """Keep ``launch`` for plan ``p`` and calls with ``key`` (:data:`_prepared_launches`; not kept for a None key)."""
+    if key is None:
+        return
+    hit = _prepared_launches.get(id(p))
+    if hit is None or hit[0]() is not p:
+        if len(_prepared_launches) >= _MAX_PREPARED:
+            _prepared_launches.clear()
+        hit = _prepared_launches[id(p)] = (weakref.ref(p), {})
+    if len(hit[1]) >= _MAX_PREPARED:
+        hit[1].clear()
+    hit[1][key] = launch

@@ -15,17 +15,19 @@ group (TyphoonMLA's choice for a shared prefix at many heads) is not built yet.
 
 from __future__ import annotations
 
+import inspect
 import math
+from typing import NamedTuple
 
 import torch
 
 from prefixattn.kernels.layout import CLASS_SHARED, page_size_constexpr
 from prefixattn.kernels.mla_attention_kernel import mla_attention_kernel
-from prefixattn.launcher import PreparedLaunch
+from prefixattn.launcher import PreparedLaunch, call_key, own_l2_fences, prepared, remember_launch
 from prefixattn.planner.options import MIN_SPLIT_TOKENS, _positive_int, checked_options
-from prefixattn.planner.plans import Plan, plan_with_options
-from prefixattn.planner.tiles import mla_heads_per_program
-from prefixattn.prefix_attention import _call_key, _own_l2_fences, _prepared, check_plan_current, remember_launch
+from prefixattn.planner.plans import OPTION_DEFAULTS, Plan, plan_with_options
+from prefixattn.planner.tiles import mla_heads_per_program, mla_tiles
+from prefixattn.prefix_attention import PrefixSharedAttention, check_plan_current
 from prefixattn.runtime import device_one
 from prefixattn.validation import (FP8_KV_DTYPES, KV_CACHE_DTYPES, SUPPORTED_DTYPES, check_fp8_support,
                                    check_kernel_device, check_kv_scale, check_mla_dims, check_tensor, same_device,
@@ -37,8 +39,6 @@ _LOG2E = 1.0 / math.log(2.0)
 MLA_PER_CALL = ("out_ptr", "lse_ptr", "q_ptr", "kv_cache_ptr", "kv_scale_ptr", "qk_scale", "kv_scale")
 #: Smallest rotary tile: ``tl.dot`` needs K >= 16.
 _MIN_ROPE_LANES = 16
-#: The form every MLA plan attends in (``Plan.stats["mla_form"]``).
-ABSORBED = "absorbed"
 
 
 def plan_mla(qo_indptr: torch.Tensor, kv_lens: torch.Tensor, block_table: torch.Tensor, *, block_size: int,
@@ -74,17 +74,20 @@ sharing, num_blocks
     >>> for layer in layers:
     ...     o = prefixattn.mla_attention(q[layer], kv_cache[layer], p)  # q: [T, 16, 576] -> o: [T, 16, 512]
     """
+    options = _mla_options(num_heads=num_heads, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, sm_scale=sm_scale,
+                           causal=causal, sharing=sharing, q_dtype=q_dtype, kv_dtype=kv_dtype, block_size=block_size,
+                           min_split_tokens=min_split_tokens, num_sms=num_sms)
+    return plan_with_options(options, qo_indptr, kv_lens, block_table, device=device, num_blocks=num_blocks)
+
+
+def _mla_options(*, num_heads, kv_lora_rank, rope_dim, **options):
+    """The checked plan options of an MLA layer: its heads in head blocks (:func:`mla_heads_per_program`), the
+    latent as the head size."""
     num_heads = _positive_int("num_heads", num_heads)
     check_mla_dims(kv_lora_rank, rope_dim)
     group = mla_heads_per_program(num_heads)
-    options = checked_options(
-        causal=causal, sm_scale=sm_scale, logits_soft_cap=None, window_left=None, alibi_slopes=None, sharing=sharing,
-        q_dtype=q_dtype, kv_dtype=kv_dtype, nan_guard=False, block_size=block_size, num_qo_heads=num_heads,
-        num_kv_heads=num_heads // group, head_dim=int(kv_lora_rank), min_split_tokens=min_split_tokens,
-        num_sms=num_sms, rope_dim=int(rope_dim))
-    p = plan_with_options(options, qo_indptr, kv_lens, block_table, device=device, num_blocks=num_blocks)
-    p.counts["mla_form"] = ABSORBED
-    return p
+    shape = dict(num_qo_heads=num_heads, num_kv_heads=num_heads // group, head_dim=int(kv_lora_rank))
+    return checked_options(**{**OPTION_DEFAULTS, **options, **shape}, rope_dim=int(rope_dim))
 
 
 def _check_mla_call(q, kv_cache, p: Plan, out, return_lse) -> None:
@@ -153,11 +156,21 @@ def mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, plan: Plan, *, out: t
     -------
     out : Tensor, ``[num_tokens, num_heads, kv_lora_rank]`` in q's dtype (and ``lse`` with ``return_lse``).
     """
-    key = _call_key(q, kv_cache, kv_cache, out, return_lse, None, kv_scale, None, graph=False)
+    return _mla_call(q, kv_cache, plan, out=out, return_lse=return_lse, kv_scale=kv_scale)
+
+
+def _mla_call(q, kv_cache, plan: Plan, *, out, return_lse, kv_scale, graph: "_GraphLaunch | None" = None):
+    """:func:`mla_attention`, or with ``graph`` the launches fixed by a wrapper's capacity (its classes, grids and
+    whole workspace buffers, :meth:`MLAPrefixSharedAttention.run`)."""
+    # kv_scale in the key's v_scale place: whether a float scale is 1 picks HAS_KV_SCALE.
+    key = call_key(q, kv_cache, kv_cache, out, return_lse, None, None, kv_scale, graph=graph is not None)
     key = None if key is None else ("mla",) + key  # never the key of an attention() call
-    launch = _prepared(plan, key)
+    launch = prepared(plan, key)
     if launch is None:
         _check_mla_call(q, kv_cache, plan, out, return_lse)
+        if graph is not None and graph.num_tokens is not None and q.shape[0] != graph.num_tokens:
+            raise ValueError(f"q: expected {graph.num_tokens} rows (the graph_num_tokens this step was planned for), "
+                             f"got {q.shape[0]}")
     scale = check_kv_scale("kv_scale", kv_scale, q.device) if kv_scale is not None else 1.0
     tensor_scale = isinstance(scale, torch.Tensor)
     has_kv_scale = tensor_scale or scale != 1.0
@@ -167,31 +180,51 @@ def mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, plan: Plan, *, out: t
     if out is None:
         out = q.new_empty((q.shape[0], plan.num_qo_heads, plan.head_dim))
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else plan.ws_lse
+    counters = plan.counters if graph is None else graph.tables["counters"]
     if launch is None:
         launch = _prepare_mla(plan, out=out, lse=lse, q=q, kv_cache=kv_cache, scale_ptr=scale_ptr,
                               qk_scale=qk_scale, float_scale=float_scale, has_lse=return_lse,
-                              has_kv_scale=has_kv_scale)
+                              has_kv_scale=has_kv_scale, graph=graph)
         remember_launch(plan, key, launch)
     try:
         launch(mla_attention_kernel, out, lse, q, kv_cache, scale_ptr, qk_scale, float_scale)
     except BaseException:
-        if plan.num_merge_rows:  # a launch refused after an earlier class was queued: the counters start from 0
+        if plan.num_merge_rows or graph is not None:  # an earlier class was queued: the counters start from 0
             try:
-                plan.counters.zero_()
+                counters.zero_()
             except Exception:  # a faulted device cannot run it either; the launch's own error is the news
                 pass
         raise
     return (out, lse) if return_lse else out
 
 
+class _GraphLaunch(NamedTuple):
+    """What a CUDA-graph wrapper fixes of a call's launches: its classes in order, each class's grid of items, the
+    workspace's whole buffers (a live view with no rows has data_ptr 0, which a capture would keep), and the rows of
+    the graph the step was planned for (None: any)."""
+
+    classes: tuple
+    grid_items: tuple
+    tables: dict
+    num_tokens: int | None
+
+
 def _prepare_mla(p: Plan, *, out, lse, q, kv_cache, scale_ptr, qk_scale: float, float_scale: float, has_lse: bool,
-                 has_kv_scale: bool) -> PreparedLaunch:
-    """The plan's class launches of the MLA kernel for one call shape."""
+                 has_kv_scale: bool, graph: _GraphLaunch | None) -> PreparedLaunch:
+    """The class launches of the MLA kernel for one call shape: the plan's classes over its live tables, or a
+    graph's (``graph``)."""
     t = p.tiles
+    if graph is None:
+        tb = dict(ranges=p.ranges, items=p.items, gather=p.gather, mrows=p.mrows, counters=p.counters)
+        classes = p.work_classes
+        grid_items = tuple(end - first for first, end in (p.work.class_range(c) for c in classes))
+    else:
+        tb, classes, grid_items = graph.tables, graph.classes, graph.grid_items
     so, sl, sw, swl, sq, sc = (x.stride() for x in (out, lse, p.ws_o, p.ws_lse, q, kv_cache))
     named = dict(
-        out_ptr=out, lse_ptr=lse, ws_o_ptr=p.ws_o, ws_lse_ptr=p.ws_lse, counters_ptr=p.counters, q_ptr=q,
-        kv_cache_ptr=kv_cache, kv_scale_ptr=scale_ptr, items_ptr=p.items, gather_ptr=p.gather, mrows_ptr=p.mrows,
+        out_ptr=out, lse_ptr=lse, ws_o_ptr=p.ws_o, ws_lse_ptr=p.ws_lse, counters_ptr=tb["counters"], q_ptr=q,
+        kv_cache_ptr=kv_cache, kv_scale_ptr=scale_ptr, items_ptr=tb["items"], gather_ptr=tb["gather"],
+        mrows_ptr=tb["mrows"],
         block_table_ptr=p.block_table, num_head_blocks=p.num_kv_heads, group=p.heads_per_program,
         kv_lora_rank=p.head_dim, rope_dim=p.rope_dim, block_size=p.block_size, qk_scale=qk_scale,
         kv_scale=float_scale,
@@ -200,19 +233,96 @@ def _prepare_mla(p: Plan, *, out, lse, q, kv_cache, scale_ptr, qk_scale: float, 
         stride_q_t=sq[0], stride_q_h=sq[1], stride_q_d=sq[2],
         stride_kv_blk=sc[0], stride_kv_tok=sc[1], stride_kv_d=sc[2], stride_bt_r=p.block_table.stride(0),
         HAS_LSE=has_lse, HAS_KV_SCALE=has_kv_scale, USE_FP32_DOT=p.use_fp32_dot, IS_HIP=t.is_hip,
-        USE_L2_FENCES=t.is_hip and q.is_cuda and _own_l2_fences(q.device),
+        USE_L2_FENCES=t.is_hip and q.is_cuda and own_l2_fences(q.device),
         PAGE_SIZE=page_size_constexpr(p.block_size), BLOCK_C=t.block_d,
         BLOCK_R=max(_MIN_ROPE_LANES, 1 << (p.rope_dim - 1).bit_length()),
     )
     per_class = []
-    for work_class in p.work_classes:
-        first, end = p.work.class_range(work_class)
+    for work_class, items in zip(classes, grid_items):
         ct = t.of(work_class)
         lo = ct.launch
         options = {"num_warps": lo.num_warps, "num_stages": lo.num_stages}
         if t.is_hip:
             options.update(waves_per_eu=lo.waves_per_eu, matrix_instr_nonkdim=lo.matrix_instr_nonkdim, kpack=lo.kpack)
-        class_args = dict(item_range_ptr=p.ranges[work_class], IS_SHARED=work_class == CLASS_SHARED,
+        class_args = dict(item_range_ptr=tb["ranges"][work_class], IS_SHARED=work_class == CLASS_SHARED,
                           BLOCK_M=ct.block_m, BLOCK_N=ct.block_n)
-        per_class.append((((end - first) * p.num_kv_heads,), class_args, options))
+        per_class.append(((items * p.num_kv_heads,), class_args, options))
     return PreparedLaunch(mla_attention_kernel, named, per_class, per_call=MLA_PER_CALL)
+
+
+#: The plan options an MLA wrapper passes on (MLA plans have no soft cap, window or NaN guard).
+_WRAPPER_OPTIONS = ("sharing", "num_sms", "min_split_tokens", "num_blocks")
+
+
+class MLAPrefixSharedAttention(PrefixSharedAttention):
+    """:class:`~prefixattn.PrefixSharedAttention` for MLA: ``plan()`` once per engine step (as :func:`plan_mla`),
+    ``run(q, kv_cache)`` once per layer (as :func:`mla_attention`); with capacities a workspace sized once, and with
+    ``use_cuda_graph`` launches fixed by the capacity that a CUDA graph captures once and replays after any later
+    ``plan()``.
+
+    Parameters
+    ----------
+    num_heads, block_size, sm_scale, kv_lora_rank, rope_dim, causal, q_dtype, kv_dtype
+        As :func:`plan_mla`.
+    max_tokens, max_requests, max_blocks_per_request, device, use_cuda_graph, max_q_len, max_shared_levels, \
+max_items, max_gather_rows, max_merge_rows, max_ws_rows
+        As :class:`~prefixattn.PrefixSharedAttention`.
+    **plan_options
+        ``sharing``, ``num_sms``, ``min_split_tokens``, ``num_blocks``.
+
+    Examples
+    --------
+    >>> attn = MLAPrefixSharedAttention(num_heads=16, block_size=64, sm_scale=192 ** -0.5, max_tokens=256,
+    ...                                 max_requests=256, max_blocks_per_request=512, use_cuda_graph=True)
+    >>> attn.plan(qo_indptr, kv_lens, block_table)
+    >>> out = attn.run(q, kv_cache, out=out)  # q [T, 16, 576], kv_cache [blocks, 64, 576], out [T, 16, 512]
+    """
+
+    def __init__(self, *, num_heads: int, block_size: int, sm_scale: float, kv_lora_rank: int = 512,
+                 rope_dim: int = 64, causal: bool = True, q_dtype: torch.dtype = torch.bfloat16,
+                 kv_dtype: torch.dtype | None = None, **wrapper_options) -> None:
+        plan_options = {k: wrapper_options.pop(k) for k in _WRAPPER_OPTIONS if k in wrapper_options}
+        unknown = sorted(set(wrapper_options) - set(inspect.signature(PrefixSharedAttention).parameters))
+        if unknown:
+            raise ValueError(f"{unknown[0]}: expected an option of MLAPrefixSharedAttention (the wrapper's, or "
+                             f"{', '.join(_WRAPPER_OPTIONS)}), got {unknown[0]}={wrapper_options[unknown[0]]!r}")
+        # Checked now, so that a bad option fails here and not at the first step.
+        options = _mla_options(num_heads=num_heads, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, sm_scale=sm_scale,
+                               causal=causal, q_dtype=q_dtype, kv_dtype=kv_dtype, block_size=block_size,
+                               **{k: v for k, v in plan_options.items() if k != "num_blocks"})
+        super().__init__(num_qo_heads=options.num_qo_heads, num_kv_heads=options.num_kv_heads,
+                         head_dim=options.head_dim, block_size=block_size, q_dtype=q_dtype, kv_dtype=kv_dtype,
+                         causal=causal, sm_scale=sm_scale, rope_dim=options.rope_dim, **plan_options,
+                         **wrapper_options)
+
+    def _check_head_dims(self) -> None:
+        check_mla_dims(self._config["head_dim"], self._config["rope_dim"])
+
+    def _tiles_for(self, max_q_len: int):
+        cfg = self._config
+        kv_dtype = cfg["kv_dtype"] or cfg["q_dtype"]
+        return mla_tiles(kv_lora_rank=cfg["head_dim"], dtype=cfg["q_dtype"], kv_fp8=kv_dtype.itemsize == 1)
+
+    def _free_plan(self, qo_indptr, kv_lens, block_table, cfg: dict) -> Plan:
+        cfg = dict(cfg)
+        mapped = dict(num_heads=cfg.pop("num_qo_heads"), kv_lora_rank=cfg.pop("head_dim"),
+                      rope_dim=cfg.pop("rope_dim"))
+        cfg.pop("num_kv_heads")
+        return plan_mla(qo_indptr, kv_lens, block_table, **mapped, **cfg)
+
+    def run(self, q: torch.Tensor, kv_cache: torch.Tensor, *, out: torch.Tensor | None = None,
+            return_lse: bool = False, kv_scale: float | torch.Tensor | None = None):
+        """MLA for one layer with the current plan (see :func:`mla_attention`). With ``use_cuda_graph`` the launch
+        depends only on the capacity: capture it once with the engine's static ``q``/``out``/cache and replay it
+        after any later ``plan()``."""
+        if self._plan is None:
+            raise ValueError("plan: expected plan() to be called before run() (no plan for this step yet)")
+        if not self.use_cuda_graph:
+            return _mla_call(q, kv_cache, self._plan, out=out, return_lse=return_lse, kv_scale=kv_scale)
+        p, ws = self._plan, self._workspace
+        stats = p.stats
+        grid = stats.get("grid_items") or self.graph_grid_items(ws.capacity.max_tokens)
+        tables = dict(ranges=ws.ranges, items=ws.items, gather=ws.gather, mrows=ws.mrows, counters=ws.counters)
+        graph = _GraphLaunch(classes=self._graph_classes, grid_items=grid, tables=tables,
+                             num_tokens=stats.get("graph_num_tokens"))
+        return _mla_call(q, kv_cache, p, out=out, return_lse=return_lse, kv_scale=kv_scale, graph=graph)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import math
-import weakref
 
 import torch
 
@@ -13,8 +12,7 @@ from prefixattn.kernels.layout import CLASS_CHUNK, CLASS_DECODE, CLASS_SHARED, W
 from prefixattn.kernels.prefix_attention_kernel import prefix_attention_kernel
 from prefixattn.autotune.config_space import MODEL_SWITCHES
 from prefixattn.autotune.lookup import read_fixed_env
-from prefixattn.autotune.targets import gfx_isa, writes_own_l2_fences
-from prefixattn.launcher import SPEC_ALIGN, PreparedLaunch, class_launches
+from prefixattn.launcher import PreparedLaunch, call_key, class_launches, own_l2_fences, prepared, remember_launch
 from prefixattn.planner.backend import backend as planner_backend
 from prefixattn.planner.device_tables import CapacityError
 from prefixattn.planner.options import _default_num_sms, _positive_int, checked_options
@@ -148,8 +146,8 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pla
     >>> for layer in layers:
     ...     o = prefixattn.attention(q[layer], k_caches[layer], v_caches[layer], p)
     """
-    key = _call_key(q, k_cache, v_cache, out, return_lse, sinks, k_scale, v_scale, graph=False)
-    launch = _prepared(plan, key)
+    key = call_key(q, k_cache, v_cache, out, return_lse, sinks, k_scale, v_scale, graph=False)
+    launch = prepared(plan, key)
     if launch is None:  # this plan's first call of this shape (or an input the key cannot describe): every check
         _check_against_plan(q, k_cache, v_cache, plan, out, return_lse)
         check_fp8_support("k_cache", k_cache)
@@ -173,63 +171,6 @@ def _call_features(launch, p: Plan, q: torch.Tensor, sinks, k_scale, v_scale) ->
     if launch is not None and sinks is None and k_scale is None and v_scale is None:
         return launch.features
     return _feature_args(p, q, sinks, k_scale, v_scale)
-
-
-#: The launches prepared per plan and call shape (an engine has one or two shapes): the launcher's memo, not the
-#: plan's. Keyed by the plan's id, holding a weak reference to it (a recycled id never matches; a weak-keyed
-#: dictionary's lookup makes a weak reference per call, ~0.3 us of every layer); past _MAX_PREPARED plans it starts
-#: over (a free plan() per step leaves one entry per step).
-_prepared_launches: dict = {}
-_MAX_PREPARED = 64
-
-
-def _call_key(q, k_cache, v_cache, out, return_lse, sinks, k_scale, v_scale, *, graph: bool):
-    """What the checks and the launch's specialization read of one call's inputs: each tensor's shape, strides,
-    dtype, device and 16-byte alignment (:mod:`prefixattn.launcher`), ``return_lse``, which features are on (a
-    float ``v_scale`` of 1 switches ``HAS_KV_SCALE`` off). None for an input that is not what the key describes
-    (not a tensor, ``return_lse`` not a bool): the checks then run and name it. Reading no value of any tensor, the
-    checks are a function of this key, so a call whose key the plan has seen skips them (~9 us on the 2-core host)."""
-    tensors = (q, k_cache, v_cache) if out is None else (q, k_cache, v_cache, out)
-    if type(return_lse) is not bool or not all(isinstance(t, torch.Tensor) for t in tensors):
-        return None
-    key = [graph, return_lse, out is None]
-    try:
-        for t in tensors:
-            key += (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % SPEC_ALIGN)
-        for f in (sinks, k_scale, v_scale):
-            key.append(None if f is None else (f.shape, f.stride(), f.dtype, f.device, f.data_ptr() % SPEC_ALIGN)
-                       if isinstance(f, torch.Tensor) else bool(f == 1.0) if f is v_scale else type(f))
-        key = tuple(key)  # hashable: sizes, tuples of ints, dtypes, devices, ints, bools, types
-    except Exception:  # a tensor without strides or data, a scale no float compares with: the checks name it
-        return None
-    return key
-
-
-def _prepared(p: Plan, key) -> PreparedLaunch | None:
-    """The launch prepared for plan ``p`` and a call with ``key``, if ``p`` is still the current plan of its
-    workspace."""
-    if key is None or type(p) is not Plan or not (p.workspace is None or p.workspace.step == p.workspace_step):
-        return None
-    hit = _prepared_launches.get(id(p))
-    return hit[1].get(key) if hit is not None and hit[0]() is p else None
-
-
-def prepared_launches(p: Plan) -> dict:
-    """The launches prepared for plan ``p`` so far, by call key (inspection and tests; empty before its first
-    :func:`attention` call or once the memo started over)."""
-    hit = _prepared_launches.get(id(p))
-    return dict(hit[1]) if hit is not None and hit[0]() is p else {}
-
-
-def _own_l2_fences(device: torch.device) -> bool:
-    """The kernel's ``USE_L2_FENCES`` on a ROCm ``device`` (:func:`~prefixattn.autotune.targets.writes_own_l2_fences`
-    of its gfx ISA)."""
-    return _own_l2_fences_at(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _own_l2_fences_at(index: int) -> bool:
-    return writes_own_l2_fences(gfx_isa(torch.cuda.get_device_properties(index).gcnArchName))
 
 
 def _prepare(p: Plan, key, *, out, lse, q, k_cache, v_cache, classes: tuple, grid_items: tuple, has_lse: bool,
@@ -264,7 +205,7 @@ def _prepare(p: Plan, key, *, out, lse, q, k_cache, v_cache, classes: tuple, gri
         HAS_LSE=has_lse, HAS_SOFT_CAP=features["HAS_SOFT_CAP"],
         HAS_WINDOW=features["HAS_WINDOW"], HAS_SINKS=features["HAS_SINKS"], HAS_KV_SCALE=features["HAS_KV_SCALE"],
         USE_NAN_GUARD=p.nan_guard, USE_FP32_DOT=p.use_fp32_dot, IS_HIP=t.is_hip,
-        USE_L2_FENCES=t.is_hip and q.is_cuda and _own_l2_fences(q.device),
+        USE_L2_FENCES=t.is_hip and q.is_cuda and own_l2_fences(q.device),
         PAGE_SIZE=page_size_constexpr(p.block_size), BLOCK_D=t.block_d,
     )
     per_class = class_launches(t, classes, grid_items, tb["ranges"], p.num_kv_heads,
@@ -275,20 +216,6 @@ def _prepare(p: Plan, key, *, out, lse, q, k_cache, v_cache, classes: tuple, gri
     launch.features = features
     remember_launch(p, key, launch)
     return launch
-
-
-def remember_launch(p: Plan, key, launch: PreparedLaunch) -> None:
-    """Keep ``launch`` for plan ``p`` and calls with ``key`` (:data:`_prepared_launches`; not kept for a None key)."""
-    if key is None:
-        return
-    hit = _prepared_launches.get(id(p))
-    if hit is None or hit[0]() is not p:
-        if len(_prepared_launches) >= _MAX_PREPARED:
-            _prepared_launches.clear()
-        hit = _prepared_launches[id(p)] = (weakref.ref(p), {})
-    if len(hit[1]) >= _MAX_PREPARED:
-        hit[1].clear()
-    hit[1][key] = launch
 
 
 def _launch(launch: PreparedLaunch, counters, out, lse, q, k_cache, v_cache, features: dict) -> None:
@@ -409,23 +336,21 @@ class PrefixSharedAttention:
         cfg = self._config
         check_heads(_positive_int("num_qo_heads", cfg["num_qo_heads"]),
                     _positive_int("num_kv_heads", cfg["num_kv_heads"]))
-        check_head_dim("head_dim", cfg["head_dim"])
+        self._check_head_dims()
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         device = canonical_device("device", device)
         group = cfg["num_qo_heads"] // cfg["num_kv_heads"]
         num_sms = cfg.get("num_sms") or _default_num_sms(device)
         if self.use_cuda_graph:
-            self._tiles = choose_tiles(head_dim=cfg["head_dim"], group=group,
-                                       max_q_len=_positive_int("max_q_len", max_q_len), dtype=cfg["q_dtype"])
+            self._tiles = self._tiles_for(_positive_int("max_q_len", max_q_len))
             if max_q_len <= self._tiles.rows_per_decode_tile(group):
                 # Steps of decode-tile rows: no chunk launch in the graph; a longer request (any batch is still
                 # served) is cut into decode tiles.
                 self._tiles = self._tiles.without_chunk_class()
             tile_sets = [self._tiles]
         else:  # tiles follow each batch: bound the rows per tile over decode- and prefill-shaped choices
-            tile_sets = [choose_tiles(head_dim=cfg["head_dim"], group=group, max_q_len=q, dtype=cfg["q_dtype"])
-                         for q in (1, int(caps[0]))]
+            tile_sets = [self._tiles_for(q) for q in (1, int(caps[0]))]
         rows = [r for t in tile_sets for r in (t.rows_per_shared_tile(group), t.rows_per_chunk_tile(group),
                                                t.rows_per_decode_tile(group))]
         #: graph_grid_items() per graph size: fixed by the capacity, asked every graph step (the bounds cost ~3.5 us
@@ -449,6 +374,20 @@ class PrefixSharedAttention:
                                                  t.rows_per_decode_tile(group)), chunk_class=t.chunk != t.decode,
                 max_shared_levels=max_shared_levels, num_sms=num_sms, num_kv_heads=cfg["num_kv_heads"],
                 max_items=capacity.max_items)
+
+    # What a wrapper of another kernel (prefixattn.mla.MLAPrefixSharedAttention) replaces.
+    def _check_head_dims(self) -> None:
+        check_head_dim("head_dim", self._config["head_dim"])
+
+    def _tiles_for(self, max_q_len: int):
+        """The tiles of a step whose longest query chunk is ``max_q_len`` rows."""
+        cfg = self._config
+        return choose_tiles(head_dim=cfg["head_dim"], group=cfg["num_qo_heads"] // cfg["num_kv_heads"],
+                            max_q_len=max_q_len, dtype=cfg["q_dtype"])
+
+    def _free_plan(self, qo_indptr, kv_lens, block_table, cfg: dict) -> Plan:
+        """The plan of a wrapper without capacities (``cfg``: its options and the step's)."""
+        return plan(qo_indptr, kv_lens, block_table, **cfg)
 
     @property
     def current_plan(self) -> Plan | None:
@@ -484,7 +423,7 @@ class PrefixSharedAttention:
                 name = "device_block_table" if device_block_table is not None else "graph_num_tokens"
                 raise ValueError(f"{name}: expected a wrapper with capacities (a workspace), got none")
             per_step = {} if num_blocks is None else {"num_blocks": num_blocks}
-            self._plan = plan(qo_indptr, kv_lens, block_table, **{**self._config, **overrides, **per_step})
+            self._plan = self._free_plan(qo_indptr, kv_lens, block_table, {**self._config, **overrides, **per_step})
             return self._plan
         if graph_num_tokens is not None and not self.use_cuda_graph:
             raise ValueError(f"graph_num_tokens: expected use_cuda_graph=True, got {graph_num_tokens!r} without it")
@@ -586,7 +525,8 @@ class PrefixSharedAttention:
         if not overrides and self._checked is not None:
             return self._checked
         cfg = {**self._config, **overrides}
-        options = checked_options(**{name: cfg.pop(name, default) for name, default in OPTION_DEFAULTS.items()})
+        options = checked_options(**{name: cfg.pop(name, default) for name, default in OPTION_DEFAULTS.items()},
+                                  rope_dim=cfg.pop("rope_dim", 0))
         default_blocks = cfg.pop("num_blocks", None)  # the step's own num_blocks, when given, replaces it
         # The planner back-end and PREFIXATTN_TILE_CONFIG: asked once per checked options
         per_call = {**cfg, "workspace": self._workspace, "device": self._workspace.device,
@@ -616,8 +556,8 @@ class PrefixSharedAttention:
         """One launch per class of :attr:`graph_work_classes`, fixed by the capacity (or the graph's size); nothing
         else on the device (the counters leave themselves at zero, :func:`attention`)."""
         p, ws = self._plan, self._workspace
-        key = _call_key(q, k_cache, v_cache, out, return_lse, sinks, k_scale, v_scale, graph=True)
-        launch = _prepared(p, key)
+        key = call_key(q, k_cache, v_cache, out, return_lse, sinks, k_scale, v_scale, graph=True)
+        launch = prepared(p, key)
         graph_tokens = p.stats.get("graph_num_tokens")
         if launch is None:
             _check_against_plan(q, k_cache, v_cache, p, out, return_lse)

@@ -19,7 +19,7 @@ import pytest
 import torch
 from triton.backends.compiler import BaseBackend
 
-from prefixattn import attention, plan, prefix_attention
+from prefixattn import attention, launcher, plan
 from prefixattn.kernels.prefix_attention_kernel import UNSPECIALIZED_ARGS
 
 HEADS = dict(num_qo_heads=8, num_kv_heads=2, head_dim=64, block_size=16)
@@ -45,7 +45,7 @@ def _step_keys(q_lens: list[int], kv_extra: int, sharing: str, table_width: int)
     v = torch.randn(blocks, 16, 2, 64, generator=g, dtype=torch.float16)
     q = torch.randn(int(qo[-1]), 8, 64, generator=g, dtype=torch.float16)
     attention(q, k, v, p)
-    (launch,) = prefix_attention._prepared_launches[id(p)][1].values()  # the launcher's memo of p's launches
+    (launch,) = launcher._prepared_launches[id(p)][1].values()  # the launcher's memo of p's launches
     keys = {}
     for _grid, args, options, _spec, _compiled in launch.launches:
         prm = launch.params
@@ -92,11 +92,9 @@ def test_a_rocm_device_launches_with_the_merge_fences_of_its_gfx_isa(monkeypatch
     suffix) asked of :func:`~prefixattn.autotune.targets.writes_own_l2_fences`, once per device."""
     from types import SimpleNamespace
 
-    from prefixattn import prefix_attention as pa
-
     asked = []
-    monkeypatch.setattr(pa.torch.cuda, "get_device_properties",
+    monkeypatch.setattr(launcher.torch.cuda, "get_device_properties",
                         lambda index: SimpleNamespace(gcnArchName=["gfx942:sramecc+:xnack-", "gfx90a"][index]))
-    monkeypatch.setattr(pa, "writes_own_l2_fences", lambda arch: asked.append(arch) or arch == "gfx942")
-    assert pa._own_l2_fences_at.__wrapped__(0) is True and pa._own_l2_fences_at.__wrapped__(1) is False
+    monkeypatch.setattr(launcher, "writes_own_l2_fences", lambda arch: asked.append(arch) or arch == "gfx942")
+    assert launcher._own_l2_fences_at.__wrapped__(0) is True and launcher._own_l2_fences_at.__wrapped__(1) is False
     assert asked == ["gfx942", "gfx90a"]

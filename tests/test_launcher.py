@@ -15,7 +15,7 @@ from triton.backends.compiler import BaseBackend
 
 from prefixattn import attention, launcher, plan, prefix_attention
 from prefixattn.kernels.prefix_attention_kernel import prefix_attention_kernel
-from prefixattn.prefix_attention import prepared_launches
+from prefixattn.launcher import prepared_launches
 from tests.launch_count import launch_arguments
 from tests.prefix_batches import make_batch
 

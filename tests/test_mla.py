@@ -33,12 +33,16 @@ def _batch(device, *, q_lens, kv_lens, block_size, shared_blocks, num_heads, dim
     return q, kv, qo, torch.tensor(kv_lens, dtype=torch.int32), table
 
 
-def _check(q, kv, qo, lens, table, p, *, dims=SMALL, kv_scale=None, **call):
-    out, lse = mla_attention(q, kv, p, return_lse=True, kv_scale=kv_scale, **call)
-    ref, ref_lse = reference_mla_attention(q, kv, qo, lens, table, kv_lora_rank=dims[0], sm_scale=p.sm_scale,
+def _check(q, kv, qo, lens, table, p, *, dims=SMALL, kv_scale=None, run=None, **call):
+    """``run`` (default: mla_attention with the plan) against the fp64 reference, output and LSE."""
+    if run is None:
+        out, lse = mla_attention(q, kv, p, return_lse=True, kv_scale=kv_scale, **call)
+    else:
+        out, lse = run(q, kv, return_lse=True, kv_scale=kv_scale, **call)
+    n = int(qo[-1])
+    ref, ref_lse = reference_mla_attention(q[:n], kv, qo, lens, table, kv_lora_rank=dims[0], sm_scale=p.sm_scale,
                                            return_lse=True, compute_dtype=torch.float64, kv_scale=kv_scale)
     atol, rtol = ATTENTION_TOL[q.dtype]
-    n = int(qo[-1])
     torch.testing.assert_close(out[:n].double().cpu(), ref[:n].cpu(), atol=atol, rtol=rtol)
     torch.testing.assert_close(lse[:n].double().cpu(), ref_lse[:n].cpu(), atol=LSE_TOL[0], rtol=LSE_TOL[1])
     return out
@@ -90,7 +94,8 @@ def test_fp8_latent_cache(device, kv_dtype):
     kv8 = (kv / 2).to(kv_dtype)
     p = plan_mla(qo, lens, table, block_size=16, num_heads=8, sm_scale=0.3, kv_lora_rank=SMALL[0], rope_dim=SMALL[1],
                  q_dtype=torch.float16, kv_dtype=kv_dtype, sharing="always")
-    for scale in (2.0, torch.tensor([2.0], device=device)):
+    # One plan, a scale of 1 then others: a float scale of 1 launches without the scale, any other with it.
+    for scale in (1.0, 2.0, torch.tensor([2.0], device=device)):
         _check(q, kv8, qo, lens, table, p, kv_scale=scale)
 
 
@@ -159,3 +164,41 @@ def test_bad_input(device):
                                              head_dim=32, q_dtype=torch.float32))
     with pytest.raises(ValueError, match="plan: expected a plan from prefixattn.plan, got an MLA plan"):
         prefixattn.attention(q, kv[:, :, None], kv[:, :, None], p)
+
+
+def test_wrapper_graph_launch_is_fixed_by_the_capacity(device):
+    # Two different steps on one use_cuda_graph wrapper: each correct, and both launched with the same grids over the
+    # workspace's own tables (what a captured graph replays).
+    from prefixattn.launcher import prepared_launches
+
+    kw = dict(num_heads=16, block_size=16, sm_scale=0.3, kv_lora_rank=SMALL[0], rope_dim=SMALL[1],
+              q_dtype=torch.float32, max_tokens=16, max_requests=8, max_blocks_per_request=8, device=device)
+    attn = prefixattn.MLAPrefixSharedAttention(**kw, use_cuda_graph=True, max_q_len=4)
+    launches = []
+    for seed, (q_lens, kv_lens) in enumerate((([1, 1, 3], [37, 33, 45]), ([1, 2, 1, 1], [20, 50, 33, 40]))):
+        q, kv, qo, lens, table = _batch(device, q_lens=q_lens, kv_lens=kv_lens, block_size=16, shared_blocks=2,
+                                        num_heads=16, seed=seed)
+        q = torch.cat([q, torch.zeros(16 - q.shape[0], *q.shape[1:], device=device)])  # the graph's padded rows
+        p = attn.plan(qo, lens, table)
+        assert p.stats["mla_form"] == "absorbed"
+        _check(q, kv, qo, lens, table, p, out=torch.empty(16, 16, SMALL[0], device=device), run=attn.run)
+        [launch] = prepared_launches(p).values()
+        fixed = [i for i in range(len(launch.params.names)) if i not in launch.params.per_call]
+        launches.append([(grid, [args[i].data_ptr() if isinstance(args[i], torch.Tensor) else args[i] for i in fixed])
+                         for grid, args, *_ in launch.launches])
+    assert launches[0] == launches[1]
+    # Without capacities: the free plan, as plan_mla.
+    free = prefixattn.MLAPrefixSharedAttention(**{k: v for k, v in kw.items() if not k.startswith("max_")})
+    _check(q, kv, qo, lens, table, free.plan(qo, lens, table), run=free.run)
+
+
+def test_wrapper_refuses_what_mla_has_not():
+    kw = dict(num_heads=16, block_size=16, sm_scale=0.3, max_tokens=16, max_requests=8, max_blocks_per_request=8,
+              device="cpu")
+    with pytest.raises(ValueError, match="window_left: expected it off for an MLA plan"):
+        prefixattn.MLAPrefixSharedAttention(**kw).plan(torch.tensor([0, 1]), torch.tensor([5]),
+                                                       torch.tensor([[0]]), window_left=3)
+    with pytest.raises(ValueError, match="logits_soft_cap: expected an option of MLAPrefixSharedAttention"):
+        prefixattn.MLAPrefixSharedAttention(**kw, logits_soft_cap=30.0)
+    with pytest.raises(ValueError, match="sm_scale: expected the MLA model's softmax scale"):
+        prefixattn.MLAPrefixSharedAttention(**{**kw, "sm_scale": None})

@@ -99,6 +99,11 @@ def checked_options(*, causal, sm_scale, logits_soft_cap, window_left, alibi_slo
         if sm_scale is None:
             # 1 / sqrt of the model's query-key head size (DeepSeek-V3: 128 + 64), which the latent does not carry.
             raise ValueError("sm_scale: expected the MLA model's softmax scale (a float), got None")
+        for name, on, value in (("logits_soft_cap", soft_cap > 0, logits_soft_cap),
+                                ("window_left", window_left >= 0, window_left), ("nan_guard", nan_guard, nan_guard)):
+            if on:
+                raise ValueError(f"{name}: expected it off for an MLA plan (the MLA kernel has no soft cap, window "
+                                 f"or NaN guard), got {value!r}")
     else:
         check_head_dim("head_dim", head_dim)
     return PlanOptions(

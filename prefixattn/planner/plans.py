@@ -45,6 +45,9 @@ from prefixattn.planner.workspace import PlanWorkspace
 from prefixattn.runtime import interpreter_enabled
 from prefixattn.validation import canonical_device
 
+#: The form an MLA plan attends in (``stats["mla_form"]``): the absorbed form only (the naive form over a prefix
+#: up-projected once per group is not built).
+MLA_FORM = "absorbed"
 #: Whether the kernels run in Triton's interpreter, as when they were imported (``triton.jit`` decides it then, from
 #: ``TRITON_INTERPRET``): read once, not per plan (an environment read costs ~0.8 us on the 2-core host).
 _KERNELS_INTERPRETED = interpreter_enabled()
@@ -353,7 +356,7 @@ def _pipeline(be, o: PlanOptions, qo_indptr, kv_lens, block_table, device, num_b
         **dev,
         counts=dict(num_shared_nodes=num_nodes, num_units=work.num_units, num_merge_rows=work.mrows.shape[0],
                     num_ws_rows=work.num_ws_rows, num_sms=num_sms, sharing_declined=chosen.declined,
-                    requests_apart=chosen.apart),
+                    requests_apart=chosen.apart, **({"mla_form": MLA_FORM} if o.rope_dim else {})),
         workspace=workspace, workspace_step=workspace.step if workspace is not None else -1,
     )
 
