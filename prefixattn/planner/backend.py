@@ -56,7 +56,8 @@ class NumpyBackend:
     def nodes(self, tree, inputs: Inputs, o, tiles, *, sharing: str) -> tuple[SharedNodes, np.ndarray]:
         nodes, suffix_start = select_shared_nodes(
             tree, shareable=inputs.shareable, q_len=inputs.q_len, block_size=o.block_size, group=o.group,
-            head_dim=o.head_dim, elt_bytes=o.kv_dtype.itemsize, sharing=sharing, **tiles.tile_rows(o.group).rule_args)
+            head_dim=o.cost_head_dim, elt_bytes=o.kv_dtype.itemsize, sharing=sharing,
+            **tiles.tile_rows(o.group).rule_args)
         return windowed(nodes, suffix_start, inputs, o)
 
     def split(self, nodes: SharedNodes, suffix_start: np.ndarray, inputs: Inputs, o, tiles, *, num_sms: int,

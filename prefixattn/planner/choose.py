@@ -69,7 +69,7 @@ def choose(backend, tree: LcpTree, inputs, o, tiles, *, num_sms: int, costs: tup
     nodes, suffix_start, split = candidate(o.sharing)
     apart = declined = False
     if priced and requests_may_stay_apart(tree, q_len=inputs.q_len, max_q_len=inputs.max_q_len,
-                                          shareable=inputs.shareable, group=o.group, head_dim=o.head_dim,
+                                          shareable=inputs.shareable, group=o.group, head_dim=o.cost_head_dim,
                                           elt_bytes=o.kv_dtype.itemsize, **tiles.tile_rows(o.group).rule_args):
         alt = candidate(SHARING_APART)  # the plan with them apart too: the faster (modeled)
         if modeled_faster(alt[2], split):

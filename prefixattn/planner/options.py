@@ -75,8 +75,10 @@ class PlanOptions(NamedTuple):
 
     @property
     def cost_head_dim(self) -> int:
-        """The head size the program-cost model prices a KV position at (K and V, ``head_dim`` each): MLA's
-        programs read one latent row of ``head_dim + rope_dim`` per position, serving as K and V."""
+        """The head size the cost models price a KV position at (K and V, ``head_dim`` each: the program costs and
+        the sharing rule's saved bytes): MLA's programs read one latent row of ``head_dim + rope_dim`` per position,
+        serving as K and V. (The sharing rule then prices an MLA node's partial states at this size too, about half
+        their ``head_dim``: an MLA node is kept from about half the tokens its states call for.)"""
         return self.head_dim if not self.rope_dim else -(-(self.head_dim + self.rope_dim) // 2)
 
 

@@ -156,7 +156,7 @@ def nodes(tree, inputs, o, tiles, *, sharing: str) -> tuple[SharedNodes, np.ndar
     rows = tiles.tile_rows(o.group)
     kv_start, kv_end, depth_blocks, offsets, members, suffix_start = select_nodes(
         tree.order, tree.depth, tree.lb, tree.rb, tree.parent, inputs.shareable, inputs.q_len, o.block_size,
-        rows.rows_per_shared_tile, o.group, o.head_dim, o.kv_dtype.itemsize, SHARING_CODES[sharing],
+        rows.rows_per_shared_tile, o.group, o.cost_head_dim, o.kv_dtype.itemsize, SHARING_CODES[sharing],
         rows.rows_per_chunk_tile, rows.decode_class_rows)
     chosen = SharedNodes(kv_start=kv_start, kv_end=kv_end, depth_blocks=depth_blocks, offsets=offsets,
                          members=members)
