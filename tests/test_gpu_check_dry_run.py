@@ -38,9 +38,10 @@ def test_gpu_check_dry_run_runs_every_step(tmp_path):
     assert float(hbm["value"]) == max(float(r["value"]) for r in by("gpu_ceiling", "read_gbps") +
                                       by("gpu_ceiling", "copy_gbps"))
     assert float(by("gpu_ceiling", "read_configs_tried")[0]["value"]) > 1
-    # The sanitizer's eight kernel classes ran (and passed) in the interpreter; the tool itself needs a GPU.
+    # The sanitizer's nine kernel classes (MLA's among them) ran (and passed) in the interpreter; the tool itself
+    # needs a GPU.
     cases = by("gpu_check_sanitizer_cases", "passed")
-    assert len(cases) == 8 and all(float(r["value"]) == 1.0 for r in cases)
+    assert len(cases) == 9 and all(float(r["value"]) == 1.0 for r in cases)
     ahead = by("gpu_check_plan_ahead", "passed")
     assert len(ahead) == 2 and all(float(r["value"]) == 1.0 for r in ahead)
     assert len(by("gpu_check_plan_ahead", "host_us")) == len(by("gpu_check_plan_ahead", "overlap_us")) == 2

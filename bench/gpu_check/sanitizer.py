@@ -1,12 +1,13 @@
 """compute-sanitizer on one small batch of each kernel class (GPU check step ``sanitizer``).
 
 Cases (:data:`CASES`): decode, mixed (chunked prefill + decode), split-k with many merges, multi-level sharing, a
-sliding window, attention sinks, an fp8 (e4m3) cache, and a CUDA-graph replay of the ``use_cuda_graph`` wrapper after
-a second plan. Each case is checked against the fp64 reference. The correctness step runs them once in the driver
-(compiling their kernels, so the sanitized processes load them from Triton's cache); then one child process per tool
-(:data:`TOOLS`) runs all of them under ``compute-sanitizer --tool <tool>``, instrumenting the kernels whose names
-contain :data:`KERNEL_FILTER`. Errors are reported per tool (the tool's summary line) with each case's pass/fail; the
-output around an error names the case that printed before it.
+sliding window, attention sinks, an fp8 (e4m3) cache, a CUDA-graph replay of the ``use_cuda_graph`` wrapper after
+a second plan, and the MLA kernel (DeepSeek-V3's latent, decodes under a shared prompt, split-k). Each case is
+checked against the fp64 reference. The correctness step runs them once in the driver (compiling their kernels, so
+the sanitized processes load them from Triton's cache); then one child process per tool (:data:`TOOLS`) runs all of
+them under ``compute-sanitizer --tool <tool>``, instrumenting the kernels whose names contain
+:data:`KERNEL_FILTER`. Errors are reported per tool (the tool's summary line) with each case's pass/fail; the output
+around an error names the case that printed before it.
 """
 
 from __future__ import annotations
@@ -15,13 +16,17 @@ import re
 import subprocess
 import time
 
-CASES = ("decode", "mixed", "split_k", "multi_level", "window", "sinks", "fp8", "graph_replay")
+CASES = ("decode", "mixed", "split_k", "multi_level", "window", "sinks", "fp8", "graph_replay", "mla")
 #: Tool -> share of the step's budget (racecheck instruments shared memory: the slowest).
 TOOLS = {"racecheck": 0.4, "memcheck": 0.3, "synccheck": 0.3}
-#: Substring of the kernels instrumented: prefixattn's attention kernels (torch's own kernels are not ours; their
-#: instrumentation would only slow the run). A renamed kernel must keep it, or this constant must change.
-KERNEL_FILTER = "kns=prefix_attention"
-#: Batch scale of the cases on a GPU (cases.build_case): small, so three instrumented passes over eight cases fit
+#: Substring of the kernels instrumented: prefixattn's attention kernels, ``prefix_attention_kernel`` and
+#: ``mla_attention_kernel`` (torch's own kernels are not ours; their instrumentation would only slow the run). A
+#: renamed kernel must keep it, or this constant must change.
+KERNEL_FILTER = "kns=attention_kernel"
+#: The MLA case: (query heads, requests, shared prompt tokens, own tokens) on a GPU and in the interpreter; the GPU's
+#: own tokens are split (split-k) and merged.
+MLA_CASE = {True: (16, 6, 128, 700), False: (16, 3, 128, 40)}
+#: Batch scale of the cases on a GPU (cases.build_case): small, so three instrumented passes over the cases fit
 #: the step (the first GPU run's one split-k case at scale 8 took 13 s under racecheck, 9 s under memcheck); split-k
 #: still splits at this size (64 SMs assumed, 16-token chunks).
 GPU_CASE_SCALE = 2
@@ -50,6 +55,8 @@ def run_case(name: str, device: str, gpu: bool) -> dict:
     import prefixattn
     from tests.tolerances import ATTENTION_TOL
 
+    if name == "mla":
+        return _mla_case(device, gpu)
     case = _case(name, gpu)
     b, options = cases.build_case(case, GPU_CASE_SCALE if gpu else 1, seed=CASES.index(name))
     q, k, v = (t.to(device) for t in (b.q, b.k_cache, b.v_cache))
@@ -76,6 +83,22 @@ def run_case(name: str, device: str, gpu: bool) -> dict:
     err = (out[:n].double() - want).abs()
     passed = bool(torch.isfinite(out[:n]).all() and (err <= atol + rtol * want.abs()).all())
     return dict(passed=passed, max_abs_err=float(err.max()) if n else 0.0)
+
+
+def _mla_case(device: str, gpu: bool) -> dict:
+    """The MLA case (:data:`MLA_CASE`): mla_attention with every shared node taken, against the fp64 reference."""
+    import torch
+
+    import prefixattn
+    from gpu_check.mla import PAGE, SM_SCALE, _batch, _correct, _want
+
+    b = _batch(*MLA_CASE[gpu], device)
+    p = prefixattn.plan_mla(b["qo_indptr"].to(device), b["kv_lens"].to(device), b["table"].to(device),
+                            block_size=PAGE, num_heads=b["heads"], sm_scale=SM_SCALE, q_dtype=torch.bfloat16,
+                            sharing="always")
+    rows, want = _want(b)
+    passed, err = _correct(prefixattn.mla_attention(b["q"], b["cache"], p), rows, want)
+    return dict(passed=passed and p.has_shared, max_abs_err=err)
 
 
 def _graph_replay(b, q, k, v, meta, device: str, gpu: bool):
