@@ -202,3 +202,14 @@ def test_wrapper_refuses_what_mla_has_not():
         prefixattn.MLAPrefixSharedAttention(**kw, logits_soft_cap=30.0)
     with pytest.raises(ValueError, match="sm_scale: expected the MLA model's softmax scale"):
         prefixattn.MLAPrefixSharedAttention(**{**kw, "sm_scale": None})
+
+
+@pytest.mark.parametrize("block_size", [1, 64])
+def test_token_pool_and_large_pages(device, block_size):
+    # SGLang's token pool (1-token pages: PAGE_SIZE 1) and vLLM's 64-token MLA pages, a shared prompt either way.
+    q, kv, qo, lens, table = _batch(device, q_lens=[1, 2, 1], kv_lens=[70, 66, 69], block_size=block_size,
+                                    shared_blocks=64 // block_size, num_heads=8)
+    p = plan_mla(qo, lens, table, block_size=block_size, num_heads=8, sm_scale=0.3, kv_lora_rank=SMALL[0],
+                 rope_dim=SMALL[1], q_dtype=torch.float32, sharing="always")
+    assert p.has_shared
+    _check(q, kv, qo, lens, table, p)
