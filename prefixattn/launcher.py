@@ -152,7 +152,7 @@ class _Params:
 _PARAMS: dict = {}
 
 
-def _params(kernel, per_call: tuple) -> _Params:
+def _params(kernel, per_call: tuple = FUSED_PER_CALL) -> _Params:
     """The parameters of ``kernel`` (a stand-in without its own ``fn`` takes the fused kernel's)."""
     fn = getattr(kernel, "fn", None) or prefix_attention_kernel.fn
     got = _PARAMS.get((fn, per_call))

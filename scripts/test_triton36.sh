@@ -5,7 +5,8 @@
 #     launch against this Triton's own JIT and compiled launcher (tests/test_launcher.py, test_launcher_compile.py)
 #     and, under 3.6 only, the GPU check's dry run (tests/test_gpu_check_dry_run.py);
 #   - `prefixattn compile-check` for sm90 (bf16, head_dim 64 and 128: decode, chunked prefill, suffix-only, merges),
-#     i.e. Triton 3.6's own compiler and ptxas on the kernels the GPU machine will run, and for gfx942 (head_dim 128).
+#     i.e. Triton 3.6's own compiler and ptxas on the kernels the GPU machine will run, and for gfx942 (head_dim 128);
+#     under 3.6 the MLA kernel's sm90 binaries too.
 # numpy<2.4: Triton 3.6's interpreter calls int() on 1-element arrays, a TypeError from NumPy 2.4 on (see
 # prefixattn/runtime.py; Triton >= 3.7 is fine with any NumPy). The main suite (scripts/test.sh) runs the newest Triton.
 # TRITON_PIN=triton==3.8.0 runs the same suite on another Triton (in .venv-triton38; scripts/test.sh runs 3.8.0, vLLM
@@ -43,8 +44,14 @@ dry_run=()
   "${dry_run[@]}" -q \
   --deselect tests/test_attention.py::test_thousand_tiny_requests -m "not slow" -W "ignore:Conversion of an array with ndim:DeprecationWarning" "$@" || failed+=(kernel-tests)
 # gfx942 at one head size: Triton 3.6 lowered an atomic exchange to a buffer atomic LLVM lacks there (every binary).
-"$VENV/bin/prefixattn" compile-check --targets sm90,gfx942 --dtypes bf16 --head-dims 64,128 \
-  --head-dim-per-target gfx942=128 --jobs 2 --quiet || failed+=(compile-check)
+"$VENV/bin/prefixattn" compile-check --kernels prefix_attention,merge --targets sm90,gfx942 --dtypes bf16 \
+  --head-dims 64,128 --head-dim-per-target gfx942=128 --jobs 2 --quiet || failed+=(compile-check)
+# The MLA kernel's sm90 binaries (bf16, over each fp8 latent) under the GPU image's Triton only: 3.6 spilled where 3.9
+# did not (an e4m3 latent's shared tile).
+if [ "$version" = "3.6.0" ]; then
+  "$VENV/bin/prefixattn" compile-check --kernels mla_attention --targets sm90 --dtypes bf16 --jobs 2 --quiet \
+    || failed+=(compile-check-mla)
+fi
 if [ ${#failed[@]} -gt 0 ]; then
   echo "triton $version suite: FAILED: ${failed[*]}" >&2
   exit 1

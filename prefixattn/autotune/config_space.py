@@ -61,29 +61,32 @@ _MIN_ELEMS_PER_THREAD = 1
 
 #: MLA's class tiles, ``(decode, chunk, shared)`` per ``(is_hip, kv_fp8)``, each ``(BLOCK_M, BLOCK_N, num_warps,
 #: num_stages)``, for 16-bit q. Not measured on a GPU yet: the largest tiles that compile without spills at two K/V
-#: tiles in flight under Triton 3.6 and 3.9 (``prefixattn compile-check --kernels mla_attention``: DeepSeek-V3's
-#: 512 + 64 at 128 heads). A 64-lane matrix tile (FlashMLA's) spilled 1.9-2.8 KB on sm_90 at 8 warps (its 64 x 512
-#: fp32 accumulator alone is 128 registers a thread): 32 lanes x 32 positions at 8 warps and 3 stages, 210-240
-#: registers and 110 KiB. The decode tile is one row's 16 heads (as vLLM's Triton MLA decode tiles its heads): 16 x 32
-#: at 4 warps and 3 stages spilled 8 bytes on sm_80 under 3.6, 16 x 16 takes 204-210 registers. An fp8 latent's
-#: upcasts cost registers: its matrix tiles read 16 positions a step, and the chunk class (causal masks on top)
-#: spilled 16-40 bytes at 32 x 16 under 3.6 (sm_80, sm_90), so it runs the decode tile. On AMD a 32 x 32 matrix tile
-#: at 8 warps (512 threads) spilled 131-449 VGPRs and at 4 warps 1 (gfx90a): 32 x 16 at 4 warps; 3 stages of 16 x 32
-#: decode tiles take 72 KiB, over the 64 KiB of LDS: 2.
+#: tiles in flight under Triton 3.6 and 3.9, compiled afresh (a warm Triton cache served stale binaries;
+#: ``prefixattn compile-check --kernels mla_attention``: DeepSeek-V3's 512 + 64 at 128 heads). A 64-lane matrix tile
+#: (FlashMLA's) spilled 1.9-2.8 KB on sm_90 at 8 warps (its 64 x 512 fp32 accumulator alone is 128 registers a
+#: thread): 32 lanes x 32 positions at 8 warps and 3 stages, 210-240 registers and 110 KiB. The decode tile is one
+#: row's 16 heads (as vLLM's Triton MLA decode tiles its heads): 16 x 32 at 4 warps and 3 stages spilled 8 bytes on
+#: sm_80 under 3.6, 16 x 16 takes 204-210 registers. An fp8 latent's upcasts cost registers: at 4 warps 16 x 16
+#: tiles spilled 20 bytes with fp16 q (sm_90), and 32-lane tiles 8-104 bytes at 8 warps under 3.6, so every class
+#: runs 16 x 16 tiles at 8 warps: a shared tile then holds one request's 16 heads, and the sharing rule keeps no node
+#: at 16 heads (8 heads: two requests a tile). On AMD a 32 x 32 matrix tile at 8 warps (512 threads) spilled 131-449
+#: VGPRs and at 4 warps 1 (gfx90a): 32 x 16 at 4 warps; 3 stages of 16 x 32 decode tiles take 72 KiB, over the 64 KiB
+#: of LDS: 2. Over an fp8 latent a 16 x 16 decode tile spilled 17-20 VGPRs on gfx90a under 3.6 (e4m3, fp16 q): every
+#: class runs the matrix tile there (one binary for chunk and decode).
 MLA_TILES = {
     (False, False): ((16, 16, 4, 3), (32, 32, 8, 3), (32, 32, 8, 3)),
-    (False, True): ((16, 16, 4, 3), (16, 16, 4, 3), (32, 16, 8, 3)),
+    (False, True): ((16, 16, 8, 3), (16, 16, 8, 3), (16, 16, 8, 3)),
     (True, False): ((16, 32, 4, 2), (32, 16, 4, 2), (32, 16, 4, 2)),
-    (True, True): ((16, 16, 4, 3), (32, 16, 4, 2), (32, 16, 4, 2)),
+    (True, True): ((32, 16, 4, 2), (32, 16, 4, 2), (32, 16, 4, 2)),
 }
-#: fp32 q (the interpreter's tests, an fp32 model): one 16 x 16 tile at 4 warps, 2 stages, for every class (32 x 16
-#: matrix tiles spilled 308-332 bytes on sm_80/sm_90 at 8 warps, 16 on gfx942 at 4).
-MLA_FP32_TILE = (16, 16, 4, 2)
+#: fp32 q (the interpreter's tests, an fp32 model), per ``is_hip``: one 16 x 16 tile at 2 stages for every class, at
+#: 8 warps on NVIDIA (4 spilled 348 bytes on sm_80 under 3.6) and 4 on AMD (8 spilled 146-774 VGPRs).
+MLA_FP32_TILES = {False: (16, 16, 8, 2), True: (16, 16, 4, 2)}
 
 
 def mla_class_tiles(*, fp32: bool, kv_fp8: bool, is_hip: bool) -> tuple:
-    """``(decode, chunk, shared)`` tiles of the MLA kernel (:data:`MLA_TILES`, :data:`MLA_FP32_TILE`)."""
-    return (MLA_FP32_TILE,) * 3 if fp32 else MLA_TILES[(is_hip, kv_fp8)]
+    """``(decode, chunk, shared)`` tiles of the MLA kernel (:data:`MLA_TILES`, :data:`MLA_FP32_TILES`)."""
+    return (MLA_FP32_TILES[is_hip],) * 3 if fp32 else MLA_TILES[(is_hip, kv_fp8)]
 
 
 def block_d(head_dim: int) -> int:

@@ -27,6 +27,14 @@ from prefixattn.kernels.prefix_attention_kernel import UNSPECIALIZED_ARGS, _norm
 
 
 @triton.jit
+def _e5m2_to_fp16(x):
+    """e5m2 values as fp16, exactly: an e5m2 byte is the high byte of the fp16 of the same value. By hand because
+    Triton 3.6 converts e5m2 on sm_80 with instructions sm_80 lacks (ptxas: ``mul.bf16x2`` "requires .target sm_90"
+    to bf16, ``cvt`` ".e5m2x2 requires .target sm_89" to fp16; every MLA class, compile-check with a fresh cache)."""
+    return (x.to(tl.uint8, bitcast=True).to(tl.uint16) << 8).to(tl.float16, bitcast=True)
+
+
+@triton.jit
 def _mla_range(
     acc, m_i, l_i,  # running state: [BLOCK_M, BLOCK_C] fp32, [BLOCK_M] fp32 (log2 units), [BLOCK_M] fp32
     q_c,  # [BLOCK_M, BLOCK_C] the absorbed query's latent part, in the dot dtype
@@ -75,6 +83,9 @@ def _mla_range(
             s = tl.dot(q_c, tl.trans(c), input_precision="ieee")
             s = tl.dot(q_r, tl.trans(r.to(tl.float32)), acc=s, input_precision="ieee")
         else:
+            if c.dtype == tl.float8e5:
+                c = _e5m2_to_fp16(c)
+                r = _e5m2_to_fp16(r)
             c = c.to(q_c.dtype)
             s = tl.dot(q_c, tl.trans(c))
             s = tl.dot(q_r, tl.trans(r.to(q_c.dtype)), acc=s)
