@@ -4,9 +4,9 @@ step, :func:`mla_attention` once per layer.
 The absorbed form over a paged latent cache (:mod:`prefixattn.kernels.mla_attention_kernel`): every query head
 attends the one latent KV head, the score is latent . latent-query + rope . rope-query, the value is the latent, and
 the layer applies ``W_UV`` to the ``[kv_lora_rank]`` output. The plan is :func:`prefixattn.plan`'s pipeline: a
-prefix that several requests' block tables share is read once per step as one matrix product over all their
-(request, head) rows (a shared node), long ranges are split across the device and merged in the kernel, prefill
-chunks and decode rows run as their own classes. Each program packs one head block (16 query heads, or all of
+prefix that several requests' block tables share (a shared node) is read once per shared tile, a matrix product over
+the (request, head) rows the tile packs, instead of once per request; long ranges are split across the device and
+merged in the kernel, prefill chunks and decode rows run as their own classes. Each program packs one head block (16 query heads, or all of
 fewer: :func:`~prefixattn.planner.tiles.mla_heads_per_program`) of its rows.
 
 Only the absorbed form is planned (``Plan.stats["mla_form"]``): the naive form over a prefix up-projected once per
