@@ -293,10 +293,10 @@ def test_worst_case_selection_covers_every_shipped_binary_and_feature_axis(tmp_p
             assert tiles["block_n"] <= 16 or r["variant"].endswith("@n16"), r["variant"]
     assert sorted(r["kernel"] for r in records if r["kernel"] not in ("prefix_attention", "mla_attention")) == \
         sorted(["merge_state_pair", "merge_states"] * 4)
-    # The MLA kernel's three class binaries on every target, bf16 over a bf16 and an e5m2 latent.
+    # The MLA kernel's three class binaries on every target, bf16, and on sm90 over an e5m2 latent too.
     assert sorted((r["target"], r["variant"]) for r in records if r["kernel"] == "mla_attention") == sorted(
         (name, f"{cls}+lse{kv}") for name in ("sm80", "sm90", "gfx90a", "gfx942")
-        for cls in ("shared", "chunk", "decode") for kv in ("", "+fp8e5"))
+        for cls in ("shared", "chunk", "decode") for kv in ("", "+fp8e5") if name == "sm90" or not kv)
     for r in records:
         assert r["ok"] and r["spills"] == 0 and r["registers"] > 0
         assert r["shared_bytes"] <= TARGETS[r["target"]].max_shared_bytes
