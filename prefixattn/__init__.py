@@ -26,6 +26,7 @@ _EXPORTS = {
     "SUPPORTED_DTYPES": "prefixattn.validation",
     "SUPPORTED_HEAD_DIMS": "prefixattn.validation",
     "attention": "prefixattn.prefix_attention",
+    "check_mla_dims": "prefixattn.validation",
     "kernel_variants": "prefixattn.warmup",
     "merge_states": "prefixattn.merge",
     "merge_states_n": "prefixattn.merge",
@@ -40,7 +41,7 @@ _EXPORTS = {
 
 __all__ = ["CapacityError", "FP8_E4M3_MIN_CAPABILITY", "FP8_KV_DTYPES", "MLAPrefixSharedAttention", "Plan",
            "PrefixSharedAttention", "SINK_DTYPES", "SUPPORTED_DTYPES", "SUPPORTED_HEAD_DIMS", "attention",
-           "kernel_variants", "merge_states",
+           "check_mla_dims", "kernel_variants", "merge_states",
            "merge_states_n", "mla_attention", "plan", "plan_mla", "reference_attention", "reference_mla_attention",
            "warmup_kernels", "write_kv", "__version__"]
 

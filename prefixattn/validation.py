@@ -147,7 +147,20 @@ def check_head_dim(name: str, head_dim: int) -> None:
 
 
 def check_mla_dims(kv_lora_rank, rope_dim) -> None:
-    """The latent and rotary widths of an MLA cache (:data:`MLA_MAX_KV_LORA_RANK`, :data:`MLA_MAX_ROPE_DIM`)."""
+    """Check the latent and rotary widths of an MLA cache against what the MLA kernel runs.
+
+    Parameters
+    ----------
+    kv_lora_rank : int
+        Latent width (DeepSeek-V3: 512): a multiple of 8, at most :data:`MLA_MAX_KV_LORA_RANK`.
+    rope_dim : int
+        Rotary key width (DeepSeek-V3: 64): a multiple of 8, at most :data:`MLA_MAX_ROPE_DIM`.
+
+    Raises
+    ------
+    ValueError
+        Naming the width, what was expected and what arrived.
+    """
     for name, value, most in (("kv_lora_rank", kv_lora_rank, MLA_MAX_KV_LORA_RANK),
                               ("rope_dim", rope_dim, MLA_MAX_ROPE_DIM)):
         if (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 < value <= most

