@@ -23,7 +23,8 @@ import triton.language as tl
 
 from prefixattn.kernels import layout as L
 from prefixattn.kernels.operands import PagedKV, RowsHeads, RowsHeadsDim, WorkTables, _load_block_ids, _page_and_slot
-from prefixattn.kernels.prefix_attention_kernel import UNSPECIALIZED_ARGS, _normalized_state, _store_state
+from prefixattn.kernels.prefix_attention_kernel import (UNSPECIALIZED_ARGS, _item_lanes, _normalized_state,
+                                                     _store_state)
 
 
 @triton.jit
@@ -166,24 +167,8 @@ def mla_attention_kernel(
                  stride_v_blk=stride_kv_blk, stride_v_tok=stride_kv_tok, stride_v_head=0, stride_v_d=stride_kv_d)
     work = WorkTables(items_ptr=items_ptr, gather_ptr=gather_ptr, mrows_ptr=mrows_ptr, counters_ptr=counters_ptr)
 
-    it = items_ptr + item * L.ITEM_FIELDS
-    req = tl.load(it + L.ITEM_REQ).to(tl.int64)
-    kv_start = tl.load(it + L.ITEM_KV_START)
-    kv_end = tl.load(it + L.ITEM_KV_END)
-    row_start = tl.load(it + L.ITEM_ROW_START).to(tl.int64)
-    num_rows = tl.load(it + L.ITEM_NUM_ROWS)
-    q_pos0 = tl.load(it + L.ITEM_Q_POS)
-
-    offs_m = tl.arange(0, BLOCK_M)
-    row = offs_m // group
-    head = head_block * group + offs_m % group
-    mask_m = (row < num_rows) & (offs_m < (BLOCK_M // group) * group)
-    if IS_SHARED:
-        g = gather_ptr + (row_start + row) * L.GATHER_FIELDS
-        tok = tl.load(g + L.GATHER_TOKEN, mask=mask_m, other=0).to(tl.int64)
-    else:
-        g = it  # no gather rows: _store_state reads it only for SHARED items
-        tok = row_start + row
+    it, req, kv_start, kv_end, _, q_pos0, row, head, mask_m, g, tok = _item_lanes(
+        work=work, item=item, head_block=head_block, group=group, IS_SHARED=IS_SHARED, BLOCK_M=BLOCK_M)
     offs_c = tl.arange(0, BLOCK_C)
     offs_r = tl.arange(0, BLOCK_R)
     q_row = q_ptr + tok[:, None] * stride_q_t + head[:, None] * stride_q_h  # [BLOCK_M, 1]

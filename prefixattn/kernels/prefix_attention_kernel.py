@@ -18,11 +18,11 @@ to ``out`` (a request whose rows have a single state: plain paged attention) or 
 
 All arithmetic is fp32 right after each load (the interpreter computes bf16 on raw bits); ``tl.dot`` gets the input
 dtype on GPUs (tensor cores) unless ``USE_FP32_DOT``. Softmax runs in base 2 (``exp2``, scores scaled by
-``sm_scale * log2(e)``, in the exponent's FMA for tiles with no masked key); LSEs are stored in natural log. NaN in q or in a visible K/V row gives NaN out: a row is
-empty (output 0, LSE -inf) only when its softmax denominator is exactly 0, never when it is NaN. A non-finite V
-value at a key a row does not see but that a masked tile loads (causal diagonal, window edge) reaches the row
-through ``0 * NaN`` in the P @ V dot unless ``USE_NAN_GUARD`` (:mod:`prefixattn.kernels.nan_redo`;
-``plan(nan_guard=True)``).
+``sm_scale * log2(e)``, in the exponent's FMA for tiles with no masked key); LSEs are stored in natural log. NaN
+in q or in a visible K/V row gives NaN out: a row is empty (output 0, LSE -inf) only when its softmax denominator is
+exactly 0, never when it is NaN. A non-finite V value at a key a row does not see but that a masked tile loads (causal
+diagonal, window edge) reaches the row through ``0 * NaN`` in the P @ V dot unless ``USE_NAN_GUARD``
+(:mod:`prefixattn.kernels.nan_redo`; ``plan(nan_guard=True)``).
 
 Features, each a constexpr switch that compiles to nothing when off:
 * ``HAS_SOFT_CAP``: each scaled logit ``s`` becomes ``c * tanh(s / c)``; the cap acts on the natural-log logit, so
@@ -365,26 +365,10 @@ def _run_item(
 ):
     """One work item for one KV head: its rows' state over its KV range, stored to ``out`` or to the workspace and
     reported (the report that completes a row merges it)."""
-    it = work.items_ptr + item * L.ITEM_FIELDS
-    req = tl.load(it + L.ITEM_REQ).to(tl.int64)
-    kv_start = tl.load(it + L.ITEM_KV_START)
-    kv_end = tl.load(it + L.ITEM_KV_END)
-    row_start = tl.load(it + L.ITEM_ROW_START).to(tl.int64)
-    num_rows = tl.load(it + L.ITEM_NUM_ROWS)
-    q_pos0 = tl.load(it + L.ITEM_Q_POS)
-
-    # M packs (query row x GQA head): lane m is row m // group, head kv_head * group + m % group.
-    offs_m = tl.arange(0, BLOCK_M)
-    row = offs_m // group
-    head = kv_head * group + offs_m % group
-    mask_m = (row < num_rows) & (offs_m < (BLOCK_M // group) * group)
+    it, req, kv_start, kv_end, num_rows, q_pos0, row, head, mask_m, g, tok = _item_lanes(
+        work=work, item=item, head_block=kv_head, group=group, IS_SHARED=IS_SHARED, BLOCK_M=BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     mask_md = mask_m[:, None] & (offs_d[None, :] < kv.head_dim)
-    if IS_SHARED:
-        g = work.gather_ptr + (row_start + row) * L.GATHER_FIELDS
-        tok = tl.load(g + L.GATHER_TOKEN, mask=mask_m, other=0).to(tl.int64)
-    else:
-        tok = row_start + row
 
     q = tl.load(_vec_ptrs(t=queries, rows=tok, heads=head, offs_d=offs_d), mask=mask_md, other=0.0)
     if USE_FP32_DOT:
@@ -431,12 +415,45 @@ def _run_item(
     o, lse_row = _normalized_state(acc=acc, m_i=m_i, l_i=l_i)
     if HAS_KV_SCALE:
         o = o * (v_scale * tl.load(v_scale_ptr))  # linear: partial states merge the same either way
-    if not IS_SHARED:
-        g = it  # no gather rows: _store_state reads it only for SHARED items
     _store_state(out=out, lse=lse, ws_o=ws_o, ws_lse=ws_lse, work=work, sinks_ptr=sinks_ptr, it=it, g=g, o=o,
                  lse_row=lse_row, tok=tok, head=head, row=row, mask_m=mask_m, mask_md=mask_md, offs_d=offs_d,
                  num_qo_heads=num_qo_heads, head_dim=kv.head_dim, IS_SHARED=IS_SHARED, HAS_LSE=HAS_LSE,
                  HAS_SINKS=HAS_SINKS, IS_HIP=IS_HIP, USE_L2_FENCES=USE_L2_FENCES, BLOCK_D=BLOCK_D)
+
+
+@triton.jit
+def _item_lanes(
+    work,  # WorkTables: items_ptr [num_items, ITEM_FIELDS], gather_ptr [num_gather, GATHER_FIELDS] int32
+    item, head_block, group,
+    IS_SHARED: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """A work item's fields and its lanes: the one prologue of every attention kernel (the MLA kernel's too), as
+    :func:`_store_state` is their one epilogue. M packs (query row x head): lane ``m`` is row ``m // group`` and head
+    ``head_block * group + m % group`` (``head_block``: the fused kernel's KV head, the MLA kernel's head block).
+
+    Returns ``(it, req, kv_start, kv_end, num_rows, q_pos0, row, head, mask_m, g, tok)``: the item's row of the
+    items table, its request (int64), KV range, row count and first query position; then ``[BLOCK_M]`` each lane's
+    row in the item, query head, liveness, row of the gather table (SHARED items; ``it`` otherwise) and token
+    (int64)."""
+    it = work.items_ptr + item * L.ITEM_FIELDS
+    req = tl.load(it + L.ITEM_REQ).to(tl.int64)
+    kv_start = tl.load(it + L.ITEM_KV_START)
+    kv_end = tl.load(it + L.ITEM_KV_END)
+    row_start = tl.load(it + L.ITEM_ROW_START).to(tl.int64)
+    num_rows = tl.load(it + L.ITEM_NUM_ROWS)
+    q_pos0 = tl.load(it + L.ITEM_Q_POS)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    row = offs_m // group
+    head = head_block * group + offs_m % group
+    mask_m = (row < num_rows) & (offs_m < (BLOCK_M // group) * group)
+    if IS_SHARED:
+        g = work.gather_ptr + (row_start + row) * L.GATHER_FIELDS
+        tok = tl.load(g + L.GATHER_TOKEN, mask=mask_m, other=0).to(tl.int64)
+    else:
+        g = it  # no gather rows: _store_state reads it only for SHARED items
+        tok = row_start + row
+    return it, req, kv_start, kv_end, num_rows, q_pos0, row, head, mask_m, g, tok
 
 
 @triton.jit
