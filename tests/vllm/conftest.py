@@ -30,3 +30,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if str(item.fspath).startswith(here):
             item.add_marker(pytest.mark.vllm)
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek_v3(tmp_path_factory) -> str:
+    """A random 2-layer DeepSeek-V3 (MLA: 4 heads, a 512 + 64 latent, vocab 512) saved locally: no hub access."""
+    from tests.vllm.tiny_model import save_tiny_deepseek_v3
+
+    return save_tiny_deepseek_v3(str(tmp_path_factory.mktemp("tiny_deepseek_v3")))

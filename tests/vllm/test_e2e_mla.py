@@ -1,5 +1,6 @@
 """End to end on the real vLLM CPU engine with an MLA model (a tiny random DeepSeek-V3): prefixattn's MLA backend
-gives HF transformers' greedy tokens, and its decode plans really shared the requests' common latent blocks.
+gives HF transformers' greedy tokens and vLLM's own CPU MLA backend's, with prefix caching on and off, and with it on
+its decode plans really shared the requests' common latent blocks.
 
 vLLM's CPU platform resolves ``CPU_MLA`` for every MLA model, so the run registers prefixattn's MLA backend over it
 (``PREFIXATTN_VLLM_OVERRIDE=CPU_MLA``), and keeps the prefix caching that platform turns off for MLA models
@@ -11,7 +12,7 @@ import random
 import pytest
 
 from tests.vllm.engine import run_engine
-from tests.vllm.tiny_model import VOCAB, assert_same_greedy_tokens, hf_greedy, save_tiny_deepseek_v3
+from tests.vllm.tiny_model import VOCAB, assert_same_greedy_tokens, hf_greedy
 
 pytestmark = pytest.mark.vllm
 
@@ -31,20 +32,30 @@ def prompts(seed: int = 0) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tiny_deepseek_v3, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("e2e_mla")
-    model = save_tiny_deepseek_v3(str(tmp / "tiny_deepseek_v3"))
+    model = tiny_deepseek_v3
     batch = prompts()
     # max_num_seqs below the batch: the last requests' prefills share steps with the first ones' decodes.
     llm = dict(dtype="float32", enable_prefix_caching=True, block_size=BLOCK, max_model_len=256, max_num_seqs=4)
+    common = dict(model=model, prompts=batch, max_tokens=MAX_TOKENS, override="CPU_MLA")
     return dict(prompts=batch, hf=hf_greedy(model, batch, max_tokens=MAX_TOKENS),
-                prefixattn=run_engine(tmp, "prefixattn_mla", model=model, prompts=batch, max_tokens=MAX_TOKENS,
-                                      llm=llm, backend="prefixattn", override="CPU_MLA", mla_prefix_caching=True))
+                vllm=run_engine(tmp, "vllm_cpu_mla", llm=llm, backend="vllm", mla_prefix_caching=True, **common),
+                prefixattn=run_engine(tmp, "prefixattn_mla", llm=llm, backend="prefixattn", mla_prefix_caching=True,
+                                      **common),
+                no_prefix_caching=run_engine(tmp, "prefixattn_mla_no_pc", llm=dict(llm, enable_prefix_caching=False),
+                                             backend="prefixattn", **common))
 
 
-def test_same_greedy_tokens_as_hf_transformers(runs):
-    assert runs["prefixattn"]["prompts_back"] == runs["prompts"]
-    assert_same_greedy_tokens(runs["hf"], runs["prefixattn"], max_tokens=MAX_TOKENS)
+@pytest.mark.parametrize("run", ["vllm", "prefixattn", "no_prefix_caching"])
+def test_same_greedy_tokens_as_hf_transformers(runs, run):
+    assert runs[run]["prompts_back"] == runs["prompts"]
+    assert_same_greedy_tokens(runs["hf"], runs[run], max_tokens=MAX_TOKENS)
+
+
+def test_the_reference_run_is_vllms_own_cpu_mla_backend(runs):
+    assert runs["vllm"]["backend_class"] == "vllm.v1.attention.backends.mla.cpu_mla.CPUMLABackend"
+    assert not runs["vllm"]["plans"]
 
 
 def test_decode_plans_share_each_groups_latent_prefix(runs):
@@ -60,3 +71,9 @@ def test_decode_plans_share_each_groups_latent_prefix(runs):
     assert all(n["kv_start"] == 0 and 0 < n["kv_end"] <= (PREFIX_LEN // BLOCK) * BLOCK and len(n["requests"]) >= 2
                for n in shared)
     assert any(n["kv_end"] == (PREFIX_LEN // BLOCK) * BLOCK for n in shared)
+
+
+def test_without_prefix_caching_nothing_is_shared(runs):
+    # No two requests hold the same latent blocks: plain paged MLA.
+    plans = runs["no_prefix_caching"]["plans"]
+    assert plans and not any(p["shared"] for p in plans)

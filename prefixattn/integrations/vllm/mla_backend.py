@@ -18,8 +18,13 @@ vLLM's CPU platform, which always resolves ``CPU_MLA``: ``PREFIXATTN_VLLM_OVERRI
 
 What it does not do (refused when vLLM builds the layer, in vLLM's validation wording): sparse MLA (DeepSeek-V3.2's
 indexer), decode context parallelism, KV sharing across layers, fused output quantization, and fp8 latent caches on
-vLLM builds without ``concat_and_cache_mla`` (the CPU build). Steps run eagerly inside vLLM's piecewise graphs: the
-builder declares no full-CUDA-graph support yet.
+vLLM builds without ``concat_and_cache_mla`` (the CPU build).
+
+CUDA graphs (``AttentionCGSupport.UNIFORM_BATCH``, as vLLM's own Triton MLA backend): decode steps that vLLM captures
+or replays as full graphs plan into the builder's ``use_cuda_graph`` wrapper (a capacity-sized workspace at fixed
+addresses, launches fixed by the capacity, vLLM's persistent device block table read in place), so the launches
+captured once replay every later plan; every other step plans into the eager wrapper (sized by vLLM's scheduler
+limits), so no step allocates plan memory on the device.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ from prefixattn.integrations.vllm.backend import _plan_observers  # noqa: E402
 from prefixattn.integrations.vllm.host_tables import HostBlockTables, plan_inputs  # noqa: E402
 from prefixattn.integrations.vllm.plugin import MLA_BACKEND_NAME  # noqa: E402
 from prefixattn.integrations.vllm.refusals import fp8_cache_dtype, fp8_unsupported, refusal  # noqa: E402
+from prefixattn.integrations.vllm.wrappers import eager_capacity, graph_capacity  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +109,8 @@ class PrefixAttnMLAMetadata(MLACommonMetadata[MLACommonDecodeMetadata]):
     """vLLM's MLA metadata plus the step's plan of its decode requests (None: a step without decodes)."""
 
     decode_plan: "prefixattn.Plan | None" = None
+    #: The builder's CUDA-graph wrapper when this step runs its capacity-fixed launch, else None.
+    graph_attn: "prefixattn.MLAPrefixSharedAttention | None" = None
 
 
 class PrefixAttnMLABackend(MLACommonBackend):
@@ -138,8 +146,8 @@ class PrefixAttnMLAMetadataBuilder(MLACommonMetadataBuilder[PrefixAttnMLAMetadat
 
     # The plan takes decodes of any query length (speculative drafts included), not only uniform ones.
     query_len_support: ClassVar[QueryLenSupport] = QueryLenSupport.VARLEN
-    # Eager launches (vLLM runs attention between its piecewise graphs): the graph-capture path is not built yet.
-    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    # Full graphs of uniform decode batches (vLLM's MLA layer runs prefills outside them).
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
 
     def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config, device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device, metadata_cls=PrefixAttnMLAMetadata)
@@ -153,13 +161,16 @@ class PrefixAttnMLAMetadataBuilder(MLACommonMetadataBuilder[PrefixAttnMLAMetadat
         # seq_lens_cpu_upper_bound is exact except for asynchronous speculative decoding (optimistic drafts).
         self.exact_seq_lens_on_host = not (speculative and asynchronous)
         self.host_tables = HostBlockTables()
-        sched = vllm_config.scheduler_config
-        #: Capacity: every request of a step may be a decode, and decode tokens are at most the step's tokens.
-        self.decode_attn = prefixattn.MLAPrefixSharedAttention(
-            **self._plan_options(), max_tokens=int(sched.max_num_batched_tokens),
-            max_requests=int(sched.max_num_seqs), max_blocks_per_request=0, device=device)
-        #: Steps beyond the wrapper's capacity, planned with a per-step prefixattn.plan_mla() instead.
+        # Capacities: every request of a step may be a decode, and decode tokens are at most the step's tokens.
+        wrapper = dict(self._plan_options(), max_blocks_per_request=0, device=device)
+        graph, eager = graph_capacity(vllm_config, mixed_graphs=False), eager_capacity(vllm_config)
+        #: Decode steps vLLM may capture or replay as full CUDA graphs plan into this one (None: no full graphs).
+        self.graph_attn = prefixattn.MLAPrefixSharedAttention(**wrapper, **graph) if graph else None
+        #: Every other decode step plans into this one (None without scheduler limits: per-step plans).
+        self.eager_attn = prefixattn.MLAPrefixSharedAttention(**wrapper, **eager) if eager else None
+        #: Steps beyond the eager wrapper's capacity, planned with a per-step prefixattn.plan_mla() instead.
         self.capacity_fallbacks = 0
+        self._capturing = False
 
     def _plan_options(self) -> dict:
         dims = self.mla_dims
@@ -170,28 +181,64 @@ class PrefixAttnMLAMetadataBuilder(MLACommonMetadataBuilder[PrefixAttnMLAMetadat
     def build(self, common_prefix_len: int, common_attn_metadata, fast_build: bool = False) -> PrefixAttnMLAMetadata:
         m = super().build(common_prefix_len, common_attn_metadata, fast_build)
         if m.num_decodes:
-            m.decode_plan = self._plan_decodes(common_attn_metadata, m.num_decodes)
+            graph = self._capturing or self._graph_safe_step(m)
+            m.decode_plan = self._plan_decodes(common_attn_metadata, m.num_decodes, m.num_decode_tokens, graph=graph)
+            m.graph_attn = self.graph_attn if graph else None
             for observe in _plan_observers:
                 observe(m.decode_plan)
         return m
 
-    def _plan_decodes(self, common, num_decodes: int) -> "prefixattn.Plan":
+    def build_for_cudagraph_capture(self, common_attn_metadata) -> PrefixAttnMLAMetadata:
+        """The capture step's metadata: a graph-safe plan of vLLM's dummy decode batch with each request's KV cut to
+        its own new tokens (the captured launch depends only on the capacity, not on the plan; short ranges keep the
+        capture's own run fast, as vLLM's Triton backends do with ``seq_lens = 1``)."""
+        if self.graph_attn is None:
+            raise ValueError("cudagraph_mode: expected full CUDA graphs enabled for a capture build (the builder has "
+                             "no graph wrapper), got a mode without them")
+        self._capturing = True
+        try:
+            return super().build_for_cudagraph_capture(common_attn_metadata)
+        finally:
+            self._capturing = False
+
+    def _graph_safe_step(self, m: PrefixAttnMLAMetadata) -> bool:
+        """Whether vLLM may replay a full graph for this step: graphs on, decodes only, within the graph wrapper's
+        capacity. Exactly these steps plan into its workspace."""
+        attn = self.graph_attn
+        if attn is None or m.num_prefills:
+            return False
+        cap = attn.workspace.capacity
+        return (m.max_query_len <= attn.graph_max_q_len and m.num_decode_tokens <= cap.max_tokens
+                and m.num_decodes <= cap.max_requests)
+
+    def _plan_decodes(self, common, num_decodes: int, num_decode_tokens: int, *, graph: bool) -> "prefixattn.Plan":
         """The plan of the step's first ``num_decodes`` requests (vLLM orders decodes first), from vLLM's host
-        data (no device synchronization), reading vLLM's persistent device block table in place."""
+        data (no device synchronization), reading vLLM's persistent device block table in place.
+        ``num_decode_tokens``: their query rows, a full graph's padding rows included."""
         inputs = plan_inputs(common, block_size=self.page_size, host_tables=self.host_tables,
                              exact_seq_lens_on_host=self.exact_seq_lens_on_host)
         n = num_decodes
-        metadata = (inputs.qo_indptr[: n + 1], inputs.kv_lens[:n], inputs.host_block_table[:n])
-        try:
-            p = self.decode_attn.plan(*metadata, device_block_table=inputs.block_table[:n])
-        except prefixattn.CapacityError as err:
-            self.capacity_fallbacks += 1
-            if self.capacity_fallbacks == 1:  # once: a config that schedules past the limits does so often
-                logger.warning("prefixattn: an MLA step beyond the workspace (%s) is planned with a per-step "
-                               "prefixattn.plan_mla() (builder.capacity_fallbacks counts them)", err)
-            p = prefixattn.plan_mla(*metadata, device=self.device, **self._plan_options())
+        qo_indptr = inputs.qo_indptr[: n + 1]
+        kv_lens = qo_indptr[1:] - qo_indptr[:-1] if self._capturing else inputs.kv_lens[:n]
+        metadata = (qo_indptr, kv_lens, inputs.host_block_table[:n])
+        table = inputs.block_table[:n]
+        if graph:  # every row vLLM pads to (the graph's size): the captured ops see them
+            p = self.graph_attn.plan(*metadata, device_block_table=table, graph_num_tokens=num_decode_tokens)
+        else:
+            p = self._plan_eager(metadata, table)
         p.stats["host_block_table"] = inputs.route
         return p
+
+    def _plan_eager(self, metadata: tuple, table: torch.Tensor) -> "prefixattn.Plan":
+        if self.eager_attn is not None:
+            try:
+                return self.eager_attn.plan(*metadata, device_block_table=table)
+            except prefixattn.CapacityError as err:
+                self.capacity_fallbacks += 1
+                if self.capacity_fallbacks == 1:  # once: a config that schedules past the limits does so often
+                    logger.warning("prefixattn: an MLA step beyond the eager workspace (%s) is planned with a "
+                                   "per-step prefixattn.plan_mla() (builder.capacity_fallbacks counts them)", err)
+        return prefixattn.plan_mla(*metadata, device=self.device, **self._plan_options())
 
 
 class PrefixAttnMLAImpl(MLACommonImpl[PrefixAttnMLAMetadata]):
@@ -234,7 +281,15 @@ class PrefixAttnMLAImpl(MLACommonImpl[PrefixAttnMLAMetadata]):
         if self.fp8_dtype is not None:
             cache, scale = cache.view(self.fp8_dtype), layer._k_scale
         out = q.new_empty((q.shape[0], q.shape[1], self.kv_lora_rank))
-        prefixattn.mla_attention(q, cache, p, out=out, kv_scale=scale)
+        attn = attn_metadata.graph_attn
+        if attn is None:
+            prefixattn.mla_attention(q, cache, p, out=out, kv_scale=scale)
+        elif attn.current_plan is not p:
+            raise ValueError("attn_metadata: expected the builder's latest plan (one graph workspace holds one step's "
+                             "tables; micro-batched metadata built ahead of this forward overwrote it), got an "
+                             "older one")
+        else:  # the capacity-fixed launch a full graph captures once and replays after any later plan
+            attn.run(q, cache, out=out, kv_scale=scale)
         return out, None
 
     def do_kv_cache_update(self, kv_c_normed: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,

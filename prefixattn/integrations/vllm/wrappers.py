@@ -38,6 +38,20 @@ def graph_wrapper(vllm_config, *, num_qo_heads: int, num_kv_heads: int, head_dim
     (``FULL``): the graphs then launch the prefill-chunk class as well. No block-table section: every graph-safe
     step passes vLLM's persistent device table (``max_blocks_per_request=0``).
     """
+    capacity = graph_capacity(vllm_config)
+    if capacity is None:
+        return None
+    return prefixattn.PrefixSharedAttention(
+        **_wrapper_options(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                           block_size=block_size, q_dtype=q_dtype, kv_dtype=kv_dtype, sm_scale=sm_scale,
+                           device=device, window_left=window_left, logits_soft_cap=logits_soft_cap),
+        **capacity)
+
+
+def graph_capacity(vllm_config, *, mixed_graphs: bool = True) -> dict | None:
+    """A CUDA-graph wrapper's capacity (``max_tokens``, ``max_requests``, ``max_q_len``, ``use_cuda_graph``) from
+    vLLM's graph settings (:func:`graph_wrapper`), or None when vLLM captures no full graphs. ``mixed_graphs``: the
+    backend lets vLLM's ``FULL`` mode capture mixed batches (the MLA backend does not: decode graphs only)."""
     cc = getattr(vllm_config, "compilation_config", None)
     mode = getattr(cc, "cudagraph_mode", None)
     max_size = getattr(cc, "max_cudagraph_capture_size", None)
@@ -45,13 +59,9 @@ def graph_wrapper(vllm_config, *, num_qo_heads: int, num_kv_heads: int, head_dim
         return None
     spec = getattr(vllm_config, "speculative_config", None)
     decode_len = 1 + int(getattr(spec, "num_speculative_tokens", None) or 0)
-    if mode.mixed_mode() == type(mode).FULL:  # mixed batches replay these graphs too
+    if mixed_graphs and mode.mixed_mode() == type(mode).FULL:  # mixed batches replay these graphs too
         decode_len = max(decode_len, int(max_size))
-    return prefixattn.PrefixSharedAttention(
-        **_wrapper_options(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                           block_size=block_size, q_dtype=q_dtype, kv_dtype=kv_dtype, sm_scale=sm_scale,
-                           device=device, window_left=window_left, logits_soft_cap=logits_soft_cap),
-        max_tokens=int(max_size), max_requests=int(max_size), use_cuda_graph=True, max_q_len=decode_len)
+    return dict(max_tokens=int(max_size), max_requests=int(max_size), max_q_len=decode_len, use_cuda_graph=True)
 
 
 def eager_wrapper(vllm_config, *, num_qo_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
@@ -68,16 +78,25 @@ def eager_wrapper(vllm_config, *, num_qo_heads: int, num_kv_heads: int, head_dim
     head_dim x 4`` bytes (``PlanWorkspace.device_bytes``; 8192 tokens, 32 heads of 128: ~0.4 GB per KV cache group,
     FlashInfer's backends hold a fixed workspace of the same order).
     """
-    sched = getattr(vllm_config, "scheduler_config", None)
-    max_tokens = getattr(sched, "max_num_batched_tokens", None)
-    max_seqs = getattr(sched, "max_num_seqs", None)
-    if not max_tokens or not max_seqs:
+    capacity = eager_capacity(vllm_config)
+    if capacity is None:
         return None
     return prefixattn.PrefixSharedAttention(
         **_wrapper_options(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                            block_size=block_size, q_dtype=q_dtype, kv_dtype=kv_dtype, sm_scale=sm_scale,
                            device=device, window_left=window_left, logits_soft_cap=logits_soft_cap),
-        max_tokens=int(max_tokens), max_requests=int(max_seqs), use_cuda_graph=False)
+        **capacity)
+
+
+def eager_capacity(vllm_config) -> dict | None:
+    """An eager wrapper's capacity (``max_tokens``, ``max_requests``, ``use_cuda_graph=False``) from vLLM's scheduler
+    limits (:func:`eager_wrapper`), or None without them."""
+    sched = getattr(vllm_config, "scheduler_config", None)
+    max_tokens = getattr(sched, "max_num_batched_tokens", None)
+    max_seqs = getattr(sched, "max_num_seqs", None)
+    if not max_tokens or not max_seqs:
+        return None
+    return dict(max_tokens=int(max_tokens), max_requests=int(max_seqs), use_cuda_graph=False)
 
 
 def builder_wrappers(vllm_config, geometry, *, block_size: int, q_dtype: torch.dtype, kv_dtype: torch.dtype,
