@@ -105,3 +105,16 @@ class RecordingKernel:
                                          for k, v in named.items()}))
             return self.kernel[grid](*args, **kwargs)
         return launch
+
+
+def fixed_launch_args(plan) -> list:
+    """The grids and the plan-independent arguments (addresses of tensors, scalars) of a plan's prepared launches:
+    what a CUDA graph captures, equal for every later plan of a ``use_cuda_graph`` wrapper."""
+    from prefixattn.launcher import prepared_launches
+
+    out = []
+    for launch in prepared_launches(plan).values():
+        fixed = [i for i in range(len(launch.params.names)) if i not in launch.params.per_call]
+        out.append([(grid, [args[i].data_ptr() if isinstance(args[i], torch.Tensor) else args[i] for i in fixed])
+                    for grid, args, *_ in launch.launches])
+    return out

@@ -25,6 +25,9 @@ What is not SGLang's production path, and why (test-only, in this process only):
 * ``sglang.srt.layers.rotary_embedding.base._is_cpu`` is set True before the model is built: with no CUDA and no
   ``SGLANG_USE_CPU_ENGINE`` the rotary embedding's constructor imports ``vllm._custom_ops`` for a fallback kernel it
   never calls on the native path (its forward dispatches to ``forward_native`` here);
+* the DeepSeek-V3 model: ``moe_layer_freq`` is added to its HF config (DeepSeek-V3's ``config.json`` has it,
+  transformers' config class lacks it), ``post_load_weights()`` splits the random ``kv_b_proj`` as it does a
+  checkpoint's, and every backend is stamped with its name and takes the absorbed form (:func:`make_backend`);
 * SGLang's Triton attention backend (the reference for sinks: SGLang refuses gpt-oss on ``torch_native``, and
   ``TorchNativeAttnBackend.forward_extend`` has no ``sinks`` argument) runs its kernels in the Triton interpreter,
   built over a namespace with the runner attributes it reads. It is no fp8 reference: its extend kernel attends the
@@ -92,7 +95,18 @@ def _hf_config(arch: str):
                                         layer_types=["sliding_attention", "full_attention"],
                                         architectures=["GptOssForCausalLM"])
         return cfg, "gpt_oss", "GptOssForCausalLM"
-    raise ValueError(f"arch: expected 'gemma3' or 'gpt_oss', got {arch!r}")
+    if arch == "deepseek_v3":  # MLA: 4 heads over one 512 + 64 latent head, dense MLPs (first_k_dense_replace)
+        cfg = transformers.DeepseekV3Config(
+            vocab_size=VOCAB, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64,
+            qk_nope_head_dim=32, v_head_dim=32, first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2,
+            n_group=1, topk_group=1, max_position_embeddings=1024,
+            moe_layer_freq=1,  # DeepSeek-V3's config.json has it and SGLang reads it; transformers 5.19's lacks it
+            rope_scaling=dict(type="yarn", rope_type="yarn", factor=4.0, original_max_position_embeddings=256,
+                              beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0),
+            architectures=["DeepseekV3ForCausalLM"])
+        return cfg, "deepseek_v2", "DeepseekV3ForCausalLM"
+    raise ValueError(f"arch: expected 'gemma3', 'gpt_oss' or 'deepseek_v3', got {arch!r}")
 
 
 def _stage(name: str) -> None:
@@ -143,6 +157,8 @@ def build_model(cfg, module: str, cls: str, *, seed: int = 0):
                 continue
             std = INIT_RANGE * EMBED_STD_FACTOR if name.endswith("embed_tokens.weight") else INIT_RANGE
             p.copy_((torch.randn(p.shape, generator=gen) * std + (1.0 if name in unit_norms else 0.0)).to(p.dtype))
+    if hasattr(model, "post_load_weights"):  # DeepSeek: kv_b_proj split into the absorbed form's W_UK and W_UV
+        model.post_load_weights()
     return model.eval()
 
 
@@ -175,10 +191,44 @@ def set_kv_scales(model, scale: float | None) -> None:
             layer.k_scale_float, layer.v_scale_float = scale, scale * 2
 
 
+def make_pool(eng, cfg):
+    """The session's KV pool: SGLang's latent pool for an MLA model, else MiniEngine's MHA pool."""
+    if getattr(cfg, "kv_lora_rank", None) is None:
+        return eng.make_pool()
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+
+    return MLATokenToKVPool(eng.pool_size, eng.page_size, eng.kv_dtype, kv_lora_rank=cfg.kv_lora_rank,
+                            qk_rope_head_dim=cfg.qk_rope_head_dim, layer_num=cfg.num_hidden_layers, device="cpu",
+                            enable_memory_saver=False)
+
+
 def make_backend(name: str, eng, pool, model, server_args):
+    backend = _make_backend(name, eng, pool, model, server_args)
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+
+    if isinstance(pool, MLATokenToKVPool):
+        # SGLang's DeepSeek attention picks its form by the backend's name, which the ModelRunner resolves from the
+        # server args (this module's are fixed): stamped as the runner would. Every run takes the absorbed form:
+        # prefixattn's plugin registers that rule for its name; torch_native (the reference) gets the same rule here,
+        # since for a name it does not know SGLang up-projects a prefill without cached prefix, and torch_native
+        # reads the latent pool instead.
+        from prefixattn.integrations.sglang.mla_backend import force_absorbed_mla
+
+        force_absorbed_mla(name)
+        backend.prefill_attention_backend_str = backend.decode_attention_backend_str = name
+    return backend
+
+
+def _make_backend(name: str, eng, pool, model, server_args):
     runner = eng.runner(pool)
     runner.dtype = eng.dtype  # ModelRunner.dtype: the model's
     if name == "prefixattn":
+        from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+
+        if isinstance(pool, MLATokenToKVPool):
+            from prefixattn.integrations.sglang.mla_backend import PrefixAttnMLABackend
+
+            return PrefixAttnMLABackend(runner, sharing="always")
         from prefixattn.integrations.sglang.backend import PrefixAttnBackend
 
         return PrefixAttnBackend(runner, sharing="always")  # share every common prefix: sharing is exercised
@@ -228,10 +278,11 @@ def run_session(model, cfg, backend_name: str, server_args, *, kv_dtype: torch.d
 
     from tests.sglang.engine import MiniEngine
 
-    eng = MiniEngine(num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
-                     page_size=page_size, num_layers=cfg.num_hidden_layers, kv_dtype=kv_dtype,
-                     num_pages=256 // page_size)
-    backend = make_backend(backend_name, eng, eng.make_pool(), model, server_args)
+    mla = getattr(cfg, "kv_lora_rank", None) is not None  # one latent KV head of kv_lora_rank + rope
+    eng = MiniEngine(num_heads=cfg.num_attention_heads, num_kv_heads=1 if mla else cfg.num_key_value_heads,
+                     head_dim=cfg.kv_lora_rank + cfg.qk_rope_head_dim if mla else cfg.head_dim, page_size=page_size,
+                     num_layers=cfg.num_hidden_layers, kv_dtype=kv_dtype, num_pages=256 // page_size)
+    backend = make_backend(backend_name, eng, make_pool(eng, cfg), model, server_args)
     tokens: list[list[int]] = [[] for _ in QUESTIONS]
     logprobs: list[list[float]] = [[] for _ in QUESTIONS]
     gaps, plans = [], []

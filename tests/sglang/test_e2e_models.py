@@ -1,6 +1,7 @@
-"""End to end on CPU with SGLang's own model code: tiny random Gemma 3 (a windowed and a full layer) and gpt-oss
-(sinks in every layer, a windowed and a full layer, 4 experts) give the same greedy tokens with prefixattn's backend
-as with SGLang's own attention backends, in fp32 and (Gemma 3) with fp8 e4m3 KV pools, unscaled and scaled.
+"""End to end on CPU with SGLang's own model code: tiny random Gemma 3 (a windowed and a full layer), gpt-oss
+(sinks in every layer, a windowed and a full layer, 4 experts) and DeepSeek-V3 (MLA over the latent pool) give the
+same greedy tokens with prefixattn's backends as with SGLang's own attention backends, in fp32 and (Gemma 3) with fp8
+e4m3 KV pools, unscaled and scaled.
 
 Each model serves one session (``tests/sglang/model_run.py``): a prompt prefilled and cached, two more that get its
 24-token prefix from the radix cache (shared KV slots) and prefill the rest, then 4 greedy decode steps of all three.
@@ -150,3 +151,24 @@ def test_gpt_oss_sinks_match_sglang_triton(gpt_oss):
 def test_gpt_oss_sinks_change_the_tokens(gpt_oss):
     """The control: without sink mass, SGLang's own backend gives other tokens."""
     assert gpt_oss["triton_no_sinks"]["tokens"] != gpt_oss["triton"]["tokens"]
+
+
+@pytest.fixture(scope="module")
+def deepseek_v3(tmp_path_factory):
+    return run_models(tmp_path_factory.mktemp("deepseek_v3"), "deepseek_v3", [
+        dict(name="torch_native", backend="torch_native"),
+        dict(name="prefixattn", backend="prefixattn"),
+        dict(name="prefixattn_page4", backend="prefixattn", page_size=4),
+    ])
+
+
+def test_deepseek_v3_mla_matches_torch_native(deepseek_v3):
+    """MLA over SGLang's latent pool (DeepSeek-V3's absorbed form in every batch, the reference's too): SGLang's own
+    torch_native backend's tokens, with the 24 cached prompt tokens shared by all three requests at every decode."""
+    ref = deepseek_v3["torch_native"]
+    assert ref["cached"] == [24, 24] and ref["min_top2_gap"] > MIN_TOP2_GAP
+    for name in ("prefixattn", "prefixattn_page4"):
+        got = deepseek_v3[name]
+        assert got["backend_class"] == "prefixattn.integrations.sglang.mla_backend.PrefixAttnMLABackend"
+        _assert_same_generation(got, ref)
+        assert _shared_in_decode(got, -1) == [[[[0, 1, 2], 24]]] * 4

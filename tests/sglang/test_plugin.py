@@ -43,12 +43,19 @@ def test_sglangs_plugin_loader_makes_the_cli_accept_the_backend_and_policy():
         parser.parse_args(["--model-path", "m", "--schedule-policy", "no-such-policy"])
 
 
-def test_factory_refuses_mla_models():
-    class Runner:
-        use_mla_backend = True
+def test_factory_takes_mla_models_to_the_mla_backend():
+    import types
 
-    with pytest.raises(ValueError, match="got an MLA model"):
-        plugin.create_prefixattn_backend(Runner())
+    from sglang.srt.models.deepseek_common.attention_backend_handler import AttentionBackendRegistry
+    from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods import AttnForwardMethod
+
+    runner = types.SimpleNamespace(use_mla_backend=True, token_to_kv_pool=object())
+    # The MLA backend reads SGLang's latent pool: an MHA pool (here: none) is refused, naming it.
+    with pytest.raises(ValueError, match="token_to_kv_pool: expected SGLang's MLATokenToKVPool"):
+        plugin.create_prefixattn_backend(runner)
+    # SGLang's DeepSeek attention takes the absorbed form for every prefixattn batch (fresh prefills included).
+    rule = AttentionBackendRegistry.get_handler("prefixattn")
+    assert rule(None, None) == AttnForwardMethod.MLA
 
 
 def test_version_gate():

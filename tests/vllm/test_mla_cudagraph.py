@@ -10,6 +10,7 @@ import types
 import pytest
 import torch
 
+from tests.launch_count import fixed_launch_args
 from tests.tolerances import ATTENTION_TOL
 from tests.vllm.test_cudagraph import BLOCK, CAPTURE_SIZE, MAX_BLOCKS_PER_REQ, _common
 
@@ -65,18 +66,6 @@ def parts(vllm_config):
     return builder, impl
 
 
-def _fixed_launch_args(p):
-    """The grids and the plan-independent arguments of a plan's prepared launches (what a captured graph holds)."""
-    from prefixattn.launcher import prepared_launches
-
-    out = []
-    for launch in prepared_launches(p).values():
-        fixed = [i for i in range(len(launch.params.names)) if i not in launch.params.per_call]
-        out.append([(grid, [args[i].data_ptr() if isinstance(args[i], torch.Tensor) else args[i] for i in fixed])
-                    for grid, args, *_ in launch.launches])
-    return out
-
-
 def test_builder_declares_uniform_decode_graphs(vllm_config, parts):
     from vllm.v1.attention.backend import AttentionCGSupport
 
@@ -104,7 +93,7 @@ def test_capture_then_padded_replay_reuses_the_launch(parts):
     assert meta.graph_attn is builder.graph_attn and meta.decode_plan.num_tokens == CAPTURE_SIZE
     assert meta.decode_plan.work.items[:, 3].max() == 1  # KV cut to each dummy request's own token
     impl.forward_mqa(q, cache, meta, None)
-    captured = _fixed_launch_args(meta.decode_plan)
+    captured = fixed_launch_args(meta.decode_plan)
 
     table = [[5, 6, 11, 12, 1, 0], [5, 6, 11, 12, 2, 0], [5, 6, 11, 12, 3, 0], [5, 6, 11, 12, 4, 0],
              [7, 8, 9, 13, 14, 0]]
@@ -115,7 +104,7 @@ def test_capture_then_padded_replay_reuses_the_launch(parts):
     q.copy_(torch.randn(CAPTURE_SIZE, HEADS, KV_LORA_RANK + ROPE_DIM, generator=g))
     # As vLLM's MLA layer hands it over: the absorbed query and the rotary query apart.
     out, lse = impl.forward_mqa((q[..., :KV_LORA_RANK], q[..., KV_LORA_RANK:]), cache, meta, None)
-    assert lse is None and _fixed_launch_args(p) == captured
+    assert lse is None and fixed_launch_args(p) == captured
     ref = prefixattn.reference_mla_attention(q[:5], cache, torch.arange(6), torch.tensor(seq_lens),
                                              torch.tensor(table), kv_lora_rank=KV_LORA_RANK, sm_scale=SCALE)
     atol, rtol = ATTENTION_TOL[torch.float32]

@@ -50,7 +50,7 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc, MHATokenToKVPool  # noq
 
 import prefixattn  # noqa: E402
 from prefixattn.integrations.sglang.host_pages import HostPages  # noqa: E402
-from prefixattn.integrations.sglang.page_table import GraphState, geometry_options  # noqa: E402
+from prefixattn.integrations.sglang.page_table import GraphState, free_plan, make_wrapper  # noqa: E402
 from prefixattn.integrations.sglang.startup import (attention_layers, eager_capacity, kv_scales,  # noqa: E402
                                                      warm_up_kernels)
 
@@ -86,8 +86,8 @@ class StepMetadata:
         What the planner reads: page labels, equal where two requests share a page through the radix cache
         (:mod:`.host_pages`), or a copy of the page ids in ``req_to_token``. The kernels never read it.
     plans : dict
-        ``(num_qo_heads, num_kv_heads, head_dim, dtype, sm_scale, causal) -> prefixattn.Plan``. A model whose layers
-        all have one geometry (every dense model) plans once per step.
+        Layer geometry (:func:`plan_key`, or :func:`~prefixattn.integrations.sglang.page_table.mla_key`) ->
+        ``prefixattn.Plan``. A model whose layers all have one geometry (every dense model) plans once per step.
     """
 
     qo_indptr: torch.Tensor
@@ -133,9 +133,9 @@ class PrefixAttnBackend(AttentionBackend):
 
     Not supported (each raises ``ValueError`` or ``NotImplementedError`` naming the feature): the breakable graphs'
     captured attention metadata (an opt-in SGLang's FlashInfer and Triton backends do not take either), speculative
-    decoding (target verify / draft extend), encoder-decoder and cross attention, chunked attention, MLA and
-    hybrid/SWA pools, quantized KV pools other than fp8 e4m3/e5m2 (FP4, ROCm's e4m3fnuz),
-    ``qk_head_dim != v_head_dim``. fp8 e4m3/e5m2 pools with per-tensor scales (``layer.k_scale``/``v_scale``),
+    decoding (target verify / draft extend), encoder-decoder and cross attention, chunked attention, hybrid/SWA
+    pools (MLA models: :class:`~prefixattn.integrations.sglang.mla_backend.PrefixAttnMLABackend`), quantized KV
+    pools other than fp8 e4m3/e5m2 (FP4, ROCm's e4m3fnuz), ``qk_head_dim != v_head_dim``. fp8 e4m3/e5m2 pools with per-tensor scales (``layer.k_scale``/``v_scale``),
     sliding windows (``layer.sliding_window_size``, FlashInfer's ``window_left``) on the standard pool
     (``--disable-hybrid-swa-memory``), logit soft-capping (``layer.logit_cap``) and attention sinks (the ``sinks``
     keyword of the forward calls) run in the kernel.
@@ -150,21 +150,7 @@ class PrefixAttnBackend(AttentionBackend):
     def __init__(self, model_runner, *, sharing: str | None = None):
         super().__init__()
         pool = model_runner.token_to_kv_pool
-        if not isinstance(pool, MHATokenToKVPool):
-            raise ValueError(
-                f"token_to_kv_pool: expected SGLang's MHATokenToKVPool (standard multi-head KV cache), got "
-                f"{type(pool).__name__}; MLA, hybrid and sliding-window pools are not supported by prefixattn"
-            )
-        if type(pool) is not MHATokenToKVPool:
-            # Its subclasses change what req_to_token holds or how the buffers are laid out: the unified-memory pool
-            # (--enable-unified-memory) stores virtual slot ids that SGLang's own backends translate
-            # (mem_cache/kv_index_translator.py) before reading, which prefixattn would read as physical pages.
-            raise ValueError(
-                f"token_to_kv_pool: expected SGLang's plain MHATokenToKVPool (physical slot ids in req_to_token, "
-                f"[num_slots, num_kv_heads, head_dim] buffers), got its subclass {type(pool).__name__}; prefixattn "
-                "does not translate virtual slot ids or other layouts (start SGLang without "
-                "--enable-unified-memory, or with another attention backend)"
-            )
+        self._check_pool(pool)
         _check_pool_dtype(pool, getattr(model_runner, "dtype", None))
         # An fp8 pool's KV is 1 byte per element: the planner's cost rule prices it at that size (None: q's dtype).
         self.kv_dtype = pool.dtype if pool.dtype in prefixattn.FP8_KV_DTYPES else None
@@ -184,7 +170,7 @@ class PrefixAttnBackend(AttentionBackend):
         self.num_pages = (int(pool.size) + self.page_size) // self.page_size  # the buffers' rows: size + page_size
         self.sharing = sharing if sharing is not None else os.environ.get(SHARING_ENV, "auto")
         self.forward_metadata: StepMetadata | None = None
-        self.warmup_report = warm_up_kernels(model_runner, pool)
+        self.warmup_report = self._warm_up(model_runner, pool)
         self._graph: GraphState | None = None  # init_cuda_graph_state
         self._prefill_graph: GraphState | None = None  # the first "full" prefill graph capture
         #: Eager steps (extend, mixed, decode without a graph) plan into one capacity-sized wrapper per layer geometry:
@@ -199,6 +185,40 @@ class PrefixAttnBackend(AttentionBackend):
         #: Steps whose host table was copied from the device (no radix-cache record of the batch: a synchronization).
         self.host_table_copies = 0
 
+    #: The pool class the backend reads (exactly it: its subclasses change what req_to_token holds or the layout).
+    POOL_CLASS = MHATokenToKVPool
+
+    def _check_pool(self, pool) -> None:
+        if not isinstance(pool, self.POOL_CLASS):
+            raise ValueError(
+                f"token_to_kv_pool: expected SGLang's {self.POOL_CLASS.__name__} ({self._pool_kind()}), got "
+                f"{type(pool).__name__}; hybrid and sliding-window pools are not supported by prefixattn"
+            )
+        if type(pool) is not self.POOL_CLASS:
+            # The unified-memory pool (--enable-unified-memory) stores virtual slot ids that SGLang's own backends
+            # translate (mem_cache/kv_index_translator.py) before reading, which prefixattn would read as pages.
+            raise ValueError(
+                f"token_to_kv_pool: expected SGLang's plain {self.POOL_CLASS.__name__} (physical slot ids in "
+                f"req_to_token, {self._pool_kind()}), got its subclass {type(pool).__name__}; prefixattn does not "
+                "translate virtual slot ids or other layouts (start SGLang without --enable-unified-memory, or with "
+                "another attention backend)"
+            )
+
+    @staticmethod
+    def _pool_kind() -> str:
+        return "standard multi-head KV cache, [num_slots, num_kv_heads, head_dim] buffers"
+
+    def _warm_up(self, model_runner, pool) -> list:
+        return warm_up_kernels(model_runner, pool)
+
+    def _model_layers(self, model_runner) -> list:
+        """The model's layers this backend runs (their geometries get eager wrappers at start-up)."""
+        return attention_layers(model_runner)
+
+    def _layer_key(self, layer, q_dtype: torch.dtype) -> tuple:
+        """A layer's plan geometry, after refusing what it has that the kernel does not run."""
+        return plan_key(layer, q_dtype, _check_layer(layer))
+
     def _allocate_eager_wrappers(self, model_runner) -> None:
         """The eager wrappers of the model's layer geometries, now: an out-of-memory is a start-up error naming the
         capacity (with ``--chunked-prefill-size -1`` it is the context length), not one at the first request."""
@@ -208,8 +228,8 @@ class PrefixAttnBackend(AttentionBackend):
         device = torch.device(self.device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())  # q's device, as steps key it
-        for layer in attention_layers(model_runner) if q_dtype is not None else []:
-            key = plan_key(layer, q_dtype, _check_layer(layer))
+        for layer in self._model_layers(model_runner) if q_dtype is not None else []:
+            key = self._layer_key(layer, q_dtype)
             if key in self.eager_wrappers:
                 continue
             try:
@@ -222,9 +242,8 @@ class PrefixAttnBackend(AttentionBackend):
                     "--mem-fraction-static") from err
 
     def _eager_wrapper(self, key, device) -> "prefixattn.PrefixSharedAttention":
-        opts = geometry_options(key, block_size=self.page_size, sharing=self.sharing, kv_dtype=self.kv_dtype)
-        return prefixattn.PrefixSharedAttention(**opts, **self.eager_capacity, max_blocks_per_request=0,
-                                                device=device)
+        return make_wrapper(key, block_size=self.page_size, sharing=self.sharing, kv_dtype=self.kv_dtype,
+                            **self.eager_capacity, max_blocks_per_request=0, device=device)
 
     # ------------------------------------------------------------------------------------------------------------
     # Per step (host)
@@ -295,12 +314,12 @@ class PrefixAttnBackend(AttentionBackend):
         return StepMetadata(qo_indptr=qo_indptr, kv_lens=kv_lens, block_table=host_table,
                             device_block_table=device_table, route=route)
 
-    def _plan_for(self, layer, q: torch.Tensor, causal: bool, num_blocks: int):
+    def _plan_for(self, key: tuple, q: torch.Tensor, num_blocks: int):
+        """The step's plan for the layer geometry ``key`` (:meth:`_layer_key`), made at its first layer."""
         meta = self.forward_metadata
         if meta is None:
             raise ValueError("forward_batch: expected init_forward_metadata() to run before the layers of this batch, "
                              "got no metadata (or an IDLE batch)")
-        key = plan_key(layer, q.dtype, causal)
         p = meta.plans.get(key)
         if p is None and meta.graph:
             p = meta.graph_state.plan_new_geometry(key, meta, device=q.device)
@@ -312,7 +331,6 @@ class PrefixAttnBackend(AttentionBackend):
         """An eager step's plan for one layer geometry: into that geometry's capacity-sized wrapper (no device
         allocation; the step's device block table read in place), or a per-step plan() beyond its capacity."""
         # q's own device: the runner's "cuda" has no index, the plan must match q's "cuda:N".
-        opts = geometry_options(key, block_size=self.page_size, sharing=self.sharing, kv_dtype=self.kv_dtype)
         if self.eager_capacity is not None:
             attn = self.eager_wrappers.get(key)
             if attn is None:  # a geometry the model's layers did not show at start-up: at its first eager step
@@ -325,8 +343,8 @@ class PrefixAttnBackend(AttentionBackend):
                 if self.capacity_fallbacks == 1:  # once: a server that exceeds it does so often
                     logger.warning("prefixattn: a step beyond the eager workspace (%s) is planned with a per-step "
                                    "prefixattn.plan() (backend.capacity_fallbacks counts them)", err)
-        return prefixattn.plan(meta.qo_indptr, meta.kv_lens, meta.block_table, **opts, device=device,
-                               num_blocks=num_blocks)
+        return free_plan(key, meta.qo_indptr, meta.kv_lens, meta.block_table, block_size=self.page_size,
+                         sharing=self.sharing, kv_dtype=self.kv_dtype, device=device, num_blocks=num_blocks)
 
     # ------------------------------------------------------------------------------------------------------------
     # Per layer (device, no host synchronization)
@@ -338,7 +356,7 @@ class PrefixAttnBackend(AttentionBackend):
         return self._forward(q, k, v, layer, forward_batch, save_kv_cache, sinks=kwargs.get("sinks"))
 
     def _forward(self, q, k, v, layer, forward_batch, save_kv_cache, sinks=None):
-        causal = _check_layer(layer)
+        key = self._layer_key(layer, q.dtype)
         scales = kv_scales(layer, self.token_to_kv_pool)
         if save_kv_cache and k is not None and v is not None:
             loc = KVWriteLoc.for_batch(forward_batch)
@@ -353,7 +371,7 @@ class PrefixAttnBackend(AttentionBackend):
         o = q.new_empty((q3.shape[0], num_heads * layer.v_head_dim))
         k_cache = self._paged(self.token_to_kv_pool.get_key_buffer(layer.layer_id), "key")
         v_cache = self._paged(self.token_to_kv_pool.get_value_buffer(layer.layer_id), "value")
-        p = self._plan_for(layer, q3, causal, num_blocks=k_cache.shape[0])
+        p = self._plan_for(key, q3, num_blocks=k_cache.shape[0])
         if self.forward_metadata.graph:
             # The wrapper's capacity-fixed launch over all padded rows: what the graph captures.
             self.forward_metadata.graph_state.run(p, q3, k_cache, v_cache, out=o.view(-1, num_heads, head_dim),

@@ -9,7 +9,8 @@ temporaries and ~0.25 GB of traffic per step at batch 256 and a 131k context. En
 keep whatever an earlier replay left there: no plan reads them. The launch depends only on the captured batch size
 (grid) and the tensors' addresses: graph-safe.
 
-:class:`GraphState` holds that table and the graph wrappers (one per layer geometry) that plan into it.
+:class:`GraphState` holds that table and the graph wrappers (one per layer geometry) that plan into it;
+:func:`make_wrapper` makes a geometry's wrapper (MHA or MLA).
 """
 
 from __future__ import annotations
@@ -79,13 +80,42 @@ def fill_page_table(table: torch.Tensor, req_to_token: torch.Tensor, req_pool_in
         PAGE_SIZE=page_size, BLOCK=PAGES_PER_ITERATION)
 
 
+#: First item of an MLA layer's geometry key (:func:`mla_key`); an MHA layer's key starts with its head count.
+MLA_KEY = "mla"
+
+
+def mla_key(num_heads: int, kv_lora_rank: int, rope_dim: int, q_dtype: torch.dtype, sm_scale: float) -> tuple:
+    """An MLA layer's plan geometry: ``("mla", heads, kv_lora_rank, rope_dim, q dtype, scale)``."""
+    return (MLA_KEY, num_heads, kv_lora_rank, rope_dim, q_dtype, float(sm_scale))
+
+
 def geometry_options(key: tuple, *, block_size: int, sharing: str, kv_dtype) -> dict:
-    """The plan / wrapper options of a layer geometry ``key`` (``_plan_for``'s: heads, head size, q dtype, scale,
-    causal, soft cap, window), one mapping for the eager and the graph wrappers and the per-step plan."""
+    """The plan / wrapper options of a layer geometry ``key``, one mapping for the eager and the graph wrappers and
+    the per-step plan: an MHA key (``_plan_for``'s: heads, head size, q dtype, scale, causal, soft cap, window) gives
+    :func:`prefixattn.plan`'s, an MLA key (:func:`mla_key`) :func:`prefixattn.plan_mla`'s."""
+    if key[0] == MLA_KEY:
+        _, num_heads, kv_lora_rank, rope_dim, q_dtype, sm_scale = key
+        return dict(block_size=block_size, num_heads=num_heads, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim,
+                    sm_scale=sm_scale, q_dtype=q_dtype, sharing=sharing, kv_dtype=kv_dtype)
     num_qo_heads, num_kv_heads, head_dim, q_dtype, sm_scale, causal, soft_cap, window = key
     return dict(block_size=block_size, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                 causal=causal, sm_scale=sm_scale, q_dtype=q_dtype, sharing=sharing, logits_soft_cap=soft_cap,
                 window_left=window, kv_dtype=kv_dtype)
+
+
+def make_wrapper(key: tuple, *, block_size: int, sharing: str, kv_dtype, **capacity):
+    """The capacity-sized wrapper of a layer geometry: :class:`prefixattn.MLAPrefixSharedAttention` for an MLA key,
+    :class:`prefixattn.PrefixSharedAttention` for any other; ``capacity``: the wrapper's own keywords."""
+    cls = prefixattn.MLAPrefixSharedAttention if key[0] == MLA_KEY else prefixattn.PrefixSharedAttention
+    return cls(**geometry_options(key, block_size=block_size, sharing=sharing, kv_dtype=kv_dtype), **capacity)
+
+
+def free_plan(key: tuple, qo_indptr, kv_lens, block_table, *, block_size: int, sharing: str, kv_dtype, **options):
+    """A per-step plan of a layer geometry without a workspace (:func:`prefixattn.plan` or
+    :func:`prefixattn.plan_mla`): for a step beyond a wrapper's capacity."""
+    plan = prefixattn.plan_mla if key[0] == MLA_KEY else prefixattn.plan
+    return plan(qo_indptr, kv_lens, block_table,
+                **geometry_options(key, block_size=block_size, sharing=sharing, kv_dtype=kv_dtype), **options)
 
 
 class GraphState:
@@ -106,7 +136,7 @@ class GraphState:
         self.max_q_len = max_q_len
         self.kv_dtype = kv_dtype  # the pool's fp8 dtype (prices the cost rule), None: q's dtype
         self.table = torch.zeros((max_bs, max_pages), dtype=torch.int32, device=device)
-        self.wrappers: dict = {}  # plan key (heads, head_dim, dtype, scale, causal) -> PrefixSharedAttention
+        self.wrappers: dict = {}  # plan key (geometry_options') -> its graph wrapper
 
     def fill_table(self, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                    bs: int) -> None:
@@ -126,16 +156,20 @@ class GraphState:
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise ValueError(f"layer geometry {key}: expected it to be seen in the warm-up run before the graph "
                              "capture (a workspace cannot be allocated inside a capture), got it first while capturing")
-        self.wrappers[key] = prefixattn.PrefixSharedAttention(
-            **geometry_options(key, block_size=self.page_size, sharing=self.sharing, kv_dtype=self.kv_dtype),
+        self.wrappers[key] = make_wrapper(
+            key, block_size=self.page_size, sharing=self.sharing, kv_dtype=self.kv_dtype,
             max_tokens=self.max_num_tokens, max_requests=self.max_bs, max_blocks_per_request=0, device=device,
             use_cuda_graph=True, max_q_len=self.max_q_len)
         meta.plans[key] = p = self._plan(self.wrappers[key], meta)
         return p
 
-    def run(self, p, q, k_cache, v_cache, *, out, sinks=None, k_scale=None, v_scale=None) -> None:
+    def wrapper_of(self, p):
+        """The graph wrapper whose latest plan is ``p``: its ``run`` is the capacity-fixed launch a graph captures."""
         attn = next((a for a in self.wrappers.values() if a.current_plan is p), None)
         if attn is None:
             raise ValueError("plan: expected the graph wrapper's latest plan for this step, got an older one (a "
                              "later init_forward_metadata_out_graph overwrote its tables)")
-        attn.run(q, k_cache, v_cache, out=out, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
+        return attn
+
+    def run(self, p, q, k_cache, v_cache, *, out, sinks=None, k_scale=None, v_scale=None) -> None:
+        self.wrapper_of(p).run(q, k_cache, v_cache, out=out, sinks=sinks, k_scale=k_scale, v_scale=v_scale)

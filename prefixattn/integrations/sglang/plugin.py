@@ -27,8 +27,11 @@ _loaded = False
 
 def create_prefixattn_backend(runner):
     """Attention-backend factory SGLang calls with its ModelRunner (registered under ``prefixattn``)."""
-    if getattr(runner, "use_mla_backend", False):
-        raise ValueError("attention_backend: prefixattn supports multi-head (MHA/GQA/MQA) attention, got an MLA model")
+    if getattr(runner, "use_mla_backend", False):  # DeepSeek-V2/V3/R1, Kimi-K2: the latent pool
+        from prefixattn.integrations.sglang.mla_backend import PrefixAttnMLABackend, force_absorbed_mla
+
+        force_absorbed_mla(ATTENTION_BACKEND_NAME)
+        return PrefixAttnMLABackend(runner)
     from prefixattn.integrations.sglang.backend import PrefixAttnBackend
 
     return PrefixAttnBackend(runner)
