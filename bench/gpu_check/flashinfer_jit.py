@@ -35,6 +35,8 @@ JIT_LIMIT_S = 300
 DTYPE, HEAD_DIM = "bfloat16", 128
 #: The MLA step's latent and rotary widths (DeepSeek-V3; gpu_check.mla).
 MLA_CKV_DIM, MLA_KPE_DIM = 512, 64
+#: The naive form's head widths (no-rope 128 + rope 64 keys, 128-wide values) of the MLA step's TyphoonMLA baseline.
+MLA_NAIVE_QK_DIM, MLA_NAIVE_VO_DIM = 192, 128
 #: Modules not built ahead of time, by name prefix, and why: they go to the background build on the GPU machine.
 AOT_EXCLUDED = {"batch_pod_": "75 MiB for sm90a (measured), over the 64 MiB a GPU call carries"}
 #: Modules the background build compiles last (name prefix -> the peer that needs them): POD's 18 translation units
@@ -49,10 +51,10 @@ MAX_JOBS = 12
 def specs():
     """FlashInfer 0.6.0's JIT specs for the peers at DTYPE/HEAD_DIM, with the arguments each wrapper passes (read
     from decode.py, prefill.py, attention.py, pod.py, cascade.py, mla.py): no RoPE, no window, no soft cap, no fp16
-    QK; and the MLA wrapper's at MLA_CKV_DIM/MLA_KPE_DIM."""
+    QK; the MLA wrapper's at MLA_CKV_DIM/MLA_KPE_DIM, and the single prefill of its TyphoonMLA-style baseline."""
     import torch
     from flashinfer.jit import (gen_batch_attention_module, gen_batch_decode_module, gen_batch_mla_module,
-                                gen_batch_pod_module, gen_batch_prefill_module)
+                                gen_batch_pod_module, gen_batch_prefill_module, gen_single_prefill_module)
     from flashinfer.jit.cascade import gen_cascade_module
 
     dt, idx, none = getattr(torch, DTYPE), torch.int32, 0
@@ -64,6 +66,14 @@ def specs():
     out.append(gen_cascade_module())
     # The MLA step's wrapper (mla.py: backend "auto" is fa3 on sm90a), DeepSeek-V3's 512 + 64, bf16.
     out.append(gen_batch_mla_module("fa3", dt, dt, dt, idx, MLA_CKV_DIM, MLA_KPE_DIM, False))
+    # Its TyphoonMLA-style baseline's naive half: one fa3 prefill with DeepSeek-V3's 192-wide keys, 128-wide values.
+    # Read from the generator's signature at FlashInfer main, not checked against 0.6.0 on a GPU: a generator with
+    # other parameters must not cost every other peer its warm-up (the baseline then compiles at its first run).
+    try:
+        out.append(gen_single_prefill_module("fa3", dt, dt, dt, MLA_NAIVE_QK_DIM, MLA_NAIVE_VO_DIM, none, False,
+                                             False, False))
+    except TypeError as exc:
+        print(f"flashinfer_jit: no ahead-of-time spec for the TyphoonMLA baseline's prefill ({exc})", flush=True)
     return out
 
 

@@ -5,8 +5,17 @@ pages) under a shared prompt, prefixattn's ``mla_attention`` (``sharing="auto"``
 Each provider's output is checked against the fp64 reference on the first and last :data:`SAMPLE` requests and after
 its graph replays, then timed as every provider of the timing step is (:mod:`gpu_check.measure`): graph replay with
 the L2 flushed (the headline) and warm, 3 repetitions. Beside them, the memory floor: the distinct latent bytes (the
-prefix once, each request's own tokens) plus q and out, at the HBM floor's rate. The TyphoonMLA-style baseline
-(the shared prefix up-projected once and attended in the naive form) is not built yet.
+prefix once, each request's own tokens) plus q and out, at the HBM floor's rate.
+
+``typhoon-mla``: TyphoonMLA's split (arXiv 2509.21081) built from FlashInfer. The shared prefix's latent is
+up-projected once per head into naive keys ``[q_nope | k_pe]`` (128 + 64) and values (128) and kept (as TyphoonMLA keeps
+it across a group's steps: not timed); every request's heads attend it at once in the naive form (one non-causal
+``single_prefill_with_kv_cache`` of the batch's rows, fa3), each request's own tokens in the absorbed form (the MLA
+wrapper), whose latent output is up-projected by ``W_UV``, and ``merge_state`` joins the two. Its output is the value
+``[B, H, 128]``, checked against the reference latent times ``W_UV``; the other providers leave ``W_UV`` to the layer
+(a ``[B, H, 512] x [512, 128]`` product per head: 0.27 GFLOP at 256 x 16, modeled < 1 us on an H200). The batch's
+absorbed query is ``q_nope @ W_UK`` of random per-head ``W_UK``/``W_UV`` (DeepSeek-V3's 128-wide heads), so the two
+forms compute the same attention.
 """
 
 from __future__ import annotations
@@ -14,8 +23,10 @@ from __future__ import annotations
 BENCH = "mla"
 #: DeepSeek-V3's latent and rotary widths; vLLM's MLA page size.
 RANK, ROPE, PAGE = 512, 64, 64
+#: DeepSeek-V3's per-head widths of the naive form: the no-rope query/key and the value.
+NOPE, VALUE = 128, 128
 #: 1 / sqrt(qk_nope_head_dim + qk_rope_head_dim) of DeepSeek-V3 (128 + 64).
-SM_SCALE = 192 ** -0.5
+SM_SCALE = (NOPE + ROPE) ** -0.5
 #: (name, query heads, requests, shared prompt tokens, own tokens per request): the issue's targets. 16 heads is
 #: DeepSeek-V3 under tensor parallelism 8, 128 all of them (data-parallel attention).
 SHAPES = (("mla-h16-b256-s8192-o128", 16, 256, 8192, 128), ("mla-h16-b256-s4096-o512", 16, 256, 4096, 512),
@@ -25,7 +36,7 @@ SHAPES = (("mla-h16-b256-s8192-o128", 16, 256, 8192, 128), ("mla-h16-b256-s4096-
 DRY_SHAPES = (("mla-dry-h16-b4-s128-o16", 16, 4, 128, 16), ("mla-dry-h32-b3-s0-o40", 32, 3, 0, 40))
 #: Requests at each end of the batch checked against the fp64 reference.
 SAMPLE = 4
-PROVIDERS = ("prefixattn", "prefixattn-nosharing", "flashinfer-mla")
+PROVIDERS = ("prefixattn", "prefixattn-nosharing", "flashinfer-mla", "typhoon-mla")
 
 
 def _batch(heads: int, requests: int, shared: int, own: int, device: str) -> dict:
@@ -40,10 +51,17 @@ def _batch(heads: int, requests: int, shared: int, own: int, device: str) -> dic
                        ids[shared_pages:].view(requests, own_pages)], dim=1).contiguous()
     kv_lens = torch.full((requests,), shared + own, dtype=torch.int32)
     cache = (torch.randn((num_pages, PAGE, RANK + ROPE), generator=g) / 2).to(torch.bfloat16).to(device)
-    q = torch.randn((requests, heads, RANK + ROPE), generator=g).to(torch.bfloat16).to(device)
+    # The layer's up-projections (entries ~ 1/sqrt(fan-in)) and the absorbed query q_nope @ W_UK, on the device.
+    w_uk, w_uv, q_nope, q_pe = ((torch.randn(shape, generator=g) * scale).to(torch.bfloat16).to(device)
+                                for shape, scale in (((heads, NOPE, RANK), NOPE ** -0.5),
+                                                     ((heads, RANK, VALUE), RANK ** -0.5),
+                                                     ((requests, heads, NOPE), 1.0), ((requests, heads, ROPE), 1.0)))
+    q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [B, H, RANK]
+    q = torch.cat([q_latent, q_pe], dim=-1).contiguous()
     unique = (shared + requests * own) * (RANK + ROPE) * 2 + q.numel() * 2 + requests * heads * RANK * 2
     return dict(qo_indptr=torch.arange(requests + 1, dtype=torch.int32), kv_lens=kv_lens, table=table, q=q,
-                cache=cache, heads=heads, unique_bytes=unique)
+                cache=cache, heads=heads, unique_bytes=unique, shared=shared, own=own, q_nope=q_nope, q_pe=q_pe,
+                w_uk=w_uk, w_uv=w_uv)
 
 
 def _want(b: dict) -> tuple:
@@ -62,6 +80,60 @@ def _want(b: dict) -> tuple:
     return rows, out.cpu()
 
 
+def _flashinfer():
+    try:
+        import flashinfer
+    except ImportError as exc:
+        raise RuntimeError(f"FlashInfer is not importable here ({exc})") from exc
+    return flashinfer
+
+
+def _mla_wrapper(flashinfer, b: dict, table, kv_lens, device: str):
+    """FlashInfer's MLA wrapper planned for one decode row per request over ``table``'s pages (graph buffers)."""
+    import torch
+
+    kv_indptr = torch.arange(0, table.numel() + 1, table.shape[1], dtype=torch.int32)
+    bufs = [t.to(device) for t in (b["qo_indptr"], kv_indptr, table.flatten(), kv_lens)]
+    workspace = torch.empty(128 << 20, dtype=torch.uint8, device=device)
+    w = flashinfer.BatchMLAPagedAttentionWrapper(workspace, use_cuda_graph=True, qo_indptr=bufs[0],
+                                                 kv_indptr=bufs[1], kv_indices=bufs[2], kv_len_arr=bufs[3])
+    w.plan(*bufs, b["heads"], RANK, ROPE, PAGE, False, SM_SCALE, torch.bfloat16, torch.bfloat16)
+    return w
+
+
+def _typhoon(b: dict, device: str):
+    """The ``typhoon-mla`` provider (module docstring): its run and its output ``[B, H, VALUE]``."""
+    import torch
+
+    fi = _flashinfer()
+    shared, heads = b["shared"], b["heads"]
+    if not shared:
+        raise RuntimeError("no shared prefix: TyphoonMLA's split is the absorbed form alone (flashinfer-mla)")
+    pages = b["table"][0, : -(-shared // PAGE)].to(device)
+    latent = b["cache"][pages].reshape(-1, RANK + ROPE)[:shared]
+    c, k_pe = latent[:, :RANK], latent[:, RANK:]
+    # Up-projected once (not timed): per head k_nope = c @ W_UK^T, v = c @ W_UV; q_naive = [q_nope | q_pe].
+    k = torch.cat([torch.einsum("pr,hnr->phn", c, b["w_uk"]), k_pe[:, None].expand(-1, heads, -1)], dim=-1)
+    k, v = k.contiguous(), torch.einsum("pr,hrv->phv", c, b["w_uv"]).contiguous()
+    q_naive = torch.cat([b["q_nope"], b["q_pe"]], dim=-1).contiguous()
+    own = b["table"][:, -(-shared // PAGE):].contiguous()
+    w = _mla_wrapper(fi, b, own, torch.full_like(b["kv_lens"], b["own"]), device)
+    q_nope, q_pe = b["q"][..., :RANK], b["q"][..., RANK:]
+    ckv, kpe = b["cache"][..., :RANK], b["cache"][..., RANK:]
+    w_uv = b["w_uv"]
+    out = torch.empty((b["q"].shape[0], heads, VALUE), dtype=torch.bfloat16, device=device)
+
+    def run():
+        o_shared, lse_shared = fi.single_prefill_with_kv_cache(q_naive, k, v, causal=False, sm_scale=SM_SCALE,
+                                                                backend="fa3", return_lse=True)
+        o_latent, lse_own = w.run(q_nope, q_pe, ckv, kpe, return_lse=True)
+        o_own = torch.bmm(o_latent.transpose(0, 1), w_uv).transpose(0, 1)
+        merged, _ = fi.merge_state(o_shared, lse_shared, o_own.contiguous(), lse_own)
+        out.copy_(merged)
+
+    return run, out
+
+
 def _provider(name: str, b: dict, device: str):
     """A callable that runs ``name`` on the batch into a fixed output (graph-capturable), and that output; raises
     ``RuntimeError`` with the reason where the provider cannot run here."""
@@ -69,23 +141,20 @@ def _provider(name: str, b: dict, device: str):
 
     import prefixattn
 
+    if name == "typhoon-mla":
+        try:
+            return (*_typhoon(b, device), None)
+        except RuntimeError:
+            raise
+        except Exception as exc:  # a FlashInfer build without this path: reported, the step goes on
+            raise RuntimeError(f"{type(exc).__name__}: {exc}") from exc
     out = torch.empty((b["q"].shape[0], b["heads"], RANK), dtype=torch.bfloat16, device=device)
     meta = (b["qo_indptr"].to(device), b["kv_lens"].to(device), b["table"].to(device))
     if name.startswith("prefixattn"):
         p = prefixattn.plan_mla(*meta, block_size=PAGE, num_heads=b["heads"], sm_scale=SM_SCALE,
                                 q_dtype=torch.bfloat16, sharing="never" if name.endswith("nosharing") else "auto")
         return (lambda: prefixattn.mla_attention(b["q"], b["cache"], p, out=out)), out, p
-    try:
-        from flashinfer import BatchMLAPagedAttentionWrapper
-    except ImportError as exc:
-        raise RuntimeError(f"FlashInfer's MLA wrapper is not importable here ({exc})") from exc
-    table = b["table"]
-    kv_indptr = torch.arange(0, table.numel() + 1, table.shape[1], dtype=torch.int32)
-    bufs = [t.to(device) for t in (b["qo_indptr"], kv_indptr, table.flatten(), b["kv_lens"])]
-    workspace = torch.empty(128 << 20, dtype=torch.uint8, device=device)
-    w = BatchMLAPagedAttentionWrapper(workspace, use_cuda_graph=True, qo_indptr=bufs[0], kv_indptr=bufs[1],
-                                      kv_indices=bufs[2], kv_len_arr=bufs[3])
-    w.plan(*bufs, b["heads"], RANK, ROPE, PAGE, False, SM_SCALE, torch.bfloat16, torch.bfloat16)
+    w = _mla_wrapper(_flashinfer(), b, b["table"], b["kv_lens"], device)
     q_nope, q_pe = b["q"][..., :RANK], b["q"][..., RANK:]
     ckv, kpe = b["cache"][..., :RANK], b["cache"][..., RANK:]
     return (lambda: w.run(q_nope, q_pe, ckv, kpe, out=out)), out, None
@@ -116,11 +185,13 @@ def step_mla(args, results, skips, device: str, fi_ready: dict, ceil: dict | Non
             return
         b = _batch(heads, requests, shared, own, device)
         rows, want = _want(b)
+        # The naive form's output is the value: the reference latent times W_UV.
+        want_value = torch.einsum("bhr,hrv->bhv", want, b["w_uv"].double().cpu())
         if hbm:
             results.add(BENCH, "floor", name, "floor_memory_us", b["unique_bytes"] / hbm * 1e6, "us")
         for provider in PROVIDERS:
             try:
-                if provider == "flashinfer-mla" and "_why" in fi_ready:
+                if provider in ("flashinfer-mla", "typhoon-mla") and "_why" in fi_ready:
                     # Its module was to be built by the warm-up; compiling it here would take the step's budget.
                     raise RuntimeError(f"FlashInfer's warm-up did not finish: {fi_ready['_why']}")
                 run, out, p = _provider(provider, b, device)
@@ -129,7 +200,8 @@ def step_mla(args, results, skips, device: str, fi_ready: dict, ceil: dict | Non
                 results.add(BENCH, provider, name, "not_run", 1.0, f"reason: {exc}"[:200])
                 print(f"[mla] {name} {provider}: not run: {exc}", flush=True)
                 continue
-            ok, err = _correct(out, rows, want)
+            expected = want_value if provider == "typhoon-mla" else want
+            ok, err = _correct(out, rows, expected)
             results.add(BENCH, provider, name, "correct", float(ok), "bool")
             results.add(BENCH, provider, name, "max_abs_err", err, "abs")
             if p is not None:
@@ -141,7 +213,7 @@ def step_mla(args, results, skips, device: str, fi_ready: dict, ceil: dict | Non
                 graph, _ = capture(run)
                 graph.replay()
                 torch.cuda.synchronize()
-                ok, _ = _correct(out, rows, want)
+                ok, _ = _correct(out, rows, expected)
                 results.add(BENCH, provider, name, "graph_correct", float(ok), "bool")
                 runs = timer.runs_for(graph.replay)
                 times = {"graph_flushed": timer.repeat(graph.replay, runs, flush=True),

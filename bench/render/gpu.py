@@ -180,7 +180,8 @@ def mla_rows(rows) -> list[dict]:
     for shape, prov in index(rows).get(MLA, {}).items():
         get = lambda p, m: prov.get(p, {}).get(m)  # noqa: E731
         out.append(dict(shape=shape, ours=get("prefixattn", HEAD), never=get("prefixattn-nosharing", HEAD),
-                        flashinfer=get("flashinfer-mla", HEAD), floor=get("floor", "floor_memory_us"),
+                        flashinfer=get("flashinfer-mla", HEAD), typhoon=get("typhoon-mla", HEAD),
+                        floor=get("floor", "floor_memory_us"),
                         warm=get("prefixattn", "graph_warm_us_median"),
                         correct=all(m.get("correct", 1.0) == 1.0 and m.get("graph_correct", 1.0) == 1.0
                                     for m in prov.values())))
@@ -188,11 +189,13 @@ def mla_rows(rows) -> list[dict]:
 
 
 def mla_table(rows) -> list[str]:
-    lines = head("shape", "prefixattn us", "never-share us", "FlashInfer MLA us", "speedup vs FlashInfer",
-                 "speedup vs never-share", "prefixattn over memory floor", "warm L2 us", "correct")
+    lines = head("shape", "prefixattn us", "never-share us", "FlashInfer MLA us", "TyphoonMLA-style us",
+                 "speedup vs FlashInfer", "speedup vs TyphoonMLA-style", "speedup vs never-share",
+                 "prefixattn over memory floor", "warm L2 us", "correct")
     for r in mla_rows(rows):
         lines.append(f"| {r['shape']} | {fixed(r['ours'])} | {fixed(r['never'])} | {fixed(r['flashinfer'])} | "
-                     f"{ratio_cell(r['flashinfer'], r['ours'])} | {ratio_cell(r['never'], r['ours'])} | "
+                     f"{fixed(r['typhoon'])} | {ratio_cell(r['flashinfer'], r['ours'])} | "
+                     f"{ratio_cell(r['typhoon'], r['ours'])} | {ratio_cell(r['never'], r['ours'])} | "
                      f"{ratio_cell(r['ours'], r['floor'])} | {fixed(r['warm'])} | {'yes' if r['correct'] else 'NO'} |")
     return lines
 
@@ -211,9 +214,10 @@ def losses(rows) -> list[str]:
             out.append(f"- model {r['step']}: prefixattn {r['ours'] / 1e3:.2f} ms vs FlashInfer {r['best_name']} "
                        f"{r['best'] / 1e3:.2f} ms ({r['ours'] / r['best']:.2f}x slower)")
     for r in mla_rows(rows):
-        if r["ours"] is not None and r["flashinfer"] is not None and r["ours"] > r["flashinfer"]:
-            out.append(f"- MLA {r['shape']}: prefixattn {fixed(r['ours'])} us vs FlashInfer MLA "
-                       f"{fixed(r['flashinfer'])} us ({r['ours'] / r['flashinfer']:.2f}x slower)")
+        for peer, label in (("flashinfer", "FlashInfer MLA"), ("typhoon", "TyphoonMLA-style")):
+            if r["ours"] is not None and r[peer] is not None and r["ours"] > r[peer]:
+                out.append(f"- MLA {r['shape']}: prefixattn {fixed(r['ours'])} us vs {label} "
+                           f"{fixed(r[peer])} us ({r['ours'] / r[peer]:.2f}x slower)")
     return out or ["- nowhere in this run"]
 
 
@@ -265,9 +269,10 @@ def summary(rows, *, device: str, commit: str, versions: str, seconds: float, sk
         lines += ["", "prefixattn's work classes alone, one layer (graph-replayed, L2 flushed):", ""] + classes
     if mla_rows(rows):
         lines += ["", f"## MLA decode steps ({'DRY RUN' if dry else 'DeepSeek-V3 shape, bf16, one layer'})", "",
-                  "prefixattn's `mla_attention` against FlashInfer's MLA wrapper (absorbed, no sharing), "
-                  "graph-replayed, L2 flushed; the memory floor is the distinct latent bytes with q and out at the HBM "
-                  "floor's rate.",
+                  "prefixattn's `mla_attention` against FlashInfer's MLA wrapper (absorbed, no sharing) and a "
+                  "TyphoonMLA-style split built from FlashInfer (the shared prefix up-projected once, attended in the "
+                  "naive form; its time includes W_UV of its absorbed half), graph-replayed, L2 flushed; the memory "
+                  "floor is the distinct latent bytes with q and out at the HBM floor's rate.",
                   ""] + mla_table(rows)
     if batches := whole_batch_table(rows):
         lines += ["", "## Whole batches to completion (eager steps, host planning included)", "",

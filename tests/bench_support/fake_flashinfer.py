@@ -205,6 +205,35 @@ def merge_state_in_place(v, s, v_other, s_other, mask=None):
     s.copy_(torch.log(total) + m)
 
 
+def merge_state(v_a, s_a, v_b, s_b):
+    """cascade.py: the merged ``(v, s)`` of two states (new tensors)."""
+    v, s = v_a.clone(), s_a.clone()
+    merge_state_in_place(v, s, v_b, s_b)
+    return v, s
+
+
+def single_prefill_with_kv_cache(q, k, v, scale_q=None, scale_k=None, scale_v=None, o_dtype=None, custom_mask=None,
+                                 packed_custom_mask=None, causal=False, kv_layout="NHD", pos_encoding_mode="NONE",
+                                 use_fp16_qk_reduction=False, sm_scale=None, window_left=-1, logits_soft_cap=None,
+                                 rope_scale=None, rope_theta=None, backend="auto", return_lse=False):
+    """prefill.py: one request's rows ``q [qo_len, H, D_qk]`` against ``k [kv_len, Hkv, D_qk]``, ``v [kv_len, Hkv,
+    D_vo]`` (NHD); the head dims of keys and values may differ."""
+    if kv_layout != "NHD" or backend not in PREFILL_BACKENDS:
+        raise ValueError(f"fake flashinfer: kv_layout {kv_layout}, backend {backend}")
+    if q.shape[-1] != k.shape[-1] or k.shape[:2] != v.shape[:2] or q.shape[1] % k.shape[1]:
+        raise ValueError("fake flashinfer: q/k/v shapes do not agree")
+    group = q.shape[1] // k.shape[1]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
+    logits = torch.einsum("qhd,khd->hqk", q.float(), k.float().repeat_interleave(group, dim=1)) * scale
+    if causal:
+        m, n = q.shape[0], k.shape[0]
+        visible = torch.arange(n)[None, :] <= (n - m + torch.arange(m))[:, None]
+        logits = logits.masked_fill(~visible.to(q.device), float("-inf"))
+    out = torch.einsum("hqk,khd->qhd", torch.softmax(logits, dim=-1), v.float().repeat_interleave(group, dim=1))
+    out = out.to(o_dtype or q.dtype)
+    return (out, torch.logsumexp(logits, dim=-1).transpose(0, 1).contiguous()) if return_lse else out
+
+
 class MultiLevelCascadeAttentionWrapper:
     def __init__(self, num_levels, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False,
                  qo_indptr_buf_arr=None, paged_kv_indptr_buf_arr=None, paged_kv_indices_buf_arr=None,
@@ -333,6 +362,6 @@ def module() -> types.ModuleType:
     mod.__version__ = "0.6.0+fake"
     for obj in (BatchPrefillWithPagedKVCacheWrapper, BatchDecodeWithPagedKVCacheWrapper,
                 MultiLevelCascadeAttentionWrapper, BatchAttention, BatchPODWithPagedKVCacheWrapper,
-                BatchMLAPagedAttentionWrapper, merge_state_in_place):
+                BatchMLAPagedAttentionWrapper, merge_state_in_place, merge_state, single_prefill_with_kv_cache):
         setattr(mod, obj.__name__, obj)
     return mod
