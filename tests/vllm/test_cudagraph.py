@@ -20,12 +20,12 @@ HQ, HKV, D = 4, 2, 64
 CAPTURE_SIZE = 8  # the largest capture size: the graph wrapper's token capacity
 
 
-@pytest.fixture(scope="module")
-def vllm_config(tiny_llama):
+def full_graph_config(model_dir: str):
+    """vLLM's config of a local model with full CUDA graphs of decode batches up to CAPTURE_SIZE."""
     from vllm.config import CacheConfig, ModelConfig, VllmConfig
     from vllm.config.compilation import CUDAGraphMode
 
-    model = ModelConfig(model=tiny_llama, dtype="float32", skip_tokenizer_init=True, max_model_len=256)
+    model = ModelConfig(model=model_dir, dtype="float32", skip_tokenizer_init=True, max_model_len=256)
     config = VllmConfig(model_config=model, cache_config=CacheConfig(block_size=BLOCK))
     # vLLM turns graphs off on CPU platforms; set what a GPU config would hold (FULL_AND_PIECEWISE is the default
     # there for a backend at UNIFORM_BATCH).
@@ -33,6 +33,11 @@ def vllm_config(tiny_llama):
     config.compilation_config.cudagraph_capture_sizes = [1, 2, 4, CAPTURE_SIZE]
     config.compilation_config.max_cudagraph_capture_size = CAPTURE_SIZE
     return config
+
+
+@pytest.fixture(scope="module")
+def vllm_config(tiny_llama):
+    return full_graph_config(tiny_llama)
 
 
 def _builder(vllm_config):

@@ -12,7 +12,7 @@ import torch
 
 from tests.launch_count import fixed_launch_args
 from tests.tolerances import ATTENTION_TOL
-from tests.vllm.test_cudagraph import BLOCK, CAPTURE_SIZE, MAX_BLOCKS_PER_REQ, _common
+from tests.vllm.test_cudagraph import BLOCK, CAPTURE_SIZE, MAX_BLOCKS_PER_REQ, _common, full_graph_config
 
 pytestmark = pytest.mark.vllm
 
@@ -30,15 +30,7 @@ def _prefill_standin():
 
 @pytest.fixture(scope="module")
 def vllm_config(tiny_deepseek_v3):
-    from vllm.config import CacheConfig, ModelConfig, VllmConfig
-    from vllm.config.compilation import CUDAGraphMode
-
-    model = ModelConfig(model=tiny_deepseek_v3, dtype="float32", skip_tokenizer_init=True, max_model_len=256)
-    config = VllmConfig(model_config=model, cache_config=CacheConfig(block_size=BLOCK))
-    # vLLM turns graphs off on CPU platforms; set what a GPU config would hold.
-    config.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
-    config.compilation_config.cudagraph_capture_sizes = [1, 2, 4, CAPTURE_SIZE]
-    config.compilation_config.max_cudagraph_capture_size = CAPTURE_SIZE
+    config = full_graph_config(tiny_deepseek_v3)
     # What the builder reads of the group's first MLA layer (vLLM's MLAAttention holds these).
     config.compilation_config.static_forward_context["layers.0.attn"] = types.SimpleNamespace(
         q_lora_rank=None, kv_lora_rank=KV_LORA_RANK, qk_nope_head_dim=32, qk_rope_head_dim=ROPE_DIM, v_head_dim=32,

@@ -68,7 +68,12 @@ from vllm.v1.attention.backend import (  # noqa: E402
 from vllm.v1.kv_cache_interface import KVCacheLayout  # noqa: E402
 
 import prefixattn  # noqa: E402
-from prefixattn.integrations.vllm.host_tables import HostBlockTables, PlanInputs, plan_inputs  # noqa: E402,F401
+from prefixattn.integrations.vllm.host_tables import (  # noqa: E402,F401
+    HostBlockTables,
+    PlanInputs,
+    exact_seq_lens_on_host,
+    plan_inputs,
+)
 from prefixattn.integrations.vllm.layer_geometry import (  # noqa: E402
     group_geometry,
     group_kv_dtype,
@@ -219,11 +224,7 @@ class PrefixAttnMetadataBuilder(AttentionMetadataBuilder[PrefixAttnMetadata]):
         # The cache's dtype prices the plans' cost rule.
         self.kv_dtype = group_kv_dtype(kv_cache_spec, getattr(vllm_config.cache_config, "cache_dtype", None),
                                        self.q_dtype)
-        # seq_lens_cpu_upper_bound is exact except for asynchronous speculative decoding (optimistic drafts).
-        spec = getattr(vllm_config, "speculative_config", None)
-        speculative = spec is not None and bool(getattr(spec, "num_speculative_tokens", None))
-        asynchronous = bool(getattr(getattr(vllm_config, "scheduler_config", None), "async_scheduling", False))
-        self.exact_seq_lens_on_host = not (speculative and asynchronous)
+        self.exact_seq_lens_on_host = exact_seq_lens_on_host(vllm_config)
         #: Where the planner's block ids come from (vLLM's host data: no device synchronization).
         self.host_tables = HostBlockTables()
         self.warmup_report = warm_up_kernels(self, vllm_config)

@@ -213,6 +213,15 @@ class HostBlockTables:
         return None
 
 
+def exact_seq_lens_on_host(vllm_config) -> bool:
+    """Whether vLLM's ``seq_lens_cpu_upper_bound`` is exact for ``vllm_config``: always but under asynchronous
+    speculative decoding (optimistic drafts), where :func:`plan_inputs` copies ``seq_lens`` from the device."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    speculative = spec is not None and bool(getattr(spec, "num_speculative_tokens", None))
+    asynchronous = bool(getattr(getattr(vllm_config, "scheduler_config", None), "async_scheduling", False))
+    return not (speculative and asynchronous)
+
+
 def plan_inputs(common, *, block_size: int, host_tables: HostBlockTables | None = None,
                 exact_seq_lens_on_host: bool = True) -> PlanInputs:
     """Convert vLLM's per-step metadata to ``prefixattn.plan``'s ``(qo_indptr, kv_lens, block_table)``.

@@ -52,7 +52,7 @@ from vllm.v1.attention.backend import AttentionCGSupport, AttentionType, Multipl
 
 import prefixattn  # noqa: E402
 from prefixattn.integrations.vllm.backend import _plan_observers  # noqa: E402
-from prefixattn.integrations.vllm.host_tables import HostBlockTables, plan_inputs  # noqa: E402
+from prefixattn.integrations.vllm.host_tables import HostBlockTables, exact_seq_lens_on_host, plan_inputs  # noqa: E402
 from prefixattn.integrations.vllm.plugin import MLA_BACKEND_NAME  # noqa: E402
 from prefixattn.integrations.vllm.refusals import fp8_cache_dtype, fp8_unsupported, refusal  # noqa: E402
 from prefixattn.integrations.vllm.wrappers import eager_capacity, graph_capacity  # noqa: E402
@@ -155,11 +155,7 @@ class PrefixAttnMLAMetadataBuilder(MLACommonMetadataBuilder[PrefixAttnMLAMetadat
         self.sm_scale = float(layer.scale)
         self.q_dtype = vllm_config.model_config.dtype
         self.kv_dtype = fp8_cache_dtype(getattr(vllm_config.cache_config, "cache_dtype", None)) or self.q_dtype
-        spec = getattr(vllm_config, "speculative_config", None)
-        speculative = spec is not None and bool(getattr(spec, "num_speculative_tokens", None))
-        asynchronous = bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))
-        # seq_lens_cpu_upper_bound is exact except for asynchronous speculative decoding (optimistic drafts).
-        self.exact_seq_lens_on_host = not (speculative and asynchronous)
+        self.exact_seq_lens_on_host = exact_seq_lens_on_host(vllm_config)
         self.host_tables = HostBlockTables()
         # Capacities: every request of a step may be a decode, and decode tokens are at most the step's tokens.
         wrapper = dict(self._plan_options(), max_blocks_per_request=0, device=device)

@@ -17,19 +17,22 @@ import torch
 import prefixattn
 
 
-def _wrapper_options(*, num_qo_heads, num_kv_heads, head_dim, block_size, q_dtype, kv_dtype, sm_scale, device,
-                     window_left, logits_soft_cap) -> dict:
+def _wrapper_options(*, num_qo_heads, num_kv_heads, head_dim, block_size, q_dtype, sm_scale, device,
+                     window_left: int = -1, logits_soft_cap: float = 0.0, kv_dtype=None) -> dict:
     # window and soft cap: one value per KV cache group (the builder checks its layers agree)
     return dict(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
                 q_dtype=q_dtype, kv_dtype=kv_dtype, causal=True, sm_scale=sm_scale, max_blocks_per_request=0,
                 device=device, window_left=window_left, logits_soft_cap=logits_soft_cap)
 
 
-def graph_wrapper(vllm_config, *, num_qo_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                  q_dtype: torch.dtype, sm_scale: float | None, device: torch.device, window_left: int = -1,
-                  logits_soft_cap: float = 0.0,
-                  kv_dtype: torch.dtype | None = None) -> "prefixattn.PrefixSharedAttention | None":
-    """The builder's CUDA-graph wrapper, or None when vLLM captures no full graphs.
+def _wrapper(capacity: dict | None, options: dict) -> "prefixattn.PrefixSharedAttention | None":
+    return None if capacity is None else prefixattn.PrefixSharedAttention(**_wrapper_options(**options), **capacity)
+
+
+def graph_wrapper(vllm_config, **options) -> "prefixattn.PrefixSharedAttention | None":
+    """The builder's CUDA-graph wrapper, or None when vLLM captures no full graphs. ``options``: the KV cache group's
+    geometry (``num_qo_heads``, ``num_kv_heads``, ``head_dim``, ``block_size``, ``q_dtype``, ``sm_scale``,
+    ``device``; ``window_left``, ``logits_soft_cap``, ``kv_dtype`` optional).
 
     Capacities from vLLM's graph settings: ``max_tokens`` = the largest capture size (vLLM pads a replayed batch to
     a capture size), as many requests (a padded request has >= 0 query rows). Tiles for the uniform decode query
@@ -38,14 +41,7 @@ def graph_wrapper(vllm_config, *, num_qo_heads: int, num_kv_heads: int, head_dim
     (``FULL``): the graphs then launch the prefill-chunk class as well. No block-table section: every graph-safe
     step passes vLLM's persistent device table (``max_blocks_per_request=0``).
     """
-    capacity = graph_capacity(vllm_config)
-    if capacity is None:
-        return None
-    return prefixattn.PrefixSharedAttention(
-        **_wrapper_options(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                           block_size=block_size, q_dtype=q_dtype, kv_dtype=kv_dtype, sm_scale=sm_scale,
-                           device=device, window_left=window_left, logits_soft_cap=logits_soft_cap),
-        **capacity)
+    return _wrapper(graph_capacity(vllm_config), options)
 
 
 def graph_capacity(vllm_config, *, mixed_graphs: bool = True) -> dict | None:
@@ -64,11 +60,9 @@ def graph_capacity(vllm_config, *, mixed_graphs: bool = True) -> dict | None:
     return dict(max_tokens=int(max_size), max_requests=int(max_size), max_q_len=decode_len, use_cuda_graph=True)
 
 
-def eager_wrapper(vllm_config, *, num_qo_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                  q_dtype: torch.dtype, sm_scale: float | None, device: torch.device, window_left: int = -1,
-                  logits_soft_cap: float = 0.0,
-                  kv_dtype: torch.dtype | None = None) -> "prefixattn.PrefixSharedAttention | None":
-    """The builder's wrapper for steps that run without a full graph, or None without scheduler limits.
+def eager_wrapper(vllm_config, **options) -> "prefixattn.PrefixSharedAttention | None":
+    """The builder's wrapper for steps that run without a full graph, or None without scheduler limits; ``options``
+    as :func:`graph_wrapper`'s.
 
     Capacities from vLLM's scheduler: ``max_tokens`` = ``max_num_batched_tokens`` (the most query tokens one step
     schedules), ``max_requests`` = ``max_num_seqs``; tiles follow each batch. A step beyond them (a config that lets
@@ -78,14 +72,7 @@ def eager_wrapper(vllm_config, *, num_qo_heads: int, num_kv_heads: int, head_dim
     head_dim x 4`` bytes (``PlanWorkspace.device_bytes``; 8192 tokens, 32 heads of 128: ~0.4 GB per KV cache group,
     FlashInfer's backends hold a fixed workspace of the same order).
     """
-    capacity = eager_capacity(vllm_config)
-    if capacity is None:
-        return None
-    return prefixattn.PrefixSharedAttention(
-        **_wrapper_options(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                           block_size=block_size, q_dtype=q_dtype, kv_dtype=kv_dtype, sm_scale=sm_scale,
-                           device=device, window_left=window_left, logits_soft_cap=logits_soft_cap),
-        **capacity)
+    return _wrapper(eager_capacity(vllm_config), options)
 
 
 def eager_capacity(vllm_config) -> dict | None:
