@@ -53,7 +53,7 @@ def _qkv(eng: MiniEngine, num_tokens: int):
     return q, k, k[..., :KV_LORA_RANK].clone()
 
 
-def _session(eng, backends):
+def _session(eng, backends, layer=LAYER):
     """A first request prefilled and cached, four more admitted on its prefix (two share more), their questions
     prefilled in one extend batch; each backend runs every batch. Returns ``(eager, r0, rs)``."""
     def eager(extend, mode):
@@ -62,7 +62,7 @@ def _session(eng, backends):
         outs = []
         for b in backends:
             b.init_forward_metadata(fb)
-            outs.append(b.forward(q.clone(), k.clone(), v.clone(), LAYER, fb))
+            outs.append(b.forward(q.clone(), k.clone(), v.clone(), layer, fb))
         return outs
 
     r0 = eng.add_request(SYSTEM + DOC + [400, 401, 402, 403])
@@ -119,10 +119,39 @@ def test_decode_graph_capture_and_padded_replays_reuse_the_launch():
     assert p.has_shared and p.num_tokens == 5
 
 
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_latent_pool_with_a_checkpoint_scale(fp8):
+    """An fp8 pool holds k / k_scale (SGLang's latent pool applies no scale itself); attention reads it back times
+    k_scale: the reference over the dequantized pool, and the pool's rows are exactly the quantized k."""
+    import prefixattn
+
+    eng = _engine(1)
+    pool = _pool(eng, fp8)
+    ours = PrefixAttnMLABackend(eng.runner(pool), sharing="always")
+    layer = RadixAttention(HEADS, KV_LORA_RANK + ROPE_DIM, SCALE, 1, layer_id=0, v_head_dim=KV_LORA_RANK)
+    layer.k_scale = torch.nn.Parameter(torch.tensor(0.5), requires_grad=False)
+    layer.k_scale_float = 0.5
+    eager, r0, rs = _session(eng, (ours,), layer)
+    eager({r: len(eng.requests[r].tokens) - eng.requests[r].cached_len for r in rs}, ForwardMode.EXTEND)
+    reqs = (r0, *rs)
+    for r in reqs:
+        eng.append_token(r, 600 + r)
+    fb = eng.batch({r: 1 for r in reqs}, ForwardMode.DECODE)
+    q, k, v = _qkv(eng, len(reqs))
+    ours.init_forward_metadata(fb)
+    got = ours.forward(q.clone(), k.clone(), v.clone(), layer, fb)
+    slots = fb.out_cache_loc
+    torch.testing.assert_close(pool.get_key_buffer(0)[slots].float(), (k / 0.5).to(fp8).float(), atol=0, rtol=0)
+    lens = fb.seq_lens.cpu()
+    table = torch.stack([eng.req_to_token_pool.req_to_token[eng.requests[r].row, :int(lens.max())] for r in reqs])
+    want = prefixattn.reference_mla_attention(
+        q.view(-1, HEADS, KV_LORA_RANK + ROPE_DIM), pool.get_key_buffer(0), torch.arange(len(reqs) + 1), lens,
+        table, kv_lora_rank=KV_LORA_RANK, sm_scale=SCALE, kv_scale=0.5)
+    torch.testing.assert_close(got.view(-1, HEADS, KV_LORA_RANK), want, atol=1e-4, rtol=1e-4)
+
+
 def test_refusals_name_what_is_wrong():
     eng = _engine(1)
-    with pytest.raises(ValueError, match="expected a float16/bfloat16/float32 MLA pool"):
-        PrefixAttnMLABackend(eng.runner(_pool(eng, torch.float8_e4m3fn)))
     with pytest.raises(ValueError, match="token_to_kv_pool: expected SGLang's MLATokenToKVPool"):
         PrefixAttnMLABackend(eng.runner(eng.make_pool()))
     ours = PrefixAttnMLABackend(eng.runner(_pool(eng)))

@@ -135,10 +135,10 @@ class PrefixAttnBackend(AttentionBackend):
     captured attention metadata (an opt-in SGLang's FlashInfer and Triton backends do not take either), speculative
     decoding (target verify / draft extend), encoder-decoder and cross attention, chunked attention, hybrid/SWA
     pools (MLA models: :class:`~prefixattn.integrations.sglang.mla_backend.PrefixAttnMLABackend`), quantized KV
-    pools other than fp8 e4m3/e5m2 (FP4, ROCm's e4m3fnuz), ``qk_head_dim != v_head_dim``. fp8 e4m3/e5m2 pools with per-tensor scales (``layer.k_scale``/``v_scale``),
-    sliding windows (``layer.sliding_window_size``, FlashInfer's ``window_left``) on the standard pool
-    (``--disable-hybrid-swa-memory``), logit soft-capping (``layer.logit_cap``) and attention sinks (the ``sinks``
-    keyword of the forward calls) run in the kernel.
+    pools other than fp8 e4m3/e5m2 (FP4, ROCm's e4m3fnuz), ``qk_head_dim != v_head_dim``. fp8 e4m3/e5m2 pools with
+    per-tensor scales (``layer.k_scale``/``v_scale``), sliding windows (``layer.sliding_window_size``, FlashInfer's
+    ``window_left``) on the standard pool (``--disable-hybrid-swa-memory``), logit soft-capping (``layer.logit_cap``)
+    and attention sinks (the ``sinks`` keyword of the forward calls) run in the kernel.
 
     Examples
     --------

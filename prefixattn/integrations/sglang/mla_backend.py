@@ -13,9 +13,11 @@ Every batch takes the absorbed form: for a backend it does not know, SGLang's De
 (MHA) form for an extend batch without a cached prefix, whose K/V never reach the latent pool the kernel reads; the
 plugin registers a dispatch rule that picks the absorbed form for ``prefixattn`` (:func:`force_absorbed_mla`).
 
-Refused when the backend is built: an MLA pool other than SGLang's plain ``MLATokenToKVPool`` (DeepSeek-V3.2's sparse
-pools, DCP-replicated pools), fp8 latent pools (SGLang's pool stores no scale; not built yet), and latent or rotary
-widths the kernel does not take (:func:`prefixattn.check_mla_dims`).
+fp8 latent pools (``--kv-cache-dtype fp8_e4m3`` / ``fp8_e5m2``): SGLang's latent pool stores what it is given, so
+the backend writes ``k / layer.k_scale`` (as SGLang's Triton backend does) and the kernel reads the latent back times
+``layer.k_scale_float``. Refused when the backend is built: an MLA pool other than SGLang's plain
+``MLATokenToKVPool`` (DeepSeek-V3.2's sparse pools, DCP-replicated pools) and latent or rotary widths the kernel does
+not take (:func:`prefixattn.check_mla_dims`).
 """
 
 from __future__ import annotations
@@ -67,9 +69,6 @@ class PrefixAttnMLABackend(PrefixAttnBackend):
 
     def _check_pool(self, pool) -> None:
         super()._check_pool(pool)
-        if pool.dtype in prefixattn.FP8_KV_DTYPES:
-            raise ValueError(f"token_to_kv_pool: expected a float16/bfloat16/float32 MLA pool (prefixattn's SGLang MLA "
-                             f"backend reads no fp8 latent yet), got {pool.dtype}")
         prefixattn.check_mla_dims(int(pool.kv_lora_rank), int(pool.qk_rope_head_dim))
 
     def _warm_up(self, model_runner, pool) -> list:
@@ -97,8 +96,13 @@ class PrefixAttnMLABackend(PrefixAttnBackend):
         key = self._layer_key(layer, q.dtype)
         if sinks is not None:
             raise ValueError(f"layer {layer.layer_id}: attention sinks are not supported by prefixattn's MLA backend")
+        scale = None  # the latent's dequantization scale (an fp8 pool with a checkpoint scale)
+        if self.kv_dtype is not None and layer.k_scale is not None:
+            scale = float(layer.k_scale_float)
+            if save_kv_cache and k is not None:
+                k = k / layer.k_scale  # a new tensor: the caller's k stays intact
         if save_kv_cache and k is not None:
-            # The pool stores k (latent + rotary key) and ignores v, which is k's latent part.
+            # The pool stores k (latent + rotary key), cast to its dtype, and ignores v, which is k's latent part.
             self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc.for_batch(forward_batch), k, v)
         num_heads, width, rank = layer.tp_q_head_num, layer.qk_head_dim, layer.v_head_dim
         q3 = q.reshape(-1, num_heads, width)
@@ -108,7 +112,7 @@ class PrefixAttnMLABackend(PrefixAttnBackend):
         out = o.view(-1, num_heads, rank)
         if self.forward_metadata.graph:
             # The wrapper's capacity-fixed launch over all padded rows: what the graph captures.
-            self.forward_metadata.graph_state.wrapper_of(p).run(q3, cache, out=out)
+            self.forward_metadata.graph_state.wrapper_of(p).run(q3, cache, out=out, kv_scale=scale)
         else:
-            prefixattn.mla_attention(q3, cache, p, out=out)
+            prefixattn.mla_attention(q3, cache, p, out=out, kv_scale=scale)
         return o
