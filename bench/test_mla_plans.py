@@ -1,0 +1,68 @@
+"""MLA plans at the GPU check's DeepSeek-V3 shapes (gpu_check.mla.SHAPES), on the host: how much latent each plan's
+work items read against the distinct latent, how many shared nodes and launches it has, the plan time, and the
+step time the planner's cost model predicts (MODELED: ``Plan.stats["modeled_step_us"]`` on the sm90 target, the
+program-cost model fitted to H100 measurements, scaled to a latent row's bytes), with sharing and without.
+
+What this shows without a GPU: whether sharing pays at 16 and at 128 heads in the plan's own model, and how often a
+shared prefix is read (at 16 heads a 32-lane shared tile holds two requests' heads, so a prefix is read once per
+two requests; at 128 heads each request's heads fill several tiles). The GPU check's ``mla`` step measures the same
+shapes.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import prefixattn
+from prefixattn.autotune.lookup import planning_target
+
+from gpu_check.mla import PAGE, RANK, ROPE, SHAPES, SM_SCALE
+
+BENCHMARK = "mla_plans"
+#: The tuning target whose tiles and program costs price the plans (what an H100/H200 runs).
+PLAN_TARGET = "sm90"
+#: Timed plan() calls per shape (after one untimed): enough for a stable median of a ~1-10 ms call.
+TIMED_RUNS = 5
+
+
+def _metadata(requests: int, shared: int, own: int):
+    """One decode row per request: ``shared`` tokens on pages every request's table starts with, ``own`` on its own."""
+    shared_pages, own_pages = -(-shared // PAGE), -(-own // PAGE)
+    ids = np.random.default_rng(requests).permutation(shared_pages + requests * own_pages).astype(np.int32)
+    table = np.concatenate([np.broadcast_to(ids[:shared_pages], (requests, shared_pages)),
+                            ids[shared_pages:].reshape(requests, own_pages)], axis=1)
+    return (torch.arange(requests + 1, dtype=torch.int32), torch.full((requests,), shared + own, dtype=torch.int32),
+            torch.from_numpy(np.ascontiguousarray(table)))
+
+
+@pytest.mark.parametrize("sharing", ["auto", "never"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s[0])
+def test_mla_plan(results, shape, sharing):
+    name, heads, requests, shared, own = shape
+    metadata = _metadata(requests, shared, own)
+    kwargs = dict(block_size=PAGE, num_heads=heads, kv_lora_rank=RANK, rope_dim=ROPE, sm_scale=SM_SCALE,
+                  q_dtype=torch.bfloat16, sharing=sharing)
+    with planning_target(PLAN_TARGET):
+        prefixattn.plan_mla(*metadata, **kwargs)
+        times = []
+        for _ in range(TIMED_RUNS):
+            start = time.perf_counter()
+            p = prefixattn.plan_mla(*metadata, **kwargs)
+            times.append(time.perf_counter() - start)
+    provider = "prefixattn" if sharing == "auto" else "prefixattn-nosharing"
+    unique = (shared + requests * own) * (RANK + ROPE) * 2
+    rows = (("plan_us_median", statistics.median(times) * 1e6, "us", "host-cpu"),
+            ("latent_bytes_read", p.kv_bytes_read(), "bytes", "host-cpu"),
+            ("unique_latent_bytes", unique, "bytes", "host-cpu"),
+            ("read_over_unique", p.kv_bytes_read() / unique, "ratio", "host-cpu"),
+            ("shared_nodes", len(p.shared_nodes), "count", "host-cpu"),
+            ("launches", p.num_launches, "count", "host-cpu"),
+            ("modeled_step_us", p.stats["modeled_step_us"], "us (modeled)", f"{PLAN_TARGET} (modeled)"))
+    for metric, value, unit, device in rows:
+        results.add(BENCHMARK, provider, name, metric, float(value), unit, device=device)
+    assert p.kv_bytes_read() >= unique, "the plan reads less latent than the batch holds"
