@@ -44,6 +44,16 @@ def test_fp8_latent_cache_needs_vllms_write_op():
         assert reasons == []
 
 
+def test_e4m3_latent_cache_needs_compute_capability_8_9():
+    # As the fused backend: Triton compiles e4m3 loads from sm_89 on; an A100 takes fp8_e5m2 (or auto).
+    reasons = mla_refusal_reasons(kv_cache_dtype="fp8_e4m3", device_capability=(8, 0), **DEEPSEEK)
+    assert len(reasons) == 1 and reasons[0].startswith("kv_cache_dtype fp8_e4m3 (float8_e4m3fn) needs compute "
+                                                       "capability 8.9 or newer")
+    assert PrefixAttnMLABackend.supports_combination(576, None, "fp8_e4m3", 64, True, False, False, False, (8, 0))
+    assert PrefixAttnMLABackend.supports_combination(576, None, "fp8_e5m2", 64, True, False, False, False, (8, 0)) \
+        is None
+
+
 def test_the_impl_refuses_with_vllms_wording():
     with pytest.raises(ValueError, match=r"Selected backend PREFIXATTN_MLA is not valid for this configuration\. "
                                          r"Reason: \['sliding window not supported'\]"):

@@ -52,7 +52,13 @@ import prefixattn  # noqa: E402
 from prefixattn.integrations.vllm.backend import _plan_observers, vllm_cache_op  # noqa: E402
 from prefixattn.integrations.vllm.host_tables import HostBlockTables, exact_seq_lens_on_host, plan_inputs  # noqa: E402
 from prefixattn.integrations.vllm.plugin import MLA_BACKEND_NAME  # noqa: E402
-from prefixattn.integrations.vllm.refusals import fp8_cache_dtype, fp8_unsupported, refusal  # noqa: E402
+from prefixattn.integrations.vllm.refusals import (  # noqa: E402
+    capability_unsupported,
+    current_device_capability,
+    fp8_cache_dtype,
+    fp8_unsupported,
+    refusal,
+)
 from prefixattn.integrations.vllm.wrappers import eager_capacity, graph_capacity  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -70,13 +76,16 @@ def latent_cache_write_op():
 
 def mla_refusal_reasons(*, kv_cache_dtype: str, alibi_slopes=None, sliding_window=None, logits_soft_cap=None,
                         attn_type: str = AttentionType.DECODER, kv_sharing_target_layer_name=None,
-                        kv_lora_rank: int, qk_rope_head_dim: int, indexer=None, dcp_world_size: int = 1) -> list[str]:
-    """Why an MLA layer cannot run on prefixattn (empty list: it can), in vLLM's validation wording."""
+                        kv_lora_rank: int, qk_rope_head_dim: int, indexer=None, dcp_world_size: int = 1,
+                        device_capability=None, is_rocm: bool = False) -> list[str]:
+    """Why an MLA layer cannot run on prefixattn (empty list: it can), in vLLM's validation wording;
+    ``device_capability``: the GPU's (None: no GPU), as the fused backend's refusals take it."""
     reasons = []
     if kv_cache_dtype not in SUPPORTED_MLA_KV_CACHE_DTYPES:
         reasons.append("kv_cache_dtype not supported")
     elif fp8_cache_dtype(kv_cache_dtype) is not None:
-        if (bad := fp8_unsupported(kv_cache_dtype)) is not None:
+        if (bad := fp8_unsupported(kv_cache_dtype)
+                or capability_unsupported(kv_cache_dtype, device_capability, is_rocm=is_rocm)) is not None:
             reasons.append(bad)
         elif latent_cache_write_op() is None:
             reasons.append(f"kv_cache_dtype {kv_cache_dtype} needs vLLM's concat_and_cache_mla to quantize the latent "
@@ -131,7 +140,10 @@ class PrefixAttnMLABackend(MLACommonBackend):
     @classmethod
     def supports_combination(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink, use_sparse,
                              use_mm_prefix, device_capability) -> str | None:
-        return fp8_unsupported(kv_cache_dtype)
+        from vllm.platforms import current_platform
+
+        return fp8_unsupported(kv_cache_dtype) or capability_unsupported(kv_cache_dtype, device_capability,
+                                                                         is_rocm=current_platform.is_rocm())
 
 
 class PrefixAttnMLAMetadataBuilder(MLACommonMetadataBuilder[PrefixAttnMLAMetadata]):
@@ -243,11 +255,13 @@ class PrefixAttnMLAImpl(MLACommonImpl[PrefixAttnMLAMetadata]):
 
         config = get_current_vllm_config_or_none()
         dcp = getattr(getattr(config, "parallel_config", None), "decode_context_parallel_size", 1) or 1
+        capability, is_rocm = current_device_capability()  # the GPU this process runs on (None without one)
         reasons = mla_refusal_reasons(
             kv_cache_dtype=kv_cache_dtype, alibi_slopes=alibi_slopes, sliding_window=sliding_window,
             logits_soft_cap=logits_soft_cap, attn_type=attn_type,
             kv_sharing_target_layer_name=kv_sharing_target_layer_name, kv_lora_rank=mla_args["kv_lora_rank"],
-            qk_rope_head_dim=mla_args["qk_rope_head_dim"], indexer=mla_args.get("indexer"), dcp_world_size=dcp)
+            qk_rope_head_dim=mla_args["qk_rope_head_dim"], indexer=mla_args.get("indexer"), dcp_world_size=dcp,
+            device_capability=capability, is_rocm=is_rocm)
         if reasons:
             raise refusal(reasons, backend=MLA_BACKEND_NAME)
         super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
