@@ -31,19 +31,21 @@ _EXPORTS = {
     "merge_states": "prefixattn.merge",
     "merge_states_n": "prefixattn.merge",
     "mla_attention": "prefixattn.mla",
+    "mla_kernel_variants": "prefixattn.mla_warmup",
     "plan": "prefixattn.planner.plans",
     "plan_mla": "prefixattn.mla",
     "reference_attention": "prefixattn.reference",
     "reference_mla_attention": "prefixattn.reference",
     "warmup_kernels": "prefixattn.warmup",
+    "warmup_mla_kernels": "prefixattn.mla_warmup",
     "write_kv": "prefixattn.kv_write",
 }
 
 __all__ = ["CapacityError", "FP8_E4M3_MIN_CAPABILITY", "FP8_KV_DTYPES", "MLAPrefixSharedAttention", "Plan",
            "PrefixSharedAttention", "SINK_DTYPES", "SUPPORTED_DTYPES", "SUPPORTED_HEAD_DIMS", "attention",
            "check_mla_dims", "kernel_variants", "merge_states",
-           "merge_states_n", "mla_attention", "plan", "plan_mla", "reference_attention", "reference_mla_attention",
-           "warmup_kernels", "write_kv", "__version__"]
+           "merge_states_n", "mla_attention", "mla_kernel_variants", "plan", "plan_mla", "reference_attention",
+           "reference_mla_attention", "warmup_kernels", "warmup_mla_kernels", "write_kv", "__version__"]
 
 
 def __getattr__(name: str):

@@ -188,6 +188,11 @@ def _check_config(num_qo_heads, num_kv_heads, head_dim, block_size, dtypes) -> t
             raise ValueError(f"{name}: expected a positive int, got {v!r}")
     check_heads(num_qo_heads, num_kv_heads)
     check_head_dim("head_dim", head_dim)
+    return checked_dtypes(dtypes)
+
+
+def checked_dtypes(dtypes) -> tuple[torch.dtype, ...]:
+    """``dtypes`` (one q dtype or a sequence of them) as a tuple of supported q dtypes, else ValueError."""
     dtypes = tuple(dtypes) if isinstance(dtypes, (list, tuple)) else (dtypes,)
     bad = [d for d in dtypes if d not in SUPPORTED_DTYPES]
     if not dtypes or bad:
@@ -412,12 +417,12 @@ def _kernel_of(v: KernelVariant):
     return prefix_attention_kernel
 
 
-def _run_one(v: KernelVariant, layout: WarmupLayout, device: torch.device, interpreted: bool) -> VariantResult:
-    kernel = _kernel_of(v)
+def _run_one(v, launch, kernel, device: torch.device, interpreted: bool) -> VariantResult:
+    """Launch ``v`` once with ``launch(v, device)`` and report whether ``kernel`` compiled a new binary for it."""
     before = _binaries_in_process(kernel)
     start = time.perf_counter()
     try:
-        (_launch_kv_write if v.kernel == KV_WRITE else _launch_attention)(v, layout, device)
+        launch(v, device)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     except Exception as e:  # noqa: BLE001 - reported per variant; the caller decides whether a failure is fatal
@@ -483,6 +488,15 @@ def warmup_kernels(*, num_qo_heads: int, num_kv_heads: int, head_dim: int, block
                                block_size=block_size, dtypes=dtypes, max_q_len=max_q_len, with_lse=with_lse,
                                kv_write=kv_write, slot_dtype=slot_dtype, kv_dtypes=kv_dtypes,
                                fp8_kv_scales=fp8_kv_scales)
+    return run_warmup(variants, launch=lambda v, dev: (_launch_kv_write if v.kernel == KV_WRITE else
+                                                       _launch_attention)(v, layout, dev),
+                      kernel_of=_kernel_of, device=device, run_in_interpreter=run_in_interpreter)
+
+
+def run_warmup(variants: list, *, launch, kernel_of, device, run_in_interpreter: bool) -> WarmupReport:
+    """Warm the planner, then launch each of ``variants`` once (``launch(variant, device)``; ``kernel_of(variant)``:
+    the Triton kernel whose binaries tell a compile from a cache hit): :func:`warmup_kernels`' driver, and
+    :func:`prefixattn.warmup_mla_kernels`'."""
     planner = warm_planner()  # host code: compiled on any machine, also without a GPU
     interpreted = interpreter_enabled()
     if interpreted and not run_in_interpreter:
@@ -497,5 +511,5 @@ def warmup_kernels(*, num_qo_heads: int, num_kv_heads: int, head_dim: int, block
                          "the Triton interpreter there is nothing to compile")
     report = WarmupReport(mode="interpreter" if interpreted else "gpu", planner=planner)
     for v in variants:
-        report.results.append(_run_one(v, layout, device, interpreted))
+        report.results.append(_run_one(v, launch, kernel_of(v), device, interpreted))
     return report

@@ -1,7 +1,8 @@
 """``prefixattn warmup``: compile every kernel variant a model configuration will launch, before serving.
 
 Prints one line per variant (status, seconds, what it is) after a summary line; ``--json`` prints the same as JSON.
-``--dry-run`` (or ``--target NAME``, the tables of another GPU) only lists what would be compiled. Without a GPU, or
+``--dry-run`` (or ``--target NAME``, the tables of another GPU) only lists what would be compiled. ``--mla``: an
+MLA model's variants of the MLA kernel (:func:`prefixattn.warmup_mla_kernels`). Without a GPU, or
 under ``TRITON_INTERPRET=1``, there is nothing to compile: the variants are listed as skipped. Exit code 0 when
 every variant compiled (or was listed), 1 when a variant failed, 2 for a bad argument or configuration.
 """
@@ -17,6 +18,9 @@ from prefixattn.kernels.layout import WORK_CLASSES
 from prefixattn.validation import SUPPORTED_HEAD_DIMS, torch_dtype_name
 
 HELP = "compile every kernel variant a model configuration uses (heads, head size, dtype, block size) before serving"
+#: What ``--mla`` needs and what it does not take.
+_MHA_ONLY = (("num_kv_heads", "--num-kv-heads"), ("head_dim", "--head-dim"), ("kv_write", "--kv-write"),
+             ("layout", "--layout"))
 
 #: ``--dtype`` names.
 _DTYPES = ("fp16", "bf16", "fp32")
@@ -48,8 +52,15 @@ def kv_dtype_list(text: str):
 
 def add_arguments(parser) -> None:
     parser.add_argument("--num-qo-heads", type=positive_int, required=True, help="query heads per GPU (after TP)")
-    parser.add_argument("--num-kv-heads", type=positive_int, required=True, help="KV heads per GPU (after TP)")
-    parser.add_argument("--head-dim", type=int, required=True, choices=SUPPORTED_HEAD_DIMS)
+    parser.add_argument("--num-kv-heads", type=positive_int, default=None,
+                        help="KV heads per GPU (after TP); required unless --mla")
+    parser.add_argument("--head-dim", type=int, default=None, choices=SUPPORTED_HEAD_DIMS,
+                        help="required unless --mla")
+    parser.add_argument("--mla", action="store_true",
+                        help="an MLA model (DeepSeek-V2/V3/R1, Kimi-K2): the MLA kernel's variants over a latent "
+                             "cache of --kv-lora-rank + --rope-dim per token")
+    parser.add_argument("--kv-lora-rank", type=positive_int, default=512, help="with --mla (default 512)")
+    parser.add_argument("--rope-dim", type=positive_int, default=64, help="with --mla (default 64)")
     parser.add_argument("--block-size", type=positive_int, default=16, help="KV cache block (page) size")
     parser.add_argument("--dtype", type=dtype_list, default=None, help="model dtypes, e.g. bf16 or fp16,bf16 "
                         "(default bf16)")
@@ -64,7 +75,7 @@ def add_arguments(parser) -> None:
                              "default: every length the tile tables distinguish)")
     parser.add_argument("--lse", action="store_true", help="also the variants that return the LSE")
     parser.add_argument("--kv-write", action="store_true", help="also the K/V write kernel (prefixattn.write_kv)")
-    parser.add_argument("--layout", choices=("contiguous", "vllm", "sglang"), default="contiguous",
+    parser.add_argument("--layout", choices=("contiguous", "vllm", "sglang"), default=None,
                         help="tensor layout to compile for: contiguous tensors (library use), or an engine's "
                              "(q/k/v slices of a fused projection; vllm: K and V halves of one cache)")
     parser.add_argument("--target", default=None,
@@ -77,33 +88,64 @@ def _as_json(results, mode: str, planner: dict) -> str:
     rows = []
     for r in results:
         v = r.variant
-        row = {"kernel": v.kernel, "dtype": torch_dtype_name(v.dtype), "num_qo_heads": v.num_qo_heads,
-               "num_kv_heads": v.num_kv_heads, "head_dim": v.head_dim, "block_size": v.block_size,
+        row = {"kernel": v.kernel, "dtype": torch_dtype_name(v.dtype), "block_size": v.block_size,
                "kv_dtype": torch_dtype_name(v.cache_dtype), "has_kv_scale": v.has_kv_scale,
-               "work_class": WORK_CLASSES[v.work_class], "has_lse": v.has_lse, "max_q_lens": list(v.max_q_lens),
-               "description": v.describe(), "status": r.status, "seconds": round(r.seconds, 3), "error": r.error}
-        if v.config is not None:
+               "work_class": WORK_CLASSES[v.work_class], "has_lse": v.has_lse}
+        if v.kernel == "mla_attention":
+            row.update(num_heads=v.num_heads, kv_lora_rank=v.kv_lora_rank, rope_dim=v.rope_dim)
+        else:
+            row.update(num_qo_heads=v.num_qo_heads, num_kv_heads=v.num_kv_heads, head_dim=v.head_dim,
+                       max_q_lens=list(v.max_q_lens))
+        row.update(description=v.describe(), status=r.status, seconds=round(r.seconds, 3), error=r.error)
+        if getattr(v, "config", None) is not None:
             row["config"] = v.config.to_dict()
         rows.append(row)
     return json.dumps({"mode": mode, "planner": planner, "variants": rows}, indent=1)
 
 
+def _check_shape_arguments(args) -> str | None:
+    """What is missing or out of place among the shape arguments (None: nothing)."""
+    if args.mla:
+        given = [flag for name, flag in _MHA_ONLY if getattr(args, name) not in (None, False)]
+        return f"{given[0]}: not an MLA argument (--mla takes --num-qo-heads, --kv-lora-rank, --rope-dim)" \
+            if given else None
+    missing = [flag for name, flag in _MHA_ONLY[:2] if getattr(args, name) is None]
+    return f"{missing[0]}: required (or --mla for an MLA model)" if missing else None
+
+
 def run(args) -> int:
     import torch
 
+    from prefixattn import mla_warmup as mw
     from prefixattn import warmup as w
+    from prefixattn.autotune.targets import get_target
 
-    config = dict(num_qo_heads=args.num_qo_heads, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
-                  block_size=args.block_size, dtypes=args.dtype or [torch.bfloat16],
-                  max_q_len=args.max_q_len or w.MAX_DISTINCT_Q_LEN, with_lse=args.lse, kv_write=args.kv_write,
-                  kv_dtypes=args.kv_dtype, fp8_kv_scales=(not args.no_fp8_scales,))
+    problem = _check_shape_arguments(args)
+    if problem:
+        print(f"prefixattn warmup: {problem}", file=sys.stderr)
+        return 2
+    common = dict(block_size=args.block_size, dtypes=args.dtype or [torch.bfloat16],
+                  max_q_len=args.max_q_len or w.MAX_DISTINCT_Q_LEN, with_lse=args.lse, kv_dtypes=args.kv_dtype,
+                  fp8_kv_scales=(not args.no_fp8_scales,))
+    if args.mla:
+        config = dict(common, num_heads=args.num_qo_heads, kv_lora_rank=args.kv_lora_rank, rope_dim=args.rope_dim)
+    else:
+        config = dict(common, num_qo_heads=args.num_qo_heads, num_kv_heads=args.num_kv_heads,
+                      head_dim=args.head_dim, kv_write=args.kv_write)
     try:
         if args.dry_run or args.target is not None:
-            variants = w.kernel_variants(**config, target=args.target if args.target is not None else "auto")
+            if args.mla:
+                is_hip = get_target(args.target).is_hip if args.target is not None else None
+                variants = mw.mla_kernel_variants(**config, is_hip=is_hip)
+            else:
+                variants = w.kernel_variants(**config, target=args.target if args.target is not None else "auto")
             why = f"listed for {args.target}" if args.target is not None else "dry run"
             report = w.WarmupReport([w.VariantResult(v, "listed", error=why) for v in variants], mode="listed")
+        elif args.mla:
+            report = mw.warmup_mla_kernels(**config)
         else:
-            layout = {"contiguous": w.WarmupLayout(), "vllm": w.VLLM_LAYOUT, "sglang": w.SGLANG_LAYOUT}[args.layout]
+            layout = {None: w.WarmupLayout(), "contiguous": w.WarmupLayout(), "vllm": w.VLLM_LAYOUT,
+                      "sglang": w.SGLANG_LAYOUT}[args.layout]
             report = w.warmup_kernels(**config, layout=layout)
     except ValueError as e:
         print(f"prefixattn warmup: {e}", file=sys.stderr)

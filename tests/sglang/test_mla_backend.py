@@ -166,3 +166,20 @@ def test_refusals_name_what_is_wrong():
     mha = RadixAttention(HEADS, 16, SCALE, HEADS, layer_id=0, v_head_dim=8)
     with pytest.raises(ValueError, match="expected SGLang's absorbed MLA attention .* force_absorbed_mla"):
         ours.forward(torch.zeros(3, HEADS * 16), torch.zeros(3, HEADS, 16), torch.zeros(3, HEADS, 8), mha, fb)
+
+
+def test_the_backend_warms_up_its_mla_layers(monkeypatch):
+    # The layers' head counts over the latent pool (under the interpreter: listed, nothing compiled); SGLang's
+    # up-projected attn_mha layers, which never reach this backend, are left out.
+    import types
+
+    monkeypatch.delenv("PREFIXATTN_WARMUP", raising=False)
+    eng = _engine(4)
+    runner = eng.runner(_pool(eng))
+    runner.model = torch.nn.ModuleList([LAYER, RadixAttention(HEADS, 16, SCALE, HEADS, layer_id=1, v_head_dim=8)])
+    runner.server_args = types.SimpleNamespace(chunked_prefill_size=64)
+    (report,) = PrefixAttnMLABackend(runner).warmup_report
+    assert report.mode == "skipped"
+    lines = "\n".join(report.lines())
+    assert f"mla_attention float32 h{HEADS} latent {KV_LORA_RANK}+{ROPE_DIM} page any shared" in lines  # 4: the generic PAGE_SIZE
+    assert "decode no-lse" in lines

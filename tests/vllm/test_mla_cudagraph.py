@@ -119,3 +119,13 @@ def test_a_stale_graph_plan_is_refused(parts):
     with pytest.raises(ValueError, match="attn_metadata: expected the builder's latest plan"):
         impl.forward_mqa(torch.zeros(2, HEADS, KV_LORA_RANK + ROPE_DIM),
                          torch.zeros(NUM_BLOCKS, BLOCK, KV_LORA_RANK + ROPE_DIM), first, None)
+
+
+def test_the_builder_warms_up_the_mla_variants_of_its_decodes(parts):
+    # vLLM's dummy runs and graph captures launch these; under the interpreter nothing is compiled, only listed.
+    builder, _ = parts
+    report = builder.warmup_report
+    assert report is not None and report.mode == "skipped"
+    lines = "\n".join(report.lines())
+    assert f"mla_attention float32 h{HEADS} latent {KV_LORA_RANK}+{ROPE_DIM} page {BLOCK} shared no-lse" in lines
+    assert "decode no-lse" in lines and "chunk" not in lines  # decodes only: one query row each

@@ -32,6 +32,7 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc, MLATokenToKVPool  # noq
 import prefixattn  # noqa: E402
 from prefixattn.integrations.sglang.backend import PrefixAttnBackend  # noqa: E402
 from prefixattn.integrations.sglang.page_table import mla_key  # noqa: E402
+from prefixattn.integrations.sglang.startup import warm_up_mla_kernels  # noqa: E402
 
 
 def force_absorbed_mla(backend_name: str) -> None:
@@ -72,7 +73,7 @@ class PrefixAttnMLABackend(PrefixAttnBackend):
         prefixattn.check_mla_dims(int(pool.kv_lora_rank), int(pool.qk_rope_head_dim))
 
     def _warm_up(self, model_runner, pool) -> list:
-        return []  # the MLA kernel compiles at its first launch (a decode graph's capture, or the first step)
+        return warm_up_mla_kernels(model_runner, pool, self._model_layers(model_runner))
 
     def _model_layers(self, model_runner) -> list:
         # DeepSeek layers hold two RadixAttention modules: attn_mqa (the absorbed form, one latent KV head: this

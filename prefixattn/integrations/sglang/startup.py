@@ -99,6 +99,28 @@ def warm_up_kernels(model_runner, pool) -> list[WarmupReport]:
     ``$PREFIXATTN_WARMUP`` is 0; nothing is compiled without a GPU. A variant that fails to compile is a
     RuntimeError here, at start-up.
     """
+    fp8 = pool.dtype in prefixattn.FP8_KV_DTYPES
+    kv = dict(kv_dtypes=pool.dtype, fp8_kv_scales=_fp8_scale_switches(model_runner, pool)) if fp8 else {}
+    return _warm_up(model_runner, pool, prefixattn.warmup_kernels, [
+        dict(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, layout=SGLANG_LAYOUT, **kv)
+        for num_qo_heads, num_kv_heads, head_dim in _layer_geometries(model_runner)])
+
+
+def warm_up_mla_kernels(model_runner, pool, layers: list) -> list[WarmupReport]:
+    """:func:`warm_up_kernels` for the MLA backend: the MLA kernel's variants (:func:`prefixattn.warmup_mla_kernels`)
+    for the head counts of ``layers`` (its absorbed attention layers) over the latent pool. An fp8 pool is read with
+    the layer's float ``k_scale`` (``HAS_KV_SCALE`` where it is not 1)."""
+    fp8 = pool.dtype in prefixattn.FP8_KV_DTYPES
+    switches = tuple(sorted({m.k_scale is not None and float(m.k_scale_float) != 1.0 for m in layers})) or (False,)
+    kv = dict(kv_dtypes=pool.dtype, fp8_kv_scales=switches) if fp8 else {}
+    return _warm_up(model_runner, pool, prefixattn.warmup_mla_kernels, [
+        dict(num_heads=num_heads, kv_lora_rank=int(pool.kv_lora_rank), rope_dim=int(pool.qk_rope_head_dim), **kv)
+        for num_heads in sorted({m.tp_q_head_num for m in layers})])
+
+
+def _warm_up(model_runner, pool, warm, geometries: list[dict]) -> list[WarmupReport]:
+    """``warm(**geometry, block_size, dtypes, max_q_len, device)`` per geometry (the pool's page size, the model's
+    dtype, the chunked-prefill size), failures raised; nothing when ``$PREFIXATTN_WARMUP`` is 0."""
     if not warmup_enabled():
         return []
     chunk = _schedule_value(model_runner, "chunked_prefill_size")
@@ -108,14 +130,10 @@ def warm_up_kernels(model_runner, pool) -> list[WarmupReport]:
     q_dtype = pool.dtype if pool.dtype in prefixattn.SUPPORTED_DTYPES else getattr(model_runner, "dtype", None)
     if q_dtype is None:
         return []
-    fp8 = pool.dtype in prefixattn.FP8_KV_DTYPES
-    kv = dict(kv_dtypes=pool.dtype, fp8_kv_scales=_fp8_scale_switches(model_runner, pool)) if fp8 else {}
     reports = []
-    for num_qo_heads, num_kv_heads, head_dim in _layer_geometries(model_runner):
-        report = prefixattn.warmup_kernels(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                                           block_size=int(pool.page_size), dtypes=q_dtype, max_q_len=max_q_len,
-                                           layout=SGLANG_LAYOUT, device=device if device.type == "cuda" else None,
-                                           **kv)
+    for geometry in geometries:
+        report = warm(**geometry, block_size=int(pool.page_size), dtypes=q_dtype, max_q_len=max_q_len,
+                      device=device if device.type == "cuda" else None)
         if report.failed:
             raise RuntimeError("\n".join(["prefixattn: kernel warm-up failed"] + report.lines()))
         logger.info("%s", "\n".join(report.lines()))

@@ -496,9 +496,15 @@ def warm_up_kernels(builder: "PrefixAttnMetadataBuilder", vllm_config) -> Warmup
                   block_size=builder.block_size, dtypes=builder.q_dtype, kv_dtypes=builder.kv_dtype,
                   max_q_len=max_q_len, kv_write=kv_fp8 or engine_cache_write_op() is None, layout=VLLM_LAYOUT,
                   device=device)
-    key = tuple(sorted((k, str(v)) for k, v in config.items()))
+    return warm_once(prefixattn.warmup_kernels, config)
+
+
+def warm_once(warm, config: dict) -> WarmupReport:
+    """``warm(**config)`` once per configuration in this process (its report again after that); a failed variant is
+    a RuntimeError, the report is logged."""
+    key = (warm.__name__,) + tuple(sorted((k, str(v)) for k, v in config.items()))
     if key not in _warmed_up:
-        report = prefixattn.warmup_kernels(**config)
+        report = warm(**config)
         if report.failed:
             raise RuntimeError("\n".join(["prefixattn: kernel warm-up failed"] + report.lines()))
         logger.info("%s", "\n".join(report.lines()))

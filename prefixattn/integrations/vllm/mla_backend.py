@@ -49,7 +49,7 @@ from vllm.model_executor.layers.attention.mla_attention import (  # noqa: E402
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionType, MultipleOf  # noqa: E402
 
 import prefixattn  # noqa: E402
-from prefixattn.integrations.vllm.backend import _plan_observers, vllm_cache_op  # noqa: E402
+from prefixattn.integrations.vllm.backend import _plan_observers, vllm_cache_op, warm_once  # noqa: E402
 from prefixattn.integrations.vllm.host_tables import HostBlockTables, exact_seq_lens_on_host, plan_inputs  # noqa: E402
 from prefixattn.integrations.vllm.plugin import MLA_BACKEND_NAME  # noqa: E402
 from prefixattn.integrations.vllm.refusals import (  # noqa: E402
@@ -60,6 +60,7 @@ from prefixattn.integrations.vllm.refusals import (  # noqa: E402
     refusal,
 )
 from prefixattn.integrations.vllm.wrappers import eager_capacity, graph_capacity  # noqa: E402
+from prefixattn.warmup import warmup_enabled  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -172,6 +173,22 @@ class PrefixAttnMLAMetadataBuilder(MLACommonMetadataBuilder[PrefixAttnMLAMetadat
         #: Steps beyond the eager wrapper's capacity, planned with a per-step prefixattn.plan_mla() instead.
         self.capacity_fallbacks = 0
         self._capturing = False
+        self.warmup_report = self._warm_up()
+
+    def _warm_up(self):
+        """Compile the MLA kernel's variants of this group's decode steps (:func:`prefixattn.warmup_mla_kernels`)
+        before vLLM's dummy runs and graph captures, as the fused backend's builder does (:func:`warm_up_kernels`):
+        decodes are at most ``reorder_batch_threshold`` query tokens (more with speculative decoding); an fp8 latent
+        is read with the layer's scale tensor. Skipped when ``$PREFIXATTN_WARMUP`` is 0; nothing compiles without a
+        GPU."""
+        if not warmup_enabled():
+            return None
+        dims = self.mla_dims
+        config = dict(num_heads=self.num_heads, block_size=self.page_size, kv_lora_rank=dims.kv_lora_rank,
+                      rope_dim=dims.qk_rope_head_dim, dtypes=self.q_dtype, kv_dtypes=self.kv_dtype,
+                      max_q_len=int(getattr(self, "reorder_batch_threshold", None) or 1),
+                      device=self.device if torch.device(self.device).type == "cuda" else None)
+        return warm_once(prefixattn.warmup_mla_kernels, config)
 
     def _plan_options(self) -> dict:
         dims = self.mla_dims
