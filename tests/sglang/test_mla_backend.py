@@ -181,5 +181,6 @@ def test_the_backend_warms_up_its_mla_layers(monkeypatch):
     (report,) = PrefixAttnMLABackend(runner).warmup_report
     assert report.mode == "skipped"
     lines = "\n".join(report.lines())
-    assert f"mla_attention float32 h{HEADS} latent {KV_LORA_RANK}+{ROPE_DIM} page any shared" in lines  # 4: the generic PAGE_SIZE
+    # Page size 4 runs the generic PAGE_SIZE binary ("any").
+    assert f"mla_attention float32 h{HEADS} latent {KV_LORA_RANK}+{ROPE_DIM} page any shared" in lines
     assert "decode no-lse" in lines
