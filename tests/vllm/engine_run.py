@@ -32,7 +32,8 @@ PLAN_LOG_ENV = "PREFIXATTN_TEST_PLAN_LOG"
 def plan_record(p) -> dict:
     """What a test reads of a plan (and which process built it)."""
     return dict(num_requests=p.num_requests, num_tokens=p.num_tokens, window_left=p.window_left,
-                in_workspace=p.workspace is not None, pid=os.getpid(),
+                in_workspace=p.workspace is not None, pid=os.getpid(), causal=p.causal,
+                prefill_context=p.stats.get("prefill_context"),
                 shared=[dict(kv_start=n.kv_start, kv_end=n.kv_end, requests=n.requests.tolist())
                         for n in p.shared_nodes])
 

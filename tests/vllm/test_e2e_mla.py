@@ -20,7 +20,9 @@ pytestmark = pytest.mark.vllm
 BLOCK = 16
 #: Two system prompts of 40 tokens: 2 full blocks (32 tokens) each that prefix caching makes identical block ids.
 PREFIX_LEN = 40
-MEMBERS = 3
+#: Four requests per group under max_num_seqs=4: the last four are admitted together once the first ones finished,
+#: two per group over its cached prompt.
+MEMBERS = 4
 MAX_TOKENS = 6
 
 
@@ -61,7 +63,7 @@ def test_the_reference_run_is_vllms_own_cpu_mla_backend(runs):
 def test_decode_plans_share_each_groups_latent_prefix(runs):
     run = runs["prefixattn"]
     assert run["backend_class"] == "prefixattn.integrations.vllm.mla_backend.PrefixAttnMLABackend"
-    plans = run["plans"]
+    plans = [p for p in run["plans"] if p["prefill_context"] is None]
     assert plans, "the prefixattn run built no plan: its MLA backend never ran"
     # Every decode step planned into the builder's workspace, from the runner's host block table.
     assert all(p["in_workspace"] for p in plans) and {p["route"] for p in plans} == {"runner"}
@@ -71,6 +73,18 @@ def test_decode_plans_share_each_groups_latent_prefix(runs):
     assert all(n["kv_start"] == 0 and 0 < n["kv_end"] <= (PREFIX_LEN // BLOCK) * BLOCK and len(n["requests"]) >= 2
                for n in shared)
     assert any(n["kv_end"] == (PREFIX_LEN // BLOCK) * BLOCK for n in shared)
+
+
+def test_prefills_over_a_cached_prompt_take_prefixattns_context_path(runs):
+    # The last four requests are admitted after their group's prompt is cached, two per group in one step: their
+    # prefills attend its 32 cached tokens through one up-projection of the step's distinct blocks (mla_prefill.py),
+    # not vLLM's per-request path; the tokens above match HF transformers'.
+    contexts = [p for p in runs["prefixattn"]["plans"] if p["prefill_context"] is not None]
+    assert contexts and all(not p["causal"] and p["route"] == "runner" for p in contexts)
+    assert all(c["prefill_context"]["distinct_tokens"] < c["prefill_context"]["context_tokens"] for c in contexts)
+    assert any(c["prefill_context"]["distinct_tokens"] <= c["prefill_context"]["context_tokens"] // 2
+               for c in contexts)
+    assert not any(p["prefill_context"] for p in runs["no_prefix_caching"]["plans"])
 
 
 def test_without_prefix_caching_nothing_is_shared(runs):

@@ -9,7 +9,8 @@ decode attention: per step the builder plans the decode requests once (:class:`p
 which finds the latent prefixes they share from identical leading block ids, as vLLM's prefix caching makes them);
 per layer ``forward_mqa`` runs :func:`prefixattn.mla_attention` over vLLM's latent cache ``[num_blocks, block_size,
 kv_lora_rank + rope_dim]`` in place, reading each shared latent block once per shared tile instead of once per
-request.
+request. Prefills whose cached contexts share blocks attend them up-projected once per step
+(:mod:`~prefixattn.integrations.vllm.mla_prefill`), not once per request as vLLM's own path does.
 
 Selecting it: ``attention_backend="PREFIXATTN_MLA"`` (registered by prefixattn's vLLM plugin; a member of its own,
 so it works where vLLM forks or runs the engine in-process), or, spawn-safe, a built-in MLA backend name the plugin
@@ -37,6 +38,7 @@ import logging  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from typing import ClassVar  # noqa: E402
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from vllm.model_executor.layers.attention.mla_attention import (  # noqa: E402
     MLACommonBackend,
@@ -46,11 +48,18 @@ from vllm.model_executor.layers.attention.mla_attention import (  # noqa: E402
     MLACommonMetadataBuilder,
     QueryLenSupport,
 )
+from vllm.model_executor.layers.attention import mla_attention as _vllm_mla  # noqa: E402
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionType, MultipleOf  # noqa: E402
 
 import prefixattn  # noqa: E402
 from prefixattn.integrations.vllm.backend import _plan_observers, vllm_cache_op, warm_once  # noqa: E402
 from prefixattn.integrations.vllm.host_tables import HostBlockTables, exact_seq_lens_on_host, plan_inputs  # noqa: E402
+from prefixattn.integrations.vllm.mla_prefill import (  # noqa: E402
+    PrefillContext,
+    SuffixLayout,
+    plan_prefill_context,
+    prefill_context_attention,
+)
 from prefixattn.integrations.vllm.plugin import MLA_BACKEND_NAME  # noqa: E402
 from prefixattn.integrations.vllm.refusals import (  # noqa: E402
     capability_unsupported,
@@ -107,6 +116,10 @@ def mla_refusal_reasons(*, kv_cache_dtype: str, alibi_slopes=None, sliding_windo
     return reasons
 
 
+#: vLLM's choice of kv_b_proj's input dtype in its context up-projection (private: None where a version lacks it).
+_kv_b_proj_input_dtype = getattr(_vllm_mla, "_get_kv_b_proj_input_dtype", None)
+
+
 @dataclass
 class PrefixAttnMLAMetadata(MLACommonMetadata[MLACommonDecodeMetadata]):
     """vLLM's MLA metadata plus the step's plan of its decode requests (None: a step without decodes)."""
@@ -114,10 +127,14 @@ class PrefixAttnMLAMetadata(MLACommonMetadata[MLACommonDecodeMetadata]):
     decode_plan: "prefixattn.Plan | None" = None
     #: The builder's CUDA-graph wrapper when this step runs its capacity-fixed launch, else None.
     graph_attn: "prefixattn.MLAPrefixSharedAttention | None" = None
+    #: The prefills' attention over their cached contexts, each distinct latent block up-projected once (None: no
+    #: prefill has a context, or vLLM's own chunked path runs it).
+    prefill_context: PrefillContext | None = None
 
 
 class PrefixAttnMLABackend(MLACommonBackend):
-    """prefixattn's prefix-shared MLA decode behind vLLM's MLA backend interface (prefill: vLLM's own)."""
+    """prefixattn's prefix-shared MLA decode behind vLLM's MLA backend interface (prefill: vLLM's own, its cached
+    contexts up-projected once per step)."""
 
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
     supported_kv_cache_dtypes: ClassVar[list[str]] = list(SUPPORTED_MLA_KV_CACHE_DTYPES)
@@ -198,13 +215,50 @@ class PrefixAttnMLAMetadataBuilder(MLACommonMetadataBuilder[PrefixAttnMLAMetadat
 
     def build(self, common_prefix_len: int, common_attn_metadata, fast_build: bool = False) -> PrefixAttnMLAMetadata:
         m = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        with_context = m.num_prefills and m.prefill is not None and m.prefill.chunked_context is not None
+        if not (m.num_decodes or with_context):
+            return m
+        inputs = plan_inputs(common_attn_metadata, block_size=self.page_size, host_tables=self.host_tables,
+                             exact_seq_lens_on_host=self.exact_seq_lens_on_host)
+        plans = []
         if m.num_decodes:
             graph = self._capturing or self._graph_safe_step(m)
-            m.decode_plan = self._plan_decodes(common_attn_metadata, m.num_decodes, m.num_decode_tokens, graph=graph)
+            m.decode_plan = self._plan_decodes(common_attn_metadata, inputs, m.num_decodes, m.num_decode_tokens,
+                                               graph=graph)
             m.graph_attn = self.graph_attn if graph else None
+            plans.append(m.decode_plan)
+        if with_context:
+            m.prefill_context = self._plan_prefill_context(inputs, m)
+            if m.prefill_context is not None:
+                plans.append(m.prefill_context.plan)
+                m.prefill.prefill_backend = SuffixLayout(m.prefill.prefill_backend)
+        for p in plans:
+            p.stats["host_block_table"] = inputs.route
             for observe in _plan_observers:
-                observe(m.decode_plan)
+                observe(p)
         return m
+
+    def _plan_prefill_context(self, inputs, m: PrefixAttnMLAMetadata) -> PrefillContext | None:
+        """The plan of the prefills' context attention (:mod:`~prefixattn.integrations.vllm.mla_prefill`), from the
+        host copies of the step's lengths and block table; None where vLLM's own path runs (a quantized query, or
+        more distinct context than vLLM's context workspace holds)."""
+        prefill = m.prefill
+        if prefill.q_data_type is not None and prefill.q_data_type not in prefixattn.SUPPORTED_DTYPES:
+            return None  # fp8 prefill queries: vLLM's fp8 prefill kernels
+        first = m.num_decodes
+        qo = inputs.qo_indptr.numpy().astype(np.int64)
+        query_lens = np.diff(qo)[first:]
+        context_lens = inputs.kv_lens.numpy().astype(np.int64)[first:first + query_lens.size] - query_lens
+        dims = self.mla_dims
+        ctx = plan_prefill_context(query_lens, context_lens, inputs.host_block_table[first:].numpy(),
+                                   block_size=self.page_size, num_heads=self.num_heads,
+                                   head_dim=dims.qk_nope_head_dim + dims.qk_rope_head_dim, sm_scale=self.sm_scale,
+                                   q_dtype=self.q_dtype, device=self.device,
+                                   max_tokens=int(prefill.chunked_context.workspace.shape[0]))
+        if ctx is not None:
+            ctx.plan.stats["prefill_context"] = dict(distinct_tokens=ctx.distinct_tokens,
+                                                     context_tokens=ctx.context_tokens)
+        return ctx
 
     def build_for_cudagraph_capture(self, common_attn_metadata) -> PrefixAttnMLAMetadata:
         """The capture step's metadata: a graph-safe plan of vLLM's dummy decode batch with each request's KV cut to
@@ -229,12 +283,11 @@ class PrefixAttnMLAMetadataBuilder(MLACommonMetadataBuilder[PrefixAttnMLAMetadat
         return (m.max_query_len <= attn.graph_max_q_len and m.num_decode_tokens <= cap.max_tokens
                 and m.num_decodes <= cap.max_requests)
 
-    def _plan_decodes(self, common, num_decodes: int, num_decode_tokens: int, *, graph: bool) -> "prefixattn.Plan":
+    def _plan_decodes(self, common, inputs, num_decodes: int, num_decode_tokens: int, *,
+                      graph: bool) -> "prefixattn.Plan":
         """The plan of the step's first ``num_decodes`` requests (vLLM orders decodes first), from vLLM's host
-        data (no device synchronization), reading vLLM's persistent device block table in place.
+        data (``inputs``: no device synchronization), reading vLLM's persistent device block table in place.
         ``num_decode_tokens``: their query rows, a full graph's padding rows included."""
-        inputs = plan_inputs(common, block_size=self.page_size, host_tables=self.host_tables,
-                             exact_seq_lens_on_host=self.exact_seq_lens_on_host)
         n = num_decodes
         qo_indptr = inputs.qo_indptr[: n + 1]
         kv_lens = qo_indptr[1:] - qo_indptr[:-1] if self._capturing else inputs.kv_lens[:n]
@@ -244,7 +297,6 @@ class PrefixAttnMLAMetadataBuilder(MLACommonMetadataBuilder[PrefixAttnMLAMetadat
             p = self.graph_attn.plan(*metadata, device_block_table=table, graph_num_tokens=num_decode_tokens)
         else:
             p = self._plan_eager(metadata, table)
-        p.stats["host_block_table"] = inputs.route
         return p
 
     def _plan_eager(self, metadata: tuple, table: torch.Tensor) -> "prefixattn.Plan":
@@ -311,6 +363,29 @@ class PrefixAttnMLAImpl(MLACommonImpl[PrefixAttnMLAMetadata]):
         else:  # the capacity-fixed launch a full graph captures once and replays after any later plan
             attn.run(q, cache, out=out, kv_scale=scale)
         return out, None
+
+    def _compute_prefill_context(self, q, kv_c_and_k_pe_cache, attn_metadata, k_scale):
+        """The prefills' attention over their cached contexts (vLLM: each prefill's context gathered and up-projected
+        by ``kv_b_proj`` on its own): where they share blocks, the step's distinct context blocks gathered and
+        up-projected once, attended by prefixattn (:mod:`~prefixattn.integrations.vllm.mla_prefill`). Returns vLLM's
+        ``(out [T, H, width], lse [H, T])``; vLLM's own path where the builder planned none."""
+        ctx = attn_metadata.prefill_context
+        if ctx is None or q.dtype != ctx.plan.q_dtype:
+            return super()._compute_prefill_context(q, kv_c_and_k_pe_cache, attn_metadata, k_scale)
+        cache, scale = kv_c_and_k_pe_cache, None
+        if self.fp8_dtype is not None:
+            cache, scale = cache.view(self.fp8_dtype), k_scale
+        # As vLLM's path feeds kv_b_proj (a quantized projection may take another input dtype).
+        input_dtype = _kv_b_proj_input_dtype(self.kv_b_proj, False) if _kv_b_proj_input_dtype else None
+
+        def up_project(kv_c):
+            return self.kv_b_proj(kv_c if input_dtype is None else kv_c.to(input_dtype))[0]
+
+        # vLLM ran the new tokens first; the merge wants their output's head stride.
+        out_width = getattr(attn_metadata.prefill.prefill_backend, "head_stride", None)
+        return prefill_context_attention(ctx, q, cache, up_project, out_width=out_width,
+                                         kv_lora_rank=self.kv_lora_rank, qk_nope_head_dim=self.qk_nope_head_dim,
+                                         v_head_dim=self.v_head_dim, scale=scale)
 
     def do_kv_cache_update(self, kv_c_normed: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
                            slot_mapping: torch.Tensor, kv_cache_dtype: str, k_scale: torch.Tensor) -> None:
