@@ -41,6 +41,10 @@ def vllm_config(tiny_deepseek_v3):
 @pytest.fixture
 def parts(vllm_config):
     """``(builder, impl)`` of one KV cache group, built under vLLM's current config as vLLM builds them."""
+    return build_parts(vllm_config)
+
+
+def build_parts(vllm_config):
     from vllm.config import set_current_vllm_config
     from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
@@ -124,8 +128,20 @@ def test_a_stale_graph_plan_is_refused(parts):
 def test_the_builder_warms_up_the_mla_variants_of_its_decodes(parts):
     # vLLM's dummy runs and graph captures launch these; under the interpreter nothing is compiled, only listed.
     builder, _ = parts
-    report = builder.warmup_report
-    assert report is not None and report.mode == "skipped"
+    report = builder.warmup_reports[0]
+    assert report.mode == "skipped"
     lines = "\n".join(report.lines())
     assert f"mla_attention float32 h{HEADS} latent {KV_LORA_RANK}+{ROPE_DIM} page {BLOCK} shared no-lse" in lines
     assert "decode no-lse" in lines and "chunk" not in lines  # decodes only: one query row each
+    assert len(builder.warmup_reports) == 1  # without prefix caching no prefill has a cached context
+
+
+def test_with_prefix_caching_the_builder_warms_up_the_prefill_contexts_attention(vllm_config, monkeypatch):
+    from prefixattn.integrations.vllm import backend
+
+    monkeypatch.setattr(backend, "_warmed_up", {})
+    monkeypatch.setattr(vllm_config.cache_config, "enable_prefix_caching", True)
+    builder, _ = build_parts(vllm_config)
+    # Every head its own, keys of qk_nope_head_dim + rope_dim (32 + 16), chunks up to the step's token budget.
+    lines = "\n".join(builder.warmup_reports[1].lines())
+    assert f"prefix_attention float32 h{HEADS}/{HEADS} d48" in lines and "chunk" in lines

@@ -190,22 +190,31 @@ class PrefixAttnMLAMetadataBuilder(MLACommonMetadataBuilder[PrefixAttnMLAMetadat
         #: Steps beyond the eager wrapper's capacity, planned with a per-step prefixattn.plan_mla() instead.
         self.capacity_fallbacks = 0
         self._capturing = False
-        self.warmup_report = self._warm_up()
+        #: The warm-ups' reports: the MLA kernel's, then (prefix caching on) the prefill contexts' attention's.
+        self.warmup_reports = self._warm_up(vllm_config)
 
-    def _warm_up(self):
-        """Compile the MLA kernel's variants of this group's decode steps (:func:`prefixattn.warmup_mla_kernels`)
-        before vLLM's dummy runs and graph captures, as the fused backend's builder does (:func:`warm_up_kernels`):
-        decodes are at most ``reorder_batch_threshold`` query tokens (more with speculative decoding); an fp8 latent
-        is read with the layer's scale tensor. Skipped when ``$PREFIXATTN_WARMUP`` is 0; nothing compiles without a
-        GPU."""
+    def _warm_up(self, vllm_config) -> list:
+        """Compile before vLLM's dummy runs and graph captures, as the fused backend's builder does
+        (:func:`warm_up_kernels`), the MLA kernel's variants of this group's decode steps
+        (:func:`prefixattn.warmup_mla_kernels`: decodes are at most ``reorder_batch_threshold`` query tokens, more
+        with speculative decoding; an fp8 latent is read with the layer's scale tensor) and, with prefix caching, the
+        attention binaries of the prefills' up-projected contexts (:mod:`~prefixattn.integrations.vllm.mla_prefill`:
+        every head its own, keys of ``qk_nope_head_dim + rope_dim``, chunks up to ``max_num_batched_tokens``).
+        Skipped when ``$PREFIXATTN_WARMUP`` is 0; nothing compiles without a GPU."""
         if not warmup_enabled():
-            return None
+            return []
         dims = self.mla_dims
-        config = dict(num_heads=self.num_heads, block_size=self.page_size, kv_lora_rank=dims.kv_lora_rank,
-                      rope_dim=dims.qk_rope_head_dim, dtypes=self.q_dtype, kv_dtypes=self.kv_dtype,
-                      max_q_len=int(getattr(self, "reorder_batch_threshold", None) or 1),
-                      device=self.device if torch.device(self.device).type == "cuda" else None)
-        return warm_once(prefixattn.warmup_mla_kernels, config)
+        device = self.device if torch.device(self.device).type == "cuda" else None
+        common = dict(block_size=self.page_size, dtypes=self.q_dtype, device=device)
+        reports = [warm_once(prefixattn.warmup_mla_kernels, dict(
+            common, num_heads=self.num_heads, kv_lora_rank=dims.kv_lora_rank, rope_dim=dims.qk_rope_head_dim,
+            kv_dtypes=self.kv_dtype, max_q_len=int(getattr(self, "reorder_batch_threshold", None) or 1)))]
+        if getattr(vllm_config.cache_config, "enable_prefix_caching", False):
+            max_q_len = int(getattr(vllm_config.scheduler_config, "max_num_batched_tokens", None) or 1)
+            reports.append(warm_once(prefixattn.warmup_kernels, dict(
+                common, num_qo_heads=self.num_heads, num_kv_heads=self.num_heads,
+                head_dim=dims.qk_nope_head_dim + dims.qk_rope_head_dim, max_q_len=max_q_len)))
+        return reports
 
     def _plan_options(self) -> dict:
         dims = self.mla_dims
