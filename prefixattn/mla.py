@@ -6,8 +6,8 @@ attends the one latent KV head, the score is latent . latent-query + rope . rope
 the layer applies ``W_UV`` to the ``[kv_lora_rank]`` output. The plan is :func:`prefixattn.plan`'s pipeline: a
 prefix that several requests' block tables share (a shared node) is read once per shared tile, a matrix product over
 the (request, head) rows the tile packs, instead of once per request; long ranges are split across the device and
-merged in the kernel, prefill chunks and decode rows run as their own classes. Each program packs one head block (16 query heads, or all of
-fewer: :func:`~prefixattn.planner.tiles.mla_heads_per_program`) of its rows.
+merged in the kernel, prefill chunks and decode rows run as their own classes. Each program packs one head block
+(16 query heads, or all of fewer: :func:`~prefixattn.planner.cost_rule.mla_heads_per_program`) of its rows.
 
 Only the absorbed form is planned (``Plan.stats["mla_form"]``): the naive form over a prefix up-projected once per
 group (TyphoonMLA's choice for a shared prefix at many heads) is not built yet.
@@ -26,7 +26,8 @@ from prefixattn.kernels.mla_attention_kernel import mla_attention_kernel
 from prefixattn.launcher import PreparedLaunch, call_key, own_l2_fences, prepared, remember_launch
 from prefixattn.planner.options import MIN_SPLIT_TOKENS, _positive_int, checked_options
 from prefixattn.planner.plans import OPTION_DEFAULTS, Plan, plan_with_options
-from prefixattn.planner.tiles import mla_heads_per_program, mla_tiles
+from prefixattn.planner.cost_rule import mla_heads_per_program
+from prefixattn.planner.tiles import mla_tiles
 from prefixattn.prefix_attention import PrefixSharedAttention, check_plan_current
 from prefixattn.runtime import device_one
 from prefixattn.validation import (FP8_KV_DTYPES, KV_CACHE_DTYPES, SUPPORTED_DTYPES, check_fp8_support,

@@ -23,7 +23,8 @@ import torch
 
 from prefixattn.kernels.layout import CLASS_CHUNK, CLASS_DECODE, CLASS_SHARED, WORK_CLASSES, page_size_constexpr
 from prefixattn.mla import mla_attention, plan_mla
-from prefixattn.planner.tiles import ClassTiles, mla_heads_per_program, mla_tiles
+from prefixattn.planner.cost_rule import mla_heads_per_program
+from prefixattn.planner.tiles import ClassTiles, mla_tiles
 from prefixattn.validation import FP8_KV_DTYPES, check_mla_dims, torch_dtype_name
 from prefixattn.warmup import WarmupReport, checked_dtypes, dtype_pairs, launch_binaries, run_warmup
 

@@ -18,6 +18,26 @@ STATE_PASSES = 2
 #: Sharing a node gives each of its rows one more state AND may push a row that had a single state (written straight
 #: to ``out``) through the workspace: we charge two states per row, an upper bound that keeps marginal nodes unshared.
 STATES_CHARGED_PER_ROW = 2
+#: MLA: query heads one program packs into its rows at most (its head block: the rule's ``group`` of an MLA node,
+#: whose latent each head block reads); a decode tile's 16 lanes are one row's 16 heads.
+MLA_MAX_HEADS_PER_PROGRAM = 16
+
+
+def mla_heads_per_program(num_heads):
+    """Query heads per MLA program (a divisor of ``num_heads``, so every head block is whole): DeepSeek-V3's 128 heads
+    (or 16 per GPU under tensor parallelism 8) run 16 a program, 8 or 4 heads all in one."""
+    a, b = num_heads, MLA_MAX_HEADS_PER_PROGRAM
+    while b:  # Euclid's gcd: this module imports nothing
+        a, b = b, a % b
+    return a
+
+
+def mla_cost_head_dim(kv_lora_rank, rope_dim):
+    """The head size the cost models price an MLA KV position at: one latent row of ``kv_lora_rank + rope_dim``
+    serves as K and V, so half of it per tensor (rounded up). The rule then prices an MLA node's partial states at
+    this size too, about half their ``kv_lora_rank``: an MLA node is kept from about half the tokens its states call
+    for."""
+    return -(-(kv_lora_rank + rope_dim) // 2)
 
 
 def unshared_reads(q_len, rows_per_chunk, rows_per_decode):

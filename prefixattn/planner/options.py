@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from prefixattn.memo import typed_memo
+from prefixattn.planner.cost_rule import mla_cost_head_dim
 from prefixattn.validation import (CPU_DEVICE, SUPPORTED_DTYPES, check_head_dim, check_heads, check_kv_dtype,
                                    check_mla_dims, check_soft_cap, check_window_left)
 
@@ -76,10 +77,8 @@ class PlanOptions(NamedTuple):
     @property
     def cost_head_dim(self) -> int:
         """The head size the cost models price a KV position at (K and V, ``head_dim`` each: the program costs and
-        the sharing rule's saved bytes): MLA's programs read one latent row of ``head_dim + rope_dim`` per position,
-        serving as K and V. (The sharing rule then prices an MLA node's partial states at this size too, about half
-        their ``head_dim``: an MLA node is kept from about half the tokens its states call for.)"""
-        return self.head_dim if not self.rope_dim else -(-(self.head_dim + self.rope_dim) // 2)
+        the sharing rule's saved bytes); an MLA plan's: :func:`~prefixattn.planner.cost_rule.mla_cost_head_dim`."""
+        return self.head_dim if not self.rope_dim else mla_cost_head_dim(self.head_dim, self.rope_dim)
 
 
 @typed_memo(maxsize=256)  # an engine plans with the same options every step (~5 us of checks on the 2-core host)

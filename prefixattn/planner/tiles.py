@@ -7,7 +7,6 @@ class launches pass, so that every tuned value (tiles, ``num_warps``, ``num_stag
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 
 from prefixattn.autotune.buckets import dtype_name
@@ -184,16 +183,6 @@ def tiles_from_configs(*, decode: AttentionConfig, chunk: AttentionConfig, head_
         decode=ClassTiles(decode.suffix.block_m, decode.suffix.block_n, decode.launch_for(False)),
         block_d=block_d(head_dim), is_hip=is_hip)
 
-
-#: Query heads one MLA program packs into its rows at most (its head block; :func:`mla_heads_per_program`): a
-#: decode tile's 16 lanes are one row's 16 heads.
-MLA_MAX_HEADS_PER_PROGRAM = 16
-
-
-def mla_heads_per_program(num_heads: int) -> int:
-    """Query heads per MLA program (a divisor of ``num_heads``, so every head block is whole): DeepSeek-V3's 128 heads
-    (or 16 per GPU under tensor parallelism 8) run 16 a program, 8 or 4 heads all in one."""
-    return math.gcd(num_heads, MLA_MAX_HEADS_PER_PROGRAM)
 
 
 @typed_memo(maxsize=64)  # one object per shape: the planner's tile-row and cost memos key on it

@@ -80,10 +80,10 @@ def blendserve_bound(workload, cost, saving: float) -> float:
     m, hw, c = cost.model, cost.hw, cost.calib
     p = np.fromiter((r.prompt_len for r in workload.requests), dtype=np.float64, count=len(workload.requests))
     d = np.fromiter((r.output_len for r in workload.requests), dtype=np.float64, count=len(workload.requests))
-    layer_params = m.num_layers * m.layer_params
+    layer_params = m.decoder_active_params
     prompt_flops = (p * layer_params * 2 + p * p * m.hidden_size * m.num_layers * 4).sum()
     output_flops = (d * (layer_params + m.hidden_size * m.vocab_size) * 2).sum()
-    nbytes = ((p * d + d * d / 2) * m.kv_size * m.num_layers * 2 * m.dtype_bytes).sum()
+    nbytes = ((p * d + d * d / 2) * m.kv_width * m.num_layers * m.dtype_bytes).sum()
     rate = hw.peak_flops * c.gemm_efficiency
     t_comp = ((1 - saving) * prompt_flops + output_flops) / rate
     t_mem = nbytes / (hw.hbm_bandwidth * c.hbm_efficiency)

@@ -9,6 +9,9 @@ bandwidth ceilings) are labelled as assumptions in their ``sources`` entry; effi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from prefixattn.planner.cost_rule import mla_cost_head_dim, mla_heads_per_program
 
 GIB = 1024 ** 3
 _TERA = 1e12
@@ -148,6 +151,22 @@ HARDWARE_ALIASES = {"a100": "a100-80gb", "a100-80g": "a100-80gb", "h100": "h100-
                     "mi200": "mi250x-gcd", "mi250": "mi250x-gcd", "mi300": "mi300x"}
 
 
+class AttentionGeometry(NamedTuple):
+    """:meth:`ModelPreset.attention_geometry`: query heads per program (the sharing rule's ``group``), programs per
+    query tile (KV heads, or MLA head blocks), the head size a KV position is priced at (K and V each), multiply-adds
+    per (query, key, head), and the width of a partial state."""
+
+    group: int
+    kv_heads: int
+    cost_head_dim: int
+    macs_per_pair: int
+    state_dim: int
+
+
+#: Multiply-adds per (query, key, head-dim element) of MHA/GQA: QK^T and PV.
+_QK_AND_PV = 2
+
+
 @dataclass(frozen=True)
 class ModelPreset:
     """A decoder-only transformer from its public ``config.json``.
@@ -155,13 +174,22 @@ class ModelPreset:
     Attributes
     ----------
     num_layers, hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size, vocab_size : int
-        The config fields of the same meaning (``head_dim`` = hidden / heads where the config has none).
+        The config fields of the same meaning (``head_dim`` = hidden / heads where the config has none; MLA: the
+        ``qk_nope_head_dim``, and ``num_kv_heads`` 1, the latent).
     max_model_len : int
         ``max_position_embeddings`` (vLLM's default max_model_len; sets its unchunked prefill budget).
     dtype_bytes : int
         Bytes per weight / KV element (2 for the published bf16 checkpoints).
     tied_embeddings : bool
         Whether the LM head reuses the embedding matrix (no extra weight bytes).
+    kv_lora_rank, rope_dim, v_head_dim, q_lora_rank : int
+        MLA (DeepSeek-V2/V3, Kimi-K2; 0: MHA/GQA): a token caches one latent of ``kv_lora_rank`` plus a rotary key of
+        ``rope_dim`` per layer; queries are ``head_dim + rope_dim`` wide per head (through a ``q_lora_rank``
+        bottleneck where nonzero), values ``v_head_dim``. Attention runs in the absorbed form (what prefixattn's and
+        the engines' MLA decode kernels run).
+    num_experts, experts_per_token, moe_intermediate_size, num_shared_experts, dense_layers : int
+        Mixture of experts (0: a dense MLP of ``intermediate_size``): routed experts, the ones each token takes, each
+        one's intermediate size, experts every token takes, and the first layers that keep the dense MLP.
     source : str
         Where the numbers come from.
     """
@@ -177,31 +205,127 @@ class ModelPreset:
     max_model_len: int
     dtype_bytes: int = 2
     tied_embeddings: bool = False
+    kv_lora_rank: int = 0
+    rope_dim: int = 0
+    v_head_dim: int = 0
+    q_lora_rank: int = 0
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    num_shared_experts: int = 0
+    dense_layers: int = 0
     source: str = ""
 
     @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    def attention_geometry(self) -> "AttentionGeometry":
+        """How an attention kernel's programs see this model's heads (the planner's view, so the simulator's units
+        and sharing rule are the library's). MLA in prefixattn's kernel (absorbed form): a program packs one head
+        block of query heads against the one latent, which each head block reads, priced as K and V of half its width
+        (:func:`~prefixattn.planner.cost_rule.mla_cost_head_dim`); per (query, key, head) a score over the latent and
+        rotary key, then the latent as the value."""
+        if not self.is_mla:
+            return AttentionGeometry(group=self.num_heads // self.num_kv_heads, kv_heads=self.num_kv_heads,
+                                     cost_head_dim=self.head_dim, macs_per_pair=_QK_AND_PV * self.head_dim,
+                                     state_dim=self.head_dim)
+        group = mla_heads_per_program(self.num_heads)
+        return AttentionGeometry(group=group, kv_heads=self.num_heads // group,
+                                 cost_head_dim=mla_cost_head_dim(self.kv_lora_rank, self.rope_dim),
+                                 macs_per_pair=self.kv_lora_rank + self.rope_dim + self.kv_lora_rank,
+                                 state_dim=self.kv_lora_rank)
+
+    @property
     def q_size(self) -> int:
-        return self.num_heads * self.head_dim
+        return self.num_heads * (self.head_dim + self.rope_dim)
 
     @property
     def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
+        """Elements of one KV tensor of one token and layer: all KV heads (MLA: the latent and rotary key, which
+        serve as K and V)."""
+        return self.kv_lora_rank + self.rope_dim if self.is_mla else self.num_kv_heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        """Elements one token caches per layer: K and V (MLA: the one latent row)."""
+        return self.kv_size if self.is_mla else 2 * self.kv_size
+
+    @property
+    def out_size(self) -> int:
+        """Width of the attention output the O projection reads."""
+        return self.num_heads * (self.v_head_dim if self.is_mla else self.head_dim)
+
+    def attention_shapes(self) -> list[tuple[str, int, int]]:
+        """(name, K, N) of one layer's attention GEMMs. MLA: the query (through its bottleneck), the latent and rotary
+        key (``kv_a``), ``kv_b`` (the absorbed form's per-head ``W_UK`` and ``W_UV``: the same weights and, per token,
+        the same FLOPs as up-projecting it), O."""
+        h = self.hidden_size
+        if not self.is_mla:
+            return [("qkv", h, self.q_size + 2 * self.kv_size), ("o", self.q_size, h)]
+        q = [("q_a", h, self.q_lora_rank), ("q_b", self.q_lora_rank, self.q_size)] if self.q_lora_rank else \
+            [("q", h, self.q_size)]
+        return q + [("kv_a", h, self.kv_size),
+                    ("kv_b", self.kv_lora_rank, self.num_heads * (self.head_dim + self.v_head_dim)),
+                    ("o", self.out_size, h)]
+
+    def mlp_shapes(self, dense: bool) -> list[tuple[str, int, int, int]]:
+        """(name, K, N, experts) of one layer's MLP GEMMs; ``experts`` > 0: that many routed experts' GEMMs, each over
+        its share of the tokens (``experts_per_token / experts``). ``dense``: a dense layer's MLP."""
+        h = self.hidden_size
+        if dense or not self.num_experts:
+            return [("gate_up", h, 2 * self.intermediate_size, 0), ("down", self.intermediate_size, h, 0)]
+        e, shared = self.moe_intermediate_size, self.num_shared_experts * self.moe_intermediate_size
+        out = [("shared_gate_up", h, 2 * shared, 0), ("shared_down", shared, h, 0)] if shared else []
+        return out + [("experts_gate_up", h, 2 * e, self.num_experts), ("experts_down", e, h, self.num_experts)]
+
+    def layer_kinds(self) -> list[tuple[int, list[tuple[str, int, int, int]]]]:
+        """``(layers, GEMMs)`` per kind of decoder layer (dense first, then MoE), GEMMs as :meth:`mlp_shapes`."""
+        attention = [(name, k, n, 0) for name, k, n in self.attention_shapes()]
+        dense = self.num_layers if not self.num_experts else self.dense_layers
+        kinds = [(dense, attention + self.mlp_shapes(True))] if dense else []
+        if self.num_layers > dense:
+            kinds.append((self.num_layers - dense, attention + self.mlp_shapes(False)))
+        return kinds
 
     def layer_linear_shapes(self) -> list[tuple[str, int, int]]:
-        """(name, K, N) of the four GEMMs of one decoder layer (QKV, O, gate+up, down)."""
-        h = self.hidden_size
-        return [("qkv", h, self.q_size + 2 * self.kv_size), ("o", self.q_size, h),
-                ("gate_up", h, 2 * self.intermediate_size), ("down", self.intermediate_size, h)]
+        """(name, K, N) of the GEMMs of one dense decoder layer (QKV, O, gate+up, down)."""
+        return [(name, k, n) for name, k, n, _ in self.layer_kinds()[0][1]]
 
     @property
     def layer_params(self) -> int:
+        """Weights of one dense decoder layer (an MoE model's: see :attr:`decoder_params`)."""
         return sum(k * n for _, k, n in self.layer_linear_shapes())
 
     @property
+    def decoder_params(self) -> int:
+        """Weights of all decoder layers (every expert)."""
+        return sum(count * sum(k * n * max(experts, 1) for _, k, n, experts in gemms)
+                   for count, gemms in self.layer_kinds())
+
+    @property
+    def decoder_active_params(self) -> int:
+        """Weights of all decoder layers that one token multiplies (its ``experts_per_token`` routed experts)."""
+        return sum(count * sum(k * n * (self.experts_per_token if experts else 1) for _, k, n, experts in gemms)
+                   for count, gemms in self.layer_kinds())
+
+    @property
     def num_params(self) -> int:
-        """Weights: the decoder layers, the embedding and (untied) LM head; norms are negligible."""
+        """Weights: the decoder layers, the embedding and (untied) LM head; norms and routers are negligible."""
         embed = self.vocab_size * self.hidden_size
-        return self.num_layers * self.layer_params + embed * (1 if self.tied_embeddings else 2)
+        return self.decoder_params + embed * (1 if self.tied_embeddings else 2)
+
+    @property
+    def active_params(self) -> int:
+        """:attr:`num_params` with one token's routed experts only (a dense model: all of them)."""
+        return self.num_params - self.decoder_params + self.decoder_active_params
+
+    @property
+    def mlp_active_intermediate(self) -> int:
+        """Intermediate width of one token's MLP (its routed and shared experts', in an MoE layer)."""
+        if not self.num_experts:
+            return self.intermediate_size
+        return (self.experts_per_token + self.num_shared_experts) * self.moe_intermediate_size
 
     @property
     def weight_bytes(self) -> int:
@@ -209,8 +333,9 @@ class ModelPreset:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """K and V of one token over all layers (BatchLLM sec. 2.2: 2 x n_bytes x n_layers x n_kvhead x d_head)."""
-        return 2 * self.dtype_bytes * self.num_layers * self.kv_size
+        """K and V of one token over all layers (BatchLLM sec. 2.2: 2 x n_bytes x n_layers x n_kvhead x d_head; MLA:
+        the latent row)."""
+        return self.dtype_bytes * self.num_layers * self.kv_width
 
 
 MODELS: dict[str, ModelPreset] = {
@@ -230,10 +355,19 @@ MODELS: dict[str, ModelPreset] = {
         name="qwen2-7b", num_layers=28, hidden_size=3584, num_heads=28, num_kv_heads=4, head_dim=128,
         intermediate_size=18944, vocab_size=152064, max_model_len=32768,
         source="Qwen/Qwen2-7B config.json"),
+    # MLA and MoE; fits one GPU (15.7B weights, 2.4B active per token).
+    "deepseek-v2-lite": ModelPreset(
+        name="deepseek-v2-lite", num_layers=27, hidden_size=2048, num_heads=16, num_kv_heads=1, head_dim=128,
+        intermediate_size=10944, vocab_size=102400, max_model_len=163840, kv_lora_rank=512, rope_dim=64,
+        v_head_dim=128, num_experts=64, experts_per_token=6, moe_intermediate_size=1408, num_shared_experts=2,
+        dense_layers=1,
+        source="deepseek-ai/DeepSeek-V2-Lite config.json (qk_nope_head_dim 128 as head_dim, qk_rope_head_dim 64, "
+               "no q_lora_rank, first_k_dense_replace 1, n_routed_experts 64, num_experts_per_tok 6, "
+               "n_shared_experts 2)"),
 }
 
 MODEL_ALIASES = {"llama3-8b": "llama-3-8b", "llama-3.1-8b-instruct": "llama-3.1-8b", "llama3.1-8b": "llama-3.1-8b",
-                 "mistral": "mistral-7b", "qwen2": "qwen2-7b"}
+                 "mistral": "mistral-7b", "qwen2": "qwen2-7b", "deepseek-v2-lite-chat": "deepseek-v2-lite"}
 
 
 def get_hardware(name: str | HardwarePreset) -> HardwarePreset:

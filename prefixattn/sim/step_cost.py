@@ -58,8 +58,6 @@ KERNEL_ROW_ORDER = {"paged": "batch", "cascade": "batch", "fused": "runs-longest
 BACKENDS = ("sequential", "overlap")
 
 _FLOPS_PER_MAC = 2
-#: QK^T and PV are each one multiply-add per (query, key, head-dim element).
-_ATTN_MACS_PER_PAIR_DIM = 2
 _K_AND_V = 2
 _FP32_BYTES = 4
 #: GEMM tile shapes considered, as multiples of (gemm_tile_m, gemm_tile_n): the square base tile, its two
@@ -219,17 +217,19 @@ class CostModel:
         self._l2_capacity = hw.l2_bytes * c.l2_usable_fraction
         self._slots = hw.num_sms * c.attn_ctas_per_sm
         m = self.model
-        self._group = m.num_heads // m.num_kv_heads
-        #: bytes of one KV head of one token in one layer (K and V)
-        self._kv_head_bytes = _K_AND_V * m.head_dim * m.dtype_bytes
+        geometry = m.attention_geometry()
+        self._group, self._kv_heads = geometry.group, geometry.kv_heads
+        self._cost_head_dim, self._state_dim = geometry.cost_head_dim, geometry.state_dim
+        #: bytes of one KV head of one token in one layer (K and V; MLA: the latent row, both in one)
+        self._kv_head_bytes = _K_AND_V * self._cost_head_dim * m.dtype_bytes
         #: bytes of one token in one layer over all KV heads (what a row streams through L2 per token)
-        self._kv_token_bytes = self._kv_head_bytes * m.num_kv_heads
-        self._attn_flops_per_pair = _ATTN_MACS_PER_PAIR_DIM * _FLOPS_PER_MAC * m.head_dim * m.num_heads
+        self._kv_token_bytes = m.kv_width * m.dtype_bytes
+        self._attn_flops_per_pair = _FLOPS_PER_MAC * geometry.macs_per_pair * m.num_heads
         # elementwise traffic per token per layer: 2x(add+RMSNorm: read x and residual, write both), rotary on q and
         # k (read+write), KV-cache write, SiLU-and-mul (read 2I, write I)
-        h, inter = m.hidden_size, m.intermediate_size
+        h, inter = m.hidden_size, m.mlp_active_intermediate
         self._elementwise_bytes_per_token = m.dtype_bytes * (
-            2 * (4 * h) + 2 * (m.q_size + m.kv_size) + _K_AND_V * m.kv_size + 3 * inter)
+            2 * (4 * h) + 2 * (m.q_size + m.kv_size) + m.kv_width + 3 * inter)
 
     # ------------------------------------------------------------------ memory
     @property
@@ -243,7 +243,8 @@ class CostModel:
     def activation_bytes(self, max_batched_tokens: int) -> int:
         """Peak activation memory of a forward pass over ``max_batched_tokens`` tokens."""
         m = self.model
-        widest = max(m.q_size + 2 * m.kv_size, 2 * m.intermediate_size, m.hidden_size)
+        dense_mlp = m.intermediate_size if not m.num_experts or m.dense_layers else 0
+        widest = max(m.q_size + 2 * m.kv_size, 2 * max(dense_mlp, m.mlp_active_intermediate), m.hidden_size)
         return int(self.calib.activation_copies * max_batched_tokens * widest * m.dtype_bytes)
 
     def sampler_bytes(self, max_sampled: int) -> int:
@@ -295,17 +296,28 @@ class CostModel:
         memory = (k * n + m_rows * k + m_rows * n) * self.model.dtype_bytes / self._bw
         return compute, memory
 
+    def _expert_gemms(self, num_tokens: int, k: int, n: int, experts: int) -> tuple[float, float]:
+        """(compute_s, memory_s) of one grouped GEMM over ``experts`` routed experts: each touched expert multiplies
+        its share of the tokens (``experts_per_token / experts`` of them) by its weights. Routing is taken as uniform
+        (an assumption): a step of ``T`` tokens touches ``experts x (1 - (1 - top_k / experts)^T)`` experts."""
+        top_k = self.model.experts_per_token
+        rows = math.ceil(num_tokens * top_k / experts)
+        touched = experts * (1.0 - (1.0 - top_k / experts) ** num_tokens)
+        compute, memory = self._gemm(rows, k, n)
+        return compute * touched, memory * touched
+
     def linear_time(self, num_tokens: int, num_sampled: int) -> tuple[float, float, float, int]:
         """Decoder GEMMs over all layers + LM head: (time, compute_s, memory_s, launches)."""
         m = self.model
         t = comp = mem = 0.0
-        for _, k, n in m.layer_linear_shapes():
-            cpt, mm = self._gemm(num_tokens, k, n)
-            t += max(cpt, mm)
-            comp += cpt
-            mem += mm
-        t, comp, mem = t * m.num_layers, comp * m.num_layers, mem * m.num_layers
-        launches = len(m.layer_linear_shapes()) * m.num_layers
+        launches = 0
+        for layers, gemms in m.layer_kinds():
+            lt = lc = lm = 0.0  # one layer of this kind
+            for _, k, n, experts in gemms:
+                cpt, mm = self._expert_gemms(num_tokens, k, n, experts) if experts else self._gemm(num_tokens, k, n)
+                lt, lc, lm = lt + max(cpt, mm), lc + cpt, lm + mm
+            t, comp, mem = t + lt * layers, comp + lc * layers, mem + lm * layers
+            launches += len(gemms) * layers
         if num_sampled > 0:
             cpt, mm = self._gemm(num_sampled, m.hidden_size, m.vocab_size)
             t, comp, mem, launches = t + max(cpt, mm), comp + cpt, mem + mm, launches + 1
@@ -329,7 +341,7 @@ class CostModel:
         m = self.model
         m_tiles = math.ceil(num_rows * self._group / self.calib.attn_block_m)
         return bool(sharing_pays_off(num_requests=num_requests, num_rows=num_rows, num_m_tiles=m_tiles,
-                                     num_tokens=kv_tokens, group=self._group, head_dim=m.head_dim,
+                                     num_tokens=kv_tokens, group=self._group, head_dim=self._cost_head_dim,
                                      elt_bytes=m.dtype_bytes))
 
     def _split_chunk(self, lengths: np.ndarray, counts: np.ndarray) -> int | None:
@@ -362,7 +374,7 @@ class CostModel:
         pairs = q * before + q * (q + 1) / 2
         m_tiles = np.ceil(q * self._group / self.calib.attn_block_m)
         k_parts = np.ceil(own / split) if split else np.ones_like(own)
-        count = self.model.num_kv_heads * m_tiles * k_parts
+        count = self._kv_heads * m_tiles * k_parts
         flops = pairs * self._attn_flops_per_pair / count
         # DRAM traffic: each KV head is streamed once; further query tiles of the same head re-read it from L2
         # (counted in neither level); group re-reads served by L2 leave HBM and stay on L2's side
@@ -395,7 +407,7 @@ class CostModel:
         nq = np.array([n.num_queries for n in nodes], dtype=np.float64)
         m_tiles = np.ceil(nq * self._group / self.calib.attn_block_m)
         k_parts = np.ceil(p / split) if split else np.ones_like(p)
-        count = self.model.num_kv_heads * m_tiles * k_parts
+        count = self._kv_heads * m_tiles * k_parts
         flops = nq * p * self._attn_flops_per_pair / count
         units.add(count, flops, (p / k_parts) * self._kv_head_bytes / m_tiles)
         return units
@@ -433,8 +445,8 @@ class CostModel:
     def _merge_time(self, partial_rows: float, out_rows: float) -> float:
         """Merge kernel: read fp32 partial states, write the output (memory-bound)."""
         m = self.model
-        nbytes = partial_rows * m.num_heads * (m.head_dim + 1) * _FP32_BYTES + \
-            out_rows * m.num_heads * m.head_dim * m.dtype_bytes
+        nbytes = partial_rows * m.num_heads * (self._state_dim + 1) * _FP32_BYTES + \
+            out_rows * m.num_heads * self._state_dim * m.dtype_bytes
         return nbytes / self._bw
 
     def attention_time(self, step: StepShape, kernel: str, split_k: bool = False) -> tuple[float, float, float, int]:

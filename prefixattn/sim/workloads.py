@@ -222,8 +222,8 @@ _TRACES = {1: (1.4, 0.35), 2: (0.9, 0.35), 3: (1.4, 0.05), 4: (0.9, 0.05)}
 
 def _blendserve_request_costs(p: float, d: float, model, hw) -> tuple[float, float]:
     """BlendServe sec. 2.3 per-request Comp(r) and Mem(r), seconds at peak."""
-    comp = ((p + d) * model.num_params * 2 + p * p * model.hidden_size * model.num_layers * 4) / hw.peak_flops
-    mem = (p * d + d * d / 2) * model.kv_size * model.num_layers * 4 / hw.hbm_bandwidth
+    comp = ((p + d) * model.active_params * 2 + p * p * model.hidden_size * model.num_layers * 4) / hw.peak_flops
+    mem = (p * d + d * d / 2) * model.kv_width * model.num_layers * model.dtype_bytes / hw.hbm_bandwidth
     return comp, mem
 
 

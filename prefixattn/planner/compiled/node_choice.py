@@ -19,7 +19,7 @@ from prefixattn.planner.work_list import SharedNodes
 
 #: The first 16 hex digits of the sha256 of :mod:`prefixattn.planner.cost_rule`'s file, which :func:`select_nodes`
 #: compiles in (its functions and constants).
-COST_RULE_SOURCE_HASH = "02de735b82a40904"
+COST_RULE_SOURCE_HASH = "0b11787081dee105"
 
 
 #: :func:`prefixattn.planner.cost_rule.sharing_pays_off`, compiled: the rule's one definition, called per node.

@@ -114,8 +114,9 @@ class ScheduledPolicy(Policy):
     # ------------------------------------------------------------------ offline preparation
     def _density_model(self, cost) -> DensityModel:
         m, hw = cost.model, cost.hw
-        return DensityModel(params=float(m.num_params), hidden=m.hidden_size, num_layers=m.num_layers,
-                            kv_dim=m.kv_size, compute=hw.peak_flops, bandwidth=hw.hbm_bandwidth)
+        # kv_dim: the K (or V) width of BlendServe's 2-tensor, 2-byte formula (MLA: half the latent row)
+        return DensityModel(params=float(m.active_params), hidden=m.hidden_size, num_layers=m.num_layers,
+                            kv_dim=m.kv_width // 2, compute=hw.peak_flops, bandwidth=hw.hbm_bandwidth)
 
     def prepare(self, engine) -> None:
         w = engine.workload
