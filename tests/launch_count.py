@@ -118,3 +118,25 @@ def fixed_launch_args(plan) -> list:
         out.append([(grid, [args[i].data_ptr() if isinstance(args[i], torch.Tensor) else args[i] for i in fixed])
                     for grid, args, *_ in launch.launches])
     return out
+
+
+def specialization_keys(plan) -> dict:
+    """``{(constexprs, launch options): Triton's specialization of the other arguments}`` of the launches the
+    launcher prepared for ``plan`` (its memo, every call shape): what decides which binary a launch runs, beyond the
+    constexprs (an int's ``== 1`` and ``% 16 == 0``, a pointer's 16-byte alignment)."""
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime.jit import native_specialize_impl
+
+    from prefixattn import launcher
+    from prefixattn.kernels.prefix_attention_kernel import UNSPECIALIZED_ARGS
+
+    keys = {}
+    for launch in launcher._prepared_launches[id(plan)][1].values():
+        prm = launch.params
+        for _grid, args, options, _spec, _compiled in launch.launches:
+            constexprs = tuple(args[i] for i in prm.constexprs)
+            others = tuple(str(native_specialize_impl(BaseBackend, args[i], False,
+                                                      prm.names[i] not in UNSPECIALIZED_ARGS, True))
+                           for i in range(len(args)) if i not in prm.constexprs)
+            keys[(constexprs, tuple(sorted(options.items())))] = others
+    return keys

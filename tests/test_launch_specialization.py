@@ -17,18 +17,11 @@ import sys
 
 import pytest
 import torch
-from triton.backends.compiler import BaseBackend
-
 from prefixattn import attention, launcher, plan
 from prefixattn.kernels.prefix_attention_kernel import UNSPECIALIZED_ARGS
+from tests.launch_count import specialization_keys
 
 HEADS = dict(num_qo_heads=8, num_kv_heads=2, head_dim=64, block_size=16)
-
-
-def _native(arg, specialize: bool):
-    from triton.runtime.jit import native_specialize_impl
-
-    return native_specialize_impl(BaseBackend, arg, False, specialize, True)
 
 
 def _step_keys(q_lens: list[int], kv_extra: int, sharing: str, table_width: int) -> dict:
@@ -45,15 +38,7 @@ def _step_keys(q_lens: list[int], kv_extra: int, sharing: str, table_width: int)
     v = torch.randn(blocks, 16, 2, 64, generator=g, dtype=torch.float16)
     q = torch.randn(int(qo[-1]), 8, 64, generator=g, dtype=torch.float16)
     attention(q, k, v, p)
-    (launch,) = launcher._prepared_launches[id(p)][1].values()  # the launcher's memo of p's launches
-    keys = {}
-    for _grid, args, options, _spec, _compiled in launch.launches:
-        prm = launch.params
-        constexprs = tuple(args[i] for i in prm.constexprs)
-        others = tuple(str(_native(args[i], prm.names[i] not in UNSPECIALIZED_ARGS))
-                       for i in range(len(args)) if i not in prm.constexprs)
-        keys[(constexprs, tuple(sorted(options.items())))] = others
-    return keys
+    return specialization_keys(p)
 
 
 def test_launch_specialization_does_not_depend_on_the_step():

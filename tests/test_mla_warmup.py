@@ -7,13 +7,10 @@ import pytest
 import torch
 
 import prefixattn
-from prefixattn import launcher
 from prefixattn import mla_warmup as mw
 from prefixattn.kernels.layout import CLASS_CHUNK, CLASS_DECODE, CLASS_SHARED
-from prefixattn.kernels.prefix_attention_kernel import UNSPECIALIZED_ARGS
 from prefixattn.warmup import launch_binaries
-from tests.launch_count import count_launches
-from tests.test_launch_specialization import _native
+from tests.launch_count import count_launches, specialization_keys
 
 DEEPSEEK = dict(kv_lora_rank=512, rope_dim=64, block_size=64)
 BF16, E4M3 = torch.bfloat16, torch.float8_e4m3fn
@@ -86,20 +83,6 @@ def test_under_the_interpreter_nothing_is_launched(monkeypatch):
 SMALL = dict(kv_lora_rank=32, rope_dim=16, block_size=16)
 
 
-def _launch_keys(p) -> dict:
-    """``{(constexprs, launch options): Triton's specialization of the other arguments}`` of ``p``'s MLA launches
-    (the launcher's memo of them; as tests/test_launch_specialization.py reads the attention kernel's)."""
-    keys = {}
-    for launch in launcher._prepared_launches[id(p)][1].values():
-        for _grid, args, options, _spec, _compiled in launch.launches:
-            prm = launch.params
-            constexprs = tuple(args[i] for i in prm.constexprs)
-            others = tuple(str(_native(args[i], prm.names[i] not in UNSPECIALIZED_ARGS))
-                           for i in range(len(args)) if i not in prm.constexprs)
-            keys[(constexprs, tuple(sorted(options.items())))] = others
-    return keys
-
-
 @pytest.mark.parametrize("num_heads, kv_dtype", [(4, None), (32, None), (8, torch.float8_e5m2)])
 def test_the_warm_up_compiles_what_real_steps_launch(monkeypatch, num_heads, kv_dtype):
     # Each warm-up variant launches once, and every launch of real steps (the engines' layout: contiguous q, a
@@ -118,7 +101,7 @@ def test_the_warm_up_compiles_what_real_steps_launch(monkeypatch, num_heads, kv_
     assert c.triton == ["mla_attention_kernel"] * (len(plans) + shared)
     warmed = {}
     for p in plans:
-        warmed.update(_launch_keys(p))
+        warmed.update(specialization_keys(p))
     width = SMALL["kv_lora_rank"] + SMALL["rope_dim"]
     g = torch.Generator().manual_seed(0)
     cache = torch.randn(40, 16, width, generator=g).to(kv_dtype or BF16)
@@ -131,7 +114,7 @@ def test_the_warm_up_compiles_what_real_steps_launch(monkeypatch, num_heads, kv_
                                 rope_dim=SMALL["rope_dim"], block_size=16)
         q = torch.randn(int(qo[-1]), num_heads, width, generator=g).to(BF16)
         prefixattn.mla_attention(q, cache, p, kv_scale=scale)
-        for key, others in _launch_keys(p).items():
+        for key, others in specialization_keys(p).items():
             assert warmed.get(key) == others, (q_lens, key)
 
 

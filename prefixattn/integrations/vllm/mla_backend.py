@@ -249,8 +249,8 @@ class PrefixAttnMLAMetadataBuilder(MLACommonMetadataBuilder[PrefixAttnMLAMetadat
 
     def _plan_prefill_context(self, inputs, m: PrefixAttnMLAMetadata) -> PrefillContext | None:
         """The plan of the prefills' context attention (:mod:`~prefixattn.integrations.vllm.mla_prefill`), from the
-        host copies of the step's lengths and block table; None where vLLM's own path runs (a quantized query, or
-        more distinct context than vLLM's context workspace holds)."""
+        host copies of the step's lengths and block table; None where vLLM's own path runs (a quantized query, no
+        context block shared by two prefills, or more distinct context than vLLM's context workspace holds)."""
         prefill = m.prefill
         if prefill.q_data_type is not None and prefill.q_data_type not in prefixattn.SUPPORTED_DTYPES:
             return None  # fp8 prefill queries: vLLM's fp8 prefill kernels
