@@ -21,7 +21,8 @@ import torch
 import prefixattn
 from prefixattn.autotune.lookup import planning_target
 
-from gpu_check.mla import PAGE, RANK, ROPE, SHAPES, SM_SCALE
+from gpu_check.mla import NOPE, PAGE, RANK, ROPE, SHAPES, SM_SCALE, VALUE
+from prefixattn.integrations.vllm.mla_prefill import plan_prefill_context
 
 BENCHMARK = "mla_plans"
 #: The tuning target whose tiles and program costs price the plans (what an H100/H200 runs).
@@ -66,3 +67,39 @@ def test_mla_plan(results, shape, sharing):
     for metric, value, unit, device in rows:
         results.add(BENCHMARK, provider, name, metric, float(value), unit, device=device)
     assert p.kv_bytes_read() >= unique, "the plan reads less latent than the batch holds"
+
+
+#: Prefill steps over one cached prompt (the shared 8K of the decode shapes): ``(name, heads, prefills, cached, new)``,
+#: the new tokens per prefill within vLLM's default 8K-token step budget.
+PREFILL_SHAPES = (("mla-prefill-h16-p8-c8192-n512", 16, 8, 8192, 512),
+                  ("mla-prefill-h128-p8-c8192-n512", 128, 8, 8192, 512),
+                  ("mla-prefill-h128-p2-c8192-n4096", 128, 2, 8192, 4096))
+
+
+@pytest.mark.parametrize("shape", PREFILL_SHAPES, ids=lambda s: s[0])
+def test_mla_prefill_context(results, shape):
+    name, heads, prefills, cached, new = shape
+    cached_pages, new_pages = cached // PAGE, -(-new // PAGE)
+    table = np.concatenate([np.broadcast_to(np.arange(cached_pages), (prefills, cached_pages)),
+                            cached_pages + np.arange(prefills * new_pages).reshape(prefills, new_pages)], axis=1)
+    args = (np.full(prefills, new), np.full(prefills, cached), table)
+    kwargs = dict(block_size=PAGE, num_heads=heads, head_dim=NOPE + ROPE, sm_scale=SM_SCALE, q_dtype=torch.bfloat16,
+                  device="cpu", max_tokens=1 << 20)
+    with planning_target(PLAN_TARGET):
+        plan_prefill_context(*args, **kwargs)
+        times = []
+        for _ in range(TIMED_RUNS):
+            start = time.perf_counter()
+            ctx = plan_prefill_context(*args, **kwargs)
+            times.append(time.perf_counter() - start)
+    flops_per_token = 2 * RANK * heads * (NOPE + VALUE)  # kv_b_proj of one latent row
+    for provider, tokens in (("vllm-per-request", ctx.context_tokens), ("prefixattn", ctx.distinct_tokens)):
+        results.add(BENCHMARK, provider, name, "context_tokens_up_projected", float(tokens), "tokens",
+                    device="host-cpu")
+        results.add(BENCHMARK, provider, name, "up_projection_gflop", tokens * flops_per_token / 1e9, "GFLOP",
+                    device="host-cpu")
+    results.add(BENCHMARK, "prefixattn", name, "context_plan_us_median", statistics.median(times) * 1e6, "us",
+                device="host-cpu")
+    results.add(BENCHMARK, "prefixattn", name, "context_shared_nodes", float(len(ctx.plan.shared_nodes)), "count",
+                device="host-cpu")
+    assert ctx.distinct_tokens == cached and ctx.context_tokens == prefills * cached

@@ -9,6 +9,9 @@ Importing this package imports neither vLLM nor prefixattn's kernels; each submo
   :mod:`~prefixattn.integrations.vllm.host_tables` (block ids from vLLM's host data),
   :mod:`~prefixattn.integrations.vllm.workspace_pool` (workspaces inside vLLM's memory profile) and
   :mod:`~prefixattn.integrations.vllm.wrappers` (the builders' capacity-sized wrappers).
+- :mod:`prefixattn.integrations.vllm.mla_backend`: the MLA backend ``PREFIXATTN_MLA`` (decode on
+  :func:`prefixattn.mla_attention`), with :mod:`~prefixattn.integrations.vllm.mla_prefill` (prefills' cached contexts
+  up-projected once per step).
 - :mod:`prefixattn.integrations.vllm.scheduler`: ``PrefixGroupScheduler`` for ``scheduler_cls=...``.
 - :mod:`prefixattn.integrations.vllm.offline`: ``generate(llm, prompts, sampling_params)``.
 - :mod:`prefixattn.integrations.vllm.version`: the supported-version check.
