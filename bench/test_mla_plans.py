@@ -70,10 +70,11 @@ def test_mla_plan(results, shape, sharing):
 
 
 #: Prefill steps over one cached prompt (the shared 8K of the decode shapes): ``(name, heads, prefills, cached, new)``,
-#: the new tokens per prefill within vLLM's default 8K-token step budget.
-PREFILL_SHAPES = (("mla-prefill-h16-p8-c8192-n512", 16, 8, 8192, 512),
-                  ("mla-prefill-h128-p8-c8192-n512", 128, 8, 8192, 512),
-                  ("mla-prefill-h128-p2-c8192-n4096", 128, 2, 8192, 4096))
+#: within vLLM's default 8K-token step budget: short questions (the backend's path) and long ones (vLLM's: the saved
+#: up-projections do not pay for the slower attention, modeled).
+PREFILL_SHAPES = (("mla-prefill-h16-p32-c8192-n64", 16, 32, 8192, 64),
+                  ("mla-prefill-h128-p32-c8192-n64", 128, 32, 8192, 64),
+                  ("mla-prefill-h128-p8-c8192-n512", 128, 8, 8192, 512))
 
 
 @pytest.mark.parametrize("shape", PREFILL_SHAPES, ids=lambda s: s[0])
@@ -84,7 +85,7 @@ def test_mla_prefill_context(results, shape):
                             cached_pages + np.arange(prefills * new_pages).reshape(prefills, new_pages)], axis=1)
     args = (np.full(prefills, new), np.full(prefills, cached), table)
     kwargs = dict(block_size=PAGE, num_heads=heads, head_dim=NOPE + ROPE, sm_scale=SM_SCALE, q_dtype=torch.bfloat16,
-                  device="cpu", max_tokens=1 << 20)
+                  device="cpu", max_tokens=1 << 20, kv_lora_rank=RANK, rope_dim=ROPE, v_head_dim=VALUE)
     with planning_target(PLAN_TARGET):
         plan_prefill_context(*args, **kwargs)
         times = []
@@ -93,13 +94,14 @@ def test_mla_prefill_context(results, shape):
             ctx = plan_prefill_context(*args, **kwargs)
             times.append(time.perf_counter() - start)
     flops_per_token = 2 * RANK * heads * (NOPE + VALUE)  # kv_b_proj of one latent row
-    for provider, tokens in (("vllm-per-request", ctx.context_tokens), ("prefixattn", ctx.distinct_tokens)):
+    # The backend's path (None: vLLM's own, every prefill's context up-projected)
+    ours = ctx.distinct_tokens if ctx is not None else prefills * cached
+    for provider, tokens in (("vllm-per-request", prefills * cached), ("prefixattn", ours)):
         results.add(BENCHMARK, provider, name, "context_tokens_up_projected", float(tokens), "tokens",
                     device="host-cpu")
         results.add(BENCHMARK, provider, name, "up_projection_gflop", tokens * flops_per_token / 1e9, "GFLOP",
                     device="host-cpu")
     results.add(BENCHMARK, "prefixattn", name, "context_plan_us_median", statistics.median(times) * 1e6, "us",
                 device="host-cpu")
-    results.add(BENCHMARK, "prefixattn", name, "context_shared_nodes", float(len(ctx.plan.shared_nodes)), "count",
-                device="host-cpu")
-    assert ctx.distinct_tokens == cached and ctx.context_tokens == prefills * cached
+    assert (ctx is None) == (new > 240), "the modeled rule: about 240 (query, key) pairs per saved up-projection"
+    assert ctx is None or (ctx.distinct_tokens == cached and ctx.context_tokens == prefills * cached)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from prefixattn.integrations.vllm.mla_prefill import plan_prefill_context
+from prefixattn.integrations.vllm.mla_prefill import context_path_pays_off, plan_prefill_context
 from tests.vllm.test_cudagraph import BLOCK, _common
 from tests.vllm import test_mla_cudagraph as mla_graphs
 from tests.vllm.test_mla_cudagraph import HEADS, KV_LORA_RANK, NUM_BLOCKS, ROPE_DIM, SCALE
@@ -57,17 +57,17 @@ def _direct(q, cache, table, query_lens, context_lens, proj):
 
 @pytest.mark.parametrize("query_lens, context_lens, suffix_width", [
     ([5, 7, 3], [40, 40, 33], WIDTH),  # three prefills over one cached prompt (2 full blocks shared by all)
-    ([40, 2, 6], [16, 0, 40], V),  # more new tokens than cached ones (pieces), a prefill without a context
+    ([40, 2, 6, 3], [16, 0, 16, 16], V),  # more new tokens than cached ones (pieces), a prefill without a context
 ])
 def test_prefills_over_a_shared_cached_prompt_up_project_it_once(parts, query_lens, context_lens, suffix_width):
     builder, impl = parts
     g = torch.Generator().manual_seed(0)
     impl.kv_b_proj = proj = CountingProjection(g)
     # Blocks 1 and 2 hold the common prompt; each prefill's context continues in a block of its own.
-    table = [[1, 2, 3 + r, 9 + r] for r in range(3)]
+    table = [[1, 2, 3 + r, 9 + r] for r in range(len(query_lens))]
     seq_lens = [q + c for q, c in zip(query_lens, context_lens)]
     meta = builder.build(0, _common(query_lens, seq_lens, table))
-    assert meta.num_prefills == 3 and meta.prefill_context is not None
+    assert meta.num_prefills == len(query_lens) and meta.prefill_context is not None
     ctx = meta.prefill_context
     blocks = sorted({b for row, c in zip(table, context_lens) for b in row[:-(-c // BLOCK)]})
     assert ctx.blocks.tolist() == blocks and ctx.distinct_tokens == len(blocks) * BLOCK
@@ -88,17 +88,31 @@ def test_prefills_over_a_shared_cached_prompt_up_project_it_once(parts, query_le
     torch.testing.assert_close(lse.double(), want_lse, atol=2e-5, rtol=2e-5)
 
 
+#: DeepSeek-V3's widths: sharing the context pays below ~240 (query, context key) pairs per up-projection saved.
+DEEPSEEK = dict(head_dim=192, kv_lora_rank=512, rope_dim=64, v_head_dim=128)
+
+
 def test_planning_pieces_and_fall_backs():
-    common = dict(block_size=16, num_heads=2, head_dim=48, sm_scale=0.1, q_dtype=torch.float32, device="cpu")
+    common = dict(block_size=16, num_heads=2, sm_scale=0.1, q_dtype=torch.float32, device="cpu", **DEEPSEEK)
     table = np.array([[4, 5, 6], [4, 5, 7]])
-    # 40 new tokens over a 16-token context: 3 pieces of at most 16 rows, every one over block 4.
-    ctx = plan_prefill_context(np.array([40, 3]), np.array([16, 35]), table, max_tokens=1024, **common)
-    assert ctx.plan.num_requests == 4 and ctx.plan.num_tokens == 43 and ctx.rows is None
+    # 20 new tokens over a 16-token context: 2 pieces of at most 16 rows, both over block 4.
+    ctx = plan_prefill_context(np.array([20, 3]), np.array([16, 35]), table, max_tokens=1024, **common)
+    assert ctx.plan.num_requests == 3 and ctx.plan.num_tokens == 23 and ctx.rows is None
     assert ctx.blocks.tolist() == [4, 5, 7] and ctx.distinct_tokens == 48
     assert ctx.plan.causal is False
+    # 40 new tokens save the same 3 up-projections but attend 40 x 16 more pairs: vLLM's path is faster (modeled).
+    assert plan_prefill_context(np.array([40, 3]), np.array([16, 35]), table, max_tokens=1024, **common) is None
     # No context: nothing to plan; contexts without a common block: nothing to save; more distinct context than the
     # workspace holds: vLLM's chunked path.
     assert plan_prefill_context(np.array([5, 3]), np.array([0, 0]), table, max_tokens=1024, **common) is None
     assert plan_prefill_context(np.array([5, 3]), np.array([16, 35]), np.array([[4, 5, 6], [8, 5, 7]]),
                                 max_tokens=1024, **common) is None
     assert plan_prefill_context(np.array([5, 3]), np.array([16, 35]), table, max_tokens=32, **common) is None
+
+
+def test_the_context_path_pays_below_about_240_pairs_per_saved_up_projection():
+    # Per query head: kv_b_proj of one latent row, 2 x 512 x 256 FLOPs at FA3's 577 TFLOP/s, against a (query, key)
+    # pair's 4 x 256 FLOPs at 342 TFLOP/s (prefixattn's 256-lane tile) instead of 2 x (192 + 128) at 577.
+    assert context_path_pays_off(saved_tokens=1000, pairs=240_000, **DEEPSEEK)
+    assert not context_path_pays_off(saved_tokens=1000, pairs=242_000, **DEEPSEEK)
+    assert not context_path_pays_off(saved_tokens=0, pairs=1, **DEEPSEEK)

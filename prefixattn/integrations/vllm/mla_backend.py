@@ -250,7 +250,8 @@ class PrefixAttnMLAMetadataBuilder(MLACommonMetadataBuilder[PrefixAttnMLAMetadat
     def _plan_prefill_context(self, inputs, m: PrefixAttnMLAMetadata) -> PrefillContext | None:
         """The plan of the prefills' context attention (:mod:`~prefixattn.integrations.vllm.mla_prefill`), from the
         host copies of the step's lengths and block table; None where vLLM's own path runs (a quantized query, no
-        context block shared by two prefills, or more distinct context than vLLM's context workspace holds)."""
+        context block shared by two prefills, savings that do not pay for the slower attention, or more distinct
+        context than vLLM's context workspace holds)."""
         prefill = m.prefill
         if prefill.q_data_type is not None and prefill.q_data_type not in prefixattn.SUPPORTED_DTYPES:
             return None  # fp8 prefill queries: vLLM's fp8 prefill kernels
@@ -263,7 +264,9 @@ class PrefixAttnMLAMetadataBuilder(MLACommonMetadataBuilder[PrefixAttnMLAMetadat
                                    block_size=self.page_size, num_heads=self.num_heads,
                                    head_dim=dims.qk_nope_head_dim + dims.qk_rope_head_dim, sm_scale=self.sm_scale,
                                    q_dtype=self.q_dtype, device=self.device,
-                                   max_tokens=int(prefill.chunked_context.workspace.shape[0]))
+                                   max_tokens=int(prefill.chunked_context.workspace.shape[0]),
+                                   kv_lora_rank=dims.kv_lora_rank, rope_dim=dims.qk_rope_head_dim,
+                                   v_head_dim=dims.v_head_dim)
         if ctx is not None:
             ctx.plan.stats["prefill_context"] = dict(distinct_tokens=ctx.distinct_tokens,
                                                      context_tokens=ctx.context_tokens)

@@ -2,8 +2,9 @@
 
 vLLM's MLA prefill attends the new tokens in the up-projected form: each prefill's cached context (the latent of its
 prefix-cache hit) is gathered and multiplied by ``kv_b_proj`` request by request (``_compute_prefill_context``), so
-N prefills over one cached prompt up-project it N times. Here, in a step where prefills' contexts share blocks, the
-prefills read the distinct latent blocks of their contexts once: gathered once, up-projected once (keys ``[k_nope,
+N prefills over one cached prompt up-project it N times. Here, in a step where prefills' contexts share blocks and the
+saved up-projections pay for a slower attention (:func:`context_path_pays_off`, modeled), the prefills read the
+distinct latent blocks of their contexts once: gathered once, up-projected once (keys ``[k_nope,
 k_pe]`` and values per head), then attended by :func:`prefixattn.attention` over a paged cache of those blocks, where
 the prefills that share blocks share them as any prefixattn plan does (a shared node's keys read once per tile of
 all its rows).
@@ -26,6 +27,27 @@ import torch.nn.functional as F
 import prefixattn
 
 
+#: Attention rates of the H200 run at 74e5177 (``bench/results/gpu/nvidia-h200-74e5177.md``, causal prefill,
+#: TFLOP/s): FlashAttention-3's (vLLM's prefill kernels; its up-projection GEMM is priced at the same rate) and
+#: prefixattn's Triton kernel's. They price :func:`context_path_pays_off` (modeled: this path has not run on a GPU).
+FA3_TFLOPS = 577.4
+PREFIXATTN_TFLOPS = 342.2
+
+
+def context_path_pays_off(*, saved_tokens: int, pairs: int, kv_lora_rank: int, head_dim: int,
+                          v_head_dim: int, rope_dim: int) -> bool:
+    """Whether up-projecting the distinct context once and attending it with prefixattn beats vLLM's path (modeled,
+    per query head): the up-projections saved (``saved_tokens`` latent rows through ``kv_b_proj``: ``2 x
+    kv_lora_rank x (qk_nope + v)`` FLOPs each, at FA3's rate) against the attention's extra time over the
+    ``pairs`` (query, context key) pairs: prefixattn's kernel runs QK and PV at the keys' width padded to a power of
+    two (values padded to it), at its rate, where vLLM's kernel runs ``2 x (qk + v)`` FLOPs a pair at FA3's. With
+    DeepSeek-V3's widths sharing pays below ~240 pairs per saved row: short new tokens over a long shared prompt."""
+    lanes = 1 << (head_dim - 1).bit_length()  # the kernel's head tile: a power of two
+    saved = saved_tokens * 2 * kv_lora_rank * (head_dim - rope_dim + v_head_dim) / FA3_TFLOPS
+    extra = pairs * (2 * 2 * lanes / PREFIXATTN_TFLOPS - 2 * (head_dim + v_head_dim) / FA3_TFLOPS)
+    return saved > extra
+
+
 @dataclass
 class PrefillContext:
     """One step's prefill-context attention: its plan and what it gathers."""
@@ -46,7 +68,8 @@ class PrefillContext:
 
 def plan_prefill_context(query_lens: np.ndarray, context_lens: np.ndarray, block_table: np.ndarray, *,
                          block_size: int, num_heads: int, head_dim: int, sm_scale: float, q_dtype: torch.dtype,
-                         device, max_tokens: int) -> PrefillContext | None:
+                         device, max_tokens: int, kv_lora_rank: int, rope_dim: int,
+                         v_head_dim: int) -> PrefillContext | None:
     """Plan the attention of a step's prefills over their cached contexts (host, no device synchronization).
 
     Parameters
@@ -61,12 +84,14 @@ def plan_prefill_context(query_lens: np.ndarray, context_lens: np.ndarray, block
         The up-projected key width (``qk_nope_head_dim + qk_rope_head_dim``; values are padded to it).
     max_tokens : int
         The most distinct context tokens to up-project at once (vLLM's context workspace); beyond it, None.
+    kv_lora_rank, rope_dim, v_head_dim : int
+        The latent, rotary key and value widths (:func:`context_path_pays_off`).
 
     Returns
     -------
-    PrefillContext, or None where vLLM's own path runs: no two prefills' contexts share a block (nothing to save:
-    vLLM's prefill kernels attend the up-projected values at their own width, this path pads them to the keys'), or
-    the distinct contexts exceed ``max_tokens``.
+    PrefillContext, or None where vLLM's own path runs: no two prefills' contexts share a block (nothing to save), the
+    saved up-projections do not pay for this path's slower attention (:func:`context_path_pays_off`), or the
+    distinct contexts exceed ``max_tokens``.
     """
     query_lens = np.asarray(query_lens, dtype=np.int64)
     context_lens = np.asarray(context_lens, dtype=np.int64)
@@ -77,6 +102,10 @@ def plan_prefill_context(query_lens: np.ndarray, context_lens: np.ndarray, block
     used = np.concatenate([block_table[r, :n] for r, n in zip(has, blocks_of)])
     ids, index = np.unique(used, return_inverse=True)
     if ids.size == used.size or ids.size * block_size > max_tokens:
+        return None
+    if not context_path_pays_off(saved_tokens=int(context_lens.sum()) - ids.size * block_size,
+                                 pairs=int((query_lens * context_lens).sum()), kv_lora_rank=kv_lora_rank,
+                                 head_dim=head_dim, v_head_dim=v_head_dim, rope_dim=rope_dim):
         return None
     # Each prefill's rows in pieces of at most its context length (kv_len >= q_len), every piece over its blocks.
     pieces = -(-query_lens[has] // context_lens[has])
