@@ -60,6 +60,13 @@ def test_gpu_check_dry_run_runs_every_step(tmp_path):
     assert all(float(r["value"]) == 1.0 for r in by("mla", "correct"))
     assert len(by("mla", "floor_memory_us")) == 2 and "## MLA decode steps (DRY RUN)" in \
         csv_path.with_suffix(".md").read_text()
+    # Its prefill contexts: the vLLM backend's path and vLLM's own way, both against the reference; the dry shape's
+    # short questions are the path the backend's rule takes.
+    context = by("mla_prefill", "correct")
+    assert sorted(r["provider"] for r in context) == ["prefixattn-context", "vllm-context"]
+    assert all(float(r["value"]) == 1.0 for r in context)
+    assert [float(r["value"]) for r in by("mla_prefill", "rule_takes_this_path")] == [1.0]
+    assert "## MLA prefill contexts (DRY RUN)" in csv_path.with_suffix(".md").read_text()
     # The CUDA-only steps are skipped with their reasons, not silently.
     assert "[sanitizer] SKIPPED: dry run: compute-sanitizer" in out
     assert "[hbm_bytes] SKIPPED: dry run: no DRAM counters on a CPU" in out

@@ -23,7 +23,7 @@ reason; FlashInfer's JIT compiles in a background process started first (:mod:`g
 7. Llama-3.1-8B-shaped model steps (:mod:`gpu_check.model_step`) on batches from prefixattn's TokenBatcher over
    three workloads (long documents, BatchLLM case 1, one long prompt), each with its bound;
 8. MLA (:mod:`gpu_check.mla`): DeepSeek-V3-shaped decode steps under shared prompts, prefixattn against
-   FlashInfer's MLA wrapper, with the memory floor;
+   FlashInfer's MLA wrapper, with the memory floor; then prefills over a cached prompt (:mod:`gpu_check.mla_prefill`);
 9. HBM bytes (:mod:`gpu_check.hbm_bytes`): Nsight Compute's DRAM counters per kernel on a subset of the shapes;
 10. whole batches to completion (:mod:`gpu_check.whole_batch`) under prefixattn's scheduler and an engine's default;
 11. ``bench/results/gpu/<gpu>-<commit>.csv`` (the bench CSV schema, bench/conftest.py), ``.md`` (the tables of

@@ -182,7 +182,7 @@ def step_mla(args, results, skips, device: str, fi_ready: dict, ceil: dict | Non
     hbm = (ceil or {}).get("hbm_bytes_per_s")
     for i, (name, heads, requests, shared, own) in enumerate(shapes):
         if clock.expired([s[0] for s in shapes[i:]]):
-            return
+            return  # the prefill contexts after the decode shapes: skipped with them
         b = _batch(heads, requests, shared, own, device)
         rows, want = _want(b)
         # The naive form's output is the value: the reference latent times W_UV.
@@ -226,5 +226,8 @@ def step_mla(args, results, skips, device: str, fi_ready: dict, ceil: dict | Non
         if not args.dry_run:
             record_state(results, BENCH, name)
         del b
+    from gpu_check.mla_prefill import run_shapes
+
+    run_shapes(args, results, clock, timer, device, fi_ready)  # the prefill contexts, under the step's budget
     if args.dry_run:
         clock.skip("dry run: one interpreted run per provider stands for every statistic, no CUDA graph")

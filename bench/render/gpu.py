@@ -17,7 +17,7 @@ from pathlib import Path
 
 from render.table import fixed, head, index, ratio_cell, read_rows
 
-TIMING, MODEL, MLA = "attention_gpu_time", "model_step", "mla"
+TIMING, MODEL, MLA, MLA_PREFILL = "attention_gpu_time", "model_step", "mla", "mla_prefill"
 HEAD = "graph_flushed_us_median"
 
 
@@ -200,6 +200,23 @@ def mla_table(rows) -> list[str]:
     return lines
 
 
+def mla_prefill_table(rows) -> list[str]:
+    """Per prefill-context shape (the ``mla`` step's): the vLLM backend's path and vLLM's own, and which one the
+    backend's modeled rule takes; empty without rows."""
+    shapes = index(rows).get(MLA_PREFILL, {})
+    if not shapes:
+        return []
+    lines = head("shape", "prefixattn context us", "vLLM-style us", "speedup", "rule takes prefixattn's", "correct")
+    for shape, prov in shapes.items():
+        ours, theirs = (prov.get(p, {}) for p in ("prefixattn-context", "vllm-context"))
+        rule = ours.get("rule_takes_this_path")
+        correct = all(m.get("correct", 1.0) == 1.0 and m.get("graph_correct", 1.0) == 1.0 for m in prov.values())
+        lines.append(f"| {shape} | {fixed(ours.get(HEAD))} | {fixed(theirs.get(HEAD))} | "
+                     f"{ratio_cell(theirs.get(HEAD), ours.get(HEAD))} | "
+                     f"{'-' if rule is None else ('yes' if rule else 'no')} | {'yes' if correct else 'NO'} |")
+    return lines
+
+
 def losses(rows) -> list[str]:
     """Every shape and model step where prefixattn is slower than FlashInfer's best (or has no number)."""
     out = []
@@ -274,6 +291,12 @@ def summary(rows, *, device: str, commit: str, versions: str, seconds: float, sk
                   "naive form; its time includes W_UV of its absorbed half), graph-replayed, L2 flushed; the memory "
                   "floor is the distinct latent bytes with q and out at the HBM floor's rate.",
                   ""] + mla_table(rows)
+    if contexts := mla_prefill_table(rows):
+        lines += ["", f"## MLA prefill contexts ({'DRY RUN' if dry else 'DeepSeek-V3 shape, bf16, one layer'})", "",
+                  "A step's prefills over one cached prompt, their attention over it: the vLLM MLA backend's path (the "
+                  "distinct context up-projected once, `prefixattn.attention`) against vLLM's own way (each prefill's "
+                  "context up-projected, FlashInfer fa3 single prefill per prefill), graph-replayed, L2 flushed; "
+                  "*rule*: whether the backend's modeled rule takes its path there.", ""] + contexts
     if batches := whole_batch_table(rows):
         lines += ["", "## Whole batches to completion (eager steps, host planning included)", "",
                   "Shares above 1 are prefixattn's gain: *kernel's* = FlashInfer over prefixattn on prefixattn's "

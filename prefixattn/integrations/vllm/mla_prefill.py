@@ -68,8 +68,8 @@ class PrefillContext:
 
 def plan_prefill_context(query_lens: np.ndarray, context_lens: np.ndarray, block_table: np.ndarray, *,
                          block_size: int, num_heads: int, head_dim: int, sm_scale: float, q_dtype: torch.dtype,
-                         device, max_tokens: int, kv_lora_rank: int, rope_dim: int,
-                         v_head_dim: int) -> PrefillContext | None:
+                         device, max_tokens: int, kv_lora_rank: int, rope_dim: int, v_head_dim: int,
+                         priced: bool = True) -> PrefillContext | None:
     """Plan the attention of a step's prefills over their cached contexts (host, no device synchronization).
 
     Parameters
@@ -86,6 +86,9 @@ def plan_prefill_context(query_lens: np.ndarray, context_lens: np.ndarray, block
         The most distinct context tokens to up-project at once (vLLM's context workspace); beyond it, None.
     kv_lora_rank, rope_dim, v_head_dim : int
         The latent, rotary key and value widths (:func:`context_path_pays_off`).
+    priced : bool
+        False: plan wherever contexts share a block, whatever :func:`context_path_pays_off` says (the GPU check
+        times this path where the rule declines it).
 
     Returns
     -------
@@ -103,9 +106,10 @@ def plan_prefill_context(query_lens: np.ndarray, context_lens: np.ndarray, block
     ids, index = np.unique(used, return_inverse=True)
     if ids.size == used.size or ids.size * block_size > max_tokens:
         return None
-    if not context_path_pays_off(saved_tokens=int(context_lens.sum()) - ids.size * block_size,
-                                 pairs=int((query_lens * context_lens).sum()), kv_lora_rank=kv_lora_rank,
-                                 head_dim=head_dim, v_head_dim=v_head_dim, rope_dim=rope_dim):
+    if priced and not context_path_pays_off(saved_tokens=int(context_lens.sum()) - ids.size * block_size,
+                                            pairs=int((query_lens * context_lens).sum()),
+                                            kv_lora_rank=kv_lora_rank, head_dim=head_dim, v_head_dim=v_head_dim,
+                                            rope_dim=rope_dim):
         return None
     # Each prefill's rows in pieces of at most its context length (kv_len >= q_len), every piece over its blocks.
     pieces = -(-query_lens[has] // context_lens[has])
