@@ -116,3 +116,25 @@ def test_the_context_path_pays_below_about_240_pairs_per_saved_up_projection():
     assert context_path_pays_off(saved_tokens=1000, pairs=240_000, **DEEPSEEK)
     assert not context_path_pays_off(saved_tokens=1000, pairs=242_000, **DEEPSEEK)
     assert not context_path_pays_off(saved_tokens=0, pairs=1, **DEEPSEEK)
+
+
+def test_an_fp8_latent_cache_is_dequantized_by_its_scale():
+    # vLLM's fp8 MLA cache (written by concat_and_cache_mla with the layer's k_scale): the gathered blocks are read
+    # back times the scale before the up-projection; prefill_context_attention alone (vLLM-CPU has no fp8 MLA cache).
+    from prefixattn.integrations.vllm.mla_prefill import prefill_context_attention
+
+    g = torch.Generator().manual_seed(1)
+    proj = CountingProjection(g)
+    query_lens, context_lens = [3, 2], [32, 40]
+    table = np.array([[1, 2, 5], [1, 2, 6]])
+    ctx = plan_prefill_context(np.array(query_lens), np.array(context_lens), table, block_size=BLOCK,
+                               num_heads=HEADS, head_dim=WIDTH, sm_scale=SCALE, q_dtype=torch.float32, device="cpu",
+                               max_tokens=1024, kv_lora_rank=KV_LORA_RANK, rope_dim=ROPE_DIM, v_head_dim=V)
+    assert ctx is not None
+    cache = (torch.randn(NUM_BLOCKS, BLOCK, KV_LORA_RANK + ROPE_DIM, generator=g) * 4).to(torch.float8_e5m2)
+    q = torch.randn(sum(query_lens), HEADS, WIDTH, generator=g)
+    out, lse = prefill_context_attention(ctx, q, cache, lambda c: proj(c)[0], kv_lora_rank=KV_LORA_RANK,
+                                         qk_nope_head_dim=NOPE, v_head_dim=V, scale=torch.tensor([0.25]))
+    want, want_lse = _direct(q, cache.float() * 0.25, table.tolist(), query_lens, context_lens, proj)
+    torch.testing.assert_close(out[..., :V].double(), want, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse.double(), want_lse, atol=2e-5, rtol=2e-5)
