@@ -80,9 +80,9 @@ def blendserve_bound(workload, cost, saving: float) -> float:
     m, hw, c = cost.model, cost.hw, cost.calib
     p = np.fromiter((r.prompt_len for r in workload.requests), dtype=np.float64, count=len(workload.requests))
     d = np.fromiter((r.output_len for r in workload.requests), dtype=np.float64, count=len(workload.requests))
-    layer_params = m.decoder_active_params
-    prompt_flops = (p * layer_params * 2 + p * p * m.hidden_size * m.num_layers * 4).sum()
-    output_flops = (d * (layer_params + m.hidden_size * m.vocab_size) * 2).sum()
+    decoder_params = m.decoder_active_params
+    prompt_flops = (p * decoder_params * 2 + p * p * m.hidden_size * m.num_layers * 4).sum()
+    output_flops = (d * (decoder_params + m.hidden_size * m.vocab_size) * 2).sum()
     nbytes = ((p * d + d * d / 2) * m.kv_width * m.num_layers * m.dtype_bytes).sum()
     rate = hw.peak_flops * c.gemm_efficiency
     t_comp = ((1 - saving) * prompt_flops + output_flops) / rate

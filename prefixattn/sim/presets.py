@@ -288,15 +288,6 @@ class ModelPreset:
             kinds.append((self.num_layers - dense, attention + self.mlp_shapes(False)))
         return kinds
 
-    def layer_linear_shapes(self) -> list[tuple[str, int, int]]:
-        """(name, K, N) of the GEMMs of one dense decoder layer (QKV, O, gate+up, down)."""
-        return [(name, k, n) for name, k, n, _ in self.layer_kinds()[0][1]]
-
-    @property
-    def layer_params(self) -> int:
-        """Weights of one dense decoder layer (an MoE model's: see :attr:`decoder_params`)."""
-        return sum(k * n for _, k, n in self.layer_linear_shapes())
-
     @property
     def decoder_params(self) -> int:
         """Weights of all decoder layers (every expert)."""
