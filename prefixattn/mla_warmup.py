@@ -26,11 +26,10 @@ from prefixattn.mla import mla_attention, plan_mla
 from prefixattn.planner.cost_rule import mla_heads_per_program
 from prefixattn.planner.tiles import ClassTiles, mla_tiles
 from prefixattn.validation import FP8_KV_DTYPES, check_mla_dims, torch_dtype_name
-from prefixattn.warmup import WarmupReport, checked_dtypes, dtype_pairs, launch_binaries, run_warmup
+from prefixattn.warmup import (WARMUP_BLOCKS, WarmupReport, checked_dtypes, dtype_pairs, launch_binaries,
+                               run_warmup, warmup_step)
 
 MLA_ATTENTION = "mla_attention"
-#: KV blocks of the warm-up caches: block 0 shared by both requests of the shared class's step, one own block each.
-_WARMUP_BLOCKS = 3
 
 
 @dataclass(frozen=True)
@@ -124,26 +123,18 @@ def mla_kernel_variants(*, num_heads: int, block_size: int, dtypes, kv_lora_rank
 
 
 def _launch_mla(v: MLAKernelVariant, device: torch.device) -> None:
-    """One step through plan_mla() + mla_attention() that launches ``v``'s class: 2 decode requests sharing block 0
-    (the shared class; their decode tiles launch too), one request of one row (decode) or of one row more than a
-    decode tile holds (chunk)."""
+    """One step through plan_mla() + mla_attention() that launches ``v``'s class
+    (:func:`~prefixattn.warmup.warmup_step`)."""
     bs, width = v.block_size, v.kv_lora_rank + v.rope_dim
-    group = mla_heads_per_program(v.num_heads)
-    rows = v.tiles.rows(group) + 1 if v.work_class == CLASS_CHUNK else 1
-    if v.work_class == CLASS_SHARED:
-        qo_indptr, kv_lens, table = [0, 1, 2], [bs + 1, bs + 1], [[0, 1], [0, 2]]
-    else:  # the warm-up cache's blocks, reused in turn (the values are never checked: only the binary matters)
-        blocks = -(-(bs + rows) // bs)
-        qo_indptr, kv_lens, table = [0, rows], [bs + rows], [[i % _WARMUP_BLOCKS for i in range(blocks)]]
-    p = plan_mla(torch.tensor(qo_indptr), torch.tensor(kv_lens), torch.tensor(table), block_size=bs,
-                 num_heads=v.num_heads, sm_scale=width ** -0.5, kv_lora_rank=v.kv_lora_rank, rope_dim=v.rope_dim,
-                 q_dtype=v.dtype, kv_dtype=v.cache_dtype, device=device,
-                 sharing="always" if v.work_class == CLASS_SHARED else "never")
+    chunk_rows = v.tiles.rows(mla_heads_per_program(v.num_heads)) + 1
+    p = plan_mla(*warmup_step(v.work_class, bs, chunk_rows), block_size=bs, num_heads=v.num_heads,
+                 sm_scale=width ** -0.5, kv_lora_rank=v.kv_lora_rank, rope_dim=v.rope_dim, q_dtype=v.dtype,
+                 kv_dtype=v.cache_dtype, device=device, sharing="always" if v.work_class == CLASS_SHARED else "never")
     if (v.work_class == CLASS_SHARED, v.tiles) not in launch_binaries(p):
         raise RuntimeError(f"the warm-up plan did not reproduce the variant (classes {p.work_classes}, tiles "
                            f"{p.tiles}); nothing launched")
     q = torch.zeros((p.num_tokens, v.num_heads, width), dtype=v.dtype, device=device)
-    cache = torch.zeros((_WARMUP_BLOCKS, bs, width), dtype=v.cache_dtype, device=device)
+    cache = torch.zeros((WARMUP_BLOCKS, bs, width), dtype=v.cache_dtype, device=device)
     scale = torch.ones(1, dtype=torch.float32, device=device) if v.has_kv_scale else None
     mla_attention(q, cache, p, return_lse=v.has_lse, kv_scale=scale)
 

@@ -52,7 +52,7 @@ WARMUP_ENV = "PREFIXATTN_WARMUP"
 #: Longest query chunk the tile lookup distinguishes: every longer chunk selects the same config.
 MAX_DISTINCT_Q_LEN = MAX_Q_LEN_RANGE[1]
 #: KV blocks of the warm-up caches: block 0 shared by both requests, one own block each.
-_WARMUP_BLOCKS = 3
+WARMUP_BLOCKS = 3
 
 ATTENTION = "prefix_attention"
 KV_WRITE = "kv_write"
@@ -338,7 +338,7 @@ def _rows(v: KernelVariant, num_tokens: int, layout: WarmupLayout, device) -> tu
 
 def _caches(v: KernelVariant, layout: WarmupLayout, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Zero K and V caches ``[blocks, block_size, Hkv, D]`` in ``layout`` and the variant's cache dtype."""
-    shape = (_WARMUP_BLOCKS, v.block_size, v.num_kv_heads, v.head_dim)
+    shape = (WARMUP_BLOCKS, v.block_size, v.num_kv_heads, v.head_dim)
     dt = v.cache_dtype
     if layout.kv_interleaved:
         kv = torch.zeros(shape[:-1] + (2 * v.head_dim,), dtype=dt, device=device)
@@ -354,20 +354,10 @@ def _scales(v: KernelVariant, device) -> dict:
 
 
 def _launch_attention(v: KernelVariant, layout: WarmupLayout, device: torch.device) -> None:
-    """One step through plan() + attention() that launches ``v``'s class: 2 decode requests sharing block 0 (the
-    shared class; their decode tiles launch too), one request of one row (decode) or of one row more than a decode
-    tile holds (chunk)."""
+    """One step through plan() + attention() that launches ``v``'s class (:func:`warmup_step`)."""
     bs = v.block_size
-    rows = 1
-    if v.work_class == CLASS_CHUNK:
-        rows = v.tiles.rows(v.num_qo_heads // v.num_kv_heads) + 1
-    if v.work_class == CLASS_SHARED:
-        qo_indptr, kv_lens, table = [0, 1, 2], [bs + 1, bs + 1], [[0, 1], [0, 2]]
-    else:  # the warm-up cache's blocks, reused in turn (the values are never checked: only the binary matters)
-        blocks = -(-(bs + rows) // bs)
-        qo_indptr, kv_lens, table = [0, rows], [bs + rows], [[i % _WARMUP_BLOCKS for i in range(blocks)]]
     with fixed_config(v.config):
-        p = plan(torch.tensor(qo_indptr), torch.tensor(kv_lens), torch.tensor(table), block_size=bs,
+        p = plan(*warmup_step(v.work_class, bs, v.tiles.rows(v.num_qo_heads // v.num_kv_heads) + 1), block_size=bs,
                  num_qo_heads=v.num_qo_heads, num_kv_heads=v.num_kv_heads, head_dim=v.head_dim,
                  q_dtype=v.dtype, kv_dtype=v.cache_dtype, device=device,
                  sharing="always" if v.work_class == CLASS_SHARED else "never")
@@ -379,6 +369,20 @@ def _launch_attention(v: KernelVariant, layout: WarmupLayout, device: torch.devi
     q, _, _ = _rows(v, p.num_tokens, layout, device)
     k_cache, v_cache = _caches(v, layout, device)
     attention(q, k_cache, v_cache, p, return_lse=v.has_lse, **_scales(v, device))
+
+
+def warmup_step(work_class: int, block_size: int, chunk_rows: int) -> tuple[torch.Tensor, ...]:
+    """``(qo_indptr, kv_lens, block_table)`` of a warm-up step that runs ``work_class``: 2 decode requests sharing
+    block 0 (the shared class; their decode tiles run too), one request of one row (decode) or of ``chunk_rows``
+    (chunk: one row more than a decode tile holds). Block ids below :data:`WARMUP_BLOCKS`, reused in turn (the values
+    are never checked: only the binary matters)."""
+    bs = block_size
+    if work_class == CLASS_SHARED:
+        return torch.tensor([0, 1, 2]), torch.tensor([bs + 1, bs + 1]), torch.tensor([[0, 1], [0, 2]])
+    rows = chunk_rows if work_class == CLASS_CHUNK else 1
+    blocks = -(-(bs + rows) // bs)
+    return (torch.tensor([0, rows]), torch.tensor([bs + rows]),
+            torch.tensor([[i % WARMUP_BLOCKS for i in range(blocks)]]))
 
 
 def launch_binaries(p) -> set:

@@ -170,11 +170,38 @@ def _correct(out, rows, want) -> tuple[bool, float]:
     return bool(torch.isfinite(got).all() and (err <= atol + rtol * want.abs()).all()), float(err.max())
 
 
+def time_graphed(args, timer, results, row: tuple, run, out, check) -> tuple[dict, bool]:
+    """Time a checked provider as every MLA provider is timed: its output poisoned, its run captured in a CUDA graph
+    and replayed, ``check()`` again (``graph_correct``), then replays with the L2 flushed and warm; in the dry run one
+    interpreted run. ``row``: ``(benchmark, provider, shape)`` of the results. Returns ``(times, graph correct)``."""
+    import torch
+
+    from gpu_check.measure import capture
+
+    ok = True
+    if args.dry_run:
+        times = {"graph_flushed": timer.repeat(run, 1, flush=False)}
+    else:
+        out.fill_(float("nan"))
+        graph, _ = capture(run)
+        graph.replay()
+        torch.cuda.synchronize()
+        ok = check()
+        results.add(*row, "graph_correct", float(ok), "bool")
+        runs = timer.runs_for(graph.replay)
+        times = {"graph_flushed": timer.repeat(graph.replay, runs, flush=True),
+                 "graph_warm": timer.repeat(graph.replay, runs, flush=False)}
+    for policy, t in times.items():
+        for stat, us in t.items():
+            results.add(*row, f"{policy}_us_{stat}", us, "us")
+    return times, ok
+
+
 def step_mla(args, results, skips, device: str, fi_ready: dict, ceil: dict | None) -> None:
     import torch
 
     from gpu_check.clock import Clock
-    from gpu_check.measure import Timer, capture, record_state
+    from gpu_check.measure import Timer, record_state
 
     clock = Clock("mla", skips)
     timer = Timer(args.dry_run, device)
@@ -206,21 +233,8 @@ def step_mla(args, results, skips, device: str, fi_ready: dict, ceil: dict | Non
             results.add(BENCH, provider, name, "max_abs_err", err, "abs")
             if p is not None:
                 results.add(BENCH, provider, name, "shared_nodes", float(p.stats["num_shared_nodes"]), "count")
-            if args.dry_run:
-                times = {"graph_flushed": timer.repeat(run, 1, flush=False)}
-            else:
-                out.fill_(float("nan"))
-                graph, _ = capture(run)
-                graph.replay()
-                torch.cuda.synchronize()
-                ok, _ = _correct(out, rows, expected)
-                results.add(BENCH, provider, name, "graph_correct", float(ok), "bool")
-                runs = timer.runs_for(graph.replay)
-                times = {"graph_flushed": timer.repeat(graph.replay, runs, flush=True),
-                         "graph_warm": timer.repeat(graph.replay, runs, flush=False)}
-            for policy, t in times.items():
-                for stat, us in t.items():
-                    results.add(BENCH, provider, name, f"{policy}_us_{stat}", us, "us")
+            times, ok = time_graphed(args, timer, results, (BENCH, provider, name), run, out,
+                                     lambda: _correct(out, rows, expected)[0])
             print(f"[mla] {name} {provider}: {times['graph_flushed']['median']:.1f} us, correct {ok} "
                   f"(max err {err:.2g})", flush=True)
         if not args.dry_run:

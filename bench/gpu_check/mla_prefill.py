@@ -102,10 +102,8 @@ def _vllm_like(b: dict, device: str):
 
 def run_shapes(args, results, clock, timer, device: str, fi_ready: dict) -> None:
     """Each shape's two providers: correctness, then the graph-replayed times (as :func:`gpu_check.mla.step_mla`)."""
-    import torch
-
-    from gpu_check.measure import capture, record_state
-    from gpu_check.mla import _correct
+    from gpu_check.measure import record_state
+    from gpu_check.mla import _correct, time_graphed
 
     shapes = DRY_SHAPES if args.dry_run else SHAPES
     for i, (name, heads, prefills, cached, new) in enumerate(shapes):
@@ -128,23 +126,10 @@ def run_shapes(args, results, clock, timer, device: str, fi_ready: dict) -> None
             results.add(BENCH, provider, name, "max_abs_err", err, "abs")
             if chosen is not None:  # what the backend's modeled rule picks for this step
                 results.add(BENCH, provider, name, "rule_takes_this_path", float(chosen), "bool")
-            if args.dry_run:
-                times = {"graph_flushed": timer.repeat(run, 1, flush=False)}
-            else:
-                out.fill_(float("nan"))
-                graph, _ = capture(run)
-                graph.replay()
-                torch.cuda.synchronize()
-                ok, _ = _correct(out[..., :VALUE], rows, want)
-                results.add(BENCH, provider, name, "graph_correct", float(ok), "bool")
-                runs = timer.runs_for(graph.replay)
-                times = {"graph_flushed": timer.repeat(graph.replay, runs, flush=True),
-                         "graph_warm": timer.repeat(graph.replay, runs, flush=False)}
-            for policy, t in times.items():
-                for stat, us in t.items():
-                    results.add(BENCH, provider, name, f"{policy}_us_{stat}", us, "us")
-            print(f"[mla_prefill] {name} {provider}: {times['graph_flushed']['median']:.1f} us, correct {ok}",
-                  flush=True)
+            times, graph_ok = time_graphed(args, timer, results, (BENCH, provider, name), run, out,
+                                           lambda: _correct(out[..., :VALUE], rows, want)[0])
+            print(f"[mla_prefill] {name} {provider}: {times['graph_flushed']['median']:.1f} us, correct "
+                  f"{ok and graph_ok}", flush=True)
         if not args.dry_run:
             record_state(results, BENCH, name)
         del b
