@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from prefixattn.kernels.layout import CLASS_CHUNK, CLASS_DECODE, CLASS_SHARED, WORK_CLASSES, page_size_constexpr
+from prefixattn.kernels.mla_attention_kernel import mla_attention_kernel
 from prefixattn.mla import mla_attention, plan_mla
 from prefixattn.planner.cost_rule import mla_heads_per_program
 from prefixattn.planner.tiles import ClassTiles, mla_tiles
@@ -139,12 +140,6 @@ def _launch_mla(v: MLAKernelVariant, device: torch.device) -> None:
     mla_attention(q, cache, p, return_lse=v.has_lse, kv_scale=scale)
 
 
-def _mla_kernel(_v: MLAKernelVariant):
-    from prefixattn.kernels.mla_attention_kernel import mla_attention_kernel
-
-    return mla_attention_kernel
-
-
 def warmup_mla_kernels(*, num_heads: int, block_size: int, dtypes=torch.bfloat16, kv_lora_rank: int = 512,
                        rope_dim: int = 64, max_q_len: int = 1, with_lse: bool = False, kv_dtypes=None,
                        fp8_kv_scales=(True,), device=None, run_in_interpreter: bool = False) -> WarmupReport:
@@ -170,6 +165,6 @@ def warmup_mla_kernels(*, num_heads: int, block_size: int, dtypes=torch.bfloat16
     variants = mla_kernel_variants(num_heads=num_heads, block_size=block_size, dtypes=dtypes,
                                    kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, max_q_len=max_q_len,
                                    with_lse=with_lse, kv_dtypes=kv_dtypes, fp8_kv_scales=fp8_kv_scales)
-    return run_warmup(variants, launch=_launch_mla, kernel_of=_mla_kernel, device=device,
+    return run_warmup(variants, launch=_launch_mla, kernel_of=lambda _v: mla_attention_kernel, device=device,
                       run_in_interpreter=run_in_interpreter)
 

@@ -184,7 +184,6 @@ def tiles_from_configs(*, decode: AttentionConfig, chunk: AttentionConfig, head_
         block_d=block_d(head_dim), is_hip=is_hip)
 
 
-
 @typed_memo(maxsize=64)  # one object per shape: the planner's tile-row and cost memos key on it
 def mla_tiles(*, kv_lora_rank: int, dtype=None, kv_fp8: bool = False, is_hip: bool | None = None) -> AttentionTiles:
     """The class tiles of an MLA plan (:func:`~prefixattn.autotune.config_space.mla_class_tiles`): BLOCK_D is the
