@@ -178,12 +178,19 @@ class PreparedLaunch:
         The parameters each call patches, in the order ``__call__`` takes their values (default: the fused kernel's,
         :data:`FUSED_PER_CALL`).
 
+    beside_from : int, optional
+        The first launch (an index into ``per_class``) that runs beside the ones before it: from it on the launches
+        go to a side stream forked from the current one, which the current stream joins before the call returns
+        (:func:`side_stream`; a plan with ``overlap=True``). None: every launch on the current stream.
+
     A direct launch runs under the device that was current when the launch was prepared (the compiled kernel is
     loaded there); under another one the launch goes through the JIT function.
     """
 
-    def __init__(self, kernel, named: dict, per_class: list, per_call: tuple = FUSED_PER_CALL) -> None:
+    def __init__(self, kernel, named: dict, per_class: list, per_call: tuple = FUSED_PER_CALL,
+                 beside_from: int | None = None) -> None:
         self.kernel = kernel
+        self.beside_from = beside_from
         self.params = prm = _params(kernel, per_call)
         self.launches = []
         self.unsupported = direct_launch_unsupported(kernel)
@@ -201,16 +208,31 @@ class PreparedLaunch:
         return tuple(entry[4] is not None for entry in self.launches)
 
     def __call__(self, kernel, *values) -> None:
-        """Launch every class on the current stream with this layer's ``values`` of the ``per_call`` parameters.
-        ``kernel``: the one to launch now (the prepared one, or a test's stand-in put in its place since, which
-        takes the JIT path)."""
+        """Launch every class with this layer's ``values`` of the ``per_call`` parameters, on the current stream
+        (those from ``beside_from`` on a side stream it forks and joins). ``kernel``: the one to launch now (the
+        prepared one, or a test's stand-in put in its place since, which takes the JIT path)."""
         patch = tuple(zip(self.params.per_call, values))
         direct_ok = ALLOW_DIRECT and kernel is self.kernel and self.unsupported is None and _hooks_idle()
         if direct_ok:
-            device = current_device()
-            direct_ok = device == self.device
-            stream = current_stream(device) if direct_ok else None
-        for entry in self.launches:
+            direct_ok = current_device() == self.device
+        split = self.beside_from
+        if split is None:
+            self._run(self.launches, kernel, patch, direct_ok)
+            return
+        main = torch.cuda.current_stream()
+        side = side_stream(main)
+        side.wait_stream(main)  # fork: the side launches see everything queued before this call
+        try:
+            self._run(self.launches[:split], kernel, patch, direct_ok)
+            with torch.cuda.stream(side):
+                self._run(self.launches[split:], kernel, patch, direct_ok)
+        finally:  # join, also after a launch that raised: what follows on the current stream sees both sides
+            main.wait_stream(side)
+
+    def _run(self, launches: list, kernel, patch: tuple, direct_ok: bool) -> None:
+        """``launches`` (entries of :attr:`launches`) on the current stream."""
+        stream = current_stream(self.device) if direct_ok else None
+        for entry in launches:
             grid, base, options, spec, compiled = entry
             args = base.copy()  # not patched in place: the prepared list keeps no layer's tensors alive
             for i, value in patch:
@@ -222,6 +244,23 @@ class PreparedLaunch:
             compiled = kernel[grid](*args, **options)
             if direct_ok and spec is not None and _is_compiled(compiled):
                 entry[4] = _remember(spec, compiled)
+
+
+#: :func:`side_stream`'s streams by (device, handle of the stream they fork from).
+_SIDE_STREAMS: dict = {}
+
+
+def side_stream(main: "torch.cuda.Stream") -> "torch.cuda.Stream":
+    """The stream a plan's overlapped launches run on beside ``main`` (the current stream), one per stream they
+    start from (created at its first use: two engine streams, e.g. two micro-batches, never wait on each other through
+    it). The caller forks it from ``main`` and joins it back (:meth:`PreparedLaunch.__call__`), so work and memory
+    stay ordered as on one stream for everything before and after the call; under CUDA-graph capture the fork and
+    join become the graph's branches."""
+    key = (main.device, main.cuda_stream)
+    stream = _SIDE_STREAMS.get(key)
+    if stream is None:
+        stream = _SIDE_STREAMS[key] = torch.cuda.Stream(device=main.device)
+    return stream
 
 
 def _is_compiled(kernel) -> bool:

@@ -174,13 +174,14 @@ def _call_features(launch, p: Plan, q: torch.Tensor, sinks, k_scale, v_scale) ->
 
 
 def _prepare(p: Plan, key, *, out, lse, q, k_cache, v_cache, classes: tuple, grid_items: tuple, has_lse: bool,
-             features: dict, tables: dict | None = None) -> PreparedLaunch:
+             features: dict, tables: dict | None = None, overlapped: bool | None = None) -> PreparedLaunch:
     """Assemble the launches of one call shape (``launcher.PreparedLaunch``): one per work class in ``classes``
     (``layout.CLASS_*``, in that order on the current stream), each of ``grid_items[i] x num_kv_heads`` programs with
     its class's tiles and launch options; programs past the class's live items (its ``ranges`` record, read on the
     device) exit at once, so a grid sized by capacity serves any smaller plan. ``features``: :func:`_feature_args`.
     ``tables`` replaces the plan's ``ranges``/``items``/``gather``/``mrows``/``counters`` (the workspace's whole
-    buffers). Kept for the plan under ``key`` (:data:`_prepared_launches`; not kept for a None key)."""
+    buffers). ``overlapped`` replaces ``p.overlapped`` (a graph's launches: the wrapper's choice). Kept for the plan
+    under ``key`` (:data:`_prepared_launches`; not kept for a None key)."""
     t = p.tiles
     tb = {**dict(ranges=p.ranges, items=p.items, gather=p.gather, mrows=p.mrows, counters=p.counters),
           **(tables or {})}
@@ -212,7 +213,11 @@ def _prepare(p: Plan, key, *, out, lse, q, k_cache, v_cache, classes: tuple, gri
                                kv_fp8=k_cache.dtype in FP8_KV_DTYPES, nan_guard=p.nan_guard,
                                q_fp32=q.dtype == torch.float32,
                                model_switches=any(features[f] for f in MODEL_SWITCHES))
-    launch = PreparedLaunch(prefix_attention_kernel, named, per_class)
+    # An overlapped plan's decode launch runs beside its compute launches (a CPU tensor has no streams: the
+    # launches run one after another there, as the interpreter runs them anyway).
+    overlapped = p.overlapped if overlapped is None else overlapped
+    beside = classes.index(CLASS_DECODE) if q.is_cuda and overlapped and CLASS_DECODE in classes[1:] else None
+    launch = PreparedLaunch(prefix_attention_kernel, named, per_class, beside_from=beside)
     launch.features = features
     remember_launch(p, key, launch)
     return launch
@@ -237,7 +242,7 @@ def _launch(launch: PreparedLaunch, counters, out, lse, q, k_cache, v_cache, fea
 
 #: Options a CUDA-graph wrapper fixes at construction: the captured launch holds them (constexprs, scalars, tiles).
 _GRAPH_FIXED_OPTIONS = ("num_qo_heads", "num_kv_heads", "head_dim", "block_size", "q_dtype", "sm_scale", "device",
-                        "tiles", "workspace", "logits_soft_cap", "window_left", "nan_guard")
+                        "tiles", "workspace", "logits_soft_cap", "window_left", "nan_guard", "overlap")
 #: Override values compared by type and value in :func:`_restated` (any other object: by identity).
 _PLAIN_OPTION_TYPES = (bool, int, float, str)
 _UNSET = object()
@@ -282,7 +287,8 @@ class PrefixSharedAttention:
         it: the grid is ``max_items x num_kv_heads`` programs (or the bound for ``plan(graph_num_tokens=...)``; those
         past the live items exit at once), the tiles are chosen once for ``max_q_len``, the shared branch is always
         compiled in, and every table lives at a fixed address; a captured layer is its launches alone (``plan()``
-        zeroes the merge counters, outside the graph). Needs the capacities.
+        zeroes the merge counters, outside the graph). Needs the capacities. With ``overlap=True`` the captured decode
+        launch runs beside the compute launches at every replay (``graph_overlapped``).
     max_q_len : int
         With ``use_cuda_graph``: the query length the fixed tiles are chosen for (1: decode; any batch is still
         correct, only its tile fit changes).
@@ -369,6 +375,9 @@ class PrefixSharedAttention:
             self._graph_classes = tuple(
                 c for c, on in ((CLASS_SHARED, cfg.get("sharing", "auto") != "never"),
                                 (CLASS_CHUNK, t.chunk != t.decode), (CLASS_DECODE, True)) if on)
+            #: With ``overlap=True``: the captured decode launch runs beside the compute launches at every replay
+            #: (the graph's branches are fixed at capture; a step without one kind leaves its side idle).
+            self.graph_overlapped = cfg.get("overlap", False) is True and len(self._graph_classes) > 1
             self._class_bound = functools.partial(
                 class_grid_items, rows_per_tile=(t.rows_per_shared_tile(group), t.rows_per_chunk_tile(group),
                                                  t.rows_per_decode_tile(group)), chunk_class=t.chunk != t.decode,
@@ -577,6 +586,6 @@ class PrefixSharedAttention:
             launch = _prepare(p, key, out=out, lse=lse, q=q, k_cache=k_cache, v_cache=v_cache,
                               classes=self._graph_classes, grid_items=grid, has_lse=return_lse, features=features,
                               tables=dict(ranges=ws.ranges, items=ws.items, gather=ws.gather, mrows=ws.mrows,
-                                          counters=ws.counters))
+                                          counters=ws.counters), overlapped=self.graph_overlapped)
         _launch(launch, ws.counters, out, lse, q, k_cache, v_cache, features)
         return (out, lse) if return_lse else out

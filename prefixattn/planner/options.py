@@ -69,6 +69,9 @@ class PlanOptions(NamedTuple):
     #: > 0: an MLA plan (:func:`prefixattn.plan_mla`): ``head_dim`` is the latent width (``kv_lora_rank``), this the
     #: rotary key width, ``num_kv_heads`` the head blocks (programs per item) of ``group`` query heads each.
     rope_dim: int = 0
+    #: Run the decode launch beside the compute launches (shared, chunk) where that pays, modeled
+    #: (:mod:`prefixattn.planner.overlap`).
+    overlap: bool = False
 
     @property
     def group(self) -> int:
@@ -84,7 +87,7 @@ class PlanOptions(NamedTuple):
 @typed_memo(maxsize=256)  # an engine plans with the same options every step (~5 us of checks on the 2-core host)
 def checked_options(*, causal, sm_scale, logits_soft_cap, window_left, alibi_slopes, sharing, q_dtype, kv_dtype,
                     nan_guard, block_size, num_qo_heads, num_kv_heads, head_dim, min_split_tokens,
-                    num_sms, rope_dim=0) -> PlanOptions:
+                    num_sms, rope_dim=0, overlap=False) -> PlanOptions:
     """plan()'s option checks (its parameters of the same names): the options normalized, or the ``ValueError`` of
     the first bad one. :data:`OPTION_DEFAULTS` holds plan()'s defaults. ``rope_dim > 0``: an MLA plan's
     (:func:`prefixattn.plan_mla`), whose ``head_dim`` is the latent width and whose ``sm_scale`` must be given."""
@@ -107,12 +110,18 @@ def checked_options(*, causal, sm_scale, logits_soft_cap, window_left, alibi_slo
                                  f"or NaN guard), got {value!r}")
     else:
         check_head_dim("head_dim", head_dim)
+    if not isinstance(overlap, bool):
+        raise ValueError(f"overlap: expected a bool, got {type(overlap).__name__}")
+    if overlap and rope_dim:
+        raise ValueError("overlap: expected False for an MLA plan (the MLA kernel runs its classes in series), "
+                         "got True")
     return PlanOptions(
         causal=causal, sm_scale=1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale), q_dtype=q_dtype,
         kv_dtype=kv_dtype, logits_soft_cap=soft_cap, window_left=window_left, sharing=sharing, nan_guard=nan_guard,
         block_size=block_size, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
         head_dim=head_dim, min_split_tokens=_positive_int("min_split_tokens", min_split_tokens),
-        num_sms=None if num_sms is None else _positive_int("num_sms", num_sms), rope_dim=int(rope_dim))
+        num_sms=None if num_sms is None else _positive_int("num_sms", num_sms), rope_dim=int(rope_dim),
+        overlap=overlap)
 
 
 def _positive_int(name: str, value) -> int:

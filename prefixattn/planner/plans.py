@@ -38,6 +38,7 @@ from prefixattn.planner.backend import NUMPY, backend, fall_back_to_numpy, using
 from prefixattn.planner.choose import choose
 from prefixattn.planner.device_tables import check_workspace_args, device_tables
 from prefixattn.planner.options import MIN_SPLIT_TOKENS, PlanOptions, _default_num_sms, checked_options
+from prefixattn.planner.overlap import overlap_stats
 from prefixattn.planner.stats import modeled_stats
 from prefixattn.planner.tiles import AttentionTiles, choose_tiles, mla_tiles
 from prefixattn.planner.work_list import SharedNode, SharedNodes, WorkList
@@ -109,6 +110,9 @@ class Plan:
     #: when this plan was loaded: a later plan on the same workspace overwrites the tables (:meth:`is_current`).
     workspace: PlanWorkspace | None = field(default=None, repr=False)
     workspace_step: int = -1
+    #: The decode launch runs beside the compute launches, on a side stream (``plan(overlap=True)`` where it pays,
+    #: modeled: :mod:`prefixattn.planner.overlap`).
+    overlapped: bool = False
 
     @property
     def heads_per_program(self) -> int:
@@ -119,7 +123,8 @@ class Plan:
     def stats(self) -> dict:
         """The plan's counts (``num_shared_nodes``, ``num_units``, ``num_merge_rows``, ``num_ws_rows``, ``num_sms``,
         ``sharing_declined``, ``requests_apart``) and modeled times (:func:`~prefixattn.planner.stats.modeled_stats`:
-        ``modeled_class_us``, ``modeled_step_us``, ``critical_path``); a wrapper adds its own entries."""
+        ``modeled_class_us``, ``modeled_step_us``, ``critical_path``; with ``overlap=True`` also ``overlapped`` and
+        ``modeled_overlap_us``: :func:`~prefixattn.planner.overlap.overlap_stats`); a wrapper adds its own entries."""
         if "modeled_step_us" not in self.counts:
             self.counts.update(modeled_stats(self.work.modeled_us, self.work.class_ends))
         return self.counts
@@ -188,6 +193,7 @@ def plan(
     workspace: PlanWorkspace | None = None,
     device_block_table: torch.Tensor | None = None,
     nan_guard: bool = False,
+    overlap: bool = False,
 ) -> Plan:
     """Plan one engine step of prefix-shared paged attention (host; reuse the plan for every layer).
 
@@ -262,6 +268,13 @@ def plan(
         Keep a non-finite V value at a key a row does not see (inside a causal or window-edge tile) out of that
         row, as the reference does: the rows whose result is non-finite are redone key by key. Off by default: the
         check alone costs registers in the decode launch (the kernel's ``USE_NAN_GUARD``).
+    overlap : bool
+        Run the step's decode class beside its compute-bound classes (shared nodes, prefill chunks) instead of after
+        them: on a GPU the decode launch goes to a side stream forked from the current one, which the current stream
+        joins before :func:`prefixattn.attention` returns (its results and what follows on the current stream are
+        ordered as without it). Taken where the step has both kinds and the cost model says it pays
+        (:mod:`prefixattn.planner.overlap`; ``Plan.overlapped``, ``stats["overlapped"]``); a CUDA-graph wrapper's
+        captured launches fork at every replay instead (``PrefixSharedAttention.graph_overlapped``).
 
     Returns
     -------
@@ -279,7 +292,7 @@ def plan(
         causal=causal, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap, window_left=window_left,
         alibi_slopes=alibi_slopes, sharing=sharing, q_dtype=q_dtype, kv_dtype=kv_dtype, nan_guard=nan_guard,
         block_size=block_size, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        min_split_tokens=min_split_tokens, num_sms=num_sms)
+        min_split_tokens=min_split_tokens, num_sms=num_sms, overlap=overlap)
     return plan_with_options(options, qo_indptr, kv_lens, block_table, device=device, num_blocks=num_blocks,
                              tiles=tiles, workspace=workspace, device_block_table=device_block_table)
 
@@ -333,6 +346,7 @@ def _pipeline(be, o: PlanOptions, qo_indptr, kv_lens, block_table, device, num_b
                             target=target)
         chosen = choose(be, tree, inputs, o, tiles, num_sms=num_sms, costs=costs,
                         priced=o.sharing == "auto" and target is not None)
+        overlap = overlap_stats(chosen.split.modeled, chosen.split.class_ends) if o.overlap else {}
         work, staged, written = be.work_list(chosen.nodes, chosen.split, inputs, o, tiles, workspace=workspace,
                                              width=inputs.width if workspace is None else 0)
         dev = device_tables(work, inputs, workspace=workspace, device_block_table=device_block_table, device=device,
@@ -356,8 +370,9 @@ def _pipeline(be, o: PlanOptions, qo_indptr, kv_lens, block_table, device, num_b
         **dev,
         counts=dict(num_shared_nodes=num_nodes, num_units=work.num_units, num_merge_rows=work.mrows.shape[0],
                     num_ws_rows=work.num_ws_rows, num_sms=num_sms, sharing_declined=chosen.declined,
-                    requests_apart=chosen.apart, **({"mla_form": MLA_FORM} if o.rope_dim else {})),
+                    requests_apart=chosen.apart, **({"mla_form": MLA_FORM} if o.rope_dim else {}), **overlap),
         workspace=workspace, workspace_step=workspace.step if workspace is not None else -1,
+        overlapped=overlap.get("overlapped", False),
     )
 
 
