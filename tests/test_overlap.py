@@ -198,3 +198,25 @@ def test_overlapped_step_on_a_side_stream_and_under_a_graph():
     torch.cuda.synchronize()
     torch.testing.assert_close(out.float(), want, atol=atol, rtol=rtol)
 
+
+def test_the_engines_switch(monkeypatch):
+    """``PREFIXATTN_OVERLAP`` reaches the vLLM wrappers' and SGLang's MHA plan options (never an MLA plan's); a value
+    that is neither on nor off is refused, naming it."""
+    from prefixattn.integrations.sglang.page_table import geometry_options, mla_key
+    from prefixattn.integrations.switches import OVERLAP_ENV, overlap_enabled
+    from prefixattn.integrations.vllm.wrappers import _wrapper_options
+
+    geometry = dict(num_qo_heads=4, num_kv_heads=2, head_dim=64, block_size=16, q_dtype=torch.float16, sm_scale=0.1,
+                    device="cpu")
+    mha_key = (4, 2, 64, torch.float16, 0.1, True, 0.0, -1)
+    for value, on in (("", False), ("0", False), ("1", True), (" On ", True)):
+        monkeypatch.setenv(OVERLAP_ENV, value)
+        assert overlap_enabled() is on
+        assert _wrapper_options(**geometry)["overlap"] is on
+        assert geometry_options(mha_key, block_size=16, sharing="auto", kv_dtype=None)["overlap"] is on
+        mla = geometry_options(mla_key(16, 512, 64, torch.bfloat16, 0.1), block_size=64, sharing="auto",
+                               kv_dtype=None)
+        assert "overlap" not in mla
+    monkeypatch.setenv(OVERLAP_ENV, "2")
+    with pytest.raises(ValueError, match="PREFIXATTN_OVERLAP: expected 1 or 0, got '2'"):
+        overlap_enabled()

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 import prefixattn
+from prefixattn.integrations.switches import overlap_enabled
 
 #: Pages each loop iteration of a program copies: 512 bytes of int32 page ids, so a decode row of a 4k context at
 #: page size 1 is 8 iterations; any power of two is correct.
@@ -100,7 +101,7 @@ def geometry_options(key: tuple, *, block_size: int, sharing: str, kv_dtype) -> 
     num_qo_heads, num_kv_heads, head_dim, q_dtype, sm_scale, causal, soft_cap, window = key
     return dict(block_size=block_size, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                 causal=causal, sm_scale=sm_scale, q_dtype=q_dtype, sharing=sharing, logits_soft_cap=soft_cap,
-                window_left=window, kv_dtype=kv_dtype)
+                window_left=window, kv_dtype=kv_dtype, overlap=overlap_enabled())
 
 
 def make_wrapper(key: tuple, *, block_size: int, sharing: str, kv_dtype, **capacity):

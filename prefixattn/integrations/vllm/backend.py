@@ -44,6 +44,7 @@ id outside vLLM's cache is a ``ValueError``, never a read outside it.
 
 from __future__ import annotations
 
+from prefixattn.integrations.switches import overlap_enabled
 from prefixattn.integrations.vllm.version import check_vllm_version
 
 check_vllm_version()  # before touching vLLM's classes: a clear ImportError instead of an AttributeError
@@ -284,7 +285,7 @@ class PrefixAttnMetadataBuilder(AttentionMetadataBuilder[PrefixAttnMetadata]):
             inputs.qo_indptr, inputs.kv_lens, inputs.host_block_table, block_size=self.block_size,
             num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, causal=True,
             sm_scale=self.sm_scale, q_dtype=self.q_dtype, kv_dtype=self.kv_dtype, device=self.device,
-            window_left=self.window_left, logits_soft_cap=self.logits_soft_cap)
+            window_left=self.window_left, logits_soft_cap=self.logits_soft_cap, overlap=overlap_enabled())
 
     def _graph_safe_step(self, common: CommonAttentionMetadata) -> bool:
         """Whether vLLM may replay a full graph for this step: graphs on, a uniform (decode-shaped) batch within the

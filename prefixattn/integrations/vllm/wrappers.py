@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 import prefixattn
+from prefixattn.integrations.switches import overlap_enabled
 
 
 def _wrapper_options(*, num_qo_heads, num_kv_heads, head_dim, block_size, q_dtype, sm_scale, device,
@@ -22,7 +23,7 @@ def _wrapper_options(*, num_qo_heads, num_kv_heads, head_dim, block_size, q_dtyp
     # window and soft cap: one value per KV cache group (the builder checks its layers agree)
     return dict(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
                 q_dtype=q_dtype, kv_dtype=kv_dtype, causal=True, sm_scale=sm_scale, max_blocks_per_request=0,
-                device=device, window_left=window_left, logits_soft_cap=logits_soft_cap)
+                device=device, window_left=window_left, logits_soft_cap=logits_soft_cap, overlap=overlap_enabled())
 
 
 def _wrapper(capacity: dict | None, options: dict) -> "prefixattn.PrefixSharedAttention | None":
