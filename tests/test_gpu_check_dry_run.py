@@ -88,6 +88,8 @@ def _check_timing(rows, by) -> None:
         assert len(by("attention_gpu_time", metric)) == len(timed), metric
     for metric in ("over_floor_serial", "unique_gbps", "under_hbm_floor"):
         assert len(by("attention_gpu_time", metric)) == len(timed) - len(shapes), metric  # not on flashinfer-best
+    # The decode launch beside the compute launches, timed on the mixed step only.
+    assert [s for p, s in timed if p == "prefixattn-overlap"] == [s for s in shapes if "dry-run:mixed" in s]
     not_run = {(r["provider"], r["unit"]) for r in by("attention_gpu_time", "not_run")}
     assert ("flashinfer-prefill-fa3", "reason: FlashInfer's fa3 backend runs on sm90 (Hopper) only") in not_run
     for metric in ("floor_memory_us", "floor_compute_us", "floor_overlapped_us", "floor_serial_us",
@@ -105,9 +107,11 @@ def _check_model_steps_and_batches(by, csv_path) -> None:
     # step's KV traffic against the L2, and prefixattn's classes timed alone on one layer.
     steps = {(r["provider"], r["shape"].split(" step")[0]) for r in by("model_step", "step_us_median")}
     workloads = ("docs-qa-8k", "batchllm-case1", "shared-prompt-4k")
+    # prefixattn-overlap on the mixed steps only (each dry mixed step's plan overlaps).
+    overlap = {("prefixattn-overlap", f"{w} mixed") for w in workloads}
     assert {(p, f"{w} {k}") for p in ("prefixattn", "prefixattn-nosharing", "flashinfer-best", "flashinfer-cascade2",
                                        "flashinfer-cascade2-fa2") for w in workloads for k in ("decode", "mixed")} \
-        == steps
+        | overlap == steps
     assert all(float(r["value"]) == 1.0 for r in by("model_step", "correct"))
     assert len(by("model_step", "bound_us")) == len(by("model_step", "step_us_median"))
     assert len(by("model_step", "l2_reread_fraction")) == len(by("model_step", "attention_floor_us")) == 6

@@ -13,7 +13,8 @@ steps run eagerly.
 Providers: ``prefixattn`` (free ``plan()`` once per step, one launch per work class per layer),
 ``prefixattn-nosharing`` (``sharing="never"``), ``flashinfer-best`` (FlashInfer without sharing, what vLLM runs: the
 fastest of the configurations of bench/peers/flashinfer.py that take the step, chosen by their attention time, the
-choice recorded) and both cascades (oracle prefix groups; FlashInfer's wrapper and its fa2 levels). Per step and
+choice recorded), both cascades (oracle prefix groups; FlashInfer's wrapper and its fa2 levels) and, on a mixed
+step whose plan overlaps, ``prefixattn-overlap`` (``overlap=True``: its decode launch beside the others). Per step and
 provider: the step time, the attention time (the same 32 attention calls alone, timed the same way), attention's
 share, tokens/s and the ``bound``: the step with attention at the sharing floor (the step's distinct KV + q + out per
 layer at the HBM rate, or its attention FLOPs at the attention rate). prefixattn's work classes are timed alone on
@@ -65,6 +66,9 @@ FI_CANDIDATES = {"decode": ("flashinfer-decode", "flashinfer-decode-tc-fa2", "fl
                            "flashinfer-batch-attention", "flashinfer-pod")}
 #: The providers timed on every step beside "flashinfer-best".
 PROVIDERS = ("prefixattn", "prefixattn-nosharing", "flashinfer-cascade2", "flashinfer-cascade2-fa2")
+#: Timed on the mixed steps whose plan overlaps its classes (``plan(overlap=True)``: the decode launch beside the
+#: chunk and shared launches); not a calibration input of the simulator (it models the classes in series).
+OVERLAP = "prefixattn-overlap"
 #: Simulator kernel kind of each provider (prefixattn.sim.step_cost): the calibration's input.
 SIM_KERNEL = {"prefixattn": ("fused", True), "prefixattn-nosharing": ("fused", True),
               "flashinfer-best": ("paged", False), "flashinfer-cascade2": ("cascade", False),
@@ -182,7 +186,8 @@ def make_attend(provider: str, meta, model, graph: bool):
         p = prefixattn.plan(meta.qo_indptr, meta.kv_lens, meta.block_table, block_size=meta.block_size,
                             num_qo_heads=meta.num_qo_heads, num_kv_heads=meta.num_kv_heads, head_dim=meta.head_dim,
                             q_dtype=meta.dtype, num_blocks=model.kv.shape[2],
-                            sharing="never" if provider == "prefixattn-nosharing" else "auto")
+                            sharing="never" if provider == "prefixattn-nosharing" else "auto",
+                            overlap=provider == OVERLAP)
         out = torch.empty(int(meta.qo_indptr[-1]), meta.num_qo_heads, meta.head_dim, dtype=meta.dtype,
                           device=meta.device)
 
@@ -328,6 +333,8 @@ def _time_step(workload, lay, model, timer, device, results, fi_ready, clock, dr
     fi_ok = {p for p, ok in fi_ready.items() if ok is True}
     attention_floor = _floor_rows(workload, lay, model, results, label, ceil)
     attends = {p: p for p in PROVIDERS if not p.startswith("flashinfer") or p in fi_ok}
+    if lay.kind == "mixed":
+        attends[OVERLAP] = OVERLAP
     # FlashInfer best without sharing: the fastest correct candidate by attention time.
     best, best_t = None, None
     for cand in FI_CANDIDATES[lay.kind]:
@@ -345,6 +352,9 @@ def _time_step(workload, lay, model, timer, device, results, fi_ready, clock, dr
             break
         try:
             attend = make_attend(impl, meta, model, graph)
+            if provider == OVERLAP and not attend.plan.overlapped:
+                print(f"[model_step]   {provider:24s} skipped: the plan runs its classes in series", flush=True)
+                continue
             ok, err = _check(attend, io, meta, model)
             results.add(BENCHMARK, provider, label, "correct", float(ok), "bool")
             if not ok:
@@ -352,7 +362,7 @@ def _time_step(workload, lay, model, timer, device, results, fi_ready, clock, dr
                 continue
             step_t = _timed(lambda: model.forward(io, attend), timer, graph)
             attn_t = _timed(lambda: model.attention_only(io, attend), timer, graph)
-            if provider.startswith("prefixattn"):
+            if provider.startswith("prefixattn") and provider != OVERLAP:  # the same classes as prefixattn's
                 _time_classes(attend, io, model, timer, results, label, provider)
                 # How together it issues a group's re-reads of its prefix (L2 reuse: the prefix runs' order).
                 results.add(BENCHMARK, provider, label, "group_item_span",
@@ -377,7 +387,8 @@ def _time_step(workload, lay, model, timer, device, results, fi_ready, clock, dr
         print(f"[model_step]   {provider:24s}{'(' + impl + ')' if impl != provider else '':28s} step "
               f"{step_t[1] / 1e3:8.2f} ms, attention {attn_t[1] / 1e3:8.2f} ms ({attn_t[1] / step_t[1]:.0%}), "
               f"{tokens_s:,.0f} tokens/s; bound {bound_us / 1e3:.2f} ms", flush=True)
-        measured.append(_record(workload, lay, provider, impl, step_t, attn_t, model, results, graph, ceil))
+        if provider in SIM_KERNEL:
+            measured.append(_record(workload, lay, provider, impl, step_t, attn_t, model, results, graph, ceil))
     return measured
 
 

@@ -24,6 +24,10 @@ MODULE_OF = {
 }
 
 
+class Unavailable(Exception):
+    """The peer's package, a feature it needs or the batch's kind is missing: skip, with this message as the reason."""
+
+
 @dataclass
 class Prepared:
     """A provider ready to run one batch: ``run()`` returns ``out [num_tokens, num_qo_heads, head_dim]``.

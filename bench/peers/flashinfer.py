@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from peers.base import Prepared
+from peers.base import Prepared, Unavailable
 
 #: FlashInfer's float workspace: the size its own examples allocate (128 MiB).
 WORKSPACE_BYTES = 128 * 1024 * 1024
@@ -47,10 +47,6 @@ WORKSPACE_BYTES = 128 * 1024 * 1024
 SPLIT_WORKSPACE_BYTES = 4 * 1024**3
 #: The backends FlashInfer's wrappers take by name; fa3 is FlashInfer's Hopper (sm90) kernel family.
 FA3_MAJOR = 9
-
-
-class Unavailable(Exception):
-    """The peer's package, a feature it needs or the batch's kind is missing: skip, with this message as the reason."""
 
 
 def _import_flashinfer():

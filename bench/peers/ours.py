@@ -1,5 +1,7 @@
 """prefixattn: plan once on the host, one launch per work class. ``prefixattn-nosharing`` plans with
-``sharing="never"``: the same kernel as plain paged attention, our own no-sharing baseline.
+``sharing="never"``: the same kernel as plain paged attention, our own no-sharing baseline. ``prefixattn-overlap``
+plans with ``overlap=True`` (the decode launch beside the compute launches: :mod:`prefixattn.planner.overlap`),
+only on a batch whose plan overlaps (else it is the ``prefixattn`` run again: :class:`~peers.base.Unavailable`).
 
 ``Prepared.parts`` runs each work class of the plan alone (the per-class times of the GPU check). One class alone
 is no public call: it launches the class's prepared launch through :mod:`prefixattn.prefix_attention`'s own
@@ -13,7 +15,7 @@ from __future__ import annotations
 import torch
 
 import prefixattn
-from peers.base import Prepared
+from peers.base import Prepared, Unavailable
 from prefixattn import prefix_attention as _attention
 from prefixattn.kernels.layout import WORK_CLASSES
 
@@ -23,17 +25,24 @@ def prepare(batch, provider: str = "prefixattn") -> Prepared:
     p = prefixattn.plan(batch.qo_indptr, batch.kv_lens, batch.block_table, block_size=s.block_size,
                         num_qo_heads=s.num_qo_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
                         q_dtype=batch.q.dtype, num_blocks=batch.num_blocks,
-                        sharing="never" if provider == "prefixattn-nosharing" else "auto")
+                        sharing="never" if provider == "prefixattn-nosharing" else "auto",
+                        overlap=provider == "prefixattn-overlap")
+    if provider == "prefixattn-overlap" and not p.overlapped:
+        raise Unavailable(f"nothing to overlap: the plan runs its classes in series (modeled "
+                          f"{p.stats['modeled_step_us']} us in series, classes {p.work_classes})")
     out = torch.empty_like(batch.q)
 
     def run():
         return prefixattn.attention(batch.q, batch.k_cache, batch.v_cache, p, out=out)
 
     return Prepared(run=run, labels=dict(out=out, workspace_o=p.ws_o, workspace_lse=p.ws_lse),
-                    notes=f"shared_nodes={len(p.shared_nodes)};items={p.num_items}",
+                    notes=f"shared_nodes={len(p.shared_nodes)};items={p.num_items};"
+                          f"overlapped={p.overlapped}",
                     extra=dict(tile_kv_load_bytes=p.kv_bytes_read(), work_items=p.num_items,
                                shared_nodes=len(p.shared_nodes)),
-                    parts=class_runs(p, batch.q, batch.k_cache, batch.v_cache, out), reset=counters_reset(p))
+                    # The classes alone are timed once, on the prefixattn provider (the same launches).
+                    parts={} if p.overlapped else class_runs(p, batch.q, batch.k_cache, batch.v_cache, out),
+                    reset=counters_reset(p))
 
 
 def class_runs(p, q, k_cache, v_cache, out) -> dict:

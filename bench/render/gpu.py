@@ -33,6 +33,7 @@ def kernel_rows(rows) -> list[dict]:
         ours, best, floor = prov.get("prefixattn", {}), prov.get("flashinfer-best", {}), prov.get("floor", {})
         out.append(dict(shape=shape.split(" [")[0], full=shape, ours=ours.get(HEAD), best=best.get(HEAD),
                         best_name=_best_name(prov), never=prov.get("prefixattn-nosharing", {}).get(HEAD),
+                        overlap=prov.get("prefixattn-overlap", {}).get(HEAD),
                         cascade=prov.get("flashinfer-cascade2", {}).get(HEAD),
                         cascade_fa2=prov.get("flashinfer-cascade2-fa2", {}).get(HEAD),
                         floor_o=floor.get("floor_overlapped_us"), floor_s=floor.get("floor_serial_us"),
@@ -53,7 +54,7 @@ def kernel_rows(rows) -> list[dict]:
 def kernel_table(rows) -> list[str]:
     lines = head("shape", "prefixattn us", "FlashInfer best us (config)", "prefixattn speedup",
                  "prefixattn over floor (overlapped / serial)", "best over floor", "warm L2 us (ours / best)",
-                 "eager us (ours / best)", "never-share us", "cascade fa2 / auto us", "SM MHz, C")
+                 "eager us (ours / best)", "never-share / overlap us", "cascade fa2 / auto us", "SM MHz, C")
     for r in kernel_rows(rows):
         lines.append(
             f"| {r['shape']} | {fixed(r['ours'])} | {fixed(r['best'])} ({r['best_name'] or '-'}) | "
@@ -62,7 +63,8 @@ def kernel_table(rows) -> list[str]:
             f"{ratio_cell(r['best'], r['floor_o'])} / {ratio_cell(r['best'], r['floor_s'])} | "
             f"{fixed(r['ours_warm'])} / {fixed(r['best_warm'])} | "
             f"{fixed(r['ours_eager'])} / {fixed(r['best_eager'])} | "
-            f"{fixed(r['never'])} | {fixed(r['cascade_fa2'])} / {fixed(r['cascade'])} | {fixed(r['sm_clock'], 0)}, "
+            f"{fixed(r['never'])} / {fixed(r['overlap'])} | {fixed(r['cascade_fa2'])} / {fixed(r['cascade'])} | "
+            f"{fixed(r['sm_clock'], 0)}, "
             f"{fixed(r['temp'], 0)} |")
     return lines
 
@@ -135,6 +137,7 @@ def model_rows(rows) -> list[dict]:
         get = lambda p, m: prov.get(p, {}).get(m)  # noqa: E731
         out.append(dict(step=shape, ours=get("prefixattn", "step_us_median"),
                         never=get("prefixattn-nosharing", "step_us_median"),
+                        overlap=get("prefixattn-overlap", "step_us_median"),
                         best=get("flashinfer-best", "step_us_median"), best_name=_best_name(prov),
                         cascade=get("flashinfer-cascade2", "step_us_median"),
                         cascade_fa2=get("flashinfer-cascade2-fa2", "step_us_median"),
@@ -150,14 +153,15 @@ def model_rows(rows) -> list[dict]:
 
 
 def model_table(rows) -> list[str]:
-    lines = head("step", "prefixattn ms", "bound ms", "never-share ms", "FlashInfer best, no sharing ms (config)",
-                 "cascade fa2 / auto ms", "speedup vs best", "attention share (ours / best)",
-                 "unshared reads an L2 could serve", "tokens/s (ours / best)")
+    lines = head("step", "prefixattn ms", "bound ms", "never-share / overlap ms",
+                 "FlashInfer best, no sharing ms (config)", "cascade fa2 / auto ms", "speedup vs best",
+                 "attention share (ours / best)", "unshared reads an L2 could serve", "tokens/s (ours / best)")
     ms = lambda v: None if v is None else v / 1e3  # noqa: E731
     pct = lambda v: "-" if v is None else f"{v:.0%}"  # noqa: E731
     for r in model_rows(rows):
         lines.append(f"| {r['step']}{' (graph)' if r['graph'] else ''} | {fixed(ms(r['ours']), 2)} | "
-                     f"{fixed(ms(r['bound']), 2)} | {fixed(ms(r['never']), 2)} | {fixed(ms(r['best']), 2)} "
+                     f"{fixed(ms(r['bound']), 2)} | {fixed(ms(r['never']), 2)} / {fixed(ms(r['overlap']), 2)} | "
+                     f"{fixed(ms(r['best']), 2)} "
                      f"({r['best_name'] or '-'}) | {fixed(ms(r['cascade_fa2']), 2)} / {fixed(ms(r['cascade']), 2)} | "
                      f"{ratio_cell(r['best'], r['ours'])} | {pct(r['share_ours'])} / {pct(r['share_best'])} | "
                      f"{pct(r['l2'])} | {fixed(r['tok_ours'], 0)} / {fixed(r['tok_best'], 0)} |")
