@@ -8,8 +8,9 @@ the gap before the next class's launch, which waits for it), and in a short step
 reads it saves (modeled, sm90: 32 decodes of GQA 32:4 under a 256-token prefix, 54.9 us shared against 49.2 us
 unshared). Pricing the launch needs the whole step's split, so a cheap screen runs first
 (:func:`shared_launch_may_lose`) and, only where it fires, the unshared candidate is split and the two modeled
-step times compared (:func:`~prefixattn.planner.stats.modeled_faster`). Both use :mod:`prefixattn.autotune.program_cost`: modeled, never
-measured.
+step times compared (:func:`~prefixattn.planner.stats.modeled_faster`; with ``overlap=True`` as the step would run,
+:func:`~prefixattn.planner.overlap.overlap_faster`). Both use :mod:`prefixattn.autotune.program_cost`: modeled,
+never measured.
 
 Requests apart: a node's byte rule sums over its requests, so a node that pays for its decode rows takes the prefill
 chunks under the same prefix too, whose full chunk tiles gain no KV reads and add merge states
@@ -30,6 +31,7 @@ from prefixattn.kernels import layout as K
 from prefixattn.lcp_tree import LcpTree
 from prefixattn.planner.node_choice import requests_may_stay_apart
 from prefixattn.planner.options import SHARING_APART
+from prefixattn.planner.overlap import overlap_faster
 from prefixattn.planner.split_rule import Split
 from prefixattn.planner.stats import modeled_faster
 from prefixattn.planner.work_list import SharedNodes
@@ -68,16 +70,17 @@ def choose(backend, tree: LcpTree, inputs, o, tiles, *, num_sms: int, costs: tup
 
     nodes, suffix_start, split = candidate(o.sharing)
     apart = declined = False
+    faster = overlap_faster if o.overlap else modeled_faster  # candidates priced as the step would run
     if priced and requests_may_stay_apart(tree, q_len=inputs.q_len, max_q_len=inputs.max_q_len,
                                           shareable=inputs.shareable, group=o.group, head_dim=o.cost_head_dim,
                                           elt_bytes=o.kv_dtype.itemsize, **tiles.tile_rows(o.group).rule_args):
         alt = candidate(SHARING_APART)  # the plan with them apart too: the faster (modeled)
-        if modeled_faster(alt[2], split):
+        if faster(alt[2], split):
             (nodes, suffix_start, split), apart = alt, True
     if priced and len(nodes) and shared_launch_may_lose(split.reads_saved, split.modeled, costs,
                                                         num_kv_heads=o.num_kv_heads, num_sms=num_sms):
         alt = candidate("never")  # a short step: unshared too, the faster (modeled)
-        if modeled_faster(alt[2], split):
+        if faster(alt[2], split):
             (nodes, suffix_start, split), declined = alt, True
     return Choice(nodes=nodes, suffix_start=suffix_start, split=split, apart=apart, declined=declined)
 
