@@ -321,7 +321,7 @@ max_items, max_gather_rows, max_merge_rows, max_ws_rows
         if not self.use_cuda_graph:
             return _mla_call(q, kv_cache, self._plan, out=out, return_lse=return_lse, kv_scale=kv_scale)
         p, ws = self._plan, self._workspace
-        stats = p.stats
+        stats = p.counts
         grid = stats.get("grid_items") or self.graph_grid_items(ws.capacity.max_tokens)
         tables = dict(ranges=ws.ranges, items=ws.items, gather=ws.gather, mrows=ws.mrows, counters=ws.counters)
         graph = _GraphLaunch(classes=self._graph_classes, grid_items=grid, tables=tables,

@@ -479,7 +479,7 @@ class PrefixSharedAttention:
                           f"tokens), got {over[1]}")
                 p = self._plan_in_workspace(qo_indptr, kv_lens, block_table, num_blocks, device_block_table,
                                             {**overrides, "sharing": "never"})
-                p.stats["capacity_fallback"] = reason
+                p.counts["capacity_fallback"] = reason
                 over = self._grid_overflow(p, grid)
         if over is not None:
             name = WORK_CLASSES[over[0]]
@@ -488,7 +488,7 @@ class PrefixSharedAttention:
                                  f"class: its max_q_len fits a decode tile), got {over[1]}")
             raise ValueError(f"graph_num_tokens: expected a step within the graph's grid of {over[2]} {name} items "
                              f"for {num_tokens} tokens, got {over[1]}")
-        p.stats.update(graph_num_tokens=num_tokens, grid_items=grid)
+        p.counts.update(graph_num_tokens=num_tokens, grid_items=grid)
         return p
 
     def _grid_overflow(self, p: Plan, grid: tuple) -> tuple | None:
@@ -523,7 +523,7 @@ class PrefixSharedAttention:
                 raise
             unshared = plan_with_options(options._replace(sharing="never"), qo_indptr, kv_lens, block_table,
                                          **per_call, num_blocks=num_blocks, device_block_table=device_block_table)
-            unshared.stats["capacity_fallback"] = str(err)
+            unshared.counts["capacity_fallback"] = str(err)
             return unshared
 
     def _step_options(self, overrides: dict) -> tuple:
@@ -567,7 +567,7 @@ class PrefixSharedAttention:
         p, ws = self._plan, self._workspace
         key = call_key(q, k_cache, v_cache, out, return_lse, sinks, k_scale, v_scale, graph=True)
         launch = prepared(p, key)
-        graph_tokens = p.stats.get("graph_num_tokens")
+        graph_tokens = p.counts.get("graph_num_tokens")
         if launch is None:
             _check_against_plan(q, k_cache, v_cache, p, out, return_lse)
             check_fp8_support("k_cache", k_cache)
@@ -582,7 +582,7 @@ class PrefixSharedAttention:
         if launch is None:
             # The workspace's whole buffers, not the plan's live views: a view with no rows has data_ptr 0, which a
             # captured launch would keep for the steps that have rows.
-            grid = p.stats.get("grid_items") or self.graph_grid_items(ws.capacity.max_tokens)
+            grid = p.counts.get("grid_items") or self.graph_grid_items(ws.capacity.max_tokens)
             launch = _prepare(p, key, out=out, lse=lse, q=q, k_cache=k_cache, v_cache=v_cache,
                               classes=self._graph_classes, grid_items=grid, has_lse=return_lse, features=features,
                               tables=dict(ranges=ws.ranges, items=ws.items, gather=ws.gather, mrows=ws.mrows,

@@ -96,7 +96,8 @@ class Plan:
     ws_o: torch.Tensor = field(repr=False)
     ws_lse: torch.Tensor = field(repr=False)
     #: ``stats`` but the modeled entries, which the first read of ``stats`` adds (:func:`modeled_stats`: ~3 us of
-    #: Python a plan, on the 2-core host, that an engine's step never reads).
+    #: Python a plan, on the 2-core host, that an engine's step never reads). A wrapper or an engine backend adds its
+    #: own entries here, not through ``stats``, which would compute the modeled ones every step.
     counts: dict = field(default_factory=dict, repr=False)
     logits_soft_cap: float = 0.0  # c > 0: scaled logits become c * tanh(s / c); 0: off
     window_left: int = -1  # W >= 0: the query at position p sees keys p - W .. p; -1: off

@@ -261,7 +261,7 @@ class PrefixAttnMetadataBuilder(AttentionMetadataBuilder[PrefixAttnMetadata]):
         if capture or self._graph_safe_step(common):
             return self._build_graph_safe(common, inputs, capture=capture)
         step_plan = self._plan_eager(inputs)
-        step_plan.stats["host_block_table"] = inputs.route
+        step_plan.counts["host_block_table"] = inputs.route
         for observe in _plan_observers:
             observe(step_plan)
         return PrefixAttnMetadata(plan=step_plan, num_query_tokens=step_plan.num_tokens,
@@ -308,7 +308,7 @@ class PrefixAttnMetadataBuilder(AttentionMetadataBuilder[PrefixAttnMetadata]):
         # vLLM's persistent device block table: the kernel reads it in place (same address at every step).
         step_plan = attn.plan(inputs.qo_indptr, kv_lens, inputs.host_block_table,
                               device_block_table=inputs.block_table, graph_num_tokens=num_rows)
-        step_plan.stats["host_block_table"] = inputs.route
+        step_plan.counts["host_block_table"] = inputs.route
         for observe in _plan_observers:
             observe(step_plan)
         return PrefixAttnMetadata(plan=step_plan, num_query_tokens=step_plan.num_tokens,

@@ -242,7 +242,7 @@ class PrefixAttnMLAMetadataBuilder(MLACommonMetadataBuilder[PrefixAttnMLAMetadat
                 plans.append(m.prefill_context.plan)
                 m.prefill.prefill_backend = SuffixLayout(m.prefill.prefill_backend)
         for p in plans:
-            p.stats["host_block_table"] = inputs.route
+            p.counts["host_block_table"] = inputs.route
             for observe in _plan_observers:
                 observe(p)
         return m
@@ -268,7 +268,7 @@ class PrefixAttnMLAMetadataBuilder(MLACommonMetadataBuilder[PrefixAttnMLAMetadat
                                    kv_lora_rank=dims.kv_lora_rank, rope_dim=dims.qk_rope_head_dim,
                                    v_head_dim=dims.v_head_dim)
         if ctx is not None:
-            ctx.plan.stats["prefill_context"] = dict(distinct_tokens=ctx.distinct_tokens,
+            ctx.plan.counts["prefill_context"] = dict(distinct_tokens=ctx.distinct_tokens,
                                                      context_tokens=ctx.context_tokens)
         return ctx
 
