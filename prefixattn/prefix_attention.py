@@ -323,6 +323,7 @@ class PrefixSharedAttention:
             raise ValueError(f"use_cuda_graph: expected a bool, got {type(use_cuda_graph).__name__}")
         self.use_cuda_graph = use_cuda_graph
         self.graph_max_q_len = max_q_len if use_cuda_graph else None
+        self.graph_overlapped = False  # set with the graph's classes (_make_workspace)
         caps = (max_tokens, max_requests, max_blocks_per_request)
         if all(c is None for c in caps):
             if use_cuda_graph:

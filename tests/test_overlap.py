@@ -176,6 +176,8 @@ def test_a_graph_wrapper_forks_at_every_replay_or_never():
     assert wrapper(overlap=True, max_q_len=8).graph_overlapped
     assert not wrapper(overlap=True, sharing="never").graph_overlapped  # decode tiles only
     assert not wrapper().graph_overlapped
+    assert not PrefixSharedAttention(num_qo_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
+                                     overlap=True).graph_overlapped  # no graph: nothing captured
 
 
 @pytest.mark.gpu
