@@ -38,6 +38,13 @@ def test_gpu_check_dry_run_runs_every_step(tmp_path):
     assert float(hbm["value"]) == max(float(r["value"]) for r in by("gpu_ceiling", "read_gbps") +
                                       by("gpu_ceiling", "copy_gbps"))
     assert float(by("gpu_ceiling", "read_configs_tried")[0]["value"]) > 1
+    # The class rates: prefixattn and the fa2 prefill on the dense and the shuffled paged shape; fa3 (sm90 only)
+    # says why it did not run.
+    rates = {(r["provider"], r["shape"].split()[0]) for r in by("class_rate", "attention_tflops")}
+    assert rates == {(p, s) for p in ("prefixattn", "flashinfer-prefill-fa2") for s in ("dense", "paged")}
+    assert [r["unit"] for r in by("class_rate", "not_run")] == ["reason: not planned: Unavailable: FlashInfer's fa3 "
+                                                                "backend runs on sm90 (Hopper) only"] * 2
+    assert "## Causal attention rates (DRY RUN)" in csv_path.with_suffix(".md").read_text()
     # The sanitizer's nine kernel classes (MLA's among them) ran (and passed) in the interpreter; the tool itself
     # needs a GPU.
     cases = by("gpu_check_sanitizer_cases", "passed")

@@ -22,11 +22,13 @@ reason; FlashInfer's JIT compiles in a background process started first (:mod:`g
    reading from L2 flagged, SM clock and temperature per shape;
 7. Llama-3.1-8B-shaped model steps (:mod:`gpu_check.model_step`) on batches from prefixattn's TokenBatcher over
    three workloads (long documents, BatchLLM case 1, one long prompt), each with its bound;
-8. MLA (:mod:`gpu_check.mla`): DeepSeek-V3-shaped decode steps under shared prompts, prefixattn against
+8. class rates (:mod:`gpu_check.class_rates`): prefixattn's causal rate on a dense prefill and on prefill chunks over
+   a shuffled paged cache, each beside FlashInfer's prefill on fa3 and fa2;
+9. MLA (:mod:`gpu_check.mla`): DeepSeek-V3-shaped decode steps under shared prompts, prefixattn against
    FlashInfer's MLA wrapper, with the memory floor; then prefills over a cached prompt (:mod:`gpu_check.mla_prefill`);
-9. HBM bytes (:mod:`gpu_check.hbm_bytes`): Nsight Compute's DRAM counters per kernel on a subset of the shapes;
-10. whole batches to completion (:mod:`gpu_check.whole_batch`) under prefixattn's scheduler and an engine's default;
-11. ``bench/results/gpu/<gpu>-<commit>.csv`` (the bench CSV schema, bench/conftest.py), ``.md`` (the tables of
+10. HBM bytes (:mod:`gpu_check.hbm_bytes`): Nsight Compute's DRAM counters per kernel on a subset of the shapes;
+11. whole batches to completion (:mod:`gpu_check.whole_batch`) under prefixattn's scheduler and an engine's default;
+12. ``bench/results/gpu/<gpu>-<commit>.csv`` (the bench CSV schema, bench/conftest.py), ``.md`` (the tables of
    :mod:`render.gpu`) and ``-model-steps.json`` (the measured steps the simulator is calibrated against).
 
 ``--steps`` runs a subset (a second call on the same machine for what the first skipped for time) and ``--tag``
@@ -165,6 +167,7 @@ def _check(args) -> int:
     import torch
 
     from gpu_check import clock, flashinfer_jit, sanitizer
+    from gpu_check.class_rates import step_class_rates
     from gpu_check.correctness import step_correctness
     from gpu_check.eager_small import step_eager_small
     from gpu_check.floors import attention_ceiling, step_ceilings
@@ -184,7 +187,7 @@ def _check(args) -> int:
     clock.DEADLINE = start + clock.TOTAL_S
     device = "cpu" if args.dry_run else "cuda"
     run = set(args.steps)
-    needs_flashinfer = bool(run & {"timing", "model_step", "mla", "hbm_bytes", "whole_batch"})
+    needs_flashinfer = bool(run & {"timing", "model_step", "class_rates", "mla", "hbm_bytes", "whole_batch"})
     fi_handle = flashinfer_jit.start(DRIVER, args.dry_run) if needs_flashinfer else None
     results, skips = _results_class()(), []
     out_dir = Path(args.out) if args.out else BENCH / "results" / ("dry-run" if args.dry_run else "gpu")
@@ -216,6 +219,9 @@ def _check(args) -> int:
             write()
         if "model_step" in run:
             measured_steps = step_model(args, results, skips, device, fi_ready, ceil)
+            write(measured_steps)
+        if "class_rates" in run:
+            step_class_rates(args, results, skips, device, fi_ready)
             write(measured_steps)
         if "mla" in run:
             step_mla(args, results, skips, device, fi_ready, ceil)

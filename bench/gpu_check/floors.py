@@ -39,6 +39,11 @@ SPEC_HBM_BYTES_PER_S = (("H200", 4.8e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e1
 RATE_TOKENS, DRY_RATE_TOKENS = 16384, 64
 RATE_HEADS, DRY_RATE_HEADS = (32, 8), (2, 1)
 RATE_HEAD_DIM, DRY_RATE_HEAD_DIM = 128, 32
+#: Page size of the rate batches: vLLM's and SGLang's default, where a KV tile spans several pages.
+RATE_PAGE = 16
+#: The paged chunks of the class-rates step (:mod:`gpu_check.class_rates`): (requests, chunk tokens, cached tokens
+#: each), GPU / dry run: 4,096-token chunks over 32,768 cached tokens, as a long prompt's later chunks run.
+PAGED_CHUNKS, DRY_PAGED_CHUNKS = (2, 4096, 32768), (2, 32, 64)
 #: Query rows checked against the reference (the last ones: they see the whole KV); a full 16K x 16K reference would
 #: hold 34 GB of logits.
 RATE_CHECK_ROWS = 256
@@ -108,49 +113,95 @@ def spec_hbm_bytes_per_s(device_name: str) -> float | None:
     return next((rate for key, rate in SPEC_HBM_BYTES_PER_S if key in device_name), None)
 
 
+def _rate_operands(dry_run: bool, device: str, seed: int):
+    """``(heads (q, kv), head_dim, dtype, draw)`` of the rate batches; ``draw(*shape)`` gives random operands."""
+    import torch
+
+    dtype = torch.float32 if dry_run else torch.bfloat16  # the interpreter's bf16 arithmetic is wrong
+    g = torch.Generator(device=device).manual_seed(seed)
+    draw = lambda *s: torch.randn(*s, generator=g, device=device).to(dtype)  # noqa: E731
+    return (DRY_RATE_HEADS if dry_run else RATE_HEADS), (DRY_RATE_HEAD_DIM if dry_run else RATE_HEAD_DIM), dtype, draw
+
+
+def causal_flops(head_dim: int, num_qo_heads: int, q_len: int, cached: int) -> float:
+    """FLOPs of one request's causal attention (QK^T and PV, 2 FLOPs a MAC): ``q_len`` new rows after ``cached``
+    tokens, row ``i`` seeing ``cached + i + 1`` keys."""
+    return 4.0 * head_dim * num_qo_heads * (q_len * cached + q_len * (q_len + 1) / 2)
+
+
 def attention_rate_batch(dry_run: bool, device: str):
-    """One long dense causal prefill request: (q, k_cache, v_cache, qo_indptr, kv_lens, block_table, flops)."""
+    """One long dense causal prefill request, its pages in order: (q, k_cache, v_cache, qo_indptr, kv_lens,
+    block_table, flops)."""
     import torch
 
     t = DRY_RATE_TOKENS if dry_run else RATE_TOKENS
-    hq, hkv = DRY_RATE_HEADS if dry_run else RATE_HEADS
-    d = DRY_RATE_HEAD_DIM if dry_run else RATE_HEAD_DIM
-    dtype = torch.float32 if dry_run else torch.bfloat16  # the interpreter's bf16 arithmetic is wrong
-    bs = 16
-    g = torch.Generator(device=device).manual_seed(7)
-    draw = lambda *s: torch.randn(*s, generator=g, device=device).to(dtype)  # noqa: E731
+    (hq, hkv), d, _, draw = _rate_operands(dry_run, device, 7)
+    bs = RATE_PAGE
     q = draw(t, hq, d)
     k, v = draw(t // bs, bs, hkv, d), draw(t // bs, bs, hkv, d)
     qo = torch.tensor([0, t], dtype=torch.int32, device=device)
     lens = torch.tensor([t], dtype=torch.int32, device=device)
     table = torch.arange(t // bs, dtype=torch.int32, device=device)[None]
-    flops = 4.0 * d * hq * t * (t + 1) / 2  # QK^T and PV, 2 FLOPs per MAC, causal pairs
-    return q, k, v, qo, lens, table, flops
+    return q, k, v, qo, lens, table, causal_flops(d, hq, t, 0)
 
 
-def attention_rates(timer, device: str, flashinfer_ready: set) -> dict:
-    """FLOP/s of causal prefill per provider that ran (prefixattn always; FlashInfer's prefill where its JIT is
-    ready), each output checked against the reference first."""
+def paged_chunk_batch(dry_run: bool, device: str):
+    """Prefill chunks over a cached context as an engine's cache holds them (:data:`PAGED_CHUNKS`): each request's
+    pages distinct and all of them in a shuffled order, so no two neighbouring pages are neighbours in memory; the
+    same tuple as :func:`attention_rate_batch`."""
+    import torch
+
+    n, new, cached = DRY_PAGED_CHUNKS if dry_run else PAGED_CHUNKS
+    (hq, hkv), d, _, draw = _rate_operands(dry_run, device, 11)
+    bs = RATE_PAGE
+    pages = (new + cached) // bs
+    q = draw(n * new, hq, d)
+    k, v = draw(n * pages, bs, hkv, d), draw(n * pages, bs, hkv, d)
+    order = torch.randperm(n * pages, generator=torch.Generator().manual_seed(13))
+    table = order.view(n, pages).to(torch.int32).to(device)
+    qo = torch.arange(0, n * new + 1, new, dtype=torch.int32, device=device)
+    lens = torch.full((n,), new + cached, dtype=torch.int32, device=device)
+    return q, k, v, qo, lens, table, n * causal_flops(d, hq, new, cached)
+
+
+def _default_backend(device: str) -> str:
+    """FlashInfer's prefill backend an engine would take on ``device``: fa3 on sm90, else fa2."""
+    import torch
+    from peers.flashinfer import FA3_MAJOR, device_major
+
+    return "fa3" if device == "cuda" and device_major(torch.device(device)) == FA3_MAJOR else "fa2"
+
+
+def attention_rates(timer, device: str, flashinfer_ready: set, batch=None, backends=None, failures=None) -> dict:
+    """``{provider: (FLOP/s, median us)}`` of causal attention over ``batch`` (default :func:`attention_rate_batch`)
+    per provider that ran: prefixattn always, FlashInfer's batch prefill on each of ``backends`` (default: the one
+    of :func:`_default_backend`) whose JIT is ready; each output checked against the reference first (the last
+    request's last rows), then run eagerly, L2 warm (the KV is past the L2 on a GPU: a multi-ms compute-bound run).
+    A provider that fails or is wrong is printed and left out (``failures``, a dict: gets its reason)."""
     import prefixattn
     import torch
-    from peers.flashinfer import FA3_MAJOR, PagedMeta, device_major, plan_peer
+    from peers.flashinfer import PagedMeta, plan_peer
     from tests.tolerances import ATTENTION_TOL
 
-    q, k, v, qo, lens, table, flops = attention_rate_batch(timer.dry_run, device)
+    q, k, v, qo, lens, table, flops = batch or attention_rate_batch(timer.dry_run, device)
     hq, d, hkv = q.shape[1], q.shape[2], k.shape[2]
-    rows = min(RATE_CHECK_ROWS, q.shape[0])
+    rows = min(RATE_CHECK_ROWS, int(qo[-1] - qo[-2]))  # the last request's
     tail = torch.tensor([0, rows], dtype=torch.int32, device=device)
-    want = prefixattn.reference_attention(q[-rows:], k, v, tail, lens, table)
+    want = prefixattn.reference_attention(q[-rows:], k, v, tail, lens[-1:], table[-1:])
     p = prefixattn.plan(qo, lens, table, block_size=k.shape[1], num_qo_heads=hq, num_kv_heads=hkv, head_dim=d,
                         q_dtype=q.dtype)
     out = torch.empty_like(q)
     runs = {"prefixattn": lambda: prefixattn.attention(q, k, v, p, out=out)}
-    backend = "fa3" if device == "cuda" and device_major(torch.device(device)) == FA3_MAJOR else "fa2"
-    name = f"flashinfer-prefill-{backend}"
-    if name in flashinfer_ready:
-        meta = PagedMeta(qo, lens, table, k.shape[1], hq, hkv, d, q.dtype)
-        peer = plan_peer(name, meta, graph=False)
-        runs[name] = lambda: peer.launch(q, k, v)
+    why = {}
+    for backend in backends or (_default_backend(device),):
+        name = f"flashinfer-prefill-{backend}"
+        if name in flashinfer_ready:
+            try:
+                peer = plan_peer(name, PagedMeta(qo, lens, table, k.shape[1], hq, hkv, d, q.dtype), graph=False)
+            except Exception as exc:  # noqa: BLE001 - e.g. fa3 off sm90: the other providers' rates stand
+                why[name] = f"not planned: {type(exc).__name__}: {exc}"
+                continue
+            runs[name] = lambda peer=peer: peer.launch(q, k, v)
     rates = {}
     atol, rtol = ATTENTION_TOL[q.dtype]
     for provider, fn in runs.items():
@@ -159,13 +210,17 @@ def attention_rates(timer, device: str, flashinfer_ready: set) -> dict:
             if device == "cuda":
                 torch.cuda.synchronize()
             if not bool(((got[-rows:].float() - want).abs() <= atol + rtol * want.abs()).all()):
-                print(f"[ceilings] attention rate: {provider}'s output is wrong: no rate from it", flush=True)
+                why[provider] = "its output is wrong: no rate from it"
                 continue
             us = timer.repeat(fn, timer.runs_for(fn), flush=False)["median"]
         except Exception as exc:  # noqa: BLE001 - one provider failing leaves the other's rate
-            print(f"[ceilings] attention rate: {provider} failed: {type(exc).__name__}: {exc}"[:300], flush=True)
+            why[provider] = f"failed: {type(exc).__name__}: {exc}"
             continue
-        rates[provider] = flops / (us * 1e-6)
+        rates[provider] = (flops / (us * 1e-6), us)
+    for provider, reason in why.items():
+        print(f"[rates] {provider} {reason}"[:300], flush=True)
+    if failures is not None:
+        failures.update(why)
     return rates
 
 
@@ -247,7 +302,7 @@ def attention_ceiling(args, results, device: str, ceil: dict, fi_ready: dict) ->
     from gpu_check.measure import Timer
 
     ready = {p for p, ok in fi_ready.items() if ok is True}
-    rates = attention_rates(Timer(args.dry_run, device), device, ready)
+    rates = {p: rate for p, (rate, _) in attention_rates(Timer(args.dry_run, device), device, ready).items()}
     for provider, rate in rates.items():
         results.add("gpu_ceiling", provider, "causal prefill (attention rate)", "attention_tflops", rate / 1e12,
                     "TFLOP/s")

@@ -18,6 +18,7 @@ from pathlib import Path
 from render.table import fixed, head, index, ratio_cell, read_rows
 
 TIMING, MODEL, MLA, MLA_PREFILL = "attention_gpu_time", "model_step", "mla", "mla_prefill"
+CLASS_RATE = "class_rate"
 HEAD = "graph_flushed_us_median"
 
 
@@ -221,6 +222,21 @@ def mla_prefill_table(rows) -> list[str]:
     return lines
 
 
+def class_rate_table(rows) -> list[str]:
+    """Per class-rates shape: prefixattn's causal TFLOP/s beside FlashInfer's prefill on fa3 and fa2 (``-``: did not
+    run; the CSV's ``not_run`` row says why); empty without rows."""
+    shapes = index(rows).get(CLASS_RATE, {})
+    if not shapes:
+        return []
+    lines = head("shape", "prefixattn TFLOP/s", "fa3 TFLOP/s", "fa2 TFLOP/s", "prefixattn / fa3", "prefixattn / fa2")
+    for shape, prov in shapes.items():
+        ours, fa3, fa2 = (prov.get(p, {}).get("attention_tflops") for p in
+                          ("prefixattn", "flashinfer-prefill-fa3", "flashinfer-prefill-fa2"))
+        lines.append(f"| {shape} | {fixed(ours)} | {fixed(fa3)} | {fixed(fa2)} | {ratio_cell(ours, fa3)} | "
+                     f"{ratio_cell(ours, fa2)} |")
+    return lines
+
+
 def losses(rows) -> list[str]:
     """Every shape and model step where prefixattn is slower than FlashInfer's best (or has no number)."""
     out = []
@@ -288,6 +304,10 @@ def summary(rows, *, device: str, commit: str, versions: str, seconds: float, sk
               "or the attention FLOPs at the attention rate).", ""] + model_table(rows)
     if classes := model_class_lines(rows):
         lines += ["", "prefixattn's work classes alone, one layer (graph-replayed, L2 flushed):", ""] + classes
+    if rates := class_rate_table(rows):
+        lines += ["", f"## Causal attention rates{' (DRY RUN)' if dry else ''}", "",
+                  "The matrix classes' rate: causal prefill FLOPs over the median eager time (L2 warm; the KV is past "
+                  "the L2), each output checked against the reference first.", ""] + rates
     if mla_rows(rows):
         lines += ["", f"## MLA decode steps ({'DRY RUN' if dry else 'DeepSeek-V3 shape, bf16, one layer'})", "",
                   "prefixattn's `mla_attention` against FlashInfer's MLA wrapper (absorbed, no sharing) and a "
