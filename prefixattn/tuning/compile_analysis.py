@@ -134,10 +134,11 @@ _TILE_LOAD_RE = re.compile(r"^(%[\w.]+)\s*=\s*(?:tt\.load|amdgpu\.buffer_load|am
 _LOCAL_STORE_RE = re.compile(r"ttg\.local_store\s+(%[\w.]+),")
 
 
-def _loop_bodies(ttgir: str) -> list[list[str]]:
-    """The op lines of every ``scf.for`` body (nested loops' lines belong to the innermost loop only)."""
-    stack: list = []  # one entry per open region: the list collecting a loop body's lines, or None
-    bodies = []
+def _loop_bodies(ttgir: str) -> tuple[list[list[str]], list[int]]:
+    """The op lines of every ``scf.for`` body (nested loops' lines belong to the innermost loop only) and each loop's
+    enclosing loop (its index, -1 at the top)."""
+    stack: list = []  # one entry per open region: the index of the loop collecting its lines, or None
+    bodies, parents = [], []
     for raw in ttgir.splitlines():
         line = raw.strip()
         if line.startswith("}"):
@@ -148,14 +149,15 @@ def _loop_bodies(ttgir: str) -> list[list[str]]:
             continue
         loop = next((b for b in reversed(stack) if b is not None), None)
         if loop is not None:
-            loop.append(line)
+            bodies[loop].append(line)
         if line.endswith("{") and not line.startswith("#"):
             if _FOR_RE.search(line):
+                parents.append(-1 if loop is None else loop)
                 bodies.append([])
-                stack.append(bodies[-1])
+                stack.append(len(bodies) - 1)
             else:
                 stack.append(None)
-    return bodies
+    return bodies, parents
 
 
 def _stored_from_load(body: list[str]) -> bool:
@@ -195,22 +197,29 @@ def parse_pipeline(ttgir: str) -> dict:
     * ``depth``: tiles in flight when a KV loop waits, the smallest over its loops: ``1 + num // groups_per_iter``
       with asynchronous copies (the tile waited for plus those left in flight), capped by ``kv_buffers``; with a
       register prefetch, ``kv_buffers + 1``; 1 for a loop that loads K/V and waits for each tile; None when no loop
-      stages tiles in shared memory (nothing to pipeline, e.g. the merge kernels).
+      stages tiles in shared memory (nothing to pipeline, e.g. the merge kernels). A loop around a loop that stages
+      tiles (a persistent loop over work items) is not a KV loop: the copies and the drain wait of the pipeline's
+      prologue and epilogue that sit in its body would read as a loop waiting for every tile.
     """
     buffers = [int(m.group(1)) for m in _BUFFER_RE.finditer(ttgir)]
-    waits, groups, depths, prefetch = [], [], [], False
-    for body in _loop_bodies(ttgir):
+    bodies, parents = _loop_bodies(ttgir)
+    staged = {}  # loop index -> (waits, commit groups per iteration, depth, register prefetch)
+    for i, body in enumerate(bodies):
         nums = [int(m.group(1)) for line in body for m in [_WAIT_RE.search(line)] if m]
         commits = sum("ttg.async_commit_group" in line for line in body)
         if nums and commits:
-            waits += nums
-            groups.append(commits)
             depth = 1 + min(nums) // commits
-            depths.append(min(depth, min(buffers)) if buffers else depth)
+            staged[i] = (nums, commits, min(depth, min(buffers)) if buffers else depth, False)
         elif _stored_from_load(body):
-            prefetch = True
-            depths.append(min(buffers) + 1 if buffers else 1)
+            staged[i] = ([], 0, min(buffers) + 1 if buffers else 1, True)
         elif any("ttg.local_store" in line or "ttg.async_copy_global_to_local" in line for line in body):
-            depths.append(1)
-    return {"kv_buffers": buffers, "waits": waits, "groups_per_iter": groups, "prefetch": prefetch,
-            "depth": min(depths) if depths else None}
+            staged[i] = ([], 0, 1, False)
+    outer = set()  # every loop around a staging loop
+    for i in staged:
+        while parents[i] >= 0:
+            i = parents[i]
+            outer.add(i)
+    kv = [v for i, v in staged.items() if i not in outer]
+    return {"kv_buffers": buffers, "waits": [n for nums, *_ in kv for n in nums],
+            "groups_per_iter": [c for _, c, _, _ in kv if c], "prefetch": any(p for *_, p in kv),
+            "depth": min(d for _, _, d, _ in kv) if kv else None}

@@ -91,6 +91,21 @@ def test_parse_pipeline_counts_tiles_in_flight_on_nvidia():
     assert parse_pipeline(NV_LOOP.format(bufs=2, num=4))["depth"] == 2
 
 
+def test_parse_pipeline_reads_the_kv_loop_inside_a_persistent_loop():
+    # A loop over work items around the KV loop: its own body holds the pipeline's prologue copies and the drain
+    # wait (num 0), which are not the KV loop's depth.
+    kv = NV_LOOP.format(bufs=3, num=2)
+    persistent = ("      %w:2 = scf.for %item = %pid to %n step %grid iter_args(%x = %c0) -> (i32)  : i32 {\n"
+                  "        %k_1 = ttg.async_copy_global_to_local %k_0, %k_buf : tensor<128x64x!tt.ptr<bf16>, #b> -> "
+                  "<128x64xbf16, #shared1, #smem, mutable>\n"
+                  "        %k_2 = ttg.async_commit_group tokens %k_1 loc(#loc481)\n"
+                  + kv +
+                  "        scf.yield %x : i32\n"
+                  "      } loc(#loc900)\n")
+    assert parse_pipeline(persistent) == parse_pipeline(kv)
+    assert parse_pipeline(persistent)["depth"] == 2
+
+
 def test_parse_pipeline_sees_amd_register_prefetch():
     got = parse_pipeline(AMD_LOOP)
     assert got == {"kv_buffers": [1, 1], "waits": [], "groups_per_iter": [], "prefetch": True, "depth": 2}
