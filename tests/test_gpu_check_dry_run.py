@@ -107,6 +107,10 @@ def _check_timing(rows, by) -> None:
         classes = {r["metric"] for r in rows if r["provider"] == provider and r["metric"].startswith("class_")}
         assert "class_decode_us_median" in classes, provider
         assert len([r for r in by("attention_gpu_time", "classes_sum_us") if r["provider"] == provider]) == 2
+        # Beside them, the plan's modeled times: the whole step on every shape, the decode class where it runs.
+        modeled = [r["shape"] for r in by("attention_gpu_time", "modeled_step_us") if r["provider"] == provider]
+        assert sorted(modeled) == sorted(s for p, s in timed if p == provider), provider
+        assert "modeled_class_decode_us" in {r["metric"] for r in rows if r["provider"] == provider}, provider
 
 
 def _check_model_steps_and_batches(by, csv_path) -> None:
@@ -123,6 +127,8 @@ def _check_model_steps_and_batches(by, csv_path) -> None:
     assert len(by("model_step", "bound_us")) == len(by("model_step", "step_us_median"))
     assert len(by("model_step", "l2_reread_fraction")) == len(by("model_step", "attention_floor_us")) == 6
     assert {r["provider"] for r in by("model_step", "class_decode_layer_us")} == {"prefixattn", "prefixattn-nosharing"}
+    assert {r["provider"] for r in by("model_step", "modeled_class_decode_us")} == {"prefixattn",
+                                                                                    "prefixattn-nosharing"}
     # How together each prefixattn plan issues a group's prefix re-reads, per step.
     assert sorted(r["provider"] for r in by("model_step", "group_item_span")) == \
         ["prefixattn"] * 6 + ["prefixattn-nosharing"] * 6

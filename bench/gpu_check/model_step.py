@@ -304,11 +304,14 @@ def _floor_rows(workload, lay, model, results, label, ceil) -> float:
 
 def _time_classes(attend, io, model, timer, results, label, provider) -> None:
     """prefixattn's work classes alone on layer 0 (CUDA-graph replays, eager in the dry run; L2 flushed): rows
-    ``class_<name>_layer_us`` beside ``layer_us`` (all classes, the same way)."""
+    ``class_<name>_layer_us`` beside ``layer_us`` (all classes, the same way) and the plan's modeled times
+    (``modeled_step_us``, ``modeled_class_<name>_us``)."""
     from gpu_check.measure import capture
-    from peers.ours import class_runs, counters_reset
+    from peers.ours import class_runs, counters_reset, modeled_times
 
     p, q = attend.plan, io["q"]
+    for metric, value in modeled_times(p).items():
+        results.add(BENCHMARK, provider, label, metric, value, "us")
     parts = {"all": lambda: attend(0, q), **class_runs(p, q, model.kv[0, 0], model.kv[0, 1], attend.out)}
     reset = counters_reset(p)
     for name, fn in parts.items():

@@ -13,7 +13,8 @@ Rows (benchmark ``attention_gpu_time``): per provider ``correct``, ``max_abs_err
 ``<policy>_us_median`` for the policies of measure.POLICIES, ``over_floor_overlapped`` / ``over_floor_serial``
 (headline median over each floor), ``unique_kv_gbps``, ``unique_gbps`` (the memory floor's bytes over the headline
 time) and ``under_hbm_floor`` (faster than the HBM floor allows: read from L2); ``not_run`` (value 1, the reason in
-``unit``) where a provider did not run; prefixattn's ``class_<name>_us_min`` / ``_median`` and ``classes_sum_us``;
+``unit``) where a provider did not run; prefixattn's ``class_<name>_us_min`` / ``_median`` and ``classes_sum_us``,
+and its plans' ``modeled_step_us`` and ``modeled_class_<name>_us`` (the cost model's, on the planning GPU);
 provider ``floor``: ``floor_<kind>_us`` and ``best_unique_gbps`` (``is_best_unique_rate`` on the provider that
 reached it); provider ``gpu-state``: clocks, temperature, power after the shape; ``flashinfer-best`` the best's
 numbers and, on the peer that was best, ``is_flashinfer_best`` = 1.
@@ -104,6 +105,8 @@ def time_provider(provider, batch, want, label, floors, timer, results, fi_ready
     for key, value in prepared.extra.items():
         if key in ("oracle_groups", "graph_mode"):
             results.add(TIMING, provider, label, key, value, "bool")
+        elif key.startswith("modeled_"):  # the plan's modeled times (peers.ours.modeled_times), labelled so
+            results.add(TIMING, provider, label, key, value, "us")
     if not ok:
         results.add(TIMING, provider, label, "correct", 0.0, "bool")
         print(f"[timing]   {provider:28s} WRONG output (max abs err {err:.2e}): not timed", flush=True)

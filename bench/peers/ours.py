@@ -39,7 +39,7 @@ def prepare(batch, provider: str = "prefixattn") -> Prepared:
                     notes=f"shared_nodes={len(p.shared_nodes)};items={p.num_items};"
                           f"overlapped={p.overlapped}",
                     extra=dict(tile_kv_load_bytes=p.kv_bytes_read(), work_items=p.num_items,
-                               shared_nodes=len(p.shared_nodes)),
+                               shared_nodes=len(p.shared_nodes), **modeled_times(p)),
                     # The classes alone are timed once, on the prefixattn provider (the same launches).
                     parts={} if p.overlapped else class_runs(p, batch.q, batch.k_cache, batch.v_cache, out),
                     reset=counters_reset(p))
@@ -58,6 +58,15 @@ def class_runs(p, q, k_cache, v_cache, out) -> dict:
         runs[WORK_CLASSES[work_class]] = (lambda launch=launch: _attention._launch(
             launch, None, out, p.ws_lse, q, k_cache, v_cache, features))
     return runs
+
+
+def modeled_times(p) -> dict:
+    """Plan ``p``'s modeled times (:mod:`prefixattn.autotune.program_cost`, on the planning GPU): ``modeled_step_us``
+    and ``modeled_class_<name>_us`` per class it launches, beside which the GPU check's measured times (the whole
+    call, each class alone) show the cost model's error per class and card."""
+    stats = p.stats
+    return dict(modeled_step_us=stats["modeled_step_us"],
+                **{f"modeled_class_{WORK_CLASSES[c]}_us": stats["modeled_class_us"][c] for c in p.work_classes})
 
 
 def counters_reset(p):

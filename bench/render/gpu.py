@@ -45,6 +45,8 @@ def kernel_rows(rows) -> list[dict]:
                         classes={k[len("class_"):-len("_us_median")]: v for k, v in ours.items()
                                  if k.startswith("class_") and k.endswith("_us_median")},
                         classes_sum=ours.get("classes_sum_us"),
+                        modeled={k[len("modeled_class_"):-len("_us")]: v for k, v in ours.items()
+                                 if k.startswith("modeled_class_")},
                         ours_warm=ours.get("graph_warm_us_median"), best_warm=best.get("graph_warm_us_median"),
                         ours_eager=ours.get("eager_flushed_us_median"), best_eager=best.get("eager_flushed_us_median"),
                         sm_clock=prov.get("gpu-state", {}).get("sm_clock_mhz"),
@@ -70,6 +72,11 @@ def kernel_table(rows) -> list[str]:
     return lines
 
 
+def _modeled(us) -> str:
+    """A modeled time in parentheses after a measured one (nothing where the run has none: older CSVs)."""
+    return "" if us is None else f" ({fixed(us)})"
+
+
 def floor_table(rows) -> list[str]:
     """Per shape: the floors, the best rate any correct provider reached on the floor's bytes, the providers faster
     than the HBM floor allows (reading from L2), prefixattn's work classes each alone."""
@@ -77,9 +84,9 @@ def floor_table(rows) -> list[str]:
     if not any(r["best_rate"] is not None for r in kernel):  # runs before the HBM floor's sweep have no such rows
         return []
     lines = head("shape", "floor memory / compute us", "best rate of the floor's bytes, GB/s (provider)",
-                 "under the HBM floor (L2)", "prefixattn classes alone us", "their sum / whole")
+                 "under the HBM floor (L2)", "prefixattn classes alone us (modeled)", "their sum / whole")
     for r in kernel:
-        classes = ", ".join(f"{n} {fixed(v)}" for n, v in r["classes"].items()) or "-"
+        classes = ", ".join(f"{n} {fixed(v)}{_modeled(r['modeled'].get(n))}" for n, v in r["classes"].items()) or "-"
         lines.append(f"| {r['shape']} | {fixed(r['floor_m'])} / {fixed(r['floor_c'])} | {fixed(r['best_rate'], 0)} "
                      f"({r['best_rate_name'] or '-'}) | {', '.join(r['under_floor']) or '-'} | {classes} | "
                      f"{ratio_cell(r['classes_sum'], r['ours'])} |")
@@ -149,7 +156,9 @@ def model_rows(rows) -> list[dict]:
                         graph=get("prefixattn", "graph"),
                         classes={m[len("class_"):-len("_layer_us")]: v for m, v in prov.get("prefixattn", {}).items()
                                  if m.startswith("class_") and m.endswith("_layer_us")},
-                        layer=get("prefixattn", "layer_us")))
+                        modeled={m[len("modeled_class_"):-len("_us")]: v for m, v in prov.get("prefixattn", {}).items()
+                                 if m.startswith("modeled_class_")},
+                        layer=get("prefixattn", "layer_us"), layer_modeled=get("prefixattn", "modeled_step_us")))
     return out
 
 
@@ -170,12 +179,14 @@ def model_table(rows) -> list[str]:
 
 
 def model_class_lines(rows) -> list[str]:
-    """prefixattn's work classes alone on one layer of each model step, beside the whole layer."""
+    """prefixattn's work classes alone on one layer of each model step, beside the whole layer; the cost model's
+    times in parentheses (modeled)."""
     out = []
     for r in model_rows(rows):
         if r["classes"]:
-            out.append(f"- {r['step']}: one layer {fixed(r['layer'])} us; alone: "
-                       + ", ".join(f"{n} {fixed(v)} us" for n, v in r["classes"].items()))
+            out.append(f"- {r['step']}: one layer {fixed(r['layer'])} us{_modeled(r['layer_modeled'])}; alone: "
+                       + ", ".join(f"{n} {fixed(v)} us{_modeled(r['modeled'].get(n))}"
+                                   for n, v in r["classes"].items()))
     return out
 
 
@@ -296,14 +307,15 @@ def summary(rows, *, device: str, commit: str, versions: str, seconds: float, sk
         lines += ["", "## Floors, the best rate reached, L2, prefixattn's classes alone", "",
                   "The memory floor's bytes are the distinct KV, q and out; a provider faster than that at the HBM "
                   "floor's rate by more than 3% read part of them from L2. prefixattn's work classes each run alone "
-                  "in a graph of their own.", ""] + floor
+                  "in a graph of their own (the cost model's time in parentheses, modeled).", ""] + floor
     if missing := not_run(rows):
         lines += ["", "## Configurations that did not run (not in \"FlashInfer best\" there)", ""] + missing
     lines += ["", f"## Model steps ({'DRY RUN' if dry else 'Llama-3.1-8B shape, 32 layers'})", "",
               "*bound*: the step with attention at its sharing floor (distinct KV + q + out per layer at the HBM rate, "
               "or the attention FLOPs at the attention rate).", ""] + model_table(rows)
     if classes := model_class_lines(rows):
-        lines += ["", "prefixattn's work classes alone, one layer (graph-replayed, L2 flushed):", ""] + classes
+        lines += ["", "prefixattn's work classes alone, one layer (graph-replayed, L2 flushed; the cost model's times "
+                  "in parentheses, modeled):", ""] + classes
     if rates := class_rate_table(rows):
         lines += ["", f"## Causal attention rates{' (DRY RUN)' if dry else ''}", "",
                   "The matrix classes' rate: causal prefill FLOPs over the median eager time (L2 warm; the KV is past "

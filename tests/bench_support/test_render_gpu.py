@@ -67,6 +67,7 @@ def test_floors_l2_flags_classes_not_run_and_bytes_tables():
         _row(t, "prefixattn", shape, "graph_flushed_us_median", 80.0),
         _row(t, "prefixattn", shape, "class_shared_us_median", 30.0),
         _row(t, "prefixattn", shape, "class_decode_us_median", 55.0),
+        _row(t, "prefixattn", shape, "modeled_class_decode_us", 61.5),
         _row(t, "prefixattn", shape, "classes_sum_us", 85.0),
         dict(_row(t, "flashinfer-pod", shape, "not_run", 1.0), unit="reason: needs both decode and prefill requests"),
         dict(_row(t, "flashinfer-pod", "y", "not_run", 1.0), unit="reason: needs both decode and prefill requests"),
@@ -75,8 +76,9 @@ def test_floors_l2_flags_classes_not_run_and_bytes_tables():
         _row("hbm_bytes", "prefixattn", shape, "dram_read_bytes", 1.1e9),
         _row("hbm_bytes", "prefixattn", shape, "kernels", 2)]
     floor = "\n".join(gpu.floor_table(rows))
+    # The cost model's class time in parentheses where the run has it.
     assert ("| decode256:8192/128/64 | 40.0 / 20.0 | 4,500 (flashinfer-decode) | flashinfer-decode | shared 30.0, "
-            "decode 55.0 | 1.06x |") in floor
+            "decode 55.0 (61.5) | 1.06x |") in floor
     assert gpu.not_run(rows) == ["- `flashinfer-pod` on 2 shapes: needs both decode and prefill requests"]
     assert "| decode256:8192/128/64 | prefixattn | 1,100.0 | 1.10x | 0.0 | 2 | 2.00x |" in "\n".join(
         gpu.bytes_table(rows))
@@ -112,3 +114,13 @@ def test_the_documented_commands_are_the_renderers(tmp_path):
     subprocess.run([sys.executable, str(bench / "report.py"), str(path)], cwd=tmp_path, capture_output=True,
                    check=True)
     assert (tmp_path / "summary.md").read_text().startswith("# prefixattn bench")
+
+
+def test_model_step_classes_show_the_modeled_times_beside_the_measured():
+    m, step = "model_step", "batchllm-case1 decode step 132: 263 requests, 263 tokens"
+    rows = [_row(m, "prefixattn", step, "layer_us", 290.9), _row(m, "prefixattn", step, "modeled_step_us", 277.6),
+            _row(m, "prefixattn", step, "class_shared_layer_us", 80.0),
+            _row(m, "prefixattn", step, "class_decode_layer_us", 205.0),
+            _row(m, "prefixattn", step, "modeled_class_decode_us", 201.0)]
+    assert gpu.model_class_lines(rows) == [f"- {step}: one layer 290.9 us (277.6); alone: shared 80.0 us, decode "
+                                           "205.0 us (201.0)"]
