@@ -123,16 +123,12 @@ def _rate_operands(dry_run: bool, device: str, seed: int):
     return (DRY_RATE_HEADS if dry_run else RATE_HEADS), (DRY_RATE_HEAD_DIM if dry_run else RATE_HEAD_DIM), dtype, draw
 
 
-def causal_flops(head_dim: int, num_qo_heads: int, q_len: int, cached: int) -> float:
-    """FLOPs of one request's causal attention (QK^T and PV, 2 FLOPs a MAC): ``q_len`` new rows after ``cached``
-    tokens, row ``i`` seeing ``cached + i + 1`` keys."""
-    return 4.0 * head_dim * num_qo_heads * (q_len * cached + q_len * (q_len + 1) / 2)
-
-
 def attention_rate_batch(dry_run: bool, device: str):
     """One long dense causal prefill request, its pages in order: (q, k_cache, v_cache, qo_indptr, kv_lens,
     block_table, flops)."""
     import torch
+
+    from gpu_check.cases import causal_attention_flops
 
     t = DRY_RATE_TOKENS if dry_run else RATE_TOKENS
     (hq, hkv), d, _, draw = _rate_operands(dry_run, device, 7)
@@ -142,7 +138,7 @@ def attention_rate_batch(dry_run: bool, device: str):
     qo = torch.tensor([0, t], dtype=torch.int32, device=device)
     lens = torch.tensor([t], dtype=torch.int32, device=device)
     table = torch.arange(t // bs, dtype=torch.int32, device=device)[None]
-    return q, k, v, qo, lens, table, causal_flops(d, hq, t, 0)
+    return q, k, v, qo, lens, table, causal_attention_flops([t], [t], hq, d)
 
 
 def paged_chunk_batch(dry_run: bool, device: str):
@@ -150,6 +146,8 @@ def paged_chunk_batch(dry_run: bool, device: str):
     pages distinct and all of them in a shuffled order, so no two neighbouring pages are neighbours in memory; the
     same tuple as :func:`attention_rate_batch`."""
     import torch
+
+    from gpu_check.cases import causal_attention_flops
 
     n, new, cached = DRY_PAGED_CHUNKS if dry_run else PAGED_CHUNKS
     (hq, hkv), d, _, draw = _rate_operands(dry_run, device, 11)
@@ -161,7 +159,7 @@ def paged_chunk_batch(dry_run: bool, device: str):
     table = order.view(n, pages).to(torch.int32).to(device)
     qo = torch.arange(0, n * new + 1, new, dtype=torch.int32, device=device)
     lens = torch.full((n,), new + cached, dtype=torch.int32, device=device)
-    return q, k, v, qo, lens, table, n * causal_flops(d, hq, new, cached)
+    return q, k, v, qo, lens, table, causal_attention_flops([new] * n, [new + cached] * n, hq, d)
 
 
 def _default_backend(device: str) -> str:
