@@ -11,8 +11,8 @@ import time
 #: The steps, in the order the driver runs them: by value, the mandatory evidence first (correctness; the ceilings
 #: and floors; the timing shapes with the fa2 cascade and per-class times; the model steps), the prefixattn-only steps
 #: before the timing so FlashInfer's JIT compiles meanwhile, then what a second call on the same machine may run
-#: (``--steps``) when the first had no time left: MLA, Nsight Compute's HBM bytes and whole batches run to
-#: completion.
+#: (``--steps``) when the first had no time left: the class rates, MLA, Nsight Compute's HBM bytes and whole
+#: batches run to completion.
 STEPS = ("correctness", "ceilings", "graphs", "eager_small", "plan_ahead", "sanitizer", "timing", "model_step",
          "class_rates", "mla", "hbm_bytes", "whole_batch")
 #: Steps that need the ceilings (the HBM and attention rates their floors use) and the attention rate.

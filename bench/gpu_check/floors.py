@@ -114,13 +114,14 @@ def spec_hbm_bytes_per_s(device_name: str) -> float | None:
 
 
 def _rate_operands(dry_run: bool, device: str, seed: int):
-    """``(heads (q, kv), head_dim, dtype, draw)`` of the rate batches; ``draw(*shape)`` gives random operands."""
+    """``(heads (q, kv), head_dim, draw)`` of the rate batches; ``draw(*shape)`` gives random operands (fp32 in the
+    dry run, bf16 on a GPU)."""
     import torch
 
     dtype = torch.float32 if dry_run else torch.bfloat16  # the interpreter's bf16 arithmetic is wrong
     g = torch.Generator(device=device).manual_seed(seed)
     draw = lambda *s: torch.randn(*s, generator=g, device=device).to(dtype)  # noqa: E731
-    return (DRY_RATE_HEADS if dry_run else RATE_HEADS), (DRY_RATE_HEAD_DIM if dry_run else RATE_HEAD_DIM), dtype, draw
+    return (DRY_RATE_HEADS if dry_run else RATE_HEADS), (DRY_RATE_HEAD_DIM if dry_run else RATE_HEAD_DIM), draw
 
 
 def attention_rate_batch(dry_run: bool, device: str):
@@ -131,7 +132,7 @@ def attention_rate_batch(dry_run: bool, device: str):
     from gpu_check.cases import causal_attention_flops
 
     t = DRY_RATE_TOKENS if dry_run else RATE_TOKENS
-    (hq, hkv), d, _, draw = _rate_operands(dry_run, device, 7)
+    (hq, hkv), d, draw = _rate_operands(dry_run, device, 7)
     bs = RATE_PAGE
     q = draw(t, hq, d)
     k, v = draw(t // bs, bs, hkv, d), draw(t // bs, bs, hkv, d)
@@ -150,7 +151,7 @@ def paged_chunk_batch(dry_run: bool, device: str):
     from gpu_check.cases import causal_attention_flops
 
     n, new, cached = DRY_PAGED_CHUNKS if dry_run else PAGED_CHUNKS
-    (hq, hkv), d, _, draw = _rate_operands(dry_run, device, 11)
+    (hq, hkv), d, draw = _rate_operands(dry_run, device, 11)
     bs = RATE_PAGE
     pages = (new + cached) // bs
     q = draw(n * new, hq, d)

@@ -92,12 +92,13 @@ def test_model_step_picks_flashinfers_best_and_runs_the_cascade_on_scheduler_bat
 
 def test_the_paged_rate_batch_shuffles_distinct_pages_and_counts_causal_flops():
     from gpu_check.cases import causal_attention_flops
-    from gpu_check.floors import DRY_PAGED_CHUNKS, paged_chunk_batch
+    from gpu_check.floors import DRY_PAGED_CHUNKS, RATE_PAGE, paged_chunk_batch
 
     n, new, cached = DRY_PAGED_CHUNKS
     q, k, _, qo, lens, table, flops = paged_chunk_batch(True, "cpu")
     # Every page of the cache used once, by one request, and not in order (an engine's cache after a while).
-    assert sorted(table.flatten().tolist()) == list(range(k.shape[0])) and table.shape == (n, (new + cached) // 16)
+    assert sorted(table.flatten().tolist()) == list(range(k.shape[0]))
+    assert table.shape == (n, (new + cached) // RATE_PAGE) and k.shape[1] == RATE_PAGE
     assert table.flatten().tolist() != sorted(table.flatten().tolist())
     assert qo.tolist() == [i * new for i in range(n + 1)] and lens.tolist() == [new + cached] * n
     # Each new row sees the cached context and the chunk's rows up to its own.
