@@ -23,8 +23,8 @@ import triton.language as tl
 
 from prefixattn.kernels import layout as L
 from prefixattn.kernels.operands import PagedKV, RowsHeads, RowsHeadsDim, WorkTables, _load_block_ids, _page_and_slot
-from prefixattn.kernels.prefix_attention_kernel import (UNSPECIALIZED_ARGS, _item_lanes, _normalized_state,
-                                                     _store_state)
+from prefixattn.kernels.epilogue import _normalized_state, _store_state
+from prefixattn.kernels.prefix_attention_kernel import UNSPECIALIZED_ARGS, _item_lanes
 
 
 @triton.jit
