@@ -283,9 +283,10 @@ def class_launches(tiles, classes: tuple, grid_items: tuple, ranges, num_kv_head
     for work_class, items in zip(classes, grid_items):
         options = tiles.launch_options(work_class, kv_fp8=kv_fp8, nan_guard=nan_guard, q_fp32=q_fp32,
                                        model_switches=model_switches)
+        heads = options.pop("KV_HEADS")
         class_args = dict(item_range_ptr=ranges[work_class], IS_SHARED=work_class == CLASS_SHARED,
-                          BLOCK_M=options.pop("BLOCK_M"), BLOCK_N=options.pop("BLOCK_N"))
-        per_class.append(((items * num_kv_heads,), class_args, options))
+                          BLOCK_M=options.pop("BLOCK_M"), BLOCK_N=options.pop("BLOCK_N"), KV_HEADS=heads)
+        per_class.append(((items * (num_kv_heads // heads),), class_args, options))
     return per_class
 
 

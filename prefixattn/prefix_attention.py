@@ -17,7 +17,7 @@ from prefixattn.planner.backend import backend as planner_backend
 from prefixattn.planner.device_tables import CapacityError
 from prefixattn.planner.options import _default_num_sms, _positive_int, checked_options
 from prefixattn.planner.plans import OPTION_DEFAULTS, Plan, plan, plan_with_options
-from prefixattn.planner.tiles import choose_tiles
+from prefixattn.planner.tiles import choose_tiles, fit_kv_heads
 from prefixattn.planner.workspace import DEFAULT_MAX_SHARED_LEVELS, PlanWorkspace, class_grid_items, derive_capacity
 from prefixattn.runtime import device_one
 from prefixattn.validation import (FP8_KV_DTYPES, canonical_device, check_fp8_support, check_head_dim, check_heads,
@@ -392,8 +392,10 @@ class PrefixSharedAttention:
     def _tiles_for(self, max_q_len: int):
         """The tiles of a step whose longest query chunk is ``max_q_len`` rows."""
         cfg = self._config
-        return choose_tiles(head_dim=cfg["head_dim"], group=cfg["num_qo_heads"] // cfg["num_kv_heads"],
-                            max_q_len=max_q_len, dtype=cfg["q_dtype"])
+        group = cfg["num_qo_heads"] // cfg["num_kv_heads"]
+        tiles = choose_tiles(head_dim=cfg["head_dim"], group=group, max_q_len=max_q_len, dtype=cfg["q_dtype"])
+        return fit_kv_heads(tiles, num_kv_heads=cfg["num_kv_heads"], group=group,
+                            nan_guard=bool(cfg.get("nan_guard", OPTION_DEFAULTS["nan_guard"])))
 
     def _free_plan(self, qo_indptr, kv_lens, block_table, cfg: dict) -> Plan:
         """The plan of a wrapper without capacities (``cfg``: its options and the step's)."""

@@ -42,7 +42,7 @@ from prefixattn.autotune.lookup import fixed_config, planning_target, select_con
 from prefixattn.kernels.layout import CLASS_CHUNK, CLASS_DECODE, CLASS_SHARED, WORK_CLASSES, page_size_constexpr
 from prefixattn.planner.backend import planner_name
 from prefixattn.planner.plans import compile_planner, plan
-from prefixattn.planner.tiles import ClassTiles, choose_tiles
+from prefixattn.planner.tiles import ClassTiles, choose_tiles, fit_kv_heads
 from prefixattn.prefix_attention import attention
 from prefixattn.runtime import interpreter_enabled
 from prefixattn.validation import FP8_KV_DTYPES, SUPPORTED_DTYPES, check_head_dim, check_heads, torch_dtype_name
@@ -257,7 +257,8 @@ def attention_variants(*, num_qo_heads: int, num_kv_heads: int, head_dim: int, b
             scale_switches = tuple(dict.fromkeys(bool(x) for x in fp8_kv_scales)) if fp8 else (False,)
             for q_len in query_len_buckets(max_q_len):
                 # The same calls plan() makes (choose_tiles memoizes select_config's answers per bucket).
-                tiles = choose_tiles(head_dim=head_dim, group=group, max_q_len=q_len, dtype=dtype)
+                tiles = fit_kv_heads(choose_tiles(head_dim=head_dim, group=group, max_q_len=q_len, dtype=dtype),
+                                     num_kv_heads=num_kv_heads, group=group, nan_guard=False)
                 decode = select_config(head_dim=head_dim, dtype=dtype, group=group, max_q_len=1).config
                 chunk = select_config(head_dim=head_dim, dtype=dtype, group=group, max_q_len=q_len).config
                 # A step of this bucket runs chunk tiles only when its chunks pass a decode tile's rows (and they

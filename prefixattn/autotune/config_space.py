@@ -99,12 +99,39 @@ def pow2_at_least(x: int) -> int:
     return 1 << (max(1, int(x)) - 1).bit_length()
 
 
+#: The largest padded head size (``BLOCK_D``) at which a decode program attends several KV heads
+#: (:attr:`Tiles.kv_heads`); above it, one. sm_90, bf16, LSE, the shipped 16 x 64 decode tile at 4 warps, Triton 3.9:
+#: head_dim 256 takes 212 registers at one head and spills 216 / 516 bytes at 2 / 4; at 128 and below no target
+#: spills (sm_80, sm_90, gfx90a, gfx942: 80-233 registers; compile-check).
+KV_HEADS_MAX_BLOCK_D = 128
+
+
 @dataclass(frozen=True, order=True)
 class Tiles:
-    """``(BLOCK_M, BLOCK_N)`` of one kind of program: M packs (query row x GQA head), N is keys per step."""
+    """``(BLOCK_M, BLOCK_N)`` of one kind of program: M packs (query row x GQA head), N is keys per step.
+
+    ``kv_heads`` (a suffix tile only; read for the decode class): KV heads one program attends, side by side in its
+    lanes (M packs query row x KV head x GQA head) and in each step's K/V tile (``BLOCK_N`` rows: ``BLOCK_N //
+    kv_heads`` positions of each head). One item's block ids and metadata then serve several heads, and a step reads
+    the heads of each of its tokens together (:mod:`prefixattn.kernels.prefix_attention_kernel`). A plan takes the
+    largest power of two up to it that divides its KV heads and fits its lanes, and one above
+    :data:`KV_HEADS_MAX_BLOCK_D` (:func:`prefixattn.planner.tiles.fit_kv_heads`); no shipped table sets it (not yet
+    measured on a GPU)."""
 
     block_m: int
     block_n: int
+    kv_heads: int = 1
+
+    def to_dict(self) -> dict:
+        """The fields a table stores (``kv_heads`` only when set)."""
+        d = asdict(self)
+        if self.kv_heads == 1:
+            del d["kv_heads"]
+        return d
+
+    def short(self) -> str:
+        """``16x32``, or ``16x32h4`` with 4 KV heads per program."""
+        return f"{self.block_m}x{self.block_n}" + (f"h{self.kv_heads}" if self.kv_heads != 1 else "")
 
 
 #: Warps of a suffix-only launch over an fp8 K/V cache on NVIDIA. The tables' decode rows are tuned for 16-bit K/V
@@ -316,7 +343,7 @@ class AttentionConfig:
         return self.launch if has_shared or self.suffix_launch is None else self.suffix_launch
 
     def to_dict(self) -> dict:
-        d = {"shared": asdict(self.shared), "suffix": asdict(self.suffix), "launch": self.launch.to_dict()}
+        d = {"shared": self.shared.to_dict(), "suffix": self.suffix.to_dict(), "launch": self.launch.to_dict()}
         if self.suffix_launch is not None:
             d["suffix_launch"] = self.suffix_launch.to_dict()
         return d
@@ -337,8 +364,7 @@ class AttentionConfig:
 
     def short(self) -> str:
         """Compact name for tables and logs: ``sh128x64_sf16x64_w4_s2`` (+ HIP knobs when set)."""
-        s = (f"sh{self.shared.block_m}x{self.shared.block_n}_sf{self.suffix.block_m}x{self.suffix.block_n}"
-             f"_{self.launch.short()}")
+        s = f"sh{self.shared.short()}_sf{self.suffix.short()}_{self.launch.short()}"
         if self.suffix_launch is not None and self.suffix_launch != self.launch:
             s += f"_sf{self.suffix_launch.short()}"
         return s
@@ -374,6 +400,9 @@ def check_tiles(tiles: Tiles, where: str) -> None:
         v = getattr(tiles, name)
         if not _is_pow2(v) or v < MIN_DOT_DIM:
             raise ValueError(f"{where}.{name}: expected a power of two >= {MIN_DOT_DIM}, got {v!r}")
+    if not _is_pow2(tiles.kv_heads) or tiles.kv_heads > tiles.block_n:
+        raise ValueError(f"{where}.kv_heads: expected a power of two <= block_n ({tiles.block_n}), got "
+                         f"{tiles.kv_heads!r}")
 
 
 def check_launch(lo: LaunchOptions, where: str) -> None:

@@ -19,7 +19,7 @@ import functools
 import importlib.resources
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from prefixattn.autotune.buckets import dtype_name
 from prefixattn.autotune.config_space import DTYPE_BYTES, part_registers, part_shared_bytes
@@ -43,15 +43,18 @@ class ProgramCost:
     """One work class's program cost on one target (modeled)."""
 
     fixed_us: float
-    tile_us: float  # per KV tile of block_n positions, one KV head, at full residency (:func:`residency`)
+    tile_us: float  # per KV tile of block_n rows (positions of one KV head) at full residency (:func:`residency`)
     block_n: int
     slots_per_sm: int  # programs one SM holds at once (the binary's occupancy)
     source: str  # "calibrated", "scaled" or "analytic" (module docstring)
+    #: KV heads a program attends: a tile's block_n rows hold block_n // kv_heads positions of each (a decode binary
+    #: with several heads per program prices as the same tile, modeled: the same bytes and dots a step).
+    kv_heads: int = 1
 
     @property
     def fixed_tokens(self) -> float:
-        """The fixed cost in KV positions the same program reads in that time."""
-        return self.fixed_us / self.tile_us * self.block_n if self.tile_us > 0 else 0.0
+        """The fixed cost in KV positions (of each of its heads) the same program reads in that time."""
+        return self.fixed_us / self.tile_us * self.block_n / self.kv_heads if self.tile_us > 0 else 0.0
 
 
 
@@ -154,10 +157,15 @@ def class_costs(tiles, *, head_dim: int, dtype, kv_bytes: int, target: Target | 
         return hit[2]
     name = dtype_name(dtype)
     on = target or get_target(DEFAULT_TARGET)
-    out = tuple(program_cost(kind, ct.block_m, ct.block_n, ct.launch, head_dim=head_dim, dtype=name,
-                             kv_bytes=kv_bytes, target=on)
+    out = tuple(_with_kv_heads(program_cost(kind, ct.block_m, ct.block_n, ct.launch, head_dim=head_dim, dtype=name,
+                                            kv_bytes=kv_bytes, target=on), ct.kv_heads)
                 for kind, ct in (("shared", tiles.shared), ("suffix", tiles.chunk), ("suffix", tiles.decode)))
     if len(_class_costs_memo) >= _MAX_CLASS_COSTS:
         _class_costs_memo.clear()
     _class_costs_memo[key] = (tiles, target, out)
     return out
+
+
+def _with_kv_heads(cost: ProgramCost, kv_heads: int) -> ProgramCost:
+    """``cost`` of the same binary attending ``kv_heads`` KV heads per program (its tile's rows shared among them)."""
+    return cost if kv_heads == 1 else replace(cost, kv_heads=kv_heads)

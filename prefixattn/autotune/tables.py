@@ -46,6 +46,8 @@ SHARED, CHUNK, DECODE = (WORK_CLASSES[c] for c in (CLASS_SHARED, CLASS_CHUNK, CL
 #: rebuild keeps (written after them).
 _LEADING_METADATA = ("source", "device", "notes")
 _TRAILING_METADATA = ("excluded_after_compile_check",)
+#: The keys of a tile in the ``tiles`` section (``kv_heads`` only where it is not 1).
+_TILE_KEYS = {"block_m", "block_n", "kv_heads", "launch"}
 METADATA_KEYS = _LEADING_METADATA + _TRAILING_METADATA
 _REQUIRED_KEYS = ("format", "target", SHARED, CHUNK, DECODE, "tiles")
 
@@ -57,8 +59,9 @@ def suffix_class(bucket: Bucket) -> str:
 
 
 def tile_name(tiles: Tiles, launch: LaunchOptions) -> str:
-    """A table's name of ``tiles`` under ``launch``: ``128x64_w8_s3`` (+ the HIP knobs when set)."""
-    return f"{tiles.block_m}x{tiles.block_n}_{launch.short()}"
+    """A table's name of ``tiles`` under ``launch``: ``128x64_w8_s3`` (``16x32h4_w4_s3`` with 4 KV heads per
+    program; + the HIP knobs when set)."""
+    return f"{tiles.short()}_{launch.short()}"
 
 
 def table_json(rows: dict, *, target: str, **metadata) -> dict:
@@ -73,7 +76,7 @@ def table_json(rows: dict, *, target: str, **metadata) -> dict:
         for cls, part, launch in ((SHARED, cfg.shared, cfg.launch_for(True)),
                                   (suffix_class(bucket), cfg.suffix, cfg.launch_for(False))):
             name = tile_name(part, launch)
-            tiles[name] = {"block_m": part.block_m, "block_n": part.block_n, "launch": launch.to_dict()}
+            tiles[name] = {**part.to_dict(), "launch": launch.to_dict()}
             sections[cls][bucket.key()] = name
     return {"format": TABLE_FORMAT, "target": target, **{k: metadata[k] for k in _LEADING_METADATA if k in metadata},
             **sections, "tiles": dict(sorted(tiles.items())),
@@ -167,15 +170,16 @@ def _name(cls: str, key: str, name, tiles: dict) -> str:
 
 def _tile(name: str, raw) -> tuple[Tiles, LaunchOptions]:
     """One tile of the ``tiles`` section, checked, and its name checked against what it holds."""
-    expected = "{block_m, block_n, launch: {num_warps, num_stages, ...}}"
-    if not isinstance(raw, dict) or set(raw) != {"block_m", "block_n", "launch"} or not isinstance(raw["launch"], dict):
+    expected = "{block_m, block_n, launch: {num_warps, num_stages, ...}} (and kv_heads, optional)"
+    if (not isinstance(raw, dict) or not {"block_m", "block_n", "launch"} <= set(raw) <= _TILE_KEYS
+            or not isinstance(raw["launch"], dict)):
         raise ValueError(f"tiles.{name}: expected {expected}, got {raw!r}")
     try:
         launch = LaunchOptions(**raw["launch"])
     except TypeError as e:
         raise ValueError(f"tiles.{name}.launch: expected the fields of LaunchOptions, got {raw['launch']!r} ({e})") \
             from None
-    tiles = Tiles(block_m=raw["block_m"], block_n=raw["block_n"])
+    tiles = Tiles(block_m=raw["block_m"], block_n=raw["block_n"], kv_heads=raw.get("kv_heads", 1))
     check_tiles(tiles, f"tiles.{name}")
     check_launch(launch, f"tiles.{name}.launch")
     if launch.maxnreg:

@@ -1,8 +1,10 @@
 """Horizontally-fused prefix-shared paged attention: shared-prefix tiles, per-request suffix tiles and their merge,
 with no merge launch (BatchLLM section 4.4; the math of FlashInfer cascade / Hydragen, without their extra launches).
 
-One program = (work item, KV head). A work item (built by :func:`prefixattn.plan`, table layout in
-:mod:`prefixattn.kernels.layout`) is either
+One program = (work item, KV head), or (work item, ``KV_HEADS`` KV heads) in a launch that packs several KV heads
+into a program's lanes (a decode class whose tile has lanes to spare: one item's block ids and metadata serve them
+all, and a step's tile reads the heads of each of its tokens side by side). A work item (built by
+:func:`prefixattn.plan`, table layout in :mod:`prefixattn.kernels.layout`) is either
 * SHARED: every query row of every request under a shared prefix node (gathered rows, x GQA group in M) against ONE
   copy of the node's KV range - a matrix-matrix product on tensor cores; or
 * SUFFIX: a tile of one request's contiguous query rows (x GQA group in M, decode-shaped as vLLM's unified attention)
@@ -66,23 +68,36 @@ def _attend_range(
     q_pos,  # [BLOCK_M] KV position of each lane's query: its last visible key (APPLY_CAUSAL), window from it
     kv,  # PagedKV
     block_row_ptr,  # [max_blocks] the block-table row of the item's representative request
-    kv_head, kv_lo, kv_hi,
+    kv_head,  # the program's (first) KV head
+    lane_kv,  # [BLOCK_M] each lane's KV head after kv_head (used only when KV_HEADS > 1)
+    kv_lo, kv_hi,
     gap_lo, gap_hi,  # KV positions [gap_lo, gap_hi) inside the range to skip (used only when HAS_GAP)
     score,  # ScoreRule (qk_scale >= 0 or NaN)
     HAS_MASKED_KEYS: tl.constexpr, APPLY_CAUSAL: tl.constexpr, APPLY_WINDOW: tl.constexpr, HAS_GAP: tl.constexpr,
-    HAS_SOFT_CAP: tl.constexpr, USE_FP32_DOT: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    HAS_SOFT_CAP: tl.constexpr, USE_FP32_DOT: tl.constexpr, PAGE_SIZE: tl.constexpr, KV_HEADS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Online softmax over KV positions [kv_lo, kv_hi), fp32 accumulation; the only copy of the attention math.
     ``HAS_MASKED_KEYS`` False: the range is whole ``BLOCK_N`` tiles every row sees (no key masked, no load masked
     by position). Else the last tile may pass ``kv_hi``, ``APPLY_CAUSAL`` hides keys after each lane's query,
     ``APPLY_WINDOW`` keys before ``q_pos - window_left``, and ``HAS_GAP`` skips [gap_lo, gap_hi) (both
-    ``BLOCK_N``-aligned from ``kv_lo``): one masked loop for the two ends of an item's range."""
-    offs_n = tl.arange(0, BLOCK_N)
+    ``BLOCK_N``-aligned from ``kv_lo``): one masked loop for the two ends of an item's range.
+
+    ``KV_HEADS`` > 1: the program attends that many KV heads at once (:func:`_item_lanes`): a step's tile holds
+    ``BLOCK_N`` positions x ``KV_HEADS`` heads, column ``c`` position ``c // KV_HEADS`` and head ``c % KV_HEADS``
+    (the heads of one token side by side, as the cache stores them), and each lane sees its own head's columns
+    only."""
+    offs_n = tl.arange(0, BLOCK_N * KV_HEADS)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < kv.head_dim
-    k_head = kv_head.to(tl.int64) * kv.stride_k_head
-    v_head = kv_head.to(tl.int64) * kv.stride_v_head
+    if KV_HEADS > 1:
+        col_kv = offs_n % KV_HEADS
+        offs_n = offs_n // KV_HEADS  # the columns' positions from the step's first
+        k_head = (kv_head + col_kv).to(tl.int64) * kv.stride_k_head
+        v_head = (kv_head + col_kv).to(tl.int64) * kv.stride_v_head
+    else:
+        k_head = kv_head.to(tl.int64) * kv.stride_k_head
+        v_head = kv_head.to(tl.int64) * kv.stride_v_head
     # Block ids are loaded one tile ahead and carried by the loop: the K/V addresses of a tile never wait on a load
     # issued in the same iteration, so the software pipeliner keeps two K/V tiles in flight at num_stages=3
     # (sm_90, bf16, head_dim 128: async_wait num=2 in the loop; with the ids loaded in-loop it kept one tile and
@@ -99,7 +114,7 @@ def _attend_range(
     # and K loaded as V is (below), a whole tile costs 17-29% fewer instructions: SASS per tile, bf16, head_dim 128,
     # Triton 3.9, before -> after: sm_90 chunk class (128 x 64, 8 warps) 645 -> 458, decode class (16 x 32, 4 warps)
     # 399 -> 301, shared class (128 x 64, 8 warps) 643 -> 456; sm_80 chunk class 303 -> 252, decode 268 -> 215.
-    if HAS_SOFT_CAP or HAS_MASKED_KEYS:
+    if HAS_SOFT_CAP or HAS_MASKED_KEYS or KV_HEADS > 1:
         raw_scale = 1.0  # the scores are scaled (and masked) before the exponent
     else:
         raw_scale = score.qk_scale
@@ -126,9 +141,9 @@ def _attend_range(
         else:
             kv_mask = mask_d[None, :]
         k = tl.load(kv.k_ptr + k_off[:, None] + offs_d[None, :] * kv.stride_k_d, mask=kv_mask,
-                    other=0.0)  # [BLOCK_N, BLOCK_D]
+                    other=0.0)  # [BLOCK_N * KV_HEADS, BLOCK_D]
         v = tl.load(kv.v_ptr + v_off[:, None] + offs_d[None, :] * kv.stride_v_d, mask=kv_mask,
-                    other=0.0)  # [BLOCK_N, BLOCK_D]
+                    other=0.0)  # [BLOCK_N * KV_HEADS, BLOCK_D]
         if USE_FP32_DOT:
             s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
@@ -136,14 +151,20 @@ def _attend_range(
         if HAS_SOFT_CAP:
             # qk_scale = sm_scale / c here: the cap acts before the base-2 scaling, which follows the tanh.
             s = _tanh(x=s * score.qk_scale) * score.soft_cap_log2
-        elif HAS_MASKED_KEYS:
+        elif HAS_MASKED_KEYS or KV_HEADS > 1:
             s = s * score.qk_scale
-        if HAS_MASKED_KEYS:
+        if KV_HEADS > 1:
+            visible = lane_kv[:, None] == col_kv[None, :]  # a lane's own KV head's columns
+            if HAS_MASKED_KEYS:
+                visible = visible & in_range[None, :]
+        elif HAS_MASKED_KEYS:
             visible = in_range[None, :]
+        if HAS_MASKED_KEYS:
             if APPLY_CAUSAL:
                 visible = visible & (pos[None, :] <= q_pos[:, None])
             if APPLY_WINDOW:
                 visible = visible & (pos[None, :] >= q_pos[:, None] - score.window_left)
+        if HAS_MASKED_KEYS or KV_HEADS > 1:
             s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1) * raw_scale)
         # A lane that has seen nothing yet keeps m = -inf; shift by 0 there so exp2 gives 0, never NaN.
@@ -165,10 +186,10 @@ def _attend_item(
     q, q_pos,  # as in _attend_range
     q_pos0, num_rows,  # KV position of the item's first row's query; rows in the item
     kv,  # PagedKV
-    block_row_ptr, kv_head, kv_start, kv_end,
+    block_row_ptr, kv_head, lane_kv, kv_start, kv_end,  # kv_head, lane_kv: as in _attend_range
     score,  # ScoreRule
     IS_SHARED: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr, USE_FP32_DOT: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, KV_HEADS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """The item's KV range [kv_start, kv_end) in at most two KV loops, each masked only as much as it must be: the
     keys every row sees (no mask), then the window edge and the causal diagonal (causal and window masks) in one
@@ -188,15 +209,15 @@ def _attend_item(
         kv_full = kv_lo + ((kv_end - kv_lo) // BLOCK_N) * BLOCK_N
         acc, m_i, l_i = _attend_range(
             acc=acc, m_i=m_i, l_i=l_i, q=q, q_pos=q_pos, kv=kv, block_row_ptr=block_row_ptr, kv_head=kv_head,
-            kv_lo=kv_lo, kv_hi=kv_full, gap_lo=kv_full, gap_hi=kv_full, score=score, HAS_MASKED_KEYS=False,
-            APPLY_CAUSAL=False, APPLY_WINDOW=False, HAS_GAP=False, HAS_SOFT_CAP=HAS_SOFT_CAP,
-            USE_FP32_DOT=USE_FP32_DOT, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+            lane_kv=lane_kv, kv_lo=kv_lo, kv_hi=kv_full, gap_lo=kv_full, gap_hi=kv_full, score=score,
+            HAS_MASKED_KEYS=False, APPLY_CAUSAL=False, APPLY_WINDOW=False, HAS_GAP=False, HAS_SOFT_CAP=HAS_SOFT_CAP,
+            USE_FP32_DOT=USE_FP32_DOT, PAGE_SIZE=PAGE_SIZE, KV_HEADS=KV_HEADS, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
         )
         acc, m_i, l_i = _attend_range(
             acc=acc, m_i=m_i, l_i=l_i, q=q, q_pos=q_pos, kv=kv, block_row_ptr=block_row_ptr, kv_head=kv_head,
-            kv_lo=kv_full, kv_hi=kv_end, gap_lo=kv_end, gap_hi=kv_end, score=score, HAS_MASKED_KEYS=True,
-            APPLY_CAUSAL=False, APPLY_WINDOW=False, HAS_GAP=False, HAS_SOFT_CAP=HAS_SOFT_CAP,
-            USE_FP32_DOT=USE_FP32_DOT, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+            lane_kv=lane_kv, kv_lo=kv_full, kv_hi=kv_end, gap_lo=kv_end, gap_hi=kv_end, score=score,
+            HAS_MASKED_KEYS=True, APPLY_CAUSAL=False, APPLY_WINDOW=False, HAS_GAP=False, HAS_SOFT_CAP=HAS_SOFT_CAP,
+            USE_FP32_DOT=USE_FP32_DOT, PAGE_SIZE=PAGE_SIZE, KV_HEADS=KV_HEADS, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
         )
     else:
         # Positions < q_pos0 + 1 are visible to every row of the tile: full tiles there skip the causal mask.
@@ -209,17 +230,17 @@ def _attend_item(
             mid_lo = tl.minimum(kv_lo + tl.cdiv(win_full - kv_lo, BLOCK_N) * BLOCK_N, kv_mid)
         acc, m_i, l_i = _attend_range(
             acc=acc, m_i=m_i, l_i=l_i, q=q, q_pos=q_pos, kv=kv, block_row_ptr=block_row_ptr, kv_head=kv_head,
-            kv_lo=mid_lo, kv_hi=kv_mid, gap_lo=kv_mid, gap_hi=kv_mid, score=score, HAS_MASKED_KEYS=False,
-            APPLY_CAUSAL=False, APPLY_WINDOW=False, HAS_GAP=False, HAS_SOFT_CAP=HAS_SOFT_CAP,
-            USE_FP32_DOT=USE_FP32_DOT, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+            lane_kv=lane_kv, kv_lo=mid_lo, kv_hi=kv_mid, gap_lo=kv_mid, gap_hi=kv_mid, score=score,
+            HAS_MASKED_KEYS=False, APPLY_CAUSAL=False, APPLY_WINDOW=False, HAS_GAP=False, HAS_SOFT_CAP=HAS_SOFT_CAP,
+            USE_FP32_DOT=USE_FP32_DOT, PAGE_SIZE=PAGE_SIZE, KV_HEADS=KV_HEADS, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
         )
         # Without a window the edge is empty: the masked loop starts at the diagonal.
         acc, m_i, l_i = _attend_range(
             acc=acc, m_i=m_i, l_i=l_i, q=q, q_pos=q_pos, kv=kv, block_row_ptr=block_row_ptr, kv_head=kv_head,
-            kv_lo=kv_lo if HAS_WINDOW else kv_mid, kv_hi=kv_end, gap_lo=mid_lo, gap_hi=kv_mid, score=score,
-            HAS_MASKED_KEYS=True, APPLY_CAUSAL=True, APPLY_WINDOW=HAS_WINDOW, HAS_GAP=HAS_WINDOW,
-            HAS_SOFT_CAP=HAS_SOFT_CAP, USE_FP32_DOT=USE_FP32_DOT, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N,
-            BLOCK_D=BLOCK_D,
+            lane_kv=lane_kv, kv_lo=kv_lo if HAS_WINDOW else kv_mid, kv_hi=kv_end, gap_lo=mid_lo, gap_hi=kv_mid,
+            score=score, HAS_MASKED_KEYS=True, APPLY_CAUSAL=True, APPLY_WINDOW=HAS_WINDOW, HAS_GAP=HAS_WINDOW,
+            HAS_SOFT_CAP=HAS_SOFT_CAP, USE_FP32_DOT=USE_FP32_DOT, PAGE_SIZE=PAGE_SIZE, KV_HEADS=KV_HEADS,
+            BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
         )
     return acc, m_i, l_i, kv_first
 
@@ -232,16 +253,23 @@ def _run_item(
     work,  # WorkTables
     score,  # ScoreRule (qk_scale without the K scale)
     sinks_ptr, k_scale_ptr, v_scale_ptr,  # as in prefix_attention_kernel
-    item, kv_head, num_qo_heads, group, v_scale,
+    item, head_block, num_qo_heads, group, v_scale,
     IS_SHARED: tl.constexpr, HAS_LSE: tl.constexpr, HAS_SOFT_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SINKS: tl.constexpr, HAS_KV_SCALE: tl.constexpr, USE_NAN_GUARD: tl.constexpr, USE_FP32_DOT: tl.constexpr,
-    IS_HIP: tl.constexpr, USE_L2_FENCES: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    IS_HIP: tl.constexpr, USE_L2_FENCES: tl.constexpr, PAGE_SIZE: tl.constexpr, KV_HEADS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """One work item for one KV head: its rows' state over its KV range, stored to ``out`` or to the workspace and
-    reported (the report that completes a row merges it)."""
+    """One work item for the ``KV_HEADS`` KV heads of ``head_block``: its rows' state over its KV range, stored to
+    ``out`` or to the workspace and reported (the report that completes a row merges it)."""
+    # The NaN guard's redos read one KV head per program (the planner gives its plans one head per program).
+    tl.static_assert(KV_HEADS == 1 or not USE_NAN_GUARD)
     it, req, kv_start, kv_end, num_rows, q_pos0, row, head, mask_m, g, tok = _item_lanes(
-        work=work, item=item, head_block=kv_head, group=group, IS_SHARED=IS_SHARED, BLOCK_M=BLOCK_M)
+        work=work, item=item, head_block=head_block, group=group, IS_SHARED=IS_SHARED, BLOCK_M=BLOCK_M,
+        KV_HEADS=KV_HEADS)
+    kv_head = head_block * KV_HEADS
+    lane_kv = 0
+    if KV_HEADS > 1:
+        lane_kv = (tl.arange(0, BLOCK_M) // group) % KV_HEADS
     offs_d = tl.arange(0, BLOCK_D)
     mask_md = mask_m[:, None] & (offs_d[None, :] < kv.head_dim)
 
@@ -262,9 +290,9 @@ def _run_item(
                           soft_cap_log2=score.soft_cap_log2, window_left=score.window_left)
     acc, m_i, l_i, kv_first = _attend_item(
         acc=acc, m_i=m_i, l_i=l_i, q=q, q_pos=q_pos, q_pos0=q_pos0, num_rows=num_rows, kv=kv,
-        block_row_ptr=block_row_ptr, kv_head=kv_head, kv_start=kv_start, kv_end=kv_end, score=score,
-        IS_SHARED=IS_SHARED, HAS_WINDOW=HAS_WINDOW, HAS_SOFT_CAP=HAS_SOFT_CAP, USE_FP32_DOT=USE_FP32_DOT,
-        PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+        block_row_ptr=block_row_ptr, kv_head=kv_head, lane_kv=lane_kv, kv_start=kv_start, kv_end=kv_end,
+        score=score, IS_SHARED=IS_SHARED, HAS_WINDOW=HAS_WINDOW, HAS_SOFT_CAP=HAS_SOFT_CAP,
+        USE_FP32_DOT=USE_FP32_DOT, PAGE_SIZE=PAGE_SIZE, KV_HEADS=KV_HEADS, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
     )
 
     if USE_NAN_GUARD and not IS_SHARED:
@@ -300,11 +328,13 @@ def _run_item(
 def _item_lanes(
     work,  # WorkTables: items_ptr [num_items, ITEM_FIELDS], gather_ptr [num_gather, GATHER_FIELDS] int32
     item, head_block, group,
-    IS_SHARED: tl.constexpr, BLOCK_M: tl.constexpr,
+    IS_SHARED: tl.constexpr, BLOCK_M: tl.constexpr, KV_HEADS: tl.constexpr = 1,
 ):
     """A work item's fields and its lanes: the one prologue of every attention kernel (the MLA kernel's too), as
-    :func:`_store_state` is their one epilogue. M packs (query row x head): lane ``m`` is row ``m // group`` and head
-    ``head_block * group + m % group`` (``head_block``: the fused kernel's KV head, the MLA kernel's head block).
+    :func:`~prefixattn.kernels.epilogue._store_state` is their one epilogue. M packs (query row x head): with
+    ``per_row = group * KV_HEADS`` query heads a row, lane ``m`` is row ``m // per_row`` and head
+    ``head_block * per_row + m % per_row`` (``head_block``: the fused kernel's block of ``KV_HEADS`` KV heads, the MLA
+    kernel's head block), so a row's lanes hold its ``group`` query heads of each KV head in turn.
 
     Returns ``(it, req, kv_start, kv_end, num_rows, q_pos0, row, head, mask_m, g, tok)``: the item's row of the
     items table, its request (int64), KV range, row count and first query position; then ``[BLOCK_M]`` each lane's
@@ -319,9 +349,10 @@ def _item_lanes(
     q_pos0 = tl.load(it + L.ITEM_Q_POS)
 
     offs_m = tl.arange(0, BLOCK_M)
-    row = offs_m // group
-    head = head_block * group + offs_m % group
-    mask_m = (row < num_rows) & (offs_m < (BLOCK_M // group) * group)
+    per_row = group * KV_HEADS
+    row = offs_m // per_row
+    head = head_block * per_row + offs_m % per_row
+    mask_m = (row < num_rows) & (offs_m < (BLOCK_M // per_row) * per_row)
     if IS_SHARED:
         g = work.gather_ptr + (row_start + row) * L.GATHER_FIELDS
         tok = tl.load(g + L.GATHER_TOKEN, mask=mask_m, other=0).to(tl.int64)
@@ -382,15 +413,17 @@ def prefix_attention_kernel(
     IS_HIP: tl.constexpr,  # AMD: every wave waits for its own workspace stores before reporting
     USE_L2_FENCES: tl.constexpr,  # the merge's fences by hand (autotune.targets.writes_own_l2_fences)
     PAGE_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr,  # (query row x GQA head) lanes of one item
-    BLOCK_N: tl.constexpr,  # KV positions per step
+    KV_HEADS: tl.constexpr,  # KV heads one program attends (a divisor of num_kv_heads)
+    BLOCK_M: tl.constexpr,  # (query row x KV head x GQA head) lanes of one item
+    BLOCK_N: tl.constexpr,  # KV positions per step (the step's tile: BLOCK_N x KV_HEADS K/V rows)
     BLOCK_D: tl.constexpr,
 ):
-    """Grid ``(capacity_items * num_kv_heads,)`` for one work class: the KV heads of one item are adjacent so the
-    longest-first order of the class's items is the order in which programs start."""
+    """Grid ``(capacity_items * num_kv_heads // KV_HEADS,)`` for one work class: the head blocks of one item are
+    adjacent so the longest-first order of the class's items is the order in which programs start."""
     pid = tl.program_id(0)
-    item = tl.load(item_range_ptr + L.RANGE_FIRST) + pid // num_kv_heads
-    kv_head = pid % num_kv_heads
+    head_blocks = num_kv_heads // KV_HEADS
+    item = tl.load(item_range_ptr + L.RANGE_FIRST) + pid // head_blocks
+    head_block = pid % head_blocks
     if item >= tl.load(item_range_ptr + L.RANGE_END):
         return
     num_qo_heads = num_kv_heads * group
@@ -408,9 +441,9 @@ def prefix_attention_kernel(
     work = WorkTables(items_ptr=items_ptr, gather_ptr=gather_ptr, mrows_ptr=mrows_ptr, counters_ptr=counters_ptr)
     score = ScoreRule(qk_scale=qk_scale, soft_cap_log2=soft_cap_log2, window_left=window_left)
     _run_item(out=out, lse=lse, ws_o=ws_o, ws_lse=ws_lse, queries=queries, kv=kv, work=work, score=score,
-              sinks_ptr=sinks_ptr, k_scale_ptr=k_scale_ptr, v_scale_ptr=v_scale_ptr, item=item, kv_head=kv_head,
+              sinks_ptr=sinks_ptr, k_scale_ptr=k_scale_ptr, v_scale_ptr=v_scale_ptr, item=item, head_block=head_block,
               num_qo_heads=num_qo_heads, group=group, v_scale=v_scale,
               IS_SHARED=IS_SHARED, HAS_LSE=HAS_LSE, HAS_SOFT_CAP=HAS_SOFT_CAP, HAS_WINDOW=HAS_WINDOW,
               HAS_SINKS=HAS_SINKS, HAS_KV_SCALE=HAS_KV_SCALE, USE_NAN_GUARD=USE_NAN_GUARD,
               USE_FP32_DOT=USE_FP32_DOT, IS_HIP=IS_HIP, USE_L2_FENCES=USE_L2_FENCES,
-              PAGE_SIZE=PAGE_SIZE, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)
+              PAGE_SIZE=PAGE_SIZE, KV_HEADS=KV_HEADS, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)

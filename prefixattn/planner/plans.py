@@ -40,7 +40,7 @@ from prefixattn.planner.device_tables import check_workspace_args, device_tables
 from prefixattn.planner.options import MIN_SPLIT_TOKENS, PlanOptions, _default_num_sms, checked_options
 from prefixattn.planner.overlap import overlap_stats
 from prefixattn.planner.stats import modeled_stats
-from prefixattn.planner.tiles import AttentionTiles, choose_tiles, mla_tiles
+from prefixattn.planner.tiles import AttentionTiles, choose_tiles, fit_kv_heads, mla_tiles
 from prefixattn.planner.work_list import SharedNode, SharedNodes, WorkList
 from prefixattn.planner.workspace import PlanWorkspace
 from prefixattn.runtime import interpreter_enabled
@@ -340,6 +340,7 @@ def _pipeline(be, o: PlanOptions, qo_indptr, kv_lens, block_table, device, num_b
         elif tiles is None:
             tiles = choose_tiles(head_dim=o.head_dim, group=o.group, max_q_len=max(inputs.max_q_len, 1),
                                  dtype=o.q_dtype, fixed_env=fixed_env)
+        tiles = fit_kv_heads(tiles, num_kv_heads=o.num_kv_heads, group=o.group, nan_guard=o.nan_guard)
         # Priced on the planning GPU (a host with no known GPU, the interpreter, has no launches to price: the tuning
         # target's costs, for the modeled stats).
         target = current_target()

@@ -208,7 +208,8 @@ def class_split(lengths: np.ndarray, m_tiles, cost, *, block_n: int, num_kv_head
 
 def split_ranges(*, node_lengths: np.ndarray, node_m_tiles: np.ndarray, tile_lengths: np.ndarray, tile_decode,
                  block_n_shared: int, block_n_chunk: int, block_n_decode: int, num_kv_heads: int, num_sms: int,
-                 min_split_tokens: int, costs: tuple) -> tuple[np.ndarray, int, np.ndarray, tuple, tuple]:
+                 min_split_tokens: int, costs: tuple,
+                 decode_kv_heads: int = 1) -> tuple[np.ndarray, int, np.ndarray, tuple, tuple]:
     """The rule for one step, one work class at a time: ``(node_pieces, shared_grain, tile_pieces, tile_grains,
     modeled)``.
 
@@ -217,14 +218,18 @@ def split_ranges(*, node_lengths: np.ndarray, node_m_tiles: np.ndarray, tile_len
     each suffix tile; ``tile_decode``: a bool per tile, or one bool for all) are split by :func:`class_split`, each
     class with its own :class:`~prefixattn.autotune.program_cost.ProgramCost` (``costs``: shared, chunk, decode).
     Grains are each class's KV tile (:func:`split_grain`); ``tile_grains``: the chunk class's and the decode
-    class's. ``modeled``: ``(makespan_us, ideal_us)`` per class (modeled).
+    class's. ``modeled``: ``(makespan_us, ideal_us)`` per class (modeled). A decode program attends
+    ``decode_kv_heads`` KV heads (``block_n_decode`` positions of each per step): the decode class has
+    ``num_kv_heads // decode_kv_heads`` programs per tile.
     """
     common = dict(num_kv_heads=num_kv_heads, num_sms=num_sms, min_split_tokens=min_split_tokens)
+    decode_common = dict(common, num_kv_heads=num_kv_heads // decode_kv_heads)
     node_pieces, shared_grain, *shared_model = class_split(node_lengths, node_m_tiles, costs[0],
                                                            block_n=block_n_shared, **common)
     if not isinstance(tile_decode, np.ndarray):  # one class of suffix tiles
         block_n, cost = (block_n_decode, costs[2]) if tile_decode else (block_n_chunk, costs[1])
-        tile_pieces, grain, *model = class_split(tile_lengths, 1, cost, block_n=block_n, **common)
+        tile_pieces, grain, *model = class_split(tile_lengths, 1, cost, block_n=block_n,
+                                                 **(decode_common if tile_decode else common))
         empty = (0.0, 0.0)
         suffix = (empty, tuple(model)) if tile_decode else (tuple(model), empty)
         grains = (block_n_chunk, grain) if tile_decode else (grain, block_n_decode)
@@ -233,7 +238,8 @@ def split_ranges(*, node_lengths: np.ndarray, node_m_tiles: np.ndarray, tile_len
     grains, models = [], [tuple(shared_model)]
     for c, is_decode, block_n in ((1, False, block_n_chunk), (2, True, block_n_decode)):
         of = tile_decode == is_decode
-        tile_pieces[of], grain, *model = class_split(tile_lengths[of], 1, costs[c], block_n=block_n, **common)
+        tile_pieces[of], grain, *model = class_split(tile_lengths[of], 1, costs[c], block_n=block_n,
+                                                     **(decode_common if is_decode else common))
         grains.append(grain)
         models.append(tuple(model))
     return node_pieces, shared_grain, tile_pieces, tuple(grains), tuple(models)
@@ -364,7 +370,8 @@ class Split:
 
 def split_work(nodes, suffix_start: np.ndarray, *, q_start, q_len, kv_len, causal: bool, rows_per_shared: int,
                rows_per_chunk: int, rows_per_decode: int, block_n_shared: int, block_n_chunk: int,
-               block_n_decode: int, num_kv_heads: int, num_sms: int, min_split_tokens: int, costs: tuple) -> Split:
+               block_n_decode: int, num_kv_heads: int, num_sms: int, min_split_tokens: int, costs: tuple,
+               decode_kv_heads: int = 1) -> Split:
     """The split stage for one candidate (``nodes``, ``suffix_start``: the node choice's): its suffix tiles, the
     nodes' packed rows, :func:`split_ranges` over them and the resulting item counts per class."""
     t = suffix_tiles(q_start=q_start, q_len=q_len, kv_len=kv_len, suffix_start=suffix_start, causal=causal,
@@ -374,7 +381,7 @@ def split_work(nodes, suffix_start: np.ndarray, *, q_start, q_len, kv_len, causa
         node_lengths=nodes.kv_end - nodes.kv_start, node_m_tiles=nr.node_mtiles,
         tile_lengths=np.maximum(t.hi - t.lo, 0), tile_decode=t.decode, block_n_shared=block_n_shared,
         block_n_chunk=block_n_chunk, block_n_decode=block_n_decode, num_kv_heads=num_kv_heads, num_sms=num_sms,
-        min_split_tokens=min_split_tokens, costs=costs)
+        min_split_tokens=min_split_tokens, costs=costs, decode_kv_heads=decode_kv_heads)
     num_shared = int((n_pieces * nr.node_mtiles).sum())
     if isinstance(t.decode, np.ndarray):
         num_decode = int(t_pieces[t.decode].sum())

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from prefixattn.autotune.buckets import dtype_name
-from prefixattn.autotune.config_space import (AttentionConfig, LaunchOptions, block_d, fp8_block_n,
-                                              mla_class_tiles)
+from prefixattn.autotune.config_space import (KV_HEADS_MAX_BLOCK_D, AttentionConfig, LaunchOptions, block_d,
+                                              fp8_block_n, mla_class_tiles)
 from prefixattn.autotune.lookup import READ_FIXED_ENV, select_config, selection_state
 from prefixattn.autotune.targets import get_target
 from prefixattn.kernels import layout as K
@@ -25,15 +25,23 @@ DECODE_CLASS_ALL_ROWS = 2**31 - 1
 @dataclass(frozen=True)
 class ClassTiles:
     """The binary of one work class (:data:`prefixattn.kernels.layout.WORK_CLASSES`): its tile (``BLOCK_M`` lanes of
-    query row x GQA head, ``BLOCK_N`` KV positions per step) and its launch options."""
+    query row x GQA head, ``BLOCK_N`` K/V rows per step) and its launch options; ``kv_heads`` KV heads per program
+    (the decode class's, :func:`fit_kv_heads`): its lanes pack (row x KV head x GQA head) and a step's K/V rows
+    ``BLOCK_N // kv_heads`` positions of each head."""
 
     block_m: int
     block_n: int
     launch: LaunchOptions
+    kv_heads: int = 1
 
     def rows(self, group: int) -> int:
-        """Query rows one tile packs: M holds (row x GQA head) pairs."""
-        return self.block_m // group
+        """Query rows one tile packs: M holds (row x KV head x GQA head) triples."""
+        return self.block_m // (group * self.kv_heads)
+
+    @property
+    def positions_per_step(self) -> int:
+        """KV positions of each head one step's K/V tile holds."""
+        return self.block_n // self.kv_heads
 
 
 @dataclass(frozen=True)
@@ -60,10 +68,10 @@ class AttentionTiles:
 
     def launch_options(self, work_class: int, kv_fp8: bool = False, nan_guard: bool = False,
                        q_fp32: bool = False, model_switches: bool = False) -> dict:
-        """``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages`` (and on AMD ``waves_per_eu``,
-        ``matrix_instr_nonkdim``, ``kpack``; on NVIDIA ``maxnreg`` where a rule set it) of the launch of
-        ``work_class`` (``kv_fp8``: the K/V cache is fp8; ``nan_guard``: the plan's NaN guard; ``q_fp32``: q is fp32;
-        ``model_switches``: the launch has soft-capping, a window or sinks:
+        """``BLOCK_M``, ``BLOCK_N`` (KV positions per step), ``KV_HEADS``, ``num_warps``, ``num_stages`` (and on AMD
+        ``waves_per_eu``, ``matrix_instr_nonkdim``, ``kpack``; on NVIDIA ``maxnreg`` where a rule set it) of the
+        launch of ``work_class`` (``kv_fp8``: the K/V cache is fp8; ``nan_guard``: the plan's NaN guard; ``q_fp32``:
+        q is fp32; ``model_switches``: the launch has soft-capping, a window or sinks:
         :meth:`~prefixattn.autotune.config_space.LaunchOptions.for_kv` and
         :func:`~prefixattn.autotune.config_space.fp8_block_n`)."""
         has_shared = work_class == K.CLASS_SHARED
@@ -73,7 +81,10 @@ class AttentionTiles:
                               model_switches=model_switches)
         block_n = fp8_block_n(ct.block_m, ct.block_n, kv_fp8=kv_fp8, block_d=self.block_d, has_shared=has_shared,
                               is_hip=self.is_hip, nan_guard=nan_guard, model_switches=model_switches)
-        opts = {"BLOCK_M": ct.block_m, "BLOCK_N": block_n, "num_warps": lo.num_warps, "num_stages": lo.num_stages}
+        # The K/V tile's rows hold kv_heads heads' positions side by side (a narrower fp8 tile, fewer heads).
+        heads = min(ct.kv_heads, block_n)
+        opts = {"BLOCK_M": ct.block_m, "BLOCK_N": block_n // heads, "KV_HEADS": heads, "num_warps": lo.num_warps,
+                "num_stages": lo.num_stages}
         if self.is_hip:
             opts.update(waves_per_eu=lo.waves_per_eu, matrix_instr_nonkdim=lo.matrix_instr_nonkdim, kpack=lo.kpack)
         elif lo.maxnreg:
@@ -129,7 +140,8 @@ class TileRows:
         self.rule_args = dict(rows_per_shared=self.rows_per_shared_tile, rows_per_chunk=self.rows_per_chunk_tile,
                               rows_per_decode=self.decode_class_rows)
         self.split_args = dict(self.rule_args, block_n_shared=tiles.shared.block_n,
-                               block_n_chunk=tiles.chunk.block_n, block_n_decode=tiles.decode.block_n)
+                               block_n_chunk=tiles.chunk.block_n, block_n_decode=tiles.decode.positions_per_step,
+                               decode_kv_heads=tiles.decode.kv_heads)
 
 
 def choose_tiles(*, head_dim: int, group: int, max_q_len: int, dtype=None, fixed_env=READ_FIXED_ENV) -> AttentionTiles:
@@ -175,13 +187,38 @@ def _choose_tiles(head_dim: int, group: int, max_q_len: int, dtype, fixed_env, s
 def tiles_from_configs(*, decode: AttentionConfig, chunk: AttentionConfig, head_dim: int,
                        is_hip: bool = False) -> AttentionTiles:
     """The class tiles of a step from its table configs: the shared and decode classes from ``decode`` (the config of
-    one query row per request: its shared tile and launch, its suffix tile and suffix-only launch), the chunk class
-    from ``chunk`` (the config of the step's longest chunk: its suffix tile and suffix-only launch)."""
+    one query row per request: its shared tile and launch, its suffix tile, with its KV heads per program, and
+    suffix-only launch), the chunk class from ``chunk`` (the config of the step's longest chunk: its suffix tile and
+    suffix-only launch; one KV head per program)."""
     return AttentionTiles(
         shared=ClassTiles(decode.shared.block_m, decode.shared.block_n, decode.launch_for(True)),
         chunk=ClassTiles(chunk.suffix.block_m, chunk.suffix.block_n, chunk.launch_for(False)),
-        decode=ClassTiles(decode.suffix.block_m, decode.suffix.block_n, decode.launch_for(False)),
+        decode=ClassTiles(decode.suffix.block_m, decode.suffix.block_n, decode.launch_for(False),
+                          kv_heads=decode.suffix.kv_heads),
         block_d=block_d(head_dim), is_hip=is_hip)
+
+
+def fit_kv_heads(tiles: AttentionTiles, *, num_kv_heads: int, group: int, nan_guard: bool) -> AttentionTiles:
+    """``tiles`` with the decode class's KV heads per program fitted to a plan: the largest power of two up to the
+    table's that divides ``num_kv_heads`` and leaves the tile a query row (``group * kv_heads <= BLOCK_M``); one
+    with the NaN guard (its redos read one head per program) and at a padded head size above
+    :data:`~prefixattn.autotune.config_space.KV_HEADS_MAX_BLOCK_D`. The same object when nothing changes (the
+    planner's memos key on it)."""
+    want = tiles.decode.kv_heads
+    if want == 1:
+        return tiles
+    return _fit_kv_heads(tiles, num_kv_heads, group, nan_guard)
+
+
+@typed_memo(maxsize=256)
+def _fit_kv_heads(tiles: AttentionTiles, num_kv_heads: int, group: int, nan_guard: bool) -> AttentionTiles:
+    heads = 1 if nan_guard or tiles.block_d > KV_HEADS_MAX_BLOCK_D else tiles.decode.kv_heads
+    while heads > 1 and (num_kv_heads % heads or group * heads > tiles.decode.block_m):
+        heads //= 2
+    if heads == tiles.decode.kv_heads:
+        return tiles
+    fitted = replace(tiles.decode, kv_heads=heads)
+    return replace(tiles, decode=fitted, chunk=fitted if tiles.chunk == tiles.decode else tiles.chunk)
 
 
 @typed_memo(maxsize=64)  # one object per shape: the planner's tile-row and cost memos key on it

@@ -284,13 +284,18 @@ def test_the_launch_applies_the_fp8_rules_per_work_class():
     tiles = tiles_from_configs(decode=decode, chunk=chunk, head_dim=256, is_hip=False)
     plain = {c: tiles.launch_options(c) for c in (K.CLASS_SHARED, K.CLASS_CHUNK, K.CLASS_DECODE)}
     fp8 = {c: tiles.launch_options(c, kv_fp8=True) for c in plain}
-    assert plain[K.CLASS_SHARED] == dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=3)
-    assert fp8[K.CLASS_SHARED] == dict(BLOCK_M=64, BLOCK_N=16, num_warps=8, num_stages=3)
-    assert fp8[K.CLASS_CHUNK] == dict(BLOCK_M=64, BLOCK_N=16, num_warps=8, num_stages=3)
-    assert plain[K.CLASS_DECODE] == dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=4)
-    assert fp8[K.CLASS_DECODE] == dict(BLOCK_M=16, BLOCK_N=64, num_warps=FP8_SUFFIX_MIN_WARPS, num_stages=3)
+    assert plain[K.CLASS_SHARED] == dict(KV_HEADS=1, BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=3)
+    assert fp8[K.CLASS_SHARED] == dict(KV_HEADS=1, BLOCK_M=64, BLOCK_N=16, num_warps=8, num_stages=3)
+    assert fp8[K.CLASS_CHUNK] == dict(KV_HEADS=1, BLOCK_M=64, BLOCK_N=16, num_warps=8, num_stages=3)
+    assert plain[K.CLASS_DECODE] == dict(KV_HEADS=1, BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=4)
+    assert fp8[K.CLASS_DECODE] == dict(KV_HEADS=1, BLOCK_M=16, BLOCK_N=64, num_warps=FP8_SUFFIX_MIN_WARPS, num_stages=3)
     # 32-row decode tiles of a 256-wide head: narrower KV tiles at 4 warps.
     wide = dataclasses.replace(decode, suffix=Tiles(32, 32), suffix_launch=LaunchOptions(8, 4))
     tiles = tiles_from_configs(decode=wide, chunk=chunk, head_dim=256, is_hip=False)
-    assert tiles.launch_options(K.CLASS_DECODE, kv_fp8=True) == dict(BLOCK_M=32, BLOCK_N=16, num_warps=4,
-                                                                     num_stages=3)
+    assert tiles.launch_options(K.CLASS_DECODE, kv_fp8=True) == dict(KV_HEADS=1, BLOCK_M=32, BLOCK_N=16,
+                                                                     num_warps=4, num_stages=3)
+    # Two KV heads per decode program: the fp8 tile's 16 rows hold 8 positions of each.
+    two = tiles_from_configs(decode=dataclasses.replace(wide, suffix=Tiles(32, 32, kv_heads=2)), chunk=chunk,
+                             head_dim=256, is_hip=False)
+    assert two.launch_options(K.CLASS_DECODE, kv_fp8=True) == dict(KV_HEADS=2, BLOCK_M=32, BLOCK_N=8, num_warps=4,
+                                                                   num_stages=3)

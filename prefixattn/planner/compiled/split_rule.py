@@ -183,7 +183,7 @@ def class_split(lengths, m, block_n, num_kv_heads, num_sms, min_split_tokens, co
 
 @njit(cache=True, nogil=True)
 def split_ranges(node_len, node_m, tile_len, t_decode, block_n_shared, block_n_chunk, block_n_decode, num_kv_heads,
-                 num_sms, min_split_tokens, costs, rule):
+                 decode_kv_heads, num_sms, min_split_tokens, costs, rule):
     """``(node_pieces, grain_shared, tile_pieces, grain_chunk, grain_decode, modeled)``: the rule one work class at a
     time (:func:`prefixattn.planner.split_rule.split_ranges`; ``modeled``: ``[3, 2]`` makespan and ideal us)."""
     num_tiles = tile_len.shape[0]
@@ -205,7 +205,8 @@ def split_ranges(node_len, node_m, tile_len, t_decode, block_n_shared, block_n_c
     p_ch, grain_ch, span_ch, ideal_ch = class_split(len_ch, np.ones(len_ch.shape[0], dtype=np.int64), block_n_chunk,
                                                     num_kv_heads, num_sms, min_split_tokens, costs[1], rule)
     p_de, grain_de, span_de, ideal_de = class_split(len_de, np.ones(len_de.shape[0], dtype=np.int64), block_n_decode,
-                                                    num_kv_heads, num_sms, min_split_tokens, costs[2], rule)
+                                                    num_kv_heads // decode_kv_heads, num_sms, min_split_tokens,
+                                                    costs[2], rule)
     t_pieces = np.empty(num_tiles, dtype=np.int64)
     for t in range(num_tiles):
         t_pieces[t] = p_de[class_of[t]] if t_decode[t] else p_ch[class_of[t]]
@@ -276,8 +277,8 @@ def _unsplit_work(kv_start, kv_end, offsets, members, q_len, tiles, num_tiles, r
 
 @njit(cache=True, nogil=True)
 def split_work(kv_start, kv_end, offsets, members, suffix_start, q_start, q_len, kv_len, causal, rows_per_shared,
-               rows_per_chunk, rows_per_decode, block_n_shared, block_n_chunk, block_n_decode, num_kv_heads, num_sms,
-               min_split_tokens, costs, rule):
+               rows_per_chunk, rows_per_decode, block_n_shared, block_n_chunk, block_n_decode, num_kv_heads,
+               decode_kv_heads, num_sms, min_split_tokens, costs, rule):
     """One candidate's split (:func:`prefixattn.planner.split_rule.split_work`): ``(tiles, node_split, scalars,
     modeled)``: the suffix tiles packed (:func:`_suffix_tiles`, their pieces in row ``T_PIECES``), each node's
     packed rows, M tiles and pieces (rows ``N_*``), the tile count, grains, class ends and reads saved (``S_*``) and
@@ -288,7 +289,7 @@ def split_work(kv_start, kv_end, offsets, members, suffix_start, q_start, q_len,
                                                              rows_per_shared)
     n_pieces, grain_sh, t_pieces, grain_ch, grain_de, modeled = split_ranges(
         node_len, node_split[N_MTILES], tile_len, t_decode, block_n_shared, block_n_chunk, block_n_decode,
-        num_kv_heads, num_sms, min_split_tokens, costs, rule)
+        num_kv_heads, decode_kv_heads, num_sms, min_split_tokens, costs, rule)
     node_split[N_PIECES] = n_pieces
     tiles[T_PIECES, :n] = t_pieces
     scalars = np.empty(NUM_S, dtype=np.int64)
@@ -332,7 +333,8 @@ def split(nodes, suffix_start: np.ndarray, inputs, o, tiles, *, num_sms: int, co
     packed, node_split, scalars, modeled = split_work(
         nodes.kv_start, nodes.kv_end, nodes.offsets, nodes.members, suffix_start, inputs.indptr[:-1], inputs.q_len,
         inputs.lens, o.causal, t["rows_per_shared"], t["rows_per_chunk"], t["rows_per_decode"], t["block_n_shared"],
-        t["block_n_chunk"], t["block_n_decode"], o.num_kv_heads, num_sms, o.min_split_tokens, cost_args(costs), RULE)
+        t["block_n_chunk"], t["block_n_decode"], o.num_kv_heads, t["decode_kv_heads"], num_sms, o.min_split_tokens,
+        cost_args(costs), RULE)
     n, grain_sh, grain_ch, grain_de, end_sh, end_ch, end_de, saved = scalars.tolist()  # S_* order
     num_requests = inputs.lens.shape[0]
     return Split(shared_grain=grain_sh, tile_grains=(grain_ch, grain_de), modeled=modeled,

@@ -1,0 +1,154 @@
+"""Several KV heads per decode program (a table's ``kv_heads``): the plan's fitted tiles, the launch grid, and the
+kernel against the reference with shared prefixes, split-k merges, multi-row decode tiles and the model switches
+(interpreter on CPU: small grids)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from prefixattn import attention, plan, prefix_attention, reference_attention
+from prefixattn.autotune.buckets import make_bucket
+from prefixattn.autotune.config_space import AttentionConfig, LaunchOptions, Tiles
+from prefixattn.autotune.lookup import fixed_config
+from prefixattn.autotune.tables import read_table, table_json
+from prefixattn.kernels import layout as K
+from prefixattn.planner.tiles import fit_kv_heads, tiles_from_configs
+from tests.prefix_batches import make_batch, random_batch
+from tests.test_attention import CountingKernel
+from tests.tolerances import ATTENTION_TOL, LSE_TOL
+
+
+def _config(kv_heads: int, block_m: int = 16, block_n: int = 32) -> AttentionConfig:
+    """Small tiles whose decode tile packs ``kv_heads`` KV heads per program."""
+    return AttentionConfig(shared=Tiles(16, 16), suffix=Tiles(block_m, block_n, kv_heads=kv_heads),
+                           launch=LaunchOptions(num_warps=4, num_stages=2))
+
+
+def _to(batch, device):
+    for name in ("q", "k_cache", "v_cache", "qo_indptr", "kv_lens", "block_table"):
+        setattr(batch, name, getattr(batch, name).to(device))
+    return batch
+
+
+def _check(b, p, **attn_kw):
+    ref_kw = {k: v for k, v in (("logits_soft_cap", p.logits_soft_cap or None),
+                                ("window_left", p.window_left if p.window_left >= 0 else None)) if v is not None}
+    got = attention(b.q, b.k_cache, b.v_cache, p, return_lse=True, **attn_kw)
+    want = reference_attention(b.q, b.k_cache, b.v_cache, *b.metadata, return_lse=True, **ref_kw, **attn_kw)
+    atol, rtol = ATTENTION_TOL[b.q.dtype]
+    torch.testing.assert_close(got[0].float(), want[0], atol=atol, rtol=rtol)
+    torch.testing.assert_close(got[1], want[1], atol=LSE_TOL[0], rtol=LSE_TOL[1])
+
+
+@pytest.mark.parametrize("num_qo_heads, num_kv_heads, kv_heads, dtype, seed", [
+    (4, 4, 4, torch.float32, 0),  # MHA: all of a token's heads in one program
+    (8, 4, 2, torch.float16, 1),  # GQA 2: two KV heads x two query heads per row
+    (8, 8, 8, torch.bfloat16, 2),  # MHA, 8 heads, 4 positions of each per step
+    (6, 6, 4, torch.float32, 3),  # 4 does not divide 6: the plan takes 2
+])
+def test_decode_programs_with_several_kv_heads(device, num_qo_heads, num_kv_heads, kv_heads, dtype, seed):
+    # Shared prefixes, decode and multi-row requests, split-k pieces (4 SMs): every merge path of the decode class.
+    b = _to(random_batch(seed, num_requests=9, levels=2, block_size=4, num_qo_heads=num_qo_heads,
+                         num_kv_heads=num_kv_heads, head_dim=64, dtype=dtype, max_q_len=6, decode_fraction=0.6),
+            device)
+    with fixed_config(_config(kv_heads)):
+        p = plan(*b.metadata, **b.heads, q_dtype=dtype, sharing="always", num_sms=4, min_split_tokens=4)
+    fitted = kv_heads if num_kv_heads % kv_heads == 0 else 2
+    assert p.tiles.decode.kv_heads == fitted
+    assert K.CLASS_DECODE in p.work_classes and p.shared_nodes and p.work.num_ws_rows > 0
+    _check(b, p)
+
+
+@pytest.mark.parametrize("plan_kw, attn_kw", [
+    (dict(logits_soft_cap=2.0), {}),
+    (dict(window_left=5), {}),
+    ({}, "sinks"),
+    ({}, "fp8"),
+], ids=["soft-cap", "window", "sinks", "fp8"])
+def test_model_switches_with_several_kv_heads(device, plan_kw, attn_kw):
+    b = _to(make_batch(4, q_lens=[1, 1, 2, 1], extra_lens=[9, 2, 13, 30], paths=[("a",), ("a",), ("a",), ()],
+                       level_blocks={"a": 3}, block_size=4, num_qo_heads=8, num_kv_heads=4, head_dim=64), device)
+    if attn_kw == "sinks":
+        attn_kw = dict(sinks=torch.tensor([0.5, -1.0, 2.0, 0.0, 1.0, -0.5, 0.25, 3.0], device=device))
+    elif attn_kw == "fp8":
+        b.k_cache, b.v_cache = (b.k_cache * 4).to(torch.float8_e4m3fn), (b.v_cache * 2).to(torch.float8_e4m3fn)
+        attn_kw = dict(k_scale=0.25, v_scale=torch.tensor([0.5], device=device))
+    with fixed_config(_config(4)):
+        p = plan(*b.metadata, **b.heads, q_dtype=b.q.dtype, kv_dtype=b.k_cache.dtype, sharing="always",
+                 num_sms=4, min_split_tokens=4, **plan_kw)
+    # 2 query heads x 4 KV heads a row: two rows a tile, so the 2-row request is a decode tile too.
+    assert p.tiles.decode.kv_heads == 4 and p.tiles.decode.rows(2) == 2
+    _check(b, p, **attn_kw)
+
+
+def test_grid_has_one_program_per_item_and_head_block(device, monkeypatch):
+    b = _to(make_batch(5, q_lens=[1, 1, 1], extra_lens=[20, 7, 33], paths=[(), (), ()], level_blocks={},
+                       block_size=4, num_qo_heads=8, num_kv_heads=8, head_dim=64), device)
+    counter = CountingKernel(prefix_attention.prefix_attention_kernel)
+    monkeypatch.setattr(prefix_attention, "prefix_attention_kernel", counter)
+    for kv_heads in (1, 4):
+        with fixed_config(_config(kv_heads)):
+            p = plan(*b.metadata, **b.heads, q_dtype=b.q.dtype, sharing="never", num_sms=132)
+        assert p.work_classes == (K.CLASS_DECODE,) and p.num_items == 3
+        attention(b.q, b.k_cache, b.v_cache, p)
+        assert counter.grids[-1] == (3 * 8 // kv_heads,)
+        assert counter.kwargs[-1]["KV_HEADS"] == kv_heads and counter.kwargs[-1]["BLOCK_N"] == 32 // kv_heads
+
+
+def test_fit_kv_heads():
+    tiles = tiles_from_configs(decode=_config(8), chunk=_config(1, 64, 32), head_dim=64)
+    assert tiles.decode.kv_heads == 8 and tiles.chunk.kv_heads == 1
+    fit = dict(num_kv_heads=8, group=1, nan_guard=False)
+    assert fit_kv_heads(tiles, **fit) is tiles  # nothing to change: the same object (the memos key on it)
+    assert fit_kv_heads(tiles, **{**fit, "num_kv_heads": 12}).decode.kv_heads == 4  # largest divisor <= 8
+    assert fit_kv_heads(tiles, **{**fit, "group": 4}).decode.kv_heads == 4  # 4 x 4 lanes: one row a tile
+    assert fit_kv_heads(tiles, **{**fit, "nan_guard": True}).decode.kv_heads == 1  # the redos read one head
+    assert fit_kv_heads(tiles, **{**fit, "num_kv_heads": 3}).decode.kv_heads == 1
+    wide = tiles_from_configs(decode=_config(8), chunk=_config(1, 64, 32), head_dim=256)
+    assert fit_kv_heads(wide, **fit).decode.kv_heads == 1  # KV_HEADS_MAX_BLOCK_D: spills above it
+    fitted = fit_kv_heads(tiles, **{**fit, "group": 4})
+    assert fitted.decode.rows(4) == 1 and fitted.decode.positions_per_step == 8
+    assert fit_kv_heads(tiles, **{**fit, "group": 4}) is fitted  # memoized
+
+
+def test_nan_guard_plans_one_kv_head_per_program(device):
+    b = _to(make_batch(6, q_lens=[1, 1], extra_lens=[9, 30], paths=[(), ()], level_blocks={}, block_size=4,
+                       num_qo_heads=4, num_kv_heads=4, head_dim=64), device)
+    with fixed_config(_config(4)):
+        p = plan(*b.metadata, **b.heads, q_dtype=b.q.dtype, nan_guard=True)
+    assert p.tiles.decode.kv_heads == 1
+    _check(b, p)
+
+
+def test_table_and_config_round_trip_kv_heads(tmp_path):
+    cfg = _config(4)
+    assert cfg.short() == "sh16x16_sf16x32h4_w4_s2"
+    assert AttentionConfig.from_dict(cfg.to_dict()) == cfg
+    assert "kv_heads" not in _config(1).to_dict()["suffix"]  # tables without it read as before
+    bucket = make_bucket(head_dim=64, dtype="fp16", group=1, max_q_len=1, kv_len=1024)
+    path = tmp_path / "t.json"
+    path.write_text(__import__("json").dumps(table_json({bucket: cfg}, target="sm90")))
+    assert read_table(path, "sm90")[bucket].suffix == Tiles(16, 32, kv_heads=4)
+    with pytest.raises(ValueError, match="kv_heads: expected a power of two <= block_n"):
+        AttentionConfig.from_dict({**cfg.to_dict(), "suffix": {"block_m": 16, "block_n": 32, "kv_heads": 3}})
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_numpy_and_compiled_planners_agree(seed):
+    # The split stage prices the decode class at num_kv_heads // kv_heads programs a tile in both back-ends.
+    pytest.importorskip("numba", reason="the compiled planner is optional (pip install prefixattn[fast])")
+    from prefixattn.autotune.lookup import planning_target
+    from tests.test_plan_compiled import _plan_with, assert_same_plans, random_metadata
+
+    rng = np.random.default_rng(seed)
+    args, _ = random_metadata(rng, num_requests=int(rng.integers(1, 30)), block_size=16,
+                              max_q_len=int(rng.choice([1, 5])), levels=int(rng.integers(0, 3)), table_dtype=np.int32)
+    heads = (dict(num_qo_heads=8, num_kv_heads=8), dict(num_qo_heads=8, num_kv_heads=4))[seed % 2]
+    opts = dict(block_size=16, head_dim=64, sharing=("auto", "always")[seed // 2 % 2], num_sms=int(rng.integers(1, 9)),
+                min_split_tokens=8, **heads)
+    with planning_target("sm90"), fixed_config(_config(4)):
+        ref, got = _plan_with("numpy", *args, **opts), _plan_with("numba", *args, **opts)
+    assert ref.tiles.decode.kv_heads == 4
+    assert_same_plans(ref, got, f"seed {seed}")
