@@ -76,7 +76,9 @@ def candidates() -> list:
 
 def plain_candidates() -> list:
     """Suffix-only launches (``HAS_SHARED=False``): the suffix tile and its launch options; the shared tile is the
-    shipped decode one (compiled out of these launches)."""
+    shipped decode one (compiled out of these launches). Decode tiles with several KV heads per program
+    (``(block_m, block_n, kv_heads)``; a plan fits them to each shape's heads: 16 lanes hold 2 KV heads at GQA 8, 4
+    at GQA 4) beside the shipped one head."""
     from prefixattn.autotune.config_space import AttentionConfig, LaunchOptions, Tiles
 
     def cfg(sf, warps, stages):
@@ -85,7 +87,8 @@ def plain_candidates() -> list:
 
     return [cfg(sf, w, st) for sf, w, st in (((16, 32), 4, 3), ((16, 64), 4, 3), ((16, 128), 4, 3), ((16, 64), 8, 3),
                                                ((32, 64), 4, 3), ((64, 64), 4, 3), ((64, 64), 8, 3),
-                                               ((128, 64), 8, 3), ((128, 32), 8, 3), ((64, 128), 8, 3))]
+                                               ((128, 64), 8, 3), ((128, 32), 8, 3), ((64, 128), 8, 3),
+                                               ((16, 32, 4), 4, 3), ((16, 64, 4), 4, 3), ((16, 64, 16), 4, 3))]
 
 
 def plain_shapes(dry_run: bool) -> list:

@@ -37,11 +37,11 @@ import subprocess
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from multiprocessing import get_context
 from pathlib import Path
 
-from prefixattn.autotune.config_space import HEAD_DIMS, NUM_STAGES_CUDA, block_d
+from prefixattn.autotune.config_space import HEAD_DIMS, KV_HEADS_MAX_BLOCK_D, NUM_STAGES_CUDA, block_d
 from prefixattn.autotune.targets import TARGETS
 from prefixattn.tuning.compile_analysis import (count_matrix_instrs, count_private_memory_ops, hopper_features,
                                                parse_amdgcn, parse_dots, parse_pipeline, parse_ptxas)
@@ -330,6 +330,8 @@ def _merge_jobs(target, dtype: str, head_dim: int, names: dict) -> list:
 #: CI's selection (``--worst-case``) is bf16: its conversions take more registers than fp16's (sm_90, head_dim 256,
 #: fp8 e4m3 K/V spilled 144 bytes in bf16 and 128 in fp16 with the same tiles, Triton 3.9).
 WORST_CASE_DTYPE = "bf16"
+#: KV heads per program of the decode binaries the worst case adds: 4, a Llama-8B step's (GQA 32:8, 16 lanes).
+WORST_CASE_KV_HEADS = 4
 
 
 def worst_case_jobs(targets) -> list:
@@ -341,7 +343,8 @@ def worst_case_jobs(targets) -> list:
     LSE; the merge kernels at the largest head size. Only the full default run covers fp16, LSE off, each feature
     switch on its own, the NaN guard over a 16-bit cache, fp32 at the other head sizes and fp32 with features. And
     the MLA kernel's class binaries (bf16, and on sm90 over an e5m2 latent); its fp32 binaries and other fp8 latents
-    only in the full run."""
+    only in the full run. At :data:`~prefixattn.autotune.config_space.KV_HEADS_MAX_BLOCK_D` also each decode binary
+    with :data:`WORST_CASE_KV_HEADS` KV heads per program."""
     from prefixattn.tuning import compile_specs as cs
 
     names = _kernel_param_names()
@@ -354,6 +357,12 @@ def worst_case_jobs(targets) -> list:
             shipped = default_attention_configs(target, head_dim, WORST_CASE_DTYPE)
             for mode, cfg, has_shared in class_binaries(shipped):
                 jobs.append(cs.fused_job(config=cfg, variant=mode, has_lse=True, has_shared=has_shared, **common))
+                if head_dim == KV_HEADS_MAX_BLOCK_D and mode == "decode" and not has_shared:
+                    # The decode binary with several KV heads per program (a table's kv_heads; none ships yet), at
+                    # the largest head size that takes them.
+                    packed = replace(cfg, suffix=replace(cfg.suffix, kv_heads=WORST_CASE_KV_HEADS))
+                    jobs.append(cs.fused_job(config=packed, variant=f"{mode}/kv_heads={WORST_CASE_KV_HEADS}",
+                                             has_lse=True, has_shared=False, **common))
                 if head_dim in extremes:
                     specs = cs.feature_specs(target, WORST_CASE_DTYPE, worst_case_only=True)
                     if not has_shared:

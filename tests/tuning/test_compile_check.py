@@ -1,5 +1,6 @@
 """compile-check: parsing of compiler output (unit) and one real AOT compile per target (``compile`` marker)."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -245,11 +246,24 @@ def _shipped_binaries(target_name):
             for mode, cfg, has_shared in class_binaries(default_attention_configs(target, hd, "bf16"))}
 
 
+def _packed_decode_binaries(target_name):
+    """(head_dim, variant prefix, config name) of the decode binaries the worst case compiles with several KV heads
+    per program."""
+    from prefixattn.autotune.config_space import KV_HEADS_MAX_BLOCK_D
+    from prefixattn.tuning.compile_check import WORST_CASE_KV_HEADS, class_binaries, default_attention_configs
+
+    hd, heads = KV_HEADS_MAX_BLOCK_D, WORST_CASE_KV_HEADS
+    return {(hd, f"{mode}/kv_heads={heads}/suffix-only",
+             dataclasses.replace(cfg, suffix=dataclasses.replace(cfg.suffix, kv_heads=heads)).short())
+            for mode, cfg, has_shared in class_binaries(default_attention_configs(TARGETS[target_name], hd, "bf16"))
+            if mode == "decode" and not has_shared}
+
+
 @pytest.mark.compile
 def test_worst_case_selection_covers_every_shipped_binary_and_feature_axis(tmp_path):
     """CI's compile-check (``--worst-case``, ~8 minutes on 2 cores): every shipped bf16 binary, and at the extreme
     head sizes the feature switches over each fp8 type, compile without spills at the promised pipeline depth; so do
-    the MLA kernel's."""
+    the MLA kernel's, and the decode binaries with several KV heads per program."""
     from prefixattn.autotune.config_space import FP8_SUFFIX_MAX_STAGES, HEAD_DIMS
     from prefixattn.tuning.compile_specs import fp8_kv_types
 
@@ -271,7 +285,10 @@ def test_worst_case_selection_covers_every_shipped_binary_and_feature_axis(tmp_p
         # Every binary of the shipped tables, bf16 with LSE.
         got = {(r["head_dim"], r["variant"].removesuffix("+lse"), r["config_name"]) for r in plain
                if r["target"] == name and r["dtype"] == "bf16"}
-        assert got == _shipped_binaries(name)
+        packed = {b for b in got if "/kv_heads=" in b[1]}
+        assert got - packed == _shipped_binaries(name)
+        # And each decode binary at KV_HEADS_MAX_BLOCK_D with WORST_CASE_KV_HEADS KV heads per program.
+        assert packed == _packed_decode_binaries(name)
         # At the smallest and largest head size each of them with every model switch over a 16-bit cache, and each
         # fp8 type alone and under every model switch, the suffix-only ones also under every switch and the NaN
         # guard over each fp8 type (bf16); the fp32 binaries there with LSE.
