@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from prefixattn.autotune.config_space import (KV_HEADS_MAX_BLOCK_D, MODEL_SWITCHES, AttentionConfig, LaunchOptions,
-                                              MergeConfig, block_d, fp8_block_n, mla_class_tiles, part_registers)
+from prefixattn.autotune.config_space import (MODEL_SWITCHES, AttentionConfig, LaunchOptions, MergeConfig, block_d,
+                                              fp8_block_n, mla_class_tiles, packed_kv_heads, part_registers)
 from prefixattn.autotune.targets import Target, writes_own_l2_fences
 from prefixattn.kernels.layout import page_size_constexpr
 from prefixattn.tuning.launch_limits import DECODE_SUFFIX_MAX_REGS, required_pipeline_depth
@@ -198,10 +198,9 @@ def fused_job(*, target: Target, dtype: str, head_dim: int, config: AttentionCon
     model_switches = any(f in features for f in MODEL_SWITCHES)
     block_n = fp8_block_n(tiles.block_m, tiles.block_n, kv_fp8=kv_fp8, block_d=bd, has_shared=has_shared,
                           is_hip=target.is_hip, nan_guard=nan_guard, model_switches=model_switches)
-    # KV heads per program as a plan fits and launches them (prefixattn.planner.tiles.fit_kv_heads, then
-    # AttentionTiles.launch_options; the config's suffix tile read as a decode tile).
-    fits = not (has_shared or nan_guard or bd > KV_HEADS_MAX_BLOCK_D)
-    heads = min(tiles.kv_heads, block_n) if fits else 1
+    # KV heads per program as a plan fits and launches them (the config's suffix tile read as a decode tile; a
+    # narrower fp8 KV tile holds fewer: AttentionTiles.launch_options).
+    heads = 1 if has_shared else min(packed_kv_heads(tiles.kv_heads, block_d=bd, nan_guard=nan_guard), block_n)
     constexprs = dict(IS_SHARED=has_shared, HAS_LSE=has_lse, USE_FP32_DOT=use_fp32_dot, IS_HIP=target.is_hip,
                       USE_L2_FENCES=writes_own_l2_fences(target.arch), PAGE_SIZE=page_size_constexpr(BLOCK_SIZE),
                       KV_HEADS=heads, BLOCK_M=tiles.block_m, BLOCK_N=block_n // heads, BLOCK_D=bd)
