@@ -3,7 +3,8 @@
 For every bucket of the requested grid it builds a synthetic step of that shape (one shared prefix node of
 ``kv_len`` tokens under ``q_rows`` query tokens, requests of ``max_q_len`` query tokens each with their own suffix),
 asks the cost model for its ``top_k`` best survivors of the pruned space (every launch option reaches the launch:
-``num_warps``, ``num_stages`` and on ROCm the HIP knobs), times each with
+``num_warps``, ``num_stages`` and on ROCm the HIP knobs; for a decode bucket also the best one with several KV heads
+per decode program), times each with
 ``triton.testing.do_bench`` through the public ``plan()``/``attention()`` under :func:`~prefixattn.autotune.lookup.
 fixed_config`, and writes the fastest to the cache (after every bucket, so an interrupted run keeps its results).
 The lookup then prefers these entries over the shipped table (``source == "user-cache"``).
@@ -15,10 +16,11 @@ from __future__ import annotations
 
 import math
 import sys
+from dataclasses import replace
 
 from prefixattn.autotune import cost_model, lookup
 from prefixattn.autotune.buckets import Bucket
-from prefixattn.autotune.config_space import attention_space, prune
+from prefixattn.autotune.config_space import AttentionConfig, attention_space, block_d, packed_kv_heads, prune
 from prefixattn.autotune.targets import Target
 from prefixattn.autotune.tuning_cache import TuningCache
 
@@ -36,12 +38,28 @@ BLOCK_SIZE = 16
 
 
 def candidates(bucket: Bucket, target: Target, top_k: int) -> list:
-    """The cost model's ``top_k`` best survivors of the pruned space for ``bucket``."""
+    """The cost model's ``top_k`` best survivors of the pruned space for ``bucket``, then, for a decode bucket, the
+    first of them with 2, 4, ... KV heads per decode program (:func:`kv_heads_variants`): the analytic model does not
+    rank those, the clock does."""
     space = attention_space(target)
     survivors = prune(space, target, head_dim=bucket.head_dim, dtype=bucket.dtype, group=bucket.group,
                       q_rows=bucket.q_rows, max_q_len=bucket.max_q_len, kv_len=bucket.kv_len)
-    ranked = [c for s, c in cost_model.rank(survivors, bucket, target) if math.isfinite(s)]
-    return ranked[:top_k]
+    ranked = [c for s, c in cost_model.rank(survivors, bucket, target) if math.isfinite(s)][:top_k]
+    if ranked and bucket.max_q_len == 1:
+        ranked += kv_heads_variants(ranked[0], bucket)
+    return ranked
+
+
+def kv_heads_variants(cfg: AttentionConfig, bucket: Bucket) -> list[AttentionConfig]:
+    """``cfg`` with each power of two from 2 KV heads per decode program that the synthetic step's
+    :data:`NUM_KV_HEADS` and the tile's lanes hold (``group * kv_heads <= BLOCK_M``), where its head size takes them
+    (:func:`~prefixattn.autotune.config_space.packed_kv_heads`)."""
+    out, heads = [], 2
+    while (heads <= min(NUM_KV_HEADS, cfg.suffix.block_n) and bucket.group * heads <= cfg.suffix.block_m
+           and packed_kv_heads(heads, block_d=block_d(bucket.head_dim), nan_guard=False) == heads):
+        out.append(replace(cfg, suffix=replace(cfg.suffix, kv_heads=heads)))
+        heads *= 2
+    return out
 
 
 def tune(buckets, target: Target, time_fn, cache: TuningCache, *, top_k: int = DEFAULT_TOP_K, progress=None,

@@ -38,9 +38,13 @@ def test_tune_times_top_k_candidates_and_caches_the_fastest():
     ticks = []
     cache = TuningCache(cache_path("sm90"))
     won = tuner.tune(buckets, target, fake_time, cache, top_k=3, progress=ticks.append)
-    assert len(timed) == 6 and len(ticks) == 6
+    # The decode bucket's first candidate also with 2 and 4 KV heads per decode program (group 4 x 4 = 16 lanes).
+    decode = tuner.candidates(buckets[0], target, 3)
+    assert [c.suffix.kv_heads for c in decode] == [1, 1, 1, 2, 4] and decode[3].shared == decode[0].shared
+    assert len(timed) == 8 and len(ticks) == 8
     for b in buckets:
-        assert won[b][0] == tuner.candidates(b, target, 3)[2] and won[b][1] == 8.0
+        cands = tuner.candidates(b, target, 3)
+        assert won[b][0] == cands[-1] and won[b][1] == 10.0 - (len(cands) - 1)
     reloaded = TuningCache(cache_path("sm90"))
     assert {b: e.config for b, e in reloaded.entries.items()} == {b: w[0] for b, w in won.items()}
     sel = lookup.select_config(head_dim=128, dtype="fp16", group=4, q_rows=256, max_q_len=1, kv_len=2048,
@@ -54,7 +58,8 @@ def test_tune_cli_dry_run_and_no_gpu(capsys):
     assert tune_command.run(parser.parse_args(["--dry-run", "--target", "gfx942", "--groups", "4", "--q-rows", "64",
                                                "--max-q-lens", "1", "--kv-lens", "1024", "--top-k", "2"])) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert len(lines) == 2 and all(line.startswith("d128-") and len(line.split()) == 3 for line in lines)
+    # The key, the top 2, and the first with 2 and 4 KV heads per decode program.
+    assert len(lines) == 2 and all(line.startswith("d128-") and len(line.split()) == 5 for line in lines)
     assert tune_command.run(parser.parse_args([])) == 2  # no GPU under the interpreter
     assert "no GPU" in capsys.readouterr().err
     assert tune_command.run(parser.parse_args(["--dtypes", "fp8"])) == 2
