@@ -45,6 +45,7 @@ def test_gpu_check_dry_run_runs_every_step(tmp_path):
     assert [r["unit"] for r in by("class_rate", "not_run")] == ["reason: not planned: Unavailable: FlashInfer's fa3 "
                                                                 "backend runs on sm90 (Hopper) only"] * 2
     assert "## Causal attention rates (DRY RUN)" in csv_path.with_suffix(".md").read_text()
+    assert "## Decode programs with several KV heads (DRY RUN)" in csv_path.with_suffix(".md").read_text()
     # The sanitizer's nine kernel classes (MLA's among them) ran (and passed) in the interpreter; the tool itself
     # needs a GPU.
     cases = by("gpu_check_sanitizer_cases", "passed")
@@ -95,8 +96,13 @@ def _check_timing(rows, by) -> None:
         assert len(by("attention_gpu_time", metric)) == len(timed), metric
     for metric in ("over_floor_serial", "unique_gbps", "under_hbm_floor"):
         assert len(by("attention_gpu_time", metric)) == len(timed) - len(shapes), metric  # not on flashinfer-best
-    # The decode launch beside the compute launches, timed on the mixed step only.
+    # The decode launch beside the compute launches, timed on the mixed step only; decode programs packing the
+    # decode step's 2 KV heads, on the decode step only.
     assert [s for p, s in timed if p == "prefixattn-overlap"] == [s for s in shapes if "dry-run:mixed" in s]
+    packed = [s for p, s in timed if p == "prefixattn-kv-heads"]
+    assert packed == [s for s in shapes if "dry-run:decode" in s]
+    assert [(r["shape"], float(r["value"])) for r in by("attention_gpu_time", "kv_heads")
+            if r["provider"] == "prefixattn-kv-heads"] == [(packed[0], 2.0)]
     not_run = {(r["provider"], r["unit"]) for r in by("attention_gpu_time", "not_run")}
     assert ("flashinfer-prefill-fa3", "reason: FlashInfer's fa3 backend runs on sm90 (Hopper) only") in not_run
     for metric in ("floor_memory_us", "floor_compute_us", "floor_overlapped_us", "floor_serial_us",

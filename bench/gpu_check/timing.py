@@ -3,10 +3,11 @@
 Per shape (cases.timing_shapes), per provider: prepare (host planning, not timed), one run checked against the
 fp32 reference (a wrong output is a failure and is not timed), capture into a CUDA graph and check a replay too, then
 time the replay (L2 flushed and warm) and the eager call (L2 flushed) with measure.py's :class:`Timer`.
-Providers: prefixattn, prefixattn ``sharing="never"``, prefixattn ``overlap=True`` (where it overlaps), every
-FlashInfer configuration of bench/peers/flashinfer.py (the cascades are handed the batch's prefix groups: oracle),
-torch SDPA on pre-gathered KV. ``flashinfer-best`` per
-shape is the fastest correct FlashInfer configuration by graph-replayed flushed median, with the one it was.
+Providers: prefixattn, prefixattn ``sharing="never"``, prefixattn ``overlap=True`` (where it overlaps), prefixattn with
+decode programs packing several KV heads (``prefixattn-kv-heads``, decode steps where the tile packs more than one),
+every FlashInfer configuration of bench/peers/flashinfer.py (the cascades are handed the batch's prefix groups:
+oracle), torch SDPA on pre-gathered KV. ``flashinfer-best`` per shape is the fastest correct FlashInfer
+configuration by graph-replayed flushed median, with the one it was.
 prefixattn's work classes are each timed alone too, in a graph of their own.
 
 Rows (benchmark ``attention_gpu_time``): per provider ``correct``, ``max_abs_err``, ``<policy>_us_min`` /
@@ -14,7 +15,8 @@ Rows (benchmark ``attention_gpu_time``): per provider ``correct``, ``max_abs_err
 (headline median over each floor), ``unique_kv_gbps``, ``unique_gbps`` (the memory floor's bytes over the headline
 time) and ``under_hbm_floor`` (faster than the HBM floor allows: read from L2); ``not_run`` (value 1, the reason in
 ``unit``) where a provider did not run; prefixattn's ``class_<name>_us_min`` / ``_median`` and ``classes_sum_us``,
-and its plans' ``modeled_step_us`` and ``modeled_class_<name>_us`` (the cost model's, on the planning GPU);
+and its plans' ``modeled_step_us`` and ``modeled_class_<name>_us`` (the cost model's, on the planning GPU) and
+``kv_heads`` (KV heads per decode program);
 provider ``floor``: ``floor_<kind>_us`` and ``best_unique_gbps`` (``is_best_unique_rate`` on the provider that
 reached it); provider ``gpu-state``: clocks, temperature, power after the shape; ``flashinfer-best`` the best's
 numbers and, on the peer that was best, ``is_flashinfer_best`` = 1.
@@ -27,11 +29,14 @@ import time
 TIMING = "attention_gpu_time"
 #: The policy every ratio and floor comparison uses (measure.py's docstring says why).
 HEADLINE = "graph_flushed"
-OURS = ("prefixattn", "prefixattn-nosharing", "prefixattn-overlap")
+OURS = ("prefixattn", "prefixattn-nosharing", "prefixattn-overlap", "prefixattn-kv-heads")
 #: ``prefixattn-overlap`` runs where its plan overlaps the classes (bench/peers/ours.py) on these scenarios only: a
 #: decode step under a shared prefix overlaps too (its shared and decode launches), but the step's time budget goes
 #: to the mixed steps, where the classes in series cost the most (docs/gpu-check.md).
 OVERLAP_SCENARIOS = ("mixed",)
+#: ``prefixattn-kv-heads`` (decode programs packing several KV heads; bench/peers/ours.py) runs on these scenarios:
+#: the decode steps, whose decode class is most of their time.
+KV_HEADS_SCENARIOS = ("decode",)
 #: A correct provider this much faster than the HBM floor allows is flagged as reading from L2 (``under_hbm_floor``):
 #: run-to-run spread of the graph-replayed medians stays within ~1-2% (bench/results/gpu/nvidia-h200-74e5177.csv,
 #: min against median), so 3% is outside the noise.
@@ -42,9 +47,11 @@ NOT_RUN, NOT_RUN_UNIT, NOT_RUN_CHARS = "not_run", "reason: ", 240
 
 
 def providers() -> list[str]:
+    """In the order a shape times them: ``prefixattn-kv-heads`` last (the budget cuts a shape's providers from the
+    tail, and the peers are the comparison the check is for)."""
     from peers.flashinfer import PEERS
 
-    return [*OURS, *PEERS, "torch-sdpa"]
+    return [*(p for p in OURS if p != "prefixattn-kv-heads"), *PEERS, "torch-sdpa", "prefixattn-kv-heads"]
 
 
 def _prepare(provider: str, batch, fi_ready: dict):
@@ -56,6 +63,8 @@ def _prepare(provider: str, batch, fi_ready: dict):
 
     if provider == "prefixattn-overlap" and batch.shape.scenario not in OVERLAP_SCENARIOS:
         raise Unavailable(f"timed on {', '.join(OVERLAP_SCENARIOS)} steps only (the step's time budget)")
+    if provider == "prefixattn-kv-heads" and batch.shape.scenario not in KV_HEADS_SCENARIOS:
+        raise Unavailable(f"timed on {', '.join(KV_HEADS_SCENARIOS)} steps only (the step's time budget)")
     if provider in OURS:
         return peers.ours.prepare(batch, provider)
     if provider == "torch-sdpa":
@@ -105,6 +114,8 @@ def time_provider(provider, batch, want, label, floors, timer, results, fi_ready
     for key, value in prepared.extra.items():
         if key in ("oracle_groups", "graph_mode"):
             results.add(TIMING, provider, label, key, value, "bool")
+        elif key == "kv_heads":  # KV heads per decode program of the plan
+            results.add(TIMING, provider, label, key, value, "count")
         elif key.startswith("modeled_"):  # the plan's modeled times (peers.ours.modeled_times), labelled so
             results.add(TIMING, provider, label, key, value, "us")
     if not ok:

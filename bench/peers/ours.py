@@ -2,6 +2,8 @@
 ``sharing="never"``: the same kernel as plain paged attention, our own no-sharing baseline. ``prefixattn-overlap``
 plans with ``overlap=True`` (the decode launch beside the compute launches: :mod:`prefixattn.planner.overlap`),
 only on a batch whose plan overlaps (else it is the ``prefixattn`` run again: :class:`~peers.base.Unavailable`).
+``prefixattn-kv-heads`` plans with the shipped decode tile packing as many KV heads into a decode program as its
+lanes hold (a tile's ``kv_heads``, which no shipped table sets yet: docs/tuning.md), where that is more than one.
 
 ``Prepared.parts`` runs each work class of the plan alone (the per-class times of the GPU check). One class alone
 is no public call: it launches the class's prepared launch through :mod:`prefixattn.prefix_attention`'s own
@@ -12,24 +14,33 @@ never completes such a merge, and its merge counters must start from zero before
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+from dataclasses import replace
+
 import torch
 
 import prefixattn
 from peers.base import Prepared, Unavailable
 from prefixattn import prefix_attention as _attention
+from prefixattn.autotune.lookup import fixed_config, select_config
 from prefixattn.kernels.layout import WORK_CLASSES
 
 
 def prepare(batch, provider: str = "prefixattn") -> Prepared:
     s = batch.shape
-    p = prefixattn.plan(batch.qo_indptr, batch.kv_lens, batch.block_table, block_size=s.block_size,
-                        num_qo_heads=s.num_qo_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
-                        q_dtype=batch.q.dtype, num_blocks=batch.num_blocks,
-                        sharing="never" if provider == "prefixattn-nosharing" else "auto",
-                        overlap=provider == "prefixattn-overlap")
+    with fixed_config(packed_decode_config(batch)) if provider == "prefixattn-kv-heads" else nullcontext():
+        p = prefixattn.plan(batch.qo_indptr, batch.kv_lens, batch.block_table, block_size=s.block_size,
+                            num_qo_heads=s.num_qo_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
+                            q_dtype=batch.q.dtype, num_blocks=batch.num_blocks,
+                            sharing="never" if provider == "prefixattn-nosharing" else "auto",
+                            overlap=provider == "prefixattn-overlap")
     if provider == "prefixattn-overlap" and not p.overlapped:
         raise Unavailable(f"nothing to overlap: the plan runs its classes in series (modeled "
                           f"{p.stats['modeled_step_us']} us in series, classes {p.work_classes})")
+    if provider == "prefixattn-kv-heads" and p.tiles.decode.kv_heads == 1:
+        raise Unavailable(f"one KV head per decode program here (the tile's {p.tiles.decode.block_m} lanes, "
+                          f"{s.num_kv_heads} KV heads of GQA {s.num_qo_heads // s.num_kv_heads}, head_dim "
+                          f"{s.head_dim})")
     out = torch.empty_like(batch.q)
 
     def run():
@@ -39,10 +50,22 @@ def prepare(batch, provider: str = "prefixattn") -> Prepared:
                     notes=f"shared_nodes={len(p.shared_nodes)};items={p.num_items};"
                           f"overlapped={p.overlapped}",
                     extra=dict(tile_kv_load_bytes=p.kv_bytes_read(), work_items=p.num_items,
-                               shared_nodes=len(p.shared_nodes), **modeled_times(p)),
-                    # The classes alone are timed once, on the prefixattn provider (the same launches).
-                    parts={} if p.overlapped else class_runs(p, batch.q, batch.k_cache, batch.v_cache, out),
+                               shared_nodes=len(p.shared_nodes), kv_heads=p.tiles.decode.kv_heads,
+                               **modeled_times(p)),
+                    # The classes alone are timed once, on the prefixattn provider (the same launches), and on the
+                    # never-share one (no shared class); a packed decode step's time is mostly its decode class.
+                    parts={} if p.overlapped or provider == "prefixattn-kv-heads" else
+                    class_runs(p, batch.q, batch.k_cache, batch.v_cache, out),
                     reset=counters_reset(p))
+
+
+def packed_decode_config(batch):
+    """The config a plan of ``batch`` looks up for its decode tile, that tile asking for as many KV heads per program
+    as it has lanes (the plan fits them: :func:`prefixattn.planner.tiles.fit_kv_heads`)."""
+    s = batch.shape
+    cfg = select_config(head_dim=s.head_dim, dtype=batch.q.dtype, group=s.num_qo_heads // s.num_kv_heads,
+                        max_q_len=1).config
+    return replace(cfg, suffix=replace(cfg.suffix, kv_heads=min(cfg.suffix.block_m, cfg.suffix.block_n)))
 
 
 def class_runs(p, q, k_cache, v_cache, out) -> dict:

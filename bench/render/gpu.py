@@ -248,6 +248,19 @@ def class_rate_table(rows) -> list[str]:
     return lines
 
 
+def kv_heads_table(rows) -> list[str]:
+    """Per timing shape where decode programs packed several KV heads (``prefixattn-kv-heads``): prefixattn's
+    headline time, the packed plan's and how many heads it packed; empty where it ran nowhere."""
+    lines = []
+    for shape, prov in index(rows).get(TIMING, {}).items():
+        packed = prov.get("prefixattn-kv-heads", {})
+        if packed.get(HEAD) is not None:
+            ours = prov.get("prefixattn", {}).get(HEAD)
+            lines.append(f"| {shape.split(' [')[0]} | {fixed(ours)} | {fixed(packed[HEAD])} | "
+                         f"{fixed(packed.get('kv_heads'), 0)} | {ratio_cell(ours, packed[HEAD])} |")
+    return head("shape", "prefixattn us", "packed us", "KV heads a program", "speedup") + lines if lines else []
+
+
 def losses(rows) -> list[str]:
     """Every shape and model step where prefixattn is slower than FlashInfer's best (or has no number)."""
     out = []
@@ -320,6 +333,11 @@ def summary(rows, *, device: str, commit: str, versions: str, seconds: float, sk
         lines += ["", f"## Causal attention rates{' (DRY RUN)' if dry else ''}", "",
                   "The matrix classes' rate: causal prefill FLOPs over the median eager time (L2 warm; the KV is past "
                   "the L2), each output checked against the reference first.", ""] + rates
+    if packed := kv_heads_table(rows):
+        lines += ["", f"## Decode programs with several KV heads{' (DRY RUN)' if dry else ''}", "",
+                  "The decode steps again with the shipped decode tile packing as many KV heads into a program as "
+                  "its lanes hold (a tile's `kv_heads`, which no shipped table sets: docs/tuning.md), both "
+                  "graph-replayed, L2 flushed.", ""] + packed
     if mla_rows(rows):
         lines += ["", f"## MLA decode steps ({'DRY RUN' if dry else 'DeepSeek-V3 shape, bf16, one layer'})", "",
                   "prefixattn's `mla_attention` against FlashInfer's MLA wrapper (absorbed, no sharing) and a "

@@ -124,3 +124,12 @@ def test_model_step_classes_show_the_modeled_times_beside_the_measured():
             _row(m, "prefixattn", step, "modeled_class_decode_us", 201.0)]
     assert gpu.model_class_lines(rows) == [f"- {step}: one layer 290.9 us (277.6); alone: shared 80.0 us, decode "
                                            "205.0 us (201.0)"]
+
+
+def test_kv_heads_table_lists_the_decode_steps_that_packed_heads():
+    t, shape = "attention_gpu_time", "decode256:0/256/1 [d]"
+    rows = _rows() + [_row(t, "prefixattn", shape, "graph_flushed_us_median", 290.0),
+                      _row(t, "prefixattn-kv-heads", shape, "graph_flushed_us_median", 250.0),
+                      _row(t, "prefixattn-kv-heads", shape, "kv_heads", 16)]
+    assert gpu.kv_heads_table(rows)[2:] == ["| decode256:0/256/1 | 290.0 | 250.0 | 16 | 1.16x |"]
+    assert gpu.kv_heads_table(_rows()) == []  # nowhere packed: no table
