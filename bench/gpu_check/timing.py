@@ -4,7 +4,7 @@ Per shape (cases.timing_shapes), per provider: prepare (host planning, not timed
 fp32 reference (a wrong output is a failure and is not timed), capture into a CUDA graph and check a replay too, then
 time the replay (L2 flushed and warm) and the eager call (L2 flushed) with measure.py's :class:`Timer`.
 Providers: prefixattn, prefixattn ``sharing="never"``, prefixattn ``overlap=True`` (where it overlaps), prefixattn with
-decode programs packing several KV heads (``prefixattn-kv-heads``, decode steps where the tile packs more than one),
+decode programs packing several KV heads (``prefixattn-kv-heads``, a few decode steps, where the tile packs more),
 every FlashInfer configuration of bench/peers/flashinfer.py (the cascades are handed the batch's prefix groups:
 oracle), torch SDPA on pre-gathered KV. ``flashinfer-best`` per shape is the fastest correct FlashInfer
 configuration by graph-replayed flushed median, with the one it was.
@@ -34,9 +34,12 @@ OURS = ("prefixattn", "prefixattn-nosharing", "prefixattn-overlap", "prefixattn-
 #: decode step under a shared prefix overlaps too (its shared and decode launches), but the step's time budget goes
 #: to the mixed steps, where the classes in series cost the most (docs/gpu-check.md).
 OVERLAP_SCENARIOS = ("mixed",)
-#: ``prefixattn-kv-heads`` (decode programs packing several KV heads; bench/peers/ours.py) runs on these scenarios:
-#: the decode steps, whose decode class is most of their time.
-KV_HEADS_SCENARIOS = ("decode",)
+#: ``prefixattn-kv-heads`` (decode programs packing several KV heads; bench/peers/ours.py) runs on these decode steps
+#: only (~1-2 s each and a compile per KV-head layout, in the step's budget): without sharing at GQA 32:4 and MHA,
+#: short and long (where the programs' fixed cost weighs most and least), one under a shared prefix, and FlashInfer's
+#: batch of 256 at GQA 32:8 (Llama-3-8B) and MHA.
+KV_HEADS_SHAPES = ("dry-run:decode", "decode256:0/256/1", "decode32:0/2048/1", "decode256:256/2048/all",
+                   "flashinfer:256/1024/128:gqa32/8", "flashinfer:256/1024/512:gqa32/8", "flashinfer:256/1024/128")
 #: A correct provider this much faster than the HBM floor allows is flagged as reading from L2 (``under_hbm_floor``):
 #: run-to-run spread of the graph-replayed medians stays within ~1-2% (bench/results/gpu/nvidia-h200-74e5177.csv,
 #: min against median), so 3% is outside the noise.
@@ -63,8 +66,8 @@ def _prepare(provider: str, batch, fi_ready: dict):
 
     if provider == "prefixattn-overlap" and batch.shape.scenario not in OVERLAP_SCENARIOS:
         raise Unavailable(f"timed on {', '.join(OVERLAP_SCENARIOS)} steps only (the step's time budget)")
-    if provider == "prefixattn-kv-heads" and batch.shape.scenario not in KV_HEADS_SCENARIOS:
-        raise Unavailable(f"timed on {', '.join(KV_HEADS_SCENARIOS)} steps only (the step's time budget)")
+    if provider == "prefixattn-kv-heads" and batch.shape.paper not in KV_HEADS_SHAPES:
+        raise Unavailable("timed on a few decode steps only (the step's time budget: timing.KV_HEADS_SHAPES)")
     if provider in OURS:
         return peers.ours.prepare(batch, provider)
     if provider == "torch-sdpa":
