@@ -4,6 +4,8 @@ kernel against the reference with shared prefixes, split-k merges, multi-row dec
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -129,10 +131,12 @@ def test_table_and_config_round_trip_kv_heads(tmp_path):
     assert "kv_heads" not in _config(1).to_dict()["suffix"]  # tables without it read as before
     bucket = make_bucket(head_dim=64, dtype="fp16", group=1, max_q_len=1, kv_len=1024)
     path = tmp_path / "t.json"
-    path.write_text(__import__("json").dumps(table_json({bucket: cfg}, target="sm90")))
+    path.write_text(json.dumps(table_json({bucket: cfg}, target="sm90")))
     assert read_table(path, "sm90")[bucket].suffix == Tiles(16, 32, kv_heads=4)
     with pytest.raises(ValueError, match="kv_heads: expected a power of two <= block_n"):
         AttentionConfig.from_dict({**cfg.to_dict(), "suffix": {"block_m": 16, "block_n": 32, "kv_heads": 3}})
+    with pytest.raises(ValueError, match="config.shared.kv_heads: expected 1"):
+        AttentionConfig.from_dict({**cfg.to_dict(), "shared": {"block_m": 16, "block_n": 16, "kv_heads": 2}})
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -152,3 +156,14 @@ def test_numpy_and_compiled_planners_agree(seed):
         ref, got = _plan_with("numpy", *args, **opts), _plan_with("numba", *args, **opts)
     assert ref.tiles.decode.kv_heads == 4
     assert_same_plans(ref, got, f"seed {seed}")
+
+
+def test_a_table_packs_kv_heads_in_decode_tiles_only(tmp_path):
+    decode, chunk = (make_bucket(head_dim=64, dtype="fp16", max_q_len=q, kv_len=1024) for q in (1, 512))
+    table = table_json({decode: _config(4), chunk: _config(4, 64, 32)}, target="sm90")
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(table))
+    with pytest.raises(ValueError, match="shared, chunk: expected tiles of one KV head per program.*64x32h4"):
+        read_table(path, "sm90")
+    path.write_text(json.dumps(table_json({decode: _config(4), chunk: _config(1, 64, 32)}, target="sm90")))
+    assert read_table(path, "sm90")[decode].suffix.kv_heads == 4

@@ -396,6 +396,9 @@ def check_config(cfg: AttentionConfig) -> None:
     """Structural checks every config must pass (powers of two, dot minimums); ValueError names the field."""
     check_tiles(cfg.shared, "config.shared")
     check_tiles(cfg.suffix, "config.suffix")
+    if cfg.shared.kv_heads != 1:
+        raise ValueError(f"config.shared.kv_heads: expected 1 (a shared program attends one KV head; kv_heads is the "
+                         f"decode tile's), got {cfg.shared.kv_heads!r}")
     check_launch(cfg.launch, "config.launch")
     if cfg.suffix_launch is not None:
         check_launch(cfg.suffix_launch, "config.suffix_launch")

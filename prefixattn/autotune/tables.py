@@ -143,6 +143,11 @@ def table_rows(data, target_name: str) -> dict[Bucket, AttentionConfig]:
     unused = sorted(set(tiles) - set(names[SHARED].values()) - set(suffixes.values()))
     if unused:
         raise ValueError(f"tiles: expected only tiles a row names, got unnamed {', '.join(unused)}")
+    packed = sorted({n for n in names[SHARED].values() if tiles[n][0].kv_heads != 1} |
+                    {n for n in names[CHUNK].values() if tiles[n][0].kv_heads != 1})
+    if packed:
+        raise ValueError(f"{SHARED}, {CHUNK}: expected tiles of one KV head per program (kv_heads is a decode "
+                         f"tile's), got {', '.join(packed)}")
     return {bucket: _row(tiles[names[SHARED][bucket]], tiles[suffixes[bucket]]) for bucket in names[SHARED]}
 
 
