@@ -101,8 +101,9 @@ def pow2_at_least(x: int) -> int:
 
 #: The largest padded head size (``BLOCK_D``) at which a decode program attends several KV heads
 #: (:attr:`Tiles.kv_heads`); above it, one. sm_90, bf16, LSE, the shipped 16 x 64 decode tile at 4 warps, Triton 3.9:
-#: head_dim 256 takes 212 registers at one head and spills 216 / 516 bytes at 2 / 4; at 128 and below no target
-#: spills (sm_80, sm_90, gfx90a, gfx942: 80-233 registers; compile-check).
+#: head_dim 256 takes 212 registers at one head and spills 216 / 516 bytes at 2 / 4 (Triton 3.6: 234 at 1, 2 and 4, no
+#: spill); at 128 and below no target spills under either (sm_80, sm_90, gfx90a, gfx942: 80-233 registers;
+#: compile-check).
 KV_HEADS_MAX_BLOCK_D = 128
 
 
