@@ -114,6 +114,18 @@ def packed_kv_heads(kv_heads: int, *, block_d: int, nan_guard: bool) -> int:
     return 1 if nan_guard or block_d > KV_HEADS_MAX_BLOCK_D else kv_heads
 
 
+def fitted_kv_heads(kv_heads: int, *, num_kv_heads: int, group: int, block_m: int, block_d: int,
+                    nan_guard: bool) -> int:
+    """The KV heads per decode program a plan of ``num_kv_heads`` KV heads (GQA ``group``) takes of a tile's
+    ``kv_heads``: the largest power of two up to :func:`packed_kv_heads`'s that divides ``num_kv_heads`` and leaves
+    the tile a query row (``group * heads <= block_m``). The one rule of the plan
+    (:func:`prefixattn.planner.tiles.fit_kv_heads`) and the tuner's candidates."""
+    heads = packed_kv_heads(kv_heads, block_d=block_d, nan_guard=nan_guard)
+    while heads > 1 and (num_kv_heads % heads or group * heads > block_m):
+        heads //= 2
+    return heads
+
+
 @dataclass(frozen=True, order=True)
 class Tiles:
     """``(BLOCK_M, BLOCK_N)`` of one kind of program: M packs (query row x GQA head), N is keys per step.

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from prefixattn.autotune.buckets import dtype_name
-from prefixattn.autotune.config_space import (AttentionConfig, LaunchOptions, block_d, fp8_block_n, mla_class_tiles,
-                                              packed_kv_heads)
+from prefixattn.autotune.config_space import (AttentionConfig, LaunchOptions, block_d, fitted_kv_heads, fp8_block_n,
+                                              mla_class_tiles)
 from prefixattn.autotune.lookup import READ_FIXED_ENV, select_config, selection_state
 from prefixattn.autotune.targets import get_target
 from prefixattn.kernels import layout as K
@@ -200,20 +200,18 @@ def tiles_from_configs(*, decode: AttentionConfig, chunk: AttentionConfig, head_
 
 def fit_kv_heads(tiles: AttentionTiles, *, num_kv_heads: int, group: int, nan_guard: bool) -> AttentionTiles:
     """``tiles`` with the decode class's KV heads per program fitted to a plan: the largest power of two up to the
-    table's that divides ``num_kv_heads`` and leaves the tile a query row (``group * kv_heads <= BLOCK_M``), of what
-    the binary takes (:func:`~prefixattn.autotune.config_space.packed_kv_heads`: one with the NaN guard and at large
-    head sizes). The same object when nothing changes (the planner's memos key on it)."""
-    want = tiles.decode.kv_heads
-    if want == 1:
+    table's that divides ``num_kv_heads`` and leaves the tile a query row, of what the binary takes
+    (:func:`~prefixattn.autotune.config_space.fitted_kv_heads`). The same object when nothing changes (the planner's
+    memos key on it)."""
+    if tiles.decode.kv_heads == 1:
         return tiles
     return _fit_kv_heads(tiles, num_kv_heads, group, nan_guard)
 
 
 @typed_memo(maxsize=256)
 def _fit_kv_heads(tiles: AttentionTiles, num_kv_heads: int, group: int, nan_guard: bool) -> AttentionTiles:
-    heads = packed_kv_heads(tiles.decode.kv_heads, block_d=tiles.block_d, nan_guard=nan_guard)
-    while heads > 1 and (num_kv_heads % heads or group * heads > tiles.decode.block_m):
-        heads //= 2
+    heads = fitted_kv_heads(tiles.decode.kv_heads, num_kv_heads=num_kv_heads, group=group,
+                            block_m=tiles.decode.block_m, block_d=tiles.block_d, nan_guard=nan_guard)
     if heads == tiles.decode.kv_heads:
         return tiles
     fitted = replace(tiles.decode, kv_heads=heads)

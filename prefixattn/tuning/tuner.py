@@ -20,7 +20,7 @@ from dataclasses import replace
 
 from prefixattn.autotune import cost_model, lookup
 from prefixattn.autotune.buckets import Bucket
-from prefixattn.autotune.config_space import AttentionConfig, attention_space, block_d, packed_kv_heads, prune
+from prefixattn.autotune.config_space import AttentionConfig, attention_space, block_d, fitted_kv_heads, prune
 from prefixattn.autotune.targets import Target
 from prefixattn.autotune.tuning_cache import TuningCache
 
@@ -51,12 +51,13 @@ def candidates(bucket: Bucket, target: Target, top_k: int) -> list:
 
 
 def kv_heads_variants(cfg: AttentionConfig, bucket: Bucket) -> list[AttentionConfig]:
-    """``cfg`` with each power of two from 2 KV heads per decode program that the synthetic step's
-    :data:`NUM_KV_HEADS` and the tile's lanes hold (``group * kv_heads <= BLOCK_M``), where its head size takes them
-    (:func:`~prefixattn.autotune.config_space.packed_kv_heads`)."""
+    """``cfg`` with each power of two from 2 KV heads per decode program (at most its tile's ``BLOCK_N``) that a plan
+    of the synthetic step (:data:`NUM_KV_HEADS`) keeps whole
+    (:func:`~prefixattn.autotune.config_space.fitted_kv_heads`)."""
     out, heads = [], 2
-    while (heads <= min(NUM_KV_HEADS, cfg.suffix.block_n) and bucket.group * heads <= cfg.suffix.block_m
-           and packed_kv_heads(heads, block_d=block_d(bucket.head_dim), nan_guard=False) == heads):
+    while heads <= cfg.suffix.block_n and fitted_kv_heads(
+            heads, num_kv_heads=NUM_KV_HEADS, group=bucket.group, block_m=cfg.suffix.block_m,
+            block_d=block_d(bucket.head_dim), nan_guard=False) == heads:
         out.append(replace(cfg, suffix=replace(cfg.suffix, kv_heads=heads)))
         heads *= 2
     return out
