@@ -109,8 +109,8 @@ KV_HEADS_MAX_BLOCK_D = 128
 
 def packed_kv_heads(kv_heads: int, *, block_d: int, nan_guard: bool) -> int:
     """The KV heads per program a decode binary takes of a tile's ``kv_heads`` (:attr:`Tiles.kv_heads`): one with
-    the NaN guard (its redos read one head per program) and above :data:`KV_HEADS_MAX_BLOCK_D`. The one rule of the
-    plan (:func:`prefixattn.planner.tiles.fit_kv_heads`) and compile-check."""
+    the NaN guard (its redos read one head per program) and above :data:`KV_HEADS_MAX_BLOCK_D`. The one rule of
+    :func:`fitted_kv_heads` and compile-check."""
     return 1 if nan_guard or block_d > KV_HEADS_MAX_BLOCK_D else kv_heads
 
 
