@@ -10,14 +10,14 @@ import torch
 
 from prefixattn.kernels.layout import CLASS_CHUNK, CLASS_DECODE, CLASS_SHARED, WORK_CLASSES, page_size_constexpr
 from prefixattn.kernels.prefix_attention_kernel import prefix_attention_kernel
-from prefixattn.autotune.config_space import MODEL_SWITCHES
+from prefixattn.autotune.config_space import MODEL_SWITCHES, block_d
 from prefixattn.autotune.lookup import read_fixed_env
 from prefixattn.launcher import PreparedLaunch, call_key, class_launches, own_l2_fences, prepared, remember_launch
 from prefixattn.planner.backend import backend as planner_backend
 from prefixattn.planner.device_tables import CapacityError
 from prefixattn.planner.options import _default_num_sms, _positive_int, checked_options
 from prefixattn.planner.plans import OPTION_DEFAULTS, Plan, plan, plan_with_options
-from prefixattn.planner.tiles import choose_tiles, fit_kv_heads
+from prefixattn.planner.tiles import choose_tiles, fit_kv_heads, tile_head_dim
 from prefixattn.planner.workspace import DEFAULT_MAX_SHARED_LEVELS, PlanWorkspace, class_grid_items, derive_capacity
 from prefixattn.runtime import device_one
 from prefixattn.validation import (FP8_KV_DTYPES, canonical_device, check_fp8_support, check_head_dim, check_heads,
@@ -78,6 +78,7 @@ def _check_against_plan(q, k_cache, v_cache, p: Plan, out, return_lse) -> None:
     for name, got, want in (("num_qo_heads (q dim 1)", num_qo_heads, p.num_qo_heads),
                             ("num_kv_heads (k_cache dim 2)", num_kv_heads, p.num_kv_heads),
                             ("head_dim (q dim 2)", head_dim, p.head_dim),
+                            ("v_head_dim (v_cache dim 3)", v_cache.shape[3], p.v_head_dim),
                             ("block_size (k_cache dim 1)", block_size, p.block_size)):
         if got != want:
             raise ValueError(f"{name}: expected {want} (from the plan), got {got}")
@@ -94,12 +95,22 @@ def _check_against_plan(q, k_cache, v_cache, p: Plan, out, return_lse) -> None:
                              f"{p.max_block_id}), got {cache.shape[0]}")
     if out is not None:
         check_tensor("out", out, ndim=3, dtypes=(q.dtype,))
-        if tuple(out.shape) != tuple(q.shape):
-            raise ValueError(f"out: expected shape {tuple(q.shape)} (the shape of q), got {tuple(out.shape)}")
+        if tuple(out.shape) != _out_shape(q, p):
+            raise ValueError(f"out: expected shape {_out_shape(q, p)} (q's, with the plan's v_head_dim), got "
+                             f"{tuple(out.shape)}")
         if not same_device(out.device, q.device):
             raise ValueError(f"out: expected device {q.device}, got {out.device}")
     if not isinstance(return_lse, bool):
         raise ValueError(f"return_lse: expected a bool, got {type(return_lse).__name__}")
+
+
+def _out_shape(q: torch.Tensor, p: Plan) -> tuple:
+    """The output's shape: q's rows and heads, V's head size."""
+    return (q.shape[0], q.shape[1], p.v_head_dim)
+
+
+def _new_out(q: torch.Tensor, p: Plan) -> torch.Tensor:
+    return torch.empty_like(q) if p.v_head_dim == p.head_dim else q.new_empty(_out_shape(q, p))
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: Plan, *,
@@ -117,12 +128,13 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pla
         ``num_tokens >= qo_indptr[-1]``; rows past ``qo_indptr[-1]`` (CUDA-graph padding) are neither read nor
         written.
     k_cache, v_cache : Tensor, ``[num_blocks, block_size, num_kv_heads, head_dim]``, any strides
-        dtype of q, or fp8 (``float8_e4m3fn``/``float8_e5m2``, both caches the same): upcast on load, dequantized
-        with ``k_scale``/``v_scale``, fp32 accumulation.
+        (v_cache ``[..., v_head_dim]`` with a plan's ``v_head_dim``), dtype of q, or fp8
+        (``float8_e4m3fn``/``float8_e5m2``, both caches the same): upcast on load, dequantized with
+        ``k_scale``/``v_scale``, fp32 accumulation.
     plan : Plan
         From :func:`prefixattn.plan` for this step; one plan serves every layer, one launch at a time (the plan owns
         the workspace and merge counters).
-    out : Tensor, optional, shape and dtype of q, any strides
+    out : Tensor, optional, ``[num_tokens, num_qo_heads, v_head_dim]``, dtype of q, any strides
         Written in place (only its valid rows are touched; its old contents are never read).
     return_lse : bool
         Also return the fp32 natural-log LSE ``[num_tokens, num_qo_heads]``.
@@ -137,7 +149,8 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pla
 
     Returns
     -------
-    out : Tensor, ``[num_tokens, num_qo_heads, head_dim]`` in q's dtype (and ``lse`` with ``return_lse``).
+    out : Tensor, ``[num_tokens, num_qo_heads, v_head_dim]`` in q's dtype (``v_head_dim``: the plan's, by default
+        ``head_dim``; and ``lse`` with ``return_lse``).
 
     Examples
     --------
@@ -153,7 +166,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pla
         check_fp8_support("k_cache", k_cache)
     features = _call_features(launch, plan, q, sinks, k_scale, v_scale)
     if out is None:
-        out = torch.empty_like(q)
+        out = _new_out(q, plan)
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else plan.ws_lse
     if launch is None:
         classes = plan.work_classes
@@ -193,7 +206,8 @@ def _prepare(p: Plan, key, *, out, lse, q, k_cache, v_cache, classes: tuple, gri
         items_ptr=tb["items"], gather_ptr=tb["gather"], mrows_ptr=tb["mrows"],
         block_table_ptr=p.block_table,
         num_kv_heads=p.num_kv_heads, group=p.num_qo_heads // p.num_kv_heads, head_dim=p.head_dim,
-        block_size=p.block_size, qk_scale=features["qk_scale"], soft_cap_log2=features["soft_cap_log2"],
+        v_head_dim=p.v_head_dim, block_size=p.block_size, qk_scale=features["qk_scale"],
+        soft_cap_log2=features["soft_cap_log2"],
         window_left=features["window_left"], v_scale=features["v_scale"],
         stride_o_t=so[0], stride_o_h=so[1], stride_o_d=so[2],
         stride_lse_t=sl[0], stride_lse_h=sl[1],
@@ -207,7 +221,8 @@ def _prepare(p: Plan, key, *, out, lse, q, k_cache, v_cache, classes: tuple, gri
         HAS_WINDOW=features["HAS_WINDOW"], HAS_SINKS=features["HAS_SINKS"], HAS_KV_SCALE=features["HAS_KV_SCALE"],
         USE_NAN_GUARD=p.nan_guard, USE_FP32_DOT=p.use_fp32_dot, IS_HIP=t.is_hip,
         USE_L2_FENCES=t.is_hip and q.is_cuda and own_l2_fences(q.device),
-        PAGE_SIZE=page_size_constexpr(p.block_size), BLOCK_D=t.block_d,
+        HAS_V_HEAD_DIM=p.v_head_dim != p.head_dim, PAGE_SIZE=page_size_constexpr(p.block_size),
+        BLOCK_D=block_d(p.head_dim), BLOCK_DV=block_d(p.v_head_dim),
     )
     per_class = class_launches(t, classes, grid_items, tb["ranges"], p.num_kv_heads,
                                kv_fp8=k_cache.dtype in FP8_KV_DTYPES, nan_guard=p.nan_guard,
@@ -241,8 +256,8 @@ def _launch(launch: PreparedLaunch, counters, out, lse, q, k_cache, v_cache, fea
 
 
 #: Options a CUDA-graph wrapper fixes at construction: the captured launch holds them (constexprs, scalars, tiles).
-_GRAPH_FIXED_OPTIONS = ("num_qo_heads", "num_kv_heads", "head_dim", "block_size", "q_dtype", "sm_scale", "device",
-                        "tiles", "workspace", "logits_soft_cap", "window_left", "nan_guard", "overlap")
+_GRAPH_FIXED_OPTIONS = ("num_qo_heads", "num_kv_heads", "head_dim", "v_head_dim", "block_size", "q_dtype", "sm_scale",
+                        "device", "tiles", "workspace", "logits_soft_cap", "window_left", "nan_guard", "overlap")
 #: Override values compared by type and value in :func:`_restated` (any other object: by identity).
 _PLAIN_OPTION_TYPES = (bool, int, float, str)
 _UNSET = object()
@@ -275,7 +290,7 @@ class PrefixSharedAttention:
 
     Parameters
     ----------
-    num_qo_heads, num_kv_heads, head_dim, block_size, q_dtype, kv_dtype, causal, sm_scale
+    num_qo_heads, num_kv_heads, head_dim, block_size, q_dtype, kv_dtype, causal, sm_scale, v_head_dim
         As :func:`prefixattn.plan` (``kv_dtype``: the caches' dtype, which prices the cost rule; default q_dtype).
     max_tokens, max_requests, max_blocks_per_request : int, optional
         The largest step: query rows, requests, block-table columns (all three or none). ``max_blocks_per_request=0``:
@@ -312,8 +327,9 @@ class PrefixSharedAttention:
                  max_blocks_per_request: int | None = None, device=None, use_cuda_graph: bool = False,
                  max_q_len: int = 1, max_shared_levels: int = DEFAULT_MAX_SHARED_LEVELS, max_items: int | None = None,
                  max_gather_rows: int | None = None, max_merge_rows: int | None = None,
-                 max_ws_rows: int | None = None, **plan_options) -> None:
+                 max_ws_rows: int | None = None, v_head_dim: int | None = None, **plan_options) -> None:
         self._config = dict(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                            **({} if v_head_dim is None else {"v_head_dim": v_head_dim}),
                             block_size=block_size, q_dtype=q_dtype, kv_dtype=kv_dtype, causal=causal,
                             sm_scale=sm_scale, **plan_options)
         self._plan: Plan | None = None
@@ -366,7 +382,7 @@ class PrefixSharedAttention:
         self._bound = functools.partial(derive_capacity, num_kv_heads=cfg["num_kv_heads"], num_sms=num_sms,
                                         rows_per_tile=(min(rows), max(rows)), max_shared_levels=max_shared_levels)
         capacity = self._bound(max_tokens=caps[0], max_requests=caps[1], max_blocks_per_request=caps[2], **overrides)
-        self._workspace = PlanWorkspace(capacity, num_qo_heads=cfg["num_qo_heads"], head_dim=cfg["head_dim"],
+        self._workspace = PlanWorkspace(capacity, num_qo_heads=cfg["num_qo_heads"], head_dim=self._out_head_dim(),
                                         device=device)
         if self.use_cuda_graph:
             t = self._tiles
@@ -388,12 +404,19 @@ class PrefixSharedAttention:
     # What a wrapper of another kernel (prefixattn.mla.MLAPrefixSharedAttention) replaces.
     def _check_head_dims(self) -> None:
         check_head_dim("head_dim", self._config["head_dim"])
+        if "v_head_dim" in self._config:
+            check_head_dim("v_head_dim", self._config["v_head_dim"])
+
+    def _out_head_dim(self) -> int:
+        """The output's head size (V's): the workspace's partial states have it."""
+        return self._config.get("v_head_dim", self._config["head_dim"])
 
     def _tiles_for(self, max_q_len: int):
         """The tiles of a step whose longest query chunk is ``max_q_len`` rows."""
         cfg = self._config
         group = cfg["num_qo_heads"] // cfg["num_kv_heads"]
-        tiles = choose_tiles(head_dim=cfg["head_dim"], group=group, max_q_len=max_q_len, dtype=cfg["q_dtype"])
+        tiles = choose_tiles(head_dim=tile_head_dim(cfg["head_dim"], self._out_head_dim()), group=group,
+                             max_q_len=max_q_len, dtype=cfg["q_dtype"])
         return fit_kv_heads(tiles, num_kv_heads=cfg["num_kv_heads"], group=group,
                             nan_guard=bool(cfg.get("nan_guard", OPTION_DEFAULTS["nan_guard"])))
 
@@ -516,6 +539,8 @@ class PrefixSharedAttention:
                 raise ValueError(f"sharing: expected 'never' with use_cuda_graph=True and sharing='never' at "
                                  f"construction (the launch has no shared branch), got {overrides['sharing']!r}")
         options, per_call, default_blocks = self._step_options(overrides)
+        if overrides:
+            self._check_workspace_shape(options)
         if num_blocks is None:
             num_blocks = default_blocks
         try:
@@ -528,6 +553,16 @@ class PrefixSharedAttention:
                                          **per_call, num_blocks=num_blocks, device_block_table=device_block_table)
             unshared.counts["capacity_fallback"] = str(err)
             return unshared
+
+    def _check_workspace_shape(self, options) -> None:
+        """A step's query heads and output head size are the workspace's (its partial states and merge counters
+        have them): an override of either would make the kernel write past its rows."""
+        ws = self._workspace
+        for name, got, want in (("num_qo_heads", options.num_qo_heads, ws.num_qo_heads),
+                                ("v_head_dim (the output's head size: head_dim unless given)", options.v_head_dim,
+                                 ws.ws_o.shape[2])):
+            if got != want:
+                raise ValueError(f"{name}: expected {want} (the workspace's, fixed at construction), got {got}")
 
     def _step_options(self, overrides: dict) -> tuple:
         """``(PlanOptions, other plan() arguments, num_blocks of the options or None)`` of a step with ``overrides``.
@@ -580,7 +615,7 @@ class PrefixSharedAttention:
         # sinks and tensor scales are read by pointer: capture with the tensors every replay passes (the layer's own)
         features = _call_features(launch, p, q, sinks, k_scale, v_scale)
         if out is None:
-            out = torch.empty_like(q)
+            out = _new_out(q, p)
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else ws.ws_lse
         if launch is None:
             # The workspace's whole buffers, not the plan's live views: a view with no rows has data_ptr 0, which a

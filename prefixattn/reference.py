@@ -26,6 +26,7 @@ def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         Query rows; request ``r`` owns rows ``qo_indptr[r]:qo_indptr[r+1]``.
     k_cache, v_cache : Tensor, ``[num_blocks, block_size, num_kv_heads, head_dim]``, dtype of ``q`` or fp8
         Paged KV cache, any strides (engine layouts can be passed as views). ``block_size == 1`` is a token pool.
+        ``v_cache`` may have a head size of its own (``[..., v_head_dim]``), which the output takes.
         fp8 (e4m3fn/e5m2) caches are dequantized as ``k_cache * k_scale``, ``v_cache * v_scale``.
     qo_indptr : Tensor, ``[num_requests + 1]``, int32/int64
         Row offsets of each request's queries; starts at 0, non-decreasing.
@@ -54,7 +55,7 @@ def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
     Returns
     -------
-    out : Tensor, ``[num_tokens, num_qo_heads, head_dim]``, ``compute_dtype``
+    out : Tensor, ``[num_tokens, num_qo_heads, v_head_dim]`` (V's head size), ``compute_dtype``
         A row with no visible KV is 0. NaN in, NaN out: NaN in a query row, or in a K/V row it sees, gives NaN
         (a causally hidden position never reaches a row, NaN or not).
     lse : Tensor, ``[num_tokens, num_qo_heads]``, ``compute_dtype`` (only with ``return_lse``)
@@ -77,7 +78,7 @@ def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                           k_scale=k_scale, v_scale=v_scale, compute_dtype=compute_dtype, device=q.device)
     acc = opts.dtype
     sink_logits = None if sinks is None else sinks.to(acc)
-    out = torch.zeros(q.shape, dtype=acc, device=q.device)
+    out = torch.zeros((*q.shape[:2], v_cache.shape[3]), dtype=acc, device=q.device)
     lse = torch.full(q.shape[:2], -math.inf, dtype=acc, device=q.device)
     if sink_logits is not None:  # rows that see nothing still have the sink: (0, sink)
         lse[:] = sink_logits
@@ -133,9 +134,9 @@ def _request_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
 
 def _dequantized_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, *, block_ids: torch.Tensor, kv_len: int,
                     group: int, opts: _Options) -> tuple[torch.Tensor, torch.Tensor]:
-    """One request's K and V, ``[kv_len, num_qo_heads, head_dim]``: position ``p`` read from block
-    ``block_ids[p // block_size]``, row ``p % block_size``, each KV head repeated for its ``group`` query heads,
-    times ``k_scale`` / ``v_scale`` (fp8 dequantization; 1 when not given), in ``opts.dtype``."""
+    """One request's K and V, ``[kv_len, num_qo_heads, head_dim]`` (V: its own head size): position ``p`` read from
+    block ``block_ids[p // block_size]``, row ``p % block_size``, each KV head repeated for its ``group`` query
+    heads, times ``k_scale`` / ``v_scale`` (fp8 dequantization; 1 when not given), in ``opts.dtype``."""
     block_size = k_cache.shape[1]
     pos = torch.arange(kv_len, device=k_cache.device)
     blocks = block_ids.to(k_cache.device)[pos // block_size]

@@ -179,13 +179,15 @@ def check_heads(num_qo_heads: int, num_kv_heads: int) -> None:
 
 
 def check_qkv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int, int]:
-    """Shapes/dtypes of q and the paged caches. Returns (num_qo_heads, num_kv_heads, head_dim, block_size)."""
+    """Shapes/dtypes of q and the paged caches (v_cache may have its own head size: ``v_cache.shape[3]``). Returns
+    (num_qo_heads, num_kv_heads, head_dim, block_size)."""
     check_tensor("q", q, ndim=3, dtypes=SUPPORTED_DTYPES)
     check_tensor("k_cache", k_cache, ndim=4, dtypes=KV_CACHE_DTYPES)
     check_tensor("v_cache", v_cache, ndim=4, dtypes=KV_CACHE_DTYPES)
     check_same_device(q=q, k_cache=k_cache, v_cache=v_cache)
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(f"v_cache: expected the shape of k_cache {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
+    if k_cache.shape[:3] != v_cache.shape[:3]:
+        raise ValueError(f"v_cache: expected the blocks, block size and KV heads of k_cache {tuple(k_cache.shape[:3])} "
+                         f"in dims 0-2, got {tuple(v_cache.shape[:3])}")
     # fp8 caches are dequantized in the kernel; any other cache dtype must be q's (an fp16 cache read as bf16, or
     # an fp32 one as fp16, would be rounded or overflow silently in the kernel's dots).
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):

@@ -42,7 +42,7 @@ from prefixattn.autotune.lookup import fixed_config, planning_target, select_con
 from prefixattn.kernels.layout import CLASS_CHUNK, CLASS_DECODE, CLASS_SHARED, WORK_CLASSES, page_size_constexpr
 from prefixattn.planner.backend import planner_name
 from prefixattn.planner.plans import compile_planner, plan
-from prefixattn.planner.tiles import ClassTiles, choose_tiles, fit_kv_heads
+from prefixattn.planner.tiles import ClassTiles, choose_tiles, fit_kv_heads, tile_head_dim
 from prefixattn.prefix_attention import attention
 from prefixattn.runtime import interpreter_enabled
 from prefixattn.validation import FP8_KV_DTYPES, SUPPORTED_DTYPES, check_head_dim, check_heads, torch_dtype_name
@@ -85,6 +85,8 @@ class KernelVariant:
     has_kv_scale: bool = False
     #: An AMD binary (its launch takes the HIP knobs; the fp8 warps rule is NVIDIA's).
     is_hip: bool = False
+    #: V's head size where it differs from ``head_dim`` (``plan(v_head_dim=...)``: a binary of its own); None: the same.
+    v_head_dim: int | None = None
 
     @property
     def cache_dtype(self) -> torch.dtype:
@@ -98,12 +100,13 @@ class KernelVariant:
         dt = torch_dtype_name(self.dtype)
         if self.cache_dtype != self.dtype:
             dt += f" kv {torch_dtype_name(self.cache_dtype)}"
-        geometry = f"{dt} h{self.num_qo_heads}/{self.num_kv_heads} d{self.head_dim}"
+        geometry = f"{dt} h{self.num_qo_heads}/{self.num_kv_heads} d{self.head_dim}" + (
+            f" v{self.v_head_dim}" if self.v_head_dim else "")
         if self.kernel == KV_WRITE:
             return f"{KV_WRITE} {geometry} slots {torch_dtype_name(self.slot_dtype)}"
         t = self.tiles
         shared = self.work_class == CLASS_SHARED
-        bd = block_d(self.head_dim)
+        bd = block_d(tile_head_dim(self.head_dim, self.v_head_dim or self.head_dim))  # the plan's tiles.block_d
         lo = t.launch.for_kv(has_shared=shared, kv_fp8=self.kv_fp8, is_hip=self.is_hip, block_d=bd,
                              block_m=t.block_m, block_n=t.block_n)
         block_n = fp8_block_n(t.block_m, t.block_n, kv_fp8=self.kv_fp8, block_d=bd, has_shared=shared,
@@ -182,12 +185,15 @@ def query_len_buckets(max_q_len: int) -> list[int]:
     return sorted(set(lens) | {top})
 
 
-def _check_config(num_qo_heads, num_kv_heads, head_dim, block_size, dtypes) -> tuple[torch.dtype, ...]:
+def _check_config(num_qo_heads, num_kv_heads, head_dim, block_size, dtypes,
+                  v_head_dim=None) -> tuple[torch.dtype, ...]:
     for name, v in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads), ("block_size", block_size)):
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"{name}: expected a positive int, got {v!r}")
     check_heads(num_qo_heads, num_kv_heads)
     check_head_dim("head_dim", head_dim)
+    if v_head_dim is not None:
+        check_head_dim("v_head_dim", v_head_dim)
     return checked_dtypes(dtypes)
 
 
@@ -221,13 +227,15 @@ def dtype_pairs(dtypes: tuple[torch.dtype, ...], kv_dtypes) -> list[tuple[torch.
 
 def attention_variants(*, num_qo_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtypes,
                        max_q_len: int = 1, with_lse: bool = False, target="auto", kv_dtypes=None,
-                       fp8_kv_scales=(True,)) -> list[KernelVariant]:
+                       fp8_kv_scales=(True,), v_head_dim: int | None = None) -> list[KernelVariant]:
     """The fused-kernel binaries steps of this configuration can launch (see the module docstring).
 
     Parameters
     ----------
     num_qo_heads, num_kv_heads, head_dim, block_size : int
         Per-rank heads of the model and the cache's block size.
+    v_head_dim : int, optional
+        V's head size, where the plans set one of its own (``plan(v_head_dim=...)``).
     dtypes : torch.dtype or sequence of them
         Model dtypes (q's; the caches' too unless ``kv_dtypes``).
     max_q_len : int
@@ -247,9 +255,11 @@ def attention_variants(*, num_qo_heads: int, num_kv_heads: int, head_dim: int, b
     -------
     list of KernelVariant, in dtype, cache dtype, query-length and work-class order, without duplicates.
     """
-    dtypes = _check_config(num_qo_heads, num_kv_heads, head_dim, block_size, dtypes)
+    dtypes = _check_config(num_qo_heads, num_kv_heads, head_dim, block_size, dtypes, v_head_dim)
     pairs = dtype_pairs(dtypes, kv_dtypes)
     group = num_qo_heads // num_kv_heads
+    own_v = v_head_dim if v_head_dim not in (None, head_dim) else None
+    tiles_d = tile_head_dim(head_dim, own_v or head_dim)
     found: dict = {}
     with planning_target(target):
         for dtype, kv_dtype in pairs:
@@ -257,10 +267,10 @@ def attention_variants(*, num_qo_heads: int, num_kv_heads: int, head_dim: int, b
             scale_switches = tuple(dict.fromkeys(bool(x) for x in fp8_kv_scales)) if fp8 else (False,)
             for q_len in query_len_buckets(max_q_len):
                 # The same calls plan() makes (choose_tiles memoizes select_config's answers per bucket).
-                tiles = fit_kv_heads(choose_tiles(head_dim=head_dim, group=group, max_q_len=q_len, dtype=dtype),
+                tiles = fit_kv_heads(choose_tiles(head_dim=tiles_d, group=group, max_q_len=q_len, dtype=dtype),
                                      num_kv_heads=num_kv_heads, group=group, nan_guard=False)
-                decode = select_config(head_dim=head_dim, dtype=dtype, group=group, max_q_len=1).config
-                chunk = select_config(head_dim=head_dim, dtype=dtype, group=group, max_q_len=q_len).config
+                decode = select_config(head_dim=tiles_d, dtype=dtype, group=group, max_q_len=1).config
+                chunk = select_config(head_dim=tiles_d, dtype=dtype, group=group, max_q_len=q_len).config
                 # A step of this bucket runs chunk tiles only when its chunks pass a decode tile's rows (and they
                 # have a binary of their own).
                 chunks = q_len > tiles.rows_per_decode_tile(group) and tiles.chunk != tiles.decode
@@ -277,7 +287,7 @@ def attention_variants(*, num_qo_heads: int, num_kv_heads: int, head_dim: int, b
                         head_dim=head_dim, block_size=block_size, work_class=work_class, has_lse=has_lse,
                         tiles=tiles.of(work_class), config=chunk if work_class == CLASS_CHUNK else decode,
                         max_q_lens=(q_len,), kv_dtype=None if kv_dtype == dtype else kv_dtype,
-                        has_kv_scale=has_kv_scale, is_hip=tiles.is_hip)
+                        has_kv_scale=has_kv_scale, is_hip=tiles.is_hip, v_head_dim=own_v)
     return list(found.values())
 
 
@@ -296,13 +306,17 @@ def kv_write_variants(*, num_qo_heads: int, num_kv_heads: int, head_dim: int, bl
 def kernel_variants(*, num_qo_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtypes,
                     max_q_len: int = 1, with_lse: bool = False, kv_write: bool = False,
                     slot_dtype: torch.dtype = torch.int64, target="auto", kv_dtypes=None,
-                    fp8_kv_scales=(True,)) -> list[KernelVariant]:
+                    fp8_kv_scales=(True,), v_head_dim: int | None = None) -> list[KernelVariant]:
     """Every binary :func:`warmup_kernels` would compile: :func:`attention_variants`, plus
-    :func:`kv_write_variants` when the engine writes K/V with :func:`prefixattn.write_kv` (``kv_write``)."""
+    :func:`kv_write_variants` when the engine writes K/V with :func:`prefixattn.write_kv` (``kv_write``; K and V of
+    one head size)."""
     geometry = dict(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
                     dtypes=dtypes, kv_dtypes=kv_dtypes)
+    if kv_write and v_head_dim not in (None, head_dim):
+        raise ValueError(f"kv_write: expected False with a v_head_dim of its own (write_kv writes K and V of one "
+                         f"head size), got True with v_head_dim={v_head_dim}")
     variants = attention_variants(**geometry, max_q_len=max_q_len, with_lse=with_lse, target=target,
-                                  fp8_kv_scales=fp8_kv_scales)
+                                  fp8_kv_scales=fp8_kv_scales, v_head_dim=v_head_dim)
     if kv_write:
         variants += kv_write_variants(**geometry, slot_dtype=slot_dtype)
     return variants
@@ -338,13 +352,14 @@ def _rows(v: KernelVariant, num_tokens: int, layout: WarmupLayout, device) -> tu
 
 
 def _caches(v: KernelVariant, layout: WarmupLayout, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zero K and V caches ``[blocks, block_size, Hkv, D]`` in ``layout`` and the variant's cache dtype."""
-    shape = (WARMUP_BLOCKS, v.block_size, v.num_kv_heads, v.head_dim)
+    """Zero K and V caches ``[blocks, block_size, Hkv, D]`` (V: ``v_head_dim``) in ``layout`` and the variant's cache
+    dtype."""
+    blocks, d, dv = (WARMUP_BLOCKS, v.block_size, v.num_kv_heads), v.head_dim, v.v_head_dim or v.head_dim
     dt = v.cache_dtype
     if layout.kv_interleaved:
-        kv = torch.zeros(shape[:-1] + (2 * v.head_dim,), dtype=dt, device=device)
-        return kv[..., :v.head_dim], kv[..., v.head_dim:]
-    return torch.zeros(shape, dtype=dt, device=device), torch.zeros(shape, dtype=dt, device=device)
+        kv = torch.zeros(blocks + (d + dv,), dtype=dt, device=device)
+        return kv[..., :d], kv[..., d:]
+    return torch.zeros(blocks + (d,), dtype=dt, device=device), torch.zeros(blocks + (dv,), dtype=dt, device=device)
 
 
 def _scales(v: KernelVariant, device) -> dict:
@@ -360,7 +375,7 @@ def _launch_attention(v: KernelVariant, layout: WarmupLayout, device: torch.devi
     with fixed_config(v.config):
         p = plan(*warmup_step(v.work_class, bs, v.tiles.rows(v.num_qo_heads // v.num_kv_heads) + 1), block_size=bs,
                  num_qo_heads=v.num_qo_heads, num_kv_heads=v.num_kv_heads, head_dim=v.head_dim,
-                 q_dtype=v.dtype, kv_dtype=v.cache_dtype, device=device,
+                 v_head_dim=v.v_head_dim, q_dtype=v.dtype, kv_dtype=v.cache_dtype, device=device,
                  sharing="always" if v.work_class == CLASS_SHARED else "never")
     # A binary is its kind of item and its tiles: under the pinned config the chunk tiles run in the decode class
     # (one binary serves both), which compiles the same binary.
@@ -456,12 +471,13 @@ def _skipped(variants: list[KernelVariant], why: str) -> WarmupReport:
 def warmup_kernels(*, num_qo_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtypes=torch.float16,
            max_q_len: int = 1, with_lse: bool = False, kv_write: bool = False,
            slot_dtype: torch.dtype = torch.int64, layout: WarmupLayout = WarmupLayout(), device=None,
-           run_in_interpreter: bool = False, kv_dtypes=None, fp8_kv_scales=(True,)) -> WarmupReport:
+           run_in_interpreter: bool = False, kv_dtypes=None, fp8_kv_scales=(True,),
+           v_head_dim: int | None = None) -> WarmupReport:
     """Compile every kernel variant this configuration uses (see :func:`kernel_variants`) by launching each once.
 
     Parameters
     ----------
-    num_qo_heads, num_kv_heads, head_dim, block_size, dtypes, max_q_len, with_lse, kv_write, slot_dtype
+    num_qo_heads, num_kv_heads, head_dim, block_size, dtypes, max_q_len, with_lse, kv_write, slot_dtype, v_head_dim
         As in :func:`kernel_variants`.
     kv_dtypes, fp8_kv_scales
         The KV caches' dtypes (default: the dtypes of q) and, for fp8 caches, whether launches pass per-tensor
@@ -492,7 +508,7 @@ def warmup_kernels(*, num_qo_heads: int, num_kv_heads: int, head_dim: int, block
     variants = kernel_variants(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                                block_size=block_size, dtypes=dtypes, max_q_len=max_q_len, with_lse=with_lse,
                                kv_write=kv_write, slot_dtype=slot_dtype, kv_dtypes=kv_dtypes,
-                               fp8_kv_scales=fp8_kv_scales)
+                               fp8_kv_scales=fp8_kv_scales, v_head_dim=v_head_dim)
     return run_warmup(variants, launch=lambda v, dev: (_launch_kv_write if v.kernel == KV_WRITE else
                                                        _launch_attention)(v, layout, dev),
                       kernel_of=_kernel_of, device=device, run_in_interpreter=run_in_interpreter)

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The oldest supported Triton (3.6.0: the GPU image's) in its own venv .venv-triton36 (~60 s to create, ~2 min to run):
-#   - the fused kernel (its decode programs with several KV heads too), merge kernel, K/V write and warm-up tests in
-#     Triton 3.6's interpreter (tests/test_attention.py, tests/test_kv_heads.py, tests/test_merge_states.py,
-#     tests/test_runtime.py, tests/test_kv_write.py, tests/test_warmup.py), the prepared launch against this
-#     Triton's own JIT and compiled launcher (tests/test_launcher.py, test_launcher_compile.py)
-#     and, under 3.6 only, the GPU check's dry run (tests/test_gpu_check_dry_run.py);
+#   - the fused kernel (decode programs with several KV heads, values of their own head size), merge kernel, K/V
+#     write and warm-up tests in Triton 3.6's interpreter (tests/test_attention.py, tests/test_kv_heads.py,
+#     tests/test_v_head_dim.py, tests/test_merge_states.py, tests/test_runtime.py, tests/test_kv_write.py,
+#     tests/test_warmup.py), the prepared launch against this Triton's own JIT and compiled launcher
+#     (tests/test_launcher.py, test_launcher_compile.py) and, under 3.6 only, the GPU check's dry run
+#     (tests/test_gpu_check_dry_run.py);
 #   - `prefixattn compile-check` for sm90 (bf16, head_dim 64 and 128: decode, chunked prefill, suffix-only, merges),
 #     i.e. Triton 3.6's own compiler and ptxas on the kernels the GPU machine will run, and for gfx942 (head_dim 128);
 #     under 3.6 the MLA kernel's sm90 binaries too; another Triton only sm90 at head_dim 128.
@@ -39,8 +40,8 @@ dry_run=()
 [ "$version" = "3.6.0" ] && dry_run=(tests/test_gpu_check_dry_run.py
   --deselect tests/test_gpu_check_dry_run.py::test_tile_sweep_dry_run_times_every_candidate_on_every_shape)
 # Triton 3.6's interpreter warns (NumPy DeprecationWarning) at every scalar loop bound: thousands of lines, no news.
-"$VENV/bin/python" -m pytest tests/test_attention.py tests/test_kv_heads.py tests/test_merge_states.py \
-  tests/test_runtime.py tests/test_kv_write.py tests/test_warmup.py tests/test_launcher.py \
+"$VENV/bin/python" -m pytest tests/test_attention.py tests/test_kv_heads.py tests/test_v_head_dim.py \
+  tests/test_merge_states.py tests/test_runtime.py tests/test_kv_write.py tests/test_warmup.py tests/test_launcher.py \
   tests/test_launcher_compile.py \
   tests/test_launch_specialization.py tests/test_attention_compile.py::test_merge_reports_are_ordered_on_amd \
   "${dry_run[@]}" -q \

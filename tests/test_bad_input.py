@@ -52,8 +52,9 @@ def test_plan_for_a_bigger_cache_then_a_smaller_one_is_refused(device):
 def test_v_cache_smaller_than_k_cache_is_refused(device):
     p, q = _one_request([[0, 1, 3]])
     k, _ = _cache(4)
-    # Same shape rule as k_cache (check_qkv): a smaller v_cache is caught there, before the block-id check.
-    with pytest.raises(ValueError, match="v_cache: expected the shape of k_cache"):
+    # The blocks, block size and KV heads of k_cache (check_qkv): a smaller v_cache is caught there, before the
+    # block-id check.
+    with pytest.raises(ValueError, match="v_cache: expected the blocks, block size and KV heads of k_cache"):
         attention(q.to(device), k.to(device), k[:2].to(device), p)
 
 

@@ -20,7 +20,7 @@ from prefixattn.validation import SUPPORTED_HEAD_DIMS, torch_dtype_name
 HELP = "compile every kernel variant a model configuration uses (heads, head size, dtype, block size) before serving"
 #: What ``--mla`` needs and what it does not take.
 _MHA_ONLY = (("num_kv_heads", "--num-kv-heads"), ("head_dim", "--head-dim"), ("kv_write", "--kv-write"),
-             ("layout", "--layout"))
+             ("layout", "--layout"), ("v_head_dim", "--v-head-dim"))
 
 #: ``--dtype`` names.
 _DTYPES = ("fp16", "bf16", "fp32")
@@ -56,6 +56,8 @@ def add_arguments(parser) -> None:
                         help="KV heads per GPU (after TP); required unless --mla")
     parser.add_argument("--head-dim", type=int, default=None, choices=SUPPORTED_HEAD_DIMS,
                         help="required unless --mla")
+    parser.add_argument("--v-head-dim", type=int, default=None, choices=SUPPORTED_HEAD_DIMS,
+                        help="V's head size where it differs from --head-dim (plan(v_head_dim=...))")
     parser.add_argument("--mla", action="store_true",
                         help="an MLA model (DeepSeek-V2/V3/R1, Kimi-K2): the MLA kernel's variants over a latent "
                              "cache of --kv-lora-rank + --rope-dim per token")
@@ -95,7 +97,7 @@ def _as_json(results, mode: str, planner: dict) -> str:
             row.update(num_heads=v.num_heads, kv_lora_rank=v.kv_lora_rank, rope_dim=v.rope_dim)
         else:
             row.update(num_qo_heads=v.num_qo_heads, num_kv_heads=v.num_kv_heads, head_dim=v.head_dim,
-                       max_q_lens=list(v.max_q_lens))
+                       v_head_dim=v.v_head_dim or v.head_dim, max_q_lens=list(v.max_q_lens))
         row.update(description=v.describe(), status=r.status, seconds=round(r.seconds, 3), error=r.error)
         if getattr(v, "config", None) is not None:
             row["config"] = v.config.to_dict()
@@ -131,7 +133,7 @@ def run(args) -> int:
         config = dict(common, num_heads=args.num_qo_heads, kv_lora_rank=args.kv_lora_rank, rope_dim=args.rope_dim)
     else:
         config = dict(common, num_qo_heads=args.num_qo_heads, num_kv_heads=args.num_kv_heads,
-                      head_dim=args.head_dim, kv_write=args.kv_write)
+                      head_dim=args.head_dim, kv_write=args.kv_write, v_head_dim=args.v_head_dim)
     try:
         if args.dry_run or args.target is not None:
             if args.mla:

@@ -162,7 +162,7 @@ def mla_attention_kernel(
     ws_o = RowsHeadsDim(ptr=ws_o_ptr, stride_t=stride_ws_t, stride_h=stride_ws_h, stride_d=stride_ws_d)
     ws_lse = RowsHeads(ptr=ws_lse_ptr, stride_t=stride_wl_t, stride_h=stride_wl_h)
     kv = PagedKV(k_ptr=kv_cache_ptr, v_ptr=kv_cache_ptr, block_table_ptr=block_table_ptr, stride_bt_r=stride_bt_r,
-                 block_size=block_size, head_dim=kv_lora_rank,
+                 block_size=block_size, head_dim=kv_lora_rank, v_head_dim=kv_lora_rank,
                  stride_k_blk=stride_kv_blk, stride_k_tok=stride_kv_tok, stride_k_head=0, stride_k_d=stride_kv_d,
                  stride_v_blk=stride_kv_blk, stride_v_tok=stride_kv_tok, stride_v_head=0, stride_v_d=stride_kv_d)
     work = WorkTables(items_ptr=items_ptr, gather_ptr=gather_ptr, mrows_ptr=mrows_ptr, counters_ptr=counters_ptr)

@@ -22,7 +22,7 @@ NAN_REDO_BY_LANE_TILE: tl.constexpr = tl.constexpr(64 * 256)
 
 @triton.jit
 def _redo_bad_rows(
-    acc,  # [BLOCK_M, BLOCK_D] fp32 tiled result (un-normalized)
+    acc,  # [BLOCK_M, BLOCK_DV] fp32 tiled result (un-normalized)
     bad,  # [BLOCK_M] rows whose tiled result came out non-finite
     queries, tok, head,  # RowsHeadsDim of q; each lane's row and head
     q_pos,  # [BLOCK_M] KV position of each lane's query
@@ -32,6 +32,7 @@ def _redo_bad_rows(
     kv_head, kv_lo, kv_hi,
     score,  # ScoreRule
     HAS_SOFT_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
 ):
     """``acc`` with the ``bad`` lanes (query row x head) redone over [kv_lo, kv_hi) one key at a time, each key's
     value added only to the lanes that weigh it: the reference's per-key sum. A non-finite V at a key hidden from a
@@ -45,11 +46,13 @@ def _redo_bad_rows(
     4 warps) and 216 in the chunk class (64 x 32, 8 warps); now none (Triton 3.9)."""
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < kv.head_dim
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_dv = offs_dv < kv.v_head_dim
     m_shift = tl.where(m_i == float("-inf"), 0.0, m_i)
     acc = tl.where(bad[:, None], 0.0, acc)
     for key in range(kv_lo, kv_hi):
         k, v = _kv_rows_at(kv=kv, block_row_ptr=block_row_ptr, key=key, kv_head=kv_head, offs_d=offs_d, mask_d=mask_d,
-                           PAGE_SIZE=PAGE_SIZE)
+                           offs_dv=offs_dv, mask_dv=mask_dv, PAGE_SIZE=PAGE_SIZE)
         # The bad rows' queries, read again for each key from addresses that name the key (always true here), so
         # neither the load nor its addresses are hoisted: no query tile or pointer tile is live across the loops.
         live = tl.where(key < kv_hi, bad, False)  # (bad & scalar: a mask the interpreter cannot read)
@@ -69,7 +72,7 @@ def _redo_bad_rows(
 
 @triton.jit
 def _redo_lane_by_lane(
-    acc,  # [BLOCK_M, BLOCK_D] fp32 tiled result (un-normalized)
+    acc,  # [BLOCK_M, BLOCK_DV] fp32 tiled result (un-normalized)
     bad,  # [BLOCK_M] rows whose tiled result came out non-finite
     m_i,  # [BLOCK_M] final running maximum (log2 units): V never changes it
     queries,  # RowsHeadsDim of q
@@ -78,10 +81,10 @@ def _redo_lane_by_lane(
     kv_head, group,
     score,  # ScoreRule
     HAS_SOFT_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """:func:`_redo_bad_rows` for tiles of :data:`NAN_REDO_BY_LANE_TILE` elements or more: one bad lane at a time, key
-    by key, so that beside ``acc`` only ``BLOCK_D`` vectors are live (the lane's query, one K and V row, its sum),
+    by key, so that beside ``acc`` only head vectors are live (the lane's query, one K and V row, its sum),
     never a ``BLOCK_M x BLOCK_D`` query or product tile; the item's fields are read again here, so nothing the redo
     needs is held across the KV loops. Its cost: a pass over the item's keys per bad lane."""
     # The item read again, volatile (a plain load merges with the one before the KV loops): nothing the redo needs
@@ -96,6 +99,8 @@ def _redo_lane_by_lane(
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < kv.head_dim
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_dv = offs_dv < kv.v_head_dim
     m_shift = tl.where(m_i == float("-inf"), 0.0, m_i)
     for lane in range(0, BLOCK_M):
         this = offs_m == lane
@@ -107,10 +112,10 @@ def _redo_lane_by_lane(
             lane_m = tl.sum(tl.where(this, m_shift, 0.0), 0)
             q = tl.load(queries.ptr + lane_tok * queries.stride_t + lane_head * queries.stride_h
                         + offs_d * queries.stride_d, mask=mask_d, other=0.0).to(tl.float32)
-            row = tl.zeros([BLOCK_D], tl.float32)
+            row = tl.zeros([BLOCK_DV], tl.float32)
             for key in range(kv_lo, kv_hi):
                 k, v = _kv_rows_at(kv=kv, block_row_ptr=block_row_ptr, key=key, kv_head=kv_head, offs_d=offs_d,
-                                   mask_d=mask_d, PAGE_SIZE=PAGE_SIZE)
+                                   mask_d=mask_d, offs_dv=offs_dv, mask_dv=mask_dv, PAGE_SIZE=PAGE_SIZE)
                 # fp32 products: exact for 16-bit and fp8 inputs.
                 s = tl.sum(k.to(tl.float32) * q, 0) * score.qk_scale
                 if HAS_SOFT_CAP:

@@ -36,8 +36,8 @@ class RowsHeads(NamedTuple):
 
 
 class PagedKV(NamedTuple):
-    """The paged K/V cache: K and V ``[num_blocks, block_size, num_kv_heads, head_dim]`` (dtype of q or fp8) and the
-    block table ``[num_requests, max_blocks]`` that maps a request's KV positions to blocks."""
+    """The paged K/V cache: K ``[num_blocks, block_size, num_kv_heads, head_dim]`` and V ``[..., v_head_dim]`` (dtype
+    of q or fp8) and the block table ``[num_requests, max_blocks]`` that maps a request's KV positions to blocks."""
 
     k_ptr: tl.tensor
     v_ptr: tl.tensor
@@ -45,6 +45,7 @@ class PagedKV(NamedTuple):
     stride_bt_r: tl.tensor
     block_size: tl.tensor
     head_dim: tl.tensor
+    v_head_dim: tl.tensor  # V's head size (and the output's)
     stride_k_blk: tl.tensor
     stride_k_tok: tl.tensor
     stride_k_head: tl.tensor
@@ -123,10 +124,12 @@ def _kv_rows_at(
     kv,  # PagedKV
     block_row_ptr,  # [max_blocks]
     key, kv_head,
-    offs_d, mask_d,  # [BLOCK_D] dims and the live ones
+    offs_d, mask_d,  # [BLOCK_D] K's dims and the live ones
+    offs_dv, mask_dv,  # [BLOCK_DV] V's dims and the live ones
     PAGE_SIZE: tl.constexpr,
 ):
-    """The K and V rows ``[BLOCK_D]`` (cache dtype) of one KV position: the NaN guard's redos read one key at a time."""
+    """The K row ``[BLOCK_D]`` and V row ``[BLOCK_DV]`` (cache dtype) of one KV position: the NaN guard's redos read one
+    key at a time."""
     page, slot = _page_and_slot(pos=key, block_size=kv.block_size, PAGE_SIZE=PAGE_SIZE)
     blk = tl.load(block_row_ptr + page).to(tl.int64)
     slot = slot.to(tl.int64)
@@ -134,5 +137,5 @@ def _kv_rows_at(
     k = tl.load(kv.k_ptr + blk * kv.stride_k_blk + slot * kv.stride_k_tok + kv_head * kv.stride_k_head
                 + offs_d * kv.stride_k_d, mask=mask_d, other=0.0)
     v = tl.load(kv.v_ptr + blk * kv.stride_v_blk + slot * kv.stride_v_tok + kv_head * kv.stride_v_head
-                + offs_d * kv.stride_v_d, mask=mask_d, other=0.0)
+                + offs_dv * kv.stride_v_d, mask=mask_dv, other=0.0)
     return k, v

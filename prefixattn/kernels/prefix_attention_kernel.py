@@ -63,7 +63,7 @@ def _past_gap(start, gap_lo, gap, HAS_GAP: tl.constexpr):
 
 @triton.jit
 def _attend_range(
-    acc, m_i, l_i,  # running state: [BLOCK_M, BLOCK_D] fp32, [BLOCK_M] fp32 (log2 units), [BLOCK_M] fp32
+    acc, m_i, l_i,  # running state: [BLOCK_M, BLOCK_DV] fp32, [BLOCK_M] fp32 (log2 units), [BLOCK_M] fp32
     q,  # [BLOCK_M, BLOCK_D] query tile in the dot dtype (scores are scaled after the dot: one rounding less)
     q_pos,  # [BLOCK_M] KV position of each lane's query: its last visible key (APPLY_CAUSAL), window from it
     kv,  # PagedKV
@@ -75,7 +75,7 @@ def _attend_range(
     score,  # ScoreRule (qk_scale >= 0 or NaN)
     HAS_MASKED_KEYS: tl.constexpr, APPLY_CAUSAL: tl.constexpr, APPLY_WINDOW: tl.constexpr, HAS_GAP: tl.constexpr,
     HAS_SOFT_CAP: tl.constexpr, USE_FP32_DOT: tl.constexpr, PAGE_SIZE: tl.constexpr, KV_HEADS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """Online softmax over KV positions [kv_lo, kv_hi), fp32 accumulation; the only copy of the attention math.
     ``HAS_MASKED_KEYS`` False: the range is whole ``BLOCK_N`` tiles every row sees (no key masked, no load masked
@@ -90,6 +90,8 @@ def _attend_range(
     offs_n = tl.arange(0, BLOCK_N * KV_HEADS)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < kv.head_dim
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_dv = offs_dv < kv.v_head_dim  # mask_d itself where V has K's head size (the same value: one mask)
     if KV_HEADS > 1:
         col_kv = offs_n % KV_HEADS
         offs_n = offs_n // KV_HEADS  # the columns' positions from the step's first
@@ -137,13 +139,15 @@ def _attend_range(
         v_off = blk * kv.stride_v_blk + slot * kv.stride_v_tok + v_head
         if HAS_MASKED_KEYS:
             in_range = pos < kv_hi
-            kv_mask = in_range[:, None] & mask_d[None, :]
+            k_mask = in_range[:, None] & mask_d[None, :]
+            v_mask = in_range[:, None] & mask_dv[None, :]
         else:
-            kv_mask = mask_d[None, :]
-        k = tl.load(kv.k_ptr + k_off[:, None] + offs_d[None, :] * kv.stride_k_d, mask=kv_mask,
+            k_mask = mask_d[None, :]
+            v_mask = mask_dv[None, :]
+        k = tl.load(kv.k_ptr + k_off[:, None] + offs_d[None, :] * kv.stride_k_d, mask=k_mask,
                     other=0.0)  # [BLOCK_N * KV_HEADS, BLOCK_D]
-        v = tl.load(kv.v_ptr + v_off[:, None] + offs_d[None, :] * kv.stride_v_d, mask=kv_mask,
-                    other=0.0)  # [BLOCK_N * KV_HEADS, BLOCK_D]
+        v = tl.load(kv.v_ptr + v_off[:, None] + offs_dv[None, :] * kv.stride_v_d, mask=v_mask,
+                    other=0.0)  # [BLOCK_N * KV_HEADS, BLOCK_DV]
         if USE_FP32_DOT:
             s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
@@ -190,6 +194,7 @@ def _attend_item(
     score,  # ScoreRule
     IS_SHARED: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr, USE_FP32_DOT: tl.constexpr,
     PAGE_SIZE: tl.constexpr, KV_HEADS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
 ):
     """The item's KV range [kv_start, kv_end) in at most two KV loops, each masked only as much as it must be: the
     keys every row sees (no mask), then the window edge and the causal diagonal (causal and window masks) in one
@@ -212,12 +217,14 @@ def _attend_item(
             lane_kv=lane_kv, kv_lo=kv_lo, kv_hi=kv_full, gap_lo=kv_full, gap_hi=kv_full, score=score,
             HAS_MASKED_KEYS=False, APPLY_CAUSAL=False, APPLY_WINDOW=False, HAS_GAP=False, HAS_SOFT_CAP=HAS_SOFT_CAP,
             USE_FP32_DOT=USE_FP32_DOT, PAGE_SIZE=PAGE_SIZE, KV_HEADS=KV_HEADS, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+            BLOCK_DV=BLOCK_DV,
         )
         acc, m_i, l_i = _attend_range(
             acc=acc, m_i=m_i, l_i=l_i, q=q, q_pos=q_pos, kv=kv, block_row_ptr=block_row_ptr, kv_head=kv_head,
             lane_kv=lane_kv, kv_lo=kv_full, kv_hi=kv_end, gap_lo=kv_end, gap_hi=kv_end, score=score,
             HAS_MASKED_KEYS=True, APPLY_CAUSAL=False, APPLY_WINDOW=False, HAS_GAP=False, HAS_SOFT_CAP=HAS_SOFT_CAP,
             USE_FP32_DOT=USE_FP32_DOT, PAGE_SIZE=PAGE_SIZE, KV_HEADS=KV_HEADS, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+            BLOCK_DV=BLOCK_DV,
         )
     else:
         # Positions < q_pos0 + 1 are visible to every row of the tile: full tiles there skip the causal mask.
@@ -233,6 +240,7 @@ def _attend_item(
             lane_kv=lane_kv, kv_lo=mid_lo, kv_hi=kv_mid, gap_lo=kv_mid, gap_hi=kv_mid, score=score,
             HAS_MASKED_KEYS=False, APPLY_CAUSAL=False, APPLY_WINDOW=False, HAS_GAP=False, HAS_SOFT_CAP=HAS_SOFT_CAP,
             USE_FP32_DOT=USE_FP32_DOT, PAGE_SIZE=PAGE_SIZE, KV_HEADS=KV_HEADS, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+            BLOCK_DV=BLOCK_DV,
         )
         # Without a window the edge is empty: the masked loop starts at the diagonal.
         acc, m_i, l_i = _attend_range(
@@ -240,7 +248,7 @@ def _attend_item(
             lane_kv=lane_kv, kv_lo=kv_lo if HAS_WINDOW else kv_mid, kv_hi=kv_end, gap_lo=mid_lo, gap_hi=kv_mid,
             score=score, HAS_MASKED_KEYS=True, APPLY_CAUSAL=True, APPLY_WINDOW=HAS_WINDOW, HAS_GAP=HAS_WINDOW,
             HAS_SOFT_CAP=HAS_SOFT_CAP, USE_FP32_DOT=USE_FP32_DOT, PAGE_SIZE=PAGE_SIZE, KV_HEADS=KV_HEADS,
-            BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+            BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
         )
     return acc, m_i, l_i, kv_first
 
@@ -248,7 +256,7 @@ def _attend_item(
 @triton.jit
 def _run_item(
     out, lse, ws_o, ws_lse,  # RowsHeadsDim / RowsHeads: the outputs and the workspace's partial states
-    queries,  # RowsHeadsDim [num_tokens, num_qo_heads, head_dim]
+    queries,  # RowsHeadsDim [num_tokens, num_qo_heads, head_dim]; out and ws_o: [..., v_head_dim]
     kv,  # PagedKV
     work,  # WorkTables
     score,  # ScoreRule (qk_scale without the K scale)
@@ -257,7 +265,7 @@ def _run_item(
     IS_SHARED: tl.constexpr, HAS_LSE: tl.constexpr, HAS_SOFT_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SINKS: tl.constexpr, HAS_KV_SCALE: tl.constexpr, USE_NAN_GUARD: tl.constexpr, USE_FP32_DOT: tl.constexpr,
     IS_HIP: tl.constexpr, USE_L2_FENCES: tl.constexpr, PAGE_SIZE: tl.constexpr, KV_HEADS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """One work item for the ``KV_HEADS`` KV heads of ``head_block``: its rows' state over its KV range, stored to
     ``out`` or to the workspace and reported (the report that completes a row merges it)."""
@@ -271,14 +279,13 @@ def _run_item(
     if KV_HEADS > 1:
         lane_kv = (tl.arange(0, BLOCK_M) // group) % KV_HEADS
     offs_d = tl.arange(0, BLOCK_D)
-    mask_md = mask_m[:, None] & (offs_d[None, :] < kv.head_dim)
-
-    q = tl.load(_vec_ptrs(t=queries, rows=tok, heads=head, offs_d=offs_d), mask=mask_md, other=0.0)
+    q = tl.load(_vec_ptrs(t=queries, rows=tok, heads=head, offs_d=offs_d),
+                mask=mask_m[:, None] & (offs_d[None, :] < kv.head_dim), other=0.0)
     if USE_FP32_DOT:
         q = q.to(tl.float32)
     q_pos = q_pos0 + row
 
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     block_row_ptr = kv.block_table_ptr + req * kv.stride_bt_r
@@ -293,6 +300,7 @@ def _run_item(
         block_row_ptr=block_row_ptr, kv_head=kv_head, lane_kv=lane_kv, kv_start=kv_start, kv_end=kv_end,
         score=score, IS_SHARED=IS_SHARED, HAS_WINDOW=HAS_WINDOW, HAS_SOFT_CAP=HAS_SOFT_CAP,
         USE_FP32_DOT=USE_FP32_DOT, PAGE_SIZE=PAGE_SIZE, KV_HEADS=KV_HEADS, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+        BLOCK_DV=BLOCK_DV,
     )
 
     if USE_NAN_GUARD and not IS_SHARED:
@@ -308,20 +316,22 @@ def _run_item(
             if tl.sum(bad.to(tl.int32), 0) > 0:
                 acc = _redo_lane_by_lane(acc=acc, bad=bad, m_i=m_i, queries=queries, kv=kv, it=it, kv_head=kv_head,
                                          group=group, score=score, HAS_SOFT_CAP=HAS_SOFT_CAP, HAS_WINDOW=HAS_WINDOW,
-                                         PAGE_SIZE=PAGE_SIZE, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D)
+                                         PAGE_SIZE=PAGE_SIZE, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV)
         elif tl.sum(bad.to(tl.int32), 0) > 0:
             acc = _redo_bad_rows(acc=acc, bad=bad, queries=queries, tok=tok, head=head, q_pos=q_pos, m_i=m_i,
                                  kv=kv, block_row_ptr=block_row_ptr, kv_head=kv_head, kv_lo=kv_first, kv_hi=kv_end,
                                  score=score, HAS_SOFT_CAP=HAS_SOFT_CAP, HAS_WINDOW=HAS_WINDOW, PAGE_SIZE=PAGE_SIZE,
-                                 BLOCK_D=BLOCK_D)
+                                 BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV)
 
     o, lse_row = _normalized_state(acc=acc, m_i=m_i, l_i=l_i)
     if HAS_KV_SCALE:
         o = o * (v_scale * tl.load(v_scale_ptr))  # linear: partial states merge the same either way
+    offs_dv = tl.arange(0, BLOCK_DV)
     _store_state(out=out, lse=lse, ws_o=ws_o, ws_lse=ws_lse, work=work, sinks_ptr=sinks_ptr, it=it, g=g, o=o,
-                 lse_row=lse_row, tok=tok, head=head, row=row, mask_m=mask_m, mask_md=mask_md, offs_d=offs_d,
-                 num_qo_heads=num_qo_heads, head_dim=kv.head_dim, IS_SHARED=IS_SHARED, HAS_LSE=HAS_LSE,
-                 HAS_SINKS=HAS_SINKS, IS_HIP=IS_HIP, USE_L2_FENCES=USE_L2_FENCES, BLOCK_D=BLOCK_D)
+                 lse_row=lse_row, tok=tok, head=head, row=row, mask_m=mask_m,
+                 mask_md=mask_m[:, None] & (offs_dv[None, :] < kv.v_head_dim), offs_d=offs_dv,
+                 num_qo_heads=num_qo_heads, head_dim=kv.v_head_dim, IS_SHARED=IS_SHARED, HAS_LSE=HAS_LSE,
+                 HAS_SINKS=HAS_SINKS, IS_HIP=IS_HIP, USE_L2_FENCES=USE_L2_FENCES, BLOCK_D=BLOCK_DV)
 
 
 @triton.jit
@@ -370,14 +380,14 @@ UNSPECIALIZED_ARGS = ("stride_bt_r",)
 
 @triton.jit(do_not_specialize=UNSPECIALIZED_ARGS)
 def prefix_attention_kernel(
-    out_ptr,  # [num_tokens, num_qo_heads, head_dim], dtype of q
+    out_ptr,  # [num_tokens, num_qo_heads, v_head_dim], dtype of q
     lse_ptr,  # [num_tokens, num_qo_heads] fp32 (written only when HAS_LSE)
-    ws_o_ptr,  # [num_ws_rows, num_qo_heads, head_dim] fp32 partial outputs
+    ws_o_ptr,  # [num_ws_rows, num_qo_heads, v_head_dim] fp32 partial outputs
     ws_lse_ptr,  # [num_ws_rows, num_qo_heads] fp32 partial LSEs (natural log)
     counters_ptr,  # [num_mrows, num_qo_heads] int32 arrivals; 0 on entry, left at 0 (the merging lane resets it)
     q_ptr,  # [num_tokens, num_qo_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], dtype of q or fp8
-    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], dtype of k_cache
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, v_head_dim], dtype of k_cache
     sinks_ptr,  # [num_qo_heads] fp32/bf16/fp16 sink logits (read only when HAS_SINKS)
     k_scale_ptr,  # [1] fp32 K dequantization scale (read only when HAS_KV_SCALE)
     v_scale_ptr,  # [1] fp32 V dequantization scale (read only when HAS_KV_SCALE)
@@ -389,6 +399,7 @@ def prefix_attention_kernel(
     num_kv_heads,
     group,
     head_dim,
+    v_head_dim,  # V's and the output's head size (read only when HAS_V_HEAD_DIM)
     block_size,
     qk_scale,  # sm_scale * log2(e); with HAS_SOFT_CAP sm_scale / c (x a float k_scale)
     soft_cap_log2,  # c * log2(e) (used only when HAS_SOFT_CAP)
@@ -408,6 +419,7 @@ def prefix_attention_kernel(
     HAS_WINDOW: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     HAS_KV_SCALE: tl.constexpr,
+    HAS_V_HEAD_DIM: tl.constexpr,  # V has its own head size (plan(v_head_dim=...)); else head_dim's
     USE_NAN_GUARD: tl.constexpr,  # non-finite V at keys a row does not see never reaches it (plan(nan_guard=True))
     USE_FP32_DOT: tl.constexpr,
     IS_HIP: tl.constexpr,  # AMD: every wave waits for its own workspace stores before reporting
@@ -416,7 +428,8 @@ def prefix_attention_kernel(
     KV_HEADS: tl.constexpr,  # KV heads one program attends (a divisor of num_kv_heads)
     BLOCK_M: tl.constexpr,  # (query row x KV head x GQA head) lanes of one item
     BLOCK_N: tl.constexpr,  # KV positions per step (the step's tile: BLOCK_N x KV_HEADS K/V rows)
-    BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # q's and K's head lanes (head_dim padded to a power of two)
+    BLOCK_DV: tl.constexpr,  # V's and the output's (v_head_dim padded; BLOCK_D without HAS_V_HEAD_DIM)
 ):
     """Grid ``(capacity_items * num_kv_heads // KV_HEADS,)`` for one work class: the head blocks of one item are
     adjacent so the longest-first order of the class's items is the order in which programs start."""
@@ -427,13 +440,17 @@ def prefix_attention_kernel(
     if item >= tl.load(item_range_ptr + L.RANGE_END):
         return
     num_qo_heads = num_kv_heads * group
+    if not HAS_V_HEAD_DIM:
+        # One value for both head sizes: their masks are one mask, and the binary is that of a kernel without V's.
+        tl.static_assert(BLOCK_DV == BLOCK_D)
+        v_head_dim = head_dim
     out = RowsHeadsDim(ptr=out_ptr, stride_t=stride_o_t, stride_h=stride_o_h, stride_d=stride_o_d)
     lse = RowsHeads(ptr=lse_ptr, stride_t=stride_lse_t, stride_h=stride_lse_h)
     ws_o = RowsHeadsDim(ptr=ws_o_ptr, stride_t=stride_ws_t, stride_h=stride_ws_h, stride_d=stride_ws_d)
     ws_lse = RowsHeads(ptr=ws_lse_ptr, stride_t=stride_wl_t, stride_h=stride_wl_h)
     queries = RowsHeadsDim(ptr=q_ptr, stride_t=stride_q_t, stride_h=stride_q_h, stride_d=stride_q_d)
     kv = PagedKV(k_ptr=k_cache_ptr, v_ptr=v_cache_ptr, block_table_ptr=block_table_ptr, stride_bt_r=stride_bt_r,
-                 block_size=block_size, head_dim=head_dim,
+                 block_size=block_size, head_dim=head_dim, v_head_dim=v_head_dim,
                  stride_k_blk=stride_k_blk, stride_k_tok=stride_k_tok, stride_k_head=stride_k_head,
                  stride_k_d=stride_k_d,
                  stride_v_blk=stride_v_blk, stride_v_tok=stride_v_tok, stride_v_head=stride_v_head,
@@ -446,4 +463,5 @@ def prefix_attention_kernel(
               IS_SHARED=IS_SHARED, HAS_LSE=HAS_LSE, HAS_SOFT_CAP=HAS_SOFT_CAP, HAS_WINDOW=HAS_WINDOW,
               HAS_SINKS=HAS_SINKS, HAS_KV_SCALE=HAS_KV_SCALE, USE_NAN_GUARD=USE_NAN_GUARD,
               USE_FP32_DOT=USE_FP32_DOT, IS_HIP=IS_HIP, USE_L2_FENCES=USE_L2_FENCES,
-              PAGE_SIZE=PAGE_SIZE, KV_HEADS=KV_HEADS, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)
+              PAGE_SIZE=PAGE_SIZE, KV_HEADS=KV_HEADS, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+              BLOCK_DV=BLOCK_DV)

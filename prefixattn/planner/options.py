@@ -64,6 +64,7 @@ class PlanOptions(NamedTuple):
     num_qo_heads: int
     num_kv_heads: int
     head_dim: int
+    v_head_dim: int  # V's and the output's head size (head_dim unless plan(v_head_dim=...); an MLA plan's: head_dim)
     min_split_tokens: int
     num_sms: int | None  # None: from the plan's device
     #: > 0: an MLA plan (:func:`prefixattn.plan_mla`): ``head_dim`` is the latent width (``kv_lora_rank``), this the
@@ -79,18 +80,22 @@ class PlanOptions(NamedTuple):
 
     @property
     def cost_head_dim(self) -> int:
-        """The head size the cost models price a KV position at (K and V, ``head_dim`` each: the program costs and
-        the sharing rule's saved bytes); an MLA plan's: :func:`~prefixattn.planner.cost_rule.mla_cost_head_dim`."""
-        return self.head_dim if not self.rope_dim else mla_cost_head_dim(self.head_dim, self.rope_dim)
+        """The head size the cost models price a KV position at (a K and a V row of this size: the program costs and
+        the sharing rule's saved bytes): the mean of K's and V's, rounded up; an MLA plan's:
+        :func:`~prefixattn.planner.cost_rule.mla_cost_head_dim`."""
+        if self.rope_dim:
+            return mla_cost_head_dim(self.head_dim, self.rope_dim)
+        return -(-(self.head_dim + self.v_head_dim) // 2)
 
 
 @typed_memo(maxsize=256)  # an engine plans with the same options every step (~5 us of checks on the 2-core host)
 def checked_options(*, causal, sm_scale, logits_soft_cap, window_left, alibi_slopes, sharing, q_dtype, kv_dtype,
                     nan_guard, block_size, num_qo_heads, num_kv_heads, head_dim, min_split_tokens,
-                    num_sms, rope_dim=0, overlap=False) -> PlanOptions:
+                    num_sms, rope_dim=0, overlap=False, v_head_dim=None) -> PlanOptions:
     """plan()'s option checks (its parameters of the same names): the options normalized, or the ``ValueError`` of
     the first bad one. :data:`OPTION_DEFAULTS` holds plan()'s defaults. ``rope_dim > 0``: an MLA plan's
-    (:func:`prefixattn.plan_mla`), whose ``head_dim`` is the latent width and whose ``sm_scale`` must be given."""
+    (:func:`prefixattn.plan_mla`), whose ``head_dim`` is the latent width and whose ``sm_scale`` must be given;
+    ``v_head_dim`` None: ``head_dim``."""
     soft_cap, window_left = _check_options(
         causal=causal, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap, window_left=window_left,
         alibi_slopes=alibi_slopes, sharing=sharing, q_dtype=q_dtype, nan_guard=nan_guard)
@@ -108,8 +113,13 @@ def checked_options(*, causal, sm_scale, logits_soft_cap, window_left, alibi_slo
             if on:
                 raise ValueError(f"{name}: expected it off for an MLA plan (the MLA kernel has no soft cap, window "
                                  f"or NaN guard), got {value!r}")
+        if v_head_dim is not None and v_head_dim != head_dim:
+            raise ValueError(f"v_head_dim: expected None for an MLA plan (the latent is the value), got "
+                             f"{v_head_dim!r}")
     else:
         check_head_dim("head_dim", head_dim)
+        if v_head_dim is not None:
+            check_head_dim("v_head_dim", v_head_dim)
     if not isinstance(overlap, bool):
         raise ValueError(f"overlap: expected a bool, got {type(overlap).__name__}")
     if overlap and rope_dim:
@@ -119,7 +129,8 @@ def checked_options(*, causal, sm_scale, logits_soft_cap, window_left, alibi_slo
         causal=causal, sm_scale=1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale), q_dtype=q_dtype,
         kv_dtype=kv_dtype, logits_soft_cap=soft_cap, window_left=window_left, sharing=sharing, nan_guard=nan_guard,
         block_size=block_size, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
-        head_dim=head_dim, min_split_tokens=_positive_int("min_split_tokens", min_split_tokens),
+        head_dim=head_dim, v_head_dim=head_dim if v_head_dim is None else int(v_head_dim),
+        min_split_tokens=_positive_int("min_split_tokens", min_split_tokens),
         num_sms=None if num_sms is None else _positive_int("num_sms", num_sms), rope_dim=int(rope_dim),
         overlap=overlap)
 

@@ -40,7 +40,7 @@ from prefixattn.planner.device_tables import check_workspace_args, device_tables
 from prefixattn.planner.options import MIN_SPLIT_TOKENS, PlanOptions, _default_num_sms, checked_options
 from prefixattn.planner.overlap import overlap_stats
 from prefixattn.planner.stats import modeled_stats
-from prefixattn.planner.tiles import AttentionTiles, choose_tiles, fit_kv_heads, mla_tiles
+from prefixattn.planner.tiles import AttentionTiles, choose_tiles, fit_kv_heads, mla_tiles, tile_head_dim
 from prefixattn.planner.work_list import SharedNode, SharedNodes, WorkList
 from prefixattn.planner.workspace import PlanWorkspace
 from prefixattn.runtime import interpreter_enabled
@@ -71,7 +71,8 @@ class Plan:
     num_requests: int
     num_qo_heads: int
     num_kv_heads: int
-    head_dim: int
+    head_dim: int  # q's and K's head size (an MLA plan's: the latent width)
+    v_head_dim: int  # V's and the output's (head_dim unless plan(v_head_dim=...))
     block_size: int
     causal: bool
     sm_scale: float
@@ -164,7 +165,7 @@ class Plan:
         elt = elt_bytes or (self.kv_dtype or self.q_dtype).itemsize
         items = self.work.items
         tokens = int((items[:, K.ITEM_KV_END].astype(np.int64) - items[:, K.ITEM_KV_START]).sum())
-        row = self.head_dim + self.rope_dim if self.rope_dim else self.head_dim * 2
+        row = self.head_dim + (self.rope_dim or self.v_head_dim)
         return tokens * self.num_kv_heads * row * elt
 
 
@@ -178,6 +179,7 @@ def plan(
     num_qo_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    v_head_dim: int | None = None,
     causal: bool = True,
     sm_scale: float | None = None,
     q_dtype: torch.dtype = torch.float16,
@@ -215,6 +217,9 @@ def plan(
         Physical block of each request's KV positions ``j * block_size ...``.
     block_size, num_qo_heads, num_kv_heads, head_dim : int
         Shapes of the paged caches and of q that :func:`prefixattn.attention` will get.
+    v_head_dim : int, optional
+        V's head size and the output's, where it differs from ``head_dim`` (q's and K's), as in DeepSeek's
+        up-projected MLA prefill (keys 192, values 128); the same sizes are supported. Default ``head_dim``.
     causal : bool
         Query row ``i`` of request ``r`` sees KV positions ``<= kv_len - q_len + i`` (else all of them).
     sm_scale : float, optional
@@ -293,7 +298,7 @@ def plan(
         causal=causal, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap, window_left=window_left,
         alibi_slopes=alibi_slopes, sharing=sharing, q_dtype=q_dtype, kv_dtype=kv_dtype, nan_guard=nan_guard,
         block_size=block_size, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        min_split_tokens=min_split_tokens, num_sms=num_sms, overlap=overlap)
+        min_split_tokens=min_split_tokens, num_sms=num_sms, overlap=overlap, v_head_dim=v_head_dim)
     return plan_with_options(options, qo_indptr, kv_lens, block_table, device=device, num_blocks=num_blocks,
                              tiles=tiles, workspace=workspace, device_block_table=device_block_table)
 
@@ -338,7 +343,8 @@ def _pipeline(be, o: PlanOptions, qo_indptr, kv_lens, block_table, device, num_b
         if tiles is None and o.rope_dim:
             tiles = mla_tiles(kv_lora_rank=o.head_dim, dtype=o.q_dtype, kv_fp8=o.kv_dtype.itemsize == 1)
         elif tiles is None:
-            tiles = choose_tiles(head_dim=o.head_dim, group=o.group, max_q_len=max(inputs.max_q_len, 1),
+            tiles = choose_tiles(head_dim=tile_head_dim(o.head_dim, o.v_head_dim), group=o.group,
+                                 max_q_len=max(inputs.max_q_len, 1),
                                  dtype=o.q_dtype, fixed_env=fixed_env)
         tiles = fit_kv_heads(tiles, num_kv_heads=o.num_kv_heads, group=o.group, nan_guard=o.nan_guard)
         # Priced on the planning GPU (a host with no known GPU, the interpreter, has no launches to price: the tuning
@@ -352,7 +358,7 @@ def _pipeline(be, o: PlanOptions, qo_indptr, kv_lens, block_table, device, num_b
         work, staged, written = be.work_list(chosen.nodes, chosen.split, inputs, o, tiles, workspace=workspace,
                                              width=inputs.width if workspace is None else 0)
         dev = device_tables(work, inputs, workspace=workspace, device_block_table=device_block_table, device=device,
-                            staged=staged, num_qo_heads=o.num_qo_heads, head_dim=o.head_dim, tables_written=written,
+                            staged=staged, num_qo_heads=o.num_qo_heads, head_dim=o.v_head_dim, tables_written=written,
                             stage_table=be.stage_table)
     except BaseException:
         if workspace is not None:  # a refused step that wrote into the workspace: the earlier plans' tables changed
@@ -361,7 +367,8 @@ def _pipeline(be, o: PlanOptions, qo_indptr, kv_lens, block_table, device, num_b
     nodes, num_nodes = chosen.nodes, len(chosen.nodes)
     return Plan(
         num_tokens=inputs.num_tokens, num_requests=inputs.num_requests, num_qo_heads=o.num_qo_heads,
-        num_kv_heads=o.num_kv_heads, head_dim=o.head_dim, block_size=o.block_size, causal=o.causal,
+        num_kv_heads=o.num_kv_heads, head_dim=o.head_dim, v_head_dim=o.v_head_dim, block_size=o.block_size,
+        causal=o.causal,
         sm_scale=o.sm_scale, q_dtype=o.q_dtype, kv_dtype=o.kv_dtype, device=device, tiles=tiles,
         # The interpreter's dot on fp16/bf16 is numpy's (bf16 on raw bits); fp32 inputs need IEEE fp32 (tf32 would
         # miss the 1e-4 tolerance).

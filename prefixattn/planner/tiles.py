@@ -144,6 +144,14 @@ class TileRows:
                                decode_kv_heads=tiles.decode.kv_heads)
 
 
+def tile_head_dim(head_dim: int, v_head_dim: int) -> int:
+    """The head size a plan's tiles are chosen for: the wider of K's and V's (the q tile and the accumulator are the
+    registers a tile's fit is measured by, and the tables hold one head size for both). Keys 192 and values 128
+    (DeepSeek's up-projected MLA prefill) take the head-size-256 tiles: the accumulator's half that V leaves free is
+    spare registers, never a spill."""
+    return max(head_dim, v_head_dim)
+
+
 def choose_tiles(*, head_dim: int, group: int, max_q_len: int, dtype=None, fixed_env=READ_FIXED_ENV) -> AttentionTiles:
     """Tile sizes and launch options for one plan.
 

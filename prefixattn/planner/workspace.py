@@ -203,7 +203,8 @@ class PlanWorkspace:
     ----------
     capacity : Capacity
     num_qo_heads, head_dim : int
-        Shape of the partial-state workspace ``ws_o [max_ws_rows, num_qo_heads, head_dim]`` fp32.
+        Shape of the partial-state workspace ``ws_o [max_ws_rows, num_qo_heads, head_dim]`` fp32 (the output's head
+        size: V's).
     device : torch.device
         Where the kernel runs; the host staging buffer is pinned when it is a CUDA device.
     """
