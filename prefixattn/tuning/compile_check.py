@@ -43,6 +43,7 @@ from pathlib import Path
 
 from prefixattn.autotune.config_space import HEAD_DIMS, KV_HEADS_MAX_BLOCK_D, NUM_STAGES_CUDA, block_d
 from prefixattn.autotune.targets import TARGETS
+from prefixattn.planner.tiles import tile_head_dim
 from prefixattn.tuning.compile_analysis import (count_matrix_instrs, count_private_memory_ops, hopper_features,
                                                parse_amdgcn, parse_dots, parse_pipeline, parse_ptxas)
 
@@ -332,6 +333,13 @@ def _merge_jobs(target, dtype: str, head_dim: int, names: dict) -> list:
 WORST_CASE_DTYPE = "bf16"
 #: KV heads per program of the decode binaries the worst case adds: 4, a Llama-8B step's (GQA 32:8, 16 lanes).
 WORST_CASE_KV_HEADS = 4
+#: Keys and values of their own head sizes the worst case compiles (DeepSeek's up-projected MLA prefill), on the GPU
+#: image's target only (CI's time: their registers are at most those of the wider size's binaries, which the
+#: selection holds; these prove the separate V path compiles): sm_90 bf16 at the shipped d256 rows, shared class
+#: 216 -> 158 registers, chunk 230 -> 216, decode 212 -> 198, against values padded to the keys' 192 (Triton 3.9;
+#: sm_80 178/174/174 from 210/214/214, gfx942 VGPRs 303/278/191 from 356/320/212).
+WORST_CASE_QK_V_HEAD_DIMS = (192, 128)
+WORST_CASE_QK_V_TARGETS = ("sm90",)
 
 
 def worst_case_jobs(targets) -> list:
@@ -344,7 +352,8 @@ def worst_case_jobs(targets) -> list:
     switch on its own, the NaN guard over a 16-bit cache, fp32 at the other head sizes and fp32 with features. And
     the MLA kernel's class binaries (bf16, and on sm90 over an e5m2 latent); its fp32 binaries and other fp8 latents
     only in the full run. At :data:`~prefixattn.autotune.config_space.KV_HEADS_MAX_BLOCK_D` also each decode binary
-    with :data:`WORST_CASE_KV_HEADS` KV heads per program."""
+    with :data:`WORST_CASE_KV_HEADS` KV heads per program; on :data:`WORST_CASE_QK_V_TARGETS` the class binaries of
+    keys and values of :data:`WORST_CASE_QK_V_HEAD_DIMS`."""
     from prefixattn.tuning import compile_specs as cs
 
     names = _kernel_param_names()
@@ -373,6 +382,14 @@ def worst_case_jobs(targets) -> list:
                 jobs.append(cs.fused_job(target=target, dtype="fp32", head_dim=head_dim, config=cfg, variant=mode,
                                          has_lse=True, has_shared=has_shared, param_names=fused))
         jobs += _merge_jobs(target, WORST_CASE_DTYPE, max(HEAD_DIMS), names)
+        if target.name in WORST_CASE_QK_V_TARGETS:
+            # The rows a plan of these sizes reads: the tabled head size of its padded BLOCK_D (lookup's stand-ins).
+            qk, v = WORST_CASE_QK_V_HEAD_DIMS
+            rows = block_d(tile_head_dim(qk, v))
+            for mode, cfg, has_shared in class_binaries(default_attention_configs(target, rows, WORST_CASE_DTYPE)):
+                jobs.append(cs.fused_job(target=target, dtype=WORST_CASE_DTYPE, head_dim=qk, v_head_dim=v,
+                                         config=cfg, variant=mode, has_lse=True, has_shared=has_shared,
+                                         param_names=fused))
         # Over an e5m2 latent on sm90 only (the GPU image's target; CI's time): every target compiles e5m2, and its
         # upcasts took more registers than e4m3's in MLA's decode tiles (sm_90, 16 x 32 tiles: 220 against 172
         # spilled bytes).

@@ -142,19 +142,20 @@ def _contiguous_strides(shape) -> list[int]:
     return list(reversed(strides))
 
 
-def fused_launch_values(head_dim: int) -> dict:
-    """Run-time scalar arguments of a representative fused launch (contiguous tensors)."""
-    h, hkv, d = NUM_QO_HEADS, NUM_KV_HEADS, head_dim
-    o = _contiguous_strides([64, h, d])
+def fused_launch_values(head_dim: int, v_head_dim: int | None = None) -> dict:
+    """Run-time scalar arguments of a representative fused launch (contiguous tensors; V and the output of
+    ``v_head_dim``, default ``head_dim``)."""
+    h, hkv, d, dv = NUM_QO_HEADS, NUM_KV_HEADS, head_dim, v_head_dim or head_dim
+    q, o = _contiguous_strides([64, h, d]), _contiguous_strides([64, h, dv])
     lse = _contiguous_strides([64, h])
-    kv = _contiguous_strides([1000, BLOCK_SIZE, hkv, d])
+    k, v = _contiguous_strides([1000, BLOCK_SIZE, hkv, d]), _contiguous_strides([1000, BLOCK_SIZE, hkv, dv])
     return dict(
-        num_kv_heads=hkv, group=h // hkv, head_dim=d, block_size=BLOCK_SIZE, qk_scale=0.125,
+        num_kv_heads=hkv, group=h // hkv, head_dim=d, v_head_dim=dv, block_size=BLOCK_SIZE, qk_scale=0.125,
         stride_o_t=o[0], stride_o_h=o[1], stride_o_d=o[2], stride_lse_t=lse[0], stride_lse_h=lse[1],
         stride_ws_t=o[0], stride_ws_h=o[1], stride_ws_d=o[2], stride_wl_t=lse[0], stride_wl_h=lse[1],
-        stride_q_t=o[0], stride_q_h=o[1], stride_q_d=o[2],
-        stride_k_blk=kv[0], stride_k_tok=kv[1], stride_k_head=kv[2], stride_k_d=kv[3],
-        stride_v_blk=kv[0], stride_v_tok=kv[1], stride_v_head=kv[2], stride_v_d=kv[3],
+        stride_q_t=q[0], stride_q_h=q[1], stride_q_d=q[2],
+        stride_k_blk=k[0], stride_k_tok=k[1], stride_k_head=k[2], stride_k_d=k[3],
+        stride_v_blk=v[0], stride_v_tok=v[1], stride_v_head=v[2], stride_v_d=v[3],
         stride_bt_r=MAX_BLOCKS,
         # Feature scalars (read only behind their switches): a Gemma-2-like cap, a Mistral-like window (4096 - 1).
         soft_cap_log2=REPRESENTATIVE_SOFT_CAP * 1.4426950408889634, window_left=REPRESENTATIVE_WINDOW_LEFT,
@@ -180,45 +181,51 @@ def _param_names(fn_path: str) -> list[str]:
 
 def fused_job(*, target: Target, dtype: str, head_dim: int, config: AttentionConfig, variant: str,
               has_lse: bool, has_shared: bool = True, default: bool = True, param_names=None,
-              features: tuple = (), kv_dtype: str | None = None) -> CompileJob:
+              features: tuple = (), kv_dtype: str | None = None, v_head_dim: int | None = None) -> CompileJob:
     """The fused kernel's binary of one work class with ``config`` (``param_names``: the kernel's arguments;
     imported when not given).
 
     ``has_shared=True``: the shared class (``config.shared`` tiles under ``config.launch``); False: a suffix class
     (``config.suffix`` under ``config.suffix_launch``; the decode class of a decode config, the chunk class of a
     chunked-prefill one). ``features``: feature switches to turn on (of :data:`FEATURE_SWITCHES`); ``kv_dtype``: the
-    K/V cache element type when it differs from ``dtype`` (fp8).
+    K/V cache element type when it differs from ``dtype`` (fp8); ``v_head_dim``: V's head size where it differs
+    from ``head_dim`` (``config`` is then the tiles of the wider one, as a plan picks them).
     """
     bd = block_d(head_dim)
+    own_v = v_head_dim is not None and v_head_dim != head_dim
+    bdv = block_d(v_head_dim) if own_v else bd
+    bd_tiles = max(bd, bdv)  # the tiles' head size (planner.tiles.tile_head_dim): what the launch rules read
     names = param_names if param_names is not None else _param_names(FUSED_KERNEL)
     use_fp32_dot = dtype == "fp32"  # what plan() sets on a GPU: fp32 inputs keep IEEE fp32 dots
     tiles = config.shared if has_shared else config.suffix
     kv_fp8 = kv_dtype in FP8_KV_TYPES
     nan_guard = "USE_NAN_GUARD" in features
     model_switches = any(f in features for f in MODEL_SWITCHES)
-    block_n = fp8_block_n(tiles.block_m, tiles.block_n, kv_fp8=kv_fp8, block_d=bd, has_shared=has_shared,
+    block_n = fp8_block_n(tiles.block_m, tiles.block_n, kv_fp8=kv_fp8, block_d=bd_tiles, has_shared=has_shared,
                           is_hip=target.is_hip, nan_guard=nan_guard, model_switches=model_switches)
     # KV heads per program as a plan fits and launches them (the config's suffix tile read as a decode tile; a
     # narrower fp8 KV tile holds fewer: AttentionTiles.launch_options).
-    heads = 1 if has_shared else min(packed_kv_heads(tiles.kv_heads, block_d=bd, nan_guard=nan_guard), block_n)
+    heads = 1 if has_shared else min(packed_kv_heads(tiles.kv_heads, block_d=bd_tiles, nan_guard=nan_guard),
+                                     block_n)
     constexprs = dict(IS_SHARED=has_shared, HAS_LSE=has_lse, USE_FP32_DOT=use_fp32_dot, IS_HIP=target.is_hip,
                       USE_L2_FENCES=writes_own_l2_fences(target.arch), PAGE_SIZE=page_size_constexpr(BLOCK_SIZE),
-                      KV_HEADS=heads, BLOCK_M=tiles.block_m, BLOCK_N=block_n // heads, BLOCK_D=bd)
+                      KV_HEADS=heads, BLOCK_M=tiles.block_m, BLOCK_N=block_n // heads, BLOCK_D=bd,
+                      HAS_V_HEAD_DIM=own_v, BLOCK_DV=bdv)
     for switch in FEATURE_SWITCHES:
         if switch in names:
             constexprs[switch] = switch in features
         elif switch in features:
             raise ValueError(f"fused_job: the kernel has no {switch} switch")
-    sig, consts, attrs = build_signature(names, fused_pointer_dtypes(dtype, kv_dtype), fused_launch_values(head_dim),
-                                         constexprs, target)
+    sig, consts, attrs = build_signature(names, fused_pointer_dtypes(dtype, kv_dtype),
+                                         fused_launch_values(head_dim, v_head_dim), constexprs, target)
     bm, bn = config.shared.block_m, block_n
     launch = config.launch_for(has_shared).for_kv(has_shared=has_shared, kv_fp8=kv_fp8, is_hip=target.is_hip,
-                                                  block_d=bd, block_m=tiles.block_m, block_n=tiles.block_n,
+                                                  block_d=bd_tiles, block_m=tiles.block_m, block_n=tiles.block_n,
                                                   nan_guard=nan_guard, q_fp32=dtype == "fp32",
                                                   model_switches=model_switches)
     name = (variant + ("" if has_shared else "/suffix-only") + ("+lse" if has_lse else "")
             + "".join("+" + f.split("_", 1)[1].lower() for f in FEATURE_SWITCHES if f in features)
-            + (f"+{kv_dtype}" if kv_dtype else "")
+            + (f"+{kv_dtype}" if kv_dtype else "") + (f"+v{v_head_dim}" if own_v else "")
             + (f"{RULE_MARK}w{launch.num_warps}s{launch.num_stages}" if launch != config.launch_for(has_shared)
                else "")
             + (f"r{launch.maxnreg}" if launch.maxnreg else "")
@@ -228,7 +235,7 @@ def fused_job(*, target: Target, dtype: str, head_dim: int, config: AttentionCon
         kernel="prefix_attention", variant=name, dtype=dtype, head_dim=head_dim,
         target=target.name, config_name=config.short(), config=config.to_dict(), fn=FUSED_KERNEL, signature=sig,
         constexprs=consts, attrs=attrs, options=launch.compile_options(target), default=default,
-        shared_dots=((bm, bd, bn), (bm, bn, bd)) if has_shared else (), serves=serves,
+        shared_dots=((bm, bd, bn), (bm, bn, bdv)) if has_shared else (), serves=serves,
         # IEEE fp32 dots have no tensor-core path on NVIDIA (tf32 would break the fp32 tolerance): CUDA cores there.
         require_matrix=has_shared and (dtype != "fp32" or target.is_hip),
         min_pipeline_depth=required_pipeline_depth(target),
