@@ -88,7 +88,7 @@ def test_prefills_over_a_shared_cached_prompt_up_project_it_once(parts, query_le
     torch.testing.assert_close(lse.double(), want_lse, atol=2e-5, rtol=2e-5)
 
 
-#: DeepSeek-V3's widths: sharing the context pays below ~240 (query, context key) pairs per up-projection saved.
+#: DeepSeek-V3's widths: sharing the context pays below ~400 (query, context key) pairs per up-projection saved.
 DEEPSEEK = dict(head_dim=192, kv_lora_rank=512, rope_dim=64, v_head_dim=128)
 
 
@@ -100,8 +100,10 @@ def test_planning_pieces_and_fall_backs():
     assert ctx.plan.num_requests == 3 and ctx.plan.num_tokens == 23 and ctx.rows is None
     assert ctx.blocks.tolist() == [4, 5, 7] and ctx.distinct_tokens == 48
     assert ctx.plan.causal is False
-    # 40 new tokens save the same 3 up-projections but attend 40 x 16 more pairs: vLLM's path is faster (modeled).
-    assert plan_prefill_context(np.array([40, 3]), np.array([16, 35]), table, max_tokens=1024, **common) is None
+    # 70 new tokens save the same 3 up-projections but attend 70 x 16 more pairs: vLLM's path is faster (modeled;
+    # 40 would still pay: 745 pairs against the 1,199 that 3 saved rows buy).
+    assert plan_prefill_context(np.array([70, 3]), np.array([16, 35]), table, max_tokens=1024, **common) is None
+    assert plan_prefill_context(np.array([40, 3]), np.array([16, 35]), table, max_tokens=1024, **common) is not None
     # No context: nothing to plan; contexts without a common block: nothing to save; more distinct context than the
     # workspace holds: vLLM's chunked path.
     assert plan_prefill_context(np.array([5, 3]), np.array([0, 0]), table, max_tokens=1024, **common) is None
@@ -110,11 +112,12 @@ def test_planning_pieces_and_fall_backs():
     assert plan_prefill_context(np.array([5, 3]), np.array([16, 35]), table, max_tokens=32, **common) is None
 
 
-def test_the_context_path_pays_below_about_240_pairs_per_saved_up_projection():
+def test_the_context_path_pays_below_about_400_pairs_per_saved_up_projection():
     # Per query head: kv_b_proj of one latent row, 2 x 512 x 256 FLOPs at FA3's 577 TFLOP/s, against a (query, key)
-    # pair's 4 x 256 FLOPs at 342 TFLOP/s (prefixattn's 256-lane tile) instead of 2 x (192 + 128) at 577.
-    assert context_path_pays_off(saved_tokens=1000, pairs=240_000, **DEEPSEEK)
-    assert not context_path_pays_off(saved_tokens=1000, pairs=242_000, **DEEPSEEK)
+    # pair's 2 x (256 + 128) FLOPs at 342 TFLOP/s (prefixattn's 256-lane keys, 128-lane values) instead of
+    # 2 x (192 + 128) at 577: 399.7 pairs per saved row.
+    assert context_path_pays_off(saved_tokens=1000, pairs=399_000, **DEEPSEEK)
+    assert not context_path_pays_off(saved_tokens=1000, pairs=400_500, **DEEPSEEK)
     assert not context_path_pays_off(saved_tokens=0, pairs=1, **DEEPSEEK)
 
 

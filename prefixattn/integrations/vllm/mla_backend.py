@@ -199,7 +199,8 @@ class PrefixAttnMLAMetadataBuilder(MLACommonMetadataBuilder[PrefixAttnMLAMetadat
         (:func:`prefixattn.warmup_mla_kernels`: decodes are at most ``reorder_batch_threshold`` query tokens, more
         with speculative decoding; an fp8 latent is read with the layer's scale tensor) and, with prefix caching, the
         attention binaries of the prefills' up-projected contexts (:mod:`~prefixattn.integrations.vllm.mla_prefill`:
-        every head its own, keys of ``qk_nope_head_dim + rope_dim``, chunks up to ``max_num_batched_tokens``).
+        every head its own, keys of ``qk_nope_head_dim + rope_dim``, values of ``v_head_dim``, chunks up to
+        ``max_num_batched_tokens``).
         Skipped when ``$PREFIXATTN_WARMUP`` is 0; nothing compiles without a GPU."""
         if not warmup_enabled():
             return []
@@ -213,7 +214,8 @@ class PrefixAttnMLAMetadataBuilder(MLACommonMetadataBuilder[PrefixAttnMLAMetadat
             max_q_len = int(getattr(vllm_config.scheduler_config, "max_num_batched_tokens", None) or 1)
             reports.append(warm_once(prefixattn.warmup_kernels, dict(
                 common, num_qo_heads=self.num_heads, num_kv_heads=self.num_heads,
-                head_dim=dims.qk_nope_head_dim + dims.qk_rope_head_dim, max_q_len=max_q_len)))
+                head_dim=dims.qk_nope_head_dim + dims.qk_rope_head_dim, v_head_dim=dims.v_head_dim,
+                max_q_len=max_q_len)))
         return reports
 
     def _plan_options(self) -> dict:

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 import prefixattn
 
@@ -39,12 +38,13 @@ def context_path_pays_off(*, saved_tokens: int, pairs: int, kv_lora_rank: int, h
     """Whether up-projecting the distinct context once and attending it with prefixattn beats vLLM's path (modeled,
     per query head): the up-projections saved (``saved_tokens`` latent rows through ``kv_b_proj``: ``2 x
     kv_lora_rank x (qk_nope + v)`` FLOPs each, at FA3's rate) against the attention's extra time over the
-    ``pairs`` (query, context key) pairs: prefixattn's kernel runs QK and PV at the keys' width padded to a power of
-    two (values padded to it), at its rate, where vLLM's kernel runs ``2 x (qk + v)`` FLOPs a pair at FA3's. With
-    DeepSeek-V3's widths sharing pays below ~240 pairs per saved row: short new tokens over a long shared prompt."""
-    lanes = 1 << (head_dim - 1).bit_length()  # the kernel's head tile: a power of two
+    ``pairs`` (query, context key) pairs: prefixattn's kernel runs QK at the keys' width and PV at the values',
+    each padded to a power of two, at its rate, where vLLM's kernel runs ``2 x (qk + v)`` FLOPs a pair at FA3's.
+    With DeepSeek-V3's widths (QK 256 lanes, PV 128) sharing pays below ~400 pairs per saved row: short new tokens
+    over a long shared prompt."""
+    k_lanes, v_lanes = (1 << (d - 1).bit_length() for d in (head_dim, v_head_dim))  # the kernel's head tiles
     saved = saved_tokens * 2 * kv_lora_rank * (head_dim - rope_dim + v_head_dim) / FA3_TFLOPS
-    extra = pairs * (2 * 2 * lanes / PREFIXATTN_TFLOPS - 2 * (head_dim + v_head_dim) / FA3_TFLOPS)
+    extra = pairs * (2 * (k_lanes + v_lanes) / PREFIXATTN_TFLOPS - 2 * (head_dim + v_head_dim) / FA3_TFLOPS)
     return saved > extra
 
 
@@ -81,7 +81,7 @@ def plan_prefill_context(query_lens: np.ndarray, context_lens: np.ndarray, block
     block_size, num_heads, sm_scale, q_dtype, device
         The latent cache's block size; the layer's heads, softmax scale and query dtype; where the plan's tables go.
     head_dim : int
-        The up-projected key width (``qk_nope_head_dim + qk_rope_head_dim``; values are padded to it).
+        The up-projected key width (``qk_nope_head_dim + qk_rope_head_dim``; the values have ``v_head_dim``).
     max_tokens : int
         The most distinct context tokens to up-project at once (vLLM's context workspace); beyond it, None.
     kv_lora_rank, rope_dim, v_head_dim : int
@@ -125,7 +125,8 @@ def plan_prefill_context(query_lens: np.ndarray, context_lens: np.ndarray, block
     qo_indptr = np.concatenate([[0], np.cumsum(sizes)])
     p = prefixattn.plan(torch.from_numpy(qo_indptr), torch.from_numpy(context_lens[has][owner]),
                         torch.from_numpy(table[owner]), block_size=block_size, num_qo_heads=num_heads,
-                        num_kv_heads=num_heads, head_dim=head_dim, causal=False, sm_scale=sm_scale, q_dtype=q_dtype,
+                        num_kv_heads=num_heads, head_dim=head_dim, v_head_dim=v_head_dim, causal=False,
+                        sm_scale=sm_scale, q_dtype=q_dtype,
                         device=device, num_blocks=int(ids.size))
     rows = None
     if has.size < context_lens.size:
@@ -189,20 +190,16 @@ def prefill_context_attention(ctx: PrefillContext, q: torch.Tensor, latent_cache
     kv = up_project(flat[:, :kv_lora_rank]).to(q.dtype).view(n * bs, num_heads, qk_nope_head_dim + v_head_dim)
     k_nope, v = kv.split([qk_nope_head_dim, v_head_dim], dim=-1)
     k = torch.cat([k_nope, flat[:, None, kv_lora_rank:].expand(-1, num_heads, -1)], dim=-1)
-    # The kernel's values have the keys' width: zero lanes past v_head_dim, which the caller cuts.
-    v = F.pad(v, (0, width - v_head_dim))
-    shape = (n, bs, num_heads, width)
-    rows = q if ctx.rows is None else q.index_select(0, ctx.rows)
-    o, lse = prefixattn.attention(rows, k.reshape(shape), v.reshape(shape), ctx.plan, return_lse=True)
+    k, v = k.view(n, bs, num_heads, width), v.view(n, bs, num_heads, v_head_dim)  # v: a view of the projection
     out_width = width if out_width is None else out_width
-    if ctx.rows is None and out_width == width:
-        return o, lse.t().contiguous()
+    if ctx.rows is None:  # the kernel writes the first v_head_dim lanes of vLLM's head stride in place
+        out = q.new_empty((ctx.num_tokens, num_heads, out_width))
+        out[..., v_head_dim:].zero_()
+        _, lse = prefixattn.attention(q, k, v, ctx.plan, out=out[..., :v_head_dim], return_lse=True)
+        return out, lse.t().contiguous()
+    o, lse = prefixattn.attention(q.index_select(0, ctx.rows), k, v, ctx.plan, return_lse=True)
     out = q.new_zeros((ctx.num_tokens, num_heads, out_width))
     full_lse = torch.full((num_heads, ctx.num_tokens), float("-inf"), dtype=torch.float32, device=q.device)
-    lanes = min(width, out_width)
-    if ctx.rows is None:
-        out[..., :lanes] = o[..., :lanes]
-        return out, lse.t().contiguous()
-    out[ctx.rows, :, :lanes] = o[..., :lanes]
+    out[ctx.rows, :, :v_head_dim] = o
     full_lse[:, ctx.rows] = lse.t()
     return out, full_lse
