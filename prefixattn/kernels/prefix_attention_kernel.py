@@ -279,8 +279,11 @@ def _run_item(
     if KV_HEADS > 1:
         lane_kv = (tl.arange(0, BLOCK_M) // group) % KV_HEADS
     offs_d = tl.arange(0, BLOCK_D)
-    q = tl.load(_vec_ptrs(t=queries, rows=tok, heads=head, offs_d=offs_d),
-                mask=mask_m[:, None] & (offs_d[None, :] < kv.head_dim), other=0.0)
+    mask_md = mask_m[:, None] & (offs_d[None, :] < kv.head_dim)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_mdv = mask_m[:, None] & (offs_dv[None, :] < kv.v_head_dim)  # mask_md where V has K's head size
+
+    q = tl.load(_vec_ptrs(t=queries, rows=tok, heads=head, offs_d=offs_d), mask=mask_md, other=0.0)
     if USE_FP32_DOT:
         q = q.to(tl.float32)
     q_pos = q_pos0 + row
@@ -326,10 +329,8 @@ def _run_item(
     o, lse_row = _normalized_state(acc=acc, m_i=m_i, l_i=l_i)
     if HAS_KV_SCALE:
         o = o * (v_scale * tl.load(v_scale_ptr))  # linear: partial states merge the same either way
-    offs_dv = tl.arange(0, BLOCK_DV)
     _store_state(out=out, lse=lse, ws_o=ws_o, ws_lse=ws_lse, work=work, sinks_ptr=sinks_ptr, it=it, g=g, o=o,
-                 lse_row=lse_row, tok=tok, head=head, row=row, mask_m=mask_m,
-                 mask_md=mask_m[:, None] & (offs_dv[None, :] < kv.v_head_dim), offs_d=offs_dv,
+                 lse_row=lse_row, tok=tok, head=head, row=row, mask_m=mask_m, mask_md=mask_mdv, offs_d=offs_dv,
                  num_qo_heads=num_qo_heads, head_dim=kv.v_head_dim, IS_SHARED=IS_SHARED, HAS_LSE=HAS_LSE,
                  HAS_SINKS=HAS_SINKS, IS_HIP=IS_HIP, USE_L2_FENCES=USE_L2_FENCES, BLOCK_D=BLOCK_DV)
 
@@ -399,7 +400,6 @@ def prefix_attention_kernel(
     num_kv_heads,
     group,
     head_dim,
-    v_head_dim,  # V's and the output's head size (read only when HAS_V_HEAD_DIM)
     block_size,
     qk_scale,  # sm_scale * log2(e); with HAS_SOFT_CAP sm_scale / c (x a float k_scale)
     soft_cap_log2,  # c * log2(e) (used only when HAS_SOFT_CAP)
@@ -413,6 +413,11 @@ def prefix_attention_kernel(
     stride_k_blk, stride_k_tok, stride_k_head, stride_k_d,
     stride_v_blk, stride_v_tok, stride_v_head, stride_v_d,
     stride_bt_r,
+    # V's and the output's head size (read only when HAS_V_HEAD_DIM). Last, after the strides: beside head_dim, the
+    # one parameter more moved ptxas to 128 registers and 60 spilled bytes on sm_90's d256 fp8-e5m2 decode binary
+    # (16 x 64, 8 warps, kv_scale; Triton 3.9: 143, none, with the same PTX but for the parameter list); here the
+    # compile-check records (sm_90 and gfx942 bf16 d128, sm_90's d256 decode features) are the kernel's without it.
+    v_head_dim,
     IS_SHARED: tl.constexpr,  # the launch's class: SHARED items (else SUFFIX items)
     HAS_LSE: tl.constexpr,
     HAS_SOFT_CAP: tl.constexpr,
