@@ -20,6 +20,7 @@ _EXPORTS = {
     "FP8_E4M3_MIN_CAPABILITY": "prefixattn.validation",
     "FP8_KV_DTYPES": "prefixattn.validation",
     "MLAPrefixSharedAttention": "prefixattn.mla",
+    "NaiveMLAPlan": "prefixattn.mla_naive",
     "Plan": "prefixattn.planner.plans",
     "PrefixSharedAttention": "prefixattn.prefix_attention",
     "SINK_DTYPES": "prefixattn.validation",
@@ -32,8 +33,10 @@ _EXPORTS = {
     "merge_states_n": "prefixattn.merge",
     "mla_attention": "prefixattn.mla",
     "mla_kernel_variants": "prefixattn.mla_warmup",
+    "mla_naive_attention": "prefixattn.mla_naive",
     "plan": "prefixattn.planner.plans",
     "plan_mla": "prefixattn.mla",
+    "plan_mla_naive": "prefixattn.mla_naive",
     "reference_attention": "prefixattn.reference",
     "reference_mla_attention": "prefixattn.reference",
     "warmup_kernels": "prefixattn.warmup",
@@ -41,10 +44,10 @@ _EXPORTS = {
     "write_kv": "prefixattn.kv_write",
 }
 
-__all__ = ["CapacityError", "FP8_E4M3_MIN_CAPABILITY", "FP8_KV_DTYPES", "MLAPrefixSharedAttention", "Plan",
-           "PrefixSharedAttention", "SINK_DTYPES", "SUPPORTED_DTYPES", "SUPPORTED_HEAD_DIMS", "attention",
-           "check_mla_dims", "kernel_variants", "merge_states",
-           "merge_states_n", "mla_attention", "mla_kernel_variants", "plan", "plan_mla", "reference_attention",
+__all__ = ["CapacityError", "FP8_E4M3_MIN_CAPABILITY", "FP8_KV_DTYPES", "MLAPrefixSharedAttention", "NaiveMLAPlan",
+           "Plan", "PrefixSharedAttention", "SINK_DTYPES", "SUPPORTED_DTYPES", "SUPPORTED_HEAD_DIMS", "attention",
+           "check_mla_dims", "kernel_variants", "merge_states", "merge_states_n", "mla_attention",
+           "mla_kernel_variants", "mla_naive_attention", "plan", "plan_mla", "plan_mla_naive", "reference_attention",
            "reference_mla_attention", "warmup_kernels", "warmup_mla_kernels", "write_kv", "__version__"]
 
 

@@ -9,8 +9,9 @@ the (request, head) rows the tile packs, instead of once per request; long range
 merged in the kernel, prefill chunks and decode rows run as their own classes. Each program packs one head block
 (16 query heads, or all of fewer: :func:`~prefixattn.planner.cost_rule.mla_heads_per_program`) of its rows.
 
-Only the absorbed form is planned (``Plan.stats["mla_form"]``): the naive form over a prefix up-projected once per
-group (TyphoonMLA's choice for a shared prefix at many heads) is not built yet.
+This plans the absorbed form (``Plan.stats["mla_form"]``); :mod:`prefixattn.mla_naive` attends shared prefixes in
+the naive form over a latent up-projected once per group (TyphoonMLA's choice), on top of this and
+:func:`prefixattn.plan`.
 """
 
 from __future__ import annotations

@@ -46,8 +46,8 @@ from prefixattn.planner.workspace import PlanWorkspace
 from prefixattn.runtime import interpreter_enabled
 from prefixattn.validation import canonical_device
 
-#: The form an MLA plan attends in (``stats["mla_form"]``): the absorbed form only (the naive form over a prefix
-#: up-projected once per group is not built).
+#: The form an MLA plan attends in (``stats["mla_form"]``): the absorbed form (the naive form over a prefix
+#: up-projected once per group: :mod:`prefixattn.mla_naive`, on top of two plans).
 MLA_FORM = "absorbed"
 #: Whether the kernels run in Triton's interpreter, as when they were imported (``triton.jit`` decides it then, from
 #: ``TRITON_INTERPRET``): read once, not per plan (an environment read costs ~0.8 us on the 2-core host).

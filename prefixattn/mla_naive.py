@@ -1,0 +1,269 @@
+"""MLA with each shared prefix attended in the naive form (TyphoonMLA's split, arXiv 2509.21081):
+:func:`plan_mla_naive` once per step, :func:`mla_naive_attention` once per layer.
+
+The absorbed form (:func:`prefixattn.mla_attention`) costs ``2 x (kv_lora_rank + rope_dim) + 2 x kv_lora_rank``
+FLOPs per (query head, KV token): 2,176 at DeepSeek-V3's widths. The naive form attends keys ``[W_UK c | k_pe]``
+(``qk_nope_head_dim + rope_dim`` per head) and values ``W_UV c`` (``v_head_dim``): ``2 x (192 + 128) = 640`` FLOPs,
+768 at the kernel's padded lanes, after up-projecting the latent ``c`` of each key (``2 x kv_lora_rank x
+(qk_nope_head_dim + v_head_dim)`` FLOPs per head and token). For a request's own tokens that up-projection costs more
+than it saves; for a prefix that many requests share it is paid once per step for all of them. So, per group of
+requests under one shared prefix, where :func:`naive_form_pays_off` says so (modeled): the prefix's distinct latent
+blocks are gathered and up-projected once, every member's query rows attend them in the naive form with
+:func:`prefixattn.attention` (a shared node: one matrix product over the group's rows per head, values of their own
+head size), the rest of each request's KV is attended in the absorbed form (:func:`prefixattn.mla_attention`), its
+latent output up-projected by ``W_UV``, and the two partial states are merged (:func:`prefixattn.merge_states`).
+The output is the value ``[tokens, num_heads, v_head_dim]``: the layer's ``W_UV`` is applied here.
+
+A group is the requests whose block tables share their first block, its prefix the leading blocks all of them share,
+up to the first query position of each; a member whose query rows outnumber the prefix's tokens keeps the absorbed
+form (the non-causal naive plan holds a request's rows within its KV). The prefix is up-projected in every step (not
+kept across a group's steps, as TyphoonMLA keeps it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from prefixattn.merge import merge_states
+from prefixattn.mla import mla_attention, plan_mla
+from prefixattn.planner.plans import Plan, plan
+from prefixattn.prefix_attention import attention
+from prefixattn.validation import check_head_dim, check_host_metadata, check_mla_dims, check_tensor
+
+#: Rates that price the choice of form (:func:`naive_form_pays_off`, modeled), measured on the H200 at 74e5177
+#: (``bench/results/gpu/nvidia-h200-74e5177.md``): prefixattn's causal-prefill rate (both forms' attention runs on its
+#: kernels), FlashAttention-3's (standing for the up-projection's dense GEMM: no GEMM was measured), and the swept
+#: read kernel's HBM rate.
+ATTENTION_TFLOPS = 342.2
+GEMM_TFLOPS = 577.4
+HBM_GBPS = 3913.0
+#: The values of ``form``.
+FORMS = ("auto", "naive", "absorbed")
+
+
+def _lanes(width: int) -> int:
+    """The kernels' tile of a head vector: a power of two, at least 16."""
+    return max(16, 1 << (int(width) - 1).bit_length())
+
+
+def naive_form_pays_off(*, rows: int, num_heads: int, kv_lora_rank: int, rope_dim: int, qk_nope_head_dim: int,
+                        v_head_dim: int, elt_bytes: int = 2) -> bool:
+    """Whether ``rows`` query rows (of one group's requests) attend their shared prefix faster in the naive form
+    (modeled, per prefix token): the absorbed form's FLOPs at the kernels' lanes against the naive form's, plus the
+    prefix's up-projection (a GEMM) and its keys and values written and read once (``elt_bytes`` each), at
+    :data:`ATTENTION_TFLOPS`, :data:`GEMM_TFLOPS` and :data:`HBM_GBPS`. Not priced: the latent read both forms share,
+    and the absorbed form's re-reads of a shared latent per tile (L2 hits mostly), which favours the absorbed form.
+    At DeepSeek-V3's widths the naive form pays from 190 rows (151 with ``elt_bytes=1``), at any head count: every
+    term is per head."""
+    absorbed = 2 * (_lanes(kv_lora_rank) + _lanes(rope_dim)) + 2 * _lanes(kv_lora_rank)
+    naive = 2 * _lanes(qk_nope_head_dim + rope_dim) + 2 * _lanes(v_head_dim)
+    saved_us = rows * num_heads * (absorbed - naive) / (ATTENTION_TFLOPS * 1e6)
+    gemm_us = num_heads * 2 * kv_lora_rank * (qk_nope_head_dim + v_head_dim) / (GEMM_TFLOPS * 1e6)
+    bytes_us = num_heads * 2 * (qk_nope_head_dim + rope_dim + v_head_dim) * elt_bytes / (HBM_GBPS * 1e3)
+    return saved_us > gemm_us + bytes_us
+
+
+@dataclass(eq=False)
+class NaiveMLAPlan:
+    """One step of :func:`mla_naive_attention`: the absorbed plan, the naive plan over the up-projected prefixes, and
+    what a layer gathers for it."""
+
+    #: :func:`prefixattn.plan_mla` over each request's KV past its naive-form prefix (all of it for the others).
+    absorbed: Plan
+    #: :func:`prefixattn.plan` over the gathered prefix blocks (one KV head per query head, keys of
+    #: ``qk_nope_head_dim + rope_dim``, values of ``v_head_dim``, non-causal); None when no group takes the form.
+    naive: Plan | None
+    #: ``[num_prefix_blocks]`` int64 on the device: the latent blocks the naive plan's block ids index, in order.
+    prefix_blocks: torch.Tensor | None
+    #: ``[naive rows]`` int64 on the device: the query rows of the naive plan's requests (None: every row, in order).
+    naive_rows: torch.Tensor | None
+    kv_lora_rank: int
+    rope_dim: int
+    qk_nope_head_dim: int
+    v_head_dim: int
+    #: ``mla_form`` ("naive" where a group takes it, else "absorbed"), ``naive_groups``, ``naive_requests``,
+    #: ``naive_prefix_tokens`` (each group's prefix once), ``declined_groups`` (groups the rule kept absorbed).
+    stats: dict = field(default_factory=dict)
+
+
+def _prefix_groups(indptr: np.ndarray, lens: np.ndarray, table: np.ndarray, block_size: int) -> list:
+    """``(members, prefix_blocks)`` of each group: requests (two or more) whose first blocks are one block, and the
+    leading blocks all of them share, within each member's KV before its first query row."""
+    q_lens = np.diff(indptr)
+    before = (lens - q_lens) // block_size  # whole blocks before each request's first query row
+    eligible = np.flatnonzero(before > 0)
+    groups = []
+    for first in np.unique(table[eligible, 0]):
+        members = eligible[table[eligible, 0] == first]
+        if members.size < 2:
+            continue
+        limit = int(before[members].min())
+        rows = table[members, :limit]
+        same = np.all(rows == rows[0], axis=0)
+        blocks = limit if same.all() else int(np.argmin(same))
+        groups.append((members, blocks))
+    return groups
+
+
+def plan_mla_naive(qo_indptr: torch.Tensor, kv_lens: torch.Tensor, block_table: torch.Tensor, *, block_size: int,
+                   num_heads: int, sm_scale: float, kv_lora_rank: int = 512, rope_dim: int = 64,
+                   qk_nope_head_dim: int = 128, v_head_dim: int = 128, form: str = "auto",
+                   q_dtype: torch.dtype = torch.bfloat16, kv_dtype: torch.dtype | None = None, device=None,
+                   num_sms: int | None = None, num_blocks: int | None = None) -> NaiveMLAPlan:
+    """Plan one step of :func:`mla_naive_attention` (host; reuse the plan for every layer).
+
+    Parameters
+    ----------
+    qo_indptr, kv_lens, block_table : Tensor
+        As :func:`prefixattn.plan_mla`, on the host (a device tensor is copied: a synchronization).
+    block_size, num_heads, sm_scale, kv_lora_rank, rope_dim, q_dtype, kv_dtype, device, num_sms, num_blocks
+        As :func:`prefixattn.plan_mla` (``sm_scale``: the model's, ``1 / sqrt(qk_nope_head_dim + rope_dim)``).
+    qk_nope_head_dim, v_head_dim : int
+        The naive form's per-head widths (DeepSeek-V3, Kimi-K2: 128 and 128); ``qk_nope_head_dim + rope_dim`` and
+        ``v_head_dim`` must be supported head sizes (multiples of 8, 32-256).
+    form : {"auto", "naive", "absorbed"}
+        ``"auto"``: each group takes the naive form where :func:`naive_form_pays_off` says so (modeled);
+        ``"naive"``: every group; ``"absorbed"``: none (:func:`prefixattn.plan_mla`'s plan alone).
+
+    Returns
+    -------
+    NaiveMLAPlan
+    """
+    if form not in FORMS:
+        raise ValueError(f"form: expected one of {FORMS}, got {form!r}")
+    check_mla_dims(kv_lora_rank, rope_dim)
+    check_head_dim("qk_nope_head_dim + rope_dim", qk_nope_head_dim + rope_dim)
+    check_head_dim("v_head_dim", v_head_dim)
+    indptr, lens, table, _ = check_host_metadata(qo_indptr, kv_lens, block_table, block_size=block_size,
+                                                 num_blocks=num_blocks)
+    device = device if device is not None else getattr(block_table, "device", None)
+    elt = (kv_dtype or q_dtype).itemsize
+    q_lens = np.diff(indptr)
+    common = dict(block_size=block_size, sm_scale=sm_scale, q_dtype=q_dtype, device=device, num_sms=num_sms)
+    naive_of = np.zeros(lens.shape[0], dtype=np.int64)  # each request's naive-form prefix, in blocks
+    declined = 0
+    for members, blocks in (_prefix_groups(indptr, lens, table, block_size) if form != "absorbed" else []):
+        members = members[q_lens[members] <= blocks * block_size]  # rows within the non-causal naive plan's KV
+        rows = int(q_lens[members].sum())
+        if members.size < 2 or blocks == 0:
+            continue
+        if form == "auto" and not naive_form_pays_off(
+                rows=rows, num_heads=num_heads, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim,
+                qk_nope_head_dim=qk_nope_head_dim, v_head_dim=v_head_dim, elt_bytes=elt):
+            declined += 1
+            continue
+        naive_of[members] = blocks
+    # The absorbed plan: each request's KV past its naive prefix (its block row shifted by the prefix's blocks).
+    width = table.shape[1]
+    shifted = np.zeros_like(table)
+    for r in np.flatnonzero(naive_of):
+        shifted[r, :width - naive_of[r]] = table[r, naive_of[r]:]
+    shifted[naive_of == 0] = table[naive_of == 0]
+    absorbed = plan_mla(torch.from_numpy(indptr), torch.from_numpy(lens - naive_of * block_size),
+                        torch.from_numpy(shifted), num_heads=num_heads, kv_lora_rank=kv_lora_rank,
+                        rope_dim=rope_dim, kv_dtype=kv_dtype, num_blocks=num_blocks, **common)
+    naive_reqs = np.flatnonzero(naive_of)
+    stats = dict(mla_form="naive" if naive_reqs.size else "absorbed", naive_requests=int(naive_reqs.size),
+                 declined_groups=declined)
+    if not naive_reqs.size:
+        return NaiveMLAPlan(absorbed=absorbed, naive=None, prefix_blocks=None, naive_rows=None,
+                            kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, qk_nope_head_dim=qk_nope_head_dim,
+                            v_head_dim=v_head_dim, stats={**stats, "naive_groups": 0, "naive_prefix_tokens": 0})
+    # The naive plan: each group's prefix blocks gathered once, its members' rows over them, shared (every block of
+    # a member's naive KV is its group's: one matrix product over the group's rows per head and tile).
+    ids, index = np.unique(np.concatenate([table[r, :naive_of[r]] for r in naive_reqs]), return_inverse=True)
+    naive_table = np.zeros((naive_reqs.size, int(naive_of.max())), dtype=np.int64)
+    start = 0
+    for i, r in enumerate(naive_reqs):
+        naive_table[i, :naive_of[r]] = index[start:start + naive_of[r]]
+        start += naive_of[r]
+    naive = plan(torch.from_numpy(np.concatenate([[0], np.cumsum(q_lens[naive_reqs])])),
+                 torch.from_numpy(naive_of[naive_reqs] * block_size), torch.from_numpy(naive_table),
+                 num_qo_heads=num_heads, num_kv_heads=num_heads, head_dim=qk_nope_head_dim + rope_dim,
+                 v_head_dim=v_head_dim, causal=False, num_blocks=int(ids.size), sharing="always", **common)
+    rows = None
+    if naive_reqs.size < lens.shape[0]:
+        rows = torch.from_numpy(np.concatenate([np.arange(indptr[r], indptr[r + 1]) for r in naive_reqs]))
+        rows = rows.to(naive.device)
+    groups = len({int(table[r, 0]) for r in naive_reqs})
+    return NaiveMLAPlan(absorbed=absorbed, naive=naive, prefix_blocks=torch.from_numpy(ids).to(naive.device),
+                        naive_rows=rows, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim,
+                        qk_nope_head_dim=qk_nope_head_dim, v_head_dim=v_head_dim,
+                        stats={**stats, "naive_groups": groups, "naive_prefix_tokens": int(ids.size) * block_size})
+
+
+def mla_naive_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, plan: NaiveMLAPlan,
+                        w_uk: torch.Tensor, w_uv: torch.Tensor, *, kv_scale: float | torch.Tensor | None = None
+                        ) -> torch.Tensor:
+    """MLA for one layer with the shared prefixes of :func:`plan_mla_naive`'s groups in the naive form.
+
+    Parameters
+    ----------
+    q_nope : Tensor, ``[num_tokens, num_heads, qk_nope_head_dim]``, fp16/bf16/fp32
+        The queries before absorption (the naive form's, without the rotary part).
+    q_pe : Tensor, ``[num_tokens, num_heads, rope_dim]``, dtype of ``q_nope``
+        The rotary queries.
+    kv_cache : Tensor, ``[num_blocks, block_size, kv_lora_rank + rope_dim]``
+        As :func:`prefixattn.mla_attention`'s (fp8: dequantized with ``kv_scale``).
+    plan : NaiveMLAPlan
+    w_uk : Tensor, ``[num_heads, qk_nope_head_dim, kv_lora_rank]``, dtype of ``q_nope``
+        The key up-projection: a head's no-rope key is ``w_uk[h] @ c`` (DeepSeek's ``kv_b_proj``, key rows).
+    w_uv : Tensor, ``[num_heads, kv_lora_rank, v_head_dim]``, dtype of ``q_nope``
+        The value up-projection: a head's value is ``c @ w_uv[h]``.
+    kv_scale : float or Tensor ``[1]`` fp32, optional
+        As :func:`prefixattn.mla_attention`'s.
+
+    Returns
+    -------
+    Tensor, ``[num_tokens, num_heads, v_head_dim]`` in q's dtype: the attention's value, ``W_UV`` applied.
+    """
+    _check_call(q_nope, q_pe, w_uk, w_uv, plan)
+    rank = plan.kv_lora_rank
+    q_abs = torch.cat([torch.einsum("thn,hnr->thr", q_nope, w_uk), q_pe], dim=-1)
+    latent_out, lse = mla_attention(q_abs, kv_cache, plan.absorbed, return_lse=True, kv_scale=kv_scale)
+    out = torch.einsum("thr,hrv->thv", latent_out, w_uv)
+    if plan.naive is None:
+        return out
+    latent = kv_cache.index_select(0, plan.prefix_blocks)
+    if latent.dtype != q_nope.dtype:  # an fp8 cache: dequantize the gathered blocks only
+        latent = latent.to(q_nope.dtype) * (kv_scale.to(q_nope.dtype) if torch.is_tensor(kv_scale)
+                                            else (1.0 if kv_scale is None else kv_scale))
+    n, bs, _ = latent.shape
+    c, k_pe = latent[..., :rank].reshape(n * bs, rank), latent[..., rank:].reshape(n * bs, 1, -1)
+    heads = q_nope.shape[1]
+    k = torch.cat([torch.einsum("pr,hnr->phn", c, w_uk), k_pe.expand(-1, heads, -1)], dim=-1)
+    v = torch.einsum("pr,hrv->phv", c, w_uv)
+    q_naive = torch.cat([q_nope, q_pe], dim=-1)
+    rows = plan.naive_rows
+    if rows is not None:
+        q_naive = q_naive.index_select(0, rows)
+    o, lse_naive = attention(q_naive, k.view(n, bs, heads, -1), v.view(n, bs, heads, -1), plan.naive,
+                             return_lse=True)
+    if rows is None:
+        merged, _ = merge_states(out, lse, o, lse_naive)
+        return merged
+    merged, _ = merge_states(out.index_select(0, rows), lse.index_select(0, rows), o, lse_naive)
+    return out.index_copy_(0, rows, merged)
+
+
+def _check_call(q_nope, q_pe, w_uk, w_uv, p: NaiveMLAPlan) -> None:
+    """Shapes and dtypes of the per-layer inputs against the plan (the caches and q's rows: the plans' own calls)."""
+    if not isinstance(p, NaiveMLAPlan):
+        raise ValueError(f"plan: expected a NaiveMLAPlan (from prefixattn.plan_mla_naive), got {type(p).__name__}")
+    heads = p.absorbed.num_qo_heads
+    for name, t, want in (("q_nope", q_nope, (heads, p.qk_nope_head_dim)), ("q_pe", q_pe, (heads, p.rope_dim))):
+        check_tensor(name, t, ndim=3)
+        if tuple(t.shape[1:]) != want:
+            raise ValueError(f"{name}: expected shape [*, {want[0]}, {want[1]}] (the plan's heads and widths), got "
+                             f"{tuple(t.shape)}")
+    if q_pe.shape[0] != q_nope.shape[0]:
+        raise ValueError(f"q_pe: expected {q_nope.shape[0]} rows (q_nope's), got {q_pe.shape[0]}")
+    for name, t, want in (("w_uk", w_uk, (heads, p.qk_nope_head_dim, p.kv_lora_rank)),
+                          ("w_uv", w_uv, (heads, p.kv_lora_rank, p.v_head_dim))):
+        check_tensor(name, t, ndim=3, dtypes=(q_nope.dtype,))
+        if tuple(t.shape) != want:
+            raise ValueError(f"{name}: expected shape {want} (the plan's heads and widths), got {tuple(t.shape)}")
+    check_tensor("q_pe", q_pe, dtypes=(q_nope.dtype,))
