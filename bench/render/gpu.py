@@ -197,6 +197,7 @@ def mla_rows(rows) -> list[dict]:
         get = lambda p, m: prov.get(p, {}).get(m)  # noqa: E731
         out.append(dict(shape=shape, ours=get("prefixattn", HEAD), never=get("prefixattn-nosharing", HEAD),
                         flashinfer=get("flashinfer-mla", HEAD), typhoon=get("typhoon-mla", HEAD),
+                        naive=get("prefixattn-naive", HEAD),
                         floor=get("floor", "floor_memory_us"),
                         warm=get("prefixattn", "graph_warm_us_median"),
                         correct=all(m.get("correct", 1.0) == 1.0 and m.get("graph_correct", 1.0) == 1.0
@@ -206,12 +207,14 @@ def mla_rows(rows) -> list[dict]:
 
 def mla_table(rows) -> list[str]:
     lines = head("shape", "prefixattn us", "never-share us", "FlashInfer MLA us", "TyphoonMLA-style us",
-                 "speedup vs FlashInfer", "speedup vs TyphoonMLA-style", "speedup vs never-share",
-                 "prefixattn over memory floor", "warm L2 us", "correct")
+                 "prefixattn naive-form us", "speedup vs FlashInfer", "speedup vs TyphoonMLA-style",
+                 "naive form vs TyphoonMLA-style", "speedup vs never-share", "prefixattn over memory floor",
+                 "warm L2 us", "correct")
     for r in mla_rows(rows):
         lines.append(f"| {r['shape']} | {fixed(r['ours'])} | {fixed(r['never'])} | {fixed(r['flashinfer'])} | "
-                     f"{fixed(r['typhoon'])} | {ratio_cell(r['flashinfer'], r['ours'])} | "
-                     f"{ratio_cell(r['typhoon'], r['ours'])} | {ratio_cell(r['never'], r['ours'])} | "
+                     f"{fixed(r['typhoon'])} | {fixed(r['naive'])} | {ratio_cell(r['flashinfer'], r['ours'])} | "
+                     f"{ratio_cell(r['typhoon'], r['ours'])} | {ratio_cell(r['typhoon'], r['naive'])} | "
+                     f"{ratio_cell(r['never'], r['ours'])} | "
                      f"{ratio_cell(r['ours'], r['floor'])} | {fixed(r['warm'])} | {'yes' if r['correct'] else 'NO'} |")
     return lines
 
@@ -342,8 +345,9 @@ def summary(rows, *, device: str, commit: str, versions: str, seconds: float, sk
         lines += ["", f"## MLA decode steps ({'DRY RUN' if dry else 'DeepSeek-V3 shape, bf16, one layer'})", "",
                   "prefixattn's `mla_attention` against FlashInfer's MLA wrapper (absorbed, no sharing) and a "
                   "TyphoonMLA-style split built from FlashInfer (the shared prefix up-projected once, attended in the "
-                  "naive form; its time includes W_UV of its absorbed half), graph-replayed, L2 flushed; the memory "
-                  "floor is the distinct latent bytes with q and out at the HBM floor's rate.",
+                  "naive form; its time includes W_UV of its absorbed half) and the same split on prefixattn's kernels "
+                  "(`mla_naive_attention`, the prefix up-projected in the timed run), graph-replayed, L2 flushed; the "
+                  "memory floor is the distinct latent bytes with q and out at the HBM floor's rate.",
                   ""] + mla_table(rows)
     if contexts := mla_prefill_table(rows):
         lines += ["", f"## MLA prefill contexts ({'DRY RUN' if dry else 'DeepSeek-V3 shape, bf16, one layer'})", "",
