@@ -336,8 +336,9 @@ WORST_CASE_KV_HEADS = 4
 #: Keys and values of their own head sizes the worst case compiles (DeepSeek's up-projected MLA prefill), on the GPU
 #: image's target only (CI's time: their registers are at most those of the wider size's binaries, which the
 #: selection holds; these prove the separate V path compiles): sm_90 bf16 at the shipped d256 rows, shared class
-#: 216 -> 158 registers, chunk 230 -> 216, decode 212 -> 198, against values padded to the keys' 192 (Triton 3.9;
-#: sm_80 178/174/174 from 210/214/214, gfx942 VGPRs 303/278/191 from 356/320/212).
+#: 216 -> 159 registers (80 -> 68 KB of shared memory), chunk 230 -> 226 (128 -> 104 KB), decode 212 -> 208
+#: (138 -> 106 KB), against values padded to the keys' 192 (Triton 3.9; sm_80 178/176/176 from 210/214/214, gfx942
+#: VGPRs 303/278/191 from 356/320/212).
 WORST_CASE_QK_V_HEAD_DIMS = (192, 128)
 WORST_CASE_QK_V_TARGETS = ("sm90",)
 
