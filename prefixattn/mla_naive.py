@@ -53,11 +53,11 @@ def naive_form_pays_off(*, rows: int, num_heads: int, kv_lora_rank: int, rope_di
                         v_head_dim: int, elt_bytes: int = 2) -> bool:
     """Whether ``rows`` query rows (of one group's requests) attend their shared prefix faster in the naive form
     (modeled, per prefix token): the absorbed form's FLOPs at the kernels' lanes against the naive form's, plus the
-    prefix's up-projection (a GEMM) and its keys and values written and read once (``elt_bytes`` each), at
+    prefix's up-projection (a GEMM) and its keys and values written and read once (``elt_bytes`` each: q's dtype), at
     :data:`ATTENTION_TFLOPS`, :data:`GEMM_TFLOPS` and :data:`HBM_GBPS`. Not priced: the latent read both forms share,
     and the absorbed form's re-reads of a shared latent per tile (L2 hits mostly), which favours the absorbed form.
-    At DeepSeek-V3's widths the naive form pays from 190 rows (151 with ``elt_bytes=1``), at any head count: every
-    term is per head."""
+    At DeepSeek-V3's widths the naive form pays from 190 rows (16-bit; 270 in fp32), at any head count: every term
+    is per head."""
     absorbed = 2 * (_lanes(kv_lora_rank) + _lanes(rope_dim)) + 2 * _lanes(kv_lora_rank)
     naive = 2 * _lanes(qk_nope_head_dim + rope_dim) + 2 * _lanes(v_head_dim)
     saved_us = rows * num_heads * (absorbed - naive) / (ATTENTION_TFLOPS * 1e6)
@@ -140,7 +140,7 @@ def plan_mla_naive(qo_indptr: torch.Tensor, kv_lens: torch.Tensor, block_table: 
     indptr, lens, table, _ = check_host_metadata(qo_indptr, kv_lens, block_table, block_size=block_size,
                                                  num_blocks=num_blocks)
     device = device if device is not None else getattr(block_table, "device", None)
-    elt = (kv_dtype or q_dtype).itemsize
+    elt = q_dtype.itemsize  # the up-projected keys and values are q's dtype, whatever the latent cache's
     q_lens = np.diff(indptr)
     common = dict(block_size=block_size, sm_scale=sm_scale, q_dtype=q_dtype, device=device, num_sms=num_sms)
     naive_of = np.zeros(lens.shape[0], dtype=np.int64)  # each request's naive-form prefix, in blocks

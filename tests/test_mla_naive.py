@@ -86,6 +86,21 @@ def test_every_request_in_one_group_and_bf16(device):
     torch.testing.assert_close(got.double().cpu(), want, atol=3e-2, rtol=3e-2)
 
 
+def test_an_fp8_latent_is_dequantized_before_the_up_projection(device):
+    q_nope, q_pe, cache, qo, lens, table = _batch(**CASE, num_heads=2, seed=5)
+    cache8 = (cache * 4).to(torch.float8_e5m2)
+    scale = torch.tensor([0.25])
+    w_uk, w_uv = _layer(2, 5)
+    p = plan_mla_naive(qo, lens, table, block_size=BLOCK, num_heads=2, sm_scale=0.2, kv_lora_rank=RANK,
+                       rope_dim=ROPE, qk_nope_head_dim=NOPE, v_head_dim=VALUE, form="naive", q_dtype=torch.float32,
+                       kv_dtype=torch.float8_e5m2, device=device)
+    assert p.naive is not None
+    got = mla_naive_attention(q_nope.to(device), q_pe.to(device), cache8.to(device), p, w_uk.to(device),
+                              w_uv.to(device), kv_scale=scale.to(device))
+    want = _want(q_nope, q_pe, cache8.float() * scale, qo, lens, table, w_uk, w_uv, 0.2)
+    torch.testing.assert_close(got.double().cpu(), want, atol=2e-5, rtol=2e-5)
+
+
 def test_auto_takes_the_naive_form_where_the_rule_says_it_pays(device):
     q_nope, q_pe, cache, qo, lens, table = _batch(**CASE, num_heads=2)
     common = dict(block_size=BLOCK, num_heads=2, sm_scale=0.2, kv_lora_rank=RANK, rope_dim=ROPE,
@@ -107,7 +122,9 @@ def test_the_rule_pays_from_about_190_rows_at_deepseek_widths():
     for heads in (16, 128):  # every term is per head: the break-even is the same
         assert not naive_form_pays_off(rows=189, num_heads=heads, **deepseek)
         assert naive_form_pays_off(rows=190, num_heads=heads, **deepseek)
-    assert naive_form_pays_off(rows=151, num_heads=16, elt_bytes=1, **deepseek)  # fp8: fewer bytes written
+    # fp32 queries: 4-byte up-projected keys and values through HBM.
+    assert not naive_form_pays_off(rows=269, num_heads=16, elt_bytes=4, **deepseek)
+    assert naive_form_pays_off(rows=270, num_heads=16, elt_bytes=4, **deepseek)
 
 
 def test_bad_input_names_the_argument():
