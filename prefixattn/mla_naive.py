@@ -142,57 +142,69 @@ def plan_mla_naive(qo_indptr: torch.Tensor, kv_lens: torch.Tensor, block_table: 
     device = device if device is not None else getattr(block_table, "device", None)
     elt = q_dtype.itemsize  # the up-projected keys and values are q's dtype, whatever the latent cache's
     q_lens = np.diff(indptr)
-    common = dict(block_size=block_size, sm_scale=sm_scale, q_dtype=q_dtype, device=device, num_sms=num_sms)
-    naive_of = np.zeros(lens.shape[0], dtype=np.int64)  # each request's naive-form prefix, in blocks
-    declined = 0
+    common = dict(sm_scale=sm_scale, q_dtype=q_dtype, device=device, num_sms=num_sms)
+    chosen, declined = [], 0
     for members, blocks in (_prefix_groups(indptr, lens, table, block_size) if form != "absorbed" else []):
         members = members[q_lens[members] <= blocks * block_size]  # rows within the non-causal naive plan's KV
-        rows = int(q_lens[members].sum())
-        if members.size < 2 or blocks == 0:
+        if members.size < 2:
             continue
         if form == "auto" and not naive_form_pays_off(
-                rows=rows, num_heads=num_heads, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim,
+                rows=int(q_lens[members].sum()), num_heads=num_heads, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim,
                 qk_nope_head_dim=qk_nope_head_dim, v_head_dim=v_head_dim, elt_bytes=elt):
             declined += 1
             continue
-        naive_of[members] = blocks
+        chosen.append((members, blocks))
     # The absorbed plan: each request's KV past its naive prefix (its block row shifted by the prefix's blocks).
-    width = table.shape[1]
-    shifted = np.zeros_like(table)
-    for r in np.flatnonzero(naive_of):
-        shifted[r, :width - naive_of[r]] = table[r, naive_of[r]:]
-    shifted[naive_of == 0] = table[naive_of == 0]
+    naive_of = np.zeros(lens.shape[0], dtype=np.int64)  # each request's naive-form prefix, in blocks
+    shifted = table.copy()
+    for members, blocks in chosen:
+        naive_of[members] = blocks
+        shifted[members, :table.shape[1] - blocks] = table[members, blocks:]
     absorbed = plan_mla(torch.from_numpy(indptr), torch.from_numpy(lens - naive_of * block_size),
                         torch.from_numpy(shifted), num_heads=num_heads, kv_lora_rank=kv_lora_rank,
-                        rope_dim=rope_dim, kv_dtype=kv_dtype, num_blocks=num_blocks, **common)
-    naive_reqs = np.flatnonzero(naive_of)
-    stats = dict(mla_form="naive" if naive_reqs.size else "absorbed", naive_requests=int(naive_reqs.size),
-                 declined_groups=declined)
-    if not naive_reqs.size:
-        return NaiveMLAPlan(absorbed=absorbed, naive=None, prefix_blocks=None, naive_rows=None,
-                            kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, qk_nope_head_dim=qk_nope_head_dim,
-                            v_head_dim=v_head_dim, stats={**stats, "naive_groups": 0, "naive_prefix_tokens": 0})
-    # The naive plan: each group's prefix blocks gathered once, its members' rows over them, shared (every block of
-    # a member's naive KV is its group's: one matrix product over the group's rows per head and tile).
-    ids, index = np.unique(np.concatenate([table[r, :naive_of[r]] for r in naive_reqs]), return_inverse=True)
-    naive_table = np.zeros((naive_reqs.size, int(naive_of.max())), dtype=np.int64)
-    start = 0
-    for i, r in enumerate(naive_reqs):
-        naive_table[i, :naive_of[r]] = index[start:start + naive_of[r]]
-        start += naive_of[r]
-    naive = plan(torch.from_numpy(np.concatenate([[0], np.cumsum(q_lens[naive_reqs])])),
-                 torch.from_numpy(naive_of[naive_reqs] * block_size), torch.from_numpy(naive_table),
-                 num_qo_heads=num_heads, num_kv_heads=num_heads, head_dim=qk_nope_head_dim + rope_dim,
-                 v_head_dim=v_head_dim, causal=False, num_blocks=int(ids.size), sharing="always", **common)
+                        rope_dim=rope_dim, kv_dtype=kv_dtype, num_blocks=num_blocks, block_size=block_size, **common)
+    widths = dict(kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, qk_nope_head_dim=qk_nope_head_dim,
+                  v_head_dim=v_head_dim)
+    stats = dict(mla_form="naive" if chosen else "absorbed", declined_groups=declined, naive_groups=len(chosen))
+    if not chosen:
+        return NaiveMLAPlan(absorbed=absorbed, naive=None, prefix_blocks=None, naive_rows=None, **widths,
+                            stats={**stats, "naive_requests": 0, "naive_prefix_tokens": 0})
+    naive, ids, rows = _naive_plan(chosen, indptr, q_lens, table, num_heads=num_heads,
+                                   head_dim=qk_nope_head_dim + rope_dim, v_head_dim=v_head_dim, block_size=block_size,
+                                   **common)
+    return NaiveMLAPlan(absorbed=absorbed, naive=naive, prefix_blocks=ids, naive_rows=rows, **widths,
+                        stats={**stats, "naive_requests": naive.num_requests,
+                               "naive_prefix_tokens": int(ids.shape[0]) * block_size})
+
+
+def _naive_plan(chosen: list, indptr: np.ndarray, q_lens: np.ndarray, table: np.ndarray, *, num_heads: int,
+                head_dim: int, v_head_dim: int, block_size: int, **common) -> tuple:
+    """The naive plan of the ``chosen`` groups (``(members, prefix blocks)``): each group's prefix blocks gathered
+    once (``ids``, the latent blocks in the order the plan's block ids index), its members' rows over them, shared
+    (every block of a member's naive KV is its group's: one matrix product over the group's rows per head and tile).
+    Returns ``(plan, ids, rows)``: ``rows`` the members' query rows on the plan's device (None: every row, in
+    order)."""
+    ids, index = np.unique(np.concatenate([table[members[0], :blocks] for members, blocks in chosen]),
+                           return_inverse=True)
+    reqs = np.concatenate([members for members, _ in chosen])
+    order = np.argsort(reqs, kind="stable")  # requests in the batch's order: the rows gathered stay sorted
+    naive_table = np.zeros((reqs.size, max(blocks for _, blocks in chosen)), dtype=np.int64)
+    kv_lens = np.zeros(reqs.size, dtype=np.int64)
+    start, first = 0, 0
+    for members, blocks in chosen:
+        naive_table[first:first + members.size, :blocks] = index[start:start + blocks]
+        kv_lens[first:first + members.size] = blocks * block_size
+        start, first = start + blocks, first + members.size
+    reqs, naive_table, kv_lens = reqs[order], naive_table[order], kv_lens[order]
+    naive = plan(torch.from_numpy(np.concatenate([[0], np.cumsum(q_lens[reqs])])), torch.from_numpy(kv_lens),
+                 torch.from_numpy(naive_table), num_qo_heads=num_heads, num_kv_heads=num_heads, head_dim=head_dim,
+                 v_head_dim=v_head_dim, causal=False, num_blocks=int(ids.size), sharing="always",
+                 block_size=block_size, **common)
     rows = None
-    if naive_reqs.size < lens.shape[0]:
-        rows = torch.from_numpy(np.concatenate([np.arange(indptr[r], indptr[r + 1]) for r in naive_reqs]))
+    if reqs.size < q_lens.size:
+        rows = torch.from_numpy(np.concatenate([np.arange(indptr[r], indptr[r + 1]) for r in reqs]))
         rows = rows.to(naive.device)
-    groups = len({int(table[r, 0]) for r in naive_reqs})
-    return NaiveMLAPlan(absorbed=absorbed, naive=naive, prefix_blocks=torch.from_numpy(ids).to(naive.device),
-                        naive_rows=rows, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim,
-                        qk_nope_head_dim=qk_nope_head_dim, v_head_dim=v_head_dim,
-                        stats={**stats, "naive_groups": groups, "naive_prefix_tokens": int(ids.size) * block_size})
+    return naive, torch.from_numpy(ids).to(naive.device), rows
 
 
 def mla_naive_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, plan: NaiveMLAPlan,
