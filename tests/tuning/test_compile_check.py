@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -259,6 +260,21 @@ def _packed_decode_binaries(target_name):
             if mode == "decode" and not has_shared}
 
 
+def _own_v_binaries(target_name):
+    """(head_dim, variant, config name) of the binaries the worst case compiles with keys and values of their own
+    head sizes: the class binaries of the tabled rows of their padded head size, on its targets only."""
+    from prefixattn.autotune.config_space import block_d
+    from prefixattn.tuning.compile_check import (WORST_CASE_QK_V_HEAD_DIMS, WORST_CASE_QK_V_TARGETS, class_binaries,
+                                                 default_attention_configs)
+
+    if target_name not in WORST_CASE_QK_V_TARGETS:
+        return set()
+    qk, v = WORST_CASE_QK_V_HEAD_DIMS
+    configs = default_attention_configs(TARGETS[target_name], block_d(max(qk, v)), "bf16")
+    return {(qk, mode + ("" if has_shared else "/suffix-only") + f"+lse+v{v}", cfg.short())
+            for mode, cfg, has_shared in class_binaries(configs)}
+
+
 @pytest.mark.compile
 def test_worst_case_selection_covers_every_shipped_binary_and_feature_axis(tmp_path):
     """CI's compile-check (``--worst-case``, ~8 minutes on 2 cores): every shipped bf16 binary, and at the extreme
@@ -286,7 +302,10 @@ def test_worst_case_selection_covers_every_shipped_binary_and_feature_axis(tmp_p
         got = {(r["head_dim"], r["variant"].removesuffix("+lse"), r["config_name"]) for r in plain
                if r["target"] == name and r["dtype"] == "bf16"}
         packed = {b for b in got if "/kv_heads=" in b[1]}
-        assert got - packed == _shipped_binaries(name)
+        own_v = {b for b in got if re.search(r"\+v\d+$", b[1])}
+        assert got - packed - own_v == _shipped_binaries(name)
+        # And sm90's binaries of keys and values of their own head sizes.
+        assert own_v == _own_v_binaries(name)
         # And each decode binary at KV_HEADS_MAX_BLOCK_D with WORST_CASE_KV_HEADS KV heads per program.
         assert packed == _packed_decode_binaries(name)
         # At the smallest and largest head size each of them with every model switch over a 16-bit cache, and each
