@@ -38,6 +38,9 @@ Features, each a constexpr switch that compiles to nothing when off:
   includes the sink; a row with no visible KV gives ``(0, sink)``.
 * ``HAS_KV_SCALE``: per-tensor K/V scales read by pointer (fp8 caches): ``k_scale`` joins ``qk_scale``, ``v_scale``
   multiplies each item's output state (both linear, so no per-tile cost). fp8 K/V are upcast right after the load.
+* ``HAS_V_HEAD_DIM``: V, the accumulator, the partial states and the output have a head size of their own
+  (``v_head_dim``, ``BLOCK_DV`` lanes; DeepSeek's up-projected MLA: keys 192, values 128), so the P @ V product and
+  the V loads are V's width; off, V's head size is ``head_dim``.
 
 The kernel packs its pointers and strides into named tuples once (:mod:`prefixattn.kernels.operands`: the tuples
 and the address and score arithmetic every part shares).
