@@ -284,7 +284,9 @@ max_items, max_gather_rows, max_merge_rows, max_ws_rows
                  rope_dim: int = 64, causal: bool = True, q_dtype: torch.dtype = torch.bfloat16,
                  kv_dtype: torch.dtype | None = None, **wrapper_options) -> None:
         plan_options = {k: wrapper_options.pop(k) for k in _WRAPPER_OPTIONS if k in wrapper_options}
-        unknown = sorted(set(wrapper_options) - set(inspect.signature(PrefixSharedAttention).parameters))
+        # v_head_dim: the latent is the value (kv_lora_rank wide).
+        unknown = sorted(set(wrapper_options) - set(inspect.signature(PrefixSharedAttention).parameters)
+                         | {"v_head_dim"} & set(wrapper_options))
         if unknown:
             raise ValueError(f"{unknown[0]}: expected an option of MLAPrefixSharedAttention (the wrapper's, or "
                              f"{', '.join(_WRAPPER_OPTIONS)}), got {unknown[0]}={wrapper_options[unknown[0]]!r}")

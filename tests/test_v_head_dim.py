@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prefixattn import PrefixSharedAttention, attention, plan, prefix_attention, reference_attention
+from prefixattn import (MLAPrefixSharedAttention, PrefixSharedAttention, attention, plan, prefix_attention,
+                        reference_attention)
 from prefixattn.kernels import layout as K
 from tests.prefix_batches import make_batch, random_batch
 from tests.test_attention import CountingKernel
@@ -136,6 +137,8 @@ def test_refusals_name_v_head_dim(device):
     with pytest.raises(ValueError, match="v_head_dim: expected a head_dim"):
         PrefixSharedAttention(**b.heads, v_head_dim=300, max_tokens=4, max_requests=1,
                               max_blocks_per_request=4, device=device)
+    with pytest.raises(ValueError, match="v_head_dim: expected an option of MLAPrefixSharedAttention"):
+        MLAPrefixSharedAttention(num_heads=4, block_size=4, sm_scale=0.1, kv_lora_rank=32, rope_dim=16, v_head_dim=32)
     # A workspace's partial states have its output head size: a step of another one would write past their rows.
     attn = PrefixSharedAttention(**b.heads, max_tokens=4, max_requests=1, max_blocks_per_request=4, device=device)
     for override in (dict(v_head_dim=128), dict(head_dim=128)):
