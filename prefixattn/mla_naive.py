@@ -29,6 +29,7 @@ import torch
 
 from prefixattn.merge import merge_states
 from prefixattn.mla import mla_attention, plan_mla
+from prefixattn.planner.options import _positive_int
 from prefixattn.planner.plans import Plan, plan
 from prefixattn.prefix_attention import attention
 from prefixattn.validation import check_head_dim, check_host_metadata, check_mla_dims, check_tensor
@@ -134,6 +135,7 @@ def plan_mla_naive(qo_indptr: torch.Tensor, kv_lens: torch.Tensor, block_table: 
     """
     if form not in FORMS:
         raise ValueError(f"form: expected one of {FORMS}, got {form!r}")
+    num_heads = _positive_int("num_heads", num_heads)
     check_mla_dims(kv_lora_rank, rope_dim)
     check_head_dim("qk_nope_head_dim + rope_dim", qk_nope_head_dim + rope_dim)
     check_head_dim("v_head_dim", v_head_dim)

@@ -133,6 +133,8 @@ def test_bad_input_names_the_argument():
                   q_dtype=torch.float32)
     with pytest.raises(ValueError, match="form: expected one of"):
         plan_mla_naive(qo, lens, table, form="fast", qk_nope_head_dim=NOPE, v_head_dim=VALUE, **common)
+    with pytest.raises(ValueError, match="num_heads: expected a positive int, got '2'"):
+        plan_mla_naive(qo, lens, table, qk_nope_head_dim=NOPE, v_head_dim=VALUE, **{**common, "num_heads": "2"})
     with pytest.raises(ValueError, match=r"qk_nope_head_dim \+ rope_dim: expected a head_dim"):
         plan_mla_naive(qo, lens, table, qk_nope_head_dim=20, v_head_dim=VALUE, **common)
     p = plan_mla_naive(qo, lens, table, form="naive", qk_nope_head_dim=NOPE, v_head_dim=VALUE, **common)
