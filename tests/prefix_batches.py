@@ -33,6 +33,47 @@ class Batch:
                     block_size=self.block_size)
 
 
+
+def on_device(b: Batch, device) -> Batch:
+    """``b`` with every tensor moved to ``device`` (in place; returns it)."""
+    for name in ("q", "k_cache", "v_cache", "qo_indptr", "kv_lens", "block_table"):
+        setattr(b, name, getattr(b, name).to(device))
+    return b
+
+
+#: The model switches a kernel variant is tested under: ``(plan() options, attention() options)``, the latter by the
+#: name of the ones :func:`model_switch_call` builds for a batch; pytest ids in :data:`MODEL_SWITCH_IDS`.
+MODEL_SWITCHES = [(dict(logits_soft_cap=2.0), {}), (dict(window_left=5), {}), ({}, "sinks"), ({}, "fp8")]
+MODEL_SWITCH_IDS = ["soft-cap", "window", "sinks", "fp8"]
+
+
+def model_switch_call(b: Batch, call, device) -> dict:
+    """attention()'s options of a :data:`MODEL_SWITCHES` entry for ``b``: a sink per query head, or per-tensor scales
+    with ``b``'s caches made fp8 (e4m3) in place."""
+    if call == "sinks":
+        return dict(sinks=torch.linspace(-1.0, 3.0, b.q.shape[1], device=device))
+    if call == "fp8":
+        b.k_cache, b.v_cache = (b.k_cache * 4).to(torch.float8_e4m3fn), (b.v_cache * 2).to(torch.float8_e4m3fn)
+        return dict(k_scale=0.25, v_scale=torch.tensor([0.5], device=device))
+    return call
+
+
+def check_against_reference(b: Batch, p, **call) -> None:
+    """``prefixattn.attention`` of the batch with plan ``p`` (and ``call``'s sinks or scales) against the reference
+    with the plan's soft cap and window: output (its shape too) and LSE, at the dtype's tolerances."""
+    from prefixattn import attention, reference_attention
+    from tests.tolerances import ATTENTION_TOL, LSE_TOL
+
+    ref_kw = {k: v for k, v in (("logits_soft_cap", p.logits_soft_cap or None),
+                                ("window_left", p.window_left if p.window_left >= 0 else None)) if v is not None}
+    got = attention(b.q, b.k_cache, b.v_cache, p, return_lse=True, **call)
+    want = reference_attention(b.q, b.k_cache, b.v_cache, *b.metadata, return_lse=True, **ref_kw, **call)
+    assert got[0].shape == want[0].shape
+    atol, rtol = ATTENTION_TOL[b.q.dtype]
+    torch.testing.assert_close(got[0].float(), want[0], atol=atol, rtol=rtol)
+    torch.testing.assert_close(got[1], want[1], atol=LSE_TOL[0], rtol=LSE_TOL[1])
+
+
 def make_batch(seed: int, *, q_lens, extra_lens, paths, level_blocks, block_size: int, num_qo_heads: int,
                num_kv_heads: int, head_dim: int, dtype=torch.float32, spare_blocks: int = 3) -> Batch:
     """Build a batch from an explicit sharing tree.

@@ -10,38 +10,22 @@ import numpy as np
 import pytest
 import torch
 
-from prefixattn import attention, plan, prefix_attention, reference_attention
+from prefixattn import attention, plan, prefix_attention
 from prefixattn.autotune.buckets import make_bucket
 from prefixattn.autotune.config_space import AttentionConfig, LaunchOptions, Tiles
 from prefixattn.autotune.lookup import fixed_config
 from prefixattn.autotune.tables import read_table, table_json
 from prefixattn.kernels import layout as K
 from prefixattn.planner.tiles import fit_kv_heads, tiles_from_configs
-from tests.prefix_batches import make_batch, random_batch
+from tests.prefix_batches import (MODEL_SWITCH_IDS, MODEL_SWITCHES, check_against_reference, make_batch,
+                                  model_switch_call, on_device, random_batch)
 from tests.test_attention import CountingKernel
-from tests.tolerances import ATTENTION_TOL, LSE_TOL
 
 
 def _config(kv_heads: int, block_m: int = 16, block_n: int = 32) -> AttentionConfig:
     """Small tiles whose decode tile packs ``kv_heads`` KV heads per program."""
     return AttentionConfig(shared=Tiles(16, 16), suffix=Tiles(block_m, block_n, kv_heads=kv_heads),
                            launch=LaunchOptions(num_warps=4, num_stages=2))
-
-
-def _to(batch, device):
-    for name in ("q", "k_cache", "v_cache", "qo_indptr", "kv_lens", "block_table"):
-        setattr(batch, name, getattr(batch, name).to(device))
-    return batch
-
-
-def _check(b, p, **attn_kw):
-    ref_kw = {k: v for k, v in (("logits_soft_cap", p.logits_soft_cap or None),
-                                ("window_left", p.window_left if p.window_left >= 0 else None)) if v is not None}
-    got = attention(b.q, b.k_cache, b.v_cache, p, return_lse=True, **attn_kw)
-    want = reference_attention(b.q, b.k_cache, b.v_cache, *b.metadata, return_lse=True, **ref_kw, **attn_kw)
-    atol, rtol = ATTENTION_TOL[b.q.dtype]
-    torch.testing.assert_close(got[0].float(), want[0], atol=atol, rtol=rtol)
-    torch.testing.assert_close(got[1], want[1], atol=LSE_TOL[0], rtol=LSE_TOL[1])
 
 
 @pytest.mark.parametrize("num_qo_heads, num_kv_heads, kv_heads, dtype, seed", [
@@ -52,42 +36,33 @@ def _check(b, p, **attn_kw):
 ])
 def test_decode_programs_with_several_kv_heads(device, num_qo_heads, num_kv_heads, kv_heads, dtype, seed):
     # Shared prefixes, decode and multi-row requests, split-k pieces (4 SMs): every merge path of the decode class.
-    b = _to(random_batch(seed, num_requests=9, levels=2, block_size=4, num_qo_heads=num_qo_heads,
-                         num_kv_heads=num_kv_heads, head_dim=64, dtype=dtype, max_q_len=6, decode_fraction=0.6),
-            device)
+    b = on_device(random_batch(seed, num_requests=9, levels=2, block_size=4, num_qo_heads=num_qo_heads,
+                               num_kv_heads=num_kv_heads, head_dim=64, dtype=dtype, max_q_len=6, decode_fraction=0.6),
+                  device)
     with fixed_config(_config(kv_heads)):
         p = plan(*b.metadata, **b.heads, q_dtype=dtype, sharing="always", num_sms=4, min_split_tokens=4)
     fitted = kv_heads if num_kv_heads % kv_heads == 0 else 2
     assert p.tiles.decode.kv_heads == fitted
     assert K.CLASS_DECODE in p.work_classes and p.shared_nodes and p.work.num_ws_rows > 0
-    _check(b, p)
+    check_against_reference(b, p)
 
 
-@pytest.mark.parametrize("plan_kw, attn_kw", [
-    (dict(logits_soft_cap=2.0), {}),
-    (dict(window_left=5), {}),
-    ({}, "sinks"),
-    ({}, "fp8"),
-], ids=["soft-cap", "window", "sinks", "fp8"])
+@pytest.mark.parametrize("plan_kw, attn_kw", MODEL_SWITCHES, ids=MODEL_SWITCH_IDS)
 def test_model_switches_with_several_kv_heads(device, plan_kw, attn_kw):
-    b = _to(make_batch(4, q_lens=[1, 1, 2, 1], extra_lens=[9, 2, 13, 30], paths=[("a",), ("a",), ("a",), ()],
-                       level_blocks={"a": 3}, block_size=4, num_qo_heads=8, num_kv_heads=4, head_dim=64), device)
-    if attn_kw == "sinks":
-        attn_kw = dict(sinks=torch.tensor([0.5, -1.0, 2.0, 0.0, 1.0, -0.5, 0.25, 3.0], device=device))
-    elif attn_kw == "fp8":
-        b.k_cache, b.v_cache = (b.k_cache * 4).to(torch.float8_e4m3fn), (b.v_cache * 2).to(torch.float8_e4m3fn)
-        attn_kw = dict(k_scale=0.25, v_scale=torch.tensor([0.5], device=device))
+    b = on_device(make_batch(4, q_lens=[1, 1, 2, 1], extra_lens=[9, 2, 13, 30], paths=[("a",), ("a",), ("a",), ()],
+                             level_blocks={"a": 3}, block_size=4, num_qo_heads=8, num_kv_heads=4, head_dim=64), device)
+    attn_kw = model_switch_call(b, attn_kw, device)
     with fixed_config(_config(4)):
         p = plan(*b.metadata, **b.heads, q_dtype=b.q.dtype, kv_dtype=b.k_cache.dtype, sharing="always",
                  num_sms=4, min_split_tokens=4, **plan_kw)
     # 2 query heads x 4 KV heads a row: two rows a tile, so the 2-row request is a decode tile too.
     assert p.tiles.decode.kv_heads == 4 and p.tiles.decode.rows(2) == 2
-    _check(b, p, **attn_kw)
+    check_against_reference(b, p, **attn_kw)
 
 
 def test_grid_has_one_program_per_item_and_head_block(device, monkeypatch):
-    b = _to(make_batch(5, q_lens=[1, 1, 1], extra_lens=[20, 7, 33], paths=[(), (), ()], level_blocks={},
-                       block_size=4, num_qo_heads=8, num_kv_heads=8, head_dim=64), device)
+    b = on_device(make_batch(5, q_lens=[1, 1, 1], extra_lens=[20, 7, 33], paths=[(), (), ()], level_blocks={},
+                             block_size=4, num_qo_heads=8, num_kv_heads=8, head_dim=64), device)
     counter = CountingKernel(prefix_attention.prefix_attention_kernel)
     monkeypatch.setattr(prefix_attention, "prefix_attention_kernel", counter)
     for kv_heads in (1, 4):
@@ -116,12 +91,12 @@ def test_fit_kv_heads():
 
 
 def test_nan_guard_plans_one_kv_head_per_program(device):
-    b = _to(make_batch(6, q_lens=[1, 1], extra_lens=[9, 30], paths=[(), ()], level_blocks={}, block_size=4,
-                       num_qo_heads=4, num_kv_heads=4, head_dim=64), device)
+    b = on_device(make_batch(6, q_lens=[1, 1], extra_lens=[9, 30], paths=[(), ()], level_blocks={}, block_size=4,
+                             num_qo_heads=4, num_kv_heads=4, head_dim=64), device)
     with fixed_config(_config(4)):
         p = plan(*b.metadata, **b.heads, q_dtype=b.q.dtype, nan_guard=True)
     assert p.tiles.decode.kv_heads == 1
-    _check(b, p)
+    check_against_reference(b, p)
 
 
 def test_table_and_config_round_trip_kv_heads(tmp_path):

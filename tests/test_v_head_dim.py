@@ -10,9 +10,9 @@ import torch
 from prefixattn import (MLAPrefixSharedAttention, PrefixSharedAttention, attention, plan, prefix_attention,
                         reference_attention)
 from prefixattn.kernels import layout as K
-from tests.prefix_batches import make_batch, random_batch
+from tests.prefix_batches import (MODEL_SWITCH_IDS, MODEL_SWITCHES, check_against_reference, make_batch,
+                                  model_switch_call, on_device, random_batch)
 from tests.test_attention import CountingKernel
-from tests.tolerances import ATTENTION_TOL, LSE_TOL
 
 
 def _with_values(b, v_head_dim: int, seed: int = 0):
@@ -20,23 +20,6 @@ def _with_values(b, v_head_dim: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     b.v_cache = torch.randn(*b.k_cache.shape[:3], v_head_dim, generator=g).to(b.k_cache.dtype).to(b.k_cache.device)
     return b
-
-
-def _to(b, device):
-    for name in ("q", "k_cache", "v_cache", "qo_indptr", "kv_lens", "block_table"):
-        setattr(b, name, getattr(b, name).to(device))
-    return b
-
-
-def _check(b, p, **kw):
-    ref_kw = {k: v for k, v in (("logits_soft_cap", p.logits_soft_cap or None),
-                                ("window_left", p.window_left if p.window_left >= 0 else None)) if v is not None}
-    got = attention(b.q, b.k_cache, b.v_cache, p, return_lse=True, **kw)
-    want = reference_attention(b.q, b.k_cache, b.v_cache, *b.metadata, return_lse=True, **ref_kw, **kw)
-    assert got[0].shape == (b.q.shape[0], b.q.shape[1], b.v_cache.shape[3])
-    atol, rtol = ATTENTION_TOL[b.q.dtype]
-    torch.testing.assert_close(got[0].float(), want[0], atol=atol, rtol=rtol)
-    torch.testing.assert_close(got[1], want[1], atol=LSE_TOL[0], rtol=LSE_TOL[1])
 
 
 @pytest.mark.parametrize("head_dim, v_head_dim, dtype, seed", [
@@ -48,32 +31,23 @@ def test_values_of_their_own_head_size(device, head_dim, v_head_dim, dtype, seed
     # Shared prefixes, prefill chunks and decodes, split-k pieces (4 SMs): every class and merge path.
     b = random_batch(seed, num_requests=7, levels=2, block_size=4, num_qo_heads=4, num_kv_heads=2,
                      head_dim=head_dim, dtype=dtype, max_q_len=6, decode_fraction=0.5)
-    b = _to(_with_values(b, v_head_dim, seed), device)
+    b = on_device(_with_values(b, v_head_dim, seed), device)
     p = plan(*b.metadata, **b.heads, v_head_dim=v_head_dim, q_dtype=dtype, sharing="always", num_sms=4,
              min_split_tokens=4)
     assert p.v_head_dim == v_head_dim and p.ws_o.shape[2] == v_head_dim
     assert p.shared_nodes and p.work.num_ws_rows > 0 and K.CLASS_DECODE in p.work_classes
-    _check(b, p)
+    check_against_reference(b, p)
 
 
-@pytest.mark.parametrize("plan_kw, attn_kw", [
-    (dict(logits_soft_cap=2.0), {}),
-    (dict(window_left=5), {}),
-    ({}, "sinks"),
-    ({}, "fp8"),
-], ids=["soft-cap", "window", "sinks", "fp8"])
+@pytest.mark.parametrize("plan_kw, attn_kw", MODEL_SWITCHES, ids=MODEL_SWITCH_IDS)
 def test_model_switches_with_values_of_their_own_size(device, plan_kw, attn_kw):
     b = make_batch(4, q_lens=[1, 3, 2, 1], extra_lens=[9, 2, 13, 30], paths=[("a",), ("a",), ("a",), ()],
                    level_blocks={"a": 3}, block_size=4, num_qo_heads=4, num_kv_heads=2, head_dim=64)
-    b = _to(_with_values(b, 40), device)
-    if attn_kw == "sinks":
-        attn_kw = dict(sinks=torch.tensor([0.5, -1.0, 2.0, 0.0], device=device))
-    elif attn_kw == "fp8":
-        b.k_cache, b.v_cache = (b.k_cache * 4).to(torch.float8_e4m3fn), (b.v_cache * 2).to(torch.float8_e4m3fn)
-        attn_kw = dict(k_scale=0.25, v_scale=torch.tensor([0.5], device=device))
+    b = on_device(_with_values(b, 40), device)
+    attn_kw = model_switch_call(b, attn_kw, device)
     p = plan(*b.metadata, **b.heads, v_head_dim=40, q_dtype=b.q.dtype, kv_dtype=b.k_cache.dtype, sharing="always",
              num_sms=4, min_split_tokens=4, **plan_kw)
-    _check(b, p, **attn_kw)
+    check_against_reference(b, p, **attn_kw)
 
 
 def test_nan_guard_redoes_rows_with_values_of_their_own_size(device):
@@ -81,7 +55,7 @@ def test_nan_guard_redoes_rows_with_values_of_their_own_size(device):
     # all-at-once and the lane-by-lane one) read V rows of V's size.
     b = make_batch(5, q_lens=[4, 1], extra_lens=[6, 20], paths=[(), ()], level_blocks={}, block_size=4,
                    num_qo_heads=2, num_kv_heads=1, head_dim=32)
-    b = _to(_with_values(b, 48), device)
+    b = on_device(_with_values(b, 48), device)
     last = int(b.kv_lens[0]) - 1  # request 0's last key: hidden from its first three rows
     blk = int(b.block_table[0, last // 4])
     b.v_cache[blk, last % 4] = float("nan")
@@ -93,8 +67,9 @@ def test_nan_guard_redoes_rows_with_values_of_their_own_size(device):
 
 
 def test_wrapper_sizes_its_workspace_by_the_values(device):
-    b = _to(_with_values(random_batch(3, num_requests=5, levels=1, block_size=4, num_qo_heads=4, num_kv_heads=2,
-                                      head_dim=64, dtype=torch.float32, max_q_len=2, decode_fraction=1.0), 32), device)
+    b = random_batch(3, num_requests=5, levels=1, block_size=4, num_qo_heads=4, num_kv_heads=2, head_dim=64,
+                     dtype=torch.float32, max_q_len=2, decode_fraction=1.0)
+    b = on_device(_with_values(b, 32), device)
     attn = PrefixSharedAttention(**b.heads, v_head_dim=32, q_dtype=torch.float32, max_tokens=16,
                                  max_requests=8, max_blocks_per_request=b.block_table.shape[1], device=device,
                                  use_cuda_graph=True, sharing="always", num_sms=4, min_split_tokens=4)
@@ -108,8 +83,8 @@ def test_wrapper_sizes_its_workspace_by_the_values(device):
 
 
 def test_launch_compiles_the_second_size_only_where_it_differs(device, monkeypatch):
-    b = _to(make_batch(6, q_lens=[1, 1], extra_lens=[9, 30], paths=[(), ()], level_blocks={}, block_size=4,
-                       num_qo_heads=2, num_kv_heads=2, head_dim=96), device)
+    b = on_device(make_batch(6, q_lens=[1, 1], extra_lens=[9, 30], paths=[(), ()], level_blocks={}, block_size=4,
+                             num_qo_heads=2, num_kv_heads=2, head_dim=96), device)
     counter = CountingKernel(prefix_attention.prefix_attention_kernel)
     monkeypatch.setattr(prefix_attention, "prefix_attention_kernel", counter)
     attention(b.q, b.k_cache, b.v_cache, plan(*b.metadata, **b.heads, q_dtype=b.q.dtype))
@@ -122,8 +97,8 @@ def test_launch_compiles_the_second_size_only_where_it_differs(device, monkeypat
 
 
 def test_refusals_name_v_head_dim(device):
-    b = _to(make_batch(7, q_lens=[1], extra_lens=[9], paths=[()], level_blocks={}, block_size=4, num_qo_heads=2,
-                       num_kv_heads=1, head_dim=64), device)
+    b = on_device(make_batch(7, q_lens=[1], extra_lens=[9], paths=[()], level_blocks={}, block_size=4, num_qo_heads=2,
+                             num_kv_heads=1, head_dim=64), device)
     with pytest.raises(ValueError, match="v_head_dim: expected a head_dim that is a multiple of 8"):
         plan(*b.metadata, **b.heads, v_head_dim=20)
     p = plan(*b.metadata, **b.heads, v_head_dim=32, q_dtype=b.q.dtype)
