@@ -27,7 +27,7 @@ NEED_ATTENTION_RATE = frozenset({"timing", "model_step"})
 #: shapes x 3 providers, the slowest FlashInfer runs ~2 ms (1024 requests x 8K tokens of 1,152 latent bytes); then
 #: 3 prefill-context shapes x 2 providers (+40 s: the attention kernel's 192-wide compiles, runs of ~5-30 ms); the
 #: naive-form provider on the 5 decode shapes (+15 s: its plans, its shared binary of keys 192 and values 128, which
-#: the prefill contexts' plans of the same widths reuse, and ~1-3 s a shape).
+#: the prefill contexts' plans of the same widths may reuse, and ~1-3 s a shape).
 #: Class rates (not yet run): 2 shapes x 3 providers of ~6-7 ms runs (2.2-2.4 TFLOP at ~340-580 TFLOP/s), the fa2
 #: prefill's plan, one reference of 256 rows each, and a compile where the paged chunks' tiles are not the dense
 #: prefill's (the ceilings step compiled that one): ~30-45 s. The timing step's packed-KV-heads runs (not yet run): 9
