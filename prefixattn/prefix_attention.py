@@ -65,7 +65,7 @@ def _check_against_plan(q, k_cache, v_cache, p: Plan, out, return_lse) -> None:
 
     The block ids were checked by plan() on the host; here the largest one the plan reads (an int the plan keeps)
     is compared with the cache's ``shape[0]``: a cache too small for the plan is refused before the launch instead
-    of being read out of bounds. Cost: two int comparisons per call (v_cache's shape equals k_cache's).
+    of being read out of bounds. Cost: two int comparisons per call (v_cache's blocks are k_cache's: check_qkv).
     """
     if not isinstance(p, Plan):
         raise ValueError(f"plan: expected a prefixattn Plan (from prefixattn.plan), got {type(p).__name__}")

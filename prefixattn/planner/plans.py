@@ -344,8 +344,7 @@ def _pipeline(be, o: PlanOptions, qo_indptr, kv_lens, block_table, device, num_b
             tiles = mla_tiles(kv_lora_rank=o.head_dim, dtype=o.q_dtype, kv_fp8=o.kv_dtype.itemsize == 1)
         elif tiles is None:
             tiles = choose_tiles(head_dim=tile_head_dim(o.head_dim, o.v_head_dim), group=o.group,
-                                 max_q_len=max(inputs.max_q_len, 1),
-                                 dtype=o.q_dtype, fixed_env=fixed_env)
+                                 max_q_len=max(inputs.max_q_len, 1), dtype=o.q_dtype, fixed_env=fixed_env)
         tiles = fit_kv_heads(tiles, num_kv_heads=o.num_kv_heads, group=o.group, nan_guard=o.nan_guard)
         # Priced on the planning GPU (a host with no known GPU, the interpreter, has no launches to price: the tuning
         # target's costs, for the modeled stats).
@@ -368,8 +367,7 @@ def _pipeline(be, o: PlanOptions, qo_indptr, kv_lens, block_table, device, num_b
     return Plan(
         num_tokens=inputs.num_tokens, num_requests=inputs.num_requests, num_qo_heads=o.num_qo_heads,
         num_kv_heads=o.num_kv_heads, head_dim=o.head_dim, v_head_dim=o.v_head_dim, block_size=o.block_size,
-        causal=o.causal,
-        sm_scale=o.sm_scale, q_dtype=o.q_dtype, kv_dtype=o.kv_dtype, device=device, tiles=tiles,
+        causal=o.causal, sm_scale=o.sm_scale, q_dtype=o.q_dtype, kv_dtype=o.kv_dtype, device=device, tiles=tiles,
         # The interpreter's dot on fp16/bf16 is numpy's (bf16 on raw bits); fp32 inputs need IEEE fp32 (tf32 would
         # miss the 1e-4 tolerance).
         use_fp32_dot=_KERNELS_INTERPRETED or o.q_dtype == torch.float32,
