@@ -13,16 +13,18 @@ source scripts/venv.sh
 failed=()
 setup_venv .venv test
 
-# Two lanes side by side, one per core: the main suite then the Triton 3.6 suite in the background, the engine suites
-# then the Triton 3.8 suite here (on 2 cores with the kernels' compiles cold: ~25 and ~24 minutes; the main suite's
-# worst-case compile-check alone ~7-10 of them). The background lane's output is printed whole when it ends; the
-# lanes' editable installs take turns (install_editable in scripts/venv.sh).
+# Two lanes side by side, one per core (on 2 cores: ~15 and ~20 minutes, 22 in all): the main suite then the
+# version suites in the background, the engine suites here. The background lane's output is printed
+# whole when it ends; the lanes' editable installs take turns (install_editable in scripts/venv.sh).
 run_versions_lane() {
   local lane_failed=()
   # The GPU check's dry run (~1.5 minutes) runs once, in the Triton 3.6 suite: the GPU image's Triton.
   .venv/bin/python -m pytest tests/ -m "not slow and not vllm and not sglang and not ray" \
     --deselect tests/test_gpu_check_dry_run.py::test_gpu_check_dry_run_runs_every_step "$@" || lane_failed+=(main)
   bash scripts/test_triton36.sh || lane_failed+=(triton36)  # the oldest supported Triton: kernel tests, compile-check
+  # The Triton vLLM 0.33 runs on (its torch 2.14 pins 3.8), here beside torch 2.13: the same kernel tests and
+  # compile-check (~3 minutes).
+  TRITON_PIN=triton==3.8.0 bash scripts/test_triton36.sh || lane_failed+=(triton38)
   echo "${lane_failed[*]}" >"$lane_status"
 }
 lane_log=$(mktemp)
@@ -36,12 +38,9 @@ if [ -z "${PREFIXATTN_SKIP_ENGINES:-}" ]; then
     if [ -f "scripts/test_$suite.sh" ]; then bash "scripts/test_$suite.sh" || failed+=("$suite"); fi
   done
 fi
-# The Triton vLLM 0.33 runs on (its torch 2.14 pins 3.8), here beside torch 2.13: the same kernel tests and
-# compile-check (~3 minutes), in this lane, the shorter one.
-TRITON_PIN=triton==3.8.0 bash scripts/test_triton36.sh || failed+=(triton38)
 
 wait "$lane_pid" || true
-echo "=== main suite (tests/, not slow, no engines), then Triton 3.6 ==="
+echo "=== main suite (tests/, not slow, no engines), then Triton 3.6 and 3.8 ==="
 cat "$lane_log"
 read -r -a lane_failed <"$lane_status" || true
 [ -s "$lane_status" ] || lane_failed=(versions-lane)  # the lane ended before writing its status
