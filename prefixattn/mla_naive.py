@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from prefixattn.autotune.config_space import block_d
 from prefixattn.merge import merge_states
 from prefixattn.mla import mla_attention, plan_mla
 from prefixattn.planner.options import _positive_int
@@ -45,11 +46,6 @@ HBM_GBPS = 3913.0
 FORMS = ("auto", "naive", "absorbed")
 
 
-def _lanes(width: int) -> int:
-    """The kernels' tile of a head vector: a power of two, at least 16."""
-    return max(16, 1 << (int(width) - 1).bit_length())
-
-
 def naive_form_pays_off(*, rows: int, num_heads: int, kv_lora_rank: int, rope_dim: int, qk_nope_head_dim: int,
                         v_head_dim: int, elt_bytes: int = 2) -> bool:
     """Whether ``rows`` query rows (of one group's requests) attend their shared prefix faster in the naive form
@@ -59,8 +55,8 @@ def naive_form_pays_off(*, rows: int, num_heads: int, kv_lora_rank: int, rope_di
     and the absorbed form's re-reads of a shared latent per tile (L2 hits mostly), which favours the absorbed form.
     At DeepSeek-V3's widths the naive form pays from 190 rows (16-bit; 270 in fp32), at any head count: every term
     is per head."""
-    absorbed = 2 * (_lanes(kv_lora_rank) + _lanes(rope_dim)) + 2 * _lanes(kv_lora_rank)
-    naive = 2 * _lanes(qk_nope_head_dim + rope_dim) + 2 * _lanes(v_head_dim)
+    absorbed = 2 * (block_d(kv_lora_rank) + block_d(rope_dim)) + 2 * block_d(kv_lora_rank)
+    naive = 2 * block_d(qk_nope_head_dim + rope_dim) + 2 * block_d(v_head_dim)
     saved_us = rows * num_heads * (absorbed - naive) / (ATTENTION_TFLOPS * 1e6)
     gemm_us = num_heads * 2 * kv_lora_rank * (qk_nope_head_dim + v_head_dim) / (GEMM_TFLOPS * 1e6)
     bytes_us = num_heads * 2 * (qk_nope_head_dim + rope_dim + v_head_dim) * elt_bytes / (HBM_GBPS * 1e3)
