@@ -39,38 +39,54 @@ def _store_state(
     offs_d,  # [BLOCK_D]
     num_qo_heads, head_dim,
     IS_SHARED: tl.constexpr, HAS_LSE: tl.constexpr, HAS_SINKS: tl.constexpr, IS_HIP: tl.constexpr,
-    USE_L2_FENCES: tl.constexpr, BLOCK_D: tl.constexpr,
+    USE_L2_FENCES: tl.constexpr,
 ):
     """An item's state of its rows, after its KV loops: to the workspace and reported (the report that completes a
     row merges it, :func:`_report_and_merge`), or, for a request whose rows have this single state, straight to
     ``out`` (plain paged attention). The one epilogue of every attention kernel (the MLA kernel's too)."""
     if IS_SHARED:
-        to_workspace = True
+        # Straight-line, not a branch on a constant: Triton 3.6's Gluon lowering (the Hopper build runs this epilogue
+        # too) crashes on that branch (an LLVM assertion in ConvertTritonGPUToLLVM; the tl kernels' code is the same).
+        ws_row = tl.load(g + L.GATHER_WS_ROW, mask=mask_m, other=0).to(tl.int64)
+        mrow = tl.load(g + L.GATHER_MROW, mask=mask_m, other=0)
+        _store_partial(out=out, lse=lse, ws_o=ws_o, ws_lse=ws_lse, work=work, sinks_ptr=sinks_ptr, ws_row=ws_row,
+                       mrow=mrow, o=o, lse_row=lse_row, tok=tok, head=head, mask_m=mask_m, mask_md=mask_md,
+                       offs_d=offs_d, num_qo_heads=num_qo_heads, head_dim=head_dim, HAS_LSE=HAS_LSE,
+                       HAS_SINKS=HAS_SINKS, IS_HIP=IS_HIP, USE_L2_FENCES=USE_L2_FENCES)
     else:
         # Loaded after the KV loops, as the merge row is: held across them, Triton 3.9 spilled sm_80's e5m2 chunk
         # class at head_dim 256 with the model switches (8 bytes; 64 x 16 tiles, 8 warps).
         dest = tl.load(it + L.ITEM_DEST)
-        to_workspace = dest >= 0
-    if to_workspace:
-        if IS_SHARED:
-            ws_row = tl.load(g + L.GATHER_WS_ROW, mask=mask_m, other=0).to(tl.int64)
-            mrow = tl.load(g + L.GATHER_MROW, mask=mask_m, other=0)
+        if dest >= 0:
+            _store_partial(out=out, lse=lse, ws_o=ws_o, ws_lse=ws_lse, work=work, sinks_ptr=sinks_ptr,
+                           ws_row=dest.to(tl.int64) + row, mrow=tl.load(it + L.ITEM_MROW) + row, o=o,
+                           lse_row=lse_row, tok=tok, head=head, mask_m=mask_m, mask_md=mask_md, offs_d=offs_d,
+                           num_qo_heads=num_qo_heads, head_dim=head_dim, HAS_LSE=HAS_LSE, HAS_SINKS=HAS_SINKS,
+                           IS_HIP=IS_HIP, USE_L2_FENCES=USE_L2_FENCES)
         else:
-            ws_row = dest.to(tl.int64) + row
-            mrow = tl.load(it + L.ITEM_MROW) + row
-        tl.store(_vec_ptrs(t=ws_o, rows=ws_row, heads=head, offs_d=offs_d), o, mask=mask_md)
-        tl.store(_lse_ptrs(t=ws_lse, rows=ws_row, heads=head), lse_row, mask=mask_m)
-        _report_and_merge(out=out, lse=lse, ws_o=ws_o, ws_lse=ws_lse, work=work, sinks_ptr=sinks_ptr, tok=tok,
-                          head=head, mrow=mrow, mask_m=mask_m, num_qo_heads=num_qo_heads, head_dim=head_dim,
-                          HAS_LSE=HAS_LSE, HAS_SINKS=HAS_SINKS, IS_HIP=IS_HIP, USE_L2_FENCES=USE_L2_FENCES,
-                          BLOCK_D=BLOCK_D)
-    else:
-        if HAS_SINKS:
-            sink = tl.load(sinks_ptr + head, mask=mask_m, other=float("-inf")).to(tl.float32)
-            o, lse_row = _with_sink(o=o, lse=lse_row, sink=sink)
-        tl.store(_vec_ptrs(t=out, rows=tok, heads=head, offs_d=offs_d), o.to(out.ptr.dtype.element_ty), mask=mask_md)
-        if HAS_LSE:
-            tl.store(_lse_ptrs(t=lse, rows=tok, heads=head), lse_row, mask=mask_m)
+            if HAS_SINKS:
+                sink = tl.load(sinks_ptr + head, mask=mask_m, other=float("-inf")).to(tl.float32)
+                o, lse_row = _with_sink(o=o, lse=lse_row, sink=sink)
+            tl.store(_vec_ptrs(t=out, rows=tok, heads=head, offs_d=offs_d), o.to(out.ptr.dtype.element_ty),
+                     mask=mask_md)
+            if HAS_LSE:
+                tl.store(_lse_ptrs(t=lse, rows=tok, heads=head), lse_row, mask=mask_m)
+
+
+@triton.jit
+def _store_partial(
+    out, lse, ws_o, ws_lse, work, sinks_ptr,  # as in _store_state
+    ws_row,  # [BLOCK_M] int64 each lane's workspace row
+    mrow,  # [BLOCK_M] its merge row
+    o, lse_row, tok, head, mask_m, mask_md, offs_d, num_qo_heads, head_dim,  # as in _store_state
+    HAS_LSE: tl.constexpr, HAS_SINKS: tl.constexpr, IS_HIP: tl.constexpr, USE_L2_FENCES: tl.constexpr,
+):
+    """A partial state to the workspace, reported (:func:`_report_and_merge`)."""
+    tl.store(_vec_ptrs(t=ws_o, rows=ws_row, heads=head, offs_d=offs_d), o, mask=mask_md)
+    tl.store(_lse_ptrs(t=ws_lse, rows=ws_row, heads=head), lse_row, mask=mask_m)
+    _report_and_merge(out=out, lse=lse, ws_o=ws_o, ws_lse=ws_lse, work=work, sinks_ptr=sinks_ptr, tok=tok, head=head,
+                      mrow=mrow, mask_m=mask_m, offs_d=offs_d, num_qo_heads=num_qo_heads, head_dim=head_dim,
+                      HAS_LSE=HAS_LSE, HAS_SINKS=HAS_SINKS, IS_HIP=IS_HIP, USE_L2_FENCES=USE_L2_FENCES)
 
 
 @triton.jit
@@ -85,9 +101,9 @@ def _report_and_merge(
     head,  # [BLOCK_M] query head of each lane
     mrow,  # [BLOCK_M] merge row of each lane
     mask_m,  # [BLOCK_M] live lanes
+    offs_d,  # [BLOCK_D] the head's lanes
     num_qo_heads, head_dim,
     HAS_LSE: tl.constexpr, HAS_SINKS: tl.constexpr, IS_HIP: tl.constexpr, USE_L2_FENCES: tl.constexpr,
-    BLOCK_D: tl.constexpr,
 ):
     """Report this program's states (already stored) on their (merge row, head) counters, all lanes at once, and
     merge every (row, head) whose count this report completes, in one masked pass.
@@ -124,7 +140,9 @@ def _report_and_merge(
         # The release by hand (autotune.targets.writes_own_l2_fences): the XCD's L2 written back before the report.
         tl.inline_asm_elementwise("buffer_wbl2 sc1\n\ts_waitcnt vmcnt(0)", "=v,v", [mask_m.to(tl.int32)],
                                   dtype=tl.int32, is_pure=False, pack=1)
-    arrived = tl.atomic_add(counter, 1, mask=mask_m, sem="release", scope="gpu")
+    # The atomics' operands as the lanes' own tensors (where of equal constants, folded away): Triton 3.6's Gluon
+    # cannot broadcast a scalar operand of an atomic (the Gluon build runs this epilogue too).
+    arrived = tl.atomic_add(counter, tl.where(mask_m, 1, 1), mask=mask_m, sem="release", scope="gpu")
     done = mask_m & (arrived == num_states - 1)
     num_done = tl.sum(done.to(tl.int32), 0)
     if num_done > 0:
@@ -137,7 +155,7 @@ def _report_and_merge(
         # -num_states: a compare-and-swap loop on gfx90a (Triton 3.9); not a compare-and-swap: it has no mask, and a
         # dead lane's counter may lie past the table (a suffix item's rows past its last), where a swap zeroes any
         # word that holds the comparand (tests/memcheck.py caught it).
-        tl.atomic_and(counter, 0, mask=done, sem="acquire", scope="gpu")
+        tl.atomic_and(counter, tl.where(done, 0, 0), mask=done, sem="acquire", scope="gpu")
         if USE_L2_FENCES:
             # The acquire by hand: once the reset has returned (vmcnt counts it), the XCD's L2 invalidated. An asm
             # with side effects stays after the atomic; its value as the input would have waited for Triton's
@@ -147,11 +165,12 @@ def _report_and_merge(
         tl.debug_barrier()
         ws_first = tl.load(work.mrows_ptr + mrow * L.MROW_FIELDS + L.MROW_WS_FIRST, mask=done, other=0).to(tl.int64)
         ws_stride = tl.load(work.mrows_ptr + mrow * L.MROW_FIELDS + L.MROW_WS_STRIDE, mask=done, other=0).to(tl.int64)
-        offs_d = tl.arange(0, BLOCK_D)
         mask_d = offs_d < head_dim
-        m = tl.full(done.shape, float("-inf"), tl.float32)
-        w_sum = tl.zeros(done.shape, tl.float32)
-        acc = tl.zeros([done.shape[0], BLOCK_D], tl.float32)
+        # The merge's state starts from the lanes' own tensors, not tl.full / tl.zeros: no layout is named here, so
+        # a Gluon kernel (its own layouts) runs this same merge (the selects of equal constants fold away).
+        m = tl.where(done, float("-inf"), float("-inf"))
+        w_sum = tl.where(done, 0.0, 0.0)
+        acc = tl.where(done[:, None] & mask_d[None, :], 0.0, 0.0)
         max_states = tl.max(tl.where(done, num_states, 0), 0)
         for state in range(max_states):
             live = done & (state < num_states)

@@ -218,4 +218,4 @@ def mla_attention_kernel(
                  lse_row=lse_row, tok=tok, head=head, row=row, mask_m=mask_m, mask_md=mask_mc,
                  offs_d=offs_c,
                  num_qo_heads=num_head_blocks * group, head_dim=kv_lora_rank, IS_SHARED=IS_SHARED, HAS_LSE=HAS_LSE,
-                 HAS_SINKS=False, IS_HIP=IS_HIP, USE_L2_FENCES=USE_L2_FENCES, BLOCK_D=BLOCK_C)
+                 HAS_SINKS=False, IS_HIP=IS_HIP, USE_L2_FENCES=USE_L2_FENCES)

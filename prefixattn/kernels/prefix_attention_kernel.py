@@ -335,7 +335,7 @@ def _run_item(
     _store_state(out=out, lse=lse, ws_o=ws_o, ws_lse=ws_lse, work=work, sinks_ptr=sinks_ptr, it=it, g=g, o=o,
                  lse_row=lse_row, tok=tok, head=head, row=row, mask_m=mask_m, mask_md=mask_mdv, offs_d=offs_dv,
                  num_qo_heads=num_qo_heads, head_dim=kv.v_head_dim, IS_SHARED=IS_SHARED, HAS_LSE=HAS_LSE,
-                 HAS_SINKS=HAS_SINKS, IS_HIP=IS_HIP, USE_L2_FENCES=USE_L2_FENCES, BLOCK_D=BLOCK_DV)
+                 HAS_SINKS=HAS_SINKS, IS_HIP=IS_HIP, USE_L2_FENCES=USE_L2_FENCES)
 
 
 @triton.jit
@@ -343,6 +343,7 @@ def _item_lanes(
     work,  # WorkTables: items_ptr [num_items, ITEM_FIELDS], gather_ptr [num_gather, GATHER_FIELDS] int32
     item, head_block, group,
     IS_SHARED: tl.constexpr, BLOCK_M: tl.constexpr, KV_HEADS: tl.constexpr = 1,
+    offs_m=None,  # [BLOCK_M] tl.arange(0, BLOCK_M) in the caller's layout (a Gluon kernel's); None: made here
 ):
     """A work item's fields and its lanes: the one prologue of every attention kernel (the MLA kernel's too), as
     :func:`~prefixattn.kernels.epilogue._store_state` is their one epilogue. M packs (query row x head): with
@@ -362,7 +363,8 @@ def _item_lanes(
     num_rows = tl.load(it + L.ITEM_NUM_ROWS)
     q_pos0 = tl.load(it + L.ITEM_Q_POS)
 
-    offs_m = tl.arange(0, BLOCK_M)
+    if offs_m is None:
+        offs_m = tl.arange(0, BLOCK_M)
     per_row = group * KV_HEADS
     row = offs_m // per_row
     head = head_block * per_row + offs_m % per_row
