@@ -42,14 +42,13 @@ from multiprocessing import get_context
 from pathlib import Path
 
 from prefixattn.autotune.config_space import HEAD_DIMS, KV_HEADS_MAX_BLOCK_D, NUM_STAGES_CUDA, block_d
+from prefixattn.autotune.builds import HOPPER_ARCH, hopper_shared_refusal
 from prefixattn.autotune.targets import TARGETS
 from prefixattn.planner.tiles import tile_head_dim
 from prefixattn.tuning.compile_analysis import (count_matrix_instrs, count_private_memory_ops, hopper_features,
                                                parse_amdgcn, parse_dots, parse_pipeline, parse_ptxas)
 
-KERNELS = ("prefix_attention", "merge", "mla_attention")
-#: The first NVIDIA arch with TMA, warpgroup MMAs and setmaxnreg (sm_90): its records report :func:`hopper_features`.
-HOPPER_ARCH = 90
+KERNELS = ("prefix_attention", "merge", "mla_attention", "hopper_shared")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -91,6 +90,8 @@ def compile_one(job) -> dict:
         module, attr = job.fn.split(":")
         fn = getattr(importlib.import_module(module), attr)
         gpu = GPUTarget(target.backend, target.arch, target.warp_size)
+        if type(fn).__name__ == "GluonJITFunction":  # the Hopper build: Gluon's frontend
+            from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
         src = ASTSource(fn=fn, signature=dict(job.signature), constexprs=dict(job.constexprs),
                         attrs={tuple(k): v for k, v in job.attrs.items()})
         log = io.StringIO()
@@ -160,6 +161,9 @@ def failures(record: dict) -> list[str]:
     budget = record.get("max_registers", 0)
     if budget and record.get("registers") is not None and record["registers"] > budget:
         why.append(f"{record['registers']} registers > {budget} (decode suffix-only budget)")
+    if record.get("require_hopper"):
+        got = record.get("hopper") or {}
+        why += [f"no {name} in the Hopper build" for name in ("tma", "wgmma", "setmaxnreg") if not got.get(name)]
     if record.get("require_matrix") and record.get("shared_part_matrix") is False:
         why.append(f"shared-node part without matrix instructions (layouts {record.get('shared_part_layouts')})")
     return why
@@ -233,7 +237,7 @@ def _kernel_param_names() -> dict:
     from prefixattn.tuning import compile_specs as cs
 
     names = {}
-    for fn in (cs.FUSED_KERNEL, cs.MERGE_PAIR_KERNEL, cs.MERGE_N_KERNEL, cs.MLA_KERNEL):
+    for fn in (cs.FUSED_KERNEL, cs.MERGE_PAIR_KERNEL, cs.MERGE_N_KERNEL, cs.MLA_KERNEL, cs.HOPPER_SHARED_KERNEL):
         module, attr = fn.split(":")
         spec = importlib.util.find_spec(module)
         if spec is None or spec.origin is None:
@@ -303,11 +307,36 @@ def build_jobs(*, targets, kernels, dtypes, head_dims, lse=(False, True), max_co
                             jobs.append(cs.fused_job(config=cfg, variant=mode, has_lse=has_lse, has_shared=has_shared,
                                                      **common))
                         jobs += cs.feature_jobs(config=cfg, variant=mode, has_shared=has_shared, **common)
+                if "hopper_shared" in kernels:
+                    jobs += _hopper_jobs(target, dtype, head_dim, names, lse=lse)
                 if "merge" in kernels:
                     jobs += _merge_jobs(target, dtype, head_dim, names)
             if "mla_attention" in kernels and cs.MLA_KERNEL in names:  # its own head sizes (DeepSeek-V3's)
                 fp8 = cs.fp8_kv_types(target) if dtype != "fp32" else ()
                 jobs += _mla_jobs(target, dtype, names, fp8=fp8)
+    return jobs
+
+
+def _hopper_jobs(target, dtype: str, head_dim: int, names: dict, *, lse=(False, True),
+                 model_switches: bool = True) -> list:
+    """The Hopper build of each distinct shipped shared tile of this head size and dtype that it serves
+    (:func:`prefixattn.autotune.builds.hopper_shared_refusal`; none elsewhere): with and without LSE (``lse``), and
+    with every model switch (LSE on)."""
+    from prefixattn.autotune.config_space import MODEL_SWITCHES
+    from prefixattn.tuning import compile_specs as cs
+
+    shared = {}
+    for _, cfg, has_shared in class_binaries(default_attention_configs(target, head_dim, dtype)):
+        if has_shared and hopper_shared_refusal(is_hip=target.is_hip, arch=target.arch, dtype=dtype, kv_dtype=None,
+                                                head_dim=head_dim, v_head_dim=None, block_size=cs.BLOCK_SIZE,
+                                                block_m=cfg.shared.block_m, block_n=cfg.shared.block_n) is None:
+            shared.setdefault((cfg.shared, cfg.launch), cfg)  # the suffix tiles do not reach the shared binary
+    common = dict(target=target, dtype=dtype, head_dim=head_dim, param_names=names[cs.HOPPER_SHARED_KERNEL])
+    jobs = []
+    for cfg in shared.values():
+        jobs += [cs.hopper_shared_job(config=cfg, has_lse=has_lse, **common) for has_lse in lse]
+        if model_switches:
+            jobs.append(cs.hopper_shared_job(config=cfg, has_lse=True, features=tuple(MODEL_SWITCHES), **common))
     return jobs
 
 
@@ -354,7 +383,9 @@ def worst_case_jobs(targets) -> list:
     the MLA kernel's class binaries (bf16, and on sm90 over an e5m2 latent); its fp32 binaries and other fp8 latents
     only in the full run. At :data:`~prefixattn.autotune.config_space.KV_HEADS_MAX_BLOCK_D` also each decode binary
     with :data:`WORST_CASE_KV_HEADS` KV heads per program; on :data:`WORST_CASE_QK_V_TARGETS` the class binaries of
-    keys and values of :data:`WORST_CASE_QK_V_HEAD_DIMS`."""
+    keys and values of :data:`WORST_CASE_QK_V_HEAD_DIMS`. And on sm90 the Hopper build of the shared class
+(:mod:`prefixattn.kernels.hopper_shared_kernel`) of every shipped shared tile it serves, with LSE, at the extreme
+head sizes also under every model switch."""
     from prefixattn.tuning import compile_specs as cs
 
     names = _kernel_param_names()
@@ -396,6 +427,11 @@ def worst_case_jobs(targets) -> list:
         # spilled bytes).
         mla_fp8 = cs.fp8_kv_types(target)[-1:] if target.name == "sm90" else ()
         jobs += _mla_jobs(target, WORST_CASE_DTYPE, names, fp8=mla_fp8)
+        # The Hopper build of the shared class at every head size it serves, with LSE, and at the extremes under
+        # every model switch.
+        for head_dim in HEAD_DIMS:
+            jobs += _hopper_jobs(target, WORST_CASE_DTYPE, head_dim, names, lse=(True,),
+                                 model_switches=head_dim in extremes)
     return jobs
 
 

@@ -17,10 +17,11 @@ in-kernel last-arriver merge), so each record lists them under ``serves``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from prefixattn.autotune.config_space import (MODEL_SWITCHES, AttentionConfig, LaunchOptions, MergeConfig, block_d,
                                               fp8_block_n, mla_class_tiles, packed_kv_heads, part_registers)
+from prefixattn.autotune.builds import HOPPER_STAGES, hopper_num_warps, hopper_shared_refusal
 from prefixattn.autotune.targets import Target, writes_own_l2_fences
 from prefixattn.kernels.layout import page_size_constexpr
 from prefixattn.tuning.launch_limits import DECODE_SUFFIX_MAX_REGS, required_pipeline_depth
@@ -29,6 +30,7 @@ FUSED_KERNEL = "prefixattn.kernels.prefix_attention_kernel:prefix_attention_kern
 MERGE_PAIR_KERNEL = "prefixattn.kernels.merge_states:merge_state_pair_kernel"
 MERGE_N_KERNEL = "prefixattn.kernels.merge_states:merge_states_kernel"
 MLA_KERNEL = "prefixattn.kernels.mla_attention_kernel:mla_attention_kernel"
+HOPPER_SHARED_KERNEL = "prefixattn.kernels.hopper_shared_kernel:hopper_shared_kernel"
 
 #: Representative launch: 32 query heads over 8 KV heads (GQA 4, Llama-3-8B / Mistral-7B), 16-token KV blocks.
 #: GQA 4 keeps ``group`` an ordinary int (an MHA launch with group 1 compiles a second binary with group = 1).
@@ -94,6 +96,8 @@ class CompileJob:
     min_pipeline_depth: int = 0
     #: registers per thread the binary may use at most (0: no bound; the decode suffix-only budget on NVIDIA)
     max_registers: int = 0
+    #: a Hopper build: its PTX must hold TMA loads, warpgroup MMAs and setmaxnreg (warp specialization)
+    require_hopper: bool = False
 
 
 def _specialize(name: str, value, dtype: str | None, target: Target):
@@ -383,3 +387,30 @@ def mla_jobs(*, target: Target, dtype: str, kv_dtype: str | None = None, param_n
             serves=("mla " + variant, "split_k") + (("in-kernel merge",) if has_shared else ()),
             require_matrix=has_shared and (dtype != "fp32" or target.is_hip)))
     return jobs
+
+
+
+def hopper_shared_job(*, target: Target, dtype: str, head_dim: int, config: AttentionConfig, has_lse: bool,
+                      features: tuple = (), default: bool = True, param_names=None) -> CompileJob:
+    """The Hopper build of the shared class (:mod:`prefixattn.kernels.hopper_shared_kernel`) with ``config``'s shared
+    tiles: the portable shared binary's job (:func:`fused_job`: the same parameters, so the same signature) for the
+    Gluon kernel, with its ``STAGES`` and its warps (:func:`~prefixattn.autotune.builds.hopper_num_warps`; Gluon
+    schedules no software pipeline: no ``num_stages``). ValueError where the build does not serve these shapes
+    (:func:`prefixattn.autotune.builds.hopper_shared_refusal`)."""
+    refusal = hopper_shared_refusal(is_hip=target.is_hip, arch=target.arch, dtype=dtype, kv_dtype=None,
+                                    head_dim=head_dim, v_head_dim=None, block_size=BLOCK_SIZE,
+                                    block_m=config.shared.block_m if config is not None else 0,
+                                    block_n=config.shared.block_n if config is not None else BLOCK_SIZE,
+                                    features=features)
+    if refusal is not None:
+        raise ValueError(f"hopper_shared_job: the Hopper build serves {refusal}")
+    fused_names = None if param_names is None else [n for n in param_names if n != "STAGES"]
+    base = fused_job(target=target, dtype=dtype, head_dim=head_dim, config=config, variant="hopper",
+                     has_lse=has_lse, has_shared=True, default=default, param_names=fused_names,
+                     features=features)
+    return replace(base, kernel="hopper_shared", fn=HOPPER_SHARED_KERNEL,
+                   signature={**base.signature, "STAGES": "constexpr"},
+                   constexprs={**base.constexprs, "STAGES": HOPPER_STAGES},
+                   options={"num_warps": hopper_num_warps(config.shared.block_m)}, min_pipeline_depth=0,
+                   require_hopper=True,
+                   serves=("shared class, sm_90 build", "split_k", "in-kernel merge"))

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from prefixattn.autotune.builds import HOPPER_HEAD_DIMS
 from prefixattn.autotune.config_space import FP8_LARGE_HEAD_DECODE_WARPS, FP8_SUFFIX_MIN_WARPS
 from prefixattn.autotune.targets import TARGETS
 from prefixattn.tuning.compile_analysis import (count_matrix_instrs, count_private_memory_ops, hopper_features,
@@ -279,7 +280,7 @@ def _own_v_binaries(target_name):
 def test_worst_case_selection_covers_every_shipped_binary_and_feature_axis(tmp_path):
     """CI's compile-check (``--worst-case``, ~8 minutes on 2 cores): every shipped bf16 binary, and at the extreme
     head sizes the feature switches over each fp8 type, compile without spills at the promised pipeline depth; so do
-    the MLA kernel's, and the decode binaries with several KV heads per program."""
+    the MLA kernel's, the decode binaries with several KV heads per program and the shared class's Hopper build."""
     from prefixattn.autotune.config_space import FP8_SUFFIX_MAX_STAGES, HEAD_DIMS
     from prefixattn.tuning.compile_specs import fp8_kv_types
 
@@ -342,8 +343,18 @@ def test_worst_case_selection_covers_every_shipped_binary_and_feature_axis(tmp_p
         # ... and tiles of 32 rows or more at head_dim 256 read 16-position KV tiles (config_space.fp8_block_n).
         if "fp8" in r["variant"] and r["head_dim"] == 256 and tiles["block_m"] >= 32:
             assert tiles["block_n"] <= 16 or r["variant"].endswith("@n16"), r["variant"]
-    assert sorted(r["kernel"] for r in records if r["kernel"] not in ("prefix_attention", "mla_attention")) == \
+    assert sorted(r["kernel"] for r in records
+                  if r["kernel"] not in ("prefix_attention", "mla_attention", "hopper_shared")) == \
         sorted(["merge_state_pair", "merge_states"] * 4)
+    # The shared class's Hopper build on sm90 only: each head size it serves with LSE, at the extremes also under
+    # every model switch; TMA, warpgroup MMAs and setmaxnreg in each (failures() requires them).
+    hopper = [r for r in records if r["kernel"] == "hopper_shared"]
+    served = [hd for hd in HEAD_DIMS if hd in HOPPER_HEAD_DIMS]
+    assert sorted((r["target"], r["head_dim"], r["variant"]) for r in hopper) == sorted(
+        [("sm90", hd, "hopper+lse") for hd in served]
+        + [("sm90", hd, "hopper+lse+soft_cap+window+sinks") for hd in (min(HEAD_DIMS), max(HEAD_DIMS))
+           if hd in served])
+    assert all(r["hopper"]["tma"] and r["hopper"]["setmaxnreg"] and r["hopper"]["wgmma"] for r in hopper)
     # The MLA kernel's three class binaries on every target, bf16, and on sm90 over an e5m2 latent too.
     assert sorted((r["target"], r["variant"]) for r in records if r["kernel"] == "mla_attention") == sorted(
         (name, f"{cls}+lse{kv}") for name in ("sm80", "sm90", "gfx90a", "gfx942")
@@ -379,7 +390,8 @@ def test_worst_case_selection_fails_on_a_spilling_table_entry(monkeypatch):
              for b, cfg in shipped.items()}
     assert table != shipped
     monkeypatch.setattr(lookup, "load_shipped", lambda name: table)
-    jobs = [j for j in compile_check.worst_case_jobs([TARGETS["sm90"]]) if j.config_name == spilling.short()]
+    jobs = [j for j in compile_check.worst_case_jobs([TARGETS["sm90"]])
+            if j.config_name == spilling.short() and j.kernel == "prefix_attention"]  # not its Hopper build's
     assert [j.variant for j in jobs] == ["decode+lse", "decode/suffix-only+lse"]
     shared, suffix = compile_check.run_jobs(jobs, workers=1)
     assert any(why.startswith("spills") for why in compile_check.failures(shared)), shared
