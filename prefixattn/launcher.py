@@ -30,6 +30,8 @@ import triton
 from triton import knobs
 from triton.runtime import driver
 
+from prefixattn.autotune.buckets import dtype_name
+from prefixattn.autotune.builds import HOPPER_STAGES, hopper_cache_refusal, hopper_num_warps
 from prefixattn.autotune.targets import gfx_isa, writes_own_l2_fences
 from prefixattn.kernels.layout import CLASS_SHARED
 from prefixattn.kernels.prefix_attention_kernel import prefix_attention_kernel
@@ -171,9 +173,12 @@ class PreparedLaunch:
     named : dict
         Every non-class argument by parameter name, from the call that prepares it (its per-call tensors give the
         strides and specialization every later call with the same key shares).
-    per_class : list of (grid, dict, dict)
+    per_class : list of (grid, dict, dict) or (grid, dict, dict, kernel)
         One launch each, in order: its grid, its class arguments (``item_range_ptr``, ``IS_SHARED``, ``BLOCK_M``,
-        ``BLOCK_N``) and its launch options (``num_warps``, ``num_stages``, AMD's).
+        ``BLOCK_N``) and its launch options (``num_warps``, ``num_stages``, AMD's); a fourth element is the
+        class's own build (the shared class's Hopper build: ``kernel``'s parameters and its own constexprs, which
+        the class arguments give). Such a build's global scratch (its TMA descriptors) comes from a buffer the
+        launch owns (:class:`ScratchBuffer`): no allocation after the first call, as CUDA graphs need.
     per_call : tuple of str
         The parameters each call patches, in the order ``__call__`` takes their values (default: the fused kernel's,
         :data:`FUSED_PER_CALL`).
@@ -191,16 +196,25 @@ class PreparedLaunch:
                  beside_from: int | None = None) -> None:
         self.kernel = kernel
         self.beside_from = beside_from
-        self.params = prm = _params(kernel, per_call)
+        self.params = _params(kernel, per_call)
         self.launches = []
         self.unsupported = direct_launch_unsupported(kernel)
         self.device = current_device() if self.unsupported is None else None
-        for grid, class_args, options in per_class:
+        self.scratch = None
+        for grid, class_args, options, *own in per_class:
+            build = own[0] if own else kernel
+            prm = _params(build, per_call)
+            if prm.per_call != self.params.per_call:  # one patch for every launch: the same per-call parameters
+                raise ValueError(f"PreparedLaunch: {build.fn.__name__}'s per-call parameters are not at "
+                                 f"{kernel.fn.__name__}'s places")
+            if own:
+                self.scratch = self.scratch or ScratchBuffer()
             args = [named[n] if n not in class_args else class_args[n] for n in prm.names]
             spec = None
-            if self.unsupported is None:
-                spec = (id(kernel.fn), self.device, tuple(sorted(options.items())), spec_of(args, prm))
-            self.launches.append([grid, args, options, spec, _COMPILED.get(spec) if spec is not None else None])
+            if self.unsupported is None and direct_launch_unsupported(build) is None:
+                spec = (id(build.fn), self.device, tuple(sorted(options.items())), spec_of(args, prm))
+            self.launches.append([grid, args, options, spec, _COMPILED.get(spec) if spec is not None else None,
+                                  build if own else None])
 
     @property
     def direct(self) -> tuple[bool, ...]:
@@ -232,18 +246,50 @@ class PreparedLaunch:
     def _run(self, launches: list, kernel, patch: tuple, direct_ok: bool) -> None:
         """``launches`` (entries of :attr:`launches`) on the current stream."""
         stream = current_stream(self.device) if direct_ok else None
-        for entry in launches:
-            grid, base, options, spec, compiled = entry
-            args = base.copy()  # not patched in place: the prepared list keeps no layer's tensors alive
-            for i, value in patch:
-                args[i] = value
-            if direct_ok and compiled is not None:
-                run, function, metadata = compiled
-                run(grid[0], 1, 1, stream, function, metadata, None, None, None, *args)
-                continue
-            compiled = kernel[grid](*args, **options)
-            if direct_ok and spec is not None and _is_compiled(compiled):
-                entry[4] = _remember(spec, compiled)
+        scratch = self.scratch.lend() if self.scratch is not None else None
+        try:
+            for entry in launches:
+                grid, base, options, spec, compiled, build = entry
+                args = base.copy()  # not patched in place: the prepared list keeps no layer's tensors alive
+                for i, value in patch:
+                    args[i] = value
+                if direct_ok and compiled is not None:
+                    run, function, metadata = compiled
+                    run(grid[0], 1, 1, stream, function, metadata, None, None, None, *args)
+                    continue
+                compiled = (build or kernel)[grid](*args, **options)
+                if direct_ok and spec is not None and _is_compiled(compiled):
+                    entry[4] = _remember(spec, compiled)
+        finally:
+            if scratch is not None:
+                self.scratch.give_back(scratch)
+
+
+class ScratchBuffer:
+    """The global scratch of a launch's own builds (the Hopper build's TMA descriptors, 128 bytes a program), which
+    Triton's launcher asks its allocator for at every launch: lent as Triton's allocator around the launches
+    (:meth:`lend`, :meth:`give_back`), one device buffer, grown only when a launch asks for more than it holds (the
+    first call; a grid that grew). Triton's allocator is a context variable: what the caller had set is back after
+    the launches."""
+
+    def __init__(self) -> None:
+        self.buffer = None
+
+    def __call__(self, size: int, alignment: int, stream) -> "torch.Tensor":
+        if self.buffer is None or self.buffer.numel() < size:
+            device = torch.device("cuda", torch.cuda.current_device())
+            self.buffer = torch.empty(size, dtype=torch.uint8, device=device)  # the caching allocator: 512-aligned
+        return self.buffer
+
+    def lend(self):
+        from triton.runtime import _allocation
+
+        return _allocation._allocator.set(self)
+
+    def give_back(self, token) -> None:
+        from triton.runtime import _allocation
+
+        _allocation._allocator.reset(token)
 
 
 #: :func:`side_stream`'s streams by (device, handle of the stream they fork from).
@@ -288,6 +334,29 @@ def class_launches(tiles, classes: tuple, grid_items: tuple, ranges, num_kv_head
                           BLOCK_M=options.pop("BLOCK_M"), BLOCK_N=options.pop("BLOCK_N"), KV_HEADS=heads)
         per_class.append(((items * (num_kv_heads // heads),), class_args, options))
     return per_class
+
+
+def with_hopper_shared(per_class: list, index: int, q, k_cache, v_cache, features: dict) -> list:
+    """``per_class`` (:func:`class_launches`') with the shared class (entry ``index``) launched by its Hopper build (a
+    plan's ``shared_build``: :mod:`prefixattn.autotune.builds`), its K/V stages one more class argument, its own
+    warps (:func:`~prefixattn.autotune.builds.hopper_num_warps`); ValueError where this call's caches (``q``'s
+    dtype, a token's heads side by side, TMA's alignment) or scales (``features``: the call's feature arguments) are
+    not what it reads."""
+    from prefixattn.kernels.hopper_shared_kernel import hopper_shared_kernel  # Gluon: imported where it runs
+
+    if features["HAS_KV_SCALE"]:
+        raise ValueError("k_scale/v_scale: the shared class's Hopper build (PREFIXATTN_SHARED_BUILD=hopper) applies "
+                         "no K/V scale; plan with the portable build for scaled caches")
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        why = hopper_cache_refusal(name, dtype=dtype_name(cache.dtype) if cache.element_size() > 1 else "fp8",
+                                   q_dtype=dtype_name(q.dtype), head_dim=q.shape[2], strides=cache.stride(),
+                                   element_bytes=cache.element_size(), data_ptr=cache.data_ptr())
+        if why is not None:
+            raise ValueError(f"{why}: the shared class's Hopper build (PREFIXATTN_SHARED_BUILD=hopper) reads it by TMA")
+    grid, class_args, options = per_class[index][:3]
+    own = (grid, {**class_args, "STAGES": HOPPER_STAGES}, {"num_warps": hopper_num_warps(class_args["BLOCK_M"])},
+           hopper_shared_kernel)
+    return [*per_class[:index], own, *per_class[index + 1:]]
 
 
 #: The launches prepared per plan and call shape (an engine has one or two shapes): the launcher's memo, not the

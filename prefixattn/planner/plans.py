@@ -22,6 +22,7 @@ back-end (numpy, or numba where installed: :mod:`prefixattn.planner.backend`):
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 import time
@@ -30,6 +31,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from prefixattn.autotune.buckets import dtype_name
+from prefixattn.autotune.builds import PORTABLE, requested_shared_build, shared_build
 from prefixattn.autotune.lookup import READ_FIXED_ENV, current_target
 from prefixattn.autotune.program_cost import class_costs
 from prefixattn.kernels import layout as K
@@ -115,6 +118,9 @@ class Plan:
     #: The decode launch runs beside the compute launches, on a side stream (``plan(overlap=True)`` where it pays,
     #: modeled: :mod:`prefixattn.planner.overlap`).
     overlapped: bool = False
+    #: The shared class's build (:mod:`prefixattn.autotune.builds`): ``"portable"`` or ``"hopper"``; why in
+    #: ``stats["shared_build_why"]``.
+    shared_build: str = PORTABLE
 
     @property
     def heads_per_program(self) -> int:
@@ -124,7 +130,8 @@ class Plan:
     @property
     def stats(self) -> dict:
         """The plan's counts (``num_shared_nodes``, ``num_units``, ``num_merge_rows``, ``num_ws_rows``, ``num_sms``,
-        ``sharing_declined``, ``requests_apart``) and modeled times (:func:`~prefixattn.planner.stats.modeled_stats`:
+        ``sharing_declined``, ``requests_apart``), its shared class's build (``shared_build``, ``shared_build_why``:
+        :mod:`prefixattn.autotune.builds`) and modeled times (:func:`~prefixattn.planner.stats.modeled_stats`:
         ``modeled_class_us``, ``modeled_step_us``, ``critical_path``; with ``overlap=True`` also ``overlapped`` and
         ``modeled_overlap_us``: :func:`~prefixattn.planner.overlap.overlap_stats`); a wrapper adds its own entries."""
         if "modeled_step_us" not in self.counts:
@@ -346,6 +353,7 @@ def _pipeline(be, o: PlanOptions, qo_indptr, kv_lens, block_table, device, num_b
             tiles = choose_tiles(head_dim=tile_head_dim(o.head_dim, o.v_head_dim), group=o.group,
                                  max_q_len=max(inputs.max_q_len, 1), dtype=o.q_dtype, fixed_env=fixed_env)
         tiles = fit_kv_heads(tiles, num_kv_heads=o.num_kv_heads, group=o.group, nan_guard=o.nan_guard)
+        build, build_why = _shared_build(o, tiles, device)
         # Priced on the planning GPU (a host with no known GPU, the interpreter, has no launches to price: the tuning
         # target's costs, for the modeled stats).
         target = current_target()
@@ -377,10 +385,38 @@ def _pipeline(be, o: PlanOptions, qo_indptr, kv_lens, block_table, device, num_b
         **dev,
         counts=dict(num_shared_nodes=num_nodes, num_units=work.num_units, num_merge_rows=work.mrows.shape[0],
                     num_ws_rows=work.num_ws_rows, num_sms=num_sms, sharing_declined=chosen.declined,
-                    requests_apart=chosen.apart, **({"mla_form": MLA_FORM} if o.rope_dim else {}), **overlap),
+                    requests_apart=chosen.apart, shared_build=build, shared_build_why=build_why,
+                    **({"mla_form": MLA_FORM} if o.rope_dim else {}), **overlap),
         workspace=workspace, workspace_step=workspace.step if workspace is not None else -1,
-        overlapped=overlap.get("overlapped", False),
+        overlapped=overlap.get("overlapped", False), shared_build=build,
     )
+
+
+def _shared_build(o: PlanOptions, tiles: AttentionTiles, device) -> tuple[str, str]:
+    """The shared class's build for this plan (:func:`prefixattn.autotune.builds.shared_build`: the one decision)."""
+    requested = requested_shared_build()
+    if requested == PORTABLE or o.rope_dim:  # MLA plans run the MLA kernel
+        return shared_build(PORTABLE, interpreted=_KERNELS_INTERPRETED)
+    is_hip, arch = _device_arch(device)
+    features = tuple(f for f, on in (("HAS_SOFT_CAP", o.logits_soft_cap > 0), ("HAS_WINDOW", o.window_left >= 0),
+                                     ("USE_NAN_GUARD", o.nan_guard)) if on)
+    kv_dtype = None if o.kv_dtype == o.q_dtype else "fp8" if o.kv_dtype.itemsize == 1 else dtype_name(o.kv_dtype)
+    return shared_build(requested, interpreted=_KERNELS_INTERPRETED, is_hip=is_hip, arch=arch,
+                        dtype=dtype_name(o.q_dtype), kv_dtype=kv_dtype, head_dim=o.head_dim,
+                        v_head_dim=o.v_head_dim, block_size=o.block_size, block_m=tiles.shared.block_m,
+                        block_n=tiles.shared.block_n, features=features)
+
+
+@functools.cache
+def _device_arch(device: torch.device) -> tuple[bool, object]:
+    """``(is_hip, arch)`` of the plan's device: compute capability as an int (``90``) or the gfx ISA; ``(False,
+    None)`` off a GPU."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False, None
+    props = torch.cuda.get_device_properties(device)
+    if torch.version.hip is not None:
+        return True, props.gcnArchName.split(":")[0]
+    return False, props.major * 10 + props.minor
 
 
 def compile_planner() -> dict:
