@@ -107,6 +107,12 @@ def _check_timing(rows, by) -> None:
             if r["provider"] == "prefixattn-kv-heads"] == [(packed[0], 2.0)]
     not_run = {(r["provider"], r["unit"]) for r in by("attention_gpu_time", "not_run")}
     assert ("flashinfer-prefill-fa3", "reason: FlashInfer's fa3 backend runs on sm90 (Hopper) only") in not_run
+    # The shared class's Hopper build is Gluon, which has no interpreter: the dry run's plans keep the portable build
+    # and say so (the shapes with a shared class), or have no shared class.
+    assert not [s for p, s in timed if p == "prefixattn-hopper"]
+    hopper = {u for p, u in not_run if p == "prefixattn-hopper"}
+    assert hopper and hopper <= {"reason: no shared class in the plan", "reason: the portable build: the kernels run "
+                                 "in Triton's interpreter, which has no Gluon"}, hopper
     for metric in ("floor_memory_us", "floor_compute_us", "floor_overlapped_us", "floor_serial_us",
                    "best_unique_gbps"):
         assert len(by("attention_gpu_time", metric)) == 2, metric

@@ -4,6 +4,8 @@ plans with ``overlap=True`` (the decode launch beside the compute launches: :mod
 only on a batch whose plan overlaps (else it is the ``prefixattn`` run again: :class:`~peers.base.Unavailable`).
 ``prefixattn-kv-heads`` plans with the shipped decode tile packing as many KV heads into a decode program as its
 lanes hold (a tile's ``kv_heads``, which no shipped table sets yet: docs/tuning.md), where that is more than one.
+``prefixattn-hopper`` plans asking for the shared class's Hopper build (``PREFIXATTN_SHARED_BUILD=hopper``:
+:mod:`prefixattn.autotune.builds`), on a batch whose plan has a shared class the build serves.
 
 ``Prepared.parts`` runs each work class of the plan alone (the per-class times of the GPU check). One class alone
 is no public call: it launches the class's prepared launch through :mod:`prefixattn.prefix_attention`'s own
@@ -22,13 +24,15 @@ import torch
 import prefixattn
 from peers.base import Prepared, Unavailable
 from prefixattn import prefix_attention as _attention
+from prefixattn.autotune.builds import HOPPER, asking_for
 from prefixattn.autotune.lookup import fixed_config, select_config
 from prefixattn.kernels.layout import WORK_CLASSES
 
 
 def prepare(batch, provider: str = "prefixattn") -> Prepared:
     s = batch.shape
-    with fixed_config(packed_decode_config(batch)) if provider == "prefixattn-kv-heads" else nullcontext():
+    with (fixed_config(packed_decode_config(batch)) if provider == "prefixattn-kv-heads" else nullcontext(),
+          asking_for(HOPPER) if provider == "prefixattn-hopper" else nullcontext()):
         p = prefixattn.plan(batch.qo_indptr, batch.kv_lens, batch.block_table, block_size=s.block_size,
                             num_qo_heads=s.num_qo_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
                             q_dtype=batch.q.dtype, num_blocks=batch.num_blocks,
@@ -41,6 +45,9 @@ def prepare(batch, provider: str = "prefixattn") -> Prepared:
         raise Unavailable(f"one KV head per decode program here (the tile's {p.tiles.decode.block_m} lanes, "
                           f"{s.num_kv_heads} KV heads of GQA {s.num_qo_heads // s.num_kv_heads}, head_dim "
                           f"{s.head_dim})")
+    if provider == "prefixattn-hopper" and not (p.has_shared and p.shared_build == HOPPER):
+        raise Unavailable("no shared class in the plan" if not p.has_shared else
+                          f"the portable build: {p.stats['shared_build_why']}")
     out = torch.empty_like(batch.q)
 
     def run():
@@ -48,7 +55,7 @@ def prepare(batch, provider: str = "prefixattn") -> Prepared:
 
     return Prepared(run=run, labels=dict(out=out, workspace_o=p.ws_o, workspace_lse=p.ws_lse),
                     notes=f"shared_nodes={len(p.shared_nodes)};items={p.num_items};"
-                          f"overlapped={p.overlapped}",
+                          f"overlapped={p.overlapped};shared_build={p.shared_build}",
                     extra=dict(tile_kv_load_bytes=p.kv_bytes_read(), work_items=p.num_items,
                                shared_nodes=len(p.shared_nodes), kv_heads=p.tiles.decode.kv_heads,
                                **modeled_times(p)),

@@ -264,6 +264,22 @@ def kv_heads_table(rows) -> list[str]:
     return head("shape", "prefixattn us", "packed us", "KV heads a program", "speedup") + lines if lines else []
 
 
+def hopper_table(rows) -> list[str]:
+    """Per timing shape where the shared class's Hopper build ran (``prefixattn-hopper``): the whole step and the
+    shared class alone (median, graph-replayed, L2 flushed) with the portable build (``prefixattn``) and with it;
+    empty where it ran nowhere."""
+    lines = []
+    for shape, prov in index(rows).get(TIMING, {}).items():
+        hopper, ours = prov.get("prefixattn-hopper", {}), prov.get("prefixattn", {})
+        if hopper.get(HEAD) is not None:
+            alone = [x.get("class_shared_us_median") for x in (ours, hopper)]
+            lines.append(f"| {shape.split(' [')[0]} | {fixed(ours.get(HEAD))} | {fixed(hopper[HEAD])} | "
+                         f"{ratio_cell(ours.get(HEAD), hopper[HEAD])} | {fixed(alone[0])} | {fixed(alone[1])} | "
+                         f"{ratio_cell(*alone)} |")
+    return head("shape", "portable us", "Hopper build us", "speedup", "shared class alone, portable us",
+                "Hopper build us", "speedup") + lines if lines else []
+
+
 def losses(rows) -> list[str]:
     """Every shape and model step where prefixattn is slower than FlashInfer's best (or has no number)."""
     out = []
@@ -341,6 +357,12 @@ def summary(rows, *, device: str, commit: str, versions: str, seconds: float, sk
                   "The decode steps again with the shipped decode tile packing as many KV heads into a program as "
                   "its lanes hold (a tile's `kv_heads`, which no shipped table sets: docs/tuning.md), both "
                   "graph-replayed, L2 flushed.", ""] + packed
+    if hopper := hopper_table(rows):
+        lines += ["", f"## The shared class's Hopper build{' (DRY RUN)' if dry else ''}", "",
+                  "The steps with a shared class again with its Hopper build (`PREFIXATTN_SHARED_BUILD=hopper`: TMA "
+                  "loads, a loading warp apart from two computing warpgroups), each output checked against the "
+                  "reference first; the whole step and the shared class alone, graph-replayed, L2 flushed.",
+                  ""] + hopper
     if mla_rows(rows):
         lines += ["", f"## MLA decode steps ({'DRY RUN' if dry else 'DeepSeek-V3 shape, bf16, one layer'})", "",
                   "prefixattn's `mla_attention` against FlashInfer's MLA wrapper (absorbed, no sharing) and a "
