@@ -19,18 +19,24 @@ def _bits(t):
     return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
 
 
-def check_case(case, scale: int, device: str, seed: int) -> dict:
-    """One correctness case: NaN-poisoned out and q padding, REPEATS runs bit-identical, fp64 reference."""
+def check_case(case, scale: int, device: str, seed: int, build: str = "portable") -> dict | None:
+    """One correctness case: NaN-poisoned out and q padding, REPEATS runs bit-identical, fp64 reference. ``build``:
+    the shared class's build the plan asks for (``prefixattn.autotune.builds``); None where the plan does not take
+    it (no shared class, or shapes it does not serve)."""
     import torch
 
     import prefixattn
     from gpu_check.cases import PAD_ROWS, build_case
+    from prefixattn.autotune.builds import asking_for
     from tests.tolerances import ATTENTION_TOL, LSE_TOL
 
     b, options = build_case(case, scale, seed)
     q, k, v = (t.to(device) for t in (b.q, b.k_cache, b.v_cache))
     meta = tuple(t.to(device) for t in b.metadata)
-    p = prefixattn.plan(*meta, **b.heads, q_dtype=case.dtype, **options)
+    with asking_for(build):
+        p = prefixattn.plan(*meta, **b.heads, q_dtype=case.dtype, **options)
+    if p.shared_build != build or (build != "portable" and not p.has_shared):
+        return None
     n = p.num_tokens
     q = torch.cat([q, torch.full((PAD_ROWS, *q.shape[1:]), float("nan"), dtype=q.dtype, device=device)])
     outs = []
@@ -72,13 +78,78 @@ def step_correctness(args, results, skips, device: str) -> None:
             r = check_case(case, scale, device, seed=i)
         except Exception as exc:  # a crash is a failed case with its reason, not the end of the run
             r = dict(passed=False, error=f"{type(exc).__name__}: {exc}"[:300])
-        seconds = time.monotonic() - start
-        status = "ok  " if r["passed"] else "FAIL"
-        detail = r.get("error") or (f"err={r['max_abs_err']:.2e} lse_err={r['lse_max_abs_err']:.2e} "
-                                    f"bit_identical={r['bit_identical']} padding_untouched={r['padding_untouched']} "
-                                    f"items={r['work_items']} shared_nodes={r['shared_nodes']}")
-        print(f"[correctness] {status} {case.name:42s} {detail} ({seconds:.1f} s)", flush=True)
-        for metric in ("passed", "bit_identical", "padding_untouched", "max_abs_err", "lse_max_abs_err"):
-            if metric in r:
-                results.add("gpu_check_correctness", "prefixattn", case.name, metric, float(r[metric]),
-                            "bool" if metric in ("passed", "bit_identical", "padding_untouched") else "abs")
+        _record(results, "prefixattn", case.name, r, time.monotonic() - start)
+    _hopper_cases(args, results, clock, scale)
+
+
+#: The shared class's Hopper build's verdict in this process: None until the correctness step checked it, else
+#: ``(passed, why)``; the timing step times ``prefixattn-hopper`` only after it passed (gpu_check.timing).
+HOPPER_VERDICT: list = []
+#: Seconds the Hopper build's cases may take in their child process (start-up, CUDA, its compiles, ~8 cases).
+HOPPER_CHILD_S = 60
+HOPPER_LINE = "hopper case "
+
+
+def _hopper_cases(args, results, clock, scale: int) -> None:
+    """The cases whose plan takes the shared class's Hopper build (``prefixattn-hopper``), again with it, in a child
+    process (:func:`hopper_child`): the build has never run on a GPU, and a fault or a hang there must not take this
+    process's CUDA context or the rest of the run with it."""
+    import json
+    import subprocess
+
+    from gpu_check.driver import DRIVER, ROOT
+
+    if args.dry_run:  # the interpreter has no Gluon: no plan takes the build
+        HOPPER_VERDICT[:] = [False, "dry run: the interpreter has no Gluon"]
+        return
+    limit = min(HOPPER_CHILD_S, clock.left())
+    code = None  # None: the child did not finish in time
+    try:
+        proc = subprocess.run([*DRIVER, "--hopper-cases", str(scale)], capture_output=True, text=True, timeout=limit,
+                              cwd=ROOT / "bench")
+        text, code = proc.stdout + "\n" + proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as exc:
+        text = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
+    got = [json.loads(line[len(HOPPER_LINE):]) for line in text.splitlines() if line.startswith(HOPPER_LINE)]
+    for r in got:
+        _record(results, "prefixattn-hopper", r.pop("case"), r, r.pop("seconds"))
+    failed = sum(not r["passed"] for r in got)
+    if code is None:
+        why = f"did not finish within {limit:.0f} s ({len(got)} cases reported)"
+    elif code != 0:
+        why = f"exit {code}: " + (text.strip().splitlines() or [""])[-1][:200]
+    elif failed or not got:
+        why = f"{failed} of {len(got)} cases failed"
+    else:
+        why = ""
+    HOPPER_VERDICT[:] = [not why, why or f"{len(got)} cases passed"]
+    print(f"[correctness] prefixattn-hopper: {HOPPER_VERDICT[1]}", flush=True)
+
+
+def hopper_child(scale: int) -> int:
+    """``--hopper-cases``: each correctness case whose plan takes the Hopper build, with it, one JSON line each."""
+    import json
+
+    from gpu_check.cases import correctness_cases
+
+    for i, case in enumerate(correctness_cases()):
+        start = time.monotonic()
+        try:
+            r = check_case(case, scale, "cuda", seed=i, build="hopper")
+        except Exception as exc:  # noqa: BLE001 - a crash is a failed case with its reason
+            r = dict(passed=False, error=f"{type(exc).__name__}: {exc}"[:300])
+        if r is not None:
+            print(HOPPER_LINE + json.dumps({**r, "case": case.name, "seconds": time.monotonic() - start}), flush=True)
+    return 0
+
+
+def _record(results, provider: str, name: str, r: dict, seconds: float) -> None:
+    status = "ok  " if r["passed"] else "FAIL"
+    detail = r.get("error") or (f"err={r['max_abs_err']:.2e} lse_err={r['lse_max_abs_err']:.2e} "
+                                f"bit_identical={r['bit_identical']} padding_untouched={r['padding_untouched']} "
+                                f"items={r['work_items']} shared_nodes={r['shared_nodes']}")
+    print(f"[correctness] {status} {provider:18s} {name:42s} {detail} ({seconds:.1f} s)", flush=True)
+    for metric in ("passed", "bit_identical", "padding_untouched", "max_abs_err", "lse_max_abs_err"):
+        if metric in r:
+            results.add("gpu_check_correctness", provider, name, metric, float(r[metric]),
+                        "bool" if metric in ("passed", "bit_identical", "padding_untouched") else "abs")

@@ -130,6 +130,7 @@ def main(argv) -> int:
     ap.add_argument("--sanitize-cases", action="store_true", help=argparse.SUPPRESS)  # child of compute-sanitizer
     ap.add_argument("--flashinfer-warmup", action="store_true", help=argparse.SUPPRESS)  # background JIT child
     ap.add_argument("--hbm-bytes-child", default=None, help=argparse.SUPPRESS)  # child of ncu (hbm_bytes.py)
+    ap.add_argument("--hopper-cases", default=None, help=argparse.SUPPRESS)  # child of the correctness step
     args = ap.parse_args(argv)
     if args.tag and not re.fullmatch(r"[a-z0-9][a-z0-9-]*", args.tag):
         raise SystemExit(f"--tag: expected lower-case letters, digits and dashes, got {args.tag!r}")
@@ -143,6 +144,10 @@ def main(argv) -> int:
         return 0 if sanitizer.run_all("cuda", True) else 1
     if args.flashinfer_warmup:
         return flashinfer_jit.warmup()
+    if args.hopper_cases:
+        from gpu_check import correctness
+
+        return correctness.hopper_child(int(args.hopper_cases))
     if args.hbm_bytes_child:
         from gpu_check import hbm_bytes
 

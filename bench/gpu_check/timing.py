@@ -72,6 +72,13 @@ def _prepare(provider: str, batch, fi_ready: dict):
         raise Unavailable(f"timed on {', '.join(OVERLAP_SCENARIOS)} steps only (the step's time budget)")
     if provider == "prefixattn-kv-heads" and batch.shape.paper not in KV_HEADS_SHAPES:
         raise Unavailable("timed on a few decode steps only (the step's time budget: timing.KV_HEADS_SHAPES)")
+    if provider == "prefixattn-hopper":
+        from gpu_check.correctness import HOPPER_VERDICT
+
+        if not HOPPER_VERDICT or not HOPPER_VERDICT[0]:
+            raise Unavailable("its correctness cases " + (f"did not pass: {HOPPER_VERDICT[1]}" if HOPPER_VERDICT else
+                                                          "did not run in this call (the correctness step checks "
+                                                          "them first, in a child process)"))
     if provider in OURS:
         return peers.ours.prepare(batch, provider)
     if provider == "torch-sdpa":

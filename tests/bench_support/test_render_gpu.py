@@ -133,3 +133,13 @@ def test_kv_heads_table_lists_the_decode_steps_that_packed_heads():
                       _row(t, "prefixattn-kv-heads", shape, "kv_heads", 16)]
     assert gpu.kv_heads_table(rows)[2:] == ["| decode256:0/256/1 | 290.0 | 250.0 | 16 | 1.16x |"]
     assert gpu.kv_heads_table(_rows()) == []  # nowhere packed: no table
+
+
+def test_hopper_table_puts_the_hopper_build_beside_the_portable_one():
+    t, shape = "attention_gpu_time", "decode256:2048/256/all [s]"
+    rows = _rows() + [_row(t, "prefixattn", shape, "graph_flushed_us_median", 300.0),
+                      _row(t, "prefixattn", shape, "class_shared_us_median", 120.0),
+                      _row(t, "prefixattn-hopper", shape, "graph_flushed_us_median", 250.0),
+                      _row(t, "prefixattn-hopper", shape, "class_shared_us_median", 80.0)]
+    assert gpu.hopper_table(rows)[2:] == ["| decode256:2048/256/all | 300.0 | 250.0 | 1.20x | 120.0 | 80.0 | 1.50x |"]
+    assert gpu.hopper_table(_rows()) == []  # it ran nowhere: no table
