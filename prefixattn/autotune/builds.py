@@ -5,8 +5,8 @@ K/V by TMA, a loading warp apart from the computing warpgroups), decided here an
 
 Both builds read the same plan and workspace and merge through the same counters; the Hopper build serves
 :func:`hopper_shared_refusal`'s shapes. It is taken only where asked for (``PREFIXATTN_SHARED_BUILD=hopper``): it
-compiles for sm_90 under Triton 3.6-3.9 with no spills (``prefixattn compile-check``), but it has not run on a GPU
-yet, so the portable kernel stays the default until the GPU check has measured it correct and faster.
+compiles for sm_90 under Triton 3.6, 3.8 and 3.9 with no spills (``prefixattn compile-check``), but it has not run
+on a GPU yet, so the portable kernel stays the default until the GPU check has measured it correct and faster.
 
 No torch or triton import here (dtypes by Triton's names, ``"bf16"``): the planner and the compile-check share it.
 """
