@@ -133,7 +133,7 @@ def specialization_keys(plan) -> dict:
     keys = {}
     for launch in launcher._prepared_launches[id(plan)][1].values():
         prm = launch.params
-        for _grid, args, options, _spec, _compiled in launch.launches:
+        for _grid, args, options, _spec, _compiled, _build in launch.launches:  # _build: None (portable)
             constexprs = tuple(args[i] for i in prm.constexprs)
             others = tuple(str(native_specialize_impl(BaseBackend, args[i], False,
                                                       prm.names[i] not in UNSPECIALIZED_ARGS, True))
