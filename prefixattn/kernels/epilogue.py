@@ -1,8 +1,12 @@
-"""The one epilogue of every attention kernel (the fused kernel's and the MLA kernel's): an item's online-softmax
-state normalized (:func:`_normalized_state`), then stored straight to the output (a row with this single state) or
-to the workspace and reported on the merge counters, the report that completes a (row, head) merging it
-(:func:`_store_state`, :func:`_report_and_merge`), with the sink logit joining each row's final state once
-(:func:`_with_sink`). The merge's correctness argument is :func:`_report_and_merge`'s docstring.
+"""The one epilogue of every attention kernel (the fused kernel's, the MLA kernel's, the Hopper build's): an item's
+online-softmax state normalized (:func:`_normalized_state`), then stored straight to the output (a row with this
+single state) or to the workspace and reported on the merge counters, the report that completes a (row, head)
+merging it (:func:`_store_state`, :func:`_report_and_merge`), with the sink logit joining each row's final state
+once (:func:`_with_sink`). The merge's correctness argument is :func:`_report_and_merge`'s docstring.
+
+The shared class's Hopper build (:mod:`prefixattn.kernels.hopper_shared_kernel`, Gluon) runs this epilogue too: so
+nothing here names a layout (no ``tl.arange``/``tl.full``/``tl.zeros``: the lanes' own tensors are passed in or
+folded), and Triton 3.6's Gluon needs the atomics' operands as tensors and no branch on a constant.
 """
 
 import triton
