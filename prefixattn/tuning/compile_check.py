@@ -384,8 +384,8 @@ def worst_case_jobs(targets) -> list:
     only in the full run. At :data:`~prefixattn.autotune.config_space.KV_HEADS_MAX_BLOCK_D` also each decode binary
     with :data:`WORST_CASE_KV_HEADS` KV heads per program; on :data:`WORST_CASE_QK_V_TARGETS` the class binaries of
     keys and values of :data:`WORST_CASE_QK_V_HEAD_DIMS`. And on sm90 the Hopper build of the shared class
-(:mod:`prefixattn.kernels.hopper_shared_kernel`) of every shipped shared tile it serves, with LSE, at the extreme
-head sizes also under every model switch."""
+    (:mod:`prefixattn.kernels.hopper_shared_kernel`) of every shipped shared tile it serves, with LSE, at the extreme
+    head sizes also under every model switch."""
     from prefixattn.tuning import compile_specs as cs
 
     names = _kernel_param_names()
