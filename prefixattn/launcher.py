@@ -31,7 +31,7 @@ from triton import knobs
 from triton.runtime import driver
 
 from prefixattn.autotune.buckets import dtype_name
-from prefixattn.autotune.builds import HOPPER_STAGES, hopper_cache_refusal, hopper_num_warps
+from prefixattn.autotune.builds import BUILD_ENV, HOPPER_STAGES, hopper_cache_refusal, hopper_num_warps
 from prefixattn.autotune.targets import gfx_isa, writes_own_l2_fences
 from prefixattn.kernels.layout import CLASS_SHARED
 from prefixattn.kernels.prefix_attention_kernel import prefix_attention_kernel
@@ -176,7 +176,7 @@ class PreparedLaunch:
     per_class : list of (grid, dict, dict) or (grid, dict, dict, kernel)
         One launch each, in order: its grid, its class arguments (``item_range_ptr``, ``IS_SHARED``, ``BLOCK_M``,
         ``BLOCK_N``) and its launch options (``num_warps``, ``num_stages``, AMD's); a fourth element is the
-        class's own build (the shared class's Hopper build: ``kernel``'s parameters and its own constexprs, which
+        class's own build (a matrix class's Hopper build: ``kernel``'s parameters and its own constexprs, which
         the class arguments give). Such a build's global scratch (its TMA descriptors) comes from a buffer the
         launch owns (:class:`ScratchBuffer`): no allocation after the first call, as CUDA graphs need.
     per_call : tuple of str
@@ -336,26 +336,26 @@ def class_launches(tiles, classes: tuple, grid_items: tuple, ranges, num_kv_head
     return per_class
 
 
-def with_hopper_shared(per_class: list, index: int, q, k_cache, v_cache, features: dict) -> list:
-    """``per_class`` (:func:`class_launches`') with the shared class (entry ``index``) launched by its Hopper build (a
-    plan's ``shared_build``: :mod:`prefixattn.autotune.builds`), its K/V stages one more class argument, its own
-    warps (:func:`~prefixattn.autotune.builds.hopper_num_warps`); ValueError where this call's caches (``q``'s
-    dtype, a token's heads side by side, TMA's alignment) or scales (``features``: the call's feature arguments) are
-    not what it reads."""
-    from prefixattn.kernels.hopper_shared_kernel import hopper_shared_kernel  # Gluon: imported where it runs
+def with_hopper(per_class: list, index: int, q, k_cache, v_cache, features: dict) -> list:
+    """``per_class`` (:func:`class_launches`') with the matrix class of entry ``index`` (shared or chunk) launched by
+    its Hopper build (a plan's ``shared_build``/``chunk_build``: :mod:`prefixattn.autotune.builds`), its K/V stages
+    one more class argument, its own warps (:func:`~prefixattn.autotune.builds.hopper_num_warps`); ValueError where
+    this call's caches (``q``'s dtype, a token's heads side by side, TMA's alignment) or scales (``features``: the
+    call's feature arguments) are not what it reads."""
+    from prefixattn.kernels.hopper_attention_kernel import hopper_attention_kernel  # Gluon: imported where it runs
 
     if features["HAS_KV_SCALE"]:
-        raise ValueError("k_scale/v_scale: the shared class's Hopper build (PREFIXATTN_SHARED_BUILD=hopper) applies "
-                         "no K/V scale; plan with the portable build for scaled caches")
+        raise ValueError(f"k_scale/v_scale: the Hopper build ({BUILD_ENV}=hopper) applies no K/V scale; plan with "
+                         "the portable build for scaled caches")
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         why = hopper_cache_refusal(name, dtype=dtype_name(cache.dtype) if cache.element_size() > 1 else "fp8",
                                    q_dtype=dtype_name(q.dtype), head_dim=q.shape[2], strides=cache.stride(),
                                    element_bytes=cache.element_size(), data_ptr=cache.data_ptr())
         if why is not None:
-            raise ValueError(f"{why}: the shared class's Hopper build (PREFIXATTN_SHARED_BUILD=hopper) reads it by TMA")
+            raise ValueError(f"{why}: the Hopper build ({BUILD_ENV}=hopper) reads it by TMA")
     grid, class_args, options = per_class[index][:3]
     own = (grid, {**class_args, "STAGES": HOPPER_STAGES}, {"num_warps": hopper_num_warps(class_args["BLOCK_M"])},
-           hopper_shared_kernel)
+           hopper_attention_kernel)
     return [*per_class[:index], own, *per_class[index + 1:]]
 
 

@@ -14,7 +14,7 @@ from prefixattn.autotune.builds import HOPPER
 from prefixattn.autotune.config_space import MODEL_SWITCHES, block_d
 from prefixattn.autotune.lookup import read_fixed_env
 from prefixattn.launcher import (PreparedLaunch, call_key, class_launches, own_l2_fences, prepared, remember_launch,
-                                 with_hopper_shared)
+                                 with_hopper)
 from prefixattn.planner.backend import backend as planner_backend
 from prefixattn.planner.device_tables import CapacityError
 from prefixattn.planner.options import _default_num_sms, _positive_int, checked_options
@@ -230,8 +230,9 @@ def _prepare(p: Plan, key, *, out, lse, q, k_cache, v_cache, classes: tuple, gri
                                kv_fp8=k_cache.dtype in FP8_KV_DTYPES, nan_guard=p.nan_guard,
                                q_fp32=q.dtype == torch.float32,
                                model_switches=any(features[f] for f in MODEL_SWITCHES))
-    if p.shared_build == HOPPER and CLASS_SHARED in classes:
-        per_class = with_hopper_shared(per_class, classes.index(CLASS_SHARED), q, k_cache, v_cache, features)
+    for index, work_class in enumerate(classes):
+        if p.build_of(work_class) == HOPPER:
+            per_class = with_hopper(per_class, index, q, k_cache, v_cache, features)
     # An overlapped plan's decode launch runs beside its compute launches (a CPU tensor has no streams: the
     # launches run one after another there, as the interpreter runs them anyway).
     overlapped = p.overlapped if overlapped is None else overlapped

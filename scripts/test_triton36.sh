@@ -7,7 +7,7 @@
 #     (tests/test_launcher.py, test_launcher_compile.py) and, under 3.6 only, the GPU check's dry run
 #     (tests/test_gpu_check_dry_run.py);
 #   - `prefixattn compile-check` for sm90 (bf16, head_dim 64 and 128: decode, chunked prefill, suffix-only, merges,
-#     the shared class's Hopper build),
+#     the matrix classes' Hopper build),
 #     i.e. Triton 3.6's own compiler and ptxas on the kernels the GPU machine will run, and for gfx942 (head_dim 128);
 #     under 3.6 the MLA kernel's sm90 binaries too; another Triton only sm90 at head_dim 128.
 # numpy<2.4: Triton 3.6's interpreter calls int() on 1-element arrays, a TypeError from NumPy 2.4 on (see
@@ -54,8 +54,8 @@ if [ "$version" = "3.6.0" ]; then
 else
   selection=(--targets sm90 --head-dims 128)
 fi
-# hopper_shared: the Gluon build of the shared class (sm90 only), whose Gluon API differs between Triton versions.
-"$VENV/bin/prefixattn" compile-check --kernels prefix_attention,merge,hopper_shared --dtypes bf16 "${selection[@]}" \
+# hopper: the Gluon build of the shared and chunk classes (sm90 only), whose Gluon API differs between Triton versions.
+"$VENV/bin/prefixattn" compile-check --kernels prefix_attention,merge,hopper --dtypes bf16 "${selection[@]}" \
   --jobs 2 --quiet || failed+=(compile-check)
 # The MLA kernel's sm90 binaries (bf16, over each fp8 latent) under the GPU image's Triton only: 3.6 spilled where 3.9
 # did not (an e4m3 latent's shared tile).

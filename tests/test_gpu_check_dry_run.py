@@ -31,7 +31,7 @@ def test_gpu_check_dry_run_runs_every_step(tmp_path):
                  "float32", "/d64/", "/d128/", "/d256/", "gqa1", "gqa4", "gqa8", "page1", "page16"):
         assert part in names, part
     assert all(float(r["value"]) == 1.0 for r in passed + by("gpu_check_correctness", "bit_identical"))
-    # The shared class's Hopper build: no plan takes it in the interpreter (Gluon has none), so no case reran with it.
+    # The matrix classes' Hopper build: no plan takes it in the interpreter (Gluon has none), so no case reran with it.
     assert {r["provider"] for r in passed} == {"prefixattn"}
     assert {r["provider"] for r in by("gpu_ceiling", "read_gbps") + by("gpu_ceiling", "attention_tflops")} == {
         "triton", "prefixattn", "flashinfer-prefill-fa2"}
@@ -109,7 +109,7 @@ def _check_timing(rows, by) -> None:
             if r["provider"] == "prefixattn-kv-heads"] == [(packed[0], 2.0)]
     not_run = {(r["provider"], r["unit"]) for r in by("attention_gpu_time", "not_run")}
     assert ("flashinfer-prefill-fa3", "reason: FlashInfer's fa3 backend runs on sm90 (Hopper) only") in not_run
-    # The shared class's Hopper build is timed only after its correctness cases passed, and Gluon has no interpreter.
+    # The matrix classes' Hopper build is timed only after its correctness cases passed, and Gluon has no interpreter.
     assert not [s for p, s in timed if p == "prefixattn-hopper"]
     assert {u for p, u in not_run if p == "prefixattn-hopper"} == {
         "reason: its correctness cases did not pass: dry run: the interpreter has no Gluon"}

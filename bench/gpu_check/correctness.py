@@ -21,8 +21,8 @@ def _bits(t):
 
 def check_case(case, scale: int, device: str, seed: int, build: str = "portable") -> dict | None:
     """One correctness case: NaN-poisoned out and q padding, REPEATS runs bit-identical, fp64 reference. ``build``:
-    the shared class's build the plan asks for (``prefixattn.autotune.builds``); None where the plan does not take
-    it (no shared class, or shapes it does not serve)."""
+    the build the plan asks for (``prefixattn.autotune.builds``); None where no class of the plan takes it (no
+    shared or chunk class, or shapes it does not serve)."""
     import torch
 
     import prefixattn
@@ -35,7 +35,7 @@ def check_case(case, scale: int, device: str, seed: int, build: str = "portable"
     meta = tuple(t.to(device) for t in b.metadata)
     with asking_for(build):
         p = prefixattn.plan(*meta, **b.heads, q_dtype=case.dtype, **options)
-    if p.shared_build != build or (build != "portable" and not p.has_shared):
+    if build != "portable" and build not in map(p.build_of, p.work_classes):
         return None
     n = p.num_tokens
     q = torch.cat([q, torch.full((PAD_ROWS, *q.shape[1:]), float("nan"), dtype=q.dtype, device=device)])
@@ -82,16 +82,19 @@ def step_correctness(args, results, skips, device: str) -> None:
     _hopper_cases(args, results, clock, scale)
 
 
-#: The shared class's Hopper build's verdict in this process: None until the correctness step checked it, else
+#: The Hopper build's verdict in this process: None until the correctness step checked it, else
 #: ``(passed, why)``; the timing step times ``prefixattn-hopper`` only after it passed (gpu_check.timing).
 HOPPER_VERDICT: list = []
-#: Seconds the Hopper build's cases may take in their child process (start-up, CUDA, its compiles, ~8 cases).
-HOPPER_CHILD_S = 60
+#: Seconds the Hopper build's cases may take in their child process (start-up, CUDA, its compiles, ~10 cases).
+HOPPER_CHILD_S = 80
+#: The sanitizer's feature cases the child runs with the Hopper build too (bf16, head_dim 128, mixed steps: a shared
+#: and a chunk class), the masks no other case reaches: the window's edge, and sinks joining at the merge.
+HOPPER_FEATURE_CASES = ("window", "sinks")
 HOPPER_LINE = "hopper case "
 
 
 def _hopper_cases(args, results, clock, scale: int) -> None:
-    """The cases whose plan takes the shared class's Hopper build (``prefixattn-hopper``), again with it, in a child
+    """The cases whose plan takes the Hopper build for a class (``prefixattn-hopper``), again with it, in a child
     process (:func:`hopper_child`): the build has never run on a GPU, and a fault or a hang there must not take this
     process's CUDA context or the rest of the run with it."""
     import json
@@ -127,10 +130,13 @@ def _hopper_cases(args, results, clock, scale: int) -> None:
 
 
 def hopper_child(scale: int) -> int:
-    """``--hopper-cases``: each correctness case whose plan takes the Hopper build, with it, one JSON line each."""
+    """``--hopper-cases``: each correctness case whose plan takes the Hopper build, with it, then the sanitizer's
+    feature cases (:data:`HOPPER_FEATURE_CASES`) asking for it; one JSON line each."""
     import json
 
+    from gpu_check import sanitizer
     from gpu_check.cases import correctness_cases
+    from prefixattn.autotune.builds import HOPPER, asking_for
 
     for i, case in enumerate(correctness_cases()):
         start = time.monotonic()
@@ -140,6 +146,15 @@ def hopper_child(scale: int) -> int:
             r = dict(passed=False, error=f"{type(exc).__name__}: {exc}"[:300])
         if r is not None:
             print(HOPPER_LINE + json.dumps({**r, "case": case.name, "seconds": time.monotonic() - start}), flush=True)
+    for name in HOPPER_FEATURE_CASES:
+        start = time.monotonic()
+        try:
+            with asking_for(HOPPER):
+                r = sanitizer.run_case(name, "cuda", gpu=True)
+        except Exception as exc:  # noqa: BLE001 - a crash is a failed case with its reason
+            r = dict(passed=False, error=f"{type(exc).__name__}: {exc}"[:300])
+        print(HOPPER_LINE + json.dumps({**r, "case": f"sanitizer/{name}", "seconds": time.monotonic() - start}),
+              flush=True)
     return 0
 
 

@@ -4,7 +4,8 @@ Per shape (cases.timing_shapes), per provider: prepare (host planning, not timed
 fp32 reference (a wrong output is a failure and is not timed), capture into a CUDA graph and check a replay too, then
 time the replay (L2 flushed and warm) and the eager call (L2 flushed) with measure.py's :class:`Timer`.
 Providers: prefixattn, prefixattn ``sharing="never"``, prefixattn ``overlap=True`` (where it overlaps), prefixattn with
-the shared class's Hopper build (``prefixattn-hopper``, where the plan has a shared class it serves), prefixattn with
+the matrix classes' Hopper build (``prefixattn-hopper``, where the plan has a shared or chunk class it serves),
+prefixattn with
 decode programs packing several KV heads (``prefixattn-kv-heads``, a few decode steps, where the tile packs more),
 every FlashInfer configuration of bench/peers/flashinfer.py (the cascades are handed the batch's prefix groups:
 oracle), torch SDPA on pre-gathered KV. ``flashinfer-best`` per shape is the fastest correct FlashInfer
@@ -32,8 +33,8 @@ TIMING = "attention_gpu_time"
 HEADLINE = "graph_flushed"
 OURS = ("prefixattn", "prefixattn-nosharing", "prefixattn-overlap", "prefixattn-hopper", "prefixattn-kv-heads")
 #: Ours that time after the peers (the budget cuts a shape's providers from the tail, and the peers are the
-#: comparison the check is for): the shared class's Hopper build (its classes alone too: the shared class's time
-#: beside the portable build's, prefixattn's), then the packed decode programs.
+#: comparison the check is for): the matrix classes' Hopper build (its classes alone too: the shared and chunk classes'
+#: times beside the portable build's, prefixattn's), then the packed decode programs.
 AFTER_PEERS = ("prefixattn-hopper", "prefixattn-kv-heads")
 #: ``prefixattn-overlap`` runs where its plan overlaps the classes (bench/peers/ours.py) on these scenarios only: a
 #: decode step under a shared prefix overlaps too (its shared and decode launches), but the step's time budget goes

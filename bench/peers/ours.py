@@ -4,8 +4,8 @@ plans with ``overlap=True`` (the decode launch beside the compute launches: :mod
 only on a batch whose plan overlaps (else it is the ``prefixattn`` run again: :class:`~peers.base.Unavailable`).
 ``prefixattn-kv-heads`` plans with the shipped decode tile packing as many KV heads into a decode program as its
 lanes hold (a tile's ``kv_heads``, which no shipped table sets yet: docs/tuning.md), where that is more than one.
-``prefixattn-hopper`` plans asking for the shared class's Hopper build (``PREFIXATTN_SHARED_BUILD=hopper``:
-:mod:`prefixattn.autotune.builds`), on a batch whose plan has a shared class the build serves.
+``prefixattn-hopper`` plans asking for the matrix classes' Hopper build (``PREFIXATTN_BUILD=hopper``:
+:mod:`prefixattn.autotune.builds`), on a batch whose plan has a shared or chunk class the build serves.
 
 ``Prepared.parts`` runs each work class of the plan alone (the per-class times of the GPU check). One class alone
 is no public call: it launches the class's prepared launch through :mod:`prefixattn.prefix_attention`'s own
@@ -45,9 +45,9 @@ def prepare(batch, provider: str = "prefixattn") -> Prepared:
         raise Unavailable(f"one KV head per decode program here (the tile's {p.tiles.decode.block_m} lanes, "
                           f"{s.num_kv_heads} KV heads of GQA {s.num_qo_heads // s.num_kv_heads}, head_dim "
                           f"{s.head_dim})")
-    if provider == "prefixattn-hopper" and not (p.has_shared and p.shared_build == HOPPER):
-        raise Unavailable("no shared class in the plan" if not p.has_shared else
-                          f"the portable build: {p.stats['shared_build_why']}")
+    if provider == "prefixattn-hopper" and HOPPER not in map(p.build_of, p.work_classes):
+        raise Unavailable(f"the portable build: shared class {p.stats['shared_build_why']}; chunk class "
+                          f"{p.stats['chunk_build_why']} (classes {p.work_classes})")
     out = torch.empty_like(batch.q)
 
     def run():
@@ -55,7 +55,7 @@ def prepare(batch, provider: str = "prefixattn") -> Prepared:
 
     return Prepared(run=run, labels=dict(out=out, workspace_o=p.ws_o, workspace_lse=p.ws_lse),
                     notes=f"shared_nodes={len(p.shared_nodes)};items={p.num_items};"
-                          f"overlapped={p.overlapped};shared_build={p.shared_build}",
+                          f"overlapped={p.overlapped};shared_build={p.shared_build};chunk_build={p.chunk_build}",
                     extra=dict(tile_kv_load_bytes=p.kv_bytes_read(), work_items=p.num_items,
                                shared_nodes=len(p.shared_nodes), kv_heads=p.tiles.decode.kv_heads,
                                **modeled_times(p)),

@@ -265,19 +265,21 @@ def kv_heads_table(rows) -> list[str]:
 
 
 def hopper_table(rows) -> list[str]:
-    """Per timing shape where the shared class's Hopper build ran (``prefixattn-hopper``): the whole step and the
-    shared class alone (median, graph-replayed, L2 flushed) with the portable build (``prefixattn``) and with it;
-    empty where it ran nowhere."""
+    """Per timing shape where the Hopper build ran for a class (``prefixattn-hopper``): the whole step and the shared
+    and chunk classes alone (median, graph-replayed, L2 flushed) with the portable build (``prefixattn``) and with
+    it; empty where it ran nowhere."""
     lines = []
     for shape, prov in index(rows).get(TIMING, {}).items():
         hopper, ours = prov.get("prefixattn-hopper", {}), prov.get("prefixattn", {})
         if hopper.get(HEAD) is not None:
-            alone = [x.get("class_shared_us_median") for x in (ours, hopper)]
-            lines.append(f"| {shape.split(' [')[0]} | {fixed(ours.get(HEAD))} | {fixed(hopper[HEAD])} | "
-                         f"{ratio_cell(ours.get(HEAD), hopper[HEAD])} | {fixed(alone[0])} | {fixed(alone[1])} | "
-                         f"{ratio_cell(*alone)} |")
+            cells = [fixed(ours.get(HEAD)), fixed(hopper[HEAD]), ratio_cell(ours.get(HEAD), hopper[HEAD])]
+            for work_class in ("shared", "chunk"):
+                alone = [x.get(f"class_{work_class}_us_median") for x in (ours, hopper)]
+                cells += [fixed(alone[0]), fixed(alone[1]), ratio_cell(*alone)]
+            lines.append(f"| {shape.split(' [')[0]} | " + " | ".join(cells) + " |")
     return head("shape", "portable us", "Hopper build us", "speedup", "shared class alone, portable us",
-                "Hopper build us", "speedup") + lines if lines else []
+                "Hopper build us", "speedup", "chunk class alone, portable us", "Hopper build us",
+                "speedup") + lines if lines else []
 
 
 def losses(rows) -> list[str]:
@@ -358,10 +360,10 @@ def summary(rows, *, device: str, commit: str, versions: str, seconds: float, sk
                   "its lanes hold (a tile's `kv_heads`, which no shipped table sets: docs/tuning.md), both "
                   "graph-replayed, L2 flushed.", ""] + packed
     if hopper := hopper_table(rows):
-        lines += ["", f"## The shared class's Hopper build{' (DRY RUN)' if dry else ''}", "",
-                  "The steps with a shared class again with its Hopper build (`PREFIXATTN_SHARED_BUILD=hopper`: TMA "
-                  "loads, a loading warp apart from two computing warpgroups), each output checked against the "
-                  "reference first; the whole step and the shared class alone, graph-replayed, L2 flushed.",
+        lines += ["", f"## The matrix classes' Hopper build{' (DRY RUN)' if dry else ''}", "",
+                  "The steps with a shared or chunk class again with the Hopper build (`PREFIXATTN_BUILD=hopper`: "
+                  "TMA loads, a loading warp apart from two computing warpgroups), each output checked against the "
+                  "reference first; the whole step and each class alone, graph-replayed, L2 flushed.",
                   ""] + hopper
     if mla_rows(rows):
         lines += ["", f"## MLA decode steps ({'DRY RUN' if dry else 'DeepSeek-V3 shape, bf16, one layer'})", "",

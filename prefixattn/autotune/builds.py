@@ -1,12 +1,14 @@
-"""Which build of the shared class a plan's launch takes: the portable Triton kernel
-(:mod:`prefixattn.kernels.prefix_attention_kernel`) or the Hopper build (:mod:`prefixattn.kernels.hopper_shared_kernel`:
-K/V by TMA, a loading warp apart from the computing warpgroups), decided here and nowhere else
-(:func:`shared_build`), reported in ``Plan.stats["shared_build"]`` with the reason.
+"""Which build of each matrix class a plan's launches take: the portable Triton kernel
+(:mod:`prefixattn.kernels.prefix_attention_kernel`) or the Hopper build
+(:mod:`prefixattn.kernels.hopper_attention_kernel`: K/V by TMA, a loading warp apart from the computing warpgroups),
+decided here and nowhere else (:func:`class_build`, per class), reported in ``Plan.stats`` (``shared_build``,
+``chunk_build``) with the reason.
 
 Both builds read the same plan and workspace and merge through the same counters; the Hopper build serves
-:func:`hopper_shared_refusal`'s shapes. It is taken only where asked for (``PREFIXATTN_SHARED_BUILD=hopper``): it
-compiles for sm_90 under Triton 3.6, 3.8 and 3.9 with no spills (``prefixattn compile-check``), but it has not run
-on a GPU yet, so the portable kernel stays the default until the GPU check has measured it correct and faster.
+:func:`hopper_refusal`'s shapes of the shared class and the chunk (prefill) class; the decode class is always the
+portable kernel's. It is taken only where asked for (``PREFIXATTN_BUILD=hopper``): it compiles for sm_90 under Triton
+3.6, 3.8 and 3.9 with no spills (``prefixattn compile-check``), but it has not run on a GPU yet, so the portable
+kernel stays the default until the GPU check has measured it correct and faster.
 
 No torch or triton import here (dtypes by Triton's names, ``"bf16"``): the planner and the compile-check share it.
 """
@@ -16,10 +18,12 @@ from __future__ import annotations
 import contextlib
 import os
 
-#: The environment variable that asks for a build of the shared class: ``portable`` (the default) or ``hopper``.
-SHARED_BUILD_ENV = "PREFIXATTN_SHARED_BUILD"
+#: The environment variable that asks for a build of the matrix classes: ``portable`` (the default) or ``hopper``.
+BUILD_ENV = "PREFIXATTN_BUILD"
 PORTABLE, HOPPER = "portable", "hopper"
-SHARED_BUILDS = (PORTABLE, HOPPER)
+BUILDS = (PORTABLE, HOPPER)
+#: The classes the Hopper build serves, by the names ``Plan.stats`` reports them under (``<class>_build``).
+HOPPER_CLASSES = ("shared", "chunk")
 #: The Hopper build's target (TMA, warpgroup MMAs and setmaxnreg: sm_90 only; Blackwell's MMAs are others).
 HOPPER_ARCH = 90
 #: q and K/V element types it serves (one dtype for both: no fp8 cache, whose scales it does not apply).
@@ -30,28 +34,32 @@ HOPPER_DTYPES = ("fp16", "bf16")
 HOPPER_HEAD_DIMS = (64, 128)
 #: Block sizes it serves: the kernel's specialized page sizes (a box's rows are a compile-time constant).
 HOPPER_PAGE_SIZES = (16, 32, 64)
-#: Feature switches it serves (a shared node masks no key, so the window and the NaN guard change nothing there;
-#: sinks join at the merge, which both builds share); ``HAS_KV_SCALE`` and ``HAS_V_HEAD_DIM`` stay portable.
-HOPPER_FEATURES = ("HAS_SOFT_CAP", "HAS_WINDOW", "HAS_SINKS", "USE_NAN_GUARD")
+#: Feature switches it serves, per class. Sinks join at the merge, which both builds share. A shared node masks no
+#: key, so the window and the NaN guard change nothing there. A chunk tile loads whole pages, so the slots past a
+#: request's last key reach its masked tiles: with the NaN guard (non-finite V at unseen keys must not leak) the
+#: chunk class stays portable, which loads no key past the range. ``HAS_KV_SCALE`` and ``HAS_V_HEAD_DIM`` stay
+#: portable in both.
+HOPPER_FEATURES = {"shared": ("HAS_SOFT_CAP", "HAS_WINDOW", "HAS_SINKS", "USE_NAN_GUARD"),
+                   "chunk": ("HAS_SOFT_CAP", "HAS_WINDOW", "HAS_SINKS")}
 #: Query rows one warpgroup's MMAs cover: the build's warps are 4 per 64 rows of its tile (two warpgroups at 128
 #: rows; a 64-row tile at 8 warps would compute its rows twice).
 HOPPER_ROWS_PER_WARPGROUP = 64
 #: K/V tiles in flight in the Hopper build (2: a d128 tile's K and V take 32 KB, with the 32 KB query tile 96 KB of
-#: shared memory: one program per SM, as the portable shared binary).
+#: shared memory: one program per SM, as the portable matrix binaries).
 HOPPER_STAGES = 2
 
 
 _requested: list = []  # the environment's request, read once; asking_for's overrides after it
 
 
-def requested_shared_build() -> str:
-    """The build asked for: the innermost :func:`asking_for`, else ``PREFIXATTN_SHARED_BUILD`` (default
-    ``portable``), read once per process (an environment read costs ~0.8 us, every plan would pay it). ``ValueError``
-    naming the variable for a value it does not know."""
+def requested_build() -> str:
+    """The build asked for: the innermost :func:`asking_for`, else ``PREFIXATTN_BUILD`` (default ``portable``), read
+    once per process (an environment read costs ~0.8 us, every plan would pay it). ``ValueError`` naming the variable
+    for a value it does not know."""
     if not _requested:
-        value = os.environ.get(SHARED_BUILD_ENV, PORTABLE)
-        if value not in SHARED_BUILDS:
-            raise ValueError(f"{SHARED_BUILD_ENV}: expected one of {', '.join(SHARED_BUILDS)}, got {value!r}")
+        value = os.environ.get(BUILD_ENV, PORTABLE)
+        if value not in BUILDS:
+            raise ValueError(f"{BUILD_ENV}: expected one of {', '.join(BUILDS)}, got {value!r}")
         _requested.append(value)
     return _requested[-1]
 
@@ -60,9 +68,9 @@ def requested_shared_build() -> str:
 def asking_for(build: str):
     """Plans made inside ask for ``build`` (``portable`` or ``hopper``) whatever the environment says (the GPU check
     times both builds in one process; tests)."""
-    if build not in SHARED_BUILDS:
-        raise ValueError(f"asking_for: expected one of {', '.join(SHARED_BUILDS)}, got {build!r}")
-    requested_shared_build()  # the environment's value stays first
+    if build not in BUILDS:
+        raise ValueError(f"asking_for: expected one of {', '.join(BUILDS)}, got {build!r}")
+    requested_build()  # the environment's value stays first
     _requested.append(build)
     try:
         yield
@@ -70,13 +78,15 @@ def asking_for(build: str):
         _requested.pop()
 
 
-def hopper_shared_refusal(*, is_hip: bool, arch, dtype: str, kv_dtype: str | None, head_dim: int,
-                          v_head_dim: int | None, block_size: int, block_m: int, block_n: int,
-                          features: tuple = ()) -> str | None:
-    """Why the Hopper build cannot serve a shared class of these shapes (None: it can). ``arch``: the compute
-    capability (``90``) or gfx ISA; ``dtype``/``kv_dtype``: q's and the cache's element types (Triton's names);
-    ``block_m``/``block_n``: the shared tile's query lanes and KV positions; ``features``: the feature switches
-    on."""
+def hopper_refusal(work_class: str, *, is_hip: bool, arch, dtype: str, kv_dtype: str | None, head_dim: int,
+                   v_head_dim: int | None, block_size: int, block_m: int, block_n: int, kv_heads: int = 1,
+                   features: tuple = ()) -> str | None:
+    """Why the Hopper build cannot serve ``work_class`` (``"shared"`` or ``"chunk"``) of these shapes (None: it can).
+    ``arch``: the compute capability (``90``) or gfx ISA; ``dtype``/``kv_dtype``: q's and the cache's element types
+    (Triton's names); ``block_m``/``block_n``/``kv_heads``: the class's launch tile (query lanes, KV positions per
+    step, KV heads per program); ``features``: the feature switches on."""
+    if work_class not in HOPPER_CLASSES:
+        return f"the {'/'.join(HOPPER_CLASSES)} classes, not {work_class}"
     if is_hip or arch != HOPPER_ARCH:
         return f"sm_{HOPPER_ARCH} only (TMA, warpgroup MMAs, setmaxnreg), not {arch}"
     if dtype not in HOPPER_DTYPES or kv_dtype not in (None, dtype):
@@ -84,18 +94,19 @@ def hopper_shared_refusal(*, is_hip: bool, arch, dtype: str, kv_dtype: str | Non
     if head_dim not in HOPPER_HEAD_DIMS or v_head_dim not in (None, head_dim):
         return (f"head sizes {'/'.join(map(str, HOPPER_HEAD_DIMS))} with values of the keys' size, not "
                 f"{head_dim}/{v_head_dim or head_dim}")
-    if block_m % HOPPER_ROWS_PER_WARPGROUP:
-        return f"tiles of whole warpgroups ({HOPPER_ROWS_PER_WARPGROUP} rows each), not {block_m} rows"
+    if block_m % HOPPER_ROWS_PER_WARPGROUP or kv_heads != 1:
+        return (f"tiles of whole warpgroups ({HOPPER_ROWS_PER_WARPGROUP} rows each) over one KV head, not {block_m} "
+                f"rows over {kv_heads}")
     if block_size not in HOPPER_PAGE_SIZES or block_n % block_size:
-        return (f"block sizes {'/'.join(map(str, HOPPER_PAGE_SIZES))} dividing the shared tile's {block_n} keys, "
-                f"not {block_size}")
-    other = [f for f in features if f not in HOPPER_FEATURES]
+        return (f"block sizes {'/'.join(map(str, HOPPER_PAGE_SIZES))} dividing the {work_class} tile's {block_n} "
+                f"keys, not {block_size}")
+    other = [f for f in features if f not in HOPPER_FEATURES[work_class]]
     if other:
-        return f"not with {', '.join(other)}"
+        return f"the {work_class} class not with {', '.join(other)}"
     return None
 
 
-_DEFAULT = (PORTABLE, f"the default ({SHARED_BUILD_ENV}=hopper asks for the Hopper build)")
+_DEFAULT = (PORTABLE, f"the default ({BUILD_ENV}=hopper asks for the Hopper build)")
 
 
 def hopper_num_warps(block_m: int) -> int:
@@ -103,18 +114,18 @@ def hopper_num_warps(block_m: int) -> int:
     return 4 * (block_m // HOPPER_ROWS_PER_WARPGROUP)
 
 
-def shared_build(requested: str, *, interpreted: bool, **shapes) -> tuple[str, str]:
-    """``(build, why)``: the build of the shared class a plan's launches take, and why. ``requested``:
-    :func:`requested_shared_build`'s; ``interpreted``: the kernels run in Triton's interpreter (Gluon has none);
-    ``shapes``: :func:`hopper_shared_refusal`'s arguments."""
+def class_build(work_class: str, requested: str, *, interpreted: bool, **shapes) -> tuple[str, str]:
+    """``(build, why)``: the build of ``work_class`` (``"shared"``, ``"chunk"``) a plan's launches take, and why.
+    ``requested``: :func:`requested_build`'s; ``interpreted``: the kernels run in Triton's interpreter (Gluon has
+    none); ``shapes``: :func:`hopper_refusal`'s arguments."""
     if requested == PORTABLE:
         return _DEFAULT
     if interpreted:
         return PORTABLE, "the kernels run in Triton's interpreter, which has no Gluon"
-    refusal = hopper_shared_refusal(**shapes)
+    refusal = hopper_refusal(work_class, **shapes)
     if refusal is not None:
         return PORTABLE, f"the Hopper build serves {refusal}"
-    return HOPPER, f"asked for ({SHARED_BUILD_ENV}=hopper), and it serves these shapes"
+    return HOPPER, f"asked for ({BUILD_ENV}=hopper), and it serves these shapes"
 
 
 #: TMA's alignment of a tensor's base address and of its strides (bytes).

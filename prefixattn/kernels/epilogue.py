@@ -4,7 +4,7 @@ single state) or to the workspace and reported on the merge counters, the report
 merging it (:func:`_store_state`, :func:`_report_and_merge`), with the sink logit joining each row's final state
 once (:func:`_with_sink`). The merge's correctness argument is :func:`_report_and_merge`'s docstring.
 
-The shared class's Hopper build (:mod:`prefixattn.kernels.hopper_shared_kernel`, Gluon) runs this epilogue too: so
+The matrix classes' Hopper build (:mod:`prefixattn.kernels.hopper_attention_kernel`, Gluon) runs this epilogue too: so
 nothing here names a layout (no ``tl.arange``/``tl.full``/``tl.zeros``: the lanes' own tensors are passed in or
 folded), and Triton 3.6's Gluon needs the atomics' operands as tensors and no branch on a constant.
 """

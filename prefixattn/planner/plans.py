@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from prefixattn.autotune.buckets import dtype_name
-from prefixattn.autotune.builds import PORTABLE, requested_shared_build, shared_build
+from prefixattn.autotune.builds import HOPPER_CLASSES, PORTABLE, class_build, requested_build
 from prefixattn.autotune.lookup import READ_FIXED_ENV, current_target
 from prefixattn.autotune.program_cost import class_costs
 from prefixattn.kernels import layout as K
@@ -118,9 +118,10 @@ class Plan:
     #: The decode launch runs beside the compute launches, on a side stream (``plan(overlap=True)`` where it pays,
     #: modeled: :mod:`prefixattn.planner.overlap`).
     overlapped: bool = False
-    #: The shared class's build (:mod:`prefixattn.autotune.builds`): ``"portable"`` or ``"hopper"``; why in
-    #: ``stats["shared_build_why"]``.
+    #: The shared and the chunk class's builds (:mod:`prefixattn.autotune.builds`): ``"portable"`` or ``"hopper"``;
+    #: why in ``stats["shared_build_why"]``, ``stats["chunk_build_why"]``.
     shared_build: str = PORTABLE
+    chunk_build: str = PORTABLE
 
     @property
     def heads_per_program(self) -> int:
@@ -130,8 +131,9 @@ class Plan:
     @property
     def stats(self) -> dict:
         """The plan's counts (``num_shared_nodes``, ``num_units``, ``num_merge_rows``, ``num_ws_rows``, ``num_sms``,
-        ``sharing_declined``, ``requests_apart``), its shared class's build (``shared_build``, ``shared_build_why``:
-        :mod:`prefixattn.autotune.builds`) and modeled times (:func:`~prefixattn.planner.stats.modeled_stats`:
+        ``sharing_declined``, ``requests_apart``), its matrix classes' builds (``shared_build``, ``shared_build_why``,
+        ``chunk_build``, ``chunk_build_why``: :mod:`prefixattn.autotune.builds`) and modeled times
+        (:func:`~prefixattn.planner.stats.modeled_stats`:
         ``modeled_class_us``, ``modeled_step_us``, ``critical_path``; with ``overlap=True`` also ``overlapped`` and
         ``modeled_overlap_us``: :func:`~prefixattn.planner.overlap.overlap_stats`); a wrapper adds its own entries."""
         if "modeled_step_us" not in self.counts:
@@ -159,6 +161,10 @@ class Plan:
     def work_classes(self) -> tuple[int, ...]:
         """The work classes with items (``layout.CLASS_*``), in launch order: one launch each."""
         return tuple(c for c in range(K.NUM_CLASSES) if self.work.class_range(c)[1] > self.work.class_range(c)[0])
+
+    def build_of(self, work_class: int) -> str:
+        """The build the launches of ``work_class`` (``layout.CLASS_*``) take: ``"portable"`` or ``"hopper"``."""
+        return (self.shared_build, self.chunk_build, PORTABLE)[work_class]
 
     @property
     def num_launches(self) -> int:
@@ -353,7 +359,7 @@ def _pipeline(be, o: PlanOptions, qo_indptr, kv_lens, block_table, device, num_b
             tiles = choose_tiles(head_dim=tile_head_dim(o.head_dim, o.v_head_dim), group=o.group,
                                  max_q_len=max(inputs.max_q_len, 1), dtype=o.q_dtype, fixed_env=fixed_env)
         tiles = fit_kv_heads(tiles, num_kv_heads=o.num_kv_heads, group=o.group, nan_guard=o.nan_guard)
-        build, build_why = _shared_build(o, tiles, device)
+        builds = _class_builds(o, tiles, device)
         # Priced on the planning GPU (a host with no known GPU, the interpreter, has no launches to price: the tuning
         # target's costs, for the modeled stats).
         target = current_target()
@@ -385,26 +391,38 @@ def _pipeline(be, o: PlanOptions, qo_indptr, kv_lens, block_table, device, num_b
         **dev,
         counts=dict(num_shared_nodes=num_nodes, num_units=work.num_units, num_merge_rows=work.mrows.shape[0],
                     num_ws_rows=work.num_ws_rows, num_sms=num_sms, sharing_declined=chosen.declined,
-                    requests_apart=chosen.apart, shared_build=build, shared_build_why=build_why,
+                    requests_apart=chosen.apart, **builds,
                     **({"mla_form": MLA_FORM} if o.rope_dim else {}), **overlap),
         workspace=workspace, workspace_step=workspace.step if workspace is not None else -1,
-        overlapped=overlap.get("overlapped", False), shared_build=build,
+        overlapped=overlap.get("overlapped", False), shared_build=builds["shared_build"],
+        chunk_build=builds["chunk_build"],
     )
 
 
-def _shared_build(o: PlanOptions, tiles: AttentionTiles, device) -> tuple[str, str]:
-    """The shared class's build for this plan (:func:`prefixattn.autotune.builds.shared_build`: the one decision)."""
-    requested = requested_shared_build()
+#: Every plan's builds where the portable kernel is asked for (made once: every plan would pay for it).
+_PORTABLE_BUILDS = {f"{name}_build{key}": value for name in HOPPER_CLASSES
+                    for key, value in zip(("", "_why"), class_build(name, PORTABLE, interpreted=False))}
+
+
+def _class_builds(o: PlanOptions, tiles: AttentionTiles, device) -> dict:
+    """The matrix classes' builds for this plan, ``{"<class>_build": ..., "<class>_build_why": ...}``
+    (:func:`prefixattn.autotune.builds.class_build`: the one decision), each read at its launch's tile."""
+    requested = requested_build()
     if requested == PORTABLE or o.rope_dim:  # MLA plans run the MLA kernel
-        return shared_build(PORTABLE, interpreted=_KERNELS_INTERPRETED)
+        return _PORTABLE_BUILDS
     is_hip, arch = _device_arch(device)
-    features = tuple(f for f, on in (("HAS_SOFT_CAP", o.logits_soft_cap > 0), ("HAS_WINDOW", o.window_left >= 0),
-                                     ("USE_NAN_GUARD", o.nan_guard)) if on)
+    switches = (("HAS_SOFT_CAP", o.logits_soft_cap > 0), ("HAS_WINDOW", o.window_left >= 0),
+                ("USE_NAN_GUARD", o.nan_guard))
+    features = tuple(f for f, on in switches if on)
     kv_dtype = None if o.kv_dtype == o.q_dtype else "fp8" if o.kv_dtype.itemsize == 1 else dtype_name(o.kv_dtype)
-    return shared_build(requested, interpreted=_KERNELS_INTERPRETED, is_hip=is_hip, arch=arch,
-                        dtype=dtype_name(o.q_dtype), kv_dtype=kv_dtype, head_dim=o.head_dim,
-                        v_head_dim=o.v_head_dim, block_size=o.block_size, block_m=tiles.shared.block_m,
-                        block_n=tiles.shared.block_n, features=features)
+    builds = {}
+    for name in HOPPER_CLASSES:
+        launch = tiles.launch_options(K.WORK_CLASSES.index(name))  # 16-bit K/V: no switch narrows its tile
+        builds[f"{name}_build"], builds[f"{name}_build_why"] = class_build(
+            name, requested, interpreted=_KERNELS_INTERPRETED, is_hip=is_hip, arch=arch, dtype=dtype_name(o.q_dtype),
+            kv_dtype=kv_dtype, head_dim=o.head_dim, v_head_dim=o.v_head_dim, block_size=o.block_size,
+            block_m=launch["BLOCK_M"], block_n=launch["BLOCK_N"], kv_heads=launch["KV_HEADS"], features=features)
+    return builds
 
 
 @functools.cache

@@ -42,13 +42,13 @@ from multiprocessing import get_context
 from pathlib import Path
 
 from prefixattn.autotune.config_space import HEAD_DIMS, KV_HEADS_MAX_BLOCK_D, NUM_STAGES_CUDA, block_d
-from prefixattn.autotune.builds import HOPPER_ARCH, hopper_shared_refusal
+from prefixattn.autotune.builds import HOPPER_ARCH
 from prefixattn.autotune.targets import TARGETS
 from prefixattn.planner.tiles import tile_head_dim
 from prefixattn.tuning.compile_analysis import (count_matrix_instrs, count_private_memory_ops, hopper_features,
                                                parse_amdgcn, parse_dots, parse_pipeline, parse_ptxas)
 
-KERNELS = ("prefix_attention", "merge", "mla_attention", "hopper_shared")
+KERNELS = ("prefix_attention", "merge", "mla_attention", "hopper")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -237,7 +237,7 @@ def _kernel_param_names() -> dict:
     from prefixattn.tuning import compile_specs as cs
 
     names = {}
-    for fn in (cs.FUSED_KERNEL, cs.MERGE_PAIR_KERNEL, cs.MERGE_N_KERNEL, cs.MLA_KERNEL, cs.HOPPER_SHARED_KERNEL):
+    for fn in (cs.FUSED_KERNEL, cs.MERGE_PAIR_KERNEL, cs.MERGE_N_KERNEL, cs.MLA_KERNEL, cs.HOPPER_KERNEL):
         module, attr = fn.split(":")
         spec = importlib.util.find_spec(module)
         if spec is None or spec.origin is None:
@@ -307,7 +307,7 @@ def build_jobs(*, targets, kernels, dtypes, head_dims, lse=(False, True), max_co
                             jobs.append(cs.fused_job(config=cfg, variant=mode, has_lse=has_lse, has_shared=has_shared,
                                                      **common))
                         jobs += cs.feature_jobs(config=cfg, variant=mode, has_shared=has_shared, **common)
-                if "hopper_shared" in kernels:
+                if "hopper" in kernels:
                     jobs += _hopper_jobs(target, dtype, head_dim, names, lse=lse)
                 if "merge" in kernels:
                     jobs += _merge_jobs(target, dtype, head_dim, names)
@@ -319,25 +319,23 @@ def build_jobs(*, targets, kernels, dtypes, head_dims, lse=(False, True), max_co
 
 def _hopper_jobs(target, dtype: str, head_dim: int, names: dict, *, lse=(False, True),
                  model_switches: bool = True) -> list:
-    """The Hopper build of each distinct shipped shared tile of this head size and dtype that it serves
-    (:func:`prefixattn.autotune.builds.hopper_shared_refusal`; none elsewhere): with and without LSE (``lse``), and
-    with every model switch (LSE on)."""
+    """The Hopper build of each distinct shipped shared and chunk tile of this head size and dtype that it serves
+    (:func:`prefixattn.autotune.builds.hopper_refusal`; none elsewhere): with and without LSE (``lse``), and with
+    every model switch (LSE on)."""
     from prefixattn.autotune.config_space import MODEL_SWITCHES
     from prefixattn.tuning import compile_specs as cs
 
-    shared = {}
-    for _, cfg, has_shared in class_binaries(default_attention_configs(target, head_dim, dtype)):
-        if has_shared and hopper_shared_refusal(is_hip=target.is_hip, arch=target.arch, dtype=dtype, kv_dtype=None,
-                                                head_dim=head_dim, v_head_dim=None, block_size=cs.BLOCK_SIZE,
-                                                block_m=cfg.shared.block_m, block_n=cfg.shared.block_n) is None:
-            shared.setdefault((cfg.shared, cfg.launch), cfg)  # the suffix tiles do not reach the shared binary
-    common = dict(target=target, dtype=dtype, head_dim=head_dim, param_names=names[cs.HOPPER_SHARED_KERNEL])
-    jobs = []
-    for cfg in shared.values():
-        jobs += [cs.hopper_shared_job(config=cfg, has_lse=has_lse, **common) for has_lse in lse]
-        if model_switches:
-            jobs.append(cs.hopper_shared_job(config=cfg, has_lse=True, features=tuple(MODEL_SWITCHES), **common))
-    return jobs
+    # One job set per distinct binary: the build has its own warps and no software pipeline, so only the class's tile
+    # reaches it (not the other class's tile, nor the portable launch options).
+    tiles = {}
+    for mode, cfg, has_shared in class_binaries(default_attention_configs(target, head_dim, dtype)):
+        if has_shared or mode == "chunked_prefill":
+            tiles.setdefault((has_shared, cfg.shared if has_shared else cfg.suffix), cfg)
+    common = dict(target=target, dtype=dtype, head_dim=head_dim, param_names=names[cs.HOPPER_KERNEL], strict=False)
+    variants = [(has_lse, ()) for has_lse in lse] + ([(True, tuple(MODEL_SWITCHES))] if model_switches else [])
+    jobs = [cs.hopper_job(config=cfg, has_shared=has_shared, has_lse=has_lse, features=features, **common)
+            for (has_shared, _), cfg in tiles.items() for has_lse, features in variants]
+    return [job for job in jobs if job is not None]
 
 
 def _mla_jobs(target, dtype: str, names: dict, *, fp8: tuple) -> list:
@@ -383,9 +381,9 @@ def worst_case_jobs(targets) -> list:
     the MLA kernel's class binaries (bf16, and on sm90 over an e5m2 latent); its fp32 binaries and other fp8 latents
     only in the full run. At :data:`~prefixattn.autotune.config_space.KV_HEADS_MAX_BLOCK_D` also each decode binary
     with :data:`WORST_CASE_KV_HEADS` KV heads per program; on :data:`WORST_CASE_QK_V_TARGETS` the class binaries of
-    keys and values of :data:`WORST_CASE_QK_V_HEAD_DIMS`. And on sm90 the Hopper build of the shared class
-    (:mod:`prefixattn.kernels.hopper_shared_kernel`) of every shipped shared tile it serves, with LSE, at the extreme
-    head sizes also under every model switch."""
+    keys and values of :data:`WORST_CASE_QK_V_HEAD_DIMS`. And on sm90 the Hopper build of the matrix classes
+    (:mod:`prefixattn.kernels.hopper_attention_kernel`) of every shipped shared and chunk tile it serves, with LSE, at
+    the extreme head sizes also under every model switch."""
     from prefixattn.tuning import compile_specs as cs
 
     names = _kernel_param_names()
@@ -427,7 +425,7 @@ def worst_case_jobs(targets) -> list:
         # spilled bytes).
         mla_fp8 = cs.fp8_kv_types(target)[-1:] if target.name == "sm90" else ()
         jobs += _mla_jobs(target, WORST_CASE_DTYPE, names, fp8=mla_fp8)
-        # The Hopper build of the shared class at every head size it serves, with LSE, and at the extremes under
+        # The Hopper build of the matrix classes at every head size it serves, with LSE, and at the extremes under
         # every model switch.
         for head_dim in HEAD_DIMS:
             jobs += _hopper_jobs(target, WORST_CASE_DTYPE, head_dim, names, lse=(True,),

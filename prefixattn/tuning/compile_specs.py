@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 
 from prefixattn.autotune.config_space import (MODEL_SWITCHES, AttentionConfig, LaunchOptions, MergeConfig, block_d,
                                               fp8_block_n, mla_class_tiles, packed_kv_heads, part_registers)
-from prefixattn.autotune.builds import HOPPER_STAGES, hopper_num_warps, hopper_shared_refusal
+from prefixattn.autotune.builds import HOPPER_STAGES, hopper_num_warps, hopper_refusal
 from prefixattn.autotune.targets import Target, writes_own_l2_fences
 from prefixattn.kernels.layout import page_size_constexpr
 from prefixattn.tuning.launch_limits import DECODE_SUFFIX_MAX_REGS, required_pipeline_depth
@@ -30,7 +30,7 @@ FUSED_KERNEL = "prefixattn.kernels.prefix_attention_kernel:prefix_attention_kern
 MERGE_PAIR_KERNEL = "prefixattn.kernels.merge_states:merge_state_pair_kernel"
 MERGE_N_KERNEL = "prefixattn.kernels.merge_states:merge_states_kernel"
 MLA_KERNEL = "prefixattn.kernels.mla_attention_kernel:mla_attention_kernel"
-HOPPER_SHARED_KERNEL = "prefixattn.kernels.hopper_shared_kernel:hopper_shared_kernel"
+HOPPER_KERNEL = "prefixattn.kernels.hopper_attention_kernel:hopper_attention_kernel"
 
 #: Representative launch: 32 query heads over 8 KV heads (GQA 4, Llama-3-8B / Mistral-7B), 16-token KV blocks.
 #: GQA 4 keeps ``group`` an ordinary int (an MHA launch with group 1 compiles a second binary with group = 1).
@@ -390,27 +390,31 @@ def mla_jobs(*, target: Target, dtype: str, kv_dtype: str | None = None, param_n
 
 
 
-def hopper_shared_job(*, target: Target, dtype: str, head_dim: int, config: AttentionConfig, has_lse: bool,
-                      features: tuple = (), default: bool = True, param_names=None) -> CompileJob:
-    """The Hopper build of the shared class (:mod:`prefixattn.kernels.hopper_shared_kernel`) with ``config``'s shared
-    tiles: the portable shared binary's job (:func:`fused_job`: the same parameters, so the same signature) for the
-    Gluon kernel, with its ``STAGES`` and its warps (:func:`~prefixattn.autotune.builds.hopper_num_warps`; Gluon
-    schedules no software pipeline: no ``num_stages``). ValueError where the build does not serve these shapes
-    (:func:`prefixattn.autotune.builds.hopper_shared_refusal`)."""
-    refusal = hopper_shared_refusal(is_hip=target.is_hip, arch=target.arch, dtype=dtype, kv_dtype=None,
-                                    head_dim=head_dim, v_head_dim=None, block_size=BLOCK_SIZE,
-                                    block_m=config.shared.block_m if config is not None else 0,
-                                    block_n=config.shared.block_n if config is not None else BLOCK_SIZE,
-                                    features=features)
-    if refusal is not None:
-        raise ValueError(f"hopper_shared_job: the Hopper build serves {refusal}")
+def hopper_job(*, target: Target, dtype: str, head_dim: int, config: AttentionConfig, has_shared: bool,
+               has_lse: bool, features: tuple = (), default: bool = True, param_names=None,
+               strict: bool = True) -> CompileJob | None:
+    """The Hopper build (:mod:`prefixattn.kernels.hopper_attention_kernel`) of a matrix class with ``config``'s tiles
+    (``has_shared``: the shared class; else the chunk class of a chunked-prefill config): the portable binary's job
+    (:func:`fused_job`: the same parameters, so the same signature) for the Gluon kernel, with its ``STAGES`` and its
+    warps (:func:`~prefixattn.autotune.builds.hopper_num_warps`; Gluon schedules no software pipeline: no
+    ``num_stages``). Where the build does not serve these shapes (:func:`prefixattn.autotune.builds.hopper_refusal`):
+    ValueError, or None when not ``strict``."""
+    work_class = "shared" if has_shared else "chunk"
     fused_names = None if param_names is None else [n for n in param_names if n != "STAGES"]
-    base = fused_job(target=target, dtype=dtype, head_dim=head_dim, config=config, variant="hopper",
-                     has_lse=has_lse, has_shared=True, default=default, param_names=fused_names,
+    base = fused_job(target=target, dtype=dtype, head_dim=head_dim, config=config, variant=f"hopper-{work_class}",
+                     has_lse=has_lse, has_shared=has_shared, default=default, param_names=fused_names,
                      features=features)
-    return replace(base, kernel="hopper_shared", fn=HOPPER_SHARED_KERNEL,
+    refusal = hopper_refusal(work_class, is_hip=target.is_hip, arch=target.arch, dtype=dtype, kv_dtype=None,
+                             head_dim=head_dim, v_head_dim=None, block_size=BLOCK_SIZE,
+                             block_m=base.constexprs["BLOCK_M"], block_n=base.constexprs["BLOCK_N"],
+                             kv_heads=base.constexprs["KV_HEADS"], features=features)
+    if refusal is not None and not strict:
+        return None
+    if refusal is not None:
+        raise ValueError(f"hopper_job: the Hopper build serves {refusal}")
+    return replace(base, kernel="hopper", fn=HOPPER_KERNEL, variant=base.variant.replace("/suffix-only", ""),
                    signature={**base.signature, "STAGES": "constexpr"},
                    constexprs={**base.constexprs, "STAGES": HOPPER_STAGES},
-                   options={"num_warps": hopper_num_warps(config.shared.block_m)}, min_pipeline_depth=0,
+                   options={"num_warps": hopper_num_warps(base.constexprs["BLOCK_M"])}, min_pipeline_depth=0,
                    require_hopper=True,
-                   serves=("shared class, sm_90 build", "split_k", "in-kernel merge"))
+                   serves=(f"{work_class} class, sm_90 build", "split_k", "in-kernel merge"))

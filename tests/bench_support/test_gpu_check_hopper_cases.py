@@ -1,4 +1,4 @@
-"""The GPU check's cases on the shared class's Hopper build (bench/gpu_check/correctness.py): they run in a child
+"""The GPU check's cases on the matrix classes' Hopper build (bench/gpu_check/correctness.py): they run in a child
 process, and its report (one JSON line a case, its exit, a timeout) becomes the rows and the verdict the timing step
 reads before it times ``prefixattn-hopper``. The child itself needs an sm_90 GPU; here it is a stand-in."""
 
@@ -64,8 +64,8 @@ def test_passed_cases_let_the_timing_step_time_it(child):
     (subprocess.CompletedProcess([], 0, "", ""), "0 of 0 cases failed"),
     (subprocess.CompletedProcess([], -11, _case("decode/bf16/d128", True), "Segmentation fault"),
      "exit -11: Segmentation fault"),
-    (subprocess.TimeoutExpired([], 60, output=_case("decode/bf16/d128", True).encode()),
-     "did not finish within 60 s (1 cases reported)"),
+    (subprocess.TimeoutExpired([], correctness.HOPPER_CHILD_S, output=_case("decode/bf16/d128", True).encode()),
+     f"did not finish within {correctness.HOPPER_CHILD_S} s (1 cases reported)"),
 ])
 def test_a_failure_a_crash_or_a_hang_keeps_it_untimed(child, reply, why):
     rows, verdict = _run(reply, child)

@@ -140,6 +140,9 @@ def test_hopper_table_puts_the_hopper_build_beside_the_portable_one():
     rows = _rows() + [_row(t, "prefixattn", shape, "graph_flushed_us_median", 300.0),
                       _row(t, "prefixattn", shape, "class_shared_us_median", 120.0),
                       _row(t, "prefixattn-hopper", shape, "graph_flushed_us_median", 250.0),
-                      _row(t, "prefixattn-hopper", shape, "class_shared_us_median", 80.0)]
-    assert gpu.hopper_table(rows)[2:] == ["| decode256:2048/256/all | 300.0 | 250.0 | 1.20x | 120.0 | 80.0 | 1.50x |"]
+                      _row(t, "prefixattn-hopper", shape, "class_shared_us_median", 80.0),
+                      _row(t, "prefixattn", shape, "class_chunk_us_median", 60.0),
+                      _row(t, "prefixattn-hopper", shape, "class_chunk_us_median", 40.0)]
+    assert gpu.hopper_table(rows)[2:] == [
+        "| decode256:2048/256/all | 300.0 | 250.0 | 1.20x | 120.0 | 80.0 | 1.50x | 60.0 | 40.0 | 1.50x |"]
     assert gpu.hopper_table(_rows()) == []  # it ran nowhere: no table

@@ -280,7 +280,7 @@ def _own_v_binaries(target_name):
 def test_worst_case_selection_covers_every_shipped_binary_and_feature_axis(tmp_path):
     """CI's compile-check (``--worst-case``, ~8 minutes on 2 cores): every shipped bf16 binary, and at the extreme
     head sizes the feature switches over each fp8 type, compile without spills at the promised pipeline depth; so do
-    the MLA kernel's, the decode binaries with several KV heads per program and the shared class's Hopper build."""
+    the MLA kernel's, the decode binaries with several KV heads per program and the matrix classes' Hopper build."""
     from prefixattn.autotune.config_space import FP8_SUFFIX_MAX_STAGES, HEAD_DIMS
     from prefixattn.tuning.compile_specs import fp8_kv_types
 
@@ -344,16 +344,17 @@ def test_worst_case_selection_covers_every_shipped_binary_and_feature_axis(tmp_p
         if "fp8" in r["variant"] and r["head_dim"] == 256 and tiles["block_m"] >= 32:
             assert tiles["block_n"] <= 16 or r["variant"].endswith("@n16"), r["variant"]
     assert sorted(r["kernel"] for r in records
-                  if r["kernel"] not in ("prefix_attention", "mla_attention", "hopper_shared")) == \
+                  if r["kernel"] not in ("prefix_attention", "mla_attention", "hopper")) == \
         sorted(["merge_state_pair", "merge_states"] * 4)
-    # The shared class's Hopper build on sm90 only: each head size it serves with LSE, at the extremes also under
-    # every model switch; TMA, warpgroup MMAs and setmaxnreg in each (failures() requires them).
-    hopper = [r for r in records if r["kernel"] == "hopper_shared"]
+    # The matrix classes' Hopper build on sm90 only: the shared and the chunk class at each head size it serves with
+    # LSE, at the extremes also under every model switch; TMA, warpgroup MMAs and setmaxnreg in each (failures()
+    # requires them).
+    hopper = [r for r in records if r["kernel"] == "hopper"]
     served = [hd for hd in HEAD_DIMS if hd in HOPPER_HEAD_DIMS]
     assert sorted((r["target"], r["head_dim"], r["variant"]) for r in hopper) == sorted(
-        [("sm90", hd, "hopper+lse") for hd in served]
-        + [("sm90", hd, "hopper+lse+soft_cap+window+sinks") for hd in (min(HEAD_DIMS), max(HEAD_DIMS))
-           if hd in served])
+        [("sm90", hd, f"hopper-{c}+lse") for hd in served for c in ("shared", "chunk")]
+        + [("sm90", hd, f"hopper-{c}+lse+soft_cap+window+sinks") for hd in (min(HEAD_DIMS), max(HEAD_DIMS))
+           if hd in served for c in ("shared", "chunk")])
     assert all(r["hopper"]["tma"] and r["hopper"]["setmaxnreg"] and r["hopper"]["wgmma"] for r in hopper)
     # The MLA kernel's three class binaries on every target, bf16, and on sm90 over an e5m2 latent too.
     assert sorted((r["target"], r["variant"]) for r in records if r["kernel"] == "mla_attention") == sorted(

@@ -1,29 +1,34 @@
-"""The shared-prefix class for Hopper (sm_90), in Gluon: K/V by TMA, a loading warp apart from the computing warps.
+"""The matrix classes (shared prefixes, prefill chunks) for Hopper (sm_90), in Gluon: K/V by TMA, a loading warp apart
+from the computing warps.
 
-The same contract as the portable kernel's SHARED launch (:func:`prefixattn.kernels.prefix_attention_kernel.
-prefix_attention_kernel` with ``IS_SHARED``): the same parameters, the plan's tables, the same prologue
-(:func:`~prefixattn.kernels.prefix_attention_kernel._item_lanes`: an item's packed rows x GQA heads in M) and the same
-epilogue (:func:`~prefixattn.kernels.epilogue._store_state`: the partial state to the workspace, reported on the merge
-counters, the last report merging): both builds read one plan and merge through one set of counters. What differs is
-how K/V reach the tensor cores:
+The same contract as the portable kernel's SHARED and chunk launches (:func:`prefixattn.kernels.
+prefix_attention_kernel.prefix_attention_kernel`): the same parameters, the plan's tables, the same prologue
+(:func:`~prefixattn.kernels.prefix_attention_kernel._item_lanes`: an item's rows x GQA heads in M) and the same epilogue
+(:func:`~prefixattn.kernels.epilogue._store_state`: the state straight to the output, or to the workspace and reported
+on the merge counters, the last report merging): both builds read one plan and merge through one set of counters.
+What differs is how K/V reach the tensor cores:
 
 * TMA, one box per page: the cache is described to the copy engine as ``[blocks, block_size, kv_heads x head_dim]``
   (a token's heads side by side, as vLLM's and SGLang's caches store them), and a ``BLOCK_N``-key tile is
   ``BLOCK_N / PAGE_SIZE`` boxes ``[1, PAGE_SIZE, head_dim]`` at ``(block id, 0, kv_head x head_dim)``, each landing in
   its slice of the tile's shared memory (FlashInfer's open TMA work loads a paged cache the same way). No K/V address
-  is computed in the computing warps.
+  is computed in the computing warps. Tiles start at a page: keys of a tile's pages outside the item's range are
+  masked, never skipped, so a chunk item's last page is read whole (its slots past the request's last key reach
+  the P @ V product with weight 0: the NaN guard keeps the chunk class portable).
 * Warp specialization: one loading warp (:func:`_load_kv`, 24 registers) reads the block ids and issues the copies
   ``STAGES`` tiles ahead; the kernel's own warps (a warpgroup per 64 rows of the tile) run the QK and PV warpgroup
   MMAs and the online softmax (:func:`_attend_tiles`), with the registers the loading warp gave up (``setmaxnreg``).
+  A tile that every row sees whole skips the mask (a chunk item's tiles before the causal diagonal and inside
+  every row's window; a shared node's but its first and last page).
 
 Served: fp16/bf16 q and K/V, head_dim 64 and 128 (no padded lanes: ``BLOCK_D == head_dim``), block sizes 16/32/64,
 caches whose heads of a token are contiguous (``stride_k_head == head_dim``, unit ``stride_k_d``), one KV head per
-program; sinks, LSE, windows (a shared node needs no mask) and soft caps; anything else stays the portable kernel's.
-Which build a plan takes is decided in one place, :mod:`prefixattn.autotune.builds` (only where asked for:
-``PREFIXATTN_SHARED_BUILD=hopper``), and its launch is assembled by :func:`prefixattn.launcher.with_hopper_shared`.
-Gluon has no interpreter: this build is checked by compiling it (``prefixattn compile-check``: TMA, warpgroup MMAs,
-``setmaxnreg``, no spills; Triton 3.6, 3.8 and 3.9) and runs on a GPU only, where the GPU check times it
-(``prefixattn-hopper``) after checking its output against the reference.
+program; sinks, LSE, windows and soft caps; anything else stays the portable kernel's. Which build a class's launch
+takes is decided in one place, :mod:`prefixattn.autotune.builds` (only where asked for: ``PREFIXATTN_BUILD=hopper``),
+and its launch is assembled by :func:`prefixattn.launcher.with_hopper`. Gluon has no interpreter: this build is
+checked by compiling it (``prefixattn compile-check``: TMA, warpgroup MMAs, ``setmaxnreg``, no spills; Triton 3.6,
+3.8 and 3.9) and runs on a GPU only, where the GPU check times it (``prefixattn-hopper``) after checking its output
+against the reference.
 
 The TMA descriptors are made by each program (:func:`tma.make_tensor_descriptor`, 128 bytes of global scratch each,
 which the launch lends: :class:`prefixattn.launcher.ScratchBuffer`), so the parameters stay the portable kernel's.
@@ -36,7 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from prefixattn.kernels import layout as L
 from prefixattn.kernels.epilogue import _normalized_state, _store_state
-from prefixattn.kernels.operands import RowsHeads, RowsHeadsDim, WorkTables, _tanh, _vec_ptrs
+from prefixattn.kernels.operands import RowsHeads, RowsHeadsDim, WorkTables, _first_key_in_window, _tanh, _vec_ptrs
 from prefixattn.kernels.prefix_attention_kernel import UNSPECIALIZED_ARGS, _item_lanes
 
 # Triton 3.6 (the GPU image's) names the TMA load async_copy_global_to_shared, 3.9 async_load: same arguments.
@@ -76,12 +81,15 @@ def _load_kv(
 def _attend_tiles(
     q_smem,  # shared [BLOCK_M, BLOCK_D] the item's query lanes
     k_bufs, v_bufs, ready, empty,  # as in _load_kv
-    first_key, kv_lo, kv_hi, qk_scale, soft_cap_log2,
-    HAS_SOFT_CAP: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    BLOCK_D: gl.constexpr, NUM_WARPS: gl.constexpr,
+    first_key, kv_lo, kv_hi,  # tiles from first_key (kv_lo's page start); keys outside [kv_lo, kv_hi) masked
+    full_lo, full_hi,  # keys [full_lo, full_hi) are seen by every row: a tile wholly inside skips the mask
+    q_pos0, group, qk_scale, soft_cap_log2, window_left,
+    IS_SHARED: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFT_CAP: gl.constexpr, STAGES: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, NUM_WARPS: gl.constexpr,
 ):
-    """The computing warps: online softmax over keys [kv_lo, kv_hi) in base 2, tiles from ``first_key`` (kv_lo's page
-    start; keys outside the range masked). Returns ``(acc, m_i, l_i)`` as the portable loop's (fp32)."""
+    """The computing warps: online softmax over keys [kv_lo, kv_hi) in base 2; a chunk item's lane ``m`` (row
+    ``m // group``, query position ``q_pos0 + m // group``) sees keys up to its position, and with ``HAS_WINDOW``
+    none before ``position - window_left``. Returns ``(acc, m_i, l_i)`` as the portable loop's (fp32)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
@@ -92,6 +100,7 @@ def _attend_tiles(
     l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
     no_scores = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    q_pos = q_pos0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout)) // group
     for t in range(gl.cdiv(kv_hi - first_key, BLOCK_N)):
         stage = t % STAGES
         mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
@@ -103,8 +112,17 @@ def _attend_tiles(
             s = _tanh(x=s * qk_scale) * soft_cap_log2  # qk_scale = sm_scale / c here, as in the portable loop
         else:
             s = s * qk_scale
-        pos = first_key + t * BLOCK_N + offs_n
-        s = gl.where(((pos >= kv_lo) & (pos < kv_hi))[None, :], s, float("-inf"))
+        start = first_key + t * BLOCK_N
+        # One uniform branch per tile: the tiles wholly inside [full_lo, full_hi) skip the mask, as the portable
+        # kernel's unmasked loop (a range's first page below kv_lo, the window's edge and the causal diagonal mask).
+        if (start < full_lo) | (start + BLOCK_N > full_hi):
+            pos = start + offs_n
+            visible = ((pos >= kv_lo) & (pos < kv_hi))[None, :]
+            if not IS_SHARED:
+                visible = visible & (pos[None, :] <= q_pos[:, None])
+                if HAS_WINDOW:  # a shared node is in every row's window (planner.window): no mask there
+                    visible = visible & (pos[None, :] >= q_pos[:, None] - window_left)
+            s = gl.where(visible, s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 1))
         m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)  # a lane that has seen nothing: exp2 gives 0
         p = gl.exp2(s - m_shift[:, None])
@@ -119,7 +137,7 @@ def _attend_tiles(
 
 
 @gluon.jit(do_not_specialize=UNSPECIALIZED_ARGS)
-def hopper_shared_kernel(
+def hopper_attention_kernel(
     out_ptr, lse_ptr, ws_o_ptr, ws_lse_ptr, counters_ptr,  # as prefix_attention_kernel's
     q_ptr, k_cache_ptr, v_cache_ptr, sinks_ptr, k_scale_ptr, v_scale_ptr,
     item_range_ptr, items_ptr, gather_ptr, mrows_ptr, block_table_ptr,
@@ -139,9 +157,11 @@ def hopper_shared_kernel(
     KV_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
     BLOCK_DV: gl.constexpr, STAGES: gl.constexpr,  # STAGES: K/V tiles in flight
 ):
-    """prefix_attention_kernel's SHARED launch (same parameters and grid), built for sm_90 (module docstring).
-    ``HAS_WINDOW`` and ``USE_NAN_GUARD`` change nothing for shared items (they mask no key)."""
-    gl.static_assert(IS_SHARED and KV_HEADS == 1 and not IS_HIP and not USE_FP32_DOT)
+    """prefix_attention_kernel's launch of a matrix class (same parameters and grid), built for sm_90 (module
+    docstring): the shared class (``IS_SHARED``) or the chunk class. ``USE_NAN_GUARD`` changes nothing for shared
+    items (they mask no key); the chunk class is not served with it (``autotune.builds``)."""
+    gl.static_assert(KV_HEADS == 1 and not IS_HIP and not USE_FP32_DOT)
+    gl.static_assert(IS_SHARED or not USE_NAN_GUARD)
     gl.static_assert(not HAS_KV_SCALE and not HAS_V_HEAD_DIM and BLOCK_DV == BLOCK_D)
     gl.static_assert(PAGE_SIZE > 0 and BLOCK_N % PAGE_SIZE == 0)
     TILE_PAGES: gl.constexpr = BLOCK_N // PAGE_SIZE
@@ -161,7 +181,7 @@ def hopper_shared_kernel(
     offs_d = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, rows_layout))
     work = WorkTables(items_ptr=items_ptr, gather_ptr=gather_ptr, mrows_ptr=mrows_ptr, counters_ptr=counters_ptr)
     it, req, kv_lo, kv_hi, num_rows, q_pos0, row, head, mask_m, g, tok = _item_lanes(
-        work=work, item=item, head_block=kv_head, group=group, offs_m=offs_m, IS_SHARED=True, BLOCK_M=BLOCK_M)
+        work=work, item=item, head_block=kv_head, group=group, offs_m=offs_m, IS_SHARED=IS_SHARED, BLOCK_M=BLOCK_M)
     mask_md = mask_m[:, None] & (offs_d[None, :] < head_dim)
     queries = RowsHeadsDim(ptr=q_ptr, stride_t=stride_q_t, stride_h=stride_q_h, stride_d=stride_q_d)
     q = gl.load(_vec_ptrs(t=queries, rows=tok, heads=head, offs_d=offs_d), mask=mask_md, other=0.0)
@@ -184,11 +204,22 @@ def hopper_shared_kernel(
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
+    # Keys every row sees: a shared node's whole range (the planner shares only KV every row sees); a chunk item's
+    # up to its first row's position (causal), from its last row's window start (keys left of the first row's
+    # window are skipped: no row sees them). Tiles reaching outside are masked, as the portable kernel's.
+    full_lo = kv_lo
+    full_hi = kv_hi
+    if not IS_SHARED:
+        full_hi = gl.minimum(kv_hi, q_pos0 + 1)
+        if HAS_WINDOW:
+            kv_lo = _first_key_in_window(kv_start=kv_lo, kv_end=kv_hi, q_pos0=q_pos0, window_left=window_left)
+            full_lo = gl.maximum(kv_lo, q_pos0 + num_rows - 1 - window_left)
     first_key = kv_lo - kv_lo % PAGE_SIZE  # boxes start at pages; keys before kv_lo are masked
     block_row_ptr = block_table_ptr + req * stride_bt_r
     acc, m_i, l_i = gl.warp_specialize(
-        [(_attend_tiles, (q_smem, k_bufs, v_bufs, ready, empty, first_key, kv_lo, kv_hi, qk_scale, soft_cap_log2,
-                          HAS_SOFT_CAP, STAGES, BLOCK_M, BLOCK_N, BLOCK_D, NUM_WARPS)),
+        [(_attend_tiles, (q_smem, k_bufs, v_bufs, ready, empty, first_key, kv_lo, kv_hi, full_lo, full_hi, q_pos0,
+                          group, qk_scale, soft_cap_log2, window_left, IS_SHARED, HAS_WINDOW, HAS_SOFT_CAP, STAGES,
+                          BLOCK_M, BLOCK_N, BLOCK_D, NUM_WARPS)),
          (_load_kv, (k_desc, v_desc, k_bufs, v_bufs, ready, empty, block_row_ptr, first_key, kv_hi,
                      kv_head * BLOCK_D, PAGE_SIZE, TILE_PAGES, STAGES, BLOCK_N))],
         [1], [LOADER_REGISTERS])
@@ -203,5 +234,5 @@ def hopper_shared_kernel(
                  o=gl.convert_layout(o, rows_layout),
                  lse_row=gl.convert_layout(lse_row, gl.SliceLayout(1, rows_layout)),
                  tok=tok, head=head, row=row, mask_m=mask_m, mask_md=mask_md, offs_d=offs_d,
-                 num_qo_heads=num_kv_heads * group, head_dim=head_dim, IS_SHARED=True, HAS_LSE=HAS_LSE,
+                 num_qo_heads=num_kv_heads * group, head_dim=head_dim, IS_SHARED=IS_SHARED, HAS_LSE=HAS_LSE,
                  HAS_SINKS=HAS_SINKS, IS_HIP=False, USE_L2_FENCES=False)
