@@ -44,9 +44,11 @@ HOPPER_FEATURES = {"shared": ("HAS_SOFT_CAP", "HAS_WINDOW", "HAS_SINKS", "USE_NA
 #: Query rows one warpgroup's MMAs cover: the build's warps are 4 per 64 rows of its tile (two warpgroups at 128
 #: rows; a 64-row tile at 8 warps would compute its rows twice).
 HOPPER_ROWS_PER_WARPGROUP = 64
-#: K/V tiles in flight in the Hopper build (2: a d128 tile's K and V take 32 KB, with the 32 KB query tile 96 KB of
-#: shared memory: one program per SM, as the portable matrix binaries).
-HOPPER_STAGES = 2
+#: K/V stages of the Hopper build. A tile's stage is freed only once its P @ V product is done, which now runs under
+#: the next tile's softmax: two stages are held at once, and a third lets the copies run a tile ahead (at 2 the next
+#: tile's copy would start when its turn comes). A stage is 32 KB (K and V of 128 x 64 keys at d128 or 64 x 128 at
+#: d64); with the query tile 115-131 KB of shared memory, and its registers keep one program per SM anyway.
+HOPPER_STAGES = 3
 
 
 _requested: list = []  # the environment's request, read once; asking_for's overrides after it

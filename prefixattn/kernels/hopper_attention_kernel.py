@@ -17,7 +17,8 @@ What differs is how K/V reach the tensor cores:
   the P @ V product with weight 0: the NaN guard keeps the chunk class portable).
 * Warp specialization: one loading warp (:func:`_load_kv`, 24 registers) reads the block ids and issues the copies
   ``STAGES`` tiles ahead; the kernel's own warps (a warpgroup per 64 rows of the tile) run the QK and PV warpgroup
-  MMAs and the online softmax (:func:`_attend_tiles`), with the registers the loading warp gave up (``setmaxnreg``).
+  MMAs and the online softmax (:func:`_attend_tiles`), with the registers the loading warp gave up (``setmaxnreg``),
+  a tile's softmax under the previous tile's P @ V product (FlashAttention-3's overlap within a warpgroup).
   A tile that every row sees whole skips the mask (a chunk item's tiles before the causal diagonal and inside
   every row's window; a shared node's but its first and last page).
 
@@ -78,6 +79,37 @@ def _load_kv(
 
 
 @gluon.jit
+def _softmax_tile(
+    s,  # [BLOCK_M, BLOCK_N] fp32 raw scores of tile t (q . k)
+    m_i, l_i,  # [BLOCK_M] fp32 the running maximum (log2 units) and denominator
+    t, first_key, kv_lo, kv_hi, full_lo, full_hi, q_pos, qk_scale, soft_cap_log2, window_left,  # as in _attend_tiles
+    IS_SHARED: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFT_CAP: gl.constexpr, BLOCK_N: gl.constexpr,
+):
+    """Tile ``t``'s online-softmax step (base 2): returns its probabilities ``p`` (fp32), the factor ``alpha`` the
+    accumulator is rescaled by, and the new ``(m_i, l_i)``. The only copy of the build's softmax."""
+    if HAS_SOFT_CAP:
+        s = _tanh(x=s * qk_scale) * soft_cap_log2  # qk_scale = sm_scale / c here, as in the portable loop
+    else:
+        s = s * qk_scale
+    start = first_key + t * BLOCK_N
+    # One uniform branch per tile: the tiles wholly inside [full_lo, full_hi) skip the mask, as the portable kernel's
+    # unmasked loop (a range's first page below kv_lo, the window's edge and the causal diagonal mask).
+    if (start < full_lo) | (start + BLOCK_N > full_hi):
+        pos = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
+        visible = ((pos >= kv_lo) & (pos < kv_hi))[None, :]
+        if not IS_SHARED:
+            visible = visible & (pos[None, :] <= q_pos[:, None])
+            if HAS_WINDOW:  # a shared node is in every row's window (planner.window): no mask there
+                visible = visible & (pos[None, :] >= q_pos[:, None] - window_left)
+        s = gl.where(visible, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1))
+    m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)  # a lane that has seen nothing: exp2 gives 0
+    p = gl.exp2(s - m_shift[:, None])
+    alpha = gl.exp2(m_i - m_shift)
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+
+
+@gluon.jit
 def _attend_tiles(
     q_smem,  # shared [BLOCK_M, BLOCK_D] the item's query lanes
     k_bufs, v_bufs, ready, empty,  # as in _load_kv
@@ -89,7 +121,12 @@ def _attend_tiles(
 ):
     """The computing warps: online softmax over keys [kv_lo, kv_hi) in base 2; a chunk item's lane ``m`` (row
     ``m // group``, query position ``q_pos0 + m // group``) sees keys up to its position, and with ``HAS_WINDOW``
-    none before ``position - window_left``. Returns ``(acc, m_i, l_i)`` as the portable loop's (fp32)."""
+    none before ``position - window_left``. Returns ``(acc, m_i, l_i)`` as the portable loop's (fp32).
+
+    Tile ``t``'s softmax runs while tile ``t - 1``'s P @ V product is in flight (FlashAttention-3's overlap within a
+    warpgroup): each step issues tile ``t``'s Q @ K^T and tile ``t - 1``'s P @ V, waits for the first only
+    (``wgmma.wait_group 1``), computes tile ``t``'s probabilities, then waits for the product, frees its K/V stage
+    and rescales the accumulator. The first tile's softmax and the last tile's product are peeled off the loop."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
@@ -98,41 +135,39 @@ def _attend_tiles(
     acc = gl.zeros([BLOCK_M, BLOCK_D], gl.float32, layout=o_layout)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
+    p = gl.zeros([BLOCK_M, BLOCK_N], q_smem.dtype, layout=p_layout)  # the last softmaxed tile's, for its P @ V
     no_scores = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
-    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     q_pos = q_pos0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout)) // group
-    for t in range(gl.cdiv(kv_hi - first_key, BLOCK_N)):
-        stage = t % STAGES
-        mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
-        k = k_bufs.index(stage).reshape([BLOCK_N, BLOCK_D])
-        v = v_bufs.index(stage).reshape([BLOCK_N, BLOCK_D])
-        s = warpgroup_mma(q_smem, k.permute((1, 0)), no_scores, use_acc=False, is_async=True)
+    num_tiles = gl.cdiv(kv_hi - first_key, BLOCK_N)
+    if num_tiles > 0:
+        mbarrier.wait(ready.index(0), 0)
+        s = warpgroup_mma(q_smem, k_bufs.index(0).reshape([BLOCK_N, BLOCK_D]).permute((1, 0)), no_scores,
+                          use_acc=False, is_async=True)
         s = warpgroup_mma_wait(0, deps=[s])
-        if HAS_SOFT_CAP:
-            s = _tanh(x=s * qk_scale) * soft_cap_log2  # qk_scale = sm_scale / c here, as in the portable loop
-        else:
-            s = s * qk_scale
-        start = first_key + t * BLOCK_N
-        # One uniform branch per tile: the tiles wholly inside [full_lo, full_hi) skip the mask, as the portable
-        # kernel's unmasked loop (a range's first page below kv_lo, the window's edge and the causal diagonal mask).
-        if (start < full_lo) | (start + BLOCK_N > full_hi):
-            pos = start + offs_n
-            visible = ((pos >= kv_lo) & (pos < kv_hi))[None, :]
-            if not IS_SHARED:
-                visible = visible & (pos[None, :] <= q_pos[:, None])
-                if HAS_WINDOW:  # a shared node is in every row's window (planner.window): no mask there
-                    visible = visible & (pos[None, :] >= q_pos[:, None] - window_left)
-            s = gl.where(visible, s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 1))
-        m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)  # a lane that has seen nothing: exp2 gives 0
-        p = gl.exp2(s - m_shift[:, None])
-        alpha = gl.exp2(m_i - m_shift)
-        l_i = l_i * alpha + gl.sum(p, 1)
+        p32, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, 0, first_key, kv_lo, kv_hi, full_lo, full_hi, q_pos,
+                                             qk_scale, soft_cap_log2, window_left, IS_SHARED, HAS_WINDOW,
+                                             HAS_SOFT_CAP, BLOCK_N)
+        p = gl.convert_layout(p32.to(q_smem.dtype), p_layout)
+    for t in range(1, num_tiles):
+        stage = t % STAGES
+        prev = (t - 1) % STAGES
+        mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
+        s = warpgroup_mma(q_smem, k_bufs.index(stage).reshape([BLOCK_N, BLOCK_D]).permute((1, 0)), no_scores,
+                          use_acc=False, is_async=True)
+        acc = warpgroup_mma(p, v_bufs.index(prev).reshape([BLOCK_N, BLOCK_D]), acc, is_async=True)
+        s = warpgroup_mma_wait(1, deps=[s])  # the scores; the product stays in flight under the softmax
+        p32, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, t, first_key, kv_lo, kv_hi, full_lo, full_hi, q_pos,
+                                             qk_scale, soft_cap_log2, window_left, IS_SHARED, HAS_WINDOW,
+                                             HAS_SOFT_CAP, BLOCK_N)
+        acc, p = warpgroup_mma_wait(0, deps=[acc, p])
+        mbarrier.arrive(empty.index(prev), count=1)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        acc = warpgroup_mma(gl.convert_layout(p.to(q_smem.dtype), p_layout), v, acc, is_async=True)
+        p = gl.convert_layout(p32.to(q_smem.dtype), p_layout)
+    if num_tiles > 0:
+        last = (num_tiles - 1) % STAGES
+        acc = warpgroup_mma(p, v_bufs.index(last).reshape([BLOCK_N, BLOCK_D]), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=[acc])
-        mbarrier.arrive(empty.index(stage), count=1)
-        m_i = m_new
+        mbarrier.arrive(empty.index(last), count=1)
     return acc, m_i, l_i
 
 

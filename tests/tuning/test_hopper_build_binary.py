@@ -63,3 +63,5 @@ def test_the_sm90_binary_loads_by_tma_specializes_warps_and_spills_nothing(work_
     assert record["spills"] == 0 and record["hopper"]["tma"] > 0 and record["hopper"]["setmaxnreg"] > 0
     if work_class == "shared":  # the portable shared binary's dot check, run on this one's (its job's shared_dots)
         assert record["shared_part_layouts"] == ["wgmma"] and record["shared_part_matrix"] is True
+    # Each tile's softmax under the previous tile's P @ V: the scores waited for with one product still in flight.
+    assert 1 in record["hopper"]["wgmma_waits"], record["hopper"]
