@@ -9,6 +9,10 @@ it did not run), every output checked against the reference first (:func:`gpu_ch
   shuffled order (:func:`gpu_check.floors.paged_chunk_batch`): how an engine's cache holds a long prompt's later
   chunks, where a KV tile gathers several pages from anywhere.
 
+And prefixattn with the matrix classes' Hopper build (``prefixattn-hopper``, last: the rate the Hopper rebuild is
+for), once its correctness cases passed in this process (the correctness step's, or run here in their child process
+in a call without that step).
+
 Rows ``class_rate``: ``attention_tflops`` and ``us`` per provider that ran, ``not_run`` (with the reason) per one that
 did not. The per-class times of the other shapes are the timing step's (``class_<name>_us``).
 """
@@ -34,19 +38,22 @@ def _shapes(dry_run: bool, device: str) -> list:
 
 def step_class_rates(args, results, skips, device: str, fi_ready: dict) -> None:
     from gpu_check.clock import Clock
+    from gpu_check.correctness import hopper_verdict
     from gpu_check.floors import attention_rates
     from gpu_check.measure import Timer, record_state
 
     clock = Clock("class_rates", skips)
     timer = Timer(args.dry_run, device)
     ready = {p for p, ok in fi_ready.items() if ok is True}
-    providers = ["prefixattn"] + [f"flashinfer-prefill-{b}" for b in BACKENDS]
+    providers = ["prefixattn"] + [f"flashinfer-prefill-{b}" for b in BACKENDS] + ["prefixattn-hopper"]
+    hopper_ok, hopper_why = hopper_verdict(args, results, clock)
     shapes = _shapes(args.dry_run, device)
     for i, (label, build) in enumerate(shapes):
         if clock.expired([s[0] for s in shapes[i:]]):
             return
-        failures = {}
-        rates = attention_rates(timer, device, ready, batch=build(), backends=BACKENDS, failures=failures)
+        failures = {} if hopper_ok else {"prefixattn-hopper": f"its correctness cases did not pass: {hopper_why}"}
+        rates = attention_rates(timer, device, ready, batch=build(), backends=BACKENDS, failures=failures,
+                                hopper=hopper_ok)
         for provider in providers:
             if provider in rates:
                 rate, us = rates[provider]

@@ -19,10 +19,12 @@ def _bits(t):
     return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
 
 
-def check_case(case, scale: int, device: str, seed: int, build: str = "portable") -> dict | None:
+def check_case(case, scale: int, device: str, seed: int, build: str = "portable",
+               features: dict | None = None) -> dict | None:
     """One correctness case: NaN-poisoned out and q padding, REPEATS runs bit-identical, fp64 reference. ``build``:
     the build the plan asks for (``prefixattn.autotune.builds``); None where no class of the plan takes it (no
-    shared or chunk class, or shapes it does not serve)."""
+    shared or chunk class, or shapes it does not serve). ``features``: ``window_left``/``logits_soft_cap`` (plan
+    options) and ``sinks`` (True: a random logit per query head), applied to the reference too."""
     import torch
 
     import prefixattn
@@ -33,8 +35,12 @@ def check_case(case, scale: int, device: str, seed: int, build: str = "portable"
     b, options = build_case(case, scale, seed)
     q, k, v = (t.to(device) for t in (b.q, b.k_cache, b.v_cache))
     meta = tuple(t.to(device) for t in b.metadata)
+    model = {name: value for name, value in (features or {}).items() if name != "sinks"}
+    calls = {}  # attention()'s and the reference's own arguments
+    if (features or {}).get("sinks"):
+        calls["sinks"] = torch.randn(b.heads["num_qo_heads"], generator=torch.Generator().manual_seed(seed)).to(device)
     with asking_for(build):
-        p = prefixattn.plan(*meta, **b.heads, q_dtype=case.dtype, **options)
+        p = prefixattn.plan(*meta, **b.heads, q_dtype=case.dtype, **options, **model)
     if build != "portable" and build not in map(p.build_of, p.work_classes):
         return None
     n = p.num_tokens
@@ -42,9 +48,10 @@ def check_case(case, scale: int, device: str, seed: int, build: str = "portable"
     outs = []
     for _ in range(REPEATS):
         out = torch.full_like(q, float("nan"))
-        got, lse = prefixattn.attention(q, k, v, p, out=out, return_lse=True)
+        got, lse = prefixattn.attention(q, k, v, p, out=out, return_lse=True, **calls)
         outs.append((got.clone(), lse.clone()))
-    want, want_lse = prefixattn.reference_attention(q[:n], k, v, *meta, return_lse=True, compute_dtype=torch.float64)
+    want, want_lse = prefixattn.reference_attention(q[:n], k, v, *meta, return_lse=True, compute_dtype=torch.float64,
+                                                    **model, **calls)
     got, lse = outs[0]
     atol, rtol = ATTENTION_TOL[case.dtype]
     err = (got[:n].double() - want).abs()
@@ -85,11 +92,14 @@ def step_correctness(args, results, skips, device: str) -> None:
 #: The Hopper build's verdict in this process: None until the correctness step checked it, else
 #: ``(passed, why)``; the timing step times ``prefixattn-hopper`` only after it passed (gpu_check.timing).
 HOPPER_VERDICT: list = []
-#: Seconds the Hopper build's cases may take in their child process (start-up, CUDA, its compiles, ~10 cases).
+#: Seconds the Hopper build's cases may take in their child process (start-up, CUDA, its compiles, ~12 cases).
 HOPPER_CHILD_S = 80
-#: The sanitizer's feature cases the child runs with the Hopper build too (bf16, head_dim 128, mixed steps: a shared
-#: and a chunk class), the masks no other case reaches: the window's edge, and sinks joining at the merge.
-HOPPER_FEATURE_CASES = ("window", "sinks")
+#: Feature cases the child runs with the Hopper build too, on the production layout's mixed case at the GPU's scale
+#: (bf16, head_dim 128, GQA 8, 16-token pages: plans with a shared and a chunk class it serves): the window's edge
+#: (masked in the chunk tiles; 100 tokens, shorter than the chunks), the soft cap, and sinks joining at the merge,
+#: which no other case reaches.
+HOPPER_FEATURE_CASES = {"window": dict(window_left=100), "soft_cap": dict(logits_soft_cap=30.0),
+                        "sinks": dict(sinks=True)}
 HOPPER_LINE = "hopper case "
 
 
@@ -129,32 +139,42 @@ def _hopper_cases(args, results, clock, scale: int) -> None:
     print(f"[correctness] prefixattn-hopper: {HOPPER_VERDICT[1]}", flush=True)
 
 
+def hopper_verdict(args, results, clock) -> list:
+    """The Hopper build's verdict in this process (:data:`HOPPER_VERDICT`): the correctness step's, or in a call
+    without that step (``--steps class_rates,...``) its child's cases run now, once."""
+    from gpu_check.cases import GPU_SCALE
+
+    if not HOPPER_VERDICT:
+        _hopper_cases(args, results, clock, 1 if args.dry_run else GPU_SCALE)
+    return HOPPER_VERDICT
+
+
+def hopper_cases() -> list:
+    """``[(name, case, seed, features)]``: what the child checks, each correctness case (its seed as the correctness
+    step's) and then each of :data:`HOPPER_FEATURE_CASES` on the mixed scenario at the production layout."""
+    import torch
+
+    from gpu_check.cases import Case, correctness_cases
+
+    cases = [(case.name, case, i, {}) for i, case in enumerate(correctness_cases())]
+    mixed = Case("mixed", torch.bfloat16, 128, 8, 16)
+    return cases + [(f"{mixed.name}+{name}", mixed, len(cases) + j, features)
+                    for j, (name, features) in enumerate(HOPPER_FEATURE_CASES.items())]
+
+
 def hopper_child(scale: int) -> int:
-    """``--hopper-cases``: each correctness case whose plan takes the Hopper build, with it, then the sanitizer's
-    feature cases (:data:`HOPPER_FEATURE_CASES`) asking for it; one JSON line each."""
+    """``--hopper-cases``: each case of :func:`hopper_cases` whose plan takes the Hopper build, with it; one JSON line
+    each."""
     import json
 
-    from gpu_check import sanitizer
-    from gpu_check.cases import correctness_cases
-    from prefixattn.autotune.builds import HOPPER, asking_for
-
-    for i, case in enumerate(correctness_cases()):
+    for name, case, seed, features in hopper_cases():
         start = time.monotonic()
         try:
-            r = check_case(case, scale, "cuda", seed=i, build="hopper")
+            r = check_case(case, scale, "cuda", seed=seed, build="hopper", features=features)
         except Exception as exc:  # noqa: BLE001 - a crash is a failed case with its reason
             r = dict(passed=False, error=f"{type(exc).__name__}: {exc}"[:300])
         if r is not None:
-            print(HOPPER_LINE + json.dumps({**r, "case": case.name, "seconds": time.monotonic() - start}), flush=True)
-    for name in HOPPER_FEATURE_CASES:
-        start = time.monotonic()
-        try:
-            with asking_for(HOPPER):
-                r = sanitizer.run_case(name, "cuda", gpu=True)
-        except Exception as exc:  # noqa: BLE001 - a crash is a failed case with its reason
-            r = dict(passed=False, error=f"{type(exc).__name__}: {exc}"[:300])
-        print(HOPPER_LINE + json.dumps({**r, "case": f"sanitizer/{name}", "seconds": time.monotonic() - start}),
-              flush=True)
+            print(HOPPER_LINE + json.dumps({**r, "case": name, "seconds": time.monotonic() - start}), flush=True)
     return 0
 
 

@@ -171,12 +171,15 @@ def _default_backend(device: str) -> str:
     return "fa3" if device == "cuda" and device_major(torch.device(device)) == FA3_MAJOR else "fa2"
 
 
-def attention_rates(timer, device: str, flashinfer_ready: set, batch=None, backends=None, failures=None) -> dict:
+def attention_rates(timer, device: str, flashinfer_ready: set, batch=None, backends=None, failures=None,
+                    hopper: bool = False) -> dict:
     """``{provider: (FLOP/s, median us)}`` of causal attention over ``batch`` (default :func:`attention_rate_batch`)
     per provider that ran: prefixattn always, FlashInfer's batch prefill on each of ``backends`` (default: the one
-    of :func:`_default_backend`) whose JIT is ready; each output checked against the reference first (the last
-    request's last rows), then run eagerly, L2 warm (the KV is past the L2 on a GPU: a multi-ms compute-bound run).
-    A provider that fails or is wrong is printed and left out (``failures``, a dict: gets its reason)."""
+    of :func:`_default_backend`) whose JIT is ready, with ``hopper`` last prefixattn asking for the Hopper build
+    (``prefixattn-hopper``, where the plan's chunk class takes it); each output checked against the reference first
+    (the last request's last rows), then run eagerly, L2 warm (the KV is past the L2 on a GPU: a multi-ms
+    compute-bound run). A provider that fails or is wrong is printed and left out (``failures``, a dict: gets its
+    reason)."""
     import prefixattn
     import torch
     from peers.flashinfer import PagedMeta, plan_peer
@@ -201,6 +204,16 @@ def attention_rates(timer, device: str, flashinfer_ready: set, batch=None, backe
                 why[name] = f"not planned: {type(exc).__name__}: {exc}"
                 continue
             runs[name] = lambda peer=peer: peer.launch(q, k, v)
+    if hopper:
+        from prefixattn.autotune.builds import HOPPER, asking_for
+
+        with asking_for(HOPPER):
+            hp = prefixattn.plan(qo, lens, table, block_size=k.shape[1], num_qo_heads=hq, num_kv_heads=hkv,
+                                 head_dim=d, q_dtype=q.dtype)
+        if hp.chunk_build == HOPPER:
+            runs["prefixattn-hopper"] = lambda: prefixattn.attention(q, k, v, hp, out=out)
+        else:
+            why["prefixattn-hopper"] = f"the portable build: {hp.stats['chunk_build_why']}"
     rates = {}
     atol, rtol = ATTENTION_TOL[q.dtype]
     for provider, fn in runs.items():

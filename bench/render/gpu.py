@@ -237,17 +237,19 @@ def mla_prefill_table(rows) -> list[str]:
 
 
 def class_rate_table(rows) -> list[str]:
-    """Per class-rates shape: prefixattn's causal TFLOP/s beside FlashInfer's prefill on fa3 and fa2 (``-``: did not
-    run; the CSV's ``not_run`` row says why); empty without rows."""
+    """Per class-rates shape: prefixattn's causal TFLOP/s (the portable build and the Hopper build) beside FlashInfer's
+    prefill on fa3 and fa2 (``-``: did not run; the CSV's ``not_run`` row says why); empty without rows."""
     shapes = index(rows).get(CLASS_RATE, {})
     if not shapes:
         return []
-    lines = head("shape", "prefixattn TFLOP/s", "fa3 TFLOP/s", "fa2 TFLOP/s", "prefixattn / fa3", "prefixattn / fa2")
+    lines = head("shape", "prefixattn TFLOP/s", "Hopper build TFLOP/s", "fa3 TFLOP/s", "fa2 TFLOP/s",
+                 "prefixattn / fa3", "Hopper build / fa3", "prefixattn / fa2")
     for shape, prov in shapes.items():
-        ours, fa3, fa2 = (prov.get(p, {}).get("attention_tflops") for p in
-                          ("prefixattn", "flashinfer-prefill-fa3", "flashinfer-prefill-fa2"))
-        lines.append(f"| {shape} | {fixed(ours)} | {fixed(fa3)} | {fixed(fa2)} | {ratio_cell(ours, fa3)} | "
-                     f"{ratio_cell(ours, fa2)} |")
+        ours, hopper, fa3, fa2 = (prov.get(p, {}).get("attention_tflops") for p in
+                                  ("prefixattn", "prefixattn-hopper", "flashinfer-prefill-fa3",
+                                   "flashinfer-prefill-fa2"))
+        lines.append(f"| {shape} | {fixed(ours)} | {fixed(hopper)} | {fixed(fa3)} | {fixed(fa2)} | "
+                     f"{ratio_cell(ours, fa3)} | {ratio_cell(hopper, fa3)} | {ratio_cell(ours, fa2)} |")
     return lines
 
 

@@ -80,3 +80,31 @@ def test_untimed_where_the_correctness_step_did_not_run(monkeypatch):
     monkeypatch.setattr(correctness, "HOPPER_VERDICT", [])
     with pytest.raises(Unavailable, match="did not run in this call"):
         timing._prepare("prefixattn-hopper", types.SimpleNamespace(), {})
+
+
+def test_the_cases_reach_both_classes_of_the_hopper_build(monkeypatch):
+    """What the child would run on an sm_90 GPU (plans only: the sm90 tables, an sm_90 device, compiled kernels): its
+    correctness cases at the GPU's scale take the Hopper build for the shared class and for the chunk class, and
+    each feature case for both."""
+    import prefixattn
+    from gpu_check.cases import GPU_SCALE, build_case
+    from prefixattn.autotune.builds import HOPPER, asking_for
+    from prefixattn.autotune.lookup import planning_target
+    from prefixattn.kernels.layout import CLASS_CHUNK, CLASS_SHARED
+    from prefixattn.planner import plans
+
+    monkeypatch.setattr(plans, "_KERNELS_INTERPRETED", False)
+    monkeypatch.setattr(plans, "_device_arch", lambda device: (False, 90))
+
+    def hopper_classes(case, seed, features):
+        b, options = build_case(case, GPU_SCALE, seed)
+        model = {k: v for k, v in features.items() if k != "sinks"}
+        with planning_target("sm90"), asking_for(HOPPER):
+            p = prefixattn.plan(*b.metadata, **b.heads, q_dtype=case.dtype, **options, **model)
+        return {c for c in p.work_classes if p.build_of(c) == HOPPER}
+
+    taken = {name: hopper_classes(case, seed, features) for name, case, seed, features in correctness.hopper_cases()}
+    assert sum(CLASS_SHARED in t for t in taken.values()) >= 3, taken
+    assert sum(CLASS_CHUNK in t for t in taken.values()) >= 3, taken
+    for name in correctness.HOPPER_FEATURE_CASES:
+        assert taken[f"mixed/bfloat16/d128/gqa8/page16+{name}"] == {CLASS_SHARED, CLASS_CHUNK}, taken

@@ -146,3 +146,15 @@ def test_hopper_table_puts_the_hopper_build_beside_the_portable_one():
     assert gpu.hopper_table(rows)[2:] == [
         "| decode256:2048/256/all | 300.0 | 250.0 | 1.20x | 120.0 | 80.0 | 1.50x | 60.0 | 40.0 | 1.50x |"]
     assert gpu.hopper_table(_rows()) == []  # it ran nowhere: no table
+
+
+def test_class_rate_table_puts_the_hopper_build_beside_fa3():
+    c, shape = "class_rate", "dense causal 16384 tokens, pages in order"
+    rows = [_row(c, "prefixattn", shape, "attention_tflops", 342.0),
+            _row(c, "prefixattn-hopper", shape, "attention_tflops", 519.3),
+            _row(c, "flashinfer-prefill-fa3", shape, "attention_tflops", 577.0),
+            _row(c, "flashinfer-prefill-fa2", shape, "attention_tflops", 380.0)]
+    assert gpu.class_rate_table(rows)[2:] == [
+        f"| {shape} | 342.0 | 519.3 | 577.0 | 380.0 | 0.59x | 0.90x | 0.90x |"]
+    without = [r for r in rows if r["provider"] != "prefixattn-hopper"]  # not run: its cell is a dash
+    assert gpu.class_rate_table(without)[2:] == [f"| {shape} | 342.0 | - | 577.0 | 380.0 | 0.59x | - | 0.90x |"]
