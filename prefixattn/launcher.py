@@ -28,7 +28,7 @@ import weakref
 import torch
 import triton
 from triton import knobs
-from triton.runtime import driver
+from triton.runtime import _allocation, driver  # _allocation: Triton's allocator (a context variable; 3.6-3.9)
 
 from prefixattn.autotune.buckets import dtype_name
 from prefixattn.autotune.builds import BUILD_ENV, HOPPER_STAGES, hopper_cache_refusal, hopper_num_warps
@@ -282,13 +282,9 @@ class ScratchBuffer:
         return self.buffer
 
     def lend(self):
-        from triton.runtime import _allocation
-
         return _allocation._allocator.set(self)
 
     def give_back(self, token) -> None:
-        from triton.runtime import _allocation
-
         _allocation._allocator.reset(token)
 
 
