@@ -21,6 +21,7 @@ _EXPORTS = {
     "FP8_KV_DTYPES": "prefixattn.validation",
     "MLAPrefixSharedAttention": "prefixattn.mla",
     "NaiveMLAPlan": "prefixattn.mla_naive",
+    "NaivePrefixCache": "prefixattn.mla_naive_cache",
     "Plan": "prefixattn.planner.plans",
     "PrefixSharedAttention": "prefixattn.prefix_attention",
     "SINK_DTYPES": "prefixattn.validation",
@@ -45,7 +46,7 @@ _EXPORTS = {
 }
 
 __all__ = ["CapacityError", "FP8_E4M3_MIN_CAPABILITY", "FP8_KV_DTYPES", "MLAPrefixSharedAttention", "NaiveMLAPlan",
-           "Plan", "PrefixSharedAttention", "SINK_DTYPES", "SUPPORTED_DTYPES", "SUPPORTED_HEAD_DIMS", "attention",
+           "NaivePrefixCache", "Plan", "PrefixSharedAttention", "SINK_DTYPES", "SUPPORTED_DTYPES", "SUPPORTED_HEAD_DIMS", "attention",
            "check_mla_dims", "kernel_variants", "merge_states", "merge_states_n", "mla_attention",
            "mla_kernel_variants", "mla_naive_attention", "plan", "plan_mla", "plan_mla_naive", "reference_attention",
            "reference_mla_attention", "warmup_kernels", "warmup_mla_kernels", "write_kv", "__version__"]

@@ -16,8 +16,9 @@ The output is the value ``[tokens, num_heads, v_head_dim]``: the layer's ``W_UV`
 
 A group is the requests whose block tables share their first block, its prefix the leading blocks all of them share,
 up to the first query position of each; a member whose query rows outnumber the prefix's tokens keeps the absorbed
-form (the non-causal naive plan holds a request's rows within its KV). The prefix is up-projected in every step (not
-kept across a group's steps, as TyphoonMLA keeps it).
+form (the non-causal naive plan holds a request's rows within its KV). The prefix is up-projected in every step and
+layer, or, with a :class:`~prefixattn.mla_naive_cache.NaivePrefixCache` (a memory budget the user sets), once per
+layer for all the steps that hold it, as TyphoonMLA keeps it.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch
 from prefixattn.autotune.config_space import block_d
 from prefixattn.merge import merge_states
 from prefixattn.mla import mla_attention, plan_mla
+from prefixattn.mla_naive_cache import NaivePrefixCache
 from prefixattn.planner.options import _positive_int
 from prefixattn.planner.plans import Plan, plan
 from prefixattn.prefix_attention import attention
@@ -47,19 +49,21 @@ FORMS = ("auto", "naive", "absorbed")
 
 
 def naive_form_pays_off(*, rows: int, num_heads: int, kv_lora_rank: int, rope_dim: int, qk_nope_head_dim: int,
-                        v_head_dim: int, elt_bytes: int = 2) -> bool:
+                        v_head_dim: int, elt_bytes: int = 2, cached: bool = False) -> bool:
     """Whether ``rows`` query rows (of one group's requests) attend their shared prefix faster in the naive form
     (modeled, per prefix token): the absorbed form's FLOPs at the kernels' lanes against the naive form's, plus the
     prefix's up-projection (a GEMM) and its keys and values written and read once (``elt_bytes`` each: q's dtype), at
-    :data:`ATTENTION_TFLOPS`, :data:`GEMM_TFLOPS` and :data:`HBM_GBPS`. Not priced: the latent read both forms share,
-    and the absorbed form's re-reads of a shared latent per tile (L2 hits mostly), which favours the absorbed form.
-    At DeepSeek-V3's widths the naive form pays from 190 rows (16-bit; 270 in fp32), at any head count: every term
-    is per head."""
+    :data:`ATTENTION_TFLOPS`, :data:`GEMM_TFLOPS` and :data:`HBM_GBPS`; ``cached``: the keys and values are in a
+    :class:`~prefixattn.mla_naive_cache.NaivePrefixCache` already, only read. Not priced: the latent read both forms
+    share, and the absorbed form's re-reads of a shared latent per tile (L2 hits mostly), which favours the absorbed
+    form. At DeepSeek-V3's widths the naive form pays from 190 rows (16-bit; 270 in fp32; cached from 40), at any head
+    count: every term is per head."""
     absorbed = 2 * (block_d(kv_lora_rank) + block_d(rope_dim)) + 2 * block_d(kv_lora_rank)
     naive = 2 * block_d(qk_nope_head_dim + rope_dim) + 2 * block_d(v_head_dim)
     saved_us = rows * num_heads * (absorbed - naive) / (ATTENTION_TFLOPS * 1e6)
-    gemm_us = num_heads * 2 * kv_lora_rank * (qk_nope_head_dim + v_head_dim) / (GEMM_TFLOPS * 1e6)
-    bytes_us = num_heads * 2 * (qk_nope_head_dim + rope_dim + v_head_dim) * elt_bytes / (HBM_GBPS * 1e3)
+    gemm_us = 0.0 if cached else num_heads * 2 * kv_lora_rank * (qk_nope_head_dim + v_head_dim) / (GEMM_TFLOPS * 1e6)
+    passes = 1 if cached else 2  # read; or written, then read
+    bytes_us = num_heads * passes * (qk_nope_head_dim + rope_dim + v_head_dim) * elt_bytes / (HBM_GBPS * 1e3)
     return saved_us > gemm_us + bytes_us
 
 
@@ -82,8 +86,21 @@ class NaiveMLAPlan:
     qk_nope_head_dim: int
     v_head_dim: int
     #: ``mla_form`` ("naive" where a group takes it, else "absorbed"), ``naive_groups``, ``naive_requests``,
-    #: ``naive_prefix_tokens`` (each group's prefix once), ``declined_groups`` (groups the rule kept absorbed).
+    #: ``naive_prefix_tokens`` (each group's prefix once), ``declined_groups`` (groups the rule kept absorbed); with
+    #: a cache ``naive_cached_blocks`` (found there) and ``naive_upprojected_blocks`` (up-projected by this step's
+    #: layers; every prefix block where they did not fit).
     stats: dict = field(default_factory=dict)
+    #: The cache the plan was made with (None: none) and the cache's step then
+    #: (:meth:`~prefixattn.mla_naive_cache.NaivePrefixCache.check_plan`); ``in_cache``: the naive plan's block ids
+    #: index the cache's slots (else ``prefix_blocks``: the step's blocks did not fit).
+    cache: NaivePrefixCache | None = None
+    cache_step: int = -1
+    in_cache: bool = False
+    #: With a cache: the latent blocks this step's layers up-project (device, int64) and their slots (device and
+    #: host); None where none.
+    upproject_blocks: torch.Tensor | None = None
+    upproject_slots: torch.Tensor | None = None
+    upproject_slots_host: np.ndarray | None = None
 
 
 def _prefix_groups(indptr: np.ndarray, lens: np.ndarray, table: np.ndarray, block_size: int) -> list:
@@ -109,7 +126,8 @@ def plan_mla_naive(qo_indptr: torch.Tensor, kv_lens: torch.Tensor, block_table: 
                    num_heads: int, sm_scale: float, kv_lora_rank: int = 512, rope_dim: int = 64,
                    qk_nope_head_dim: int = 128, v_head_dim: int = 128, form: str = "auto",
                    q_dtype: torch.dtype = torch.bfloat16, kv_dtype: torch.dtype | None = None, device=None,
-                   num_sms: int | None = None, num_blocks: int | None = None) -> NaiveMLAPlan:
+                   num_sms: int | None = None, num_blocks: int | None = None,
+                   cache: NaivePrefixCache | None = None) -> NaiveMLAPlan:
     """Plan one step of :func:`mla_naive_attention` (host; reuse the plan for every layer).
 
     Parameters
@@ -124,6 +142,10 @@ def plan_mla_naive(qo_indptr: torch.Tensor, kv_lens: torch.Tensor, block_table: 
     form : {"auto", "naive", "absorbed"}
         ``"auto"``: each group takes the naive form where :func:`naive_form_pays_off` says so (modeled);
         ``"naive"``: every group; ``"absorbed"``: none (:func:`prefixattn.plan_mla`'s plan alone).
+    cache : NaivePrefixCache, optional
+        Keep the up-projected prefix blocks across steps (its widths, heads, block size and dtype the plan's): this
+        step's layers up-project only the blocks it does not hold, and the plan runs only until the next plan or
+        ``forget()`` on the cache. Where the step's prefix blocks do not fit, it up-projects them as without one.
 
     Returns
     -------
@@ -137,6 +159,8 @@ def plan_mla_naive(qo_indptr: torch.Tensor, kv_lens: torch.Tensor, block_table: 
     check_head_dim("v_head_dim", v_head_dim)
     indptr, lens, table, _ = check_host_metadata(qo_indptr, kv_lens, block_table, block_size=block_size,
                                                  num_blocks=num_blocks)
+    _check_cache(cache, num_heads=num_heads, block_size=block_size, key_dim=qk_nope_head_dim + rope_dim,
+                 v_head_dim=v_head_dim, q_dtype=q_dtype)
     device = device if device is not None else getattr(block_table, "device", None)
     elt = q_dtype.itemsize  # the up-projected keys and values are q's dtype, whatever the latent cache's
     q_lens = np.diff(indptr)
@@ -148,7 +172,8 @@ def plan_mla_naive(qo_indptr: torch.Tensor, kv_lens: torch.Tensor, block_table: 
             continue
         if form == "auto" and not naive_form_pays_off(
                 rows=int(q_lens[members].sum()), num_heads=num_heads, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim,
-                qk_nope_head_dim=qk_nope_head_dim, v_head_dim=v_head_dim, elt_bytes=elt):
+                qk_nope_head_dim=qk_nope_head_dim, v_head_dim=v_head_dim, elt_bytes=elt,
+                cached=cache is not None and cache.holds(table[members[0], :blocks])):
             declined += 1
             continue
         chosen.append((members, blocks))
@@ -165,25 +190,45 @@ def plan_mla_naive(qo_indptr: torch.Tensor, kv_lens: torch.Tensor, block_table: 
                   v_head_dim=v_head_dim)
     stats = dict(mla_form="naive" if chosen else "absorbed", declined_groups=declined, naive_groups=len(chosen))
     if not chosen:
+        cached = dict(naive_cached_blocks=0, naive_upprojected_blocks=0) if cache is not None else {}
         return NaiveMLAPlan(absorbed=absorbed, naive=None, prefix_blocks=None, naive_rows=None, **widths,
-                            stats={**stats, "naive_requests": 0, "naive_prefix_tokens": 0})
-    naive, ids, rows = _naive_plan(chosen, indptr, q_lens, table, num_heads=num_heads,
-                                   head_dim=qk_nope_head_dim + rope_dim, v_head_dim=v_head_dim, block_size=block_size,
-                                   **common)
-    return NaiveMLAPlan(absorbed=absorbed, naive=naive, prefix_blocks=ids, naive_rows=rows, **widths,
-                        stats={**stats, "naive_requests": naive.num_requests,
-                               "naive_prefix_tokens": int(ids.shape[0]) * block_size})
+                            stats={**stats, "naive_requests": 0, "naive_prefix_tokens": 0, **cached}, cache=cache,
+                            cache_step=cache.step if cache is not None else -1)
+    ids = np.unique(np.concatenate([table[members[0], :blocks] for members, blocks in chosen]))
+    kept = cache.assign(ids) if cache is not None else None
+    naive, rows = _naive_plan(chosen, indptr, q_lens, table, ids, kept[0] if kept else None,
+                              cache.capacity if kept else ids.size, num_heads=num_heads,
+                              head_dim=qk_nope_head_dim + rope_dim, v_head_dim=v_head_dim, block_size=block_size,
+                              **common)
+    stats.update(naive_requests=naive.num_requests, naive_prefix_tokens=int(ids.size) * block_size)
+    on = naive.device
+    if kept is None:
+        if cache is not None:
+            stats.update(naive_cached_blocks=0, naive_upprojected_blocks=int(ids.size))
+        return NaiveMLAPlan(absorbed=absorbed, naive=naive, prefix_blocks=torch.from_numpy(ids).to(on),
+                            naive_rows=rows, **widths, stats=stats, cache=cache,
+                            cache_step=cache.step if cache is not None else -1)
+    slots, missing = kept
+    stats.update(naive_cached_blocks=int((~missing).sum()), naive_upprojected_blocks=int(missing.sum()))
+    up = missing.any()
+    return NaiveMLAPlan(absorbed=absorbed, naive=naive, prefix_blocks=torch.from_numpy(ids).to(on), naive_rows=rows,
+                        **widths, stats=stats, cache=cache, cache_step=cache.step, in_cache=True,
+                        upproject_blocks=torch.from_numpy(ids[missing]).to(on) if up else None,
+                        upproject_slots=torch.from_numpy(slots[missing]).to(on) if up else None,
+                        upproject_slots_host=slots[missing] if up else None)
 
 
-def _naive_plan(chosen: list, indptr: np.ndarray, q_lens: np.ndarray, table: np.ndarray, *, num_heads: int,
-                head_dim: int, v_head_dim: int, block_size: int, **common) -> tuple:
-    """The naive plan of the ``chosen`` groups (``(members, prefix blocks)``): each group's prefix blocks gathered
-    once (``ids``, the latent blocks in the order the plan's block ids index), its members' rows over them, shared
-    (every block of a member's naive KV is its group's: one matrix product over the group's rows per head and tile).
-    Returns ``(plan, ids, rows)``: ``rows`` the members' query rows on the plan's device (None: every row, in
-    order)."""
-    ids, index = np.unique(np.concatenate([table[members[0], :blocks] for members, blocks in chosen]),
-                           return_inverse=True)
+def _naive_plan(chosen: list, indptr: np.ndarray, q_lens: np.ndarray, table: np.ndarray, ids: np.ndarray,
+                slots: np.ndarray | None, num_blocks: int, *, num_heads: int, head_dim: int, v_head_dim: int,
+                block_size: int, **common) -> tuple:
+    """The naive plan of the ``chosen`` groups (``(members, prefix blocks)``): each group's prefix blocks up-projected
+    once (``ids``: the distinct latent blocks, sorted), its members' rows over them, shared (every block of a member's
+    naive KV is its group's: one matrix product over the group's rows per head and tile). Its block ids index
+    ``ids``'s order, or with a cache the blocks' ``slots`` (of ``num_blocks``). Returns ``(plan, rows)``: ``rows``
+    the members' query rows on the plan's device (None: every row, in order)."""
+    index = np.searchsorted(ids, np.concatenate([table[members[0], :blocks] for members, blocks in chosen]))
+    if slots is not None:
+        index = slots[index]
     reqs = np.concatenate([members for members, _ in chosen])
     order = np.argsort(reqs, kind="stable")  # requests in the batch's order: the rows gathered stay sorted
     naive_table = np.zeros((reqs.size, max(blocks for _, blocks in chosen)), dtype=np.int64)
@@ -196,18 +241,18 @@ def _naive_plan(chosen: list, indptr: np.ndarray, q_lens: np.ndarray, table: np.
     reqs, naive_table, kv_lens = reqs[order], naive_table[order], kv_lens[order]
     naive = plan(torch.from_numpy(np.concatenate([[0], np.cumsum(q_lens[reqs])])), torch.from_numpy(kv_lens),
                  torch.from_numpy(naive_table), num_qo_heads=num_heads, num_kv_heads=num_heads, head_dim=head_dim,
-                 v_head_dim=v_head_dim, causal=False, num_blocks=int(ids.size), sharing="always",
+                 v_head_dim=v_head_dim, causal=False, num_blocks=int(num_blocks), sharing="always",
                  block_size=block_size, **common)
     rows = None
     if reqs.size < q_lens.size:
         rows = torch.from_numpy(np.concatenate([np.arange(indptr[r], indptr[r + 1]) for r in reqs]))
         rows = rows.to(naive.device)
-    return naive, torch.from_numpy(ids).to(naive.device), rows
+    return naive, rows
 
 
 def mla_naive_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, plan: NaiveMLAPlan,
-                        w_uk: torch.Tensor, w_uv: torch.Tensor, *, kv_scale: float | torch.Tensor | None = None
-                        ) -> torch.Tensor:
+                        w_uk: torch.Tensor, w_uv: torch.Tensor, *, kv_scale: float | torch.Tensor | None = None,
+                        layer: int | None = None) -> torch.Tensor:
     """MLA for one layer with the shared prefixes of :func:`plan_mla_naive`'s groups in the naive form.
 
     Parameters
@@ -225,38 +270,72 @@ def mla_naive_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torc
         The value up-projection: a head's value is ``c @ w_uv[h]``.
     kv_scale : float or Tensor ``[1]`` fp32, optional
         As :func:`prefixattn.mla_attention`'s.
+    layer : int, optional
+        The layer's index in the plan's cache (``plan_mla_naive(cache=...)``; required there): its keys and values
+        are that layer's.
 
     Returns
     -------
     Tensor, ``[num_tokens, num_heads, v_head_dim]`` in q's dtype: the attention's value, ``W_UV`` applied.
     """
     _check_call(q_nope, q_pe, w_uk, w_uv, plan)
+    if plan.cache is not None:
+        plan.cache.check_plan(plan.cache_step, layer)
+    elif layer is not None:
+        raise ValueError("layer: the plan keeps no cache (plan_mla_naive(cache=...)); got a layer")
     rank = plan.kv_lora_rank
     q_abs = torch.cat([torch.einsum("thn,hnr->thr", q_nope, w_uk), q_pe], dim=-1)
     latent_out, lse = mla_attention(q_abs, kv_cache, plan.absorbed, return_lse=True, kv_scale=kv_scale)
     out = torch.einsum("thr,hrv->thv", latent_out, w_uv)
     if plan.naive is None:
         return out
-    latent = kv_cache.index_select(0, plan.prefix_blocks)
-    if latent.dtype != q_nope.dtype:  # an fp8 cache: dequantize the gathered blocks only
-        latent = latent.to(q_nope.dtype) * (kv_scale.to(q_nope.dtype) if torch.is_tensor(kv_scale)
-                                            else (1.0 if kv_scale is None else kv_scale))
-    n, bs, _ = latent.shape
-    c, k_pe = latent[..., :rank].reshape(n * bs, rank), latent[..., rank:].reshape(n * bs, 1, -1)
-    heads = q_nope.shape[1]
-    k = torch.cat([torch.einsum("pr,hnr->phn", c, w_uk), k_pe.expand(-1, heads, -1)], dim=-1)
-    v = torch.einsum("pr,hrv->phv", c, w_uv)
+    if not plan.in_cache:
+        k, v = _up_project(kv_cache, plan.prefix_blocks, w_uk, w_uv, rank=rank, kv_scale=kv_scale)
+    else:  # this layer's keys and values in the cache's slots, the blocks it did not hold up-projected first
+        k, v = plan.cache.k[layer], plan.cache.v[layer]
+        if plan.upproject_blocks is not None:
+            new_k, new_v = _up_project(kv_cache, plan.upproject_blocks, w_uk, w_uv, rank=rank, kv_scale=kv_scale)
+            k.index_copy_(0, plan.upproject_slots, new_k)
+            v.index_copy_(0, plan.upproject_slots, new_v)
+            plan.cache.written(layer, plan.upproject_slots_host)
     q_naive = torch.cat([q_nope, q_pe], dim=-1)
     rows = plan.naive_rows
     if rows is not None:
         q_naive = q_naive.index_select(0, rows)
-    o, lse_naive = attention(q_naive, k.view(n, bs, heads, -1), v.view(n, bs, heads, -1), plan.naive,
-                             return_lse=True)
+    o, lse_naive = attention(q_naive, k, v, plan.naive, return_lse=True)
     if rows is None:
         merged, _ = merge_states(out, lse, o, lse_naive)
         return merged
     merged, _ = merge_states(out.index_select(0, rows), lse.index_select(0, rows), o, lse_naive)
     return out.index_copy_(0, rows, merged)
+
+
+def _up_project(kv_cache: torch.Tensor, blocks: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, *, rank: int,
+                kv_scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """The naive form's keys ``[n, block_size, heads, qk_nope_head_dim + rope_dim]`` and values ``[n, block_size,
+    heads, v_head_dim]`` (``w_uk``'s dtype) of the latent ``blocks`` (``[n]`` int64) of ``kv_cache``."""
+    latent = kv_cache.index_select(0, blocks)
+    if latent.dtype != w_uk.dtype:  # an fp8 cache: dequantize the gathered blocks only
+        latent = latent.to(w_uk.dtype) * (kv_scale.to(w_uk.dtype) if torch.is_tensor(kv_scale)
+                                          else (1.0 if kv_scale is None else kv_scale))
+    n, bs, _ = latent.shape
+    c, k_pe = latent[..., :rank].reshape(n * bs, rank), latent[..., rank:].reshape(n * bs, 1, -1)
+    heads = w_uk.shape[0]
+    k = torch.cat([torch.einsum("pr,hnr->phn", c, w_uk), k_pe.expand(-1, heads, -1)], dim=-1)
+    v = torch.einsum("pr,hrv->phv", c, w_uv)
+    return k.view(n, bs, heads, -1), v.view(n, bs, heads, -1)
+
+
+def _check_cache(cache, *, num_heads: int, block_size: int, key_dim: int, v_head_dim: int, q_dtype) -> None:
+    """The cache a plan keeps its prefixes in holds the plan's widths, heads, block size and dtype."""
+    if cache is None:
+        return
+    if not isinstance(cache, NaivePrefixCache):
+        raise ValueError(f"cache: expected a NaivePrefixCache, got {type(cache).__name__}")
+    want = dict(num_heads=num_heads, block_size=block_size, key_dim=key_dim, v_head_dim=v_head_dim, dtype=q_dtype)
+    got = {name: getattr(cache, name) for name in want}
+    if got != want:
+        raise ValueError(f"cache: expected a NaivePrefixCache of the plan's {want}, got {got}")
 
 
 def _check_call(q_nope, q_pe, w_uk, w_uv, p: NaiveMLAPlan) -> None:
