@@ -64,12 +64,13 @@ def test_gpu_check_dry_run_runs_every_step(tmp_path):
     _check_model_steps_and_batches(by, csv_path)
     # The MLA step: each provider on each shape, checked against the fp64 reference, beside the memory floor.
     mla = {(r["provider"], r["shape"]) for r in by("mla", "correct")}
-    # The TyphoonMLA-style split runs where a prefix is shared (one of the two dry shapes); prefixattn's naive-form
-    # split on both (without a shared prefix its plan is the absorbed one).
+    # The TyphoonMLA-style split and the naive form with its prefix kept run where a prefix is shared (one of the two
+    # dry shapes); prefixattn's naive-form split on both (without a shared prefix its plan is the absorbed one).
     assert {p for p, _ in mla} == {"prefixattn", "prefixattn-nosharing", "flashinfer-mla", "typhoon-mla",
-                                   "prefixattn-naive"}
-    assert len(mla) == 9 and [r["shape"] for r in by("mla", "not_run") if r["provider"] == "typhoon-mla"] == \
-        ["mla-dry-h32-b3-s0-o40"]
+                                   "prefixattn-naive", "prefixattn-naive-kept"}
+    assert len(mla) == 10
+    for provider in ("typhoon-mla", "prefixattn-naive-kept"):
+        assert [r["shape"] for r in by("mla", "not_run") if r["provider"] == provider] == ["mla-dry-h32-b3-s0-o40"]
     assert all(float(r["value"]) == 1.0 for r in by("mla", "correct"))
     assert len(by("mla", "floor_memory_us")) == 2 and "## MLA decode steps (DRY RUN)" in \
         csv_path.with_suffix(".md").read_text()

@@ -14,7 +14,9 @@ it across a group's steps: not timed); every request's heads attend it at once i
 wrapper), whose latent output is up-projected by ``W_UV``, and ``merge_state`` joins the two. Its output is the value
 ``[B, H, 128]``, checked against the reference latent times ``W_UV``; ``prefixattn-naive`` is the same split on
 prefixattn's kernels (:func:`prefixattn.mla_naive_attention` with ``form="naive"``: the prefix up-projected in the
-timed run, as its engine loop would in every step); the other providers leave ``W_UV`` to the layer
+timed run, as its engine loop would in every step), and ``prefixattn-naive-kept`` the same with the prefix kept
+across steps (a :class:`prefixattn.NaivePrefixCache` of the prefix's blocks, filled by a first step that is not
+timed: the steady state TyphoonMLA's baseline stands for); the other providers leave ``W_UV`` to the layer
 (a ``[B, H, 512] x [512, 128]`` product per head: 0.27 GFLOP at 256 x 16, modeled < 1 us on an H200). The batch's
 absorbed query is ``q_nope @ W_UK`` of random per-head ``W_UK``/``W_UV`` (DeepSeek-V3's 128-wide heads), so the two
 forms compute the same attention.
@@ -38,9 +40,10 @@ SHAPES = (("mla-h16-b256-s8192-o128", 16, 256, 8192, 128), ("mla-h16-b256-s4096-
 DRY_SHAPES = (("mla-dry-h16-b4-s128-o16", 16, 4, 128, 16), ("mla-dry-h32-b3-s0-o40", 32, 3, 0, 40))
 #: Requests at each end of the batch checked against the fp64 reference.
 SAMPLE = 4
-PROVIDERS = ("prefixattn", "prefixattn-nosharing", "flashinfer-mla", "typhoon-mla", "prefixattn-naive")
+PROVIDERS = ("prefixattn", "prefixattn-nosharing", "flashinfer-mla", "typhoon-mla", "prefixattn-naive",
+             "prefixattn-naive-kept")
 #: The providers whose output is the value (``W_UV`` applied), not the latent.
-VALUE_PROVIDERS = ("typhoon-mla", "prefixattn-naive")
+VALUE_PROVIDERS = ("typhoon-mla", "prefixattn-naive", "prefixattn-naive-kept")
 
 
 def _batch(heads: int, requests: int, shared: int, own: int, device: str) -> dict:
@@ -152,13 +155,29 @@ def _provider(name: str, b: dict, device: str):
             raise
         except Exception as exc:  # a FlashInfer build without this path: reported, the step goes on
             raise RuntimeError(f"{type(exc).__name__}: {exc}") from exc
-    if name == "prefixattn-naive":
-        p = prefixattn.plan_mla_naive(b["qo_indptr"], b["kv_lens"], b["table"], block_size=PAGE, num_heads=b["heads"],
-                                      sm_scale=SM_SCALE, kv_lora_rank=RANK, rope_dim=ROPE, qk_nope_head_dim=NOPE,
-                                      v_head_dim=VALUE, form="naive", q_dtype=torch.bfloat16, device=device)
+    if name in ("prefixattn-naive", "prefixattn-naive-kept"):
+        def plan(cache=None):
+            return prefixattn.plan_mla_naive(b["qo_indptr"], b["kv_lens"], b["table"], block_size=PAGE,
+                                             num_heads=b["heads"], sm_scale=SM_SCALE, kv_lora_rank=RANK, rope_dim=ROPE,
+                                             qk_nope_head_dim=NOPE, v_head_dim=VALUE, form="naive",
+                                             q_dtype=torch.bfloat16, device=device, cache=cache)
+
         out = torch.empty((b["q"].shape[0], b["heads"], VALUE), dtype=torch.bfloat16, device=device)
+        p = plan()
+        layer = None
+        if name == "prefixattn-naive-kept":
+            blocks = p.stats["naive_prefix_tokens"] // PAGE
+            if not blocks:
+                raise RuntimeError("no shared prefix to keep")
+            cache = prefixattn.NaivePrefixCache(
+                num_layers=1, max_bytes=blocks * PAGE * b["heads"] * (NOPE + ROPE + VALUE) * 2, num_heads=b["heads"],
+                block_size=PAGE, qk_nope_head_dim=NOPE, rope_dim=ROPE, v_head_dim=VALUE, dtype=torch.bfloat16,
+                device=device)
+            prefixattn.mla_naive_attention(b["q_nope"], b["q_pe"], b["cache"], plan(cache), b["w_uk"], b["w_uv"],
+                                           layer=0)  # the first step: it up-projects the prefix into the cache
+            p, layer = plan(cache), 0  # a later step's: every prefix block found
         args = (b["q_nope"], b["q_pe"], b["cache"], p, b["w_uk"], b["w_uv"])
-        return (lambda: out.copy_(prefixattn.mla_naive_attention(*args))), out, p.absorbed
+        return (lambda: out.copy_(prefixattn.mla_naive_attention(*args, layer=layer))), out, p.absorbed
     out = torch.empty((b["q"].shape[0], b["heads"], RANK), dtype=torch.bfloat16, device=device)
     meta = (b["qo_indptr"].to(device), b["kv_lens"].to(device), b["table"].to(device))
     if name.startswith("prefixattn"):

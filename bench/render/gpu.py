@@ -197,7 +197,7 @@ def mla_rows(rows) -> list[dict]:
         get = lambda p, m: prov.get(p, {}).get(m)  # noqa: E731
         out.append(dict(shape=shape, ours=get("prefixattn", HEAD), never=get("prefixattn-nosharing", HEAD),
                         flashinfer=get("flashinfer-mla", HEAD), typhoon=get("typhoon-mla", HEAD),
-                        naive=get("prefixattn-naive", HEAD),
+                        naive=get("prefixattn-naive", HEAD), kept=get("prefixattn-naive-kept", HEAD),
                         floor=get("floor", "floor_memory_us"),
                         warm=get("prefixattn", "graph_warm_us_median"),
                         correct=all(m.get("correct", 1.0) == 1.0 and m.get("graph_correct", 1.0) == 1.0
@@ -207,13 +207,14 @@ def mla_rows(rows) -> list[dict]:
 
 def mla_table(rows) -> list[str]:
     lines = head("shape", "prefixattn us", "never-share us", "FlashInfer MLA us", "TyphoonMLA-style us",
-                 "prefixattn naive-form us", "speedup vs FlashInfer", "speedup vs TyphoonMLA-style",
-                 "naive form vs TyphoonMLA-style", "speedup vs never-share", "prefixattn over memory floor",
-                 "warm L2 us", "correct")
+                 "prefixattn naive-form us", "naive form, prefix kept us", "speedup vs FlashInfer",
+                 "speedup vs TyphoonMLA-style", "naive form vs TyphoonMLA-style", "prefix kept vs TyphoonMLA-style",
+                 "speedup vs never-share", "prefixattn over memory floor", "warm L2 us", "correct")
     for r in mla_rows(rows):
         lines.append(f"| {r['shape']} | {fixed(r['ours'])} | {fixed(r['never'])} | {fixed(r['flashinfer'])} | "
-                     f"{fixed(r['typhoon'])} | {fixed(r['naive'])} | {ratio_cell(r['flashinfer'], r['ours'])} | "
-                     f"{ratio_cell(r['typhoon'], r['ours'])} | {ratio_cell(r['typhoon'], r['naive'])} | "
+                     f"{fixed(r['typhoon'])} | {fixed(r['naive'])} | {fixed(r['kept'])} | "
+                     f"{ratio_cell(r['flashinfer'], r['ours'])} | {ratio_cell(r['typhoon'], r['ours'])} | "
+                     f"{ratio_cell(r['typhoon'], r['naive'])} | {ratio_cell(r['typhoon'], r['kept'])} | "
                      f"{ratio_cell(r['never'], r['ours'])} | "
                      f"{ratio_cell(r['ours'], r['floor'])} | {fixed(r['warm'])} | {'yes' if r['correct'] else 'NO'} |")
     return lines

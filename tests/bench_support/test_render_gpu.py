@@ -158,3 +158,14 @@ def test_class_rate_table_puts_the_hopper_build_beside_fa3():
         f"| {shape} | 342.0 | 519.3 | 577.0 | 380.0 | 0.59x | 0.90x | 0.90x |"]
     without = [r for r in rows if r["provider"] != "prefixattn-hopper"]  # not run: its cell is a dash
     assert gpu.class_rate_table(without)[2:] == [f"| {shape} | 342.0 | - | 577.0 | 380.0 | 0.59x | - | 0.90x |"]
+
+
+def test_mla_table_puts_the_kept_prefix_beside_typhoon():
+    m, shape = "mla", "mla-h128-b1024-s8192-o128"
+    rows = [_row(m, p, shape, "graph_flushed_us_median", us) for p, us in (
+        ("prefixattn", 900.0), ("prefixattn-nosharing", 1800.0), ("flashinfer-mla", 2000.0), ("typhoon-mla", 1000.0),
+        ("prefixattn-naive", 1250.0), ("prefixattn-naive-kept", 800.0))] + [_row(m, "floor", shape, "floor_memory_us",
+                                                                                   450.0)]
+    assert gpu.mla_table(rows)[2:] == [
+        f"| {shape} | 900.0 | 1,800.0 | 2,000.0 | 1,000.0 | 1,250.0 | 800.0 | 2.22x | 1.11x | 0.80x | 1.25x | 2.00x "
+        "| 2.00x | - | yes |"]
