@@ -46,8 +46,8 @@ HOPPER_FEATURES = {"shared": ("HAS_SOFT_CAP", "HAS_WINDOW", "HAS_SINKS", "USE_NA
 HOPPER_ROWS_PER_WARPGROUP = 64
 #: K/V stages of the Hopper build. A tile's stage is freed only once its P @ V product is done, which now runs under
 #: the next tile's softmax: two stages are held at once, and a third lets the copies run a tile ahead (at 2 the next
-#: tile's copy would start when its turn comes). A stage is 32 KB (K and V of 128 x 64 keys at d128 or 64 x 128 at
-#: d64); with the query tile 115-131 KB of shared memory, and its registers keep one program per SM anyway.
+#: tile's copy would start when its turn comes). A stage is 32 KB (K and V of the tile's 64 keys at d128, 128 at d64);
+#: with the query tile 115-131 KB of shared memory, and its registers keep one program per SM anyway.
 HOPPER_STAGES = 3
 
 
