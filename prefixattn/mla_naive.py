@@ -190,10 +190,11 @@ def plan_mla_naive(qo_indptr: torch.Tensor, kv_lens: torch.Tensor, block_table: 
                   v_head_dim=v_head_dim)
     stats = dict(mla_form="naive" if chosen else "absorbed", declined_groups=declined, naive_groups=len(chosen))
     if not chosen:
-        cached = dict(naive_cached_blocks=0, naive_upprojected_blocks=0) if cache is not None else {}
-        return NaiveMLAPlan(absorbed=absorbed, naive=None, prefix_blocks=None, naive_rows=None, **widths,
-                            stats={**stats, "naive_requests": 0, "naive_prefix_tokens": 0, **cached}, cache=cache,
-                            cache_step=cache.step if cache is not None else -1)
+        stats.update(naive_requests=0, naive_prefix_tokens=0)
+        if cache is not None:
+            stats.update(naive_cached_blocks=0, naive_upprojected_blocks=0)
+        return NaiveMLAPlan(absorbed=absorbed, naive=None, prefix_blocks=None, naive_rows=None, **widths, stats=stats,
+                            cache=cache, cache_step=cache.step if cache is not None else -1)
     ids = np.unique(np.concatenate([table[members[0], :blocks] for members, blocks in chosen]))
     kept = cache.assign(ids) if cache is not None else None
     naive, rows = _naive_plan(chosen, indptr, q_lens, table, ids, kept[0] if kept else None,
@@ -202,20 +203,19 @@ def plan_mla_naive(qo_indptr: torch.Tensor, kv_lens: torch.Tensor, block_table: 
                               **common)
     stats.update(naive_requests=naive.num_requests, naive_prefix_tokens=int(ids.size) * block_size)
     on = naive.device
-    if kept is None:
-        if cache is not None:
-            stats.update(naive_cached_blocks=0, naive_upprojected_blocks=int(ids.size))
-        return NaiveMLAPlan(absorbed=absorbed, naive=naive, prefix_blocks=torch.from_numpy(ids).to(on),
-                            naive_rows=rows, **widths, stats=stats, cache=cache,
-                            cache_step=cache.step if cache is not None else -1)
-    slots, missing = kept
-    stats.update(naive_cached_blocks=int((~missing).sum()), naive_upprojected_blocks=int(missing.sum()))
-    up = missing.any()
-    return NaiveMLAPlan(absorbed=absorbed, naive=naive, prefix_blocks=torch.from_numpy(ids).to(on), naive_rows=rows,
-                        **widths, stats=stats, cache=cache, cache_step=cache.step, in_cache=True,
-                        upproject_blocks=torch.from_numpy(ids[missing]).to(on) if up else None,
-                        upproject_slots=torch.from_numpy(slots[missing]).to(on) if up else None,
-                        upproject_slots_host=slots[missing] if up else None)
+    made = NaiveMLAPlan(absorbed=absorbed, naive=naive, prefix_blocks=torch.from_numpy(ids).to(on), naive_rows=rows,
+                        **widths, stats=stats, cache=cache, cache_step=cache.step if cache is not None else -1)
+    if cache is not None and kept is None:  # the step's blocks do not fit: up-projected as without a cache
+        stats.update(naive_cached_blocks=0, naive_upprojected_blocks=int(ids.size))
+    elif kept is not None:
+        slots, missing = kept
+        stats.update(naive_cached_blocks=int((~missing).sum()), naive_upprojected_blocks=int(missing.sum()))
+        made.in_cache = True
+        if missing.any():
+            made.upproject_blocks = torch.from_numpy(ids[missing]).to(on)
+            made.upproject_slots = torch.from_numpy(slots[missing]).to(on)
+            made.upproject_slots_host = slots[missing]
+    return made
 
 
 def _naive_plan(chosen: list, indptr: np.ndarray, q_lens: np.ndarray, table: np.ndarray, ids: np.ndarray,

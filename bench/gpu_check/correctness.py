@@ -35,9 +35,10 @@ def check_case(case, scale: int, device: str, seed: int, build: str = "portable"
     b, options = build_case(case, scale, seed)
     q, k, v = (t.to(device) for t in (b.q, b.k_cache, b.v_cache))
     meta = tuple(t.to(device) for t in b.metadata)
-    model = {name: value for name, value in (features or {}).items() if name != "sinks"}
+    features = features or {}
+    model = {name: value for name, value in features.items() if name != "sinks"}
     calls = {}  # attention()'s and the reference's own arguments
-    if (features or {}).get("sinks"):
+    if features.get("sinks"):
         calls["sinks"] = torch.randn(b.heads["num_qo_heads"], generator=torch.Generator().manual_seed(seed)).to(device)
     with asking_for(build):
         p = prefixattn.plan(*meta, **b.heads, q_dtype=case.dtype, **options, **model)

@@ -190,8 +190,11 @@ def attention_rates(timer, device: str, flashinfer_ready: set, batch=None, backe
     rows = min(RATE_CHECK_ROWS, int(qo[-1] - qo[-2]))  # the last request's
     tail = torch.tensor([0, rows], dtype=torch.int32, device=device)
     want = prefixattn.reference_attention(q[-rows:], k, v, tail, lens[-1:], table[-1:])
-    p = prefixattn.plan(qo, lens, table, block_size=k.shape[1], num_qo_heads=hq, num_kv_heads=hkv, head_dim=d,
-                        q_dtype=q.dtype)
+    def plan():
+        return prefixattn.plan(qo, lens, table, block_size=k.shape[1], num_qo_heads=hq, num_kv_heads=hkv, head_dim=d,
+                               q_dtype=q.dtype)
+
+    p = plan()
     out = torch.empty_like(q)
     runs = {"prefixattn": lambda: prefixattn.attention(q, k, v, p, out=out)}
     why = {}
@@ -208,8 +211,7 @@ def attention_rates(timer, device: str, flashinfer_ready: set, batch=None, backe
         from prefixattn.autotune.builds import HOPPER, asking_for
 
         with asking_for(HOPPER):
-            hp = prefixattn.plan(qo, lens, table, block_size=k.shape[1], num_qo_heads=hq, num_kv_heads=hkv,
-                                 head_dim=d, q_dtype=q.dtype)
+            hp = plan()
         if hp.chunk_build == HOPPER:
             runs["prefixattn-hopper"] = lambda: prefixattn.attention(q, k, v, hp, out=out)
         else:

@@ -389,7 +389,6 @@ def mla_jobs(*, target: Target, dtype: str, kv_dtype: str | None = None, param_n
     return jobs
 
 
-
 def hopper_job(*, target: Target, dtype: str, head_dim: int, config: AttentionConfig, has_shared: bool,
                has_lse: bool, features: tuple = (), default: bool = True, param_names=None,
                strict: bool = True) -> CompileJob | None:
