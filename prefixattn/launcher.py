@@ -350,9 +350,22 @@ def with_hopper(per_class: list, index: int, q, k_cache, v_cache, features: dict
         if why is not None:
             raise ValueError(f"{why}: the Hopper build ({BUILD_ENV}=hopper) reads it by TMA")
     grid, class_args, options = per_class[index][:3]
-    own = (grid, {**class_args, "STAGES": HOPPER_STAGES}, {"num_warps": hopper_num_warps(class_args["BLOCK_M"])},
-           hopper_attention_kernel)
+    own = (grid, {**class_args, "STAGES": HOPPER_STAGES, "USE_PDL": False},
+           {"num_warps": hopper_num_warps(class_args["BLOCK_M"])}, hopper_attention_kernel)
     return [*per_class[:index], own, *per_class[index + 1:]]
+
+
+def chained_by_pdl(per_class: list, beside_from: int | None = None) -> list:
+    """``per_class`` (:func:`class_launches`') of a plan whose launches chain by programmatic dependent launch
+    (``Plan.pdl``: :mod:`prefixattn.autotune.pdl`): every launch of the portable kernel after the first on its stream
+    (``beside_from``: :class:`PreparedLaunch`'s) launched as the previous launch's dependent (``launch_pdl``). A
+    class's own build (the Hopper build, which has no PDL) keeps an ordinary launch: in series, as without PDL."""
+    chained = []
+    for index, (grid, class_args, options, *own) in enumerate(per_class):
+        if not own and index not in (0, beside_from):
+            options = {**options, "launch_pdl": True}
+        chained.append((grid, class_args, options, *own))
+    return chained
 
 
 #: The launches prepared per plan and call shape (an engine has one or two shapes): the launcher's memo, not the

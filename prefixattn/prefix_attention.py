@@ -13,8 +13,8 @@ from prefixattn.kernels.prefix_attention_kernel import prefix_attention_kernel
 from prefixattn.autotune.builds import HOPPER
 from prefixattn.autotune.config_space import MODEL_SWITCHES, block_d
 from prefixattn.autotune.lookup import read_fixed_env
-from prefixattn.launcher import (PreparedLaunch, call_key, class_launches, own_l2_fences, prepared, remember_launch,
-                                 with_hopper)
+from prefixattn.launcher import (PreparedLaunch, call_key, chained_by_pdl, class_launches, own_l2_fences, prepared,
+                                 remember_launch, with_hopper)
 from prefixattn.planner.backend import backend as planner_backend
 from prefixattn.planner.device_tables import CapacityError
 from prefixattn.planner.options import _default_num_sms, _positive_int, checked_options
@@ -222,7 +222,7 @@ def _prepare(p: Plan, key, *, out, lse, q, k_cache, v_cache, classes: tuple, gri
         HAS_LSE=has_lse, HAS_SOFT_CAP=features["HAS_SOFT_CAP"],
         HAS_WINDOW=features["HAS_WINDOW"], HAS_SINKS=features["HAS_SINKS"], HAS_KV_SCALE=features["HAS_KV_SCALE"],
         USE_NAN_GUARD=p.nan_guard, USE_FP32_DOT=p.use_fp32_dot, IS_HIP=t.is_hip,
-        USE_L2_FENCES=t.is_hip and q.is_cuda and own_l2_fences(q.device),
+        USE_L2_FENCES=t.is_hip and q.is_cuda and own_l2_fences(q.device), USE_PDL=p.pdl,
         HAS_V_HEAD_DIM=p.v_head_dim != p.head_dim, PAGE_SIZE=page_size_constexpr(p.block_size),
         BLOCK_D=block_d(p.head_dim), BLOCK_DV=block_d(p.v_head_dim),
     )
@@ -237,6 +237,8 @@ def _prepare(p: Plan, key, *, out, lse, q, k_cache, v_cache, classes: tuple, gri
     # launches run one after another there, as the interpreter runs them anyway).
     overlapped = p.overlapped if overlapped is None else overlapped
     beside = classes.index(CLASS_DECODE) if q.is_cuda and overlapped and CLASS_DECODE in classes[1:] else None
+    if p.pdl:
+        per_class = chained_by_pdl(per_class, beside)
     launch = PreparedLaunch(prefix_attention_kernel, named, per_class, beside_from=beside)
     launch.features = features
     remember_launch(p, key, launch)

@@ -36,6 +36,7 @@ pointers = {"out_ptr": dtype, "lse_ptr": "*fp32", "ws_o_ptr": "*fp32", "ws_lse_p
 # The tiles a plan would pick for a Llama-like decode step; tensor-core dots as on a real GPU.
 constexprs = dict(IS_SHARED=True, HAS_LSE=True, HAS_SOFT_CAP=False, HAS_WINDOW=False, HAS_SINKS=False,
                   HAS_KV_SCALE=False, USE_NAN_GUARD=False, USE_FP32_DOT=False, IS_HIP=False, USE_L2_FENCES=False,
+                  USE_PDL=False,
                   PAGE_SIZE=16, KV_HEADS=1, BLOCK_M=tiles.shared.block_m, BLOCK_N=tiles.shared.block_n,
                   BLOCK_D=tiles.block_d, HAS_V_HEAD_DIM=False, BLOCK_DV=tiles.block_d)
 # Every integer scalar, strides included, as i32: the worst case, where only an explicit cast gives 64 bits.

@@ -188,14 +188,14 @@ def hopper_attention_kernel(
     v_head_dim,
     IS_SHARED: gl.constexpr, HAS_LSE: gl.constexpr, HAS_SOFT_CAP: gl.constexpr, HAS_WINDOW: gl.constexpr,
     HAS_SINKS: gl.constexpr, HAS_KV_SCALE: gl.constexpr, HAS_V_HEAD_DIM: gl.constexpr, USE_NAN_GUARD: gl.constexpr,
-    USE_FP32_DOT: gl.constexpr, IS_HIP: gl.constexpr, USE_L2_FENCES: gl.constexpr, PAGE_SIZE: gl.constexpr,
-    KV_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
-    BLOCK_DV: gl.constexpr, STAGES: gl.constexpr,  # STAGES: K/V tiles in flight
+    USE_FP32_DOT: gl.constexpr, IS_HIP: gl.constexpr, USE_L2_FENCES: gl.constexpr, USE_PDL: gl.constexpr,
+    PAGE_SIZE: gl.constexpr, KV_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, STAGES: gl.constexpr,  # STAGES: K/V tiles in flight
 ):
     """prefix_attention_kernel's launch of a matrix class (same parameters and grid), built for sm_90 (module
     docstring): the shared class (``IS_SHARED``) or the chunk class. ``USE_NAN_GUARD`` changes nothing for shared
     items (they mask no key); the chunk class is not served with it (``autotune.builds``)."""
-    gl.static_assert(KV_HEADS == 1 and not IS_HIP and not USE_FP32_DOT)
+    gl.static_assert(KV_HEADS == 1 and not IS_HIP and not USE_FP32_DOT and not USE_PDL)  # PDL: autotune.pdl
     gl.static_assert(IS_SHARED or not USE_NAN_GUARD)
     gl.static_assert(not HAS_KV_SCALE and not HAS_V_HEAD_DIM and BLOCK_DV == BLOCK_D)
     gl.static_assert(PAGE_SIZE > 0 and BLOCK_N % PAGE_SIZE == 0)

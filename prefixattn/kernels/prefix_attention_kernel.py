@@ -12,7 +12,9 @@ all, and a step's tile reads the heads of each of its tokens side by side). A wo
 Items come in work classes (shared nodes, prefill-chunk tiles, decode tiles), and each class is its own launch of
 this kernel, compiled for that class alone (``IS_SHARED``, ``BLOCK_M``, ``BLOCK_N``, its warps and stages): a one-row
 decode tile never pays the registers, shared memory and occupancy of a 128-row tile. The launches of one step share
-the merge counters, so the partial states of a row may come from several launches.
+the merge counters, so the partial states of a row may come from several launches, which may also run at once: on a
+side stream (``plan(overlap=True)``) or chained by programmatic dependent launch (``USE_PDL``:
+:mod:`prefixattn.autotune.pdl`).
 Both kinds run the same inner loop (:func:`_attend_range`). An item either writes straight
 to ``out`` (a request whose rows have a single state: plain paged attention) or writes an fp32 partial state
 ``(o, lse)`` to the workspace and reports it; the report that completes a (row, head) merges it
@@ -48,6 +50,7 @@ and the address and score arithmetic every part shares).
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from prefixattn.kernels import layout as L
 from prefixattn.kernels.epilogue import _normalized_state, _store_state
@@ -434,6 +437,7 @@ def prefix_attention_kernel(
     USE_FP32_DOT: tl.constexpr,
     IS_HIP: tl.constexpr,  # AMD: every wave waits for its own workspace stores before reporting
     USE_L2_FENCES: tl.constexpr,  # the merge's fences by hand (autotune.targets.writes_own_l2_fences)
+    USE_PDL: tl.constexpr,  # the step's launches chain by programmatic dependent launch (autotune.pdl; sm_90+)
     PAGE_SIZE: tl.constexpr,
     KV_HEADS: tl.constexpr,  # KV heads one program attends (a divisor of num_kv_heads)
     BLOCK_M: tl.constexpr,  # (query row x KV head x GQA head) lanes of one item
@@ -444,6 +448,8 @@ def prefix_attention_kernel(
     """Grid ``(capacity_items * num_kv_heads // KV_HEADS,)`` for one work class: the head blocks of one item are
     adjacent so the longest-first order of the class's items is the order in which programs start."""
     pid = tl.program_id(0)
+    if USE_PDL:
+        _pdl_chain(pid)
     head_blocks = num_kv_heads // KV_HEADS
     item = tl.load(item_range_ptr + L.RANGE_FIRST) + pid // head_blocks
     head_block = pid % head_blocks
@@ -475,3 +481,15 @@ def prefix_attention_kernel(
               USE_FP32_DOT=USE_FP32_DOT, IS_HIP=IS_HIP, USE_L2_FENCES=USE_L2_FENCES,
               PAGE_SIZE=PAGE_SIZE, KV_HEADS=KV_HEADS, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
               BLOCK_DV=BLOCK_DV)
+
+
+@triton.jit
+def _pdl_chain(pid):
+    """A program's part in a launch chained by PDL (:mod:`prefixattn.autotune.pdl`): the next class's launch may
+    start (its programs take the SMs this one leaves); and since what follows the step on the stream waits for the
+    step's last launch only, no launch may complete before the one before it: the grid's last program (the last to
+    start, with the class's shortest item or none) first waits for the previous launch to complete. Without PDL, or
+    in the step's first launch, the wait returns at once."""
+    gdc_launch_dependents()
+    if pid == tl.num_programs(0) - 1:
+        gdc_wait()

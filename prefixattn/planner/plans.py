@@ -34,6 +34,7 @@ import torch
 from prefixattn.autotune.buckets import dtype_name
 from prefixattn.autotune.builds import HOPPER_CLASSES, PORTABLE, class_build, requested_build
 from prefixattn.autotune.lookup import READ_FIXED_ENV, current_target
+from prefixattn.autotune.pdl import pdl_choice, requested_pdl
 from prefixattn.autotune.program_cost import class_costs
 from prefixattn.kernels import layout as K
 from prefixattn.lcp_tree import LcpTree, clear_tree_cache
@@ -122,6 +123,9 @@ class Plan:
     #: why in ``stats["shared_build_why"]``, ``stats["chunk_build_why"]``.
     shared_build: str = PORTABLE
     chunk_build: str = PORTABLE
+    #: The launches after the step's first chain to the one before by programmatic dependent launch (its portable
+    #: launches: :mod:`prefixattn.autotune.pdl`); why in ``stats["pdl_why"]``.
+    pdl: bool = False
 
     @property
     def heads_per_program(self) -> int:
@@ -132,7 +136,8 @@ class Plan:
     def stats(self) -> dict:
         """The plan's counts (``num_shared_nodes``, ``num_units``, ``num_merge_rows``, ``num_ws_rows``, ``num_sms``,
         ``sharing_declined``, ``requests_apart``), its matrix classes' builds (``shared_build``, ``shared_build_why``,
-        ``chunk_build``, ``chunk_build_why``: :mod:`prefixattn.autotune.builds`) and modeled times
+        ``chunk_build``, ``chunk_build_why``: :mod:`prefixattn.autotune.builds`), whether its launches chain by PDL
+        (``pdl``, ``pdl_why``: :mod:`prefixattn.autotune.pdl`) and modeled times
         (:func:`~prefixattn.planner.stats.modeled_stats`:
         ``modeled_class_us``, ``modeled_step_us``, ``critical_path``; with ``overlap=True`` also ``overlapped`` and
         ``modeled_overlap_us``: :func:`~prefixattn.planner.overlap.overlap_stats`); a wrapper adds its own entries."""
@@ -360,6 +365,7 @@ def _pipeline(be, o: PlanOptions, qo_indptr, kv_lens, block_table, device, num_b
                                  max_q_len=max(inputs.max_q_len, 1), dtype=o.q_dtype, fixed_env=fixed_env)
         tiles = fit_kv_heads(tiles, num_kv_heads=o.num_kv_heads, group=o.group, nan_guard=o.nan_guard)
         builds = _class_builds(o, tiles, device)
+        pdl, pdl_why = _pdl(o, device)
         # Priced on the planning GPU (a host with no known GPU, the interpreter, has no launches to price: the tuning
         # target's costs, for the modeled stats).
         target = current_target()
@@ -391,11 +397,11 @@ def _pipeline(be, o: PlanOptions, qo_indptr, kv_lens, block_table, device, num_b
         **dev,
         counts=dict(num_shared_nodes=num_nodes, num_units=work.num_units, num_merge_rows=work.mrows.shape[0],
                     num_ws_rows=work.num_ws_rows, num_sms=num_sms, sharing_declined=chosen.declined,
-                    requests_apart=chosen.apart, **builds,
+                    requests_apart=chosen.apart, **builds, pdl=pdl, pdl_why=pdl_why,
                     **({"mla_form": MLA_FORM} if o.rope_dim else {}), **overlap),
         workspace=workspace, workspace_step=workspace.step if workspace is not None else -1,
         overlapped=overlap.get("overlapped", False), shared_build=builds["shared_build"],
-        chunk_build=builds["chunk_build"],
+        chunk_build=builds["chunk_build"], pdl=pdl,
     )
 
 
@@ -423,6 +429,20 @@ def _class_builds(o: PlanOptions, tiles: AttentionTiles, device) -> dict:
             kv_dtype=kv_dtype, head_dim=o.head_dim, v_head_dim=o.v_head_dim, block_size=o.block_size,
             block_m=launch["BLOCK_M"], block_n=launch["BLOCK_N"], kv_heads=launch["KV_HEADS"], features=features)
     return builds
+
+
+#: A plan's PDL choice where it is not asked for (made once: every plan would pay for it).
+_PDL_DEFAULT = pdl_choice(False)
+
+
+def _pdl(o: PlanOptions, device) -> tuple[bool, str]:
+    """``(pdl, why)`` of this plan (:func:`prefixattn.autotune.pdl.pdl_choice`: the one decision)."""
+    if not requested_pdl():
+        return _PDL_DEFAULT
+    if o.rope_dim:
+        return False, "MLA plans run the MLA kernel, whose launches stay in series"
+    is_hip, arch = _device_arch(device)
+    return pdl_choice(True, is_hip=is_hip, arch=arch, interpreted=_KERNELS_INTERPRETED)
 
 
 @functools.cache

@@ -65,6 +65,15 @@ def count_matrix_instrs(asm: str, backend: str) -> dict:
 _HOPPER_PTX = {"tma": re.compile(r"\bcp\.async\.bulk\.tensor\b"), "setmaxnreg": re.compile(r"\bsetmaxnreg\b"),
                "wgmma": re.compile(r"\bwgmma\.mma_async\b"), "cp_async": re.compile(r"\bcp\.async\.c[ag]\b")}
 _WGMMA_WAIT = re.compile(r"\bwgmma\.wait_group(?:\.\w+)*\s+(\d+)\s*;")
+#: Grid dependency control in PTX: a launch chained by PDL signals its dependents and waits for its predecessor.
+_GRIDDEPCONTROL = {"launch_dependents": re.compile(r"\bgriddepcontrol\.launch_dependents\b"),
+                   "wait": re.compile(r"\bgriddepcontrol\.wait\b")}
+
+
+def pdl_features(ptx: str) -> dict:
+    """Counts of ``griddepcontrol.launch_dependents`` and ``griddepcontrol.wait`` in PTX (programmatic dependent
+    launch: :mod:`prefixattn.autotune.pdl`)."""
+    return {name: len(pattern.findall(ptx)) for name, pattern in _GRIDDEPCONTROL.items()}
 
 
 def hopper_features(ptx: str) -> dict:

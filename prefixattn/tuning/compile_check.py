@@ -9,7 +9,8 @@ shared-node part of the fused kernel issues matrix instructions: its ``tt.dot`` 
 TTGIR
 (``nvidia_mma`` v2 = ``mma.sync``, v3 = ``wgmma``; ``amd_mfma``) and the assembly contains them. On sm_90 and later
 it also reports the Hopper features the binary uses (:func:`hopper_features`: TMA, ``setmaxnreg``, ``wgmma`` and the
-depths it is waited at, per-thread ``cp.async``), reported, not yet checked. Dots are attributed
+depths it is waited at, per-thread ``cp.async``) and grid dependency control (:func:`pdl_features`), checked where the
+job requires them (a Hopper build; a launch chained by PDL). Dots are attributed
 to the shared part by their shapes, ``[BLOCK_M_SHARED, BLOCK_D] x [BLOCK_D, BLOCK_N_SHARED]`` and
 ``[BLOCK_M_SHARED, BLOCK_N_SHARED] x [BLOCK_N_SHARED, BLOCK_D]`` (a suffix dot of the same shapes gets the same
 layout, so sharing a shape cannot hide a fallback).
@@ -17,10 +18,11 @@ layout, so sharing a shape cannot hide a fallback).
 A record fails the check (:func:`failures`) when its compile fails, a default config spills, uses more shared memory
 than the target has, keeps fewer than ``MIN_PIPELINE_DEPTH`` K/V tiles in flight on NVIDIA (the fused kernel), a
 decode suffix-only binary the tables placed under the register budget uses more
-(``launch_limits.DECODE_SUFFIX_MAX_REGS``), or (fp16/bf16, and fp32 on AMD) its shared-node part has no matrix
-instructions. Compiles run in worker processes with ``TRITON_INTERPRET=0`` (a kernel defined under the interpreter
-cannot be compiled), ``workers`` at a time (:func:`run_jobs`). What is read out of the compiler's output (TTGIR, PTX,
-ptxas log, AMDGCN) is :mod:`prefixattn.tuning.compile_analysis`.
+(``launch_limits.DECODE_SUFFIX_MAX_REGS``), (fp16/bf16, and fp32 on AMD) its shared-node part has no matrix
+instructions, or a Hopper build or a PDL launch lacks what makes it one. Compiles run in worker processes with
+``TRITON_INTERPRET=0`` (a kernel defined under the interpreter cannot be compiled), ``workers`` at a time
+(:func:`run_jobs`). What is read out of the compiler's output (TTGIR, PTX, ptxas log, AMDGCN) is
+:mod:`prefixattn.tuning.compile_analysis`.
 
 The default run compiles every binary of every default config (:func:`build_jobs`); ``--worst-case`` is CI's
 selection (:func:`worst_case_jobs`). The command is ``prefixattn compile-check`` (:mod:`prefixattn.cli.compile_check`).
@@ -43,10 +45,11 @@ from pathlib import Path
 
 from prefixattn.autotune.config_space import HEAD_DIMS, KV_HEADS_MAX_BLOCK_D, NUM_STAGES_CUDA, block_d
 from prefixattn.autotune.builds import HOPPER_ARCH
+from prefixattn.autotune.pdl import pdl_refusal
 from prefixattn.autotune.targets import TARGETS
 from prefixattn.planner.tiles import tile_head_dim
 from prefixattn.tuning.compile_analysis import (count_matrix_instrs, count_private_memory_ops, hopper_features,
-                                               parse_amdgcn, parse_dots, parse_pipeline, parse_ptxas)
+                                               parse_amdgcn, parse_dots, parse_pipeline, parse_ptxas, pdl_features)
 
 KERNELS = ("prefix_attention", "merge", "mla_attention", "hopper")
 
@@ -127,6 +130,7 @@ def compile_one(job) -> dict:
     record["matrix_instrs"] = count_matrix_instrs(asm, target.backend)
     if target.backend == "cuda" and target.arch >= HOPPER_ARCH:
         record["hopper"] = hopper_features(asm)
+        record["pdl"] = pdl_features(asm)
     dots = parse_dots(ck.asm["ttgir"])
     record["dots"] = dots
     record["pipeline"] = parse_pipeline(ck.asm["ttgir"])
@@ -164,6 +168,10 @@ def failures(record: dict) -> list[str]:
     if record.get("require_hopper"):
         got = record.get("hopper") or {}
         why += [f"no {name} in the Hopper build" for name in ("tma", "wgmma", "setmaxnreg") if not got.get(name)]
+    if record.get("require_pdl"):
+        got = record.get("pdl") or {}
+        why += [f"no griddepcontrol.{name} in a PDL launch" for name in ("launch_dependents", "wait")
+                if not got.get(name)]
     if record.get("require_matrix") and record.get("shared_part_matrix") is False:
         why.append(f"shared-node part without matrix instructions (layouts {record.get('shared_part_layouts')})")
     return why
@@ -383,7 +391,8 @@ def worst_case_jobs(targets) -> list:
     with :data:`WORST_CASE_KV_HEADS` KV heads per program; on :data:`WORST_CASE_QK_V_TARGETS` the class binaries of
     keys and values of :data:`WORST_CASE_QK_V_HEAD_DIMS`. And on sm90 the Hopper build of the matrix classes
     (:mod:`prefixattn.kernels.hopper_attention_kernel`) of every shipped shared and chunk tile it serves, with LSE, at
-    the extreme head sizes also under every model switch."""
+    the extreme head sizes also under every model switch; at ``KV_HEADS_MAX_BLOCK_D`` each class binary as a launch
+    chained by PDL (:mod:`prefixattn.autotune.pdl`), where the target has it."""
     from prefixattn.tuning import compile_specs as cs
 
     names = _kernel_param_names()
@@ -402,6 +411,10 @@ def worst_case_jobs(targets) -> list:
                     packed = replace(cfg, suffix=replace(cfg.suffix, kv_heads=WORST_CASE_KV_HEADS))
                     jobs.append(cs.fused_job(config=packed, variant=f"{mode}/kv_heads={WORST_CASE_KV_HEADS}",
                                              has_lse=True, has_shared=False, **common))
+                if head_dim == KV_HEADS_MAX_BLOCK_D and pdl_refusal(is_hip=target.is_hip, arch=target.arch,
+                                                                    interpreted=False) is None:
+                    jobs.append(cs.fused_job(config=cfg, variant=mode, has_lse=True, has_shared=has_shared,
+                                             pdl=True, **common))
                 if head_dim in extremes:
                     specs = cs.feature_specs(target, WORST_CASE_DTYPE, worst_case_only=True)
                     if not has_shared:

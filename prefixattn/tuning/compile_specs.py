@@ -98,6 +98,8 @@ class CompileJob:
     max_registers: int = 0
     #: a Hopper build: its PTX must hold TMA loads, warpgroup MMAs and setmaxnreg (warp specialization)
     require_hopper: bool = False
+    #: a launch chained by PDL: its PTX must signal its dependents and wait for the launch before it (griddepcontrol)
+    require_pdl: bool = False
 
 
 def _specialize(name: str, value, dtype: str | None, target: Target):
@@ -185,7 +187,8 @@ def _param_names(fn_path: str) -> list[str]:
 
 def fused_job(*, target: Target, dtype: str, head_dim: int, config: AttentionConfig, variant: str,
               has_lse: bool, has_shared: bool = True, default: bool = True, param_names=None,
-              features: tuple = (), kv_dtype: str | None = None, v_head_dim: int | None = None) -> CompileJob:
+              features: tuple = (), kv_dtype: str | None = None, v_head_dim: int | None = None,
+              pdl: bool = False) -> CompileJob:
     """The fused kernel's binary of one work class with ``config`` (``param_names``: the kernel's arguments;
     imported when not given).
 
@@ -193,7 +196,9 @@ def fused_job(*, target: Target, dtype: str, head_dim: int, config: AttentionCon
     (``config.suffix`` under ``config.suffix_launch``; the decode class of a decode config, the chunk class of a
     chunked-prefill one). ``features``: feature switches to turn on (of :data:`FEATURE_SWITCHES`); ``kv_dtype``: the
     K/V cache element type when it differs from ``dtype`` (fp8); ``v_head_dim``: V's head size where it differs
-    from ``head_dim`` (``config`` is then the tiles of the wider one, as a plan picks them).
+    from ``head_dim`` (``config`` is then the tiles of the wider one, as a plan picks them); ``pdl``: the binary of a
+    launch chained by programmatic dependent launch (``USE_PDL``, launched with ``launch_pdl``:
+    :mod:`prefixattn.autotune.pdl`).
     """
     bd = block_d(head_dim)
     own_v = v_head_dim is not None and v_head_dim != head_dim
@@ -212,7 +217,8 @@ def fused_job(*, target: Target, dtype: str, head_dim: int, config: AttentionCon
     heads = 1 if has_shared else min(packed_kv_heads(tiles.kv_heads, block_d=bd_tiles, nan_guard=nan_guard),
                                      block_n)
     constexprs = dict(IS_SHARED=has_shared, HAS_LSE=has_lse, USE_FP32_DOT=use_fp32_dot, IS_HIP=target.is_hip,
-                      USE_L2_FENCES=writes_own_l2_fences(target.arch), PAGE_SIZE=page_size_constexpr(BLOCK_SIZE),
+                      USE_L2_FENCES=writes_own_l2_fences(target.arch), USE_PDL=pdl,
+                      PAGE_SIZE=page_size_constexpr(BLOCK_SIZE),
                       KV_HEADS=heads, BLOCK_M=tiles.block_m, BLOCK_N=block_n // heads, BLOCK_D=bd,
                       HAS_V_HEAD_DIM=own_v, BLOCK_DV=bdv)
     for switch in FEATURE_SWITCHES:
@@ -233,12 +239,14 @@ def fused_job(*, target: Target, dtype: str, head_dim: int, config: AttentionCon
             + (f"{RULE_MARK}w{launch.num_warps}s{launch.num_stages}" if launch != config.launch_for(has_shared)
                else "")
             + (f"r{launch.maxnreg}" if launch.maxnreg else "")
-            + (f"{RULE_MARK}n{block_n}" if block_n != tiles.block_n else ""))  # the fp8 and NaN-guard rules
+            + (f"{RULE_MARK}n{block_n}" if block_n != tiles.block_n else "")  # the fp8 and NaN-guard rules
+            + ("+pdl" if pdl else ""))
     serves = (variant, "split_k", "in-kernel merge") if has_shared else (variant + " without shared nodes", "split_k")
+    options = {**launch.compile_options(target), **({"launch_pdl": True} if pdl else {})}
     return CompileJob(
         kernel="prefix_attention", variant=name, dtype=dtype, head_dim=head_dim,
         target=target.name, config_name=config.short(), config=config.to_dict(), fn=FUSED_KERNEL, signature=sig,
-        constexprs=consts, attrs=attrs, options=launch.compile_options(target), default=default,
+        constexprs=consts, attrs=attrs, options=options, default=default, require_pdl=pdl,
         shared_dots=((bm, bd, bn), (bm, bn, bdv)) if has_shared else (), serves=serves,
         # IEEE fp32 dots have no tensor-core path on NVIDIA (tf32 would break the fp32 tolerance): CUDA cores there.
         require_matrix=has_shared and (dtype != "fp32" or target.is_hip),

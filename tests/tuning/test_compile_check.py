@@ -261,6 +261,20 @@ def _packed_decode_binaries(target_name):
             if mode == "decode" and not has_shared}
 
 
+def _pdl_binaries(target_name):
+    """(head_dim, variant, config name) of the binaries the worst case compiles as launches chained by PDL: every
+    class binary at ``KV_HEADS_MAX_BLOCK_D``, on the targets that have grid dependency control."""
+    from prefixattn.autotune.config_space import KV_HEADS_MAX_BLOCK_D
+    from prefixattn.tuning.compile_check import class_binaries, default_attention_configs
+
+    target = TARGETS[target_name]
+    if target.is_hip or target.arch < 90:
+        return set()
+    hd = KV_HEADS_MAX_BLOCK_D
+    return {(hd, mode + ("" if has_shared else "/suffix-only") + "+lse+pdl", cfg.short())
+            for mode, cfg, has_shared in class_binaries(default_attention_configs(target, hd, "bf16"))}
+
+
 def _own_v_binaries(target_name):
     """(head_dim, variant, config name) of the binaries the worst case compiles with keys and values of their own
     head sizes: the class binaries of the tabled rows of their padded head size, on its targets only."""
@@ -280,7 +294,8 @@ def _own_v_binaries(target_name):
 def test_worst_case_selection_covers_every_shipped_binary_and_feature_axis(tmp_path):
     """CI's compile-check (``--worst-case``, ~8 minutes on 2 cores): every shipped bf16 binary, and at the extreme
     head sizes the feature switches over each fp8 type, compile without spills at the promised pipeline depth; so do
-    the MLA kernel's, the decode binaries with several KV heads per program and the matrix classes' Hopper build."""
+    the MLA kernel's, the decode binaries with several KV heads per program, the class binaries chained by PDL (with
+    their grid dependency control: failures() requires it) and the matrix classes' Hopper build."""
     from prefixattn.autotune.config_space import FP8_SUFFIX_MAX_STAGES, HEAD_DIMS
     from prefixattn.tuning.compile_specs import fp8_kv_types
 
@@ -304,7 +319,10 @@ def test_worst_case_selection_covers_every_shipped_binary_and_feature_axis(tmp_p
                if r["target"] == name and r["dtype"] == "bf16"}
         packed = {b for b in got if "/kv_heads=" in b[1]}
         own_v = {b for b in got if re.search(r"\+v\d+$", b[1])}
-        assert got - packed - own_v == _shipped_binaries(name)
+        chained = {b for b in got if b[1].endswith("+pdl")}
+        assert got - packed - own_v - chained == _shipped_binaries(name)
+        # And sm90's class binaries at KV_HEADS_MAX_BLOCK_D as launches chained by PDL.
+        assert chained == _pdl_binaries(name)
         # And sm90's binaries of keys and values of their own head sizes.
         assert own_v == _own_v_binaries(name)
         # And each decode binary at KV_HEADS_MAX_BLOCK_D with WORST_CASE_KV_HEADS KV heads per program.
@@ -356,6 +374,9 @@ def test_worst_case_selection_covers_every_shipped_binary_and_feature_axis(tmp_p
         + [("sm90", hd, f"hopper-{c}+lse+soft_cap+window+sinks") for hd in (min(HEAD_DIMS), max(HEAD_DIMS))
            if hd in served for c in ("shared", "chunk")])
     assert all(r["hopper"]["tma"] and r["hopper"]["setmaxnreg"] and r["hopper"]["wgmma"] for r in hopper)
+    # The PDL launches signal their dependents and wait for their predecessor (failures() requires both).
+    chained = [r for r in records if r["variant"].endswith("+pdl")]
+    assert chained and all(r["pdl"]["launch_dependents"] and r["pdl"]["wait"] for r in chained)
     # The MLA kernel's three class binaries on every target, bf16, and on sm90 over an e5m2 latent too.
     assert sorted((r["target"], r["variant"]) for r in records if r["kernel"] == "mla_attention") == sorted(
         (name, f"{cls}+lse{kv}") for name in ("sm80", "sm90", "gfx90a", "gfx942")
@@ -392,7 +413,8 @@ def test_worst_case_selection_fails_on_a_spilling_table_entry(monkeypatch):
     assert table != shipped
     monkeypatch.setattr(lookup, "load_shipped", lambda name: table)
     jobs = [j for j in compile_check.worst_case_jobs([TARGETS["sm90"]])
-            if j.config_name == spilling.short() and j.kernel == "prefix_attention"]  # not its Hopper build's
+            if j.config_name == spilling.short() and j.kernel == "prefix_attention"  # not its Hopper build's
+            and not j.require_pdl]  # nor its binaries chained by PDL (the same tiles)
     assert [j.variant for j in jobs] == ["decode+lse", "decode/suffix-only+lse"]
     shared, suffix = compile_check.run_jobs(jobs, workers=1)
     assert any(why.startswith("spills") for why in compile_check.failures(shared)), shared

@@ -1,0 +1,79 @@
+"""Whether a plan's work-class launches chain by programmatic dependent launch (PDL, sm_90 and newer): asked for
+(``PREFIXATTN_PDL=1``), and where it is served (:func:`pdl_choice`), decided here and nowhere else, reported in
+``Plan.stats`` (``pdl``, ``pdl_why``).
+
+In series, a step's launches (shared, chunk, decode: one per work class) each wait for the one before to complete:
+the SMs its last wave leaves stay idle until it drains, and the next launch starts after a gap. Under PDL every
+program of a launch signals at its start that the next launch may begin (``griddepcontrol.launch_dependents``), and
+the launches after the first are launched as its dependents: the next class's programs are placed on the SMs as the
+previous class's programs leave them. No program waits on another (the merge's last arriver merges a row, whichever
+launch makes it), so nothing else changes but one rule: what follows the step on the stream waits only for its last
+launch, so program 0 of every launch waits for the launch before it to complete (``griddepcontrol.wait``) before it
+exits, and the step's last launch completes after all of them. Its inputs (q, the caches, the plan's tables) were
+written before the step's first launch began, so a dependent launch reads them without waiting.
+
+The Hopper build (:mod:`prefixattn.autotune.builds`) has no PDL: its launch starts after the one before completes and
+its own dependents start when it completes, as in series. Off by default until the GPU check has measured it (the
+``prefixattn-pdl`` provider), and never in Triton's interpreter, on AMD or before sm_90.
+
+No torch or triton import here: the planner and the compile-check share it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+#: The environment variable that asks for PDL: ``1`` (on) or ``0`` (off, the default).
+PDL_ENV = "PREFIXATTN_PDL"
+#: The first NVIDIA architecture with grid dependency control (``griddepcontrol``).
+PDL_MIN_ARCH = 90
+
+_requested: list = []  # the environment's request, read once; asking_for_pdl's overrides after it
+
+
+def requested_pdl() -> bool:
+    """Whether PDL is asked for: the innermost :func:`asking_for_pdl`, else ``PREFIXATTN_PDL`` (``0`` or ``1``;
+    default ``0``), read once per process (an environment read costs ~0.8 us, every plan would pay it).
+    ``ValueError`` naming the variable for another value."""
+    if not _requested:
+        value = os.environ.get(PDL_ENV, "0")
+        if value not in ("0", "1"):
+            raise ValueError(f"{PDL_ENV}: expected 0 or 1, got {value!r}")
+        _requested.append(value == "1")
+    return _requested[-1]
+
+
+@contextlib.contextmanager
+def asking_for_pdl(on: bool):
+    """Plans made inside ask for PDL (``on``) or not, whatever the environment says (the GPU check times both in one
+    process; tests)."""
+    if not isinstance(on, bool):
+        raise ValueError(f"asking_for_pdl: expected a bool, got {on!r}")
+    requested_pdl()  # the environment's value stays first
+    _requested.append(on)
+    try:
+        yield
+    finally:
+        _requested.pop()
+
+
+def pdl_refusal(*, is_hip: bool, arch, interpreted: bool) -> str | None:
+    """Why a plan's launches on this device cannot chain by PDL (None: they can). ``arch``: the compute capability
+    as an int (``90``), the gfx ISA, or None off a GPU; ``interpreted``: the kernels run in Triton's interpreter."""
+    if interpreted:
+        return "the kernels run in Triton's interpreter, which has no grid dependency control"
+    if is_hip or not isinstance(arch, int) or arch < PDL_MIN_ARCH:
+        return f"NVIDIA sm_{PDL_MIN_ARCH} and newer only (griddepcontrol), not {arch}"
+    return None
+
+
+def pdl_choice(requested: bool, **device) -> tuple[bool, str]:
+    """``(on, why)``: whether a plan's launches chain by PDL, and why. ``requested``: :func:`requested_pdl`'s;
+    ``device``: :func:`pdl_refusal`'s arguments."""
+    if not requested:
+        return False, f"the default ({PDL_ENV}=1 asks for it)"
+    refusal = pdl_refusal(**device)
+    if refusal is not None:
+        return False, f"PDL serves {refusal}"
+    return True, f"asked for ({PDL_ENV}=1), and this device serves it"

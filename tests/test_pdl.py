@@ -1,0 +1,110 @@
+"""Programmatic dependent launch of a step's class launches (prefixattn/autotune/pdl.py: the one decision, in
+Plan.stats) and how the launches are chained (launcher.chained_by_pdl). Grid dependency control needs an sm_90 GPU:
+here the launches go to a recording stand-in; tests/tuning/test_pdl_binary.py compiles the binaries."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prefixattn import attention, launcher, plan, plan_mla, prefix_attention
+from prefixattn.autotune import pdl
+from prefixattn.autotune.builds import HOPPER, asking_for
+from prefixattn.autotune.pdl import PDL_ENV, asking_for_pdl, pdl_choice, pdl_refusal
+from prefixattn.kernels import hopper_attention_kernel as hopper_module
+from prefixattn.kernels.layout import CLASS_CHUNK, CLASS_DECODE, CLASS_SHARED
+from prefixattn.planner import plans
+from tests.test_hopper_build import _batch, _Jit
+
+
+def test_off_by_default_and_says_how_to_ask():
+    b = _batch(torch.bfloat16)
+    p = plan(*b.metadata, **b.heads, q_dtype=torch.bfloat16, sharing="always")
+    assert p.pdl is False and p.stats["pdl"] is False and f"{PDL_ENV}=1" in p.stats["pdl_why"]
+
+
+def test_asked_for_in_the_interpreter_stays_off_and_says_why():
+    b = _batch(torch.bfloat16)
+    with asking_for_pdl(True):
+        p = plan(*b.metadata, **b.heads, q_dtype=torch.bfloat16, sharing="always")
+    assert p.pdl is False and "interpreter" in p.stats["pdl_why"]
+
+
+@pytest.mark.parametrize("is_hip, arch, on", [(False, 90, True), (False, 100, True), (False, 80, False),
+                                              (True, "gfx942", False), (False, None, False)])
+def test_served_on_nvidia_sm90_and_newer(is_hip, arch, on):
+    assert (pdl_refusal(is_hip=is_hip, arch=arch, interpreted=False) is None) == on
+    got, why = pdl_choice(True, is_hip=is_hip, arch=arch, interpreted=False)
+    assert got == on and (("asked for" in why) if on else (f"sm_{pdl.PDL_MIN_ARCH}" in why))
+    assert pdl_choice(False, is_hip=is_hip, arch=arch, interpreted=False)[0] is False
+
+
+def test_the_environment_asks_once_and_refuses_what_it_does_not_know(monkeypatch):
+    monkeypatch.setattr(pdl, "_requested", [])
+    monkeypatch.setenv(PDL_ENV, "yes")
+    with pytest.raises(ValueError, match="PREFIXATTN_PDL: expected 0 or 1, got 'yes'"):
+        pdl.requested_pdl()
+    monkeypatch.setenv(PDL_ENV, "1")
+    assert pdl.requested_pdl() is True
+    monkeypatch.setenv(PDL_ENV, "0")  # read once: a later change does not move it
+    assert pdl.requested_pdl() is True
+    with asking_for_pdl(False):
+        assert pdl.requested_pdl() is False
+    assert pdl.requested_pdl() is True
+    with pytest.raises(ValueError, match="asking_for_pdl: expected a bool, got 1"):
+        with asking_for_pdl(1):
+            pass
+
+
+@pytest.fixture
+def on_sm90(monkeypatch):
+    """Plans for an sm_90 device with compiled kernels, whose launches are recorded by stand-ins (the JIT path)."""
+    log: list = []
+    monkeypatch.setattr(plans, "_KERNELS_INTERPRETED", False)
+    monkeypatch.setattr(plans, "_device_arch", lambda device: (False, 90))
+    portable = _Jit(prefix_attention.prefix_attention_kernel, log)
+    hopper = _Jit(hopper_module.hopper_attention_kernel, log)
+    monkeypatch.setattr(prefix_attention, "prefix_attention_kernel", portable)
+    monkeypatch.setattr(hopper_module, "hopper_attention_kernel", hopper)
+    monkeypatch.setattr(launcher, "ALLOW_DIRECT", False)
+    with asking_for_pdl(True):
+        yield log, portable, hopper
+
+
+def test_every_launch_after_the_first_is_its_predecessors_dependent(on_sm90):
+    log, portable, _ = on_sm90
+    b = _batch(torch.bfloat16)
+    p = plan(*b.metadata, **b.heads, q_dtype=torch.bfloat16, sharing="always")
+    assert p.pdl is True and p.work_classes == (CLASS_SHARED, CLASS_CHUNK, CLASS_DECODE), p.stats
+    attention(b.q, b.k_cache, b.v_cache, p)
+    assert [args["USE_PDL"] for _, args, _ in log] == [True] * 3  # each signals its dependents
+    assert [options.get("launch_pdl", False) for options in portable.options] == [False, True, True]
+
+
+def test_the_hopper_build_keeps_ordinary_launches(on_sm90):
+    log, portable, hopper = on_sm90
+    b = _batch(torch.bfloat16)
+    with asking_for(HOPPER):
+        p = plan(*b.metadata, **b.heads, q_dtype=torch.bfloat16, sharing="always")
+    assert p.pdl is True and p.shared_build == p.chunk_build == HOPPER
+    attention(b.q, b.k_cache, b.v_cache, p)
+    assert [(name, args["USE_PDL"]) for name, args, _ in log] == [
+        ("hopper_attention_kernel", False), ("hopper_attention_kernel", False), ("prefix_attention_kernel", True)]
+    assert all("launch_pdl" not in options for options in hopper.options)
+    assert portable.options == [{**portable.options[0], "launch_pdl": True}]  # after a launch, whichever build
+
+
+def test_a_side_streams_first_launch_starts_its_own_chain():
+    per_class = [((4,), {"A": 1}, {"num_warps": 4}), ((4,), {"A": 2}, {"num_warps": 8}),
+                 ((4,), {"A": 3}, {"num_warps": 4})]
+    chained = launcher.chained_by_pdl(per_class, beside_from=2)
+    assert [options.get("launch_pdl", False) for _, _, options in chained] == [False, True, False]
+    assert [options.get("launch_pdl", False) for _, _, options in launcher.chained_by_pdl(per_class)] == \
+        [False, True, True]
+    assert per_class[1][2] == {"num_warps": 8}  # not changed in place
+
+
+def test_mla_plans_stay_in_series(on_sm90):
+    qo, lens, table = torch.tensor([0, 1, 2]), torch.tensor([40, 40]), torch.tensor([[0, 1, 2], [0, 1, 3]])
+    p = plan_mla(qo, lens, table, block_size=16, num_heads=16, sm_scale=0.1, q_dtype=torch.bfloat16)
+    assert p.pdl is False and "MLA" in p.stats["pdl_why"]
