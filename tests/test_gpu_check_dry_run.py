@@ -115,6 +115,11 @@ def _check_timing(rows, by) -> None:
     assert not [s for p, s in timed if p == "prefixattn-hopper"]
     assert {u for p, u in not_run if p == "prefixattn-hopper"} == {
         "reason: its correctness cases did not pass: dry run: the interpreter has no Gluon"}
+    # So are the launches chained by PDL, which the interpreter does not chain.
+    assert not [s for p, s in timed if p == "prefixattn-pdl"]
+    assert {u for p, u in not_run if p == "prefixattn-pdl"} == {
+        "reason: its correctness cases did not pass: no plan chains its launches by PDL here (sm_90 and newer, "
+        "compiled kernels)"}
     for metric in ("floor_memory_us", "floor_compute_us", "floor_overlapped_us", "floor_serial_us",
                    "best_unique_gbps"):
         assert len(by("attention_gpu_time", metric)) == 2, metric

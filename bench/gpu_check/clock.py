@@ -32,12 +32,15 @@ NEED_ATTENTION_RATE = frozenset({"timing", "model_step"})
 #: Class rates (not yet run): 2 shapes x 3 providers of ~6-7 ms runs (2.2-2.4 TFLOP at ~340-580 TFLOP/s), the fa2
 #: prefill's plan, one reference of 256 rows each, and a compile where the paged chunks' tiles are not the dense
 #: prefill's (the ceilings step compiled that one): ~30-45 s; with the Hopper build (2 more runs, ~5 s) after its
-#: correctness cases, which in a call without the correctness step run here (their child: at most 80 s). The timing step's packed-KV-heads runs (not yet run): 9
-#: decode shapes, ~1-2 s each, and 3 compiles of ~5 s (GQA 32:4, 32:8, MHA): ~30 s more in its budget (the tail's
-#: shapes are cut first). The correctness step's cases on the matrix classes' Hopper build (not yet run): a child
-#: process (~5 s to start CUDA), its compiles (~2-3 s a variant: shared and chunk, 2 dtypes, 2 head sizes, features)
-#: and ~12 cases: ~50 s more, at most 80.
-BUDGET_S = {"correctness": 220, "ceilings": 30, "graphs": 20, "eager_small": 15, "plan_ahead": 10, "sanitizer": 60,
+#: correctness cases, which in a call without the correctness step run here (their child: at most 80 s). The timing
+#: step's packed-KV-heads runs (not yet run): 9 decode shapes, ~1-2 s each, and 3 compiles of ~5 s (GQA 32:4, 32:8,
+#: MHA): ~30 s more in its budget (the tail's shapes are cut first); its PDL runs (not yet run): 11 shapes, ~1-2 s
+#: each, and a compile of ~3-5 s per class binary the correctness step did not compile with PDL. The correctness
+#: step's cases on the matrix classes' Hopper build (not yet run): a child process (~5 s to start CUDA), its compiles
+#: (~2-3 s a variant: shared and chunk, 2 dtypes, 2 head sizes, features) and ~12 cases: ~50 s more, at most 80. Its
+#: production-layout cases again with their launches chained by PDL (not yet run): ~5 compiles of ~3 s and runs:
+#: ~25 s more.
+BUDGET_S = {"correctness": 245, "ceilings": 30, "graphs": 20, "eager_small": 15, "plan_ahead": 10, "sanitizer": 60,
             "timing": 170, "model_step": 110, "class_rates": 130, "mla": 155, "hbm_bytes": 90, "whole_batch": 120}
 #: Seconds a step leaves for the steps after it that the run must still reach: the timing step stops in time for
 #: the model step (its shapes are cut from the tail), whatever the FlashInfer JIT wait before it took.

@@ -20,16 +20,19 @@ def _bits(t):
 
 
 def check_case(case, scale: int, device: str, seed: int, build: str = "portable",
-               features: dict | None = None) -> dict | None:
+               features: dict | None = None, pdl: bool = False) -> dict | None:
     """One correctness case: NaN-poisoned out and q padding, REPEATS runs bit-identical, fp64 reference. ``build``:
     the build the plan asks for (``prefixattn.autotune.builds``); None where no class of the plan takes it (no
     shared or chunk class, or shapes it does not serve). ``features``: ``window_left``/``logits_soft_cap`` (plan
-    options) and ``sinks`` (True: a random logit per query head), applied to the reference too."""
+    options) and ``sinks`` (True: a random logit per query head), applied to the reference too. ``pdl``: the plan
+    asks for launches chained by PDL (``prefixattn.autotune.pdl``); None where it has fewer than two launches or
+    does not chain them."""
     import torch
 
     import prefixattn
     from gpu_check.cases import PAD_ROWS, build_case
     from prefixattn.autotune.builds import asking_for
+    from prefixattn.autotune.pdl import asking_for_pdl
     from tests.tolerances import ATTENTION_TOL, LSE_TOL
 
     b, options = build_case(case, scale, seed)
@@ -40,9 +43,11 @@ def check_case(case, scale: int, device: str, seed: int, build: str = "portable"
     calls = {}  # attention()'s and the reference's own arguments
     if features.get("sinks"):
         calls["sinks"] = torch.randn(b.heads["num_qo_heads"], generator=torch.Generator().manual_seed(seed)).to(device)
-    with asking_for(build):
+    with asking_for(build), asking_for_pdl(pdl):
         p = prefixattn.plan(*meta, **b.heads, q_dtype=case.dtype, **options, **model)
     if build != "portable" and build not in map(p.build_of, p.work_classes):
+        return None
+    if pdl and (not p.pdl or p.num_launches < 2):
         return None
     n = p.num_tokens
     q = torch.cat([q, torch.full((PAD_ROWS, *q.shape[1:]), float("nan"), dtype=q.dtype, device=device)])
@@ -87,7 +92,40 @@ def step_correctness(args, results, skips, device: str) -> None:
         except Exception as exc:  # a crash is a failed case with its reason, not the end of the run
             r = dict(passed=False, error=f"{type(exc).__name__}: {exc}"[:300])
         _record(results, "prefixattn", case.name, r, time.monotonic() - start)
+    _pdl_cases(results, clock, scale, device)
     _hopper_cases(args, results, clock, scale)
+
+
+#: The launches chained by PDL in this process: None until the correctness step checked them, else
+#: ``(passed, why)``; the timing step times ``prefixattn-pdl`` only after they passed (gpu_check.timing).
+PDL_VERDICT: list = []
+#: The cases checked again with their launches chained by PDL (``prefixattn-pdl``, sm_90 and newer): the production
+#: layout's (bf16, head_dim 128, GQA 8, 16-token pages), of which those whose plan has two launches or more run (a
+#: PDL binary is its own compile: ~5 compiles and runs, ~25 s).
+PDL_CASE_LAYOUT = "/bfloat16/d128/gqa8/page16"
+
+
+def _pdl_cases(results, clock, scale: int, device: str) -> None:
+    """The production layout's cases whose plan chains two or more launches by PDL, again with it (in this process:
+    grid dependency control changes when a launch starts, not what a program reads)."""
+    from gpu_check.cases import correctness_cases
+
+    got = []
+    for i, case in enumerate(correctness_cases()):
+        if not case.name.endswith(PDL_CASE_LAYOUT) or clock.expired([case.name]):
+            continue
+        start = time.monotonic()
+        try:
+            r = check_case(case, scale, device, seed=i, pdl=True)
+        except Exception as exc:  # noqa: BLE001 - a crash is a failed case with its reason
+            r = dict(passed=False, error=f"{type(exc).__name__}: {exc}"[:300])
+        if r is not None:
+            _record(results, "prefixattn-pdl", case.name, r, time.monotonic() - start)
+            got.append(r["passed"])
+    why = ("no plan chains its launches by PDL here (sm_90 and newer, compiled kernels)" if not got else
+           f"{got.count(False)} of {len(got)} cases failed" if not all(got) else f"{len(got)} cases passed")
+    PDL_VERDICT[:] = [bool(got) and all(got), why]
+    print(f"[correctness] prefixattn-pdl: {why}", flush=True)
 
 
 #: The Hopper build's verdict in this process: None until the correctness step checked it, else

@@ -13,8 +13,10 @@ steps run eagerly.
 Providers: ``prefixattn`` (free ``plan()`` once per step, one launch per work class per layer),
 ``prefixattn-nosharing`` (``sharing="never"``), ``flashinfer-best`` (FlashInfer without sharing, what vLLM runs: the
 fastest of the configurations of bench/peers/flashinfer.py that take the step, chosen by their attention time, the
-choice recorded), both cascades (oracle prefix groups; FlashInfer's wrapper and its fa2 levels) and, on a mixed
-step whose plan overlaps, ``prefixattn-overlap`` (``overlap=True``: its decode launch beside the others). Per step and
+choice recorded), both cascades (oracle prefix groups; FlashInfer's wrapper and its fa2 levels), on a mixed step
+whose plan overlaps, ``prefixattn-overlap`` (``overlap=True``: its decode launch beside the others) and, on a step
+with two launches or more once the correctness step's PDL cases passed, ``prefixattn-pdl`` (its launches chained by
+programmatic dependent launch). Per step and
 provider: the step time, the attention time (the same 32 attention calls alone, timed the same way), attention's
 share, tokens/s and the ``bound``: the step with attention at the sharing floor (the step's distinct KV + q + out per
 layer at the HBM rate, or its attention FLOPs at the attention rate). prefixattn's work classes are timed alone on
@@ -69,6 +71,10 @@ PROVIDERS = ("prefixattn", "prefixattn-nosharing", "flashinfer-cascade2", "flash
 #: Timed on the mixed steps whose plan overlaps its classes (``plan(overlap=True)``: the decode launch beside the
 #: chunk and shared launches); not a calibration input of the simulator (it models the classes in series).
 OVERLAP = "prefixattn-overlap"
+#: Timed on the steps whose plan chains two launches or more by programmatic dependent launch (``PREFIXATTN_PDL=1``:
+#: each layer's launches after the first start as their predecessor's programs leave), once the correctness step's
+#: PDL cases passed in this process; not a calibration input either.
+PDL = "prefixattn-pdl"
 #: Simulator kernel kind of each provider (prefixattn.sim.step_cost): the calibration's input.
 SIM_KERNEL = {"prefixattn": ("fused", True), "prefixattn-nosharing": ("fused", True),
               "flashinfer-best": ("paged", False), "flashinfer-cascade2": ("cascade", False),
@@ -181,13 +187,15 @@ def make_attend(provider: str, meta, model, graph: bool):
 
     import prefixattn
     from peers.flashinfer import plan_peer
+    from prefixattn.autotune.pdl import asking_for_pdl
 
     if provider.startswith("prefixattn"):
-        p = prefixattn.plan(meta.qo_indptr, meta.kv_lens, meta.block_table, block_size=meta.block_size,
-                            num_qo_heads=meta.num_qo_heads, num_kv_heads=meta.num_kv_heads, head_dim=meta.head_dim,
-                            q_dtype=meta.dtype, num_blocks=model.kv.shape[2],
-                            sharing="never" if provider == "prefixattn-nosharing" else "auto",
-                            overlap=provider == OVERLAP)
+        with asking_for_pdl(provider == PDL):
+            p = prefixattn.plan(meta.qo_indptr, meta.kv_lens, meta.block_table, block_size=meta.block_size,
+                                num_qo_heads=meta.num_qo_heads, num_kv_heads=meta.num_kv_heads,
+                                head_dim=meta.head_dim, q_dtype=meta.dtype, num_blocks=model.kv.shape[2],
+                                sharing="never" if provider == "prefixattn-nosharing" else "auto",
+                                overlap=provider == OVERLAP)
         out = torch.empty(int(meta.qo_indptr[-1]), meta.num_qo_heads, meta.head_dim, dtype=meta.dtype,
                           device=meta.device)
 
@@ -329,6 +337,7 @@ def _time_classes(attend, io, model, timer, results, label, provider) -> None:
 
 
 def _time_step(workload, lay, model, timer, device, results, fi_ready, clock, dry, ceil) -> list:
+    from gpu_check.correctness import PDL_VERDICT
     from gpu_check.model_layout import group_item_span
 
     io, meta, label = _io(lay, model, device), _meta(lay, model, device), _label(workload, lay)
@@ -338,6 +347,8 @@ def _time_step(workload, lay, model, timer, device, results, fi_ready, clock, dr
     attends = {p: p for p in PROVIDERS if not p.startswith("flashinfer") or p in fi_ok}
     if lay.kind == "mixed":
         attends[OVERLAP] = OVERLAP
+    if PDL_VERDICT and PDL_VERDICT[0]:
+        attends[PDL] = PDL
     # FlashInfer best without sharing: the fastest correct candidate by attention time.
     best, best_t = None, None
     for cand in FI_CANDIDATES[lay.kind]:
@@ -358,6 +369,10 @@ def _time_step(workload, lay, model, timer, device, results, fi_ready, clock, dr
             if provider == OVERLAP and not attend.plan.overlapped:
                 print(f"[model_step]   {provider:24s} skipped: the plan runs its classes in series", flush=True)
                 continue
+            if provider == PDL and (not attend.plan.pdl or attend.plan.num_launches < 2):
+                print(f"[model_step]   {provider:24s} skipped: nothing to chain ({attend.plan.stats['pdl_why']}, "
+                      f"{attend.plan.num_launches} launches)", flush=True)
+                continue
             ok, err = _check(attend, io, meta, model)
             results.add(BENCHMARK, provider, label, "correct", float(ok), "bool")
             if not ok:
@@ -365,7 +380,7 @@ def _time_step(workload, lay, model, timer, device, results, fi_ready, clock, dr
                 continue
             step_t = _timed(lambda: model.forward(io, attend), timer, graph)
             attn_t = _timed(lambda: model.attention_only(io, attend), timer, graph)
-            if provider.startswith("prefixattn") and provider != OVERLAP:  # the same classes as prefixattn's
+            if provider.startswith("prefixattn") and provider not in (OVERLAP, PDL):  # prefixattn's classes
                 _time_classes(attend, io, model, timer, results, label, provider)
                 # How together it issues a group's re-reads of its prefix (L2 reuse: the prefix runs' order).
                 results.add(BENCHMARK, provider, label, "group_item_span",

@@ -31,11 +31,13 @@ import time
 TIMING = "attention_gpu_time"
 #: The policy every ratio and floor comparison uses (measure.py's docstring says why).
 HEADLINE = "graph_flushed"
-OURS = ("prefixattn", "prefixattn-nosharing", "prefixattn-overlap", "prefixattn-hopper", "prefixattn-kv-heads")
+OURS = ("prefixattn", "prefixattn-nosharing", "prefixattn-overlap", "prefixattn-hopper", "prefixattn-kv-heads",
+        "prefixattn-pdl")
 #: Ours that time after the peers (the budget cuts a shape's providers from the tail, and the peers are the
 #: comparison the check is for): the matrix classes' Hopper build (its classes alone too: the shared and chunk classes'
-#: times beside the portable build's, prefixattn's), then the packed decode programs.
-AFTER_PEERS = ("prefixattn-hopper", "prefixattn-kv-heads")
+#: times beside the portable build's, prefixattn's), then the packed decode programs, then the launches chained by
+#: PDL.
+AFTER_PEERS = ("prefixattn-hopper", "prefixattn-kv-heads", "prefixattn-pdl")
 #: ``prefixattn-overlap`` runs where its plan overlaps the classes (bench/peers/ours.py) on these scenarios only: a
 #: decode step under a shared prefix overlaps too (its shared and decode launches), but the step's time budget goes
 #: to the mixed steps, where the classes in series cost the most (docs/gpu-check.md).
@@ -46,6 +48,12 @@ OVERLAP_SCENARIOS = ("mixed",)
 #: batch of 256 at GQA 32:8 (Llama-3-8B) and MHA.
 KV_HEADS_SHAPES = ("dry-run:decode", "decode256:0/256/1", "decode32:0/2048/1", "decode256:256/2048/all",
                    "flashinfer:256/1024/128:gqa32/8", "flashinfer:256/1024/512:gqa32/8", "flashinfer:256/1024/128")
+#: ``prefixattn-pdl`` (the step's launches chained by programmatic dependent launch; bench/peers/ours.py) runs on the
+#: mixed steps (three launches) and on these decode steps under a shared prefix (two), where the gap between launches
+#: and the last wave of the first weigh most: a short prefix, and FlashInfer's smallest shared grid shape (~1-2 s a
+#: shape and a compile per class binary, in the step's budget).
+PDL_SCENARIOS = ("mixed",)
+PDL_DECODE_SHAPES = ("dry-run:decode", "decode32:256/2048/all", "flashinfer:64/1024/128:gqa32/8")
 #: A correct provider this much faster than the HBM floor allows is flagged as reading from L2 (``under_hbm_floor``):
 #: run-to-run spread of the graph-replayed medians stays within ~1-2% (bench/results/gpu/nvidia-h200-74e5177.csv,
 #: min against median), so 3% is outside the noise.
@@ -73,6 +81,16 @@ def _prepare(provider: str, batch, fi_ready: dict):
         raise Unavailable(f"timed on {', '.join(OVERLAP_SCENARIOS)} steps only (the step's time budget)")
     if provider == "prefixattn-kv-heads" and batch.shape.paper not in KV_HEADS_SHAPES:
         raise Unavailable("timed on a few decode steps only (the step's time budget: timing.KV_HEADS_SHAPES)")
+    if provider == "prefixattn-pdl":
+        from gpu_check.correctness import PDL_VERDICT
+
+        if batch.shape.scenario not in PDL_SCENARIOS and batch.shape.paper not in PDL_DECODE_SHAPES:
+            raise Unavailable("timed on the mixed steps and a few decode steps only (the step's time budget: "
+                              "timing.PDL_SCENARIOS, timing.PDL_DECODE_SHAPES)")
+        if not PDL_VERDICT or not PDL_VERDICT[0]:
+            raise Unavailable("its correctness cases " + (f"did not pass: {PDL_VERDICT[1]}" if PDL_VERDICT else
+                                                          "did not run in this call (the correctness step checks "
+                                                          "them first)"))
     if provider == "prefixattn-hopper":
         from gpu_check.correctness import HOPPER_VERDICT
 

@@ -6,6 +6,8 @@ only on a batch whose plan overlaps (else it is the ``prefixattn`` run again: :c
 lanes hold (a tile's ``kv_heads``, which no shipped table sets yet: docs/tuning.md), where that is more than one.
 ``prefixattn-hopper`` plans asking for the matrix classes' Hopper build (``PREFIXATTN_BUILD=hopper``:
 :mod:`prefixattn.autotune.builds`), on a batch whose plan has a shared or chunk class the build serves.
+``prefixattn-pdl`` plans asking for its launches chained by programmatic dependent launch (``PREFIXATTN_PDL=1``:
+:mod:`prefixattn.autotune.pdl`), on a batch whose plan has two launches or more and chains them.
 
 ``Prepared.parts`` runs each work class of the plan alone (the per-class times of the GPU check). One class alone
 is no public call: it launches the class's prepared launch through :mod:`prefixattn.prefix_attention`'s own
@@ -26,13 +28,15 @@ from peers.base import Prepared, Unavailable
 from prefixattn import prefix_attention as _attention
 from prefixattn.autotune.builds import HOPPER, asking_for
 from prefixattn.autotune.lookup import fixed_config, select_config
+from prefixattn.autotune.pdl import asking_for_pdl
 from prefixattn.kernels.layout import WORK_CLASSES
 
 
 def prepare(batch, provider: str = "prefixattn") -> Prepared:
     s = batch.shape
     with (fixed_config(packed_decode_config(batch)) if provider == "prefixattn-kv-heads" else nullcontext(),
-          asking_for(HOPPER) if provider == "prefixattn-hopper" else nullcontext()):
+          asking_for(HOPPER) if provider == "prefixattn-hopper" else nullcontext(),
+          asking_for_pdl(provider == "prefixattn-pdl")):
         p = prefixattn.plan(batch.qo_indptr, batch.kv_lens, batch.block_table, block_size=s.block_size,
                             num_qo_heads=s.num_qo_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
                             q_dtype=batch.q.dtype, num_blocks=batch.num_blocks,
@@ -45,6 +49,9 @@ def prepare(batch, provider: str = "prefixattn") -> Prepared:
         raise Unavailable(f"one KV head per decode program here (the tile's {p.tiles.decode.block_m} lanes, "
                           f"{s.num_kv_heads} KV heads of GQA {s.num_qo_heads // s.num_kv_heads}, head_dim "
                           f"{s.head_dim})")
+    if provider == "prefixattn-pdl" and (not p.pdl or p.num_launches < 2):
+        raise Unavailable(f"nothing to chain: {p.stats['pdl_why']}" if not p.pdl else
+                          f"one launch (classes {p.work_classes})")
     if provider == "prefixattn-hopper" and HOPPER not in map(p.build_of, p.work_classes):
         raise Unavailable(f"the portable build: shared class {p.stats['shared_build_why']}; chunk class "
                           f"{p.stats['chunk_build_why']} (classes {p.work_classes})")
@@ -54,14 +61,14 @@ def prepare(batch, provider: str = "prefixattn") -> Prepared:
         return prefixattn.attention(batch.q, batch.k_cache, batch.v_cache, p, out=out)
 
     return Prepared(run=run, labels=dict(out=out, workspace_o=p.ws_o, workspace_lse=p.ws_lse),
-                    notes=f"shared_nodes={len(p.shared_nodes)};items={p.num_items};"
-                          f"overlapped={p.overlapped};shared_build={p.shared_build};chunk_build={p.chunk_build}",
+                    notes=f"shared_nodes={len(p.shared_nodes)};items={p.num_items};overlapped={p.overlapped};"
+                          f"shared_build={p.shared_build};chunk_build={p.chunk_build};pdl={p.pdl}",
                     extra=dict(tile_kv_load_bytes=p.kv_bytes_read(), work_items=p.num_items,
                                shared_nodes=len(p.shared_nodes), kv_heads=p.tiles.decode.kv_heads,
                                **modeled_times(p)),
                     # The classes alone are timed once, on the prefixattn provider (the same launches), and on the
                     # never-share one (no shared class); a packed decode step's time is mostly its decode class.
-                    parts={} if p.overlapped or provider == "prefixattn-kv-heads" else
+                    parts={} if p.overlapped or provider in ("prefixattn-kv-heads", "prefixattn-pdl") else
                     class_runs(p, batch.q, batch.k_cache, batch.v_cache, out),
                     reset=counters_reset(p))
 

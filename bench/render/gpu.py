@@ -146,6 +146,7 @@ def model_rows(rows) -> list[dict]:
         out.append(dict(step=shape, ours=get("prefixattn", "step_us_median"),
                         never=get("prefixattn-nosharing", "step_us_median"),
                         overlap=get("prefixattn-overlap", "step_us_median"),
+                        pdl=get("prefixattn-pdl", "step_us_median"),
                         best=get("flashinfer-best", "step_us_median"), best_name=_best_name(prov),
                         cascade=get("flashinfer-cascade2", "step_us_median"),
                         cascade_fa2=get("flashinfer-cascade2-fa2", "step_us_median"),
@@ -163,14 +164,15 @@ def model_rows(rows) -> list[dict]:
 
 
 def model_table(rows) -> list[str]:
-    lines = head("step", "prefixattn ms", "bound ms", "never-share / overlap ms",
+    lines = head("step", "prefixattn ms", "bound ms", "never-share / overlap / PDL ms",
                  "FlashInfer best, no sharing ms (config)", "cascade fa2 / auto ms", "speedup vs best",
                  "attention share (ours / best)", "unshared reads an L2 could serve", "tokens/s (ours / best)")
     ms = lambda v: None if v is None else v / 1e3  # noqa: E731
     pct = lambda v: "-" if v is None else f"{v:.0%}"  # noqa: E731
     for r in model_rows(rows):
         lines.append(f"| {r['step']}{' (graph)' if r['graph'] else ''} | {fixed(ms(r['ours']), 2)} | "
-                     f"{fixed(ms(r['bound']), 2)} | {fixed(ms(r['never']), 2)} / {fixed(ms(r['overlap']), 2)} | "
+                     f"{fixed(ms(r['bound']), 2)} | {fixed(ms(r['never']), 2)} / {fixed(ms(r['overlap']), 2)} / "
+                     f"{fixed(ms(r['pdl']), 2)} | "
                      f"{fixed(ms(r['best']), 2)} "
                      f"({r['best_name'] or '-'}) | {fixed(ms(r['cascade_fa2']), 2)} / {fixed(ms(r['cascade']), 2)} | "
                      f"{ratio_cell(r['best'], r['ours'])} | {pct(r['share_ours'])} / {pct(r['share_best'])} | "
@@ -265,6 +267,18 @@ def kv_heads_table(rows) -> list[str]:
             lines.append(f"| {shape.split(' [')[0]} | {fixed(ours)} | {fixed(packed[HEAD])} | "
                          f"{fixed(packed.get('kv_heads'), 0)} | {ratio_cell(ours, packed[HEAD])} |")
     return head("shape", "prefixattn us", "packed us", "KV heads a program", "speedup") + lines if lines else []
+
+
+def pdl_table(rows) -> list[str]:
+    """Per timing shape where the step's launches ran chained by PDL (``prefixattn-pdl``): prefixattn's headline
+    time (its launches in series) and the chained one's; empty where it ran nowhere."""
+    lines = []
+    for shape, prov in index(rows).get(TIMING, {}).items():
+        chained = prov.get("prefixattn-pdl", {}).get(HEAD)
+        if chained is not None:
+            ours = prov.get("prefixattn", {}).get(HEAD)
+            lines.append(f"| {shape.split(' [')[0]} | {fixed(ours)} | {fixed(chained)} | {ratio_cell(ours, chained)} |")
+    return head("shape", "prefixattn us (in series)", "chained by PDL us", "speedup") + lines if lines else []
 
 
 def hopper_table(rows) -> list[str]:
@@ -362,6 +376,11 @@ def summary(rows, *, device: str, commit: str, versions: str, seconds: float, sk
                   "The decode steps again with the shipped decode tile packing as many KV heads into a program as "
                   "its lanes hold (a tile's `kv_heads`, which no shipped table sets: docs/tuning.md), both "
                   "graph-replayed, L2 flushed.", ""] + packed
+    if chained := pdl_table(rows):
+        lines += ["", f"## Launches chained by PDL{' (DRY RUN)' if dry else ''}", "",
+                  "The steps with two launches or more again with each launch after the first started as its "
+                  "predecessor's dependent (`PREFIXATTN_PDL=1`: programmatic dependent launch), each output checked "
+                  "against the reference first, both graph-replayed, L2 flushed.", ""] + chained
     if hopper := hopper_table(rows):
         lines += ["", f"## The matrix classes' Hopper build{' (DRY RUN)' if dry else ''}", "",
                   "The steps with a shared or chunk class again with the Hopper build (`PREFIXATTN_BUILD=hopper`: "

@@ -135,6 +135,14 @@ def test_kv_heads_table_lists_the_decode_steps_that_packed_heads():
     assert gpu.kv_heads_table(_rows()) == []  # nowhere packed: no table
 
 
+def test_pdl_table_lists_the_steps_whose_launches_were_chained():
+    t, shape = "attention_gpu_time", "mixed256:256/2048/all [m]"
+    rows = _rows() + [_row(t, "prefixattn", shape, "graph_flushed_us_median", 3467.0),
+                      _row(t, "prefixattn-pdl", shape, "graph_flushed_us_median", 3300.0)]
+    assert gpu.pdl_table(rows)[2:] == ["| mixed256:256/2048/all | 3,467.0 | 3,300.0 | 1.05x |"]
+    assert gpu.pdl_table(_rows()) == []  # chained nowhere: no table
+
+
 def test_hopper_table_puts_the_hopper_build_beside_the_portable_one():
     t, shape = "attention_gpu_time", "decode256:2048/256/all [s]"
     rows = _rows() + [_row(t, "prefixattn", shape, "graph_flushed_us_median", 300.0),
