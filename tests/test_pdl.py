@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prefixattn import attention, launcher, plan, plan_mla, prefix_attention
+from prefixattn import PrefixSharedAttention, attention, launcher, plan, plan_mla, prefix_attention
 from prefixattn.autotune import pdl
 from prefixattn.autotune.builds import HOPPER, asking_for
 from prefixattn.autotune.pdl import PDL_ENV, asking_for_pdl, pdl_choice, pdl_refusal
@@ -108,3 +108,15 @@ def test_mla_plans_stay_in_series(on_sm90):
     qo, lens, table = torch.tensor([0, 1, 2]), torch.tensor([40, 40]), torch.tensor([[0, 1, 2], [0, 1, 3]])
     p = plan_mla(qo, lens, table, block_size=16, num_heads=16, sm_scale=0.1, q_dtype=torch.bfloat16)
     assert p.pdl is False and "MLA" in p.stats["pdl_why"]
+
+
+def test_a_wrappers_run_chains_its_launches_as_attention_does(on_sm90):
+    log, portable, _ = on_sm90
+    b = _batch(torch.bfloat16)
+    attn = PrefixSharedAttention(**b.heads, q_dtype=torch.bfloat16, max_tokens=64, max_requests=4,
+                                 max_blocks_per_request=8, sharing="always")
+    p = attn.plan(*b.metadata)
+    assert p.pdl is True and len(p.work_classes) == 3
+    attn.run(b.q, b.k_cache, b.v_cache)
+    assert [args["USE_PDL"] for _, args, _ in log] == [True] * 3
+    assert [options.get("launch_pdl", False) for options in portable.options] == [False, True, True]
