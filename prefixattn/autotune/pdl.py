@@ -8,9 +8,9 @@ program of a launch signals at its start that the next launch may begin (``gridd
 the launches after the first are launched as its dependents: the next class's programs are placed on the SMs as the
 previous class's programs leave them. No program waits on another (the merge's last arriver merges a row, whichever
 launch makes it), so nothing else changes but one rule: what follows the step on the stream waits only for its last
-launch, so program 0 of every launch waits for the launch before it to complete (``griddepcontrol.wait``) before it
-exits, and the step's last launch completes after all of them. Its inputs (q, the caches, the plan's tables) were
-written before the step's first launch began, so a dependent launch reads them without waiting.
+launch, so the last program of every launch first waits for the launch before it to complete
+(``griddepcontrol.wait``), and the step's last launch completes after all of them. Its inputs (q, the caches, the
+plan's tables) were written before the step's first launch began, so a dependent launch reads them without waiting.
 
 The Hopper build (:mod:`prefixattn.autotune.builds`) has no PDL: its launch starts after the one before completes and
 its own dependents start when it completes, as in series. Off by default until the GPU check has measured it (the

@@ -29,8 +29,8 @@ def test_a_pdl_job_is_launched_as_a_dependent():
 @pytest.mark.compile
 def test_the_sm90_decode_binary_gains_grid_dependency_control_and_nothing_else():
     """The shipped decode tile (bf16, head_dim 128, LSE): the same registers with and without PDL (the wait sits at
-    the start of the grid's last program: a wait at each program's end kept the program id alive, 82 -> 97
-    registers)."""
+    the start of the grid's last program; program 0 waiting at its end kept the program id alive in every program:
+    82 -> 97 registers)."""
     target = TARGETS["sm90"]
     mode, cfg, has_shared = [b for b in class_binaries(default_attention_configs(target, 128, "bf16"))
                              if b[0] == "decode" and not b[2]][0]
