@@ -4,16 +4,19 @@ here the launches go to a recording stand-in; tests/tuning/test_pdl_binary.py co
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from prefixattn import PrefixSharedAttention, attention, launcher, plan, plan_mla, prefix_attention
 from prefixattn.autotune import pdl
 from prefixattn.autotune.builds import HOPPER, asking_for
+from prefixattn.autotune.lookup import planning_target
 from prefixattn.autotune.pdl import PDL_ENV, asking_for_pdl, pdl_choice, pdl_refusal
 from prefixattn.kernels import hopper_attention_kernel as hopper_module
 from prefixattn.kernels.layout import CLASS_CHUNK, CLASS_DECODE, CLASS_SHARED
 from prefixattn.planner import plans
+from prefixattn.planner.stats import chained_us, modeled_step_us
 from tests.test_hopper_build import _batch, _Jit
 
 
@@ -120,3 +123,33 @@ def test_a_wrappers_run_chains_its_launches_as_attention_does(on_sm90):
     attn.run(b.q, b.k_cache, b.v_cache)
     assert [args["USE_PDL"] for _, args, _ in log] == [True] * 3
     assert [options.get("launch_pdl", False) for options in portable.options] == [False, True, True]
+
+
+def test_the_chained_step_is_the_spread_or_a_class_after_the_ones_before_it():
+    """chained_us (modeled): no gap between launches; each class starts as the ones before it leave the slots."""
+    modeled = np.array([[10.0, 6.0], [0.0, 0.0], [30.0, 25.0]])  # (makespan, ideal): shared, chunk, decode
+    assert chained_us(modeled, (4, 4, 20)) == 36.0  # the shared programs' share, then the decode makespan
+    assert chained_us(np.array([[10.0, 6.0], [0.0, 0.0], [3.0, 2.0]]), (4, 4, 20)) == 10.0  # the shared makespan
+    assert chained_us(np.array([[0.0, 0.0], [0.0, 0.0], [30.0, 25.0]]), (0, 0, 9)) == 30.0  # one launch: its span
+    assert chained_us(np.array([[9.0, 9.0], [8.0, 8.0], [7.0, 7.0]]), (1, 2, 3)) == 24.0  # full waves: their sum
+    assert modeled_step_us(modeled, (4, 4, 20)) == 42.0  # in series: both makespans and a gap
+
+
+def test_candidates_are_priced_chained(on_sm90):
+    """32 decodes of GQA 32:4 under a 256-token prefix (sm90 prices; tests/test_overlap.py's step): in series the
+    shared launch costs more than it saves and the step runs unshared; chained to the decode launch it costs its
+    programs' share of the slots, so a chained plan keeps the node (modeled)."""
+    shared, own, block = 256, 2048, 16
+    rows = [list(range(shared // block)) + [shared // block + r * (own // block) + j for j in range(own // block)]
+            for r in range(32)]
+    metadata = (torch.arange(33, dtype=torch.int32), torch.full((32,), shared + own, dtype=torch.int32),
+                torch.tensor(rows, dtype=torch.int32))
+    options = dict(block_size=block, num_qo_heads=32, num_kv_heads=4, head_dim=128, q_dtype=torch.bfloat16)
+    with planning_target("sm90"):
+        chained = plan(*metadata, **options)
+        with asking_for_pdl(False):
+            serial = plan(*metadata, **options)
+            never = plan(*metadata, **options, sharing="never")
+    assert serial.stats["sharing_declined"] and not serial.shared_nodes and "modeled_pdl_us" not in serial.stats
+    assert chained.pdl and not chained.stats["sharing_declined"] and len(chained.shared_nodes) == 1
+    assert chained.stats["modeled_pdl_us"] < never.stats["modeled_step_us"] < chained.stats["modeled_step_us"]

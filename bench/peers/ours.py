@@ -99,12 +99,14 @@ def class_runs(p, q, k_cache, v_cache, out) -> dict:
 
 def modeled_times(p) -> dict:
     """Plan ``p``'s modeled times (:mod:`prefixattn.autotune.program_cost`, on the planning GPU): ``modeled_step_us``
-    (its classes in series), ``modeled_overlap_us`` where the plan overlaps them, and ``modeled_class_<name>_us`` per
+    (its classes in series), ``modeled_overlap_us`` where the plan overlaps them, ``modeled_pdl_us`` where it chains
+    them by PDL, and ``modeled_class_<name>_us`` per
     class it launches, beside which the GPU check's measured times (the whole call, each class alone) show the cost
     model's error per class and card."""
     stats = p.stats
     return dict(modeled_step_us=stats["modeled_step_us"],
                 **({"modeled_overlap_us": stats["modeled_overlap_us"]} if p.overlapped else {}),
+                **({"modeled_pdl_us": stats["modeled_pdl_us"]} if p.pdl else {}),
                 **{f"modeled_class_{WORK_CLASSES[c]}_us": stats["modeled_class_us"][c] for c in p.work_classes})
 
 

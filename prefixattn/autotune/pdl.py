@@ -12,7 +12,9 @@ launch, so the last program of every launch first waits for the launch before it
 (``griddepcontrol.wait``), and the step's last launch completes after all of them. Its inputs (q, the caches, the
 plan's tables) were written before the step's first launch began, so a dependent launch reads them without waiting.
 
-The Hopper build (:mod:`prefixattn.autotune.builds`) has no PDL: its launch starts after the one before completes and
+A plan that chains its launches prices its sharing candidates so and reports the step's modeled time chained
+(``stats["modeled_pdl_us"]``: :func:`prefixattn.planner.stats.chained_us`, modeled). The Hopper build
+(:mod:`prefixattn.autotune.builds`) has no PDL: its launch starts after the one before completes and
 its own dependents start when it completes, as in series. Off by default until the GPU check has measured it (the
 ``prefixattn-pdl`` provider), and never in Triton's interpreter, on AMD or before sm_90.
 

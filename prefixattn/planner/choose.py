@@ -33,7 +33,7 @@ from prefixattn.planner.node_choice import requests_may_stay_apart
 from prefixattn.planner.options import SHARING_APART
 from prefixattn.planner.overlap import overlap_faster
 from prefixattn.planner.split_rule import Split
-from prefixattn.planner.stats import modeled_faster
+from prefixattn.planner.stats import chained_faster, modeled_faster
 from prefixattn.planner.work_list import SharedNodes
 
 #: The screen prices the unshared candidate (host time) only where the shared launch costs more than this fraction of
@@ -57,12 +57,14 @@ class Choice:
     declined: bool
 
 
-def choose(backend, tree: LcpTree, inputs, o, tiles, *, num_sms: int, costs: tuple, priced: bool) -> Choice:
+def choose(backend, tree: LcpTree, inputs, o, tiles, *, num_sms: int, costs: tuple, priced: bool,
+           chained: bool = False) -> Choice:
     """The nodes and split of the step's plan (module docstring). ``backend``: the planner's stages
     (:mod:`prefixattn.planner.backend`); ``o``: the plan's :class:`~prefixattn.planner.options.PlanOptions`;
     ``costs``: each class's :class:`~prefixattn.autotune.program_cost.ProgramCost`; ``priced``: ``sharing="auto"``
     on a known planning GPU (a host without one, the interpreter, has no launches to price: the cost rule's nodes
-    stand)."""
+    stand); ``chained``: the plan's launches chain by PDL (:mod:`prefixattn.autotune.pdl`), and its candidates are
+    priced so (:func:`~prefixattn.planner.stats.chained_faster`; ``overlap=True`` prices them overlapped first)."""
     def candidate(sharing: str):
         nodes, suffix_start = backend.nodes(tree, inputs, o, tiles, sharing=sharing)
         return nodes, suffix_start, backend.split(nodes, suffix_start, inputs, o, tiles, num_sms=num_sms,
@@ -70,7 +72,8 @@ def choose(backend, tree: LcpTree, inputs, o, tiles, *, num_sms: int, costs: tup
 
     nodes, suffix_start, split = candidate(o.sharing)
     apart = declined = False
-    faster = overlap_faster if o.overlap else modeled_faster  # candidates priced as the step would run
+    # Candidates priced as the step would run.
+    faster = overlap_faster if o.overlap else chained_faster if chained else modeled_faster
     if priced and requests_may_stay_apart(tree, q_len=inputs.q_len, max_q_len=inputs.max_q_len,
                                           shareable=inputs.shareable, group=o.group, head_dim=o.cost_head_dim,
                                           elt_bytes=o.kv_dtype.itemsize, **tiles.tile_rows(o.group).rule_args):

@@ -43,7 +43,7 @@ from prefixattn.planner.choose import choose
 from prefixattn.planner.device_tables import check_workspace_args, device_tables
 from prefixattn.planner.options import MIN_SPLIT_TOKENS, PlanOptions, _default_num_sms, checked_options
 from prefixattn.planner.overlap import overlap_stats
-from prefixattn.planner.stats import modeled_stats
+from prefixattn.planner.stats import chained_us, modeled_stats
 from prefixattn.planner.tiles import AttentionTiles, choose_tiles, fit_kv_heads, mla_tiles, tile_head_dim
 from prefixattn.planner.work_list import SharedNode, SharedNodes, WorkList
 from prefixattn.planner.workspace import PlanWorkspace
@@ -140,7 +140,8 @@ class Plan:
         (``pdl``, ``pdl_why``: :mod:`prefixattn.autotune.pdl`) and modeled times
         (:func:`~prefixattn.planner.stats.modeled_stats`:
         ``modeled_class_us``, ``modeled_step_us``, ``critical_path``; with ``overlap=True`` also ``overlapped`` and
-        ``modeled_overlap_us``: :func:`~prefixattn.planner.overlap.overlap_stats`); a wrapper adds its own entries."""
+        ``modeled_overlap_us``: :func:`~prefixattn.planner.overlap.overlap_stats`; with PDL ``modeled_pdl_us``:
+        :func:`~prefixattn.planner.stats.chained_us`); a wrapper adds its own entries."""
         if "modeled_step_us" not in self.counts:
             self.counts.update(modeled_stats(self.work.modeled_us, self.work.class_ends))
         return self.counts
@@ -372,8 +373,9 @@ def _pipeline(be, o: PlanOptions, qo_indptr, kv_lens, block_table, device, num_b
         costs = class_costs(tiles, head_dim=o.cost_head_dim, dtype=o.q_dtype, kv_bytes=o.kv_dtype.itemsize,
                             target=target)
         chosen = choose(be, tree, inputs, o, tiles, num_sms=num_sms, costs=costs,
-                        priced=o.sharing == "auto" and target is not None)
+                        priced=o.sharing == "auto" and target is not None, chained=pdl)
         overlap = overlap_stats(chosen.split.modeled, chosen.split.class_ends) if o.overlap else {}
+        chain = {"modeled_pdl_us": chained_us(chosen.split.modeled, chosen.split.class_ends)} if pdl else {}
         work, staged, written = be.work_list(chosen.nodes, chosen.split, inputs, o, tiles, workspace=workspace,
                                              width=inputs.width if workspace is None else 0)
         dev = device_tables(work, inputs, workspace=workspace, device_block_table=device_block_table, device=device,
@@ -398,7 +400,7 @@ def _pipeline(be, o: PlanOptions, qo_indptr, kv_lens, block_table, device, num_b
         counts=dict(num_shared_nodes=num_nodes, num_units=work.num_units, num_merge_rows=work.mrows.shape[0],
                     num_ws_rows=work.num_ws_rows, num_sms=num_sms, sharing_declined=chosen.declined,
                     requests_apart=chosen.apart, **builds, pdl=pdl, pdl_why=pdl_why,
-                    **({"mla_form": MLA_FORM} if o.rope_dim else {}), **overlap),
+                    **({"mla_form": MLA_FORM} if o.rope_dim else {}), **overlap, **chain),
         workspace=workspace, workspace_step=workspace.step if workspace is not None else -1,
         overlapped=overlap.get("overlapped", False), shared_build=builds["shared_build"],
         chunk_build=builds["chunk_build"], pdl=pdl,

@@ -1,5 +1,5 @@
-"""``Plan.stats``' modeled entries: the launches' modeled times of a work list or of a split candidate, and the
-comparison of two candidates by them."""
+"""``Plan.stats``' modeled entries: the launches' modeled times of a work list or of a split candidate, in series or
+chained by programmatic dependent launch, and the comparison of two candidates by them."""
 
 from __future__ import annotations
 
@@ -22,6 +22,24 @@ def _step_us(spans: list, class_ends) -> float:
                  + max(0, int(launches) - 1) * LAUNCH_GAP_US, 2)
 
 
+def chained_us(modeled, class_ends) -> float:
+    """The step's modeled time with its launches chained by PDL (:mod:`prefixattn.autotune.pdl`; ``modeled``,
+    ``class_ends``: :func:`modeled_step_us`'): no gap between launches, and a class's programs take the slots as the
+    classes before it leave them, so the step is the longest of all programs' time spread evenly over every slot
+    (the ideals summed) and, per class, the ideals of the classes before it plus its own makespan (its longest
+    programs start no earlier). Optimistic where a class's last wave leaves fewer slots than the next class fills.
+    Rounded to 0.01 us."""
+    spans, ideals = modeled.T.tolist()
+    before = step = 0.0
+    first = 0
+    for c in range(K.NUM_CLASSES):  # the classes with items, in launch order
+        if class_ends[c] > first:
+            step = max(step, before + spans[c])
+            before += ideals[c]
+        first = class_ends[c]
+    return round(max(step, before), 2)
+
+
 def modeled_stats(modeled, class_ends) -> dict:
     """``Plan.stats``' modeled entries (``modeled``, ``class_ends``: :func:`modeled_step_us`'): each class launch's
     makespan, the step (:func:`modeled_step_us`), and the critical path: the makespans' sum over the programs' time
@@ -37,3 +55,9 @@ def modeled_faster(candidate, current) -> bool:
     (:class:`~prefixattn.planner.split_rule.Split` each)."""
     return (modeled_step_us(candidate.modeled, candidate.class_ends)
             < modeled_step_us(current.modeled, current.class_ends))
+
+
+def chained_faster(candidate, current) -> bool:
+    """:func:`modeled_faster` of a plan whose launches chain by PDL: by :func:`chained_us`. A shared launch chained
+    to the decode launch costs its programs' share of the slots, not its makespan and a gap."""
+    return chained_us(candidate.modeled, candidate.class_ends) < chained_us(current.modeled, current.class_ends)
