@@ -271,13 +271,16 @@ def kv_heads_table(rows) -> list[str]:
 
 def pdl_table(rows) -> list[str]:
     """Per timing shape where the step's launches ran chained by PDL (``prefixattn-pdl``): prefixattn's headline
-    time (its launches in series) and the chained one's; empty where it ran nowhere."""
+    time (its launches in series) and the chained one's, each with its modeled time in parentheses; empty where it
+    ran nowhere."""
     lines = []
     for shape, prov in index(rows).get(TIMING, {}).items():
-        chained = prov.get("prefixattn-pdl", {}).get(HEAD)
-        if chained is not None:
-            ours = prov.get("prefixattn", {}).get(HEAD)
-            lines.append(f"| {shape.split(' [')[0]} | {fixed(ours)} | {fixed(chained)} | {ratio_cell(ours, chained)} |")
+        pdl = prov.get("prefixattn-pdl", {})
+        if pdl.get(HEAD) is not None:
+            ours = prov.get("prefixattn", {})
+            lines.append(f"| {shape.split(' [')[0]} | {fixed(ours.get(HEAD))}{_modeled(ours.get('modeled_step_us'))} | "
+                         f"{fixed(pdl[HEAD])}{_modeled(pdl.get('modeled_pdl_us'))} | "
+                         f"{ratio_cell(ours.get(HEAD), pdl[HEAD])} |")
     return head("shape", "prefixattn us (in series)", "chained by PDL us", "speedup") + lines if lines else []
 
 
@@ -380,7 +383,8 @@ def summary(rows, *, device: str, commit: str, versions: str, seconds: float, sk
         lines += ["", f"## Launches chained by PDL{' (DRY RUN)' if dry else ''}", "",
                   "The steps with two launches or more again with each launch after the first started as its "
                   "predecessor's dependent (`PREFIXATTN_PDL=1`: programmatic dependent launch), each output checked "
-                  "against the reference first, both graph-replayed, L2 flushed.", ""] + chained
+                  "against the reference first, both graph-replayed, L2 flushed; the cost model's times in "
+                  "parentheses (modeled).", ""] + chained
     if hopper := hopper_table(rows):
         lines += ["", f"## The matrix classes' Hopper build{' (DRY RUN)' if dry else ''}", "",
                   "The steps with a shared or chunk class again with the Hopper build (`PREFIXATTN_BUILD=hopper`: "

@@ -138,8 +138,9 @@ def test_kv_heads_table_lists_the_decode_steps_that_packed_heads():
 def test_pdl_table_lists_the_steps_whose_launches_were_chained():
     t, shape = "attention_gpu_time", "mixed256:256/2048/all [m]"
     rows = _rows() + [_row(t, "prefixattn", shape, "graph_flushed_us_median", 3467.0),
-                      _row(t, "prefixattn-pdl", shape, "graph_flushed_us_median", 3300.0)]
-    assert gpu.pdl_table(rows)[2:] == ["| mixed256:256/2048/all | 3,467.0 | 3,300.0 | 1.05x |"]
+                      _row(t, "prefixattn-pdl", shape, "graph_flushed_us_median", 3300.0),
+                      _row(t, "prefixattn-pdl", shape, "modeled_pdl_us", 3100.0)]
+    assert gpu.pdl_table(rows)[2:] == ["| mixed256:256/2048/all | 3,467.0 | 3,300.0 (3,100.0) | 1.05x |"]
     assert gpu.pdl_table(_rows()) == []  # chained nowhere: no table
 
 
