@@ -69,7 +69,7 @@ def test_the_nan_guard_keeps_the_shared_class():
 
 
 def test_the_environment_asks_once_and_refuses_what_it_does_not_know(monkeypatch):
-    monkeypatch.setattr(builds, "_requested", [])
+    monkeypatch.setattr(builds._switch, "_stack", [])
     monkeypatch.setenv(builds.BUILD_ENV, "gluon")
     with pytest.raises(ValueError, match="PREFIXATTN_BUILD: expected one of portable, hopper, got 'gluon'"):
         builds.requested_build()

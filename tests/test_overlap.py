@@ -224,16 +224,22 @@ def test_the_engines_switch(monkeypatch):
         overlap_enabled()
 
 
-def test_candidates_are_priced_as_the_step_would_run():
-    """32 decodes of GQA 32:4 under a 256-token prefix, 2,048 tokens each of their own (sm90 prices): in series the
-    shared launch costs more than it saves and the step runs unshared; beside the decode launch it costs less than
-    the reads it saves, so an overlapped plan keeps the node (modeled)."""
+def short_shared_step() -> tuple:
+    """``(metadata, options)`` of 32 decodes of GQA 32:4 under a 256-token prefix, 2,048 tokens each of their own: a
+    step whose shared launch, in series, costs more than it saves (sm90 prices, modeled)."""
     shared, own, block = 256, 2048, 16
     rows = [list(range(shared // block)) + [shared // block + r * (own // block) + j for j in range(own // block)]
             for r in range(32)]
     metadata = (torch.arange(33, dtype=torch.int32), torch.full((32,), shared + own, dtype=torch.int32),
                 torch.tensor(rows, dtype=torch.int32))
-    options = dict(block_size=block, num_qo_heads=32, num_kv_heads=4, head_dim=128, q_dtype=torch.bfloat16)
+    return metadata, dict(block_size=block, num_qo_heads=32, num_kv_heads=4, head_dim=128, q_dtype=torch.bfloat16)
+
+
+def test_candidates_are_priced_as_the_step_would_run():
+    """:func:`short_shared_step` (sm90 prices): in series the shared launch costs more than it saves and the step
+    runs unshared; beside the decode launch it costs less than the reads it saves, so an overlapped plan keeps the
+    node (modeled)."""
+    metadata, options = short_shared_step()
     with planning_target("sm90"):
         serial = plan(*metadata, **options)
         overlapped = plan(*metadata, **options, overlap=True)

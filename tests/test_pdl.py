@@ -18,6 +18,7 @@ from prefixattn.kernels.layout import CLASS_CHUNK, CLASS_DECODE, CLASS_SHARED
 from prefixattn.planner import plans
 from prefixattn.planner.stats import chained_us, modeled_step_us
 from tests.test_hopper_build import _batch, _Jit
+from tests.test_overlap import short_shared_step
 
 
 def test_off_by_default_and_says_how_to_ask():
@@ -43,9 +44,9 @@ def test_served_on_nvidia_sm90_and_newer(is_hip, arch, on):
 
 
 def test_the_environment_asks_once_and_refuses_what_it_does_not_know(monkeypatch):
-    monkeypatch.setattr(pdl, "_requested", [])
+    monkeypatch.setattr(pdl._switch, "_stack", [])
     monkeypatch.setenv(PDL_ENV, "yes")
-    with pytest.raises(ValueError, match="PREFIXATTN_PDL: expected 0 or 1, got 'yes'"):
+    with pytest.raises(ValueError, match="PREFIXATTN_PDL: expected one of 0, 1, got 'yes'"):
         pdl.requested_pdl()
     monkeypatch.setenv(PDL_ENV, "1")
     assert pdl.requested_pdl() is True
@@ -54,7 +55,7 @@ def test_the_environment_asks_once_and_refuses_what_it_does_not_know(monkeypatch
     with asking_for_pdl(False):
         assert pdl.requested_pdl() is False
     assert pdl.requested_pdl() is True
-    with pytest.raises(ValueError, match="asking_for_pdl: expected a bool, got 1"):
+    with pytest.raises(ValueError, match="asking_for_pdl: expected one of False, True, got 1"):
         with asking_for_pdl(1):
             pass
 
@@ -136,15 +137,10 @@ def test_the_chained_step_is_the_spread_or_a_class_after_the_ones_before_it():
 
 
 def test_candidates_are_priced_chained(on_sm90):
-    """32 decodes of GQA 32:4 under a 256-token prefix (sm90 prices; tests/test_overlap.py's step): in series the
-    shared launch costs more than it saves and the step runs unshared; chained to the decode launch it costs its
-    programs' share of the slots, so a chained plan keeps the node (modeled)."""
-    shared, own, block = 256, 2048, 16
-    rows = [list(range(shared // block)) + [shared // block + r * (own // block) + j for j in range(own // block)]
-            for r in range(32)]
-    metadata = (torch.arange(33, dtype=torch.int32), torch.full((32,), shared + own, dtype=torch.int32),
-                torch.tensor(rows, dtype=torch.int32))
-    options = dict(block_size=block, num_qo_heads=32, num_kv_heads=4, head_dim=128, q_dtype=torch.bfloat16)
+    """tests/test_overlap.py's short step (sm90 prices): in series the shared launch costs more than it saves and the
+    step runs unshared; chained to the decode launch it costs its programs' share of the slots, so a chained plan
+    keeps the node (modeled)."""
+    metadata, options = short_shared_step()
     with planning_target("sm90"):
         chained = plan(*metadata, **options)
         with asking_for_pdl(False):

@@ -15,8 +15,7 @@ No torch or triton import here (dtypes by Triton's names, ``"bf16"``): the plann
 
 from __future__ import annotations
 
-import contextlib
-import os
+from prefixattn.autotune.env_switch import EnvSwitch
 
 #: The environment variable that asks for a build of the matrix classes: ``portable`` (the default) or ``hopper``.
 BUILD_ENV = "PREFIXATTN_BUILD"
@@ -51,33 +50,20 @@ HOPPER_ROWS_PER_WARPGROUP = 64
 HOPPER_STAGES = 3
 
 
-_requested: list = []  # the environment's request, read once; asking_for's overrides after it
+#: ``PREFIXATTN_BUILD``, read once per process (:class:`~prefixattn.autotune.env_switch.EnvSwitch`).
+_switch = EnvSwitch(BUILD_ENV, {b: b for b in BUILDS}, PORTABLE, "asking_for")
 
 
 def requested_build() -> str:
     """The build asked for: the innermost :func:`asking_for`, else ``PREFIXATTN_BUILD`` (default ``portable``), read
-    once per process (an environment read costs ~0.8 us, every plan would pay it). ``ValueError`` naming the variable
-    for a value it does not know."""
-    if not _requested:
-        value = os.environ.get(BUILD_ENV, PORTABLE)
-        if value not in BUILDS:
-            raise ValueError(f"{BUILD_ENV}: expected one of {', '.join(BUILDS)}, got {value!r}")
-        _requested.append(value)
-    return _requested[-1]
+    once per process. ``ValueError`` naming the variable for a value it does not know."""
+    return _switch.requested()
 
 
-@contextlib.contextmanager
 def asking_for(build: str):
     """Plans made inside ask for ``build`` (``portable`` or ``hopper``) whatever the environment says (the GPU check
-    times both builds in one process; tests)."""
-    if build not in BUILDS:
-        raise ValueError(f"asking_for: expected one of {', '.join(BUILDS)}, got {build!r}")
-    requested_build()  # the environment's value stays first
-    _requested.append(build)
-    try:
-        yield
-    finally:
-        _requested.pop()
+    times both builds in one process; tests): a context manager."""
+    return _switch.asking_for(build)
 
 
 def hopper_refusal(work_class: str, *, is_hip: bool, arch, dtype: str, kv_dtype: str | None, head_dim: int,

@@ -23,41 +23,27 @@ No torch or triton import here: the planner and the compile-check share it.
 
 from __future__ import annotations
 
-import contextlib
-import os
+from prefixattn.autotune.env_switch import EnvSwitch
 
 #: The environment variable that asks for PDL: ``1`` (on) or ``0`` (off, the default).
 PDL_ENV = "PREFIXATTN_PDL"
 #: The first NVIDIA architecture with grid dependency control (``griddepcontrol``).
 PDL_MIN_ARCH = 90
 
-_requested: list = []  # the environment's request, read once; asking_for_pdl's overrides after it
+#: ``PREFIXATTN_PDL``, read once per process (:class:`~prefixattn.autotune.env_switch.EnvSwitch`).
+_switch = EnvSwitch(PDL_ENV, {"0": False, "1": True}, "0", "asking_for_pdl")
 
 
 def requested_pdl() -> bool:
     """Whether PDL is asked for: the innermost :func:`asking_for_pdl`, else ``PREFIXATTN_PDL`` (``0`` or ``1``;
-    default ``0``), read once per process (an environment read costs ~0.8 us, every plan would pay it).
-    ``ValueError`` naming the variable for another value."""
-    if not _requested:
-        value = os.environ.get(PDL_ENV, "0")
-        if value not in ("0", "1"):
-            raise ValueError(f"{PDL_ENV}: expected 0 or 1, got {value!r}")
-        _requested.append(value == "1")
-    return _requested[-1]
+    default ``0``), read once per process. ``ValueError`` naming the variable for another value."""
+    return _switch.requested()
 
 
-@contextlib.contextmanager
 def asking_for_pdl(on: bool):
     """Plans made inside ask for PDL (``on``) or not, whatever the environment says (the GPU check times both in one
-    process; tests)."""
-    if not isinstance(on, bool):
-        raise ValueError(f"asking_for_pdl: expected a bool, got {on!r}")
-    requested_pdl()  # the environment's value stays first
-    _requested.append(on)
-    try:
-        yield
-    finally:
-        _requested.pop()
+    process; tests): a context manager."""
+    return _switch.asking_for(on)
 
 
 def pdl_refusal(*, is_hip: bool, arch, interpreted: bool) -> str | None:
