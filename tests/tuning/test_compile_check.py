@@ -374,9 +374,16 @@ def test_worst_case_selection_covers_every_shipped_binary_and_feature_axis(tmp_p
         + [("sm90", hd, f"hopper-{c}+lse+soft_cap+window+sinks") for hd in (min(HEAD_DIMS), max(HEAD_DIMS))
            if hd in served for c in ("shared", "chunk")])
     assert all(r["hopper"]["tma"] and r["hopper"]["setmaxnreg"] and r["hopper"]["wgmma"] for r in hopper)
-    # The PDL launches signal their dependents and wait for their predecessor (failures() requires both).
+    # The PDL launches signal their dependents and wait for their predecessor (failures() requires both), at the
+    # registers of the same binary without PDL (the wait sits at the start of the grid's last program; program 0
+    # waiting at its end kept the program id alive in every program: sm_90's 16 x 32 decode tile 82 -> 97).
     chained = [r for r in records if r["variant"].endswith("+pdl")]
     assert chained and all(r["pdl"]["launch_dependents"] and r["pdl"]["wait"] for r in chained)
+    by_binary = {(r["target"], r["head_dim"], r["variant"], r["config_name"]): r for r in records
+                 if r["kernel"] == "prefix_attention"}
+    for r in chained:
+        twin = by_binary[(r["target"], r["head_dim"], r["variant"].removesuffix("+pdl"), r["config_name"])]
+        assert r["registers"] == twin["registers"] and twin["pdl"] == {"launch_dependents": 0, "wait": 0}, r
     # The MLA kernel's three class binaries on every target, bf16, and on sm90 over an e5m2 latent too.
     assert sorted((r["target"], r["variant"]) for r in records if r["kernel"] == "mla_attention") == sorted(
         (name, f"{cls}+lse{kv}") for name in ("sm80", "sm90", "gfx90a", "gfx942")
