@@ -74,6 +74,16 @@ def check_case(case, scale: int, device: str, seed: int, build: str = "portable"
                 shared_nodes=len(p.shared_nodes), work_items=p.num_items, tokens=n)
 
 
+def _checked(case, scale: int, device: str, seed: int, **options) -> tuple[dict | None, float]:
+    """``(check_case's result, seconds)``; a crash is a failed case with its reason, not the end of the run."""
+    start = time.monotonic()
+    try:
+        r = check_case(case, scale, device, seed, **options)
+    except Exception as exc:  # noqa: BLE001 - any error of a case is its result
+        r = dict(passed=False, error=f"{type(exc).__name__}: {exc}"[:300])
+    return r, time.monotonic() - start
+
+
 def step_correctness(args, results, skips, device: str) -> None:
     from gpu_check import sanitizer
     from gpu_check.cases import GPU_SCALE, correctness_cases
@@ -86,12 +96,7 @@ def step_correctness(args, results, skips, device: str) -> None:
     for i, case in enumerate(cases):
         if clock.expired([c.name for c in cases[i:]]):
             return
-        start = time.monotonic()
-        try:
-            r = check_case(case, scale, device, seed=i)
-        except Exception as exc:  # a crash is a failed case with its reason, not the end of the run
-            r = dict(passed=False, error=f"{type(exc).__name__}: {exc}"[:300])
-        _record(results, "prefixattn", case.name, r, time.monotonic() - start)
+        _record(results, "prefixattn", case.name, *_checked(case, scale, device, seed=i))
     _pdl_cases(results, clock, scale, device)
     _hopper_cases(args, results, clock, scale)
 
@@ -110,17 +115,14 @@ def _pdl_cases(results, clock, scale: int, device: str) -> None:
     grid dependency control changes when a launch starts, not what a program reads)."""
     from gpu_check.cases import correctness_cases
 
+    cases = [(i, case) for i, case in enumerate(correctness_cases()) if case.name.endswith(PDL_CASE_LAYOUT)]
     got = []
-    for i, case in enumerate(correctness_cases()):
-        if not case.name.endswith(PDL_CASE_LAYOUT) or clock.expired([case.name]):
-            continue
-        start = time.monotonic()
-        try:
-            r = check_case(case, scale, device, seed=i, pdl=True)
-        except Exception as exc:  # noqa: BLE001 - a crash is a failed case with its reason
-            r = dict(passed=False, error=f"{type(exc).__name__}: {exc}"[:300])
+    for k, (i, case) in enumerate(cases):  # each with the correctness step's seed
+        if clock.expired([f"{c.name} (PDL)" for _, c in cases[k:]]):
+            break
+        r, seconds = _checked(case, scale, device, seed=i, pdl=True)
         if r is not None:
-            _record(results, "prefixattn-pdl", case.name, r, time.monotonic() - start)
+            _record(results, "prefixattn-pdl", case.name, r, seconds)
             got.append(r["passed"])
     why = ("no plan chains its launches by PDL here (sm_90 and newer, compiled kernels)" if not got else
            f"{got.count(False)} of {len(got)} cases failed" if not all(got) else f"{len(got)} cases passed")
@@ -207,13 +209,9 @@ def hopper_child(scale: int) -> int:
     import json
 
     for name, case, seed, features in hopper_cases():
-        start = time.monotonic()
-        try:
-            r = check_case(case, scale, "cuda", seed=seed, build="hopper", features=features)
-        except Exception as exc:  # noqa: BLE001 - a crash is a failed case with its reason
-            r = dict(passed=False, error=f"{type(exc).__name__}: {exc}"[:300])
+        r, seconds = _checked(case, scale, "cuda", seed=seed, build="hopper", features=features)
         if r is not None:
-            print(HOPPER_LINE + json.dumps({**r, "case": name, "seconds": time.monotonic() - start}), flush=True)
+            print(HOPPER_LINE + json.dumps({**r, "case": name, "seconds": seconds}), flush=True)
     return 0
 
 
