@@ -247,7 +247,7 @@ def _time_graph(s: _Setup, results) -> None:
     for metric, value in (("replay_us", replay), ("eager_run_us", eager), ("plan_host_us", plan_us)):
         results.add("gpu_check_graphs", "prefixattn-graph", name, metric, value, "us")
     # This host's speed beside its plan time: the first GPU host's plan() of these 24 requests took 115-220 us, the
-    # 2-core CPU host's of 256 requests 42-48 us.
+    # 2-core CPU host's of 256 requests 56-80 us.
     host_reference.record(results, "gpu_check_graphs")
     results.add("gpu_check_graphs", "prefixattn-graph", name, "compiled_planner", float(compiled), "bool")
     for api, plan in (("wrapper", lambda: s.plan(b)), ("free", lambda: s.free_plan(b))):
