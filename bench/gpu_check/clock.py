@@ -1,4 +1,5 @@
-"""The GPU check's steps, their time budgets and the step clock (driver: :mod:`gpu_check.driver`).
+"""The GPU check's steps, their time budgets and the step clock (driver: :mod:`gpu_check.driver`), and how a step
+reports a failure (:func:`failure`) and survives a crashing case (:func:`guarded`).
 
 Every step module takes its :class:`Clock` from here; this module imports none of them (nor torch), so any of them
 may import it.
@@ -75,3 +76,24 @@ class Clock:
     def skip(self, reason: str) -> None:
         print(f"[{self.step}] SKIPPED: {reason}", flush=True)
         self.skips.append((self.step, reason))
+
+
+#: Characters of an exception's text a row, a printed line or a skip keeps: its type and first lines, not a
+#: compiler's whole log.
+FAILURE_CHARS = 300
+
+
+def failure(exc: BaseException) -> str:
+    """``"<type>: <message>"`` of ``exc``, cut to :data:`FAILURE_CHARS`: how every step says what failed."""
+    return f"{type(exc).__name__}: {exc}"[:FAILURE_CHARS]
+
+
+def guarded(case, *args, **kwargs) -> tuple[dict | None, float]:
+    """``(case(*args, **kwargs), seconds)``, an exception as a failed result ``{"passed": False, "error": ...}``: a
+    case that crashes is a failed case with its reason, not the end of the run."""
+    start = time.monotonic()
+    try:
+        result = case(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - any error of a case is its result
+        result = dict(passed=False, error=failure(exc))
+    return result, time.monotonic() - start

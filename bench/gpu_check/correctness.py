@@ -6,9 +6,7 @@ fp64 reference, with NaN-poisoned outputs and padding rows, :data:`REPEATS` runs
 
 from __future__ import annotations
 
-import time
-
-from gpu_check.clock import Clock
+from gpu_check.clock import Clock, guarded
 
 REPEATS = 3  # runs of each correctness case whose outputs must be bit-identical
 
@@ -74,16 +72,6 @@ def check_case(case, scale: int, device: str, seed: int, build: str = "portable"
                 shared_nodes=len(p.shared_nodes), work_items=p.num_items, tokens=n)
 
 
-def _checked(case, scale: int, device: str, seed: int, **options) -> tuple[dict | None, float]:
-    """``(check_case's result, seconds)``; a crash is a failed case with its reason, not the end of the run."""
-    start = time.monotonic()
-    try:
-        r = check_case(case, scale, device, seed, **options)
-    except Exception as exc:  # noqa: BLE001 - any error of a case is its result
-        r = dict(passed=False, error=f"{type(exc).__name__}: {exc}"[:300])
-    return r, time.monotonic() - start
-
-
 def step_correctness(args, results, skips, device: str) -> None:
     from gpu_check import sanitizer
     from gpu_check.cases import GPU_SCALE, correctness_cases
@@ -96,7 +84,7 @@ def step_correctness(args, results, skips, device: str) -> None:
     for i, case in enumerate(cases):
         if clock.expired([c.name for c in cases[i:]]):
             return
-        _record(results, "prefixattn", case.name, *_checked(case, scale, device, seed=i))
+        _record(results, "prefixattn", case.name, *guarded(check_case, case, scale, device, seed=i))
     _pdl_cases(results, clock, scale, device)
     _hopper_cases(args, results, clock, scale)
 
@@ -120,7 +108,7 @@ def _pdl_cases(results, clock, scale: int, device: str) -> None:
     for k, (i, case) in enumerate(cases):  # each with the correctness step's seed
         if clock.expired([f"{c.name} (PDL)" for _, c in cases[k:]]):
             break
-        r, seconds = _checked(case, scale, device, seed=i, pdl=True)
+        r, seconds = guarded(check_case, case, scale, device, seed=i, pdl=True)
         if r is not None:
             _record(results, "prefixattn-pdl", case.name, r, seconds)
             got.append(r["passed"])
@@ -209,7 +197,7 @@ def hopper_child(scale: int) -> int:
     import json
 
     for name, case, seed, features in hopper_cases():
-        r, seconds = _checked(case, scale, "cuda", seed=seed, build="hopper", features=features)
+        r, seconds = guarded(check_case, case, scale, "cuda", seed=seed, build="hopper", features=features)
         if r is not None:
             print(HOPPER_LINE + json.dumps({**r, "case": name, "seconds": seconds}), flush=True)
     return 0

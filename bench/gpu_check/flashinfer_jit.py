@@ -29,6 +29,8 @@ import sys
 import tempfile
 import time
 
+from gpu_check.clock import failure
+
 #: Past this many seconds from the start of the run the timing step stops waiting and uses the peers reported ready.
 JIT_LIMIT_S = 300
 #: The dtype and head size every FlashInfer peer is compiled for (timing shapes and model step).
@@ -117,7 +119,7 @@ def _load_aot_or_drop() -> str:
         from flashinfer.jit import env as jit_env
 
         shutil.rmtree(jit_env.FLASHINFER_AOT_DIR, ignore_errors=True)
-        return f"AOT modules removed, they did not load: {type(exc).__name__}: {exc}"[:300]
+        return f"AOT modules removed, they did not load: {failure(exc)}"
 
 
 def _build(todo: list, start: float, label: str) -> None:
@@ -132,7 +134,7 @@ def _build(todo: list, start: float, label: str) -> None:
         build_jit_specs(todo)
         print(json.dumps({label: time.monotonic() - start}), flush=True)
     except Exception as exc:  # the per-peer runs still build what they need
-        print(json.dumps({f"{label}_failed": f"{type(exc).__name__}: {exc}"[:300]}), flush=True)
+        print(json.dumps({f"{label}_failed": failure(exc)}), flush=True)
 
 
 def warmup() -> int:
@@ -166,7 +168,7 @@ def warmup() -> int:
             except Unavailable:
                 continue  # this batch kind is not the peer's
             except Exception as exc:
-                status = f"{type(exc).__name__}: {exc}"[:300]
+                status = failure(exc)
                 break
         print(json.dumps({"peer": name, "ready": status if status is not None else "no batch kind it takes",
                           "seconds": time.monotonic() - t0, "since_start_s": time.monotonic() - start}), flush=True)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from gpu_check.clock import Clock
+from gpu_check.clock import Clock, failure
 
 #: Bytes the read kernel streams (17x an H200's 60 MB L2, 20x an H100's: the first and last waves' L2 hits are noise).
 READ_BYTES, DRY_READ_BYTES = 1 << 30, 1 << 16
@@ -204,7 +204,7 @@ def attention_rates(timer, device: str, flashinfer_ready: set, batch=None, backe
             try:
                 peer = plan_peer(name, PagedMeta(qo, lens, table, k.shape[1], hq, hkv, d, q.dtype), graph=False)
             except Exception as exc:  # noqa: BLE001 - e.g. fa3 off sm90: the other providers' rates stand
-                why[name] = f"not planned: {type(exc).__name__}: {exc}"
+                why[name] = f"not planned: {failure(exc)}"
                 continue
             runs[name] = lambda peer=peer: peer.launch(q, k, v)
     if hopper:
@@ -228,7 +228,7 @@ def attention_rates(timer, device: str, flashinfer_ready: set, batch=None, backe
                 continue
             us = timer.repeat(fn, timer.runs_for(fn), flush=False)["median"]
         except Exception as exc:  # noqa: BLE001 - one provider failing leaves the other's rate
-            why[provider] = f"failed: {type(exc).__name__}: {exc}"
+            why[provider] = f"failed: {failure(exc)}"
             continue
         rates[provider] = (flops / (us * 1e-6), us)
     for provider, reason in why.items():

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import host_reference
+from gpu_check.clock import Clock, failure
 
 #: Graph-step batches: (name, requests, sharing levels, decode fraction) planned in this order on one wrapper; the
 #: first is the one captured. Decode-shaped like an engine's graph steps, plus one mixed batch (the graph's decode
@@ -131,13 +132,11 @@ def _allocations() -> int:
 def step_graphs(args, results, skips, device: str) -> None:
     """Capture once, re-plan and replay every batch (dry run: an eager run each), check, time; rows
     ``gpu_check_graphs``. A failure is a failed row with its reason; what it leaves undone is skipped with it."""
-    from gpu_check.clock import Clock
-
     clock = Clock("graphs", skips)
     try:
         s = _Setup(args.dry_run, device)
     except Exception as exc:
-        print(f"[graphs] FAIL setup: {type(exc).__name__}: {exc}"[:400], flush=True)
+        print(f"[graphs] FAIL setup: {failure(exc)}", flush=True)
         results.add("gpu_check_graphs", "prefixattn-graph", "setup", "passed", 0.0, "bool")
         return
     for i, (name, b) in enumerate(s.batches):
@@ -147,7 +146,7 @@ def step_graphs(args, results, skips, device: str) -> None:
         try:
             r = _step(s, b)
         except Exception as exc:  # a failed capture or replay: the later replays and timings cannot run
-            print(f"[graphs] FAIL {name:22s} {type(exc).__name__}: {exc}"[:400], flush=True)
+            print(f"[graphs] FAIL {name:22s} {failure(exc)}", flush=True)
             results.add("gpu_check_graphs", "prefixattn-graph", name, "passed", 0.0, "bool")
             clock.skip(f"after the failure of {name}: not run: {[n for n, _ in s.batches[i + 1:]] or '-'} and the "
                        f"timings")
@@ -165,7 +164,7 @@ def step_graphs(args, results, skips, device: str) -> None:
     try:
         _time_graph(s, results)
     except Exception as exc:  # timings are reports: say why they are missing, keep the run going
-        clock.skip(f"timing failed: {type(exc).__name__}: {exc}"[:300])
+        clock.skip(f"timing failed: {failure(exc)}")
 
 
 def _step(s: _Setup, b) -> dict:

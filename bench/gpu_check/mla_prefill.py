@@ -12,6 +12,7 @@ modeled prices (FA3's and Triton's causal-prefill rates) pick the faster path on
 
 from __future__ import annotations
 
+from gpu_check.clock import failure
 from gpu_check.mla import NOPE, PAGE, RANK, ROPE, SM_SCALE, VALUE
 
 BENCH = "mla_prefill"
@@ -119,7 +120,7 @@ def run_shapes(args, results, clock, timer, device: str, fi_ready: dict) -> None
                 run, out, chosen = (_ours if provider == "prefixattn-context" else _vllm_like)(b, device)
                 run()
             except Exception as exc:  # noqa: BLE001 - a provider that cannot run here is reported, the step goes on
-                results.add(BENCH, provider, name, "not_run", 1.0, f"reason: {type(exc).__name__}: {exc}"[:200])
+                results.add(BENCH, provider, name, "not_run", 1.0, f"reason: {failure(exc)}")
                 print(f"[mla_prefill] {name} {provider}: not run: {exc}", flush=True)
                 continue
             ok, err = _correct(out[..., :VALUE], rows, want)

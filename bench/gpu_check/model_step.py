@@ -31,6 +31,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from gpu_check.clock import Clock, failure
+
 BENCHMARK = "model_step"
 
 
@@ -246,7 +248,6 @@ def step_model(args, results, skips, device: str, fi_ready: dict, ceil: dict) ->
     import torch
 
     from gpu_check import model_layout
-    from gpu_check.clock import Clock
     from gpu_check.measure import Timer
 
     clock = Clock("model_step", skips)
@@ -387,7 +388,7 @@ def _time_step(workload, lay, model, timer, device, results, fi_ready, clock, dr
                             group_item_span(attend.plan.work.items, attend.plan.work.class_ends, lay.groups),
                             "positions per item")
         except Exception as exc:  # one provider failing does not end the step
-            print(f"[model_step]   {provider:24s} FAILED: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+            print(f"[model_step]   {provider:24s} FAILED: {failure(exc)}", flush=True)
             # Ours failing is a failure of the check; a peer failing is a column without numbers.
             results.add(BENCHMARK, provider, label, "correct" if provider.startswith("prefixattn") else "ran", 0.0,
                         "bool")
@@ -442,7 +443,7 @@ def _attention_time(cand, meta, model, io, timer, graph, results, label):
         print(f"[model_step]   {cand:22s} skipped: {exc}", flush=True)
         return None
     except Exception as exc:  # noqa: BLE001 - a candidate failing is not the end of the step
-        print(f"[model_step]   {cand:22s} FAILED: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+        print(f"[model_step]   {cand:22s} FAILED: {failure(exc)}", flush=True)
         return None
     results.add(BENCHMARK, cand, label, "attention_us_median", t[1], "us")
     print(f"[model_step]   candidate {cand:28s} attention {t[1] / 1e3:8.2f} ms", flush=True)

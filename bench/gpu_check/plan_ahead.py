@@ -103,16 +103,14 @@ def run(api: str, dry_run: bool, device: str) -> dict:
 
 
 def step_plan_ahead(args, results, skips, device: str) -> None:
-    from gpu_check.clock import Clock
+    from gpu_check.clock import Clock, guarded
 
     clock = Clock("plan_ahead", skips)
     for api in APIS:
         if clock.expired([api]):
             return
-        try:
-            r = run(api, args.dry_run, device)
-        except Exception as exc:  # a failure is a failed row with its reason
-            r = dict(passed=False, queued=False, error=f"{type(exc).__name__}: {exc}"[:300])
+        r = guarded(run, api, args.dry_run, device)[0]
+        r.setdefault("queued", False)  # a failed run's row says it showed no queue
         waited = next((phase for phase, busy in r.get("busy_after", {}).items() if not busy), None)
         detail = r.get("error") or (
             f"err N {r['err_n']:.2e}, N+1 {r['err_n1']:.2e}; N+1 planned and launched in {r['host_us']:.0f} us "

@@ -16,6 +16,8 @@ import re
 import subprocess
 import time
 
+from gpu_check.clock import Clock, guarded
+
 CASES = ("decode", "mixed", "split_k", "multi_level", "window", "sinks", "fp8", "graph_replay", "mla")
 #: Tool -> share of the step's budget (racecheck instruments shared memory: the slowest).
 TOOLS = {"racecheck": 0.4, "memcheck": 0.3, "synccheck": 0.3}
@@ -137,14 +139,10 @@ def run_all(device: str, gpu: bool, results=None, prefix: str = "sanitize case")
     """Every case once, printed (and recorded as ``gpu_check_sanitizer_cases`` rows when ``results`` is given)."""
     ok = True
     for name in CASES:
-        start = time.monotonic()
-        try:
-            r = run_case(name, device, gpu)
-        except Exception as exc:  # a crash is a failed case with its reason
-            r = dict(passed=False, error=f"{type(exc).__name__}: {exc}"[:300])
+        r, seconds = guarded(run_case, name, device, gpu)
         ok &= r["passed"]
         detail = r.get("error") or f"err={r['max_abs_err']:.2e}"
-        print(f"{prefix} {name}: passed={r['passed']} {detail} ({time.monotonic() - start:.1f} s)", flush=True)
+        print(f"{prefix} {name}: passed={r['passed']} {detail} ({seconds:.1f} s)", flush=True)
         if results is not None:
             results.add("gpu_check_sanitizer_cases", "prefixattn", name, "passed", float(r["passed"]), "bool")
     return ok
@@ -153,8 +151,6 @@ def run_all(device: str, gpu: bool, results=None, prefix: str = "sanitize case")
 def step_sanitizer(args, results, skips, driver, which) -> None:
     """One compute-sanitizer child per tool over all cases (``driver``: the command that runs the driver, given
     ``--sanitize-cases``; ``which``: finds the tool); rows ``gpu_check_sanitizer``."""
-    from gpu_check.clock import Clock
-
     clock = Clock("sanitizer", skips)
     if args.dry_run:
         return clock.skip("dry run: compute-sanitizer instruments CUDA kernels (no GPU here); the cases ran in the "

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import time
 
+from gpu_check.clock import Clock, failure
+
 TIMING = "attention_gpu_time"
 #: The policy every ratio and floor comparison uses (measure.py's docstring says why).
 HEADLINE = "graph_flushed"
@@ -136,7 +138,7 @@ def time_provider(provider, batch, want, label, floors, timer, results, fi_ready
         results.add(TIMING, provider, label, NOT_RUN, 1.0, f"{NOT_RUN_UNIT}{exc}"[:NOT_RUN_CHARS])
         return None
     except Exception as exc:  # one provider failing (OOM, a peer's error) does not end the step
-        why = f"{type(exc).__name__}: {str(exc)[:200]}"
+        why = failure(exc)
         print(f"[timing]   {provider:28s} FAILED to run: {why}", flush=True)
         # Ours failing is a failure of the check; a peer failing on a shape is a column without numbers.
         results.add(TIMING, provider, label, "correct" if provider in OURS else "ran", 0.0, "bool")
@@ -163,7 +165,7 @@ def time_provider(provider, batch, want, label, floors, timer, results, fi_ready
 
             graph, static = capture(prepared.run)
         except Exception as exc:  # a peer that syncs or allocates outside the pool cannot be captured: say so
-            graph, why = None, f"capture failed: {type(exc).__name__}: {exc}"[:200]
+            graph, why = None, f"capture failed: {failure(exc)}"
             torch.cuda.synchronize()
         if graph is not None:
             graph.replay()
@@ -208,7 +210,7 @@ def time_parts(prepared, timer, results, provider: str, label: str) -> dict:
                 run = capture(fn)[0].replay
             out[name] = timer.repeat(run, timer.runs_for(run, before=reset), flush=True, before=reset)
         except Exception as exc:  # noqa: BLE001 - a class that cannot be timed alone leaves the others' times
-            print(f"[timing]     class {name} alone: FAILED: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+            print(f"[timing]     class {name} alone: FAILED: {failure(exc)}", flush=True)
             continue
         for stat in ("min", "median"):
             results.add(TIMING, provider, label, f"class_{name}_us_{stat}", out[name][stat], "us")
@@ -272,7 +274,6 @@ def step_timing(args, results, skips, device, ceil, fi_ready) -> None:
 
     from batches.shapes import build_batch
     from gpu_check import cases
-    from gpu_check.clock import Clock
     from gpu_check.floors import shape_floors
     from gpu_check.measure import Timer, record_state
     from prefixattn import reference_attention

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import time
 
+from gpu_check.clock import Clock, failure
+
 BENCHMARK = "whole_batch"
 #: Workload -> requests on a GPU (prefixattn.sim.workloads): four documents with their questions, 256 case-1
 #: requests, 128 requests under the one prompt.
@@ -104,8 +106,6 @@ def step_whole_batch(args, results, skips, device: str, fi_ready: dict) -> None:
     import torch
 
     from gpu_check import arrival_order, model_layout, model_step
-    from gpu_check.clock import Clock
-
     clock = Clock("whole_batch", skips)
     dry = args.dry_run
     shape = model_step.DRY_MODEL if dry else model_step.LLAMA_31_8B
@@ -142,7 +142,7 @@ def step_whole_batch(args, results, skips, device: str, fi_ready: dict) -> None:
             try:
                 r = run_batch(layouts, provider, model, device, choices)
             except Exception as exc:  # noqa: BLE001 - one policy failing leaves the others
-                print(f"[whole_batch]   {policy:34s} FAILED: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+                print(f"[whole_batch]   {policy:34s} FAILED: {failure(exc)}", flush=True)
                 results.add(BENCHMARK, policy, name, "correct" if provider == "prefixattn" else "ran", 0.0, "bool")
                 continue
             walls[policy] = r["wall_s"]
