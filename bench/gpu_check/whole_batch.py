@@ -106,6 +106,7 @@ def step_whole_batch(args, results, skips, device: str, fi_ready: dict) -> None:
     import torch
 
     from gpu_check import arrival_order, model_layout, model_step
+
     clock = Clock("whole_batch", skips)
     dry = args.dry_run
     shape = model_step.DRY_MODEL if dry else model_step.LLAMA_31_8B
