@@ -11,6 +11,7 @@ source scripts/venv.sh
 # Every suite runs even when an earlier one fails (one CI run shows all failures); the exit code is non-zero if any
 # suite failed.
 failed=()
+SUITE_TAIL_LINES=30  # per part of a failed engine suite's reprint: ~6 KB of the CI log's tail
 setup_venv .venv test
 
 # Two lanes side by side, one per core (on 2 cores: ~15 and ~20 minutes, 22 in all): the main suite then the
@@ -33,9 +34,18 @@ run_versions_lane "$@" >"$lane_log" 2>&1 &
 lane_pid=$!
 trap 'kill "$lane_pid" 2>/dev/null || true' INT TERM
 
+# A CI log shows only its tail: a failed engine suite's own tail is printed again at the end (below).
+failed_logs=()
 if [ -z "${PREFIXATTN_SKIP_ENGINES:-}" ]; then
   for suite in vllm sglang ray; do
-    if [ -f "scripts/test_$suite.sh" ]; then bash "scripts/test_$suite.sh" || failed+=("$suite"); fi
+    [ -f "scripts/test_$suite.sh" ] || continue
+    suite_log=$(mktemp)
+    if bash "scripts/test_$suite.sh" 2>&1 | tee "$suite_log"; then
+      rm -f "$suite_log"
+    else
+      failed+=("$suite")
+      failed_logs+=("$suite=$suite_log")
+    fi
   done
 fi
 
@@ -46,6 +56,15 @@ read -r -a lane_failed <"$lane_status" || true
 [ -s "$lane_status" ] || lane_failed=(versions-lane)  # the lane ended before writing its status
 failed+=("${lane_failed[@]}")
 rm -f "$lane_log" "$lane_status"
+
+for entry in "${failed_logs[@]}"; do
+  # pip's "WARNING: Location ... is ignored" lines (one per package on some indexes) would fill the tail
+  echo "=== the failed ${entry%%=*} suite (printed whole above): pytest's error lines, then its last lines ==="
+  grep -vF "WARNING: Location" "${entry#*=}" | grep -E "^E   |^(FAILED|ERROR) " | head -n "$SUITE_TAIL_LINES" || true
+  echo "..."
+  grep -vF "WARNING: Location" "${entry#*=}" | tail -n "$SUITE_TAIL_LINES" || true
+  rm -f "${entry#*=}"
+done
 
 if [ ${#failed[@]} -gt 0 ]; then
   echo "prefixattn tests: FAILED suites: ${failed[*]}" >&2
