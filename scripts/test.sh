@@ -12,7 +12,21 @@ source scripts/venv.sh
 # suite failed.
 failed=()
 SUITE_TAIL_LINES=30  # per part of a failed engine suite's reprint: ~6 KB of the CI log's tail
+# Each suite's minutes (install included), printed in one line at the end: what balancing the lanes needs.
+suite_times=$(mktemp)
+record_time() {  # $1 = name, $2 = its start ($SECONDS)
+  echo "$1 $(((SECONDS - $2) / 60))m$(((SECONDS - $2) % 60))s" >>"$suite_times"
+}
+timed() {  # $1 = name; the rest: one command (not a function: errexit does not hold inside `||`). Its status.
+  local name=$1 start=$SECONDS status=0
+  shift
+  "$@" || status=$?
+  record_time "$name" "$start"
+  return $status
+}
+setup_start=$SECONDS
 setup_venv .venv test
+record_time setup "$setup_start"
 
 # Two lanes side by side, one per core (on 2 cores: ~15 and ~20 minutes, 22 in all): the main suite then the
 # version suites in the background, the engine suites here. The background lane's output is printed
@@ -20,12 +34,13 @@ setup_venv .venv test
 run_versions_lane() {
   local lane_failed=()
   # The GPU check's dry run (~1.5 minutes) runs once, in the Triton 3.6 suite: the GPU image's Triton.
-  .venv/bin/python -m pytest tests/ -m "not slow and not vllm and not sglang and not ray" \
+  timed main .venv/bin/python -m pytest tests/ -m "not slow and not vllm and not sglang and not ray" \
     --deselect tests/test_gpu_check_dry_run.py::test_gpu_check_dry_run_runs_every_step "$@" || lane_failed+=(main)
-  bash scripts/test_triton36.sh || lane_failed+=(triton36)  # the oldest supported Triton: kernel tests, compile-check
+  # the oldest supported Triton: kernel tests, compile-check
+  timed triton36 bash scripts/test_triton36.sh || lane_failed+=(triton36)
   # The Triton vLLM 0.33 runs on (its torch 2.14 pins 3.8), here beside torch 2.13: the same kernel tests and
   # compile-check (~3 minutes).
-  TRITON_PIN=triton==3.8.0 bash scripts/test_triton36.sh || lane_failed+=(triton38)
+  TRITON_PIN=triton==3.8.0 timed triton38 bash scripts/test_triton36.sh || lane_failed+=(triton38)
   echo "${lane_failed[*]}" >"$lane_status"
 }
 lane_log=$(mktemp)
@@ -40,7 +55,7 @@ if [ -z "${PREFIXATTN_SKIP_ENGINES:-}" ]; then
   for suite in vllm sglang ray; do
     [ -f "scripts/test_$suite.sh" ] || continue
     suite_log=$(mktemp)
-    if bash "scripts/test_$suite.sh" 2>&1 | tee "$suite_log"; then
+    if timed "$suite" bash "scripts/test_$suite.sh" 2>&1 | tee "$suite_log"; then
       rm -f "$suite_log"
     else
       failed+=("$suite")
@@ -65,6 +80,9 @@ for entry in "${failed_logs[@]}"; do
   grep -vF "WARNING: Location" "${entry#*=}" | tail -n "$SUITE_TAIL_LINES" || true
   rm -f "${entry#*=}"
 done
+
+echo "suite times (install included; vllm, sglang, ray in series beside main, triton36, triton38): $(paste -sd' ' "$suite_times")"
+rm -f "$suite_times"
 
 if [ ${#failed[@]} -gt 0 ]; then
   echo "prefixattn tests: FAILED suites: ${failed[*]}" >&2
