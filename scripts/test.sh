@@ -81,7 +81,8 @@ for entry in "${failed_logs[@]}"; do
   rm -f "${entry#*=}"
 done
 
-echo "suite times (install included; vllm, sglang, ray in series beside main, triton36, triton38): $(paste -sd' ' "$suite_times")"
+echo "suite times (install included; vllm, sglang, ray in series beside main, triton36, triton38):" \
+     "$(paste -sd' ' "$suite_times")"
 rm -f "$suite_times"
 
 if [ ${#failed[@]} -gt 0 ]; then
