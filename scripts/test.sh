@@ -28,7 +28,7 @@ setup_start=$SECONDS
 setup_venv .venv test
 record_time setup "$setup_start"
 
-# Two lanes side by side, one per core (on 2 cores: ~15 and ~20 minutes, 22 in all): the main suite then the
+# Two lanes side by side, one per core (on 2 cores: ~18 and ~20 minutes, 21 in all): the main suite then the
 # version suites in the background, the engine suites here. The background lane's output is printed
 # whole when it ends; the lanes' editable installs take turns (install_editable in scripts/venv.sh).
 run_versions_lane() {
