@@ -50,16 +50,11 @@ lane_pid=$!
 trap 'kill "$lane_pid" 2>/dev/null || true' INT TERM
 
 # A CI log shows only its tail: a failed engine suite's own tail is printed again at the end (below).
-failed_logs=()
+suite_logs=$(mktemp -d)
 if [ -z "${PREFIXATTN_SKIP_ENGINES:-}" ]; then
   for suite in vllm sglang ray; do
-    [ -f "scripts/test_$suite.sh" ] || continue
-    suite_log=$(mktemp)
-    if timed "$suite" bash "scripts/test_$suite.sh" 2>&1 | tee "$suite_log"; then
-      rm -f "$suite_log"
-    else
-      failed+=("$suite")
-      failed_logs+=("$suite=$suite_log")
+    if [ -f "scripts/test_$suite.sh" ]; then
+      timed "$suite" bash "scripts/test_$suite.sh" 2>&1 | tee "$suite_logs/$suite.log" || failed+=("$suite")
     fi
   done
 fi
@@ -72,14 +67,16 @@ read -r -a lane_failed <"$lane_status" || true
 failed+=("${lane_failed[@]}")
 rm -f "$lane_log" "$lane_status"
 
-for entry in "${failed_logs[@]}"; do
+for suite in "${failed[@]}"; do
+  log="$suite_logs/$suite.log"
+  [ -f "$log" ] || continue  # a suite of the versions lane: its output was printed last, whole
   # pip's "WARNING: Location ... is ignored" lines (one per package on some indexes) would fill the tail
-  echo "=== the failed ${entry%%=*} suite (printed whole above): pytest's error lines, then its last lines ==="
-  grep -vF "WARNING: Location" "${entry#*=}" | grep -E "^E   |^(FAILED|ERROR) " | head -n "$SUITE_TAIL_LINES" || true
+  echo "=== the failed $suite suite (printed whole above): pytest's error lines, then its last lines ==="
+  grep -vF "WARNING: Location" "$log" | grep -E "^E   |^(FAILED|ERROR) " | head -n "$SUITE_TAIL_LINES" || true
   echo "..."
-  grep -vF "WARNING: Location" "${entry#*=}" | tail -n "$SUITE_TAIL_LINES" || true
-  rm -f "${entry#*=}"
+  grep -vF "WARNING: Location" "$log" | tail -n "$SUITE_TAIL_LINES" || true
 done
+rm -rf "$suite_logs"
 
 echo "suite times (install included; vllm, sglang, ray in series beside main, triton36, triton38):" \
      "$(paste -sd' ' "$suite_times")"
